@@ -1,0 +1,1 @@
+"""Llama-family decoder, KV cache, checkpoint loaders and tokenizer."""

@@ -1,0 +1,119 @@
+"""Pure functions of one Llama-family decoder block: RMSNorm, RoPE, GQA attention, SwiGLU.
+
+Shapes use single letters: B batch, T query length, S key length (or cache
+length), E width, H query heads, K key/value heads, G = H // K, D head width,
+M SwiGLU width. Matmuls run in the compute dtype; RMSNorm statistics and the
+attention softmax run in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from streamrl_jax.model.config import ModelConfig
+
+_MASK_VALUE = -1e30  # finite, so a fully masked (padding) query row gives no NaN
+
+
+def rms_norm(x_BxTxE: jax.Array, scale_E: jax.Array, eps: float) -> jax.Array:
+    """y = x / sqrt(mean(x^2) + eps) * scale, statistics in float32."""
+    x32 = x_BxTxE.astype(jnp.float32)
+    var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    y = x32 * jax.lax.rsqrt(var + eps)
+    return (y * scale_E.astype(jnp.float32)).astype(x_BxTxE.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+    """Inverse frequencies theta^(-2i/D), with Llama-3 scaling when configured."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq
+    # Llama-3.1: long wavelengths are divided by `factor`, short ones kept, and the
+    # band between them is interpolated smoothly (transformers' _compute_llama3_parameters).
+    old_ctx = rs.original_max_position_embeddings
+    low_wavelen = old_ctx / rs.low_freq_factor
+    high_wavelen = old_ctx / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (old_ctx / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rope_tables(positions_BxT: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables f32[B, T, D] for the half-split (HF "rotate_half") convention."""
+    angles = positions_BxT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x_BxTxNxD: jax.Array, cos_BxTxD: jax.Array, sin_BxTxD: jax.Array) -> jax.Array:
+    """x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2, x1]."""
+    x32 = x_BxTxNxD.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    out = x32 * cos_BxTxD[:, :, None, :] + rotated * sin_BxTxD[:, :, None, :]
+    return out.astype(x_BxTxNxD.dtype)
+
+
+def attention(
+    q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array, mask_BxTxS: jax.Array
+) -> jax.Array:
+    """Grouped-query softmax attention; `mask` True where a query may see a key."""
+    b, t, h, d = q_BxTxHxD.shape
+    k_heads = k_BxSxKxD.shape[2]
+    q_BxTxKxGxD = q_BxTxHxD.reshape(b, t, k_heads, h // k_heads, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD).astype(jnp.float32)
+    scores = scores / math.sqrt(d)
+    scores = jnp.where(mask_BxTxS[:, None, None, :, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxD.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxD)
+    return out.reshape(b, t, h, d)
+
+
+def qkv(
+    x_BxTxE: jax.Array, p: dict[str, jax.Array], cfg: ModelConfig, cos: jax.Array, sin: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Pre-norm q/k/v projections with RoPE applied to q and k."""
+    h = rms_norm(x_BxTxE, p["attn_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("bte,ehd->bthd", h, p["q"].astype(h.dtype))
+    k = jnp.einsum("bte,ekd->btkd", h, p["k"].astype(h.dtype))
+    v = jnp.einsum("bte,ekd->btkd", h, p["v"].astype(h.dtype))
+    if cfg.qkv_bias:
+        q = q + p["q_bias"].astype(q.dtype)
+        k = k + p["k_bias"].astype(k.dtype)
+        v = v + p["v_bias"].astype(v.dtype)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attn_out_and_mlp(
+    x_BxTxE: jax.Array, attn_BxTxHxD: jax.Array, p: dict[str, jax.Array], cfg: ModelConfig
+) -> jax.Array:
+    """Residual output projection, then the pre-norm SwiGLU MLP residual."""
+    dt = x_BxTxE.dtype
+    x = x_BxTxE + jnp.einsum("bthd,hde->bte", attn_BxTxHxD, p["o"].astype(dt))
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    gate = jnp.einsum("bte,em->btm", h, p["gate"].astype(dt))
+    up = jnp.einsum("bte,em->btm", h, p["up"].astype(dt))
+    return x + jnp.einsum("btm,me->bte", jax.nn.silu(gate) * up, p["down"].astype(dt))
+
+
+def block(
+    x_BxTxE: jax.Array,
+    p: dict[str, Any],
+    cfg: ModelConfig,
+    cos: jax.Array,
+    sin: jax.Array,
+    mask_BxTxT: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One decoder block over a full sequence; also returns this block's k and v."""
+    q, k, v = qkv(x_BxTxE, p, cfg, cos, sin)
+    attn = attention(q, k, v, mask_BxTxT)
+    return attn_out_and_mlp(x_BxTxE, attn, p, cfg), k, v

@@ -1,0 +1,260 @@
+"""Llama-family decoder in Flax NNX: one set of layers, two entry points.
+
+* Training: `token_logprobs(tokens, targets, mask)` runs the full sequence and
+  returns per-token log-probs of the targets and the entropy, computed over
+  sequence chunks under `jax.checkpoint` so the full-vocabulary logits are never
+  held twice (nor kept for the backward pass).
+* Generation: `prefill` writes prompts into KV-cache slots and returns the
+  next-token logits; `decode` advances every slot by one token.
+
+The decoder blocks' parameters are stacked along a leading `layers` axis and
+applied with one `jax.lax.scan`, so compile time does not grow with depth.
+Every parameter carries logical axis names in its `axes` metadata; the role
+rule tables in `streamrl_jax.sharding` map them to mesh axes.
+
+Call these methods inside `jax.jit` on a model rebuilt with `nnx.merge` from
+a (graphdef, params) split; params are jit arguments, never closed over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from streamrl_jax.model import layers
+from streamrl_jax.model.config import ModelConfig
+from streamrl_jax.model.kv_cache import KVCache
+
+# name -> (shape given (L, E, H, K, D, M), logical axes, initialiser kind)
+_BLOCK_PARAMS: dict[str, tuple[Callable[..., tuple[int, ...]], tuple[str, ...], str]] = {
+    "attn_norm": (lambda L, E, H, K, D, M: (L, E), ("layers", "norm"), "ones"),
+    "q": (lambda L, E, H, K, D, M: (L, E, H, D), ("layers", "embed", "heads", "head_dim"), "n"),
+    "k": (lambda L, E, H, K, D, M: (L, E, K, D), ("layers", "embed", "kv_heads", "head_dim"), "n"),
+    "v": (lambda L, E, H, K, D, M: (L, E, K, D), ("layers", "embed", "kv_heads", "head_dim"), "n"),
+    "o": (lambda L, E, H, K, D, M: (L, H, D, E), ("layers", "heads", "head_dim", "embed"), "n"),
+    "mlp_norm": (lambda L, E, H, K, D, M: (L, E), ("layers", "norm"), "ones"),
+    "gate": (lambda L, E, H, K, D, M: (L, E, M), ("layers", "embed", "mlp"), "n"),
+    "up": (lambda L, E, H, K, D, M: (L, E, M), ("layers", "embed", "mlp"), "n"),
+    "down": (lambda L, E, H, K, D, M: (L, M, E), ("layers", "mlp", "embed"), "n"),
+}
+_BIAS_PARAMS = {
+    "q_bias": (lambda L, E, H, K, D, M: (L, H, D), ("layers", "heads", "head_dim"), "zeros"),
+    "k_bias": (lambda L, E, H, K, D, M: (L, K, D), ("layers", "kv_heads", "head_dim"), "zeros"),
+    "v_bias": (lambda L, E, H, K, D, M: (L, K, D), ("layers", "kv_heads", "head_dim"), "zeros"),
+}
+
+
+def block_param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """Shapes and logical axes of the stacked block parameters (used by loaders)."""
+    dims = (
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+    )
+    table = dict(_BLOCK_PARAMS, **(_BIAS_PARAMS if cfg.qkv_bias else {}))
+    return {name: (shape_fn(*dims), axes) for name, (shape_fn, axes, _) in table.items()}
+
+
+def _init(kind: str, rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jax.Array:
+    if kind == "ones":
+        return jnp.ones(shape, dtype)
+    if kind == "zeros":
+        return jnp.zeros(shape, dtype)
+    return nnx.initializers.normal(0.02)(rngs.params(), shape, dtype)
+
+
+class DecoderStack(nnx.Module):
+    """The L decoder blocks, each parameter stacked along a leading `layers` axis."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        table = dict(_BLOCK_PARAMS, **(_BIAS_PARAMS if cfg.qkv_bias else {}))
+        for name, (shape, axes) in block_param_specs(cfg).items():
+            value = _init(table[name][2], rngs, shape, cfg.jnp_param_dtype)
+            setattr(self, name, nnx.Param(value, axes=axes))
+        self.names = tuple(table)
+
+    def arrays(self) -> dict[str, jax.Array]:
+        return {name: getattr(self, name)[...] for name in self.names}
+
+
+class Llama(nnx.Module):
+    """Llama / Qwen2 / SmolLM2 decoder-only language model."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        pd = cfg.jnp_param_dtype
+        v, e = cfg.vocab_size, cfg.hidden_size
+        self.embed = nnx.Param(_init("n", rngs, (v, e), pd), axes=("vocab", "embed"))
+        self.layers = DecoderStack(cfg, rngs=rngs)
+        self.final_norm = nnx.Param(jnp.ones((e,), pd), axes=("norm",))
+        if not cfg.tie_embeddings:
+            self.lm_head = nnx.Param(_init("n", rngs, (e, v), pd), axes=("embed", "vocab"))
+
+    # ---------------------------------------------------------------- shared pieces
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.jnp_dtype)
+
+    def logits(self, hidden_BxTxE: jax.Array) -> jax.Array:
+        """Final norm and output projection; float32 logits [B, T, V]."""
+        h = layers.rms_norm(hidden_BxTxE, self.final_norm[...], self.cfg.rms_norm_eps)
+        if self.cfg.tie_embeddings:
+            w = self.embed[...].astype(h.dtype)
+            out = jnp.einsum("bte,ve->btv", h, w)
+        else:
+            out = jnp.einsum("bte,ev->btv", h, self.lm_head[...].astype(h.dtype))
+        return out.astype(jnp.float32)
+
+    def _run_blocks(
+        self, x: jax.Array, positions: jax.Array, mask: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """All blocks over full sequences; returns hidden and stacked k, v [L, B, T, K, D]."""
+        cfg = self.cfg
+        cos, sin = layers.rope_tables(positions, layers.rope_inv_freq(cfg))
+
+        def body(x, p):
+            x, k, v = layers.block(x, p, cfg, cos, sin, mask)
+            return x, (k, v)
+
+        if cfg.remat:
+            body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+        x, (ks, vs) = jax.lax.scan(body, x, self.layers.arrays())
+        return x, ks, vs
+
+    # ---------------------------------------------------------------- training
+    def hidden_states(self, tokens_BxT: jax.Array, mask_BxT: jax.Array) -> jax.Array:
+        """Last-layer hidden states (before the final norm) of a padded batch.
+
+        Args:
+          tokens_BxT: i32 token ids; padding may be on either side.
+          mask_BxT: bool/int, 1 on real tokens. Positions count real tokens only,
+            so a left-padded and a right-padded copy of a sequence agree.
+        """
+        mask = mask_BxT.astype(bool)
+        positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+        t = tokens_BxT.shape[1]
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        attn_mask = causal[None] & mask[:, None, :]
+        x, _, _ = self._run_blocks(self._embed(tokens_BxT), positions, attn_mask)
+        return x
+
+    def token_logprobs(
+        self,
+        tokens_BxT: jax.Array,
+        targets_BxT: jax.Array,
+        mask_BxT: jax.Array,
+        *,
+        chunk: int = 128,
+    ) -> tuple[jax.Array, jax.Array]:
+        """log p(targets[b, t] | tokens[b, :t+1]) and the entropy at each position.
+
+        The vocabulary projection runs over `chunk`-long slices of the sequence,
+        each under `jax.checkpoint`: peak memory holds one [B, chunk, V] block of
+        logits, and the backward pass recomputes it instead of storing [B, T, V].
+
+        Returns:
+          (logp f32[B, T], entropy f32[B, T]); values at masked positions are
+          meaningless and must be masked by the caller.
+        """
+        hidden = self.hidden_states(tokens_BxT, mask_BxT)
+        b, t, e = hidden.shape
+        chunk = min(chunk, t)
+        pad = (-t) % chunk
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
+        n = (t + pad) // chunk
+        h_NxBxCxE = hidden.reshape(b, n, chunk, e).transpose(1, 0, 2, 3)
+        tg_NxBxC = targets.reshape(b, n, chunk).transpose(1, 0, 2)
+
+        @jax.checkpoint
+        def one_chunk(args):
+            h, tg = args
+            logits = self.logits(h)  # f32[B, C, V]
+            lse = jax.nn.logsumexp(logits, axis=-1)
+            target_logit = jnp.take_along_axis(logits, tg[..., None], axis=-1)[..., 0]
+            probs = jnp.exp(logits - lse[..., None])
+            entropy = lse - jnp.sum(probs * logits, axis=-1)
+            return target_logit - lse, entropy
+
+        logp, ent = jax.lax.map(one_chunk, (h_NxBxCxE, tg_NxBxC))
+        logp = logp.transpose(1, 0, 2).reshape(b, n * chunk)[:, :t]
+        ent = ent.transpose(1, 0, 2).reshape(b, n * chunk)[:, :t]
+        return logp, ent
+
+    # ---------------------------------------------------------------- generation
+    def prefill(
+        self,
+        tokens_NxP: jax.Array,
+        lengths_N: jax.Array,
+        cache: KVCache,
+        slots_N: jax.Array,
+    ) -> tuple[jax.Array, KVCache]:
+        """Writes N right-padded prompts into cache slots; returns next-token logits.
+
+        Args:
+          tokens_NxP: i32 prompts, right-padded to a bucket length P <= cache length.
+          lengths_N: i32 true prompt lengths (>= 1).
+          cache: the engine's cache; slots not in `slots_N` are untouched.
+          slots_N: i32 destination slots. An index >= num_slots drops that row
+            (used to pad the prefill batch to a fixed size).
+
+        Returns:
+          (f32[N, V] logits at each prompt's last token, updated cache).
+        """
+        n, p = tokens_NxP.shape
+        valid = jnp.arange(p)[None, :] < lengths_N[:, None]
+        positions = jnp.broadcast_to(jnp.arange(p)[None, :], (n, p))
+        attn_mask = jnp.tril(jnp.ones((p, p), bool))[None] & valid[:, None, :]
+        x, ks, vs = self._run_blocks(self._embed(tokens_NxP), positions, attn_mask)
+        last = jnp.take_along_axis(x, (lengths_N - 1)[:, None, None], axis=1)  # [N, 1, E]
+        logits = self.logits(last)[:, 0]
+        k = cache.k.at[:, slots_N, :p].set(ks.astype(cache.k.dtype), mode="drop")
+        v = cache.v.at[:, slots_N, :p].set(vs.astype(cache.v.dtype), mode="drop")
+        lengths = cache.lengths.at[slots_N].set(lengths_N, mode="drop")
+        return logits, KVCache(k=k, v=v, lengths=lengths)
+
+    def decode(
+        self, tokens_B: jax.Array, cache: KVCache, active_B: jax.Array
+    ) -> tuple[jax.Array, KVCache]:
+        """Appends one token to every slot and returns the logits after it.
+
+        Args:
+          tokens_B: i32 the last sampled token of each slot.
+          cache: cache whose `lengths[b]` is the position of `tokens_B[b]`.
+          active_B: bool; inactive slots compute but do not advance `lengths`.
+
+        Returns:
+          (f32[B, V] next-token logits, cache with the token's k/v written).
+        """
+        cfg = self.cfg
+        b = tokens_B.shape[0]
+        s = cache.max_length
+        pos_B = jnp.minimum(cache.lengths, s - 1)
+        cos, sin = layers.rope_tables(pos_B[:, None], layers.rope_inv_freq(cfg))
+        attn_mask = (jnp.arange(s)[None, :] <= pos_B[:, None])[:, None, :]  # [B, 1, S]
+        rows = jnp.arange(b)
+
+        def body(carry, xs):
+            x, ck, cv = carry
+            p, layer = xs
+            q, k, v = layers.qkv(x, p, cfg, cos, sin)
+            ck = ck.at[layer, rows, pos_B].set(k[:, 0].astype(ck.dtype))
+            cv = cv.at[layer, rows, pos_B].set(v[:, 0].astype(cv.dtype))
+            attn = layers.attention(q, ck[layer], cv[layer], attn_mask)
+            return (layers.attn_out_and_mlp(x, attn, p, cfg), ck, cv), None
+
+        x = self._embed(tokens_B[:, None])
+        xs = (self.layers.arrays(), jnp.arange(cfg.num_layers))
+        (x, k, v), _ = jax.lax.scan(body, (x, cache.k, cache.v), xs)
+        lengths = jnp.where(active_B, jnp.minimum(cache.lengths + 1, s), cache.lengths)
+        return self.logits(x)[:, 0], KVCache(k=k, v=v, lengths=lengths)
+
+
+def create(cfg: ModelConfig, seed: int = 0) -> Llama:
+    """A randomly initialised model (unsharded; see `sharding.init_sharded`)."""
+    return Llama(cfg, rngs=nnx.Rngs(params=seed))
