@@ -89,7 +89,8 @@ def make_meshes(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) ->
         train_devices = devices[cfg.generate_devices : need]
     if len(train_devices) % cfg.train_tp:
         raise ValueError(
-            f"mesh.train_tp ({cfg.train_tp}) must divide the training devices ({len(train_devices)})"
+            f"mesh.train_tp ({cfg.train_tp}) must divide the training devices "
+            f"({len(train_devices)})"
         )
     if len(gen_devices) % cfg.instance_tp:
         raise ValueError(

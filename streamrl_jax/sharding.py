@@ -164,7 +164,8 @@ def place_host_arrays(
                 f"config's shape {tuple(var.shape)}"
             )
         arr = arr.astype(var.dtype, copy=False)
-        value = jax.make_array_from_callback(arr.shape, sharding_var.get_value(), lambda idx: arr[idx])
+        target = sharding_var.get_value()
+        value = jax.make_array_from_callback(arr.shape, target, lambda idx: arr[idx])
         return var.replace(value)
 
     return jax.tree_util.tree_map_with_path(one, abstract, shardings, is_leaf=_is_var)

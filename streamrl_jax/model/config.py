@@ -198,7 +198,7 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2" or arch.startswith("Qwen2"))),
+            qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
