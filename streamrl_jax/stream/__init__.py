@@ -1,0 +1,1 @@
+"""Host-side sample stream between generation and training."""
