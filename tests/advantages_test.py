@@ -10,8 +10,11 @@ from streamrl_jax.algorithms import advantages as adv_lib
 
 
 def _run(fn, *arrays, **static):
-    """jit(fn) on explicitly transferred inputs; returns NumPy outputs."""
-    out = jax.jit(functools.partial(fn, **static))(*jax.device_put(arrays))
+    """jit(fn) on explicitly transferred inputs, no implicit transfer allowed."""
+    fn_jit = jax.jit(functools.partial(fn, **static))
+    arrays = jax.device_put(arrays)
+    with jax.transfer_guard("disallow"):
+        out = fn_jit(*arrays)
     return jax.device_get(out)
 
 
