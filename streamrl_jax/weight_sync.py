@@ -1,0 +1,143 @@
+"""Training-mesh parameters → generation-mesh parameters, versioned and timed.
+
+A transfer has two parts, kept apart so a cross-process transport can replace
+the second later (DESIGN.md §5):
+
+1. *Cast* on the training mesh (jitted, same sharding): float32 master
+   weights become the generation dtype (e.g. bf16), halving the bytes moved.
+2. *Move / reshard*: `jax.device_put` onto each generation instance's
+   shardings. Between disjoint meshes this is a cross-mesh copy; in colocated
+   mode it only changes the layout.
+
+`WeightSync.transfer` is synchronous and returns timing; `start` runs the
+same transfer on a background thread (async mode overlaps it with generation
+and training) and `result(timeout)` collects it. The version travels with the
+weights: a `Published` pair (params, version) is what an engine receives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncStats:
+    """One transfer's cost."""
+
+    version: int
+    bytes: int  # bytes moved per destination (after the cast)
+    seconds: float  # cast + move, blocked until the destination arrays are ready
+    destinations: int
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes * self.destinations / max(self.seconds, 1e-9) / 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+    """Weights as placed on one generation instance, tagged with their policy version."""
+
+    params: Any
+    version: int
+
+
+def tree_bytes(tree: Any) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+class WeightSync:
+    """Moves trainer params to N generation instances' shardings and dtype."""
+
+    def __init__(self, destination_shardings: Sequence[Any], dtype: Any, name: str = "weight_sync"):
+        """Args:
+        destination_shardings: per instance, a pytree of NamedShardings with the
+          structure of the params (e.g. `sharding.state_shardings(..., "generate")`).
+        dtype: generation parameter dtype (floating leaves are cast to it).
+        """
+        self.destinations = list(destination_shardings)
+        self.dtype = jnp.dtype(dtype)
+        self.name = name
+        self._cast = jax.jit(self._cast_fn)
+        self._thread: threading.Thread | None = None
+        self._result: tuple[list[Published], SyncStats] | None = None
+        self._error: BaseException | None = None
+        self.history: list[SyncStats] = []
+
+    def _cast_fn(self, params: Any) -> Any:
+        def cast(x):
+            return x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+        return jax.tree.map(cast, params)
+
+    def transfer(self, params: Any, version: int) -> tuple[list[Published], SyncStats]:
+        """Casts and moves `params`; blocks until every destination holds them."""
+        t0 = time.perf_counter()
+        cast = self._cast(params)
+        out = [Published(jax.device_put(cast, dst), version) for dst in self.destinations]
+        # Deliberate sync point: the timing must cover the copy, and an engine
+        # must not start decoding on weights still in flight.
+        jax.block_until_ready([p.params for p in out])
+        stats = SyncStats(
+            version=version,
+            bytes=tree_bytes(cast),
+            seconds=time.perf_counter() - t0,
+            destinations=len(out),
+        )
+        self.history.append(stats)
+        logging.info(
+            "%s: version %d, %.1f MB x %d in %.3f s (%.2f GB/s)",
+            self.name,
+            version,
+            stats.bytes / 1e6,
+            stats.destinations,
+            stats.seconds,
+            stats.gbps,
+        )
+        return out, stats
+
+    # ------------------------------------------------------------------ background
+    def start(self, params: Any, version: int) -> None:
+        """Starts `transfer` on a background thread (one at a time)."""
+        if self._thread is not None:
+            raise RuntimeError(f"{self.name}: a transfer is already in flight; call result()")
+        self._result, self._error = None, None
+
+        def run():
+            try:
+                self._result = self.transfer(params, version)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller of result()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name=f"{self.name}-v{version}", daemon=True)
+        self._thread.start()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None
+
+    def result(self, timeout: float) -> tuple[list[Published], SyncStats]:
+        """Waits for the background transfer.
+
+        Raises:
+          TimeoutError: naming this component when it does not finish in time.
+          Exception: whatever the transfer raised.
+        """
+        if self._thread is None:
+            raise RuntimeError(f"{self.name}: no transfer in flight")
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"{self.name}: transfer did not finish within {timeout:.1f} s")
+        self._thread = None
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
