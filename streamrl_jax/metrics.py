@@ -1,0 +1,208 @@
+"""What a user sees of a run: JSONL + TensorBoard scalars, a progress bar, a pipeline trace.
+
+* `MetricsWriter`: one JSON object per line in `metrics.jsonl` (step, wall
+  time, every scalar) and the same scalars to TensorBoard; only process 0
+  writes.
+* `Tracer`: spans per track (generation instance, reward, trainer
+  micro-batch, optimizer step, weight sync) written as a Chrome / Perfetto
+  trace (`trace.json`, open in ui.perfetto.dev or chrome://tracing), so the
+  overlap of stages and the bubbles between them can be seen. The simulator
+  writes the same format.
+* `Progress`: a tqdm bar with step, reward, accuracy and samples/s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+from tqdm import tqdm
+
+
+def _is_writer() -> bool:
+    return jax.process_index() == 0
+
+
+def _scalar(value: Any) -> float | None:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        return None
+    return out if math.isfinite(out) else out  # NaN/Inf are written; they are findings
+
+
+class MetricsWriter:
+    """Appends scalar dicts to `<workdir>/metrics.jsonl` and TensorBoard."""
+
+    def __init__(self, workdir: str, *, tensorboard: bool = True):
+        self.workdir = workdir
+        self.enabled = _is_writer()
+        self._lock = threading.Lock()
+        self._file = None
+        self._tb = None
+        if not self.enabled:
+            return
+        os.makedirs(workdir, exist_ok=True)
+        self._file = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")  # noqa: SIM115
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+    def write(self, step: int, scalars: Mapping[str, Any], *, prefix: str = "") -> None:
+        if not self.enabled:
+            return
+        row: dict[str, Any] = {"step": int(step), "time": time.time()}
+        for key, value in scalars.items():
+            v = _scalar(value)
+            if v is not None:
+                row[prefix + key] = v
+        with self._lock:
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+            if self._tb is not None:
+                for key, v in row.items():
+                    if key not in ("step", "time"):
+                        self._tb.add_scalar(key, v, step)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = None
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class Tracer:
+    """Thread-safe recorder of timeline spans, written as Chrome trace JSON.
+
+    A track is "group/name" (e.g. "generation/instance 0", "trainer/micro-batch");
+    the group becomes the trace's process and the name its thread.
+    """
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self._t0 = time.perf_counter()
+        self._lock = threading.Lock()
+        self._events: list[dict[str, Any]] = []
+        self._ids: dict[str, tuple[int, int]] = {}
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def _track(self, track: str) -> tuple[int, int]:
+        group, _, name = track.partition("/")
+        if track not in self._ids:
+            pids = {t.partition("/")[0]: pid for t, (pid, _) in self._ids.items()}
+            pid = pids.get(group, len(pids) + 1)
+            tid = 1 + sum(1 for t in self._ids if t.partition("/")[0] == group)
+            self._ids[track] = (pid, tid)
+            if group not in pids:
+                self._events.append(
+                    {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": group}}
+                )
+            self._events.append(
+                {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
+            )
+        return self._ids[track]
+
+    def add(self, track: str, name: str, start: float, end: float, **args: Any) -> None:
+        """Records a span given `perf_counter` start and end times."""
+        if not self.enabled:
+            return
+        with self._lock:
+            pid, tid = self._track(track)
+            self._events.append(
+                {
+                    "ph": "X",
+                    "name": name,
+                    "pid": pid,
+                    "tid": tid,
+                    "ts": (start - self._t0) * 1e6,
+                    "dur": max(end - start, 0.0) * 1e6,
+                    "args": args,
+                }
+            )
+
+    @contextlib.contextmanager
+    def span(self, track: str, name: str, **args: Any) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(track, name, start, time.perf_counter(), **args)
+
+    def spans(self) -> list[dict[str, Any]]:
+        """The complete ("X") events recorded so far, with their track names."""
+        with self._lock:
+            names = {v: k for k, v in self._ids.items()}
+            return [
+                dict(e, track=names[(e["pid"], e["tid"])]) for e in self._events if e["ph"] == "X"
+            ]
+
+    def save(self, path: str) -> None:
+        if not self.enabled or not _is_writer():
+            return
+        with self._lock:
+            data = {"traceEvents": list(self._events), "displayTimeUnit": "ms"}
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+
+
+def busy_fraction(
+    spans: list[dict[str, Any]], track_prefix: str, t_start: float, t_end: float
+) -> float:
+    """Fraction of [t_start, t_end] (µs) covered by the union of spans on matching tracks."""
+    intervals = sorted(
+        (max(e["ts"], t_start), min(e["ts"] + e["dur"], t_end))
+        for e in spans
+        if e["track"].startswith(track_prefix)
+    )
+    covered, cur_s, cur_e = 0.0, None, None
+    for s, e in intervals:
+        if e <= s:
+            continue
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                covered += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        covered += cur_e - cur_s
+    return covered / max(t_end - t_start, 1e-9)
+
+
+class Progress:
+    """A progress bar over training steps (quiet on processes other than 0)."""
+
+    def __init__(self, total: int, *, enabled: bool = True, initial: int = 0):
+        self._bar = tqdm(
+            total=total,
+            initial=initial,
+            disable=not (enabled and _is_writer()),
+            unit="step",
+            dynamic_ncols=True,
+        )
+
+    def update(self, step: int, **fields: float) -> None:
+        self._bar.set_postfix({k: f"{v:.3g}" for k, v in fields.items()}, refresh=False)
+        self._bar.update(step - self._bar.n)
+
+    def close(self) -> None:
+        self._bar.close()

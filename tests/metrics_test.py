@@ -1,0 +1,48 @@
+"""Metrics writer, trace recorder and busy-fraction arithmetic."""
+
+import json
+
+from streamrl_jax.metrics import MetricsWriter, Tracer, busy_fraction, read_jsonl
+
+
+def test_jsonl_and_tensorboard(tmp_path):
+    w = MetricsWriter(str(tmp_path), tensorboard=True)
+    w.write(1, {"reward": 0.5, "note": "text is skipped", "acc": 1})
+    w.write(2, {"reward": 0.75}, prefix="eval/")
+    w.close()
+    rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["reward"] == 0.5 and rows[0]["acc"] == 1.0 and "note" not in rows[0]
+    assert rows[1]["eval/reward"] == 0.75
+    assert list((tmp_path / "tensorboard").iterdir())
+
+
+def test_trace_tracks_and_chrome_format(tmp_path):
+    t = Tracer()
+    t.add("generation/instance 0", "decode", t.now(), t.now() + 0.01, tokens=5)
+    t.add("generation/instance 1", "decode", t.now(), t.now() + 0.01)
+    with t.span("trainer/micro-batch", "accumulate"):
+        pass
+    spans = t.spans()
+    assert [s["track"] for s in spans] == [
+        "generation/instance 0",
+        "generation/instance 1",
+        "trainer/micro-batch",
+    ]
+    assert spans[0]["pid"] == spans[1]["pid"] != spans[2]["pid"]
+    assert spans[0]["tid"] != spans[1]["tid"]
+    t.save(str(tmp_path / "trace.json"))
+    data = json.loads((tmp_path / "trace.json").read_text())
+    names = {e["args"]["name"] for e in data["traceEvents"] if e["name"] == "process_name"}
+    assert names == {"generation", "trainer"}
+    assert all(e["dur"] >= 0 for e in data["traceEvents"] if e["ph"] == "X")
+
+
+def test_busy_fraction_unions_overlapping_spans():
+    spans = [
+        {"track": "gen/a", "ts": 0.0, "dur": 40.0},
+        {"track": "gen/b", "ts": 20.0, "dur": 40.0},  # overlaps a: union [0, 60]
+        {"track": "gen/a", "ts": 80.0, "dur": 40.0},  # clipped to [80, 100]
+        {"track": "train/x", "ts": 0.0, "dur": 100.0},  # other prefix, ignored
+    ]
+    assert busy_fraction(spans, "gen", 0.0, 100.0) == 0.8
