@@ -1,0 +1,72 @@
+"""Quickstart: SmolLM2-135M-Instruct learns arithmetic with GRPO on a 2-core CPU.
+
+Run (from the repository root):
+  python -m streamrl_jax.launch --config=configs/quickstart.py --workdir=/tmp/quickstart
+Variants:
+  configs/quickstart.py:tiny   tiny random model, a few seconds a step (tests, smoke runs)
+  configs/quickstart.py:sync   the same run in stream_sync mode
+Any field can be overridden: --config.pipeline.steps=40 --config.pipeline.mode=stream_sync
+"""
+
+from streamrl_jax import config as config_lib
+
+
+def get_config(arg: str | None = None):
+    c = config_lib.defaults()
+    c.seed = 0
+    # Model: the embedded SmolLM2-135M-Instruct GGUF (dequantised to float32).
+    c.model.source = "smollm2"
+    c.model.max_context = 320  # prompt (<=192) + response (<=128)
+    # One generation device and one training device: the disaggregated split.
+    c.mesh.generate_devices = 1
+    c.mesh.train_devices = 1
+    c.mesh.instance_slots = (16,)  # one instance with 16 slots
+    c.generation.max_prompt_len = 192
+    c.generation.max_new_tokens = 96
+    c.generation.temperature = 1.0
+    c.generation.decode_chunk = 8
+    # StreamRL-Async, one step stale, 8 prompts x 4 samples per step.
+    c.pipeline.mode = "stream_async"
+    c.pipeline.staleness = 1
+    c.pipeline.steps = 30
+    c.pipeline.prompts_per_step = 8
+    c.pipeline.group_size = 4
+    c.pipeline.min_groups = 2
+    c.pipeline.micro_batch_groups = 4
+    # GRPO with PPO clipping; no reference model (KL 0) to keep a CPU step short.
+    c.algorithm.advantage = "grpo"
+    c.algorithm.policy_loss = "ppo_clip"
+    c.algorithm.aggregation = "token_mean"
+    c.optimizer.learning_rate = 2e-6
+    c.optimizer.warmup_steps = 2
+    # Two-operand arithmetic from reasoning-gym; eval problems from another seed.
+    c.data.tasks = "basic_arithmetic"
+    c.data.train_seed = 1
+    c.data.eval_seed = 2
+    c.data.format_reward = 0.1
+    c.eval.every = 5
+    c.eval.num_problems = 64
+
+    if arg in (None, "", "async"):
+        pass
+    elif arg == "sync":
+        c.pipeline.mode = "stream_sync"
+    elif arg == "tiny":
+        c.model.source = "tiny"
+        c.model.max_context = 96
+        c.generation.max_prompt_len = 64
+        c.generation.max_new_tokens = 16
+        c.mesh.instance_slots = (8,)
+        c.pipeline.steps = 2
+        c.pipeline.prompts_per_step = 4
+        c.pipeline.group_size = 2
+        c.pipeline.min_groups = 1
+        c.pipeline.micro_batch_groups = 2
+        c.pipeline.timeout_s = 120.0
+        c.optimizer.learning_rate = 1e-3
+        c.eval.every = 0
+        c.eval.num_problems = 4
+        c.log.progress = False
+    else:
+        raise ValueError(f"configs/quickstart.py: unknown variant {arg!r} (tiny | sync | async)")
+    return c

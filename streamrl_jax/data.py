@@ -1,0 +1,134 @@
+"""Prompt pipeline: reasoning-gym problems → chat-templated token ids → generation requests.
+
+`PromptPipeline` is a grain `MapDataset` over a `TaskDataset`, shuffled with
+a seed and reshuffled every epoch (`repeat`), mapped through the tokenizer's
+chat template. Its iterator state (`get_state` / `set_state`) is a small dict,
+saved with checkpoints so a resumed run continues with the next prompt.
+
+A prompt longer than `max_prompt_len` tokens is an error by default (it would
+otherwise fail deep in the engine); with `overlong="drop"` it is skipped and
+counted in `dropped_overlong`, never silently.
+
+`make_requests` turns one global batch of prompts into `group_size` sampled
+requests each, with deterministic per-sample seeds and the bookkeeping the
+pipeline needs in `metadata` (batch index, group index, prompt id, problem).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import grain
+
+from streamrl_jax.generation.types import GenerationRequest, SamplingParams
+from streamrl_jax.model.tokenizer import Tokenizer
+from streamrl_jax.rewards.tasks import Problem, TaskDataset, chat_messages
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """A problem and its tokenised chat prompt."""
+
+    problem: Problem
+    tokens: tuple[int, ...]
+
+
+def tokenize(problem: Problem, tokenizer: Tokenizer) -> Prompt:
+    text = tokenizer.apply_chat_template(chat_messages(problem.question))
+    return Prompt(problem=problem, tokens=tuple(tokenizer.encode(text)))
+
+
+class PromptPipeline:
+    """Endless, seeded, epoch-reshuffled stream of tokenised prompts."""
+
+    def __init__(
+        self,
+        dataset: TaskDataset,
+        tokenizer: Tokenizer,
+        *,
+        max_prompt_len: int,
+        seed: int,
+        overlong: str = "error",
+    ):
+        if overlong not in ("error", "drop"):
+            raise ValueError(f"overlong={overlong!r}; expected 'error' or 'drop'")
+        if len(dataset) == 0:
+            raise ValueError("prompt dataset is empty")
+        self.dataset = dataset
+        self.max_prompt_len = max_prompt_len
+        self.overlong = overlong
+        self.dropped_overlong = 0
+        self.consumed = 0
+        ds = grain.MapDataset.range(len(dataset)).shuffle(seed=seed).repeat()
+        ds = ds.map(lambda i: tokenize(dataset[int(i)], tokenizer))
+        self._iter = ds.to_iter_dataset().__iter__()
+
+    def next_prompts(self, n: int) -> list[Prompt]:
+        """The next `n` prompts within the length limit."""
+        out: list[Prompt] = []
+        while len(out) < n:
+            prompt = next(self._iter)
+            if len(prompt.tokens) > self.max_prompt_len:
+                if self.overlong == "error":
+                    raise ValueError(
+                        f"prompt {prompt.problem.prompt_id} has {len(prompt.tokens)} tokens, "
+                        f"over generation.max_prompt_len={self.max_prompt_len} "
+                        f"(raise the limit, or drop long prompts)"
+                    )
+                self.dropped_overlong += 1
+                continue
+            out.append(prompt)
+        self.consumed += n
+        return out
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "iterator": self._iter.get_state(),
+            "dropped_overlong": self.dropped_overlong,
+            "consumed": self.consumed,
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._iter.set_state(state["iterator"])
+        self.dropped_overlong = int(state["dropped_overlong"])
+        self.consumed = int(state["consumed"])
+
+
+def sample_seed(run_seed: int, batch: int, group: int, member: int) -> int:
+    """A stable 31-bit seed per sample (independent of slot, instance or timing)."""
+    digest = hashlib.blake2b(f"{run_seed}/{batch}/{group}/{member}".encode(), digest_size=4)
+    return int.from_bytes(digest.digest(), "little") & 0x7FFFFFFF
+
+
+def make_requests(
+    prompts: Sequence[Prompt],
+    *,
+    batch: int,
+    group_size: int,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    run_seed: int,
+    id_prefix: str = "train",
+) -> list[GenerationRequest]:
+    """`group_size` requests per prompt of global batch `batch`.
+
+    Metadata keys: `batch`, `group` (index of the prompt in the batch), `member`,
+    `prompt_id`, `task`, `entry` (what the reward function scores against).
+    """
+    out = []
+    for g, prompt in enumerate(prompts):
+        for m in range(group_size):
+            out.append(
+                GenerationRequest(
+                    request_id=f"{id_prefix}/{batch}/{g}/{m}",
+                    prompt=prompt.tokens,
+                    max_new_tokens=max_new_tokens,
+                    sampling=sampling,
+                    seed=sample_seed(run_seed, batch, g, m),
+                    metadata=dict(prompt.problem.metadata, batch=batch, group=g, member=m),
+                )
+            )
+    return out
