@@ -30,7 +30,8 @@ When N is not known until the last sample arrives (token counts in
 `token_mean`), pass `normalizer=1.0` while accumulating: the gradient is linear
 in 1/N, so dividing the *summed* gradients (and the summed loss/metrics) by the
 summed `normalizer_part`s at apply time gives the same step up to float
-rounding. For the sequence modes N is the global batch size, known ahead.
+rounding. For the sequence modes N is the number of non-empty responses:
+the global batch size, known ahead, when no response is empty.
 Nothing else in these losses couples samples, so any split is exact; the
 advantages (GRPO groups, REINFORCE++ batch whitening) must be computed on
 complete groups / the complete batch before the micro-batch loss.
