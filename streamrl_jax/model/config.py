@@ -172,9 +172,12 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         hidden = int(hf["hidden_size"])
         heads = int(hf["num_attention_heads"])
         rope_scaling = None
-        rs = hf.get("rope_scaling")
-        if rs:
-            kind = rs.get("rope_type", rs.get("type"))
+        # transformers >= 5 writes `rope_parameters` (theta inside it); older
+        # versions write `rope_scaling` and a top-level `rope_theta`.
+        rs = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        rope_theta = hf.get("rope_theta", rs.get("rope_theta", 10000.0))
+        kind = rs.get("rope_type", rs.get("type", "default"))
+        if kind not in ("default", None):
             if kind != "llama3":
                 raise ValueError(f"config.json: unsupported rope_scaling type {kind!r}")
             rope_scaling = RopeScaling(
@@ -193,7 +196,7 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
             num_heads=heads,
             num_kv_heads=int(hf.get("num_key_value_heads", heads)),
             head_dim=int(hf.get("head_dim") or hidden // heads),
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),

@@ -1,0 +1,200 @@
+"""Reads a llama.cpp GGUF file: architecture config, dequantised weights, tokenizer fields.
+
+Weights come back as host float32 arrays in this package's layout (see
+`hf_loader.to_model_layout`), stacked over layers, ready for
+`sharding.place_host_arrays`.
+
+The q/k permutation. llama.cpp's `convert_hf_to_gguf.py` permutes the rows of
+`attn_q` / `attn_k` of Llama models so that its "normal" (interleaved-pair)
+RoPE kernel computes the same rotation as HF's half-split ("rotate_half")
+convention:
+
+    permute(w, n) = w.reshape(n, 2, rows // n // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+with n = n_head for q and n = n_head_kv for k. Our model uses the half-split
+convention, so we apply the inverse, `w.reshape(n, rows // n // 2, 2, cols)
+.swapaxes(1, 2)`. Qwen2 files are written for the NEOX (half-split) kernel
+and are not permuted. Parity with transformers' own GGUF loading is tested.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import numpy as np
+
+from streamrl_jax.model.config import ModelConfig
+
+# GGUF architectures whose q/k rows llama.cpp permuted for its interleaved RoPE.
+_PERMUTED_ARCHS = ("llama",)
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+
+# GGUF tensor name (per block) -> our stacked parameter name.
+_BLOCK_TENSORS = {
+    "attn_norm.weight": "attn_norm",
+    "attn_q.weight": "q",
+    "attn_k.weight": "k",
+    "attn_v.weight": "v",
+    "attn_output.weight": "o",
+    "ffn_norm.weight": "mlp_norm",
+    "ffn_gate.weight": "gate",
+    "ffn_up.weight": "up",
+    "ffn_down.weight": "down",
+    "attn_q.bias": "q_bias",
+    "attn_k.bias": "k_bias",
+    "attn_v.bias": "v_bias",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFContents:
+    """What the loader needs from one GGUF file.
+
+    Attributes:
+      cfg: the architecture (param/compute dtype left at float32).
+      hf_weights: {our param name: float32 array in HF [out, in] layout, per layer
+        lists already stacked} -- see `read_gguf`.
+      metadata: scalar and string metadata fields (token arrays included).
+    """
+
+    cfg: ModelConfig
+    hf_weights: dict[str, np.ndarray]
+    metadata: dict[str, Any]
+
+
+def unpermute_qk(w_RxC: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's q/k row permutation (interleaved -> half-split RoPE)."""
+    rows = w_RxC.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"cannot unpermute {rows} rows over {n_head} heads")
+    w = w_RxC.reshape(n_head, rows // n_head // 2, 2, *w_RxC.shape[1:])
+    return w.swapaxes(1, 2).reshape(w_RxC.shape)
+
+
+def permute_qk(w_RxC: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's permutation (used by tests to write GGUF files like its converter)."""
+    rows = w_RxC.shape[0]
+    w = w_RxC.reshape(n_head, 2, rows // n_head // 2, *w_RxC.shape[1:])
+    return w.swapaxes(1, 2).reshape(w_RxC.shape)
+
+
+def _open(path: str) -> Any:
+    import gguf  # deferred: only GGUF users pay for the import
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as e:  # the reader raises ValueError/IndexError/struct errors alike
+        raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from e
+
+
+def _field(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def read_metadata(reader: Any) -> dict[str, Any]:
+    """All metadata fields as Python values."""
+    return {key: field.contents() for key, field in reader.fields.items()}
+
+
+def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], path: str) -> ModelConfig:
+    """ModelConfig from GGUF metadata.
+
+    Raises:
+      ValueError: an unsupported architecture or a missing field, naming both.
+    """
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: unknown architecture general.architecture={arch!r}; "
+            f"supported: {SUPPORTED_GGUF_ARCHITECTURES}"
+        )
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError(
+            f"{path}: has a rope_freqs tensor (Llama-3.1 RoPE scaling), which the GGUF loader "
+            "does not support; load the Hugging Face directory instead"
+        )
+
+    def need(key: str) -> Any:
+        value = meta.get(f"{arch}.{key}")
+        if value is None:
+            raise ValueError(f"{path}: missing GGUF metadata field {arch}.{key!r}")
+        return value
+
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
+    if vocab is None:
+        raise ValueError(f"{path}: missing {arch}.vocab_size and tokenizer.ggml.tokens")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads),
+        head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // heads),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base") or 10000.0),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(meta.get(f"{arch}.context_length") or 2048),
+        tie_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def read_gguf(path: str) -> GGUFContents:
+    """Parses, dequantises and un-permutes every tensor of a GGUF file.
+
+    Returns per-layer weights stacked along a leading layer axis, each still in
+    HF orientation ([out, in] rows), so `hf_loader.to_model_layout` finishes
+    the conversion for both formats.
+
+    Raises:
+      FileNotFoundError: `path` does not exist.
+      ValueError: unreadable file, unknown architecture, missing field or tensor.
+    """
+    import gguf
+
+    reader = _open(path)
+    meta = read_metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = config_from_metadata(meta, set(tensors), path)
+    permuted = meta["general.architecture"] in _PERMUTED_ARCHS
+
+    def load(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(f"{path}: missing tensor {name!r}")
+        t = tensors[name]
+        try:
+            # GGUF lists dims innermost-first; dequantize returns numpy (row-major) order,
+            # i.e. [out, in] like a torch Linear weight.
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise ValueError(f"{path}: cannot dequantise tensor {name!r}: {e}") from e
+        return np.asarray(arr, dtype=np.float32)
+
+    hf: dict[str, np.ndarray] = {
+        "embed": load("token_embd.weight"),
+        "final_norm": load("output_norm.weight"),
+    }
+    if not cfg.tie_embeddings:
+        hf["lm_head"] = load("output.weight")
+    suffixes = [s for s in _BLOCK_TENSORS if cfg.qkv_bias or not s.endswith(".bias")]
+    for suffix in suffixes:
+        per_layer = []
+        for i in range(cfg.num_layers):
+            w = load(f"blk.{i}.{suffix}")
+            if permuted and suffix.startswith(("attn_q.", "attn_k.")):
+                n = cfg.num_heads if suffix.startswith("attn_q.") else cfg.num_kv_heads
+                w = unpermute_qk(w, n)
+            per_layer.append(w)
+        hf[_BLOCK_TENSORS[suffix]] = np.stack(per_layer)
+    return GGUFContents(cfg=cfg, hf_weights=hf, metadata=meta)

@@ -1,0 +1,254 @@
+"""Reads a Hugging Face checkpoint directory and converts weights to this package's layout.
+
+A directory holds `config.json`, either one `model.safetensors` or shards
+listed in `model.safetensors.index.json`, and optionally `tokenizer.json`,
+`tokenizer_config.json`, `generation_config.json`.
+
+Safetensors files are parsed here (an 8-byte header length, a JSON header,
+raw little-endian data) and memory-mapped with numpy, so bfloat16 checkpoints
+load without torch and a truncated file is reported with its name.
+
+Layout conversion (`to_model_layout`), HF [out, in] -> ours, L stacked:
+
+    q_proj [H*D, E] -> q [E, H, D]       o_proj [E, H*D] -> o [H, D, E]
+    k/v_proj [K*D, E] -> k/v [E, K, D]   gate/up_proj [M, E] -> [E, M]
+    down_proj [E, M] -> down [M, E]      lm_head [V, E] -> [E, V]
+    q/k/v_proj.bias [N*D] -> [N, D]      embeddings and norms unchanged
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from streamrl_jax.model.config import ModelConfig, from_hf_config
+
+_ST_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+# our block param name -> HF per-layer tensor suffix
+_HF_BLOCK = {
+    "attn_norm": "input_layernorm.weight",
+    "q": "self_attn.q_proj.weight",
+    "k": "self_attn.k_proj.weight",
+    "v": "self_attn.v_proj.weight",
+    "o": "self_attn.o_proj.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "gate": "mlp.gate_proj.weight",
+    "up": "mlp.up_proj.weight",
+    "down": "mlp.down_proj.weight",
+    "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias",
+}
+
+
+def read_json(path: str) -> dict[str, Any]:
+    """A JSON file as a dict, with the file named in every error."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"missing file: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON: {e}") from e
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """All tensors of one safetensors file as read-only memory-mapped numpy arrays.
+
+    Raises:
+      FileNotFoundError: the file is missing.
+      ValueError: a corrupt or truncated header, or tensor data past the file end.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"missing weights file: {path}")
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise ValueError(f"{path}: truncated safetensors header ({n} bytes declared)")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: corrupt safetensors header: {e}") from e
+    header.pop("__metadata__", None)
+    data_start = 8 + n
+    mm = np.memmap(path, dtype=np.uint8, mode="r") if size > data_start else None
+    out = {}
+    for name, info in header.items():
+        try:
+            dtype = np.dtype(_ST_DTYPES[info["dtype"]])
+            begin, end = info["data_offsets"]
+            shape = tuple(info["shape"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: corrupt header entry for tensor {name!r}") from e
+        if data_start + end > size or end - begin != dtype.itemsize * int(np.prod(shape)):
+            raise ValueError(
+                f"{path}: tensor {name!r} data [{begin}, {end}) does not fit the file "
+                f"({size - data_start} data bytes): truncated or corrupt"
+            )
+        raw = mm[data_start + begin : data_start + end] if mm is not None else np.zeros(0, np.uint8)
+        out[name] = raw.view(dtype).reshape(shape)
+    return out
+
+
+def read_hf_weights(directory: str) -> dict[str, np.ndarray]:
+    """Every tensor of a (possibly sharded) safetensors checkpoint, by HF name."""
+    index = os.path.join(directory, "model.safetensors.index.json")
+    single = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(index):
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: missing 'weight_map'")
+        files = sorted(set(weight_map.values()))
+    elif os.path.isfile(single):
+        files = ["model.safetensors"]
+    else:
+        files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(
+                f"{directory}: no model.safetensors, model.safetensors.index.json or *.safetensors"
+            )
+    tensors: dict[str, np.ndarray] = {}
+    for name in files:
+        tensors.update(read_safetensors(os.path.join(directory, name)))
+    return tensors
+
+
+def _expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    v, e, m = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size
+    qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {
+        "embed": (v, e),
+        "final_norm": (e,),
+        "attn_norm": (e,),
+        "q": (qd, e),
+        "k": (kd, e),
+        "v": (kd, e),
+        "o": (e, qd),
+        "mlp_norm": (e,),
+        "gate": (m, e),
+        "up": (m, e),
+        "down": (e, m),
+    }
+    if cfg.qkv_bias:
+        shapes.update(q_bias=(qd,), k_bias=(kd,), v_bias=(kd,))
+    if not cfg.tie_embeddings:
+        shapes["lm_head"] = (v, e)
+    return shapes
+
+
+def stack_hf_weights(tensors: dict[str, np.ndarray], cfg: ModelConfig, source: str) -> dict:
+    """Gathers HF-named tensors into {our name: array}, block params stacked over layers.
+
+    Raises:
+      ValueError: a missing tensor, naming it and `source`.
+    """
+
+    used: set[str] = set()
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(f"{source}: checkpoint has no tensor {name!r}")
+        used.add(name)
+        return tensors[name]
+
+    out = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight")}
+    if not cfg.tie_embeddings:
+        out["lm_head"] = get("lm_head.weight")
+    for ours, suffix in _HF_BLOCK.items():
+        if ours.endswith("_bias") and not cfg.qkv_bias:
+            continue
+        layers = [get(f"model.layers.{i}.{suffix}") for i in range(cfg.num_layers)]
+        shapes = {a.shape for a in layers}
+        if len(shapes) != 1:
+            raise ValueError(f"{source}: {suffix} has different shapes across layers: {shapes}")
+        out[ours] = np.stack(layers)
+    # A tensor we do not consume (mlp biases, q/k norms, ...) means an architecture
+    # variant this model does not implement: refuse rather than silently drop it.
+    unused = sorted(n for n in set(tensors) - used if not n.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise ValueError(
+            f"{source}: checkpoint has {len(unused)} tensors the model does not use "
+            f"(unsupported architecture variant?), e.g. {unused[:3]}"
+        )
+    return out
+
+
+def to_model_layout(hf: dict[str, np.ndarray], cfg: ModelConfig, source: str) -> dict:
+    """HF-oriented (stacked) weights -> {param path: array} in this package's layout.
+
+    Raises:
+      ValueError: a tensor whose shape does not match `cfg`, naming both.
+    """
+    expected = _expected_hf_shapes(cfg)
+    for name, shape in expected.items():
+        got = hf[name].shape
+        want = shape if name in ("embed", "final_norm", "lm_head") else (cfg.num_layers, *shape)
+        if tuple(got) != want:
+            raise ValueError(
+                f"{source}: weights for {name!r} have shape {tuple(got)} but the config "
+                f"implies {want}; config and weights disagree"
+            )
+    L, E, H, K, D = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def t(x: np.ndarray) -> np.ndarray:  # [L, out, in] -> [L, in, out]
+        return np.ascontiguousarray(np.swapaxes(x, -1, -2))
+
+    out = {
+        "embed": hf["embed"],
+        "final_norm": hf["final_norm"],
+        "layers/attn_norm": hf["attn_norm"],
+        "layers/q": t(hf["q"]).reshape(L, E, H, D),
+        "layers/k": t(hf["k"]).reshape(L, E, K, D),
+        "layers/v": t(hf["v"]).reshape(L, E, K, D),
+        "layers/o": t(hf["o"]).reshape(L, H, D, E),
+        "layers/mlp_norm": hf["mlp_norm"],
+        "layers/gate": t(hf["gate"]),
+        "layers/up": t(hf["up"]),
+        "layers/down": t(hf["down"]),
+    }
+    if cfg.qkv_bias:
+        out["layers/q_bias"] = hf["q_bias"].reshape(L, H, D)
+        out["layers/k_bias"] = hf["k_bias"].reshape(L, K, D)
+        out["layers/v_bias"] = hf["v_bias"].reshape(L, K, D)
+    if not cfg.tie_embeddings:
+        out["lm_head"] = np.ascontiguousarray(hf["lm_head"].T)
+    return out
+
+
+def read_hf_dir(directory: str, **overrides: Any) -> tuple[ModelConfig, dict, dict]:
+    """(config, {param path: host array}, generation config) of an HF directory."""
+    cfg_path = os.path.join(directory, "config.json")
+    hf_cfg = read_json(cfg_path)
+    try:
+        cfg = from_hf_config(hf_cfg, **overrides)
+    except ValueError as e:
+        raise ValueError(f"{cfg_path}: {e}") from e
+    tensors = read_hf_weights(directory)
+    if cfg.tie_embeddings and "lm_head.weight" in tensors:
+        # Some tied checkpoints still store lm_head; it must equal the embedding.
+        tensors.pop("lm_head.weight")
+    stacked = stack_hf_weights(tensors, cfg, directory)
+    gen_path = os.path.join(directory, "generation_config.json")
+    gen = read_json(gen_path) if os.path.isfile(gen_path) else {}
+    return cfg, to_model_layout(stacked, cfg, directory), gen

@@ -1,0 +1,352 @@
+"""load_pretrained: logit parity with transformers (HF safetensors, GGUF), SmolLM2, bad input."""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from streamrl_jax import mesh as mesh_lib
+from streamrl_jax.model import gguf_loader, sample
+from streamrl_jax.model.defaults import smollm2_gguf_path
+from streamrl_jax.model.loader import load_pretrained
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+_TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+)
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # Small, so the scaled, smoothed and unscaled frequency bands all occur at head_dim 16.
+    "original_max_position_embeddings": 16,
+    "rope_theta": 10000.0,
+}
+
+
+def _randomize(model, seed: int = 0):
+    """Weights large enough that attention is far from uniform (so RoPE errors show)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.15 * noise)
+    return model.eval()
+
+
+def _hf_model(kind: str, **overrides):
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**dict(_TINY, tie_word_embeddings=False, **overrides))
+        return _randomize(transformers.LlamaForCausalLM(cfg))
+    cfg = transformers.Qwen2Config(**dict(_TINY, tie_word_embeddings=True, **overrides))
+    return _randomize(transformers.Qwen2ForCausalLM(cfg))
+
+
+def _hf_logits(model, tokens_BxT: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens_BxT).long()).logits.float().numpy()
+
+
+@jax.jit(static_argnums=0)
+def _forward(graphdef, params, tokens_BxT, mask_BxT):
+    model = nnx.merge(graphdef, params)
+    return model.logits(model.hidden_states(tokens_BxT, mask_BxT))
+
+
+def _our_logits(pre, tokens_BxT: np.ndarray) -> np.ndarray:
+    tokens = jnp.asarray(tokens_BxT)
+    return np.asarray(_forward(pre.graphdef, pre.params, tokens, jnp.ones_like(tokens)))
+
+
+def _next_token_greedy(pre, seq: list[int], pad_to: int = 16) -> int:
+    """argmax of the full forward at the last token (right-padded: one compilation)."""
+    tokens = np.zeros((1, pad_to), np.int32)
+    tokens[0, : len(seq)] = seq
+    mask = (np.arange(pad_to) < len(seq))[None, :]
+    logits = _forward(pre.graphdef, pre.params, jnp.asarray(tokens), jnp.asarray(mask))
+    return int(np.asarray(logits)[0, len(seq) - 1].argmax())
+
+
+_TOKENS = np.random.default_rng(0).integers(0, 128, size=(2, 12)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    model = _hf_model("llama", rope_scaling=_LLAMA3_ROPE)
+    d = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(d)
+    return str(d), model
+
+
+# ------------------------------------------------------------------ HF parity
+def test_llama3_rope_scaling_logits_match_transformers(llama_dir):
+    d, model = llama_dir
+    pre = load_pretrained(d)
+    assert pre.cfg.rope_scaling is not None and pre.cfg.rope_scaling.factor == 8.0
+    assert not pre.cfg.tie_embeddings
+    ref = _hf_logits(model, _TOKENS)
+    assert np.abs(ref).max() > 1.0  # the comparison is not between near-zero logits
+    np.testing.assert_allclose(_our_logits(pre, _TOKENS), ref, atol=1e-4, rtol=0)
+
+
+def test_qwen2_tied_with_bias_logits_match_transformers(tmp_path):
+    model = _hf_model("qwen2", rope_theta=5000.0)
+    model.save_pretrained(tmp_path)
+    pre = load_pretrained(str(tmp_path))
+    assert pre.cfg.qkv_bias and pre.cfg.tie_embeddings and pre.cfg.rope_theta == 5000.0
+    np.testing.assert_allclose(
+        _our_logits(pre, _TOKENS), _hf_logits(model, _TOKENS), atol=1e-4, rtol=0
+    )
+
+
+def test_sharded_safetensors_onto_tp_mesh(tmp_path, llama_dir):
+    _, model = llama_dir
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    shards = [f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]
+    assert len(shards) > 1 and (tmp_path / "model.safetensors.index.json").exists()
+    meshes = mesh_lib.make_meshes(mesh_lib.MeshConfig(generate_devices=2, instance_tp=2))
+    (inst,) = mesh_lib.instance_meshes(meshes.generate)
+    pre = load_pretrained(str(tmp_path), mesh=inst, role="generate")
+    q = pre.params["layers"]["q"][...]
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, None, "tp", None)
+    # Each device holds only its half of the heads.
+    assert {s.data.shape for s in q.addressable_shards} == {(2, 64, 2, 16)}
+    np.testing.assert_allclose(
+        _our_logits(pre, _TOKENS), _hf_logits(model, _TOKENS), atol=1e-4, rtol=0
+    )
+
+
+def test_bf16_params_load(llama_dir):
+    pre = load_pretrained(llama_dir[0], param_dtype="bfloat16", dtype="bfloat16")
+    assert pre.params["embed"][...].dtype == jnp.bfloat16
+    ref = _hf_logits(llama_dir[1], _TOKENS)
+    assert np.abs(_our_logits(pre, _TOKENS) - ref).max() < 0.1 * np.abs(ref).max()
+
+
+# ------------------------------------------------------------------ GGUF
+def _write_gguf(path: str, model, *, permute: bool = True, arch: str = "llama") -> None:
+    """Writes an F32 GGUF the way llama.cpp's converter lays a Llama model out."""
+    import gguf
+
+    c = model.config
+    sd = {k: v.numpy() for k, v in model.state_dict().items()}
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    names = {
+        "attn_norm": "input_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_norm": "post_attention_layernorm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+    for i in range(c.num_hidden_layers):
+        for g, h in names.items():
+            t = sd[f"model.layers.{i}.{h}.weight"]
+            if permute and g == "attn_q":
+                t = gguf_loader.permute_qk(t, c.num_attention_heads)
+            if permute and g == "attn_k":
+                t = gguf_loader.permute_qk(t, c.num_key_value_heads)
+            w.add_tensor(f"blk.{i}.{g}.weight", np.ascontiguousarray(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    model = _hf_model("llama")
+    path = str(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+    _write_gguf(path, model)
+    return path, model
+
+
+def test_permute_roundtrip():
+    w = np.arange(8 * 3 * 2 * 5, dtype=np.float32).reshape(48, 5)
+    p = gguf_loader.permute_qk(w, 3)
+    assert not np.array_equal(p, w)
+    np.testing.assert_array_equal(gguf_loader.unpermute_qk(p, 3), w)
+
+
+def test_gguf_logits_match_transformers(tiny_gguf):
+    path, model = tiny_gguf
+    pre = load_pretrained(path)
+    assert pre.tokenizer is None and not pre.cfg.tie_embeddings
+    np.testing.assert_allclose(
+        _our_logits(pre, _TOKENS), _hf_logits(model, _TOKENS), atol=1e-4, rtol=0
+    )
+
+
+def test_gguf_without_permutation_is_detected_as_different(tmp_path, tiny_gguf):
+    # Guards the parity test's power: skipping llama.cpp's q/k permutation must show.
+    _, model = tiny_gguf
+    path = str(tmp_path / "unpermuted.gguf")
+    _write_gguf(path, model, permute=False)
+    diff = np.abs(_our_logits(load_pretrained(path), _TOKENS) - _hf_logits(model, _TOKENS))
+    assert diff.max() > 1e-2
+
+
+# ------------------------------------------------------------------ bad input
+def test_missing_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothing_here"):
+        load_pretrained(str(tmp_path / "nothing_here"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_pretrained(str(tmp_path))
+
+
+def test_missing_weights(tmp_path, llama_dir):
+    shutil.copy(os.path.join(llama_dir[0], "config.json"), tmp_path)
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_pretrained(str(tmp_path))
+
+
+def test_truncated_safetensors(tmp_path, llama_dir):
+    shutil.copytree(llama_dir[0], tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="model.safetensors.*truncated"):
+        load_pretrained(str(tmp_path / "m"))
+    weights.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(ValueError, match="model.safetensors.*corrupt"):
+        load_pretrained(str(tmp_path / "m"))
+
+
+def test_truncated_gguf(tmp_path, tiny_gguf):
+    with open(tiny_gguf[0], "rb") as f:
+        data = f.read()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[: len(data) * 3 // 5])
+    with pytest.raises(ValueError, match="cut.gguf"):
+        load_pretrained(str(path))
+    path.write_bytes(b"not a gguf file")
+    with pytest.raises(ValueError, match="cut.gguf.*not a GGUF"):
+        load_pretrained(str(path))
+
+
+def test_unknown_architecture(tmp_path, llama_dir, tiny_gguf):
+    shutil.copytree(llama_dir[0], tmp_path / "m")
+    cfg_path = tmp_path / "m" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="config.json.*unknown architecture 'GPT2LMHeadModel'"):
+        load_pretrained(str(tmp_path / "m"))
+    path = str(tmp_path / "gpt2.gguf")
+    _write_gguf(path, tiny_gguf[1], arch="gpt2")
+    with pytest.raises(ValueError, match="gpt2.gguf.*unknown architecture.*'gpt2'"):
+        load_pretrained(path)
+
+
+def test_config_weights_shape_mismatch(tmp_path, llama_dir):
+    shutil.copytree(llama_dir[0], tmp_path / "m")
+    cfg_path = tmp_path / "m" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["intermediate_size"] = 96
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="'gate'.*config"):
+        load_pretrained(str(tmp_path / "m"))
+
+
+def test_unused_checkpoint_tensor_is_an_error(tmp_path, llama_dir):
+    _, model = llama_dir
+    model.config.mlp_bias = False
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state["model.layers.0.mlp.down_proj.bias"] = torch.zeros(64)
+    from safetensors.torch import save_file
+
+    shutil.copy(os.path.join(llama_dir[0], "config.json"), tmp_path)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="down_proj.bias"):
+        load_pretrained(str(tmp_path))
+
+
+# ------------------------------------------------------------------ sample
+def test_greedy_generate_matches_full_forward_argmax(llama_dir):
+    pre = load_pretrained(llama_dir[0])
+    prompts = [[5, 9, 3], [7, 1, 2, 8, 4, 6]]
+    out = sample.generate(pre.cfg, pre.graphdef, pre.params, prompts, max_new_tokens=5)
+    for prompt, new in zip(prompts, out, strict=True):
+        seq = list(prompt)
+        for _ in range(5):
+            seq.append(_next_token_greedy(pre, seq))
+        assert new == seq[len(prompt) :]
+    # A stop id ends the row early and is not returned.
+    (stopped,) = sample.generate(
+        pre.cfg, pre.graphdef, pre.params, prompts[:1], max_new_tokens=5, stop_ids=[out[0][2]]
+    )
+    assert stopped == out[0][: out[0].index(out[0][2])]
+
+
+def test_prompt_longer_than_context(llama_dir):
+    pre = load_pretrained(llama_dir[0])
+    with pytest.raises(ValueError, match="prompt length 70 .*context of 64"):
+        sample.generate(pre.cfg, pre.graphdef, pre.params, [[1] * 70], max_new_tokens=4)
+
+
+# ------------------------------------------------------------------ SmolLM2 (embedded default)
+@pytest.fixture(scope="module")
+def smol():
+    return load_pretrained(smollm2_gguf_path())
+
+
+_CHAT = [{"role": "user", "content": "What is 2+3?"}]
+
+
+def test_smollm2_config(smol):
+    cfg = smol.cfg
+    assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == (30, 576, 1536)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (9, 3, 64, 49152)
+    assert cfg.tie_embeddings and cfg.rope_theta == 100000.0 and cfg.eos_token_ids == (2,)
+    assert smol.tokenizer.eos_id == 2 and 2 in smol.tokenizer.stop_ids
+
+
+def test_smollm2_greedy_answers_5(smol):
+    answer = sample.complete_chat(smol, "What is 2+3?", max_new_tokens=24)
+    assert "5" in answer, answer
+
+
+@pytest.mark.slow
+def test_smollm2_logits_match_transformers_gguf(smol):
+    # transformers dequantises the same file itself (and undoes the q/k permutation its
+    # own way); both sides compute in float32 on identical dequantised weights.
+    directory, name = os.path.split(smollm2_gguf_path())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=name, dtype=torch.float32
+    ).eval()
+    ids = np.asarray([smol.tokenizer.encode_chat(_CHAT)], np.int32)
+    ref = _hf_logits(hf, ids)
+    ours = _our_logits(smol, ids)
+    diff = np.abs(ours - ref).max()
+    assert diff <= 1e-3, diff
+    assert (ours[0, -1].argmax()) == ref[0, -1].argmax()
