@@ -80,7 +80,8 @@ def permute_qk(w_RxC: np.ndarray, n_head: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(w_RxC.shape)
 
 
-def _open(path: str) -> Any:
+def open_gguf(path: str) -> Any:
+    """A `gguf.GGUFReader`; FileNotFoundError / ValueError naming `path`."""
     import gguf  # deferred: only GGUF users pay for the import
 
     if not os.path.isfile(path):
@@ -163,7 +164,7 @@ def read_gguf(path: str) -> GGUFContents:
     """
     import gguf
 
-    reader = _open(path)
+    reader = open_gguf(path)
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     cfg = config_from_metadata(meta, set(tensors), path)

@@ -128,8 +128,8 @@ class Tokenizer:
         eos = gen.get("eos_token_id")
         eos_ids = list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
         tok_eos = token_id(tok_cfg.get("eos_token"))
-        if tok_eos is not None and tok_eos not in eos_ids:
-            eos_ids.insert(0, tok_eos)
+        if tok_eos is not None:  # the tokenizer's own eos is the canonical (first) one
+            eos_ids = [tok_eos, *(i for i in eos_ids if i != tok_eos)]
         bos = gen.get("bos_token_id", token_id(tok_cfg.get("bos_token")))
         pad = gen.get("pad_token_id", token_id(tok_cfg.get("pad_token")))
         return cls(
@@ -139,6 +139,13 @@ class Tokenizer:
             pad_id=pad,
             chat_template=tok_cfg.get("chat_template"),
         )
+
+    @classmethod
+    def from_gguf(cls, path: str) -> Tokenizer:
+        """From a GGUF file's metadata (no weights are read)."""
+        from streamrl_jax.model import gguf_loader
+
+        return cls.from_gguf_metadata(gguf_loader.read_metadata(gguf_loader.open_gguf(path)), path)
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], source: str = "GGUF") -> Tokenizer:
