@@ -1,0 +1,429 @@
+"""One generation instance: fixed slots, bucketed prefill, decode chunks, continuous batching.
+
+The engine owns a KV cache of `num_slots` rows (its batch size) on one
+instance mesh. Each `step()` is one host round trip:
+
+1. apply a pending weight update (so weights only change between chunks);
+2. admit waiting requests into free slots (FIFO, or longest-predicted-first
+   "lpt"), prefilling them in batches of `prefill_batch` per prompt-length
+   bucket; each prefill also samples the request's first token;
+3. dispatch one decode chunk (up to `chunk_steps` tokens for every active
+   slot, sampling inside the loop, finished slots stop);
+4. fetch the prefill and chunk outputs in one `jax.device_get` and hand out
+   every sample that finished.
+
+With `refill=False` the same engine is the static-batch baseline: it admits a
+full batch only when every slot is free.
+
+Determinism: a request's tokens depend only on (weights, prompt, seed): token
+t is drawn with `fold_in(key(seed), t)`, prefill shapes depend only on the
+prompt's own length bucket, and the decode step has one shape. Samples are
+therefore identical whatever the slot, batch-mates or admission time (up to
+floating-point effects of a different matmul shape when two engines have
+different slot counts).
+
+Weights are a jit argument; `update_weights` swaps the reference (after a
+`device_put` onto this instance's sharding), never recompiling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from streamrl_jax.generation import slots as slots_lib
+from streamrl_jax.generation.sampling import request_key_data
+from streamrl_jax.generation.types import FINISH_REASONS, GenerationRequest, Sample, Timings
+from streamrl_jax.model import kv_cache
+from streamrl_jax.model.config import ModelConfig
+from streamrl_jax.sharding import GENERATE_RULES, logical_to_spec, state_shardings
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Static shape and policy of one engine.
+
+    Attributes:
+      num_slots: KV-cache rows = decode batch size.
+      max_prompt_length: longest accepted prompt.
+      max_total_length: prompt + response cap (KV-cache length); a sample that
+        reaches it finishes with reason "context".
+      chunk_steps: decode steps per host round trip.
+      prefill_batch: prompts per prefill call (padded to this size).
+      min_bucket: smallest prompt-length bucket; buckets double up to
+        `max_prompt_length` (the last bucket is `max_prompt_length`).
+      stop_ids: default stop ids for requests that set none.
+      max_stop_ids: per-request stop-id capacity on the device.
+      admission: "fifo" (submission order) or "lpt" (highest `priority` first,
+        i.e. longest predicted output first; ties in submission order).
+      refill: admit into freed slots as soon as they free (continuous
+        batching); False waits until every slot is free (static batching).
+    """
+
+    num_slots: int = 8
+    max_prompt_length: int = 64
+    max_total_length: int = 256
+    chunk_steps: int = 8
+    prefill_batch: int = 4
+    min_bucket: int = 16
+    stop_ids: tuple[int, ...] = ()
+    max_stop_ids: int = 4
+    admission: str = "fifo"
+    refill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_slots", "max_prompt_length", "chunk_steps", "prefill_batch"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be an int >= 1")
+        if self.max_total_length <= self.max_prompt_length:
+            raise ValueError(
+                f"EngineConfig.max_total_length ({self.max_total_length}) must exceed "
+                f"max_prompt_length ({self.max_prompt_length})"
+            )
+        if self.admission not in ("fifo", "lpt"):
+            raise ValueError(
+                f"EngineConfig.admission must be 'fifo' or 'lpt', not {self.admission!r}"
+            )
+        if len(self.stop_ids) > self.max_stop_ids:
+            raise ValueError("EngineConfig.stop_ids has more ids than max_stop_ids")
+
+    def buckets(self) -> tuple[int, ...]:
+        out, b = [], max(1, self.min_bucket)
+        while b < self.max_prompt_length:
+            out.append(b)
+            b *= 2
+        return (*out, self.max_prompt_length)
+
+
+@dataclasses.dataclass
+class _Running:
+    request: GenerationRequest
+    enqueue: float
+    admit: float
+    version: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logp: list[float] = dataclasses.field(default_factory=list)
+    slogp: list[float] = dataclasses.field(default_factory=list)
+
+
+class Engine:
+    """A generation instance on one ("tp",) mesh. Not thread-safe except
+    `update_weights`, which may be called from any thread."""
+
+    def __init__(
+        self,
+        graphdef: nnx.GraphDef,
+        params: nnx.State,
+        model_cfg: ModelConfig,
+        cfg: EngineConfig,
+        mesh: Mesh,
+        *,
+        instance_id: int = 0,
+        version: int = 0,
+    ):
+        if cfg.max_total_length > model_cfg.max_position_embeddings:
+            raise ValueError(
+                f"EngineConfig.max_total_length ({cfg.max_total_length}) exceeds the model "
+                f"context ({model_cfg.max_position_embeddings})"
+            )
+        self.cfg, self.model_cfg, self.mesh, self.instance_id = cfg, model_cfg, mesh, instance_id
+        self._repl = NamedSharding(mesh, PartitionSpec())
+        self._param_shardings = state_shardings(params, mesh, GENERATE_RULES)
+        self._param_sig = _signature(params)
+        self._params = jax.device_put(params, self._param_shardings)
+        self.version = version
+        self._pending_weights: tuple[nnx.State, int] | None = None
+        self._lock = threading.Lock()
+
+        kv_shape = (
+            model_cfg.num_layers,
+            cfg.num_slots,
+            cfg.max_total_length,
+            model_cfg.num_kv_heads,
+            model_cfg.head_dim,
+        )
+        kv_sh = NamedSharding(
+            mesh, logical_to_spec(kv_cache.KV_AXES, kv_shape, GENERATE_RULES, mesh, "kv_cache")
+        )
+        abstract = jax.eval_shape(self._init_state)
+        state_sh = jax.tree.map(lambda _: self._repl, abstract)
+        state_sh = state_sh.replace(cache=state_sh.cache.replace(k=kv_sh, v=kv_sh))
+        self._state = jax.jit(self._init_state, out_shardings=state_sh)()
+
+        self._prefill, self._chunk = _jitted(graphdef, cfg.chunk_steps, state_sh, self._repl)
+
+        self._seq = itertools.count()
+        self._queue: list[tuple[tuple[float, int], GenerationRequest, float]] = []
+        self._slots: list[_Running | None] = [None] * cfg.num_slots
+        self._metrics: dict[str, Any] = {"tokens": 0, "busy_s": 0.0, "chunks": 0, "timeline": []}
+
+    def _init_state(self) -> slots_lib.SlotState:
+        cache = kv_cache.init_cache(self.model_cfg, self.cfg.num_slots, self.cfg.max_total_length)
+        return slots_lib.init_slot_state(cache, self.cfg.max_stop_ids)
+
+    # ------------------------------------------------------------------ requests
+    def validate(self, req: GenerationRequest) -> None:
+        """Raises ValueError naming the field of a request this engine cannot serve."""
+        cfg, vocab = self.cfg, self.model_cfg.vocab_size
+        n = len(req.prompt)
+        if n == 0:
+            raise ValueError(f"request {req.request_id!r}: prompt is empty")
+        if n > cfg.max_prompt_length:
+            raise ValueError(
+                f"request {req.request_id!r}: prompt length {n} exceeds "
+                f"max_prompt_length {cfg.max_prompt_length}"
+            )
+        ids = np.asarray(req.prompt)
+        if not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(f"request {req.request_id!r}: prompt has ids outside [0, {vocab})")
+        if not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 1:
+            raise ValueError(
+                f"request {req.request_id!r}: max_new_tokens must be an int >= 1, "
+                f"got {req.max_new_tokens!r}"
+            )
+        if req.forced_length is not None and (
+            not isinstance(req.forced_length, int)
+            or req.forced_length < 1
+            or n + req.forced_length > cfg.max_total_length
+        ):
+            raise ValueError(
+                f"request {req.request_id!r}: forced_length {req.forced_length!r} must be >= 1 "
+                f"with prompt + forced_length <= max_total_length {cfg.max_total_length}"
+            )
+        if not isinstance(req.seed, int | np.integer):
+            raise ValueError(f"request {req.request_id!r}: seed must be an int")
+        if not math.isfinite(req.priority):
+            raise ValueError(f"request {req.request_id!r}: priority must be finite")
+        try:
+            req.sampling.validate(vocab, cfg.max_stop_ids)
+        except ValueError as e:
+            raise ValueError(f"request {req.request_id!r}: {e}") from None
+
+    def submit(self, requests: Sequence[GenerationRequest], enqueue_time: float | None = None):
+        """Validates every request (all or none are queued), then queues them."""
+        for r in requests:
+            self.validate(r)
+        now = time.time() if enqueue_time is None else enqueue_time
+        for r in requests:
+            seq = next(self._seq)
+            key = (-r.priority if self.cfg.admission == "lpt" else 0.0, seq)
+            heapq.heappush(self._queue, (key, r, now))
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._queue)
+
+    @property
+    def num_running(self) -> int:
+        return sum(s is not None for s in self._slots)
+
+    def has_work(self) -> bool:
+        return bool(self._queue) or self.num_running > 0
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, params: nnx.State, version: int) -> None:
+        """Queues new weights (same structure, shapes, dtypes); applied before the next chunk."""
+        if _signature(params) != self._param_sig:
+            raise ValueError(
+                f"instance {self.instance_id}: update_weights params differ in structure, "
+                "shape or dtype from the engine's weights"
+            )
+        placed = jax.device_put(params, self._param_shardings)
+        with self._lock:
+            self._pending_weights = (placed, int(version))
+
+    def _apply_pending_weights(self) -> None:
+        with self._lock:
+            pending, self._pending_weights = self._pending_weights, None
+        if pending is not None:
+            self._params, self.version = pending
+            logging.info("instance %d: weights version %d", self.instance_id, self.version)
+
+    @property
+    def param_shardings(self) -> Any:
+        """The NamedShardings (an nnx.State) this instance keeps its weights in."""
+        return self._param_shardings
+
+    def compile_count(self) -> int:
+        """Compiled executables of prefill (one per bucket) and decode chunk (shared with
+        engines of equal statics, see `_jitted`)."""
+        return self._prefill._cache_size() + self._chunk._cache_size()
+
+    # ------------------------------------------------------------------ host loop
+    def _admit(self) -> list[tuple[list[int], slots_lib.PrefillOut]]:
+        free = [i for i, s in enumerate(self._slots) if s is None]
+        if not self.cfg.refill and len(free) < self.cfg.num_slots:
+            return []
+        take = []
+        while self._queue and len(take) < len(free):
+            _, req, enq = heapq.heappop(self._queue)
+            take.append((free[len(take)], req, enq))
+        now = time.time()
+        by_bucket: dict[int, list[tuple[int, GenerationRequest]]] = {}
+        buckets = self.cfg.buckets()
+        for slot, req, enq in take:
+            self._slots[slot] = _Running(req, enq, now, self.version)
+            bucket = next(b for b in buckets if b >= len(req.prompt))
+            by_bucket.setdefault(bucket, []).append((slot, req))
+        outs = []
+        nb = self.cfg.prefill_batch
+        for bucket, rows in sorted(by_bucket.items()):
+            for i in range(0, len(rows), nb):
+                group = rows[i : i + nb]
+                adm = jax.device_put(self._admission(group, bucket), self._repl)
+                self._state, out = self._prefill(self._params, self._state, adm)
+                outs.append(([slot for slot, _ in group], out))
+        return outs
+
+    def _admission(self, rows: list[tuple[int, GenerationRequest]], p: int) -> slots_lib.Admission:
+        n, x = self.cfg.prefill_batch, self.cfg.max_stop_ids
+        tokens = np.zeros((n, p), np.int32)
+        lengths = np.ones((n,), np.int32)
+        slot_ids = np.full((n,), self.cfg.num_slots, np.int32)  # out of range: dropped
+        limit = np.ones((n,), np.int32)
+        forced = np.zeros((n,), bool)
+        keys = np.zeros((n, 2), np.uint32)
+        temp, top_p = np.zeros((n,), np.float32), np.ones((n,), np.float32)
+        top_k = np.zeros((n,), np.int32)
+        stops = np.full((n, x), -1, np.int32)
+        for i, (slot, r) in enumerate(rows):
+            tokens[i, : len(r.prompt)] = r.prompt
+            lengths[i], slot_ids[i] = len(r.prompt), slot
+            forced[i] = r.forced_length is not None
+            limit[i] = r.forced_length if forced[i] else r.max_new_tokens
+            keys[i] = request_key_data(r.seed)
+            s = r.sampling
+            temp[i], top_k[i], top_p[i] = s.temperature, s.top_k, s.top_p
+            ids = s.stop_ids or self.cfg.stop_ids
+            stops[i, : len(ids)] = ids
+        return slots_lib.Admission(
+            tokens=tokens,
+            lengths=lengths,
+            slots=slot_ids,
+            limit=limit,
+            forced=forced,
+            key_data=keys,
+            temperature=temp,
+            top_k=top_k,
+            top_p=top_p,
+            stop_ids=stops,
+        )
+
+    def step(self) -> list[Sample]:
+        """One host round trip: admit, one decode chunk, return the finished samples."""
+        t0 = time.time()
+        self._apply_pending_weights()
+        prefills = self._admit()
+        if self.num_running == 0:
+            return []
+        self._state, chunk = self._chunk(self._params, self._state)
+        # The one deliberate sync point per chunk: the host needs the done flags.
+        prefills_h, chunk_h = jax.device_get(([o for _, o in prefills], chunk))
+        done: list[Sample] = []
+        emitted = 0
+        for (slot_ids, _), out in zip(prefills, prefills_h, strict=True):
+            for i, slot in enumerate(slot_ids):
+                run = self._slots[slot]
+                run.tokens.append(int(out.tokens[i]))
+                run.logp.append(float(out.logp[i]))
+                run.slogp.append(float(out.sampling_logp[i]))
+                emitted += 1
+                if out.reason[i]:
+                    done.append(self._finish(slot, int(out.reason[i])))
+        for slot, run in enumerate(self._slots):
+            if run is None:
+                continue
+            e = int(chunk_h.emitted[slot])
+            run.tokens.extend(chunk_h.tokens[slot, :e].tolist())
+            run.logp.extend(chunk_h.logp[slot, :e].tolist())
+            run.slogp.extend(chunk_h.sampling_logp[slot, :e].tolist())
+            emitted += e
+            if chunk_h.reason[slot]:
+                done.append(self._finish(slot, int(chunk_h.reason[slot])))
+        t1 = time.time()
+        m = self._metrics
+        m["tokens"] += emitted
+        m["busy_s"] += t1 - t0
+        m["chunks"] += 1
+        m["timeline"].append((t1, self.num_running + len(done), len(self._queue), emitted))
+        return done
+
+    def _finish(self, slot: int, code: int) -> Sample:
+        run = self._slots[slot]
+        self._slots[slot] = None
+        r = run.request
+        return Sample(
+            request_id=r.request_id,
+            prompt=np.asarray(r.prompt, np.int32),
+            response=np.asarray(run.tokens, np.int32),
+            logprobs=np.asarray(run.logp, np.float32),
+            sampling_logprobs=np.asarray(run.slogp, np.float32),
+            finish_reason=FINISH_REASONS[code - 1],
+            policy_version=run.version,
+            last_policy_version=self.version,
+            instance_id=self.instance_id,
+            timings=Timings(enqueue=run.enqueue, admit=run.admit, finish=time.time()),
+            metadata=dict(r.metadata),
+        )
+
+    def run(self, requests: Sequence[GenerationRequest] = ()) -> list[Sample]:
+        """Submits `requests` and steps until idle; samples in completion order."""
+        self.submit(requests)
+        out: list[Sample] = []
+        while self.has_work():
+            out.extend(self.step())
+        return out
+
+    def metrics(self) -> dict[str, Any]:
+        """Tokens, busy time, tokens/s and the (time, running, queued, tokens) timeline."""
+        m = dict(self._metrics)
+        m["timeline"] = list(m["timeline"])
+        m["tokens_per_s"] = m["tokens"] / m["busy_s"] if m["busy_s"] else 0.0
+        occ = [row[1] for row in m["timeline"]]
+        m["mean_occupancy"] = float(np.mean(occ)) / self.cfg.num_slots if occ else 0.0
+        return m
+
+
+_JITTED: dict[Any, tuple[Any, Any]] = {}
+
+
+def _jitted(graphdef: nnx.GraphDef, steps: int, state_sh: Any, repl: NamedSharding):
+    """The jitted prefill and decode chunk, shared by engines with equal statics.
+
+    Engines of the same model, chunk length and placement reuse one jit cache,
+    so e.g. a static-batch baseline engine next to a continuous one compiles
+    nothing new.
+    """
+    leaves, tree = jax.tree.flatten(state_sh)
+    key = (graphdef, steps, tuple(leaves), tree, repl)
+    if key not in _JITTED:
+
+        def prefill(params, state, adm):
+            return slots_lib.prefill_into_slots(nnx.merge(graphdef, params), state, adm)
+
+        def chunk(params, state):
+            return slots_lib.decode_chunk(nnx.merge(graphdef, params), state, steps)
+
+        out_sh = (state_sh, repl)
+        _JITTED[key] = (
+            jax.jit(prefill, donate_argnums=1, out_shardings=out_sh),
+            jax.jit(chunk, donate_argnums=1, out_shardings=out_sh),
+        )
+    return _JITTED[key]
+
+
+def _signature(params: Any) -> Any:
+    leaves, tree = jax.tree.flatten(params)
+    return tree, tuple((tuple(x.shape), np.dtype(x.dtype)) for x in leaves)

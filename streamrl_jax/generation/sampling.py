@@ -1,0 +1,101 @@
+"""Per-slot token sampling: greedy, temperature, top-k and top-p, with behaviour log-probs.
+
+Every slot carries its own sampling parameters and its own request key, so one
+jitted decode step serves a batch of unrelated requests. Token t of a request
+is drawn with `fold_in(request_key, t)`: the draw depends only on the
+request's seed and the token index, never on the slot, the batch-mates or the
+time of admission.
+
+Two log-probs are returned per token:
+
+* `model_logp`: log_softmax(logits)[token], the *unmodified* model
+  distribution (temperature 1, no filtering). This is the behaviour log-prob
+  the trainer's importance ratio uses, because it is what
+  `Llama.token_logprobs` recomputes for the same weights.
+* `sampling_logp`: the log-prob under the distribution actually sampled from
+  (after temperature and top-k/top-p); 0 for greedy rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_MASK = 0xFFFFFFFF
+
+
+def request_key_data(seed: int) -> np.ndarray:
+    """Threefry key data u32[2] of a request seed (= `jax.random.PRNGKey(seed)` for
+    seeds below 2**32; 64-bit seeds keep their high word)."""
+    seed = int(seed)
+    return np.array([(seed >> 32) & _MASK, seed & _MASK], dtype=np.uint32)
+
+
+def _filter(scaled_BxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
+    """Sets logits outside each row's top-k, then top-p, set to -inf."""
+    v = scaled_BxV.shape[-1]
+    sorted_BxV = -jnp.sort(-scaled_BxV, axis=-1)  # descending
+    k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, v), v)
+    kth_Bx1 = jnp.take_along_axis(sorted_BxV, (k_B - 1)[:, None], axis=-1)
+    sorted_k = jnp.where(sorted_BxV >= kth_Bx1, sorted_BxV, -jnp.inf)
+    probs = jax.nn.softmax(sorted_k, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = (mass_before < top_p_B[:, None]) & jnp.isfinite(sorted_k)  # a prefix, >= 1 entry
+    n_keep_B = jnp.maximum(jnp.sum(keep, axis=-1), 1)
+    thr_Bx1 = jnp.take_along_axis(sorted_BxV, (n_keep_B - 1)[:, None], axis=-1)
+    thr_Bx1 = jnp.maximum(thr_Bx1, kth_Bx1)
+    return jnp.where(scaled_BxV >= thr_Bx1, scaled_BxV, -jnp.inf)
+
+
+def sampling_logits(
+    logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array
+) -> jax.Array:
+    """The logits of the sampling distribution: filter(logits / temperature).
+
+    Rows with temperature 0 (greedy) are only filtered, never divided. The sort
+    behind top-k/top-p runs only when some row asks for a filter.
+    """
+    temp_B = jnp.where(temperature_B > 0, temperature_B, 1.0)
+    scaled = logits_BxV.astype(jnp.float32) / temp_B[:, None]
+    needs_filter = jnp.any((top_k_B > 0) | (top_p_B < 1.0))
+    return jax.lax.cond(needs_filter, _filter, lambda s, k, p: s, scaled, top_k_B, top_p_B)
+
+
+def sample_tokens(
+    logits_BxV: jax.Array,
+    key_data_Bx2: jax.Array,
+    position_B: jax.Array,
+    temperature_B: jax.Array,
+    top_k_B: jax.Array,
+    top_p_B: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Draws one token per row.
+
+    Args:
+      logits_BxV: f32 next-token logits of the model.
+      key_data_Bx2: u32 threefry key data of each row's request.
+      position_B: i32 index of the token being drawn within its response.
+      temperature_B: f32, 0 = greedy.
+      top_k_B: i32, 0 = off.
+      top_p_B: f32 in (0, 1], 1 = off.
+
+    Returns:
+      (tokens i32[B], model_logp f32[B], sampling_logp f32[B]); see the module
+      docstring for the two log-probs.
+    """
+    logits = logits_BxV.astype(jnp.float32)
+    model_logp_BxV = jax.nn.log_softmax(logits, axis=-1)
+    filtered_BxV = sampling_logits(logits, temperature_B, top_k_B, top_p_B)
+
+    def draw(key_data, position, row):
+        key = jax.random.fold_in(jax.random.wrap_key_data(key_data), position)
+        return jax.random.categorical(key, row)
+
+    drawn_B = jax.vmap(draw)(key_data_Bx2, position_B, filtered_BxV)
+    greedy_B = temperature_B <= 0
+    tokens_B = jnp.where(greedy_B, jnp.argmax(logits, axis=-1), drawn_B).astype(jnp.int32)
+    pick = lambda lp: jnp.take_along_axis(lp, tokens_B[:, None], axis=-1)[:, 0]
+    model_logp_B = pick(model_logp_BxV)
+    sampling_logp_B = jnp.where(greedy_B, 0.0, pick(jax.nn.log_softmax(filtered_BxV, axis=-1)))
+    return tokens_B, model_logp_B, sampling_logp_B

@@ -1,0 +1,295 @@
+"""The Stream Generation Service (SGS): N engines, one thread each, one output stream.
+
+Each instance is an `Engine` on its own ("tp",) mesh cut from the generation
+mesh, with its own `EngineConfig` (so a long-tail instance can run a small
+batch). `submit(requests, instances)` sends each request to its target
+instance (round-robin by default; the skew-aware dispatcher chooses later);
+the instance admits its queue in its own order (FIFO or LPT). Every finished
+sample goes into one bounded `SampleQueue` in completion order, the moment its
+instance's chunk returns.
+
+Failure and shutdown: an exception in an instance thread is recorded and
+raised to the consumer by its next `get` as `InstanceError` naming the
+instance; `close(timeout)` stops the threads, joins them with a timeout and
+raises `TimeoutError` naming any instance that did not stop. Every blocking
+wait here is a timed wait.
+
+On CPU, XLA runs every device of a process on one thread pool, so instance
+threads interleave rather than overlap (DESIGN.md §5); correctness does not
+depend on it.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from absl import logging
+from flax import nnx
+from jax.sharding import Mesh
+
+from streamrl_jax.generation.engine import Engine, EngineConfig
+from streamrl_jax.generation.types import GenerationRequest, Sample
+from streamrl_jax.model.config import ModelConfig
+
+
+class InstanceError(RuntimeError):
+    """A generation instance's thread raised; the original exception is chained."""
+
+
+class StreamClosed(RuntimeError):
+    """The sample stream was closed and holds no more samples."""
+
+
+class SampleQueue:
+    """Bounded, thread-safe, closeable FIFO of samples with failure propagation."""
+
+    def __init__(self, capacity: int, name: str = "sgs"):
+        if capacity < 1:
+            raise ValueError(f"{name}: capacity must be >= 1, got {capacity}")
+        self.name, self.capacity = name, capacity
+        self._items: collections.deque[Sample] = collections.deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._error: tuple[str, BaseException] | None = None
+
+    def put(self, sample: Sample, timeout: float) -> bool:
+        """Appends a sample; False if still full after `timeout` s (or closed)."""
+        with self._cv:
+            ok = self._cv.wait_for(
+                lambda: self._closed or len(self._items) < self.capacity, timeout=timeout
+            )
+            if not ok or self._closed:
+                return False
+            self._items.append(sample)
+            self._cv.notify_all()
+            return True
+
+    def get(self, timeout: float) -> Sample:
+        """Next sample in completion order.
+
+        Raises:
+          InstanceError: an instance failed (raised before any queued sample).
+          StreamClosed: closed and drained.
+          TimeoutError: nothing arrived within `timeout` seconds.
+        """
+        with self._cv:
+            ready = self._cv.wait_for(
+                lambda: self._error or self._items or self._closed, timeout=timeout
+            )
+            if self._error is not None:
+                who, exc = self._error
+                raise InstanceError(f"{self.name}: generation {who} failed: {exc!r}") from exc
+            if self._items:
+                sample = self._items.popleft()
+                self._cv.notify_all()
+                return sample
+            if self._closed:
+                raise StreamClosed(f"{self.name}: sample stream is closed")
+            assert not ready
+            raise TimeoutError(f"{self.name}: no sample within {timeout} s")
+
+    def fail(self, who: str, exc: BaseException) -> None:
+        with self._cv:
+            if self._error is None:
+                self._error = (who, exc)
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    def __len__(self) -> int:
+        with self._cv:
+            return len(self._items)
+
+
+class GenerationService:
+    """N generation instances behind `submit` / `get` / `update_weights` / `close`."""
+
+    def __init__(
+        self,
+        graphdef: nnx.GraphDef,
+        params: nnx.State,
+        model_cfg: ModelConfig,
+        meshes: Sequence[Mesh],
+        engine_cfgs: EngineConfig | Sequence[EngineConfig],
+        *,
+        version: int = 0,
+        capacity: int = 4096,
+        poll_s: float = 0.05,
+        name: str = "sgs",
+    ):
+        """Builds one engine per mesh and starts its thread.
+
+        Args:
+          graphdef, params: the model; params are placed on every instance.
+          model_cfg: the model's config.
+          meshes: one ("tp",) mesh per instance (`mesh.instance_meshes`).
+          engine_cfgs: one config for all instances, or one per instance.
+          version: policy version of `params`.
+          capacity: bound of the output sample queue (back-pressure).
+          poll_s: the period of every timed wait inside the instance threads.
+          name: used in errors and logs.
+        """
+        if isinstance(engine_cfgs, EngineConfig):
+            engine_cfgs = [engine_cfgs] * len(meshes)
+        if len(engine_cfgs) != len(meshes) or not meshes:
+            raise ValueError(
+                f"{name}: need one EngineConfig per instance mesh "
+                f"({len(engine_cfgs)} configs for {len(meshes)} meshes)"
+            )
+        self.name, self.poll_s = name, poll_s
+        self.engines = [
+            Engine(graphdef, params, model_cfg, c, m, instance_id=i, version=version)
+            for i, (c, m) in enumerate(zip(engine_cfgs, meshes, strict=True))
+        ]
+        self.queue = SampleQueue(capacity, name)
+        self._inboxes: list[collections.deque] = [collections.deque() for _ in self.engines]
+        self._wake = [threading.Event() for _ in self.engines]
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._round_robin = itertools.cycle(range(len(self.engines)))
+        self._submitted = self._delivered = 0
+        self._threads = [
+            threading.Thread(target=self._loop, args=(i,), name=f"{name}-instance-{i}", daemon=True)
+            for i in range(len(self.engines))
+        ]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def num_instances(self) -> int:
+        return len(self.engines)
+
+    def param_shardings(self) -> list[Any]:
+        """Per instance, the NamedShardings its weights live in (for weight sync)."""
+        return [e.param_shardings for e in self.engines]
+
+    # ------------------------------------------------------------------ client API
+    def submit(
+        self, requests: Sequence[GenerationRequest], instances: Sequence[int] | None = None
+    ) -> None:
+        """Queues requests on their target instances (all validated before any is queued).
+
+        Args:
+          requests: in admission order (each instance keeps this order for FIFO).
+          instances: target instance per request; None = round-robin.
+
+        Raises:
+          ValueError: naming the request and field, or an unknown instance.
+        """
+        if self._stop.is_set():
+            raise StreamClosed(f"{self.name}: submit after close")
+        if instances is None:
+            with self._lock:
+                instances = [next(self._round_robin) for _ in requests]
+        if len(instances) != len(requests):
+            raise ValueError(
+                f"{self.name}: instances has {len(instances)} entries for {len(requests)} requests"
+            )
+        for r, i in zip(requests, instances, strict=True):
+            if not isinstance(i, int) or not 0 <= i < len(self.engines):
+                raise ValueError(
+                    f"{self.name}: request {r.request_id!r}: unknown instance {i!r} "
+                    f"(the service has instances 0..{len(self.engines) - 1})"
+                )
+            self.engines[i].validate(r)
+        now = time.time()
+        with self._lock:
+            self._submitted += len(requests)
+            for r, i in zip(requests, instances, strict=True):
+                self._inboxes[i].append((r, now))
+        for i in set(instances):
+            self._wake[i].set()
+
+    def get(self, timeout: float) -> Sample:
+        """The next completed sample (see `SampleQueue.get` for the errors)."""
+        sample = self.queue.get(timeout)
+        with self._lock:
+            self._delivered += 1
+        return sample
+
+    @property
+    def pending(self) -> int:
+        """Submitted samples not yet returned by `get`."""
+        with self._lock:
+            return self._submitted - self._delivered
+
+    def update_weights(self, params: nnx.State | Sequence[nnx.State], version: int) -> None:
+        """New weights for every instance (one tree, or one per instance already placed),
+        applied by each instance before its next decode chunk."""
+        per = list(params) if isinstance(params, list | tuple) else [params] * len(self.engines)
+        if len(per) != len(self.engines):
+            raise ValueError(
+                f"{self.name}: {len(per)} param trees for {len(self.engines)} instances"
+            )
+        for engine, p in zip(self.engines, per, strict=True):
+            engine.update_weights(p, version)
+        for w in self._wake:
+            w.set()
+
+    def metrics(self) -> dict[int, dict[str, Any]]:
+        """Per instance: tokens, busy_s, tokens_per_s, mean_occupancy, queue_length, and
+        the (time, running slots, queued, tokens) timeline of its chunks."""
+        out = {}
+        for i, e in enumerate(self.engines):
+            m = e.metrics()
+            m["queue_length"] = len(self._inboxes[i]) + e.queue_length
+            m["num_slots"] = e.cfg.num_slots
+            out[i] = m
+        return out
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stops every instance and closes the stream (queued samples stay readable).
+
+        Raises:
+          TimeoutError: naming the instances whose thread did not stop in time.
+        """
+        self._stop.set()
+        for w in self._wake:
+            w.set()
+        deadline = time.monotonic() + timeout
+        stalled = []
+        for i, t in enumerate(self._threads):
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                stalled.append(f"instance {i} ({t.name})")
+        self.queue.close()
+        if stalled:
+            raise TimeoutError(
+                f"{self.name}: did not stop within {timeout} s: {', '.join(stalled)}"
+            )
+
+    def __enter__(self) -> GenerationService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ instance threads
+    def _loop(self, i: int) -> None:
+        engine, inbox, wake = self.engines[i], self._inboxes[i], self._wake[i]
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    batch = list(inbox)
+                    inbox.clear()
+                for r, t in batch:
+                    engine.submit([r], enqueue_time=t)
+                if not engine.has_work():
+                    wake.wait(self.poll_s)
+                    wake.clear()
+                    continue
+                for sample in engine.step():
+                    while not self.queue.put(sample, timeout=self.poll_s):
+                        if self._stop.is_set():
+                            return
+        except BaseException as e:  # noqa: BLE001 - reported to the consumer, never swallowed
+            logging.exception("%s: instance %d failed", self.name, i)
+            self.queue.fail(f"instance {i}", e)

@@ -1,0 +1,208 @@
+"""Device side of the engine: the slot-state pytree, prefill-into-slots and the decode chunk.
+
+A *slot* is one row of the KV cache plus the per-request state needed to keep
+sampling it (last token, counts, sampling parameters, key, stop ids). Both
+functions here are pure and are jitted by the engine with the weights as an
+argument and the slot state donated:
+
+* `prefill_into_slots(model, state, admission)`: runs N right-padded prompts,
+  writes them into their slots, samples each first response token.
+* `decode_chunk(model, state, steps)`: advances every active slot up to
+  `steps` tokens inside one `lax.while_loop` (exits early once no slot is
+  active); a slot that finishes stops there and keeps its tokens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from streamrl_jax.generation.sampling import sample_tokens
+from streamrl_jax.model.kv_cache import KVCache
+from streamrl_jax.model.llama import Llama
+
+# Finish codes on the device: 0 = running (or free), 1 + FINISH_REASONS index.
+STOP, LENGTH, CONTEXT, FORCED = 1, 2, 3, 4
+
+
+@struct.dataclass
+class SlotState:
+    """Everything the decode loop needs per slot (B slots, S max total length)."""
+
+    cache: KVCache  # k/v [L, B, S, K, D]; lengths i32[B] = position of last_token
+    last_token: jax.Array  # i32[B] last sampled token, the next decode input
+    active: jax.Array  # bool[B] still generating
+    num_generated: jax.Array  # i32[B] response tokens sampled so far
+    prompt_len: jax.Array  # i32[B]
+    limit: jax.Array  # i32[B] max_new_tokens, or the forced length
+    forced: jax.Array  # bool[B] forced length: ignore stop ids
+    key_data: jax.Array  # u32[B, 2] request key
+    temperature: jax.Array  # f32[B]
+    top_k: jax.Array  # i32[B]
+    top_p: jax.Array  # f32[B]
+    stop_ids: jax.Array  # i32[B, X] padded with -1
+    reason: jax.Array  # i32[B] finish code, 0 while running
+
+
+@struct.dataclass
+class Admission:
+    """N requests to prefill (rows with slot >= B are padding and are dropped)."""
+
+    tokens: jax.Array  # i32[N, P] right-padded prompts
+    lengths: jax.Array  # i32[N] prompt lengths
+    slots: jax.Array  # i32[N] destination slot
+    limit: jax.Array  # i32[N]
+    forced: jax.Array  # bool[N]
+    key_data: jax.Array  # u32[N, 2]
+    temperature: jax.Array  # f32[N]
+    top_k: jax.Array  # i32[N]
+    top_p: jax.Array  # f32[N]
+    stop_ids: jax.Array  # i32[N, X]
+
+
+@struct.dataclass
+class ChunkOut:
+    """Tokens of one decode chunk; slot b's are columns [0, emitted[b])."""
+
+    tokens: jax.Array  # i32[B, C]
+    logp: jax.Array  # f32[B, C] model log-probs
+    sampling_logp: jax.Array  # f32[B, C]
+    emitted: jax.Array  # i32[B]
+    reason: jax.Array  # i32[B] finish code after the chunk
+
+
+@struct.dataclass
+class PrefillOut:
+    """First response token of each admitted row."""
+
+    tokens: jax.Array  # i32[N]
+    logp: jax.Array  # f32[N]
+    sampling_logp: jax.Array  # f32[N]
+    reason: jax.Array  # i32[N]
+
+
+def init_slot_state(cache: KVCache, max_stop_ids: int) -> SlotState:
+    """All slots free; call under jit with out_shardings to place it."""
+    b = cache.num_slots
+    zi = jnp.zeros((b,), jnp.int32)
+    return SlotState(
+        cache=cache,
+        last_token=zi,
+        active=jnp.zeros((b,), bool),
+        num_generated=zi,
+        prompt_len=zi,
+        limit=zi,
+        forced=jnp.zeros((b,), bool),
+        key_data=jnp.zeros((b, 2), jnp.uint32),
+        temperature=jnp.zeros((b,), jnp.float32),
+        top_k=zi,
+        top_p=jnp.ones((b,), jnp.float32),
+        stop_ids=jnp.full((b, max_stop_ids), -1, jnp.int32),
+        reason=zi,
+    )
+
+
+def _finish_code(
+    token_B: jax.Array,
+    n_after_B: jax.Array,
+    prompt_len_B: jax.Array,
+    limit_B: jax.Array,
+    forced_B: jax.Array,
+    stop_ids_BxX: jax.Array,
+    max_total: int,
+) -> jax.Array:
+    """Finish code after appending `token_B` as response token number `n_after_B`."""
+    at_limit = n_after_B >= limit_B
+    is_stop = ~forced_B & jnp.any(token_B[:, None] == stop_ids_BxX, axis=-1)
+    context = prompt_len_B + n_after_B >= max_total
+    code = jnp.where(context, CONTEXT, 0)
+    code = jnp.where(~forced_B & at_limit, LENGTH, code)
+    code = jnp.where(is_stop, STOP, code)
+    return jnp.where(forced_B & at_limit, FORCED, code).astype(jnp.int32)
+
+
+def prefill_into_slots(
+    model: Llama, state: SlotState, adm: Admission
+) -> tuple[SlotState, PrefillOut]:
+    """Prefills the admitted prompts into their slots and samples their first token."""
+    logits_NxV, cache = model.prefill(adm.tokens, adm.lengths, state.cache, adm.slots)
+    zeros_N = jnp.zeros_like(adm.lengths)
+    tok, logp, slogp = sample_tokens(
+        logits_NxV, adm.key_data, zeros_N, adm.temperature, adm.top_k, adm.top_p
+    )
+    code = _finish_code(
+        tok,
+        zeros_N + 1,
+        adm.lengths,
+        adm.limit,
+        adm.forced,
+        adm.stop_ids,
+        cache.max_length,
+    )
+
+    def put(dst: jax.Array, src: jax.Array) -> jax.Array:
+        return dst.at[adm.slots].set(src.astype(dst.dtype), mode="drop")
+
+    state = SlotState(
+        cache=cache,
+        last_token=put(state.last_token, tok),
+        active=put(state.active, code == 0),
+        num_generated=put(state.num_generated, zeros_N + 1),
+        prompt_len=put(state.prompt_len, adm.lengths),
+        limit=put(state.limit, adm.limit),
+        forced=put(state.forced, adm.forced),
+        key_data=put(state.key_data, adm.key_data),
+        temperature=put(state.temperature, adm.temperature),
+        top_k=put(state.top_k, adm.top_k),
+        top_p=put(state.top_p, adm.top_p),
+        stop_ids=put(state.stop_ids, adm.stop_ids),
+        reason=put(state.reason, code),
+    )
+    return state, PrefillOut(tokens=tok, logp=logp, sampling_logp=slogp, reason=code)
+
+
+def decode_chunk(model: Llama, state: SlotState, steps: int) -> tuple[SlotState, ChunkOut]:
+    """Advances every active slot by up to `steps` tokens (sampling inside the loop)."""
+    b = state.last_token.shape[0]
+    max_total = state.cache.max_length
+    buf_i = jnp.zeros((b, steps), jnp.int32)
+    buf_f = jnp.zeros((b, steps), jnp.float32)
+
+    def cond(carry):
+        step, st, _ = carry
+        return (step < steps) & jnp.any(st.active)
+
+    def body(carry):
+        step, st, (tok_buf, logp_buf, slogp_buf) = carry
+        logits_BxV, cache = model.decode(st.last_token, st.cache, st.active)
+        tok, logp, slogp = sample_tokens(
+            logits_BxV, st.key_data, st.num_generated, st.temperature, st.top_k, st.top_p
+        )
+        act = st.active
+        n_after = st.num_generated + 1
+        code = _finish_code(
+            tok, n_after, st.prompt_len, st.limit, st.forced, st.stop_ids, max_total
+        )
+        tok_buf = tok_buf.at[:, step].set(jnp.where(act, tok, 0))
+        logp_buf = logp_buf.at[:, step].set(jnp.where(act, logp, 0.0))
+        slogp_buf = slogp_buf.at[:, step].set(jnp.where(act, slogp, 0.0))
+        st = st.replace(
+            cache=cache,
+            last_token=jnp.where(act, tok, st.last_token),
+            num_generated=jnp.where(act, n_after, st.num_generated),
+            reason=jnp.where(act, code, st.reason),
+            active=act & (code == 0),
+        )
+        return step + 1, st, (tok_buf, logp_buf, slogp_buf)
+
+    init = (jnp.zeros((), jnp.int32), state, (buf_i, buf_f, buf_f))
+    _, new, (tok_buf, logp_buf, slogp_buf) = jax.lax.while_loop(cond, body, init)
+    out = ChunkOut(
+        tokens=tok_buf,
+        logp=logp_buf,
+        sampling_logp=slogp_buf,
+        emitted=new.num_generated - state.num_generated,
+        reason=new.reason,
+    )
+    return new, out

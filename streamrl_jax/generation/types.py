@@ -1,0 +1,145 @@
+"""Host-side datatypes of the generation engine: requests in, samples out.
+
+`GenerationRequest` is what a caller (the dispatcher, a benchmark) hands to an
+engine or to the `GenerationService`; `Sample` is what comes back, one per
+request, the moment its last token is sampled. Both are plain frozen host
+dataclasses: they never cross a jit boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+FinishReason = Literal["stop", "length", "context", "forced"]
+# Device-side finish codes (0 = still running), shared with the engine.
+FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "context", "forced")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How the next token is drawn from the model's logits.
+
+    The sampling distribution is softmax(filter(logits / temperature)), where
+    `filter` keeps the `top_k` largest logits (ties at the k-th value are kept)
+    and then the smallest prefix of the sorted, renormalised distribution whose
+    mass reaches `top_p` (the token that crosses `top_p` is kept).
+
+    Attributes:
+      temperature: 0 means greedy (argmax of the unmodified logits); > 0 divides
+        the logits before filtering and sampling.
+      top_k: keep the k most likely tokens; 0 disables the filter.
+      top_p: nucleus mass in (0, 1]; 1 disables the filter.
+      stop_ids: token ids that end a sample (included in the response); empty
+        means the engine's default stop ids.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def greedy(cls, stop_ids: Sequence[int] = ()) -> SamplingParams:
+        return cls(temperature=0.0, stop_ids=tuple(stop_ids))
+
+    def validate(self, vocab_size: int, max_stop_ids: int) -> None:
+        """Raises ValueError naming the offending field."""
+        t = self.temperature
+        if not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"sampling.temperature must be a finite float >= 0, got {t!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be an int >= 0, got {self.top_k!r}")
+        p = self.top_p
+        if not isinstance(p, int | float) or not 0.0 < p <= 1.0:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {p!r}")
+        if len(self.stop_ids) > max_stop_ids:
+            raise ValueError(
+                f"sampling.stop_ids has {len(self.stop_ids)} ids; at most {max_stop_ids}"
+            )
+        for s in self.stop_ids:
+            if not isinstance(s, int | np.integer) or not 0 <= s < vocab_size:
+                raise ValueError(f"sampling.stop_ids: {s!r} is not a token id < {vocab_size}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerationRequest:
+    """One prompt to complete.
+
+    Attributes:
+      request_id: caller-chosen id, echoed in the `Sample`.
+      prompt: token ids of the prompt (non-empty).
+      max_new_tokens: response length cap (finish reason "length").
+      sampling: sampling parameters.
+      seed: the sample's randomness: token t is drawn with
+        `fold_in(key(seed), t)`, so it depends only on (weights, prompt, seed).
+      forced_length: if set, ignore stop ids and `max_new_tokens` and stop at
+        exactly this many response tokens (finish reason "forced"); for
+        length-replay benchmarks. prompt + forced_length must fit the context.
+      priority: admission priority inside an instance (predicted length);
+        used only when the engine admits longest-first ("lpt").
+      metadata: free-form, echoed in the `Sample` (group id, prompt id, ...).
+    """
+
+    request_id: Any
+    prompt: Sequence[int]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    seed: int = 0
+    forced_length: int | None = None
+    priority: float = 0.0
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Timings:
+    """Wall-clock times (`time.time()` seconds) of one sample's life."""
+
+    enqueue: float  # accepted by the engine
+    admit: float  # prefilled into a slot
+    finish: float  # last token fetched to the host
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sample:
+    """A completed generation.
+
+    Attributes:
+      request_id: from the request.
+      prompt: i32[P] prompt token ids.
+      response: i32[R] sampled token ids (R >= 1; a stop id that ended the
+        sample is its last token).
+      logprobs: f32[R] behaviour log-probs: log_softmax(logits)[token] under
+        the *unmodified* model distribution (temperature 1, no top-k/top-p) of
+        the weights that sampled the token, i.e. exactly what the trainer
+        recomputes with `Llama.token_logprobs`.
+      sampling_logprobs: f32[R] log-prob of the token under the distribution it
+        was actually drawn from (after temperature, top-k, top-p); 0 for greedy.
+      finish_reason: "stop" | "length" | "context" | "forced".
+      policy_version: weights version when the sample was admitted (prefill).
+      last_policy_version: weights version of its last token; differs from
+        `policy_version` only if `update_weights` landed mid-sample.
+      instance_id: the generation instance that produced it.
+      timings: enqueue / admit / finish wall times.
+      metadata: from the request.
+    """
+
+    request_id: Any
+    prompt: np.ndarray
+    response: np.ndarray
+    logprobs: np.ndarray
+    sampling_logprobs: np.ndarray
+    finish_reason: FinishReason
+    policy_version: int
+    last_policy_version: int
+    instance_id: int
+    timings: Timings
+    metadata: dict[str, Any]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.response.shape[0])
