@@ -1,0 +1,144 @@
+"""Model properties: prefill+decode == full forward, causality, padding side, bf16, remat."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from streamrl_jax.model import config, llama
+from streamrl_jax.model.kv_cache import init_cache
+
+_CFG = config.tiny(qkv_bias=True)  # biases on, so every parameter kind is exercised
+
+
+@pytest.fixture(scope="module")
+def split():
+    graphdef, state = nnx.split(llama.create(_CFG, seed=0))
+    # Random (not zero/one) biases and norm scales, so they matter in every comparison.
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    leaves = [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+    return graphdef, jax.tree.unflatten(treedef, leaves)
+
+
+def _graphdef(cfg):
+    """The graphdef of a model variant (dtype/remat) whose params have the same shapes."""
+    return nnx.split(nnx.eval_shape(lambda: llama.create(cfg)))[0]
+
+
+@jax.jit(static_argnums=0)
+def _forward(graphdef, params, tokens_BxT, mask_BxT):
+    model = nnx.merge(graphdef, params)
+    return model.logits(model.hidden_states(tokens_BxT, mask_BxT))
+
+
+def _tokens(b, t, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, _CFG.vocab_size, (b, t)), jnp.int32)
+
+
+def test_prefill_then_decode_equals_full_forward(split):
+    graphdef, params = split
+    tokens = _tokens(2, 12)
+    full = np.asarray(_forward(graphdef, params, tokens, jnp.ones_like(tokens)))
+    lengths = jnp.asarray([3, 5], jnp.int32)
+    prompt = jnp.where(jnp.arange(8)[None, :] < lengths[:, None], tokens[:, :8], 0)
+
+    @jax.jit
+    def prefill(params, prompt, lengths):
+        model = nnx.merge(graphdef, params)
+        # Slot order reversed and one dropped row (slot 9 >= 4 slots) exercise the scatter.
+        cache = init_cache(_CFG, 4, 16)
+        p3 = jnp.concatenate([prompt, prompt[:1]], axis=0)
+        l3 = jnp.concatenate([lengths, lengths[:1]], axis=0)
+        return model.prefill(p3, l3, cache, jnp.asarray([2, 0, 9], jnp.int32))
+
+    @jax.jit
+    def decode(params, tok_B, cache):
+        model = nnx.merge(graphdef, params)
+        return model.decode(tok_B, cache, jnp.asarray([True, False, True, False]))
+
+    logits, cache = prefill(params, prompt, lengths)
+    np.testing.assert_allclose(logits[0], full[0, 2], atol=1e-5)
+    np.testing.assert_allclose(logits[1], full[1, 4], atol=1e-5)
+    assert cache.lengths.tolist() == [5, 0, 3, 0]
+    pos = {2: 3, 0: 5}  # slot -> position of the next token (row 0 -> slot 2, row 1 -> slot 0)
+    for _ in range(6):
+        tok = jnp.zeros((4,), jnp.int32).at[2].set(tokens[0, pos[2]]).at[0].set(tokens[1, pos[0]])
+        step, cache = decode(params, tok, cache)
+        np.testing.assert_allclose(step[2], full[0, pos[2]], atol=1e-5)
+        np.testing.assert_allclose(step[0], full[1, pos[0]], atol=1e-5)
+        pos = {s: p + 1 for s, p in pos.items()}
+    assert cache.lengths.tolist() == [11, 0, 9, 0]  # inactive slots did not advance
+
+
+def test_future_tokens_do_not_change_past_logits(split):
+    graphdef, params = split
+    tokens = _tokens(2, 10)
+    changed = tokens.at[:, 6:].set((tokens[:, 6:] + 1) % _CFG.vocab_size)
+    ones = jnp.ones_like(tokens)
+    a = np.asarray(_forward(graphdef, params, tokens, ones))
+    b = np.asarray(_forward(graphdef, params, changed, ones))
+    np.testing.assert_allclose(a[:, :6], b[:, :6], atol=1e-6)
+    assert np.abs(a[:, 6:] - b[:, 6:]).max() > 1e-3  # and the change does reach the future
+
+
+def test_left_and_right_padding_agree(split):
+    graphdef, params = split
+    seq = _tokens(1, 7)[0]
+    right = jnp.zeros((1, 10), jnp.int32).at[0, :7].set(seq)
+    left = jnp.zeros((1, 10), jnp.int32).at[0, 3:].set(seq)
+    mask_r = (jnp.arange(10) < 7)[None, :]
+    mask_l = (jnp.arange(10) >= 3)[None, :]
+    out_r = np.asarray(_forward(graphdef, params, right, mask_r))[0, :7]
+    out_l = np.asarray(_forward(graphdef, params, left, mask_l))[0, 3:]
+    np.testing.assert_allclose(out_l, out_r, atol=1e-5)
+
+
+def test_token_logprobs_match_log_softmax(split):
+    graphdef, params = split
+    tokens = _tokens(2, 11)
+    targets = jnp.roll(tokens, -1, axis=1)
+
+    @jax.jit
+    def logprobs(params):
+        return nnx.merge(graphdef, params).token_logprobs(
+            tokens, targets, jnp.ones_like(tokens), chunk=4
+        )
+
+    logp, ent = logprobs(params)
+    logits = _forward(graphdef, params, tokens, jnp.ones_like(tokens))
+    ref = jax.nn.log_softmax(logits, axis=-1)
+    expected = jnp.take_along_axis(ref, targets[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(logp, expected, atol=1e-5)
+    np.testing.assert_allclose(ent, -jnp.sum(jnp.exp(ref) * ref, axis=-1), atol=1e-5)
+
+
+def test_bf16_compute_close_to_fp32(split):
+    graphdef, params = split
+    tokens = _tokens(2, 9)
+    ones = jnp.ones_like(tokens)
+    ref = np.asarray(_forward(graphdef, params, tokens, ones))
+    bf16 = _forward(_graphdef(_CFG.replace(dtype="bfloat16")), params, tokens, ones)
+    assert bf16.dtype == jnp.float32  # logits stay float32
+    err = np.abs(np.asarray(bf16) - ref).max()
+    assert 0 < err < 0.05 * np.abs(ref).max() + 1e-2
+
+
+def test_remat_gives_same_gradients(split):
+    graphdef, params = split
+    tokens = _tokens(2, 8)
+    targets = jnp.roll(tokens, -1, axis=1)
+
+    def grads(gdef):
+        def loss(p):
+            logp, _ = nnx.merge(gdef, p).token_logprobs(tokens, targets, jnp.ones_like(tokens))
+            return -jnp.mean(logp)
+
+        return jax.jit(jax.grad(loss))(params)
+
+    plain = grads(graphdef)
+    remat = grads(_graphdef(_CFG.replace(remat=True)))
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(remat), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(plain)) > 0
