@@ -77,21 +77,32 @@ class VersionGate:
 
 
 class WeightBoard:
-    """Latest published generation weights, by version; waiters time out by name."""
+    """Published generation weights by version; waiters get exactly the version asked for.
+
+    In stream_async the trainer may already have published W_b while the
+    driver still needs W_{b-s} for batch b, so every version from the oldest
+    still needed on is kept; `discard_below` frees older ones.
+    """
 
     def __init__(self, name: str = "weight board"):
         self.name = name
         self._cv = threading.Condition()
-        self._version = -1
-        self._weights: Any = None
+        self._latest = -1
+        self._weights: dict[int, Any] = {}
         self._error: BaseException | None = None
 
     def publish(self, version: int, weights: Any) -> None:
         with self._cv:
-            if version <= self._version:
-                raise ValueError(f"{self.name}: version {version} after {self._version}")
-            self._version, self._weights = version, weights
+            if version <= self._latest:
+                raise ValueError(f"{self.name}: version {version} after {self._latest}")
+            self._latest = version
+            self._weights[version] = weights
             self._cv.notify_all()
+
+    def discard_below(self, version: int) -> None:
+        with self._cv:
+            for v in [v for v in self._weights if v < version]:
+                del self._weights[v]
 
     def fail(self, exc: BaseException) -> None:
         with self._cv:
@@ -100,25 +111,30 @@ class WeightBoard:
 
     @property
     def version(self) -> int:
+        """The newest published version (-1 before the first)."""
         with self._cv:
-            return self._version
+            return self._latest
 
-    def wait_for(self, version: int, timeout: float) -> tuple[int, Any]:
-        """Blocks until weights of at least `version` are published.
+    def wait_for(self, version: int, timeout: float) -> Any:
+        """Blocks until W_version is published and returns it.
 
-        Returns the (version, weights) published at that moment. Raises
-        TimeoutError naming the trainer (the producer of weights) as stalled.
+        Raises:
+          TimeoutError: naming the trainer / weight sync as the stalled side.
+          KeyError: the version was already discarded.
+          RuntimeError: the board was failed (chained to the cause).
         """
         deadline = time.monotonic() + timeout
         with self._cv:
-            while self._version < version:
+            while self._latest < version:
                 if self._error is not None:
                     raise RuntimeError(f"{self.name}: closed: {self._error!r}") from self._error
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(
                         f"{self.name}: waited {timeout:.0f} s for policy version {version} "
-                        f"(latest {self._version}); the trainer / weight sync stalled"
+                        f"(latest {self._latest}); the trainer / weight sync stalled"
                     )
                 self._cv.wait(remaining)
-            return self._version, self._weights
+            if version not in self._weights:
+                raise KeyError(f"{self.name}: version {version} was already discarded")
+            return self._weights[version]

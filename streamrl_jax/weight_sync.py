@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -80,8 +80,9 @@ class WeightSync:
 
     def transfer(self, params: Any, version: int) -> tuple[list[Published], SyncStats]:
         """Casts and moves `params`; blocks until every destination holds them."""
-        t0 = time.perf_counter()
-        cast = self._cast(params)
+        return self._move(self._cast(params), version, time.perf_counter())
+
+    def _move(self, cast: Any, version: int, t0: float) -> tuple[list[Published], SyncStats]:
         out = [Published(jax.device_put(cast, dst), version) for dst in self.destinations]
         # Deliberate sync point: the timing must cover the copy, and an engine
         # must not start decoding on weights still in flight.
@@ -105,15 +106,30 @@ class WeightSync:
         return out, stats
 
     # ------------------------------------------------------------------ background
-    def start(self, params: Any, version: int) -> None:
-        """Starts `transfer` on a background thread (one at a time)."""
+    def start(
+        self,
+        params: Any,
+        version: int,
+        on_done: Callable[[list[Published], SyncStats], None] | None = None,
+    ) -> None:
+        """Starts a transfer whose copy runs on a background thread (one at a time).
+
+        The cast is dispatched here, on the caller's thread, before returning:
+        the caller may donate `params` to its next step right after.
+        `on_done(published, stats)` runs on the background thread when the
+        weights have landed; `result` returns the same.
+        """
         if self._thread is not None:
             raise RuntimeError(f"{self.name}: a transfer is already in flight; call result()")
         self._result, self._error = None, None
+        t0 = time.perf_counter()
+        cast = self._cast(params)
 
         def run():
             try:
-                self._result = self.transfer(params, version)
+                self._result = self._move(cast, version, t0)
+                if on_done is not None:
+                    on_done(*self._result)
             except BaseException as e:  # noqa: BLE001 - handed to the caller of result()
                 self._error = e
 

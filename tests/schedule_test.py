@@ -46,15 +46,20 @@ def test_version_gate_counts_or_raises():
         strict.admit(step=2, version=1, sample_id="y")
 
 
-def test_weight_board_wait_publish_timeout_and_failure():
+def test_weight_board_keeps_versions_until_discarded():
     board = WeightBoard()
     board.publish(0, "w0")
-    assert board.wait_for(0, timeout=1) == (0, "w0")
+    assert board.wait_for(0, timeout=1) == "w0"
     threading.Timer(0.05, lambda: board.publish(1, "w1")).start()
-    assert board.wait_for(1, timeout=10) == (1, "w1")
-    with pytest.raises(TimeoutError, match="policy version 2.*trainer"):
-        board.wait_for(2, timeout=0.05)
-    with pytest.raises(ValueError, match="version 1 after 1"):
+    assert board.wait_for(1, timeout=10) == "w1"
+    board.publish(2, "w2")
+    assert board.wait_for(1, timeout=1) == "w1"  # an older version is still exact
+    board.discard_below(2)
+    with pytest.raises(KeyError, match="version 1 was already discarded"):
+        board.wait_for(1, timeout=1)
+    with pytest.raises(TimeoutError, match="policy version 3.*trainer"):
+        board.wait_for(3, timeout=0.05)
+    with pytest.raises(ValueError, match="version 1 after 2"):
         board.publish(1, "again")
     board.fail(RuntimeError("trainer died"))
     with pytest.raises(RuntimeError, match="trainer died"):

@@ -57,10 +57,12 @@ def test_cast_to_generation_dtype(setup):
 def test_background_transfer_and_errors(setup):
     _, _, params, dst = setup
     sync = WeightSync(dst, jnp.float32)
-    sync.start(params, version=2)
+    landed = []
+    sync.start(params, version=2, on_done=lambda pubs, st: landed.append((pubs[0].version, st)))
     with pytest.raises(RuntimeError, match="already in flight"):
         sync.start(params, version=3)
     out, stats = sync.result(timeout=60)
     assert out[1].version == 2 and stats.version == 2
+    assert landed == [(2, stats)]  # the callback ran with the same result
     with pytest.raises(RuntimeError, match="no transfer in flight"):
         sync.result(timeout=1)
