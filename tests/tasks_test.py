@@ -128,3 +128,28 @@ def test_chat_messages_ask_for_answer_tags():
 def test_bad_arguments_raise(kwargs):
     with pytest.raises(ValueError):
         tasks.TaskDataset(kwargs.pop("tasks"), **kwargs)
+
+
+def test_generator_failure_is_skipped_and_counted(monkeypatch):
+    """reasoning-gym's basic_arithmetic raises ZeroDivisionError for some seeds."""
+    real = tasks.reasoning_gym.create_dataset
+
+    class Flaky:
+        def __init__(self, inner):
+            self.inner = inner
+            self.score_answer = inner.score_answer
+
+        def __getitem__(self, i):
+            if i == 3:
+                raise ZeroDivisionError("integer division or modulo by zero")
+            return self.inner[i]
+
+    monkeypatch.setattr(tasks.reasoning_gym, "create_dataset", lambda *a, **k: Flaky(real(*a, **k)))
+    eager = tasks.TaskDataset(
+        "basic_arithmetic", seed=5, size=8, exclude_questions={"not a question"}
+    )
+    assert len(eager) == 7 and eager.generation_errors == 1
+    assert all(p.prompt_id != "basic_arithmetic/5/3" for p in eager)
+    lazy = tasks.TaskDataset("basic_arithmetic", seed=5, size=8)
+    assert lazy[3].prompt_id == "basic_arithmetic/5/4"  # the next item that generates
+    assert lazy.generation_errors == 1

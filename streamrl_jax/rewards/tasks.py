@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import reasoning_gym
+from absl import logging
 from reasoning_gym.composite import DatasetSpec
 
 from streamrl_jax.rewards.answers import extract_answer
@@ -107,16 +108,33 @@ class TaskDataset(Sequence[Problem]):
                 "composite", seed=rg_seed, size=size, datasets=specs
             )
         self.seed = seed
-        self._entries: dict[int, dict[str, Any]] = {}
+        self.size = size
+        self._entries: dict[int, dict[str, Any] | None] = {}
+        self.generation_errors = 0  # items reasoning-gym failed to generate (skipped)
         self._indices: Sequence[int] = range(size)
         if exclude_questions:
             excluded = set(exclude_questions)
-            self._indices = [i for i in range(size) if self._entry(i)["question"] not in excluded]
+            self._indices = [
+                i
+                for i in range(size)
+                if (e := self._entry(i)) is not None and e["question"] not in excluded
+            ]
 
-    def _entry(self, index: int) -> dict[str, Any]:
-        """reasoning-gym regenerates an item on every access (countdown: ~0.1 s); memoise."""
+    def _entry(self, index: int) -> dict[str, Any] | None:
+        """reasoning-gym regenerates an item on every access (countdown: ~0.1 s); memoise.
+
+        Some generators raise for some seeds (basic_arithmetic: ZeroDivisionError
+        inside its own expression evaluator); such an item is None, logged and counted.
+        """
         if index not in self._entries:
-            self._entries[index] = self._rg[index]
+            try:
+                self._entries[index] = self._rg[index]
+            except Exception as e:  # reasoning-gym's own generator bug, not ours
+                logging.warning(
+                    "%s seed %d item %d: generation failed: %r", self.name, self.seed, index, e
+                )
+                self.generation_errors += 1
+                self._entries[index] = None
         return self._entries[index]
 
     def __len__(self) -> int:
@@ -125,6 +143,15 @@ class TaskDataset(Sequence[Problem]):
     def __getitem__(self, i: int) -> Problem:  # type: ignore[override]
         index = self._indices[i]
         entry = self._entry(index)
+        # Lazy mode only (eager mode filtered failures out): take the next item
+        # that generates, deterministically, rather than fail the run.
+        for step in range(1, self.size):
+            if entry is not None:
+                break
+            index = (self._indices[i] + step) % self.size
+            entry = self._entry(index)
+        if entry is None:
+            raise ValueError(f"{self.name} seed {self.seed}: no item could be generated")
         task = entry["metadata"].get("source_dataset", self.name)
         prompt_id = f"{self.name}/{self.seed}/{index}"
         return Problem(
