@@ -24,7 +24,8 @@ def rms_norm(x_BxTxE: jax.Array, scale_E: jax.Array, eps: float) -> jax.Array:
     x32 = x_BxTxE.astype(jnp.float32)
     var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
     y = x32 * jax.lax.rsqrt(var + eps)
-    return (y * scale_E.astype(jnp.float32)).astype(x_BxTxE.dtype)
+    scale = scale_E.astype(jnp.float32).reshape((1,) * (x32.ndim - 1) + (-1,))
+    return (y * scale).astype(x_BxTxE.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
@@ -49,7 +50,7 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
 
 def rope_tables(positions_BxT: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
     """cos/sin tables f32[B, T, D] for the half-split (HF "rotate_half") convention."""
-    angles = positions_BxT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    angles = positions_BxT.astype(jnp.float32)[..., None] * inv_freq[None, None, :]  # [B, T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
 
@@ -87,9 +88,9 @@ def qkv(
     k = jnp.einsum("bte,ekd->btkd", h, p["k"].astype(h.dtype))
     v = jnp.einsum("bte,ekd->btkd", h, p["v"].astype(h.dtype))
     if cfg.qkv_bias:
-        q = q + p["q_bias"].astype(q.dtype)
-        k = k + p["k_bias"].astype(k.dtype)
-        v = v + p["v_bias"].astype(v.dtype)
+        q = q + p["q_bias"].astype(q.dtype)[None, None]
+        k = k + p["k_bias"].astype(k.dtype)[None, None]
+        v = v + p["v_bias"].astype(v.dtype)[None, None]
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
