@@ -1,0 +1,280 @@
+"""Trainer step properties: streamed accumulation is exact, FSDP matches one device,
+compilations are bounded by the buckets, zero advantage gives zero gradient, and the
+hot loop runs under `jax.transfer_guard("disallow")`.
+
+Tolerances (float32). Gradients: splitting a batch into micro-batches only
+changes the order of float32 sums. Measured max |diff| / max |g| (max |g| ~ 4):
+<= 2.0e-7 for any split/order on one device, 4.0e-7 for the fsdp=4 x tp=2 mesh
+against one device (sharded reductions). Asserted: 2e-6 and 4e-6 of max |g|.
+Parameters after AdamW: Adam divides each gradient element by its own
+magnitude, so an element whose gradient is tiny amplifies the summation
+rounding; the bound is in units of the step size lr = 1e-3. Measured max |diff|
+1.7e-6 (one step, splits) and 9.6e-6 (two steps, FSDP/TP); asserted 1e-2 * lr
+and 5e-2 * lr. Because Adam is scale invariant, the normaliser used by `apply`
+is checked separately through its reported `grad_norm` (rtol 1e-5).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from streamrl_jax import mesh as mesh_lib
+from streamrl_jax.model import config as model_config
+from streamrl_jax.trainer import TrainerConfig, lr_schedule, make_batch, make_policy_trainer
+
+LR = 1e-3
+N_SAMPLES = 8
+CFG = TrainerConfig(
+    learning_rate=LR,
+    seq_buckets=(32,),
+    batch_buckets=(4, 8),
+    kl_coef=0.1,
+    entropy_coef=0.01,
+    tis_cap=2.0,
+    max_grad_norm=None,
+)
+
+
+def _samples(n: int = N_SAMPLES, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, 256, rng.integers(1, 8)) for _ in range(n)]
+    responses = [rng.integers(0, 256, rng.integers(1, 12)) for _ in range(n)]
+    behaviour = [rng.normal(-5.0, 0.3, len(r)).astype(np.float32) for r in responses]
+    return dict(
+        prompts=prompts,
+        responses=responses,
+        behaviour_logp=behaviour,
+        old_logp=[b + rng.normal(0, 0.1, len(b)).astype(np.float32) for b in behaviour],
+        ref_logp=[b + rng.normal(0, 0.1, len(b)).astype(np.float32) for b in behaviour],
+        advantages=rng.normal(size=n).astype(np.float32),
+    )
+
+
+def _subset(samples: dict, idx) -> dict:
+    return {
+        k: [v[i] for i in idx] if isinstance(v, list) else v[np.asarray(idx)]
+        for k, v in samples.items()
+    }
+
+
+def _host(tree):
+    """Copies to host numpy (the device buffers may be donated afterwards)."""
+    return jax.tree.map(lambda x: np.array(x, copy=True), tree)
+
+
+def _max_abs(tree) -> float:
+    return max(float(np.max(np.abs(x))) for x in jax.tree.leaves(tree))
+
+
+def _global_norm(tree) -> float:
+    return float(
+        np.sqrt(sum(np.sum(np.square(x.astype(np.float64))) for x in jax.tree.leaves(tree)))
+    )
+
+
+def _max_diff(a, b) -> float:
+    return max(
+        float(np.max(np.abs(x - y)))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+@pytest.fixture(scope="module")
+def single():
+    mesh = mesh_lib.make_meshes(mesh_lib.MeshConfig(colocated=True), jax.devices()[:1]).train
+    return make_policy_trainer(model_config.tiny(), CFG, mesh)
+
+
+def _one_step(trainer, samples, splits, *, normalizer=None, steps=1):
+    """Accumulates `splits` (lists of sample indices) and applies; returns host results."""
+    state = trainer.init_state(0)
+    grads = None
+    for _ in range(steps):
+        acc = trainer.init_accumulator()
+        for idx in splits:
+            host = make_batch(
+                **_subset(samples, idx),
+                seq_buckets=trainer.cfg.seq_buckets,
+                batch_buckets=trainer.cfg.batch_buckets,
+            )
+            norm = trainer.scalar(1.0 if normalizer is None else normalizer)
+            acc, _ = trainer.accumulate(state, acc, trainer.place_batch(host), norm)
+        if grads is None:
+            total = float(acc.normalizer_sum) if normalizer is None else 1.0
+            grads = jax.tree.map(lambda g, t=total: g / t, _host(acc.grads))
+        if normalizer is None:
+            state, acc, metrics = trainer.apply(state, acc)
+        else:
+            state, acc, metrics = trainer.apply(state, acc, trainer.scalar(1.0))
+    return grads, _host(state.params), jax.device_get(metrics)
+
+
+@pytest.mark.parametrize("normalizer_known", [False, True])
+def test_any_split_any_order_equals_whole_batch(single, normalizer_known):
+    samples = _samples()
+    # N unknown ahead (token_mean while streaming): accumulate with 1, then `apply`
+    # divides by the summed normalizer parts. N known ahead: pass it to every micro-batch.
+    n_tokens = float(sum(len(r) for r in samples["responses"]))
+    normalizer = n_tokens if normalizer_known else None
+    g_whole, p_whole, m_whole = _one_step(
+        single, samples, [list(range(N_SAMPLES))], normalizer=normalizer
+    )
+    g_scale = _max_abs(g_whole)
+    assert g_scale > 0
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        perm = rng.permutation(N_SAMPLES)
+        cuts = np.sort(rng.choice(np.arange(1, N_SAMPLES), size=rng.integers(1, 4), replace=False))
+        splits = [list(s) for s in np.split(perm, cuts)]
+        g, p, m = _one_step(single, samples, splits, normalizer=normalizer)
+        assert _max_diff(g, g_whole) <= 2e-6 * g_scale, splits
+        assert _max_diff(p, p_whole) <= 1e-2 * LR, splits
+        np.testing.assert_allclose(m["loss"], m_whole["loss"], rtol=1e-5)
+        np.testing.assert_allclose(m["num_tokens"], n_tokens)
+        # apply's own normalisation: Adam is scale invariant, so check the gradient norm.
+        np.testing.assert_allclose(m["grad_norm"], _global_norm(g_whole), rtol=1e-5)
+    # The step moved the parameters by about lr (so the comparison above is not vacuous).
+    p_init = _host(single.init_state(0).params)
+    assert _max_diff(p_whole, p_init) > 0.5 * LR
+
+
+def test_fsdp_tp_mesh_matches_single_device(single):
+    mesh8 = mesh_lib.make_meshes(mesh_lib.MeshConfig(colocated=True, train_tp=2)).train
+    assert dict(mesh8.shape) == {"fsdp": 4, "tp": 2}
+    sharded = make_policy_trainer(model_config.tiny(), CFG, mesh8)
+    state = sharded.init_state(0)
+    assert state.params["embed"].value.sharding.spec == P("tp", "fsdp")
+    assert state.params["layers"]["q"].value.sharding.spec == P(None, "fsdp", "tp", None)
+    adam = state.opt_state[0]
+    assert adam.mu["layers"]["q"].value.sharding.spec == P(None, "fsdp", "tp", None)
+    shard_shape = state.params["layers"]["gate"].value.addressable_shards[0].data.shape
+    assert shard_shape == (2, 64 // 4, 128 // 2)  # never materialised unsharded
+    samples = _samples()
+    whole = [list(range(N_SAMPLES))]
+    g1, p1, m1 = _one_step(single, samples, whole, steps=2)
+    g8, p8, m8 = _one_step(sharded, samples, whole, steps=2)
+    assert _max_diff(g8, g1) <= 4e-6 * _max_abs(g1)
+    assert _max_diff(p8, p1) <= 5e-2 * LR
+    np.testing.assert_allclose(m8["loss"], m1["loss"], rtol=1e-5)
+
+
+def test_compilations_bounded_by_buckets(single):
+    state = single.init_state(0)
+    acc = single.init_accumulator()
+    rng = np.random.default_rng(2)
+    shapes = set()
+    for n in range(1, 9):
+        samples = _samples(n, seed=n)
+        samples["responses"] = [r[: rng.integers(1, 12)] for r in samples["responses"]]
+        samples["behaviour_logp"] = [
+            b[: len(r)]
+            for b, r in zip(samples["behaviour_logp"], samples["responses"], strict=True)
+        ]
+        samples["old_logp"] = samples["ref_logp"] = samples["behaviour_logp"]
+        host = make_batch(**samples, seq_buckets=CFG.seq_buckets, batch_buckets=CFG.batch_buckets)
+        shapes.add(host.shape)
+        batch = single.place_batch(host)
+        acc, _ = single.accumulate(state, acc, batch, single.scalar(1.0))
+        single.logprobs(state.params, batch)
+    state, acc, _ = single.apply(state, acc)
+    assert len(shapes) > 1
+    limit = len(CFG.seq_buckets) * len(CFG.batch_buckets)
+    assert single._accumulate._cache_size() <= limit
+    assert single._forward._cache_size() <= limit
+    assert single._apply_acc._cache_size() == 1
+
+
+def test_zero_advantage_gives_zero_policy_gradient(single):
+    plain = make_policy_trainer(
+        model_config.tiny(), CFG.replace(kl_coef=0.0, entropy_coef=0.0), single.mesh
+    )
+    state = single.init_state(0)  # same structure and shardings as plain's state
+    samples = _samples()
+    samples["advantages"] = np.zeros(N_SAMPLES, np.float32)
+
+    def grads(samples):
+        host = make_batch(**samples, seq_buckets=CFG.seq_buckets, batch_buckets=CFG.batch_buckets)
+        acc, _ = plain.accumulate(
+            state, plain.init_accumulator(), plain.place_batch(host), plain.scalar(1.0)
+        )
+        return _host(acc.grads)
+
+    assert _max_abs(grads(samples)) == 0.0  # exactly, through every layer and TIS
+    samples["advantages"][0] = 1.0  # one non-zero advantage -> non-zero gradient
+    assert _max_abs(grads(samples)) > 0.0
+
+
+def test_hot_loop_under_transfer_guard(single):
+    samples = _samples()
+    hosts = [
+        make_batch(
+            **_subset(samples, idx), seq_buckets=CFG.seq_buckets, batch_buckets=CFG.batch_buckets
+        )
+        for idx in ([0, 1, 2], [3, 4, 5, 6, 7])
+    ]
+    state = single.init_state(0)
+    acc = single.init_accumulator()
+    one = single.scalar(1.0)
+    for host in hosts:  # warm-up: compile every shape used below
+        acc, _ = single.accumulate(state, acc, single.place_batch(host), one)
+    state, acc, metrics = single.apply(state, acc)
+    history = []
+    with jax.transfer_guard("disallow"):
+        for _ in range(3):
+            for host in hosts:
+                batch = jax.device_put(host, single.batch_sharding)  # explicit transfer
+                acc, _ = single.accumulate(state, acc, batch, one)
+            previous = metrics
+            state, acc, metrics = single.apply(state, acc)
+            history.append(jax.device_get(previous))  # the step before: already done
+    history.append(jax.device_get(metrics))
+    assert int(jax.device_get(state.step)) == 4
+    assert all(np.isfinite(h["loss"]) and h["num_micro_batches"] == 2 for h in history)
+    assert history[0]["num_tokens"] == sum(int(h.loss_mask.sum()) for h in hosts)
+
+
+def test_reference_copy_survives_donation_and_bf16_compute(single):
+    samples = _samples()
+    host = make_batch(**samples, seq_buckets=CFG.seq_buckets, batch_buckets=CFG.batch_buckets)
+    batch = single.place_batch(host)
+    state = single.init_state(0)
+    ref = single.copy_params(state.params)
+    logp_before = np.asarray(single.logprobs(state.params, batch))
+    acc, _ = single.accumulate(state, single.init_accumulator(), batch, single.scalar(1.0))
+    state, _, _ = single.apply(state, acc)  # donates the old state
+    np.testing.assert_array_equal(np.asarray(single.logprobs(ref, batch)), logp_before)
+    assert not np.array_equal(np.asarray(single.logprobs(state.params, batch)), logp_before)
+
+    # bf16 compute, float32 master weights: the same float32 params run through a
+    # model whose compute dtype is bfloat16.
+    bf16 = make_policy_trainer(model_config.tiny(dtype="bfloat16"), CFG, single.mesh)
+    params = single.init_state(0).params
+    logp_bf16 = np.asarray(bf16.logprobs(params, batch))
+    mask = host.loss_mask
+    np.testing.assert_allclose(logp_bf16[mask], logp_before[mask], rtol=2e-2)
+    assert not np.array_equal(logp_bf16[mask], logp_before[mask])  # really computed in bf16
+    state_shape = jax.eval_shape(bf16.init_state)
+    acc_shape, _ = jax.eval_shape(
+        bf16.accumulate, state_shape, bf16.init_accumulator(), batch, bf16.scalar(1.0)
+    )
+    for tree in (state_shape.params, state_shape.opt_state, acc_shape.grads):
+        assert {x.dtype for x in jax.tree.leaves(tree)} <= {
+            jnp.dtype(jnp.float32),
+            jnp.dtype(jnp.int32),
+        }
+
+
+def test_lr_schedule_and_config_errors():
+    cfg = TrainerConfig(learning_rate=1.0, warmup_steps=4, lr_schedule="cosine", total_steps=14)
+    lr = jax.jit(lr_schedule(cfg))
+    got = [float(lr(jnp.int32(s))) for s in (0, 3, 4, 9, 14, 20)]
+    np.testing.assert_allclose(got, [0.25, 1.0, 1.0, 0.1 + 0.9 * 0.5, 0.1, 0.1], rtol=1e-6)
+    with pytest.raises(ValueError, match="policy_loss"):
+        TrainerConfig(policy_loss="nope")
+    with pytest.raises(ValueError, match="seq_buckets"):
+        TrainerConfig(seq_buckets=(64, 32))
+    mesh8 = mesh_lib.make_meshes(mesh_lib.MeshConfig(colocated=True)).train
+    with pytest.raises(ValueError, match="batch_buckets"):
+        make_policy_trainer(model_config.tiny(), CFG.replace(batch_buckets=(4, 6)), mesh8)
