@@ -16,10 +16,9 @@ _CFG = config.tiny(qkv_bias=True)  # biases on, so every parameter kind is exerc
 def split():
     graphdef, state = nnx.split(llama.create(_CFG, seed=0))
     # Random (not zero/one) biases and norm scales, so they matter in every comparison.
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    leaves = [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
-    return graphdef, jax.tree.unflatten(treedef, leaves)
+    rng = np.random.default_rng(1)
+    state = jax.tree.map(lambda x: jnp.asarray(x + 0.05 * rng.standard_normal(x.shape)), state)
+    return graphdef, state
 
 
 def _graphdef(cfg):
