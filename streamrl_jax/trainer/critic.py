@@ -10,8 +10,8 @@ the response token tokens[b, t + 1] is sampled.
 PPO flow for one global batch (after the samples are scored):
 
 1. `values = critic_trainer.forward(critic_state.params, batch)` (forward-only,
-   per micro-batch as samples stream in; with the critic that generated-era
-   weights correspond to, i.e. before its update on this batch);
+   per micro-batch as samples stream in, with the critic's weights from before
+   its update on this batch);
 2. `batch = with_gae(batch, values, cfg)` on the complete global batch
    (advantage whitening couples all samples; without whitening GAE is per
    sample and can run per micro-batch);
