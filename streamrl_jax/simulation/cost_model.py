@@ -117,18 +117,35 @@ def auto_tp(model: Model, hw: Hardware, params: CostParams) -> int:
     return tp
 
 
-def kv_capacity_tokens(model: Model, hw: Hardware, tp: int, params: CostParams) -> int:
-    """KV-cache tokens one instance of `tp` devices can hold after its weights."""
-    free = params.kv_memory_fraction * tp * hw.hbm_bytes - model.weight_bytes
+def kv_capacity_tokens(
+    model: Model, hw: Hardware, tp: int, params: CostParams, resident_per_device: float = 0.0
+) -> int:
+    """KV-cache tokens one instance of `tp` devices can hold after its weights.
+
+    `resident_per_device` is other state that stays in HBM during generation (the training
+    state of a colocated pod).
+    """
+    free = (
+        params.kv_memory_fraction * tp * hw.hbm_bytes
+        - model.weight_bytes
+        - tp * resident_per_device
+    )
     if free <= 0:
         raise ValueError(
-            f"tp={tp}: {model.name} weights ({model.weight_bytes / 1e9:.1f} GB) exceed "
-            f"{params.kv_memory_fraction:.0%} of {tp} x {hw.name} HBM"
+            f"tp={tp}: {model.name} weights ({model.weight_bytes / 1e9:.1f} GB) plus resident "
+            f"state exceed {params.kv_memory_fraction:.0%} of {tp} x {hw.name} HBM"
         )
     return int(free // model.kv_bytes_per_token)
 
 
-def max_slots(model: Model, hw: Hardware, tp: int, max_seq_len: int, params: CostParams) -> int:
+def max_slots(
+    model: Model,
+    hw: Hardware,
+    tp: int,
+    max_seq_len: int,
+    params: CostParams,
+    resident_per_device: float = 0.0,
+) -> int:
     """Concurrent sequences when each slot reserves `max_seq_len` tokens of KV cache.
 
     This is the fixed-slot engine of DESIGN.md (slot count x maximum length) and the
@@ -136,7 +153,8 @@ def max_slots(model: Model, hw: Hardware, tp: int, max_seq_len: int, params: Cos
     """
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
-    return min(params.max_num_seqs, kv_capacity_tokens(model, hw, tp, params) // max_seq_len)
+    capacity = kv_capacity_tokens(model, hw, tp, params, resident_per_device)
+    return min(params.max_num_seqs, capacity // max_seq_len)
 
 
 def decode_step_time(

@@ -83,7 +83,7 @@ def _train_microbatches(
         # Earliest index j whose arrival brings min_tokens since i (or the last sample).
         base = cum_tokens[i - 1] if i else 0
         j = int(np.searchsorted(cum_tokens, base + min_tokens, side="left"))
-        j = min(j, n - 1)
+        j = min(max(j, i), n - 1)
         start = max(t, float(arrival[j]))
         # Everything that has arrived by `start` joins this micro-batch.
         k = max(j + 1, int(np.searchsorted(arrival, start, side="right")))

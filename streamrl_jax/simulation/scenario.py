@@ -122,7 +122,7 @@ class Scenario:
         if self.disaggregated and self.devices < 2:
             raise ValueError(f"Scenario.devices must be >= 2 for mode {self.mode!r}")
         capacity = cost_model.max_slots(
-            self.model, self.hw, tp, self.trace.max_seq_len, self.params
+            self.model, self.hw, tp, self.trace.max_seq_len, self.params, self.resident_per_device
         )
         if self.max_batch is not None:
             if self.max_batch < 1:
@@ -154,8 +154,25 @@ class Scenario:
         if self.max_batch is not None:
             return self.max_batch
         return cost_model.max_slots(
-            self.model, self.hw, self.tp, self.trace.max_seq_len, self.params
+            self.model,
+            self.hw,
+            self.tp,
+            self.trace.max_seq_len,
+            self.params,
+            self.resident_per_device,
         )
+
+    @property
+    def resident_per_device(self) -> float:
+        """HBM bytes per device held by other state while generating.
+
+        Colocated: the trainer's state (fp32 master + Adam per trained model, BF16 reference)
+        stays resident, sharded over all devices, and shrinks the KV cache; disaggregated
+        generation devices hold only the served weights.
+        """
+        if self.disaggregated:
+            return 0.0
+        return cost_model.train_state_bytes(self.model, self.algorithm) / self.devices
 
     @property
     def granularity(self) -> int:
