@@ -1,0 +1,30 @@
+"""Generation: per-instance engines with continuous batching, and the SGS over them."""
+
+from streamrl_jax.generation.engine import Engine, EngineConfig
+from streamrl_jax.generation.service import (
+    GenerationService,
+    InstanceError,
+    SampleQueue,
+    StreamClosed,
+)
+from streamrl_jax.generation.types import (
+    FinishReason,
+    GenerationRequest,
+    Sample,
+    SamplingParams,
+    Timings,
+)
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "FinishReason",
+    "GenerationRequest",
+    "GenerationService",
+    "InstanceError",
+    "Sample",
+    "SampleQueue",
+    "SamplingParams",
+    "StreamClosed",
+    "Timings",
+]

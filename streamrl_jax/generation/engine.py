@@ -188,13 +188,13 @@ class Engine:
         ids = np.asarray(req.prompt)
         if not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= vocab:
             raise ValueError(f"request {req.request_id!r}: prompt has ids outside [0, {vocab})")
-        if not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 1:
+        if not isinstance(req.max_new_tokens, int | np.integer) or req.max_new_tokens < 1:
             raise ValueError(
                 f"request {req.request_id!r}: max_new_tokens must be an int >= 1, "
                 f"got {req.max_new_tokens!r}"
             )
         if req.forced_length is not None and (
-            not isinstance(req.forced_length, int)
+            not isinstance(req.forced_length, int | np.integer)
             or req.forced_length < 1
             or n + req.forced_length > cfg.max_total_length
         ):

@@ -1,0 +1,281 @@
+"""Generation engine benchmark: continuous vs static batching on a long-tail length replay.
+
+Workload: `num_requests` prompts whose response lengths are *forced* to a
+trace with the paper's long-tail shape (StreamRL, 20K setting: median ~0.16,
+mean ~0.25, P90 ~0.62, P99 ~0.95, max 1.0 of the maximum length), scaled to
+`--max_len`. The same requests run on the same engine configuration twice:
+
+* continuous batching: freed slots are refilled at once (`refill=True`);
+* static batching (baseline): admit a full batch, wait until every sample of
+  it finishes, then admit the next (`refill=False`).
+
+It also times one decode step with every slot active and compares it with the
+memory roofline: (weight bytes + KV-cache bytes read per step) / bandwidth,
+the bandwidth measured in the same run by a large jitted reduction.
+
+    python tools/bench_generation.py --quick          # <= 5 min on 2 CPU cores
+    python tools/bench_generation.py --models=tiny    # tiny random model only
+
+The last line of stdout is JSON with `continuous_over_static` (static makespan /
+continuous makespan) and `decode_vs_roofline` (step time / roofline time) of
+the headline model (SmolLM2 when it is available, else tiny), plus every
+model's details.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+from flax import nnx
+from jax.sharding import AxisType, Mesh
+
+from streamrl_jax.generation.engine import Engine, EngineConfig
+from streamrl_jax.generation.types import GenerationRequest, SamplingParams
+from streamrl_jax.model import config as model_config
+from streamrl_jax.model import llama
+
+FLAGS = flags.FLAGS
+flags.DEFINE_bool("quick", False, "Small sizes (<= 5 minutes on 2 CPU cores).")
+flags.DEFINE_list("models", ["tiny", "smollm2"], "Models to run: tiny, smollm2.")
+flags.DEFINE_integer("seed", 0, "Workload seed.")
+flags.DEFINE_integer("chunk_steps", None, "Decode steps per host round trip (default per model).")
+flags.DEFINE_float("temperature", 1.0, "Sampling temperature (lengths are forced anyway).")
+flags.DEFINE_integer("repeats", 2, "Alternating runs per mode (best kept); SmolLM2 --quick uses 1.")
+flags.DEFINE_integer("prefill_batch", None, "Prompts per prefill call (default per model).")
+
+# Quantile function of the paper's length trace, as fractions of the max length.
+_TRACE_Q = np.array([0.0, 0.5, 0.75, 0.9, 0.99, 1.0])
+_TRACE_L = np.array([0.01, 0.16, 0.30, 0.625, 0.95, 1.0])
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """One model's workload and engine shape."""
+
+    num_requests: int
+    num_slots: int
+    max_len: int  # longest forced response (the trace's max)
+    max_prompt: int  # prompts are max_prompt // 2 .. max_prompt tokens, one bucket
+    chunk_steps: int
+    prefill_batch: int
+
+
+# On this CPU a SmolLM2 prefill call costs about one decode step whatever its
+# batch (weight-read bound), so it prefills in batches of 4; the tiny model is
+# dispatch bound and prefills one prompt per call.
+_SIZES = {
+    ("tiny", True): Size(128, 16, 256, 32, 8, 1),
+    ("tiny", False): Size(512, 32, 448, 64, 8, 1),
+    ("smollm2", True): Size(48, 8, 64, 8, 4, 4),
+    ("smollm2", False): Size(96, 16, 256, 32, 8, 4),
+}
+
+
+def long_tail_lengths(n: int, max_len: int, seed: int) -> np.ndarray:
+    """n lengths at evenly spaced quantiles of the trace, shuffled; min 1, max max_len."""
+    u = (np.arange(n) + 0.5) / n
+    lengths = np.interp(u, _TRACE_Q, _TRACE_L) * max_len
+    lengths = np.clip(np.round(lengths), 1, max_len).astype(int)
+    lengths[-1] = max_len  # the trace's max is reached
+    return np.random.default_rng(seed).permutation(lengths)
+
+
+def make_requests(lengths, max_prompt: int, vocab: int, seed: int) -> list[GenerationRequest]:
+    rng = np.random.default_rng(seed + 1)
+    sampling = SamplingParams(temperature=FLAGS.temperature)
+    return [
+        GenerationRequest(
+            request_id=i,
+            prompt=rng.integers(
+                0, vocab, size=int(rng.integers(max_prompt // 2, max_prompt + 1))
+            ).tolist(),
+            max_new_tokens=int(n),
+            forced_length=int(n),
+            sampling=sampling,
+            seed=seed * 100_003 + i,
+        )
+        for i, n in enumerate(lengths)
+    ]
+
+
+def scheduled_steps(lengths, num_slots: int, chunk: int) -> tuple[int, int]:
+    """Decode steps of (static, continuous FIFO) schedules, counted in whole chunks;
+    their ratio is what the engine could reach with zero prefill and host cost."""
+    static = sum(int(lengths[i : i + num_slots].max()) for i in range(0, len(lengths), num_slots))
+    free = [0] * num_slots
+    for n in lengths:
+        t = heapq.heappop(free) if free else 0
+        heapq.heappush(free, t + -(-int(n) // chunk) * chunk)
+    return static, max(free)
+
+
+def measure_bandwidth(mib: int = 512, reps: int = 5) -> float:
+    """Bytes/s of a jitted full reduction over a large float32 array (best of reps)."""
+    x = jax.jit(lambda: jnp.ones((mib * 2**18,), jnp.float32))()
+    f = jax.jit(lambda a: jnp.sum(a))
+    f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(x).block_until_ready()  # deliberate sync: timing
+        best = min(best, time.perf_counter() - t)
+    return x.size * 4 / best
+
+
+def makespan(engine: Engine, requests) -> tuple[float, int]:
+    t = time.perf_counter()
+    samples = engine.run(requests)
+    elapsed = time.perf_counter() - t
+    assert all(
+        s.num_tokens == r.forced_length
+        for s, r in zip(sorted(samples, key=lambda s: s.request_id), requests, strict=True)
+    )
+    return elapsed, sum(s.num_tokens for s in samples)
+
+
+def decode_step_time(engine: Engine, cfg: EngineConfig, vocab: int, chunks: int = 4) -> float:
+    """Seconds per decode step with every slot active (steady state, after warm-up)."""
+    n = cfg.chunk_steps * (chunks + 2) + 1
+    reqs = make_requests([n] * cfg.num_slots, cfg.max_prompt_length, vocab, seed=7)
+    engine.submit(reqs)
+    engine.step()  # prefill + first chunk
+    t = time.perf_counter()
+    for _ in range(chunks):
+        engine.step()
+    elapsed = time.perf_counter() - t
+    engine.run()  # drain
+    return elapsed / (chunks * cfg.chunk_steps)
+
+
+def bench_model(name: str, quick: bool, bandwidth: float) -> dict:
+    size = _SIZES[(name, quick)]
+    num_requests, num_slots, max_len, max_prompt = (
+        size.num_requests,
+        size.num_slots,
+        size.max_len,
+        size.max_prompt,
+    )
+    mesh = Mesh(np.asarray(jax.devices()[:1], dtype=object), ("tp",), axis_types=(AxisType.Auto,))
+    t_load = time.perf_counter()
+    if name == "tiny":
+        cfg = model_config.tiny(max_position_embeddings=max_prompt + max_len)
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: llama.create(cfg)))
+        init = jax.jit(lambda: nnx.state(llama.create(cfg, seed=0)))
+        params = init()
+        stop_ids: tuple[int, ...] = ()
+    else:
+        from streamrl_jax.model.defaults import smollm2_gguf_path
+        from streamrl_jax.model.loader import load_pretrained
+
+        pre = load_pretrained(smollm2_gguf_path(), mesh=mesh)
+        cfg, graphdef, params = pre.cfg, pre.graphdef, pre.params
+        stop_ids = tuple(cfg.eos_token_ids)
+    load_s = time.perf_counter() - t_load
+    ecfg = EngineConfig(
+        num_slots=num_slots,
+        max_prompt_length=max_prompt,
+        max_total_length=max_prompt + max_len,
+        chunk_steps=FLAGS.chunk_steps or size.chunk_steps,
+        prefill_batch=FLAGS.prefill_batch or size.prefill_batch,
+        min_bucket=max_prompt,
+        stop_ids=stop_ids,
+    )
+    lengths = long_tail_lengths(num_requests, max_len, FLAGS.seed)
+    requests = make_requests(lengths, max_prompt, cfg.vocab_size, FLAGS.seed)
+    continuous = Engine(graphdef, params, cfg, ecfg, mesh)
+    static = Engine(graphdef, params, cfg, EngineConfig(**{**ecfg.__dict__, "refill": False}), mesh)
+    t = time.perf_counter()
+    continuous.run(make_requests([3] * num_slots, max_prompt, cfg.vocab_size, 1))  # compile
+    # one request per prompt bucket so every prefill shape is compiled before timing
+    continuous.run(
+        [GenerationRequest(request_id=b, prompt=[1] * b, max_new_tokens=1) for b in ecfg.buckets()]
+    )
+    compile_s = time.perf_counter() - t
+    repeats = 1 if (quick and name == "smollm2") else FLAGS.repeats
+    cont_s = static_s = float("inf")
+    for _ in range(repeats):  # alternate the modes so machine noise hits both
+        c, tokens = makespan(continuous, requests)
+        st, _ = makespan(static, requests)
+        cont_s, static_s = min(cont_s, c), min(static_s, st)
+    ideal_static, ideal_cont = scheduled_steps(lengths, num_slots, ecfg.chunk_steps)
+    step_s = decode_step_time(continuous, ecfg, cfg.vocab_size, chunks=2 if quick else 4)
+
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    cache = continuous._state.cache
+    kv_bytes = cache.k.size * cache.k.dtype.itemsize * 2
+    roofline_s = (param_bytes + kv_bytes) / bandwidth
+    result = {
+        "model": name,
+        "num_requests": num_requests,
+        "num_slots": num_slots,
+        "max_len": max_len,
+        "lengths": {
+            "median": float(np.median(lengths)),
+            "mean": float(np.mean(lengths)),
+            "p90": float(np.percentile(lengths, 90)),
+            "p99": float(np.percentile(lengths, 99)),
+            "max": int(lengths.max()),
+        },
+        "tokens": tokens,
+        "load_s": round(load_s, 2),
+        "compile_s": round(compile_s, 2),
+        "continuous_makespan_s": round(cont_s, 3),
+        "static_makespan_s": round(static_s, 3),
+        "continuous_tokens_per_s": round(tokens / cont_s, 1),
+        "static_tokens_per_s": round(tokens / static_s, 1),
+        "continuous_over_static": round(static_s / cont_s, 3),
+        "scheduled_steps_ratio": round(ideal_static / ideal_cont, 3),
+        "repeats": repeats,
+        "chunk_steps": ecfg.chunk_steps,
+        "prefill_batch": ecfg.prefill_batch,
+        "decode_step_ms": round(step_s * 1e3, 3),
+        "roofline_step_ms": round(roofline_s * 1e3, 3),
+        "decode_vs_roofline": round(step_s / roofline_s, 2),
+        "param_bytes": int(param_bytes),
+        "kv_bytes": int(kv_bytes),
+    }
+    logging.info("%s: %s", name, result)
+    print(
+        f"{name:8s} continuous {cont_s:7.2f} s ({tokens / cont_s:8.1f} tok/s)  "
+        f"static {static_s:7.2f} s ({tokens / static_s:8.1f} tok/s)  "
+        f"ratio {static_s / cont_s:.2f}x  decode step {step_s * 1e3:.2f} ms "
+        f"vs roofline {roofline_s * 1e3:.2f} ms ({step_s / roofline_s:.1f}x)",
+        flush=True,
+    )
+    return result
+
+
+def main(argv):
+    del argv
+    bandwidth = measure_bandwidth()
+    print(f"memory bandwidth (jitted 512 MiB reduction): {bandwidth / 1e9:.2f} GB/s", flush=True)
+    results = {}
+    for name in FLAGS.models:
+        if name not in ("tiny", "smollm2"):
+            raise ValueError(f"--models: unknown model {name!r} (tiny, smollm2)")
+        try:
+            results[name] = bench_model(name, FLAGS.quick, bandwidth)
+        except FileNotFoundError as e:  # SmolLM2 GGUF not installed
+            logging.warning("skipping %s: %s", name, e)
+    head = results.get("smollm2") or results.get("tiny")
+    out = {
+        "bench": "generation",
+        "quick": FLAGS.quick,
+        "headline_model": head["model"],
+        "continuous_over_static": head["continuous_over_static"],
+        "decode_vs_roofline": head["decode_vs_roofline"],
+        "bandwidth_GBps": round(bandwidth / 1e9, 2),
+        "models": results,
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    app.run(main)
