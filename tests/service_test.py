@@ -114,7 +114,9 @@ def test_update_weights_reaches_every_instance(model):
 
 def test_bad_requests_and_unknown_instance(model):
     graphdef, params, _ = model
-    with GenerationService(graphdef, params, CFG, instance_meshes(2), ENGINE) as sgs:
+    small = dataclasses.replace(ENGINE, num_slots=2)  # e.g. a long-tail instance
+    with GenerationService(graphdef, params, CFG, instance_meshes(2), [ENGINE, small]) as sgs:
+        assert [m["num_slots"] for m in sgs.metrics().values()] == [4, 2]
         (r,) = requests(1)
         with pytest.raises(ValueError, match="unknown instance 5"):
             sgs.submit([r], instances=[5])
@@ -125,6 +127,8 @@ def test_bad_requests_and_unknown_instance(model):
         assert sgs.pending == 0
         with pytest.raises(TimeoutError, match="no sample"):
             sgs.get(timeout=0.05)
+    with pytest.raises(ValueError, match="one EngineConfig per instance"):
+        GenerationService(graphdef, params, CFG, instance_meshes(2), [ENGINE])
 
 
 def test_instance_failure_reaches_the_consumer(model):
