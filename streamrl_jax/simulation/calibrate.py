@@ -94,9 +94,9 @@ def run(params: CostParams | None = None, seed: int = 0) -> list[Row]:
 
 def summary(rows: list[Row]) -> dict[str, float | int]:
     """Count of the 18 ratios within TOLERANCE and the largest relative error."""
-    errors = [pred / ref - 1.0 for row in rows for pred, ref in row.ratios.values()]
+    errors = [float(pred / ref - 1.0) for row in rows for pred, ref in row.ratios.values()]
     return {
-        "within_15pct": sum(abs(e) <= TOLERANCE for e in errors),
+        "within_15pct": int(sum(abs(e) <= TOLERANCE for e in errors)),
         "n_ratios": len(errors),
         "max_rel_error": max(abs(e) for e in errors),
         "mean_abs_rel_error": sum(abs(e) for e in errors) / len(errors),

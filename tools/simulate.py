@@ -1,0 +1,116 @@
+"""Pod-scale simulator CLI: "what will this do on my pod", before any GPU hour.
+
+    python tools/simulate.py --model=qwen2.5-7b --hardware=h800 --devices=32 --max_len=20000
+    python tools/simulate.py --mode=stream_async --trace_out=/tmp/sim_trace.json --per_sample
+    python tools/simulate.py --calibrate            # PAPER.md Fig. 8, 9 settings x 2 ratios
+    python tools/simulate.py --profile=profile.json # measured stage profiles -> samples/s
+
+Prints one line per mode (samples/s, devices per stage, busy shares, bubbles by cause) and,
+last, one JSON line. With --calibrate the table of predicted vs paper ratios comes first and
+the last line is JSON with `within_15pct` (of the 18 ratios) and `max_rel_error`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from absl import app, flags
+
+from streamrl_jax.simulation import calibrate, hardware, lengths, profiles, simulator, trace
+from streamrl_jax.simulation.scenario import MODES, Scenario
+
+_MODE = flags.DEFINE_enum("mode", "all", ["all", *MODES], "Mode to simulate, or all.")
+_MODEL = flags.DEFINE_enum("model", "qwen2.5-7b", sorted(hardware.MODELS), "Policy model.")
+_HW = flags.DEFINE_enum("hardware", "h800", sorted(hardware.HARDWARE), "Accelerator.")
+_DEVICES = flags.DEFINE_integer("devices", 32, "Accelerators in the pod.")
+_MAX_LEN = flags.DEFINE_integer("max_len", 20_000, "Max response length (paper trace scaled).")
+_FIXED_LEN = flags.DEFINE_integer("fixed_len", None, "Every response exactly this long.")
+_BATCH = flags.DEFINE_integer("global_batch", 1024, "Samples per training step.")
+_ALGO = flags.DEFINE_enum("algorithm", "ppo", ["ppo", "grpo"], "RL algorithm (FLOP factor).")
+_GEN_DEVICES = flags.DEFINE_integer("gen_devices", None, "Generation devices; None: Alg. 1.")
+_GRANULARITY = flags.DEFINE_integer("split_granularity", None, "Split step; None: one node.")
+_TP = flags.DEFINE_integer("gen_tp", None, "Generation tensor parallel; None: auto.")
+_MAX_BATCH = flags.DEFINE_integer("max_batch", None, "KV slots per instance; None: auto.")
+_DISPATCH = flags.DEFINE_enum("dispatch", "auto", ["auto", "random", "skew_aware"], "Dispatch.")
+_RECALL = flags.DEFINE_float("ranker_recall", 0.87, "Ranker recall@20% (skew-aware dispatch).")
+_STALENESS = flags.DEFINE_integer("staleness", 1, "stream_async policy lag.")
+_ITERS = flags.DEFINE_integer("iterations", 5, "Training steps simulated.")
+_WARMUP = flags.DEFINE_integer("warmup", 2, "Steps excluded from throughput.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of lengths and dispatch.")
+_TRACE_OUT = flags.DEFINE_string("trace_out", None, "Chrome/Perfetto trace path (mode != all).")
+_PER_SAMPLE = flags.DEFINE_bool("per_sample", False, "Trace one span per sample.")
+_CALIBRATE = flags.DEFINE_bool("calibrate", False, "Run the Fig. 8 calibration.")
+_PROFILE = flags.DEFINE_string("profile", None, "Measured-profile JSON (docs/simulator.md).")
+
+
+def _scenario(mode: str) -> Scenario:
+    trace_ = (
+        lengths.fixed_trace(_FIXED_LEN.value)
+        if _FIXED_LEN.value
+        else lengths.paper_trace(_MAX_LEN.value)
+    )
+    return Scenario(
+        mode=mode,
+        model=hardware.get_model(_MODEL.value),
+        hw=hardware.get_hardware(_HW.value),
+        devices=_DEVICES.value,
+        trace=trace_,
+        global_batch=_BATCH.value,
+        algorithm=_ALGO.value,
+        gen_devices=_GEN_DEVICES.value,
+        split_granularity=_GRANULARITY.value,
+        gen_tp=_TP.value,
+        max_batch=_MAX_BATCH.value,
+        dispatch=_DISPATCH.value,
+        ranker_recall=_RECALL.value,
+        staleness=_STALENESS.value,
+        iterations=_ITERS.value,
+        warmup=_WARMUP.value,
+        seed=_SEED.value,
+    )
+
+
+def _run_calibration() -> None:
+    rows = calibrate.run(seed=_SEED.value)
+    print(calibrate.table(rows))
+    s = calibrate.summary(rows)
+    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else int(v)) for k, v in s.items()}))
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if _CALIBRATE.value:
+        _run_calibration()
+        return
+    if _PROFILE.value:
+        print(json.dumps(profiles.predict(profiles.load(_PROFILE.value), seed=_SEED.value)))
+        return
+    modes = MODES if _MODE.value == "all" else (_MODE.value,)
+    base = _scenario(modes[0])
+    results = simulator.simulate_modes(base, modes)
+    out = {}
+    for mode, r in results.items():
+        sc = dataclasses.replace(base, mode=mode)
+        print(
+            f"{mode:20s} {r.samples_per_s:8.3f} samples/s  {r.iteration_s:8.1f} s/step  "
+            f"gen {r.gen_devices} dev ({r.n_instances} x TP{sc.tp}, {sc.slots} slots)  "
+            f"train {r.train_devices} dev  "
+            f"busy gen {r.busy['generation']:.2f} train {r.busy['training']:.2f}  bubbles "
+            + " ".join(f"{k} {v:.3f}" for k, v in r.bubbles.items())
+        )
+        out[mode] = {
+            "samples_per_s": r.samples_per_s,
+            "iteration_s": r.iteration_s,
+            "gen_devices": r.gen_devices,
+            "train_devices": r.train_devices,
+            "busy": r.busy,
+            "bubbles": r.bubbles,
+        }
+    if _TRACE_OUT.value and len(results) == 1:
+        trace.save(next(iter(results.values())), _TRACE_OUT.value, per_sample=_PER_SAMPLE.value)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    app.run(main)
