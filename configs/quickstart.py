@@ -16,7 +16,7 @@ def get_config(arg: str | None = None):
     c.seed = 0
     # Model: the embedded SmolLM2-135M-Instruct GGUF (dequantised to float32).
     c.model.source = "smollm2"
-    c.model.max_context = 320  # prompt (<=192) + response (<=128)
+    c.model.max_context = 288  # prompt (<= 192) + response (<= 96)
     # One generation device and one training device: the disaggregated split.
     c.mesh.generate_devices = 1
     c.mesh.train_devices = 1
@@ -53,8 +53,8 @@ def get_config(arg: str | None = None):
         c.pipeline.mode = "stream_sync"
     elif arg == "tiny":
         c.model.source = "tiny"
-        c.model.max_context = 96
-        c.generation.max_prompt_len = 64
+        c.model.max_context = 144
+        c.generation.max_prompt_len = 128
         c.generation.max_new_tokens = 16
         c.mesh.instance_slots = (8,)
         c.pipeline.steps = 2
@@ -63,6 +63,7 @@ def get_config(arg: str | None = None):
         c.pipeline.min_groups = 1
         c.pipeline.micro_batch_groups = 2
         c.pipeline.timeout_s = 120.0
+        c.data.train_size = 200
         c.optimizer.learning_rate = 1e-3
         c.eval.every = 0
         c.eval.num_problems = 4

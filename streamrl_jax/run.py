@@ -1,0 +1,501 @@
+"""Runs an experiment: the four modes of DESIGN.md §3 as schedules over one set of components.
+
+Three activities, each on its own thread:
+
+* **generation driver**: for batch b, waits for W_{g(b)} on the weight board,
+  swaps it into the generation service when the version changes (only once
+  every earlier request has finished, so no sample mixes versions), and
+  submits the batch's `prompts_per_step x group_size` requests (plus the
+  held-out evaluation prompts when one is due);
+* **collector**: takes each finished sample from the service the moment it
+  completes, scores it on the reward pool and puts it in the grouping sample
+  stream (evaluation samples are scored and kept apart);
+* **trainer** (the calling thread): takes complete groups of batch b —
+  streaming modes as soon as `min_groups` are ready, batch modes once all
+  are — checks their versions, computes advantages, accumulates gradients per
+  micro-batch, applies one optimizer step at the batch boundary and publishes
+  W_{b+1} (in the background in stream_async, so the copy overlaps the next
+  step).
+
+Any thread's exception fails the stream and the board, so every other wait
+wakes at once; the run ends with `PipelineError` naming the component, all
+threads joined with timeouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+
+from streamrl_jax import algorithms
+from streamrl_jax.build import Components, build
+from streamrl_jax.config import ExperimentConfig
+from streamrl_jax.data import make_requests
+from streamrl_jax.generation.service import StreamClosed
+from streamrl_jax.generation.types import GenerationRequest, Sample, SamplingParams
+from streamrl_jax.metrics import MetricsWriter, Progress, Tracer
+from streamrl_jax.rewards.base import RewardFn, RewardResult
+from streamrl_jax.rewards.pool import RewardPool
+from streamrl_jax.schedule import Schedule, VersionGate, WeightBoard
+from streamrl_jax.stream.sample_stream import SampleStream, StreamError
+from streamrl_jax.trainer.batch import make_batch
+
+
+class PipelineError(RuntimeError):
+    """A component of the pipeline failed; `component` names it."""
+
+    def __init__(self, component: str, exc: BaseException):
+        super().__init__(f"{component} failed: {exc!r}")
+        self.component = component
+
+
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """A finished sample with its decoded text and reward."""
+
+    sample: Sample
+    text: str
+    reward: RewardResult
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What a finished run hands back (tests and benchmarks read it)."""
+
+    state: Any  # final TrainState (on the training mesh)
+    steps: list[dict[str, float]]  # per-step host metrics
+    evals: dict[int, dict[str, float]]  # policy version -> eval metrics
+    trained_versions: list[list[int]]  # per step, the policy version of every trained sample
+    wall_s: float
+    samples: int
+
+
+class _Run:
+    def __init__(self, cfg: ExperimentConfig, c: Components, workdir: str):
+        self.cfg, self.c, self.workdir = cfg, c, workdir
+        p = cfg.pipeline
+        self.sched = Schedule.from_config(p)
+        self.gate = VersionGate(self.sched, strict=p.strict_versions)
+        self.board = WeightBoard()
+        self.stream: SampleStream[Scored] = SampleStream(
+            group_size=p.group_size,
+            group_key=lambda s: (s.sample.metadata["batch"], s.sample.metadata["group"]),
+            capacity=2 * p.prompts_per_step * p.group_size,
+        )
+        self.tracer = Tracer(cfg.log.trace)
+        self.writer = MetricsWriter(workdir, tensorboard=cfg.log.tensorboard)
+        self.timeout = p.timeout_s
+        self._stop = threading.Event()
+        self._error: tuple[str, BaseException] | None = None
+        self._lock = threading.Condition()
+        self._submitted = self._collected = 0  # requests sent to / returned by the service
+        self._evals: dict[int, list[Scored]] = defaultdict(list)
+        self.eval_metrics: dict[int, dict[str, float]] = {}
+        self.sampling = SamplingParams(
+            temperature=cfg.generation.temperature,
+            top_k=cfg.generation.top_k,
+            top_p=cfg.generation.top_p,
+        )
+        self.reward_pool = RewardPool(self._traced_reward, num_workers=2, on_error="raise")
+
+    def _traced_reward(self, text: str, metadata: dict[str, Any]) -> RewardResult:
+        with self.tracer.span("reward/pool", "score"):
+            return self.c.reward_fn(text, metadata)
+
+    # ------------------------------------------------------------------ failure
+    def fail(self, component: str, exc: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = (component, exc)
+                logging.error("%s failed: %r", component, exc)
+            self._lock.notify_all()
+        self.stream.fail(exc, component)
+        self.board.fail(exc)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            component, exc = self._error
+            raise PipelineError(component, exc) from exc
+
+    # ------------------------------------------------------------------ generation driver
+    def _eval_requests(self, version: int) -> list[GenerationRequest]:
+        g = self.cfg.generation
+        return [
+            GenerationRequest(
+                request_id=f"eval/{version}/{i}",
+                prompt=p.tokens,
+                max_new_tokens=g.max_new_tokens,
+                sampling=SamplingParams.greedy(),
+                metadata=dict(p.problem.metadata, eval_version=version),
+            )
+            for i, p in enumerate(self.c.eval_prompts)
+        ]
+
+    def _eval_due(self, batch: int) -> bool:
+        every = self.cfg.eval.every
+        return self.cfg.eval.num_problems > 0 and (batch == 0 or (every > 0 and batch % every == 0))
+
+    def _wait_generation_idle(self) -> None:
+        with self._lock:
+            ok = self._lock.wait_for(
+                lambda: self._collected >= self._submitted or self._error is not None,
+                timeout=self.timeout,
+            )
+        self._raise_if_failed()
+        if not ok:
+            raise TimeoutError(
+                f"generation service: {self._submitted - self._collected} requests unfinished "
+                f"after {self.timeout:.0f} s"
+            )
+
+    def _submit(self, requests: list[GenerationRequest]) -> None:
+        with self._lock:
+            self._submitted += len(requests)
+        self.c.service.submit(requests)
+
+    def _driver(self) -> None:
+        try:
+            p, version = self.cfg.pipeline, 0
+            for b in range(p.steps):
+                needed = self.sched.generation_version(b)
+                if needed != version:
+                    self._wait_generation_idle()
+                    published = self.board.wait_for(needed, self.timeout)
+                    self.c.service.update_weights([w.params for w in published], needed)
+                    self.board.discard_below(needed)
+                    version = needed
+                if self._stop.is_set():
+                    return
+                requests = make_requests(
+                    self.c.prompts.next_prompts(p.prompts_per_step),
+                    batch=b,
+                    group_size=p.group_size,
+                    max_new_tokens=self.cfg.generation.max_new_tokens,
+                    sampling=self.sampling,
+                    run_seed=self.cfg.seed,
+                )
+                if self._eval_due(b):
+                    requests += self._eval_requests(version)
+                self._submit(requests)
+        except BaseException as e:  # noqa: BLE001 - reported to the trainer
+            self.fail("generation driver", e)
+
+    # ------------------------------------------------------------------ collector
+    def _collector(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    sample = self.c.service.get(timeout=0.1)
+                except TimeoutError:
+                    continue
+                except StreamClosed:
+                    return
+                text = self.c.tokenizer.decode(sample.response)
+                if "eval_version" in sample.metadata:
+                    self._collect_eval(sample, text)
+                else:
+                    future = self.reward_pool.submit(text, sample.metadata)
+                    future.add_done_callback(lambda f, s=sample, t=text: self._scored(s, t, f))
+                with self._lock:
+                    self._collected += 1
+                    self._lock.notify_all()
+        except BaseException as e:  # noqa: BLE001
+            self.fail("generation service", e)
+
+    def _scored(self, sample: Sample, text: str, future: Any) -> None:
+        try:
+            reward = future.result()
+            self.stream.put(Scored(sample, text, reward), timeout=self.timeout)
+        except StreamError:
+            pass  # the stream already carries the first failure
+        except BaseException as e:  # noqa: BLE001
+            self.fail("reward function", e)
+
+    def _collect_eval(self, sample: Sample, text: str) -> None:
+        version = sample.metadata["eval_version"]
+        result = self.c.reward_fn(text, sample.metadata)
+        with self._lock:
+            self._evals[version].append(Scored(sample, text, result))
+            done = len(self._evals[version]) == len(self.c.eval_prompts)
+        if done:
+            group = self._evals[version]
+            m = {
+                "accuracy": float(np.mean([s.reward.correct for s in group])),
+                "format_ok": float(np.mean([s.reward.format_ok for s in group])),
+                "response_len": float(np.mean([len(s.sample.response) for s in group])),
+                "num_problems": float(len(group)),
+            }
+            with self._lock:
+                self.eval_metrics[version] = m
+                self._lock.notify_all()
+            self.writer.write(version, m, prefix="eval/")
+            logging.info("eval at policy version %d: %s", version, m)
+
+    # ------------------------------------------------------------------ trainer
+    def _take_groups(self, batch: int, min_groups: int, max_groups: int, parked: dict):
+        """Complete groups of `batch`, parking groups of later batches for later."""
+        out = parked.pop(batch, [])
+        while len(out) < min_groups:
+            for group in self.stream.get_groups(
+                min_groups=1, max_groups=max_groups, timeout=self.timeout
+            ):
+                b = group[0].sample.metadata["batch"]
+                (out if b == batch else parked.setdefault(b, [])).append(group)
+        if len(out) > max_groups:
+            parked[batch] = out[max_groups:]
+            out = out[:max_groups]
+        return out
+
+    def _advantages(self, rewards_B: np.ndarray, group_ids_B: np.ndarray, n_groups: int):
+        fn = algorithms.ADVANTAGES[self.cfg.algorithm.advantage]
+        put = jax.device_put
+        mask = put(np.ones((len(rewards_B), 1), np.float32))
+        adv = fn(put(rewards_B), mask, put(group_ids_B), num_groups=n_groups)
+        return np.asarray(jax.device_get(adv))[:, 0]
+
+    def _micro_batch(self, step: int, groups: list[list[Scored]], stats: dict) -> Any:
+        kept = []
+        for group in groups:
+            ok = [
+                self.gate.admit(step, s.sample.policy_version, s.sample.request_id) for s in group
+            ]
+            if all(ok):
+                kept.append(group)
+        if not kept:
+            return None
+        samples = [s for g in kept for s in g]
+        rewards = np.asarray([s.reward.score for s in samples], np.float32)
+        group_ids = np.repeat(np.arange(len(kept), dtype=np.int32), self.cfg.pipeline.group_size)
+        adv = self._advantages(rewards, group_ids, len(kept))
+        stats["reward"] += list(rewards)
+        stats["correct"] += [float(s.reward.correct) for s in samples]
+        stats["format_ok"] += [float(s.reward.format_ok) for s in samples]
+        stats["length"] += [len(s.sample.response) for s in samples]
+        stats["truncated"] += [float(s.sample.finish_reason != "stop") for s in samples]
+        stats["versions"] += [s.sample.policy_version for s in samples]
+        t = self.c.trainer
+        batch = make_batch(
+            [s.sample.prompt for s in samples],
+            [s.sample.response for s in samples],
+            behaviour_logp=[s.sample.logprobs for s in samples],
+            advantages=adv,
+            rewards=rewards,
+            seq_buckets=t.cfg.seq_buckets,
+            batch_buckets=t.cfg.batch_buckets,
+            pad_id=self.c.tokenizer.pad_id,
+        )
+        dev = t.place_batch(batch)
+        if self.c.ref_params is not None:
+            dev = dev.replace(ref_logp=t.logprobs(self.c.ref_params, dev))
+        return dev
+
+    def _publish(self, version: int) -> float:
+        """Sends W_version to generation; background in stream_async. Returns sync seconds."""
+        ws, params = self.c.weight_sync, self.c.state.params
+        if self.sched.mode == "stream_async":
+            if ws.in_flight:
+                ws.result(self.timeout)
+            t0 = self.tracer.now()
+
+            def landed(published, stats):
+                self.tracer.add("weight_sync/transfer", f"W{version}", t0, self.tracer.now())
+                self.board.publish(version, published)
+
+            ws.start(params, version, on_done=landed)
+            return ws.history[-1].seconds if ws.history else 0.0
+        with self.tracer.span("weight_sync/transfer", f"W{version}"):
+            published, stats = ws.transfer(params, version)
+        self.board.publish(version, published)
+        return stats.seconds
+
+    def _train(self, progress: Progress) -> tuple[list[dict], list[list[int]]]:
+        p, t = self.cfg.pipeline, self.c.trainer
+        acc = t.init_accumulator()
+        parked: dict[int, list] = {}
+        steps, versions = [], []
+        start, samples_done = time.perf_counter(), 0
+        pending_metrics = None
+        one = t.scalar(1.0)
+        for b in range(p.steps):
+            t_step, remaining = time.perf_counter(), p.prompts_per_step
+            stats: dict[str, list] = defaultdict(list)
+            micro_metrics, train_busy = [], 0.0
+            while remaining:
+                groups = self._take_groups(
+                    b,
+                    self.sched.min_groups(p, remaining),
+                    min(p.micro_batch_groups, remaining),
+                    parked,
+                )
+                remaining -= len(groups)
+                t0 = self.tracer.now()
+                dev = self._micro_batch(b, groups, stats)
+                if dev is None:
+                    continue
+                acc, m = t.accumulate(self.c.state, acc, dev, one)
+                # Deliberate sync point: the trace span must cover the compute, and it
+                # bounds the micro-batches queued on the device.
+                jax.block_until_ready(acc)
+                t1 = self.tracer.now()
+                self.tracer.add("trainer/micro-batch", "accumulate", t0, t1, groups=len(groups))
+                micro_metrics.append(m)
+                train_busy += t1 - t0
+            t0 = self.tracer.now()
+            self.c.state, acc, apply_metrics = t.apply(self.c.state, acc)
+            sync_s = self._publish(b + 1)
+            self.tracer.add("trainer/optimizer", f"step {b}", t0, self.tracer.now())
+            # Fetch the previous step's device metrics only now, after this step's
+            # work is dispatched.
+            if pending_metrics is not None:
+                steps[-1].update(_fetch(pending_metrics))
+                self.writer.write(len(steps) - 1, steps[-1])
+            pending_metrics = apply_metrics
+            samples_done += len(stats["reward"])
+            now = time.perf_counter()
+            row = {
+                "reward": _mean(stats["reward"]),
+                "accuracy": _mean(stats["correct"]),
+                "format_ok": _mean(stats["format_ok"]),
+                "response_len": _mean(stats["length"]),
+                "response_len_max": float(max(stats["length"], default=0)),
+                "truncated": _mean(stats["truncated"]),
+                "staleness": _mean([b - v for v in stats["versions"]]),
+                "dropped_stale": float(self.gate.dropped),
+                "queue_depth": float(self.stream.depth()["ready_samples"]),
+                "step_s": now - t_step,
+                "train_busy": train_busy / max(now - t_step, 1e-9),
+                "weight_sync_s": sync_s,
+                "samples_per_s": samples_done / (now - start),
+                "micro_batches": float(len(micro_metrics)),
+            }
+            steps.append(row)
+            versions.append(list(stats["versions"]))
+            progress.update(
+                b + 1, reward=row["reward"], acc=row["accuracy"], sps=row["samples_per_s"]
+            )
+        if pending_metrics is not None:
+            steps[-1].update(_fetch(pending_metrics))
+            self.writer.write(len(steps) - 1, steps[-1])
+        return steps, versions
+
+    def _final_eval(self) -> None:
+        """Greedy eval of the final weights (version = steps)."""
+        version = self.cfg.pipeline.steps
+        if not self.c.eval_prompts or version in self.eval_metrics:
+            return
+        self._wait_generation_idle()
+        published = self.board.wait_for(version, self.timeout)
+        self.c.service.update_weights([w.params for w in published], version)
+        self._submit(self._eval_requests(version))
+        with self._lock:
+            ok = self._lock.wait_for(
+                lambda: version in self.eval_metrics or self._error is not None, self.timeout
+            )
+        self._raise_if_failed()
+        if not ok:
+            raise TimeoutError(f"final evaluation did not finish within {self.timeout:.0f} s")
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> RunResult:
+        c, p = self.c, self.cfg.pipeline
+        self.board.publish(0, c.initial_weights)
+        threads = [
+            threading.Thread(target=self._driver, name="generation-driver", daemon=True),
+            threading.Thread(target=self._collector, name="collector", daemon=True),
+        ]
+        progress = Progress(p.steps, enabled=self.cfg.log.progress)
+        start = time.perf_counter()
+        try:
+            for th in threads:
+                th.start()
+            try:
+                steps, versions = self._train(progress)
+            except StreamError as e:
+                self._raise_if_failed()
+                raise PipelineError("sample stream", e) from e
+            except BaseException as e:
+                self.fail("trainer", e)
+                raise
+            if self.c.weight_sync.in_flight:
+                self.c.weight_sync.result(self.timeout)
+            if self.cfg.eval.num_problems > 0:
+                self._final_eval()
+            wall = time.perf_counter() - start
+            return RunResult(
+                state=c.state,
+                steps=steps,
+                evals=dict(self.eval_metrics),
+                trained_versions=versions,
+                wall_s=wall,
+                samples=sum(len(v) for v in versions),
+            )
+        finally:
+            self._shutdown(threads)
+            progress.close()
+
+    def _shutdown(self, threads: list[threading.Thread]) -> None:
+        self._stop.set()
+        self.stream.close()
+        self.board.fail(RuntimeError("run finished"))
+        stalled = []
+        for th in threads:
+            th.join(self.timeout)
+            if th.is_alive():
+                stalled.append(th.name)
+        try:
+            if self.c.weight_sync.in_flight:
+                self.c.weight_sync.result(self.timeout)
+        except BaseException as e:  # noqa: BLE001 - already failing or finished
+            logging.warning("weight sync at shutdown: %r", e)
+        self.reward_pool.close(cancel_pending=True)
+        self.tracer.save(f"{self.workdir}/trace.json")
+        self.writer.close()
+        if stalled:
+            raise TimeoutError(f"pipeline threads did not stop: {stalled}")
+
+
+def _mean(xs: list) -> float:
+    return float(np.mean(xs)) if len(xs) else float("nan")
+
+
+def _fetch(metrics: dict[str, jax.Array]) -> dict[str, float]:
+    host = jax.device_get(metrics)
+    return {k: float(np.mean(v)) for k, v in host.items()}
+
+
+def run(
+    cfg: ExperimentConfig,
+    workdir: str,
+    devices: list | None = None,
+    reward_fn: RewardFn | None = None,
+) -> RunResult:
+    """Builds the components, runs the schedule of `cfg.pipeline.mode`, releases everything.
+
+    Args:
+      cfg: the experiment.
+      workdir: metrics.jsonl, tensorboard/ and trace.json go here.
+      devices: devices to split into the role meshes (default `jax.devices()`).
+      reward_fn: replaces the task's reward (tests, custom rewards).
+    """
+    components = build(cfg, devices)
+    if reward_fn is not None:
+        components.reward_fn = reward_fn
+    try:
+        result = _Run(cfg, components, workdir).run()
+    finally:
+        components.close(cfg.pipeline.timeout_s)
+    logging.info(
+        "run finished: %d steps, %d samples in %.1f s; evals %s",
+        len(result.steps),
+        result.samples,
+        result.wall_s,
+        result.evals,
+    )
+    return result
