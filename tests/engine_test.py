@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
+from streamrl_jax import mesh as mesh_lib
 from streamrl_jax.generation.engine import Engine, EngineConfig
 from streamrl_jax.generation.types import GenerationRequest, SamplingParams
 from streamrl_jax.model import config, llama
@@ -246,3 +247,19 @@ def test_bad_requests_name_the_field(model, change, field):
     with pytest.raises(ValueError, match=field):
         engine.submit([r])
     assert engine.queue_length == 0
+
+
+def test_tensor_parallel_instance_matches_single_device(model):
+    graphdef, params, _ = model
+    meshes = mesh_lib.make_meshes(
+        mesh_lib.MeshConfig(generate_devices=2, train_devices=1, instance_tp=2)
+    )
+    (tp2,) = mesh_lib.instance_meshes(meshes.generate)
+    engine = Engine(graphdef, params, CFG, ENGINE, tp2)
+    assert engine._state.cache.k.sharding.spec[3] == "tp"  # KV heads split over the instance
+    reqs = requests(4)
+    got = by_id(engine.run(reqs))
+    want = by_id(make_engine(model).run(reqs))
+    for rid, s in want.items():
+        np.testing.assert_array_equal(got[rid].response, s.response)
+        np.testing.assert_allclose(got[rid].logprobs, s.logprobs, atol=1e-4)
