@@ -39,8 +39,15 @@ def get_config(arg: str | None = None):
     c.algorithm.aggregation = "token_mean"
     c.optimizer.learning_rate = 2e-6
     c.optimizer.warmup_steps = 2
-    # Two-operand arithmetic from reasoning-gym; eval problems from another seed.
+    # Arithmetic from reasoning-gym; eval problems from another seed.
     c.data.tasks = "basic_arithmetic"
+    # Two-term addition/subtraction of 1-2 digit numbers: within reach of a 135M model
+    # (it solves some at the start), so GRPO groups carry signal from step 0.
+    c.data.task_config = (
+        '{"basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, '
+        '"max_digits": 2, "operators": ["+", "-"], "allow_parentheses": false, '
+        '"allow_negation": false}}'
+    )
     c.data.train_seed = 1
     c.data.eval_seed = 2
     c.data.format_reward = 0.1

@@ -20,7 +20,7 @@ from flax import nnx
 
 from streamrl_jax import mesh as mesh_lib
 from streamrl_jax import sharding
-from streamrl_jax.config import ExperimentConfig
+from streamrl_jax.config import ExperimentConfig, task_configs
 from streamrl_jax.data import Prompt, PromptPipeline, tokenize
 from streamrl_jax.generation.engine import EngineConfig
 from streamrl_jax.generation.service import GenerationService
@@ -228,9 +228,16 @@ def build(cfg: ExperimentConfig, devices: list[jax.Device] | None = None) -> Com
 
     d = cfg.data
     tasks = [t.strip() for t in d.tasks.split(",") if t.strip()]
-    eval_set = TaskDataset(tasks, seed=d.eval_seed, size=max(cfg.eval.num_problems, 1))
+    kwargs = task_configs(d)
+    eval_set = TaskDataset(
+        tasks, seed=d.eval_seed, size=max(cfg.eval.num_problems, 1), task_configs=kwargs
+    )
     train_set = TaskDataset(
-        tasks, seed=d.train_seed, size=d.train_size, exclude_questions=eval_set.questions()
+        tasks,
+        seed=d.train_seed,
+        size=d.train_size,
+        task_configs=kwargs,
+        exclude_questions=eval_set.questions(),
     )
     prompts = PromptPipeline(
         train_set, tokenizer, max_prompt_len=g.max_prompt_len, seed=cfg.seed, overlong="drop"

@@ -10,6 +10,7 @@ code receives these dataclasses, never a ConfigDict or flags.
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from typing import Any
@@ -104,6 +105,7 @@ class DataSection:
     """Prompts and rewards (reasoning-gym tasks)."""
 
     tasks: str = "basic_arithmetic"  # comma-separated reasoning-gym task names
+    task_config: str = ""  # JSON {task: {reasoning-gym config kwargs}}, e.g. difficulty
     train_seed: int = 1  # train problems
     eval_seed: int = 2  # held-out problems (must differ from train_seed)
     train_size: int = 2000  # problems in the training set
@@ -211,11 +213,28 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         "data.train_seed must differ from data.eval_seed (held-out problems)",
     )
     _require(cfg.optimizer.learning_rate > 0, "optimizer.learning_rate must be > 0")
+    task_configs(cfg.data)  # parses, or raises naming data.task_config
     _require(
         cfg.optimizer.schedule in ("constant", "cosine"),
         f"optimizer.schedule={cfg.optimizer.schedule!r}; expected constant | cosine",
     )
     return cfg
+
+
+def task_configs(data: DataSection) -> dict[str, dict[str, Any]]:
+    """`data.task_config` parsed: {task name: reasoning-gym config kwargs}."""
+    if not data.task_config:
+        return {}
+    try:
+        parsed = json.loads(data.task_config)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"data.task_config is not valid JSON: {e}") from None
+    tasks = {t.strip() for t in data.tasks.split(",") if t.strip()}
+    if not isinstance(parsed, dict) or not all(isinstance(v, dict) for v in parsed.values()):
+        raise ValueError("data.task_config must be a JSON object {task: {kwarg: value}}")
+    if unknown := set(parsed) - tasks:
+        raise ValueError(f"data.task_config names {sorted(unknown)}, not in data.tasks")
+    return parsed
 
 
 def from_config_dict(cd: ml_collections.ConfigDict | dict) -> ExperimentConfig:

@@ -23,21 +23,26 @@ _WORKDIR = flags.DEFINE_string(
     "workdir", os.path.join("workdir", "quickstart"), "Where metrics, traces and checkpoints go."
 )
 _DEVICES = flags.DEFINE_integer(
-    "cpu_devices", 0, "Host CPU devices to expose (0 = JAX default); for mesh experiments on CPU."
+    "cpu_devices",
+    -1,
+    "Host CPU devices to expose when running on CPU: -1 = as many as the config's mesh "
+    "needs (mesh.generate_devices + mesh.train_devices), 0 = JAX's default.",
 )
 
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if _DEVICES.value:
-        import jax
-
-        jax.config.update("jax_num_cpu_devices", _DEVICES.value)
     from streamrl_jax import config as config_lib
-    from streamrl_jax import run
 
     cfg = config_lib.from_config_dict(_CONFIG.value)
+    import jax  # after flag parsing: the CPU device count must be set before the backend starts
+
+    wanted = cfg.mesh.generate_devices + cfg.mesh.train_devices
+    if _DEVICES.value:
+        jax.config.update("jax_num_cpu_devices", wanted if _DEVICES.value < 0 else _DEVICES.value)
+    from streamrl_jax import run
+
     logging.info("config:\n%s", cfg)
     run.run(cfg, _WORKDIR.value)
 

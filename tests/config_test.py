@@ -58,6 +58,8 @@ def _with(**sections):
         ({"data__eval_seed": 1}, "data.train_seed must differ"),
         ({"pipeline__steps": "ten"}, "pipeline.steps must be int"),
         ({"mesh__instance_slots": (4, 0)}, "instance_slots must all be >= 1"),
+        ({"data__task_config": "{nope"}, "data.task_config is not valid JSON"),
+        ({"data__task_config": '{"countdown": {}}'}, "names .'countdown'., not in data.tasks"),
     ],
 )
 def test_impossible_values_name_the_field(overrides, message):

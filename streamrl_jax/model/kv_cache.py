@@ -50,5 +50,9 @@ def init_cache(cfg: ModelConfig, num_slots: int, max_length: int) -> KVCache:
             f"(max_position_embeddings={cfg.max_position_embeddings})"
         )
     shape = (cfg.num_layers, num_slots, max_length, cfg.num_kv_heads, cfg.head_dim)
-    zeros = jnp.zeros(shape, cfg.jnp_dtype)
-    return KVCache(k=zeros, v=zeros, lengths=jnp.zeros((num_slots,), jnp.int32))
+    # Two distinct buffers: k and v are donated (updated in place) separately.
+    return KVCache(
+        k=jnp.zeros(shape, cfg.jnp_dtype),
+        v=jnp.zeros(shape, cfg.jnp_dtype),
+        lengths=jnp.zeros((num_slots,), jnp.int32),
+    )

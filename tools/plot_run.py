@@ -1,0 +1,103 @@
+"""Draws a run's curves and pipeline timeline to PNG.
+
+  python tools/plot_run.py --workdir=/tmp/quickstart [--workdir=/tmp/other ...] --out=docs/img/run
+
+Writes `<out>_curves.png` (train reward and accuracy per step, held-out
+accuracy per policy version, response length; one line per workdir) and
+`<out>_timeline.png` (the trace.json spans of the first workdir: one row per
+track — generation instances, reward, trainer micro-batches, optimizer,
+weight sync — so the overlap and the bubbles are visible).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from streamrl_jax.metrics import read_jsonl  # noqa: E402
+
+_WORKDIRS = flags.DEFINE_multi_string("workdir", None, "Run directories (metrics.jsonl).")
+_LABELS = flags.DEFINE_multi_string("label", None, "Legend labels, one per --workdir.")
+_OUT = flags.DEFINE_string("out", "run", "Output path prefix for the PNG files.")
+_MAX_SECONDS = flags.DEFINE_float("timeline_seconds", 0.0, "Only draw the first N s (0 = all).")
+
+
+def plot_curves(workdirs: list[str], labels: list[str], path: str) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for workdir, label in zip(workdirs, labels, strict=True):
+        rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+        train = [r for r in rows if "reward" in r]
+        evals = [r for r in rows if "eval/accuracy" in r]
+        steps = [r["step"] for r in train]
+        axes[0].plot(steps, [r["reward"] for r in train], label=f"{label} reward")
+        axes[0].plot(steps, [r["accuracy"] for r in train], "--", label=f"{label} accuracy")
+        axes[1].plot(
+            [r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label=label
+        )
+        axes[2].plot(steps, [r["response_len"] for r in train], label=label)
+    axes[0].set(title="training batch", xlabel="step")
+    axes[1].set(title="held-out accuracy (greedy)", xlabel="policy version", ylim=(0, 1))
+    axes[2].set(title="mean response length", xlabel="step", ylabel="tokens")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_timeline(trace_path: str, path: str, max_seconds: float = 0.0) -> None:
+    with open(trace_path, encoding="utf-8") as f:
+        events = json.load(f)["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"
+    }
+    spans = [e for e in events if e["ph"] == "X"]
+    if max_seconds > 0:
+        spans = [e for e in spans if e["ts"] < max_seconds * 1e6]
+    tracks = sorted({(e["pid"], e["tid"]) for e in spans})
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, ax = plt.subplots(figsize=(14, 0.5 * len(tracks) + 1.5))
+    for row, track in enumerate(tracks):
+        bars = [(e["ts"] / 1e6, e["dur"] / 1e6) for e in spans if (e["pid"], e["tid"]) == track]
+        ax.broken_barh(bars, (row - 0.4, 0.8), color=colors[track[0] % len(colors)])
+    ax.set_yticks(range(len(tracks)))
+    ax.set_yticklabels([f"{procs.get(p, p)}/{threads.get((p, t), t)}" for p, t in tracks])
+    ax.set_xlabel("seconds since start")
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    workdirs = _WORKDIRS.value
+    if not workdirs:
+        raise app.UsageError("give at least one --workdir")
+    labels = _LABELS.value or [os.path.basename(os.path.normpath(w)) for w in workdirs]
+    if len(labels) != len(workdirs):
+        raise app.UsageError("one --label per --workdir")
+    os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
+    plot_curves(workdirs, labels, f"{_OUT.value}_curves.png")
+    trace = os.path.join(workdirs[0], "trace.json")
+    if os.path.exists(trace):
+        plot_timeline(trace, f"{_OUT.value}_timeline.png", _MAX_SECONDS.value)
+    print(
+        json.dumps({"curves": f"{_OUT.value}_curves.png", "timeline": f"{_OUT.value}_timeline.png"})
+    )
+
+
+if __name__ == "__main__":
+    app.run(main)
