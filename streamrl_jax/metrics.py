@@ -97,6 +97,7 @@ class Tracer:
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
         self._t0 = time.perf_counter()
+        self._wall_minus_perf = time.time() - self._t0
         self._lock = threading.Lock()
         self._events: list[dict[str, Any]] = []
         self._ids: dict[str, tuple[int, int]] = {}
@@ -137,6 +138,11 @@ class Tracer:
                     "args": args,
                 }
             )
+
+    def add_wall(self, track: str, name: str, start: float, end: float, **args: Any) -> None:
+        """Records a span given `time.time()` start and end times."""
+        off = self._wall_minus_perf
+        self.add(track, name, start - off, end - off, **args)
 
     @contextlib.contextmanager
     def span(self, track: str, name: str, **args: Any) -> Iterator[None]:

@@ -104,6 +104,13 @@ class _Run:
             top_p=cfg.generation.top_p,
         )
         self.reward_pool = RewardPool(self._traced_reward, num_workers=2, on_error="raise")
+        for engine in c.service.engines:
+            engine.on_chunk = self._trace_chunk
+
+    def _trace_chunk(self, instance: int, t0: float, t1: float, tokens: int, running: int) -> None:
+        self.tracer.add_wall(
+            f"generation/instance {instance}", "decode", t0, t1, tokens=tokens, running=running
+        )
 
     def _traced_reward(self, text: str, metadata: dict[str, Any]) -> RewardResult:
         with self.tracer.span("reward/pool", "score"):

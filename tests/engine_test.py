@@ -209,6 +209,16 @@ def test_hot_loop_runs_under_transfer_guard(model):
     assert len(samples) == len(reqs)
 
 
+def test_on_chunk_reports_every_round_trip(model):
+    engine = make_engine(model)
+    seen = []
+    engine.on_chunk = lambda *args: seen.append(args)
+    samples = engine.run(requests(6, seed=2))
+    assert seen and all(inst == 0 and t1 >= t0 for inst, t0, t1, _, _ in seen)
+    assert sum(tokens for *_, tokens, _ in seen) == sum(len(s.response) for s in samples)
+    assert max(running for *_, running in seen) <= ENGINE.num_slots
+
+
 def test_static_batching_waits_for_the_whole_batch(model):
     reqs = requests(8)
     engine = make_engine(model, refill=False)

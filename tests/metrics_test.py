@@ -23,7 +23,14 @@ def test_trace_tracks_and_chrome_format(tmp_path):
     t.add("generation/instance 1", "decode", t.now(), t.now() + 0.01)
     with t.span("trainer/micro-batch", "accumulate"):
         pass
+    import time
+
+    t.add_wall("generation/instance 0", "chunk", time.time() - 0.5, time.time() - 0.25)
     spans = t.spans()
+    wall = spans.pop()
+    assert (
+        0.2e6 < wall["dur"] < 0.3e6 and wall["ts"] < spans[0]["ts"]
+    )  # converted to the perf clock
     assert [s["track"] for s in spans] == [
         "generation/instance 0",
         "generation/instance 1",

@@ -34,7 +34,7 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -168,6 +168,9 @@ class Engine:
         self._queue: list[tuple[tuple[float, int], GenerationRequest, float]] = []
         self._slots: list[_Running | None] = [None] * cfg.num_slots
         self._metrics: dict[str, Any] = {"tokens": 0, "busy_s": 0.0, "chunks": 0, "timeline": []}
+        # Optional observer of each host round trip: (instance_id, start, end, tokens
+        # emitted, slots running), wall-clock seconds. The pipeline draws its trace with it.
+        self.on_chunk: Callable[[int, float, float, int, int], None] | None = None
 
     def _init_state(self) -> slots_lib.SlotState:
         cache = kv_cache.init_cache(self.model_cfg, self.cfg.num_slots, self.cfg.max_total_length)
@@ -358,6 +361,8 @@ class Engine:
         m["busy_s"] += t1 - t0
         m["chunks"] += 1
         m["timeline"].append((t1, self.num_running + len(done), len(self._queue), emitted))
+        if self.on_chunk is not None:
+            self.on_chunk(self.instance_id, t0, t1, emitted, self.num_running + len(done))
         return done
 
     def _finish(self, slot: int, code: int) -> Sample:
