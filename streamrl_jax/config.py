@@ -54,6 +54,7 @@ class GenerationSection:
     top_p: float = 1.0  # 1 = off
     decode_chunk: int = 8  # decode steps per host round trip
     prefill_batch: int = 4  # prompts prefilled together
+    length_replay: bool = False  # force response lengths from the paper's long-tail trace
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -22,10 +22,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import grain
+import numpy as np
 
 from streamrl_jax.generation.types import GenerationRequest, SamplingParams
 from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.rewards.tasks import Problem, TaskDataset, chat_messages
+from streamrl_jax.simulation import lengths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,12 +114,24 @@ def make_requests(
     sampling: SamplingParams,
     run_seed: int,
     id_prefix: str = "train",
+    length_replay: bool = False,
 ) -> list[GenerationRequest]:
     """`group_size` requests per prompt of global batch `batch`.
+
+    With `length_replay`, every response is forced to a length drawn from the
+    paper's long-tail trace scaled to `max_new_tokens` (seeded by run and batch),
+    as the paper's length-replay benchmarks do.
 
     Metadata keys: `batch`, `group` (index of the prompt in the batch), `member`,
     `prompt_id`, `task`, `entry` (what the reward function scores against).
     """
+    forced = [None] * (len(prompts) * group_size)
+    if length_replay:
+        trace = dataclasses.replace(
+            lengths.paper_trace(max_new_tokens), min_len=min(16, max_new_tokens)
+        )
+        rng = np.random.default_rng([run_seed, batch])
+        forced = [int(n) for n in lengths.sample_lengths(trace, len(forced), rng)[1]]
     out = []
     for g, prompt in enumerate(prompts):
         for m in range(group_size):
@@ -128,6 +142,7 @@ def make_requests(
                     max_new_tokens=max_new_tokens,
                     sampling=sampling,
                     seed=sample_seed(run_seed, batch, g, m),
+                    forced_length=forced[g * group_size + m],
                     metadata=dict(prompt.problem.metadata, batch=batch, group=g, member=m),
                 )
             )

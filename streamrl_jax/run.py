@@ -187,6 +187,7 @@ class _Run:
                     max_new_tokens=self.cfg.generation.max_new_tokens,
                     sampling=self.sampling,
                     run_seed=self.cfg.seed,
+                    length_replay=self.cfg.generation.length_replay,
                 )
                 if self._eval_due(b):
                     requests += self._eval_requests(version)

@@ -11,7 +11,7 @@ from streamrl_jax import config as config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
-VARIANTS = {"quickstart.py": [None, "tiny", "sync"]}
+VARIANTS = {"quickstart.py": [None, "tiny", "sync"], "length_replay.py": [None, "smollm2"]}
 
 
 def _load(path):
