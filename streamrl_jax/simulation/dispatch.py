@@ -14,24 +14,23 @@ The ranker is modelled, not trained: predicted score = log(length) + sigma * noi
 sigma chosen by bisection so that recall of the true longest `alpha` share among the
 predicted longest `alpha` share equals the requested recall (0.87 for the paper's 7B ranker
 at 20%).
+
+The planning itself lives in `streamrl_jax.scheduling.dispatch` (the same code plans the
+real generation service); this module adds the modelled ranker and adapts the plan to the
+simulator's per-instance admission lists.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import numpy as np
 
+from streamrl_jax.scheduling import dispatch as sched
+from streamrl_jax.scheduling.rank_metrics import recall_at
+
 DISPATCHES = ("random", "skew_aware")
-
-
-def recall_at(true_len: np.ndarray, score: np.ndarray, frac: float) -> float:
-    """Share of the true longest `frac` of samples among the `frac` highest scores."""
-    k = max(1, int(round(frac * len(true_len))))
-    top_true = set(np.argsort(-true_len, kind="stable")[:k].tolist())
-    top_pred = np.argsort(-score, kind="stable")[:k].tolist()
-    return len(top_true.intersection(top_pred)) / k
+__all__ = ["DISPATCHES", "random_dispatch", "ranker_scores", "recall_at", "skew_aware_dispatch"]
 
 
 def ranker_scores(
@@ -59,20 +58,11 @@ def ranker_scores(
 def random_dispatch(n_samples: int, n_instances: int, rng: np.random.Generator) -> list[list[int]]:
     """Shuffled round-robin; each list is the instance's FIFO admission order."""
     order = rng.permutation(n_samples)
-    return [order[i::n_instances].tolist() for i in range(n_instances)]
-
-
-def _group_latency(
-    m: int, n_inst: int, l_rep: float, bs_max: int, ptl: Callable[[int, float], float]
-) -> float:
-    if m == 0:
-        return 0.0
-    if n_inst == 0:
-        return math.inf
-    per = math.ceil(m / n_inst)
-    bs = min(per, bs_max)
-    # Mean context over a response of length l_rep is about l_rep / 2.
-    return ptl(bs, l_rep / 2) * l_rep * math.ceil(per / bs)
+    deal = sched.weighted_deal(n_samples, [1.0] * n_instances)  # 0, 1, ..., N-1, 0, ...
+    plan: list[list[int]] = [[] for _ in range(n_instances)]
+    for pos, inst in zip(order.tolist(), deal, strict=True):
+        plan[inst].append(pos)
+    return plan
 
 
 def skew_aware_dispatch(
@@ -99,26 +89,11 @@ def skew_aware_dispatch(
     Returns:
       One admission-ordered list of sample indices per instance; long-tail instances first.
     """
-    if objective not in ("max", "sum"):
+    if objective not in sched.OBJECTIVES:
         raise ValueError(f"objective must be 'max' or 'sum', got {objective!r}")
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
-    n = len(scores)
-    order = np.argsort(-scores, kind="stable")
-    if n_instances == 1:
-        return [order.tolist()]
-    n_long = max(1, int(round(alpha * n)))
-    l_long = float(np.quantile(recent_lengths, 0.9))
-    l_reg = float(np.quantile(recent_lengths, 0.5))
-    best, best_k = math.inf, 1
-    for k in range(1, n_instances):
-        a = _group_latency(n_long, k, l_long, bs_max, ptl)
-        b = _group_latency(n - n_long, n_instances - k, l_reg, bs_max, ptl)
-        cost = max(a, b) if objective == "max" else a + b
-        if cost < best:
-            best, best_k = cost, k
-    long_idx, reg_idx = order[:n_long], order[n_long:]
-    plan = [long_idx[i::best_k].tolist() for i in range(best_k)]
-    plan += [reg_idx[i :: n_instances - best_k].tolist() for i in range(n_instances - best_k)]
-    # Round-robin over a descending order keeps each list longest-predicted first (LPT).
-    return plan
+    plan = sched.plan_from_scores(
+        scores, recent_lengths, [bs_max] * n_instances, ptl, alpha=alpha, objective=objective
+    )
+    return plan.orders(n_instances)

@@ -1,0 +1,150 @@
+"""Tests of the skew-aware dispatch (scheduling/dispatch.py): Algorithm 2 and LPT admission."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+from streamrl_jax.generation.engine import Engine, EngineConfig
+from streamrl_jax.generation.types import GenerationRequest, SamplingParams
+from streamrl_jax.model import config as model_config
+from streamrl_jax.model import llama
+from streamrl_jax.scheduling import dispatch
+
+PAPER = dispatch.PTLProfile.paper_7b()
+
+
+def fig6_lengths() -> np.ndarray:
+    """The paper's Fig. 6: 2 long samples among 64 regular ones."""
+    return np.array([2000, 2000] + [200] * 64)
+
+
+def test_fig6_one_instance_gets_both_long_samples():
+    true = fig6_lengths()
+    d = dispatch.SkewAwareDispatcher(lambda _p: true.astype(float), PAPER)
+    d.observe(np.tile(true, 3))
+    plan = d.plan([[1]] * len(true), 2, [64, 64])
+    assert plan.instance_per_request[0] == plan.instance_per_request[1]
+    assert plan.long_instances == (plan.instance_per_request[0],)
+    # The long instance admits the two long samples first (LPT).
+    orders = plan.orders(2)
+    assert orders[plan.long_instances[0]][:2] == [0, 1]
+    assert sorted(i for o in orders for i in o) == list(range(len(true)))
+
+
+def sum_vs_max_case(objective: str) -> dispatch.DispatchPlan:
+    """40 prompts, 4 instances, PTL(BS) = BS s, caps 64 (one wave), L_long = 3, L_reg = 2.
+
+    n_long = 8, n_reg = 32. Latency of a group = ceil(M / k) * ceil(M / k) ... per instance
+    PTL(per) * L * 1 = per * L:
+      k=1: long 8*3 = 24, regular ceil(32/3)=11 -> 11*2 = 22: sum 46, max 24
+      k=2: long 4*3 = 12, regular 16*2 = 32: sum 44, max 32
+      k=3: long 3*3 = 9, regular 32*2 = 64: sum 73, max 64
+    so "sum" picks k=2 and "max" picks k=1.
+    """
+    recent = np.array([2] * 6 + [3] * 4)  # P50 = 2, P90 = 3
+    scores = np.arange(40, 0, -1).astype(float)
+    return dispatch.plan_from_scores(
+        scores, recent, [64] * 4, lambda bs, _ctx: float(bs), objective=objective
+    )
+
+
+def test_sum_and_max_objectives_hand_made():
+    by_sum, by_max = sum_vs_max_case("sum"), sum_vs_max_case("max")
+    assert len(by_sum.long_instances) == 2 and by_sum.predicted_s["cost"] == pytest.approx(44)
+    assert len(by_max.long_instances) == 1 and by_max.predicted_s["cost"] == pytest.approx(24)
+    assert by_max.representative == (3.0, 2.0)
+    # The predicted makespan is what "max" minimises; "sum" pays 32 for it here.
+    assert max(by_sum.predicted_s["long"], by_sum.predicted_s["regular"]) == pytest.approx(32)
+    # The 8 highest scores are the long tail.
+    long_set = set(by_max.long_instances)
+    assert {i for i in range(40) if by_max.instance_per_request[i] in long_set} == set(range(8))
+
+
+def test_kv_memory_caps_the_batch():
+    cfg = model_config.tiny()
+    kv = dispatch.kv_bytes_per_token(cfg)
+    assert kv == 2 * 2 * 2 * 16 * 4  # k+v, layers, kv heads, head dim, f32
+    assert dispatch.kv_slot_cap(kv, kv * 100 * 3 + 5, 100) == 3
+    dcfg = dispatch.DispatchConfig(kv_bytes_per_token=kv, kv_memory_bytes=kv * 100.0)
+    d = dispatch.SkewAwareDispatcher(lambda p: np.array([len(x) for x in p], float), PAPER, dcfg)
+    d.observe([10] * 10 + [100] * 2)  # P90 = 91: one sequence fits; P50 = 10: ten fit
+    plan = d.plan([[1] * i for i in range(1, 21)], 2, [8, 8])
+    # 4 long prompts on one instance with BS_max = 1 run in 4 waves.
+    l_long = plan.representative[0]
+    assert plan.predicted_s["long"] == pytest.approx(4 * PAPER(1, l_long / 2) * l_long)
+
+
+def test_heterogeneous_slots_long_tail_on_smallest_instance():
+    scores = np.arange(50, 0, -1).astype(float)
+    plan = dispatch.plan_from_scores(scores, np.arange(1, 101), [32, 4], PAPER)
+    assert plan.long_instances == (1,)
+    assert sum(i == 1 for i in plan.instance_per_request) == 10
+    plan = dispatch.plan_from_scores(scores, np.arange(1, 101), [32, 4, 32], PAPER)
+    assert plan.long_instances[0] == 1
+
+
+def test_random_dispatcher_is_proportional_to_slots_and_fifo():
+    plan = dispatch.RandomDispatcher(seed=0).plan([[1]] * 30, 2, [8, 4])
+    counts = np.bincount(plan.instance_per_request, minlength=2)
+    assert counts.tolist() == [20, 10]
+    assert set(plan.priority_per_request) == {0.0}
+    assert plan.orders(2)[1] == sorted(plan.orders(2)[1])  # FIFO: submission order
+    with pytest.raises(ValueError, match="one slot count per instance"):
+        dispatch.RandomDispatcher().plan([[1]], 2, [8])
+
+
+def test_validation_and_profile(tmp_path):
+    with pytest.raises(ValueError, match="objective"):
+        dispatch.DispatchConfig(objective="mean")
+    with pytest.raises(ValueError, match="recent_lengths is empty"):
+        dispatch.plan_from_scores(np.ones(3), np.array([]), [4, 4], PAPER)
+    path = tmp_path / "ptl.json"
+    path.write_text('{"batch_sizes": [1, 4], "per_token_s": [0.01, 0.02]}')
+    ptl = dispatch.PTLProfile.from_json(str(path))
+    assert ptl(2) == pytest.approx(0.01 + 0.01 / 3)
+    assert ptl(8) == pytest.approx(0.02 + 4 * 0.01 / 3)  # last slope extrapolated
+    path.write_text('{"batch_sizes": [1]}')
+    with pytest.raises(ValueError, match="per_token_s"):
+        dispatch.PTLProfile.from_json(str(path))
+
+
+@pytest.mark.parametrize("admission", ["lpt", "fifo"])
+def test_engine_admits_longest_predicted_first(admission):
+    """An LPT engine admits the plan's priorities in descending order, FIFO in order."""
+    cfg = model_config.tiny()
+    graphdef, params = nnx.split(llama.Llama(cfg, rngs=nnx.Rngs(params=0)))
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+    ecfg = EngineConfig(
+        num_slots=2, max_prompt_length=16, max_total_length=48, chunk_steps=4,
+        prefill_batch=2, admission=admission,
+    )  # fmt: skip
+    engine = Engine(graphdef, params, cfg, ecfg, mesh)
+    true = np.array([3, 20, 5, 12, 8, 16])
+    d = dispatch.SkewAwareDispatcher(lambda _p: true.astype(float), PAPER)
+    plan = d.plan([[1, 2]] * 6, 1, [2])
+    reqs = [
+        GenerationRequest(
+            request_id=i,
+            prompt=[1, 2],
+            max_new_tokens=4,
+            forced_length=int(true[i]),
+            sampling=SamplingParams.greedy(),
+            priority=plan.priority_per_request[i],
+        )  # fmt: skip
+        for i in range(6)
+    ]
+    admit = {s.request_id: s.timings.admit for s in engine.run(reqs)}
+    first = sorted(i for i in admit if admit[i] == min(admit.values()))
+    if admission == "lpt":
+        assert first == [1, 5]  # the two longest predicted
+        for a in range(6):  # a longer prediction is never admitted after a shorter one
+            for b in range(6):
+                if true[a] > true[b]:
+                    assert admit[a] <= admit[b], (a, b)
+    else:
+        assert first == [0, 1]
+        assert all(admit[i] <= admit[i + 1] for i in range(5))
