@@ -1,0 +1,271 @@
+"""Stage balance (Algorithm 1) and the elastic rule for generation instances.
+
+Profiles are plain callables, devices -> seconds per global batch: P_gen(x) (generation of
+one global batch on x devices, for the current output-length distribution) and
+P_train(y) (training it on y devices). Return `math.inf` where a size is infeasible (the
+training state does not fit). `simulator_profiles` builds them from the simulator's cost
+model; measured tables work the same (`table_profile`).
+
+* **Single pool** of n devices (`split_single_pool`): enumerate x generation devices (a
+  multiple of the instance size) and y training devices (a multiple of the training unit)
+  with x + y <= n, and pick the pair minimising max(T_gen(x), T_train(y)); ties go to the
+  pair using fewer devices, then to the smaller sum of the two times.
+* **Two pools** (`shrink_two_pools`): m devices can only generate, n can only train. The
+  faster stage is shrunk to the k that brings its time closest to the slower stage's
+  without exceeding it (so the step time is unchanged), and the rest is freed. "Closest"
+  in the paper could also mean from above; from above would slow every step, so we never
+  choose it.
+* **Elastic rule** (`ElasticController`): after each step, delta = T_gen - T_train (how
+  long the trainer waited for generation) and delta' = the generation time one more
+  data-parallel instance is predicted to save; add one instance (from reserved devices)
+  exactly when delta >= delta' and a reserved instance is left. The trainer is never
+  resized. Pure logic with a decision log: the pipeline activates the instance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from absl import logging
+
+Profile = Callable[[int], float]  # devices -> seconds per global batch
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSplit:
+    """A device split and its predicted stage times (seconds per global batch).
+
+    Attributes:
+      gen_devices: devices generating.
+      train_devices: devices training.
+      t_gen: P_gen(gen_devices).
+      t_train: P_train(train_devices).
+      freed: devices left idle (two pools: released by the shrink; one pool: n - x - y).
+    """
+
+    gen_devices: int
+    train_devices: int
+    t_gen: float
+    t_train: float
+    freed: int = 0
+
+    @property
+    def step_time(self) -> float:
+        """max(T_gen, T_train): the step time when the two stages fully overlap."""
+        return max(self.t_gen, self.t_train)
+
+
+def split_single_pool(
+    devices: int,
+    p_gen: Profile,
+    p_train: Profile,
+    *,
+    gen_unit: int = 1,
+    train_unit: int = 1,
+) -> tuple[StageSplit, list[StageSplit]]:
+    """Algorithm 1 on one pool: the split minimising max(T_gen, T_train), and every candidate.
+
+    Args:
+      devices: n, the pool size.
+      p_gen: generation profile (devices -> seconds).
+      p_train: training profile (devices -> seconds).
+      gen_unit: devices per generation instance (x is a multiple of it).
+      train_unit: training granularity (y is a multiple of it).
+
+    Raises:
+      ValueError: no feasible (finite-time) split exists.
+    """
+    if gen_unit < 1 or train_unit < 1:
+        raise ValueError("split_single_pool: gen_unit and train_unit must be >= 1")
+    candidates = []
+    for x in range(gen_unit, devices, gen_unit):
+        t_gen = p_gen(x)
+        for y in range(train_unit, devices - x + 1, train_unit):
+            candidates.append(StageSplit(x, y, t_gen, p_train(y), devices - x - y))
+    feasible = [c for c in candidates if math.isfinite(c.step_time)]
+    if not feasible:
+        raise ValueError(
+            f"split_single_pool: no split of {devices} devices (gen unit {gen_unit}, train "
+            f"unit {train_unit}) gives both stages a finite time"
+        )
+    best = min(
+        feasible, key=lambda c: (c.step_time, c.gen_devices + c.train_devices, c.t_gen + c.t_train)
+    )
+    return best, candidates
+
+
+def _shrink(limit: int, unit: int, profile: Profile, target: float) -> int:
+    """Fewest devices (multiple of unit, <= limit) whose time is <= target; else limit."""
+    for k in range(unit, limit + 1, unit):
+        if profile(k) <= target:
+            return k
+    return limit
+
+
+def shrink_two_pools(
+    gen_pool: int,
+    train_pool: int,
+    p_gen: Profile,
+    p_train: Profile,
+    *,
+    gen_unit: int = 1,
+    train_unit: int = 1,
+) -> StageSplit:
+    """Algorithm 1 on two pools: shrink the faster stage to match the slower one.
+
+    Args:
+      gen_pool: m, devices that can generate (all used by the slower stage).
+      train_pool: n, devices that can train.
+      p_gen, p_train: profiles (devices -> seconds).
+      gen_unit, train_unit: granularity of each stage.
+    """
+    x = gen_pool - gen_pool % gen_unit
+    y = train_pool - train_pool % train_unit
+    if x < gen_unit or y < train_unit:
+        raise ValueError(
+            f"shrink_two_pools: pools ({gen_pool}, {train_pool}) smaller than one unit "
+            f"({gen_unit}, {train_unit})"
+        )
+    t_gen, t_train = p_gen(x), p_train(y)
+    if t_gen < t_train:
+        x = _shrink(x, gen_unit, p_gen, t_train)
+    elif t_train < t_gen:
+        y = _shrink(y, train_unit, p_train, t_gen)
+    freed = gen_pool - x + train_pool - y
+    return StageSplit(x, y, p_gen(x), p_train(y), freed)
+
+
+def table_profile(devices: Sequence[int], seconds: Sequence[float]) -> Profile:
+    """A profile from measured (devices, seconds) points: exact at them, interpolated in
+    1 / devices between them (time ~ work / devices), inf below the smallest."""
+    d = np.asarray(devices, np.float64)
+    s = np.asarray(seconds, np.float64)
+    if len(d) < 1 or len(d) != len(s) or (np.diff(d) <= 0).any():
+        raise ValueError("table_profile: devices must be ascending and match seconds")
+
+    def profile(n: int) -> float:
+        if n < d[0]:
+            return math.inf
+        if n >= d[-1]:
+            return float(s[-1] * d[-1] / n)
+        return float(np.interp(1.0 / n, 1.0 / d[::-1], s[::-1]))
+
+    return profile
+
+
+def simulator_profiles(costs, tp: int, prompt, resp, recent_resp, plan_kwargs: dict):
+    """(P_gen, P_train) from the simulator's cost model (`simulation.stages.CostSource`):
+    T_gen simulates one batch's dispatch and continuous batching on x devices, T_train
+    sums the trainer's per-sample costs on y devices (inf where the state does not fit)."""
+    from streamrl_jax.simulation import stages  # the simulator is optional here
+
+    def p_gen(x: int) -> float:
+        if x % tp:
+            return math.inf
+        return stages.predict_stage_times(
+            costs, x, 1, tp, prompt, resp, recent_resp, plan_kwargs, 0
+        ).t_gen
+
+    def p_train(y: int) -> float:
+        if not costs.train_fits(y):
+            return math.inf
+        t = float(costs.train_seconds(prompt, resp, y).sum())
+        return t + costs.optimizer_seconds(y)
+
+    return p_gen, p_train
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticDecision:
+    """One step of the elastic rule (also a line of the decision log).
+
+    Attributes:
+      step: training step.
+      t_gen, t_train: measured stage seconds of the step.
+      delta: t_gen - t_train.
+      delta_prime: predicted generation seconds saved by one more instance.
+      instances: generation instances during the step.
+      add: whether one instance is added for the next step.
+      reason: why (or why not).
+    """
+
+    step: int
+    t_gen: float
+    t_train: float
+    delta: float
+    delta_prime: float
+    instances: int
+    add: bool
+    reason: str
+
+
+def ideal_saving(instances: int, t_gen: float) -> float:
+    """delta' under perfect data parallelism: T(k) = W / k, so T(k) - T(k + 1) = T / (k+1)."""
+    return t_gen / (instances + 1)
+
+
+def profile_saving(p_gen_instances: Profile) -> Callable[[int, float], float]:
+    """delta' from a profile of instances -> seconds, scaled to the measured T_gen:
+    t_gen * (1 - P(k + 1) / P(k)) (the profile gives the ratio, the run gives the scale)."""
+
+    def saving(instances: int, t_gen: float) -> float:
+        now, more = p_gen_instances(instances), p_gen_instances(instances + 1)
+        if not (math.isfinite(now) and now > 0):
+            return math.inf
+        return t_gen * max(0.0, 1.0 - more / now)
+
+    return saving
+
+
+class ElasticController:
+    """The elastic rule: add one generation instance exactly when delta >= delta'.
+
+    Args:
+      instances: generation instances running now.
+      max_instances: instances possible with the reserved devices.
+      saving: (instances, measured t_gen) -> delta'; `ideal_saving` by default.
+    """
+
+    def __init__(
+        self,
+        instances: int,
+        max_instances: int,
+        saving: Callable[[int, float], float] = ideal_saving,
+    ):
+        if not 1 <= instances <= max_instances:
+            raise ValueError(
+                f"ElasticController: need 1 <= instances ({instances}) <= max_instances "
+                f"({max_instances})"
+            )
+        self.instances, self.max_instances, self.saving = instances, max_instances, saving
+        self.log: list[ElasticDecision] = []
+
+    def observe(self, step: int, t_gen: float, t_train: float) -> ElasticDecision:
+        """Records one step's stage times; returns (and logs) the decision for the next step.
+
+        When the decision adds an instance, `instances` is already incremented: the caller
+        activates the instance before the next step's dispatch.
+        """
+        delta = t_gen - t_train
+        delta_prime = float(self.saving(self.instances, t_gen))
+        if self.instances >= self.max_instances:
+            add, reason = False, "no reserved instance left"
+        elif delta >= delta_prime:
+            add, reason = True, "delta >= delta'"
+        else:
+            add, reason = False, "delta < delta'"
+        decision = ElasticDecision(
+            step, t_gen, t_train, delta, delta_prime, self.instances, add, reason
+        )
+        self.log.append(decision)
+        logging.info(
+            "elastic step %d: T_gen %.3f T_train %.3f delta %.3f delta' %.3f instances %d: %s",
+            step, t_gen, t_train, delta, delta_prime, self.instances,
+            "add one instance" if add else reason,
+        )  # fmt: skip
+        if add:
+            self.instances += 1
+        return decision
