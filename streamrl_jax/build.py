@@ -240,9 +240,14 @@ def build(cfg: ExperimentConfig, devices: list[jax.Device] | None = None) -> Com
         exclude_questions=eval_set.questions(),
     )
     prompts = PromptPipeline(
-        train_set, tokenizer, max_prompt_len=g.max_prompt_len, seed=cfg.seed, overlong="drop"
+        train_set,
+        tokenizer,
+        max_prompt_len=g.max_prompt_len,
+        seed=cfg.seed,
+        overlong="drop",
+        system_prompt=d.system_prompt,
     )
-    eval_prompts = [tokenize(p, tokenizer) for p in eval_set]
+    eval_prompts = [tokenize(p, tokenizer, d.system_prompt) for p in eval_set]
     too_long = [p.problem.prompt_id for p in eval_prompts if len(p.tokens) > g.max_prompt_len]
     if too_long:
         raise ValueError(

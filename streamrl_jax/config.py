@@ -111,6 +111,7 @@ class DataSection:
     eval_seed: int = 2  # held-out problems (must differ from train_seed)
     train_size: int = 2000  # problems in the training set
     format_reward: float = 0.0  # bonus for a well-formed answer tag
+    system_prompt: str = ""  # "" = rewards.tasks.SYSTEM_PROMPT (asks for <answer> tags)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -38,8 +38,10 @@ class Prompt:
     tokens: tuple[int, ...]
 
 
-def tokenize(problem: Problem, tokenizer: Tokenizer) -> Prompt:
-    text = tokenizer.apply_chat_template(chat_messages(problem.question))
+def tokenize(problem: Problem, tokenizer: Tokenizer, system_prompt: str = "") -> Prompt:
+    """The chat-templated prompt; "" uses the default system prompt of `rewards.tasks`."""
+    messages = chat_messages(problem.question, *([system_prompt] if system_prompt else []))
+    text = tokenizer.apply_chat_template(messages)
     return Prompt(problem=problem, tokens=tuple(tokenizer.encode(text)))
 
 
@@ -54,6 +56,7 @@ class PromptPipeline:
         max_prompt_len: int,
         seed: int,
         overlong: str = "error",
+        system_prompt: str = "",
     ):
         if overlong not in ("error", "drop"):
             raise ValueError(f"overlong={overlong!r}; expected 'error' or 'drop'")
@@ -65,7 +68,7 @@ class PromptPipeline:
         self.dropped_overlong = 0
         self.consumed = 0
         ds = grain.MapDataset.range(len(dataset)).shuffle(seed=seed).repeat()
-        ds = ds.map(lambda i: tokenize(dataset[int(i)], tokenizer))
+        ds = ds.map(lambda i: tokenize(dataset[int(i)], tokenizer, system_prompt))
         self._iter = ds.to_iter_dataset().__iter__()
 
     def next_prompts(self, n: int) -> list[Prompt]:
