@@ -29,7 +29,7 @@ def toy_data(n: int, seed: int) -> tuple[list[list[int]], np.ndarray]:
 def trained():
     ranker = Ranker(RankerConfig(vocab_size=VOCAB, max_tokens=32, seed=0))
     prompts, lengths = toy_data(1500, seed=0)
-    losses = ranker.fit(prompts, lengths, steps=300)
+    losses = ranker.fit(prompts, lengths, steps=200)
     return ranker, losses
 
 

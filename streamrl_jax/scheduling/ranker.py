@@ -10,14 +10,16 @@ a pairwise ranking loss, not a regression:
 masked out). s = f(prompt tokens) is:
 
     token ids -> embedding (E) -> conv1d (kernel 3, GELU, residual) over the prompt
-      -> [masked mean, masked max, log(1 + prompt length)] -> MLP (H) -> scalar
+      -> [masked sum / 32, masked mean, masked max, log(1 + prompt length)] -> MLP (H)
+      -> scalar
 
 A convolution over token embeddings sees local patterns (a 3-digit number, "step by
-step", the task's template words) and the pools make it length-agnostic; the log-length
-feature carries prompt size. It trains in seconds to minutes on CPU (~0.3 M params besides
-the embedding). Prompts longer than `max_tokens` keep their *last* tokens: a chat template
-starts with a constant system prompt, the question comes last. Ids >= `vocab_size` are
-hashed modulo it, so any tokenizer works (at some loss of resolution).
+step", the task's template words); the sum pool counts them, the mean and max pools
+describe the prompt's composition, the log-length feature its size. It trains in seconds
+to minutes on CPU (~0.3 M params besides the embedding). Prompts longer than `max_tokens`
+keep their *last* tokens: a chat template starts with a constant system prompt, the
+question comes last. Ids >= `vocab_size` are hashed modulo it, so any tokenizer works (at
+some loss of resolution).
 
 Online refresh: `update(samples)` appends (prompt, length) pairs of finished samples to a
 bounded buffer of the most recent ones and takes `steps_per_update` small optimizer steps
@@ -41,6 +43,7 @@ import optax
 from flax import nnx
 
 _SCORE_BATCH = 128  # scoring pads to multiples of this, so one compiled shape serves all
+_SUM_SCALE = 32.0  # sum pooling divided by this: O(1) features for prompts of ~10-300 tokens
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,7 +103,7 @@ class RankerModel(nnx.Module):
         e, h = cfg.embed_dim, cfg.hidden_dim
         self.embed = nnx.Embed(cfg.vocab_size, e, rngs=rngs)
         self.conv = nnx.Conv(e, e, kernel_size=(3,), padding="SAME", rngs=rngs)
-        self.hidden = nnx.Linear(2 * e + 1, h, rngs=rngs)
+        self.hidden = nnx.Linear(3 * e + 1, h, rngs=rngs)
         self.out = nnx.Linear(h, 1, rngs=rngs)
 
     def __call__(self, tokens_BxT: jax.Array, mask_BxT: jax.Array) -> jax.Array:
@@ -109,9 +112,12 @@ class RankerModel(nnx.Module):
         x_BxTxE = self.embed(tokens_BxT) * m_BxTx1
         x_BxTxE = x_BxTxE + jax.nn.gelu(self.conv(x_BxTxE)) * m_BxTx1
         n_Bx1 = jnp.maximum(m_BxTx1.sum(axis=1), 1.0)
-        mean_BxE = x_BxTxE.sum(axis=1) / n_Bx1
+        sum_BxE = x_BxTxE.sum(axis=1)
         max_BxE = jnp.where(m_BxTx1 > 0, x_BxTxE, -1e9).max(axis=1)
-        feats = jnp.concatenate([mean_BxE, max_BxE, jnp.log1p(n_Bx1)], axis=-1)
+        # Sum pooling (scaled to O(1)) keeps counts (how many numbers, terms, steps), which
+        # the mean loses; the mean keeps composition independent of length.
+        feats = [sum_BxE / _SUM_SCALE, sum_BxE / n_Bx1, max_BxE, jnp.log1p(n_Bx1)]
+        feats = jnp.concatenate(feats, axis=-1)
         return self.out(jax.nn.gelu(self.hidden(feats)))[:, 0]
 
 
@@ -143,6 +149,31 @@ def encode_prompts(
     return tokens, mask
 
 
+_COMPILED: dict[Any, tuple[Any, Any]] = {}
+
+
+def _compiled(cfg: RankerConfig, graphdef: nnx.GraphDef, tx: optax.GradientTransformation):
+    """Jitted score and train step, shared by rankers of equal shape and optimizer (a
+    restored or re-created ranker compiles nothing new)."""
+    key = (graphdef, cfg.vocab_size, cfg.max_tokens, cfg.learning_rate, cfg.weight_decay)
+    if key not in _COMPILED:
+
+        def score(params, tokens, mask):
+            return nnx.merge(graphdef, params)(tokens, mask)
+
+        def train_step(params, opt_state, tokens, mask, log_len):
+            def loss_fn(p):
+                return pairwise_logistic_loss(nnx.merge(graphdef, p)(tokens, mask), log_len)
+
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        # No donation: `score` may still read the previous params from another thread.
+        _COMPILED[key] = (jax.jit(score), jax.jit(train_step))
+    return _COMPILED[key]
+
+
 class Ranker:
     """The ranker, its optimizer and its online-refresh buffer.
 
@@ -162,22 +193,7 @@ class Ranker:
             maxlen=cfg.buffer_size
         )
         self._lock = threading.Lock()  # guards params / opt state / buffer across threads
-        graphdef, tx = self._graphdef, self._tx
-
-        def score(params, tokens, mask):
-            return nnx.merge(graphdef, params)(tokens, mask)
-
-        def train_step(params, opt_state, tokens, mask, log_len):
-            def loss_fn(p):
-                return pairwise_logistic_loss(nnx.merge(graphdef, p)(tokens, mask), log_len)
-
-            loss, grads = jax.value_and_grad(loss_fn)(params)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        self._score = jax.jit(score)
-        # No donation: `score` may still read the previous params from another thread.
-        self._train_step = jax.jit(train_step)
+        self._score, self._train_step = _compiled(cfg, self._graphdef, self._tx)
 
     # ------------------------------------------------------------------ inference
     def score(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
