@@ -5,8 +5,8 @@ prompt_tokens, output_length, ...). Samples of one prompt (a GRPO group, or the 
 in several steps) are merged into one example whose target is their mean output length;
 prompts are split into train / held-out by a hash of prompt_id (`--holdout` share), so no
 held-out prompt is ever trained on. Reports recall of the true longest 20 / 10 / 5 % among
-the predicted longest and Kendall tau on the held-out prompts, next to two reference
-predictors (prompt length; the training mean length of the prompt's task), and writes the
+the predicted longest and Kendall tau on the held-out prompts, next to reference
+predictors (prompt length; the training mean length of the prompt's task; chance), and writes the
 ranker (pickle of {"config", "state", "report"}; `Ranker.load_state(d["state"])`).
 
     python tools/train_ranker.py --samples=/tmp/run/samples.jsonl --out=/tmp/ranker.pkl
@@ -24,7 +24,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from streamrl_jax.scheduling.rank_metrics import ranking_report
+from streamrl_jax.scheduling.rank_metrics import ranking_report, recall_at
 from streamrl_jax.scheduling.ranker import Ranker, RankerConfig
 from streamrl_jax.scheduling.sample_log import LoggedSample, read_sample_log
 
@@ -81,6 +81,12 @@ def train_and_evaluate(
     overall = float(np.mean([e.length for e in train]))
     task_score = [np.mean(task_mean[e.task]) if e.task in task_mean else overall for e in test]
     report["task_mean"] = ranking_report(true, np.array(task_score))
+    # Chance level: with many ties at the top (responses cut at max_new_tokens) a random
+    # order already scores well on the tie-aware recall.
+    rng = np.random.default_rng(0)
+    report["random_recall_at_20"] = float(
+        np.mean([recall_at(true, rng.random(len(true)), 0.2) for _ in range(200)])
+    )
     report.update(
         train_prompts=len(train),
         heldout_prompts=len(test),
