@@ -304,8 +304,10 @@ class Ranker:
                 )
             params = jax.tree.map(jnp.asarray, got)
             nnx.replace_by_pure_dict(self._params, params)
-            ref_opt = jax.tree.structure(self._opt_state)
-            self._opt_state = jax.tree.unflatten(
-                ref_opt, [jnp.asarray(x) for x in jax.tree.leaves(state["opt_state"])]
-            )
+            # Leaves in order: a checkpointer may hand back optax's namedtuples as dicts.
+            ref_leaves, ref_opt = jax.tree.flatten(self._opt_state)
+            got_leaves = jax.tree.leaves(state["opt_state"])
+            if [np.shape(x) for x in ref_leaves] != [np.shape(x) for x in got_leaves]:
+                raise ValueError("ranker.load_state: optimizer state differs in shape")
+            self._opt_state = jax.tree.unflatten(ref_opt, [jnp.asarray(x) for x in got_leaves])
             self.steps = int(state["steps"])
