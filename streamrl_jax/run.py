@@ -34,7 +34,6 @@ import jax
 import numpy as np
 from absl import logging
 
-from streamrl_jax import algorithms
 from streamrl_jax.build import Components, build
 from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.data import make_requests
@@ -44,8 +43,8 @@ from streamrl_jax.metrics import MetricsWriter, Progress, Tracer
 from streamrl_jax.rewards.base import RewardFn, RewardResult
 from streamrl_jax.rewards.pool import RewardPool
 from streamrl_jax.schedule import Schedule, VersionGate, WeightBoard
+from streamrl_jax.stream.batcher import Scored, pack_groups
 from streamrl_jax.stream.sample_stream import SampleStream, StreamError
-from streamrl_jax.trainer.batch import make_batch
 
 
 class PipelineError(RuntimeError):
@@ -54,15 +53,6 @@ class PipelineError(RuntimeError):
     def __init__(self, component: str, exc: BaseException):
         super().__init__(f"{component} failed: {exc!r}")
         self.component = component
-
-
-@dataclasses.dataclass(frozen=True)
-class Scored:
-    """A finished sample with its decoded text and reward."""
-
-    sample: Sample
-    text: str
-    reward: RewardResult
 
 
 @dataclasses.dataclass
@@ -261,44 +251,20 @@ class _Run:
             out = out[:max_groups]
         return out
 
-    def _advantages(self, rewards_B: np.ndarray, group_ids_B: np.ndarray, n_groups: int):
-        fn = algorithms.ADVANTAGES[self.cfg.algorithm.advantage]
-        put = jax.device_put
-        mask = put(np.ones((len(rewards_B), 1), np.float32))
-        adv = fn(put(rewards_B), mask, put(group_ids_B), num_groups=n_groups)
-        return np.asarray(jax.device_get(adv))[:, 0]
-
     def _micro_batch(self, step: int, groups: list[list[Scored]], stats: dict) -> Any:
-        kept = []
-        for group in groups:
-            ok = [
-                self.gate.admit(step, s.sample.policy_version, s.sample.request_id) for s in group
-            ]
-            if all(ok):
-                kept.append(group)
-        if not kept:
-            return None
-        samples = [s for g in kept for s in g]
-        rewards = np.asarray([s.reward.score for s in samples], np.float32)
-        group_ids = np.repeat(np.arange(len(kept), dtype=np.int32), self.cfg.pipeline.group_size)
-        adv = self._advantages(rewards, group_ids, len(kept))
-        stats["reward"] += list(rewards)
-        stats["correct"] += [float(s.reward.correct) for s in samples]
-        stats["format_ok"] += [float(s.reward.format_ok) for s in samples]
-        stats["length"] += [len(s.sample.response) for s in samples]
-        stats["truncated"] += [float(s.sample.finish_reason != "stop") for s in samples]
-        stats["versions"] += [s.sample.policy_version for s in samples]
         t = self.c.trainer
-        batch = make_batch(
-            [s.sample.prompt for s in samples],
-            [s.sample.response for s in samples],
-            behaviour_logp=[s.sample.logprobs for s in samples],
-            advantages=adv,
-            rewards=rewards,
+        batch = pack_groups(
+            step,
+            groups,
+            gate=self.gate,
+            advantage=self.cfg.algorithm.advantage,
             seq_buckets=t.cfg.seq_buckets,
             batch_buckets=t.cfg.batch_buckets,
             pad_id=self.c.tokenizer.pad_id,
+            stats=stats,
         )
+        if batch is None:
+            return None
         dev = t.place_batch(batch)
         if self.c.ref_params is not None:
             dev = dev.replace(ref_logp=t.logprobs(self.c.ref_params, dev))
