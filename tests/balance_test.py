@@ -89,6 +89,8 @@ def test_elastic_rule_fires_exactly_when_delta_reaches_delta_prime():
     last = ctl.observe(4, t_gen=100.0, t_train=1.0)
     assert not last.add and last.reason == "no reserved instance left" and ctl.instances == 4
     assert [d.step for d in ctl.log] == [0, 1, 2, 3, 4]
+    flat = balance.ElasticController(1, 4, saving=lambda _k, _t: 0.0)
+    assert not flat.observe(0, t_gen=10.0, t_train=1.0).add  # nothing to gain: never add
 
 
 def test_elastic_rule_on_growing_lengths_with_a_profile_saving():
@@ -102,7 +104,7 @@ def test_elastic_rule_on_growing_lengths_with_a_profile_saving():
         ctl.observe(step, t_gen, 20.0)
         work *= 1.15
     for d in ctl.log:
-        assert d.add == (d.delta >= d.delta_prime and d.instances < 6), d
+        assert d.add == (d.delta >= d.delta_prime > 0 and d.instances < 6), d
     counts = [d.instances for d in ctl.log]
     assert counts[0] == 1 and counts[-1] > 1 and np.all(np.diff(counts) >= 0)
 

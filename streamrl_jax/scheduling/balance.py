@@ -18,8 +18,9 @@ model; measured tables work the same (`table_profile`).
 * **Elastic rule** (`ElasticController`): after each step, delta = T_gen - T_train (how
   long the trainer waited for generation) and delta' = the generation time one more
   data-parallel instance is predicted to save; add one instance (from reserved devices)
-  exactly when delta >= delta' and a reserved instance is left. The trainer is never
-  resized. Pure logic with a decision log: the pipeline activates the instance.
+  exactly when delta >= delta' and a reserved instance is left (and delta' > 0: an
+  instance predicted to save nothing is never added). The trainer is never resized. Pure
+  logic with a decision log: the pipeline activates the instance.
 """
 
 from __future__ import annotations
@@ -253,6 +254,11 @@ class ElasticController:
         delta_prime = float(self.saving(self.instances, t_gen))
         if self.instances >= self.max_instances:
             add, reason = False, "no reserved instance left"
+        elif delta_prime <= 0:
+            # An instance predicted to save nothing (the longest sample alone bounds the
+            # makespan) would idle on reserved devices; the literal rule would add it
+            # whenever delta >= 0.
+            add, reason = False, "no predicted saving (delta' <= 0)"
         elif delta >= delta_prime:
             add, reason = True, "delta >= delta'"
         else:
