@@ -78,6 +78,12 @@ def test_kv_memory_caps_the_batch():
     assert plan.predicted_s["long"] == pytest.approx(4 * PAPER(1, l_long / 2) * l_long)
 
 
+def test_static_batch_costs_every_slot():
+    ptl = dispatch.PTLProfile((1, 8), (1.0, 8.0))
+    assert dispatch.instance_latency(2, 10.0, 8, ptl) == pytest.approx(2.0 * 10)
+    assert dispatch.instance_latency(2, 10.0, 8, ptl, static_batch=True) == pytest.approx(80)
+
+
 def test_heterogeneous_slots_long_tail_on_smallest_instance():
     scores = np.arange(50, 0, -1).astype(float)
     plan = dispatch.plan_from_scores(scores, np.arange(1, 101), [32, 4], PAPER)

@@ -111,16 +111,24 @@ def kv_slot_cap(kv_bytes: int, memory_bytes: float, seq_len: float) -> int:
     return max(1, int(memory_bytes // (kv_bytes * seq_len)))
 
 
-def instance_latency(m: int, l_rep: float, bs_max: int, ptl: PTL) -> float:
-    """Predicted seconds for one instance to decode `m` prompts of length `l_rep`."""
+def instance_latency(
+    m: int, l_rep: float, bs_max: int, ptl: PTL, static_batch: bool = False
+) -> float:
+    """Predicted seconds for one instance to decode `m` prompts of length `l_rep`.
+
+    With `static_batch` every step costs PTL(bs_max): an engine whose decode step has a
+    fixed shape (this repo's, one row per KV slot) pays for idle slots too.
+    """
     if m == 0:
         return 0.0
     bs = min(m, bs_max)
     # Mean context over a response of length l_rep is about l_rep / 2.
-    return ptl(bs, l_rep / 2) * l_rep * math.ceil(m / bs)
+    return ptl(bs_max if static_batch else bs, l_rep / 2) * l_rep * math.ceil(m / bs)
 
 
-def spread(m: int, caps: Sequence[int], l_rep: float, ptl: PTL) -> list[int]:
+def spread(
+    m: int, caps: Sequence[int], l_rep: float, ptl: PTL, static_batch: bool = False
+) -> list[int]:
     """Counts per instance (summing to m) that minimise the slowest instance's latency."""
     k = len(caps)
     if len(set(caps)) == 1:  # equal instances: an even split is optimal
@@ -129,7 +137,11 @@ def spread(m: int, caps: Sequence[int], l_rep: float, ptl: PTL) -> list[int]:
     for _ in range(m):  # greedy: each prompt to the instance that stays fastest with it
         i = min(
             range(k),
-            key=lambda j: (instance_latency(counts[j] + 1, l_rep, caps[j], ptl), counts[j], j),
+            key=lambda j: (
+                instance_latency(counts[j] + 1, l_rep, caps[j], ptl, static_batch),
+                counts[j],
+                j,
+            ),
         )
         counts[i] += 1
     return counts
@@ -174,6 +186,7 @@ def plan_from_scores(
     objective: str = "max",
     long_quantile: float = 0.9,
     regular_quantile: float = 0.5,
+    static_batch: bool = False,
 ) -> DispatchPlan:
     """Algorithm 2 over numbers (see the module docstring).
 
@@ -185,6 +198,7 @@ def plan_from_scores(
       alpha: long-tail share.
       objective: "max" (makespan of the two groups) or "sum" (the paper's pseudocode).
       long_quantile, regular_quantile: quantiles of `recent_lengths` for L_long, L_reg.
+      static_batch: cost every step at the instance's full batch (see `instance_latency`).
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"dispatch objective must be one of {OBJECTIVES}, got {objective!r}")
@@ -205,7 +219,7 @@ def plan_from_scores(
     order = np.argsort(-scores, kind="stable")
     priority = scores.tolist()
     if num == 1 or n < 2:
-        cost = instance_latency(n, l_reg, caps_reg[0], ptl)
+        cost = instance_latency(n, l_reg, caps_reg[0], ptl, static_batch)
         return DispatchPlan([0] * n, priority, (), {"cost": cost}, (l_long, l_reg))
     n_long = min(n - 1, max(1, int(round(alpha * n))))
     # Long tail on the instances with the fewest slots (stable: equal instances keep order).
@@ -213,14 +227,14 @@ def plan_from_scores(
     best = None
     for k in range(1, num):
         long_ids, reg_ids = by_slots[:k], by_slots[k:]
-        c_long = spread(n_long, [caps_long[i] for i in long_ids], l_long, ptl)
-        c_reg = spread(n - n_long, [caps_reg[i] for i in reg_ids], l_reg, ptl)
+        c_long = spread(n_long, [caps_long[i] for i in long_ids], l_long, ptl, static_batch)
+        c_reg = spread(n - n_long, [caps_reg[i] for i in reg_ids], l_reg, ptl, static_batch)
         t_long = max(
-            instance_latency(c, l_long, caps_long[i], ptl)
+            instance_latency(c, l_long, caps_long[i], ptl, static_batch)
             for c, i in zip(c_long, long_ids, strict=True)
         )
         t_reg = max(
-            instance_latency(c, l_reg, caps_reg[i], ptl)
+            instance_latency(c, l_reg, caps_reg[i], ptl, static_batch)
             for c, i in zip(c_reg, reg_ids, strict=True)
         )
         cost = max(t_long, t_reg) if objective == "max" else t_long + t_reg
@@ -307,6 +321,8 @@ class DispatchConfig:
         slot count is the only batch cap.
       kv_memory_bytes: KV-cache memory per instance (used when kv_bytes_per_token > 0).
       prompt_tokens: prompt length added to L for the KV cap.
+      static_batch: cost each instance's steps at its full slot count (this repo's engine
+        decodes every slot every step); False = at the active batch (the paper's model).
     """
 
     alpha: float = 0.2
@@ -318,6 +334,7 @@ class DispatchConfig:
     kv_bytes_per_token: int = 0
     kv_memory_bytes: float = 0.0
     prompt_tokens: int = 0
+    static_batch: bool = False
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -375,6 +392,7 @@ class SkewAwareDispatcher:
             objective=c.objective,
             long_quantile=c.long_quantile,
             regular_quantile=c.regular_quantile,
+            static_batch=c.static_batch,
         )
 
     def plan(
