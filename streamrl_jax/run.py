@@ -87,6 +87,7 @@ class _Run:
         self._lock = threading.Condition()
         self._submitted = self._collected = 0  # requests sent to / returned by the service
         self._evals: dict[int, list[Scored]] = defaultdict(list)
+        self._eval_versions: set[int] = set()  # versions whose eval was submitted
         self.eval_metrics: dict[int, dict[str, float]] = {}
         self.sampling = SamplingParams(
             temperature=cfg.generation.temperature,
@@ -135,9 +136,15 @@ class _Run:
             for i, p in enumerate(self.c.eval_prompts)
         ]
 
-    def _eval_due(self, batch: int) -> bool:
+    def _eval_due(self, batch: int, version: int) -> bool:
+        """Eval at batch 0 and every `eval.every` batches, once per policy version (in
+        stream_async several batches share a version)."""
         every = self.cfg.eval.every
-        return self.cfg.eval.num_problems > 0 and (batch == 0 or (every > 0 and batch % every == 0))
+        due = batch == 0 or (every > 0 and batch % every == 0)
+        if not due or self.cfg.eval.num_problems == 0 or version in self._eval_versions:
+            return False
+        self._eval_versions.add(version)
+        return True
 
     def _wait_generation_idle(self) -> None:
         with self._lock:
@@ -179,7 +186,7 @@ class _Run:
                     run_seed=self.cfg.seed,
                     length_replay=self.cfg.generation.length_replay,
                 )
-                if self._eval_due(b):
+                if self._eval_due(b, version):
                     requests += self._eval_requests(version)
                 self._submit(requests)
         except BaseException as e:  # noqa: BLE001 - reported to the trainer
@@ -362,8 +369,9 @@ class _Run:
     def _final_eval(self) -> None:
         """Greedy eval of the final weights (version = steps)."""
         version = self.cfg.pipeline.steps
-        if not self.c.eval_prompts or version in self.eval_metrics:
+        if not self.c.eval_prompts or version in self._eval_versions:
             return
+        self._eval_versions.add(version)
         self._wait_generation_idle()
         published = self.board.wait_for(version, self.timeout)
         self.c.service.update_weights([w.params for w in published], version)

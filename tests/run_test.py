@@ -94,10 +94,13 @@ def test_stream_sync_equals_disaggregated_batch(tmp_path_factory):
 
 
 def test_stream_async_trains_exactly_s_versions_behind(tmp_path_factory):
-    result, _ = _run("stream_async", tmp_path_factory, pipeline__steps=3)
+    result, _ = _run("stream_async", tmp_path_factory, pipeline__steps=3, eval__every=1)
     # g(b) = max(0, b - 1): steps 0 and 1 train on W_0, step 2 on W_1.
     assert [sorted(set(v)) for v in result.trained_versions] == [[0], [0], [1]]
     assert result.steps[2]["staleness"] == 1.0
+    # Batches 0 and 1 share W_0: one eval per version (0, 1), then the final weights (3).
+    assert sorted(result.evals) == [0, 1, 3]
+    assert all(e["num_problems"] == 4 for e in result.evals.values())
 
 
 def _assert_fails_fast(cfg, tmp_path, component, patch=None, reward=vowel_reward):
