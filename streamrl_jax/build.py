@@ -119,7 +119,7 @@ def trainer_config(cfg: ExperimentConfig, fsdp: int) -> TrainerConfig:
         learning_rate=o.learning_rate,
         lr_schedule=o.schedule,
         warmup_steps=o.warmup_steps,
-        total_steps=max(p.steps, 1),
+        total_steps=max(p.steps * p.mini_batches, 1),  # optimizer steps
         weight_decay=o.weight_decay,
         adam_b1=o.b1,
         adam_b2=o.b2,

@@ -68,6 +68,7 @@ class PipelineSection:
     group_size: int = 4  # samples per prompt (GRPO group)
     min_groups: int = 2  # streaming: train once this many complete groups are ready
     micro_batch_groups: int = 4  # most groups per trainer micro-batch
+    mini_batches: int = 1  # optimizer steps per global batch (PPO mini-batches by group count)
     strict_versions: bool = False  # raise (instead of count and drop) on a too-old sample
     timeout_s: float = 600.0  # longest wait on any pipeline stage before it is reported stalled
 
@@ -187,12 +188,25 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     p, g, m = cfg.pipeline, cfg.generation, cfg.mesh
     _require(p.mode in MODES, f"pipeline.mode={p.mode!r}; expected one of {MODES}")
     _require(p.staleness >= 1, f"pipeline.staleness must be >= 1, got {p.staleness}")
-    for name in ("steps", "prompts_per_step", "group_size", "min_groups", "micro_batch_groups"):
+    for name in (
+        "steps",
+        "prompts_per_step",
+        "group_size",
+        "min_groups",
+        "micro_batch_groups",
+        "mini_batches",
+    ):
         _require(getattr(p, name) >= 1, f"pipeline.{name} must be >= 1, got {getattr(p, name)}")
     _require(
         p.min_groups <= p.prompts_per_step,
         f"pipeline.min_groups ({p.min_groups}) exceeds pipeline.prompts_per_step "
         f"({p.prompts_per_step})",
+    )
+    _require(
+        p.prompts_per_step % p.mini_batches == 0,
+        f"pipeline.prompts_per_step ({p.prompts_per_step}) must be divisible by "
+        f"pipeline.mini_batches ({p.mini_batches}): each mini-batch holds the same number "
+        "of groups",
     )
     _require(p.timeout_s > 0, f"pipeline.timeout_s must be > 0, got {p.timeout_s}")
     _require(len(m.instance_slots) >= 1, "mesh.instance_slots must name at least one instance")

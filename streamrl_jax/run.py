@@ -95,10 +95,18 @@ class _Run:
             top_p=cfg.generation.top_p,
         )
         self.reward_pool = RewardPool(self._traced_reward, num_workers=2, on_error="raise")
+        self._busy_lock = threading.Lock()
+        self._gen_busy: dict[int, float] = defaultdict(float)  # instance -> busy seconds
         for engine in c.service.engines:
             engine.on_chunk = self._trace_chunk
 
+    def _gen_busy_s(self) -> float:
+        with self._busy_lock:
+            return sum(self._gen_busy.values())
+
     def _trace_chunk(self, instance: int, t0: float, t1: float, tokens: int, running: int) -> None:
+        with self._busy_lock:
+            self._gen_busy[instance] += t1 - t0
         self.tracer.add_wall(
             f"generation/instance {instance}", "decode", t0, t1, tokens=tokens, running=running
         )
@@ -302,44 +310,55 @@ class _Run:
         parked: dict[int, list] = {}
         steps, versions = [], []
         start, samples_done = time.perf_counter(), 0
-        pending_metrics = None
+        pending_metrics: list = []
         one = t.scalar(1.0)
+        per_mini = p.prompts_per_step // p.mini_batches
         for b in range(p.steps):
-            t_step, remaining = time.perf_counter(), p.prompts_per_step
+            t_step = time.perf_counter()
+            gen_busy0, waits0 = self._gen_busy_s(), dataclasses.replace(self.stream.metrics)
             stats: dict[str, list] = defaultdict(list)
-            micro_metrics, train_busy = [], 0.0
-            while remaining:
-                groups = self._take_groups(
-                    b,
-                    self.sched.min_groups(p, remaining),
-                    min(p.micro_batch_groups, remaining),
-                    parked,
-                )
-                remaining -= len(groups)
+            micro_metrics, apply_metrics, train_busy = [], [], 0.0
+            # PPO mini-batches: `mini_batches` optimizer steps per global batch, each
+            # over the next `per_mini` complete groups in arrival order; W_{b+1} is
+            # published once, after the last (DESIGN.md §2: versions count batches).
+            for k in range(p.mini_batches):
+                remaining = per_mini
+                while remaining:
+                    groups = self._take_groups(
+                        b,
+                        self.sched.min_groups(p, remaining),
+                        min(p.micro_batch_groups, remaining),
+                        parked,
+                    )
+                    remaining -= len(groups)
+                    t0 = self.tracer.now()
+                    dev = self._micro_batch(b, groups, stats)
+                    if dev is None:
+                        continue
+                    acc, m = t.accumulate(self.c.state, acc, dev, one)
+                    # Deliberate sync point: the trace span must cover the compute, and it
+                    # bounds the micro-batches queued on the device.
+                    jax.block_until_ready(acc)
+                    t1 = self.tracer.now()
+                    self.tracer.add("trainer/micro-batch", "accumulate", t0, t1, groups=len(groups))
+                    micro_metrics.append(m)
+                    train_busy += t1 - t0
                 t0 = self.tracer.now()
-                dev = self._micro_batch(b, groups, stats)
-                if dev is None:
-                    continue
-                acc, m = t.accumulate(self.c.state, acc, dev, one)
-                # Deliberate sync point: the trace span must cover the compute, and it
-                # bounds the micro-batches queued on the device.
-                jax.block_until_ready(acc)
-                t1 = self.tracer.now()
-                self.tracer.add("trainer/micro-batch", "accumulate", t0, t1, groups=len(groups))
-                micro_metrics.append(m)
-                train_busy += t1 - t0
-            t0 = self.tracer.now()
-            self.c.state, acc, apply_metrics = t.apply(self.c.state, acc)
+                self.c.state, acc, m = t.apply(self.c.state, acc)
+                apply_metrics.append(m)
+                name = f"step {b}" if p.mini_batches == 1 else f"step {b}.{k}"
+                self.tracer.add("trainer/optimizer", name, t0, self.tracer.now())
             sync_s = self._publish(b + 1)
-            self.tracer.add("trainer/optimizer", f"step {b}", t0, self.tracer.now())
             # Fetch the previous step's device metrics only now, after this step's
             # work is dispatched.
-            if pending_metrics is not None:
+            if pending_metrics:
                 steps[-1].update(_fetch(pending_metrics))
                 self.writer.write(len(steps) - 1, steps[-1])
             pending_metrics = apply_metrics
             samples_done += len(stats["reward"])
             now = time.perf_counter()
+            wall = max(now - t_step, 1e-9)
+            n_inst = len(self.c.service.engines)
             row = {
                 "reward": _mean(stats["reward"]),
                 "accuracy": _mean(stats["correct"]),
@@ -350,18 +369,28 @@ class _Run:
                 "staleness": _mean([b - v for v in stats["versions"]]),
                 "dropped_stale": float(self.gate.dropped),
                 "queue_depth": float(self.stream.depth()["ready_samples"]),
-                "step_s": now - t_step,
-                "train_busy": train_busy / max(now - t_step, 1e-9),
+                "step_s": wall,
+                "train_busy": train_busy / wall,
+                # Fraction of this step's wall time the instances spent decoding or
+                # prefilling (mean over instances).
+                "gen_busy": (self._gen_busy_s() - gen_busy0) / (wall * n_inst),
+                # Trainer blocked waiting for complete groups / reward threads blocked
+                # on back-pressure, seconds within this step.
+                "stream_wait_s": self.stream.metrics.consumer_wait_s - waits0.consumer_wait_s,
+                "stream_backpressure_s": (
+                    self.stream.metrics.producer_wait_s - waits0.producer_wait_s
+                ),
                 "weight_sync_s": sync_s,
                 "samples_per_s": samples_done / (now - start),
                 "micro_batches": float(len(micro_metrics)),
+                "optimizer_steps": float(len(apply_metrics)),
             }
             steps.append(row)
             versions.append(list(stats["versions"]))
             progress.update(
                 b + 1, reward=row["reward"], acc=row["accuracy"], sps=row["samples_per_s"]
             )
-        if pending_metrics is not None:
+        if pending_metrics:
             steps[-1].update(_fetch(pending_metrics))
             self.writer.write(len(steps) - 1, steps[-1])
         return steps, versions
@@ -447,9 +476,10 @@ def _mean(xs: list) -> float:
     return float(np.mean(xs)) if len(xs) else float("nan")
 
 
-def _fetch(metrics: dict[str, jax.Array]) -> dict[str, float]:
+def _fetch(metrics: list[dict[str, jax.Array]]) -> dict[str, float]:
+    """Device metrics of a step's optimizer steps, fetched and averaged over them."""
     host = jax.device_get(metrics)
-    return {k: float(np.mean(v)) for k, v in host.items()}
+    return {k: float(np.mean([m[k] for m in host])) for k in host[0]}
 
 
 def run(

@@ -53,6 +53,7 @@ def _with(**sections):
         ({"pipeline__staleness": 0}, "pipeline.staleness must be >= 1"),
         ({"pipeline__mode": "fast"}, "pipeline.mode='fast'"),
         ({"pipeline__min_groups": 99}, "pipeline.min_groups .99. exceeds"),
+        ({"pipeline__mini_batches": 3}, "must be divisible by pipeline.mini_batches .3."),
         ({"generation__max_new_tokens": 10_000}, "exceeds model.max_context"),
         ({"generation__top_p": 0.0}, "generation.top_p"),
         ({"data__eval_seed": 1}, "data.train_seed must differ"),

@@ -73,6 +73,10 @@ def test_each_mode_runs_two_steps(mode, tmp_path_factory):
     assert set(result.evals) == {0, 2}  # initial and final weights, greedy
     rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
     assert {r["step"] for r in rows if "reward" in r} == {0, 1}
+    for r in (r for r in rows if "reward" in r):
+        assert 0.0 <= r["gen_busy"] <= 1.0 and 0.0 <= r["train_busy"] <= 1.0
+        assert r["stream_wait_s"] >= 0.0 and r["stream_backpressure_s"] >= 0.0
+        assert r["optimizer_steps"] == 1.0
     assert os.path.exists(os.path.join(workdir, "trace.json"))
     assert not _pipeline_threads()
 
@@ -94,7 +98,12 @@ def test_stream_sync_equals_disaggregated_batch(tmp_path_factory):
 
 
 def test_stream_async_trains_exactly_s_versions_behind(tmp_path_factory):
-    result, _ = _run("stream_async", tmp_path_factory, pipeline__steps=3, eval__every=1)
+    # Also PPO mini-batches: 2 optimizer steps per global batch, one published version.
+    result, _ = _run(
+        "stream_async", tmp_path_factory, pipeline__steps=3, eval__every=1, pipeline__mini_batches=2
+    )
+    assert [r["optimizer_steps"] for r in result.steps] == [2.0, 2.0, 2.0]
+    assert int(jax.device_get(result.state.step)) == 6
     # g(b) = max(0, b - 1): steps 0 and 1 train on W_0, step 2 on W_1.
     assert [sorted(set(v)) for v in result.trained_versions] == [[0], [0], [1]]
     assert result.steps[2]["staleness"] == 1.0
