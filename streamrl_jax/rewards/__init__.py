@@ -1,7 +1,8 @@
-"""Host-side rewards: the `RewardFn` seam, reasoning-gym tasks, a scoring thread pool."""
+"""Host-side rewards: the `RewardFn` seam, reasoning-gym tasks, JSONL problems, a scoring pool."""
 
 from streamrl_jax.rewards.answers import extract_answer
 from streamrl_jax.rewards.base import RewardFn, RewardResult
+from streamrl_jax.rewards.jsonl import JsonlDataset
 from streamrl_jax.rewards.pool import RewardPool
 from streamrl_jax.rewards.tasks import (
     DEFAULT_TASKS,
@@ -13,6 +14,7 @@ from streamrl_jax.rewards.tasks import (
 
 __all__ = [
     "DEFAULT_TASKS",
+    "JsonlDataset",
     "Problem",
     "RewardFn",
     "RewardPool",

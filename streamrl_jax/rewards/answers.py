@@ -13,8 +13,12 @@ requested format was used:
 The candidate is then cleaned (surrounding whitespace, `$`, `**`, a `\\boxed{}`
 wrapper, a trailing full stop, thousands separators of a plain number). No
 input raises: anything that is not a non-empty string yields `(None, False)`.
+
+`same_answer` compares an extracted answer with a reference answer (user
+datasets, `rewards.jsonl`): equal after cleaning both, or equal as numbers.
 """
 
+import decimal
 import re
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
@@ -22,6 +26,7 @@ _OPEN_TAG = re.compile(r"<answer>", re.IGNORECASE)
 _ANSWER_IS = re.compile(r"(?:final\s+answer|answer)\s*(?:is|:|=)\s*:?\s*([^\n]+)", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_PLAIN_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 _BOXED = "\\boxed{"
 
 
@@ -83,3 +88,22 @@ def extract_answer(text: object) -> tuple[str | None, bool]:
     if numbers:
         return numbers[-1].replace(",", ""), False
     return None, False
+
+
+def same_answer(answer: str | None, reference: str) -> bool:
+    """Whether an extracted answer matches a reference answer.
+
+    Both sides are cleaned (`clean_answer`); they match when the cleaned
+    strings are equal (case and inner spacing count) or both are plain numbers
+    of the same value (`"42"`, `"42.0"`, `"4.2e1"`, `"+42"`). Never raises.
+    """
+    if not isinstance(answer, str) or not isinstance(reference, str):
+        return False
+    got, want = clean_answer(answer), clean_answer(reference)
+    if got is None or want is None:
+        return False
+    if got == want:
+        return True
+    if _PLAIN_NUMBER.fullmatch(got) and _PLAIN_NUMBER.fullmatch(want):
+        return decimal.Decimal(got) == decimal.Decimal(want)
+    return False
