@@ -1,6 +1,7 @@
 """Trainer step properties: streamed accumulation is exact, FSDP matches one device,
-compilations are bounded by the buckets, zero advantage gives zero gradient, and the
-hot loop runs under `jax.transfer_guard("disallow")`.
+compilations are bounded by the buckets, zero advantage gives zero gradient, a NaN/Inf
+step leaves the state unchanged, and the hot loop runs under
+`jax.transfer_guard("disallow")`.
 
 Tolerances (float32). Gradients: splitting a batch into micro-batches only
 changes the order of float32 sums. Measured max |diff| / max |g| (max |g| ~ 0.11):
@@ -266,6 +267,46 @@ def test_reference_copy_survives_donation_and_bf16_compute(single):
         }
 
 
+def test_nonfinite_step_leaves_state_unchanged(single):
+    samples = _samples()
+    bad = _subset(samples, range(N_SAMPLES))
+    bad["advantages"][0] = np.nan
+    one = single.scalar(1.0)
+
+    def accumulate(state, samples):
+        host = make_batch(**samples, seq_buckets=CFG.seq_buckets, batch_buckets=CFG.batch_buckets)
+        return single.accumulate(state, single.init_accumulator(), single.place_batch(host), one)[0]
+
+    def snapshot(state):  # host copies: `apply` donates the state
+        return _host((state.params, state.opt_state, state.step))
+
+    state = single.init_state(0)
+    state, _, _ = single.apply(state, accumulate(state, samples))  # non-zero Adam moments
+    # NaN loss and gradients (path `_apply_acc`); Inf gradients from a zero
+    # normalizer (path `_apply`, normalizer given).
+    for bad_samples, normalizer in ((bad, None), (samples, single.scalar(0.0))):
+        before = snapshot(state)
+        state, acc, metrics = single.apply(state, accumulate(state, bad_samples), normalizer)
+        metrics = jax.device_get(metrics)
+        assert metrics["nonfinite"] == 1.0
+        assert not np.isfinite(metrics["grad_norm"])
+        after = snapshot(state)
+        assert jax.tree.structure(after) == jax.tree.structure(before)
+        for x, y in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):
+            np.testing.assert_array_equal(x, y)  # bit for bit, `step` included
+        zero = single.init_accumulator()
+        assert jax.tree.structure(acc) == jax.tree.structure(zero)
+        assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(acc))  # zeroed
+        # The next finite batch trains normally.
+        before = snapshot(state)
+        state, acc, metrics = single.apply(state, accumulate(state, samples))
+        assert jax.device_get(metrics)["nonfinite"] == 0.0
+        after = snapshot(state)
+        assert _max_diff(after[0], before[0]) > 0.5 * LR
+        assert int(after[2]) == int(before[2]) + 1
+        assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(after[:2]))
+
+
 def test_lr_schedule_and_config_errors():
     cfg = TrainerConfig(learning_rate=1.0, warmup_steps=4, lr_schedule="cosine", total_steps=14)
     lr = jax.jit(lr_schedule(cfg))
@@ -273,6 +314,9 @@ def test_lr_schedule_and_config_errors():
     np.testing.assert_allclose(got, [0.25, 1.0, 1.0, 0.1 + 0.9 * 0.5, 0.1, 0.1], rtol=1e-6)
     with pytest.raises(ValueError, match="policy_loss"):
         TrainerConfig(policy_loss="nope")
+    with pytest.raises(ValueError, match="nonfinite"):
+        TrainerConfig(nonfinite="ignore")
+    assert TrainerConfig(nonfinite="stop").nonfinite == "stop"
     with pytest.raises(ValueError, match="seq_buckets"):
         TrainerConfig(seq_buckets=(64, 32))
     mesh8 = mesh_lib.make_meshes(mesh_lib.MeshConfig(colocated=True)).train

@@ -22,6 +22,7 @@ import optax
 from streamrl_jax.algorithms import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 
 LR_SCHEDULES = ("constant", "cosine")
+NONFINITE_MODES = ("skip", "stop")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,6 +71,11 @@ class TrainerConfig:
       batch_buckets: allowed padded micro-batch sizes B, ascending; each must
         be divisible by the training mesh's "fsdp" size (the batch is sharded
         over it). Compilations per jitted step <= len(seq) * len(batch) buckets.
+      nonfinite: what a step whose loss or gradient norm is NaN/Inf does. Either
+        way `apply` leaves the whole TrainState (params, optimizer state, step)
+        unchanged on device and reports metric `nonfinite` = 1. "skip": training
+        goes on with the next batch. "stop": the pipeline raises
+        `step.NonFiniteError` when it fetches that metric.
     """
 
     learning_rate: float = 1e-6
@@ -98,6 +104,7 @@ class TrainerConfig:
     logprob_chunk: int = 128
     seq_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048)
     batch_buckets: tuple[int, ...] = (8, 16, 32, 64)
+    nonfinite: str = "skip"
 
     def __post_init__(self) -> None:
         def fail(field: str, why: str) -> None:
@@ -108,6 +115,7 @@ class TrainerConfig:
             "policy_loss": tuple(POLICY_LOSSES),
             "aggregation": AGGREGATIONS,
             "kl_estimator": tuple(KL_ESTIMATORS),
+            "nonfinite": NONFINITE_MODES,
         }
         for field, allowed in choices.items():
             if getattr(self, field) not in allowed:

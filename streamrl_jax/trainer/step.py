@@ -9,7 +9,9 @@ explicit in/out shardings on the training mesh and compiled once per
   shardings as the params).
 * `apply(state, acc, normalizer_total) -> (state, acc, metrics)`: divides the
   summed gradients by `normalizer_total`, clips, AdamW; donates state and
-  accumulator and returns a zeroed accumulator in the same buffers.
+  accumulator and returns a zeroed accumulator in the same buffers. A step
+  whose loss or gradient norm is NaN/Inf changes nothing (the non-finite guard
+  below).
 * `forward(params, batch) -> f32[B, T]`: token log-probs (policy; alias
   `logprobs`) or values (critic), for reference / old log-probs as samples
   stream in.
@@ -33,6 +35,17 @@ implicit transfer.
 
 Metrics come back as device arrays and never block: fetch a step's metrics
 with `jax.device_get` after dispatching the next step.
+
+## Non-finite guard
+
+`apply` checks on device that the loss and the global gradient norm are finite
+(an overflowing norm counts as non-finite). If not, it returns the TrainState
+unchanged, bit for bit: params, optimizer state (so AdamW's count and moments)
+and `step` (so the learning-rate schedule does not advance for a step that was
+not taken). The accumulator is zeroed either way and metric `nonfinite` is 1.0
+(0.0 for a normal step). There is no host sync: with
+`TrainerConfig.nonfinite="stop"` the caller raises `NonFiniteError` when it
+fetches the metric, one step later, and nothing non-finite was written.
 """
 
 from __future__ import annotations
@@ -60,6 +73,16 @@ _F32 = jnp.float32
 LossFn = Callable[[nnx.State, TrainBatch, jax.Array], tuple[jax.Array, Metrics]]
 # (params, batch) -> f32[B, T]
 ForwardFn = Callable[[nnx.State, TrainBatch], jax.Array]
+
+
+class NonFiniteError(FloatingPointError):
+    """An optimizer step had a NaN/Inf loss or gradient norm (`nonfinite="stop"`).
+
+    `Trainer.apply` never raises it (it does not sync with the host); the
+    pipeline raises it when it fetches a step's metrics and finds
+    `nonfinite == 1`, with a message naming that step. The state the step was
+    given is intact (the guard skipped the update).
+    """
 
 
 def shifted_targets(tokens_BxT: jax.Array) -> jax.Array:
@@ -231,7 +254,9 @@ class Trainer:
         Returns:
           `(state, zeroed acc, metrics)`; metrics are batch means (`x_sum` ->
           per-token `x`, loss terms / normalizer_total) plus `grad_norm`
-          (before clipping), `lr`, `num_micro_batches`, `normalizer`.
+          (before clipping), `update_norm`, `lr`, `num_micro_batches`,
+          `normalizer` and `nonfinite` (1.0 if the loss or gradient norm was
+          NaN/Inf and the state came back unchanged, else 0.0).
         """
         if normalizer_total is None:
             return self._apply_acc(state, acc)
@@ -325,16 +350,24 @@ def build_trainer(
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = finalize_metrics(acc.metrics, normalizer_total)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics.get("loss", grad_norm))
         metrics |= {
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": grad_norm,
             "update_norm": optax.tree.norm(updates),
             "lr": schedule(state.step),
             "num_micro_batches": acc.num_micro_batches.astype(_F32),
             "normalizer": normalizer_total,
+            "nonfinite": (~finite).astype(_F32),
         }
-        new_state = TrainState(
-            params=params, opt_state=opt_state, step=state.step + 1, rng=state.rng
+        # Non-finite guard (module docstring): an elementwise select, not a cond, so
+        # it fuses into the update and writes into the donated buffers.
+        params, opt_state, step = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old),
+            (params, opt_state, state.step + 1),
+            (state.params, state.opt_state, state.step),
         )
+        new_state = TrainState(params=params, opt_state=opt_state, step=step, rng=state.rng)
         return new_state, init_acc(), metrics
 
     def apply_acc(state: TrainState, acc: GradAccumulator):
