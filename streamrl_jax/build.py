@@ -112,6 +112,32 @@ def _buckets(limit: int, start: int, multiple: int = 1) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+def _datasets(cfg: ExperimentConfig) -> tuple[Any, Any]:
+    """(eval set, train set): reasoning-gym tasks, or JSONL files (docs/datasets.md)."""
+    d = cfg.data
+    if d.jsonl_path:
+        from streamrl_jax.rewards.jsonl import JsonlDataset
+
+        eval_set = JsonlDataset(d.eval_jsonl_path, on_bad_row=d.bad_rows)
+        train_set = JsonlDataset(
+            d.jsonl_path, on_bad_row=d.bad_rows, exclude_questions=eval_set.questions()
+        )
+        return eval_set, train_set
+    tasks = [t.strip() for t in d.tasks.split(",") if t.strip()]
+    kwargs = task_configs(d)
+    eval_set = TaskDataset(
+        tasks, seed=d.eval_seed, size=max(cfg.eval.num_problems, 1), task_configs=kwargs
+    )
+    train_set = TaskDataset(
+        tasks,
+        seed=d.train_seed,
+        size=d.train_size,
+        task_configs=kwargs,
+        exclude_questions=eval_set.questions(),
+    )
+    return eval_set, train_set
+
+
 def trainer_config(cfg: ExperimentConfig, fsdp: int) -> TrainerConfig:
     a, o, p = cfg.algorithm, cfg.optimizer, cfg.pipeline
     micro = p.micro_batch_groups * p.group_size
@@ -135,6 +161,7 @@ def trainer_config(cfg: ExperimentConfig, fsdp: int) -> TrainerConfig:
         entropy_coef=a.entropy_coef,
         seq_buckets=_buckets(cfg.model.max_context, 64),
         batch_buckets=_buckets(micro, min(8, micro), multiple=fsdp),
+        nonfinite=p.nonfinite,
     )
 
 
@@ -196,6 +223,17 @@ def build(cfg: ExperimentConfig, devices: list[jax.Device] | None = None) -> Com
         if params is None
         else trainer.state_from_params(params, cfg.seed)
     )
+    if cfg.init_from:
+        from streamrl_jax import checkpoint as ckpt_lib
+
+        params = ckpt_lib.restore_params_only(
+            cfg.init_from,
+            ckpt_lib.abstract_tree(state.params),
+            None,
+            fingerprint=ckpt_lib.model_fingerprint(model_cfg),
+        )
+        state = trainer.state_from_params(params, cfg.seed)
+        logging.info("initial weights from %s", cfg.init_from)
     ref_params = trainer.copy_params(state.params) if cfg.algorithm.kl_coef > 0 else None
 
     gen_dtype = cfg.model.generate_dtype
@@ -227,27 +265,19 @@ def build(cfg: ExperimentConfig, devices: list[jax.Device] | None = None) -> Com
         service.update_weights([p.params for p in published], 0)
 
     d = cfg.data
-    tasks = [t.strip() for t in d.tasks.split(",") if t.strip()]
-    kwargs = task_configs(d)
-    eval_set = TaskDataset(
-        tasks, seed=d.eval_seed, size=max(cfg.eval.num_problems, 1), task_configs=kwargs
-    )
-    train_set = TaskDataset(
-        tasks,
-        seed=d.train_seed,
-        size=d.train_size,
-        task_configs=kwargs,
-        exclude_questions=eval_set.questions(),
-    )
+    eval_set, train_set = _datasets(cfg)
     prompts = PromptPipeline(
         train_set,
         tokenizer,
         max_prompt_len=g.max_prompt_len,
         seed=cfg.seed,
-        overlong="drop",
+        overlong=cfg.data.overlong_prompts,
         system_prompt=d.system_prompt,
     )
-    eval_prompts = [tokenize(p, tokenizer, d.system_prompt) for p in eval_set]
+    eval_prompts = [
+        tokenize(p, tokenizer, d.system_prompt)
+        for p in list(eval_set)[: cfg.eval.num_problems or len(eval_set)]
+    ]
     too_long = [p.problem.prompt_id for p in eval_prompts if len(p.tokens) > g.max_prompt_len]
     if too_long:
         raise ValueError(

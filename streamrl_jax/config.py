@@ -70,6 +70,9 @@ class PipelineSection:
     micro_batch_groups: int = 4  # most groups per trainer micro-batch
     mini_batches: int = 1  # optimizer steps per global batch (PPO mini-batches by group count)
     strict_versions: bool = False  # raise (instead of count and drop) on a too-old sample
+    deterministic: bool = False  # micro-batches in group order: bitwise-reproducible training
+    nonfinite: str = "skip"  # NaN/Inf loss or gradients: "skip" the update (counted) | "stop"
+    watchdog_s: float = 120.0  # warn when a stage with work makes no progress this long
     timeout_s: float = 600.0  # longest wait on any pipeline stage before it is reported stalled
 
 
@@ -113,6 +116,11 @@ class DataSection:
     train_size: int = 2000  # problems in the training set
     format_reward: float = 0.0  # bonus for a well-formed answer tag
     system_prompt: str = ""  # "" = rewards.tasks.SYSTEM_PROMPT (asks for <answer> tags)
+    jsonl_path: str = ""  # a JSONL file of {"question", "answer"} rows instead of `tasks`
+    eval_jsonl_path: str = ""  # held-out JSONL problems (required with jsonl_path)
+    bad_rows: str = "error"  # JSONL rows that do not parse: "error" | "skip" (counted)
+    overlong_prompts: str = "drop"  # prompts over generation.max_prompt_len: "drop" | "error"
+    reward_errors: str = "raise"  # a reward function exception: "raise" (end the run) | "zero"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -126,11 +134,23 @@ class LogSection:
     tensorboard: bool = True
     trace: bool = True  # write trace.json
     progress: bool = True
+    samples: bool = True  # append every completed training sample to samples.jsonl (ranker data)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointSection:
+    """Orbax checkpoints in <workdir>/checkpoints (docs/checkpoint.md)."""
+
+    every: int = 0  # save every N steps (0 = off; a run still resumes an existing one)
+    keep: int = 3  # newest checkpoints kept
+    async_save: bool = True  # write on a background thread
+    on_signal: bool = True  # SIGINT/SIGTERM: save the last step boundary and stop
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExperimentConfig:
     seed: int = 0
+    init_from: str = ""  # a checkpoint (root or step directory) to take the weights from
     model: ModelSection = ModelSection()
     mesh: MeshSection = MeshSection()
     generation: GenerationSection = GenerationSection()
@@ -140,6 +160,7 @@ class ExperimentConfig:
     data: DataSection = DataSection()
     eval: EvalSection = EvalSection()
     log: LogSection = LogSection()
+    checkpoint: CheckpointSection = CheckpointSection()
 
 
 def _check_type(path: str, value: Any, hint: Any) -> Any:
@@ -208,6 +229,21 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         f"pipeline.mini_batches ({p.mini_batches}): each mini-batch holds the same number "
         "of groups",
     )
+    _require(p.watchdog_s > 0, f"pipeline.watchdog_s must be > 0, got {p.watchdog_s}")
+    for name, value, allowed in (
+        ("pipeline.nonfinite", p.nonfinite, ("skip", "stop")),
+        ("data.bad_rows", cfg.data.bad_rows, ("error", "skip")),
+        ("data.overlong_prompts", cfg.data.overlong_prompts, ("drop", "error")),
+        ("data.reward_errors", cfg.data.reward_errors, ("raise", "zero")),
+    ):
+        _require(value in allowed, f"{name}={value!r}; expected one of {allowed}")
+    _require(
+        not cfg.data.jsonl_path or bool(cfg.data.eval_jsonl_path),
+        "data.jsonl_path needs data.eval_jsonl_path (held-out problems from another file)",
+    )
+    ck = cfg.checkpoint
+    _require(ck.every >= 0, f"checkpoint.every must be >= 0, got {ck.every}")
+    _require(ck.keep >= 1, f"checkpoint.keep must be >= 1, got {ck.keep}")
     _require(p.timeout_s > 0, f"pipeline.timeout_s must be > 0, got {p.timeout_s}")
     _require(len(m.instance_slots) >= 1, "mesh.instance_slots must name at least one instance")
     _require(all(s >= 1 for s in m.instance_slots), "mesh.instance_slots must all be >= 1")

@@ -25,6 +25,7 @@ threads joined with timeouts.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from collections import defaultdict
@@ -34,17 +35,21 @@ import jax
 import numpy as np
 from absl import logging
 
+from streamrl_jax import checkpoint as ckpt_lib
 from streamrl_jax.build import Components, build
 from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.data import make_requests
 from streamrl_jax.generation.service import StreamClosed
 from streamrl_jax.generation.types import GenerationRequest, Sample, SamplingParams
 from streamrl_jax.metrics import MetricsWriter, Progress, Tracer
+from streamrl_jax.resume import ResumePoint, RunCheckpoints
 from streamrl_jax.rewards.base import RewardFn, RewardResult
 from streamrl_jax.rewards.pool import RewardPool
 from streamrl_jax.schedule import Schedule, VersionGate, WeightBoard
+from streamrl_jax.scheduling.sample_log import SampleLog
 from streamrl_jax.stream.batcher import Scored, pack_groups
 from streamrl_jax.stream.sample_stream import SampleStream, StreamError
+from streamrl_jax.trainer.step import NonFiniteError
 
 
 class PipelineError(RuntimeError):
@@ -65,6 +70,13 @@ class RunResult:
     trained_versions: list[list[int]]  # per step, the policy version of every trained sample
     wall_s: float
     samples: int
+    start_batch: int = 0  # first batch of this process (> 0 when resumed from a checkpoint)
+    stopped: bool = False  # ended early by SIGINT/SIGTERM (after checkpointing)
+    checkpoints: list[int] = dataclasses.field(default_factory=list)  # steps saved
+
+
+class _Shutdown(RuntimeError):
+    """SIGINT/SIGTERM asked the run to checkpoint and stop."""
 
 
 class _Run:
@@ -83,6 +95,8 @@ class _Run:
         self.writer = MetricsWriter(workdir, tensorboard=cfg.log.tensorboard)
         self.timeout = p.timeout_s
         self._stop = threading.Event()
+        self._t_start = time.monotonic()
+        self.watchdog_alerts: list[str] = []
         self._error: tuple[str, BaseException] | None = None
         self._lock = threading.Condition()
         self._submitted = self._collected = 0  # requests sent to / returned by the service
@@ -94,7 +108,23 @@ class _Run:
             top_k=cfg.generation.top_k,
             top_p=cfg.generation.top_p,
         )
-        self.reward_pool = RewardPool(self._traced_reward, num_workers=2, on_error="raise")
+        self.sample_log = (
+            SampleLog(os.path.join(workdir, "samples.jsonl")) if cfg.log.samples else None
+        )
+        self.reward_pool = RewardPool(
+            self._traced_reward, num_workers=2, on_error=cfg.data.reward_errors
+        )
+        self.ckpts = RunCheckpoints(cfg, c, workdir, self.sched)
+        self.start = 0  # first batch (a resumed run starts at its checkpoint's)
+        self.resume: ResumePoint | None = None
+        self._trained = 0  # batches trained so far (the next checkpoint's step)
+        self._at_boundary = True  # state is W_{_trained} (no mini-batch step of a batch yet)
+        self._shutdown_req = threading.Event()
+        self.rows: list[dict[str, float]] = []  # per trained step (from self.start)
+        self.versions: list[list[int]] = []
+        self._pending_metrics: list = []
+        # Progress counters the watchdog reads: stage -> (count, monotonic time of change).
+        self._progress: dict[str, list[float]] = {}
         self._busy_lock = threading.Lock()
         self._gen_busy: dict[int, float] = defaultdict(float)  # instance -> busy seconds
         for engine in c.service.engines:
@@ -104,11 +134,72 @@ class _Run:
         with self._busy_lock:
             return sum(self._gen_busy.values())
 
-    def _trace_chunk(self, instance: int, t0: float, t1: float, tokens: int, running: int) -> None:
+    # ------------------------------------------------------------------ watchdog
+    def _tick(self, stage: str) -> None:
+        now = time.monotonic()
+        with self._busy_lock:
+            entry = self._progress.setdefault(stage, [0.0, now])
+            entry[0] += 1
+            entry[1] = now
+
+    def _watchdog(self) -> None:
+        """Warns (once per stall) about a stage with work that has not progressed in
+        `pipeline.watchdog_s`; turns a shutdown request into a stream failure (the
+        signal handler itself must not take locks)."""
+        limit, warned = self.cfg.pipeline.watchdog_s, set()
+        while not self._stop.wait(min(1.0, limit / 4)):
+            if self._shutdown_req.is_set():
+                self.stream.fail(_Shutdown("shutdown requested by signal"), "shutdown")
+                self.board.fail(_Shutdown("shutdown requested by signal"))
+                return
+            now = time.monotonic()
+            with self._lock:
+                gen_pending = self._submitted > self._collected
+            busy = {
+                "generation": gen_pending,
+                "reward": self.reward_pool.pending() > 0,
+                "trainer": True,
+            }
+            with self._busy_lock:
+                last = {k: v[1] for k, v in self._progress.items()}
+            for stage, has_work in busy.items():
+                idle = now - last.get(stage, self._t_start)
+                if has_work and idle > limit and stage not in warned:
+                    warned.add(stage)
+                    self.watchdog_alerts.append(stage)
+                    logging.warning(
+                        "watchdog: %s made no progress for %.0f s (queue %s); it fails at "
+                        "pipeline.timeout_s=%.0f s",
+                        stage,
+                        idle,
+                        self.stream.depth(),
+                        self.timeout,
+                    )
+                elif idle <= limit:
+                    warned.discard(stage)
+
+    def _trace_chunk(
+        self,
+        instance: int,
+        t0: float,
+        t1: float,
+        tokens: int,
+        running: int,
+        steps: int = 0,
+        prefilled: int = 0,
+    ) -> None:
         with self._busy_lock:
             self._gen_busy[instance] += t1 - t0
+        self._tick("generation")
         self.tracer.add_wall(
-            f"generation/instance {instance}", "decode", t0, t1, tokens=tokens, running=running
+            f"generation/instance {instance}",
+            "decode",
+            t0,
+            t1,
+            tokens=tokens,
+            running=running,
+            steps=steps,
+            prefilled=prefilled,
         )
 
     def _traced_reward(self, text: str, metadata: dict[str, Any]) -> RewardResult:
@@ -174,19 +265,32 @@ class _Run:
 
     def _driver(self) -> None:
         try:
-            p, version = self.cfg.pipeline, 0
-            for b in range(p.steps):
+            p = self.cfg.pipeline
+            # A resumed run's service holds the build's W_0: always load its version.
+            version = 0 if self.resume is None else -1
+            for b in range(self.start, p.steps):
                 needed = self.sched.generation_version(b)
                 if needed != version:
                     self._wait_generation_idle()
                     published = self.board.wait_for(needed, self.timeout)
                     self.c.service.update_weights([w.params for w in published], needed)
-                    self.board.discard_below(needed)
+                    # Keep what a checkpoint of the trainer's next boundary still needs.
+                    keep = min(needed, self.sched.generation_version(self._trained))
+                    self.board.discard_below(keep)
                     version = needed
                 if self._stop.is_set():
                     return
+                prompts = self.ckpts.draw(b, p.prompts_per_step)
+                if self.resume is not None and b in self.resume.expected_ids:
+                    ids = [q.problem.prompt_id for q in prompts]
+                    if ids != self.resume.expected_ids[b]:
+                        raise RuntimeError(
+                            f"resume: batch {b} drew prompts {ids[:3]}..., the checkpoint "
+                            f"recorded {self.resume.expected_ids[b][:3]}... (prompt iterator "
+                            "state does not match the checkpoint)"
+                        )
                 requests = make_requests(
-                    self.c.prompts.next_prompts(p.prompts_per_step),
+                    prompts,
                     batch=b,
                     group_size=p.group_size,
                     max_new_tokens=self.cfg.generation.max_new_tokens,
@@ -214,6 +318,8 @@ class _Run:
                 if "eval_version" in sample.metadata:
                     self._collect_eval(sample, text)
                 else:
+                    if self.sample_log is not None:
+                        self.sample_log.write(sample, sample.metadata["batch"])
                     future = self.reward_pool.submit(text, sample.metadata)
                     future.add_done_callback(lambda f, s=sample, t=text: self._scored(s, t, f))
                 with self._lock:
@@ -225,6 +331,7 @@ class _Run:
     def _scored(self, sample: Sample, text: str, future: Any) -> None:
         try:
             reward = future.result()
+            self._tick("reward")
             self.stream.put(Scored(sample, text, reward), timeout=self.timeout)
         except StreamError:
             pass  # the stream already carries the first failure
@@ -264,6 +371,23 @@ class _Run:
         if len(out) > max_groups:
             parked[batch] = out[max_groups:]
             out = out[:max_groups]
+        return out
+
+    def _take_indexed(self, batch: int, first: int, count: int, parked: dict):
+        """Deterministic mode: exactly groups `first .. first+count-1` of `batch`, in
+        index order, members in member order (a fixed summation order)."""
+        want = range(first, first + count)
+        have = {g[0].sample.metadata["group"]: g for g in parked.pop(batch, [])}
+        while not all(i in have for i in want):
+            for group in self.stream.get_groups(min_groups=1, max_groups=1, timeout=self.timeout):
+                b = group[0].sample.metadata["batch"]
+                if b == batch:
+                    have[group[0].sample.metadata["group"]] = group
+                else:
+                    parked.setdefault(b, []).append(group)
+        out = [sorted(have.pop(i), key=lambda s: s.sample.metadata["member"]) for i in want]
+        if have:
+            parked[batch] = list(have.values())
         return out
 
     def _micro_batch(self, step: int, groups: list[list[Scored]], stats: dict) -> Any:
@@ -308,29 +432,35 @@ class _Run:
         p, t = self.cfg.pipeline, self.c.trainer
         acc = t.init_accumulator()
         parked: dict[int, list] = {}
-        steps, versions = [], []
+        steps, versions = self.rows, self.versions
         start, samples_done = time.perf_counter(), 0
-        pending_metrics: list = []
         one = t.scalar(1.0)
         per_mini = p.prompts_per_step // p.mini_batches
-        for b in range(p.steps):
+        for b in range(self.start, p.steps):
             t_step = time.perf_counter()
             gen_busy0, waits0 = self._gen_busy_s(), dataclasses.replace(self.stream.metrics)
             stats: dict[str, list] = defaultdict(list)
             micro_metrics, apply_metrics, train_busy = [], [], 0.0
+            prompt_ids: list[str] = []
             # PPO mini-batches: `mini_batches` optimizer steps per global batch, each
             # over the next `per_mini` complete groups in arrival order; W_{b+1} is
             # published once, after the last (DESIGN.md §2: versions count batches).
             for k in range(p.mini_batches):
                 remaining = per_mini
                 while remaining:
-                    groups = self._take_groups(
-                        b,
-                        self.sched.min_groups(p, remaining),
-                        min(p.micro_batch_groups, remaining),
-                        parked,
-                    )
+                    if p.deterministic:
+                        first = k * per_mini + per_mini - remaining
+                        count = min(p.micro_batch_groups, remaining)
+                        groups = self._take_indexed(b, first, count, parked)
+                    else:
+                        groups = self._take_groups(
+                            b,
+                            self.sched.min_groups(p, remaining),
+                            min(p.micro_batch_groups, remaining),
+                            parked,
+                        )
                     remaining -= len(groups)
+                    prompt_ids += [g[0].sample.metadata["prompt_id"] for g in groups]
                     t0 = self.tracer.now()
                     dev = self._micro_batch(b, groups, stats)
                     if dev is None:
@@ -340,21 +470,37 @@ class _Run:
                     # bounds the micro-batches queued on the device.
                     jax.block_until_ready(acc)
                     t1 = self.tracer.now()
-                    self.tracer.add("trainer/micro-batch", "accumulate", t0, t1, groups=len(groups))
+                    tokens = sum(
+                        len(s.sample.prompt) + len(s.sample.response) for g in groups for s in g
+                    )
+                    self.tracer.add(
+                        "trainer/micro-batch",
+                        "accumulate",
+                        t0,
+                        t1,
+                        groups=len(groups),
+                        tokens=tokens,
+                    )
                     micro_metrics.append(m)
                     train_busy += t1 - t0
+                    self._tick("trainer")
                 t0 = self.tracer.now()
+                self._at_boundary = False
                 self.c.state, acc, m = t.apply(self.c.state, acc)
                 apply_metrics.append(m)
+                if p.nonfinite == "stop":
+                    self._check_finite(b, m)
                 name = f"step {b}" if p.mini_batches == 1 else f"step {b}.{k}"
                 self.tracer.add("trainer/optimizer", name, t0, self.tracer.now())
             sync_s = self._publish(b + 1)
+            self._at_boundary, self._trained = True, b + 1
+            self._tick("trainer")
+            self.ckpts.log_consumed(b, prompt_ids)
+            self._checkpoint(b + 1)
             # Fetch the previous step's device metrics only now, after this step's
             # work is dispatched.
-            if pending_metrics:
-                steps[-1].update(_fetch(pending_metrics))
-                self.writer.write(len(steps) - 1, steps[-1])
-            pending_metrics = apply_metrics
+            self._flush_pending()
+            self._pending_metrics = apply_metrics
             samples_done += len(stats["reward"])
             now = time.perf_counter()
             wall = max(now - t_step, 1e-9)
@@ -368,6 +514,7 @@ class _Run:
                 "truncated": _mean(stats["truncated"]),
                 "staleness": _mean([b - v for v in stats["versions"]]),
                 "dropped_stale": float(self.gate.dropped),
+                "dropped_overlong": float(self.c.prompts.dropped_overlong),
                 "queue_depth": float(self.stream.depth()["ready_samples"]),
                 "step_s": wall,
                 "train_busy": train_busy / wall,
@@ -384,16 +531,42 @@ class _Run:
                 "samples_per_s": samples_done / (now - start),
                 "micro_batches": float(len(micro_metrics)),
                 "optimizer_steps": float(len(apply_metrics)),
+                "reward_errors": float(self.reward_pool.num_errors),
+                "watchdog_alerts": float(len(self.watchdog_alerts)),
             }
             steps.append(row)
             versions.append(list(stats["versions"]))
             progress.update(
                 b + 1, reward=row["reward"], acc=row["accuracy"], sps=row["samples_per_s"]
             )
-        if pending_metrics:
-            steps[-1].update(_fetch(pending_metrics))
-            self.writer.write(len(steps) - 1, steps[-1])
+        self._flush_pending()
         return steps, versions
+
+    def _flush_pending(self) -> None:
+        """Fetches the last step's device metrics and writes its row (one step late, so
+        the fetch never stalls the device)."""
+        if self._pending_metrics and self.rows:
+            self.rows[-1].update(_fetch(self._pending_metrics))
+            self.writer.write(self.start + len(self.rows) - 1, self.rows[-1])
+        self._pending_metrics = []
+
+    def _checkpoint(self, k: int, force: bool = False) -> None:
+        """Checkpoint k at the boundary after batch k-1 (when due, or forced)."""
+        if not self.ckpts.due(k, force):
+            return
+        t0 = self.tracer.now()
+        try:
+            self.ckpts.save(k, self.board, force=force)
+        except Exception as e:
+            raise PipelineError("checkpoint writer", e) from e
+        self.tracer.add("checkpoint/save", f"step {k}", t0, self.tracer.now())
+
+    def _check_finite(self, b: int, metrics: dict) -> None:
+        if float(jax.device_get(metrics["nonfinite"])) > 0:
+            raise NonFiniteError(
+                f"step {b}: non-finite loss or gradients (pipeline.nonfinite='stop'); the "
+                "update was not applied"
+            )
 
     def _final_eval(self) -> None:
         """Greedy eval of the final weights (version = steps)."""
@@ -416,40 +589,91 @@ class _Run:
     # ------------------------------------------------------------------ run
     def run(self) -> RunResult:
         c, p = self.c, self.cfg.pipeline
-        self.board.publish(0, c.initial_weights)
+        try:
+            self.resume = self.ckpts.restore()
+        except BaseException:
+            self._shutdown([])
+            raise
+        if self.resume is None:
+            self.board.publish(0, c.initial_weights)
+        else:
+            k = self.start = self._trained = self.resume.batch
+            for v in sorted(self.resume.gen_weights):
+                self.board.publish(v, self.resume.gen_weights[v])
+            if k not in self.resume.gen_weights:
+                published, _ = c.weight_sync.transfer(c.state.params, k)
+                self.board.publish(k, published)
         threads = [
             threading.Thread(target=self._driver, name="generation-driver", daemon=True),
             threading.Thread(target=self._collector, name="collector", daemon=True),
+            threading.Thread(target=self._watchdog, name="watchdog", daemon=True),
         ]
-        progress = Progress(p.steps, enabled=self.cfg.log.progress)
+        signals = None
+        if self.cfg.checkpoint.on_signal and threading.current_thread() is threading.main_thread():
+            signals = ckpt_lib.install_shutdown_handler(lambda signum: self._shutdown_req.set())
+        progress = Progress(p.steps, enabled=self.cfg.log.progress, initial=self.start)
         start = time.perf_counter()
+        stopped = False
         try:
             for th in threads:
                 th.start()
             try:
-                steps, versions = self._train(progress)
+                self._train(progress)
             except StreamError as e:
-                self._raise_if_failed()
-                raise PipelineError("sample stream", e) from e
+                if not self._shutdown_req.is_set():
+                    self._best_effort_checkpoint()
+                    self._raise_if_failed()
+                    raise PipelineError("sample stream", e) from e
+                stopped = True
+                logging.warning("stopping on signal after step %d", self._trained)
+                self._flush_pending()
+                self._best_effort_checkpoint(raise_errors=True)
             except BaseException as e:
                 self.fail("trainer", e)
+                self._best_effort_checkpoint()
                 raise
             if self.c.weight_sync.in_flight:
                 self.c.weight_sync.result(self.timeout)
-            if self.cfg.eval.num_problems > 0:
-                self._final_eval()
-            wall = time.perf_counter() - start
+            if not stopped:
+                if self.ckpts.enabled:
+                    self._checkpoint(self._trained, force=True)  # the end of the run
+                if self.cfg.eval.num_problems > 0:
+                    self._final_eval()
+            try:
+                self.ckpts.close()  # bounded wait for the last write
+            except Exception as e:
+                raise PipelineError("checkpoint writer", e) from e
             return RunResult(
                 state=c.state,
-                steps=steps,
+                steps=self.rows,
                 evals=dict(self.eval_metrics),
-                trained_versions=versions,
-                wall_s=wall,
-                samples=sum(len(v) for v in versions),
+                trained_versions=self.versions,
+                wall_s=time.perf_counter() - start,
+                samples=sum(len(v) for v in self.versions),
+                start_batch=self.start,
+                stopped=stopped,
+                checkpoints=list(self.ckpts.saved),
             )
         finally:
+            if signals is not None:
+                signals.uninstall()
             self._shutdown(threads)
             progress.close()
+
+    def _best_effort_checkpoint(self, raise_errors: bool = False) -> None:
+        """On a failure or a stop: save the last step boundary if the state is at one
+        (not mid-way through a batch's mini-batch steps) and it is not saved yet."""
+        k = self._trained
+        if self.ckpts.ckpt is None or not self._at_boundary or k == 0 or k in self.ckpts.saved:
+            return
+        try:
+            self._checkpoint(k, force=True)
+            self.ckpts.close()
+            logging.warning("saved checkpoint %d before stopping", k)
+        except Exception as e:
+            if raise_errors:
+                raise
+            logging.error("best-effort checkpoint %d failed: %r", k, e)
 
     def _shutdown(self, threads: list[threading.Thread]) -> None:
         self._stop.set()
@@ -466,8 +690,14 @@ class _Run:
         except BaseException as e:  # noqa: BLE001 - already failing or finished
             logging.warning("weight sync at shutdown: %r", e)
         self.reward_pool.close(cancel_pending=True)
+        try:
+            self.ckpts.close()
+        except BaseException as e:  # noqa: BLE001 - already failing or finished
+            logging.warning("checkpoint writer at shutdown: %r", e)
         self.tracer.save(f"{self.workdir}/trace.json")
         self.writer.close()
+        if self.sample_log is not None:
+            self.sample_log.close()
         if stalled:
             raise TimeoutError(f"pipeline threads did not stop: {stalled}")
 
@@ -479,7 +709,10 @@ def _mean(xs: list) -> float:
 def _fetch(metrics: list[dict[str, jax.Array]]) -> dict[str, float]:
     """Device metrics of a step's optimizer steps, fetched and averaged over them."""
     host = jax.device_get(metrics)
-    return {k: float(np.mean([m[k] for m in host])) for k in host[0]}
+    out = {k: float(np.mean([m[k] for m in host])) for k in host[0]}
+    if "nonfinite" in out:  # updates skipped for NaN/Inf: a count, not a mean
+        out["nonfinite"] = float(np.sum([m["nonfinite"] for m in host]))
+    return out
 
 
 def run(

@@ -99,6 +99,11 @@ class WeightBoard:
             self._weights[version] = weights
             self._cv.notify_all()
 
+    def get(self, version: int) -> Any:
+        """The weights published as `version`, or None if never published or discarded."""
+        with self._cv:
+            return self._weights.get(version)
+
     def discard_below(self, version: int) -> None:
         with self._cv:
             for v in [v for v in self._weights if v < version]:

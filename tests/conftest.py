@@ -9,6 +9,11 @@ transfer) while device-to-host copies are zero-copy and never guarded. So the
 guard is applied where it means something: tests of the hot loops (the engine's
 decode loop, the trainer's step) run them, after warm-up, inside
 `jax.transfer_guard("disallow")`.
+
+Compilation cache: every pipeline test builds a fresh engine and trainer whose
+programs are the same as the previous test's; JAX's persistent cache (it works on
+XLA:CPU with jax 0.10.2) turns those recompilations into cache reads. It lives in
+`.pytest_cache/jax` (or `$STREAMRL_TEST_JAX_CACHE`); delete it freely.
 """
 
 import os
@@ -19,3 +24,11 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
+_CACHE = os.environ.get(
+    "STREAMRL_TEST_JAX_CACHE",
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "jax"
+    ),
+)
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -212,11 +212,17 @@ def test_hot_loop_runs_under_transfer_guard(model):
 def test_on_chunk_reports_every_round_trip(model):
     engine = make_engine(model)
     seen = []
-    engine.on_chunk = lambda *args: seen.append(args)
+    extra = []
+    engine.on_chunk = lambda *args, **kw: (seen.append(args), extra.append(kw))
     samples = engine.run(requests(6, seed=2))
     assert seen and all(inst == 0 and t1 >= t0 for inst, t0, t1, _, _ in seen)
     assert sum(tokens for *_, tokens, _ in seen) == sum(len(s.response) for s in samples)
     assert max(running for *_, running in seen) <= ENGINE.num_slots
+    assert sum(kw["prefilled"] for kw in extra) == 6  # every request prefilled once
+    assert all(0 <= kw["steps"] <= ENGINE.chunk_steps for kw in extra)
+    # The longest sample's decode steps all ran in some chunk (its first token
+    # comes from prefill).
+    assert sum(kw["steps"] for kw in extra) >= max(len(s.response) for s in samples) - 1
 
 
 def test_static_batching_waits_for_the_whole_batch(model):

@@ -19,6 +19,18 @@ in-process overlap is small here (DESIGN.md §5); the figures are reported
 against the bound, and the process-per-stage figures belong to the
 multi-controller benchmark.
 
+Simulator validation (DESIGN.md / issue: pod-scale simulator): from the
+`disaggregated_batch` run (stages alone) and the `colocated` run the bench
+writes a measured profile, `--workdir/profile.json` (format in
+streamrl_jax/simulation/profiles.py): decode seconds per step and per prefilled
+prompt (least squares over the instance's chunk spans), trainer seconds per
+token (micro-batch spans / their tokens), optimizer and weight-sync seconds,
+the colocated side's scale factors, and the replayed lengths from
+samples.jsonl. It then predicts every mode's samples/s with the same
+discrete-event schedules the pod simulator uses and reports the relative
+error against the measured rates (`sim_rel_error`, `sim_max_abs_rel_error`).
+`python tools/simulate.py --profile=DIR/profile.json` re-runs the prediction.
+
 Last line: JSON with `stream_sync_over_colocated`, `stream_async_over_colocated`,
 `async_efficiency_vs_bound` and the per-mode figures. Traces stay in --workdir.
 """
@@ -61,30 +73,133 @@ def _config(mode: str, steps: int):
 
 
 def _stage_times(trace_path: str, steps: int) -> tuple[float, float]:
-    """Mean T_gen and T_train per step (steps >= 1) from a disaggregated_batch trace."""
+    """Mean T_gen and T_train per step (steps >= 1) from a disaggregated_batch trace.
+
+    Step b: its generation runs from the landing of W_b to its first micro-batch
+    (first chunk to last chunk of the instance tracks in that window); its training
+    is its micro-batches, its optimizer step and the transfer of W_{b+1}.
+    """
     with open(trace_path, encoding="utf-8") as f:
         events = json.load(f)["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
     spans = [e for e in events if e["ph"] == "X"]
-    gen = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans if names[e["pid"]] == "generation")
+    by = lambda pid_name: [e for e in spans if names[e["pid"]] == pid_name]  # noqa: E731
+    gen = sorted((e["ts"], e["ts"] + e["dur"]) for e in by("generation"))
+    opt = {int(e["name"].split()[1]): e for e in by("trainer") if e["name"].startswith("step ")}
+    sync = {int(e["name"][1:]): e for e in by("weight_sync")}
+    micro = [e for e in by("trainer") if e["name"] == "accumulate"]
+    t_gen, t_train = [], []
+    for b in range(1, steps):
+        if b not in opt or b not in sync or b + 1 not in sync:
+            continue
+        lo, hi = sync[b]["ts"] + sync[b]["dur"], opt[b]["ts"] + opt[b]["dur"]
+        prev_opt_end = opt[b - 1]["ts"] + opt[b - 1]["dur"]
+        mine = [e for e in micro if prev_opt_end < e["ts"] < hi]
+        first = min((e["ts"] for e in mine), default=hi)
+        g = [(s, e) for s, e in gen if lo <= s < first]
+        if g:
+            t_gen.append(max(e for _, e in g) - min(s for s, _ in g))
+        t_train.append(sum(e["dur"] for e in mine) + opt[b]["dur"] + sync[b + 1]["dur"])
+    mean = lambda xs: sum(xs) / len(xs) / 1e6 if xs else float("nan")  # noqa: E731
+    return mean(t_gen), mean(t_train)
+
+
+def _spans(trace_path: str, after_step: int = 1) -> dict[str, list[dict]]:
+    """X spans by process name ("generation", "trainer", "weight_sync", ...), keeping
+    only those that start after the optimizer span of step `after_step - 1` (the first
+    step includes compilation)."""
+    with open(trace_path, encoding="utf-8") as f:
+        events = json.load(f)["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    spans = [e for e in events if e["ph"] == "X"]
     opt = sorted(
-        (e["ts"], e["ts"] + e["dur"])
+        e["ts"] + e["dur"]
         for e in spans
         if names[e["pid"]] == "trainer" and e["name"].startswith("step ")
     )
-    train = [e for e in spans if names[e["pid"]] in ("trainer", "weight_sync")]
-    t_gen, t_train = [], []
-    # Step b's generation happens after step b-1's optimizer span and before step b's
-    # first micro-batch; its training from the first micro-batch to its optimizer end.
-    for b in range(1, min(steps, len(opt))):
-        lo, hi = opt[b - 1][1], opt[b][1]
-        g = [(s, e) for s, e in gen if lo <= s < hi]
-        first_train = min((e["ts"] for e in train if lo < e["ts"] < hi), default=hi)
-        if g:
-            t_gen.append(max(e for _, e in g) - min(s for s, _ in g))
-        t_train.append(hi - first_train)
-    mean = lambda xs: sum(xs) / len(xs) / 1e6 if xs else float("nan")  # noqa: E731
-    return mean(t_gen), mean(t_train)
+    t0 = opt[after_step - 1] if after_step and len(opt) >= after_step else 0.0
+    out: dict[str, list[dict]] = {}
+    for e in spans:
+        if e["ts"] >= t0:
+            out.setdefault(names[e["pid"]], []).append(e)
+    return out
+
+
+def _stage_costs(trace_path: str) -> dict[str, float]:
+    """Per-stage unit costs measured in one run's trace (seconds)."""
+    import numpy as np
+
+    sp = _spans(trace_path)
+    chunks = [e for e in sp.get("generation", []) if e["args"].get("steps", 0) > 0]
+    steps = np.array([e["args"]["steps"] for e in chunks], dtype=np.float64)
+    pre = np.array([e["args"]["prefilled"] for e in chunks], dtype=np.float64)
+    dur = np.array([e["dur"] for e in chunks], dtype=np.float64) / 1e6
+    # dur = per_step * steps + per_prefill * prefilled (host overhead folds into per_step).
+    coef = np.linalg.lstsq(np.stack([steps, pre], axis=1), dur, rcond=None)[0]
+    per_prefill = max(float(coef[1]), 0.0)
+    per_step = float((dur.sum() - per_prefill * pre.sum()) / steps.sum())
+    micro = [e for e in sp.get("trainer", []) if e["name"] == "accumulate"]
+    opt = [e for e in sp.get("trainer", []) if e["name"].startswith("step ")]
+    sync = sp.get("weight_sync", [])
+    return {
+        "per_step_s": per_step,
+        "per_prefill_s": per_prefill,
+        "train_s_per_token": sum(e["dur"] for e in micro)
+        / 1e6
+        / max(sum(e["args"]["tokens"] for e in micro), 1),
+        "optimizer_s": sum(e["dur"] for e in opt) / 1e6 / max(len(opt), 1),
+        "weight_sync_s": sum(e["dur"] for e in sync) / 1e6 / max(len(sync), 1),
+    }
+
+
+def _profile(cfg, workdir: str, measured: dict[str, float]) -> dict:
+    """The measured profile of this bench (simulation/profiles.py format)."""
+    from streamrl_jax.scheduling.sample_log import read_sample_log
+
+    disagg = _stage_costs(os.path.join(workdir, "disaggregated_batch", "trace.json"))
+    coloc = _stage_costs(os.path.join(workdir, "colocated", "trace.json"))
+    log = read_sample_log(os.path.join(workdir, "disaggregated_batch", "samples.jsonl"))
+    log.sort(key=lambda r: (r.step, r.request_id))
+    prompt = [len(r.prompt_tokens) for r in log]
+    resp = [r.output_length for r in log]
+    p = cfg.pipeline
+    n = p.prompts_per_step * p.group_size
+    mean_prompt = sum(prompt) / len(prompt)
+    slots = cfg.mesh.instance_slots
+    return {
+        "global_batch": n,
+        "iterations": len(log) // n,
+        "warmup": 1,
+        "gen_instances": len(slots),
+        "colocated_instances": len(slots),
+        "slots": slots[0],
+        "dispatch": "random",
+        "decode": {
+            # The decode step runs all `slots` rows whatever their occupancy (fixed
+            # shapes), so its cost does not depend on the running count.
+            "batch_sizes": [1, slots[0]],
+            "per_token_s": [disagg["per_step_s"]] * 2,
+            "prefill_s_per_token": disagg["per_prefill_s"] / mean_prompt,
+            "chunk_steps": cfg.generation.decode_chunk,
+        },
+        "train": {
+            "seconds_per_token": disagg["train_s_per_token"],
+            "optimizer_s": disagg["optimizer_s"],
+            "min_microbatch_tokens": int(
+                p.min_groups * p.group_size * (sum(prompt) + sum(resp)) / len(prompt)
+            ),
+        },
+        "weight_sync_s": disagg["weight_sync_s"],
+        # Colocated: the same process owns both devices; its run's own unit costs give
+        # the scale, and its weight copy is the train -> generation switch.
+        "switch_s": [0.0, coloc["weight_sync_s"]],
+        "colocated_scale": {
+            "decode": coloc["per_step_s"] / disagg["per_step_s"],
+            "train": coloc["train_s_per_token"] / disagg["train_s_per_token"],
+        },
+        "lengths": {"prompt": prompt, "response": resp},
+        "measured_samples_per_s": measured,
+    }
 
 
 def main(argv: list[str]) -> None:
@@ -133,6 +248,22 @@ def main(argv: list[str]) -> None:
     if "bound_overlap_sps" in out and "stream_async" in per_mode:
         async_sps = per_mode["stream_async"]["samples_per_s"]
         out["async_efficiency_vs_bound"] = round(async_sps / out["bound_overlap_sps"], 3)
+    if {"colocated", "disaggregated_batch"} <= set(per_mode):
+        from streamrl_jax.simulation import profiles
+
+        profile = _profile(
+            cfg, _WORKDIR.value, {m: v["samples_per_s"] for m, v in per_mode.items()}
+        )
+        path = os.path.join(_WORKDIR.value, "profile.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(profile, f)
+        pred = profiles.predict(profile, modes=tuple(per_mode))
+        out["sim_predicted_sps"] = {
+            m: round(v, 4) for m, v in pred["predicted_samples_per_s"].items()
+        }
+        out["sim_rel_error"] = {m: round(v, 3) for m, v in pred["rel_error"].items()}
+        out["sim_max_abs_rel_error"] = round(max(abs(v) for v in pred["rel_error"].values()), 3)
+        out["profile"] = path
     out["wall_s"] = round(time.time() - t_start, 1)
     out["machine"] = f"{os.cpu_count()} CPU cores, {_CPU.value} host devices, one process"
     print(json.dumps(out))

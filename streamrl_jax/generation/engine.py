@@ -170,7 +170,9 @@ class Engine:
         self._metrics: dict[str, Any] = {"tokens": 0, "busy_s": 0.0, "chunks": 0, "timeline": []}
         # Optional observer of each host round trip: (instance_id, start, end, tokens
         # emitted, slots running), wall-clock seconds. The pipeline draws its trace with it.
-        self.on_chunk: Callable[[int, float, float, int, int], None] | None = None
+        # on_chunk(instance, t0, t1, tokens, running, steps=, prefilled=): wall times of
+        # one step(), tokens emitted, slots running, decode steps run, prompts prefilled.
+        self.on_chunk: Callable[..., None] | None = None
 
     def _init_state(self) -> slots_lib.SlotState:
         cache = kv_cache.init_cache(self.model_cfg, self.cfg.num_slots, self.cfg.max_total_length)
@@ -362,7 +364,15 @@ class Engine:
         m["chunks"] += 1
         m["timeline"].append((t1, self.num_running + len(done), len(self._queue), emitted))
         if self.on_chunk is not None:
-            self.on_chunk(self.instance_id, t0, t1, emitted, self.num_running + len(done))
+            self.on_chunk(
+                self.instance_id,
+                t0,
+                t1,
+                emitted,
+                self.num_running + len(done),
+                steps=int(chunk_h.emitted.max(initial=0)),
+                prefilled=sum(len(ids) for ids, _ in prefills),
+            )
         return done
 
     def _finish(self, slot: int, code: int) -> Sample:

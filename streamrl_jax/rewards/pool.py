@@ -49,6 +49,7 @@ class RewardPool:
         self._lock = threading.Lock()
         self._num_errors = 0
         self._num_scored = 0
+        self._num_submitted = 0
 
     @property
     def num_errors(self) -> int:
@@ -61,6 +62,11 @@ class RewardPool:
         """Calls that finished, with or without error."""
         with self._lock:
             return self._num_scored
+
+    def pending(self) -> int:
+        """Calls submitted and not finished yet."""
+        with self._lock:
+            return self._num_submitted - self._num_scored
 
     def _score(self, text: str, metadata: dict[str, Any]) -> RewardResult:
         try:
@@ -88,6 +94,8 @@ class RewardPool:
         self, text: str, metadata: dict[str, Any]
     ) -> "concurrent.futures.Future[RewardResult]":
         """Schedules one sample; the future holds its result (or its exception)."""
+        with self._lock:
+            self._num_submitted += 1
         return self._executor.submit(self._score, text, metadata)
 
     def map(

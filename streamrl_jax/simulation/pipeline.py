@@ -104,8 +104,14 @@ def run_schedule(
     tp: int,
     staleness: int = 1,
     warmup: int = 1,
+    gen_lengths: list[np.ndarray] | None = None,
 ) -> SimResult:
-    """Schedules `batches` (prompt, response lengths) under `mode` with given dispatch plans."""
+    """Schedules `batches` (prompt, response lengths) under `mode` with given dispatch plans.
+
+    `gen_lengths` (per batch) overrides the decode steps each sample occupies its
+    slot for, when that differs from its trained response length (an engine that
+    admits and retires only at chunk boundaries holds a slot to the chunk's end).
+    """
     spec = costs.instance()
     colocated = mode == "colocated"
     sync_s = 0.0 if colocated else costs.weight_sync_seconds(train_devices)
@@ -117,7 +123,7 @@ def run_schedule(
     spans: list[Span] = []
     gens: list[tuple[float, GenResult]] = []
     for b, ((prompt, resp), plan) in enumerate(zip(batches, plans, strict=True)):
-        gr = simulate_batch(spec, plan, prompt, resp)
+        gr = simulate_batch(spec, plan, prompt, resp if gen_lengths is None else gen_lengths[b])
         if colocated:
             gen_start[b] = train_end[b - 1] + to_gen if b else 0.0
         else:

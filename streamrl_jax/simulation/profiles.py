@@ -18,7 +18,10 @@ docs/simulator.md; every field in seconds or tokens):
         "batch_sizes": [1, 2, 4, 8],      # measured decode batch sizes, ascending
         "per_token_s": [...],             # seconds per decode step at each batch size
         "per_context_token_s": 0.0,       # optional: extra step seconds per context token
-        "prefill_s_per_token": 0.0        # optional: prefill seconds per prompt token
+        "prefill_s_per_token": 0.0,       # optional: prefill seconds per prompt token
+        "chunk_steps": 1                  # optional: the engine admits and retires only
+                                          # every chunk_steps decode steps, so a sample
+                                          # holds its slot for its length rounded up
       },
       "train": {
         "seconds_per_token": 1e-4,        # trainer seconds per (prompt + response) token
@@ -172,6 +175,10 @@ def predict(profile: dict[str, Any], modes: tuple[str, ...] = MODES, seed: int =
         (prompt[idx[i * batch : (i + 1) * batch]], resp[idx[i * batch : (i + 1) * batch]])
         for i in range(iterations)
     ]
+    chunk = int(_need(profile, "decode", "").get("chunk_steps", 1))
+    if chunk < 1:
+        raise ValueError(f"profile field decode.chunk_steps must be >= 1, got {chunk}")
+    gen_lengths = [-(-r // chunk) * chunk for _, r in batches]
     out: dict[str, Any] = {"predicted_samples_per_s": {}}
     for mode in modes:
         colocated = mode == "colocated"
@@ -179,8 +186,8 @@ def predict(profile: dict[str, Any], modes: tuple[str, ...] = MODES, seed: int =
         key = "colocated_instances" if colocated else "gen_instances"
         n_inst = int(profile.get(key, profile.get("gen_instances", 1)))
         kind = profile.get("dispatch", "random") if mode.startswith("stream") else "random"
-        plans, recent = [], batches[0][1]
-        for _, r in batches:
+        plans, recent = [], gen_lengths[0]
+        for r in gen_lengths:
             plans.append(
                 generation.plan_batch(
                     costs.instance(),
@@ -204,6 +211,7 @@ def predict(profile: dict[str, Any], modes: tuple[str, ...] = MODES, seed: int =
             train_devices=int(profile.get("train_devices", 1)),
             tp=1,
             warmup=warmup,
+            gen_lengths=gen_lengths,
         )
         out["predicted_samples_per_s"][mode] = res.samples_per_s
     measured = profile.get("measured_samples_per_s")

@@ -1,0 +1,177 @@
+"""Checkpoint and exact resume of the pipeline (docs/checkpoint.md), on `quickstart:tiny`.
+
+One uninterrupted stream_async run (deterministic mode, a checkpoint every step) is
+the reference. A second run is stopped three times at different points, each by an
+injected failure that ends the run with a named error:
+
+1. mid-generation (a reward call of batch 1 raises: batch 1 is half generated,
+   batch 2 is being generated on W_1 in the background);
+2. mid-accumulation (the trainer's third micro-batch of batch 2 raises);
+3. right after an optimizer step (the weight sync of W_4 raises, after batch 3's
+   update: that update is lost with the process and recomputed on resume),
+
+and resumed from its workdir each time. The resumed run must end with exactly
+the reference parameters (bitwise: deterministic mode fixes the summation order,
+and regenerated samples are bit-identical) and have trained every drawn prompt
+exactly once.
+"""
+
+import collections
+import dataclasses
+import os
+import threading
+from unittest import mock
+
+import jax
+import numpy as np
+import pytest
+from run_test import _params, _pipeline_threads, _tiny, vowel_reward
+
+from streamrl_jax import checkpoint as ckpt_lib
+from streamrl_jax import run as run_lib
+from streamrl_jax.resume import CONSUMED, read_consumed
+from streamrl_jax.trainer.step import Trainer
+from streamrl_jax.weight_sync import WeightSync
+
+STEPS = 5
+
+
+def _cfg(**overrides):
+    base = dict(
+        pipeline__mode="stream_async",
+        pipeline__steps=STEPS,
+        pipeline__deterministic=True,
+        checkpoint__every=1,
+        checkpoint__keep=10,
+        eval__num_problems=0,
+    )
+    return _tiny(**(base | overrides))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("reference"))
+    return run_lib.run(_cfg(), workdir, reward_fn=vowel_reward), workdir
+
+
+def _consumed(workdir):
+    rows = read_consumed(os.path.join(workdir, CONSUMED))
+    return [r["step"] for r in rows], collections.Counter(p for r in rows for p in r["prompt_ids"])
+
+
+def _fail_on_call(n, exc):
+    """A side effect that raises on its n-th call (1-based), thread-safely."""
+    calls, lock = [0], threading.Lock()
+
+    def effect(*args, **kwargs):
+        with lock:
+            calls[0] += 1
+            if calls[0] == n:
+                raise exc
+        return None
+
+    return effect
+
+
+def test_resume_after_three_stops_gives_the_reference_parameters(reference, tmp_path):
+    ref, ref_dir = reference
+    workdir = str(tmp_path)
+    cfg = _cfg()
+
+    # 1. mid-generation: a reward call of batch 2 raises (generated on W_1 while
+    # batch 1 trains).
+    def flaky_reward(text, metadata):
+        if metadata["batch"] == 2 and metadata["member"] == 0 and metadata["group"] == 1:
+            raise RuntimeError("reward died")
+        return vowel_reward(text, metadata)
+
+    with pytest.raises(run_lib.PipelineError, match="reward died") as info:
+        run_lib.run(cfg, workdir, reward_fn=flaky_reward)
+    assert info.value.component == "reward function"
+    assert not _pipeline_threads()
+    steps, _ = _consumed(workdir)
+    assert steps == list(range(len(steps))) and len(steps) <= 2  # batch 2 never trained
+
+    # 2. mid-accumulation: the 3rd micro-batch after resuming (batch 2's first) raises.
+    real = Trainer.accumulate
+    boom = _fail_on_call(3, RuntimeError("trainer died"))
+
+    def accumulate(self, *args, **kwargs):
+        boom()
+        return real(self, *args, **kwargs)
+
+    with (
+        mock.patch.object(Trainer, "accumulate", accumulate),
+        pytest.raises(RuntimeError, match="trainer died"),
+    ):
+        run_lib.run(cfg, workdir, reward_fn=vowel_reward)
+    assert not _pipeline_threads()
+    steps, _ = _consumed(workdir)
+    assert steps == list(range(len(steps))) and len(steps) <= 4
+
+    # 3. right after an optimizer step: the background sync of W_4 (after batch 3's
+    # update) raises; batch 3 is trained again on resume.
+    real_start = WeightSync.start
+
+    def start(self, params, version, on_done=None):
+        if version == 4:
+            raise RuntimeError("weight sync died")
+        return real_start(self, params, version, on_done=on_done)
+
+    with (
+        mock.patch.object(WeightSync, "start", start),
+        pytest.raises(RuntimeError, match="weight sync died"),
+    ):
+        run_lib.run(cfg, workdir, reward_fn=vowel_reward)
+    assert not _pipeline_threads()
+
+    # Resume to the end.
+    result = run_lib.run(cfg, workdir, reward_fn=vowel_reward)
+    assert result.start_batch == 3
+    assert len(result.steps) == STEPS - 3
+
+    for a, b in zip(_params(result), _params(ref), strict=True):
+        np.testing.assert_array_equal(a, b)
+    steps, counts = _consumed(workdir)
+    ref_steps, ref_counts = _consumed(ref_dir)
+    assert steps == ref_steps == list(range(STEPS))
+    assert counts == ref_counts  # the same prompts, each as often as uninterrupted
+    assert sum(counts.values()) == STEPS * cfg.pipeline.prompts_per_step
+
+
+def test_resume_onto_another_training_mesh(reference, tmp_path):
+    # The reference run's checkpoint 3, resumed with FSDP over 2 training devices:
+    # re-sharded on load; the remaining steps' sums run in another order (sharded
+    # reductions), so parameters match to float32 accuracy (1e-5 absolute).
+    ref, ref_dir = reference
+    workdir = str(tmp_path)
+    src = ckpt_lib.Checkpointer(os.path.join(ref_dir, "checkpoints"))
+    assert 3 in src.all_steps()
+    os.makedirs(os.path.join(workdir, "checkpoints"))
+    os.symlink(src.step_directory(3), os.path.join(workdir, "checkpoints", "3"))
+    src.close()
+    result = run_lib.run(_cfg(mesh__train_devices=2), workdir, reward_fn=vowel_reward)
+    assert result.start_batch == 3
+    for a, b in zip(_params(result), _params(ref), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_init_from_takes_another_runs_weights(reference, tmp_path):
+    ref, ref_dir = reference
+    cfg = _cfg(pipeline__steps=1, checkpoint__every=0)
+    cfg = dataclasses.replace(cfg, init_from=os.path.join(ref_dir, "checkpoints"))
+    from streamrl_jax import build as build_lib
+
+    c = build_lib.build(cfg)
+    try:
+        got = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(c.state.params))]
+    finally:
+        c.close(10)
+    for a, b in zip(got, _params(ref), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_resume_with_another_mode_is_refused(reference, tmp_path):
+    _, ref_dir = reference
+    with pytest.raises(ValueError, match="mode='stream_async', this run has mode='stream_sync'"):
+        run_lib.run(_cfg(pipeline__mode="stream_sync"), ref_dir, reward_fn=vowel_reward)

@@ -1,0 +1,189 @@
+"""Fault drill: SIGKILL the quickstart `:tiny` run K times at random points, resume each time.
+
+  python tools/fault_drill.py --kills=10            # ~10 min on 2 cores
+  python tools/fault_drill.py --kills=3 --steps=6   # a shorter drill
+
+The run is `configs/quickstart.py:tiny` in stream_async, deterministic mode, a
+checkpoint every step. A random tiny model never earns the task's reward, so
+the run scores a dense stand-in (the fraction of vowels in the response, as the
+pipeline tests do); otherwise every advantage is 0 and the parameters would
+trivially match.
+
+1. A reference child runs the whole job uninterrupted and writes its final
+   parameters.
+2. The drill child is started in a fresh workdir and killed with SIGKILL after a
+   random delay (uniform in [--min_delay, --max_delay] seconds: during start-up
+   and compilation, mid-generation, mid-accumulation, mid-checkpoint-write),
+   then started again on the same workdir, K times; then it runs to the end.
+3. Checks: every start after the first resumed from the newest complete
+   checkpoint and exited only by our SIGKILL (or 0 at the end); consumed.jsonl
+   lists steps 0..S-1 once each and every prompt as often as the reference
+   (exactly once per epoch); the final parameters equal the reference's bit for
+   bit.
+
+Last line: JSON with `kills`, `resumed_ok`, `prompts_exactly_once`, `params_match`.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+_KILLS = flags.DEFINE_integer("kills", 10, "SIGKILLs before the run may finish.")
+_STEPS = flags.DEFINE_integer("steps", 12, "Training steps of the drilled run.")
+_MIN = flags.DEFINE_float("min_delay", 4.0, "Shortest time before a kill (s).")
+_MAX = flags.DEFINE_float("max_delay", 40.0, "Longest time before a kill (s).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the kill times.")
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/fault_drill", "Drill directory (wiped).")
+_CHILD = flags.DEFINE_string("child", "", "Internal: run the job in this workdir.")
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PARAMS = "final_params.npz"
+
+
+def _config(steps: int):
+    import importlib.util
+
+    from streamrl_jax import config as config_lib
+
+    spec = importlib.util.spec_from_file_location(
+        "quickstart", os.path.join(_ROOT, "configs", "quickstart.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cd = module.get_config("tiny").to_dict()
+    cd["pipeline"].update(mode="stream_async", steps=steps, deterministic=True)
+    cd["checkpoint"].update(every=1, keep=2)
+    cd["eval"]["num_problems"] = 0
+    cd["log"].update(tensorboard=False, trace=False)
+    return config_lib.from_config_dict(cd)
+
+
+def vowel_reward(text, metadata):
+    from streamrl_jax.rewards.base import RewardResult
+
+    score = sum(ch in "aeiouAEIOU" for ch in text) / max(len(text), 1)
+    return RewardResult(score=score, correct=score > 0.5, extracted_answer=None, format_ok=True)
+
+
+def _child(workdir: str, steps: int) -> None:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 2)
+    import numpy as np
+
+    from streamrl_jax import run as run_lib
+
+    result = run_lib.run(_config(steps), workdir, reward_fn=vowel_reward)
+    leaves = jax.device_get(jax.tree.leaves(result.state.params))
+    np.savez(os.path.join(workdir, _PARAMS), *[np.asarray(x) for x in leaves])
+
+
+def _start(workdir: str, log) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        f"--child={workdir}",
+        f"--steps={_STEPS.value}",
+    ]
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=_ROOT)
+
+
+def _latest_checkpoint(workdir: str) -> int | None:
+    d = os.path.join(workdir, "checkpoints")
+    steps = [int(n) for n in os.listdir(d) if n.isdigit()] if os.path.isdir(d) else []
+    return max(steps, default=None)
+
+
+def _consumed(workdir: str):
+    from streamrl_jax.resume import CONSUMED, read_consumed
+
+    rows = read_consumed(os.path.join(workdir, CONSUMED))
+    return [r["step"] for r in rows], collections.Counter(p for r in rows for p in r["prompt_ids"])
+
+
+def _params(workdir: str):
+    import numpy as np
+
+    with np.load(os.path.join(workdir, _PARAMS)) as f:
+        return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if _CHILD.value:
+        _child(_CHILD.value, _STEPS.value)
+        return
+    import numpy as np
+
+    root = _WORKDIR.value
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    ref_dir, drill_dir = os.path.join(root, "reference"), os.path.join(root, "drill")
+    t0 = time.time()
+    with open(os.path.join(root, "reference.log"), "w") as log:
+        rc = _start(ref_dir, log).wait()
+    if rc != 0:
+        raise SystemExit(f"reference run failed (rc {rc}); see {root}/reference.log")
+    print(f"reference: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+
+    rng = random.Random(_SEED.value)
+    kills, resumed_ok, legs = 0, 0, []
+    while True:
+        before = _latest_checkpoint(drill_dir)
+        with open(os.path.join(root, f"leg{len(legs)}.log"), "w") as log:
+            proc = _start(drill_dir, log)
+            delay = rng.uniform(_MIN.value, _MAX.value) if kills < _KILLS.value else None
+            try:
+                rc = proc.wait(timeout=delay)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGKILL)
+                rc = proc.wait()
+                kills += 1
+        after = _latest_checkpoint(drill_dir)
+        ok = rc in (0, -signal.SIGKILL)
+        if before is not None and ok:
+            resumed_ok += 1
+        legs.append({"delay_s": delay, "rc": rc, "checkpoint_before": before, "after": after})
+        print(f"leg {len(legs) - 1}: {legs[-1]}", file=sys.stderr, flush=True)
+        if not ok:
+            raise SystemExit(
+                f"leg {len(legs) - 1} failed (rc {rc}); see {root}/leg{len(legs) - 1}.log"
+            )
+        if rc == 0:
+            break
+
+    steps, counts = _consumed(drill_dir)
+    ref_steps, ref_counts = _consumed(ref_dir)
+    exactly_once = steps == ref_steps == list(range(_STEPS.value)) and counts == ref_counts
+    mine, ref = _params(drill_dir), _params(ref_dir)
+    params_match = len(mine) == len(ref) and all(
+        np.array_equal(a, b) for a, b in zip(mine, ref, strict=True)
+    )
+    out = {
+        "tool": "fault_drill",
+        "kills": kills,
+        "restarts": len(legs) - 1,
+        "resumed_ok": resumed_ok,
+        "prompts_exactly_once": bool(exactly_once),
+        "params_match": bool(params_match),
+        "max_prompt_count": max(counts.values(), default=0),
+        "steps": _STEPS.value,
+        "legs": legs,
+        "wall_s": round(time.time() - t0, 1),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, _ROOT)
+    app.run(main)
