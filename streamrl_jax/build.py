@@ -255,6 +255,7 @@ def build(cfg: ExperimentConfig, devices: list[jax.Device] | None = None) -> Com
             prefill_batch=g.prefill_batch,
             stop_ids=tuple(tokenizer.stop_ids),
             max_stop_ids=max(4, len(tokenizer.stop_ids)),
+            admission="lpt" if cfg.scheduling.dispatch in ("skew_aware", "oracle") else "fifo",
         )
         for slots in cfg.mesh.instance_slots
     ]

@@ -138,6 +138,19 @@ class LogSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulingSection:
+    """Skew-aware scheduling (streamrl_jax/scheduling/live.py, docs/scheduling.md)."""
+
+    dispatch: str = "round_robin"  # round_robin | random | skew_aware | oracle
+    objective: str = "max"  # Algorithm 2 objective: max (makespan) | sum (paper's pseudocode)
+    ranker_path: str = ""  # a ranker pickle from tools/train_ranker.py ("" = untrained)
+    ranker_online: bool = True  # refresh the ranker from completed samples every step
+    ranker_min_samples: int = 64  # online refresh starts once this many samples are buffered
+    ptl_profile: str = ""  # PTL(BS) JSON from tools/profile_ptl.py ("" = flat)
+    elastic_reserved: int = 0  # last N of mesh.instance_slots held back for the elastic rule
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointSection:
     """Orbax checkpoints in <workdir>/checkpoints (docs/checkpoint.md)."""
 
@@ -161,6 +174,7 @@ class ExperimentConfig:
     eval: EvalSection = EvalSection()
     log: LogSection = LogSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    scheduling: SchedulingSection = SchedulingSection()
 
 
 def _check_type(path: str, value: Any, hint: Any) -> Any:
@@ -240,6 +254,22 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     _require(
         not cfg.data.jsonl_path or bool(cfg.data.eval_jsonl_path),
         "data.jsonl_path needs data.eval_jsonl_path (held-out problems from another file)",
+    )
+    sc = cfg.scheduling
+    dispatches = ("round_robin", "random", "skew_aware", "oracle")
+    _require(
+        sc.dispatch in dispatches,
+        f"scheduling.dispatch={sc.dispatch!r}; expected one of {dispatches}",
+    )
+    _require(sc.objective in ("max", "sum"), f"scheduling.objective={sc.objective!r}; max | sum")
+    _require(
+        0 <= sc.elastic_reserved < len(m.instance_slots),
+        f"scheduling.elastic_reserved={sc.elastic_reserved} must leave at least one of the "
+        f"{len(m.instance_slots)} instances in mesh.instance_slots active",
+    )
+    _require(
+        sc.dispatch != "oracle" or g.length_replay,
+        "scheduling.dispatch='oracle' needs generation.length_replay=True (true lengths)",
     )
     ck = cfg.checkpoint
     _require(ck.every >= 0, f"checkpoint.every must be >= 0, got {ck.every}")

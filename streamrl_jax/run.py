@@ -25,6 +25,7 @@ threads joined with timeouts.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import threading
 import time
@@ -46,6 +47,7 @@ from streamrl_jax.resume import ResumePoint, RunCheckpoints
 from streamrl_jax.rewards.base import RewardFn, RewardResult
 from streamrl_jax.rewards.pool import RewardPool
 from streamrl_jax.schedule import Schedule, VersionGate, WeightBoard
+from streamrl_jax.scheduling.live import LiveScheduler
 from streamrl_jax.scheduling.sample_log import SampleLog
 from streamrl_jax.stream.batcher import Scored, pack_groups
 from streamrl_jax.stream.sample_stream import SampleStream, StreamError
@@ -115,6 +117,9 @@ class _Run:
             self._traced_reward, num_workers=2, on_error=cfg.data.reward_errors
         )
         self.ckpts = RunCheckpoints(cfg, c, workdir, self.sched)
+        self.live = LiveScheduler(cfg, cfg.mesh.instance_slots, c.model_cfg.vocab_size)
+        self.ckpts.ranker = self.live.ranker  # saved and restored with the checkpoints
+        self._spans: dict[int, list[float]] = {}  # batch -> [first admit, last finish]
         self.start = 0  # first batch (a resumed run starts at its checkpoint's)
         self.resume: ResumePoint | None = None
         self._trained = 0  # batches trained so far (the next checkpoint's step)
@@ -123,6 +128,8 @@ class _Run:
         self.rows: list[dict[str, float]] = []  # per trained step (from self.start)
         self.versions: list[list[int]] = []
         self._pending_metrics: list = []
+        self._decisions_written = 0
+        self._ranker_thread: threading.Thread | None = None
         # Progress counters the watchdog reads: stage -> (count, monotonic time of change).
         self._progress: dict[str, list[float]] = {}
         self._busy_lock = threading.Lock()
@@ -133,6 +140,12 @@ class _Run:
     def _gen_busy_s(self) -> float:
         with self._busy_lock:
             return sum(self._gen_busy.values())
+
+    def _gen_span(self, sample: Sample) -> None:
+        b, t = sample.metadata["batch"], sample.timings
+        with self._busy_lock:
+            span = self._spans.setdefault(b, [t.admit, t.finish])
+            span[0], span[1] = min(span[0], t.admit), max(span[1], t.finish)
 
     # ------------------------------------------------------------------ watchdog
     def _tick(self, stage: str) -> None:
@@ -258,10 +271,10 @@ class _Run:
                 f"after {self.timeout:.0f} s"
             )
 
-    def _submit(self, requests: list[GenerationRequest]) -> None:
+    def _submit(self, requests: list[GenerationRequest], instances: list[int] | None = None):
         with self._lock:
             self._submitted += len(requests)
-        self.c.service.submit(requests)
+        self.c.service.submit(requests, instances)
 
     def _driver(self) -> None:
         try:
@@ -298,9 +311,14 @@ class _Run:
                     run_seed=self.cfg.seed,
                     length_replay=self.cfg.generation.length_replay,
                 )
+                requests, instances = self.live.plan(b, requests)
                 if self._eval_due(b, version):
-                    requests += self._eval_requests(version)
-                self._submit(requests)
+                    extra = self._eval_requests(version)
+                    if instances is not None:  # eval requests round robin over active ones
+                        active = self.live.active
+                        instances = instances + [i % active for i in range(len(extra))]
+                    requests = requests + extra
+                self._submit(requests, instances)
         except BaseException as e:  # noqa: BLE001 - reported to the trainer
             self.fail("generation driver", e)
 
@@ -320,6 +338,8 @@ class _Run:
                 else:
                     if self.sample_log is not None:
                         self.sample_log.write(sample, sample.metadata["batch"])
+                    self.live.observe(sample.prompt, sample.num_tokens)
+                    self._gen_span(sample)
                     future = self.reward_pool.submit(text, sample.metadata)
                     future.add_done_callback(lambda f, s=sample, t=text: self._scored(s, t, f))
                 with self._lock:
@@ -534,6 +554,11 @@ class _Run:
                 "reward_errors": float(self.reward_pool.num_errors),
                 "watchdog_alerts": float(len(self.watchdog_alerts)),
             }
+            with self._busy_lock:
+                span = self._spans.pop(b, [0.0, 0.0])
+            row |= self.live.end_of_step(b, span[1] - span[0], train_busy)
+            self._refresh_ranker()
+            self._write_decisions()
             steps.append(row)
             versions.append(list(stats["versions"]))
             progress.update(
@@ -541,6 +566,28 @@ class _Run:
             )
         self._flush_pending()
         return steps, versions
+
+    def _refresh_ranker(self) -> None:
+        """Online ranker refresh on its own thread (one at a time; skipped while the
+        previous one still runs, its samples wait for the next)."""
+        if self._ranker_thread is not None and self._ranker_thread.is_alive():
+            return
+        batch = self.live.take_refresh_batch()
+        if batch:
+            self._ranker_thread = threading.Thread(
+                target=self.live.refresh, args=(batch,), name="ranker-refresh", daemon=True
+            )
+            self._ranker_thread.start()
+
+    def _write_decisions(self) -> None:
+        """Appends new dispatch / elastic decisions to scheduling.jsonl."""
+        new = self.live.decisions[self._decisions_written :]
+        if not new:
+            return
+        self._decisions_written += len(new)
+        with open(os.path.join(self.workdir, "scheduling.jsonl"), "a", encoding="utf-8") as f:
+            for d in new:
+                f.write(json.dumps(d, default=float) + "\n")
 
     def _flush_pending(self) -> None:
         """Fetches the last step's device metrics and writes its row (one step late, so
@@ -690,6 +737,10 @@ class _Run:
         except BaseException as e:  # noqa: BLE001 - already failing or finished
             logging.warning("weight sync at shutdown: %r", e)
         self.reward_pool.close(cancel_pending=True)
+        if self._ranker_thread is not None:
+            self._ranker_thread.join(self.timeout)
+            if self._ranker_thread.is_alive():
+                stalled.append(self._ranker_thread.name)
         try:
             self.ckpts.close()
         except BaseException as e:  # noqa: BLE001 - already failing or finished

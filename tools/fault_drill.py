@@ -1,7 +1,7 @@
 """Fault drill: SIGKILL the quickstart `:tiny` run K times at random points, resume each time.
 
-  python tools/fault_drill.py --kills=10            # ~10 min on 2 cores
-  python tools/fault_drill.py --kills=3 --steps=6   # a shorter drill
+  python tools/fault_drill.py --kills=10             # ~10 min on 2 cores
+  python tools/fault_drill.py --kills=3 --steps=15   # a shorter drill
 
 The run is `configs/quickstart.py:tiny` in stream_async, deterministic mode, a
 checkpoint every step. A random tiny model never earns the task's reward, so
@@ -39,9 +39,11 @@ import time
 from absl import app, flags
 
 _KILLS = flags.DEFINE_integer("kills", 10, "SIGKILLs before the run may finish.")
-_STEPS = flags.DEFINE_integer("steps", 12, "Training steps of the drilled run.")
-_MIN = flags.DEFINE_float("min_delay", 4.0, "Shortest time before a kill (s).")
-_MAX = flags.DEFINE_float("max_delay", 40.0, "Longest time before a kill (s).")
+_STEPS = flags.DEFINE_integer(
+    "steps", 40, "Training steps of the drilled run (enough that K kills land before the end)."
+)
+_MIN = flags.DEFINE_float("min_delay", 3.0, "Shortest time before a kill (s).")
+_MAX = flags.DEFINE_float("max_delay", 30.0, "Longest time before a kill (s).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the kill times.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/fault_drill", "Drill directory (wiped).")
 _CHILD = flags.DEFINE_string("child", "", "Internal: run the job in this workdir.")
@@ -160,6 +162,10 @@ def main(argv: list[str]) -> None:
                 f"leg {len(legs) - 1} failed (rc {rc}); see {root}/leg{len(legs) - 1}.log"
             )
         if rc == 0:
+            if kills < _KILLS.value:
+                raise SystemExit(
+                    f"the run finished after {kills} of {_KILLS.value} kills: raise --steps"
+                )
             break
 
     steps, counts = _consumed(drill_dir)

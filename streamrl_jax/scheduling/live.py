@@ -1,0 +1,203 @@
+"""The scheduling switches of a running pipeline: dispatch, online ranker, elastic instances.
+
+`LiveScheduler` is what `run.py`'s generation driver asks where each request goes:
+
+* `scheduling.dispatch`:
+  * `"round_robin"` (default): the service deals requests in turn, FIFO admission;
+  * `"random"`: the paper's baseline (shuffled, dealt by slot count, FIFO);
+  * `"skew_aware"`: Algorithm 2 (dispatch.py) with the ranker's scores, P50/P90 of
+    the recent output lengths and PTL(BS) (`scheduling.ptl_profile`, a JSON written by
+    tools/profile_ptl.py; default flat, which is what this repo's fixed-shape decode
+    step costs), plus longest-predicted-first admission inside each engine;
+  * `"oracle"`: the same plan with the true lengths (length-replay runs only, where
+    every request carries its forced length).
+* The ranker starts from `scheduling.ranker_path` (a pickle of tools/train_ranker.py)
+  or untrained, and with `scheduling.ranker_online` refreshes from the samples the
+  run completes, once per step on a thread `run.py` owns, so generation never waits
+  for it.
+  Its state is saved with the run's checkpoints.
+* Elastic generation (`scheduling.elastic_reserved = R`): the last R instances of
+  `mesh.instance_slots` are built at start (they hold the current weights, since
+  every weight update goes to every engine, so the version contract is unchanged)
+  but get no requests until the elastic rule (balance.ElasticController, delta >=
+  delta') activates one, between two batches, without stopping the trainer. T_gen
+  is the batch's generation span (first admission to last completion), T_train the
+  trainer's busy seconds of the step.
+
+Every plan and elastic decision is logged (`decisions`), and the step metrics carry
+`active_instances`, `plan_long_instances` and the ranker's refresh loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+from streamrl_jax.generation.types import GenerationRequest
+from streamrl_jax.scheduling import balance, dispatch
+from streamrl_jax.scheduling.ranker import Ranker, RankerConfig
+
+DISPATCH = ("round_robin", "random", "skew_aware", "oracle")
+
+
+def load_ranker(path: str) -> Ranker:
+    """A ranker written by tools/train_ranker.py (clear errors for a bad file)."""
+    try:
+        with open(path, "rb") as f:
+            d = pickle.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"scheduling.ranker_path {path} does not exist") from None
+    except Exception as e:
+        raise ValueError(f"scheduling.ranker_path {path}: not a ranker file ({e!r})") from e
+    if not isinstance(d, dict) or not {"config", "state"} <= set(d):
+        raise ValueError(f"scheduling.ranker_path {path}: expected a dict with config and state")
+    ranker = Ranker(RankerConfig(**d["config"]))
+    ranker.load_state(d["state"])
+    return ranker
+
+
+class LiveScheduler:
+    """Dispatch, ranker and elasticity of one run (see the module docstring)."""
+
+    def __init__(self, cfg: Any, instance_slots: Sequence[int], vocab_size: int):
+        s = cfg.scheduling
+        self.kind = s.dispatch
+        self.slots = list(instance_slots)
+        self.active = len(self.slots) - s.elastic_reserved
+        self.decisions: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self.ranker: Ranker | None = None
+        if s.dispatch == "skew_aware" or s.ranker_path:
+            self.ranker = (
+                load_ranker(s.ranker_path)
+                if s.ranker_path
+                else Ranker(
+                    RankerConfig(
+                        vocab_size=vocab_size, seed=cfg.seed, min_buffer=s.ranker_min_samples
+                    )
+                )
+            )
+        self.online = s.ranker_online and self.ranker is not None
+        ptl = (
+            dispatch.PTLProfile.from_json(s.ptl_profile)
+            if s.ptl_profile
+            else dispatch.PTLProfile((1,), (1.0,))
+        )
+        self.dispatcher = dispatch.SkewAwareDispatcher(
+            self.ranker.score if self.ranker is not None else (lambda p: np.zeros(len(p))),
+            ptl,
+            dispatch.DispatchConfig(
+                objective=s.objective,
+                initial_length=max(cfg.generation.max_new_tokens / 4, 1.0),
+                static_batch=not s.ptl_profile,
+            ),
+        )
+        self.random = dispatch.RandomDispatcher(seed=cfg.seed)
+        self.elastic = (
+            balance.ElasticController(self.active, len(self.slots), saving=balance.ideal_saving)
+            if s.elastic_reserved
+            else None
+        )
+        self._pending: list[tuple[tuple[int, ...], int]] = []
+        self.last_loss = float("nan")
+
+    @property
+    def lpt(self) -> bool:
+        """Engines admit longest-predicted first."""
+        return self.kind in ("skew_aware", "oracle")
+
+    # ------------------------------------------------------------------ dispatch
+    def plan(
+        self, batch: int, requests: list[GenerationRequest]
+    ) -> tuple[list[GenerationRequest], list[int] | None]:
+        """(requests with admission priorities, target instance per request or None)."""
+        with self._lock:
+            active = self.active
+        if self.kind == "round_robin" and active == len(self.slots):
+            return requests, None
+        slots = self.slots[:active]
+        prompts = [r.prompt for r in requests]
+        if self.kind == "skew_aware":
+            plan = self.dispatcher.plan(prompts, active, slots)
+        elif self.kind == "oracle":
+            if any(r.forced_length is None for r in requests):
+                raise ValueError(
+                    "scheduling.dispatch='oracle' needs forced lengths "
+                    "(generation.length_replay=True)"
+                )
+            lengths = np.array([r.forced_length for r in requests], np.float64)
+            plan = self.dispatcher.plan_scores(lengths, active, slots)
+        elif self.kind == "random":
+            plan = self.random.plan(prompts, active, slots)
+        else:  # round robin over the active instances
+            plan = dispatch.DispatchPlan(
+                [i % active for i in range(len(requests))], [0.0] * len(requests)
+            )
+        out = [
+            dataclasses.replace(r, priority=float(p))
+            for r, p in zip(requests, plan.priority_per_request, strict=True)
+        ]
+        counts = np.bincount(plan.instance_per_request, minlength=active).tolist()
+        self.decisions.append(
+            {
+                "batch": batch,
+                "kind": "dispatch",
+                "dispatch": self.kind,
+                "active_instances": active,
+                "requests_per_instance": counts,
+                "long_instances": list(plan.long_instances),
+                "predicted_s": plan.predicted_s,
+            }
+        )
+        return out, list(plan.instance_per_request)
+
+    # ------------------------------------------------------------------ feedback
+    def observe(self, prompt: Sequence[int], length: int) -> None:
+        """A finished training sample (collector thread)."""
+        self.dispatcher.observe([length])
+        if self.online:
+            with self._lock:
+                self._pending.append((tuple(int(t) for t in prompt), int(length)))
+
+    def take_refresh_batch(self) -> list[tuple[tuple[int, ...], int]]:
+        """The samples observed since the last refresh (empty when not refreshing online);
+        `run.py` hands them to `refresh` on a thread of its own."""
+        if not self.online:
+            return []
+        with self._lock:
+            batch, self._pending = self._pending, []
+        return batch
+
+    def refresh(self, batch: list[tuple[tuple[int, ...], int]]) -> None:
+        """Online ranker update (a few optimizer steps); a failure only logs."""
+        try:
+            loss = self.ranker.update(batch)
+            if loss is not None:
+                self.last_loss = loss
+        except Exception as e:  # noqa: BLE001 - scheduling quality only; never fails the run
+            logging.warning("ranker refresh failed (dispatch keeps the previous ranker): %r", e)
+
+    def end_of_step(self, step: int, t_gen: float, t_train: float) -> dict[str, float]:
+        """Once per training step: the elastic rule; returns the step's scheduling metrics."""
+        out = {
+            "active_instances": float(self.active),
+            "ranker_loss": self.last_loss,
+            "ranker_steps": float(self.ranker.steps if self.ranker is not None else 0),
+        }
+        if self.elastic is not None and t_gen > 0:
+            d = self.elastic.observe(step, t_gen, t_train)
+            self.decisions.append({"batch": step, "kind": "elastic", **dataclasses.asdict(d)})
+            if d.add:
+                with self._lock:
+                    self.active = self.elastic.instances
+                logging.info(
+                    "elastic: instance %d activated for batches after %d", self.active - 1, step
+                )
+            out |= {"elastic_delta": d.delta, "elastic_delta_prime": d.delta_prime}
+        return out
