@@ -171,7 +171,7 @@ class _Run:
             busy = {
                 "generation": gen_pending,
                 "reward": self.reward_pool.pending() > 0,
-                "trainer": True,
+                "trainer": self.stream.depth()["ready_groups"] > 0,
             }
             with self._busy_lock:
                 last = {k: v[1] for k, v in self._progress.items()}

@@ -21,7 +21,7 @@ from streamrl_jax import run as run_lib
 from streamrl_jax.generation.engine import Engine
 from streamrl_jax.metrics import read_jsonl
 from streamrl_jax.rewards.base import RewardResult
-from streamrl_jax.trainer.step import Trainer
+from streamrl_jax.trainer.step import NonFiniteError, Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -145,3 +145,39 @@ def test_trainer_failure_ends_the_run(tmp_path):
     patch = mock.patch.object(Trainer, "accumulate", side_effect=RuntimeError("trainer exploded"))
     err = _assert_fails_fast(_tiny(eval__num_problems=0), tmp_path, "trainer", patch=patch)
     assert "trainer exploded" in str(err)
+
+
+def test_nonfinite_skip_counts_and_watchdog_reports_a_stall(tmp_path):
+    # Batch 0's rewards are NaN: its update is skipped and counted, batch 1 trains.
+    # One reward call sleeps past pipeline.watchdog_s: the watchdog names the stage.
+    slept = threading.Event()
+
+    def reward(text, metadata):
+        if metadata["batch"] == 0 and not slept.is_set():
+            slept.set()
+            time.sleep(2.0)
+        r = vowel_reward(text, metadata)
+        return (
+            r
+            if metadata["batch"]
+            else RewardResult(
+                score=float("nan"), correct=False, extracted_answer=None, format_ok=True
+            )
+        )
+
+    cfg = _tiny(eval__num_problems=0, pipeline__watchdog_s=0.5, pipeline__nonfinite="skip")
+    result = run_lib.run(cfg, str(tmp_path), reward_fn=reward)
+    assert [r["nonfinite"] for r in result.steps] == [1.0, 0.0]
+    assert result.steps[-1]["watchdog_alerts"] >= 1
+    assert int(jax.device_get(result.state.step)) == 1  # the skipped update did not count
+
+
+def test_nonfinite_stop_ends_the_run_naming_the_step(tmp_path):
+    def nan_reward(text, metadata):
+        return RewardResult(
+            score=float("nan"), correct=False, extracted_answer=None, format_ok=True
+        )
+
+    cfg = _tiny(eval__num_problems=0, pipeline__nonfinite="stop")
+    err = _assert_fails_fast(cfg, tmp_path, "trainer", reward=nan_reward)
+    assert isinstance(err, NonFiniteError) and "step 0" in str(err)

@@ -11,10 +11,12 @@ trivially match.
 
 1. A reference child runs the whole job uninterrupted and writes its final
    parameters.
-2. The drill child is started in a fresh workdir and killed with SIGKILL after a
-   random delay (uniform in [--min_delay, --max_delay] seconds: during start-up
-   and compilation, mid-generation, mid-accumulation, mid-checkpoint-write),
-   then started again on the same workdir, K times; then it runs to the end.
+2. The drill child is started in a fresh workdir and killed with SIGKILL, then
+   started again on the same workdir, K times; then it runs to the end. A
+   `--startup_share` of the kills land at a random time in the first seconds
+   (import, restore, compilation); the others wait until the leg has trained a
+   step (so it is mid-generation, mid-accumulation or mid-checkpoint-write) and
+   then a uniform random delay in [0, --max_delay] seconds.
 3. Checks: every start after the first resumed from the newest complete
    checkpoint and exited only by our SIGKILL (or 0 at the end); consumed.jsonl
    lists steps 0..S-1 once each and every prompt as often as the reference
@@ -42,8 +44,12 @@ _KILLS = flags.DEFINE_integer("kills", 10, "SIGKILLs before the run may finish."
 _STEPS = flags.DEFINE_integer(
     "steps", 40, "Training steps of the drilled run (enough that K kills land before the end)."
 )
-_MIN = flags.DEFINE_float("min_delay", 3.0, "Shortest time before a kill (s).")
-_MAX = flags.DEFINE_float("max_delay", 30.0, "Longest time before a kill (s).")
+_MAX = flags.DEFINE_float(
+    "max_delay", 8.0, "A running leg is killed uniformly within this many seconds (s)."
+)
+_STARTUP = flags.DEFINE_float(
+    "startup_share", 0.2, "Share of kills aimed at start-up (import, restore, compile)."
+)
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the kill times.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/fault_drill", "Drill directory (wiped).")
 _CHILD = flags.DEFINE_string("child", "", "Internal: run the job in this workdir.")
@@ -100,6 +106,35 @@ def _start(workdir: str, log) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=_ROOT)
 
 
+def _trained_steps(workdir: str) -> int:
+    from streamrl_jax.resume import CONSUMED
+
+    path = os.path.join(workdir, CONSUMED)
+    if not os.path.exists(path):
+        return 0
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for line in f if line.endswith("\n"))
+
+
+def _wait_and_kill(proc: subprocess.Popen, workdir: str, kind: str, delay: float | None) -> int:
+    """Waits for `proc`; SIGKILLs it `delay` s after start ("start-up") or after its
+    first trained step ("running"); returns its exit code."""
+    if kind == "to the end":
+        return proc.wait()
+    start, steps0, armed = time.monotonic(), _trained_steps(workdir), None
+    if kind == "start-up":
+        armed = start
+    while proc.poll() is None:
+        now = time.monotonic()
+        if armed is None and _trained_steps(workdir) > steps0:
+            armed = now
+        if armed is not None and now - armed >= delay:
+            proc.send_signal(signal.SIGKILL)
+            return proc.wait()
+        time.sleep(0.1)
+    return proc.returncode
+
+
 def _latest_checkpoint(workdir: str) -> int | None:
     d = os.path.join(workdir, "checkpoints")
     steps = [int(n) for n in os.listdir(d) if n.isdigit()] if os.path.isdir(d) else []
@@ -144,18 +179,20 @@ def main(argv: list[str]) -> None:
         before = _latest_checkpoint(drill_dir)
         with open(os.path.join(root, f"leg{len(legs)}.log"), "w") as log:
             proc = _start(drill_dir, log)
-            delay = rng.uniform(_MIN.value, _MAX.value) if kills < _KILLS.value else None
-            try:
-                rc = proc.wait(timeout=delay)
-            except subprocess.TimeoutExpired:
-                proc.send_signal(signal.SIGKILL)
-                rc = proc.wait()
+            delay, kind = None, "to the end"
+            if kills < _KILLS.value:
+                kind = "start-up" if rng.random() < _STARTUP.value else "running"
+                delay = rng.uniform(1.0, 10.0) if kind == "start-up" else rng.uniform(0, _MAX.value)
+            rc = _wait_and_kill(proc, drill_dir, kind, delay)
+            if rc == -signal.SIGKILL:
                 kills += 1
         after = _latest_checkpoint(drill_dir)
         ok = rc in (0, -signal.SIGKILL)
         if before is not None and ok:
             resumed_ok += 1
-        legs.append({"delay_s": delay, "rc": rc, "checkpoint_before": before, "after": after})
+        legs.append(
+            {"kill": kind, "delay_s": delay, "rc": rc, "checkpoint_before": before, "after": after}
+        )
         print(f"leg {len(legs) - 1}: {legs[-1]}", file=sys.stderr, flush=True)
         if not ok:
             raise SystemExit(
