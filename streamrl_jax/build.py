@@ -203,6 +203,8 @@ def build_model(
 
 def build(cfg: ExperimentConfig, devices: list[jax.Device] | None = None) -> Components:
     """Creates every component; the caller must `close()` the result."""
+    # Datasets first: a bad file fails before any device memory or thread exists.
+    eval_set, train_set = _datasets(cfg)
     meshes = make_meshes(cfg, devices)
     logging.info(
         "meshes: train %s on %s; generation %s on %s",
@@ -259,14 +261,7 @@ def build(cfg: ExperimentConfig, devices: list[jax.Device] | None = None) -> Com
         )
         for slots in cfg.mesh.instance_slots
     ]
-    service = GenerationService(
-        gen_graphdef, published[0].params, gen_cfg, instances, engine_cfgs, version=0
-    )
-    if len(published) > 1:
-        service.update_weights([p.params for p in published], 0)
-
     d = cfg.data
-    eval_set, train_set = _datasets(cfg)
     prompts = PromptPipeline(
         train_set,
         tokenizer,
@@ -285,6 +280,12 @@ def build(cfg: ExperimentConfig, devices: list[jax.Device] | None = None) -> Com
             f"{len(too_long)} eval prompts exceed generation.max_prompt_len={g.max_prompt_len} "
             f"(e.g. {too_long[0]})"
         )
+    service = GenerationService(
+        gen_graphdef, published[0].params, gen_cfg, instances, engine_cfgs, version=0
+    )
+    if len(published) > 1:
+        service.update_weights([p.params for p in published], 0)
+
     return Components(
         meshes=meshes,
         model_cfg=model_cfg,

@@ -198,3 +198,25 @@ def test_bad_arguments_raise(tmp_path):
         jsonl.JsonlDataset(path, on_bad_row="ignore")
     with pytest.raises(ValueError, match="name must be non-empty"):
         jsonl.JsonlDataset(path, name="")
+
+
+def test_run_config_selects_jsonl_files(tmp_path):
+    # data.jsonl_path / eval_jsonl_path replace the reasoning-gym tasks in a built run;
+    # a malformed training row is an early error naming file and line (data.bad_rows).
+    from run_test import _tiny
+
+    from streamrl_jax import build as build_lib
+
+    train = _write(
+        tmp_path, [json.dumps({"question": f"{i}+1?", "answer": i + 1}) for i in range(6)]
+    )
+    evals = _write(tmp_path, [json.dumps({"question": "9+9?", "answer": 18})], name="ev.jsonl")
+    c = build_lib.build(_tiny(data__jsonl_path=str(train), data__eval_jsonl_path=str(evals)))
+    try:
+        assert len(c.prompts.dataset) == 6 and len(c.eval_prompts) == 1
+        assert c.eval_prompts[0].problem.prompt_id == "ev/1"
+    finally:
+        c.close(10)
+    bad = _write(tmp_path, ['{"question": "1+1?", "answer": 2}', "{oops"], name="bad.jsonl")
+    with pytest.raises(ValueError, match=re.escape(f"{bad}:2")):
+        build_lib.build(_tiny(data__jsonl_path=str(bad), data__eval_jsonl_path=str(evals)))
