@@ -132,6 +132,8 @@ class RunCheckpoints:
             "prompts": prompts,
             "in_flight": in_flight,
             "consumed": k * self.cfg.pipeline.prompts_per_step,
+            # The KL reference never changes: a pointer to where it is reloaded from.
+            "ref": {"init_from": self.cfg.init_from, "model_source": self.cfg.model.source},
             "config": str(self.cfg),
         }
         started = self.ckpt.save(
