@@ -13,7 +13,7 @@ trivially match.
    parameters.
 2. The drill child is started in a fresh workdir and killed with SIGKILL, then
    started again on the same workdir, K times; then it runs to the end. A
-   `--startup_share` of the kills land at a random time in the first seconds
+   every `--startup_every`-th kill lands at a random time in the first seconds
    (import, restore, compilation); the others wait until the leg has trained a
    step (so it is mid-generation, mid-accumulation or mid-checkpoint-write) and
    then a uniform random delay in [0, --max_delay] seconds.
@@ -42,13 +42,13 @@ from absl import app, flags
 
 _KILLS = flags.DEFINE_integer("kills", 10, "SIGKILLs before the run may finish.")
 _STEPS = flags.DEFINE_integer(
-    "steps", 40, "Training steps of the drilled run (enough that K kills land before the end)."
+    "steps", 60, "Training steps of the drilled run (enough that K kills land before the end)."
 )
 _MAX = flags.DEFINE_float(
-    "max_delay", 8.0, "A running leg is killed uniformly within this many seconds (s)."
+    "max_delay", 5.0, "A running leg is killed uniformly within this many seconds (s)."
 )
-_STARTUP = flags.DEFINE_float(
-    "startup_share", 0.2, "Share of kills aimed at start-up (import, restore, compile)."
+_STARTUP = flags.DEFINE_integer(
+    "startup_every", 4, "Every N-th kill is aimed at start-up (import, restore, compile)."
 )
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the kill times.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/fault_drill", "Drill directory (wiped).")
@@ -181,7 +181,7 @@ def main(argv: list[str]) -> None:
             proc = _start(drill_dir, log)
             delay, kind = None, "to the end"
             if kills < _KILLS.value:
-                kind = "start-up" if rng.random() < _STARTUP.value else "running"
+                kind = "start-up" if kills % _STARTUP.value == _STARTUP.value - 1 else "running"
                 delay = rng.uniform(1.0, 10.0) if kind == "start-up" else rng.uniform(0, _MAX.value)
             rc = _wait_and_kill(proc, drill_dir, kind, delay)
             if rc == -signal.SIGKILL:
