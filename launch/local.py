@@ -1,0 +1,153 @@
+"""Runs N processes of one command on this machine as one multi-controller program.
+
+    python launch/local.py -n 2 --generation_processes 1 [--pin] -- \
+        python -m my.entry --flag=value
+
+Each child gets the environment `streamrl_jax.distributed.roles` reads:
+STREAMRL_COORDINATOR (127.0.0.1:<free port>), STREAMRL_NUM_PROCESSES,
+STREAMRL_PROCESS_ID, STREAMRL_GENERATION_PROCESSES, STREAMRL_HOST=127.0.0.1,
+and STREAMRL_AUTHKEY (a fresh random key unless one is set already). Child
+output is streamed line by line, prefixed `[p<id> <role>]`. `--pin` runs
+child i under `taskset -c <cpu i mod #cpus>` (the honest CPU stand-in for
+separate hardware, DESIGN.md §5).
+
+If a child fails (non-zero exit or a signal), every other child gets SIGTERM
+and, after `--grace_s`, SIGKILL (JAX catches SIGTERM); the launcher exits with
+the first failing child's code (128 + signal for a signal). `--timeout_s`
+bounds the whole run (exit 124). Children that exit 0 early are left be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(i: int, n: int, generation: int, coordinator: str, authkey: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        STREAMRL_COORDINATOR=coordinator,
+        STREAMRL_NUM_PROCESSES=str(n),
+        STREAMRL_PROCESS_ID=str(i),
+        STREAMRL_GENERATION_PROCESSES=str(generation),
+        STREAMRL_HOST="127.0.0.1",
+        STREAMRL_AUTHKEY=authkey,
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def _pump(proc: subprocess.Popen, prefix: str, lock: threading.Lock) -> None:
+    for line in iter(proc.stdout.readline, b""):
+        with lock:
+            sys.stdout.write(f"{prefix} {line.decode(errors='replace')}")
+            sys.stdout.flush()
+
+
+def _exit_code(rc: int) -> int:
+    return 128 - rc if rc < 0 else rc
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM to every live child's process group, SIGKILL after `grace_s`."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        live = [p for p in procs if p.poll() is None]
+        for p in live:
+            with contextlib.suppress(ProcessLookupError):  # exited meanwhile
+                os.killpg(p.pid, sig)
+        deadline = time.monotonic() + grace_s
+        while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-n", "--num_processes", type=int, required=True)
+    parser.add_argument("-g", "--generation_processes", type=int, default=1)
+    parser.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
+    parser.add_argument("--pin", action="store_true", help="taskset each child to one core")
+    parser.add_argument("--grace_s", type=float, default=3.0)
+    parser.add_argument("--timeout_s", type=float, default=0.0, help="0: no limit")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- command and arguments")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command given (put it after --)")
+    n, g = args.num_processes, args.generation_processes
+    if n < 2 or not 1 <= g <= n - 1:
+        parser.error(f"need num_processes >= 2 and 1 <= generation_processes <= {n - 1}")
+    if args.pin and shutil.which("taskset") is None:
+        parser.error("--pin needs taskset (util-linux)")
+
+    coordinator = f"127.0.0.1:{args.port or free_port()}"
+    authkey = os.environ.get("STREAMRL_AUTHKEY") or secrets.token_hex(16)
+    cpus = sorted(os.sched_getaffinity(0))
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    for i in range(n):
+        role = "gen" if i < g else "train"
+        cmd = list(command)
+        if args.pin:
+            cmd = ["taskset", "-c", str(cpus[i % len(cpus)]), *cmd]
+        proc = subprocess.Popen(
+            cmd,
+            env=child_env(i, n, g, coordinator, authkey),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own process group: a stop reaches its children too
+        )
+        procs.append(proc)
+        pump = threading.Thread(target=_pump, args=(proc, f"[p{i} {role}]", lock), daemon=True)
+        pump.start()
+        pumps.append(pump)
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    deadline = time.monotonic() + args.timeout_s if args.timeout_s > 0 else None
+    code = 0
+    try:
+        while [p.poll() for p in procs].count(None):  # poll every child: sets returncode
+            failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode]
+            if failed:
+                i, rc = failed[0]
+                print(f"[launch] process {i} failed (rc {rc}); stopping the others", flush=True)
+                code = _exit_code(rc)
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                print(f"[launch] timeout after {args.timeout_s:.0f} s; stopping", flush=True)
+                code = 124
+                break
+            time.sleep(0.1)
+        else:
+            failed = [p.returncode for p in procs if p.returncode]
+            code = _exit_code(failed[0]) if failed else 0
+    except KeyboardInterrupt:
+        print("[launch] interrupted; stopping", flush=True)
+        code = 130
+    finally:
+        _stop(procs, args.grace_s)
+        for pump in pumps:
+            pump.join(2.0)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""Process roles of a multi-controller run: the first processes generate, the rest train.
+
+One JAX multi-controller program (`jax.distributed`, no Pathways): every
+process runs the same entry point, `initialize(DistributedConfig.from_env())`
+joins the coordination service and tells each process its role and the
+devices of each role (`jax.devices()` grouped by `d.process_index`).
+
+Environment variables (explicit arguments win, then these, then SLURM's):
+
+* `STREAMRL_COORDINATOR`: `host:port` of the coordination service (process 0
+  serves it);
+* `STREAMRL_NUM_PROCESSES`, `STREAMRL_PROCESS_ID`: the program's size and
+  this process's id;
+* `STREAMRL_GENERATION_PROCESSES`: processes `0 .. G-1` generate, the rest
+  train (default 1);
+* `STREAMRL_HEARTBEAT_TIMEOUT_S` (10), `STREAMRL_INIT_TIMEOUT_S` (120),
+  `STREAMRL_SHUTDOWN_TIMEOUT_S` (10): `jax.distributed` timeouts;
+* `STREAMRL_CPU_COLLECTIVES`: `jax_cpu_collectives_implementation` (default
+  `gloo`; `none` leaves it);
+* `STREAMRL_AUTHKEY`: shared secret of the sample and weight channels;
+* `STREAMRL_HOST`: the name other processes reach this one's servers by;
+* `STREAMRL_COORDINATOR_PORT`: the coordinator port under SLURM.
+
+Under SLURM (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_JOB_NODELIST` set) the
+process id, count and coordinator (first host of the node list, port from
+`SLURM_JOB_ID` as JAX's own SLURM detection does) come from SLURM. On Cloud
+TPU leave all three unset: `jax.distributed.initialize()` detects them.
+
+JAX's defaults wait 100 s (heartbeat) and 300 s (shutdown) before a lost
+process is reported; the short defaults here make a dead peer an error within
+seconds (DESIGN.md §5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import jax
+from absl import logging
+
+from streamrl_jax.distributed.peers import is_loopback, parse_address
+
+Role = Literal["generation", "training"]
+
+ENV_COORDINATOR = "STREAMRL_COORDINATOR"
+ENV_NUM_PROCESSES = "STREAMRL_NUM_PROCESSES"
+ENV_PROCESS_ID = "STREAMRL_PROCESS_ID"
+ENV_GENERATION_PROCESSES = "STREAMRL_GENERATION_PROCESSES"
+ENV_HEARTBEAT_TIMEOUT_S = "STREAMRL_HEARTBEAT_TIMEOUT_S"
+ENV_INIT_TIMEOUT_S = "STREAMRL_INIT_TIMEOUT_S"
+ENV_SHUTDOWN_TIMEOUT_S = "STREAMRL_SHUTDOWN_TIMEOUT_S"
+ENV_CPU_COLLECTIVES = "STREAMRL_CPU_COLLECTIVES"
+ENV_AUTHKEY = "STREAMRL_AUTHKEY"
+ENV_HOST = "STREAMRL_HOST"
+ENV_COORDINATOR_PORT = "STREAMRL_COORDINATOR_PORT"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """Where this process sits in the program; validated on construction.
+
+    Attributes:
+      coordinator_address: `host:port` of the coordination service; None with
+        `num_processes` and `process_id` None lets JAX auto-detect (TPU).
+      num_processes: processes in the program (>= 2: one of each role).
+      process_id: this process's id.
+      generation_processes: processes `0 .. G-1` have role "generation"; the
+        other `N - G` have role "training"; 1 <= G <= N - 1.
+      heartbeat_timeout_s: seconds without heartbeats after which JAX declares
+        a process dead (and the others fail instead of waiting).
+      initialization_timeout_s: seconds to wait for every process to join.
+      shutdown_timeout_s: seconds to wait for every process at shutdown.
+      cpu_collectives: `jax_cpu_collectives_implementation` to set before
+        initializing ("gloo" makes CPU cross-process collectives work); None
+        leaves it.
+      authkey: shared secret for the sample and weight channels.
+    """
+
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    generation_processes: int = 1
+    heartbeat_timeout_s: int = 10
+    initialization_timeout_s: int = 120
+    shutdown_timeout_s: int = 10
+    cpu_collectives: str | None = "gloo"
+    authkey: bytes | None = None
+
+    def __post_init__(self):
+        known = (self.coordinator_address, self.num_processes, self.process_id)
+        auto = all(v is None for v in known)
+        if not auto:
+            if self.num_processes is None or self.process_id is None:
+                raise ValueError(
+                    f"distributed: set both {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} "
+                    f"(or neither, for auto-detection); got num_processes={self.num_processes}, "
+                    f"process_id={self.process_id}"
+                )
+            if self.num_processes < 2:
+                raise ValueError(
+                    f"distributed: num_processes ({ENV_NUM_PROCESSES}) must be >= 2 (one "
+                    f"generation and one training process), got {self.num_processes}"
+                )
+            if not 0 <= self.process_id < self.num_processes:
+                raise ValueError(
+                    f"distributed: process_id ({ENV_PROCESS_ID}) must be in "
+                    f"[0, {self.num_processes - 1}], got {self.process_id}"
+                )
+            if self.coordinator_address is None:
+                raise ValueError(
+                    f"distributed: coordinator_address ({ENV_COORDINATOR}) is required with "
+                    f"num_processes={self.num_processes}"
+                )
+            parse_address(self.coordinator_address)
+            self.check_generation_processes(self.num_processes)
+        elif self.generation_processes < 1:
+            raise ValueError(
+                f"distributed: generation_processes ({ENV_GENERATION_PROCESSES}) must be >= 1, "
+                f"got {self.generation_processes}"
+            )
+        for name in ("heartbeat_timeout_s", "initialization_timeout_s", "shutdown_timeout_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"distributed: {name} must be >= 1 s, got {getattr(self, name)}")
+
+    def check_generation_processes(self, num_processes: int) -> None:
+        g = self.generation_processes
+        if not 1 <= g <= num_processes - 1:
+            raise ValueError(
+                f"distributed: generation_processes ({ENV_GENERATION_PROCESSES}) must be in "
+                f"[1, num_processes - 1] = [1, {num_processes - 1}], got {g}"
+            )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any):
+        """Reads the STREAMRL_* variables (then SLURM_*); `overrides` win over both."""
+        env = os.environ if environ is None else environ
+        kw: dict[str, Any] = {}
+        slurm = all(k in env for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_NODELIST"))
+        if slurm:
+            nodes = env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"]
+            port = env.get(ENV_COORDINATOR_PORT) or str(
+                int(env.get("SLURM_JOB_ID", "0")) % 2**12 + (65535 - 2**12 + 1)
+            )
+            kw["coordinator_address"] = f"{first_host(nodes)}:{port}"
+            kw["num_processes"] = _int(env, "SLURM_NTASKS")
+            kw["process_id"] = _int(env, "SLURM_PROCID")
+        if ENV_COORDINATOR in env:
+            kw["coordinator_address"] = env[ENV_COORDINATOR]
+        for field, var in (
+            ("num_processes", ENV_NUM_PROCESSES),
+            ("process_id", ENV_PROCESS_ID),
+            ("generation_processes", ENV_GENERATION_PROCESSES),
+            ("heartbeat_timeout_s", ENV_HEARTBEAT_TIMEOUT_S),
+            ("initialization_timeout_s", ENV_INIT_TIMEOUT_S),
+            ("shutdown_timeout_s", ENV_SHUTDOWN_TIMEOUT_S),
+        ):
+            if var in env:
+                kw[field] = _int(env, var)
+        if ENV_CPU_COLLECTIVES in env:
+            value = env[ENV_CPU_COLLECTIVES]
+            kw["cpu_collectives"] = None if value in ("", "none") else value
+        if env.get(ENV_AUTHKEY):
+            kw["authkey"] = env[ENV_AUTHKEY].encode()
+        kw.update(overrides)
+        return cls(**kw)
+
+    def role_of(self, process_id: int) -> Role:
+        return "generation" if process_id < self.generation_processes else "training"
+
+
+def _int(env: Mapping[str, str], var: str) -> int:
+    try:
+        return int(env[var])
+    except ValueError:
+        raise ValueError(f"distributed: {var}={env[var]!r} is not an integer") from None
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a SLURM node list: `node[003-005,9],gpu1` → `node003`."""
+    cut = next((i for i, ch in enumerate(nodelist) if ch in ",["), len(nodelist))
+    if cut == len(nodelist) or nodelist[cut] == ",":
+        return nodelist[:cut]
+    rest = nodelist[cut + 1 :]
+    end = next((i for i, ch in enumerate(rest) if ch in ",-]"), len(rest))
+    return nodelist[:cut] + rest[:end]
+
+
+@dataclasses.dataclass(frozen=True)
+class Roles:
+    """The role split of a started program, as seen by this process."""
+
+    role: Role  # this process's role
+    process_id: int
+    num_processes: int
+    generation_processes: tuple[int, ...]
+    training_processes: tuple[int, ...]
+    generation_devices: tuple[Any, ...]  # jax.Device of every generation process
+    training_devices: tuple[Any, ...]
+
+
+def assign_roles(
+    process_id: int, num_processes: int, generation_processes: int, devices: Sequence[Any]
+) -> Roles:
+    """Splits `devices` (e.g. `jax.devices()`) by the role of their `process_index`."""
+    cfg = DistributedConfig(generation_processes=generation_processes)
+    cfg.check_generation_processes(num_processes)
+    gen = tuple(range(generation_processes))
+    train = tuple(range(generation_processes, num_processes))
+    by_role = {
+        "generation": tuple(d for d in devices if d.process_index in gen),
+        "training": tuple(d for d in devices if d.process_index in train),
+    }
+    for pid in range(num_processes):
+        if not any(d.process_index == pid for d in devices):
+            raise ValueError(f"distributed: process {pid} has no devices")
+    return Roles(
+        role=cfg.role_of(process_id),
+        process_id=process_id,
+        num_processes=num_processes,
+        generation_processes=gen,
+        training_processes=train,
+        generation_devices=by_role["generation"],
+        training_devices=by_role["training"],
+    )
+
+
+def initialize(cfg: DistributedConfig) -> Roles:
+    """Joins the multi-controller program (`jax.distributed.initialize`) and returns the roles.
+
+    Must run before anything else touches a JAX backend.
+    """
+    if cfg.cpu_collectives:
+        jax.config.update("jax_cpu_collectives_implementation", cfg.cpu_collectives)
+    kwargs = {
+        "coordinator_address": cfg.coordinator_address,
+        "num_processes": cfg.num_processes,
+        "process_id": cfg.process_id,
+        "initialization_timeout": cfg.initialization_timeout_s,
+        "heartbeat_timeout_seconds": cfg.heartbeat_timeout_s,
+        "shutdown_timeout_seconds": cfg.shutdown_timeout_s,
+    }
+    accepted = inspect.signature(jax.distributed.initialize).parameters
+    dropped = sorted(k for k in kwargs if k not in accepted)
+    if dropped:  # another jax version: keep going, but say which timeouts are JAX's defaults
+        logging.warning("jax.distributed.initialize does not accept %s; using defaults", dropped)
+    jax.distributed.initialize(**{k: v for k, v in kwargs.items() if k in accepted})
+    cfg.check_generation_processes(jax.process_count())
+    roles = assign_roles(
+        jax.process_index(), jax.process_count(), cfg.generation_processes, jax.devices()
+    )
+    logging.info(
+        "process %d/%d: %s (%d generation, %d training devices)",
+        roles.process_id,
+        roles.num_processes,
+        roles.role,
+        len(roles.generation_devices),
+        len(roles.training_devices),
+    )
+    return roles
+
+
+def advertised_host(cfg: DistributedConfig) -> str:
+    """Host other processes use to reach this one: `STREAMRL_HOST`, else loopback when
+    the coordinator is on loopback (one machine), else `socket.gethostname()`."""
+    if os.environ.get(ENV_HOST):
+        return os.environ[ENV_HOST]
+    if cfg.coordinator_address and is_loopback(parse_address(cfg.coordinator_address)[0]):
+        return "127.0.0.1"
+    return socket.gethostname()
+
+
+def _kv_client():
+    from jax._src import distributed  # the coordination service's key-value store
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("distributed: jax.distributed is not initialized")
+    return client
+
+
+def publish(key: str, value: str) -> None:
+    """Publishes `value` (e.g. a server's `host:port`) under `key` to every process."""
+    _kv_client().key_value_set(f"streamrl/{key}", value)
+
+
+def lookup(key: str, timeout_s: float) -> str:
+    """Waits (up to `timeout_s`) for the value another process `publish`ed under `key`."""
+    try:
+        return _kv_client().blocking_key_value_get(f"streamrl/{key}", int(timeout_s * 1000))
+    except Exception as e:  # noqa: BLE001 - JAX raises a plain XlaRuntimeError on timeout
+        raise TimeoutError(
+            f"distributed: no process published {key!r} within {timeout_s:.1f} s ({e})"
+        ) from e

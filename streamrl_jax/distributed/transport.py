@@ -1,0 +1,261 @@
+"""Cross-process sample channel: generation processes → the training process.
+
+The training process runs one `SampleServer`; each generation process opens
+one `SampleClient` to it and `send`s every finished `Sample` (any picklable
+object). Connections are opened by `peers.py` (stdlib
+`multiprocessing.connection` HMAC handshake) and run by `channel.Channel`
+(framing, heartbeats, credits); see those modules for the wire format and
+the failure model.
+
+Back-pressure is credit-based and bounds memory: the server holds at most
+`capacity` samples. Each of the `num_producers` producers is granted
+`capacity // num_producers` credits; credits come back as the consumer
+takes that producer's samples (`get`; in batches of a quarter of the share,
+fewer round trips), or when `on_sample` returns in callback mode (e.g.
+`on_sample=lambda s: stream.put(s, timeout)`, which
+carries the in-process `SampleStream`'s back-pressure across the wire). A
+producer without credit blocks in `send` and raises `TransportTimeout`
+naming the server after `timeout`.
+
+Failure: a lost producer (EOF, reset, silence past `timeout_s`) makes the
+next `get` raise `PeerLost` naming it, even if other producers' samples are
+queued (fail fast, as `SampleStream` does); `on_error` is told at once. A
+lost server makes the producer's `send` raise `PeerLost`. An orderly
+`close()` is not a failure: once every producer has closed and the queue is
+drained, `get` raises `ChannelClosed`.
+
+Security: samples are pickles, which is only safe because the channel is
+authenticated (HMAC with `authkey`); a non-loopback server or client without
+an authkey is refused.
+"""
+
+from __future__ import annotations
+
+import collections
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from streamrl_jax.distributed.channel import (
+    Channel,
+    ChannelClosed,
+    TransportError,
+    TransportTimeout,
+)
+from streamrl_jax.distributed.peers import Hub, dial
+
+Address = str | tuple[str, int]
+
+
+class SampleServer:
+    """Training side: accepts `num_producers` producers, delivers their samples in arrival order."""
+
+    def __init__(
+        self,
+        address: Address,
+        *,
+        authkey: bytes | None,
+        capacity: int,
+        timeout_s: float = 60.0,
+        num_producers: int = 1,
+        heartbeat_s: float | None = None,
+        on_sample: Callable[[Any], None] | None = None,
+        on_error: Callable[[TransportError], None] | None = None,
+        name: str = "training",
+    ):
+        """Args:
+        address: `host:port` to bind (port 0: any free port; see `address`).
+        authkey: shared secret for the HMAC handshake (required off loopback).
+        capacity: most samples held here (queued, or in flight under credit).
+        timeout_s: handshake deadline and the silence after which a producer is lost.
+        num_producers: producers expected; each gets `capacity // num_producers` credits.
+        on_sample: if set, called on the connection's reader thread with each
+          sample instead of queueing it; its return gives the credit back.
+        on_error: called once per lost producer with the `PeerLost` error.
+        """
+        if num_producers < 1 or capacity < num_producers:
+            raise ValueError(
+                f"{name}: need num_producers >= 1 and capacity >= num_producers, "
+                f"got capacity={capacity}, num_producers={num_producers}"
+            )
+        self.name, self.capacity, self.num_producers = name, capacity, num_producers
+        self.timeout_s = timeout_s
+        self._share = capacity // num_producers
+        self._grant_batch = max(1, self._share // 4)
+        self._queued: dict[Channel, int] = {}  # samples in `_queue`, per producer
+        self._owed: dict[Channel, int] = {}  # credits taken but not yet returned
+        self._on_sample, self._on_error = on_sample, on_error
+        self._cv = threading.Condition()
+        self._queue: collections.deque[tuple[Any, Channel]] = collections.deque()
+        self._errors: list[TransportError] = []
+        self._ended = 0
+        self._closed = False
+        self.received = 0
+        self._hub = Hub(
+            address,
+            authkey=authkey,
+            kind="samples",
+            name=name,
+            timeout_s=timeout_s,
+            heartbeat_s=heartbeat_s,
+            max_peers=num_producers,
+            on_data=self._on_data,
+            on_lost=self._on_lost,
+            on_end=self._on_end,
+            grant=self._share,
+        )
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The bound `(host, port)` (the real port when bound to port 0)."""
+        return self._hub.address
+
+    @property
+    def rejected(self) -> list[str]:
+        """Connections refused at the handshake (wrong authkey, ...), as `remote: reason`."""
+        return self._hub.rejected
+
+    def _on_data(self, channel: Channel, payload: memoryview) -> None:
+        sample = pickle.loads(payload)  # safe only because the peer authenticated
+        if self._on_sample is not None:
+            self._on_sample(sample)
+            with self._cv:
+                self.received += 1
+            channel.grant(1)
+            return
+        with self._cv:
+            self._queue.append((sample, channel))
+            self._queued[channel] = self._queued.get(channel, 0) + 1
+            self.received += 1
+            self._cv.notify_all()
+
+    def _on_lost(self, channel: Channel, exc: TransportError) -> None:
+        with self._cv:
+            self._errors.append(exc)
+            self._cv.notify_all()
+        if self._on_error is not None:
+            self._on_error(exc)
+
+    def _on_end(self, channel: Channel) -> None:
+        with self._cv:
+            self._ended += 1
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------ consumer
+    def wait_for_producers(self, timeout: float) -> list[str]:
+        """Blocks until all `num_producers` have connected; returns their names."""
+        return self._hub.wait_for_peers(timeout)
+
+    def get(self, timeout: float) -> Any:
+        """Next sample in arrival order.
+
+        Raises:
+          PeerLost: a producer was lost (named), even if samples are queued.
+          ChannelClosed: every producer closed in order and the queue is empty.
+          TransportTimeout: nothing arrived within `timeout` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                if self._errors:
+                    raise self._errors[0]
+                if self._queue:
+                    sample, channel = self._queue.popleft()
+                    give = self._owe(channel)
+                    break
+                if self._closed or self._ended >= self.num_producers:
+                    raise ChannelClosed(f"{self.name}: all producers closed ({self._hub.names()})")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransportTimeout(
+                        f"{self.name}: no sample within {timeout:.1f} s from "
+                        f"{len(self._hub.channels)}/{self.num_producers} producers "
+                        f"({self._hub.names()})"
+                    )
+                self._cv.wait(remaining)
+        if give:
+            channel.grant(give)
+        return sample
+
+    def _owe(self, channel: Channel) -> int:
+        """Credits to return now for one taken sample (under the lock).
+
+        Credits go back in batches of `share // 4` (fewer round trips), and at
+        once when the queue holds nothing more of this producer's: a producer
+        out of credit then always has something queued for the consumer to
+        take, so batching cannot deadlock it.
+        """
+        self._queued[channel] -= 1
+        owed = self._owed.get(channel, 0) + 1
+        if owed >= self._grant_batch or self._queued[channel] == 0:
+            self._owed[channel] = 0
+            return owed
+        self._owed[channel] = owed
+        return 0
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stops accepting and closes every producer connection in order."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._hub.close(timeout)
+
+    def __enter__(self) -> SampleServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class SampleClient:
+    """Generation side: one connection to the `SampleServer`, `send` with credit back-pressure."""
+
+    def __init__(
+        self,
+        address: Address,
+        *,
+        authkey: bytes | None,
+        timeout_s: float = 60.0,
+        heartbeat_s: float | None = None,
+        name: str = "generation",
+    ):
+        """Connects (retrying until `timeout_s` while the server starts) and authenticates."""
+        self.name, self.timeout_s = name, timeout_s
+        self._channel = dial(
+            address,
+            authkey=authkey,
+            kind="samples",
+            name=name,
+            timeout_s=timeout_s,
+            heartbeat_s=heartbeat_s,
+        )
+
+    @property
+    def credits(self) -> int:
+        return self._channel.credits
+
+    @property
+    def error(self) -> TransportError | None:
+        return self._channel.error
+
+    def send(self, sample: Any, timeout: float | None = None) -> None:
+        """Sends one picklable object; blocks (up to `timeout`, default `timeout_s`) for credit.
+
+        Raises:
+          TransportTimeout: the server granted no credit in time (names it).
+          PeerLost / ChannelClosed: the server is gone or the channel closed.
+        """
+        payload = pickle.dumps(sample, protocol=pickle.HIGHEST_PROTOCOL)
+        self._channel.send(payload, timeout=self.timeout_s if timeout is None else timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Orderly close: the server sees this producer finish, not fail."""
+        self._channel.close(timeout)
+
+    def __enter__(self) -> SampleClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,448 @@
+"""Multi-controller building blocks across real processes (CPU, localhost).
+
+Children are separate Python processes (`subprocess`), killed with SIGKILL
+where a test needs a lost peer; every wait has a deadline so a broken
+transport fails the test instead of hanging it.
+"""
+
+import dataclasses
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from streamrl_jax.distributed import roles, weights
+from streamrl_jax.distributed.channel import (
+    AuthenticationFailed,
+    ChannelClosed,
+    PeerLost,
+)
+from streamrl_jax.distributed.transport import SampleClient, SampleServer
+from streamrl_jax.generation.types import Sample, Timings
+from streamrl_jax.stream.sample_stream import SampleStream
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+KEY = b"test-key"
+# Children import this module (for make_samples / make_params) and the package.
+_PRELUDE = f"""
+import sys
+sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
+"""
+
+
+def make_samples(n: int) -> list[Sample]:
+    rng = np.random.default_rng(0)
+    return [
+        Sample(
+            request_id=f"req-{i}",
+            prompt=rng.integers(0, 49152, 24, dtype=np.int32),
+            response=rng.integers(0, 49152, 200, dtype=np.int32),
+            logprobs=rng.standard_normal(200).astype(np.float32),
+            sampling_logprobs=rng.standard_normal(200).astype(np.float32),
+            finish_reason="stop" if i % 2 else "length",
+            policy_version=i,
+            last_policy_version=i + 1,
+            instance_id=i % 3,
+            timings=Timings(enqueue=1.5 * i, admit=2.5 * i, finish=3.5 * i),
+            metadata={"group": i // 4, "answer": "42"},
+        )
+        for i in range(n)
+    ]
+
+
+def make_params() -> dict:
+    rng = np.random.default_rng(1)
+    return {
+        "embed": rng.standard_normal((64, 16)).astype(jnp.bfloat16),
+        "layers": [
+            {"w": rng.standard_normal((16, 8)).astype(np.float32), "b": np.float32(np.nan)},
+            {"w": rng.standard_normal((16, 8)).astype(np.float32), "b": np.float32(-0.0)},
+        ],
+        "step": np.int32(7),
+    }
+
+
+def _addr(server) -> str:
+    host, port = server.address
+    return f"{host}:{port}"
+
+
+def _spawn(code: str, *args: str) -> subprocess.Popen:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", JAX_PLATFORMS="cpu")
+    return subprocess.Popen(
+        [sys.executable, "-c", _PRELUDE + textwrap.dedent(code), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _readline(proc: subprocess.Popen, timeout: float) -> str:
+    """The child's next stdout line; fails (with its stderr) on EOF or timeout."""
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not out or not out[0]:
+        proc.kill()
+        pytest.fail(f"child gave no line within {timeout} s; stderr:\n{proc.stderr.read()}")
+    return out[0].strip()
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 30) -> str:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"child failed (rc {proc.returncode}):\n{err}"
+    return out
+
+
+@pytest.fixture
+def children():
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(5)
+
+
+def _same_sample(a: Sample, b: Sample) -> None:
+    for field in dataclasses.fields(Sample):
+        x, y = getattr(a, field.name), getattr(b, field.name)
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and np.array_equal(x, y), field.name
+        else:
+            assert x == y, field.name
+
+
+_PRODUCER = """
+from distributed_transport_test import make_samples
+from streamrl_jax.distributed.transport import SampleClient
+client = SampleClient(sys.argv[1], authkey=b"test-key", timeout_s=10, name="generation-3")
+for s in make_samples(int(sys.argv[2])):
+    client.send(s)
+client.close()
+"""
+
+
+def test_samples_round_trip_exactly(children):
+    with SampleServer("127.0.0.1:0", authkey=KEY, capacity=4, timeout_s=10) as server:
+        children.append(_spawn(_PRODUCER, _addr(server), "10"))
+        got = [server.get(timeout=30) for _ in range(10)]
+        with pytest.raises(ChannelClosed, match="all producers closed"):
+            server.get(timeout=10)
+        _finish(children[0])
+    for a, b in zip(got, make_samples(10), strict=True):
+        _same_sample(a, b)
+    assert server.received == 10
+
+
+_BLOCKED_PRODUCER = """
+from streamrl_jax.distributed.transport import SampleClient
+from streamrl_jax.distributed.channel import TransportTimeout
+client = SampleClient(sys.argv[1], authkey=b"test-key", timeout_s=10, name="generation-0")
+for i in range(2):
+    client.send(i, timeout=5)
+print("sent 2", flush=True)
+try:
+    client.send(2, timeout=0.5)
+except TransportTimeout as e:
+    print(e, flush=True)
+"""
+
+
+def test_producer_without_credit_times_out_naming_the_consumer(children):
+    with SampleServer("127.0.0.1:0", authkey=KEY, capacity=2, timeout_s=10) as server:
+        children.append(_spawn(_BLOCKED_PRODUCER, _addr(server)))
+        assert _readline(children[0], 30) == "sent 2"
+        message = _readline(children[0], 10)
+        assert f"no credit from training ({_addr(server)})" in message, message
+        assert [server.get(timeout=5), server.get(timeout=5)] == [0, 1]  # nothing was lost
+
+
+def test_wrong_authkey_is_rejected_and_server_keeps_serving():
+    with SampleServer("127.0.0.1:0", authkey=KEY, capacity=2, timeout_s=5) as server:
+        with pytest.raises(AuthenticationFailed, match="samples server 127.0.0.1"):
+            SampleClient(server.address, authkey=b"wrong", timeout_s=5)
+        with pytest.raises(AuthenticationFailed, match="requires an authkey"):
+            SampleClient(server.address, authkey=None, timeout_s=5)
+        with SampleClient(server.address, authkey=KEY, timeout_s=5) as client:
+            client.send("ok")
+            assert server.get(timeout=5) == "ok"
+        assert len(server.rejected) == 2
+
+
+def test_on_sample_feeds_a_sample_stream_with_its_back_pressure():
+    stream = SampleStream(group_size=2, group_key=lambda s: s["group"], capacity=2)
+    with (
+        SampleServer(
+            "127.0.0.1:0",
+            authkey=KEY,
+            capacity=8,
+            timeout_s=5,
+            on_sample=lambda s: stream.put(s, timeout=5),
+        ) as server,
+        SampleClient(server.address, authkey=KEY, timeout_s=5) as client,
+    ):
+        for i in range(4):
+            client.send({"group": i // 2, "i": i})
+        first = stream.get_groups(timeout=5)  # frees the room group 1 waits for
+        second = stream.get_groups(timeout=5)
+    assert [[s["i"] for s in g] for g in first + second] == [[0, 1], [2, 3]]
+    assert len(first) == 1 and stream.metrics.max_ready_depth == 1  # capacity held
+    assert server.received == 4
+
+
+def test_non_loopback_without_authkey_is_refused():
+    with pytest.raises(ValueError, match="non-loopback host '0.0.0.0' without an authkey"):
+        SampleServer("0.0.0.0:0", authkey=None, capacity=1)
+    with pytest.raises(ValueError, match="without an authkey"):
+        SampleClient("10.1.2.3:9", authkey=None, timeout_s=1)
+
+
+_SLEEPY_PRODUCER = """
+import time
+from streamrl_jax.distributed.transport import SampleClient
+client = SampleClient(sys.argv[1], authkey=b"test-key", timeout_s=float(sys.argv[2]),
+                      heartbeat_s=0.2, name="generation-7")
+client.send("first")
+print("sent", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
+def test_lost_producer_is_reported_by_name(children, how):
+    """SIGKILL: EOF on the socket. SIGSTOP: the process lives but its heartbeats stop."""
+    with SampleServer(
+        "127.0.0.1:0", authkey=KEY, capacity=4, timeout_s=1.5, heartbeat_s=0.2
+    ) as server:
+        children.append(_spawn(_SLEEPY_PRODUCER, _addr(server), "1.5"))
+        assert _readline(children[0], 30) == "sent"
+        assert server.get(timeout=10) == "first"
+        os.kill(children[0].pid, how)
+        t0 = time.monotonic()
+        with pytest.raises(PeerLost, match=r"lost generation-7 \(127\.0\.0\.1:") as err:
+            server.get(timeout=20)
+        assert time.monotonic() - t0 < 15  # bounded (generous: a loaded 2-core machine)
+        if how == signal.SIGSTOP:
+            assert "no message or heartbeat" in str(err.value)
+        children[0].kill()
+
+
+_SLEEPY_CONSUMER = """
+import time
+from streamrl_jax.distributed.transport import SampleServer
+server = SampleServer("127.0.0.1:0", authkey=b"test-key", capacity=64, timeout_s=10)
+print("%s:%d" % server.address, flush=True)
+time.sleep(600)
+"""
+
+
+def test_lost_consumer_is_reported_by_name(children):
+    children.append(_spawn(_SLEEPY_CONSUMER))
+    address = _readline(children[0], 30)
+    client = SampleClient(address, authkey=KEY, timeout_s=10, name="generation-1")
+    client.send("x")
+    os.kill(children[0].pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(PeerLost, match=rf"lost training \({address}\)"):
+        while time.monotonic() - t0 < 15:
+            client.send("x", timeout=1)
+            time.sleep(0.05)
+    client.close(timeout=1)
+
+
+_WEIGHT_SENDER = """
+import jax
+from distributed_transport_test import make_params
+from streamrl_jax.distributed.weights import WeightSender
+sender = WeightSender("127.0.0.1:0", authkey=b"test-key", timeout_s=20)
+print("%s:%d" % sender.address, flush=True)
+params = jax.tree.map(jax.numpy.asarray, make_params())
+stats = sender.send(params, version=3, wait_ack=True)
+print(stats.bytes, flush=True)
+sender.close()
+"""
+
+
+def test_weights_round_trip_bit_exactly_into_target_shardings(children):
+    children.append(_spawn(_WEIGHT_SENDER))
+    receiver = weights.WeightReceiver(_readline(children[0], 60), authkey=KEY, timeout_s=20)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "tp"))
+    replicated = NamedSharding(mesh, P())
+    shardings = jax.tree.map(lambda _: replicated, make_params())
+    shardings["embed"] = NamedSharding(mesh, P("data", "tp"))  # resharded on arrival
+    params, version, stats = receiver.receive(shardings, timeout=60)
+    assert version == 3 and stats.bytes == int(_readline(children[0], 30))
+    expected = make_params()
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(expected), strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert np.asarray(got).tobytes() == np.asarray(want).tobytes()  # NaN and -0.0 too
+    assert params["embed"].sharding == shardings["embed"]
+    _finish(children[0])
+    with pytest.raises(ChannelClosed):
+        receiver.receive(shardings, timeout=10)
+    receiver.close(timeout=1)
+
+
+def test_weight_checksum_detects_corruption():
+    header, arrays = weights.pack(make_params(), version=5)
+    weights.verify(header, arrays)
+    arrays[2] = arrays[2].copy()
+    arrays[2].reshape(-1).view(np.uint8)[3] ^= 1  # one flipped bit
+    with pytest.raises(weights.ChecksumError, match=r"version 5: leaf \['layers'\]\[0\]\['w'\]"):
+        weights.verify(header, arrays)
+
+
+def test_weight_tree_mismatch_names_the_leaf():
+    header, arrays = weights.pack(make_params(), version=1)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    wrong = jax.tree.map(lambda _: sharding, make_params())
+    wrong["embedding"] = wrong.pop("embed")
+    with pytest.raises(ValueError, match=r"tree mismatch at leaf 0: target \['embedding'\]"):
+        weights.place(header, arrays, wrong)
+    params = weights.place(header, arrays, sharding)  # one sharding: the sender's structure
+    assert jax.tree.structure(params) == jax.tree.structure(make_params())
+
+
+# ---------------------------------------------------------------------- roles
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(coordinator_address="h:1", num_processes=2, process_id=2), r"process_id .* \[0, 1\]"),
+        (
+            dict(coordinator_address="h:1", num_processes=3, process_id=0, generation_processes=3),
+            r"generation_processes .* \[1, 2\], got 3",
+        ),
+        (
+            dict(coordinator_address="h:1", num_processes=3, process_id=0, generation_processes=0),
+            r"got 0",
+        ),
+        (dict(num_processes=2, process_id=0), "coordinator_address"),
+        (dict(coordinator_address="h:1", num_processes=2), "set both"),
+        (dict(coordinator_address="h:1", num_processes=1, process_id=0), ">= 2"),
+        (dict(coordinator_address="nohostport", num_processes=2, process_id=0), "host:port"),
+        (dict(heartbeat_timeout_s=0), "heartbeat_timeout_s"),
+    ],
+)
+def test_distributed_config_rejects_inconsistent_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        roles.DistributedConfig(**kwargs)
+
+
+def test_distributed_config_from_env_and_slurm():
+    cfg = roles.DistributedConfig.from_env(
+        {
+            "STREAMRL_COORDINATOR": "10.0.0.1:1234",
+            "STREAMRL_NUM_PROCESSES": "4",
+            "STREAMRL_PROCESS_ID": "3",
+            "STREAMRL_GENERATION_PROCESSES": "2",
+            "STREAMRL_AUTHKEY": "k",
+            "STREAMRL_CPU_COLLECTIVES": "none",
+        }
+    )
+    assert (cfg.coordinator_address, cfg.num_processes, cfg.process_id) == ("10.0.0.1:1234", 4, 3)
+    assert cfg.role_of(1) == "generation" and cfg.role_of(2) == "training"
+    assert cfg.authkey == b"k" and cfg.cpu_collectives is None
+    slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "3", "SLURM_JOB_NODELIST": "gpu-n[07-09,12]"}
+    cfg = roles.DistributedConfig.from_env({**slurm, "SLURM_JOB_ID": "4097"})
+    assert (cfg.coordinator_address, cfg.num_processes, cfg.process_id) == ("gpu-n07:61441", 3, 1)
+    assert roles.DistributedConfig.from_env({}).num_processes is None  # TPU: JAX detects
+    with pytest.raises(ValueError, match="STREAMRL_PROCESS_ID='x' is not an integer"):
+        roles.DistributedConfig.from_env({**slurm, "STREAMRL_PROCESS_ID": "x"})
+    assert roles.first_host("a1,b2") == "a1" and roles.first_host("n[3,5-6]") == "n3"
+
+
+def test_assign_roles_groups_devices_by_process():
+    Dev = dataclasses.make_dataclass("Dev", ["id", "process_index"])
+    devices = [Dev(i, i // 2) for i in range(6)]
+    r = roles.assign_roles(2, 3, 1, devices)
+    assert r.role == "training" and r.training_processes == (1, 2)
+    assert [d.id for d in r.generation_devices] == [0, 1]
+    assert [d.id for d in r.training_devices] == [2, 3, 4, 5]
+    with pytest.raises(ValueError, match="process 3 has no devices"):
+        roles.assign_roles(0, 4, 1, devices)
+
+
+# ---------------------------------------------------------------------- launch
+_WORKER = """
+import json
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from streamrl_jax.distributed import roles
+from streamrl_jax.distributed.transport import SampleClient, SampleServer
+
+cfg = roles.DistributedConfig.from_env()
+r = roles.initialize(cfg)
+mesh = Mesh(np.array(jax.devices()), ("x",))
+local = np.full((2,), r.process_id + 1, np.float32)
+x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), local)
+total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(x)  # gloo all-reduce
+got = None
+if r.role == "training":
+    address = "%s:0" % roles.advertised_host(cfg)
+    with SampleServer(address, authkey=cfg.authkey, capacity=2, timeout_s=30) as server:
+        roles.publish("samples", "%s:%d" % server.address)
+        got = [server.get(timeout=30) for _ in range(3)]
+else:
+    with SampleClient(roles.lookup("samples", 30), authkey=cfg.authkey, timeout_s=30) as c:
+        for i in range(3):
+            c.send(i)
+print("RESULT", json.dumps({"pid": r.process_id, "role": r.role, "sum": float(total),
+      "gen": len(r.generation_devices), "train": len(r.training_devices), "got": got}))
+jax.distributed.shutdown()
+"""
+
+
+def _launch(tmp_path, script: str, *flags: str) -> subprocess.CompletedProcess:
+    path = tmp_path / "worker.py"
+    path.write_text(_PRELUDE + textwrap.dedent(script))
+    cmd = [sys.executable, str(REPO / "launch" / "local.py"), *flags, "--timeout_s", "120"]
+    return subprocess.run(
+        [*cmd, "--", sys.executable, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", JAX_PLATFORMS="cpu"),
+    )
+
+
+def test_launch_local_two_processes_roles_psum_and_samples(tmp_path):
+    run = _launch(tmp_path, _WORKER, "-n", "2")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = sorted(line for line in run.stdout.splitlines() if "RESULT" in line)
+    assert len(results) == 2, run.stdout[-3000:]
+    gen, train = (line.split("RESULT ", 1)[1] for line in results)
+    assert gen.startswith('{"pid": 0, "role": "generation", "sum": 6.0, "gen": 2, "train": 2')
+    assert train.startswith('{"pid": 1, "role": "training", "sum": 6.0')
+    assert train.endswith('"got": [0, 1, 2]}')
+    assert results[0].startswith("[p0 gen] RESULT") and results[1].startswith("[p1 train] RESULT")
+
+
+def test_launch_local_stops_everyone_when_one_fails(tmp_path):
+    script = """
+    import os, time
+    if os.environ["STREAMRL_PROCESS_ID"] == "2":
+        raise SystemExit(3)
+    time.sleep(100)
+    """
+    t0 = time.monotonic()
+    run = _launch(tmp_path, script, "-n", "3", "-g", "2", "--grace_s", "1")
+    assert run.returncode == 3, run.stdout
+    assert "process 2 failed (rc 3)" in run.stdout
+    assert time.monotonic() - t0 < 60
