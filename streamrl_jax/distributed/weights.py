@@ -32,6 +32,7 @@ authenticated (see `channel.py`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import pickle
 import threading
@@ -90,8 +91,8 @@ class TransferStats:
     bytes: int  # payload bytes (per receiver)
     seconds: float  # sender: device_get → sent (→ acknowledged with wait_ack); receiver: below
     pack_s: float = 0.0  # sender: device_get + checksums
-    wire_s: float = 0.0  # receiver: header arrival → last byte
-    verify_s: float = 0.0  # receiver: checksums
+    wire_s: float = 0.0  # receiver: header arrival → last byte checksummed (overlapped)
+    verify_s: float = 0.0  # receiver: comparing the checksums
     place_s: float = 0.0  # receiver: device_put into the target shardings, until ready
 
     @property
@@ -139,10 +140,19 @@ def pack(params: Any, version: int) -> tuple[WeightHeader, list[np.ndarray]]:
     return WeightHeader(version, leaves, treedef), arrays
 
 
-def verify(header: WeightHeader, arrays: list[np.ndarray], source: str = "sender") -> None:
-    """Raises `ChecksumError` naming the first leaf whose bytes do not match the header."""
-    for spec, a in zip(header.leaves, arrays, strict=True):
-        crc = zlib.crc32(_bytes_of(a))
+def verify(
+    header: WeightHeader,
+    arrays: list[np.ndarray],
+    source: str = "sender",
+    crcs: list[int] | None = None,
+) -> None:
+    """Raises `ChecksumError` naming the first leaf whose bytes do not match the header.
+
+    `crcs`: the arrays' crc32s if already computed (the receiver computes them
+    while the next leaf is still arriving).
+    """
+    crcs = crcs or [zlib.crc32(_bytes_of(a)) for a in arrays]
+    for spec, a, crc in zip(header.leaves, arrays, crcs, strict=True):
         if crc != spec.crc32 or a.shape != tuple(spec.shape):
             raise ChecksumError(
                 f"weights from {source}, version {header.version}: leaf {spec.path} is "
@@ -271,7 +281,7 @@ class WeightReceiver:
     ):
         self.name, self.timeout_s = name, timeout_s
         self._cv = threading.Condition()
-        self._pending: tuple[WeightHeader, list[np.ndarray], float, float] | None = None
+        self._pending: tuple[WeightHeader, list[np.ndarray], list[int], float] | None = None
         self._channel = dial(
             address,
             authkey=authkey,
@@ -293,10 +303,16 @@ class WeightReceiver:
         t0 = time.perf_counter()
         header: WeightHeader = pickle.loads(payload)  # safe only because the peer authenticated
         arrays = [empty_aligned(leaf.shape, leaf.dtype) for leaf in header.leaves]
-        for a in arrays:
-            channel.recv_raw_into(_bytes_of(a))
+        # Checksum leaf i on a helper thread while leaf i+1 arrives (zlib and
+        # recv both release the GIL).
+        with concurrent.futures.ThreadPoolExecutor(1, f"{self.name}-crc") as pool:
+            futures = []
+            for a in arrays:
+                channel.recv_raw_into(_bytes_of(a))
+                futures.append(pool.submit(zlib.crc32, _bytes_of(a)))
+            crcs = [f.result() for f in futures]
         with self._cv:
-            self._pending = (header, arrays, t0, time.perf_counter() - t0)
+            self._pending = (header, arrays, crcs, time.perf_counter() - t0)
             self._cv.notify_all()
 
     def receive(
@@ -330,10 +346,10 @@ class WeightReceiver:
                 raise TransportTimeout(
                     f"{self.name}: no weights from {self._channel.peer} within {timeout:.1f} s"
                 )
-            header, arrays, t0, wire_s = self._pending
+            header, arrays, crcs, wire_s = self._pending
             self._pending = None
         t1 = time.perf_counter()
-        verify(header, arrays, self._channel.peer)
+        verify(header, arrays, self._channel.peer, crcs)
         t2 = time.perf_counter()
         params = place(header, arrays, shardings)
         t3 = time.perf_counter()
