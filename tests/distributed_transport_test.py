@@ -226,9 +226,9 @@ time.sleep(600)
 def test_lost_producer_is_reported_by_name(children, how):
     """SIGKILL: EOF on the socket. SIGSTOP: the process lives but its heartbeats stop."""
     with SampleServer(
-        "127.0.0.1:0", authkey=KEY, capacity=4, timeout_s=1.5, heartbeat_s=0.2
+        "127.0.0.1:0", authkey=KEY, capacity=4, timeout_s=3.0, heartbeat_s=0.2
     ) as server:
-        children.append(_spawn(_SLEEPY_PRODUCER, _addr(server), "1.5"))
+        children.append(_spawn(_SLEEPY_PRODUCER, _addr(server), "3.0"))
         assert _readline(children[0], 30) == "sent"
         assert server.get(timeout=10) == "first"
         os.kill(children[0].pid, how)
