@@ -40,6 +40,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -224,6 +225,7 @@ def main(argv: list[str]) -> None:
     for mode in _MODES.value:
         cfg = _config(mode, steps)
         workdir = os.path.join(_WORKDIR.value, mode)
+        shutil.rmtree(workdir, ignore_errors=True)  # logs append; a checkpoint would resume
         result = run_lib.run(cfg, workdir, reward_fn=no_reward)
         rows = result.steps[1:]  # the first step includes compilation
         n = cfg.pipeline.prompts_per_step * cfg.pipeline.group_size

@@ -1,6 +1,6 @@
 """Measured stage profiles -> predicted samples/s per mode (validation against real runs).
 
-A profile is a JSON file written by a benchmark (`tools/bench_pipeline.py`, pending) that
+A profile is a JSON file written by a benchmark (`tools/bench_pipeline.py`) that
 measured each stage alone; `predict(profile)` feeds those times to the same schedules as
 the roofline simulation, so its prediction can be compared with the samples/s the
 benchmark measured for each mode. Format (documented with an example in
