@@ -119,7 +119,7 @@ class DataSection:
     jsonl_path: str = ""  # a JSONL file of {"question", "answer"} rows instead of `tasks`
     eval_jsonl_path: str = ""  # held-out JSONL problems (required with jsonl_path)
     bad_rows: str = "error"  # JSONL rows that do not parse: "error" | "skip" (counted)
-    overlong_prompts: str = "drop"  # prompts over generation.max_prompt_len: "drop" | "error"
+    overlong_prompts: str = "drop"  # over generation.max_prompt_len: drop | error | truncate
     reward_errors: str = "raise"  # a reward function exception: "raise" (end the run) | "zero"
 
 
@@ -247,7 +247,7 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     for name, value, allowed in (
         ("pipeline.nonfinite", p.nonfinite, ("skip", "stop")),
         ("data.bad_rows", cfg.data.bad_rows, ("error", "skip")),
-        ("data.overlong_prompts", cfg.data.overlong_prompts, ("drop", "error")),
+        ("data.overlong_prompts", cfg.data.overlong_prompts, ("drop", "error", "truncate")),
         ("data.reward_errors", cfg.data.reward_errors, ("raise", "zero")),
     ):
         _require(value in allowed, f"{name}={value!r}; expected one of {allowed}")

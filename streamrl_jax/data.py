@@ -7,7 +7,9 @@ saved with checkpoints so a resumed run continues with the next prompt.
 
 A prompt longer than `max_prompt_len` tokens is an error by default (it would
 otherwise fail deep in the engine); with `overlong="drop"` it is skipped and
-counted in `dropped_overlong`, never silently.
+counted in `dropped_overlong`, with `"truncate"` its start is cut (left truncation
+keeps the assistant header the model continues from) and it is counted in
+`truncated_overlong`; never silently.
 
 `make_requests` turns one global batch of prompts into `group_size` sampled
 requests each, with deterministic per-sample seeds and the bookkeeping the
@@ -58,14 +60,15 @@ class PromptPipeline:
         overlong: str = "error",
         system_prompt: str = "",
     ):
-        if overlong not in ("error", "drop"):
-            raise ValueError(f"overlong={overlong!r}; expected 'error' or 'drop'")
+        if overlong not in ("error", "drop", "truncate"):
+            raise ValueError(f"overlong={overlong!r}; expected 'error', 'drop' or 'truncate'")
         if len(dataset) == 0:
             raise ValueError("prompt dataset is empty")
         self.dataset = dataset
         self.max_prompt_len = max_prompt_len
         self.overlong = overlong
         self.dropped_overlong = 0
+        self.truncated_overlong = 0
         self.consumed = 0
         ds = grain.MapDataset.range(len(dataset)).shuffle(seed=seed).repeat()
         ds = ds.map(lambda i: tokenize(dataset[int(i)], tokenizer, system_prompt))
@@ -83,8 +86,16 @@ class PromptPipeline:
                         f"over generation.max_prompt_len={self.max_prompt_len} "
                         f"(raise the limit, or drop long prompts)"
                     )
-                self.dropped_overlong += 1
-                continue
+                if self.overlong == "truncate":
+                    # Left truncation: the end of a chat prompt (the assistant header the
+                    # model continues from) is kept; the start of the question is cut.
+                    prompt = dataclasses.replace(
+                        prompt, tokens=prompt.tokens[-self.max_prompt_len :]
+                    )
+                    self.truncated_overlong += 1
+                else:
+                    self.dropped_overlong += 1
+                    continue
             out.append(prompt)
         self.consumed += n
         return out
@@ -93,12 +104,14 @@ class PromptPipeline:
         return {
             "iterator": self._iter.get_state(),
             "dropped_overlong": self.dropped_overlong,
+            "truncated_overlong": self.truncated_overlong,
             "consumed": self.consumed,
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._iter.set_state(state["iterator"])
         self.dropped_overlong = int(state["dropped_overlong"])
+        self.truncated_overlong = int(state.get("truncated_overlong", 0))
         self.consumed = int(state["consumed"])
 
 

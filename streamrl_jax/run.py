@@ -430,7 +430,18 @@ class _Run:
         return dev
 
     def _publish(self, version: int) -> float:
-        """Sends W_version to generation; background in stream_async. Returns sync seconds."""
+        """Sends W_version to generation; background in stream_async. Returns sync seconds.
+
+        Raises:
+          PipelineError("weight sync"): this transfer (or, in stream_async, the previous
+            background one) failed.
+        """
+        try:
+            return self._publish_unchecked(version)
+        except Exception as e:
+            raise PipelineError("weight sync", e) from e
+
+    def _publish_unchecked(self, version: int) -> float:
         ws, params = self.c.weight_sync, self.c.state.params
         if self.sched.mode == "stream_async":
             if ws.in_flight:
@@ -535,6 +546,7 @@ class _Run:
                 "staleness": _mean([b - v for v in stats["versions"]]),
                 "dropped_stale": float(self.gate.dropped),
                 "dropped_overlong": float(self.c.prompts.dropped_overlong),
+                "truncated_overlong": float(self.c.prompts.truncated_overlong),
                 "queue_depth": float(self.stream.depth()["ready_samples"]),
                 "step_s": wall,
                 "train_busy": train_busy / wall,
@@ -676,7 +688,7 @@ class _Run:
                 self._flush_pending()
                 self._best_effort_checkpoint(raise_errors=True)
             except BaseException as e:
-                self.fail("trainer", e)
+                self.fail(e.component if isinstance(e, PipelineError) else "trainer", e)
                 self._best_effort_checkpoint()
                 raise
             if self.c.weight_sync.in_flight:

@@ -52,6 +52,13 @@ def test_overlong_prompts_error_or_are_counted(dataset, tokenizer):
     pipe = PromptPipeline(dataset, tokenizer, max_prompt_len=limit, seed=0, overlong="drop")
     kept = pipe.next_prompts(3)
     assert all(len(p.tokens) <= limit for p in kept) and pipe.dropped_overlong >= 1
+    full = PromptPipeline(dataset, tokenizer, max_prompt_len=999, seed=0).next_prompts(6)
+    pipe = PromptPipeline(dataset, tokenizer, max_prompt_len=limit, seed=0, overlong="truncate")
+    cut = pipe.next_prompts(6)
+    assert [p.problem.prompt_id for p in cut] == [p.problem.prompt_id for p in full]
+    assert pipe.truncated_overlong == sum(len(p.tokens) > limit for p in full) >= 1
+    for whole, short in zip(full, cut, strict=True):  # left truncation keeps the end
+        assert short.tokens == whole.tokens[-limit:]
 
 
 def test_requests_groups_and_seeds(dataset, tokenizer):

@@ -19,7 +19,9 @@ exactly once.
 import collections
 import dataclasses
 import os
+import signal
 import threading
+import time
 from unittest import mock
 
 import jax
@@ -120,9 +122,10 @@ def test_resume_after_three_stops_gives_the_reference_parameters(reference, tmp_
 
     with (
         mock.patch.object(WeightSync, "start", start),
-        pytest.raises(RuntimeError, match="weight sync died"),
+        pytest.raises(run_lib.PipelineError, match="weight sync died") as info,
     ):
         run_lib.run(cfg, workdir, reward_fn=vowel_reward)
+    assert info.value.component == "weight sync"
     assert not _pipeline_threads()
 
     # Resume to the end.
@@ -175,3 +178,39 @@ def test_resume_with_another_mode_is_refused(reference, tmp_path):
     _, ref_dir = reference
     with pytest.raises(ValueError, match="mode='stream_async', this run has mode='stream_sync'"):
         run_lib.run(_cfg(pipeline__mode="stream_sync"), ref_dir, reward_fn=vowel_reward)
+
+
+def test_sigterm_saves_the_last_boundary_and_the_resume_is_exact(reference, tmp_path):
+    ref, _ = reference
+    workdir = str(tmp_path)
+    consumed = os.path.join(workdir, CONSUMED)
+
+    def terminate_after_two_steps():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if os.path.exists(consumed) and len(read_consumed(consumed)) >= 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=terminate_after_two_steps, daemon=True)
+    killer.start()
+    stopped = run_lib.run(_cfg(), workdir, reward_fn=vowel_reward)
+    killer.join(5)
+    assert stopped.stopped and not _pipeline_threads()
+    assert 2 <= len(stopped.steps) < STEPS and stopped.checkpoints[-1] == len(stopped.steps)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler uninstalled
+    result = run_lib.run(_cfg(), workdir, reward_fn=vowel_reward)
+    assert result.start_batch == len(stopped.steps) and not result.stopped
+    for a, b in zip(_params(result), _params(ref), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_checkpoint_write_failure_names_the_writer(tmp_path):
+    with (
+        mock.patch.object(ckpt_lib.Checkpointer, "save", side_effect=OSError("disk full")),
+        pytest.raises(run_lib.PipelineError, match="disk full") as info,
+    ):
+        run_lib.run(_cfg(pipeline__steps=2), str(tmp_path), reward_fn=vowel_reward)
+    assert info.value.component == "checkpoint writer"
+    assert not _pipeline_threads()
