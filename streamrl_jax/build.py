@@ -6,12 +6,20 @@ instance meshes with weights moved there by `WeightSync`, the reward pool,
 the prompt pipeline and the held-out evaluation prompts. `run.py` wires them
 into a schedule; nothing here starts a pipeline thread except the generation
 service's own instance threads.
+
+Several processes (docs/multicontroller.md): `build_training` builds the same
+components without generation (a training process; its `WeightSync` sends to
+the generation processes) and `build_generation` only the generation side (a
+generation process: its instances on its own devices, the tokenizer, the
+same seeded prompt pipeline). `mesh.generate_devices` and `mesh.instance_slots`
+then describe each generation process, `mesh.train_devices` the training one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -47,7 +55,7 @@ class Components:
     trainer: Trainer
     state: TrainState
     ref_params: Any  # frozen reference params (None when kl_coef == 0)
-    service: GenerationService
+    service: GenerationService | None  # None in a training process (generation elsewhere)
     weight_sync: WeightSync
     initial_weights: list[Published]  # W_0 as placed on each generation instance
     reward_fn: RewardFn
@@ -55,7 +63,44 @@ class Components:
     eval_prompts: list[Prompt]
 
     def close(self, timeout: float) -> None:
-        self.service.close(timeout)
+        if self.service is not None:
+            self.service.close(timeout)
+
+
+@dataclasses.dataclass
+class GenerationParts:
+    """How to build this process's generation instances, before any weights exist."""
+
+    model_cfg: model_config.ModelConfig  # in the generation dtype
+    graphdef: nnx.GraphDef
+    instances: list[Any]  # one ("tp",) mesh per instance
+    engine_cfgs: list[EngineConfig]
+    param_shardings: list[Any]  # per instance, the params' NamedShardings
+
+    def service(self, params: list[Any], version: int) -> GenerationService:
+        """The service, its instances holding `params` (one tree per instance)."""
+        service = GenerationService(
+            self.graphdef,
+            params[0],
+            self.model_cfg,
+            self.instances,
+            self.engine_cfgs,
+            version=version,
+        )
+        if len(params) > 1:
+            service.update_weights(list(params), version)
+        return service
+
+
+@dataclasses.dataclass
+class GenerationSide:
+    """What a generation process builds (`build_generation`)."""
+
+    parts: GenerationParts
+    tokenizer: Tokenizer
+    prompts: PromptPipeline
+    eval_prompts: list[Prompt]
+    vocab_size: int
 
 
 def devices_needed(cfg: ExperimentConfig) -> int:
@@ -94,6 +139,33 @@ def make_meshes(cfg: ExperimentConfig, devices: list[jax.Device] | None = None) 
         raise ValueError(
             f"mesh.instance_slots names {len(m.instance_slots)} instances but the generation "
             f"mesh has {meshes.num_instances} (generate_devices / instance_tp)"
+        )
+    return meshes
+
+
+def role_meshes(cfg: ExperimentConfig, devices: Sequence[jax.Device], role: str) -> mesh_lib.Meshes:
+    """One role's mesh on this process's own devices (several processes): the first
+    `mesh.generate_devices` (generation) or `mesh.train_devices` (training) of
+    `devices`. Built as a "colocated" split of those devices, so both meshes of the
+    result span them; only the role's own mesh is used."""
+    m = cfg.mesh
+    need = m.generate_devices if role == "generation" else m.train_devices
+    if need > len(devices):
+        field = "mesh.generate_devices" if role == "generation" else "mesh.train_devices"
+        raise ValueError(
+            f"{field} = {need} exceeds the {len(devices)} devices of this {role} process"
+        )
+    generation = role == "generation"  # the other role's tp is 1: it always divides
+    mc = mesh_lib.MeshConfig(
+        colocated=True,
+        train_tp=1 if generation else m.train_tp,
+        instance_tp=m.instance_tp if generation else 1,
+    )
+    meshes = mesh_lib.make_meshes(mc, list(devices)[:need])
+    if generation and meshes.num_instances != len(m.instance_slots):
+        raise ValueError(
+            f"mesh.instance_slots names {len(m.instance_slots)} instances but each generation "
+            f"process has {meshes.num_instances} (generate_devices / instance_tp)"
         )
     return meshes
 
@@ -201,23 +273,22 @@ def build_model(
     return pre.cfg, pre.tokenizer, pre.params
 
 
-def build(cfg: ExperimentConfig, devices: list[jax.Device] | None = None) -> Components:
-    """Creates every component; the caller must `close()` the result."""
-    # Datasets first: a bad file fails before any device memory or thread exists.
-    eval_set, train_set = _datasets(cfg)
-    meshes = make_meshes(cfg, devices)
-    logging.info(
-        "meshes: train %s on %s; generation %s on %s",
-        dict(meshes.train.shape),
-        [d.id for d in meshes.train.devices.flat],
-        dict(meshes.generate.shape),
-        [d.id for d in meshes.generate.devices.flat],
-    )
-    model_cfg, tokenizer, params = build_model(cfg, meshes.train)
+@dataclasses.dataclass
+class _Training:
+    model_cfg: model_config.ModelConfig
+    tokenizer: Tokenizer
+    trainer: Trainer
+    state: TrainState
+    ref_params: Any
+
+
+def _training(cfg: ExperimentConfig, train_mesh: Any) -> _Training:
+    """Model straight into the training sharding, the trainer and its state."""
+    model_cfg, tokenizer, params = build_model(cfg, train_mesh)
     trainer = make_policy_trainer(
         model_cfg,
-        trainer_config(cfg, meshes.train.shape["fsdp"]),
-        meshes.train,
+        trainer_config(cfg, train_mesh.shape["fsdp"]),
+        train_mesh,
         model_seed=cfg.seed,
     )
     state = (
@@ -237,16 +308,28 @@ def build(cfg: ExperimentConfig, devices: list[jax.Device] | None = None) -> Com
         state = trainer.state_from_params(params, cfg.seed)
         logging.info("initial weights from %s", cfg.init_from)
     ref_params = trainer.copy_params(state.params) if cfg.algorithm.kl_coef > 0 else None
+    return _Training(model_cfg, tokenizer, trainer, state, ref_params)
 
+
+def _generate_cfg(
+    cfg: ExperimentConfig, model_cfg: model_config.ModelConfig
+) -> model_config.ModelConfig:
     gen_dtype = cfg.model.generate_dtype
-    gen_cfg = model_cfg.replace(param_dtype=gen_dtype, dtype=gen_dtype, remat=False)
+    return model_cfg.replace(param_dtype=gen_dtype, dtype=gen_dtype, remat=False)
+
+
+def _generation_parts(
+    cfg: ExperimentConfig,
+    model_cfg: model_config.ModelConfig,
+    tokenizer: Tokenizer,
+    generate_mesh: Any,
+    params: Any,
+) -> GenerationParts:
+    """Instance meshes, engine configs and weight shardings; `params` (concrete or
+    abstract) gives the tree the shardings follow."""
+    gen_cfg = _generate_cfg(cfg, model_cfg)
     gen_graphdef = nnx.split(nnx.eval_shape(lambda: llama.create(gen_cfg)))[0]
-    instances = mesh_lib.instance_meshes(meshes.generate)
-    weight_sync = WeightSync(
-        [sharding.state_shardings(state.params, m, "generate") for m in instances],
-        gen_cfg.jnp_param_dtype,
-    )
-    published, _ = weight_sync.transfer(state.params, version=0)
+    instances = mesh_lib.instance_meshes(generate_mesh)
     g = cfg.generation
     engine_cfgs = [
         EngineConfig(
@@ -261,7 +344,20 @@ def build(cfg: ExperimentConfig, devices: list[jax.Device] | None = None) -> Com
         )
         for slots in cfg.mesh.instance_slots
     ]
-    d = cfg.data
+    return GenerationParts(
+        model_cfg=gen_cfg,
+        graphdef=gen_graphdef,
+        instances=instances,
+        engine_cfgs=engine_cfgs,
+        param_shardings=[sharding.state_shardings(params, m, "generate") for m in instances],
+    )
+
+
+def _prompts(
+    cfg: ExperimentConfig, tokenizer: Tokenizer, train_set: Any, eval_set: Any
+) -> tuple[PromptPipeline, list[Prompt]]:
+    """The seeded training prompt pipeline and the held-out eval prompts."""
+    d, g = cfg.data, cfg.generation
     prompts = PromptPipeline(
         train_set,
         tokenizer,
@@ -280,23 +376,105 @@ def build(cfg: ExperimentConfig, devices: list[jax.Device] | None = None) -> Com
             f"{len(too_long)} eval prompts exceed generation.max_prompt_len={g.max_prompt_len} "
             f"(e.g. {too_long[0]})"
         )
-    service = GenerationService(
-        gen_graphdef, published[0].params, gen_cfg, instances, engine_cfgs, version=0
-    )
-    if len(published) > 1:
-        service.update_weights([p.params for p in published], 0)
+    return prompts, eval_prompts
 
+
+def _reward_fn(cfg: ExperimentConfig, train_set: Any) -> RewardFn:
+    if cfg.data.reward == "vowels":
+        from streamrl_jax.rewards.vowels import vowel_reward
+
+        return vowel_reward
+    return train_set.reward_fn(format_bonus=cfg.data.format_reward)
+
+
+def build(cfg: ExperimentConfig, devices: list[jax.Device] | None = None) -> Components:
+    """Creates every component; the caller must `close()` the result."""
+    # Datasets first: a bad file fails before any device memory or thread exists.
+    eval_set, train_set = _datasets(cfg)
+    meshes = make_meshes(cfg, devices)
+    logging.info(
+        "meshes: train %s on %s; generation %s on %s",
+        dict(meshes.train.shape),
+        [d.id for d in meshes.train.devices.flat],
+        dict(meshes.generate.shape),
+        [d.id for d in meshes.generate.devices.flat],
+    )
+    return _components(cfg, meshes, train_set, eval_set)
+
+
+def build_training(
+    cfg: ExperimentConfig,
+    devices: Sequence[jax.Device],
+    make_weight_sync: Callable[[Any, Any], WeightSync],
+) -> Components:
+    """The components of a training process: no generation service; W_0 goes out
+    through `make_weight_sync(params, generate_dtype)` (it sends to the generation
+    processes, which must be connected)."""
+    eval_set, train_set = _datasets(cfg)
+    meshes = role_meshes(cfg, devices, "training")
+    logging.info(
+        "training process: train mesh %s on %s",
+        dict(meshes.train.shape),
+        [d.id for d in meshes.train.devices.flat],
+    )
+    return _components(cfg, meshes, train_set, eval_set, make_weight_sync)
+
+
+def _components(
+    cfg: ExperimentConfig,
+    meshes: mesh_lib.Meshes,
+    train_set: Any,
+    eval_set: Any,
+    make_weight_sync: Callable[[Any, Any], WeightSync] | None = None,
+) -> Components:
+    """Trainer, prompts and W_0 through the weight sync; the generation service on
+    `meshes.generate` unless `make_weight_sync` sends the weights to other processes."""
+    t = _training(cfg, meshes.train)
+    prompts, eval_prompts = _prompts(cfg, t.tokenizer, train_set, eval_set)
+    parts = None
+    if make_weight_sync is None:
+        parts = _generation_parts(cfg, t.model_cfg, t.tokenizer, meshes.generate, t.state.params)
+        weight_sync = WeightSync(parts.param_shardings, parts.model_cfg.jnp_param_dtype)
+    else:
+        dtype = _generate_cfg(cfg, t.model_cfg).jnp_param_dtype
+        weight_sync = make_weight_sync(t.state.params, dtype)
+    published, _ = weight_sync.transfer(t.state.params, version=0)
     return Components(
         meshes=meshes,
-        model_cfg=model_cfg,
-        tokenizer=tokenizer,
-        trainer=trainer,
-        state=state,
-        ref_params=ref_params,
-        service=service,
+        model_cfg=t.model_cfg,
+        tokenizer=t.tokenizer,
+        trainer=t.trainer,
+        state=t.state,
+        ref_params=t.ref_params,
+        service=parts.service([p.params for p in published], 0) if parts else None,
         weight_sync=weight_sync,
         initial_weights=published,
-        reward_fn=train_set.reward_fn(format_bonus=d.format_reward),
+        reward_fn=_reward_fn(cfg, train_set),
         prompts=prompts,
         eval_prompts=eval_prompts,
+    )
+
+
+def build_generation(cfg: ExperimentConfig, devices: Sequence[jax.Device]) -> GenerationSide:
+    """The generation side of a generation process; its service is made once W_0 has
+    arrived (`GenerationSide.parts.service`)."""
+    eval_set, train_set = _datasets(cfg)
+    meshes = role_meshes(cfg, devices, "generation")
+    logging.info(
+        "generation process: %d instance(s) on %s",
+        meshes.num_instances,
+        [d.id for d in meshes.generate.devices.flat],
+    )
+    # A pretrained model's tokenizer and config come with its weights; these are
+    # loaded onto one device and dropped (the trainer sends W_0).
+    model_cfg, tokenizer, _ = build_model(cfg, meshes.train)
+    abstract = nnx.split(nnx.eval_shape(lambda: llama.create(model_cfg)))[1]
+    parts = _generation_parts(cfg, model_cfg, tokenizer, meshes.generate, abstract)
+    prompts, eval_prompts = _prompts(cfg, tokenizer, train_set, eval_set)
+    return GenerationSide(
+        parts=parts,
+        tokenizer=tokenizer,
+        prompts=prompts,
+        eval_prompts=eval_prompts,
+        vocab_size=model_cfg.vocab_size,
     )

@@ -121,6 +121,9 @@ class DataSection:
     bad_rows: str = "error"  # JSONL rows that do not parse: "error" | "skip" (counted)
     overlong_prompts: str = "drop"  # over generation.max_prompt_len: drop | error | truncate
     reward_errors: str = "raise"  # a reward function exception: "raise" (end the run) | "zero"
+    # "task": the dataset's scorer; "vowels": a dense stand-in (rewards/vowels.py) for
+    # tests of untrained tiny models, which never earn the task reward
+    reward: str = "task"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -135,6 +138,7 @@ class LogSection:
     trace: bool = True  # write trace.json
     progress: bool = True
     samples: bool = True  # append every completed training sample to samples.jsonl (ranker data)
+    final_params: bool = False  # write <workdir>/final_params.npz at the end (compare runs)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -249,6 +253,7 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         ("data.bad_rows", cfg.data.bad_rows, ("error", "skip")),
         ("data.overlong_prompts", cfg.data.overlong_prompts, ("drop", "error", "truncate")),
         ("data.reward_errors", cfg.data.reward_errors, ("raise", "zero")),
+        ("data.reward", cfg.data.reward, ("task", "vowels")),
     ):
         _require(value in allowed, f"{name}={value!r}; expected one of {allowed}")
     _require(

@@ -3,6 +3,11 @@
 Only parses flags; `streamrl_jax.run` builds and runs the experiment. With no
 flags it runs the quickstart (configs/quickstart.py) in ./workdir/quickstart.
 Override any field: `--config.pipeline.mode=stream_sync --config.pipeline.steps=5`.
+
+Several processes (docs/multicontroller.md): the same command on every process
+of a `jax.distributed` program, e.g.
+`python launch/local.py -n 2 -g 1 -- python -m streamrl_jax.launch --config=...`;
+processes 0 .. G-1 generate, the last one trains (`distributed/pipeline.py`).
 """
 
 from __future__ import annotations
@@ -26,8 +31,29 @@ _DEVICES = flags.DEFINE_integer(
     "cpu_devices",
     -1,
     "Host CPU devices to expose when running on CPU: -1 = as many as the config's mesh "
-    "needs (mesh.generate_devices + mesh.train_devices), 0 = JAX's default.",
+    "needs (mesh.generate_devices + mesh.train_devices; with several processes, the "
+    "process's own role's count), 0 = JAX's default.",
 )
+_DISTRIBUTED = flags.DEFINE_enum(
+    "distributed",
+    "auto",
+    ["auto", "on", "off"],
+    "Run as one process of a multi-controller program: auto = when STREAMRL_NUM_PROCESSES "
+    "(or SLURM_NTASKS under SLURM) is > 1; on = also when jax.distributed detects the "
+    "processes itself (Cloud TPU).",
+)
+
+
+def _distributed_config():
+    """The multi-controller settings from the environment, or None for one process."""
+    if _DISTRIBUTED.value == "off":
+        return None
+    from streamrl_jax.distributed import roles
+
+    count = os.environ.get(roles.ENV_NUM_PROCESSES) or os.environ.get("SLURM_NTASKS", "1")
+    if _DISTRIBUTED.value == "auto" and not (count.isdigit() and int(count) > 1):
+        return None
+    return roles.DistributedConfig.from_env()
 
 
 def main(argv: list[str]) -> None:
@@ -38,13 +64,23 @@ def main(argv: list[str]) -> None:
     cfg = config_lib.from_config_dict(_CONFIG.value)
     import jax  # after flag parsing: the CPU device count must be set before the backend starts
 
+    dcfg = _distributed_config()
     wanted = cfg.mesh.generate_devices + cfg.mesh.train_devices
+    if dcfg is not None and dcfg.process_id is not None:
+        generation = dcfg.role_of(dcfg.process_id) == "generation"
+        wanted = cfg.mesh.generate_devices if generation else cfg.mesh.train_devices
     if _DEVICES.value:
         jax.config.update("jax_num_cpu_devices", wanted if _DEVICES.value < 0 else _DEVICES.value)
-    from streamrl_jax import run
-
     logging.info("config:\n%s", cfg)
-    run.run(cfg, _WORKDIR.value)
+    if dcfg is None:
+        from streamrl_jax import run
+
+        run.run(cfg, _WORKDIR.value)
+        return
+    from streamrl_jax.distributed import pipeline
+
+    pipeline.run_process(cfg, _WORKDIR.value, dcfg)
+    jax.distributed.shutdown()  # every process meets here within seconds of the others
 
 
 if __name__ == "__main__":

@@ -25,9 +25,18 @@ from typing import Any
 import jax
 from tqdm import tqdm
 
+_WRITER_PROCESS = 0  # the process that writes metrics, the trace and the progress bar
+
+
+def set_writer_process(process_index: int) -> None:
+    """Several processes: the training process writes, whatever its index
+    (distributed/pipeline.py)."""
+    global _WRITER_PROCESS
+    _WRITER_PROCESS = process_index
+
 
 def _is_writer() -> bool:
-    return jax.process_index() == 0
+    return jax.process_index() == _WRITER_PROCESS
 
 
 def _scalar(value: Any) -> float | None:

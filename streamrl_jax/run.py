@@ -2,20 +2,24 @@
 
 Three activities, each on its own thread:
 
-* **generation driver**: for batch b, waits for W_{g(b)} on the weight board,
-  swaps it into the generation service when the version changes (only once
-  every earlier request has finished, so no sample mixes versions), and
-  submits the batch's `prompts_per_step x group_size` requests (plus the
-  held-out evaluation prompts when one is due);
-* **collector**: takes each finished sample from the service the moment it
-  completes, scores it on the reward pool and puts it in the grouping sample
-  stream (evaluation samples are scored and kept apart);
+* **generation driver** and **collector** (`driver.GenerationDriver`): for
+  batch b, W_{g(b)} from the weight board, swapped into the generation service
+  once every earlier request has finished (no sample mixes versions), then the
+  batch's `prompts_per_step x group_size` requests (plus the held-out
+  evaluation prompts when one is due); each finished sample, the moment it
+  completes, goes to `on_sample`: scored on the reward pool and put into the
+  grouping sample stream (evaluation samples are scored and kept apart);
 * **trainer** (the calling thread): takes complete groups of batch b —
   streaming modes as soon as `min_groups` are ready, batch modes once all
   are — checks their versions, computes advantages, accumulates gradients per
   micro-batch, applies one optimizer step at the batch boundary and publishes
   W_{b+1} (in the background in stream_async, so the copy overlaps the next
   step).
+
+Several processes (docs/multicontroller.md): a training process runs the same
+trainer with a `GenerationLink` instead of a local driver; samples arrive from
+the generation processes through it into the same `on_sample`, and
+`Components.weight_sync` sends W_{b+1} to them.
 
 Any thread's exception fails the stream and the board, so every other wait
 wakes at once; the run ends with `PipelineError` naming the component, all
@@ -30,7 +34,8 @@ import os
 import threading
 import time
 from collections import defaultdict
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -39,9 +44,8 @@ from absl import logging
 from streamrl_jax import checkpoint as ckpt_lib
 from streamrl_jax.build import Components, build
 from streamrl_jax.config import ExperimentConfig
-from streamrl_jax.data import make_requests
-from streamrl_jax.generation.service import StreamClosed
-from streamrl_jax.generation.types import GenerationRequest, Sample, SamplingParams
+from streamrl_jax.driver import GenerationDriver
+from streamrl_jax.generation.types import Sample
 from streamrl_jax.metrics import MetricsWriter, Progress, Tracer
 from streamrl_jax.resume import ResumePoint, RunCheckpoints
 from streamrl_jax.rewards.base import RewardFn, RewardResult
@@ -81,9 +85,37 @@ class _Shutdown(RuntimeError):
     """SIGINT/SIGTERM asked the run to checkpoint and stop."""
 
 
+class GenerationLink(Protocol):
+    """Generation running in other processes, as the training process sees it
+    (`distributed/pipeline.py`; weights go out through `Components.weight_sync`)."""
+
+    num_instances: int  # generation instances over all generation processes
+
+    def attach(
+        self,
+        on_sample: Callable[[Sample, Callable[[], None]], None],
+        on_chunk: Callable[..., None],
+        on_span: Callable[..., None],
+        on_error: Callable[[str, BaseException], None],
+    ) -> None:
+        """Starts delivering: each sample to `on_sample(sample, done)` (the channel's
+        credit comes back after `done()`: back-pressure), each decode chunk to
+        `on_chunk(instance, t0, t1, tokens, running, steps, prefilled)`, other spans to
+        `on_span(track, name, t0, t1, **args)` (wall times), a lost process to
+        `on_error(component, exc)`."""
+        ...
+
+    def close(self, outcome: str, timeout: float) -> None:
+        """Tells the generation processes how the run ended ("ok", "stopped" or the
+        error) and closes the channels in order."""
+        ...
+
+
 class _Run:
-    def __init__(self, cfg: ExperimentConfig, c: Components, workdir: str):
-        self.cfg, self.c, self.workdir = cfg, c, workdir
+    def __init__(
+        self, cfg: ExperimentConfig, c: Components, workdir: str, link: GenerationLink | None
+    ):
+        self.cfg, self.c, self.workdir, self.link = cfg, c, workdir, link
         p = cfg.pipeline
         self.sched = Schedule.from_config(p)
         self.gate = VersionGate(self.sched, strict=p.strict_versions)
@@ -101,15 +133,9 @@ class _Run:
         self.watchdog_alerts: list[str] = []
         self._error: tuple[str, BaseException] | None = None
         self._lock = threading.Condition()
-        self._submitted = self._collected = 0  # requests sent to / returned by the service
         self._evals: dict[int, list[Scored]] = defaultdict(list)
-        self._eval_versions: set[int] = set()  # versions whose eval was submitted
         self.eval_metrics: dict[int, dict[str, float]] = {}
-        self.sampling = SamplingParams(
-            temperature=cfg.generation.temperature,
-            top_k=cfg.generation.top_k,
-            top_p=cfg.generation.top_p,
-        )
+        self.driver: GenerationDriver | None = None  # generation in this process (no link)
         self.sample_log = (
             SampleLog(os.path.join(workdir, "samples.jsonl")) if cfg.log.samples else None
         )
@@ -133,9 +159,11 @@ class _Run:
         # Progress counters the watchdog reads: stage -> (count, monotonic time of change).
         self._progress: dict[str, list[float]] = {}
         self._busy_lock = threading.Lock()
-        self._gen_busy: dict[int, float] = defaultdict(float)  # instance -> busy seconds
-        for engine in c.service.engines:
-            engine.on_chunk = self._trace_chunk
+        self._gen_busy: dict[Any, float] = defaultdict(float)  # instance -> busy seconds
+        if link is None:
+            for engine in c.service.engines:
+                engine.on_chunk = self._trace_chunk
+        self.outcome = "failed"  # how the run ended, told to generation processes
 
     def _gen_busy_s(self) -> float:
         with self._busy_lock:
@@ -166,10 +194,8 @@ class _Run:
                 self.board.fail(_Shutdown("shutdown requested by signal"))
                 return
             now = time.monotonic()
-            with self._lock:
-                gen_pending = self._submitted > self._collected
             busy = {
-                "generation": gen_pending,
+                "generation": self.driver is not None and self.driver.pending() > 0,
                 "reward": self.reward_pool.pending() > 0,
                 "trainer": self.stream.depth()["ready_groups"] > 0,
             }
@@ -193,7 +219,7 @@ class _Run:
 
     def _trace_chunk(
         self,
-        instance: int,
+        instance: int | str,
         t0: float,
         t1: float,
         tokens: int,
@@ -228,127 +254,44 @@ class _Run:
             self._lock.notify_all()
         self.stream.fail(exc, component)
         self.board.fail(exc)
+        if self.driver is not None:
+            self.driver.abort(exc)
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             component, exc = self._error
             raise PipelineError(component, exc) from exc
 
-    # ------------------------------------------------------------------ generation driver
-    def _eval_requests(self, version: int) -> list[GenerationRequest]:
-        g = self.cfg.generation
-        return [
-            GenerationRequest(
-                request_id=f"eval/{version}/{i}",
-                prompt=p.tokens,
-                max_new_tokens=g.max_new_tokens,
-                sampling=SamplingParams.greedy(),
-                metadata=dict(p.problem.metadata, eval_version=version),
-            )
-            for i, p in enumerate(self.c.eval_prompts)
-        ]
+    # ------------------------------------------------------------------ samples in
+    def _weights(self, version: int) -> list[Any]:
+        """The local driver's `weights` hook: W_version from the board, per instance."""
+        published = self.board.wait_for(version, self.timeout)
+        # Keep what a checkpoint of the trainer's next boundary still needs.
+        self.board.discard_below(min(version, self.sched.generation_version(self._trained)))
+        return [w.params for w in published]
 
-    def _eval_due(self, batch: int, version: int) -> bool:
-        """Eval at batch 0 and every `eval.every` batches, once per policy version (in
-        stream_async several batches share a version)."""
-        every = self.cfg.eval.every
-        due = batch == 0 or (every > 0 and batch % every == 0)
-        if not due or self.cfg.eval.num_problems == 0 or version in self._eval_versions:
-            return False
-        self._eval_versions.add(version)
-        return True
+    def on_sample(self, sample: Sample, done: Callable[[], None] | None = None) -> None:
+        """One finished sample (collector thread, or a sample channel's reader thread):
+        decode; evaluation samples are scored here, training samples on the reward pool
+        and then put into the grouping stream. `done()` runs once the sample is in the
+        stream (or scored, for evaluation; or failed)."""
+        text = self.c.tokenizer.decode(sample.response)
+        if "eval_version" in sample.metadata:
+            try:
+                self._collect_eval(sample, text)
+            finally:
+                if done is not None:
+                    done()
+            return
+        if self.sample_log is not None:
+            self.sample_log.write(sample, sample.metadata["batch"])
+        self._gen_span(sample)
+        future = self.reward_pool.submit(text, sample.metadata)
+        future.add_done_callback(lambda f, s=sample, t=text: self._scored(s, t, f, done))
 
-    def _wait_generation_idle(self) -> None:
-        with self._lock:
-            ok = self._lock.wait_for(
-                lambda: self._collected >= self._submitted or self._error is not None,
-                timeout=self.timeout,
-            )
-        self._raise_if_failed()
-        if not ok:
-            raise TimeoutError(
-                f"generation service: {self._submitted - self._collected} requests unfinished "
-                f"after {self.timeout:.0f} s"
-            )
-
-    def _submit(self, requests: list[GenerationRequest], instances: list[int] | None = None):
-        with self._lock:
-            self._submitted += len(requests)
-        self.c.service.submit(requests, instances)
-
-    def _driver(self) -> None:
-        try:
-            p = self.cfg.pipeline
-            # A resumed run's service holds the build's W_0: always load its version.
-            version = 0 if self.resume is None else -1
-            for b in range(self.start, p.steps):
-                needed = self.sched.generation_version(b)
-                if needed != version:
-                    self._wait_generation_idle()
-                    published = self.board.wait_for(needed, self.timeout)
-                    self.c.service.update_weights([w.params for w in published], needed)
-                    # Keep what a checkpoint of the trainer's next boundary still needs.
-                    keep = min(needed, self.sched.generation_version(self._trained))
-                    self.board.discard_below(keep)
-                    version = needed
-                if self._stop.is_set():
-                    return
-                prompts = self.ckpts.draw(b, p.prompts_per_step)
-                if self.resume is not None and b in self.resume.expected_ids:
-                    ids = [q.problem.prompt_id for q in prompts]
-                    if ids != self.resume.expected_ids[b]:
-                        raise RuntimeError(
-                            f"resume: batch {b} drew prompts {ids[:3]}..., the checkpoint "
-                            f"recorded {self.resume.expected_ids[b][:3]}... (prompt iterator "
-                            "state does not match the checkpoint)"
-                        )
-                requests = make_requests(
-                    prompts,
-                    batch=b,
-                    group_size=p.group_size,
-                    max_new_tokens=self.cfg.generation.max_new_tokens,
-                    sampling=self.sampling,
-                    run_seed=self.cfg.seed,
-                    length_replay=self.cfg.generation.length_replay,
-                )
-                requests, instances = self.live.plan(b, requests)
-                if self._eval_due(b, version):
-                    extra = self._eval_requests(version)
-                    if instances is not None:  # eval requests round robin over active ones
-                        active = self.live.active
-                        instances = instances + [i % active for i in range(len(extra))]
-                    requests = requests + extra
-                self._submit(requests, instances)
-        except BaseException as e:  # noqa: BLE001 - reported to the trainer
-            self.fail("generation driver", e)
-
-    # ------------------------------------------------------------------ collector
-    def _collector(self) -> None:
-        try:
-            while not self._stop.is_set():
-                try:
-                    sample = self.c.service.get(timeout=0.1)
-                except TimeoutError:
-                    continue
-                except StreamClosed:
-                    return
-                text = self.c.tokenizer.decode(sample.response)
-                if "eval_version" in sample.metadata:
-                    self._collect_eval(sample, text)
-                else:
-                    if self.sample_log is not None:
-                        self.sample_log.write(sample, sample.metadata["batch"])
-                    self.live.observe(sample.prompt, sample.num_tokens)
-                    self._gen_span(sample)
-                    future = self.reward_pool.submit(text, sample.metadata)
-                    future.add_done_callback(lambda f, s=sample, t=text: self._scored(s, t, f))
-                with self._lock:
-                    self._collected += 1
-                    self._lock.notify_all()
-        except BaseException as e:  # noqa: BLE001
-            self.fail("generation service", e)
-
-    def _scored(self, sample: Sample, text: str, future: Any) -> None:
+    def _scored(
+        self, sample: Sample, text: str, future: Any, done: Callable[[], None] | None
+    ) -> None:
         try:
             reward = future.result()
             self._tick("reward")
@@ -357,6 +300,9 @@ class _Run:
             pass  # the stream already carries the first failure
         except BaseException as e:  # noqa: BLE001
             self.fail("reward function", e)
+        finally:
+            if done is not None:
+                done()
 
     def _collect_eval(self, sample: Sample, text: str) -> None:
         version = sample.metadata["eval_version"]
@@ -473,6 +419,8 @@ class _Run:
             stats: dict[str, list] = defaultdict(list)
             micro_metrics, apply_metrics, train_busy = [], [], 0.0
             prompt_ids: list[str] = []
+            if self.link is not None:  # the generation processes drew the same prompts
+                drawn = [q.problem.prompt_id for q in self.ckpts.draw(b, p.prompts_per_step)]
             # PPO mini-batches: `mini_batches` optimizer steps per global batch, each
             # over the next `per_mini` complete groups in arrival order; W_{b+1} is
             # published once, after the last (DESIGN.md §2: versions count batches).
@@ -492,6 +440,8 @@ class _Run:
                         )
                     remaining -= len(groups)
                     prompt_ids += [g[0].sample.metadata["prompt_id"] for g in groups]
+                    if self.link is not None:
+                        _check_prompts(b, groups, drawn)
                     t0 = self.tracer.now()
                     dev = self._micro_batch(b, groups, stats)
                     if dev is None:
@@ -528,6 +478,8 @@ class _Run:
             self._tick("trainer")
             self.ckpts.log_consumed(b, prompt_ids)
             self._checkpoint(b + 1)
+            if self.link is not None:  # no local driver frees the board: keep what g() needs
+                self.board.discard_below(self.sched.generation_version(self._trained))
             # Fetch the previous step's device metrics only now, after this step's
             # work is dispatched.
             self._flush_pending()
@@ -535,7 +487,7 @@ class _Run:
             samples_done += len(stats["reward"])
             now = time.perf_counter()
             wall = max(now - t_step, 1e-9)
-            n_inst = len(self.c.service.engines)
+            n_inst = self.link.num_instances if self.link else len(self.c.service.engines)
             row = {
                 "reward": _mean(stats["reward"]),
                 "accuracy": _mean(stats["correct"]),
@@ -627,16 +579,12 @@ class _Run:
                 "update was not applied"
             )
 
-    def _final_eval(self) -> None:
-        """Greedy eval of the final weights (version = steps)."""
+    def _wait_final_eval(self) -> None:
+        """Waits for the greedy eval of the final weights (version = steps), which the
+        generation side runs once W_steps is published."""
         version = self.cfg.pipeline.steps
-        if not self.c.eval_prompts or version in self._eval_versions:
+        if self.cfg.eval.num_problems == 0 or not self.c.eval_prompts:
             return
-        self._eval_versions.add(version)
-        self._wait_generation_idle()
-        published = self.board.wait_for(version, self.timeout)
-        self.c.service.update_weights([w.params for w in published], version)
-        self._submit(self._eval_requests(version))
         with self._lock:
             ok = self._lock.wait_for(
                 lambda: version in self.eval_metrics or self._error is not None, self.timeout
@@ -662,11 +610,22 @@ class _Run:
             if k not in self.resume.gen_weights:
                 published, _ = c.weight_sync.transfer(c.state.params, k)
                 self.board.publish(k, published)
-        threads = [
-            threading.Thread(target=self._driver, name="generation-driver", daemon=True),
-            threading.Thread(target=self._collector, name="collector", daemon=True),
-            threading.Thread(target=self._watchdog, name="watchdog", daemon=True),
-        ]
+        threads = [threading.Thread(target=self._watchdog, name="watchdog", daemon=True)]
+        if self.link is None:
+            self.driver = GenerationDriver(
+                self.cfg,
+                c.service,
+                self.live,
+                c.eval_prompts,
+                weights=self._weights,
+                draw=self.ckpts.draw,
+                emit=self.on_sample,
+                on_error=self.fail,
+                start=self.start,
+                # A resumed run's service holds the build's W_0: always load its version.
+                loaded_version=0 if self.resume is None else -1,
+                expected_ids=self.resume.expected_ids if self.resume is not None else None,
+            )
         signals = None
         if self.cfg.checkpoint.on_signal and threading.current_thread() is threading.main_thread():
             signals = ckpt_lib.install_shutdown_handler(lambda signum: self._shutdown_req.set())
@@ -676,6 +635,10 @@ class _Run:
         try:
             for th in threads:
                 th.start()
+            if self.driver is not None:
+                threads += self.driver.start_threads()
+            else:
+                self.link.attach(self.on_sample, self._trace_chunk, self.tracer.add_wall, self.fail)
             try:
                 self._train(progress)
             except StreamError as e:
@@ -696,12 +659,12 @@ class _Run:
             if not stopped:
                 if self.ckpts.enabled:
                     self._checkpoint(self._trained, force=True)  # the end of the run
-                if self.cfg.eval.num_problems > 0:
-                    self._final_eval()
+                self._wait_final_eval()
             try:
                 self.ckpts.close()  # bounded wait for the last write
             except Exception as e:
                 raise PipelineError("checkpoint writer", e) from e
+            self.outcome = "stopped" if stopped else "ok"
             return RunResult(
                 state=c.state,
                 steps=self.rows,
@@ -736,6 +699,8 @@ class _Run:
 
     def _shutdown(self, threads: list[threading.Thread]) -> None:
         self._stop.set()
+        if self.driver is not None:
+            self.driver.stop()
         self.stream.close()
         self.board.fail(RuntimeError("run finished"))
         stalled = []
@@ -748,6 +713,13 @@ class _Run:
                 self.c.weight_sync.result(self.timeout)
         except BaseException as e:  # noqa: BLE001 - already failing or finished
             logging.warning("weight sync at shutdown: %r", e)
+        if self.link is not None:
+            if self.outcome == "failed" and self._error is not None:
+                self.outcome = f"failed: {self._error[0]}: {self._error[1]!r}"
+            try:
+                self.link.close(self.outcome, self.timeout)
+            except BaseException as e:  # noqa: BLE001 - the run's own outcome wins
+                logging.warning("closing the generation link: %r", e)
         self.reward_pool.close(cancel_pending=True)
         if self._ranker_thread is not None:
             self._ranker_thread.join(self.timeout)
@@ -763,6 +735,18 @@ class _Run:
             self.sample_log.close()
         if stalled:
             raise TimeoutError(f"pipeline threads did not stop: {stalled}")
+
+
+def _check_prompts(batch: int, groups: list[list[Scored]], drawn: list[str]) -> None:
+    """Several processes: every group's prompt is the one this process drew for its index
+    (the seeded prompt pipelines of all processes stay in step)."""
+    for g in groups:
+        meta = g[0].sample.metadata
+        if meta["prompt_id"] != drawn[meta["group"]]:
+            raise RuntimeError(
+                f"batch {batch} group {meta['group']}: generated for prompt {meta['prompt_id']}, "
+                f"the trainer drew {drawn[meta['group']]} (prompt pipelines out of step)"
+            )
 
 
 def _mean(xs: list) -> float:
@@ -792,13 +776,27 @@ def run(
       devices: devices to split into the role meshes (default `jax.devices()`).
       reward_fn: replaces the task's reward (tests, custom rewards).
     """
-    components = build(cfg, devices)
+    return run_components(cfg, build(cfg, devices), workdir, reward_fn=reward_fn)
+
+
+def run_components(
+    cfg: ExperimentConfig,
+    components: Components,
+    workdir: str,
+    *,
+    reward_fn: RewardFn | None = None,
+    link: GenerationLink | None = None,
+) -> RunResult:
+    """Runs built components (closing them at the end); with `link`, generation runs in
+    other processes (`components.service` is None) and samples arrive through it."""
     if reward_fn is not None:
         components.reward_fn = reward_fn
     try:
-        result = _Run(cfg, components, workdir).run()
+        result = _Run(cfg, components, workdir, link).run()
     finally:
         components.close(cfg.pipeline.timeout_s)
+    if cfg.log.final_params:
+        save_params(os.path.join(workdir, FINAL_PARAMS), result.state.params)
     logging.info(
         "run finished: %d steps, %d samples in %.1f s; evals %s",
         len(result.steps),
@@ -807,3 +805,16 @@ def run(
         result.evals,
     )
     return result
+
+
+FINAL_PARAMS = "final_params.npz"
+
+
+def save_params(path: str, params: Any) -> None:
+    """Host copies of `params` in an .npz, one array per leaf keyed by its key path
+    (`log.final_params`: compare runs across processes bit for bit)."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    host = jax.device_get([leaf for _, leaf in flat])
+    arrays = {jax.tree_util.keystr(p): np.asarray(a) for (p, _), a in zip(flat, host, strict=True)}
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)

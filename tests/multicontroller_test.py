@@ -1,0 +1,199 @@
+"""The pipeline across processes (distributed/pipeline.py): real processes on localhost.
+
+Each run starts `python -m streamrl_jax.launch` in N processes as one
+`jax.distributed` program (gloo, localhost), the first G generating and the
+last one training, on `quickstart:tiny` with the dense stand-in reward
+(`data.reward="vowels"`: a random tiny model never earns the task reward).
+With `pipeline.deterministic=True` the final parameters must equal those of
+the same config run in one process bit for bit: a sample depends only on
+(weights, prompt, per-sample seed), the weight transfer is bit-exact, and the
+trainer takes groups in index order.
+
+The failure tests start the processes themselves (`launch/local.py` would stop
+the survivors on the first failure) and SIGKILL one mid-run: every survivor
+must exit non-zero, naming the lost process, well within JAX's heartbeat
+bound (a liveness bound, not a speed claim).
+"""
+
+import importlib.util
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from streamrl_jax import config as config_lib
+from streamrl_jax import run as run_lib
+from streamrl_jax.distributed import pipeline
+from streamrl_jax.metrics import read_jsonl
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "launch"))
+import local  # noqa: E402  (launch/local.py: the children's environment)
+
+_OVERRIDES = {
+    "pipeline.deterministic": True,
+    "data.reward": "vowels",
+    "log.final_params": True,
+}
+
+
+def _config(**overrides):
+    spec = importlib.util.spec_from_file_location("qs", REPO / "configs" / "quickstart.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cd = module.get_config("tiny").to_dict()
+    for dotted, value in {**_OVERRIDES, **overrides}.items():
+        section, key = dotted.split(".")
+        cd[section][key] = value
+    return config_lib.from_config_dict(cd)
+
+
+def _flags(**overrides) -> list[str]:
+    return [f"--config.{k}={v}" for k, v in {**_OVERRIDES, **overrides}.items()]
+
+
+def _env() -> dict[str, str]:
+    cache = os.environ.get("STREAMRL_TEST_JAX_CACHE", str(REPO / ".pytest_cache" / "jax"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STREAMRL_", "SLURM_"))}
+    return dict(
+        env,
+        JAX_PLATFORMS="cpu",
+        TF_CPP_MIN_LOG_LEVEL="3",
+        JAX_COMPILATION_CACHE_DIR=cache,  # the same programs as the in-process tests
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
+    )
+
+
+def _launch_cmd(workdir, **overrides) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "streamrl_jax.launch",
+        f"--config={REPO / 'configs' / 'quickstart.py'}:tiny",
+        f"--workdir={workdir}",
+        *_flags(**overrides),
+    ]
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO)
+
+
+_ONE_PROCESS = {}
+
+
+def _one_process(mode, tmp_path_factory):
+    """The same launch command in one process (its own 2 CPU devices: XLA:CPU's results
+    depend on the process's device count, so the reference must not run in pytest's
+    8-device process)."""
+    if mode not in _ONE_PROCESS:
+        workdir = tmp_path_factory.mktemp(f"one-{mode}")
+        run = _run(_launch_cmd(workdir, **{"pipeline.mode": mode}))
+        assert run.returncode == 0, run.stderr[-6000:]
+        _ONE_PROCESS[mode] = np.load(workdir / run_lib.FINAL_PARAMS)
+    return _ONE_PROCESS[mode]
+
+
+_SLOW = pytest.mark.slow  # ~30 s each on 2 cores; the 2-process cases cover the same code
+
+
+@pytest.mark.parametrize(
+    "processes, generation, mode",
+    [
+        (2, 1, "stream_sync"),
+        (2, 1, "stream_async"),
+        pytest.param(3, 2, "stream_sync", marks=_SLOW),
+        pytest.param(3, 2, "stream_async", marks=_SLOW),
+        pytest.param(2, 1, "disaggregated_batch", marks=_SLOW),
+    ],
+)
+def test_processes_give_the_one_process_parameters(
+    processes, generation, mode, tmp_path, tmp_path_factory
+):
+    workdir = tmp_path / "run"
+    launcher = [sys.executable, str(REPO / "launch" / "local.py")]
+    cmd = [*launcher, "-n", str(processes), "-g", str(generation), "--timeout_s", "240"]
+    run = _run([*cmd, "--", *_launch_cmd(workdir, **{"pipeline.mode": mode})])
+    assert run.returncode == 0, run.stdout[-6000:]
+    got = np.load(workdir / run_lib.FINAL_PARAMS)
+    want = _one_process(mode, tmp_path_factory)
+    assert sorted(got.files) == sorted(want.files)
+    for key in want.files:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    # The training process writes the metrics; every instance shows in its trace.
+    rows = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "reward" in r]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["weight_sync_s"] > 0 for r in rows)
+    trace = (workdir / "trace.json").read_text()
+    for k in range(generation):
+        assert f"instance p{k}.0" in trace and f"p{k} receive" in trace
+
+
+def _spawn(processes, generation, workdir, logs) -> list[subprocess.Popen]:
+    coordinator = f"127.0.0.1:{local.free_port()}"
+    procs = []
+    for i in range(processes):
+        env = dict(_env(), **local.child_env(i, processes, generation, coordinator, "test-key"))
+        with open(logs / f"p{i}.log", "w") as out:
+            procs.append(
+                subprocess.Popen(
+                    _launch_cmd(workdir, **{"pipeline.steps": 40, "eval.num_problems": 0}),
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    cwd=REPO,
+                    start_new_session=True,
+                )
+            )
+    return procs
+
+
+@pytest.mark.parametrize(
+    "processes, generation, victim, expect",
+    [
+        # The trainer dies: the generation process names it.
+        (2, 1, 1, {0: "lost training"}),
+        # One of two generation processes dies: the trainer names it, and the other
+        # generation process reports the trainer's failure, which names it too.
+        pytest.param(3, 2, 1, {2: "lost generation-1", 0: "generation-1"}, marks=_SLOW),
+    ],
+)
+def test_killed_process_ends_the_others_naming_it(processes, generation, victim, expect, tmp_path):
+    procs = _spawn(processes, generation, tmp_path / "run", tmp_path)
+    trainer_log = tmp_path / f"p{processes - 1}.log"
+    try:
+        deadline = time.monotonic() + 180
+        # Kill once the trainer has sent W_1 (step 0 trained, the pipeline running).
+        while "weights v1" not in trainer_log.read_text():
+            assert time.monotonic() < deadline, trainer_log.read_text()[-4000:]
+            assert all(p.poll() is None for p in procs), trainer_log.read_text()[-4000:]
+            time.sleep(0.2)
+        os.killpg(procs[victim].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        for p in procs:
+            p.wait(timeout=60)
+        ended = time.monotonic() - killed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    for i, text in expect.items():
+        log = (tmp_path / f"p{i}.log").read_text()
+        assert procs[i].returncode != 0, log[-4000:]
+        assert text in log, log[-4000:]
+    assert ended < 45  # channels see a killed peer at once; JAX's heartbeat bound is 10 s
+
+
+def test_settings_that_need_one_process_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="colocated.*one process"):
+        pipeline.check_supported(_config(**{"pipeline.mode": "colocated"}), 2, 1, str(tmp_path))
+    with pytest.raises(ValueError, match="checkpoint.every=2"):
+        pipeline.check_supported(_config(**{"checkpoint.every": 2}), 2, 1, str(tmp_path))
+    with pytest.raises(ValueError, match="2 training processes"):
+        pipeline.check_supported(_config(), 4, 2, str(tmp_path))
+    pipeline.check_supported(_config(), 3, 2, str(tmp_path))  # 2 generation + 1 training
