@@ -130,8 +130,9 @@ def test_processes_give_the_one_process_parameters(
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["weight_sync_s"] > 0 for r in rows)
     trace = (workdir / "trace.json").read_text()
+    assert "weight_receive" in trace
     for k in range(generation):
-        assert f"instance p{k}.0" in trace and f"p{k} receive" in trace
+        assert f"instance p{k}.0" in trace and f"generation-{k}" in trace  # weight_receive/
 
 
 def _spawn(processes, generation, workdir, logs) -> list[subprocess.Popen]:

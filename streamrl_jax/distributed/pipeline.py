@@ -182,7 +182,7 @@ class SenderWeightSync(WeightSync):
     The cast to the generation dtype runs on the training mesh as in one process;
     the cast copy stays here (the weight board keeps it); the seconds cover the cast,
     `device_get`, checksums and the wire to every receiver (not their placement,
-    which each generation process reports as a `weight_sync/p<k> receive` span).
+    which each generation process reports as a `weight_receive/generation-<k>` span).
     """
 
     def __init__(self, sender: WeightSender, params: Any, dtype: Any, timeout_s: float):
@@ -249,23 +249,26 @@ class TrainingLink:
         for component, exc in self._early:
             on_error(component, exc)
 
+    def _wait(self, wait: Any, what: str) -> None:
+        """`wait(timeout=...)` in short slices, so a closing link never waits long."""
+        deadline = time.monotonic() + self.timeout
+        while not wait(timeout=0.5):
+            if self._closed:
+                raise ChannelClosed(f"training: closing ({what})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"training: {what} for {self.timeout:.0f} s")
+
     def _on_message(self, msg: Any) -> None:
         """A sample channel's reader thread: one message from a generation process."""
-        deadline = time.monotonic() + self.timeout
-        while not self._attached.wait(0.5):
-            if self._closed:
-                raise ChannelClosed("training: the run ended before it started")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"training: the run did not start within {self.timeout:.0f} s")
+        self._wait(self._attached.wait, "the run did not start")
         on_sample, on_chunk, on_span, _ = self._hooks
         if isinstance(msg, Sample):
             # Back-pressure: the reader (and so the producer's credit) waits here while
             # IN_FLIGHT samples are still being scored or waiting for stream room.
-            if not self._inflight.acquire(timeout=self.timeout):
-                raise TimeoutError(
-                    f"training: no room for samples for {self.timeout:.0f} s (reward pool / "
-                    "sample stream / trainer stalled)"
-                )
+            self._wait(
+                self._inflight.acquire,
+                "no room for samples (reward pool / sample stream / trainer stalled)",
+            )
             on_sample(msg, self._inflight.release)
         elif isinstance(msg, ChunkReport):
             m = msg
@@ -361,7 +364,7 @@ class _GenerationProcess:
             t1 = time.time()
             self._send(
                 SpanReport(
-                    f"weight_sync/p{self.pid} receive",
+                    f"weight_receive/generation-{self.pid}",
                     f"W{got}",
                     t1 - stats.seconds,
                     t1,
