@@ -143,17 +143,21 @@ def make_meshes(cfg: ExperimentConfig, devices: list[jax.Device] | None = None) 
     return meshes
 
 
-def role_meshes(cfg: ExperimentConfig, devices: Sequence[jax.Device], role: str) -> mesh_lib.Meshes:
-    """One role's mesh on this process's own devices (several processes): the first
-    `mesh.generate_devices` (generation) or `mesh.train_devices` (training) of
-    `devices`. Built as a "colocated" split of those devices, so both meshes of the
-    result span them; only the role's own mesh is used."""
+def role_meshes(
+    cfg: ExperimentConfig, devices: Sequence[jax.Device], role: str, processes: int = 1
+) -> mesh_lib.Meshes:
+    """One role's mesh on its processes' devices (several processes): the first
+    `mesh.generate_devices` (generation) or `processes * mesh.train_devices` (training:
+    the training mesh spans every training process) of `devices`. Built as a
+    "colocated" split of those devices, so both meshes of the result span them; only
+    the role's own mesh is used."""
     m = cfg.mesh
-    need = m.generate_devices if role == "generation" else m.train_devices
+    need = m.generate_devices if role == "generation" else m.train_devices * processes
     if need > len(devices):
         field = "mesh.generate_devices" if role == "generation" else "mesh.train_devices"
         raise ValueError(
-            f"{field} = {need} exceeds the {len(devices)} devices of this {role} process"
+            f"{field} = {need // processes} exceeds the {len(devices) // processes} devices "
+            f"of this {role} process"
         )
     generation = role == "generation"  # the other role's tp is 1: it always divides
     mc = mesh_lib.MeshConfig(
@@ -406,12 +410,15 @@ def build_training(
     cfg: ExperimentConfig,
     devices: Sequence[jax.Device],
     make_weight_sync: Callable[[Any, Any], WeightSync],
+    processes: int = 1,
 ) -> Components:
     """The components of a training process: no generation service; W_0 goes out
     through `make_weight_sync(params, generate_dtype)` (it sends to the generation
-    processes, which must be connected)."""
+    processes, which must be connected). With several training processes, `devices`
+    holds every training process's devices (process by process) and the training mesh
+    spans them all."""
     eval_set, train_set = _datasets(cfg)
-    meshes = role_meshes(cfg, devices, "training")
+    meshes = role_meshes(cfg, devices, "training", processes)
     logging.info(
         "training process: train mesh %s on %s",
         dict(meshes.train.shape),

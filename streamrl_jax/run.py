@@ -34,7 +34,7 @@ import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import jax
@@ -44,6 +44,7 @@ from absl import logging
 from streamrl_jax import checkpoint as ckpt_lib
 from streamrl_jax.build import Components, build
 from streamrl_jax.config import ExperimentConfig
+from streamrl_jax.distributed.shards import TrainingGroup, host
 from streamrl_jax.driver import GenerationDriver
 from streamrl_jax.generation.types import Sample
 from streamrl_jax.metrics import MetricsWriter, Progress, Tracer
@@ -163,6 +164,9 @@ class _Run:
         if link is None:
             for engine in c.service.engines:
                 engine.on_chunk = self._trace_chunk
+        # Several training processes: this one's slice of every micro-batch (shards.py).
+        self.group: TrainingGroup | None = getattr(link, "group", None)
+        self._one: Any = None  # f32[] 1.0 on the training mesh (the micro-batch normaliser)
         self.outcome = "failed"  # how the run ended, told to generation processes
 
     def _gen_busy_s(self) -> float:
@@ -339,10 +343,9 @@ class _Run:
             out = out[:max_groups]
         return out
 
-    def _take_indexed(self, batch: int, first: int, count: int, parked: dict):
-        """Deterministic mode: exactly groups `first .. first+count-1` of `batch`, in
-        index order, members in member order (a fixed summation order)."""
-        want = range(first, first + count)
+    def _take_indexed(self, batch: int, want: list[int], parked: dict):
+        """Deterministic mode: exactly the groups `want` of `batch`, in that order,
+        members in member order (a fixed summation order)."""
         have = {g[0].sample.metadata["group"]: g for g in parked.pop(batch, [])}
         while not all(i in have for i in want):
             for group in self.stream.get_groups(min_groups=1, max_groups=1, timeout=self.timeout):
@@ -368,6 +371,8 @@ class _Run:
             pad_id=self.c.tokenizer.pad_id,
             stats=stats,
         )
+        if self.group is not None:  # every training process feeds the same global shape
+            batch = self.group.agree(batch, self.c.tokenizer.pad_id, t.cfg.batch_buckets)
         if batch is None:
             return None
         dev = t.place_batch(batch)
@@ -411,60 +416,27 @@ class _Run:
         parked: dict[int, list] = {}
         steps, versions = self.rows, self.versions
         start, samples_done = time.perf_counter(), 0
-        one = t.scalar(1.0)
-        per_mini = p.prompts_per_step // p.mini_batches
+        self._one = t.scalar(1.0)
         for b in range(self.start, p.steps):
             t_step = time.perf_counter()
             gen_busy0, waits0 = self._gen_busy_s(), dataclasses.replace(self.stream.metrics)
             stats: dict[str, list] = defaultdict(list)
             micro_metrics, apply_metrics, train_busy = [], [], 0.0
             prompt_ids: list[str] = []
+            drawn = None
             if self.link is not None:  # the generation processes drew the same prompts
                 drawn = [q.problem.prompt_id for q in self.ckpts.draw(b, p.prompts_per_step)]
             # PPO mini-batches: `mini_batches` optimizer steps per global batch, each
-            # over the next `per_mini` complete groups in arrival order; W_{b+1} is
-            # published once, after the last (DESIGN.md §2: versions count batches).
+            # over the next prompts_per_step / mini_batches complete groups in arrival
+            # order; W_{b+1} is published once, after the last (DESIGN.md §2: versions
+            # count batches).
             for k in range(p.mini_batches):
-                remaining = per_mini
-                while remaining:
-                    if p.deterministic:
-                        first = k * per_mini + per_mini - remaining
-                        count = min(p.micro_batch_groups, remaining)
-                        groups = self._take_indexed(b, first, count, parked)
-                    else:
-                        groups = self._take_groups(
-                            b,
-                            self.sched.min_groups(p, remaining),
-                            min(p.micro_batch_groups, remaining),
-                            parked,
-                        )
-                    remaining -= len(groups)
+                for groups in self._micro_groups(b, k, parked):
                     prompt_ids += [g[0].sample.metadata["prompt_id"] for g in groups]
-                    if self.link is not None:
+                    if drawn is not None:
                         _check_prompts(b, groups, drawn)
-                    t0 = self.tracer.now()
-                    dev = self._micro_batch(b, groups, stats)
-                    if dev is None:
-                        continue
-                    acc, m = t.accumulate(self.c.state, acc, dev, one)
-                    # Deliberate sync point: the trace span must cover the compute, and it
-                    # bounds the micro-batches queued on the device.
-                    jax.block_until_ready(acc)
-                    t1 = self.tracer.now()
-                    tokens = sum(
-                        len(s.sample.prompt) + len(s.sample.response) for g in groups for s in g
-                    )
-                    self.tracer.add(
-                        "trainer/micro-batch",
-                        "accumulate",
-                        t0,
-                        t1,
-                        groups=len(groups),
-                        tokens=tokens,
-                    )
-                    micro_metrics.append(m)
-                    train_busy += t1 - t0
-                    self._tick("trainer")
+                    acc, busy = self._accumulate(b, groups, acc, stats, micro_metrics)
+                    train_busy += busy
                 t0 = self.tracer.now()
                 self._at_boundary = False
                 self.c.state, acc, m = t.apply(self.c.state, acc)
@@ -484,19 +456,12 @@ class _Run:
             # work is dispatched.
             self._flush_pending()
             self._pending_metrics = apply_metrics
-            samples_done += len(stats["reward"])
+            batch_stats, n_samples = self._batch_stats(b, stats)
+            samples_done += n_samples
             now = time.perf_counter()
             wall = max(now - t_step, 1e-9)
             n_inst = self.link.num_instances if self.link else len(self.c.service.engines)
-            row = {
-                "reward": _mean(stats["reward"]),
-                "accuracy": _mean(stats["correct"]),
-                "format_ok": _mean(stats["format_ok"]),
-                "response_len": _mean(stats["length"]),
-                "response_len_max": float(max(stats["length"], default=0)),
-                "truncated": _mean(stats["truncated"]),
-                "staleness": _mean([b - v for v in stats["versions"]]),
-                "dropped_stale": float(self.gate.dropped),
+            row = batch_stats | {
                 "dropped_overlong": float(self.c.prompts.dropped_overlong),
                 "truncated_overlong": float(self.c.prompts.truncated_overlong),
                 "queue_depth": float(self.stream.depth()["ready_samples"]),
@@ -530,6 +495,86 @@ class _Run:
             )
         self._flush_pending()
         return steps, versions
+
+    def _micro_groups(self, b: int, k: int, parked: dict) -> Iterator[list[list[Scored]]]:
+        """The groups of each micro-batch of mini-batch k of batch b, taken lazily (each
+        once the previous micro-batch is accumulated)."""
+        p = self.cfg.pipeline
+        if self.group is not None:
+            # Several training processes: this process's fixed slice of each micro-batch,
+            # so all of them make the same calls (distributed/shards.py).
+            own = self.group.own
+            for j in range(own.micro_batches()):
+                want = own.local_groups(k, j, self.group.index)
+                if p.deterministic:
+                    yield self._take_indexed(b, want, parked)
+                else:
+                    yield self._take_groups(b, len(want), len(want), parked)
+            return
+        per_mini = p.prompts_per_step // p.mini_batches
+        remaining = per_mini
+        while remaining:
+            if p.deterministic:
+                first = k * per_mini + per_mini - remaining
+                count = min(p.micro_batch_groups, remaining)
+                groups = self._take_indexed(b, list(range(first, first + count)), parked)
+            else:
+                groups = self._take_groups(
+                    b,
+                    self.sched.min_groups(p, remaining),
+                    min(p.micro_batch_groups, remaining),
+                    parked,
+                )
+            remaining -= len(groups)
+            yield groups
+
+    def _accumulate(
+        self, b: int, groups: list[list[Scored]], acc: Any, stats: dict, micro_metrics: list
+    ) -> tuple[Any, float]:
+        """One micro-batch's gradients into `acc`; returns (acc, busy seconds)."""
+        t, one = self.c.trainer, self._one
+        t0 = self.tracer.now()
+        dev = self._micro_batch(b, groups, stats)
+        if dev is None:
+            return acc, 0.0
+        acc, m = t.accumulate(self.c.state, acc, dev, one)
+        # Deliberate sync point: the trace span must cover the compute, and it bounds
+        # the micro-batches queued on the device.
+        jax.block_until_ready(acc)
+        t1 = self.tracer.now()
+        tokens = sum(len(s.sample.prompt) + len(s.sample.response) for g in groups for s in g)
+        self.tracer.add(
+            "trainer/micro-batch", "accumulate", t0, t1, groups=len(groups), tokens=tokens
+        )
+        micro_metrics.append(m)
+        self._tick("trainer")
+        return acc, t1 - t0
+
+    def _batch_stats(self, b: int, stats: dict[str, list]) -> tuple[dict[str, float], int]:
+        """The step's sample statistics (over every training process's share) and the
+        number of samples trained."""
+        keys = ("reward", "correct", "format_ok", "length", "truncated")
+        sums = [float(np.sum(stats[k])) for k in keys]
+        sums += [float(np.sum([b - v for v in stats["versions"]])), float(self.gate.dropped)]
+        sums.append(float(len(stats["reward"])))
+        longest = max(stats["length"], default=0)
+        if self.group is not None:
+            sums, longest = self.group.sum(sums), self.group.max([longest])[0]
+        n, dropped = int(sums.pop()), sums.pop()
+        mean = dict(
+            zip((*keys, "staleness"), [x / n if n else float("nan") for x in sums], strict=True)
+        )
+        out = {
+            "reward": mean["reward"],
+            "accuracy": mean["correct"],
+            "format_ok": mean["format_ok"],
+            "response_len": mean["length"],
+            "response_len_max": float(longest),
+            "truncated": mean["truncated"],
+            "staleness": mean["staleness"],
+            "dropped_stale": dropped,
+        }
+        return out, n
 
     def _refresh_ranker(self) -> None:
         """Online ranker refresh on its own thread (one at a time; skipped while the
@@ -573,7 +618,7 @@ class _Run:
         self.tracer.add("checkpoint/save", f"step {k}", t0, self.tracer.now())
 
     def _check_finite(self, b: int, metrics: dict) -> None:
-        if float(jax.device_get(metrics["nonfinite"])) > 0:
+        if float(host(metrics["nonfinite"])) > 0:
             raise NonFiniteError(
                 f"step {b}: non-finite loss or gradients (pipeline.nonfinite='stop'); the "
                 "update was not applied"
@@ -749,16 +794,12 @@ def _check_prompts(batch: int, groups: list[list[Scored]], drawn: list[str]) -> 
             )
 
 
-def _mean(xs: list) -> float:
-    return float(np.mean(xs)) if len(xs) else float("nan")
-
-
 def _fetch(metrics: list[dict[str, jax.Array]]) -> dict[str, float]:
     """Device metrics of a step's optimizer steps, fetched and averaged over them."""
-    host = jax.device_get(metrics)
-    out = {k: float(np.mean([m[k] for m in host])) for k in host[0]}
+    values = host(metrics)
+    out = {k: float(np.mean([m[k] for m in values])) for k in values[0]}
     if "nonfinite" in out:  # updates skipped for NaN/Inf: a count, not a mean
-        out["nonfinite"] = float(np.sum([m["nonfinite"] for m in host]))
+        out["nonfinite"] = float(np.sum([m["nonfinite"] for m in values]))
     return out
 
 
@@ -796,7 +837,12 @@ def run_components(
     finally:
         components.close(cfg.pipeline.timeout_s)
     if cfg.log.final_params:
-        save_params(os.path.join(workdir, FINAL_PARAMS), result.state.params)
+        params = result.state.params
+        mesh = components.trainer.mesh
+        if mesh.is_multi_process:  # FSDP over several processes: every one gathers
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            params = host(jax.jit(lambda x: x, out_shardings=replicated)(params))
+        save_params(os.path.join(workdir, FINAL_PARAMS), params)
     logging.info(
         "run finished: %d steps, %d samples in %.1f s; evals %s",
         len(result.steps),

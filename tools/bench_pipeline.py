@@ -1,7 +1,22 @@
-"""Pipeline throughput of the four modes on the length-replay workload (one process).
+"""Pipeline throughput of the four modes on the length-replay workload.
 
   python tools/bench_pipeline.py --quick          # tiny model, <= 5 min on 2 cores
   python tools/bench_pipeline.py --variant=smollm2 --steps=6
+  python tools/bench_pipeline.py --processes --quick   # one process per stage
+
+`--processes`: the honest CPU stand-in for disaggregated hardware (DESIGN.md
+§5). Each disaggregated mode runs as two processes of one `jax.distributed`
+program (`launch/local.py -n 2 -g 1 --pin`: the generation process pinned to
+core 0, the training process to core 1, docs/multicontroller.md); `colocated`
+runs as one process that owns both cores. Every run is a real
+`python -m streamrl_jax.launch` (the config's own reward); samples/s come from
+its metrics.jsonl, the stage times alone from the two-process
+`disaggregated_batch` trace (the stages strictly alternate, each on its own
+core), `weight_sync_seconds` is the trainer's mean per-step transfer (cast,
+`device_get`, checksums, wire) and `weight_receive_seconds` the generation
+side's (wire, checksum, placement). No simulator profile in this mode. With
+`--quick`, 3 steps of 4 prompts x 4 samples (instead of 8 x 4; the same lengths):
+each run also pays process start-up and a compile-heavy first step.
 
 Every mode runs the same config (configs/length_replay.py: forced, paper-shaped
 response lengths; same prompts, seeds and model) and differs only in
@@ -41,6 +56,7 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 
@@ -54,11 +70,17 @@ _MODES = flags.DEFINE_list(
     "modes", "colocated,disaggregated_batch,stream_sync,stream_async", "Modes to run."
 )
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/bench_pipeline", "Traces and metrics per mode.")
+_PROCESSES = flags.DEFINE_bool(
+    "processes",
+    False,
+    "One process per stage, each pinned to its own core, against colocated in one "
+    "process owning both cores (launch/local.py --pin).",
+)
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _config(mode: str, steps: int):
+def _config(mode: str, steps: int, prompts_per_step: int = 0):
     from streamrl_jax import config as config_lib
 
     spec = importlib.util.spec_from_file_location(
@@ -70,6 +92,8 @@ def _config(mode: str, steps: int):
     cd["pipeline"]["mode"] = mode
     if steps:
         cd["pipeline"]["steps"] = steps
+    if prompts_per_step:
+        cd["pipeline"]["prompts_per_step"] = prompts_per_step
     return config_lib.from_config_dict(cd)
 
 
@@ -203,8 +227,122 @@ def _profile(cfg, workdir: str, measured: dict[str, float]) -> dict:
     }
 
 
+def _bounds(out: dict, n: int, trace_path: str, steps: int) -> None:
+    """Stage times alone (a disaggregated_batch trace) and their overlap / serial bounds."""
+    t_gen, t_train = _stage_times(trace_path, steps)
+    out["samples_per_step"] = n
+    out["t_gen_s"], out["t_train_s"] = round(t_gen, 3), round(t_train, 3)
+    out["bound_overlap_sps"] = round(n / max(t_gen, t_train), 4)
+    out["bound_serial_sps"] = round(n / (t_gen + t_train), 4)
+
+
+def _ratios(out: dict, per_mode: dict) -> None:
+    """Each mode over colocated, and stream_async over the overlap bound."""
+    out["modes"] = per_mode
+    base = per_mode.get("colocated", {}).get("samples_per_s")
+    for mode in ("disaggregated_batch", "stream_sync", "stream_async"):
+        if base and mode in per_mode:
+            out[f"{mode}_over_colocated"] = round(per_mode[mode]["samples_per_s"] / base, 3)
+    if "bound_overlap_sps" in out and "stream_async" in per_mode:
+        async_sps = per_mode["stream_async"]["samples_per_s"]
+        out["async_efficiency_vs_bound"] = round(async_sps / out["bound_overlap_sps"], 3)
+
+
+def _launch(mode: str, steps: int, workdir: str, overrides: list[str]) -> None:
+    """One run of `python -m streamrl_jax.launch`: two pinned processes (generation on
+    core 0, training on core 1) for the disaggregated modes, one process for colocated."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "streamrl_jax.launch",
+        f"--config={os.path.join(_ROOT, 'configs', 'length_replay.py')}:{_VARIANT.value}",
+        f"--workdir={workdir}",
+        f"--config.pipeline.mode={mode}",
+        *overrides,
+    ]
+    if steps:
+        cmd.append(f"--config.pipeline.steps={steps}")
+    if mode != "colocated":
+        local = [sys.executable, os.path.join(_ROOT, "launch", "local.py")]
+        cmd = [*local, "-n", "2", "-g", "1", "--pin", "--timeout_s", "900", "--", *cmd]
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        TF_CPP_MIN_LOG_LEVEL="3",
+        # Runs share programs (all generation processes, all training processes): the
+        # persistent cache turns their recompilation into reads. It only shortens the
+        # first step, which the figures leave out.
+        JAX_COMPILATION_CACHE_DIR=os.path.join(_WORKDIR.value, "jax_cache"),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
+    )
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=_ROOT, timeout=1000)
+    if run.returncode:
+        print(run.stdout[-4000:], run.stderr[-4000:], file=sys.stderr)
+        raise RuntimeError(f"{mode}: {' '.join(cmd)} exited with {run.returncode}")
+
+
+def _weight_receive_s(trace_path: str) -> float:
+    """Mean generation-side weight arrival (wire + checksum + placement), steps >= 1."""
+    spans = _spans(trace_path).get("weight_receive", [])
+    return sum(e["dur"] for e in spans) / 1e6 / max(len(spans), 1)
+
+
+def main_processes() -> None:
+    from streamrl_jax.metrics import read_jsonl
+
+    steps = _STEPS.value or (3 if _QUICK.value else 0)
+    # Quick: every run also pays 15-30 s of process start-up and a compile-heavy first
+    # step, so a batch is 4 prompts x 4 samples instead of 8 x 4 (same lengths) to stay
+    # within 5 minutes; 3 steps, so stream_async's measured steps still overlap
+    # generation (with 2, its last step only trains).
+    quick = ["--config.pipeline.prompts_per_step=4"] if _QUICK.value else []
+    out: dict = {"bench": "pipeline_processes", "variant": _VARIANT.value, "quick": _QUICK.value}
+    per_mode, sync_s = {}, []
+    t_start = time.time()
+    for mode in _MODES.value:
+        cfg = _config(mode, steps, prompts_per_step=4 if _QUICK.value else 0)
+        workdir = os.path.join(_WORKDIR.value, mode)
+        shutil.rmtree(workdir, ignore_errors=True)  # logs append
+        t0 = time.time()
+        _launch(mode, steps, workdir, quick)
+        rows = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "step_s" in r]
+        later = rows[1:]  # the first step includes compilation
+        n = cfg.pipeline.prompts_per_step * cfg.pipeline.group_size
+        sps = n * len(later) / sum(r["step_s"] for r in later)
+        trace = os.path.join(workdir, "trace.json")
+        per_mode[mode] = {
+            "samples_per_s": round(sps, 4),
+            "step_s": [round(r["step_s"], 3) for r in rows],
+            "train_busy": round(sum(r["train_busy"] for r in later) / len(later), 3),
+            "gen_busy": round(sum(r["gen_busy"] for r in later) / len(later), 3),
+            "run_wall_s": round(time.time() - t0, 1),
+        }
+        if mode != "colocated":
+            sync = [r["weight_sync_s"] for r in later]
+            sync_s += sync
+            per_mode[mode]["weight_sync_s"] = round(sum(sync) / len(sync), 4)
+            per_mode[mode]["weight_receive_s"] = round(_weight_receive_s(trace), 4)
+        print(f"{mode}: {sps:.3f} samples/s", file=sys.stderr, flush=True)
+        if mode == "disaggregated_batch":
+            _bounds(out, n, trace, len(rows))
+    _ratios(out, per_mode)
+    if sync_s:
+        out["weight_sync_seconds"] = round(sum(sync_s) / len(sync_s), 4)
+        receive = [v["weight_receive_s"] for v in per_mode.values() if "weight_receive_s" in v]
+        out["weight_receive_seconds"] = round(sum(receive) / len(receive), 4)
+    out["wall_s"] = round(time.time() - t_start, 1)
+    out["machine"] = (
+        f"{os.cpu_count()} CPU cores; disaggregated modes: 2 processes pinned to 1 core each; "
+        "colocated: 1 process, both cores"
+    )
+    print(json.dumps(out))
+
+
 def main(argv: list[str]) -> None:
     del argv
+    if _PROCESSES.value:
+        main_processes()
+        return
     import jax
 
     jax.config.update("jax_num_cpu_devices", _CPU.value)
@@ -237,19 +375,8 @@ def main(argv: list[str]) -> None:
         }
         print(f"{mode}: {sps:.3f} samples/s", file=sys.stderr, flush=True)
         if mode == "disaggregated_batch":
-            t_gen, t_train = _stage_times(os.path.join(workdir, "trace.json"), len(result.steps))
-            out["samples_per_step"] = n
-            out["t_gen_s"], out["t_train_s"] = round(t_gen, 3), round(t_train, 3)
-            out["bound_overlap_sps"] = round(n / max(t_gen, t_train), 4)
-            out["bound_serial_sps"] = round(n / (t_gen + t_train), 4)
-    out["modes"] = per_mode
-    base = per_mode.get("colocated", {}).get("samples_per_s")
-    for mode in ("disaggregated_batch", "stream_sync", "stream_async"):
-        if base and mode in per_mode:
-            out[f"{mode}_over_colocated"] = round(per_mode[mode]["samples_per_s"] / base, 3)
-    if "bound_overlap_sps" in out and "stream_async" in per_mode:
-        async_sps = per_mode["stream_async"]["samples_per_s"]
-        out["async_efficiency_vs_bound"] = round(async_sps / out["bound_overlap_sps"], 3)
+            _bounds(out, n, os.path.join(workdir, "trace.json"), len(result.steps))
+    _ratios(out, per_mode)
     if {"colocated", "disaggregated_batch"} <= set(per_mode):
         from streamrl_jax.simulation import profiles
 

@@ -1,8 +1,10 @@
-"""The pipeline across processes: G generation processes and one training process.
+"""The pipeline across processes: G generation processes and T training processes.
 
 Every process runs the same `python -m streamrl_jax.launch --config=...`;
 `run_process` joins the program (`roles.initialize`) and runs this process's
-role (processes 0 .. G-1 generate, the last one trains):
+role (processes 0 .. G-1 generate, the others train; several training processes
+run one SPMD trainer over a mesh of all their devices, each feeding its own
+slice of every micro-batch: `shards.py`):
 
 * **generation process k of G** (`run_generation`): builds only the generation
   side (`build.build_generation`: its instances on its own devices, the
@@ -50,7 +52,7 @@ Not supported across processes yet (an error at start-up, on every process):
 colocated mode; checkpoints and resume (orbax's CheckpointManager would need
 `MultiprocessingOptions(primary_host=<the training process>,
 active_processes={...})`); elastic instances and the online ranker refresh;
-several training processes.
+training processes that cannot split every micro-batch equally.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ from streamrl_jax import run as run_lib
 from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.distributed import roles
 from streamrl_jax.distributed.channel import ChannelClosed, PeerLost, TransportError
+from streamrl_jax.distributed.shards import Ownership, TrainingGroup, host
 from streamrl_jax.distributed.transport import SampleClient, SampleServer
 from streamrl_jax.distributed.weights import WeightReceiver, WeightSender
 from streamrl_jax.driver import GenerationDriver
@@ -133,11 +136,13 @@ def check_supported(
             "or run one process."
         )
     if num_processes is not None and num_processes - generation_processes > 1:
-        raise ValueError(
-            f"{num_processes - generation_processes} training processes "
-            f"(STREAMRL_NUM_PROCESSES={num_processes}, STREAMRL_GENERATION_PROCESSES="
-            f"{generation_processes}): one training process is supported so far"
-        )
+        try:
+            ownership(cfg, num_processes - generation_processes)
+        except ValueError as e:
+            raise ValueError(
+                f"STREAMRL_NUM_PROCESSES={num_processes}, STREAMRL_GENERATION_PROCESSES="
+                f"{generation_processes}: {e}"
+            ) from None
     ckpt_dir = os.path.join(workdir, "checkpoints")
     if cfg.checkpoint.every > 0 or os.path.isdir(ckpt_dir):
         raise ValueError(
@@ -157,6 +162,13 @@ def check_supported(
             f"scheduling.ranker_online=True with a ranker: the online refresh is not supported "
             f"with {n} yet; set scheduling.ranker_online=False"
         )
+
+
+def ownership(cfg: ExperimentConfig, training_processes: int) -> Ownership:
+    """Which training process trains which group (`shards.py`); ValueError if the
+    processes cannot split every micro-batch equally."""
+    p = cfg.pipeline
+    return Ownership(training_processes, p.prompts_per_step // p.mini_batches, p.micro_batch_groups)
 
 
 def run_process(
@@ -183,20 +195,33 @@ class SenderWeightSync(WeightSync):
     the cast copy stays here (the weight board keeps it); the seconds cover the cast,
     `device_get`, checksums and the wire to every receiver (not their placement,
     which each generation process reports as a `weight_receive/generation-<k>` span).
+
+    Several training processes: the cast also gathers the params, replicated over the
+    training mesh (a collective every training process joins, on its trainer thread);
+    the first training process sends its full local copy (`sender`), the others have
+    no sender and only take part in the gather.
     """
 
-    def __init__(self, sender: WeightSender, params: Any, dtype: Any, timeout_s: float):
+    def __init__(self, sender: WeightSender | None, params: Any, dtype: Any, timeout_s: float):
         super().__init__([jax.tree.map(lambda x: x.sharding, params)], dtype)
         self.sender, self.timeout_s = sender, timeout_s
+        mesh = jax.tree.leaves(params)[0].sharding.mesh
+        if mesh.is_multi_process:
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            self._cast = jax.jit(self._cast_fn, out_shardings=replicated)
 
     def _move(self, cast: Any, version: int, t0: float) -> tuple[list[Published], SyncStats]:
-        sent = self.sender.send(cast, version, timeout=self.timeout_s)
-        stats = SyncStats(
-            version=version,
-            bytes=sent.bytes,
-            seconds=time.perf_counter() - t0,
-            destinations=self.sender.num_receivers,
-        )
+        if self.sender is None:
+            jax.block_until_ready(cast)
+            stats = SyncStats(version, 0, time.perf_counter() - t0, 0)
+        else:
+            sent = self.sender.send(host(cast), version, timeout=self.timeout_s)
+            stats = SyncStats(
+                version=version,
+                bytes=sent.bytes,
+                seconds=time.perf_counter() - t0,
+                destinations=self.sender.num_receivers,
+            )
         self.history.append(stats)
         return [Published(cast, version)], stats
 
@@ -207,6 +232,10 @@ class TrainingLink:
     def __init__(self, cfg: ExperimentConfig, dcfg: roles.DistributedConfig, r: roles.Roles):
         g = len(r.generation_processes)
         p = cfg.pipeline
+        # Several training processes: this one's index; the first sends the weights,
+        # writes the metrics and scores the held-out prompts.
+        self.index = r.training_processes.index(r.process_id)
+        self.group: TrainingGroup | None = None  # set once the training mesh exists
         self.timeout = p.timeout_s
         self.num_instances = g * len(cfg.mesh.instance_slots)
         self._attached = threading.Event()
@@ -214,26 +243,28 @@ class TrainingLink:
         self._hooks: tuple[Any, ...] = ()
         self._early: list[tuple[str, BaseException]] = []  # failures before attach
         self._inflight = threading.BoundedSemaphore(IN_FLIGHT)
-        host = roles.advertised_host(dcfg)
+        address = roles.advertised_host(dcfg)
         self.server = SampleServer(
-            f"{host}:0",
+            f"{address}:0",
             authkey=dcfg.authkey,
             capacity=max(2 * g, p.prompts_per_step * p.group_size),
             timeout_s=CHANNEL_TIMEOUT_S,
             num_producers=g,
             on_sample=self._on_message,
             on_error=lambda exc: self._failed("generation process", exc),
-            name="training",
+            name=f"training-{self.index}",
         )
-        self.sender = WeightSender(
-            f"{host}:0",
-            authkey=dcfg.authkey,
-            num_receivers=g,
-            timeout_s=CHANNEL_TIMEOUT_S,
-            name="training",
-        )
-        roles.publish(SAMPLES_KEY, "{}:{}".format(*self.server.address))
-        roles.publish(WEIGHTS_KEY, "{}:{}".format(*self.sender.address))
+        self.sender = None
+        if self.index == 0:
+            self.sender = WeightSender(
+                f"{address}:0",
+                authkey=dcfg.authkey,
+                num_receivers=g,
+                timeout_s=CHANNEL_TIMEOUT_S,
+                name="training",
+            )
+            roles.publish(WEIGHTS_KEY, "{}:{}".format(*self.sender.address))
+        roles.publish(f"{SAMPLES_KEY}-{self.index}", "{}:{}".format(*self.server.address))
 
     def _failed(self, component: str, exc: BaseException) -> None:
         if isinstance(exc, PeerLost):
@@ -289,12 +320,14 @@ class TrainingLink:
         if self._closed:
             return
         self._closed = True
-        try:
-            roles.publish(RUN_END_KEY, outcome)
-        except Exception as e:  # noqa: BLE001 - the coordination service may be gone
-            logging.warning("could not publish the run's outcome: %r", e)
+        if self.index == 0:
+            try:
+                roles.publish(RUN_END_KEY, outcome)
+            except Exception as e:  # noqa: BLE001 - the coordination service may be gone
+                logging.warning("could not publish the run's outcome: %r", e)
         wait = min(timeout, 60.0 if outcome == "ok" else CLOSE_TIMEOUT_S)
-        self.sender.close(CLOSE_TIMEOUT_S)
+        if self.sender is not None:
+            self.sender.close(CLOSE_TIMEOUT_S)
         try:
             self.server.get(timeout=wait)  # callback mode: returns only by raising
         except ChannelClosed:
@@ -310,14 +343,38 @@ def run_training(
     cfg: ExperimentConfig, workdir: str, dcfg: roles.DistributedConfig, r: roles.Roles
 ) -> run_lib.RunResult:
     link = TrainingLink(cfg, dcfg, r)
+    # The training mesh: the first mesh.train_devices devices of every training process.
+    per = cfg.mesh.train_devices
+    devices = [
+        d
+        for pid in r.training_processes
+        for d in sorted((d for d in jax.devices() if d.process_index == pid), key=lambda d: d.id)[
+            :per
+        ]
+    ]
 
     def weight_sync(params: Any, dtype: Any) -> SenderWeightSync:
         return SenderWeightSync(link.sender, params, dtype, cfg.pipeline.timeout_s)
 
     try:
-        components = build_lib.build_training(cfg, jax.local_devices(), weight_sync)
+        components = build_lib.build_training(
+            cfg, devices, weight_sync, processes=len(r.training_processes)
+        )
+        if len(r.training_processes) > 1:
+            link.group = TrainingGroup(
+                components.trainer.mesh, ownership(cfg, len(r.training_processes)), link.index
+            )
+        if link.index > 0:
+            # The first training process scores the held-out prompts and writes the
+            # metrics; this one keeps its own trace and sample logs apart.
+            components.eval_prompts = []
+            workdir = os.path.join(workdir, f"training-{link.index}")
         return run_lib.run_components(cfg, components, workdir, link=link)
     except BaseException as e:
+        if len(r.training_processes) > 1 and "gloo" in str(e).lower():
+            # A collective of the training mesh broke: another training process is gone.
+            others = [p for p in r.training_processes if p != r.process_id]
+            logging.error("lost peer: a collective over the training processes %s failed", others)
         link.close(f"failed: training process: {e!r}", CLOSE_TIMEOUT_S)  # if the run did not
         raise
 
@@ -337,12 +394,20 @@ class _GenerationProcess:
         self.share = (r.generation_processes.index(self.pid), len(r.generation_processes))
         self.side = build_lib.build_generation(cfg, jax.local_devices())
         name = f"generation-{self.pid}"
-        self.client = SampleClient(
-            roles.lookup(SAMPLES_KEY, self.timeout),
-            authkey=dcfg.authkey,
-            timeout_s=CHANNEL_TIMEOUT_S,
-            name=name,
-        )
+        # One sample channel per training process: each group goes to its owner
+        # (shards.py); held-out samples and reports go to the first.
+        t = len(r.training_processes)
+        self.own = ownership(cfg, t) if t > 1 else None
+        self.clients = [
+            SampleClient(
+                roles.lookup(f"{SAMPLES_KEY}-{i}", self.timeout),
+                authkey=dcfg.authkey,
+                timeout_s=CHANNEL_TIMEOUT_S,
+                name=name,
+            )
+            for i in range(t)
+        ]
+        self.client = self.clients[0]
         self.receiver = WeightReceiver(
             roles.lookup(WEIGHTS_KEY, self.timeout),
             authkey=dcfg.authkey,
@@ -354,7 +419,13 @@ class _GenerationProcess:
 
     # ------------------------------------------------------------------ hooks
     def _send(self, msg: Any) -> None:
-        self.client.send(msg, timeout=self.timeout)  # back-pressure waits up to the stall bound
+        client = self.client
+        if self.own is not None and isinstance(msg, Sample) and "eval_version" not in msg.metadata:
+            client = self.clients[self.own.owner(msg.metadata["group"])]
+        client.send(msg, timeout=self.timeout)  # back-pressure waits up to the stall bound
+
+    def _channel_error(self) -> BaseException | None:
+        return next((c.error for c in self.clients if c.error is not None), None)
 
     def _receive(self, version: int) -> list[Any]:
         """W_version placed on every instance; earlier versions the driver skips are dropped."""
@@ -418,12 +489,16 @@ class _GenerationProcess:
             outcome, ok = "stopped", True
         finally:
             driver.stop()
-            if not ok and self.client.error is None:
-                # Tell the trainer why, so it fails naming this process.
-                with contextlib.suppress(TransportError):
-                    self.client.send(GenerationFailed(self.pid, repr(self._reason())), timeout=2)
+            if not ok:
+                # Tell every training process why, so they fail naming this process.
+                failed = GenerationFailed(self.pid, repr(self._reason()))
+                for client in self.clients:
+                    if client.error is None:
+                        with contextlib.suppress(TransportError):
+                            client.send(failed, timeout=2)
             # Closing the channels first wakes a driver thread blocked on one of them.
-            self.client.close(CLOSE_TIMEOUT_S)
+            for client in self.clients:
+                client.close(CLOSE_TIMEOUT_S)
             self.receiver.close(CLOSE_TIMEOUT_S)
             for th in driver.threads:
                 th.join(CLOSE_TIMEOUT_S)
@@ -447,8 +522,9 @@ class _GenerationProcess:
                 error = self._error
             if error is not None:
                 self._raise(error[1])
-            if self.client.error is not None:
-                self._raise(self.client.error)
+            error = self._channel_error()
+            if error is not None:
+                self._raise(error)
 
     def _raise(self, exc: BaseException) -> None:
         if isinstance(exc, PeerLost):

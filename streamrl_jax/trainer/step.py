@@ -277,7 +277,14 @@ class Trainer:
         return self._copy(params)
 
     def place_batch(self, batch: TrainBatch) -> TrainBatch:
-        """Explicit host-to-device transfer of a (numpy) TrainBatch, rows over "fsdp"."""
+        """Explicit host-to-device transfer of a (numpy) TrainBatch, rows over "fsdp".
+
+        On a training mesh that spans processes, `batch` is this process's rows of the
+        global micro-batch (`distributed/shards.py`)."""
+        if self.mesh.is_multi_process:
+            return jax.tree.map(
+                lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x), batch
+            )
         return jax.device_put(batch, self.batch_sharding)
 
     def scalar(self, value: float) -> jax.Array:

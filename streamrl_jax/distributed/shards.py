@@ -1,0 +1,179 @@
+"""Several training processes: which groups each one trains, and the few values they agree on.
+
+With T > 1 training processes the training mesh spans all of their devices and
+the trainer is one SPMD program: every training process must call the same
+jitted functions, in the same order, on arrays of the same global shape. Each
+process feeds its own rows of every micro-batch
+(`jax.make_array_from_process_local_data`), so samples never move between
+training processes:
+
+* **Ownership.** Micro-batch j of mini-batch k holds the groups
+  `k*per_mini + j*m .. + size` (m = `pipeline.micro_batch_groups`,
+  size = min(m, per_mini - j*m)), exactly as in one process; training process t
+  owns the t-th of T equal slices of them. Generation processes send each
+  group's samples to its owner only, so the global micro-batch (process 0's rows,
+  then process 1's, ...) holds the same groups in the same order as one
+  process's. Needs T | m and T | per_mini (checked at start-up).
+* **Agreement.** Before each micro-batch the processes agree (a max over the
+  training mesh) on the padded shape, since the longest sequence and the rows
+  kept by the version gate differ per process; a process whose groups were all
+  dropped feeds padding rows. Per-step host statistics (rewards, lengths,
+  staleness, sample counts) are summed the same way, so every training process
+  reports the whole batch.
+
+Both are collectives over the training mesh only (the generation processes
+take no part), issued on the trainer thread in program order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from streamrl_jax.trainer.batch import TrainBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class Ownership:
+    """Which training process trains which group of a batch."""
+
+    count: int  # T training processes
+    per_mini: int  # groups per mini-batch
+    micro: int  # groups per micro-batch (in one process)
+
+    def __post_init__(self):
+        if self.count < 1 or self.per_mini % self.count or self.micro % self.count:
+            raise ValueError(
+                f"{self.count} training processes must divide pipeline.micro_batch_groups "
+                f"({self.micro}) and the groups per mini-batch (prompts_per_step / "
+                f"mini_batches = {self.per_mini}): each owns an equal slice of every micro-batch"
+            )
+
+    def _slot(self, group: int) -> tuple[int, int, int, int]:
+        """(mini-batch, micro-batch, position, micro-batch size) of a group index."""
+        k, r = divmod(group, self.per_mini)
+        j, pos = divmod(r, self.micro)
+        return k, j, pos, min(self.micro, self.per_mini - j * self.micro)
+
+    def owner(self, group: int) -> int:
+        _, _, pos, size = self._slot(group)
+        return pos // (size // self.count)
+
+    def micro_batches(self) -> int:
+        """Micro-batches per mini-batch."""
+        return -(-self.per_mini // self.micro)
+
+    def local_groups(self, mini: int, j: int, process: int) -> list[int]:
+        """Group indices (in order) that training process `process` feeds to micro-batch
+        `j` of mini-batch `mini`."""
+        first = mini * self.per_mini + j * self.micro
+        size = min(self.micro, self.per_mini - j * self.micro)
+        share = size // self.count
+        return list(range(first + process * share, first + (process + 1) * share))
+
+
+class TrainingGroup:
+    """The training processes' collectives: shape agreement, sums and maxima."""
+
+    def __init__(self, mesh: Mesh, ownership: Ownership, index: int):
+        self.mesh, self.own, self.index = mesh, ownership, index
+        self.fsdp = mesh.shape["fsdp"]
+        if self.fsdp % ownership.count:
+            raise ValueError(
+                f"training mesh fsdp size {self.fsdp} is not a multiple of the "
+                f"{ownership.count} training processes"
+            )
+        self._rows = NamedSharding(mesh, PartitionSpec("fsdp"))
+        rep = NamedSharding(mesh, PartitionSpec())
+        self._max = jax.jit(lambda x: x.max(0), out_shardings=rep)
+        self._sum = jax.jit(lambda x: x.sum(0), out_shardings=rep)
+
+    @property
+    def count(self) -> int:
+        return self.own.count
+
+    def _global(self, rows: np.ndarray) -> jax.Array:
+        """[fsdp / T, k] rows of this process -> a [fsdp, k] array over the training mesh."""
+        return jax.make_array_from_process_local_data(self._rows, rows, (self.fsdp, rows.shape[1]))
+
+    def max(self, values: Sequence[int]) -> list[int]:
+        """Element-wise max of `values` over the training processes."""
+        local = np.tile(np.asarray(values, np.int32)[None], (self.fsdp // self.count, 1))
+        return [int(v) for v in host(self._max(self._global(local)))]
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sum of `values` over the training processes (float32)."""
+        local = np.zeros((self.fsdp // self.count, len(values)), np.float32)
+        local[0] = values
+        return [float(v) for v in host(self._sum(self._global(local)))]
+
+    def agree(self, batch: TrainBatch | None, pad_id: int, buckets: Sequence[int]):
+        """This process's rows of a micro-batch, padded to the shape all processes agreed
+        on; None when every process's groups were dropped (all skip the micro-batch).
+
+        `buckets` are the trainer's global batch buckets (each divisible by the fsdp size).
+        """
+        rows = 0 if batch is None else int(batch.attention_mask.any(axis=1).sum())
+        seq = 0 if batch is None else batch.tokens.shape[1]
+        max_rows, max_seq = self.max([rows, seq])
+        if max_rows == 0:
+            return None
+        need = max_rows * self.count
+        fits = [b for b in buckets if b >= need]
+        if not fits:
+            raise ValueError(f"micro-batch of {need} rows exceeds the batch buckets {buckets}")
+        local_rows = fits[0] // self.count
+        return pad_batch(batch, local_rows, max_seq, pad_id)
+
+
+def pad_batch(batch: TrainBatch | None, rows: int, seq: int, pad_id: int) -> TrainBatch:
+    """`batch` padded (or cut: its real rows come first) to [rows, seq]; an all-padding
+    batch for None. Padding rows and columns are masked out of every loss term."""
+
+    def fit(x: np.ndarray | None, fill: Any, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
+        out = np.full(shape, fill, dtype)
+        if x is not None:
+            r, *t = x.shape
+            r = min(r, shape[0])
+            if t:
+                out[:r, : t[0]] = x[:r]
+            else:
+                out[:r] = x[:r]
+        return out
+
+    f = (lambda name: None) if batch is None else (lambda name: getattr(batch, name))
+    fields = {}
+    for name in TrainBatch.__dataclass_fields__:
+        if name == "rewards":
+            fields[name] = fit(f(name), 0, np.float32, (rows,))
+        elif name == "tokens":
+            fields[name] = fit(f(name), pad_id, np.int32, (rows, seq))
+        elif name in ("attention_mask", "loss_mask"):
+            fields[name] = fit(f(name), False, bool, (rows, seq))
+        else:
+            fields[name] = fit(f(name), 0, np.float32, (rows, seq))
+    return TrainBatch(**fields)
+
+
+def host(x: Any) -> Any:
+    """Host copy of a (possibly multi-process, replicated) array or pytree of them.
+
+    A value replicated over a mesh that spans processes is not fully addressable, so
+    `jax.device_get` refuses it; any local shard holds all of it.
+    """
+
+    def one(a: Any) -> Any:
+        if isinstance(a, jax.Array) and not a.is_fully_addressable:
+            if not a.sharding.is_fully_replicated:
+                raise ValueError(
+                    f"host(): a {a.shape} array sharded over other processes; gather it first"
+                )
+            a = a.addressable_shards[0].data
+        return np.asarray(jax.device_get(a))
+
+    return jax.tree.map(one, x)
