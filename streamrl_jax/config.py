@@ -147,6 +147,7 @@ class SchedulingSection:
 
     dispatch: str = "round_robin"  # round_robin | random | skew_aware | oracle
     objective: str = "max"  # Algorithm 2 objective: max (makespan) | sum (paper's pseudocode)
+    planner: str = "lpt"  # lpt (list scheduling, for fixed-shape engines) | groups (Algorithm 2)
     ranker_path: str = ""  # a ranker pickle from tools/train_ranker.py ("" = untrained)
     ranker_online: bool = True  # refresh the ranker from completed samples every step
     ranker_min_samples: int = 64  # online refresh starts once this many samples are buffered
@@ -267,6 +268,7 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         f"scheduling.dispatch={sc.dispatch!r}; expected one of {dispatches}",
     )
     _require(sc.objective in ("max", "sum"), f"scheduling.objective={sc.objective!r}; max | sum")
+    _require(sc.planner in ("lpt", "groups"), f"scheduling.planner={sc.planner!r}; lpt | groups")
     _require(
         0 <= sc.elastic_reserved < len(m.instance_slots),
         f"scheduling.elastic_reserved={sc.elastic_reserved} must leave at least one of the "

@@ -93,6 +93,49 @@ def test_heterogeneous_slots_long_tail_on_smallest_instance():
     assert plan.long_instances[0] == 1
 
 
+def test_list_schedule_hand_made():
+    # One slot each, 1 s per token: 10 -> A; 9 -> B (9 < 19); 8 -> B (17 < 18); the three
+    # 1s -> A (11, 12, 13).
+    where, finish = dispatch.list_schedule(np.array([10, 9, 8, 1, 1, 1]), [1, 1], [1.0, 1.0])
+    assert where == [0, 1, 1, 0, 0, 0] and finish == [13.0, 17.0]
+    # A two-slot instance at 2 s per token and a one-slot one at 1 s: ties go to index 0.
+    where, finish = dispatch.list_schedule(np.array([4, 4, 4]), [2, 1], [2.0, 1.0])
+    assert where == [1, 0, 0] and finish == [8.0, 4.0]
+
+
+def test_expected_lengths_are_rank_quantiles():
+    recent = np.arange(1, 101)
+    q = [np.quantile(recent, x) for x in (0.875, 0.625, 0.375, 0.125)]
+    est = dispatch.expected_lengths(np.array([1.0, 4.0, 3.0, 2.0]), recent)
+    np.testing.assert_allclose(est, [q[3], q[0], q[1], q[2]])
+    # Equal scores (a GRPO group; no ranker) share their ranks' mean.
+    est = dispatch.expected_lengths(np.array([5.0, 5.0, 1.0, 1.0]), recent)
+    np.testing.assert_allclose(est, [(q[0] + q[1]) / 2] * 2 + [(q[2] + q[3]) / 2] * 2)
+    np.testing.assert_allclose(dispatch.expected_lengths(np.zeros(4), recent), np.mean(q))
+
+
+def test_lpt_planner_balances_predicted_work():
+    """Two equal instances, flat PTL: the longest-ranked prompts alternate between them and
+    the predicted makespan is the list schedule's."""
+    scores = np.arange(8, 0, -1).astype(float)  # prompt 0 is predicted longest
+    recent = np.array([10, 20, 30, 40, 50, 60, 70, 80])
+    flat = dispatch.PTLProfile((1, 8), (1.0, 1.0))
+    cfg = dispatch.DispatchConfig(planner="lpt", static_batch=True)
+    d = dispatch.SkewAwareDispatcher(lambda _p: scores, flat, cfg)
+    d.observe(recent)
+    plan = d.plan([[1]] * 8, 2, [1, 1])
+    est = dispatch.expected_lengths(scores, recent)
+    where, finish = dispatch.list_schedule(est, [1, 1], [1.0, 1.0])
+    assert plan.instance_per_request == where  # scores descending = submission order
+    assert plan.predicted_s["cost"] == pytest.approx(max(finish))
+    assert plan.instance_per_request[:2] == [0, 1] and plan.long_instances == ()
+    assert plan.priority_per_request == scores.tolist()  # LPT admission inside instances
+    loads = [sum(est[i] for i in range(8) if where[i] == k) for k in range(2)]
+    assert abs(loads[0] - loads[1]) <= max(est) - min(est)
+    with pytest.raises(ValueError, match="planner"):
+        dispatch.DispatchConfig(planner="fastest")
+
+
 def test_random_dispatcher_is_proportional_to_slots_and_fifo():
     plan = dispatch.RandomDispatcher(seed=0).plan([[1]] * 30, 2, [8, 4])
     counts = np.bincount(plan.instance_per_request, minlength=2)

@@ -24,6 +24,25 @@ The plan, per global batch of n prompts over N instances:
    `priority` is its score, and an engine with `admission="lpt"` admits the highest
    priority whenever a slot frees.
 
+Steps 1-4 are the `"groups"` planner (the paper's). Its premise is a GPU decode step
+whose cost falls with the *active* batch: a long-tail instance left with a few long
+samples then runs them fast. This repo's engine decodes every KV slot every step
+(`static_batch`), so an instance costs PTL(BS_max) per step however few samples it holds,
+and isolating the long tail buys nothing; what remains is balancing work. The `"lpt"`
+planner does that with the same inputs:
+
+    L_r = Q_recent(1 - (r + 1/2) / n)     expected length of the prompt ranked r-th
+                                          (0 = longest) of n: the ranker gives only the
+                                          order, the recent distribution the lengths
+                                          (equal scores share their ranks' mean)
+    for r = 0, 1, ..., n-1:               longest first (list scheduling)
+        k = argmin_k  free_k + L_r * PTL_k    free_k: the earliest a slot of instance k
+        free_k <- free_k + L_r * PTL_k        frees; PTL_k = PTL(BS_max_k, L / 2)
+
+which is continuous batching with LPT admission played forward on the expected lengths
+(exact for fixed-shape steps; with `static_batch=False` it prices every step at PTL(BS_max)).
+`tools/bench_scheduling.py` measures both planners on the engine.
+
 Baselines: `RandomDispatcher` (shuffled, dealt in proportion to slot counts, priority 0 so
 an LPT engine degenerates to FIFO) and the oracle (`plan_scores` with the true lengths as
 scores). Pure numpy host code; the simulator (`simulation/dispatch.py`) plans with
@@ -42,6 +61,7 @@ from typing import Protocol
 import numpy as np
 
 OBJECTIVES = ("max", "sum")
+PLANNERS = ("groups", "lpt")
 PTL = Callable[[int, float], float]  # (batch size, mean context tokens) -> seconds per step
 # The paper's measured 7B decode curve (H800), ms per token at batch size BS.
 PAPER_PTL_7B = {1: 8.3, 2: 8.7, 4: 8.9, 8: 9.0, 16: 9.4, 32: 10.2, 64: 11.7, 128: 15.2}
@@ -187,6 +207,7 @@ def plan_from_scores(
     long_quantile: float = 0.9,
     regular_quantile: float = 0.5,
     static_batch: bool = False,
+    planner: str = "groups",
 ) -> DispatchPlan:
     """Algorithm 2 over numbers (see the module docstring).
 
@@ -199,7 +220,12 @@ def plan_from_scores(
       objective: "max" (makespan of the two groups) or "sum" (the paper's pseudocode).
       long_quantile, regular_quantile: quantiles of `recent_lengths` for L_long, L_reg.
       static_batch: cost every step at the instance's full batch (see `instance_latency`).
+      planner: "groups" (long-tail and regular instance groups, the paper's) or "lpt"
+        (list scheduling of rank-quantile expected lengths; `alpha`, `objective` and the
+        quantiles are unused).
     """
+    if planner not in PLANNERS:
+        raise ValueError(f"dispatch planner must be one of {PLANNERS}, got {planner!r}")
     if objective not in OBJECTIVES:
         raise ValueError(f"dispatch objective must be one of {OBJECTIVES}, got {objective!r}")
     if not 0 < alpha < 1:
@@ -218,6 +244,14 @@ def plan_from_scores(
         raise ValueError(f"dispatch: need >= 1 instance with >= 1 slot, got caps {caps_reg}")
     order = np.argsort(-scores, kind="stable")
     priority = scores.tolist()
+    if planner == "lpt":
+        est = expected_lengths(scores, recent)
+        step_s = [ptl(c, float(np.mean(est)) / 2) for c in caps_reg]
+        where, finish = list_schedule(est[order], caps_reg, step_s)
+        target = [0] * n
+        for pos, inst in zip(order, where, strict=True):
+            target[int(pos)] = inst
+        return DispatchPlan(target, priority, (), {"cost": max(finish)}, (l_long, l_reg))
     if num == 1 or n < 2:
         cost = instance_latency(n, l_reg, caps_reg[0], ptl, static_batch)
         return DispatchPlan([0] * n, priority, (), {"cost": cost}, (l_long, l_reg))
@@ -252,6 +286,42 @@ def plan_from_scores(
         {"long": t_long, "regular": t_reg, "cost": cost},
         (l_long, l_reg),
     )
+
+
+def expected_lengths(scores: np.ndarray, recent_lengths: np.ndarray) -> np.ndarray:
+    """f64[n]: prompt i's expected length, the recent distribution's quantile
+    1 - (r + 1/2) / n at its score rank r (0 = highest); prompts with equal scores (a GRPO
+    group, or no ranker at all) share the mean of their ranks' quantiles."""
+    scores = np.asarray(scores, np.float64)
+    n = len(scores)
+    order = np.argsort(-scores, kind="stable")
+    q = np.quantile(np.asarray(recent_lengths, np.float64), 1 - (np.arange(n) + 0.5) / n)
+    est = np.empty(n)
+    est[order] = q
+    _, inverse = np.unique(scores, return_inverse=True)
+    sums = np.bincount(inverse, weights=est)
+    return sums[inverse] / np.bincount(inverse)[inverse]
+
+
+def list_schedule(
+    lengths_desc: np.ndarray, caps: Sequence[int], step_s: Sequence[float]
+) -> tuple[list[int], list[float]]:
+    """Greedy list scheduling of jobs (longest first) onto instances' slots.
+
+    Each job goes to the instance where it would finish first: the earliest free slot of
+    instance k plus length x step_s[k] (ties: the lower index).
+
+    Returns:
+      (instance per job, predicted finish time per instance).
+    """
+    free = [np.zeros(c) for c in caps]
+    where = []
+    for length in lengths_desc:
+        ends = [f.min() + float(length) * t for f, t in zip(free, step_s, strict=True)]
+        k = int(np.argmin(ends))
+        free[k][int(np.argmin(free[k]))] = ends[k]
+        where.append(k)
+    return where, [float(f.max()) for f in free]
 
 
 def _deal(counts: Sequence[int]) -> list[int]:
@@ -323,6 +393,8 @@ class DispatchConfig:
       prompt_tokens: prompt length added to L for the KV cap.
       static_batch: cost each instance's steps at its full slot count (this repo's engine
         decodes every slot every step); False = at the active batch (the paper's model).
+      planner: "groups" (Algorithm 2's long-tail / regular groups) or "lpt" (list
+        scheduling of expected lengths; see the module docstring).
     """
 
     alpha: float = 0.2
@@ -335,8 +407,11 @@ class DispatchConfig:
     kv_memory_bytes: float = 0.0
     prompt_tokens: int = 0
     static_batch: bool = False
+    planner: str = "groups"
 
     def __post_init__(self):
+        if self.planner not in PLANNERS:
+            raise ValueError(f"DispatchConfig.planner must be one of {PLANNERS}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"DispatchConfig.objective must be one of {OBJECTIVES}")
         if not 0 < self.alpha < 1:
@@ -393,6 +468,7 @@ class SkewAwareDispatcher:
             long_quantile=c.long_quantile,
             regular_quantile=c.regular_quantile,
             static_batch=c.static_batch,
+            planner=c.planner,
         )
 
     def plan(

@@ -94,8 +94,11 @@ class LiveScheduler:
             ptl,
             dispatch.DispatchConfig(
                 objective=s.objective,
+                planner=s.planner,
                 initial_length=max(cfg.generation.max_new_tokens / 4, 1.0),
-                static_batch=not s.ptl_profile,
+                # The engine decodes every KV slot each step: an instance with S slots
+                # costs PTL(S) per step (profile_ptl measures PTL(BS) with BS slots).
+                static_batch=True,
             ),
         )
         self.random = dispatch.RandomDispatcher(seed=cfg.seed)
