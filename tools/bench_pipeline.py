@@ -2,7 +2,8 @@
 
   python tools/bench_pipeline.py --quick          # tiny model, <= 5 min on 2 cores
   python tools/bench_pipeline.py --variant=smollm2 --steps=6
-  python tools/bench_pipeline.py --processes --quick   # one process per stage
+  python tools/bench_pipeline.py --processes            # one process per stage (~12 min)
+  python tools/bench_pipeline.py --processes --quick    # the same, rough (~6 min)
 
 `--processes`: the honest CPU stand-in for disaggregated hardware (DESIGN.md
 §5). Each disaggregated mode runs as two processes of one `jax.distributed`
@@ -14,9 +15,12 @@ its metrics.jsonl, the stage times alone from the two-process
 `disaggregated_batch` trace (the stages strictly alternate, each on its own
 core), `weight_sync_seconds` is the trainer's mean per-step transfer (cast,
 `device_get`, checksums, wire) and `weight_receive_seconds` the generation
-side's (wire, checksum, placement). No simulator profile in this mode. With
-`--quick`, 3 steps of 4 prompts x 4 samples (instead of 8 x 4; the same lengths):
-each run also pays process start-up and a compile-heavy first step.
+side's (wire, checksum, placement). No simulator profile in this mode. Figures
+leave out the first `--skip` steps (default 2; 1 with --quick): they hold process
+start-up, compilation and the first batches' new shapes (steps 1-2 still run 1.5-2x
+the later ones). The full run (6 steps of 8 prompts x 4 samples) is the one to quote;
+`--quick` (3 steps of 4 x 4, responses up to 64 tokens instead of 128, the same
+length distribution) checks that everything runs and gives rough ratios.
 
 Every mode runs the same config (configs/length_replay.py: forced, paper-shaped
 response lengths; same prompts, seeds and model) and differs only in
@@ -70,6 +74,12 @@ _MODES = flags.DEFINE_list(
     "modes", "colocated,disaggregated_batch,stream_sync,stream_async", "Modes to run."
 )
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/bench_pipeline", "Traces and metrics per mode.")
+_SKIP = flags.DEFINE_integer(
+    "skip",
+    None,
+    "--processes: leading steps left out of the figures (start-up, compilation, the first "
+    "batches' new shapes); default 1 with --quick, else 2.",
+)
 _PROCESSES = flags.DEFINE_bool(
     "processes",
     False,
@@ -273,7 +283,7 @@ def _launch(mode: str, steps: int, workdir: str, overrides: list[str]) -> None:
         # persistent cache turns their recompilation into reads. It only shortens the
         # first step, which the figures leave out.
         JAX_COMPILATION_CACHE_DIR=os.path.join(_WORKDIR.value, "jax_cache"),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     )
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=_ROOT, timeout=1000)
     if run.returncode:
@@ -292,10 +302,15 @@ def main_processes() -> None:
 
     steps = _STEPS.value or (3 if _QUICK.value else 0)
     # Quick: every run also pays 15-30 s of process start-up and a compile-heavy first
-    # step, so a batch is 4 prompts x 4 samples instead of 8 x 4 (same lengths) to stay
-    # within 5 minutes; 3 steps, so stream_async's measured steps still overlap
-    # generation (with 2, its last step only trains).
-    quick = ["--config.pipeline.prompts_per_step=4"] if _QUICK.value else []
+    # step, so a batch is 4 prompts x 4 samples instead of 8 x 4 with responses up to 64
+    # tokens instead of 128 (the same length distribution: lengths are fractions of
+    # max_new_tokens) to stay within 5 minutes; 3 steps, so stream_async's measured
+    # steps still overlap generation (with 2, its last step only trains).
+    quick = (
+        ["--config.pipeline.prompts_per_step=4", "--config.generation.max_new_tokens=64"]
+        if _QUICK.value
+        else []
+    )
     out: dict = {"bench": "pipeline_processes", "variant": _VARIANT.value, "quick": _QUICK.value}
     per_mode, sync_s = {}, []
     t_start = time.time()
@@ -306,7 +321,8 @@ def main_processes() -> None:
         t0 = time.time()
         _launch(mode, steps, workdir, quick)
         rows = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "step_s" in r]
-        later = rows[1:]  # the first step includes compilation
+        skip = _SKIP.value if _SKIP.value is not None else (1 if _QUICK.value else 2)
+        later = rows[skip:]  # the first steps include start-up and compilation
         n = cfg.pipeline.prompts_per_step * cfg.pipeline.group_size
         sps = n * len(later) / sum(r["step_s"] for r in later)
         trace = os.path.join(workdir, "trace.json")
