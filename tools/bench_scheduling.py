@@ -1,16 +1,21 @@
 """Skewness-aware scheduling benchmark: ranker quality, dispatch makespan, elastic rule.
 
 1. **Ranker** on real outputs: `--samples` is a SampleLog JSONL of real generations (make
-   one with `--collect=N`: SmolLM2-135M-Instruct, temperature 1, on the reasoning-gym
-   mixture basic_arithmetic / chain_sum / countdown / gsm_symbolic). Held-out prompts (by
-   prompt id), recall@20/10/5 % and Kendall tau next to prompt-length and task-mean
-   predictors. Without `--samples` the ranker is scored on synthetic toy prompts and the
-   JSON says `"ranker_data": "synthetic"`.
+   one with `--collect=N`: SmolLM2-135M-Instruct on `collect_samples.VARIED_MIXTURE`,
+   reasoning-gym tasks whose size parameters vary, `--collect_samples` samples per prompt
+   at `--collect_temperature`). Target: a prompt's mean output length over its samples (the
+   expected length is what a scheduler needs). `--folds`-fold cross-validation by prompt
+   id (every prompt scored by the ranker that never saw it, pooled): recall@20/10/5 % and
+   Kendall tau next to prompt-length, task-mean and random predictors, and the split-half
+   repeatability of the target. Without `--samples` the ranker is scored on synthetic toy
+   prompts and the JSON says `"ranker_data": "synthetic"`.
 2. **Makespan on the real engine** (tiny random model, lengths forced to the paper's
    long-tail trace scaled to `--max_len`): one global batch over instances with different
-   slot counts (`--slots`), dispatched by random + FIFO (baseline), skew-aware (Algorithm
-   2 + LPT; scores from a ranker *modelled* at recall@20 = `--ranker_recall`, because the
-   length-replay prompts carry no length signal), and oracle (true lengths). PTL(BS) is
+   slot counts (`--slots`), dispatched by random + FIFO (baseline), random + LPT, counts
+   balanced by PTL without a ranker + FIFO, Algorithm 2's groups planner (max / sum) and
+   the lpt planner (the pipeline's default here; `dispatch.py` explains why), each with
+   scores from a ranker *modelled* at recall@20 = `--ranker_recall` (the length-replay
+   prompts carry no length signal) and with the true lengths (oracle). PTL(BS) is
    measured first (`profile_ptl.measure_ptl`). On this CPU, instances sharing a process
    would interleave on one thread pool, so each instance's share runs alone and the batch
    makespan is the slowest instance's wall time (each instance as if on its own device);
@@ -20,16 +25,19 @@
    they happened) with the measured PTL at the instance's slot count (the decode step
    computes every slot): `over_random`. The simulator's makespan of the same plans is
    `simulated_over_random`. Dispatch plans with `static_batch=True` for the same reason.
+2b. **The real mixture** (with `--samples`): the same, each request one real SmolLM2
+   sample (its length forced), scored by the trained ranker's out-of-fold score.
 3. **Pod scale in the simulator**: Qwen2.5-7B on H800 (roofline costs), global batch 1024,
    20K trace, 16 instances: random vs skew-aware (max and sum objectives) vs oracle.
 4. **Elastic rule** on a simulated run whose lengths grow each step (trace 4K -> 20K):
    trace of T_gen, T_train, delta, delta' and the instance count.
 
-    python tools/bench_scheduling.py --quick --samples=/tmp/smollm2_samples.jsonl
-    python tools/bench_scheduling.py --collect=640 --samples_out=/tmp/smollm2_samples.jsonl
+    python tools/bench_scheduling.py --collect=1200 --samples_out=/tmp/smollm2_varied.jsonl
+    python tools/bench_scheduling.py --quick --samples=/tmp/smollm2_varied.jsonl
 
 The last stdout line is JSON with `ranker_recall_at_20`, `skew_over_random_makespan`,
-`oracle_over_random_makespan` (real engine) and every section's details.
+`oracle_over_random_makespan` (real engine, length replay), `real_*` (the real mixture)
+and every section's details.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import dataclasses
 import json
 import time
 
+import collect_samples
 import numpy as np
 import profile_ptl
 import train_ranker
@@ -57,6 +66,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "Small sizes (<= 5 minutes on 2 CPU cores).")
 flags.DEFINE_string("samples", None, "SampleLog JSONL of real generations for the ranker.")
 flags.DEFINE_integer("ranker_steps", 400, "Ranker optimizer steps.")
+flags.DEFINE_integer("folds", 5, "Cross-validation folds of the ranker on real samples.")
 flags.DEFINE_list("slots", ["8", "4", "4"], "Slot count per engine instance.")
 flags.DEFINE_integer("repeats", 1, "Timed runs per plan (the fastest is kept: shared CPU).")
 flags.DEFINE_integer("max_len", 256, "Longest forced response (engine section).")
@@ -65,17 +75,27 @@ flags.DEFINE_integer("seeds", None, "Global batches (seeds) in the engine sectio
 flags.DEFINE_float("ranker_recall", 0.87, "Modelled ranker recall@20 for length replay.")
 flags.DEFINE_integer("collect", 0, "Collect N real SmolLM2 samples into --samples_out, exit.")
 flags.DEFINE_string("samples_out", "/tmp/smollm2_samples.jsonl", "Where --collect writes.")
-flags.DEFINE_integer("collect_max_new", 160, "max_new_tokens of --collect.")
+flags.DEFINE_integer("collect_max_new", 128, "max_new_tokens of --collect.")
+flags.DEFINE_integer("collect_samples", 2, "Samples per prompt of --collect (target: mean).")
+flags.DEFINE_float("collect_temperature", 0.7, "Sampling temperature of --collect.")
+flags.DEFINE_float("collect_budget_s", 1300.0, "--collect starts no prompt after this.")
+flags.DEFINE_integer("collect_slots", 32, "Engine slots of --collect.")
+flags.DEFINE_integer("collect_seed", 0, "Dataset seed of --collect (seeds give disjoint prompts).")
 
 
-def ranker_section(samples: str | None, steps: int) -> dict:
+def ranker_section(samples: str | None, steps: int) -> tuple[dict, list | None]:
+    """(report, (out-of-fold score, output length) per real sample; None when synthetic)."""
     if samples:
         from streamrl_jax.scheduling.sample_log import read_sample_log
 
-        examples = train_ranker.merge_by_prompt(read_sample_log(samples))
+        records = read_sample_log(samples)
+        examples = train_ranker.merge_by_prompt(records)
         cfg = RankerConfig(vocab_size=49152)
-        _, report = train_ranker.train_and_evaluate(examples, cfg, steps, holdout=0.3)
-        return {"data": "smollm2_real", **report}
+        _, report = train_ranker.train_and_evaluate(examples, cfg, steps, 0.3, FLAGS.folds)
+        # Every prompt's out-of-fold score, for each of its samples (the real mixture).
+        oof = report.pop("heldout_scores")
+        heldout = [(oof[r.prompt_id], r.output_length) for r in records]
+        return {"data": "smollm2_real", **report}, heldout
     rng = np.random.default_rng(0)
     examples = []
     for i in range(1200):  # toy prompts: length = 40 x (ids 3/5/7/11) + prompt length
@@ -84,17 +104,24 @@ def ranker_section(samples: str | None, steps: int) -> dict:
         examples.append(train_ranker.Example(f"toy/{i}", tuple(p.tolist()), None, n))
     cfg = RankerConfig(vocab_size=64, max_tokens=32)
     _, report = train_ranker.train_and_evaluate(examples, cfg, steps, holdout=0.3)
-    return {"data": "synthetic", **report}
+    return {"data": "synthetic", **report}, None
 
 
-def engine_section(quick: bool) -> dict:
+def _engines(slots: list[int], max_len: int, quick: bool):
+    """One tiny-model engine per instance, compiled, and the PTL profile measured on them."""
     graphdef, params, cfg = profile_ptl.load_model("tiny")
-    slots = [int(s) for s in FLAGS.slots]
-    max_len = FLAGS.max_len
     ptl_sizes = sorted({1, 2, *slots, max(slots) // 2 or 1})
-    prof = profile_ptl.measure_ptl(
-        graphdef, params, cfg, ptl_sizes, chunks=3 if quick else 6, max_total_length=max_len + 32
-    )
+    # The fastest chunk over interleaved rounds: on this shared CPU another job's burst
+    # during one batch size's chunks would otherwise skew PTL(8) / PTL(4), which decides
+    # how the planners (and the step-timed makespans) weigh the instances.
+    rounds = [
+        profile_ptl.measure_ptl(
+            graphdef, params, cfg, ptl_sizes, chunks=4, max_total_length=max_len + 32, stat="min"
+        )
+        for _ in range(3 if quick else 5)
+    ]
+    prof = dict(rounds[0], per_token_s=np.min([r["per_token_s"] for r in rounds], axis=0).tolist())
+    prof["rounds_per_token_s"] = [r["per_token_s"] for r in rounds]
     # PTL cannot fall as the batch grows; a dip is load noise on the shared CPU.
     per_token = np.maximum.accumulate(prof["per_token_s"])
     ptl = dispatch.PTLProfile(tuple(prof["batch_sizes"]), tuple(per_token.tolist()))
@@ -116,73 +143,119 @@ def engine_section(quick: bool) -> dict:
         )
         for i, s in enumerate(slots)
     ]
-    n_req = FLAGS.requests or (128 if quick else 256)
-    trace = dataclasses.replace(lengths.paper_trace(max_len), min_len=4)
     warm = [_request(i, 8, np.random.default_rng(i)) for i in range(4)]
     for e in engines:
         e.run(warm)  # compile prefill and the decode chunk outside the timings
-    results: dict[str, list[float]] = {}
-    predicted: dict[str, list[float]] = {}
-    steps_timed: dict[str, list[float]] = {}
-    for seed in range(FLAGS.seeds or (3 if quick else 6)):
+    return engines, ptl, prof
+
+
+def _plans(scores, true, history, slots, ptl, seed) -> dict[str, dispatch.DispatchPlan]:
+    """Every dispatch compared: random + FIFO (baseline), random + LPT, counts balanced by
+    PTL without a ranker + FIFO, Algorithm 2's groups planner (max and sum objectives) and
+    the lpt planner (the pipeline's default on this engine), each with the ranker's scores
+    and with the true lengths (oracle)."""
+    n = len(true)
+    out = {}
+    for name, planner, objective in (
+        ("groups_max", "groups", "max"),
+        ("groups_sum", "groups", "sum"),
+        ("lpt", "lpt", "max"),
+    ):
+        cfg = dispatch.DispatchConfig(objective=objective, static_batch=True, planner=planner)
+        d = dispatch.SkewAwareDispatcher(None, ptl, cfg)
+        d.observe(history)
+        out[f"skew_{name}"] = d.plan_scores(scores, len(slots), slots)
+        if objective == "max":
+            out[f"oracle_{name}"] = d.plan_scores(true.astype(float), len(slots), slots)
+        if planner == "lpt":
+            # No ranker: every prompt of expected mean length, counts balanced by PTL,
+            # priority 0 (FIFO). What the PTL profile alone buys over random.
+            out["balanced_fifo"] = d.plan_scores(np.zeros(n), len(slots), slots)
+    random_plan = dispatch.RandomDispatcher(seed).plan([[0]] * n, len(slots), slots)
+    out["random_fifo"] = random_plan
+    out["random_lpt"] = dataclasses.replace(random_plan, priority_per_request=list(scores))
+    return out
+
+
+def _time_plans(engines, slots, ptl, reqs, plans, true, acc) -> None:
+    """Runs each plan's shares on the engines; appends makespans to acc[kind][plan]."""
+    for name, plan in plans.items():
+        span = step_span = 0.0
+        for k, engine in enumerate(engines):
+            mine = [
+                dataclasses.replace(r, priority=plan.priority_per_request[i])
+                for i, r in enumerate(reqs)
+                if plan.instance_per_request[i] == k
+            ]
+            best = np.inf
+            for _ in range(FLAGS.repeats):
+                chunks0 = len(engine.metrics()["timeline"])
+                t0 = time.perf_counter()
+                engine.run(mine)
+                best = min(best, time.perf_counter() - t0)
+                chunks = len(engine.metrics()["timeline"]) - chunks0
+            span = max(span, best)
+            # The engine's own schedule (admissions, chunks) timed with the measured PTL
+            # at its slot count: every decode step computes every slot.
+            step_span = max(step_span, chunks * engine.cfg.chunk_steps * ptl(slots[k]))
+        acc["wall"].setdefault(name, []).append(span)
+        acc["step"].setdefault(name, []).append(step_span)
+        acc["sim"].setdefault(name, []).append(_simulated_makespan(plan, slots, ptl, true))
+
+
+def _ratios(d: dict[str, list[float]]) -> dict[str, float]:
+    """Mean over batches of makespan / random+FIFO's makespan of the same batch."""
+    base = np.array(d["random_fifo"])
+    return {k: float(np.mean(np.array(v) / base)) for k, v in d.items()}
+
+
+def _report(acc, **extra) -> dict:
+    return {
+        **extra,
+        "wall_makespan_s": {k: [round(x, 4) for x in v] for k, v in acc["wall"].items()},
+        "step_makespan_s": {k: [round(x, 4) for x in v] for k, v in acc["step"].items()},
+        "over_random": _ratios(acc["step"]),
+        "wall_over_random": _ratios(acc["wall"]),
+        "simulated_over_random": _ratios(acc["sim"]),
+    }
+
+
+def engine_section(engines, ptl, prof, quick: bool) -> dict:
+    """Length replay: forced paper-trace lengths, a ranker modelled at --ranker_recall."""
+    slots = [int(s) for s in FLAGS.slots]
+    n_req = FLAGS.requests or 128
+    trace = dataclasses.replace(lengths.paper_trace(FLAGS.max_len), min_len=4)
+    acc: dict[str, dict[str, list[float]]] = {"wall": {}, "step": {}, "sim": {}}
+    for seed in range(FLAGS.seeds or (6 if quick else 12)):
         rng = np.random.default_rng(seed)
         _, history = lengths.sample_lengths(trace, n_req, rng)
         _, true = lengths.sample_lengths(trace, n_req, rng)
         reqs = [_request(i, int(n), rng) for i, n in enumerate(true)]
-        prompts = [r.prompt for r in reqs]
-        skew = dispatch.SkewAwareDispatcher(None, ptl, dispatch.DispatchConfig(static_batch=True))
-        skew.observe(history)
-        sum_cfg = dispatch.DispatchConfig(objective="sum", static_batch=True)
-        skew_sum = dispatch.SkewAwareDispatcher(None, ptl, sum_cfg)
-        skew_sum.observe(history)
         scores = ranker_scores(true, FLAGS.ranker_recall, 0.2, rng)
-        random_plan = dispatch.RandomDispatcher(seed).plan(prompts, len(slots), slots)
-        plans = {
-            "random_fifo": random_plan,
-            "random_lpt": dataclasses.replace(random_plan, priority_per_request=scores.tolist()),
-            "skew_max": skew.plan_scores(scores, len(slots), slots),
-            "skew_sum": skew_sum.plan_scores(scores, len(slots), slots),
-            "oracle": skew.plan_scores(true.astype(float), len(slots), slots),
-        }
-        for name, plan in plans.items():
-            span = step_span = 0.0
-            for k, engine in enumerate(engines):
-                mine = [
-                    dataclasses.replace(r, priority=plan.priority_per_request[i])
-                    for i, r in enumerate(reqs)
-                    if plan.instance_per_request[i] == k
-                ]
-                best = np.inf
-                for _ in range(FLAGS.repeats):
-                    chunks0 = len(engine.metrics()["timeline"])
-                    t0 = time.perf_counter()
-                    engine.run(mine)
-                    best = min(best, time.perf_counter() - t0)
-                    chunks = len(engine.metrics()["timeline"]) - chunks0
-                span = max(span, best)
-                # The engine's own schedule (admissions, chunks) timed with the measured PTL
-                # at its slot count: every decode step computes every slot.
-                step_span = max(step_span, chunks * engine.cfg.chunk_steps * ptl(slots[k]))
-            results.setdefault(name, []).append(span)
-            steps_timed.setdefault(name, []).append(step_span)
-            spec_spans = _simulated_makespan(plan, slots, ptl, true)
-            predicted.setdefault(name, []).append(spec_spans)
+        plans = _plans(scores, true, history, slots, ptl, seed)
+        _time_plans(engines, slots, ptl, reqs, plans, true, acc)
+    ptl_s = dict(zip(map(str, prof["batch_sizes"]), prof["per_token_s"], strict=True))
+    return _report(acc, slots=slots, requests=n_req, max_len=FLAGS.max_len, ptl_s=ptl_s)
 
-    def ratios(d: dict[str, list[float]]) -> dict[str, float]:
-        base = np.array(d["random_fifo"])
-        return {k: float(np.mean(np.array(v) / base)) for k, v in d.items()}
 
-    return {
-        "slots": slots,
-        "requests": n_req,
-        "max_len": max_len,
-        "ptl_s": dict(zip(map(str, prof["batch_sizes"]), prof["per_token_s"], strict=True)),
-        "wall_makespan_s": {k: [round(x, 4) for x in v] for k, v in results.items()},
-        "step_makespan_s": {k: [round(x, 4) for x in v] for k, v in steps_timed.items()},
-        "over_random": ratios(steps_timed),
-        "wall_over_random": ratios(results),
-        "simulated_over_random": ratios(predicted),
-    }
+def real_mixture_section(engines, ptl, samples: list[tuple[float, int]], quick: bool) -> dict:
+    """The real mixture: each request is a real SmolLM2 sample (its length forced on the
+    tiny engine), scored by the cross-validation ranker that never saw its prompt; the
+    representative lengths come from the samples outside the batch."""
+    slots = [int(s) for s in FLAGS.slots]
+    n_req = min(FLAGS.requests or 128, len(samples) // 2)
+    all_len = np.array([n for _, n in samples])
+    acc: dict[str, dict[str, list[float]]] = {"wall": {}, "step": {}, "sim": {}}
+    for seed in range(FLAGS.seeds or (6 if quick else 12)):
+        rng = np.random.default_rng(100 + seed)
+        pick = rng.choice(len(samples), size=n_req, replace=False)
+        scores = np.array([samples[i][0] for i in pick])
+        true = np.minimum(all_len[pick], FLAGS.max_len)
+        history = np.delete(all_len, pick)
+        reqs = [_request(i, int(n), rng) for i, n in enumerate(true)]
+        plans = _plans(scores, true, history, slots, ptl, seed)
+        _time_plans(engines, slots, ptl, reqs, plans, true, acc)
+    return _report(acc, requests=n_req, samples=len(samples))
 
 
 def _request(i: int, length: int, rng: np.random.Generator) -> GenerationRequest:
@@ -304,54 +377,32 @@ def elastic_section(quick: bool) -> dict:
     return {"batch": 1024, "train_devices": 8, "trace": rows, "final_instances": ctl.instances}
 
 
-def collect(n: int, out: str, max_new: int) -> None:
-    """Real SmolLM2 generations on the reasoning-gym mixture, one SampleLog line each."""
-    from streamrl_jax.data import tokenize
-    from streamrl_jax.model.defaults import smollm2_gguf_path
-    from streamrl_jax.model.loader import load_pretrained
-    from streamrl_jax.rewards.tasks import DEFAULT_TASKS, TaskDataset
-    from streamrl_jax.scheduling.sample_log import SampleLog
-
-    mesh = single_device_mesh()
-    pre = load_pretrained(smollm2_gguf_path(), mesh=mesh)
-    prompts = [tokenize(p, pre.tokenizer) for p in TaskDataset(DEFAULT_TASKS, seed=0, size=n)]
-    maxp = 1 << (max(len(p.tokens) for p in prompts) - 1).bit_length()
-    ecfg = EngineConfig(
-        num_slots=32, max_prompt_length=maxp, max_total_length=maxp + max_new, chunk_steps=8,
-        prefill_batch=8, min_bucket=64, stop_ids=tuple(pre.cfg.eos_token_ids)[:4],
-    )  # fmt: skip
-    engine = Engine(pre.graphdef, pre.params, pre.cfg, ecfg, mesh)
-    engine.submit(
-        [
-            GenerationRequest(
-                request_id=i,
-                prompt=list(p.tokens),
-                max_new_tokens=max_new,
-                sampling=SamplingParams(temperature=1.0),
-                seed=1000 + i,
-                metadata={"prompt_id": p.problem.prompt_id, "task": p.problem.task},
-            )  # fmt: skip
-            for i, p in enumerate(prompts)
-        ]
-    )
-    with SampleLog(out, flush_every=1) as log:
-        while engine.has_work():
-            for s in engine.step():
-                log.write(s, step=0)
-    print(json.dumps({"collected": n, "out": out}))
-
-
 def main(argv):
     del argv
     if FLAGS.collect:
-        collect(FLAGS.collect, FLAGS.samples_out, FLAGS.collect_max_new)
+        collect_samples.collect(
+            FLAGS.collect,
+            FLAGS.samples_out,
+            max_new=FLAGS.collect_max_new,
+            samples=FLAGS.collect_samples,
+            temperature=FLAGS.collect_temperature,
+            budget_s=FLAGS.collect_budget_s,
+            slots=FLAGS.collect_slots,
+            seed=FLAGS.collect_seed,
+        )
         return
     t0 = time.time()
     quick = FLAGS.quick
-    ranker = ranker_section(FLAGS.samples, 300 if quick else FLAGS.ranker_steps)
+    ranker, heldout = ranker_section(FLAGS.samples, 150 if quick else FLAGS.ranker_steps)
     print(json.dumps({"ranker": ranker}), flush=True)
-    engine = engine_section(quick)
+    slots = [int(x) for x in FLAGS.slots]
+    engines, ptl, prof = _engines(slots, FLAGS.max_len, quick)
+    engine = engine_section(engines, ptl, prof, quick)
     print(json.dumps({"engine": engine}), flush=True)
+    real = None
+    if heldout:
+        real = real_mixture_section(engines, ptl, heldout, quick)
+        print(json.dumps({"real_mixture": real}), flush=True)
     recall = ranker["ranker"]["recall_at_20"]
     sim = {
         "paper_recall": simulator_section(quick, FLAGS.ranker_recall),
@@ -360,19 +411,30 @@ def main(argv):
     print(json.dumps({"simulator": sim}), flush=True)
     elastic = elastic_section(quick)
     print(json.dumps({"elastic": elastic}), flush=True)
+    eng = engine["over_random"]
     summary = {
         "ranker_recall_at_20": recall,
         "ranker_recall_at_10": ranker["ranker"]["recall_at_10"],
         "ranker_recall_at_5": ranker["ranker"]["recall_at_5"],
         "ranker_kendall_tau": ranker["ranker"]["kendall_tau"],
         "ranker_data": ranker["data"],
+        "ranker_target": ranker.get("target", "length"),
         "ranker_heldout_prompts": ranker["heldout_prompts"],
+        "ranker_evaluation": ranker["evaluation"],
+        "ranker_samples_per_prompt": ranker["samples_per_prompt"],
+        "split_half_recall_at_20": (ranker["split_half"] or {}).get("recall_at_20"),
+        "task_mean_kendall_tau": ranker["task_mean"]["kendall_tau"],
         "random_recall_at_20": ranker["random_recall_at_20"],
+        "prompt_length_recall_at_20": ranker["prompt_length"]["recall_at_20"],
         "task_mean_recall_at_20": ranker["task_mean"]["recall_at_20"],
-        "skew_over_random_makespan": engine["over_random"]["skew_max"],
-        "skew_sum_over_random_makespan": engine["over_random"]["skew_sum"],
-        "oracle_over_random_makespan": engine["over_random"]["oracle"],
-        "random_lpt_over_random_makespan": engine["over_random"]["random_lpt"],
+        # Headline: the lpt planner (the pipeline's dispatch on this fixed-shape engine).
+        "skew_over_random_makespan": eng["skew_lpt"],
+        "oracle_over_random_makespan": eng["oracle_lpt"],
+        "alg2_max_over_random_makespan": eng["skew_groups_max"],
+        "alg2_sum_over_random_makespan": eng["skew_groups_sum"],
+        "alg2_oracle_over_random_makespan": eng["oracle_groups_max"],
+        "random_lpt_over_random_makespan": eng["random_lpt"],
+        "balanced_fifo_over_random_makespan": eng["balanced_fifo"],
         "sim_skew_over_random": sim["paper_recall"]["over_random"]["skew_max"],
         "sim_skew_sum_over_random": sim["paper_recall"]["over_random"]["skew_sum"],
         "sim_oracle_over_random": sim["paper_recall"]["over_random"]["oracle"],
@@ -380,6 +442,14 @@ def main(argv):
         "elastic_final_instances": elastic["final_instances"],
         "wall_s": round(time.time() - t0, 1),
     }
+    if real:
+        summary.update(
+            real_skew_over_random_makespan=real["over_random"]["skew_lpt"],
+            real_oracle_over_random_makespan=real["over_random"]["oracle_lpt"],
+            real_alg2_max_over_random_makespan=real["over_random"]["skew_groups_max"],
+            real_random_lpt_over_random_makespan=real["over_random"]["random_lpt"],
+            real_balanced_fifo_over_random_makespan=real["over_random"]["balanced_fifo"],
+        )
     print(json.dumps(summary))
 
 

@@ -3,13 +3,15 @@
 Input: the JSONL that `scheduling.sample_log.SampleLog` writes (prompt_id, step,
 prompt_tokens, output_length, ...). Samples of one prompt (a GRPO group, or the same prompt
 in several steps) are merged into one example whose target is their mean output length;
-prompts are split into train / held-out by a hash of prompt_id (`--holdout` share), so no
-held-out prompt is ever trained on; 20 % of the training prompts validate (Kendall tau every
-10 steps) and the best checkpoint is kept (early stopping). Reports recall of the true
-longest 20 / 10 / 5 % among the predicted longest and Kendall tau on the held-out prompts,
-next to reference predictors (prompt length; the training mean length of the prompt's task;
-chance), and writes the ranker (pickle of {"config", "state", "report"};
-`Ranker.load_state(d["state"])`).
+prompts are split into train / held-out by a hash of prompt_id (`--holdout` share), or into
+`--folds` cross-validation folds (every prompt scored by the ranker that did not see it,
+pooled), so no held-out prompt is ever trained on; 20 % of the training prompts validate
+(Kendall tau every 10 steps) and the best checkpoint is kept (early stopping). Reports
+recall of the true longest 20 / 10 / 5 % among the predicted longest and Kendall tau on
+the held-out prompts, next to reference predictors (prompt length; the training mean
+length of the prompt's task; chance) and the split-half repeatability of the target
+itself (one half of a prompt's samples predicting the other half), and writes the ranker
+(pickle of {"config", "state", "report"}; `Ranker.load_state(d["state"])`).
 
     python tools/train_ranker.py --samples=/tmp/run/samples.jsonl --out=/tmp/ranker.pkl
 """
@@ -36,23 +38,45 @@ _EVAL_EVERY = 10  # optimizer steps between validation checks (early stopping)
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    """One prompt: its tokens, task and mean observed output length."""
+    """One prompt: its tokens, task and mean observed output length.
+
+    Attributes:
+      samples: the output length of each of its samples (in log order).
+    """
 
     prompt_id: str
     tokens: tuple[int, ...]
     task: str | None
     length: float
+    samples: tuple[int, ...] = ()
 
 
 def merge_by_prompt(records: list[LoggedSample]) -> list[Example]:
-    """One example per prompt_id, target = mean output length of its samples."""
+    """One example per prompt_id, target = mean output length of its samples (the
+    expected length is what a scheduler needs; one sample is a noisy draw of it)."""
     groups: dict[str, list[LoggedSample]] = collections.defaultdict(list)
     for r in records:
         groups[r.prompt_id].append(r)
-    return [
-        Example(pid, rs[0].prompt_tokens, rs[0].task, float(np.mean([r.output_length for r in rs])))
-        for pid, rs in groups.items()
+    out = []
+    for pid, rs in groups.items():
+        lens = tuple(r.output_length for r in rs)
+        out.append(Example(pid, rs[0].prompt_tokens, rs[0].task, float(np.mean(lens)), lens))
+    return out
+
+
+def split_half_report(examples: list[Example]) -> dict[str, float] | None:
+    """How repeatable the target is: the mean length of a prompt's first half of samples
+    used as the predictor of the mean of its other half (prompts with >= 2 samples).
+    A ranker cannot be expected to beat a second draw of the same prompt by much."""
+    pairs = [
+        (np.mean(e.samples[: len(e.samples) // 2]), np.mean(e.samples[len(e.samples) // 2 :]))
+        for e in examples
+        if len(e.samples) >= 2
     ]
+    if len(pairs) < 10:
+        return None
+    first, second = np.array(pairs).T
+    return ranking_report(second, first)
 
 
 def is_heldout(prompt_id: str, share: float) -> bool:
@@ -61,22 +85,21 @@ def is_heldout(prompt_id: str, share: float) -> bool:
     return h / 2**32 < share
 
 
-def train_and_evaluate(
-    examples: list[Example], cfg: RankerConfig, steps: int, holdout: float
-) -> tuple[Ranker, dict]:
-    """Trains on the non-held-out prompts; returns the ranker and the held-out report."""
-    train = [e for e in examples if not is_heldout(e.prompt_id, holdout)]
-    test = [e for e in examples if is_heldout(e.prompt_id, holdout)]
-    if len(train) < 2 or len(test) < 5:
-        raise ValueError(
-            f"train_ranker: {len(train)} train / {len(test)} held-out prompts; need more samples"
-        )
-    # Early stopping on a validation split of the *training* prompts (never the held-out
-    # ones): with a few hundred noisy lengths the ranker overfits within ~100 steps.
+def fold_of(prompt_id: str, folds: int) -> int:
+    """Deterministic fold of a prompt (a hash of its id)."""
+    h = int.from_bytes(
+        hashlib.blake2b(b"fold/" + prompt_id.encode(), digest_size=4).digest(), "little"
+    )
+    return h % folds
+
+
+def fit_ranker(train: list[Example], cfg: RankerConfig, steps: int) -> tuple[Ranker, dict]:
+    """Trains on `train` with early stopping on a validation split of it (Kendall tau
+    every 10 steps, best kept): with a few hundred noisy lengths the ranker overfits
+    within ~100 steps."""
     val = [e for e in train if is_heldout("val/" + e.prompt_id, 0.2)]
     fit = [e for e in train if not is_heldout("val/" + e.prompt_id, 0.2)]
     ranker = Ranker(cfg)
-    t0 = time.time()
     losses: list[float] = []
     best_tau, best_state, best_steps = -np.inf, ranker.state(), 0
     val_len = np.array([e.length for e in val])
@@ -87,32 +110,94 @@ def train_and_evaluate(
         if np.isfinite(tau) and tau > best_tau:
             best_tau, best_state, best_steps = tau, ranker.state(), done + n
     ranker.load_state(best_state)
-    train_s = time.time() - t0
-    true = np.array([e.length for e in test])
-    report = {"ranker": ranking_report(true, ranker.score([e.tokens for e in test]))}
-    report["prompt_length"] = ranking_report(true, np.array([len(e.tokens) for e in test]))
+    return ranker, {
+        "best_steps": best_steps,
+        "val_kendall_tau": float(best_tau),
+        "loss_first": float(np.mean(losses[:20])),
+        "loss_last": float(np.mean(losses[-20:])),
+    }
+
+
+def _reference_scores(train: list[Example], test: list[Example]) -> dict[str, np.ndarray]:
+    """Predictors to compare with: prompt length, and the training mean of the task."""
     task_mean = collections.defaultdict(list)
     for e in train:
         task_mean[e.task].append(e.length)
     overall = float(np.mean([e.length for e in train]))
-    task_score = [np.mean(task_mean[e.task]) if e.task in task_mean else overall for e in test]
-    report["task_mean"] = ranking_report(true, np.array(task_score))
+    return {
+        "prompt_length": np.array([len(e.tokens) for e in test], np.float64),
+        "task_mean": np.array(
+            [np.mean(task_mean[e.task]) if e.task in task_mean else overall for e in test]
+        ),
+    }
+
+
+def train_and_evaluate(
+    examples: list[Example], cfg: RankerConfig, steps: int, holdout: float, folds: int = 1
+) -> tuple[Ranker, dict]:
+    """Held-out ranking quality; returns a ranker and the report.
+
+    folds = 1: train on the prompts not held out (`holdout` share, by hash), report on the
+    held-out ones; the ranker returned is that one. folds = k > 1: k-fold cross-validation
+    by a hash of the prompt id; every prompt is scored by the ranker of the fold that
+    did not train on it and the report pools these out-of-fold scores over all prompts
+    (k times the held-out prompts of one split, so the recall of the top 20 % is much
+    less noisy on a few hundred prompts); the ranker returned is the last fold's, and
+    `report["heldout_scores"]` maps every prompt id to its out-of-fold score.
+
+    Reference predictors (same prompts, the training side of each split): prompt length,
+    the training mean length of the prompt's task, and chance.
+    """
+    splits = (
+        [(lambda e: is_heldout(e.prompt_id, holdout))]
+        if folds <= 1
+        else [(lambda e, k=k: fold_of(e.prompt_id, folds) == k) for k in range(folds)]
+    )
+    t0 = time.time()
+    test_all: list[Example] = []
+    scores: dict[str, list[float]] = {"ranker": [], "prompt_length": [], "task_mean": []}
+    fits = []
+    for in_test in splits:
+        train = [e for e in examples if not in_test(e)]
+        test = [e for e in examples if in_test(e)]
+        if len(train) < 2 or len(test) < 5:
+            raise ValueError(
+                f"train_ranker: {len(train)} train / {len(test)} held-out prompts; "
+                "need more samples"
+            )
+        ranker, fit = fit_ranker(train, cfg, steps)
+        fits.append(fit)
+        test_all += test
+        scores["ranker"] += ranker.score([e.tokens for e in test]).tolist()
+        for name, v in _reference_scores(train, test).items():
+            scores[name] += v.tolist()
+    true = np.array([e.length for e in test_all])
+    report = {name: ranking_report(true, np.array(v)) for name, v in scores.items()}
     # Chance level: with many ties at the top (responses cut at max_new_tokens) a random
     # order already scores well on the tie-aware recall.
     rng = np.random.default_rng(0)
     report["random_recall_at_20"] = float(
         np.mean([recall_at(true, rng.random(len(true)), 0.2) for _ in range(200)])
     )
+    samples_per_prompt = [len(e.samples) for e in examples if e.samples]
     report.update(
-        train_prompts=len(train),
-        heldout_prompts=len(test),
+        target="mean output length over each prompt's samples",
+        samples_per_prompt=float(np.mean(samples_per_prompt)) if samples_per_prompt else 1.0,
+        split_half=split_half_report(test_all),
+        evaluation=f"{folds}-fold cross-validation, pooled" if folds > 1 else "hash holdout",
+        prompts=len(examples),
+        heldout_prompts=len(test_all),
         steps=steps,
-        best_steps=best_steps,
-        val_kendall_tau=float(best_tau),
-        train_s=train_s,
-        loss_first=float(np.mean(losses[:20])),
-        loss_last=float(np.mean(losses[-20:])),
+        best_steps=[f["best_steps"] for f in fits],
+        val_kendall_tau=[f["val_kendall_tau"] for f in fits],
+        loss_first=float(np.mean([f["loss_first"] for f in fits])),
+        loss_last=float(np.mean([f["loss_last"] for f in fits])),
+        train_s=time.time() - t0,
     )
+    if folds > 1:
+        report["heldout_scores"] = {
+            e.prompt_id: s for e, s in zip(test_all, scores["ranker"], strict=True)
+        }
     return ranker, report
 
 
@@ -122,6 +207,7 @@ def define_flags() -> None:
     flags.DEFINE_string("out", None, "Where to write the trained ranker (pickle); none = skip.")
     flags.DEFINE_integer("steps", 600, "Optimizer steps.")
     flags.DEFINE_float("holdout", 0.25, "Share of prompts held out for evaluation.")
+    flags.DEFINE_integer("folds", 1, "> 1: k-fold cross-validation instead of one holdout.")
     flags.DEFINE_integer("vocab_size", 49152, "Ranker embedding rows (ids beyond are hashed).")
     flags.DEFINE_integer("seed", 0, "Ranker seed.")
 
@@ -132,7 +218,8 @@ def main(argv):
         raise app.UsageError("--samples is required (a SampleLog JSONL)")
     examples = merge_by_prompt(read_sample_log(FLAGS.samples))
     cfg = RankerConfig(vocab_size=FLAGS.vocab_size, seed=FLAGS.seed)
-    ranker, report = train_and_evaluate(examples, cfg, FLAGS.steps, FLAGS.holdout)
+    ranker, report = train_and_evaluate(examples, cfg, FLAGS.steps, FLAGS.holdout, FLAGS.folds)
+    report.pop("heldout_scores", None)
     if FLAGS.out:
         with open(FLAGS.out, "wb") as f:
             pickle.dump(
