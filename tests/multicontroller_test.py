@@ -109,7 +109,7 @@ def _one_process(mode, tmp_path_factory):
 # Every case launches 2-4 real processes (40-70 s each on 2 shared cores). The default
 # run covers stream_async (one reference run) with one training process bit for bit
 # (2 processes) and with two generation and two training processes (4 processes), and
-# a killed training process (4 processes); the other combinations are `-m extended`
+# a killed trainer (2 processes); the other combinations are `-m extended`
 # (python -m pytest -q -m extended tests/multicontroller_test.py).
 _EXT = pytest.mark.extended
 
@@ -190,13 +190,19 @@ def _spawn(processes, generation, workdir, logs) -> list[subprocess.Popen]:
     "processes, generation, victim, expect",
     [
         # The trainer dies: the generation process names it.
-        pytest.param(2, 1, 1, {0: "lost training"}, marks=_EXT),
+        (2, 1, 1, {0: "lost training"}),
         # One of two generation processes dies: the trainer names it, and the other
         # generation process reports the trainer's failure, which names it too.
         pytest.param(3, 2, 1, {2: "lost generation-1", 0: "generation-1"}, marks=_EXT),
         # The second of two training processes dies: the generation processes name it,
         # the first training process's next collective fails and it names the others.
-        (4, 2, 3, {0: "lost training-1", 1: "lost training-1", 2: "training processes [3]"}),
+        pytest.param(
+            4,
+            2,
+            3,
+            {0: "lost training-1", 1: "lost training-1", 2: "training processes [3]"},
+            marks=_EXT,
+        ),
     ],
 )
 def test_killed_process_ends_the_others_naming_it(processes, generation, victim, expect, tmp_path):
