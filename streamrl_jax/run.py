@@ -166,7 +166,7 @@ class _Run:
                 engine.on_chunk = self._trace_chunk
         # Several training processes: this one's slice of every micro-batch (shards.py).
         self.group: TrainingGroup | None = getattr(link, "group", None)
-        self._one: Any = None  # f32[] 1.0 on the training mesh (the micro-batch normaliser)
+        self._one = c.trainer.scalar(1.0)  # the micro-batch normaliser, on the training mesh
         self.outcome = "failed"  # how the run ended, told to generation processes
 
     def _gen_busy_s(self) -> float:
@@ -416,7 +416,6 @@ class _Run:
         parked: dict[int, list] = {}
         steps, versions = self.rows, self.versions
         start, samples_done = time.perf_counter(), 0
-        self._one = t.scalar(1.0)
         for b in range(self.start, p.steps):
             t_step = time.perf_counter()
             gen_busy0, waits0 = self._gen_busy_s(), dataclasses.replace(self.stream.metrics)
@@ -553,28 +552,28 @@ class _Run:
     def _batch_stats(self, b: int, stats: dict[str, list]) -> tuple[dict[str, float], int]:
         """The step's sample statistics (over every training process's share) and the
         number of samples trained."""
-        keys = ("reward", "correct", "format_ok", "length", "truncated")
-        sums = [float(np.sum(stats[k])) for k in keys]
+        means = {  # metric -> per-sample list in `stats`
+            "reward": "reward",
+            "accuracy": "correct",
+            "format_ok": "format_ok",
+            "response_len": "length",
+            "truncated": "truncated",
+        }
+        sums = [float(np.sum(stats[k])) for k in means.values()]
         sums += [float(np.sum([b - v for v in stats["versions"]])), float(self.gate.dropped)]
         sums.append(float(len(stats["reward"])))
         longest = max(stats["length"], default=0)
         if self.group is not None:
             sums, longest = self.group.sum(sums), self.group.max([longest])[0]
-        n, dropped = int(sums.pop()), sums.pop()
-        mean = dict(
-            zip((*keys, "staleness"), [x / n if n else float("nan") for x in sums], strict=True)
-        )
-        out = {
-            "reward": mean["reward"],
-            "accuracy": mean["correct"],
-            "format_ok": mean["format_ok"],
-            "response_len": mean["length"],
+        *totals, staleness, dropped, n = sums
+        mean = lambda x: x / n if n else float("nan")
+        out = {k: mean(x) for k, x in zip(means, totals, strict=True)}
+        out |= {
             "response_len_max": float(longest),
-            "truncated": mean["truncated"],
-            "staleness": mean["staleness"],
+            "staleness": mean(staleness),
             "dropped_stale": dropped,
         }
-        return out, n
+        return out, int(n)
 
     def _refresh_ranker(self) -> None:
         """Online ranker refresh on its own thread (one at a time; skipped while the

@@ -348,9 +348,7 @@ def run_training(
     devices = [
         d
         for pid in r.training_processes
-        for d in sorted((d for d in jax.devices() if d.process_index == pid), key=lambda d: d.id)[
-            :per
-        ]
+        for d in [d for d in r.training_devices if d.process_index == pid][:per]
     ]
 
     def weight_sync(params: Any, dtype: Any) -> SenderWeightSync:
