@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 
 from streamrl_jax.generation.types import Sample, Timings
-from streamrl_jax.scheduling.sample_log import SampleLog, read_sample_log
+from streamrl_jax.scheduling.sample_log import (
+    LoggedSample,
+    SampleLog,
+    group_by_prompt,
+    read_sample_log,
+)
 
 
 def make_sample(i: int, n_tokens: int, **meta) -> Sample:
@@ -61,3 +66,16 @@ def test_write_after_close_raises(tmp_path):
     log.close()
     with pytest.raises(ValueError, match="after close"):
         log.write(make_sample(0, 1), step=0)
+
+
+def test_group_by_prompt_keeps_request_order_not_completion_order():
+    # Completion order: the short sample of each prompt is logged first.
+    recs = [
+        LoggedSample("a", 0, (1,), 5, request_id="train/0/0/10"),
+        LoggedSample("b", 0, (2,), 3, request_id="train/0/1/0"),
+        LoggedSample("a", 0, (1,), 9, request_id="train/0/0/9"),
+        LoggedSample("a", 0, (1,), 128, request_id="train/0/0/2"),
+    ]
+    groups = group_by_prompt(recs)
+    assert list(groups) == ["a", "b"]
+    assert [r.output_length for r in groups["a"]] == [128, 9, 5]  # requests 2, 9, 10

@@ -7,7 +7,10 @@
    expected length is what a scheduler needs). `--folds`-fold cross-validation by prompt
    id (every prompt scored by the ranker that never saw it, pooled): recall@20/10/5 % and
    Kendall tau next to prompt-length, task-mean and random predictors, and the split-half
-   repeatability of the target. Without `--samples` the ranker is scored on synthetic toy
+   repeatability of the target. With `--eval_samples` (prompts of another dataset seed,
+   several samples each) the ranker trains on all of `--samples` and is judged there,
+   also on one-sample and half-mean targets next to their noise ceilings
+   (`train_ranker.evaluate_separate`). Without `--samples` the ranker is scored on synthetic toy
    prompts and the JSON says `"ranker_data": "synthetic"`.
 2. **Makespan on the real engine** (tiny random model, lengths forced to the paper's
    long-tail trace scaled to `--max_len`): one global batch over instances with different
@@ -26,7 +29,9 @@
    computes every slot): `over_random`. The simulator's makespan of the same plans is
    `simulated_over_random`. Dispatch plans with `static_batch=True` for the same reason.
 2b. **The real mixture** (with `--samples`): the same, each request one real SmolLM2
-   sample (its length forced), scored by the trained ranker's out-of-fold score.
+   sample (its length forced), scored by a ranker that never saw its prompt (the
+   out-of-fold score; with `--eval_samples`, the requests are those samples, scored by
+   the ranker trained on `--samples`).
 3. **Pod scale in the simulator**: Qwen2.5-7B on H800 (roofline costs), global batch 1024,
    20K trace, 16 instances: random vs skew-aware (max and sum objectives) vs oracle.
 4. **Elastic rule** on a simulated run whose lengths grow each step (trace 4K -> 20K):
@@ -64,7 +69,7 @@ from streamrl_jax.simulation.scenario import Scenario
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "Small sizes (<= 5 minutes on 2 CPU cores).")
-flags.DEFINE_string("samples", None, "SampleLog JSONL of real generations for the ranker.")
+flags.DEFINE_string("samples", None, "SampleLog JSONL(s) of real generations (comma list).")
 flags.DEFINE_integer("ranker_steps", 400, "Ranker optimizer steps.")
 flags.DEFINE_integer("folds", 5, "Cross-validation folds of the ranker on real samples.")
 flags.DEFINE_list("slots", ["8", "4", "4"], "Slot count per engine instance.")
@@ -73,6 +78,9 @@ flags.DEFINE_integer("max_len", 256, "Longest forced response (engine section)."
 flags.DEFINE_integer("requests", None, "Requests per global batch (engine section).")
 flags.DEFINE_integer("seeds", None, "Global batches (seeds) in the engine section.")
 flags.DEFINE_float("ranker_recall", 0.87, "Modelled ranker recall@20 for length replay.")
+flags.DEFINE_string(
+    "eval_samples", None, "Judge the ranker on these prompts (another seed) instead of CV."
+)
 flags.DEFINE_integer("collect", 0, "Collect N real SmolLM2 samples into --samples_out, exit.")
 flags.DEFINE_string("samples_out", "/tmp/smollm2_samples.jsonl", "Where --collect writes.")
 flags.DEFINE_integer("collect_max_new", 128, "max_new_tokens of --collect.")
@@ -83,16 +91,23 @@ flags.DEFINE_integer("collect_slots", 32, "Engine slots of --collect.")
 flags.DEFINE_integer("collect_seed", 0, "Dataset seed of --collect (seeds give disjoint prompts).")
 
 
-def ranker_section(samples: str | None, steps: int) -> tuple[dict, list | None]:
-    """(report, (out-of-fold score, output length) per real sample; None when synthetic)."""
+def ranker_section(
+    samples: str | None, steps: int, eval_samples: str | None = None
+) -> tuple[dict, list | None]:
+    """(report, (held-out score, output length) per real held-out sample; None when
+    synthetic). With `eval_samples` the ranker trains on all of `samples` and is judged
+    on those other prompts; otherwise by cross-validation over `samples`."""
     if samples:
-        from streamrl_jax.scheduling.sample_log import read_sample_log
-
-        records = read_sample_log(samples)
+        records = train_ranker.read_logs(samples)
         examples = train_ranker.merge_by_prompt(records)
         cfg = RankerConfig(vocab_size=49152)
-        _, report = train_ranker.train_and_evaluate(examples, cfg, steps, 0.3, FLAGS.folds)
-        # Every prompt's out-of-fold score, for each of its samples (the real mixture).
+        if eval_samples:
+            records = train_ranker.read_logs(eval_samples)
+            test = train_ranker.merge_by_prompt(records)
+            _, report = train_ranker.evaluate_separate(examples, test, cfg, steps)
+        else:
+            _, report = train_ranker.train_and_evaluate(examples, cfg, steps, 0.3, FLAGS.folds)
+        # Every held-out prompt's score, for each of its samples (the real mixture).
         oof = report.pop("heldout_scores")
         heldout = [(oof[r.prompt_id], r.output_length) for r in records]
         return {"data": "smollm2_real", **report}, heldout
@@ -393,7 +408,9 @@ def main(argv):
         return
     t0 = time.time()
     quick = FLAGS.quick
-    ranker, heldout = ranker_section(FLAGS.samples, 150 if quick else FLAGS.ranker_steps)
+    ranker, heldout = ranker_section(
+        FLAGS.samples, 150 if quick else FLAGS.ranker_steps, FLAGS.eval_samples
+    )
     print(json.dumps({"ranker": ranker}), flush=True)
     slots = [int(x) for x in FLAGS.slots]
     engines, ptl, prof = _engines(slots, FLAGS.max_len, quick)
@@ -423,6 +440,14 @@ def main(argv):
         "ranker_evaluation": ranker["evaluation"],
         "ranker_samples_per_prompt": ranker["samples_per_prompt"],
         "split_half_recall_at_20": (ranker["split_half"] or {}).get("recall_at_20"),
+        # Separate evaluation (--eval_samples): one-sample and half-mean targets, each
+        # next to its noise ceiling (another draw of the same prompts).
+        **{
+            f"{target}_{name}_recall_at_20": ranker[target][name]["recall_at_20"]
+            for target in ("one_sample", "half_mean")
+            if target in ranker
+            for name in ranker[target]
+        },
         "task_mean_kendall_tau": ranker["task_mean"]["kendall_tau"],
         "random_recall_at_20": ranker["random_recall_at_20"],
         "prompt_length_recall_at_20": ranker["prompt_length"]["recall_at_20"],

@@ -13,7 +13,14 @@ length of the prompt's task; chance) and the split-half repeatability of the tar
 itself (one half of a prompt's samples predicting the other half), and writes the ranker
 (pickle of {"config", "state", "report"}; `Ranker.load_state(d["state"])`).
 
+With `--eval_samples` (a log of other prompts, e.g. another dataset seed) the ranker trains
+on all of `--samples` and is judged on those prompts only, on three targets: each prompt's
+mean length, one sample, and the mean of half its samples, each next to its noise ceiling
+(another sample of the same prompt; the other half of its samples).
+
     python tools/train_ranker.py --samples=/tmp/run/samples.jsonl --out=/tmp/ranker.pkl
+    python tools/train_ranker.py --samples=/tmp/train_a.jsonl,/tmp/train_b.jsonl \
+        --eval_samples=/tmp/eval_x4.jsonl
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from absl import app, flags
 
 from streamrl_jax.scheduling.rank_metrics import kendall_tau, ranking_report, recall_at
 from streamrl_jax.scheduling.ranker import Ranker, RankerConfig
-from streamrl_jax.scheduling.sample_log import LoggedSample, read_sample_log
+from streamrl_jax.scheduling.sample_log import LoggedSample, group_by_prompt, read_sample_log
 
 FLAGS = flags.FLAGS
 _EVAL_EVERY = 10  # optimizer steps between validation checks (early stopping)
@@ -53,12 +60,14 @@ class Example:
 
 def merge_by_prompt(records: list[LoggedSample]) -> list[Example]:
     """One example per prompt_id, target = mean output length of its samples (the
-    expected length is what a scheduler needs; one sample is a noisy draw of it)."""
-    groups: dict[str, list[LoggedSample]] = collections.defaultdict(list)
-    for r in records:
-        groups[r.prompt_id].append(r)
+    expected length is what a scheduler needs; one sample is a noisy draw of it).
+
+    A prompt's samples are kept in request order, not log order: the log is written in
+    completion order, so its first sample of a prompt is the shortest one, and any
+    "first half vs second half" comparison in log order is biased (short vs long).
+    """
     out = []
-    for pid, rs in groups.items():
+    for pid, rs in group_by_prompt(records).items():
         lens = tuple(r.output_length for r in rs)
         out.append(Example(pid, rs[0].prompt_tokens, rs[0].task, float(np.mean(lens)), lens))
     return out
@@ -66,8 +75,9 @@ def merge_by_prompt(records: list[LoggedSample]) -> list[Example]:
 
 def split_half_report(examples: list[Example]) -> dict[str, float] | None:
     """How repeatable the target is: the mean length of a prompt's first half of samples
-    used as the predictor of the mean of its other half (prompts with >= 2 samples).
-    A ranker cannot be expected to beat a second draw of the same prompt by much."""
+    (request order) used as the predictor of the mean of its other half (prompts with
+    >= 2 samples). A ranker cannot be expected to beat a second draw of the same prompt
+    by much."""
     pairs = [
         (np.mean(e.samples[: len(e.samples) // 2]), np.mean(e.samples[len(e.samples) // 2 :]))
         for e in examples
@@ -201,9 +211,77 @@ def train_and_evaluate(
     return ranker, report
 
 
+def evaluate_separate(
+    train: list[Example], test: list[Example], cfg: RankerConfig, steps: int
+) -> tuple[Ranker, dict]:
+    """Trains on `train` (its own 20 % validation split for early stopping) and reports on
+    `test`, prompts of another dataset seed, never seen in training.
+
+    Targets, and the noise ceilings that bound them (prompts with >= 2 samples):
+
+    * each prompt's mean length over all its samples (the report's top-level entries,
+      as in `train_and_evaluate`);
+    * `one_sample`: each prompt's last sample (request order), next to `another_sample`,
+      its first sample used as the predictor: how well a second draw of the *same*
+      prompt ranks a draw, the most any predictor of the prompt's expected length can
+      be expected to reach on a one-sample target (up to the draw's own noise);
+    * `half_mean`: the mean of each prompt's second half of samples, next to
+      `first_half_mean` (the split-half repeatability).
+    """
+    t0 = time.time()
+    ranker, fit = fit_ranker(train, cfg, steps)
+    pred = {"ranker": ranker.score([e.tokens for e in test])}
+    pred |= _reference_scores(train, test)
+    true = np.array([e.length for e in test])
+    # The prompt-mean target at the top level (the same keys as train_and_evaluate's).
+    report: dict = {k: ranking_report(true, v) for k, v in pred.items()}
+    report["split_half"] = None
+    multi = np.array([len(e.samples) >= 2 for e in test])
+    if multi.sum() >= 10:
+        tm = [e for e, m in zip(test, multi, strict=True) if m]
+        last = np.array([e.samples[-1] for e in tm], np.float64)
+        half = np.array([np.mean(e.samples[len(e.samples) // 2 :]) for e in tm])
+        first_half = np.array([np.mean(e.samples[: len(e.samples) // 2]) for e in tm])
+        sub = {k: v[multi] for k, v in pred.items()}
+        report["one_sample"] = {k: ranking_report(last, v) for k, v in sub.items()} | {
+            "another_sample": ranking_report(last, np.array([e.samples[0] for e in tm], float))
+        }
+        report["half_mean"] = {k: ranking_report(half, v) for k, v in sub.items()} | {
+            "first_half_mean": ranking_report(half, first_half)
+        }
+        report["split_half"] = report["half_mean"]["first_half_mean"]
+    rng = np.random.default_rng(0)
+    report.update(
+        random_recall_at_20=float(
+            np.mean([recall_at(true, rng.random(len(true)), 0.2) for _ in range(200)])
+        ),
+        target="mean output length over each prompt's samples",
+        evaluation="trained on --samples, evaluated on --eval_samples (other prompts)",
+        prompts=len(train),
+        heldout_prompts=len(test),
+        samples_per_prompt=float(np.mean([len(e.samples) for e in test])),
+        steps=steps,
+        best_steps=[fit["best_steps"]],
+        val_kendall_tau=[fit["val_kendall_tau"]],
+        train_s=time.time() - t0,
+    )
+    report["heldout_scores"] = {
+        e.prompt_id: float(s) for e, s in zip(test, pred["ranker"], strict=True)
+    }
+    return ranker, report
+
+
+def read_logs(paths: str) -> list[LoggedSample]:
+    """Records of one or more sample logs (comma-separated paths)."""
+    return [r for p in paths.split(",") if p for r in read_sample_log(p)]
+
+
 def define_flags() -> None:
     """Flags of the command line (not defined on import: bench_scheduling imports this)."""
-    flags.DEFINE_string("samples", None, "Sample JSONL written by SampleLog.")
+    flags.DEFINE_string("samples", None, "Sample JSONL(s) written by SampleLog (comma list).")
+    flags.DEFINE_string(
+        "eval_samples", None, "Evaluate on these prompts (another dataset seed) instead."
+    )
     flags.DEFINE_string("out", None, "Where to write the trained ranker (pickle); none = skip.")
     flags.DEFINE_integer("steps", 600, "Optimizer steps.")
     flags.DEFINE_float("holdout", 0.25, "Share of prompts held out for evaluation.")
@@ -216,9 +294,19 @@ def main(argv):
     del argv
     if not FLAGS.samples:
         raise app.UsageError("--samples is required (a SampleLog JSONL)")
-    examples = merge_by_prompt(read_sample_log(FLAGS.samples))
+    examples = merge_by_prompt(read_logs(FLAGS.samples))
     cfg = RankerConfig(vocab_size=FLAGS.vocab_size, seed=FLAGS.seed)
-    ranker, report = train_and_evaluate(examples, cfg, FLAGS.steps, FLAGS.holdout, FLAGS.folds)
+    if FLAGS.eval_samples:
+        test = merge_by_prompt(read_logs(FLAGS.eval_samples))
+        overlap = {e.prompt_id for e in examples} & {e.prompt_id for e in test}
+        if overlap:
+            raise app.UsageError(
+                f"--eval_samples shares {len(overlap)} prompt ids with --samples "
+                f"(e.g. {sorted(overlap)[0]}): collect it with another dataset seed"
+            )
+        ranker, report = evaluate_separate(examples, test, cfg, FLAGS.steps)
+    else:
+        ranker, report = train_and_evaluate(examples, cfg, FLAGS.steps, FLAGS.holdout, FLAGS.folds)
     report.pop("heldout_scores", None)
     if FLAGS.out:
         with open(FLAGS.out, "wb") as f:

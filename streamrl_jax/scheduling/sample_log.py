@@ -24,7 +24,7 @@ import dataclasses
 import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -163,3 +163,21 @@ def iter_sample_log(path: str) -> Iterator[LoggedSample]:
 def read_sample_log(path: str) -> list[LoggedSample]:
     """All records of a sample log (see `iter_sample_log`)."""
     return list(iter_sample_log(path))
+
+
+def _request_order(r: LoggedSample) -> tuple:
+    """Natural order of request ids: "train/3/5/10" after "train/3/5/9"."""
+    return tuple((0, int(x), "") if x.isdigit() else (1, 0, x) for x in r.request_id.split("/"))
+
+
+def group_by_prompt(records: Iterable[LoggedSample]) -> dict[str, list[LoggedSample]]:
+    """Each prompt's samples in *request* order (prompts in order of first appearance).
+
+    The log is written in completion order, so in log order a prompt's first sample is
+    its shortest; request order is independent of the lengths (any "first sample vs the
+    others" or split-half comparison must use it, or it compares short with long).
+    """
+    groups: dict[str, list[LoggedSample]] = {}
+    for r in records:
+        groups.setdefault(r.prompt_id, []).append(r)
+    return {pid: sorted(rs, key=_request_order) for pid, rs in groups.items()}
