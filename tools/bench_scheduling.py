@@ -448,6 +448,7 @@ def main(argv):
             if target in ranker
             for name in ranker[target]
         },
+        "ceiling_bootstrap_recall_at_20": ranker.get("ceiling_bootstrap", {}).get("recall_at_20"),
         "task_mean_kendall_tau": ranker["task_mean"]["kendall_tau"],
         "random_recall_at_20": ranker["random_recall_at_20"],
         "prompt_length_recall_at_20": ranker["prompt_length"]["recall_at_20"],

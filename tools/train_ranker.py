@@ -226,7 +226,9 @@ def evaluate_separate(
       prompt ranks a draw, the most any predictor of the prompt's expected length can
       be expected to reach on a one-sample target (up to the draw's own noise);
     * `half_mean`: the mean of each prompt's second half of samples, next to
-      `first_half_mean` (the split-half repeatability).
+      `first_half_mean` (the split-half repeatability);
+    * `ceiling_bootstrap`: what a perfect predictor of the expected length would score
+      on the prompt-mean target (`bootstrap_ceiling`).
     """
     t0 = time.time()
     ranker, fit = fit_ranker(train, cfg, steps)
@@ -250,6 +252,7 @@ def evaluate_separate(
             "first_half_mean": ranking_report(half, first_half)
         }
         report["split_half"] = report["half_mean"]["first_half_mean"]
+        report["ceiling_bootstrap"] = bootstrap_ceiling([e.samples for e in tm])
     rng = np.random.default_rng(0)
     report.update(
         random_recall_at_20=float(
@@ -269,6 +272,28 @@ def evaluate_separate(
         e.prompt_id: float(s) for e, s in zip(test, pred["ranker"], strict=True)
     }
     return ranker, report
+
+
+def bootstrap_ceiling(samples: list[tuple[int, ...]], rounds: int = 400) -> dict[str, float]:
+    """Noise ceiling of the prompt-mean target: each prompt's samples redrawn with
+    replacement (as many as it has) and ranked by the prompt's own observed mean, a
+    stand-in for a perfect predictor of the expected length (optimistic: the predictor
+    is the distribution the draws come from). Mean and SD over `rounds` redraws."""
+    rng = np.random.default_rng(0)
+    k = min(len(s) for s in samples)
+    s_pxk = np.array([s[:k] for s in samples], np.float64)
+    mean_p = s_pxk.mean(1)
+    recall, tau = [], []
+    for _ in range(rounds):
+        draw_pxk = np.take_along_axis(s_pxk, rng.integers(0, k, size=s_pxk.shape), 1)
+        recall.append(recall_at(draw_pxk.mean(1), mean_p, 0.2))
+        tau.append(kendall_tau(draw_pxk.mean(1), mean_p))
+    return {
+        "recall_at_20": float(np.mean(recall)),
+        "recall_at_20_sd": float(np.std(recall)),
+        "kendall_tau": float(np.nanmean(tau)),
+        "samples_per_prompt": float(k),
+    }
 
 
 def read_logs(paths: str) -> list[LoggedSample]:
