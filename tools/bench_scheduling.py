@@ -89,6 +89,7 @@ flags.DEFINE_float("collect_temperature", 0.7, "Sampling temperature of --collec
 flags.DEFINE_float("collect_budget_s", 1300.0, "--collect starts no prompt after this.")
 flags.DEFINE_integer("collect_slots", 32, "Engine slots of --collect.")
 flags.DEFINE_integer("collect_seed", 0, "Dataset seed of --collect (seeds give disjoint prompts).")
+flags.DEFINE_string("collect_model", None, "Policy checkpoint of --collect (GGUF / HF); SmolLM2.")
 
 
 def ranker_section(
@@ -404,6 +405,7 @@ def main(argv):
             budget_s=FLAGS.collect_budget_s,
             slots=FLAGS.collect_slots,
             seed=FLAGS.collect_seed,
+            model=FLAGS.collect_model,
         )
         return
     t0 = time.time()

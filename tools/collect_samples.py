@@ -38,11 +38,13 @@ def collect(
     budget_s: float,
     slots: int = 32,
     seed: int = 0,
+    model: str | None = None,
 ) -> None:
-    """Real SmolLM2 generations on `VARIED_MIXTURE`, `samples` per prompt, one SampleLog
-    line each. Prompts are fed to the engine as slots free, all samples of a prompt
-    together; after `budget_s` no new prompt is started and the running ones finish, so
-    every logged prompt has all its samples."""
+    """Real generations of `model` (a GGUF file or HF directory; default SmolLM2) on
+    `VARIED_MIXTURE`, `samples` per prompt, one SampleLog line each. Prompts are fed to
+    the engine as slots free, all samples of a prompt together; after `budget_s` no new
+    prompt is started and the running ones finish, so every logged prompt has all its
+    samples."""
     from streamrl_jax.data import tokenize
     from streamrl_jax.model.defaults import smollm2_gguf_path
     from streamrl_jax.model.loader import load_pretrained
@@ -51,7 +53,7 @@ def collect(
 
     t0 = time.time()
     mesh = single_device_mesh()
-    pre = load_pretrained(smollm2_gguf_path(), mesh=mesh)
+    pre = load_pretrained(model or smollm2_gguf_path(), mesh=mesh)
     ds = TaskDataset(
         {k: 1.0 for k in VARIED_MIXTURE}, seed=seed, size=n, task_configs=VARIED_MIXTURE
     )
