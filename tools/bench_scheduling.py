@@ -256,8 +256,9 @@ def engine_section(engines, ptl, prof, quick: bool) -> dict:
 
 def real_mixture_section(engines, ptl, samples: list[tuple[float, int]], quick: bool) -> dict:
     """The real mixture: each request is a real SmolLM2 sample (its length forced on the
-    tiny engine), scored by the cross-validation ranker that never saw its prompt; the
-    representative lengths come from the samples outside the batch."""
+    tiny engine), scored by a ranker that never saw its prompt (out-of-fold, or trained on
+    other seeds with --eval_samples); the representative lengths come from the samples
+    outside the batch."""
     slots = [int(s) for s in FLAGS.slots]
     n_req = min(FLAGS.requests or 128, len(samples) // 2)
     all_len = np.array([n for _, n in samples])

@@ -45,13 +45,14 @@ from train_ranker import (
     fold_of,
     is_heldout,
     merge_by_prompt,
+    random_recall_at_20,
     split_half_report,
 )
 
 from streamrl_jax.model import layers
 from streamrl_jax.model.defaults import smollm2_gguf_path
 from streamrl_jax.model.loader import load_pretrained
-from streamrl_jax.scheduling.rank_metrics import kendall_tau, ranking_report, recall_at
+from streamrl_jax.scheduling.rank_metrics import kendall_tau, ranking_report
 from streamrl_jax.scheduling.ranker import pairwise_logistic_loss
 from streamrl_jax.scheduling.sample_log import read_sample_log
 
@@ -268,10 +269,7 @@ def main(argv):
         report[name] = {
             key: float(np.mean([r[key] for r in runs])) for key in runs[0] if key != "n"
         } | {f"{key}_sd": float(np.std([r[key] for r in runs])) for key in runs[0] if key != "n"}
-    rng = np.random.default_rng(0)
-    report["random_recall_at_20"] = float(
-        np.mean([recall_at(true, rng.random(len(true)), 0.2) for _ in range(200)])
-    )
+    report["random_recall_at_20"] = random_recall_at_20(true)
     report.update(
         split_half=split_half_report(examples),
         chosen=chosen,

@@ -128,6 +128,14 @@ def fit_ranker(train: list[Example], cfg: RankerConfig, steps: int) -> tuple[Ran
     }
 
 
+def random_recall_at_20(true: np.ndarray, rounds: int = 200) -> float:
+    """Chance level of recall@20 (mean over random orders): with many ties at the top
+    (responses cut at max_new_tokens) a random order already scores well on the tie-aware
+    recall."""
+    rng = np.random.default_rng(0)
+    return float(np.mean([recall_at(true, rng.random(len(true)), 0.2) for _ in range(rounds)]))
+
+
 def _reference_scores(train: list[Example], test: list[Example]) -> dict[str, np.ndarray]:
     """Predictors to compare with: prompt length, and the training mean of the task."""
     task_mean = collections.defaultdict(list)
@@ -183,12 +191,7 @@ def train_and_evaluate(
             scores[name] += v.tolist()
     true = np.array([e.length for e in test_all])
     report = {name: ranking_report(true, np.array(v)) for name, v in scores.items()}
-    # Chance level: with many ties at the top (responses cut at max_new_tokens) a random
-    # order already scores well on the tie-aware recall.
-    rng = np.random.default_rng(0)
-    report["random_recall_at_20"] = float(
-        np.mean([recall_at(true, rng.random(len(true)), 0.2) for _ in range(200)])
-    )
+    report["random_recall_at_20"] = random_recall_at_20(true)
     samples_per_prompt = [len(e.samples) for e in examples if e.samples]
     report.update(
         target="mean output length over each prompt's samples",
@@ -215,7 +218,8 @@ def evaluate_separate(
     train: list[Example], test: list[Example], cfg: RankerConfig, steps: int
 ) -> tuple[Ranker, dict]:
     """Trains on `train` (its own 20 % validation split for early stopping) and reports on
-    `test`, prompts of another dataset seed, never seen in training.
+    `test`, prompts of another dataset seed, never seen in training (ValueError when a
+    prompt id is in both).
 
     Targets, and the noise ceilings that bound them (prompts with >= 2 samples):
 
@@ -230,6 +234,12 @@ def evaluate_separate(
     * `ceiling_bootstrap`: what a perfect predictor of the expected length would score
       on the prompt-mean target (`bootstrap_ceiling`).
     """
+    overlap = {e.prompt_id for e in train} & {e.prompt_id for e in test}
+    if overlap:
+        raise ValueError(
+            f"train_ranker: the evaluation prompts share {len(overlap)} prompt ids with the "
+            f"training ones (e.g. {sorted(overlap)[0]}): collect them with another dataset seed"
+        )
     t0 = time.time()
     ranker, fit = fit_ranker(train, cfg, steps)
     pred = {"ranker": ranker.score([e.tokens for e in test])}
@@ -253,11 +263,8 @@ def evaluate_separate(
         }
         report["split_half"] = report["half_mean"]["first_half_mean"]
         report["ceiling_bootstrap"] = bootstrap_ceiling([e.samples for e in tm])
-    rng = np.random.default_rng(0)
     report.update(
-        random_recall_at_20=float(
-            np.mean([recall_at(true, rng.random(len(true)), 0.2) for _ in range(200)])
-        ),
+        random_recall_at_20=random_recall_at_20(true),
         target="mean output length over each prompt's samples",
         evaluation="trained on --samples, evaluated on --eval_samples (other prompts)",
         prompts=len(train),
@@ -285,9 +292,9 @@ def bootstrap_ceiling(samples: list[tuple[int, ...]], rounds: int = 400) -> dict
     mean_p = s_pxk.mean(1)
     recall, tau = [], []
     for _ in range(rounds):
-        draw_pxk = np.take_along_axis(s_pxk, rng.integers(0, k, size=s_pxk.shape), 1)
-        recall.append(recall_at(draw_pxk.mean(1), mean_p, 0.2))
-        tau.append(kendall_tau(draw_pxk.mean(1), mean_p))
+        draw_p = np.take_along_axis(s_pxk, rng.integers(0, k, size=s_pxk.shape), 1).mean(1)
+        recall.append(recall_at(draw_p, mean_p, 0.2))
+        tau.append(kendall_tau(draw_p, mean_p))
     return {
         "recall_at_20": float(np.mean(recall)),
         "recall_at_20_sd": float(np.std(recall)),
@@ -323,12 +330,6 @@ def main(argv):
     cfg = RankerConfig(vocab_size=FLAGS.vocab_size, seed=FLAGS.seed)
     if FLAGS.eval_samples:
         test = merge_by_prompt(read_logs(FLAGS.eval_samples))
-        overlap = {e.prompt_id for e in examples} & {e.prompt_id for e in test}
-        if overlap:
-            raise app.UsageError(
-                f"--eval_samples shares {len(overlap)} prompt ids with --samples "
-                f"(e.g. {sorted(overlap)[0]}): collect it with another dataset seed"
-            )
         ranker, report = evaluate_separate(examples, test, cfg, FLAGS.steps)
     else:
         ranker, report = train_and_evaluate(examples, cfg, FLAGS.steps, FLAGS.holdout, FLAGS.folds)
