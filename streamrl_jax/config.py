@@ -10,14 +10,36 @@ code receives these dataclasses, never a ConfigDict or flags.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import types
 import typing
+from collections.abc import Callable
 from typing import Any
 
 import ml_collections
 
+# Registry names, as the user writes them. config.py is the bottom layer and imports
+# no registry; tests/config_test.py asserts these equal the registries' keys
+# (streamrl_jax.algorithms, model.config, scheduling.dispatch, rewards.jsonl).
 MODES = ("colocated", "disaggregated_batch", "stream_sync", "stream_async")
+NONFINITE = ("skip", "stop")
+# Outcome estimators (algorithms.ADVANTAGES) and, with a critic, "gae"
+# (algorithms.CRITIC_ADVANTAGES; selects the critic section).
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
+POLICY_LOSSES = ("ppo_clip", "dapo")
+AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LR_SCHEDULES = ("constant", "cosine")
+DTYPES = ("float32", "bfloat16", "float16")
+BAD_ROWS = ("error", "skip")
+OVERLONG_PROMPTS = ("drop", "error", "truncate")
+REWARD_ERRORS = ("raise", "zero")
+REWARDS = ("task", "vowels")
+DISPATCHES = ("round_robin", "random", "skew_aware", "oracle")
+OBJECTIVES = ("max", "sum")
+PLANNERS = ("lpt", "groups")
+WHITENING = ("group", "none")  # trainer/critic.py
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,14 +100,14 @@ class PipelineSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AlgorithmSection:
-    """RL maths, by registry name (streamrl_jax.algorithms)."""
+    """RL maths, by registry name (streamrl_jax.algorithms, docs/algorithms.md)."""
 
-    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp
+    advantage: str = "grpo"  # one of ADVANTAGES; "gae" trains a critic (section `critic`)
     policy_loss: str = "ppo_clip"  # ppo_clip | dapo
     aggregation: str = "token_mean"  # token_mean | seq_mean_token_sum | seq_mean_token_mean
-    clip_eps: float = 0.2  # PPO clip (low side for dapo)
-    clip_eps_high: float = 0.28  # dapo upper clip
-    dual_clip: float = 3.0  # dual-clip bound c (0 = off)
+    clip_eps: float = 0.2  # PPO clip: ratio in [1 - clip_eps, 1 + clip_eps] (low side for dapo)
+    clip_eps_high: float = 0.28  # dapo only: upper clip 1 + clip_eps_high (ppo_clip ignores it)
+    dual_clip: float = 3.0  # dual-clip bound c > 1 for negative advantages (0 = off)
     kl_coef: float = 0.0  # KL-to-reference coefficient (0 = no reference model)
     kl_estimator: str = "k3"  # k1 | k2 | k3
     entropy_coef: float = 0.0  # entropy bonus
@@ -94,15 +116,34 @@ class AlgorithmSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimizerSection:
-    """AdamW with warmup and gradient clipping."""
+    """AdamW with warmup and gradient clipping (the critic's too, with its own learning rate)."""
 
-    learning_rate: float = 1e-6
-    warmup_steps: int = 0
-    schedule: str = "constant"  # constant | cosine
-    max_grad_norm: float = 1.0
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
+    learning_rate: float = 1e-6  # peak learning rate
+    warmup_steps: int = 0  # linear warm-up; step s uses lr * min(1, (s + 1) / warmup_steps)
+    schedule: str = "constant"  # constant | cosine (decay to min_lr_ratio * lr at the last step)
+    min_lr_ratio: float = 0.1  # cosine: final learning rate / peak
+    max_grad_norm: float = 1.0  # clip the gradient's global L2 norm (0 = off)
+    weight_decay: float = 0.0  # decoupled; never applied to norm scales or biases
+    b1: float = 0.9  # AdamW first-moment decay
+    b2: float = 0.999  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW epsilon
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CriticSection:
+    """PPO value model (trainer/critic.py), trained when algorithm.advantage="gae".
+
+    It shares the model architecture and every optimizer.* setting except its
+    learning rate; GAE is computed per sample, so it streams (docs/trainer.md).
+    """
+
+    learning_rate: float = 1e-5  # the critic's peak AdamW learning rate
+    value_clip: float = 0.2  # value-loss clip around the old values (0 = plain squared error)
+    gamma: float = 1.0  # GAE discount
+    lam: float = 1.0  # GAE lambda; < 1 shrinks token t's share of the outcome by lam^(T-t)
+    # "group": whiten the advantages over each GRPO group's response tokens (groups never
+    # split across micro-batches, so this streams exactly; needs pipeline.group_size >= 2)
+    whiten: str = "group"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,6 +169,8 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EvalSection:
+    """Held-out evaluation (greedy)."""
+
     every: int = 5  # evaluate every N steps (0 = only at start and end)
     num_problems: int = 32  # held-out problems per evaluation (greedy)
 
@@ -175,6 +218,7 @@ class ExperimentConfig:
     pipeline: PipelineSection = PipelineSection()
     algorithm: AlgorithmSection = AlgorithmSection()
     optimizer: OptimizerSection = OptimizerSection()
+    critic: CriticSection = CriticSection()
     data: DataSection = DataSection()
     eval: EvalSection = EvalSection()
     log: LogSection = LogSection()
@@ -223,20 +267,153 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """What one field accepts: a registry name, or a numeric range."""
+
+    ok: Callable[[Any], bool]
+    expected: str  # "one of (...)", ">= 1", "in [0, 1)"
+    registry: bool = False
+
+    def check(self, path: str, value: Any) -> None:
+        if self.registry:
+            _require(self.ok(value), f"{path}={value!r}; expected {self.expected}")
+        else:
+            _require(self.ok(value), f"{path} must be {self.expected}, got {value!r}")
+
+
+def _one_of(names: tuple[str, ...]) -> _Rule:
+    return _Rule(lambda v: v in names, f"one of {names}", registry=True)
+
+
+def _at_least(low: float) -> _Rule:
+    return _Rule(lambda v: v >= low, f">= {low}")
+
+
+def _above(low: float) -> _Rule:
+    return _Rule(lambda v: v > low, f"> {low}")
+
+
+def _unit(*, open_low: bool = False, open_high: bool = False) -> _Rule:
+    lo, hi = ("(" if open_low else "["), (")" if open_high else "]")
+    return _Rule(
+        lambda v: (v > 0 if open_low else v >= 0) and (v < 1 if open_high else v <= 1),
+        f"in {lo}0, 1{hi}",
+    )
+
+
+_COUNT, _NONNEG, _POSITIVE = _at_least(1), _at_least(0), _above(0)
+# Every registry and numeric field of every section (a test checks none is missing).
+# "0 = off" (dual_clip, tis_cap, max_grad_norm, value_clip) is read in trainer/config.py.
+RULES: dict[type, dict[str, _Rule]] = {
+    ModelSection: {
+        **dict.fromkeys(("param_dtype", "dtype", "generate_dtype"), _one_of(DTYPES)),
+        "max_context": _COUNT,
+    },
+    MeshSection: dict.fromkeys(
+        ("generate_devices", "train_devices", "train_tp", "instance_tp"), _COUNT
+    ),
+    GenerationSection: {
+        **dict.fromkeys(
+            ("max_prompt_len", "max_new_tokens", "decode_chunk", "prefill_batch"), _COUNT
+        ),
+        "temperature": _NONNEG,
+        "top_k": _NONNEG,
+        "top_p": _unit(open_low=True),
+    },
+    PipelineSection: {
+        "mode": _one_of(MODES),
+        **dict.fromkeys(
+            ("staleness", "steps", "prompts_per_step", "group_size", "min_groups"), _COUNT
+        ),
+        **dict.fromkeys(("micro_batch_groups", "mini_batches"), _COUNT),
+        "nonfinite": _one_of(NONFINITE),
+        **dict.fromkeys(("watchdog_s", "timeout_s"), _POSITIVE),
+    },
+    AlgorithmSection: {
+        "advantage": _one_of(ADVANTAGES),
+        "policy_loss": _one_of(POLICY_LOSSES),
+        "aggregation": _one_of(AGGREGATIONS),
+        "kl_estimator": _one_of(KL_ESTIMATORS),
+        **dict.fromkeys(("clip_eps", "clip_eps_high"), _POSITIVE),
+        "dual_clip": _Rule(lambda v: v == 0 or v > 1, "0 (off) or > 1"),
+        **dict.fromkeys(("kl_coef", "entropy_coef", "tis_cap"), _NONNEG),
+    },
+    OptimizerSection: {
+        **dict.fromkeys(("learning_rate", "eps"), _POSITIVE),
+        **dict.fromkeys(("warmup_steps", "max_grad_norm", "weight_decay"), _NONNEG),
+        "schedule": _one_of(LR_SCHEDULES),
+        "min_lr_ratio": _unit(),
+        **dict.fromkeys(("b1", "b2"), _unit(open_high=True)),
+    },
+    CriticSection: {
+        "learning_rate": _POSITIVE,
+        "value_clip": _NONNEG,
+        **dict.fromkeys(("gamma", "lam"), _unit()),
+        "whiten": _one_of(WHITENING),
+    },
+    DataSection: {
+        **dict.fromkeys(("train_seed", "eval_seed", "format_reward"), _NONNEG),
+        "train_size": _COUNT,
+        "bad_rows": _one_of(BAD_ROWS),
+        "overlong_prompts": _one_of(OVERLONG_PROMPTS),
+        "reward_errors": _one_of(REWARD_ERRORS),
+        "reward": _one_of(REWARDS),
+    },
+    EvalSection: {"every": _NONNEG, "num_problems": _NONNEG},
+    LogSection: {},
+    SchedulingSection: {
+        "dispatch": _one_of(DISPATCHES),
+        "objective": _one_of(OBJECTIVES),
+        "planner": _one_of(PLANNERS),
+        "ranker_min_samples": _COUNT,
+        "elastic_reserved": _NONNEG,
+    },
+    CheckpointSection: {"every": _NONNEG, "keep": _COUNT},
+    ExperimentConfig: {"seed": _NONNEG},
+}
+
+
+def check_section(path: str, section: Any) -> None:
+    """Checks every registry name and numeric range of one section.
+
+    Args:
+      path: the section's name as the user writes it ("algorithm"), "" for the top level.
+      section: a section dataclass instance.
+
+    Raises:
+      ValueError: naming the field, e.g. `algorithm.advantage='bogus'; expected one of (...)`.
+    """
+    for name, rule in RULES[type(section)].items():
+        rule.check(f"{path}.{name}" if path else name, getattr(section, name))
+
+
+def _check_tasks(data: DataSection) -> None:
+    """data.tasks names reasoning-gym datasets (unused with data.jsonl_path)."""
+    if data.jsonl_path:
+        return
+    tasks = task_names(data)
+    _require(bool(tasks), f"data.tasks={data.tasks!r} names no task")
+    # reasoning-gym's own registry, imported only here: a third-party library, not a layer.
+    from reasoning_gym.factory import DATASETS
+
+    for task in tasks:
+        close = difflib.get_close_matches(task, DATASETS, n=3)
+        _require(
+            task in DATASETS,
+            f"data.tasks={data.tasks!r}: {task!r} is not a reasoning-gym task"
+            + (f" (did you mean {', '.join(close)}?)" if close else ""),
+        )
+
+
 def validate(cfg: ExperimentConfig) -> ExperimentConfig:
-    """Cross-field checks; raises ValueError naming the field."""
+    """Every field's registry name and range, then cross-field checks; raises naming the field."""
+    check_section("", cfg)
+    for field in dataclasses.fields(cfg):
+        section = getattr(cfg, field.name)
+        if dataclasses.is_dataclass(section):
+            check_section(field.name, section)
     p, g, m = cfg.pipeline, cfg.generation, cfg.mesh
-    _require(p.mode in MODES, f"pipeline.mode={p.mode!r}; expected one of {MODES}")
-    _require(p.staleness >= 1, f"pipeline.staleness must be >= 1, got {p.staleness}")
-    for name in (
-        "steps",
-        "prompts_per_step",
-        "group_size",
-        "min_groups",
-        "micro_batch_groups",
-        "mini_batches",
-    ):
-        _require(getattr(p, name) >= 1, f"pipeline.{name} must be >= 1, got {getattr(p, name)}")
     _require(
         p.min_groups <= p.prompts_per_step,
         f"pipeline.min_groups ({p.min_groups}) exceeds pipeline.prompts_per_step "
@@ -248,29 +425,23 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         f"pipeline.mini_batches ({p.mini_batches}): each mini-batch holds the same number "
         "of groups",
     )
-    _require(p.watchdog_s > 0, f"pipeline.watchdog_s must be > 0, got {p.watchdog_s}")
-    for name, value, allowed in (
-        ("pipeline.nonfinite", p.nonfinite, ("skip", "stop")),
-        ("data.bad_rows", cfg.data.bad_rows, ("error", "skip")),
-        ("data.overlong_prompts", cfg.data.overlong_prompts, ("drop", "error", "truncate")),
-        ("data.reward_errors", cfg.data.reward_errors, ("raise", "zero")),
-        ("data.reward", cfg.data.reward, ("task", "vowels")),
-    ):
-        _require(value in allowed, f"{name}={value!r}; expected one of {allowed}")
+    o, optimizer_steps = cfg.optimizer, p.steps * p.mini_batches
+    _require(
+        o.schedule != "cosine" or o.warmup_steps < optimizer_steps,
+        f"optimizer.warmup_steps ({o.warmup_steps}) must be below the run's optimizer steps "
+        f"(pipeline.steps * pipeline.mini_batches = {optimizer_steps}) for the cosine schedule",
+    )
+    _require(
+        cfg.algorithm.advantage != "gae" or cfg.critic.whiten != "group" or p.group_size >= 2,
+        "critic.whiten='group' needs pipeline.group_size >= 2 (use critic.whiten='none')",
+    )
     _require(
         not cfg.data.jsonl_path or bool(cfg.data.eval_jsonl_path),
         "data.jsonl_path needs data.eval_jsonl_path (held-out problems from another file)",
     )
     sc = cfg.scheduling
-    dispatches = ("round_robin", "random", "skew_aware", "oracle")
     _require(
-        sc.dispatch in dispatches,
-        f"scheduling.dispatch={sc.dispatch!r}; expected one of {dispatches}",
-    )
-    _require(sc.objective in ("max", "sum"), f"scheduling.objective={sc.objective!r}; max | sum")
-    _require(sc.planner in ("lpt", "groups"), f"scheduling.planner={sc.planner!r}; lpt | groups")
-    _require(
-        0 <= sc.elastic_reserved < len(m.instance_slots),
+        sc.elastic_reserved < len(m.instance_slots),
         f"scheduling.elastic_reserved={sc.elastic_reserved} must leave at least one of the "
         f"{len(m.instance_slots)} instances in mesh.instance_slots active",
     )
@@ -278,36 +449,25 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         sc.dispatch != "oracle" or g.length_replay,
         "scheduling.dispatch='oracle' needs generation.length_replay=True (true lengths)",
     )
-    ck = cfg.checkpoint
-    _require(ck.every >= 0, f"checkpoint.every must be >= 0, got {ck.every}")
-    _require(ck.keep >= 1, f"checkpoint.keep must be >= 1, got {ck.keep}")
-    _require(p.timeout_s > 0, f"pipeline.timeout_s must be > 0, got {p.timeout_s}")
     _require(len(m.instance_slots) >= 1, "mesh.instance_slots must name at least one instance")
     _require(all(s >= 1 for s in m.instance_slots), "mesh.instance_slots must all be >= 1")
-    _require(
-        g.max_prompt_len >= 1 and g.max_new_tokens >= 1,
-        "generation.max_prompt_len and max_new_tokens must be >= 1",
-    )
     _require(
         g.max_prompt_len + g.max_new_tokens <= cfg.model.max_context,
         f"generation.max_prompt_len + max_new_tokens ({g.max_prompt_len + g.max_new_tokens}) "
         f"exceeds model.max_context ({cfg.model.max_context})",
     )
-    _require(g.temperature >= 0, f"generation.temperature must be >= 0, got {g.temperature}")
-    _require(0 < g.top_p <= 1, f"generation.top_p must be in (0, 1], got {g.top_p}")
-    _require(g.top_k >= 0, f"generation.top_k must be >= 0, got {g.top_k}")
-    _require(g.decode_chunk >= 1, f"generation.decode_chunk must be >= 1, got {g.decode_chunk}")
     _require(
         cfg.data.train_seed != cfg.data.eval_seed,
         "data.train_seed must differ from data.eval_seed (held-out problems)",
     )
-    _require(cfg.optimizer.learning_rate > 0, "optimizer.learning_rate must be > 0")
+    _check_tasks(cfg.data)
     task_configs(cfg.data)  # parses, or raises naming data.task_config
-    _require(
-        cfg.optimizer.schedule in ("constant", "cosine"),
-        f"optimizer.schedule={cfg.optimizer.schedule!r}; expected constant | cosine",
-    )
     return cfg
+
+
+def task_names(data: DataSection) -> list[str]:
+    """`data.tasks` split into reasoning-gym task names."""
+    return [t.strip() for t in data.tasks.split(",") if t.strip()]
 
 
 def task_configs(data: DataSection) -> dict[str, dict[str, Any]]:
@@ -318,7 +478,7 @@ def task_configs(data: DataSection) -> dict[str, dict[str, Any]]:
         parsed = json.loads(data.task_config)
     except json.JSONDecodeError as e:
         raise ValueError(f"data.task_config is not valid JSON: {e}") from None
-    tasks = {t.strip() for t in data.tasks.split(",") if t.strip()}
+    tasks = set(task_names(data))
     if not isinstance(parsed, dict) or not all(isinstance(v, dict) for v in parsed.values()):
         raise ValueError("data.task_config must be a JSON object {task: {kwarg: value}}")
     if unknown := set(parsed) - tasks:

@@ -12,8 +12,9 @@ keeps the assistant header the model continues from) and it is counted in
 `truncated_overlong`; never silently.
 
 `make_requests` turns one global batch of prompts into `group_size` sampled
-requests each, with deterministic per-sample seeds and the bookkeeping the
-pipeline needs in `metadata` (batch index, group index, prompt id, problem).
+requests each, with deterministic per-sample seeds, the pipeline's routing in a
+typed `RequestTag` (batch, group, member, prompt id) and the problem's payload for
+the reward function in `metadata`.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from typing import Any
 import grain
 import numpy as np
 
-from streamrl_jax.generation.types import GenerationRequest, SamplingParams
+from streamrl_jax.generation.types import GenerationRequest, RequestTag, SamplingParams
 from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.rewards.tasks import Problem, TaskDataset, chat_messages
-from streamrl_jax.simulation import lengths
+from streamrl_jax.scheduling import lengths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,8 +139,9 @@ def make_requests(
     paper's long-tail trace scaled to `max_new_tokens` (seeded by run and batch),
     as the paper's length-replay benchmarks do.
 
-    Metadata keys: `batch`, `group` (index of the prompt in the batch), `member`,
-    `prompt_id`, `task`, `entry` (what the reward function scores against).
+    Each request's tag: `batch`, `group` (index of the prompt in the batch),
+    `member`, `prompt_id`; its metadata: the problem's (`task`, `entry`: what the
+    reward function scores against).
     """
     forced = [None] * (len(prompts) * group_size)
     if length_replay:
@@ -159,7 +161,10 @@ def make_requests(
                     sampling=sampling,
                     seed=sample_seed(run_seed, batch, g, m),
                     forced_length=forced[g * group_size + m],
-                    metadata=dict(prompt.problem.metadata, batch=batch, group=g, member=m),
+                    tag=RequestTag(
+                        batch=batch, group=g, member=m, prompt_id=prompt.problem.prompt_id
+                    ),
+                    metadata=prompt.problem.metadata,
                 )
             )
     return out

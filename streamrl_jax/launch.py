@@ -1,13 +1,13 @@
 """Entry point: `python -m streamrl_jax.launch --config=configs/NAME.py[:variant] --workdir=DIR`.
 
-Only parses flags; `streamrl_jax.run` builds and runs the experiment. With no
+Only parses flags; `streamrl_jax.pipeline` builds and runs the experiment. With no
 flags it runs the quickstart (configs/quickstart.py) in ./workdir/quickstart.
 Override any field: `--config.pipeline.mode=stream_sync --config.pipeline.steps=5`.
 
 Several processes (docs/multicontroller.md): the same command on every process
 of a `jax.distributed` program, e.g.
 `python launch/local.py -n 2 -g 1 -- python -m streamrl_jax.launch --config=...`;
-processes 0 .. G-1 generate, the last one trains (`distributed/pipeline.py`).
+processes 0 .. G-1 generate, the others train (`pipeline/processes.py`).
 """
 
 from __future__ import annotations
@@ -73,13 +73,13 @@ def main(argv: list[str]) -> None:
         jax.config.update("jax_num_cpu_devices", wanted if _DEVICES.value < 0 else _DEVICES.value)
     logging.info("config:\n%s", cfg)
     if dcfg is None:
-        from streamrl_jax import run
+        from streamrl_jax import pipeline
 
-        run.run(cfg, _WORKDIR.value)
+        pipeline.run(cfg, _WORKDIR.value)
         return
-    from streamrl_jax.distributed import pipeline
+    from streamrl_jax.pipeline import processes
 
-    pipeline.run_process(cfg, _WORKDIR.value, dcfg)
+    processes.run_process(cfg, _WORKDIR.value, dcfg)
     jax.distributed.shutdown()  # every process meets here within seconds of the others
 
 

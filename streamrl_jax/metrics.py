@@ -30,7 +30,7 @@ _WRITER_PROCESS = 0  # the process that writes metrics, the trace and the progre
 
 def set_writer_process(process_index: int) -> None:
     """Several processes: the training process writes, whatever its index
-    (distributed/pipeline.py)."""
+    (pipeline/processes.py)."""
     global _WRITER_PROCESS
     _WRITER_PROCESS = process_index
 

@@ -26,30 +26,21 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 Rules = Mapping[str, str | None]
 
-TRAIN_RULES: Rules = {
+# Tensor parallelism over "tp" is one layout in both roles: heads, MLP and vocabulary
+# split, per-head, norm and layer-stack dimensions replicated.
+_TENSOR_PARALLEL: Rules = {
     "vocab": "tp",
-    "embed": "fsdp",
     "heads": "tp",
     "kv_heads": "tp",
     "head_dim": None,
     "mlp": "tp",
     "norm": None,
     "layers": None,
-    "value_head": None,
 }
 
-GENERATE_RULES: Rules = {
-    "vocab": "tp",
-    "embed": None,
-    "heads": "tp",
-    "kv_heads": "tp",
-    "head_dim": None,
-    "mlp": "tp",
-    "norm": None,
-    "layers": None,
-    "cache_batch": None,
-    "cache_seq": None,
-}
+TRAIN_RULES: Rules = {**_TENSOR_PARALLEL, "embed": "fsdp", "value_head": None}
+
+GENERATE_RULES: Rules = {**_TENSOR_PARALLEL, "embed": None, "cache_batch": None, "cache_seq": None}
 
 RULES: dict[str, Rules] = {"train": TRAIN_RULES, "generate": GENERATE_RULES}
 

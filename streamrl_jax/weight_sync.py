@@ -3,11 +3,15 @@
 A transfer has two parts, kept apart so a cross-process transport can replace
 the second later (DESIGN.md §5):
 
-1. *Cast* on the training mesh (jitted, same sharding): float32 master
-   weights become the generation dtype (e.g. bf16), halving the bytes moved.
-2. *Move / reshard*: `jax.device_put` onto each generation instance's
-   shardings. Between disjoint meshes this is a cross-mesh copy; in colocated
-   mode it only changes the layout.
+1. *Cast* on the training mesh (jitted, same sharding unless told otherwise):
+   float32 master weights become the generation dtype (e.g. bf16), halving the
+   bytes moved.
+2. *Move*: a `Mover` function handed in by the owner (composition, not
+   subclassing). `place_on(shardings)` is the in-process mover: `jax.device_put`
+   onto each generation instance's shardings (between disjoint meshes a
+   cross-mesh copy; in colocated mode only a layout change). A multi-controller
+   run hands in a mover that sends the cast weights to other processes
+   (`pipeline/training_process.py`).
 
 `WeightSync.transfer` is synchronous and returns timing; `start` runs the
 same transfer on a background thread (async mode overlaps it with generation
@@ -18,6 +22,7 @@ weights: a `Published` pair (params, version) is what an engine receives.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -54,44 +59,74 @@ def tree_bytes(tree: Any) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-class WeightSync:
-    """Moves trainer params to N generation instances' shardings and dtype."""
+# (cast params, version) -> (what each destination now holds, number of destinations).
+Mover = Callable[[Any, int], tuple[list[Published], int]]
 
-    def __init__(self, destination_shardings: Sequence[Any], dtype: Any, name: str = "weight_sync"):
+
+def place_on(destination_shardings: Sequence[Any]) -> Mover:
+    """The in-process mover: `device_put` onto every destination's shardings.
+
+    Args:
+      destination_shardings: per generation instance, a pytree of NamedShardings
+        with the params' structure (e.g. `sharding.state_shardings(..., "generate")`).
+    """
+    destinations = list(destination_shardings)
+
+    def move(cast: Any, version: int) -> tuple[list[Published], int]:
+        out = [Published(jax.device_put(cast, dst), version) for dst in destinations]
+        # Deliberate sync point: the timing must cover the copy, and an engine
+        # must not start decoding on weights still in flight.
+        jax.block_until_ready([p.params for p in out])
+        return out, len(out)
+
+    return move
+
+
+def cast_floats(params: Any, dtype: Any) -> Any:
+    """Floating leaves of `params` cast to `dtype` (pure; jitted by `WeightSync`)."""
+
+    def cast(x):
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree.map(cast, params)
+
+
+class WeightSync:
+    """Casts trainer params to the generation dtype and hands them to a `Mover`."""
+
+    def __init__(
+        self, dtype: Any, move: Mover, *, cast_sharding: Any = None, name: str = "weight_sync"
+    ):
         """Args:
-        destination_shardings: per instance, a pytree of NamedShardings with the
-          structure of the params (e.g. `sharding.state_shardings(..., "generate")`).
         dtype: generation parameter dtype (floating leaves are cast to it).
+        move: places or sends the cast weights (`place_on`, or a cross-process sender).
+        cast_sharding: output sharding of the cast (e.g. replicated, to gather a
+          training mesh that spans processes before sending); None keeps the input's.
+        name: used in logs and errors.
         """
-        self.destinations = list(destination_shardings)
         self.dtype = jnp.dtype(dtype)
         self.name = name
-        self._cast = jax.jit(self._cast_fn)
+        self._move_fn = move
+        # A collective when `cast_sharding` gathers a mesh spanning processes: every
+        # training process runs it, in the same order, on its trainer thread.
+        out = {} if cast_sharding is None else {"out_shardings": cast_sharding}
+        self._cast = jax.jit(functools.partial(cast_floats, dtype=self.dtype), **out)
         self._thread: threading.Thread | None = None
         self._result: tuple[list[Published], SyncStats] | None = None
         self._error: BaseException | None = None
         self.history: list[SyncStats] = []
-
-    def _cast_fn(self, params: Any) -> Any:
-        def cast(x):
-            return x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-
-        return jax.tree.map(cast, params)
 
     def transfer(self, params: Any, version: int) -> tuple[list[Published], SyncStats]:
         """Casts and moves `params`; blocks until every destination holds them."""
         return self._move(self._cast(params), version, time.perf_counter())
 
     def _move(self, cast: Any, version: int, t0: float) -> tuple[list[Published], SyncStats]:
-        out = [Published(jax.device_put(cast, dst), version) for dst in self.destinations]
-        # Deliberate sync point: the timing must cover the copy, and an engine
-        # must not start decoding on weights still in flight.
-        jax.block_until_ready([p.params for p in out])
+        out, destinations = self._move_fn(cast, version)
         stats = SyncStats(
             version=version,
             bytes=tree_bytes(cast),
             seconds=time.perf_counter() - t0,
-            destinations=len(out),
+            destinations=destinations,
         )
         self.history.append(stats)
         logging.info(

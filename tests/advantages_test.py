@@ -1,6 +1,7 @@
 """Advantage estimators against plain NumPy references and hand-computed GAE."""
 
 import functools
+import inspect
 
 import jax
 import numpy as np
@@ -185,3 +186,14 @@ def test_last_token_rewards():
 
 def test_registry_names():
     assert set(adv_lib.ADVANTAGES) == {"grpo", "dr_grpo", "rloo", "reinforce_pp"}
+
+
+def test_estimators_show_the_common_signature_plus_their_options():
+    common = ["rewards_B", "mask_BxT", "group_ids_B", "valid_B", "num_groups", "kl_BxT", "kl_coef"]
+    options = {"grpo": ["eps"], "dr_grpo": [], "rloo": [], "reinforce_pp": ["gamma", "eps"]}
+    for name, fn in adv_lib.ADVANTAGES.items():
+        assert fn.__name__ == name
+        assert list(inspect.signature(fn).parameters) == common + options[name], name
+    rewards, mask, ids, *_ = _batch()
+    with pytest.raises(TypeError, match="eps"):
+        adv_lib.dr_grpo(rewards, mask, ids, eps=1e-6)  # not an option of Dr.GRPO

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from streamrl_jax.scheduling import balance
-from streamrl_jax.simulation import hardware, lengths, simulator, stages
+from streamrl_jax.scheduling import balance, lengths
+from streamrl_jax.simulation import hardware, simulator, stages
 from streamrl_jax.simulation.scenario import Scenario
 
 
@@ -64,10 +64,10 @@ def test_single_pool_on_the_simulator_cost_model_matches_its_own_split():
     )
     costs = simulator.roofline_costs(sc)
     batches, history, _ = simulator.draw_batches(sc)
-    args = (*batches[0], history, simulator.plan_kwargs(sc))
-    p_gen, p_train = balance.simulator_profiles(costs, sc.tp, *args)
+    probe = stages.ProbeBatch(*batches[0], history, simulator.plan_kwargs(sc))
+    p_gen, p_train = stages.simulator_profiles(costs, sc.tp, probe)
     ours, _ = balance.split_single_pool(16, p_gen, p_train, gen_unit=sc.tp)
-    theirs, _ = stages.choose_split(costs, 16, sc.granularity, sc.tp, *args)
+    theirs, _ = stages.choose_split(costs, 16, sc.granularity, sc.tp, probe)
     assert ours.step_time == pytest.approx(max(theirs.t_gen, theirs.t_train))
 
 

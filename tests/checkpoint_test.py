@@ -17,10 +17,16 @@ from jax.sharding import NamedSharding
 
 from streamrl_jax import checkpoint as ckpt_lib
 from streamrl_jax import mesh as mesh_lib
+from streamrl_jax.config import AlgorithmSection, OptimizerSection
 from streamrl_jax.model import config as model_config
 from streamrl_jax.trainer import TrainerConfig, make_batch, make_policy_trainer
 
-CFG = TrainerConfig(learning_rate=1e-3, seq_buckets=(16,), batch_buckets=(8,), max_grad_norm=None)
+CFG = TrainerConfig(
+    algorithm=AlgorithmSection(dual_clip=0.0),
+    optimizer=OptimizerSection(learning_rate=1e-3, max_grad_norm=0.0),
+    seq_buckets=(16,),
+    batch_buckets=(8,),
+)
 MODEL = model_config.tiny()
 
 

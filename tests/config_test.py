@@ -1,12 +1,16 @@
 """Every config file loads; bad configs fail at start-up naming the field."""
 
+import dataclasses
 import glob
 import importlib.util
 import os
+import re
+import typing
 
 import ml_collections
 import pytest
 
+from streamrl_jax import algorithms
 from streamrl_jax import config as config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,3 +97,158 @@ def test_int_accepted_for_float_and_tuple_from_list():
     cd["mesh"]["instance_slots"] = [4, 8]
     cfg = config_lib.from_config_dict(cd)
     assert cfg.optimizer.learning_rate == 1.0 and cfg.mesh.instance_slots == (4, 8)
+
+
+def test_registry_names_equal_the_registries():
+    # config.py imports no registry (it is the bottom layer); these keep the names in step.
+    from streamrl_jax.model import config as model_config
+    from streamrl_jax.rewards import jsonl
+    from streamrl_jax.scheduling import dispatch, live
+
+    assert (*algorithms.ADVANTAGES, *algorithms.CRITIC_ADVANTAGES) == config_lib.ADVANTAGES
+    assert tuple(algorithms.POLICY_LOSSES) == config_lib.POLICY_LOSSES
+    assert tuple(algorithms.AGGREGATIONS) == config_lib.AGGREGATIONS
+    assert tuple(algorithms.KL_ESTIMATORS) == config_lib.KL_ESTIMATORS
+    assert set(config_lib.DTYPES) == set(model_config._DTYPES)
+    assert set(config_lib.OBJECTIVES) == set(dispatch.OBJECTIVES)
+    assert set(config_lib.PLANNERS) == set(dispatch.PLANNERS)
+    assert set(config_lib.DISPATCHES) == set(live.DISPATCH)
+    assert set(config_lib.BAD_ROWS) == set(jsonl.ON_BAD_ROW)
+
+
+REGISTRY_FIELDS = [
+    "pipeline.mode",
+    "pipeline.nonfinite",
+    "algorithm.advantage",
+    "algorithm.policy_loss",
+    "algorithm.aggregation",
+    "algorithm.kl_estimator",
+    "optimizer.schedule",
+    "model.param_dtype",
+    "model.dtype",
+    "model.generate_dtype",
+    "data.bad_rows",
+    "data.overlong_prompts",
+    "data.reward_errors",
+    "data.reward",
+    "data.tasks",
+    "scheduling.dispatch",
+    "scheduling.objective",
+    "scheduling.planner",
+]
+
+
+@pytest.mark.parametrize("field", REGISTRY_FIELDS)
+def test_a_wrong_registry_name_fails_naming_the_field(field):
+    section, key = field.split(".")
+    with pytest.raises(ValueError, match=re.escape(f"{field}='bogus'")):
+        config_lib.from_config_dict(_with(**{f"{section}__{key}": "bogus"}))
+
+
+def test_tasks_are_checked_against_reasoning_gym():
+    with pytest.raises(ValueError, match="'chain_summ' is not a reasoning-gym task.*chain_sum"):
+        config_lib.from_config_dict(_with(data__tasks="basic_arithmetic, chain_summ"))
+    with pytest.raises(ValueError, match="data.tasks=' , ' names no task"):
+        config_lib.from_config_dict(_with(data__tasks=" , "))
+    cfg = config_lib.from_config_dict(_with(data__tasks="countdown,gsm_symbolic"))
+    assert config_lib.task_names(cfg.data) == ["countdown", "gsm_symbolic"]
+    # JSONL problems instead of tasks: `data.tasks` is not read, so not checked.
+    config_lib.from_config_dict(
+        _with(data__tasks="bogus", data__jsonl_path="a.jsonl", data__eval_jsonl_path="b.jsonl")
+    )
+
+
+# Text fields that name no registry: paths, prompts, JSON, comma-separated task names
+# (checked against reasoning-gym by `_check_tasks`).
+FREE_TEXT = {
+    "init_from",
+    "model.source",
+    "data.tasks",
+    "data.task_config",
+    "data.system_prompt",
+    "data.jsonl_path",
+    "data.eval_jsonl_path",
+    "scheduling.ranker_path",
+    "scheduling.ptl_profile",
+}
+
+
+def test_every_numeric_and_registry_field_has_a_rule():
+    top = typing.get_type_hints(config_lib.ExperimentConfig)
+    sections = {"": config_lib.ExperimentConfig}
+    sections |= {name: cls for name, cls in top.items() if dataclasses.is_dataclass(cls)}
+    missing = []
+    for prefix, cls in sections.items():
+        for name, hint in typing.get_type_hints(cls).items():
+            path = f"{prefix}.{name}" if prefix else name
+            ruled = name in config_lib.RULES[cls] or path in FREE_TEXT
+            if hint in (int, float, str) and not ruled:
+                missing.append(path)
+    assert len(sections) == 13 and not missing, missing
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"eval__num_problems": -3}, "eval.num_problems must be >= 0, got -3"),
+        ({"eval__every": -1}, "eval.every must be >= 0"),
+        ({"data__train_size": 0}, "data.train_size must be >= 1, got 0"),
+        ({"data__train_seed": -1}, "data.train_seed must be >= 0"),
+        ({"data__format_reward": -0.5}, "data.format_reward must be >= 0"),
+        ({"optimizer__b1": 1.0}, r"optimizer.b1 must be in \[0, 1\), got 1.0"),
+        ({"optimizer__b2": -0.1}, "optimizer.b2 must be in"),
+        ({"optimizer__warmup_steps": -1}, "optimizer.warmup_steps must be >= 0"),
+        ({"optimizer__weight_decay": -0.1}, "optimizer.weight_decay must be >= 0"),
+        ({"optimizer__max_grad_norm": -1.0}, "optimizer.max_grad_norm must be >= 0"),
+        ({"optimizer__learning_rate": 0.0}, "optimizer.learning_rate must be > 0"),
+        ({"optimizer__min_lr_ratio": 1.5}, r"optimizer.min_lr_ratio must be in \[0, 1\]"),
+        ({"optimizer__eps": 0.0}, "optimizer.eps must be > 0"),
+        ({"algorithm__clip_eps": 0.0}, "algorithm.clip_eps must be > 0"),
+        ({"algorithm__clip_eps_high": -0.1}, "algorithm.clip_eps_high must be > 0"),
+        ({"algorithm__dual_clip": 0.5}, r"algorithm.dual_clip must be 0 \(off\) or > 1"),
+        ({"algorithm__kl_coef": -0.1}, "algorithm.kl_coef must be >= 0"),
+        ({"algorithm__entropy_coef": -0.1}, "algorithm.entropy_coef must be >= 0"),
+        ({"algorithm__tis_cap": -1.0}, "algorithm.tis_cap must be >= 0"),
+        ({"critic__learning_rate": 0.0}, "critic.learning_rate must be > 0"),
+        ({"critic__value_clip": -0.1}, "critic.value_clip must be >= 0"),
+        ({"critic__gamma": 1.5}, r"critic.gamma must be in \[0, 1\]"),
+        ({"critic__lam": -0.1}, "critic.lam must be in"),
+        ({"model__max_context": 0}, "model.max_context must be >= 1"),
+        ({"mesh__generate_devices": 0}, "mesh.generate_devices must be >= 1"),
+        ({"mesh__train_devices": 0}, "mesh.train_devices must be >= 1"),
+        ({"mesh__train_tp": 0}, "mesh.train_tp must be >= 1"),
+        ({"mesh__instance_tp": 0}, "mesh.instance_tp must be >= 1"),
+        ({"generation__prefill_batch": 0}, "generation.prefill_batch must be >= 1"),
+        ({"generation__temperature": -1.0}, "generation.temperature must be >= 0"),
+        ({"scheduling__ranker_min_samples": 0}, "scheduling.ranker_min_samples must be >= 1"),
+        ({"scheduling__elastic_reserved": -1}, "scheduling.elastic_reserved must be >= 0"),
+        ({"pipeline__timeout_s": 0.0}, "pipeline.timeout_s must be > 0"),
+        (
+            {"optimizer__schedule": "cosine", "optimizer__warmup_steps": 10},
+            r"optimizer.warmup_steps \(10\) must be below the run's optimizer steps",
+        ),
+    ],
+)
+def test_numeric_ranges_name_the_field(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        config_lib.from_config_dict(_with(**overrides))
+
+
+def test_negative_seed_names_the_field():
+    cd = config_lib.defaults().to_dict()
+    cd["seed"] = -1
+    with pytest.raises(ValueError, match="seed must be >= 0, got -1"):
+        config_lib.from_config_dict(cd)
+
+
+def test_zero_means_off_is_accepted():
+    cfg = config_lib.from_config_dict(
+        _with(
+            algorithm__dual_clip=0.0,
+            algorithm__tis_cap=0.0,
+            optimizer__max_grad_norm=0.0,
+            critic__value_clip=0.0,
+            algorithm__advantage="gae",
+        )
+    )
+    assert cfg.algorithm.advantage == "gae" and cfg.critic.value_clip == 0.0

@@ -6,19 +6,21 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from streamrl_jax import mesh as mesh_lib
+from streamrl_jax.config import CriticSection, OptimizerSection
 from streamrl_jax.model import config as model_config
 from streamrl_jax.trainer import TrainerConfig, make_batch
-from streamrl_jax.trainer.critic import make_critic_trainer, with_gae
+from streamrl_jax.trainer.critic import (
+    group_whiten,
+    make_critic_trainer,
+    whiten_advantages,
+    with_gae,
+)
 
 CFG = TrainerConfig(
-    learning_rate=1e-2,
+    optimizer=OptimizerSection(learning_rate=1e-2, max_grad_norm=0.0),
+    critic=CriticSection(gamma=1.0, lam=1.0, value_clip=0.0, whiten="none"),
     seq_buckets=(16,),
     batch_buckets=(8,),
-    gae_gamma=1.0,
-    gae_lambda=1.0,
-    whiten_advantages=False,
-    value_clip_eps=None,
-    max_grad_norm=None,
 )
 
 
@@ -40,7 +42,8 @@ def test_gae_targets_gamma_lambda_one():
     rewards = np.linspace(-1.0, 1.0, 8).astype(np.float32)
     host = _host_batch(range(8), rewards)
     values = np.random.default_rng(1).normal(size=host.shape).astype(np.float32)
-    out = jax.jit(with_gae, static_argnames="cfg")(jax.device_put(host), values, cfg=CFG)
+    gae = jax.jit(with_gae, static_argnames="cfg")
+    out = gae(jax.device_put(host), values, cfg=CFG)
     mask = host.loss_mask
     # gamma = lambda = 1: returns are the outcome reward, advantages R - V_t.
     ret_want = np.where(mask, rewards[:, None], 0.0)
@@ -48,9 +51,15 @@ def test_gae_targets_gamma_lambda_one():
     adv_want = np.where(mask, rewards[:, None] - values, 0.0)
     np.testing.assert_allclose(np.asarray(out.advantages), adv_want, atol=1e-5)
     np.testing.assert_allclose(np.asarray(out.old_values), np.where(mask, values, 0.0))
-    whitened = jax.jit(with_gae, static_argnames="cfg")(
-        jax.device_put(host), values, cfg=CFG.replace(whiten_advantages=True)
-    )
+    # Per sample: the targets of a row do not depend on the other rows of its batch.
+    part = _host_batch([6, 2, 5], rewards)
+    part_values = np.zeros_like(values)
+    part_values[:3] = values[[6, 2, 5]]
+    got = gae(jax.device_put(part), part_values, cfg=CFG)
+    for name in ("advantages", "returns", "old_values"):
+        want = np.asarray(getattr(out, name))[[6, 2, 5]]
+        np.testing.assert_allclose(np.asarray(getattr(got, name))[:3], want, atol=1e-6)
+    whitened = jax.jit(whiten_advantages)(out)  # the explicit whole-batch option
     adv = np.asarray(whitened.advantages)[mask]
     np.testing.assert_allclose([adv.mean(), adv.std()], [0.0, 1.0], atol=1e-4)
 
@@ -73,7 +82,7 @@ def test_critic_split_exact_and_regresses_returns():
     gae = jax.jit(with_gae, static_argnames="cfg")
     whole = gae(whole, jnp.asarray(values0), cfg=CFG)
     halves = [critic.place_batch(_host_batch(idx, rewards)) for idx in ([5, 1, 7, 3], [0, 2, 4, 6])]
-    halves = [gae(h, critic.forward(state.params, h), cfg=CFG) for h in halves]
+    halves = [critic.fill_gae(state.params, h) for h in halves]  # per streamed micro-batch
 
     one = critic.scalar(1.0)
     acc_whole, _ = critic.accumulate(state, critic.init_accumulator(), whole, one)
@@ -96,3 +105,33 @@ def test_critic_split_exact_and_regresses_returns():
         state, acc, metrics = critic.apply(state, acc)
         losses.append(float(metrics["vf_loss"]))
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_group_whitening_is_per_group_and_split_invariant():
+    # critic.whiten="group": each group's response tokens get mean 0 and std 1; a group
+    # is whole in any micro-batch, so a split keeps every row's advantages.
+    rewards = np.linspace(-1.0, 1.0, 8).astype(np.float32)
+    groups = np.array([0, 0, 1, 1, 2, 2, 3, 3])
+    host = _host_batch(range(8), rewards)
+    host = host.replace(group_ids=np.concatenate([groups, np.full(8 - len(groups), -1)]))
+    values = np.random.default_rng(1).normal(size=host.shape).astype(np.float32)
+    grouped = CFG.replace(critic=CriticSection(gamma=1.0, lam=1.0, whiten="group"))
+    gae = jax.jit(with_gae, static_argnames="cfg")
+    out = gae(jax.device_put(host), values, cfg=grouped)
+    adv, mask = np.asarray(out.advantages), host.loss_mask
+    for g in range(4):
+        tokens = adv[groups == g][mask[groups == g]]
+        np.testing.assert_allclose([tokens.mean(), tokens.std()], [0.0, 1.0], atol=1e-4)
+    assert np.all(adv[~mask] == 0)
+    rows = [4, 5, 0, 1]  # groups 2 and 0, in another order and padding
+    part = _host_batch(rows, rewards)
+    part = part.replace(group_ids=np.array([2, 2, 0, 0, -1, -1, -1, -1], np.int32))
+    part_values = np.zeros_like(values)
+    part_values[:4] = values[rows]
+    got = np.asarray(gae(jax.device_put(part), part_values, cfg=grouped).advantages)
+    np.testing.assert_allclose(got[:4], adv[rows], atol=1e-5)
+    # The helper alone: ids need only be unique, not dense.
+    sparse = jax.jit(group_whiten)(out.advantages * 0 + values, mask, groups * 7 + 3)
+    np.testing.assert_allclose(
+        np.asarray(sparse), np.asarray(jax.jit(group_whiten)(values, mask, groups)), atol=1e-6
+    )

@@ -67,7 +67,8 @@ def test_requests_groups_and_seeds(dataset, tokenizer):
         prompts, batch=7, group_size=2, max_new_tokens=32, sampling=SamplingParams(), run_seed=1
     )
     assert [r.request_id for r in reqs[:3]] == ["train/7/0/0", "train/7/0/1", "train/7/1/0"]
-    assert reqs[3].metadata["group"] == 1 and reqs[3].metadata["member"] == 1
+    assert reqs[3].tag.group == 1 and reqs[3].tag.member == 1
+    assert reqs[3].tag.prompt_id == prompts[1].problem.prompt_id
     assert reqs[0].metadata["entry"] == prompts[0].problem.metadata["entry"]
     assert len({r.seed for r in reqs}) == len(reqs)
     assert reqs[0].seed == sample_seed(1, 7, 0, 0) and all(r.forced_length is None for r in reqs)

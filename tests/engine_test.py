@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from streamrl_jax import mesh as mesh_lib
 from streamrl_jax.generation.engine import Engine, EngineConfig
-from streamrl_jax.generation.types import GenerationRequest, SamplingParams
+from streamrl_jax.generation.types import GenerationRequest, RequestTag, SamplingParams
 from streamrl_jax.model import config, llama
 
 CFG = config.tiny()
@@ -42,10 +42,11 @@ def model():
     return lively_model((0, 1))
 
 
-def make_engine(model, **overrides) -> Engine:
+def make_engine(model, on_chunk=None, **overrides) -> Engine:
     graphdef, params, _ = model
     mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
-    return Engine(graphdef, params, CFG, dataclasses.replace(ENGINE, **overrides), mesh)
+    cfg = dataclasses.replace(ENGINE, **overrides)
+    return Engine(graphdef, params, CFG, cfg, mesh, on_chunk=on_chunk)
 
 
 def requests(n: int, sampling=SAMPLED, seed: int = 0, **kw) -> list[GenerationRequest]:
@@ -210,10 +211,9 @@ def test_hot_loop_runs_under_transfer_guard(model):
 
 
 def test_on_chunk_reports_every_round_trip(model):
-    engine = make_engine(model)
     seen = []
     extra = []
-    engine.on_chunk = lambda *args, **kw: (seen.append(args), extra.append(kw))
+    engine = make_engine(model, on_chunk=lambda *args, **kw: (seen.append(args), extra.append(kw)))
     samples = engine.run(requests(6, seed=2))
     assert seen and all(inst == 0 and t1 >= t0 for inst, t0, t1, _, _ in seen)
     assert sum(tokens for *_, tokens, _ in seen) == sum(len(s.response) for s in samples)
@@ -225,13 +225,28 @@ def test_on_chunk_reports_every_round_trip(model):
     assert sum(kw["steps"] for kw in extra) >= max(len(s.response) for s in samples) - 1
 
 
+def test_tag_and_metadata_are_echoed(model):
+    reqs = [
+        dataclasses.replace(r, tag=RequestTag(batch=2, group=i, member=1), metadata={"i": i})
+        for i, r in enumerate(requests(3))
+    ]
+    for s in make_engine(model).run(reqs):
+        assert s.tag == RequestTag(batch=2, group=s.request_id, member=1)
+        assert s.metadata == {"i": s.request_id}
+
+
 def test_static_batching_waits_for_the_whole_batch(model):
     reqs = requests(8)
     engine = make_engine(model, refill=False)
     samples = engine.run(reqs)
     first, second = samples[:4], samples[4:]
     assert min(s.timings.admit for s in second) >= max(s.timings.finish for s in first)
-    assert_same(by_id(samples), by_id(make_engine(model).run(reqs)))
+    # Equal statics share the jitted functions: the continuous engine compiles nothing new.
+    continuous = make_engine(model)
+    assert continuous.compile_count() == engine.compile_count() > 0
+    compiled = engine.compile_count()
+    assert_same(by_id(samples), by_id(continuous.run(reqs)))
+    assert continuous.compile_count() == compiled
 
 
 def test_lpt_admits_longest_predicted_first(model):

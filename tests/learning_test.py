@@ -15,6 +15,7 @@ from flax import nnx
 
 from streamrl_jax import algorithms
 from streamrl_jax import mesh as mesh_lib
+from streamrl_jax.config import AlgorithmSection, OptimizerSection
 from streamrl_jax.model import config as model_config
 from streamrl_jax.trainer import TrainerConfig, make_batch, make_policy_trainer
 
@@ -54,7 +55,12 @@ def _grpo(rewards_B, group_ids_B):
 
 def test_grpo_raises_mean_reward():
     mesh = mesh_lib.make_meshes(mesh_lib.MeshConfig(colocated=True), jax.devices()[:1]).train
-    cfg = TrainerConfig(learning_rate=3e-3, seq_buckets=(16,), batch_buckets=(32,))
+    cfg = TrainerConfig(
+        algorithm=AlgorithmSection(dual_clip=0.0),
+        optimizer=OptimizerSection(learning_rate=3e-3),
+        seq_buckets=(16,),
+        batch_buckets=(32,),
+    )
     trainer = make_policy_trainer(model_config.tiny(vocab_size=VOCAB), cfg, mesh, model_seed=0)
     state = trainer.init_state(0)
     rng = np.random.default_rng(0)

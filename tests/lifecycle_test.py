@@ -6,6 +6,7 @@ response), which differs between samples of a group, so advantages and
 parameter updates are non-zero.
 """
 
+import dataclasses
 import importlib.util
 import os
 import threading
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 from streamrl_jax import config as config_lib
-from streamrl_jax import run as run_lib
+from streamrl_jax import pipeline as run_lib
 from streamrl_jax.generation.engine import Engine
 from streamrl_jax.metrics import read_jsonl
 from streamrl_jax.rewards.base import RewardResult
@@ -35,6 +36,18 @@ def _tiny(**overrides):
         section, key = dotted.split("__")
         cd[section][key] = value
     return config_lib.from_config_dict(cd)
+
+
+def batch_prompt_ids(cfg, batch):
+    """The prompt ids batch `batch` of a run of `cfg` draws (the seeded prompt pipeline,
+    replayed): what a reward function can tell its samples' batch by."""
+    from streamrl_jax.pipeline import components, datasets
+
+    _, tokenizer = components.describe_model(cfg)
+    eval_set, train_set = datasets.datasets(cfg)
+    prompts, _ = datasets.prompts(cfg, tokenizer, train_set, eval_set)
+    n = cfg.pipeline.prompts_per_step
+    return [p.problem.prompt_id for p in prompts.next_prompts(n * (batch + 1))[n * batch :]]
 
 
 def vowel_reward(text, metadata):
@@ -151,21 +164,22 @@ def test_nonfinite_skip_counts_and_watchdog_reports_a_stall(tmp_path):
     # Batch 0's rewards are NaN: its update is skipped and counted, batch 1 trains.
     # One reward call sleeps past pipeline.watchdog_s: the watchdog names the stage.
     slept = threading.Event()
+    cfg = _tiny(eval__num_problems=0, pipeline__watchdog_s=0.5, pipeline__nonfinite="skip")
+    batch0 = set(batch_prompt_ids(cfg, 0))
 
     def reward(text, metadata):
-        if metadata["batch"] == 0 and not slept.is_set():
+        if metadata["prompt_id"] in batch0 and not slept.is_set():
             slept.set()
             time.sleep(2.0)
         r = vowel_reward(text, metadata)
         return (
             r
-            if metadata["batch"]
+            if metadata["prompt_id"] not in batch0
             else RewardResult(
                 score=float("nan"), correct=False, extracted_answer=None, format_ok=True
             )
         )
 
-    cfg = _tiny(eval__num_problems=0, pipeline__watchdog_s=0.5, pipeline__nonfinite="skip")
     result = run_lib.run(cfg, str(tmp_path), reward_fn=reward)
     assert [r["nonfinite"] for r in result.steps] == [1.0, 0.0]
     assert result.steps[-1]["watchdog_alerts"] >= 1
@@ -181,3 +195,12 @@ def test_nonfinite_stop_ends_the_run_naming_the_step(tmp_path):
     cfg = _tiny(eval__num_problems=0, pipeline__nonfinite="stop")
     err = _assert_fails_fast(cfg, tmp_path, "trainer", reward=nan_reward)
     assert isinstance(err, NonFiniteError) and "step 0" in str(err)
+
+
+def test_a_bad_registry_name_fails_before_anything_is_built(tmp_path):
+    # A config made in code (not through from_config_dict) is validated by run() too.
+    cfg = _tiny()
+    cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, advantage="gea"))
+    built = mock.patch("streamrl_jax.pipeline.lifecycle.build", side_effect=AssertionError)
+    with built, pytest.raises(ValueError, match="algorithm.advantage='gea'; expected one of"):
+        run_lib.run(cfg, str(tmp_path))

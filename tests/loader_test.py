@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 from streamrl_jax import mesh as mesh_lib
-from streamrl_jax.model import gguf_loader, sample
+from streamrl_jax.generation import complete
+from streamrl_jax.model import gguf_loader
 from streamrl_jax.model.defaults import smollm2_gguf_path
 from streamrl_jax.model.loader import load_pretrained
 
@@ -291,18 +292,18 @@ def test_unused_checkpoint_tensor_is_an_error(tmp_path, llama_dir):
         load_pretrained(str(tmp_path))
 
 
-# ------------------------------------------------------------------ sample
+# ------------------------------------------------------------------ complete (engine)
 def test_greedy_generate_matches_full_forward_argmax(llama_dir):
     pre = load_pretrained(llama_dir[0])
     prompts = [[5, 9, 3], [7, 1, 2, 8, 4, 6]]
-    out = sample.generate(pre.cfg, pre.graphdef, pre.params, prompts, max_new_tokens=5)
+    out = complete.generate(pre.cfg, pre.graphdef, pre.params, prompts, max_new_tokens=5)
     for prompt, new in zip(prompts, out, strict=True):
         seq = list(prompt)
         for _ in range(5):
             seq.append(_next_token_greedy(pre, seq))
         assert new == seq[len(prompt) :]
     # A stop id ends the row early and is not returned.
-    (stopped,) = sample.generate(
+    (stopped,) = complete.generate(
         pre.cfg, pre.graphdef, pre.params, prompts[:1], max_new_tokens=5, stop_ids=[out[0][2]]
     )
     assert stopped == out[0][: out[0].index(out[0][2])]
@@ -311,7 +312,18 @@ def test_greedy_generate_matches_full_forward_argmax(llama_dir):
 def test_prompt_longer_than_context(llama_dir):
     pre = load_pretrained(llama_dir[0])
     with pytest.raises(ValueError, match="prompt length 70 .*context of 64"):
-        sample.generate(pre.cfg, pre.graphdef, pre.params, [[1] * 70], max_new_tokens=4)
+        complete.generate(pre.cfg, pre.graphdef, pre.params, [[1] * 70], max_new_tokens=4)
+
+
+def test_generate_stops_at_the_context_and_rejects_bad_arguments(llama_dir):
+    pre = load_pretrained(llama_dir[0])
+    long, short = [3] * 60, [3] * 5
+    out = complete.generate(pre.cfg, pre.graphdef, pre.params, [long, short], max_new_tokens=10)
+    assert [len(new) for new in out] == [4, 10]  # 60 + 4 fills the context of 64
+    with pytest.raises(ValueError, match="at least one token"):
+        complete.generate(pre.cfg, pre.graphdef, pre.params, [short, []])
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        complete.generate(pre.cfg, pre.graphdef, pre.params, [short], max_new_tokens=0)
 
 
 # ------------------------------------------------------------------ SmolLM2 (embedded default)
@@ -332,7 +344,7 @@ def test_smollm2_config(smol):
 
 
 def test_smollm2_greedy_answers_5(smol):
-    answer = sample.complete_chat(smol, "What is 2+3?", max_new_tokens=24)
+    answer = complete.complete_chat(smol, "What is 2+3?", max_new_tokens=24)
     assert "5" in answer, answer
 
 

@@ -1,6 +1,7 @@
 """Policy/value losses against NumPy references; gradient and decomposability properties."""
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -227,3 +228,24 @@ def test_bad_arguments_raise():
         losses.ppo_clip(logp, old, adv, mask, normalizer=logp.sum(), behaviour_logp_BxT=old)
     with pytest.raises(ValueError, match="dual_clip_c"):
         losses.ppo_clip(logp, old, adv, mask, normalizer=logp.sum(), dual_clip_c=0.5)
+
+
+def test_finalize_metrics_is_one_implementation_on_host_and_device():
+    summed = {"loss": 6.0, "pg_loss": 3.0, "num_tokens": 4.0, "ratio_sum": 2.0}
+    host = losses.finalize_metrics(summed, 2.0)
+    assert host == {"loss": 3.0, "pg_loss": 1.5, "num_tokens": 4.0, "ratio": 0.5}
+    assert all(type(v) is float for v in host.values())
+    arrays = {k: np.float32(v) for k, v in summed.items()}
+    device = _run(losses.finalize_metrics, arrays, np.float32(2.0))  # traced: jax.numpy
+    assert device.keys() == host.keys()
+    for k, v in host.items():
+        np.testing.assert_allclose(device[k], v, rtol=1e-6, err_msg=k)
+    # No tokens: token means divide by max(num_tokens, 1), never by 0.
+    assert losses.finalize_metrics({"num_tokens": 0.0, "ratio_sum": 0.0})["ratio"] == 0.0
+
+
+def test_dapo_has_ppo_clips_arguments_with_clip_higher_default():
+    dapo = inspect.signature(losses.dapo).parameters
+    ppo = inspect.signature(losses.ppo_clip).parameters
+    assert list(dapo) == list(ppo)
+    assert (dapo["clip_eps_high"].default, ppo["clip_eps_high"].default) == (0.28, 0.2)

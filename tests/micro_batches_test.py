@@ -3,10 +3,10 @@
 import numpy as np
 
 from streamrl_jax.config import PipelineSection
-from streamrl_jax.generation.types import Sample, Timings
+from streamrl_jax.generation.types import RequestTag, Sample, Timings
+from streamrl_jax.pipeline.micro_batches import Scored, pack_groups
+from streamrl_jax.pipeline.schedules import Schedule, VersionGate
 from streamrl_jax.rewards.base import RewardResult
-from streamrl_jax.schedule import Schedule, VersionGate
-from streamrl_jax.stream.batcher import Scored, pack_groups
 
 
 def _scored(group, member, score, version=0, length=3):
@@ -21,7 +21,7 @@ def _scored(group, member, score, version=0, length=3):
         last_policy_version=version,
         instance_id=0,
         timings=Timings(enqueue=0.0, admit=0.0, finish=0.0),
-        metadata={"batch": 0, "group": group},
+        tag=RequestTag(batch=0, group=group, member=member),
     )
     reward = RewardResult(score=score, correct=score >= 1, extracted_answer=None, format_ok=True)
     return Scored(sample, "text", reward)

@@ -1,4 +1,4 @@
-"""The pipeline across processes (distributed/pipeline.py): real processes on localhost.
+"""The pipeline across processes (pipeline/processes.py): real processes on localhost.
 
 Each run starts `python -m streamrl_jax.launch` in N processes as one
 `jax.distributed` program (gloo, localhost), the first G generating and the
@@ -33,9 +33,9 @@ import numpy as np
 import pytest
 
 from streamrl_jax import config as config_lib
-from streamrl_jax import run as run_lib
-from streamrl_jax.distributed import pipeline
+from streamrl_jax import pipeline as run_lib
 from streamrl_jax.metrics import read_jsonl
+from streamrl_jax.pipeline import process_plan
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "launch"))
@@ -233,10 +233,10 @@ def test_killed_process_ends_the_others_naming_it(processes, generation, victim,
 
 def test_settings_that_need_one_process_are_refused(tmp_path):
     with pytest.raises(ValueError, match="colocated.*one process"):
-        pipeline.check_supported(_config(**{"pipeline.mode": "colocated"}), 2, 1, str(tmp_path))
+        process_plan.check_supported(_config(**{"pipeline.mode": "colocated"}), 2, 1, str(tmp_path))
     with pytest.raises(ValueError, match="checkpoint.every=2"):
-        pipeline.check_supported(_config(**{"checkpoint.every": 2}), 2, 1, str(tmp_path))
-    pipeline.check_supported(_config(), 3, 2, str(tmp_path))  # 2 generation + 1 training
-    pipeline.check_supported(_config(), 4, 2, str(tmp_path))  # 2 generation + 2 training
+        process_plan.check_supported(_config(**{"checkpoint.every": 2}), 2, 1, str(tmp_path))
+    process_plan.check_supported(_config(), 3, 2, str(tmp_path))  # 2 generation + 1 training
+    process_plan.check_supported(_config(), 4, 2, str(tmp_path))  # 2 generation + 2 training
     with pytest.raises(ValueError, match=r"3 training processes must divide.*micro_batch_groups"):
-        pipeline.check_supported(_config(), 5, 2, str(tmp_path))
+        process_plan.check_supported(_config(), 5, 2, str(tmp_path))

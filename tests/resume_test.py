@@ -27,11 +27,11 @@ from unittest import mock
 import jax
 import numpy as np
 import pytest
-from run_test import _params, _pipeline_threads, _tiny, vowel_reward
+from lifecycle_test import _params, _pipeline_threads, _tiny, batch_prompt_ids, vowel_reward
 
 from streamrl_jax import checkpoint as ckpt_lib
-from streamrl_jax import run as run_lib
-from streamrl_jax.resume import CONSUMED, read_consumed
+from streamrl_jax import pipeline as run_lib
+from streamrl_jax.pipeline.resume import CONSUMED, read_consumed
 from streamrl_jax.trainer.step import Trainer
 from streamrl_jax.weight_sync import WeightSync
 
@@ -81,9 +81,11 @@ def test_resume_after_three_stops_gives_the_reference_parameters(reference, tmp_
     cfg = _cfg()
 
     # 1. mid-generation: a reward call of batch 2 raises (generated on W_1 while
-    # batch 1 trains).
+    # batch 1 trains): the samples of its group 1.
+    doomed = batch_prompt_ids(cfg, 2)[1]
+
     def flaky_reward(text, metadata):
-        if metadata["batch"] == 2 and metadata["member"] == 0 and metadata["group"] == 1:
+        if metadata["prompt_id"] == doomed:
             raise RuntimeError("reward died")
         return vowel_reward(text, metadata)
 
@@ -163,13 +165,10 @@ def test_init_from_takes_another_runs_weights(reference, tmp_path):
     ref, ref_dir = reference
     cfg = _cfg(pipeline__steps=1, checkpoint__every=0)
     cfg = dataclasses.replace(cfg, init_from=os.path.join(ref_dir, "checkpoints"))
-    from streamrl_jax import build as build_lib
+    from streamrl_jax.pipeline import components as build_lib
 
     c = build_lib.build(cfg)
-    try:
-        got = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(c.state.params))]
-    finally:
-        c.close(10)
+    got = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(c.state.params))]
     for a, b in zip(got, _params(ref), strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -214,3 +213,24 @@ def test_checkpoint_write_failure_names_the_writer(tmp_path):
         run_lib.run(_cfg(pipeline__steps=2), str(tmp_path), reward_fn=vowel_reward)
     assert info.value.component == "checkpoint writer"
     assert not _pipeline_threads()
+
+
+def test_resume_with_the_critic_is_exact(tmp_path):
+    # The critic's TrainState is part of the checkpoint: 2 steps, then a resumed 3rd,
+    # equal bit for bit to 3 uninterrupted steps (deterministic micro-batches).
+    gae = dict(algorithm__advantage="gae")
+    ref = run_lib.run(_cfg(pipeline__steps=3, **gae), str(tmp_path / "ref"), reward_fn=vowel_reward)
+    workdir = str(tmp_path / "run")
+    run_lib.run(_cfg(pipeline__steps=2, **gae), workdir, reward_fn=vowel_reward)
+    resumed = run_lib.run(_cfg(pipeline__steps=3, **gae), workdir, reward_fn=vowel_reward)
+    assert resumed.start_batch == 2 and len(resumed.steps) == 1
+    for got, want in ((resumed.state, ref.state), (resumed.critic_state, ref.critic_state)):
+        for a, b in zip(_params_of(got), _params_of(want), strict=True):
+            np.testing.assert_array_equal(a, b)
+    # A checkpoint written with the critic is not resumed without it.
+    with pytest.raises(ValueError, match="critic=True, this run has critic=False"):
+        run_lib.run(_cfg(pipeline__steps=4), workdir, reward_fn=vowel_reward)
+
+
+def _params_of(state):
+    return [np.asarray(x) for x in jax.device_get(jax.tree.leaves(state.params))]

@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from streamrl_jax.config import PipelineSection
-from streamrl_jax.schedule import Schedule, StaleSampleError, VersionGate, WeightBoard
+from streamrl_jax.pipeline.schedules import Schedule, StaleSampleError, VersionGate, WeightBoard
 
 
 def _sched(mode, s=1):

@@ -7,10 +7,10 @@ import os
 from unittest import mock
 
 import pytest
-from run_test import _pipeline_threads, _tiny, vowel_reward
+from lifecycle_test import _pipeline_threads, _tiny, vowel_reward
 
 from streamrl_jax import checkpoint as ckpt_lib
-from streamrl_jax import run as run_lib
+from streamrl_jax import pipeline as run_lib
 from streamrl_jax.scheduling.live import LiveScheduler
 
 

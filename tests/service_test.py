@@ -159,11 +159,11 @@ def test_close_names_a_stalled_instance(model):
 
 def test_sample_queue_bounds_and_closes():
     q = SampleQueue(capacity=1, name="q")
-    assert q.put("a", timeout=0.01)
-    assert not q.put("b", timeout=0.01)  # full: back-pressure, not growth
+    assert q.offer("a", timeout=0.01)
+    assert not q.offer("b", timeout=0.01)  # full: back-pressure, not growth
     assert q.get(timeout=0.01) == "a"
     q.close()
-    assert not q.put("c", timeout=0.01)
+    assert not q.offer("c", timeout=0.01)
     with pytest.raises(StreamClosed):
         q.get(timeout=0.01)
     with pytest.raises(ValueError, match="capacity"):

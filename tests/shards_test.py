@@ -1,4 +1,4 @@
-"""Several training processes (distributed/shards.py): group ownership and padding.
+"""Several training processes (pipeline/shards.py): group ownership and padding.
 
 The collectives themselves run across real processes in tests/multicontroller_test.py.
 """
@@ -6,7 +6,7 @@ The collectives themselves run across real processes in tests/multicontroller_te
 import numpy as np
 import pytest
 
-from streamrl_jax.distributed.shards import Ownership, pad_batch
+from streamrl_jax.pipeline.shards import Ownership, pad_batch
 from streamrl_jax.trainer.batch import make_batch
 
 

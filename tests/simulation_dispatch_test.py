@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from streamrl_jax.simulation import dispatch, lengths
+from streamrl_jax.scheduling import lengths
+from streamrl_jax.simulation import dispatch
 
 
 def _resp(n=1024, seed=0):

@@ -5,7 +5,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from streamrl_jax.simulation import hardware, lengths, simulator
+from streamrl_jax.scheduling import lengths
+from streamrl_jax.simulation import hardware, simulator
 from streamrl_jax.simulation.scenario import MODES, Scenario
 
 
@@ -61,9 +62,8 @@ def test_algorithm1_split_minimises_max_stage_time():
     batches, history, _ = simulator.draw_batches(sc)
     from streamrl_jax.simulation import stages
 
-    best, cands = stages.choose_split(
-        costs, 16, sc.granularity, sc.tp, *batches[0], history, simulator.plan_kwargs(sc)
-    )
+    probe = stages.ProbeBatch(*batches[0], history, simulator.plan_kwargs(sc))
+    best, cands = stages.choose_split(costs, 16, sc.granularity, sc.tp, probe)
     assert [c.gen_devices for c in cands] == [8]  # one node granularity on 16 devices
     assert max(best.t_gen, best.t_train) == min(max(c.t_gen, c.t_train) for c in cands)
     fine = _scenario(split_granularity=2)

@@ -4,7 +4,8 @@ import json
 
 import numpy as np
 
-from streamrl_jax.simulation import hardware, lengths, simulator, trace
+from streamrl_jax.scheduling import lengths
+from streamrl_jax.simulation import hardware, simulator, trace
 from streamrl_jax.simulation.scenario import Scenario
 
 

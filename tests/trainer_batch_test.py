@@ -10,7 +10,7 @@ from flax import nnx
 from streamrl_jax.model import config as model_config
 from streamrl_jax.model import llama
 from streamrl_jax.trainer import TrainerConfig, bucket, make_batch
-from streamrl_jax.trainer.step import policy_forward
+from streamrl_jax.trainer.policy import policy_forward
 
 SEQ, BATCH = (8, 16), (2, 4)
 
@@ -77,7 +77,8 @@ def test_errors_name_the_field():
 def test_forward_logprobs_match_plain_full_forward():
     cfg = model_config.tiny()
     graphdef, params = nnx.split(llama.create(cfg, 0))
-    forward = jax.jit(policy_forward(graphdef, TrainerConfig(logprob_chunk=4)))
+    cfg_chunk4 = TrainerConfig(logprob_chunk=4)
+    forward = jax.jit(lambda p, b: policy_forward(nnx.merge(graphdef, p), cfg_chunk4, b))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, n) for n in (3, 1, 6)]
     responses = [rng.integers(0, 256, n) for n in (4, 7, 2)]

@@ -15,26 +15,34 @@ and 5e-2 * lr. Because Adam is scale invariant, the normaliser used by `apply`
 is checked separately through its reported `grad_norm` (rtol 1e-5).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from streamrl_jax import config as config_lib
 from streamrl_jax import mesh as mesh_lib
+from streamrl_jax.config import AlgorithmSection, OptimizerSection
 from streamrl_jax.model import config as model_config
-from streamrl_jax.trainer import TrainerConfig, lr_schedule, make_batch, make_policy_trainer
+from streamrl_jax.trainer import (
+    TrainerConfig,
+    critic_trainer_config,
+    lr_schedule,
+    make_batch,
+    make_policy_trainer,
+    trainer_config,
+)
 
 LR = 1e-3
 N_SAMPLES = 8
 CFG = TrainerConfig(
-    learning_rate=LR,
+    algorithm=AlgorithmSection(kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0, dual_clip=0.0),
+    optimizer=OptimizerSection(learning_rate=LR, max_grad_norm=0.0),
     seq_buckets=(32,),
     batch_buckets=(4, 8),
-    kl_coef=0.1,
-    entropy_coef=0.01,
-    tis_cap=2.0,
-    max_grad_norm=None,
 )
 
 
@@ -185,12 +193,13 @@ def test_compilations_bounded_by_buckets(single):
     assert single._accumulate._cache_size() <= limit
     assert single._forward._cache_size() <= limit
     assert single._apply_acc._cache_size() == 1
+    # The static half of every jitted step is one hashable spec (jit's static argument).
+    assert hash(single.spec) == hash(dataclasses.replace(single.spec))
 
 
 def test_zero_advantage_gives_zero_policy_gradient(single):
-    plain = make_policy_trainer(
-        model_config.tiny(), CFG.replace(kl_coef=0.0, entropy_coef=0.0), single.mesh
-    )
+    algorithm = dataclasses.replace(CFG.algorithm, kl_coef=0.0, entropy_coef=0.0)
+    plain = make_policy_trainer(model_config.tiny(), CFG.replace(algorithm=algorithm), single.mesh)
     state = single.init_state(0)  # same structure and shardings as plain's state
     samples = _samples()
     samples["advantages"] = np.zeros(N_SAMPLES, np.float32)
@@ -308,12 +317,13 @@ def test_nonfinite_step_leaves_state_unchanged(single):
 
 
 def test_lr_schedule_and_config_errors():
-    cfg = TrainerConfig(learning_rate=1.0, warmup_steps=4, lr_schedule="cosine", total_steps=14)
+    optimizer = OptimizerSection(learning_rate=1.0, warmup_steps=4, schedule="cosine")
+    cfg = TrainerConfig(optimizer=optimizer, total_steps=14)
     lr = jax.jit(lr_schedule(cfg))
     got = [float(lr(jnp.int32(s))) for s in (0, 3, 4, 9, 14, 20)]
     np.testing.assert_allclose(got, [0.25, 1.0, 1.0, 0.1 + 0.9 * 0.5, 0.1, 0.1], rtol=1e-6)
-    with pytest.raises(ValueError, match="policy_loss"):
-        TrainerConfig(policy_loss="nope")
+    with pytest.raises(ValueError, match="algorithm.policy_loss='nope'"):
+        TrainerConfig(algorithm=AlgorithmSection(policy_loss="nope"))
     with pytest.raises(ValueError, match="nonfinite"):
         TrainerConfig(nonfinite="ignore")
     assert TrainerConfig(nonfinite="stop").nonfinite == "stop"
@@ -322,3 +332,36 @@ def test_lr_schedule_and_config_errors():
     mesh8 = mesh_lib.make_meshes(mesh_lib.MeshConfig(colocated=True)).train
     with pytest.raises(ValueError, match="batch_buckets"):
         make_policy_trainer(model_config.tiny(), CFG.replace(batch_buckets=(4, 6)), mesh8)
+
+
+def test_trainer_config_holds_the_users_sections():
+    cd = config_lib.defaults()
+    cd.model.max_context = 300
+    cd.pipeline.update(steps=5, mini_batches=2, micro_batch_groups=3, group_size=4)
+    cd.algorithm.update(dual_clip=0.0, tis_cap=0.0, clip_eps=0.1, clip_eps_high=0.3)
+    cd.optimizer.update(max_grad_norm=0.0, learning_rate=2e-6)
+    cd.critic.learning_rate = 5e-5
+    cfg = config_lib.from_config_dict(cd)
+    tc = trainer_config(cfg, fsdp=4)
+    assert tc.algorithm is cfg.algorithm and tc.optimizer is cfg.optimizer
+    assert tc.critic is cfg.critic and tc.total_steps == 10
+    assert tc.seq_buckets == (64, 128, 256, 300)
+    assert tc.batch_buckets == (8, 12) and all(b % 4 == 0 for b in tc.batch_buckets)
+    # 0 = off, and clip_eps_high only for dapo: read in one place.
+    assert (tc.dual_clip_c, tc.tis_cap, tc.max_grad_norm) == (None, None, None)
+    assert tc.policy_options == {"clip_eps_low": 0.1, "clip_eps_high": 0.1, "dual_clip_c": None}
+    dapo = tc.replace(algorithm=dataclasses.replace(cfg.algorithm, policy_loss="dapo"))
+    assert dapo.policy_options["clip_eps_high"] == 0.3
+    assert make_policy_trainer(model_config.tiny(), tc, _mesh8()).cfg is tc
+    critic = critic_trainer_config(cfg, fsdp=4)
+    assert critic.optimizer == dataclasses.replace(cfg.optimizer, learning_rate=5e-5)
+    assert critic.replace(optimizer=cfg.optimizer) == tc
+    # A bad field is reported under the user's name, however the config was built.
+    with pytest.raises(ValueError, match="algorithm.aggregation='mean'; expected one of"):
+        TrainerConfig(algorithm=AlgorithmSection(aggregation="mean"))
+    with pytest.raises(ValueError, match="optimizer.warmup_steps .20. must be below"):
+        TrainerConfig(optimizer=OptimizerSection(schedule="cosine", warmup_steps=20), total_steps=8)
+
+
+def _mesh8():  # fsdp 4 x tp 2
+    return mesh_lib.make_meshes(mesh_lib.MeshConfig(colocated=True, train_tp=2)).train

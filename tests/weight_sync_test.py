@@ -8,7 +8,7 @@ import pytest
 from streamrl_jax import mesh as meshlib
 from streamrl_jax import sharding
 from streamrl_jax.model import config, llama
-from streamrl_jax.weight_sync import WeightSync, tree_bytes
+from streamrl_jax.weight_sync import WeightSync, place_on, tree_bytes
 
 CFG = config.tiny(num_heads=4, num_kv_heads=2)
 
@@ -31,7 +31,7 @@ def _leaves(tree):
 
 def test_transfer_is_exact_and_lands_on_each_instance(setup):
     meshes, instances, params, dst = setup
-    sync = WeightSync(dst, jnp.float32)
+    sync = WeightSync(jnp.float32, place_on(dst))
     out, stats = sync.transfer(params, version=7)
     assert len(out) == len(instances) == 2
     for pub, inst_mesh, shardings in zip(out, instances, dst, strict=True):
@@ -46,7 +46,7 @@ def test_transfer_is_exact_and_lands_on_each_instance(setup):
 
 def test_cast_to_generation_dtype(setup):
     _, _, params, dst = setup
-    out, stats = WeightSync(dst, jnp.bfloat16).transfer(params, version=1)
+    out, stats = WeightSync(jnp.bfloat16, place_on(dst)).transfer(params, version=1)
     leaves = jax.tree.leaves(out[0].params)
     assert all(x.dtype == jnp.bfloat16 for x in leaves)
     assert stats.bytes * 2 == tree_bytes(params)
@@ -56,7 +56,7 @@ def test_cast_to_generation_dtype(setup):
 
 def test_background_transfer_and_errors(setup):
     _, _, params, dst = setup
-    sync = WeightSync(dst, jnp.float32)
+    sync = WeightSync(jnp.float32, place_on(dst))
     landed = []
     sync.start(params, version=2, on_done=lambda pubs, st: landed.append((pubs[0].version, st)))
     with pytest.raises(RuntimeError, match="already in flight"):

@@ -364,7 +364,7 @@ def main(argv: list[str]) -> None:
     jax.config.update("jax_num_cpu_devices", _CPU.value)
     from absl import logging
 
-    from streamrl_jax import run as run_lib
+    from streamrl_jax import pipeline as run_lib
     from streamrl_jax.rewards.base import RewardResult
 
     logging.set_verbosity(logging.WARNING)

@@ -60,10 +60,10 @@ from absl import app, flags
 from streamrl_jax.generation.engine import Engine, EngineConfig
 from streamrl_jax.generation.types import GenerationRequest, SamplingParams
 from streamrl_jax.model.loader import single_device_mesh
-from streamrl_jax.scheduling import balance, dispatch
+from streamrl_jax.scheduling import balance, dispatch, lengths
 from streamrl_jax.scheduling.ranker import RankerConfig
 from streamrl_jax.simulation import generation as sim_gen
-from streamrl_jax.simulation import hardware, lengths, simulator
+from streamrl_jax.simulation import hardware, simulator
 from streamrl_jax.simulation.dispatch import ranker_scores
 from streamrl_jax.simulation.scenario import Scenario
 

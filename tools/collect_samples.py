@@ -10,7 +10,7 @@ import json
 import time
 
 from streamrl_jax.generation.engine import Engine, EngineConfig
-from streamrl_jax.generation.types import GenerationRequest, SamplingParams
+from streamrl_jax.generation.types import GenerationRequest, RequestTag, SamplingParams
 from streamrl_jax.model.loader import single_device_mesh
 
 # The --collect mixture: reasoning-gym tasks whose size parameters vary widely, so the
@@ -73,7 +73,8 @@ def collect(
                 nxt < len(prompts) and engine.queue_length < slots and time.time() - t0 < budget_s
             ):
                 p = prompts[nxt]
-                meta = {"prompt_id": p.problem.prompt_id, "task": p.problem.task}
+                meta = {"task": p.problem.task}
+                tag = RequestTag(prompt_id=p.problem.prompt_id)
                 engine.submit(
                     [
                         GenerationRequest(
@@ -82,6 +83,7 @@ def collect(
                             max_new_tokens=max_new,
                             sampling=SamplingParams(temperature=temperature),
                             seed=1000 + nxt * samples + j,
+                            tag=tag,
                             metadata=meta,
                         )
                         for j in range(samples)

@@ -89,7 +89,7 @@ def _child(workdir: str, steps: int) -> None:
     jax.config.update("jax_num_cpu_devices", 2)
     import numpy as np
 
-    from streamrl_jax import run as run_lib
+    from streamrl_jax import pipeline as run_lib
 
     result = run_lib.run(_config(steps), workdir, reward_fn=vowel_reward)
     leaves = jax.device_get(jax.tree.leaves(result.state.params))
@@ -107,7 +107,7 @@ def _start(workdir: str, log) -> subprocess.Popen:
 
 
 def _trained_steps(workdir: str) -> int:
-    from streamrl_jax.resume import CONSUMED
+    from streamrl_jax.pipeline.resume import CONSUMED
 
     path = os.path.join(workdir, CONSUMED)
     if not os.path.exists(path):
@@ -142,7 +142,7 @@ def _latest_checkpoint(workdir: str) -> int | None:
 
 
 def _consumed(workdir: str):
-    from streamrl_jax.resume import CONSUMED, read_consumed
+    from streamrl_jax.pipeline.resume import CONSUMED, read_consumed
 
     rows = read_consumed(os.path.join(workdir, CONSUMED))
     return [r["step"] for r in rows], collections.Counter(p for r in rows for p in r["prompt_ids"])

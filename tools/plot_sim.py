@@ -24,7 +24,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from streamrl_jax.simulation import calibrate, hardware, lengths, simulator  # noqa: E402
+from streamrl_jax.scheduling import lengths  # noqa: E402
+from streamrl_jax.simulation import calibrate, hardware, simulator  # noqa: E402
 from streamrl_jax.simulation.cost_model import CostParams  # noqa: E402
 from streamrl_jax.simulation.scenario import MODES, Scenario  # noqa: E402
 

@@ -17,7 +17,8 @@ import json
 
 from absl import app, flags
 
-from streamrl_jax.simulation import calibrate, hardware, lengths, profiles, simulator, trace
+from streamrl_jax.scheduling import lengths
+from streamrl_jax.simulation import calibrate, hardware, profiles, simulator, trace
 from streamrl_jax.simulation.scenario import MODES, Scenario
 
 _MODE = flags.DEFINE_enum("mode", "all", ["all", *MODES], "Mode to simulate, or all.")

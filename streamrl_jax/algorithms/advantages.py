@@ -32,15 +32,21 @@ KL in the reward. With `kl_coef = beta > 0` and per-token `kl_BxT` (see
 `r_i - beta * sum_t m_it kl_it` (as verl's `use_kl_in_reward` with GRPO sums
 the token-level rewards); REINFORCE++ puts `-beta kl_it` on every token.
 
-Registry `ADVANTAGES` maps a config name to a function with the common
-signature `fn(rewards_B, mask_BxT, group_ids_B, *, valid_B=None,
+Registry `ADVANTAGES` maps a config name to an outcome estimator with the
+common signature `fn(rewards_B, mask_BxT, group_ids_B, *, valid_B=None,
 num_groups=None, kl_BxT=None, kl_coef=0.0, **options) -> f32[B, T]`, where the
 estimator-specific `options` (`eps`, `gamma`) are bound from config with
-`functools.partial`. GAE needs a critic and per-token rewards, so it is a
-separate function (`gae`).
+`functools.partial`. GAE needs a critic's values and per-token rewards, so it
+has its own registry, `CRITIC_ADVANTAGES`, of functions
+`fn(token_rewards_BxT, values_BxT, mask_BxT, *, gamma, lam) -> (advantages,
+returns)`; `algorithm.advantage` names an entry of either (the trainer's
+`critic.with_gae` applies it per sample).
 """
 
+import functools
+import inspect
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,28 +54,59 @@ import jax.numpy as jnp
 _F32 = jnp.float32
 
 
-def _prep(
-    rewards_B: jax.Array,
-    mask_BxT: jax.Array,
-    group_ids_B: jax.Array,
-    valid_B: jax.Array | None,
-    num_groups: int | None,
-    kl_BxT: jax.Array | None,
-    kl_coef: float,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, int]:
-    """Casts inputs, folds the KL penalty into the score, fills defaults."""
-    if rewards_B.ndim != 1 or mask_BxT.ndim != 2 or group_ids_B.shape != rewards_B.shape:
-        raise ValueError(
-            f"expected rewards_B [B], mask_BxT [B, T], group_ids_B [B]; got "
-            f"{rewards_B.shape}, {mask_BxT.shape}, {group_ids_B.shape}"
+class _Outcomes(NamedTuple):
+    """An outcome estimator's inputs, checked, cast and with defaults filled in."""
+
+    rewards_B: jax.Array  # f32[B] r_i
+    mask_BxT: jax.Array  # f32[B, T] m_it
+    group_ids_B: jax.Array  # i32[B] g(i)
+    valid_B: jax.Array  # f32[B] 1 for real samples, 0 for padding rows
+    num_groups: int  # static number of groups
+    kl_BxT: jax.Array | None  # f32[B, T] kl_it; None when there is no KL in the reward
+    kl_coef: float  # beta
+
+
+def _outcome_estimator(body: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """Gives `body(x: _Outcomes, **options) -> f32[B, T]` the `ADVANTAGES` signature.
+
+    The estimator checks the shapes, casts to f32, fills the defaults
+    (`valid_B` all ones, `num_groups = B`) and calls `body`; it keeps `body`'s
+    name and docstring, and shows the common signature plus `body`'s options.
+    """
+
+    @functools.wraps(body, assigned=("__module__", "__name__", "__qualname__", "__doc__"))
+    def estimator(
+        rewards_B: jax.Array,
+        mask_BxT: jax.Array,
+        group_ids_B: jax.Array,
+        *,
+        valid_B: jax.Array | None = None,
+        num_groups: int | None = None,
+        kl_BxT: jax.Array | None = None,
+        kl_coef: float = 0.0,
+        **options: float,
+    ) -> jax.Array:
+        if rewards_B.ndim != 1 or mask_BxT.ndim != 2 or group_ids_B.shape != rewards_B.shape:
+            raise ValueError(
+                f"expected rewards_B [B], mask_BxT [B, T], group_ids_B [B]; got "
+                f"{rewards_B.shape}, {mask_BxT.shape}, {group_ids_B.shape}"
+            )
+        x = _Outcomes(
+            rewards_B=rewards_B.astype(_F32),
+            mask_BxT=mask_BxT.astype(_F32),
+            group_ids_B=group_ids_B.astype(jnp.int32),
+            valid_B=jnp.ones_like(rewards_B, _F32) if valid_B is None else valid_B.astype(_F32),
+            num_groups=rewards_B.shape[0] if num_groups is None else num_groups,
+            kl_BxT=kl_BxT.astype(_F32) if kl_BxT is not None and kl_coef else None,
+            kl_coef=kl_coef,
         )
-    mask_BxT = mask_BxT.astype(_F32)
-    scores_B = rewards_B.astype(_F32)
-    if kl_BxT is not None and kl_coef:
-        scores_B = scores_B - kl_coef * jnp.sum(kl_BxT.astype(_F32) * mask_BxT, axis=1)
-    valid_B = jnp.ones_like(scores_B) if valid_B is None else valid_B.astype(_F32)
-    num_groups = rewards_B.shape[0] if num_groups is None else num_groups
-    return scores_B, mask_BxT, group_ids_B.astype(jnp.int32), valid_B, num_groups
+        return body(x, **options)
+
+    # What help() and inspect show: `**options` replaced by body's keyword options.
+    *common, _ = inspect.signature(estimator, follow_wrapped=False).parameters.values()
+    options = [p for p in inspect.signature(body).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    estimator.__signature__ = inspect.Signature([*common, *options], return_annotation=jax.Array)
+    return estimator
 
 
 def group_moments(
@@ -100,39 +137,42 @@ def broadcast_to_tokens(adv_B: jax.Array, mask_BxT: jax.Array) -> jax.Array:
     return adv_B[:, None] * mask_BxT.astype(_F32)
 
 
+def _per_sequence(formula: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """An outcome estimator from a per-sequence formula, applied per group.
+
+    `formula(s_B, count_B, mean_B, std_B, **options) -> A_B` sees the sequence
+    scores `s_i = r_i - beta sum_t m_it kl_it` and the `group_moments` of
+    `s` (`G_g(i)`, `mean_g(i)`, `std_g(i)`); the estimator returns
+    `A_it = m_it A_i`, 0 on padding rows. The decorated function's docstring
+    documents the resulting estimator (`_outcome_estimator`).
+    """
+
+    @functools.wraps(formula)
+    def body(x: _Outcomes, **options: float) -> jax.Array:
+        s_B = x.rewards_B
+        if x.kl_BxT is not None:
+            s_B = s_B - x.kl_coef * jnp.sum(x.kl_BxT * x.mask_BxT, axis=1)
+        count_B, mean_B, std_B = group_moments(s_B, x.group_ids_B, x.valid_B, x.num_groups)
+        adv_B = formula(s_B, count_B, mean_B, std_B, **options)
+        return broadcast_to_tokens(adv_B * x.valid_B, x.mask_BxT)
+
+    return _outcome_estimator(body)
+
+
+@_per_sequence
 def grpo(
-    rewards_B: jax.Array,
-    mask_BxT: jax.Array,
-    group_ids_B: jax.Array,
-    *,
-    valid_B: jax.Array | None = None,
-    num_groups: int | None = None,
-    kl_BxT: jax.Array | None = None,
-    kl_coef: float = 0.0,
-    eps: float = 1e-6,
+    s_B: jax.Array, count_B: jax.Array, mean_B: jax.Array, std_B: jax.Array, *, eps: float = 1e-6
 ) -> jax.Array:
     """GRPO (Shao et al. 2024): A_it = m_it (r_i - mean_g(i)) / (std_g(i) + eps).
 
     Returns:
       f32[B, T] token advantages (0 on padding and on padding rows).
     """
-    s_B, mask_BxT, ids_B, valid_B, n = _prep(
-        rewards_B, mask_BxT, group_ids_B, valid_B, num_groups, kl_BxT, kl_coef
-    )
-    _, mean_B, std_B = group_moments(s_B, ids_B, valid_B, n)
-    return broadcast_to_tokens((s_B - mean_B) / (std_B + eps) * valid_B, mask_BxT)
+    return (s_B - mean_B) / (std_B + eps)
 
 
-def dr_grpo(
-    rewards_B: jax.Array,
-    mask_BxT: jax.Array,
-    group_ids_B: jax.Array,
-    *,
-    valid_B: jax.Array | None = None,
-    num_groups: int | None = None,
-    kl_BxT: jax.Array | None = None,
-    kl_coef: float = 0.0,
-) -> jax.Array:
+@_per_sequence
+def dr_grpo(s_B: jax.Array, count_B: jax.Array, mean_B: jax.Array, std_B: jax.Array) -> jax.Array:
     """Dr.GRPO (Liu et al. 2025): A_it = m_it (r_i - mean_g(i)), no std scaling.
 
     Dr.GRPO also drops the per-sequence length normalisation of the loss: use
@@ -141,23 +181,11 @@ def dr_grpo(
     Returns:
       f32[B, T] token advantages.
     """
-    s_B, mask_BxT, ids_B, valid_B, n = _prep(
-        rewards_B, mask_BxT, group_ids_B, valid_B, num_groups, kl_BxT, kl_coef
-    )
-    _, mean_B, _ = group_moments(s_B, ids_B, valid_B, n)
-    return broadcast_to_tokens((s_B - mean_B) * valid_B, mask_BxT)
+    return s_B - mean_B
 
 
-def rloo(
-    rewards_B: jax.Array,
-    mask_BxT: jax.Array,
-    group_ids_B: jax.Array,
-    *,
-    valid_B: jax.Array | None = None,
-    num_groups: int | None = None,
-    kl_BxT: jax.Array | None = None,
-    kl_coef: float = 0.0,
-) -> jax.Array:
+@_per_sequence
+def rloo(s_B: jax.Array, count_B: jax.Array, mean_B: jax.Array, std_B: jax.Array) -> jax.Array:
     """RLOO (Ahmadian et al. 2024): leave-one-out baseline.
 
     A_i = r_i - 1/(G-1) sum_{j in g(i), j != i} r_j = G/(G-1) (r_i - mean_g(i)),
@@ -166,12 +194,8 @@ def rloo(
     Returns:
       f32[B, T] token advantages.
     """
-    s_B, mask_BxT, ids_B, valid_B, n = _prep(
-        rewards_B, mask_BxT, group_ids_B, valid_B, num_groups, kl_BxT, kl_coef
-    )
-    count_B, mean_B, _ = group_moments(s_B, ids_B, valid_B, n)
     scale_B = jnp.where(count_B > 1.0, count_B / jnp.maximum(count_B - 1.0, 1.0), 0.0)
-    return broadcast_to_tokens(scale_B * (s_B - mean_B) * valid_B, mask_BxT)
+    return scale_B * (s_B - mean_B)
 
 
 def last_token_rewards(rewards_B: jax.Array, mask_BxT: jax.Array) -> jax.Array:
@@ -222,18 +246,8 @@ def masked_moments(x_BxT: jax.Array, mask_BxT: jax.Array) -> tuple[jax.Array, ja
     return mean, jnp.sqrt(var)
 
 
-def reinforce_pp(
-    rewards_B: jax.Array,
-    mask_BxT: jax.Array,
-    group_ids_B: jax.Array,
-    *,
-    valid_B: jax.Array | None = None,
-    num_groups: int | None = None,
-    kl_BxT: jax.Array | None = None,
-    kl_coef: float = 0.0,
-    gamma: float = 1.0,
-    eps: float = 1e-6,
-) -> jax.Array:
+@_outcome_estimator
+def reinforce_pp(x: _Outcomes, *, gamma: float = 1.0, eps: float = 1e-6) -> jax.Array:
     """REINFORCE++ (Hu 2025, OpenRLHF): batch-whitened token returns, no critic.
 
     Token rewards  r_it = -beta kl_it + r_i [t = last response token of i],
@@ -247,13 +261,10 @@ def reinforce_pp(
     Returns:
       f32[B, T] token advantages.
     """
-    del group_ids_B, num_groups
-    mask_BxT = mask_BxT.astype(_F32)
-    if valid_B is not None:
-        mask_BxT = mask_BxT * valid_B.astype(_F32)[:, None]
-    tok_r_BxT = last_token_rewards(rewards_B, mask_BxT)
-    if kl_BxT is not None and kl_coef:
-        tok_r_BxT = tok_r_BxT - kl_coef * kl_BxT.astype(_F32) * mask_BxT
+    mask_BxT = x.mask_BxT * x.valid_B[:, None]
+    tok_r_BxT = last_token_rewards(x.rewards_B, mask_BxT)
+    if x.kl_BxT is not None:
+        tok_r_BxT = tok_r_BxT - x.kl_coef * x.kl_BxT * mask_BxT
     ret_BxT = discounted_returns(tok_r_BxT, mask_BxT, gamma)
     mean, std = masked_moments(ret_BxT, mask_BxT)
     return (ret_BxT - mean) / (std + eps) * mask_BxT
@@ -313,3 +324,7 @@ ADVANTAGES: dict[str, AdvantageFn] = {
     "rloo": rloo,
     "reinforce_pp": reinforce_pp,
 }
+
+CriticAdvantageFn = Callable[..., tuple[jax.Array, jax.Array]]
+
+CRITIC_ADVANTAGES: dict[str, CriticAdvantageFn] = {"gae": gae}

@@ -38,7 +38,8 @@ complete groups / the complete batch before the micro-batch loss.
 
 Metrics are also additive: loss components are already divided by N; token
 statistics are returned as `*_sum` over the micro-batch plus `num_tokens`.
-Sum the dicts over micro-batches, then call `finalize_metrics` on the host.
+Sum the dicts over micro-batches, then call `finalize_metrics` (on the host,
+or on device inside the trainer's `apply`: one implementation for both).
 
 ## Old log-probs and truncated importance sampling
 
@@ -57,6 +58,7 @@ The generator records behaviour log-probs `log mu` when it samples. Two modes:
   pi_theta / pi_old with both sides from the trainer.
 """
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -189,38 +191,23 @@ def ppo_clip(
     return loss, metrics
 
 
-def dapo(
-    logp_BxT: jax.Array,
-    old_logp_BxT: jax.Array,
-    advantages_BxT: jax.Array,
-    mask_BxT: jax.Array,
-    *,
-    normalizer: jax.Array | float,
-    aggregation: str = "token_mean",
-    clip_eps_low: float = 0.2,
-    clip_eps_high: float = 0.28,
-    dual_clip_c: float | None = None,
-    behaviour_logp_BxT: jax.Array | None = None,
-    tis_cap: float | None = None,
-) -> tuple[jax.Array, Metrics]:
+def dapo(*args: jax.Array, clip_eps_high: float = 0.28, **kwargs: Any) -> tuple[jax.Array, Metrics]:
     """DAPO clip-higher (Yu et al. 2025): `ppo_clip` with eps_high > eps_low.
 
     Same formula and arguments as `ppo_clip`; the defaults are DAPO's
     (eps_low = 0.2, eps_high = 0.28, token-level `token_mean` aggregation).
     """
-    return ppo_clip(
-        logp_BxT,
-        old_logp_BxT,
-        advantages_BxT,
-        mask_BxT,
-        normalizer=normalizer,
-        aggregation=aggregation,
-        clip_eps_low=clip_eps_low,
-        clip_eps_high=clip_eps_high,
-        dual_clip_c=dual_clip_c,
-        behaviour_logp_BxT=behaviour_logp_BxT,
-        tis_cap=tis_cap,
-    )
+    return ppo_clip(*args, clip_eps_high=clip_eps_high, **kwargs)
+
+
+# What help() and inspect show: `ppo_clip`'s arguments with DAPO's default eps_high.
+_PPO_CLIP = inspect.signature(ppo_clip)
+dapo.__signature__ = _PPO_CLIP.replace(
+    parameters=[
+        p.replace(default=0.28) if p.name == "clip_eps_high" else p
+        for p in _PPO_CLIP.parameters.values()
+    ]
+)
 
 
 PolicyLossFn = Callable[..., tuple[jax.Array, Metrics]]
@@ -358,24 +345,37 @@ def actor_loss(
     return loss, metrics
 
 
-def finalize_metrics(summed: Mapping[str, Any]) -> dict[str, float]:
-    """Host side: turns micro-batch-summed metrics into batch means.
+def finalize_metrics(
+    summed: Mapping[str, Any], normalizer_total: jax.Array | float = 1.0
+) -> dict[str, Any]:
+    """Micro-batch-summed metrics -> batch means; one implementation for host and device.
 
-    `x_sum` becomes `x = x_sum / num_tokens`; other keys (loss terms already
-    divided by N, counts) are kept as they are.
+    `x_sum` becomes `x = x_sum / max(num_tokens, 1)`; `num_tokens` is kept;
+    every other key (loss terms, each already divided by the normaliser given
+    to its micro-batch) is divided by `normalizer_total`: 1 when the
+    micro-batches were given the global N, the summed `normalizer_part`s when
+    they were given 1 (the trainer's `apply`).
+
+    The array namespace follows the inputs: inside `jax.jit` (or on device
+    arrays) it computes with `jax.numpy` and returns arrays; on host values
+    (numpy, Python floats) with numpy, returning Python floats.
 
     Args:
-      summed: metrics summed over the micro-batches of one step, fetched to host.
+      summed: metrics summed over the micro-batches of one step.
+      normalizer_total: the divisor of the non-token metrics.
 
     Returns:
-      A flat dict of Python floats.
+      A flat dict of the finalized metrics.
     """
-    num_tokens = max(float(np.asarray(summed.get("num_tokens", 0.0))), 1.0)
-    out: dict[str, float] = {}
+    on_device = any(isinstance(v, jax.Array) for v in (*summed.values(), normalizer_total))
+    xp = jnp if on_device else np
+    num_tokens = xp.maximum(xp.asarray(summed.get("num_tokens", 0.0), xp.float32), 1.0)
+    out: dict[str, Any] = {}
     for key, value in summed.items():
-        value = float(np.asarray(value))
         if key.endswith("_sum"):
             out[key[: -len("_sum")]] = value / num_tokens
-        else:
+        elif key == "num_tokens":
             out[key] = value
-    return out
+        else:
+            out[key] = value / normalizer_total
+    return out if on_device else {k: float(np.asarray(v)) for k, v in out.items()}

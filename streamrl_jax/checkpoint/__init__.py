@@ -4,6 +4,7 @@
   extra array trees, ranker, JSON metadata saved together, asynchronous,
   keep-last-K, re-sharding restore) and `restore_params_only` (`init_from`).
 * `trees`: model fingerprint, shape signatures, typed PRNG keys.
+* `npz`: parameters as one .npz of host arrays (`log.final_params`).
 * `shutdown`: SIGINT/SIGTERM to a flag the loop polls (`install_shutdown_handler`).
 """
 
@@ -13,6 +14,7 @@ from streamrl_jax.checkpoint.manager import (
     Restored,
     restore_params_only,
 )
+from streamrl_jax.checkpoint.npz import save_params_npz
 from streamrl_jax.checkpoint.shutdown import ShutdownRequest, install_shutdown_handler
 from streamrl_jax.checkpoint.trees import FINGERPRINT_FIELDS, abstract_tree, model_fingerprint
 
@@ -26,4 +28,5 @@ __all__ = [
     "install_shutdown_handler",
     "model_fingerprint",
     "restore_params_only",
+    "save_params_npz",
 ]

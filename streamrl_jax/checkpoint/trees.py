@@ -16,20 +16,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from streamrl_jax.model.config import SHAPE_FIELDS
+
 # Architecture fields of `model.config.ModelConfig` that decide parameter shapes
 # or meaning; a checkpoint restores only into a model with the same values.
-FINGERPRINT_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "tie_embeddings",
-    "qkv_bias",
-    "param_dtype",
-)
+FINGERPRINT_FIELDS = (*SHAPE_FIELDS, "tie_embeddings", "qkv_bias", "param_dtype")
 MAX_LISTED = 5  # mismatching leaves named in an error message
 
 

@@ -36,6 +36,8 @@ from collections.abc import Callable, Sequence
 
 from absl import logging
 
+from streamrl_jax.mailbox import Mailbox
+
 _PING, _CREDIT, _DATA, _END = b"P", b"C", b"D", b"E"
 _CREDIT_FMT = "!iq"  # credits granted, version acknowledged (-1: none)
 
@@ -104,11 +106,13 @@ class Channel:
         self.heartbeat_s, self.timeout_s = heartbeat_s, timeout_s
         self._conn, self._sock = conn, sock
         self._on_data, self._on_lost, self._on_end = on_data, on_lost, on_end
-        self._cv = threading.Condition()
+        # The lock, timed waits and failure latch of the credits and flags below.
+        self._state: Mailbox[None] = Mailbox(
+            local, failed=None, closed=ChannelClosed, timeout_error=TransportTimeout
+        )
         self._send_lock = threading.Lock()
         self._credits = 0
         self.acked_version = -1
-        self._error: TransportError | None = None
         self._closing = False  # this side sent (or is sending) `E`
         self._ended = False  # the peer sent `E`
         self._in_handler = False
@@ -134,19 +138,20 @@ class Channel:
           PeerLost / ChannelClosed: the channel failed or was closed.
         """
         deadline = time.monotonic() + timeout
-        with self._cv:
-            while self._credits == 0:
-                self._raise_if_down()
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TransportTimeout(
-                        f"{self.local}: no credit from {self.peer} for {timeout:.1f} s "
-                        "(back-pressure: the peer is not taking data)"
-                    )
-                self._cv.wait(remaining)
-            self._raise_if_down()
-            self._credits -= 1
+        self._state.wait_until(
+            self._take_credit,
+            timeout=timeout,
+            what=f"credit (no credit from {self.peer}: back-pressure, the peer is not taking data)",
+        )
         self._write([_DATA + payload], raw, deadline - time.monotonic())
+
+    def _take_credit(self) -> bool:
+        """`send`'s wait predicate (under the lock): spends a credit if there is one."""
+        self._raise_if_down()
+        if self._credits == 0:
+            return False
+        self._credits -= 1
+        return True
 
     def grant(self, credits: int, version: int = -1) -> None:
         """Gives the peer `credits` more sends (and acknowledges `version`, if >= 0)."""
@@ -159,17 +164,21 @@ class Channel:
 
     def wait_acked(self, version: int, timeout: float) -> None:
         """Waits until the peer acknowledged `version` (with a credit grant)."""
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while self.acked_version < version:
-                self._raise_if_down()
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TransportTimeout(
-                        f"{self.local}: {self.peer} did not acknowledge version {version} "
-                        f"within {timeout:.1f} s (last acknowledged {self.acked_version})"
-                    )
-                self._cv.wait(remaining)
+
+        def acked() -> bool:
+            if self.acked_version >= version:
+                return True
+            self._raise_if_down()
+            return False
+
+        self._state.wait_until(
+            acked,
+            timeout=timeout,
+            what=lambda: (
+                f"{self.peer} to acknowledge version {version} "
+                f"(last acknowledged {self.acked_version})"
+            ),
+        )
 
     def _write(
         self,
@@ -186,8 +195,8 @@ class Channel:
             )
         try:
             if closing:  # the `E` frame goes out while `_closing` is already set
-                if self._error is not None:
-                    raise self._error
+                if self.error is not None:
+                    raise self.error
             else:
                 self._raise_if_down()
             for frame in frames:
@@ -231,9 +240,8 @@ class Channel:
                     self._fail(
                         PeerLost(f"{self.local}: lost {self.peer}: connection closed ({e!r})")
                     )
-                with self._cv:
+                with self._state.locked():
                     self._ended = True
-                    self._cv.notify_all()
                 return
             self._last_recv = time.monotonic()
             self.bytes_received += len(frame)
@@ -255,14 +263,12 @@ class Channel:
                     self._last_recv = time.monotonic()
             elif kind == _CREDIT:
                 credits, version = struct.unpack(_CREDIT_FMT, frame[1:])
-                with self._cv:
+                with self._state.locked():
                     self._credits += credits
                     self.acked_version = max(self.acked_version, version)
-                    self._cv.notify_all()
             elif kind == _END:
-                with self._cv:
+                with self._state.locked():
                     self._ended = True
-                    self._cv.notify_all()
                 if not self._closing:  # answer, so the peer's close() returns at once
                     self._closing = True
                     with contextlib.suppress(TransportError):
@@ -277,7 +283,7 @@ class Channel:
 
     def _watch(self) -> None:
         tick = min(self.heartbeat_s, self.timeout_s / 4)
-        while not (self._closing or self._ended or self._error):
+        while not (self._closing or self._ended or self.error):
             time.sleep(tick)
             now = time.monotonic()
             silent = now - self._last_recv
@@ -293,7 +299,7 @@ class Channel:
                 blocking=False
             ):
                 try:
-                    if not (self._closing or self._error):
+                    if not (self._closing or self.error):
                         self._conn.send_bytes(_PING)
                         self._last_send = now
                 except OSError as e:
@@ -304,7 +310,7 @@ class Channel:
     # ------------------------------------------------------------------ state
     @property
     def error(self) -> TransportError | None:
-        return self._error
+        return self._state.error
 
     @property
     def ended(self) -> bool:
@@ -312,17 +318,14 @@ class Channel:
         return self._ended
 
     def _raise_if_down(self) -> None:
-        if self._error is not None:
-            raise self._error
+        if self.error is not None:
+            raise self.error
         if self._closing or self._ended:
             raise ChannelClosed(f"{self.local}: channel to {self.peer} is closed")
 
     def _fail(self, exc: TransportError) -> None:
-        with self._cv:
-            if self._error is not None or self._closing and isinstance(exc, PeerLost):
-                return
-            self._error = exc
-            self._cv.notify_all()
+        if (self._closing and isinstance(exc, PeerLost)) or not self._state.fail(exc):
+            return  # the socket closing under our own close, or not the first failure
         shutdown_socket(self._sock)
         logging.warning("%s", exc)
         if self._on_lost is not None:
@@ -330,13 +333,15 @@ class Channel:
 
     def close(self, timeout: float) -> None:
         """Orderly close: send `E`, wait (up to `timeout`) for the peer's `E`, close the socket."""
-        if not self._closing and self._error is None:
+        if not self._closing and self.error is None:
             self._closing = True
             with contextlib.suppress(TransportError):
                 self._write([_END], (), timeout, closing=True)
         self._closing = True
-        with self._cv:
-            self._cv.wait_for(lambda: self._ended or self._error is not None, timeout)
+        with contextlib.suppress(TransportError):  # failed or timed out: close anyway
+            self._state.wait_until(
+                lambda: self._ended, timeout=timeout, what=f"{self.peer} to close in turn"
+            )
         shutdown_socket(self._sock)
         self._reader.join(timeout)
         with contextlib.suppress(OSError):

@@ -24,6 +24,7 @@ endpoint without one is refused (`check_authkey`), and launchers always set
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import multiprocessing
@@ -49,6 +50,22 @@ from streamrl_jax.distributed.channel import (
 
 _HELLO = b"H"
 _MAX_HELLO = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """One side of a connection, as `dial` and `Hub` take it."""
+
+    kind: str  # the channel kind ("samples", "weights"); both sides must agree
+    name: str  # this side, as its errors and the peer's name it
+    address: str | tuple[str, int]  # "host:port", "[v6]:port" or (host, port); a Hub may bind 0
+    authkey: bytes | None  # HMAC secret; None is refused off loopback (`check_authkey`)
+    timeout_s: float  # handshake deadline, and the silence after which the peer is lost
+    heartbeat_s: float | None = None  # None: `default_heartbeat(timeout_s)`
+
+    @property
+    def heartbeat(self) -> float:
+        return self.heartbeat_s or default_heartbeat(self.timeout_s)
 
 
 def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
@@ -176,55 +193,72 @@ def connect(
 
 
 def dial(
-    address: str | tuple[str, int],
+    end: Endpoint,
     *,
-    authkey: bytes | None,
-    kind: str,
-    name: str,
-    timeout_s: float,
-    heartbeat_s: float | None = None,
     on_data: Callable[[Channel, memoryview], None] = refuse_data,
     on_lost: Callable[[Channel, TransportError], None] | None = None,
     on_end: Callable[[Channel], None] | None = None,
     grant: int = 0,
 ) -> Channel:
-    """Client side: connects (retrying refusals until `timeout_s`), authenticates,
-    checks the server serves `kind` channels; returns the started `Channel`."""
-    host, port = parse_address(address)
-    check_authkey(host, authkey, name)
-    server = f"{kind} server {host}:{port}"
-    conn, sock = connect((host, port), timeout=timeout_s)
+    """Client side: connects to `end.address` (retrying refusals until `end.timeout_s`),
+    authenticates, checks the server serves `end.kind` channels; returns the started
+    `Channel` (with `grant` credits given to the server)."""
+    host, port = parse_address(end.address)
+    check_authkey(host, end.authkey, end.name)
+    conn, sock = connect((host, port), timeout=end.timeout_s)
     try:
-        hello = handshake(
+        channel = _greet(
             conn,
             sock,
-            authkey=authkey,
+            end,
             server=False,
-            hello={"channel": kind, "name": name},
-            timeout=timeout_s,
-            peer=server,
+            remote=f"{host}:{port}",
+            callbacks=dict(on_data=on_data, on_lost=on_lost, on_end=on_end),
         )
-        if hello.get("channel") != kind:
-            raise TransportError(f"{name}: {server} serves {hello.get('channel')!r} channels")
     except BaseException:
         conn.close()
         sock.close()
         raise
-    channel = Channel(
-        conn,
-        sock,
-        local=name,
-        peer=f"{hello.get('name', '?')} ({host}:{port})",
-        heartbeat_s=heartbeat_s or default_heartbeat(timeout_s),
-        timeout_s=timeout_s,
-        on_data=on_data,
-        on_lost=on_lost,
-        on_end=on_end,
-    )
     channel.start()
     if grant:
         channel.grant(grant)
     return channel
+
+
+def _greet(
+    conn: mpc.Connection,
+    sock: socket.socket,
+    end: Endpoint,
+    *,
+    server: bool,
+    remote: str,
+    callbacks: dict[str, Any],
+) -> Channel:
+    """Either side, once connected to `remote` (host:port): authenticates, exchanges
+    hellos, checks both sides speak `end.kind`; returns the `Channel`, not yet started."""
+    peer = remote if server else f"{end.kind} server {remote}"
+    hello = handshake(
+        conn,
+        sock,
+        authkey=end.authkey,
+        server=server,
+        hello={"channel": end.kind, "name": end.name},
+        timeout=end.timeout_s,
+        peer=peer,
+    )
+    if hello.get("channel") != end.kind:
+        raise TransportError(
+            f"{end.name}: {peer} speaks {hello.get('channel')!r} channels, this side {end.kind!r}"
+        )
+    return Channel(
+        conn,
+        sock,
+        local=end.name,
+        peer=f"{hello.get('name', '?')} ({remote})",
+        heartbeat_s=end.heartbeat,
+        timeout_s=end.timeout_s,
+        **callbacks,
+    )
 
 
 def _wrap(sock: socket.socket) -> tuple[mpc.Connection, socket.socket]:
@@ -245,25 +279,18 @@ class Hub:
 
     def __init__(
         self,
-        address: str | tuple[str, int],
+        end: Endpoint,
         *,
-        authkey: bytes | None,
-        kind: str,
-        name: str,
-        timeout_s: float,
-        heartbeat_s: float | None,
         max_peers: int,
         on_data: Callable[[Channel, memoryview], None] = refuse_data,
         on_lost: Callable[[Channel, TransportError], None] | None = None,
         on_end: Callable[[Channel], None] | None = None,
         grant: int = 0,
     ):
-        host, port = parse_address(address)
-        check_authkey(host, authkey, name)
-        self.name, self.kind, self.max_peers = name, kind, max_peers
-        self.timeout_s = timeout_s
-        self.heartbeat_s = heartbeat_s or default_heartbeat(timeout_s)
-        self._authkey, self._grant = authkey, grant
+        host, port = parse_address(end.address)
+        check_authkey(host, end.authkey, end.name)
+        self.name, self.kind, self.max_peers = end.name, end.kind, max_peers
+        self._end, self._grant = end, grant
         self._callbacks = dict(on_data=on_data, on_lost=on_lost, on_end=on_end)
         self._cv = threading.Condition()
         self._channels: list[Channel] = []
@@ -273,7 +300,7 @@ class Hub:
         self._sock = socket.create_server((host, port), family=family, backlog=64)
         self._sock.settimeout(0.2)  # the accept loop polls `_closed`
         self.address = (host, self._sock.getsockname()[1])
-        self._thread = threading.Thread(target=self._loop, name=f"{name}-accept", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=f"{self.name}-accept", daemon=True)
         self._thread.start()
 
     @property
@@ -297,25 +324,8 @@ class Hub:
     def _admit(self, sock: socket.socket, remote: str) -> None:
         conn, ctl = _wrap(sock)
         try:
-            hello = handshake(
-                conn,
-                ctl,
-                authkey=self._authkey,
-                server=True,
-                hello={"channel": self.kind, "name": self.name},
-                timeout=self.timeout_s,
-                peer=remote,
-            )
-            if hello.get("channel") != self.kind:
-                raise TransportError(f"{remote} asked for a {hello.get('channel')!r} channel")
-            channel = Channel(
-                conn,
-                ctl,
-                local=self.name,
-                peer=f"{hello.get('name', '?')} ({remote})",
-                heartbeat_s=self.heartbeat_s,
-                timeout_s=self.timeout_s,
-                **self._callbacks,
+            channel = _greet(
+                conn, ctl, self._end, server=True, remote=remote, callbacks=self._callbacks
             )
             with self._cv:
                 if self._closed or len(self._channels) >= self.max_peers:

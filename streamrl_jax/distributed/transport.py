@@ -31,10 +31,7 @@ an authkey is refused.
 
 from __future__ import annotations
 
-import collections
 import pickle
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +41,8 @@ from streamrl_jax.distributed.channel import (
     TransportError,
     TransportTimeout,
 )
-from streamrl_jax.distributed.peers import Hub, dial
+from streamrl_jax.distributed.peers import Endpoint, Hub, dial
+from streamrl_jax.mailbox import Mailbox
 
 Address = str | tuple[str, int]
 
@@ -87,19 +85,15 @@ class SampleServer:
         self._queued: dict[Channel, int] = {}  # samples in `_queue`, per producer
         self._owed: dict[Channel, int] = {}  # credits taken but not yet returned
         self._on_sample, self._on_error = on_sample, on_error
-        self._cv = threading.Condition()
-        self._queue: collections.deque[tuple[Any, Channel]] = collections.deque()
-        self._errors: list[TransportError] = []
+        # Received samples with their producer; unbounded here because the
+        # credits bound it. The counters above and below are guarded by its lock.
+        self._queue: Mailbox[tuple[Any, Channel]] = Mailbox(
+            name, failed=None, closed=ChannelClosed, timeout_error=TransportTimeout
+        )
         self._ended = 0
-        self._closed = False
         self.received = 0
         self._hub = Hub(
-            address,
-            authkey=authkey,
-            kind="samples",
-            name=name,
-            timeout_s=timeout_s,
-            heartbeat_s=heartbeat_s,
+            Endpoint("samples", name, address, authkey, timeout_s, heartbeat_s),
             max_peers=num_producers,
             on_data=self._on_data,
             on_lost=self._on_lost,
@@ -121,27 +115,26 @@ class SampleServer:
         sample = pickle.loads(payload)  # safe only because the peer authenticated
         if self._on_sample is not None:
             self._on_sample(sample)
-            with self._cv:
+            with self._queue.locked():
                 self.received += 1
             channel.grant(1)
             return
-        with self._cv:
-            self._queue.append((sample, channel))
-            self._queued[channel] = self._queued.get(channel, 0) + 1
+        with self._queue.locked():
             self.received += 1
-            self._cv.notify_all()
+            # Refused only once closed or failed, when nobody will take it.
+            if self._queue.offer((sample, channel), timeout=0.0):
+                self._queued[channel] = self._queued.get(channel, 0) + 1
 
     def _on_lost(self, channel: Channel, exc: TransportError) -> None:
-        with self._cv:
-            self._errors.append(exc)
-            self._cv.notify_all()
+        self._queue.fail(exc)  # the first lost producer is what `get` raises
         if self._on_error is not None:
             self._on_error(exc)
 
     def _on_end(self, channel: Channel) -> None:
-        with self._cv:
+        with self._queue.locked():
             self._ended += 1
-            self._cv.notify_all()
+            if self._ended >= self.num_producers:
+                self._queue.close(f"all producers closed ({self._hub.names()})")
 
     # ------------------------------------------------------------------ consumer
     def wait_for_producers(self, timeout: float) -> list[str]:
@@ -156,25 +149,15 @@ class SampleServer:
           ChannelClosed: every producer closed in order and the queue is empty.
           TransportTimeout: nothing arrived within `timeout` seconds.
         """
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while True:
-                if self._errors:
-                    raise self._errors[0]
-                if self._queue:
-                    sample, channel = self._queue.popleft()
-                    give = self._owe(channel)
-                    break
-                if self._closed or self._ended >= self.num_producers:
-                    raise ChannelClosed(f"{self.name}: all producers closed ({self._hub.names()})")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TransportTimeout(
-                        f"{self.name}: no sample within {timeout:.1f} s from "
-                        f"{len(self._hub.channels)}/{self.num_producers} producers "
-                        f"({self._hub.names()})"
-                    )
-                self._cv.wait(remaining)
+        with self._queue.locked():
+            sample, channel = self._queue.get(
+                timeout=timeout,
+                what=lambda: (
+                    f"a sample from {len(self._hub.channels)}/{self.num_producers} "
+                    f"producers ({self._hub.names()})"
+                ),
+            )
+            give = self._owe(channel)
         if give:
             channel.grant(give)
         return sample
@@ -197,9 +180,7 @@ class SampleServer:
 
     def close(self, timeout: float = 5.0) -> None:
         """Stops accepting and closes every producer connection in order."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
+        self._queue.close("the server was closed")
         self._hub.close(timeout)
 
     def __enter__(self) -> SampleServer:
@@ -223,14 +204,7 @@ class SampleClient:
     ):
         """Connects (retrying until `timeout_s` while the server starts) and authenticates."""
         self.name, self.timeout_s = name, timeout_s
-        self._channel = dial(
-            address,
-            authkey=authkey,
-            kind="samples",
-            name=name,
-            timeout_s=timeout_s,
-            heartbeat_s=heartbeat_s,
-        )
+        self._channel = dial(Endpoint("samples", name, address, authkey, timeout_s, heartbeat_s))
 
     @property
     def credits(self) -> int:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import pickle
-import threading
 import time
 import zlib
 from typing import Any
@@ -51,7 +50,8 @@ from streamrl_jax.distributed.channel import (
     TransportError,
     TransportTimeout,
 )
-from streamrl_jax.distributed.peers import Hub, dial
+from streamrl_jax.distributed.peers import Endpoint, Hub, dial
+from streamrl_jax.mailbox import Mailbox
 
 
 class ChecksumError(TransportError):
@@ -212,12 +212,7 @@ class WeightSender:
             raise ValueError(f"{name}: num_receivers must be >= 1, got {num_receivers}")
         self.name, self.num_receivers, self.timeout_s = name, num_receivers, timeout_s
         self._hub = Hub(
-            address,
-            authkey=authkey,
-            kind="weights",
-            name=name,
-            timeout_s=timeout_s,
-            heartbeat_s=heartbeat_s,
+            Endpoint("weights", name, address, authkey, timeout_s, heartbeat_s),
             max_peers=num_receivers,
         )
 
@@ -267,6 +262,10 @@ class WeightSender:
         self._hub.close(timeout)
 
 
+# One arrived weight set: header, leaves, their crc32s, seconds on the wire.
+_Arrived = tuple[WeightHeader, list[np.ndarray], list[int], float]
+
+
 class WeightReceiver:
     """Generation side: receives weight sets in the background; `receive` places the newest."""
 
@@ -280,24 +279,18 @@ class WeightReceiver:
         name: str = "generation",
     ):
         self.name, self.timeout_s = name, timeout_s
-        self._cv = threading.Condition()
-        self._pending: tuple[WeightHeader, list[np.ndarray], list[int], float] | None = None
+        # Arrived weight sets not yet taken by `receive`: at most one, as the
+        # receiver grants one credit at a time.
+        self._pending: Mailbox[_Arrived] = Mailbox(
+            name, failed=None, closed=ChannelClosed, timeout_error=TransportTimeout
+        )
         self._channel = dial(
-            address,
-            authkey=authkey,
-            kind="weights",
-            name=name,
-            timeout_s=timeout_s,
-            heartbeat_s=heartbeat_s,
+            Endpoint("weights", name, address, authkey, timeout_s, heartbeat_s),
             on_data=self._on_data,
-            on_lost=lambda channel, exc: self._notify(),
-            on_end=lambda channel: self._notify(),
+            on_lost=lambda channel, exc: self._pending.fail(exc),
+            on_end=lambda channel: self._pending.close(f"{channel.peer} closed the channel"),
             grant=1,  # room for one weight set not yet taken by `receive`
         )
-
-    def _notify(self) -> None:
-        with self._cv:
-            self._cv.notify_all()
 
     def _on_data(self, channel: Channel, payload: memoryview) -> None:
         t0 = time.perf_counter()
@@ -311,9 +304,8 @@ class WeightReceiver:
                 channel.recv_raw_into(_bytes_of(a))
                 futures.append(pool.submit(zlib.crc32, _bytes_of(a)))
             crcs = [f.result() for f in futures]
-        with self._cv:
-            self._pending = (header, arrays, crcs, time.perf_counter() - t0)
-            self._cv.notify_all()
+        # Refused only once closed or failed, when nobody will take it.
+        self._pending.offer((header, arrays, crcs, time.perf_counter() - t0), timeout=0.0)
 
     def receive(
         self, shardings: Any, timeout: float | None = None
@@ -326,28 +318,14 @@ class WeightReceiver:
         Raises:
           ChecksumError: a leaf arrived corrupt (named).
           ValueError: `shardings` does not have the sender's tree structure.
-          TransportTimeout / PeerLost: nothing arrived in time / the sender is gone.
+          TransportTimeout: nothing arrived in time (names the sender).
+          PeerLost: the sender is gone (even if a weight set had arrived: fail fast).
+          ChannelClosed: the sender closed the channel and nothing is left.
         """
-        timeout = self.timeout_s if timeout is None else timeout
-        with self._cv:
-            self._cv.wait_for(
-                lambda: (
-                    self._pending is not None
-                    or self._channel.error is not None
-                    or self._channel.ended
-                ),
-                timeout,
-            )
-            if self._pending is None:
-                if self._channel.error is not None:
-                    raise self._channel.error
-                if self._channel.ended:
-                    raise ChannelClosed(f"{self.name}: {self._channel.peer} closed the channel")
-                raise TransportTimeout(
-                    f"{self.name}: no weights from {self._channel.peer} within {timeout:.1f} s"
-                )
-            header, arrays, crcs, wire_s = self._pending
-            self._pending = None
+        header, arrays, crcs, wire_s = self._pending.get(
+            timeout=self.timeout_s if timeout is None else timeout,
+            what=f"weights from {self._channel.peer}",
+        )
         t1 = time.perf_counter()
         verify(header, arrays, self._channel.peer, crcs)
         t2 = time.perf_counter()
@@ -366,3 +344,4 @@ class WeightReceiver:
 
     def close(self, timeout: float = 5.0) -> None:
         self._channel.close(timeout)
+        self._pending.close("the receiver was closed")

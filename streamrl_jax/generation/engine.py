@@ -29,6 +29,7 @@ Weights are a jit argument; `update_weights` swaps the reference (after a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
 import math
@@ -120,7 +121,23 @@ class _Running:
 
 class Engine:
     """A generation instance on one ("tp",) mesh. Not thread-safe except
-    `update_weights`, which may be called from any thread."""
+    `update_weights`, which may be called from any thread.
+
+    Args:
+      graphdef, params: the split model; params are placed on `mesh` under the
+        generation rule table.
+      model_cfg: the model's config.
+      cfg: slots, lengths, chunking and admission policy.
+      mesh: this instance's 1-D ("tp",) mesh.
+      instance_id: echoed in every `Sample` and callback.
+      version: policy version of `params`.
+      on_chunk: optional observer of each `step()` (one host round trip),
+        called on the stepping thread as `on_chunk(instance, t0, t1, tokens,
+        running, steps=0, prefilled=0)`: the instance id, the step's wall-clock
+        start and end (`time.time()` seconds), response tokens emitted, slots
+        running (including those that finished in the step), decode steps the
+        chunk ran and prompts prefilled. The pipeline draws its trace with it.
+    """
 
     def __init__(
         self,
@@ -132,6 +149,7 @@ class Engine:
         *,
         instance_id: int = 0,
         version: int = 0,
+        on_chunk: Callable[..., None] | None = None,
     ):
         if cfg.max_total_length > model_cfg.max_position_embeddings:
             raise ValueError(
@@ -168,11 +186,7 @@ class Engine:
         self._queue: list[tuple[tuple[float, int], GenerationRequest, float]] = []
         self._slots: list[_Running | None] = [None] * cfg.num_slots
         self._metrics: dict[str, Any] = {"tokens": 0, "busy_s": 0.0, "chunks": 0, "timeline": []}
-        # Optional observer of each host round trip: (instance_id, start, end, tokens
-        # emitted, slots running), wall-clock seconds. The pipeline draws its trace with it.
-        # on_chunk(instance, t0, t1, tokens, running, steps=, prefilled=): wall times of
-        # one step(), tokens emitted, slots running, decode steps run, prompts prefilled.
-        self.on_chunk: Callable[..., None] | None = None
+        self._on_chunk = on_chunk
 
     def _init_state(self) -> slots_lib.SlotState:
         cache = kv_cache.init_cache(self.model_cfg, self.cfg.num_slots, self.cfg.max_total_length)
@@ -363,8 +377,8 @@ class Engine:
         m["busy_s"] += t1 - t0
         m["chunks"] += 1
         m["timeline"].append((t1, self.num_running + len(done), len(self._queue), emitted))
-        if self.on_chunk is not None:
-            self.on_chunk(
+        if self._on_chunk is not None:
+            self._on_chunk(
                 self.instance_id,
                 t0,
                 t1,
@@ -390,6 +404,7 @@ class Engine:
             last_policy_version=self.version,
             instance_id=self.instance_id,
             timings=Timings(enqueue=run.enqueue, admit=run.admit, finish=time.time()),
+            tag=r.tag,
             metadata=dict(r.metadata),
         )
 
@@ -411,32 +426,32 @@ class Engine:
         return m
 
 
-_JITTED: dict[Any, tuple[Any, Any]] = {}
-
-
+@functools.lru_cache(maxsize=32)
 def _jitted(graphdef: nnx.GraphDef, steps: int, state_sh: Any, repl: NamedSharding):
     """The jitted prefill and decode chunk, shared by engines with equal statics.
 
-    Engines of the same model, chunk length and placement reuse one jit cache,
-    so e.g. a static-batch baseline engine next to a continuous one compiles
-    nothing new.
+    Engines of the same model, chunk length and placement (the slot state's
+    shardings: its mesh and cache partitioning, not its shapes) get the same
+    two jit objects and so one executable cache, which holds one executable per
+    input shape: a static-batch baseline engine next to a continuous one, a
+    rebuilt service, or repeated `complete.generate` calls of one shape compile
+    nothing new. The key is hashable because `SlotState` is a frozen dataclass
+    of `NamedSharding`s. Bounded so that a process building engines on many
+    meshes or models does not keep every executable alive; an evicted entry only
+    stops being shared with later engines, those holding it keep working.
     """
-    leaves, tree = jax.tree.flatten(state_sh)
-    key = (graphdef, steps, tuple(leaves), tree, repl)
-    if key not in _JITTED:
 
-        def prefill(params, state, adm):
-            return slots_lib.prefill_into_slots(nnx.merge(graphdef, params), state, adm)
+    def prefill(params, state, adm):
+        return slots_lib.prefill_into_slots(nnx.merge(graphdef, params), state, adm)
 
-        def chunk(params, state):
-            return slots_lib.decode_chunk(nnx.merge(graphdef, params), state, steps)
+    def chunk(params, state):
+        return slots_lib.decode_chunk(nnx.merge(graphdef, params), state, steps)
 
-        out_sh = (state_sh, repl)
-        _JITTED[key] = (
-            jax.jit(prefill, donate_argnums=1, out_shardings=out_sh),
-            jax.jit(chunk, donate_argnums=1, out_shardings=out_sh),
-        )
-    return _JITTED[key]
+    out_sh = (state_sh, repl)
+    return (
+        jax.jit(prefill, donate_argnums=1, out_shardings=out_sh),
+        jax.jit(chunk, donate_argnums=1, out_shardings=out_sh),
+    )
 
 
 def _signature(params: Any) -> Any:

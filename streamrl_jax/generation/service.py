@@ -5,8 +5,8 @@ mesh, with its own `EngineConfig` (so a long-tail instance can run a small
 batch). `submit(requests, instances)` sends each request to its target
 instance (round-robin by default; the skew-aware dispatcher chooses later);
 the instance admits its queue in its own order (FIFO or LPT). Every finished
-sample goes into one bounded `SampleQueue` in completion order, the moment its
-instance's chunk returns.
+sample goes into one bounded `SampleQueue` (the package's `Mailbox`) in
+completion order, the moment its instance's chunk returns.
 
 Failure and shutdown: an exception in an instance thread is recorded and
 raised to the consumer by its next `get` as `InstanceError` naming the
@@ -25,7 +25,7 @@ import collections
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from absl import logging
@@ -34,6 +34,7 @@ from jax.sharding import Mesh
 
 from streamrl_jax.generation.engine import Engine, EngineConfig
 from streamrl_jax.generation.types import GenerationRequest, Sample
+from streamrl_jax.mailbox import Mailbox
 from streamrl_jax.model.config import ModelConfig
 
 
@@ -45,68 +46,20 @@ class StreamClosed(RuntimeError):
     """The sample stream was closed and holds no more samples."""
 
 
-class SampleQueue:
-    """Bounded, thread-safe, closeable FIFO of samples with failure propagation."""
+def SampleQueue(capacity: int, name: str = "sgs") -> Mailbox[Sample]:
+    """The service's bounded output: a `Mailbox` of samples in the service's vocabulary.
 
-    def __init__(self, capacity: int, name: str = "sgs"):
-        if capacity < 1:
-            raise ValueError(f"{name}: capacity must be >= 1, got {capacity}")
-        self.name, self.capacity = name, capacity
-        self._items: collections.deque[Sample] = collections.deque()
-        self._cv = threading.Condition()
-        self._closed = False
-        self._error: tuple[str, BaseException] | None = None
-
-    def put(self, sample: Sample, timeout: float) -> bool:
-        """Appends a sample; False if still full after `timeout` s (or closed)."""
-        with self._cv:
-            ok = self._cv.wait_for(
-                lambda: self._closed or len(self._items) < self.capacity, timeout=timeout
-            )
-            if not ok or self._closed:
-                return False
-            self._items.append(sample)
-            self._cv.notify_all()
-            return True
-
-    def get(self, timeout: float) -> Sample:
-        """Next sample in completion order.
-
-        Raises:
-          InstanceError: an instance failed (raised before any queued sample).
-          StreamClosed: closed and drained.
-          TimeoutError: nothing arrived within `timeout` seconds.
-        """
-        with self._cv:
-            ready = self._cv.wait_for(
-                lambda: self._error or self._items or self._closed, timeout=timeout
-            )
-            if self._error is not None:
-                who, exc = self._error
-                raise InstanceError(f"{self.name}: generation {who} failed: {exc!r}") from exc
-            if self._items:
-                sample = self._items.popleft()
-                self._cv.notify_all()
-                return sample
-            if self._closed:
-                raise StreamClosed(f"{self.name}: sample stream is closed")
-            assert not ready
-            raise TimeoutError(f"{self.name}: no sample within {timeout} s")
-
-    def fail(self, who: str, exc: BaseException) -> None:
-        with self._cv:
-            if self._error is None:
-                self._error = (who, exc)
-            self._cv.notify_all()
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-
-    def __len__(self) -> int:
-        with self._cv:
-            return len(self._items)
+    `get` raises `InstanceError` (naming the instance, before any queued
+    sample), `StreamClosed` once closed and drained, `TimeoutError`; `offer`
+    returns False while full past its timeout, or once closed or failed.
+    """
+    return Mailbox(
+        name,
+        capacity=capacity,
+        failed=InstanceError,
+        closed=StreamClosed,
+        timeout_error=TimeoutError,
+    )
 
 
 class GenerationService:
@@ -124,6 +77,7 @@ class GenerationService:
         capacity: int = 4096,
         poll_s: float = 0.05,
         name: str = "sgs",
+        on_chunk: Callable[..., None] | None = None,
     ):
         """Builds one engine per mesh and starts its thread.
 
@@ -136,6 +90,9 @@ class GenerationService:
           capacity: bound of the output sample queue (back-pressure).
           poll_s: the period of every timed wait inside the instance threads.
           name: used in errors and logs.
+          on_chunk: observer of every engine step, called on the instance's
+            thread as `on_chunk(instance, t0, t1, tokens, running, steps=0,
+            prefilled=0)` (see `Engine`).
         """
         if isinstance(engine_cfgs, EngineConfig):
             engine_cfgs = [engine_cfgs] * len(meshes)
@@ -146,7 +103,16 @@ class GenerationService:
             )
         self.name, self.poll_s = name, poll_s
         self.engines = [
-            Engine(graphdef, params, model_cfg, c, m, instance_id=i, version=version)
+            Engine(
+                graphdef,
+                params,
+                model_cfg,
+                c,
+                m,
+                instance_id=i,
+                version=version,
+                on_chunk=on_chunk,
+            )
             for i, (c, m) in enumerate(zip(engine_cfgs, meshes, strict=True))
         ]
         self.queue = SampleQueue(capacity, name)
@@ -209,8 +175,17 @@ class GenerationService:
             self._wake[i].set()
 
     def get(self, timeout: float) -> Sample:
-        """The next completed sample (see `SampleQueue.get` for the errors)."""
-        sample = self.queue.get(timeout)
+        """The next completed sample, in completion order.
+
+        Raises:
+          InstanceError: an instance failed (named; raised before any queued sample).
+          StreamClosed: the service was closed and every sample taken.
+          TimeoutError: no sample finished within `timeout` seconds.
+        """
+        sample = self.queue.get(
+            timeout=timeout,
+            what=f"a sample (no sample finished on {len(self.engines)} instance(s))",
+        )
         with self._lock:
             self._delivered += 1
         return sample
@@ -287,9 +262,10 @@ class GenerationService:
                     wake.clear()
                     continue
                 for sample in engine.step():
-                    while not self.queue.put(sample, timeout=self.poll_s):
-                        if self._stop.is_set():
+                    while not self.queue.offer(sample, timeout=self.poll_s):
+                        # Full: wait for the consumer; closed or failed: nobody will take it.
+                        if self._stop.is_set() or self.queue.closed or self.queue.error is not None:
                             return
         except BaseException as e:  # noqa: BLE001 - reported to the consumer, never swallowed
             logging.exception("%s: instance %d failed", self.name, i)
-            self.queue.fail(f"instance {i}", e)
+            self.queue.fail(e, f"generation instance {i}")

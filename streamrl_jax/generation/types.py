@@ -67,6 +67,31 @@ class SamplingParams:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RequestTag:
+    """Where a request's sample belongs in the pipeline: routing only, never scored.
+
+    The engine echoes it untouched from `GenerationRequest.tag` to `Sample.tag`.
+
+    Attributes:
+      batch: global batch b of a training sample; -1 for a held-out evaluation.
+      group: index of the prompt in its batch (the GRPO group), or of the eval prompt.
+      member: index of the sample in its group.
+      prompt_id: the problem's id.
+      eval_version: the policy version a held-out evaluation scores; None for training.
+    """
+
+    batch: int = -1
+    group: int = 0
+    member: int = 0
+    prompt_id: str = ""
+    eval_version: int | None = None
+
+    @property
+    def is_eval(self) -> bool:
+        return self.eval_version is not None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class GenerationRequest:
     """One prompt to complete.
 
@@ -82,7 +107,9 @@ class GenerationRequest:
         length-replay benchmarks. prompt + forced_length must fit the context.
       priority: admission priority inside an instance (predicted length);
         used only when the engine admits longest-first ("lpt").
-      metadata: free-form, echoed in the `Sample` (group id, prompt id, ...).
+      tag: the pipeline's routing of the sample (batch, group, member, ...), echoed.
+      metadata: the task's payload for the reward function (its answer, task
+        name, ...), echoed; opaque to the engine and the pipeline.
     """
 
     request_id: Any
@@ -92,6 +119,7 @@ class GenerationRequest:
     seed: int = 0
     forced_length: int | None = None
     priority: float = 0.0
+    tag: RequestTag = RequestTag()
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -125,6 +153,7 @@ class Sample:
         `policy_version` only if `update_weights` landed mid-sample.
       instance_id: the generation instance that produced it.
       timings: enqueue / admit / finish wall times.
+      tag: from the request.
       metadata: from the request.
     """
 
@@ -138,7 +167,8 @@ class Sample:
     last_policy_version: int
     instance_id: int
     timings: Timings
-    metadata: dict[str, Any]
+    tag: RequestTag = RequestTag()
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -151,6 +151,13 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], path: str
     )
 
 
+def describe_gguf(path: str, reader: Any = None) -> tuple[ModelConfig, dict[str, Any]]:
+    """(config, metadata) of a GGUF file; no tensor data is read."""
+    reader = open_gguf(path) if reader is None else reader
+    meta = read_metadata(reader)
+    return config_from_metadata(meta, {t.name for t in reader.tensors}, path), meta
+
+
 def read_gguf(path: str) -> GGUFContents:
     """Parses, dequantises and un-permutes every tensor of a GGUF file.
 
@@ -165,9 +172,8 @@ def read_gguf(path: str) -> GGUFContents:
     import gguf
 
     reader = open_gguf(path)
-    meta = read_metadata(reader)
+    cfg, meta = describe_gguf(path, reader)
     tensors = {t.name: t for t in reader.tensors}
-    cfg = config_from_metadata(meta, set(tensors), path)
     permuted = meta["general.architecture"] in _PERMUTED_ARCHS
 
     def load(name: str) -> np.ndarray:

@@ -236,19 +236,22 @@ def to_model_layout(hf: dict[str, np.ndarray], cfg: ModelConfig, source: str) ->
     return out
 
 
-def read_hf_dir(directory: str, **overrides: Any) -> tuple[ModelConfig, dict, dict]:
-    """(config, {param path: host array}, generation config) of an HF directory."""
+def read_hf_config(directory: str, **overrides: Any) -> tuple[ModelConfig, dict]:
+    """(config, generation config) of an HF directory, without reading any weight."""
     cfg_path = os.path.join(directory, "config.json")
     hf_cfg = read_json(cfg_path)
     try:
         cfg = from_hf_config(hf_cfg, **overrides)
     except ValueError as e:
         raise ValueError(f"{cfg_path}: {e}") from e
+    gen_path = os.path.join(directory, "generation_config.json")
+    return cfg, read_json(gen_path) if os.path.isfile(gen_path) else {}
+
+
+def read_hf_weights_in_layout(directory: str, cfg: ModelConfig) -> dict:
+    """{param path: host array} of an HF directory in this package's layout."""
     tensors = read_hf_weights(directory)
     if cfg.tie_embeddings and "lm_head.weight" in tensors:
         # Some tied checkpoints still store lm_head; it must equal the embedding.
         tensors.pop("lm_head.weight")
-    stacked = stack_hf_weights(tensors, cfg, directory)
-    gen_path = os.path.join(directory, "generation_config.json")
-    gen = read_json(gen_path) if os.path.isfile(gen_path) else {}
-    return cfg, to_model_layout(stacked, cfg, directory), gen
+    return to_model_layout(stack_hf_weights(tensors, cfg, directory), cfg, directory)

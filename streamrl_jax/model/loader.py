@@ -72,6 +72,53 @@ def _is_gguf(path: str) -> bool:
         return f.read(4) == _GGUF_MAGIC
 
 
+@dataclasses.dataclass(frozen=True)
+class Description:
+    """What a checkpoint is, read without its weights (config, tokenizer, special ids)."""
+
+    cfg: ModelConfig  # with the requested param/compute dtypes and overrides
+    tokenizer: Tokenizer | None
+    generation_config: dict[str, Any]
+    source: str
+    is_gguf: bool
+
+
+def describe(
+    path: str, *, param_dtype: str = "float32", dtype: str = "float32", **cfg_overrides: Any
+) -> Description:
+    """Config, tokenizer and special-token ids of a checkpoint; reads no weight.
+
+    Raises:
+      FileNotFoundError / ValueError: as `load_pretrained`, naming the file or field.
+    """
+    path = os.fspath(path)
+    overrides = dict(cfg_overrides, param_dtype=param_dtype, dtype=dtype)
+    if os.path.isdir(path):
+        cfg, gen = hf_loader.read_hf_config(path, **overrides)
+        if os.path.isfile(os.path.join(path, "tokenizer.json")):
+            tokenizer = Tokenizer.from_dir(path, generation_config=gen)
+        else:
+            logging.warning("%s has no tokenizer.json; the tokenizer is None", path)
+            tokenizer = None
+        return Description(cfg, tokenizer, gen, path, is_gguf=False)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    if not _is_gguf(path):
+        raise ValueError(f"{path}: not a GGUF file (bad magic) and not a Hugging Face directory")
+    cfg, meta = gguf_loader.describe_gguf(path)
+    if "tokenizer.ggml.model" in meta:
+        tokenizer = Tokenizer.from_gguf_metadata(meta, source=path)
+    else:
+        logging.warning("%s has no tokenizer.ggml.* metadata; the tokenizer is None", path)
+        tokenizer = None
+    gen = {
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+    }
+    return Description(cfg.replace(**overrides), tokenizer, gen, path, is_gguf=True)
+
+
 def load_pretrained(
     path: str,
     *,
@@ -97,38 +144,12 @@ def load_pretrained(
       ValueError: a corrupt/truncated file, an unknown architecture, or weights
         whose shapes disagree with the config; the message names the file/field.
     """
-    path = os.fspath(path)
-    overrides = dict(cfg_overrides, param_dtype=param_dtype, dtype=dtype)
-    if os.path.isdir(path):
-        cfg, arrays, gen = hf_loader.read_hf_dir(path, **overrides)
-        tok_path = os.path.join(path, "tokenizer.json")
-        if os.path.isfile(tok_path):
-            tokenizer = Tokenizer.from_dir(path, generation_config=gen)
-        else:
-            logging.warning("%s has no tokenizer.json; Pretrained.tokenizer is None", path)
-            tokenizer = None
-    elif os.path.isfile(path):
-        if not _is_gguf(path):
-            raise ValueError(
-                f"{path}: not a GGUF file (bad magic) and not a Hugging Face directory"
-            )
-        contents = gguf_loader.read_gguf(path)
-        cfg = contents.cfg.replace(**overrides)
-        arrays = hf_loader.to_model_layout(contents.hf_weights, cfg, path)
-        meta = contents.metadata
-        if "tokenizer.ggml.model" in meta:
-            tokenizer = Tokenizer.from_gguf_metadata(meta, source=path)
-        else:
-            logging.warning("%s has no tokenizer.ggml.* metadata; tokenizer is None", path)
-            tokenizer = None
-        gen = {
-            "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-            "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
-        }
+    d = describe(path, param_dtype=param_dtype, dtype=dtype, **cfg_overrides)
+    cfg, path = d.cfg, d.source
+    if d.is_gguf:
+        arrays = hf_loader.to_model_layout(gguf_loader.read_gguf(path).hf_weights, cfg, path)
     else:
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-
+        arrays = hf_loader.read_hf_weights_in_layout(path, cfg)
     graphdef, abstract = abstract_model(cfg)
     mesh = single_device_mesh() if mesh is None else mesh
     try:
@@ -140,7 +161,7 @@ def load_pretrained(
         cfg=cfg,
         graphdef=graphdef,
         params=params,
-        tokenizer=tokenizer,
-        generation_config=gen,
+        tokenizer=d.tokenizer,
+        generation_config=d.generation_config,
         source=path,
     )

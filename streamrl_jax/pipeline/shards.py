@@ -151,6 +151,8 @@ def pad_batch(batch: TrainBatch | None, rows: int, seq: int, pad_id: int) -> Tra
     for name in TrainBatch.__dataclass_fields__:
         if name == "rewards":
             fields[name] = fit(f(name), 0, np.float32, (rows,))
+        elif name == "group_ids":
+            fields[name] = fit(f(name), -1, np.int32, (rows,))
         elif name == "tokens":
             fields[name] = fit(f(name), pad_id, np.int32, (rows, seq))
         elif name in ("attention_mask", "loss_mask"):

@@ -8,4 +8,6 @@ Modules (imported directly; this package imports nothing so that the numpy-only 
 * `dispatch`: the skew-aware dispatch plan, LPT priorities, random and oracle baselines.
 * `balance`: the profiler-based generation / training device split and the elastic rule.
 * `sample_log`: the per-sample JSONL the ranker trains on.
+* `lengths`: output-length distributions (the paper's long-tail trace; length replay).
+* `live`: the scheduling state of a running pipeline (dispatch, online ranker, elastic).
 """

@@ -3,8 +3,9 @@
 Profiles are plain callables, devices -> seconds per global batch: P_gen(x) (generation of
 one global batch on x devices, for the current output-length distribution) and
 P_train(y) (training it on y devices). Return `math.inf` where a size is infeasible (the
-training state does not fit). `simulator_profiles` builds them from the simulator's cost
-model; measured tables work the same (`table_profile`).
+training state does not fit). Measured tables give them (`table_profile`), and so does the
+simulator's cost model (`simulation.stages.simulator_profiles`; the simulator imports this
+module, never the reverse).
 
 * **Single pool** of n devices (`split_single_pool`): enumerate x generation devices (a
   multiple of the instance size) and y training devices (a multiple of the training unit)
@@ -155,28 +156,6 @@ def table_profile(devices: Sequence[int], seconds: Sequence[float]) -> Profile:
         return float(np.interp(1.0 / n, 1.0 / d[::-1], s[::-1]))
 
     return profile
-
-
-def simulator_profiles(costs, tp: int, prompt, resp, recent_resp, plan_kwargs: dict):
-    """(P_gen, P_train) from the simulator's cost model (`simulation.stages.CostSource`):
-    T_gen simulates one batch's dispatch and continuous batching on x devices, T_train
-    sums the trainer's per-sample costs on y devices (inf where the state does not fit)."""
-    from streamrl_jax.simulation import stages  # the simulator is optional here
-
-    def p_gen(x: int) -> float:
-        if x % tp:
-            return math.inf
-        return stages.predict_stage_times(
-            costs, x, 1, tp, prompt, resp, recent_resp, plan_kwargs, 0
-        ).t_gen
-
-    def p_train(y: int) -> float:
-        if not costs.train_fits(y):
-            return math.inf
-        t = float(costs.train_seconds(prompt, resp, y).sum())
-        return t + costs.optimizer_seconds(y)
-
-    return p_gen, p_train
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The scheduling switches of a running pipeline: dispatch, online ranker, elastic instances.
 
-`LiveScheduler` is what `run.py`'s generation driver asks where each request goes:
+`LiveScheduler` is what the pipeline's generation driver asks where each request goes:
 
 * `scheduling.dispatch`:
   * `"round_robin"` (default): the service deals requests in turn, FIFO admission;
@@ -13,8 +13,8 @@
     every request carries its forced length).
 * The ranker starts from `scheduling.ranker_path` (a pickle of tools/train_ranker.py)
   or untrained, and with `scheduling.ranker_online` refreshes from the samples the
-  run completes, once per step on a thread `run.py` owns, so generation never waits
-  for it.
+  run completes, once per step on a thread this object owns (`refresh_async`,
+  joined by `close`), so generation never waits for it.
   Its state is saved with the run's checkpoints.
 * Elastic generation (`scheduling.elastic_reserved = R`): the last R instances of
   `mesh.instance_slots` are built at start (they hold the current weights, since
@@ -31,6 +31,7 @@ Every plan and elastic decision is logged (`decisions`), and the step metrics ca
 from __future__ import annotations
 
 import dataclasses
+import json
 import pickle
 import threading
 from collections.abc import Sequence
@@ -108,6 +109,8 @@ class LiveScheduler:
             else None
         )
         self._pending: list[tuple[tuple[int, ...], int]] = []
+        self._refresh: threading.Thread | None = None
+        self._written = 0  # decisions already written by `write_decisions`
         self.last_loss = float("nan")
 
     @property
@@ -168,14 +171,20 @@ class LiveScheduler:
             with self._lock:
                 self._pending.append((tuple(int(t) for t in prompt), int(length)))
 
-    def take_refresh_batch(self) -> list[tuple[tuple[int, ...], int]]:
-        """The samples observed since the last refresh (empty when not refreshing online);
-        `run.py` hands them to `refresh` on a thread of its own."""
-        if not self.online:
-            return []
+    def refresh_async(self, step: int) -> None:
+        """Starts an online ranker refresh on the samples observed since the last one, on
+        a thread this object owns (one at a time: skipped while the previous one still
+        runs, its samples wait for the next). A step hook of the trainer loop."""
+        del step
+        if not self.online or (self._refresh is not None and self._refresh.is_alive()):
+            return
         with self._lock:
             batch, self._pending = self._pending, []
-        return batch
+        if batch:
+            self._refresh = threading.Thread(
+                target=self.refresh, args=(batch,), name="ranker-refresh", daemon=True
+            )
+            self._refresh.start()
 
     def refresh(self, batch: list[tuple[tuple[int, ...], int]]) -> None:
         """Online ranker update (a few optimizer steps); a failure only logs."""
@@ -185,6 +194,28 @@ class LiveScheduler:
                 self.last_loss = loss
         except Exception as e:  # noqa: BLE001 - scheduling quality only; never fails the run
             logging.warning("ranker refresh failed (dispatch keeps the previous ranker): %r", e)
+
+    def write_decisions(self, path: str) -> None:
+        """Appends the dispatch / elastic decisions made since the last call to `path`
+        (JSON lines). A step hook of the trainer loop."""
+        new = self.decisions[self._written :]
+        if not new:
+            return
+        self._written += len(new)
+        with open(path, "a", encoding="utf-8") as f:
+            for d in new:
+                f.write(json.dumps(d, default=float) + "\n")
+
+    def close(self, timeout: float) -> None:
+        """Joins a running refresh.
+
+        Raises:
+          TimeoutError: naming the ranker refresh when it did not finish in time.
+        """
+        if self._refresh is not None:
+            self._refresh.join(timeout)
+            if self._refresh.is_alive():
+                raise TimeoutError(f"ranker refresh did not finish within {timeout:.0f} s")
 
     def end_of_step(self, step: int, t_gen: float, t_train: float) -> dict[str, float]:
         """Once per training step: the elastic rule; returns the step's scheduling metrics."""

@@ -26,7 +26,7 @@ bounded buffer of the most recent ones and takes `steps_per_update` small optimi
 on it (~60 ms each with the SmolLM2 vocabulary on the 2-core CPU, dominated by AdamW
 over the embedding), so the caller's thread is never held for long and the ranker
 follows the length distribution as the policy drifts. No thread is started here (only
-run.py starts threads); `score` and `update` may be called from different threads.
+scheduling/live.py starts threads); `score` and `update` may be called from different threads.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 One line per completed sample, appended as it arrives (the pipeline's collector
 calls `SampleLog.write(sample, step)`):
 
-    {"prompt_id": "mixture/0/17",   # metadata["prompt_id"], else str(request_id)
+    {"prompt_id": "mixture/0/17",   # tag.prompt_id, else metadata["prompt_id"], else request_id
      "request_id": "train/3/5/0",   # str(Sample.request_id)
      "step": 3,                     # training step (global batch) the sample belongs to
      "task": "chain_sum",           # metadata["task"] when present, else null
@@ -63,7 +63,7 @@ def sample_record(sample: Sample, step: int) -> dict[str, Any]:
     """The JSON object written for `sample` (see the module docstring)."""
     meta = sample.metadata or {}
     return {
-        "prompt_id": str(meta.get("prompt_id", sample.request_id)),
+        "prompt_id": str(sample.tag.prompt_id or meta.get("prompt_id", sample.request_id)),
         "request_id": str(sample.request_id),
         "step": int(step),
         "task": meta.get("task"),

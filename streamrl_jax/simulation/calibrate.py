@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from streamrl_jax.simulation import hardware, lengths, simulator
+from streamrl_jax.scheduling import lengths
+from streamrl_jax.simulation import hardware, simulator
 from streamrl_jax.simulation.cost_model import CostParams
 from streamrl_jax.simulation.scenario import Scenario
 

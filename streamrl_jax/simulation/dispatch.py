@@ -89,10 +89,7 @@ def skew_aware_dispatch(
     Returns:
       One admission-ordered list of sample indices per instance; long-tail instances first.
     """
-    if objective not in sched.OBJECTIVES:
-        raise ValueError(f"objective must be 'max' or 'sum', got {objective!r}")
-    if not 0 < alpha < 1:
-        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    # `plan_from_scores` validates `objective` and `alpha`.
     plan = sched.plan_from_scores(
         scores, recent_lengths, [bs_max] * n_instances, ptl, alpha=alpha, objective=objective
     )

@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from streamrl_jax.scheduling.dispatch import OBJECTIVES
+from streamrl_jax.scheduling.lengths import LengthTrace
 from streamrl_jax.simulation import cost_model
 from streamrl_jax.simulation.cost_model import CostParams
 from streamrl_jax.simulation.dispatch import DISPATCHES
 from streamrl_jax.simulation.hardware import Hardware, Model
-from streamrl_jax.simulation.lengths import LengthTrace
 
 MODES = ("colocated", "disaggregated_batch", "stream_sync", "stream_async")
 
@@ -90,9 +91,9 @@ class Scenario:
             raise ValueError(f"Scenario.ranker_recall must be in (0, 1], got {self.ranker_recall}")
         if not 0 < self.alpha < 1:
             raise ValueError(f"Scenario.alpha must be in (0, 1), got {self.alpha}")
-        if self.dispatch_objective not in ("max", "sum"):
+        if self.dispatch_objective not in OBJECTIVES:
             raise ValueError(
-                "Scenario.dispatch_objective must be 'max' or 'sum', "
+                f"Scenario.dispatch_objective must be one of {OBJECTIVES}, "
                 f"got {self.dispatch_objective!r}"
             )
         if self.staleness < 1:

@@ -11,7 +11,8 @@ import dataclasses
 
 import numpy as np
 
-from streamrl_jax.simulation import generation, lengths, stages
+from streamrl_jax.scheduling import lengths
+from streamrl_jax.simulation import generation, stages
 from streamrl_jax.simulation.pipeline import SimResult, run_schedule
 from streamrl_jax.simulation.scenario import MODES, Scenario
 
@@ -55,15 +56,14 @@ def resolve_split(scenario: Scenario, costs: stages.CostSource | None = None) ->
     """Devices per stage: all of them when colocated, else `gen_devices` or Algorithm 1."""
     costs = costs or roofline_costs(scenario)
     batches, history, _ = draw_batches(scenario)
-    prompt, resp = batches[0]
-    args = (prompt, resp, history, plan_kwargs(scenario), scenario.seed)
+    probe = stages.ProbeBatch(*batches[0], history, plan_kwargs(scenario), scenario.seed)
     if not scenario.disaggregated:
         n = scenario.devices
-        return stages.predict_stage_times(costs, n, n, scenario.tp, *args)
+        return stages.predict_stage_times(costs, n, n, scenario.tp, probe)
     if scenario.gen_devices is not None:
         x = scenario.gen_devices
-        return stages.predict_stage_times(costs, x, scenario.devices - x, scenario.tp, *args)
-    best, _ = stages.choose_split(costs, scenario.devices, scenario.granularity, scenario.tp, *args)
+        return stages.predict_stage_times(costs, x, scenario.devices - x, scenario.tp, probe)
+    best, _ = stages.choose_split(costs, scenario.devices, scenario.granularity, scenario.tp, probe)
     return best
 
 

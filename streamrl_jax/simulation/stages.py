@@ -7,17 +7,20 @@ model descriptions (`cost_model.py`); `profiles.MeasuredCosts` from a measured J
 
 `choose_split` is the paper's Algorithm 1 for one pool: enumerate (x, y = n - x) on the
 split granularity, predict T_gen(x) by simulating one batch's generation and T_train(y)
-from the trainer costs, pick the pair minimising max(T_gen, T_train). The scheduling
-module can call it with any `CostSource` as its cost model.
+from the trainer costs (both on one `ProbeBatch`), pick the pair minimising
+max(T_gen, T_train). `simulator_profiles` hands the same two predictions to
+`scheduling.balance` as profiles (devices -> seconds), for any `CostSource`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Protocol
 
 import numpy as np
 
+from streamrl_jax.scheduling.balance import Profile
 from streamrl_jax.simulation import cost_model, generation
 from streamrl_jax.simulation.cost_model import CostParams
 from streamrl_jax.simulation.hardware import Hardware, Model
@@ -111,52 +114,83 @@ class Split:
     t_train: float
 
 
+@dataclasses.dataclass(frozen=True)
+class ProbeBatch:
+    """The global batch stage times are predicted on, with what its dispatch sees.
+
+    Attributes:
+      prompt: i64[n] prompt lengths.
+      resp: i64[n] response lengths.
+      recent_resp: i64[m] response lengths the dispatcher observed before the batch.
+      plan_kwargs: dispatch settings for `generation.plan_batch`.
+      seed: seed of the dispatch / ranker randomness.
+    """
+
+    prompt: np.ndarray
+    resp: np.ndarray
+    recent_resp: np.ndarray
+    plan_kwargs: dict
+    seed: int = 0
+
+
+def gen_batch_seconds(costs: CostSource, devices: int, tp: int, batch: ProbeBatch) -> float:
+    """T_gen: `batch` dispatched to `devices // tp` instances and decoded to its end."""
+    spec = costs.instance()
+    rng = np.random.default_rng(batch.seed)
+    plan = generation.plan_batch(
+        spec, devices // tp, batch.resp, batch.recent_resp, rng=rng, **batch.plan_kwargs
+    )
+    return generation.simulate_batch(spec, plan, batch.prompt, batch.resp).makespan
+
+
+def train_batch_seconds(costs: CostSource, devices: int, batch: ProbeBatch) -> float:
+    """T_train: the trainer's per-sample seconds on `devices` summed, plus the optimizer."""
+    t = float(costs.train_seconds(batch.prompt, batch.resp, devices).sum())
+    return t + costs.optimizer_seconds(devices)
+
+
 def predict_stage_times(
-    costs: CostSource,
-    gen_devices: int,
-    train_devices: int,
-    tp: int,
-    prompt: np.ndarray,
-    resp: np.ndarray,
-    recent_resp: np.ndarray,
-    plan_kwargs: dict,
-    seed: int,
+    costs: CostSource, gen_devices: int, train_devices: int, tp: int, batch: ProbeBatch
 ) -> Split:
     """T_gen from one simulated batch on `gen_devices`, T_train from the trainer costs."""
-    spec = costs.instance()
-    rng = np.random.default_rng(seed)
-    plan = generation.plan_batch(spec, gen_devices // tp, resp, recent_resp, rng=rng, **plan_kwargs)
-    t_gen = generation.simulate_batch(spec, plan, prompt, resp).makespan
-    t_train = float(costs.train_seconds(prompt, resp, train_devices).sum())
-    t_train += costs.optimizer_seconds(train_devices)
-    return Split(gen_devices, train_devices, t_gen, t_train)
+    return Split(
+        gen_devices,
+        train_devices,
+        gen_batch_seconds(costs, gen_devices, tp, batch),
+        train_batch_seconds(costs, train_devices, batch),
+    )
+
+
+def simulator_profiles(costs: CostSource, tp: int, batch: ProbeBatch) -> tuple[Profile, Profile]:
+    """(P_gen, P_train) for `scheduling.balance` from this cost model.
+
+    P_gen(x) is `gen_batch_seconds` on x devices (inf unless x is a multiple of `tp`);
+    P_train(y) is `train_batch_seconds` on y devices (inf where the training state does not
+    fit). `balance.split_single_pool` over them matches `choose_split`.
+    """
+
+    def p_gen(x: int) -> float:
+        return math.inf if x % tp else gen_batch_seconds(costs, x, tp, batch)
+
+    def p_train(y: int) -> float:
+        return train_batch_seconds(costs, y, batch) if costs.train_fits(y) else math.inf
+
+    return p_gen, p_train
 
 
 def choose_split(
-    costs: CostSource,
-    devices: int,
-    granularity: int,
-    tp: int,
-    prompt: np.ndarray,
-    resp: np.ndarray,
-    recent_resp: np.ndarray,
-    plan_kwargs: dict,
-    seed: int = 0,
+    costs: CostSource, devices: int, granularity: int, tp: int, batch: ProbeBatch
 ) -> tuple[Split, list[Split]]:
     """Algorithm 1: the split minimising max(T_gen, T_train), and every candidate tried.
 
     Raises:
       ValueError: if no split on the granularity leaves a trainer the state fits on.
     """
-    candidates = []
-    for x in range(granularity, devices, granularity):
-        if x % tp or not costs.train_fits(devices - x):
-            continue
-        candidates.append(
-            predict_stage_times(
-                costs, x, devices - x, tp, prompt, resp, recent_resp, plan_kwargs, seed
-            )
-        )
+    candidates = [
+        predict_stage_times(costs, x, devices - x, tp, batch)
+        for x in range(granularity, devices, granularity)
+        if not x % tp and costs.train_fits(devices - x)
+    ]
     if not candidates:
         raise ValueError(
             f"Scenario.devices ({devices}): no split on granularity {granularity} leaves "

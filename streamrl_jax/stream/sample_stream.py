@@ -15,19 +15,20 @@ waits for the last sample of a group.
 
 Failure: `fail(exc, component)` (a producer's error) or `close()` wake every
 waiter; the consumer's next `get_groups` raises `StreamError` naming the
-component that failed, with the original exception chained. Every blocking
-call takes a timeout and raises `StreamTimeout` naming the stream and what it
-waited for — nothing here waits forever.
+component that failed, with the original exception chained (before any ready
+group: fail fast). Every blocking call takes a timeout and raises
+`StreamTimeout` naming the stream and what it waited for — nothing here waits
+forever. The waiting, back-pressure and failure are the package's one
+`Mailbox` (`streamrl_jax/mailbox.py`); this module adds the grouping.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import threading
-import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Generic, TypeVar
+
+from streamrl_jax.mailbox import Mailbox
 
 T = TypeVar("T")
 
@@ -40,9 +41,13 @@ class StreamTimeout(TimeoutError):
     """A blocking call on the stream ran past its timeout."""
 
 
+class _Drained(StreamError):
+    """Closed and empty: `get_groups` returns [] on it, `put` raises it."""
+
+
 @dataclasses.dataclass
 class StreamMetrics:
-    """Counters since creation (host side, read under the lock)."""
+    """Counters since creation (a copy, taken under the lock)."""
 
     samples_in: int = 0
     groups_out: int = 0
@@ -53,7 +58,11 @@ class StreamMetrics:
 
 
 class SampleStream(Generic[T]):
-    """Groups samples by `group_key` and releases complete groups in completion order."""
+    """Groups samples by `group_key` and releases complete groups in completion order.
+
+    Ready groups live in a `Mailbox` whose capacity is in samples (a group
+    weighs its size); incomplete groups are kept beside it, under its lock.
+    """
 
     def __init__(
         self,
@@ -71,14 +80,15 @@ class SampleStream(Generic[T]):
         self.group_size = group_size
         self.capacity = capacity
         self._group_key = group_key
-        self._cv = threading.Condition()
-        self._partial: dict[Hashable, list[T]] = {}
-        self._ready: collections.deque[list[T]] = collections.deque()
-        self._ready_samples = 0
-        self._closed = False
-        self._error: BaseException | None = None
-        self._error_component = ""
-        self.metrics = StreamMetrics()
+        self._ready: Mailbox[list[T]] = Mailbox(
+            name,
+            capacity=capacity,
+            failed=StreamError,
+            closed=_Drained,
+            timeout_error=StreamTimeout,
+        )
+        self._partial: dict[Hashable, list[T]] = {}  # guarded by the mailbox's lock
+        self._samples_in = 0
 
     # ------------------------------------------------------------------ producer side
     def put(self, sample: T, timeout: float) -> None:
@@ -89,45 +99,33 @@ class SampleStream(Generic[T]):
           StreamTimeout: the consumer did not make room within `timeout` seconds.
         """
         key = self._group_key(sample)
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            self._raise_if_done(producer=True)
-            group = self._partial.setdefault(key, [])
+        with self._ready.locked():
+            self._ready.ensure_open()
+            group = self._partial.get(key, [])
             if len(group) >= self.group_size:
                 raise StreamError(f"{self.name}: group {key!r} already has {self.group_size}")
-            completes = len(group) + 1 == self.group_size
-            start = time.monotonic()
-            while completes and self._ready_samples + self.group_size > self.capacity:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise StreamTimeout(
-                        f"{self.name}: producer blocked {timeout:.1f}s on back-pressure "
-                        f"({self._ready_samples}/{self.capacity} samples ready, consumer stalled)"
-                    )
-                self._cv.wait(remaining)
-                self._raise_if_done(producer=True)
-            self.metrics.producer_wait_s += time.monotonic() - start
-            group.append(sample)
-            self.metrics.samples_in += 1
-            if completes:
-                del self._partial[key]
-                self._ready.append(group)
-                self._ready_samples += len(group)
-                self.metrics.max_ready_depth = max(self.metrics.max_ready_depth, len(self._ready))
-                self._cv.notify_all()
+            if len(group) + 1 < self.group_size:
+                self._partial.setdefault(key, group).append(sample)
+            else:  # completes the group: waits (releasing the lock) while it does not fit
+                self._ready.put(
+                    [*group, sample],
+                    timeout=timeout,
+                    size=self.group_size,
+                    what=lambda: (
+                        f"room for a group of {self.group_size} (back-pressure: "
+                        f"{self._ready.size}/{self.capacity} samples ready, consumer stalled)"
+                    ),
+                )
+                self._partial.pop(key, None)
+            self._samples_in += 1
 
     def fail(self, exc: BaseException, component: str) -> None:
         """Records a producer failure; every waiter wakes and the consumer raises it."""
-        with self._cv:
-            if self._error is None:
-                self._error, self._error_component = exc, component
-            self._cv.notify_all()
+        self._ready.fail(exc, component)
 
     def close(self) -> None:
         """No more samples; ready groups can still be drained."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
+        self._ready.close()
 
     # ------------------------------------------------------------------ consumer side
     def get_groups(
@@ -144,57 +142,52 @@ class SampleStream(Generic[T]):
         """
         if min_groups < 1:
             raise ValueError(f"{self.name}: min_groups must be >= 1, got {min_groups}")
-        deadline = time.monotonic() + timeout
-        start = time.monotonic()
-        with self._cv:
-            while len(self._ready) < min_groups and not self._closed:
-                self._raise_if_done(producer=False)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise StreamTimeout(
-                        f"{self.name}: consumer waited {timeout:.1f}s for {min_groups} group(s); "
-                        f"{len(self._ready)} ready, {len(self._partial)} incomplete "
-                        f"(generation stalled?)"
-                    )
-                self._cv.wait(remaining)
-            self._raise_if_done(producer=False)
-            take = len(self._ready) if max_groups is None else min(max_groups, len(self._ready))
-            out = [self._ready.popleft() for _ in range(take)]
-            self._ready_samples -= sum(len(g) for g in out)
-            self.metrics.groups_out += len(out)
-            self.metrics.samples_out += sum(len(g) for g in out)
-            self.metrics.consumer_wait_s += time.monotonic() - start
-            self._cv.notify_all()
-            return out
+        try:
+            return self._ready.get_many(
+                min_items=min_groups,
+                max_items=max_groups,
+                timeout=timeout,
+                what=lambda: (
+                    f"{min_groups} group(s); {len(self._ready)} ready, "
+                    f"{len(self._partial)} incomplete (generation stalled?)"
+                ),
+            )
+        except _Drained:
+            return []
 
     # ------------------------------------------------------------------ state
     def depth(self) -> dict[str, int]:
         """Ready groups, ready samples and samples waiting in incomplete groups."""
-        with self._cv:
+        with self._ready.locked():
             return {
                 "ready_groups": len(self._ready),
-                "ready_samples": self._ready_samples,
+                "ready_samples": self._ready.size,
                 "partial_samples": sum(len(g) for g in self._partial.values()),
             }
 
     def drain_partial(self) -> list[T]:
         """Removes and returns samples of incomplete groups (for checkpoints / shutdown)."""
-        with self._cv:
+        with self._ready.locked():
             out = [s for group in self._partial.values() for s in group]
             self._partial.clear()
             return out
 
     @property
-    def closed(self) -> bool:
-        return self._closed
+    def metrics(self) -> StreamMetrics:
+        with self._ready.locked():
+            m = self._ready.metrics
+            return StreamMetrics(
+                samples_in=self._samples_in,
+                groups_out=m.items_out,
+                samples_out=m.units_out,
+                max_ready_depth=m.max_depth,
+                consumer_wait_s=m.consumer_wait_s,
+                producer_wait_s=m.producer_wait_s,
+            )
 
-    def _raise_if_done(self, *, producer: bool) -> None:
-        if self._error is not None:
-            raise StreamError(
-                f"{self.name}: {self._error_component} failed: {self._error!r}"
-            ) from self._error
-        if producer and self._closed:
-            raise StreamError(f"{self.name}: put after close")
+    @property
+    def closed(self) -> bool:
+        return self._ready.closed
 
 
 def flatten(groups: Sequence[Sequence[Any]]) -> list[Any]:

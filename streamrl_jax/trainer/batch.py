@@ -44,6 +44,8 @@ class TrainBatch:
         (PPO; zeros otherwise).
       returns: f32[B, T] GAE returns, the critic's regression targets (PPO).
       rewards: f32[B] outcome reward of each sequence (0 on padding rows).
+      group_ids: i32[B] each row's GRPO group, an id unique within its global batch
+        (-1 on padding rows); the critic's group whitening reads it.
     """
 
     tokens: ArrayLike
@@ -56,11 +58,26 @@ class TrainBatch:
     old_values: ArrayLike
     returns: ArrayLike
     rewards: ArrayLike
+    group_ids: ArrayLike
 
     @property
     def shape(self) -> tuple[int, int]:
         """(B, T) of the padded batch."""
         return tuple(self.tokens.shape)
+
+
+def abstract_batch(b: int, t: int) -> TrainBatch:
+    """A TrainBatch of ShapeDtypeStructs, B = b rows of T = t columns (for `eval_shape`)."""
+    bt = lambda dtype: jax.ShapeDtypeStruct((b, t), dtype)
+    floats = ("advantages", "old_logp", "behaviour_logp", "ref_logp", "old_values", "returns")
+    return TrainBatch(
+        tokens=bt(np.int32),
+        attention_mask=bt(np.bool_),
+        loss_mask=bt(np.bool_),
+        rewards=jax.ShapeDtypeStruct((b,), np.float32),
+        group_ids=jax.ShapeDtypeStruct((b,), np.int32),
+        **{name: bt(np.float32) for name in floats},
+    )
 
 
 def bucket(n: int, buckets: Sequence[int], field: str) -> int:
@@ -106,6 +123,7 @@ def make_batch(
     behaviour_logp: Sequence[ArrayLike],
     advantages: Sequence[ArrayLike] | ArrayLike | None = None,
     rewards: ArrayLike | None = None,
+    group_ids: ArrayLike | None = None,
     old_logp: Sequence[ArrayLike] | None = None,
     ref_logp: Sequence[ArrayLike] | None = None,
     old_values: Sequence[ArrayLike] | None = None,
@@ -123,6 +141,8 @@ def make_batch(
       advantages: per sequence (N scalars, broadcast to its response tokens) or
         per token (N arrays of response length); zeros if None.
       rewards: N outcome rewards (zeros if None).
+      group_ids: N group ids, unique within the global batch (0 .. N-1 if None:
+        every sample its own group).
       old_logp: per-token log pi_old; defaults to `behaviour_logp`
         (behaviour-as-old).
       ref_logp: per-token reference log-probs; zeros if None.
@@ -177,12 +197,19 @@ def make_batch(
         for k, v in fields.items():
             if v is not None:
                 per_token[k][i, lp - 1 : lp - 1 + lr] = v[i]
-    reward_B = np.zeros((b,), np.float32)
-    if rewards is not None:
-        rewards = np.asarray(rewards, np.float32).reshape(-1)
-        if rewards.shape != (n,):
-            raise ValueError(f"rewards: shape {rewards.shape}, expected ({n},)")
-        reward_B[:n] = rewards
+    reward_B, group_B = np.zeros((b,), np.float32), np.full((b,), -1, np.int32)
+    group_B[:n] = np.arange(n)
+    for name, values, out in (("rewards", rewards, reward_B), ("group_ids", group_ids, group_B)):
+        if values is not None:
+            values = np.asarray(values, out.dtype).reshape(-1)
+            if values.shape != (n,):
+                raise ValueError(f"{name}: shape {values.shape}, expected ({n},)")
+            out[:n] = values
     return TrainBatch(
-        tokens=tokens, attention_mask=attention, loss_mask=loss, rewards=reward_B, **per_token
+        tokens=tokens,
+        attention_mask=attention,
+        loss_mask=loss,
+        rewards=reward_B,
+        group_ids=group_B,
+        **per_token,
     )

@@ -1,11 +1,17 @@
-"""Typed trainer configuration and the optax optimizer it describes.
+"""Trainer configuration in the user's vocabulary, and the optax optimizer it describes.
 
-One frozen, keyword-only dataclass holds everything a trainer step needs to
-know that is not an array: the optimizer (AdamW, learning-rate schedule,
-global-norm clipping), the RL loss chosen by config name from
-`streamrl_jax.algorithms`, the PPO critic's knobs, and the shape buckets that
-bound the number of compilations. Impossible values fail in `__post_init__`
-with a message naming the field.
+`TrainerConfig` holds the user's own config sections (`algorithm`,
+`optimizer`, `critic`, from `streamrl_jax.config`), not renamed copies, plus
+the few things a trainer needs that the experiment derives: the run's
+optimizer-step count and the shape buckets. The user's conventions ("0 =
+off" for `dual_clip`, `tis_cap`, `max_grad_norm`, `value_clip`;
+`clip_eps_high` used only by `dapo`) are interpreted here and nowhere else,
+by the properties of `TrainerConfig`.
+
+`trainer_config(cfg, fsdp=...)` and `critic_trainer_config(cfg, fsdp=...)`
+are the one mapping from an `ExperimentConfig`. A bad field fails with the
+message `config.validate` gives at start-up (`algorithm.policy_loss='x';
+expected one of (...)`), whichever way the config was built.
 """
 
 from __future__ import annotations
@@ -19,143 +25,161 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from streamrl_jax.algorithms import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
-
-LR_SCHEDULES = ("constant", "cosine")
-NONFINITE_MODES = ("skip", "stop")
+from streamrl_jax import config as config_lib
+from streamrl_jax.config import AlgorithmSection, CriticSection, ExperimentConfig, OptimizerSection
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
-    """Optimizer, loss and shape-bucket settings of one trained model (policy or critic).
+    """Everything a trainer step needs that is not an array (policy or critic).
 
     Attributes:
-      learning_rate: peak learning rate of AdamW.
-      lr_schedule: "constant" (after warm-up) or "cosine" (decay to
-        `min_lr_ratio * learning_rate` at `total_steps`).
-      warmup_steps: linear warm-up length in optimizer steps; step s (0-based)
-        uses `learning_rate * min(1, (s + 1) / warmup_steps)`, so the first step
-        is never a wasted zero-lr step. 0 disables warm-up.
-      total_steps: optimizer steps of the run (end of the cosine decay).
-      min_lr_ratio: final learning rate of the cosine schedule / peak.
-      adam_b1: AdamW first-moment decay.
-      adam_b2: AdamW second-moment decay.
-      adam_eps: AdamW epsilon.
-      weight_decay: decoupled weight decay; never applied to norm scales or biases.
-      max_grad_norm: clip the (normalised) gradient to this global L2 norm; None
-        disables clipping.
-      policy_loss: name in `algorithms.POLICY_LOSSES` ("ppo_clip", "dapo").
-      aggregation: name in `algorithms.AGGREGATIONS`; decides the normaliser N
-        (see `algorithms.losses`).
-      clip_eps_low: PPO lower clip, ratio >= 1 - clip_eps_low.
-      clip_eps_high: PPO upper clip, ratio <= 1 + clip_eps_high (DAPO: 0.28).
-      dual_clip_c: dual-clip constant c > 1, or None.
-      tis_cap: truncated-importance-sampling cap. None: the PPO ratio is taken
-        against `TrainBatch.old_logp` alone (pass the behaviour log-probs there
-        for the cheap behaviour-as-old mode). A float: the loss is also
-        weighted by min(exp(old_logp - behaviour_logp), tis_cap).
-      kl_coef: weight of the in-loss KL(pi || pi_ref) penalty (needs
-        `TrainBatch.ref_logp`); 0 disables it.
-      kl_estimator: name in `algorithms.KL_ESTIMATORS` ("k1", "k2", "k3").
-      entropy_coef: weight of the entropy bonus (subtracted from the loss).
-      value_clip_eps: critic only: clip of the PPO value loss, None for the
-        plain squared error.
-      gae_gamma: critic only: GAE discount.
-      gae_lambda: critic only: GAE lambda.
-      whiten_advantages: critic only: whiten GAE advantages over the batch
-        (couples the whole batch: call `critic.with_gae` on the complete batch).
-      logprob_chunk: sequence chunk of the vocabulary projection
-        (`Llama.token_logprobs`); bounds peak logits memory to [B, chunk, V].
+      algorithm: the user's `algorithm` section: policy loss, aggregation (it
+        decides the normaliser N, see `algorithms.losses`), clipping, KL,
+        entropy, truncated importance sampling.
+      optimizer: the user's `optimizer` section: AdamW, warm-up, schedule,
+        clipping. A critic's trainer gets it with `critic.learning_rate`
+        (`critic_trainer_config`).
+      critic: the user's `critic` section: value-loss clip and GAE's gamma and
+        lambda (read by the critic's trainer only).
+      total_steps: optimizer steps of the run (the end of the cosine decay).
       seq_buckets: allowed padded sequence lengths T, ascending; a batch is
         padded to the smallest bucket that fits.
       batch_buckets: allowed padded micro-batch sizes B, ascending; each must
         be divisible by the training mesh's "fsdp" size (the batch is sharded
         over it). Compilations per jitted step <= len(seq) * len(batch) buckets.
-      nonfinite: what a step whose loss or gradient norm is NaN/Inf does. Either
-        way `apply` leaves the whole TrainState (params, optimizer state, step)
-        unchanged on device and reports metric `nonfinite` = 1. "skip": training
-        goes on with the next batch. "stop": the pipeline raises
-        `step.NonFiniteError` when it fetches that metric.
+      logprob_chunk: sequence chunk of the vocabulary projection
+        (`Llama.token_logprobs`); bounds peak logits memory to [B, chunk, V].
+      nonfinite: the user's `pipeline.nonfinite`. Either way `apply` leaves the
+        whole TrainState unchanged on device for a step whose loss or gradient
+        norm is NaN/Inf and reports metric `nonfinite` = 1. "skip": training
+        goes on; "stop": the pipeline raises `step.NonFiniteError` when it
+        fetches that metric.
     """
 
-    learning_rate: float = 1e-6
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
+    algorithm: AlgorithmSection = AlgorithmSection()
+    optimizer: OptimizerSection = OptimizerSection()
+    critic: CriticSection = CriticSection()
     total_steps: int = 1000
-    min_lr_ratio: float = 0.1
-    adam_b1: float = 0.9
-    adam_b2: float = 0.999
-    adam_eps: float = 1e-8
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
-    policy_loss: str = "ppo_clip"
-    aggregation: str = "token_mean"
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
-    dual_clip_c: float | None = None
-    tis_cap: float | None = None
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
-    value_clip_eps: float | None = 0.2
-    gae_gamma: float = 1.0
-    gae_lambda: float = 0.95
-    whiten_advantages: bool = True
-    logprob_chunk: int = 128
     seq_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048)
     batch_buckets: tuple[int, ...] = (8, 16, 32, 64)
+    logprob_chunk: int = 128
     nonfinite: str = "skip"
 
     def __post_init__(self) -> None:
-        def fail(field: str, why: str) -> None:
-            raise ValueError(f"TrainerConfig.{field}={getattr(self, field)!r}: {why}")
+        for name in ("algorithm", "optimizer", "critic"):
+            config_lib.check_section(name, getattr(self, name))
+        if self.nonfinite not in config_lib.NONFINITE:
+            raise ValueError(
+                f"pipeline.nonfinite={self.nonfinite!r}; expected one of {config_lib.NONFINITE}"
+            )
 
-        choices = {
-            "lr_schedule": LR_SCHEDULES,
-            "policy_loss": tuple(POLICY_LOSSES),
-            "aggregation": AGGREGATIONS,
-            "kl_estimator": tuple(KL_ESTIMATORS),
-            "nonfinite": NONFINITE_MODES,
-        }
-        for field, allowed in choices.items():
-            if getattr(self, field) not in allowed:
-                fail(field, f"expected one of {list(allowed)}")
-        if not self.learning_rate > 0:
-            fail("learning_rate", "must be > 0")
-        for field in ("warmup_steps", "total_steps"):
-            if getattr(self, field) < 0:
-                fail(field, "must be >= 0")
-        if self.lr_schedule == "cosine" and self.total_steps <= self.warmup_steps:
-            fail("total_steps", "must exceed warmup_steps for the cosine schedule")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            fail("min_lr_ratio", "must be in [0, 1]")
-        for field in ("weight_decay", "kl_coef", "entropy_coef"):
-            if getattr(self, field) < 0:
-                fail(field, "must be >= 0")
-        for field in ("max_grad_norm", "tis_cap", "value_clip_eps"):
-            value = getattr(self, field)
-            if value is not None and not value > 0:
-                fail(field, "must be > 0 or None")
-        if self.dual_clip_c is not None and not self.dual_clip_c > 1:
-            fail("dual_clip_c", "must be > 1 or None")
-        if self.logprob_chunk < 1:
-            fail("logprob_chunk", "must be >= 1")
+        def require(ok: bool, field: str, why: str) -> None:
+            if not ok:
+                raise ValueError(f"TrainerConfig.{field}={getattr(self, field)!r}: {why}")
+
+        require(self.total_steps >= 1, "total_steps", "must be >= 1")
+        require(self.logprob_chunk >= 1, "logprob_chunk", "must be >= 1")
+        if self.optimizer.schedule == "cosine" and self.total_steps <= self.optimizer.warmup_steps:
+            raise ValueError(
+                f"optimizer.warmup_steps ({self.optimizer.warmup_steps}) must be below the "
+                f"run's optimizer steps ({self.total_steps}) for the cosine schedule"
+            )
         for field in ("seq_buckets", "batch_buckets"):
             buckets = getattr(self, field)
-            if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
-                fail(field, "must be a non-empty, strictly ascending tuple of positive ints")
+            require(
+                bool(buckets) and min(buckets) >= 1 and list(buckets) == sorted(set(buckets)),
+                field,
+                "must be a non-empty, strictly ascending tuple of positive ints",
+            )
 
     def replace(self, **kwargs: Any) -> TrainerConfig:
         return dataclasses.replace(self, **kwargs)
 
+    # The user's conventions, interpreted here only.
+
+    @property
+    def clip_eps_high(self) -> float:
+        """Upper PPO clip: `algorithm.clip_eps_high` for dapo, else symmetric `clip_eps`."""
+        a = self.algorithm
+        return a.clip_eps_high if a.policy_loss == "dapo" else a.clip_eps
+
+    @property
+    def dual_clip_c(self) -> float | None:
+        """`algorithm.dual_clip`, None when 0 (off)."""
+        return self.algorithm.dual_clip or None
+
+    @property
+    def tis_cap(self) -> float | None:
+        """`algorithm.tis_cap`, None when 0 (off: the ratio is against `old_logp` alone)."""
+        return self.algorithm.tis_cap or None
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """`optimizer.max_grad_norm`, None when 0 (no clipping)."""
+        return self.optimizer.max_grad_norm or None
+
+    @property
+    def value_clip(self) -> float | None:
+        """`critic.value_clip`, None when 0 (plain squared error)."""
+        return self.critic.value_clip or None
+
     @property
     def policy_options(self) -> dict[str, Any]:
-        """Keyword hyper-parameters of the configured policy loss."""
+        """Keyword hyper-parameters of `algorithm.policy_loss` (`algorithms.POLICY_LOSSES`)."""
         return {
-            "clip_eps_low": self.clip_eps_low,
+            "clip_eps_low": self.algorithm.clip_eps,
             "clip_eps_high": self.clip_eps_high,
             "dual_clip_c": self.dual_clip_c,
         }
+
+
+def _buckets(limit: int, start: int, multiple: int = 1) -> tuple[int, ...]:
+    """Powers of two from `start` (rounded up to `multiple`) up to and including `limit`."""
+    out, b = [], start
+    while b < limit:
+        out.append(-(-b // multiple) * multiple)
+        b *= 2
+    out.append(-(-limit // multiple) * multiple)
+    return tuple(sorted(set(out)))
+
+
+def trainer_config(cfg: ExperimentConfig, *, fsdp: int) -> TrainerConfig:
+    """The policy trainer's config of an experiment.
+
+    Args:
+      cfg: the validated experiment.
+      fsdp: the training mesh's "fsdp" size; every batch bucket is a multiple of it.
+
+    Returns:
+      A TrainerConfig with the user's algorithm, optimizer and critic sections,
+      `total_steps = max(pipeline.steps * pipeline.mini_batches, 1)`, sequence
+      buckets up to `model.max_context` and batch buckets up to one micro-batch
+      (`pipeline.micro_batch_groups * pipeline.group_size` samples).
+    """
+    p = cfg.pipeline
+    micro = p.micro_batch_groups * p.group_size
+    return TrainerConfig(
+        algorithm=cfg.algorithm,
+        optimizer=cfg.optimizer,
+        critic=cfg.critic,
+        total_steps=max(p.steps * p.mini_batches, 1),  # optimizer steps
+        seq_buckets=_buckets(cfg.model.max_context, 64),
+        batch_buckets=_buckets(micro, min(8, micro), multiple=fsdp),
+        nonfinite=p.nonfinite,
+    )
+
+
+def critic_trainer_config(cfg: ExperimentConfig, *, fsdp: int) -> TrainerConfig:
+    """The critic trainer's config: the policy's, with `critic.learning_rate` as peak lr.
+
+    The critic shares every other `optimizer.*` setting (schedule, warm-up,
+    clipping, AdamW moments) and the shape buckets, so both models step in
+    lockstep over the same micro-batches.
+    """
+    policy = trainer_config(cfg, fsdp=fsdp)
+    optimizer = dataclasses.replace(cfg.optimizer, learning_rate=cfg.critic.learning_rate)
+    return policy.replace(optimizer=optimizer)
 
 
 def lr_schedule(cfg: TrainerConfig) -> Callable[[jax.Array], jax.Array]:
@@ -164,17 +188,18 @@ def lr_schedule(cfg: TrainerConfig) -> Callable[[jax.Array], jax.Array]:
     lr(s) = peak * warm(s) * decay(s), warm(s) = min(1, (s + 1) / warmup_steps)
     (1 without warm-up), decay(s) = 1 for "constant" and, for "cosine",
     r + (1 - r) * (1 + cos(pi * p)) / 2 with p = clip((s - warmup) / (total -
-    warmup), 0, 1) and r = `min_lr_ratio`.
+    warmup), 0, 1) and r = `optimizer.min_lr_ratio`.
     """
-    peak, warmup = cfg.learning_rate, cfg.warmup_steps
+    o = cfg.optimizer
+    peak, warmup = o.learning_rate, o.warmup_steps
 
     def schedule(step: jax.Array) -> jax.Array:
         s = jnp.asarray(step, jnp.float32)
         warm = jnp.minimum(1.0, (s + 1.0) / warmup) if warmup else jnp.float32(1.0)
-        if cfg.lr_schedule == "constant":
+        if o.schedule == "constant":
             return peak * warm
         progress = jnp.clip((s - warmup) / (cfg.total_steps - warmup), 0.0, 1.0)
-        r = cfg.min_lr_ratio
+        r = o.min_lr_ratio
         return peak * warm * (r + (1.0 - r) * 0.5 * (1.0 + jnp.cos(math.pi * progress)))
 
     return schedule
@@ -191,13 +216,14 @@ def _decay_mask(params: Any) -> Any:
 
 
 def make_optimizer(cfg: TrainerConfig) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW with `lr_schedule(cfg)`."""
+    """Global-norm clipping (unless `optimizer.max_grad_norm` is 0), then AdamW."""
+    o = cfg.optimizer
     adamw = optax.adamw(
         lr_schedule(cfg),
-        b1=cfg.adam_b1,
-        b2=cfg.adam_b2,
-        eps=cfg.adam_eps,
-        weight_decay=cfg.weight_decay,
+        b1=o.b1,
+        b2=o.b2,
+        eps=o.eps,
+        weight_decay=o.weight_decay,
         mask=_decay_mask,
     )
     if cfg.max_grad_norm is None:

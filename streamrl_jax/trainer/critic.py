@@ -1,5 +1,10 @@
 """PPO critic: a value head on the policy's architecture, its loss, and GAE targets.
 
+Selected by `algorithm.advantage="gae"`; configured by the `critic` section
+(`CriticSection`: learning rate, value clip, gamma, lambda, whitening) and built with
+`make_critic_trainer(model_cfg, trainer_config.critic_trainer_config(cfg,
+fsdp=...), mesh)`.
+
 The critic is its own model (own params, own optimizer, own `Trainer`): the
 Llama decoder's last hidden state, final RMSNorm, then a value head W_v
 [E, 1] (logical axes ("embed", "value_head"): FSDP-sharded like every other
@@ -7,16 +12,20 @@ Llama decoder's last hidden state, final RMSNorm, then a value head W_v
 positions: V[b, t] = V(s_t), the state after tokens[b, :t + 1], from which
 the response token tokens[b, t + 1] is sampled.
 
-PPO flow for one global batch (after the samples are scored):
+PPO flow, per streamed micro-batch (after its samples are scored):
 
-1. `values = critic_trainer.forward(critic_state.params, batch)` (forward-only,
-   per micro-batch as samples stream in, with the critic's weights from before
-   its update on this batch);
-2. `batch = with_gae(batch, values, cfg)` on the complete global batch
-   (advantage whitening couples all samples; without whitening GAE is per
-   sample and can run per micro-batch);
-3. policy and critic both `accumulate` over micro-batches and `apply`; the
-   critic's loss is `algorithms.value_loss` (clipped around `old_values`).
+1. `batch = critic_trainer.fill_gae(critic_state.params, batch)`: one jitted
+   call, the critic's values (its weights from before its update on this
+   batch) then `with_gae`: advantages, returns and old values of every sample
+   from its own group alone (per-sample GAE, whitened over the group's tokens
+   with `critic.whiten="group"`), so it streams like GRPO's complete groups do;
+2. policy and critic both `accumulate` the micro-batch; at the end of the
+   global batch both `apply`. The critic's loss is `algorithms.value_loss`
+   (clipped around `old_values` by `critic.value_clip`, 0 = unclipped).
+
+`whiten_advantages` (A <- (A - mean) / std over every response token) is an
+explicit option outside that flow: it couples the whole global batch, so it
+can only run once the last sample has arrived, which defeats streaming.
 """
 
 from __future__ import annotations
@@ -32,7 +41,8 @@ from streamrl_jax.model import layers, llama
 from streamrl_jax.model.config import ModelConfig
 from streamrl_jax.trainer.batch import TrainBatch
 from streamrl_jax.trainer.config import TrainerConfig
-from streamrl_jax.trainer.step import ForwardFn, LossFn, Trainer, build_trainer
+from streamrl_jax.trainer.state import LossOutput
+from streamrl_jax.trainer.step import Trainer, build_trainer
 
 _F32 = jnp.float32
 
@@ -55,73 +65,56 @@ class Critic(nnx.Module):
         return jnp.einsum("bte,eo->bto", h_BxTxE, w_Ex1)[..., 0].astype(_F32)
 
 
-def critic_values(graphdef: nnx.GraphDef, params: nnx.State, batch: TrainBatch) -> jax.Array:
-    """f32[B, T] values of `batch` under critic `params` (call inside jit)."""
-    return nnx.merge(graphdef, params).values(batch.tokens, batch.attention_mask)
+def create(cfg: ModelConfig, seed: int = 0) -> Critic:
+    """A critic with a random backbone (from `seed`) and a zero value head."""
+    return Critic(cfg, rngs=nnx.Rngs(params=seed))
 
 
-def critic_loss_fn(graphdef: nnx.GraphDef, cfg: TrainerConfig) -> LossFn:
-    """Clipped PPO value loss against `batch.returns`, clipped around `batch.old_values`."""
+def critic_loss(
+    model: Critic, cfg: TrainerConfig, batch: TrainBatch, normalizer: jax.Array
+) -> LossOutput:
+    """PPO value loss against `batch.returns`, clipped around `batch.old_values`.
 
-    def loss_fn(params: nnx.State, batch: TrainBatch, normalizer: jax.Array):
-        values_BxT = critic_values(graphdef, params, batch)
-        loss, metrics = algorithms.value_loss(
-            values_BxT,
-            batch.old_values,
-            batch.returns,
-            batch.loss_mask,
-            normalizer=normalizer,
-            aggregation=cfg.aggregation,
-            clip_eps=cfg.value_clip_eps,
-        )
-        mask_BxT = batch.loss_mask.astype(_F32)
-        metrics["num_tokens"] = jnp.sum(mask_BxT)
-        metrics["values_sum"] = jnp.sum(jax.lax.stop_gradient(values_BxT) * mask_BxT)
-        metrics["loss"] = jax.lax.stop_gradient(loss)
-        return loss, metrics
-
-    return loss_fn
+    Returns:
+      `(loss, metrics, per_token)`; `values` is reported as `values_sum`.
+    """
+    values_BxT = model.values(batch.tokens, batch.attention_mask)
+    loss, metrics = algorithms.value_loss(
+        values_BxT,
+        batch.old_values,
+        batch.returns,
+        batch.loss_mask,
+        normalizer=normalizer,
+        aggregation=cfg.algorithm.aggregation,
+        clip_eps=cfg.value_clip,
+    )
+    return loss, metrics, {"values": values_BxT}
 
 
-def critic_forward(graphdef: nnx.GraphDef, cfg: TrainerConfig) -> ForwardFn:
+def critic_forward(model: Critic, cfg: TrainerConfig, batch: TrainBatch) -> jax.Array:
     """Forward-only values at loss positions (0 elsewhere), f32[B, T]."""
     del cfg
-
-    def forward(params: nnx.State, batch: TrainBatch) -> jax.Array:
-        return jnp.where(batch.loss_mask, critic_values(graphdef, params, batch), 0.0)
-
-    return forward
-
-
-def make_critic_trainer(
-    model_cfg: ModelConfig, cfg: TrainerConfig, mesh: Mesh, *, model_seed: int = 0
-) -> Trainer:
-    """The critic's trainer: its own params and optimizer (learning rate etc. from `cfg`).
-
-    `forward(params, batch)` gives values; `accumulate`/`apply` train the value
-    loss with the same normaliser contract as the policy.
-    """
-
-    def make() -> Critic:
-        return Critic(model_cfg, rngs=nnx.Rngs(params=model_seed))
-
-    return build_trainer("critic", make, cfg, mesh, critic_loss_fn, critic_forward)
+    return jnp.where(batch.loss_mask, model.values(batch.tokens, batch.attention_mask), 0.0)
 
 
 def with_gae(batch: TrainBatch, values_BxT: jax.Array, cfg: TrainerConfig) -> TrainBatch:
-    """Fills advantages, returns and old_values of a scored batch by GAE.
+    """Fills advantages, returns and old_values of a scored micro-batch by GAE, per group.
 
-    Token rewards put each sequence's outcome reward on its last response token
-    (`algorithms.last_token_rewards`); `algorithms.gae` with (`gae_gamma`,
-    `gae_lambda`) gives A_t and R_t = A_t + V_t. With `whiten_advantages`, A
-    is whitened over all response tokens of the batch:
-    A <- (A - mean) / (std + 1e-8) (masked), so call this on the complete batch.
-    Pure; call inside jit (e.g. `jax.jit(with_gae, static_argnames="cfg")`).
+    Each sequence's outcome reward goes on its last response token
+    (`algorithms.last_token_rewards`); `algorithms.gae` with the user's
+    `critic.gamma` and `critic.lam` gives A_t and R_t = A_t + V_t. With
+    `critic.whiten="group"` the advantages are then whitened over each GRPO
+    group's response tokens (`group_whiten`): raw GAE advantages of a [0, 1]
+    reward are small, and PPO's usual whole-batch whitening would couple the
+    global batch and defeat streaming, while a group never splits across
+    micro-batches. So any split of a batch into micro-batches gives the same
+    targets. Pure; call inside jit (`Trainer.fill_gae` does, with the critic's
+    values; or `jax.jit(with_gae, static_argnames="cfg")`).
 
     Args:
       batch: TrainBatch with `rewards` and `loss_mask`.
       values_BxT: f32[B, T] critic values (`critic_trainer.forward`).
-      cfg: the trainer config (gamma, lambda, whitening).
+      cfg: the trainer config; reads its `critic` section (gamma, lam).
 
     Returns:
       The batch with `advantages`, `returns` and `old_values` replaced.
@@ -129,10 +122,61 @@ def with_gae(batch: TrainBatch, values_BxT: jax.Array, cfg: TrainerConfig) -> Tr
     mask_BxT = batch.loss_mask.astype(_F32)
     values_BxT = values_BxT.astype(_F32) * mask_BxT
     rewards_BxT = algorithms.last_token_rewards(batch.rewards, mask_BxT)
-    adv_BxT, ret_BxT = algorithms.gae(
-        rewards_BxT, values_BxT, mask_BxT, gamma=cfg.gae_gamma, lam=cfg.gae_lambda
-    )
-    if cfg.whiten_advantages:
-        mean, std = adv_lib.masked_moments(adv_BxT, mask_BxT)
-        adv_BxT = (adv_BxT - mean) / (std + 1e-8) * mask_BxT
+    gae = algorithms.CRITIC_ADVANTAGES["gae"]
+    c = cfg.critic
+    adv_BxT, ret_BxT = gae(rewards_BxT, values_BxT, mask_BxT, gamma=c.gamma, lam=c.lam)
+    if c.whiten == "group":
+        adv_BxT = group_whiten(adv_BxT, mask_BxT, batch.group_ids)
     return batch.replace(advantages=adv_BxT, returns=ret_BxT, old_values=values_BxT)
+
+
+def group_whiten(
+    adv_BxT: jax.Array, mask_BxT: jax.Array, group_ids_B: jax.Array, eps: float = 1e-8
+) -> jax.Array:
+    """A <- (A - mean_g) / (std_g + eps) over the response tokens of each row's group g.
+
+    mean_g and std_g (population, two-pass) are over every masked token of the rows
+    whose `group_ids` equal g; rows with id -1 (padding) join no group. Rows are
+    matched by a [B, B] same-group matrix, so ids need only be unique, not dense.
+    """
+    member_BxB = (group_ids_B[:, None] == group_ids_B[None, :]) & (group_ids_B[None, :] >= 0)
+    member_BxB = member_BxB.astype(_F32)
+    mask_BxT = mask_BxT.astype(_F32)
+    count_B = jnp.maximum(member_BxB @ mask_BxT.sum(1), 1.0)
+    mean_B = member_BxB @ (adv_BxT * mask_BxT).sum(1) / count_B
+    centred_BxT = (adv_BxT - mean_B[:, None]) * mask_BxT
+    std_B = jnp.sqrt(member_BxB @ jnp.square(centred_BxT).sum(1) / count_B)
+    return centred_BxT / (std_B[:, None] + eps)
+
+
+def whiten_advantages(batch: TrainBatch, eps: float = 1e-8) -> TrainBatch:
+    """A <- (A - mean) / (std + eps) over every response token of `batch` (masked).
+
+    Couples all samples: call it on a complete global batch only (not used by
+    the streamed pipeline; module docstring). Pure; call inside jit.
+    """
+    mask_BxT = batch.loss_mask.astype(_F32)
+    mean, std = adv_lib.masked_moments(batch.advantages, mask_BxT)
+    return batch.replace(advantages=(batch.advantages - mean) / (std + eps) * mask_BxT)
+
+
+def make_critic_trainer(
+    model_cfg: ModelConfig, cfg: TrainerConfig, mesh: Mesh, *, model_seed: int = 0
+) -> Trainer:
+    """The critic's trainer: its own params and optimizer (`critic_trainer_config`).
+
+    `forward(params, batch)` gives values, `fill_gae(params, batch)` the GAE
+    targets; `accumulate`/`apply` train the value loss with the same
+    normaliser contract as the policy.
+    """
+    return build_trainer(
+        "critic",
+        create,
+        model_cfg,
+        cfg,
+        mesh,
+        model_seed=model_seed,
+        loss=critic_loss,
+        forward=critic_forward,
+        targets=with_gae,
+    )

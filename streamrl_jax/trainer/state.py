@@ -1,16 +1,15 @@
 """Train state and gradient accumulator, created directly in their sharded layout.
 
-`state_initializer` follows the house recipe: `nnx.eval_shape` gives the
+The house recipe (carried out by `step`): `nnx.eval_shape` gives the
 abstract parameters, the training rule table (`sharding.TRAIN_RULES`: FSDP
-over "fsdp", tensor parallel over "tp") gives their shardings, the optimizer
-state's shardings mirror the parameters' (`optax.tree_map_params`), and one
-`jit(init, out_shardings=...)` materialises every shard on its own device. No
-device ever holds an unsharded copy.
+over "fsdp", tensor parallel over "tp") gives their shardings
+(`train_state_shardings`; the optimizer state's mirror the parameters' through
+`optax.tree_map_params`), and one `jit(init, out_shardings=...)` around
+`new_state` materialises every shard on its own device. No device ever holds
+an unsharded copy.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import flax.struct
 import jax
@@ -22,6 +21,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from streamrl_jax import sharding as sharding_lib
 
 Metrics = dict[str, jax.Array]
+# A model kind's loss: (S_micro / normalizer, additive metrics, per-token statistics
+# f32[B, T] that the step reports as masked `<name>_sum`).
+LossOutput = tuple[jax.Array, Metrics, dict[str, jax.Array]]
 
 
 @flax.struct.dataclass
@@ -95,38 +97,17 @@ def train_state_shardings(
     return TrainState(params=param_sh, opt_state=opt_sh, step=rep, rng=rep)
 
 
-def state_initializer(
-    make_module: Callable[[], nnx.Module],
-    optimizer: optax.GradientTransformation,
-    mesh: Mesh,
-) -> tuple[nnx.GraphDef, TrainState, Callable[[jax.Array], TrainState]]:
-    """Graph, shardings and a jitted sharded initialiser of a module's TrainState.
-
-    Args:
-      make_module: zero-argument constructor of the (NNX) model, including its
-        own parameter seed; called under `eval_shape` and inside `jit` only.
-      optimizer: optax transformation (see `config.make_optimizer`).
-      mesh: the training mesh.
-
-    Returns:
-      `(graphdef, shardings, init)`: the static module structure, a TrainState
-      of NamedShardings, and `init(seed) -> TrainState` (jit with
-      `out_shardings=shardings`: each device materialises only its shards;
-      `seed` seeds `TrainState.rng`).
-    """
-    graphdef, abstract_params = nnx.split(nnx.eval_shape(make_module))
-    shardings = train_state_shardings(abstract_params, optimizer, mesh)
-
-    def init(seed: jax.Array) -> TrainState:
-        params = nnx.split(make_module())[1]
-        return TrainState(
-            params=params,
-            opt_state=optimizer.init(params),
-            step=jnp.zeros((), jnp.int32),
-            rng=jax.random.key(seed),
-        )
-
-    return graphdef, shardings, jax.jit(init, out_shardings=shardings)
+def new_state(
+    params: nnx.State, optimizer: optax.GradientTransformation, seed: jax.Array
+) -> TrainState:
+    """A step-0 TrainState around `params` (call inside jit, `out_shardings` = the
+    `train_state_shardings`, so each device materialises only its own shards)."""
+    return TrainState(
+        params=params,
+        opt_state=optimizer.init(params),
+        step=jnp.zeros((), jnp.int32),
+        rng=jax.random.key(seed),
+    )
 
 
 def zero_accumulator(params: nnx.State, metric_keys: tuple[str, ...]) -> GradAccumulator:

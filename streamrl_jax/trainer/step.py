@@ -1,8 +1,11 @@
-"""Jitted trainer steps: streamed gradient accumulation, optimizer apply, forward-only.
+"""Trainer steps as module-level pure functions, jitted in one place.
 
-One `Trainer` (policy or critic) owns three jitted functions, each with
-explicit in/out shardings on the training mesh and compiled once per
-(batch, sequence) bucket:
+Every step is a pure function `fn(spec, *arrays)` of a static, hashable
+`StepSpec` (what to compute: model structure, config, loss and forward of the
+model's kind) and arrays (state, accumulator, batch, scalars). `_compile` is
+the only place that calls `jax.jit`: it binds a spec and gives each function
+explicit in/out shardings on the training mesh and `donate_argnames`; each
+compiles once per (batch, sequence) bucket. `Trainer` holds the results:
 
 * `accumulate(state, acc, batch, normalizer) -> (acc, metrics)`: loss and
   gradients of one micro-batch, added into the donated accumulator (same
@@ -14,7 +17,7 @@ explicit in/out shardings on the training mesh and compiled once per
   below).
 * `forward(params, batch) -> f32[B, T]`: token log-probs (policy; alias
   `logprobs`) or values (critic), for reference / old log-probs as samples
-  stream in.
+  stream in; `fill_gae(params, batch)` (critic) adds the GAE targets.
 
 ## Normaliser usage (exact streamed accumulation)
 
@@ -43,14 +46,16 @@ with `jax.device_get` after dispatching the next step.
 unchanged, bit for bit: params, optimizer state (so AdamW's count and moments)
 and `step` (so the learning-rate schedule does not advance for a step that was
 not taken). The accumulator is zeroed either way and metric `nonfinite` is 1.0
-(0.0 for a normal step). There is no host sync: with
-`TrainerConfig.nonfinite="stop"` the caller raises `NonFiniteError` when it
-fetches the metric, one step later, and nothing non-finite was written.
+(0.0 for a normal step). `apply` itself never syncs with the host: with
+`pipeline.nonfinite="stop"` the trainer loop fetches the metric right after the
+step (a deliberate sync, that mode's price) and raises `NonFiniteError`; nothing
+non-finite was written.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -64,15 +69,18 @@ from streamrl_jax import algorithms
 from streamrl_jax.model import llama
 from streamrl_jax.model.config import ModelConfig
 from streamrl_jax.trainer import state as state_lib
-from streamrl_jax.trainer.batch import TrainBatch
+from streamrl_jax.trainer.batch import TrainBatch, abstract_batch
 from streamrl_jax.trainer.config import TrainerConfig, lr_schedule, make_optimizer
-from streamrl_jax.trainer.state import GradAccumulator, Metrics, TrainState
+from streamrl_jax.trainer.policy import policy_forward, policy_loss
+from streamrl_jax.trainer.state import GradAccumulator, LossOutput, Metrics, TrainState
 
 _F32 = jnp.float32
-# (params, batch, normalizer) -> (scalar loss S_micro / normalizer, additive metrics)
-LossFn = Callable[[nnx.State, TrainBatch, jax.Array], tuple[jax.Array, Metrics]]
-# (params, batch) -> f32[B, T]
-ForwardFn = Callable[[nnx.State, TrainBatch], jax.Array]
+# (model merged from params, cfg, batch, normalizer) -> state.LossOutput
+LossFn = Callable[[nnx.Module, TrainerConfig, TrainBatch, jax.Array], LossOutput]
+# (model, cfg, batch) -> f32[B, T], 0 off the loss mask
+ForwardFn = Callable[[nnx.Module, TrainerConfig, TrainBatch], jax.Array]
+# (batch, forward output f32[B, T], cfg) -> batch with targets filled (critic: GAE)
+TargetsFn = Callable[[TrainBatch, jax.Array, TrainerConfig], TrainBatch]
 
 
 class NonFiniteError(FloatingPointError):
@@ -85,90 +93,180 @@ class NonFiniteError(FloatingPointError):
     """
 
 
-def shifted_targets(tokens_BxT: jax.Array) -> jax.Array:
-    """targets[b, t] = tokens[b, t + 1]; the last column (never trained) gets 0."""
-    return jnp.concatenate([tokens_BxT[:, 1:], jnp.zeros_like(tokens_BxT[:, :1])], axis=1)
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """The static half of every step function: hashable, no arrays.
+
+    Attributes:
+      kind: "policy" or "critic".
+      graphdef: the model's static NNX structure (merge with params to rebuild).
+      cfg: the trainer config.
+      model_cfg: the architecture, for `create`.
+      model_seed: parameter-initialisation seed, for `create`.
+      create: `(model_cfg, seed) -> nnx.Module` (module-level, e.g. `llama.create`).
+      loss: the kind's `LossFn`.
+      forward: the kind's `ForwardFn`.
+      targets: the kind's `TargetsFn` (critic: GAE), or None.
+      metric_keys: keys of the additive micro-batch metrics (the accumulator's).
+    """
+
+    kind: str
+    graphdef: nnx.GraphDef
+    cfg: TrainerConfig
+    model_cfg: ModelConfig
+    model_seed: int
+    create: Callable[[ModelConfig, int], nnx.Module]
+    loss: LossFn
+    forward: ForwardFn
+    targets: TargetsFn | None = None
+    metric_keys: tuple[str, ...] = ()
 
 
-def policy_logprobs(
-    graphdef: nnx.GraphDef, params: nnx.State, batch: TrainBatch, chunk: int
-) -> tuple[jax.Array, jax.Array]:
-    """(logp f32[B, T], entropy f32[B, T]) of the shifted targets under `params`."""
-    model = nnx.merge(graphdef, params)
-    return model.token_logprobs(
-        batch.tokens, shifted_targets(batch.tokens), batch.attention_mask, chunk=chunk
+def _params(spec: StepSpec) -> nnx.State:
+    return nnx.split(spec.create(spec.model_cfg, spec.model_seed))[1]
+
+
+def init_state(spec: StepSpec, seed: jax.Array) -> TrainState:
+    """A fresh TrainState, model params from the spec's own seed; `seed` seeds `rng`."""
+    return state_lib.new_state(_params(spec), make_optimizer(spec.cfg), seed)
+
+
+def state_from_params(spec: StepSpec, params: nnx.State, seed: jax.Array) -> TrainState:
+    """A TrainState around a copy of `params` (e.g. loaded weights)."""
+    params = jax.tree.map(jnp.copy, params)
+    return state_lib.new_state(params, make_optimizer(spec.cfg), seed)
+
+
+def init_accumulator(spec: StepSpec) -> GradAccumulator:
+    """An all-zero GradAccumulator."""
+    abstract_params = jax.eval_shape(functools.partial(_params, spec))
+    return state_lib.zero_accumulator(abstract_params, spec.metric_keys)
+
+
+def loss_and_metrics(
+    spec: StepSpec, params: nnx.State, batch: TrainBatch, normalizer: jax.Array
+) -> tuple[jax.Array, Metrics]:
+    """The kind's loss S_micro / normalizer and its additive metrics.
+
+    Adds, for every kind alike, `num_tokens`, `loss` and `<name>_sum` of each
+    per-token statistic the loss reports (masked, stop-gradient).
+    """
+    model = nnx.merge(spec.graphdef, params)
+    loss, metrics, per_token = spec.loss(model, spec.cfg, batch, normalizer)
+    mask_BxT = batch.loss_mask.astype(_F32)
+    metrics = dict(metrics)
+    for name, x_BxT in per_token.items():
+        metrics[f"{name}_sum"] = jnp.sum(jax.lax.stop_gradient(x_BxT) * mask_BxT)
+    metrics["num_tokens"] = jnp.sum(mask_BxT)
+    metrics["loss"] = jax.lax.stop_gradient(loss)
+    return loss, metrics
+
+
+def accumulate(
+    spec: StepSpec,
+    state: TrainState,
+    acc: GradAccumulator,
+    batch: TrainBatch,
+    normalizer: jax.Array,
+) -> tuple[GradAccumulator, Metrics]:
+    """`acc` plus one micro-batch's gradients of S_micro / normalizer, and its metrics."""
+    grad_fn = jax.value_and_grad(loss_and_metrics, argnums=1, has_aux=True)
+    (_, metrics), grads = grad_fn(spec, state.params, batch, normalizer)
+    part = algorithms.normalizer_part(batch.loss_mask, spec.cfg.algorithm.aggregation)
+    acc = GradAccumulator(
+        grads=jax.tree.map(jnp.add, acc.grads, grads),
+        metrics={k: acc.metrics[k] + metrics[k] for k in spec.metric_keys},
+        normalizer_sum=acc.normalizer_sum + part,
+        num_micro_batches=acc.num_micro_batches + 1,
     )
+    return acc, metrics
 
 
-def policy_loss_fn(graphdef: nnx.GraphDef, cfg: TrainerConfig) -> LossFn:
-    """The actor loss of `cfg` (policy loss, aggregation, KL, entropy, TIS) on a Llama."""
+def apply(
+    spec: StepSpec, state: TrainState, acc: GradAccumulator, normalizer_total: jax.Array
+) -> tuple[TrainState, GradAccumulator, Metrics]:
+    """One optimizer step with grads = acc.grads / normalizer_total (non-finite guarded).
 
-    def loss_fn(params: nnx.State, batch: TrainBatch, normalizer: jax.Array):
-        logp_BxT, ent_BxT = policy_logprobs(graphdef, params, batch, cfg.logprob_chunk)
-        use_tis = cfg.tis_cap is not None
-        loss, metrics = algorithms.actor_loss(
-            logp_BxT,
-            batch.old_logp,
-            batch.advantages,
-            batch.loss_mask,
-            normalizer=normalizer,
-            policy_loss=cfg.policy_loss,
-            aggregation=cfg.aggregation,
-            policy_options=cfg.policy_options,
-            behaviour_logp_BxT=batch.behaviour_logp if use_tis else None,
-            tis_cap=cfg.tis_cap,
-            ref_logp_BxT=batch.ref_logp,
-            kl_coef=cfg.kl_coef,
-            kl_estimator=cfg.kl_estimator,
-            entropy_BxT=ent_BxT,
-            entropy_coef=cfg.entropy_coef,
+    Returns:
+      `(state, zeroed accumulator, metrics)`: batch means (`algorithms.finalize_metrics`)
+      plus `grad_norm` (before clipping), `update_norm`, `lr`,
+      `num_micro_batches`, `normalizer` and `nonfinite`.
+    """
+    inv = 1.0 / normalizer_total
+    grads = jax.tree.map(lambda g: g * inv, acc.grads)
+    updates, opt_state = make_optimizer(spec.cfg).update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = algorithms.finalize_metrics(acc.metrics, normalizer_total)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics.get("loss", grad_norm))
+    metrics |= {
+        "grad_norm": grad_norm,
+        "update_norm": optax.tree.norm(updates),
+        "lr": lr_schedule(spec.cfg)(state.step),
+        "num_micro_batches": acc.num_micro_batches.astype(_F32),
+        "normalizer": normalizer_total,
+        "nonfinite": (~finite).astype(_F32),
+    }
+    # Non-finite guard (module docstring): an elementwise select, not a cond, so
+    # it fuses into the update and writes into the donated buffers.
+    params, opt_state, step = jax.tree.map(
+        lambda new, old: jnp.where(finite, new, old),
+        (params, opt_state, state.step + 1),
+        (state.params, state.opt_state, state.step),
+    )
+    new_state = TrainState(params=params, opt_state=opt_state, step=step, rng=state.rng)
+    return new_state, init_accumulator(spec), metrics
+
+
+def apply_accumulated(
+    spec: StepSpec, state: TrainState, acc: GradAccumulator
+) -> tuple[TrainState, GradAccumulator, Metrics]:
+    """`apply` with N = acc.normalizer_sum (the summed normalizer parts)."""
+    return apply(spec, state, acc, acc.normalizer_sum)
+
+
+def forward(spec: StepSpec, params: nnx.State, batch: TrainBatch) -> jax.Array:
+    """Policy: log pi(targets); critic: values; f32[B, T], 0 off the loss mask."""
+    return spec.forward(nnx.merge(spec.graphdef, params), spec.cfg, batch)
+
+
+def fill_targets(spec: StepSpec, params: nnx.State, batch: TrainBatch) -> TrainBatch:
+    """`batch` with the targets the kind derives from its forward (critic: GAE)."""
+    return spec.targets(batch, forward(spec, params, batch), spec.cfg)
+
+
+def copy_params(spec: StepSpec, params: nnx.State) -> nnx.State:
+    """A distinct copy of `params` (new buffers)."""
+    del spec
+    return jax.tree.map(jnp.copy, params)
+
+
+def _compile(
+    spec: StepSpec, state_sh: TrainState, acc_sh: GradAccumulator, batch_sh: NamedSharding
+) -> dict[str, Callable]:
+    """The one place that calls `jax.jit`: every step function, `spec` bound, sharded."""
+    rep = state_lib.replicated(batch_sh.mesh)
+    params_sh, step_out = state_sh.params, (state_sh, acc_sh, rep)
+    table = {  # name: (function, in_shardings, out_shardings, donate_argnames)
+        "init": (init_state, (rep,), state_sh, ()),
+        "from_params": (state_from_params, (params_sh, rep), state_sh, ()),
+        "init_acc": (init_accumulator, (), acc_sh, ()),
+        "accumulate": (accumulate, (state_sh, acc_sh, batch_sh, rep), (acc_sh, rep), ("acc",)),
+        "apply": (apply, (state_sh, acc_sh, rep), step_out, ("state", "acc")),
+        "apply_acc": (apply_accumulated, (state_sh, acc_sh), step_out, ("state", "acc")),
+        "forward": (forward, (params_sh, batch_sh), batch_sh, ()),
+        "fill_targets": (fill_targets, (params_sh, batch_sh), batch_sh, ()),
+        "copy": (copy_params, (params_sh,), params_sh, ()),
+    }
+    return {
+        name: jax.jit(
+            functools.partial(fn, spec),
+            in_shardings=in_sh,
+            out_shardings=out_sh,
+            donate_argnames=donate,
         )
-        mask_BxT = batch.loss_mask.astype(_F32)
-        metrics["entropy_sum"] = jnp.sum(jax.lax.stop_gradient(ent_BxT) * mask_BxT)
-        return loss, metrics
-
-    return loss_fn
-
-
-def policy_forward(graphdef: nnx.GraphDef, cfg: TrainerConfig) -> ForwardFn:
-    """Forward-only log pi(target) at loss positions (0 elsewhere), f32[B, T]."""
-
-    def forward(params: nnx.State, batch: TrainBatch) -> jax.Array:
-        logp_BxT, _ = policy_logprobs(graphdef, params, batch, cfg.logprob_chunk)
-        return jnp.where(batch.loss_mask, logp_BxT, 0.0)
-
-    return forward
-
-
-def finalize_metrics(summed: Metrics, normalizer_total: jax.Array) -> Metrics:
-    """On device: `x_sum` -> per-token mean x; loss terms -> divided by normalizer_total."""
-    num_tokens = jnp.maximum(summed.get("num_tokens", jnp.zeros((), _F32)), 1.0)
-    out: Metrics = {}
-    for key, value in summed.items():
-        if key.endswith("_sum"):
-            out[key[: -len("_sum")]] = value / num_tokens
-        elif key == "num_tokens":
-            out[key] = value
-        else:
-            out[key] = value / normalizer_total
-    return out
-
-
-def _abstract_batch(cfg: TrainerConfig) -> TrainBatch:
-    b, t = cfg.batch_buckets[0], cfg.seq_buckets[0]
-    bt = lambda dt: jax.ShapeDtypeStruct((b, t), dt)
-    return TrainBatch(
-        tokens=bt(jnp.int32),
-        attention_mask=bt(jnp.bool_),
-        loss_mask=bt(jnp.bool_),
-        advantages=bt(_F32),
-        old_logp=bt(_F32),
-        behaviour_logp=bt(_F32),
-        ref_logp=bt(_F32),
-        old_values=bt(_F32),
-        returns=bt(_F32),
-        rewards=jax.ShapeDtypeStruct((b,), _F32),
-    )
+        for name, (fn, in_sh, out_sh, donate) in table.items()
+    }
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -184,6 +282,7 @@ class Trainer:
       cfg: the trainer config.
       mesh: training mesh, axes ("fsdp", "tp").
       optimizer: the optax transformation.
+      spec: the StepSpec every jitted function was built from.
       state_shardings: TrainState of NamedShardings.
       acc_shardings: GradAccumulator of NamedShardings (grads like params).
       batch_sharding: NamedSharding of every TrainBatch leaf (rows over "fsdp").
@@ -196,6 +295,7 @@ class Trainer:
     cfg: TrainerConfig
     mesh: Mesh
     optimizer: optax.GradientTransformation
+    spec: StepSpec
     state_shardings: TrainState
     acc_shardings: GradAccumulator
     batch_sharding: NamedSharding
@@ -208,15 +308,19 @@ class Trainer:
     _apply: Callable[..., tuple[TrainState, GradAccumulator, Metrics]]
     _apply_acc: Callable[..., tuple[TrainState, GradAccumulator, Metrics]]
     _forward: Callable[..., jax.Array]
+    _fill_targets: Callable[..., TrainBatch]
     _copy: Callable[[nnx.State], nnx.State]
+
+    def _seed(self, seed: int) -> jax.Array:
+        return jax.device_put(np.int32(seed), self.scalar_sharding)
 
     def init_state(self, seed: int = 0) -> TrainState:
         """A fresh sharded TrainState (model params from the model's own seed)."""
-        return self._init(jnp.int32(seed))
+        return self._init(self._seed(seed))
 
     def state_from_params(self, params: nnx.State, seed: int = 0) -> TrainState:
         """A TrainState around given params (e.g. loaded weights; copied, not donated)."""
-        return self._from_params(params, jnp.int32(seed))
+        return self._from_params(params, self._seed(seed))
 
     def init_accumulator(self) -> GradAccumulator:
         """An all-zero sharded GradAccumulator."""
@@ -272,6 +376,16 @@ class Trainer:
             raise ValueError(f"logprobs() needs a policy trainer, this one is a {self.kind}")
         return self._forward(params, batch)
 
+    def fill_gae(self, params: nnx.State, batch: TrainBatch) -> TrainBatch:
+        """Critic: `batch` with GAE advantages, returns and old values, per sample.
+
+        One jitted call per streamed micro-batch: the critic's values under
+        `params`, then `critic.with_gae` (no coupling across samples).
+        """
+        if self.spec.targets is None:
+            raise ValueError(f"fill_gae() needs a critic trainer, this one is a {self.kind}")
+        return self._fill_targets(params, batch)
+
     def copy_params(self, params: nnx.State) -> nnx.State:
         """A distinct sharded copy (a frozen reference model that survives donation)."""
         return self._copy(params)
@@ -280,7 +394,7 @@ class Trainer:
         """Explicit host-to-device transfer of a (numpy) TrainBatch, rows over "fsdp".
 
         On a training mesh that spans processes, `batch` is this process's rows of the
-        global micro-batch (`distributed/shards.py`)."""
+        global micro-batch (`pipeline/shards.py`)."""
         if self.mesh.is_multi_process:
             return jax.tree.map(
                 lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x), batch
@@ -294,13 +408,17 @@ class Trainer:
 
 def build_trainer(
     kind: str,
-    make_module: Callable[[], nnx.Module],
+    create: Callable[[ModelConfig, int], nnx.Module],
+    model_cfg: ModelConfig,
     cfg: TrainerConfig,
     mesh: Mesh,
-    loss_builder: Callable[[nnx.GraphDef, TrainerConfig], LossFn],
-    forward_builder: Callable[[nnx.GraphDef, TrainerConfig], ForwardFn],
+    *,
+    model_seed: int,
+    loss: LossFn,
+    forward: ForwardFn,
+    targets: TargetsFn | None = None,
 ) -> Trainer:
-    """Assembles the jitted, sharded step functions of one model.
+    """Shardings, the StepSpec and the jitted step functions of one model.
 
     Raises:
       ValueError: a batch bucket not divisible by the mesh's "fsdp" size.
@@ -312,113 +430,33 @@ def build_trainer(
             f"TrainerConfig.batch_buckets={cfg.batch_buckets}: {bad} not divisible by the "
             f"training mesh's fsdp size {fsdp} (batch rows are sharded over it)"
         )
-    optimizer = make_optimizer(cfg)
-    schedule = lr_schedule(cfg)
-    graphdef, st_sh, init = state_lib.state_initializer(make_module, optimizer, mesh)
-    acc_sh = state_lib.accumulator_shardings(st_sh, mesh)
-    rep = state_lib.replicated(mesh)
-    batch_sh = NamedSharding(mesh, PartitionSpec("fsdp"))
-    loss_fn = loss_builder(graphdef, cfg)
-    forward_fn = forward_builder(graphdef, cfg)
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-
-    abstract_params = jax.eval_shape(lambda: nnx.split(make_module())[1])
+    graphdef, abstract_params = nnx.split(nnx.eval_shape(lambda: create(model_cfg, model_seed)))
+    spec = StepSpec(kind, graphdef, cfg, model_cfg, model_seed, create, loss, forward, targets)
     _, abstract_metrics = jax.eval_shape(
-        loss_fn, abstract_params, _abstract_batch(cfg), jax.ShapeDtypeStruct((), _F32)
+        functools.partial(loss_and_metrics, spec),
+        abstract_params,
+        abstract_batch(cfg.batch_buckets[0], cfg.seq_buckets[0]),
+        jax.ShapeDtypeStruct((), _F32),
     )
-    metric_keys = tuple(sorted(abstract_metrics))
-
-    def from_params(params: nnx.State, seed: jax.Array) -> TrainState:
-        params = jax.tree.map(jnp.copy, params)
-        return TrainState(
-            params=params,
-            opt_state=optimizer.init(params),
-            step=jnp.zeros((), jnp.int32),
-            rng=jax.random.key(seed),
-        )
-
-    def init_acc() -> GradAccumulator:
-        return state_lib.zero_accumulator(abstract_params, metric_keys)
-
-    def accumulate(state: TrainState, acc: GradAccumulator, batch: TrainBatch, normalizer):
-        (_, metrics), grads = grad_fn(state.params, batch, normalizer)
-        part = algorithms.normalizer_part(batch.loss_mask, cfg.aggregation)
-        acc = GradAccumulator(
-            grads=jax.tree.map(jnp.add, acc.grads, grads),
-            metrics={k: acc.metrics[k] + metrics[k] for k in metric_keys},
-            normalizer_sum=acc.normalizer_sum + part,
-            num_micro_batches=acc.num_micro_batches + 1,
-        )
-        return acc, metrics
-
-    def apply(state: TrainState, acc: GradAccumulator, normalizer_total):
-        inv = 1.0 / normalizer_total
-        grads = jax.tree.map(lambda g: g * inv, acc.grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = finalize_metrics(acc.metrics, normalizer_total)
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics.get("loss", grad_norm))
-        metrics |= {
-            "grad_norm": grad_norm,
-            "update_norm": optax.tree.norm(updates),
-            "lr": schedule(state.step),
-            "num_micro_batches": acc.num_micro_batches.astype(_F32),
-            "normalizer": normalizer_total,
-            "nonfinite": (~finite).astype(_F32),
-        }
-        # Non-finite guard (module docstring): an elementwise select, not a cond, so
-        # it fuses into the update and writes into the donated buffers.
-        params, opt_state, step = jax.tree.map(
-            lambda new, old: jnp.where(finite, new, old),
-            (params, opt_state, state.step + 1),
-            (state.params, state.opt_state, state.step),
-        )
-        new_state = TrainState(params=params, opt_state=opt_state, step=step, rng=state.rng)
-        return new_state, init_acc(), metrics
-
-    def apply_acc(state: TrainState, acc: GradAccumulator):
-        return apply(state, acc, acc.normalizer_sum)
-
-    step_out = (st_sh, acc_sh, rep)
+    spec = dataclasses.replace(spec, metric_keys=tuple(sorted(abstract_metrics)))
+    optimizer = make_optimizer(cfg)
+    state_sh = state_lib.train_state_shardings(abstract_params, optimizer, mesh)
+    acc_sh = state_lib.accumulator_shardings(state_sh, mesh)
+    batch_sh = NamedSharding(mesh, PartitionSpec("fsdp"))
+    jitted = _compile(spec, state_sh, acc_sh, batch_sh)
     return Trainer(
         kind=kind,
         graphdef=graphdef,
         cfg=cfg,
         mesh=mesh,
         optimizer=optimizer,
-        state_shardings=st_sh,
+        spec=spec,
+        state_shardings=state_sh,
         acc_shardings=acc_sh,
         batch_sharding=batch_sh,
-        scalar_sharding=rep,
-        metric_keys=metric_keys,
-        _init=init,
-        _from_params=jax.jit(from_params, in_shardings=(st_sh.params, rep), out_shardings=st_sh),
-        _init_acc=jax.jit(init_acc, out_shardings=acc_sh),
-        _accumulate=jax.jit(
-            accumulate,
-            in_shardings=(st_sh, acc_sh, batch_sh, rep),
-            out_shardings=(acc_sh, rep),
-            donate_argnames=("acc",),
-        ),
-        _apply=jax.jit(
-            apply,
-            in_shardings=(st_sh, acc_sh, rep),
-            out_shardings=step_out,
-            donate_argnames=("state", "acc"),
-        ),
-        _apply_acc=jax.jit(
-            apply_acc,
-            in_shardings=(st_sh, acc_sh),
-            out_shardings=step_out,
-            donate_argnames=("state", "acc"),
-        ),
-        _forward=jax.jit(forward_fn, in_shardings=(st_sh.params, batch_sh), out_shardings=batch_sh),
-        _copy=jax.jit(
-            lambda p: jax.tree.map(jnp.copy, p),
-            in_shardings=(st_sh.params,),
-            out_shardings=st_sh.params,
-        ),
+        scalar_sharding=state_lib.replicated(mesh),
+        metric_keys=spec.metric_keys,
+        **{f"_{name}": fn for name, fn in jitted.items()},
     )
 
 
@@ -436,9 +474,11 @@ def make_policy_trainer(
     """
     return build_trainer(
         "policy",
-        lambda: llama.create(model_cfg, model_seed),
+        llama.create,
+        model_cfg,
         cfg,
         mesh,
-        policy_loss_fn,
-        policy_forward,
+        model_seed=model_seed,
+        loss=policy_loss,
+        forward=policy_forward,
     )

@@ -1,9 +1,9 @@
-"""Tests for simulation/lengths.py: the paper's length-trace shape."""
+"""Tests for scheduling/lengths.py: the paper's length-trace shape."""
 
 import numpy as np
 import pytest
 
-from streamrl_jax.simulation import lengths
+from streamrl_jax.scheduling import lengths
 
 
 def test_paper_trace_20k_shape():

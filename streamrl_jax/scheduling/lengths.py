@@ -1,4 +1,7 @@
-"""Paper-shaped output-length traces (StreamRL length-replay setting).
+"""Output-length distributions: the paper-shaped traces of the StreamRL length-replay setting.
+
+Live length-replay runs (`data.py`) force each response to a drawn length; the simulator
+(`simulation/`) draws its global batches from the same traces.
 
 PAPER.md describes the "20K" trace: median ~3.2K, mean ~4.9K, P90 ~12-13K, P99 ~19K,
 max 20K tokens; the "10K" and "5K" settings divide every length by 2 and 4. A lognormal

@@ -1,0 +1,323 @@
+"""The components of a run and their builders.
+
+`build` (one process) makes everything a schedule needs: the role meshes, the
+model straight into its training sharding, the policy trainer (and the PPO
+critic when `algorithm.advantage="gae"`), the generation instances' meshes and
+engine configs with W_0 already placed on them (moved there by `WeightSync`),
+the prompt pipeline, the held-out prompts and the reward function. Nothing here
+starts a thread: the run makes the generation service (`GenerationParts.service`)
+with its observers and owns it.
+
+Several processes (docs/multicontroller.md): `build_training` builds the same
+without generation (its `WeightSync` mover sends to the generation processes);
+`build_generation` only the generation side of a generation process (its
+instances, the tokenizer, the same seeded prompt pipeline), reading the model's
+config and tokenizer without loading its weights (the trainer sends W_0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from absl import logging
+from flax import nnx
+
+from streamrl_jax import mesh as mesh_lib
+from streamrl_jax import sharding
+from streamrl_jax.config import ExperimentConfig
+from streamrl_jax.data import Prompt, PromptPipeline
+from streamrl_jax.generation.engine import EngineConfig
+from streamrl_jax.generation.service import GenerationService
+from streamrl_jax.model import config as model_config
+from streamrl_jax.model import llama
+from streamrl_jax.model.defaults import smollm2_gguf_path
+from streamrl_jax.model.loader import describe, load_pretrained
+from streamrl_jax.model.tokenizer import Tokenizer
+from streamrl_jax.pipeline import datasets
+from streamrl_jax.pipeline.meshes import make_meshes, role_meshes
+from streamrl_jax.rewards.base import RewardFn
+from streamrl_jax.trainer import critic as critic_lib
+from streamrl_jax.trainer.config import critic_trainer_config, trainer_config
+from streamrl_jax.trainer.state import TrainState
+from streamrl_jax.trainer.step import Trainer, make_policy_trainer
+from streamrl_jax.weight_sync import Published, WeightSync, place_on
+
+# (training params, generation dtype) -> the WeightSync of a training process.
+MakeWeightSync = Callable[[Any, Any], WeightSync]
+
+
+@dataclasses.dataclass
+class GenerationParts:
+    """How to build this process's generation instances, before any weights exist."""
+
+    model_cfg: model_config.ModelConfig  # in the generation dtype
+    graphdef: nnx.GraphDef
+    instances: list[Any]  # one ("tp",) mesh per instance
+    engine_cfgs: list[EngineConfig]
+    param_shardings: list[Any]  # per instance, the params' NamedShardings
+
+    def service(
+        self, params: list[Any], version: int, on_chunk: Callable[..., None] | None = None
+    ) -> GenerationService:
+        """The service, its instances holding `params` (one tree per instance);
+        `on_chunk` observes every decode chunk (`generation.engine.Engine`)."""
+        service = GenerationService(
+            self.graphdef,
+            params[0],
+            self.model_cfg,
+            self.instances,
+            self.engine_cfgs,
+            version=version,
+            on_chunk=on_chunk,
+        )
+        if len(params) > 1:
+            service.update_weights(list(params), version)
+        return service
+
+
+@dataclasses.dataclass
+class Components:
+    """Everything a run schedules; `close()` releases the generation threads."""
+
+    meshes: mesh_lib.Meshes
+    model_cfg: model_config.ModelConfig
+    tokenizer: Tokenizer
+    trainer: Trainer
+    state: TrainState
+    ref_params: Any  # frozen reference params (None when kl_coef == 0)
+    critic: Trainer | None  # the PPO value model's trainer (advantage="gae"), else None
+    critic_state: TrainState | None
+    generation: GenerationParts | None  # None in a training process (generation elsewhere)
+    weight_sync: WeightSync
+    initial_weights: list[Published]  # W_0 as placed on each generation instance
+    reward_fn: RewardFn
+    prompts: PromptPipeline
+    eval_prompts: list[Prompt]
+
+
+@dataclasses.dataclass
+class GenerationSide:
+    """What a generation process builds (`build_generation`)."""
+
+    parts: GenerationParts
+    tokenizer: Tokenizer
+    prompts: PromptPipeline
+    eval_prompts: list[Prompt]
+    vocab_size: int
+
+
+def describe_model(cfg: ExperimentConfig) -> tuple[model_config.ModelConfig, Tokenizer]:
+    """The model's config (in the training dtypes) and tokenizer; reads no weight."""
+    m = cfg.model
+    if m.source == "tiny":
+        tokenizer = Tokenizer.from_gguf(smollm2_gguf_path())
+        model_cfg = model_config.tiny(
+            vocab_size=tokenizer.vocab_size,
+            max_position_embeddings=m.max_context,
+            param_dtype=m.param_dtype,
+            dtype=m.dtype,
+            remat=m.remat,
+        )
+        return model_cfg, tokenizer
+    path = model_path(cfg)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model.source: {path} does not exist")
+    d = describe(path, param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat)
+    if d.tokenizer is None:
+        raise ValueError(f"model.source {path}: the checkpoint has no tokenizer")
+    if m.max_context > d.cfg.max_position_embeddings:
+        raise ValueError(
+            f"model.max_context ({m.max_context}) exceeds the model's context "
+            f"({d.cfg.max_position_embeddings})"
+        )
+    return d.cfg, d.tokenizer
+
+
+def model_path(cfg: ExperimentConfig) -> str:
+    return smollm2_gguf_path() if cfg.model.source == "smollm2" else cfg.model.source
+
+
+@dataclasses.dataclass
+class _Training:
+    model_cfg: model_config.ModelConfig
+    tokenizer: Tokenizer
+    trainer: Trainer
+    state: TrainState
+    ref_params: Any
+    critic: Trainer | None
+    critic_state: TrainState | None
+
+
+def _training(cfg: ExperimentConfig, train_mesh: Any) -> _Training:
+    """The model straight into the training sharding; the trainers and their states."""
+    model_cfg, tokenizer = describe_model(cfg)
+    fsdp = train_mesh.shape["fsdp"]
+    trainer = make_policy_trainer(
+        model_cfg, trainer_config(cfg, fsdp=fsdp), train_mesh, model_seed=cfg.seed
+    )
+    if cfg.model.source == "tiny":
+        state = trainer.init_state(cfg.seed)
+    else:
+        m = cfg.model
+        pre = load_pretrained(
+            model_path(cfg),
+            mesh=train_mesh,
+            role="train",
+            param_dtype=m.param_dtype,
+            dtype=m.dtype,
+            remat=m.remat,
+        )
+        state = trainer.state_from_params(pre.params, cfg.seed)
+    if cfg.init_from:
+        from streamrl_jax import checkpoint as ckpt_lib
+
+        params = ckpt_lib.restore_params_only(
+            cfg.init_from,
+            ckpt_lib.abstract_tree(state.params),
+            None,
+            fingerprint=ckpt_lib.model_fingerprint(model_cfg),
+        )
+        state = trainer.state_from_params(params, cfg.seed)
+        logging.info("initial weights from %s", cfg.init_from)
+    ref_params = trainer.copy_params(state.params) if cfg.algorithm.kl_coef > 0 else None
+    critic = critic_state = None
+    if cfg.algorithm.advantage == "gae":
+        critic = critic_lib.make_critic_trainer(
+            model_cfg, critic_trainer_config(cfg, fsdp=fsdp), train_mesh, model_seed=cfg.seed
+        )
+        critic_state = critic.init_state(cfg.seed)
+    return _Training(model_cfg, tokenizer, trainer, state, ref_params, critic, critic_state)
+
+
+def _generation_parts(
+    cfg: ExperimentConfig,
+    model_cfg: model_config.ModelConfig,
+    tokenizer: Tokenizer,
+    generate_mesh: Any,
+) -> GenerationParts:
+    """Instance meshes, engine configs and weight shardings of the generation side."""
+    gen_dtype = cfg.model.generate_dtype
+    gen_cfg = model_cfg.replace(param_dtype=gen_dtype, dtype=gen_dtype, remat=False)
+    gen_graphdef, abstract = nnx.split(nnx.eval_shape(lambda: llama.create(gen_cfg)))
+    instances = mesh_lib.instance_meshes(generate_mesh)
+    g = cfg.generation
+    engine_cfgs = [
+        EngineConfig(
+            num_slots=slots,
+            max_prompt_length=g.max_prompt_len,
+            max_total_length=g.max_prompt_len + g.max_new_tokens,
+            chunk_steps=g.decode_chunk,
+            prefill_batch=g.prefill_batch,
+            stop_ids=tuple(tokenizer.stop_ids),
+            max_stop_ids=max(4, len(tokenizer.stop_ids)),
+            admission="lpt" if cfg.scheduling.dispatch in ("skew_aware", "oracle") else "fifo",
+        )
+        for slots in cfg.mesh.instance_slots
+    ]
+    return GenerationParts(
+        model_cfg=gen_cfg,
+        graphdef=gen_graphdef,
+        instances=instances,
+        engine_cfgs=engine_cfgs,
+        param_shardings=[sharding.state_shardings(abstract, m, "generate") for m in instances],
+    )
+
+
+def build(cfg: ExperimentConfig, devices: list[jax.Device] | None = None) -> Components:
+    """Creates every component of a one-process run; the caller must `close()` it."""
+    # Datasets first: a bad file fails before any device memory or thread exists.
+    eval_set, train_set = datasets.datasets(cfg)
+    meshes = make_meshes(cfg, devices)
+    logging.info(
+        "meshes: train %s on %s; generation %s on %s",
+        dict(meshes.train.shape),
+        [d.id for d in meshes.train.devices.flat],
+        dict(meshes.generate.shape),
+        [d.id for d in meshes.generate.devices.flat],
+    )
+    return _components(cfg, meshes, train_set, eval_set)
+
+
+def build_training(
+    cfg: ExperimentConfig,
+    devices: Sequence[jax.Device],
+    make_weight_sync: MakeWeightSync,
+    processes: int = 1,
+) -> Components:
+    """The components of a training process: no generation service; W_0 goes out
+    through `make_weight_sync(params, generate_dtype)` (it sends to the generation
+    processes, which must be connected). With several training processes, `devices`
+    holds every training process's devices (process by process) and the training mesh
+    spans them all."""
+    eval_set, train_set = datasets.datasets(cfg)
+    meshes = role_meshes(cfg, devices, "training", processes)
+    logging.info(
+        "training process: train mesh %s on %s",
+        dict(meshes.train.shape),
+        [d.id for d in meshes.train.devices.flat],
+    )
+    return _components(cfg, meshes, train_set, eval_set, make_weight_sync)
+
+
+def _components(
+    cfg: ExperimentConfig,
+    meshes: mesh_lib.Meshes,
+    train_set: Any,
+    eval_set: Any,
+    make_weight_sync: MakeWeightSync | None = None,
+) -> Components:
+    """Trainers, prompts and W_0 through the weight sync; the generation service on
+    `meshes.generate` unless `make_weight_sync` sends the weights to other processes."""
+    t = _training(cfg, meshes.train)
+    prompts, eval_prompts = datasets.prompts(cfg, t.tokenizer, train_set, eval_set)
+    parts = None
+    if make_weight_sync is None:
+        parts = _generation_parts(cfg, t.model_cfg, t.tokenizer, meshes.generate)
+        weight_sync = WeightSync(parts.model_cfg.jnp_param_dtype, place_on(parts.param_shardings))
+    else:
+        dtype = t.model_cfg.replace(param_dtype=cfg.model.generate_dtype).jnp_param_dtype
+        weight_sync = make_weight_sync(t.state.params, dtype)
+    published, _ = weight_sync.transfer(t.state.params, version=0)
+    return Components(
+        meshes=meshes,
+        model_cfg=t.model_cfg,
+        tokenizer=t.tokenizer,
+        trainer=t.trainer,
+        state=t.state,
+        ref_params=t.ref_params,
+        critic=t.critic,
+        critic_state=t.critic_state,
+        generation=parts,
+        weight_sync=weight_sync,
+        initial_weights=published,
+        reward_fn=datasets.reward_fn(cfg, train_set),
+        prompts=prompts,
+        eval_prompts=eval_prompts,
+    )
+
+
+def build_generation(cfg: ExperimentConfig, devices: Sequence[jax.Device]) -> GenerationSide:
+    """The generation side of a generation process; its service is made once W_0 has
+    arrived (`GenerationSide.parts.service`). Reads the model's config and tokenizer
+    only: the weights come from the trainer."""
+    eval_set, train_set = datasets.datasets(cfg)
+    meshes = role_meshes(cfg, devices, "generation")
+    logging.info(
+        "generation process: %d instance(s) on %s",
+        meshes.num_instances,
+        [d.id for d in meshes.generate.devices.flat],
+    )
+    model_cfg, tokenizer = describe_model(cfg)
+    parts = _generation_parts(cfg, model_cfg, tokenizer, meshes.generate)
+    prompts, eval_prompts = datasets.prompts(cfg, tokenizer, train_set, eval_set)
+    return GenerationSide(
+        parts=parts,
+        tokenizer=tokenizer,
+        prompts=prompts,
+        eval_prompts=eval_prompts,
+        vocab_size=model_cfg.vocab_size,
+    )

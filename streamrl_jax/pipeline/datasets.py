@@ -1,0 +1,77 @@
+"""The run's problems: train and held-out sets, the prompt pipeline and the reward.
+
+Read first, before any device memory or thread exists, so a bad file or task
+fails at once. reasoning-gym tasks by default, or JSONL files
+(docs/datasets.md); the held-out set uses `data.eval_seed` and training
+excludes its questions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from streamrl_jax.config import ExperimentConfig, task_configs
+from streamrl_jax.data import Prompt, PromptPipeline, tokenize
+from streamrl_jax.model.tokenizer import Tokenizer
+from streamrl_jax.rewards.base import RewardFn
+from streamrl_jax.rewards.tasks import TaskDataset
+
+
+def datasets(cfg: ExperimentConfig) -> tuple[Any, Any]:
+    """(eval set, train set): reasoning-gym tasks, or JSONL files (docs/datasets.md)."""
+    d = cfg.data
+    if d.jsonl_path:
+        from streamrl_jax.rewards.jsonl import JsonlDataset
+
+        eval_set = JsonlDataset(d.eval_jsonl_path, on_bad_row=d.bad_rows)
+        train_set = JsonlDataset(
+            d.jsonl_path, on_bad_row=d.bad_rows, exclude_questions=eval_set.questions()
+        )
+        return eval_set, train_set
+    tasks = [t.strip() for t in d.tasks.split(",") if t.strip()]
+    kwargs = task_configs(d)
+    eval_set = TaskDataset(
+        tasks, seed=d.eval_seed, size=max(cfg.eval.num_problems, 1), task_configs=kwargs
+    )
+    train_set = TaskDataset(
+        tasks,
+        seed=d.train_seed,
+        size=d.train_size,
+        task_configs=kwargs,
+        exclude_questions=eval_set.questions(),
+    )
+    return eval_set, train_set
+
+
+def prompts(
+    cfg: ExperimentConfig, tokenizer: Tokenizer, train_set: Any, eval_set: Any
+) -> tuple[PromptPipeline, list[Prompt]]:
+    """The seeded training prompt pipeline and the held-out eval prompts."""
+    d, g = cfg.data, cfg.generation
+    prompts = PromptPipeline(
+        train_set,
+        tokenizer,
+        max_prompt_len=g.max_prompt_len,
+        seed=cfg.seed,
+        overlong=cfg.data.overlong_prompts,
+        system_prompt=d.system_prompt,
+    )
+    eval_prompts = [
+        tokenize(p, tokenizer, d.system_prompt)
+        for p in list(eval_set)[: cfg.eval.num_problems or len(eval_set)]
+    ]
+    too_long = [p.problem.prompt_id for p in eval_prompts if len(p.tokens) > g.max_prompt_len]
+    if too_long:
+        raise ValueError(
+            f"{len(too_long)} eval prompts exceed generation.max_prompt_len={g.max_prompt_len} "
+            f"(e.g. {too_long[0]})"
+        )
+    return prompts, eval_prompts
+
+
+def reward_fn(cfg: ExperimentConfig, train_set: Any) -> RewardFn:
+    if cfg.data.reward == "vowels":
+        from streamrl_jax.rewards.vowels import vowel_reward
+
+        return vowel_reward
+    return train_set.reward_fn(format_bonus=cfg.data.format_reward)

@@ -1,0 +1,295 @@
+"""The generation driver: a thread feeding a `GenerationService` and a collector
+thread draining it (DESIGN.md §4).
+
+* **driver**: for batch b = start .. steps-1: W_{g(b)} from `weights`, swapped
+  into the service only once every earlier request has finished (so no sample
+  mixes versions); the batch's prompts from `draw`; `make_requests` (per-sample
+  seeds, so a sample depends only on weights, prompt and seed); this process's
+  share of them (`share=(k, G)`: the groups whose index is k mod G; all of them
+  when G = 1); the `LiveScheduler`'s instance plan; then its hooks: the held-out
+  evaluation (its share too) every `eval.every` batches and at batch 0, once per
+  policy version. After the last batch, the final evaluation of W_steps when
+  evaluation is on.
+* **collector**: each finished sample, the moment it completes, goes to `emit`:
+  in one process the run scores it and puts it into the sample stream
+  (`ingest.py`); in a generation process it is sent to the training process
+  (`generation_process.py`).
+
+The same class runs in both places; only the three hooks differ (`weights`,
+`draw`, `emit`). A training process of a multi-controller run has no driver: it
+sees the generation processes through a `GenerationLink` (below).
+Failures: an exception in either thread goes to
+`on_error(component, exc)`; `abort(exc)` (the owner failed) wakes every wait
+here, and `stop()` ends both threads quietly.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from streamrl_jax.config import ExperimentConfig
+from streamrl_jax.data import Prompt, make_requests
+from streamrl_jax.generation.service import GenerationService, StreamClosed
+from streamrl_jax.generation.types import GenerationRequest, RequestTag, Sample, SamplingParams
+from streamrl_jax.pipeline.hooks import Hooks
+from streamrl_jax.pipeline.schedules import Schedule
+from streamrl_jax.pipeline.shards import TrainingGroup
+from streamrl_jax.scheduling.live import LiveScheduler
+
+
+class GenerationDriver:
+    """Driver and collector threads around one `GenerationService` (module docstring)."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        service: GenerationService,
+        live: LiveScheduler,
+        eval_prompts: Sequence[Prompt],
+        *,
+        weights: Callable[[int], list[Any]],
+        draw: Callable[[int, int], list[Prompt]],
+        emit: Callable[[Sample], None],
+        on_error: Callable[[str, BaseException], None],
+        start: int = 0,
+        loaded_version: int = 0,
+        expected_ids: dict[int, list[str]] | None = None,
+        share: tuple[int, int] = (0, 1),
+        emit_component: str = "generation service",
+    ):
+        """Args:
+        cfg: the experiment.
+        service: the generation instances of this process.
+        live: dispatch plan over this process's instances.
+        eval_prompts: the held-out prompts (all of them; this process takes its share).
+        weights: `weights(v)` blocks until W_v is available and returns it placed on
+          every instance (one tree per instance).
+        draw: `draw(batch, n)`: the batch's n prompts (every process draws all of them).
+        emit: receives every finished sample (training and evaluation).
+        on_error: told of a failure in either thread, with the component's name.
+        start: first batch (a resumed run's checkpoint step).
+        loaded_version: policy version the service holds now (-1: reload at the start).
+        expected_ids: batch -> prompt ids the batch must draw (resume check).
+        share: (k, G): this process keeps groups and eval prompts with index % G == k.
+        emit_component: the component named when `emit` raises.
+        """
+        self.cfg, self.service, self.live = cfg, service, live
+        self.eval_prompts = list(eval_prompts)
+        self.weights, self.draw, self.emit, self.on_error = weights, draw, emit, on_error
+        self.start, self.version = start, loaded_version
+        self.expected_ids = expected_ids or {}
+        self.share, self.emit_component = share, emit_component
+        self.sched = Schedule.from_config(cfg.pipeline)
+        self.timeout = cfg.pipeline.timeout_s
+        self.sampling = SamplingParams(
+            temperature=cfg.generation.temperature,
+            top_k=cfg.generation.top_k,
+            top_p=cfg.generation.top_p,
+        )
+        self.eval_versions: set[int] = set()  # versions whose eval was submitted
+        self.hooks = Hooks()  # run after each batch is submitted, with the batch index
+        if cfg.eval.num_problems > 0 and self.eval_prompts:
+            # eval.every = 0: at the start only (and the final evaluation).
+            self.hooks.add("eval", cfg.eval.every or cfg.pipeline.steps, self._eval)
+        self._instances: list[int] | None = None  # the last batch's instance plan
+        self._cv = threading.Condition()
+        self._submitted = self._collected = 0  # requests sent to / returned by the service
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self.threads: list[threading.Thread] = []
+
+    # ------------------------------------------------------------------ control
+    def start_threads(self) -> list[threading.Thread]:
+        self.threads = [
+            threading.Thread(target=self._drive, name="generation-driver", daemon=True),
+            threading.Thread(target=self._collect, name="collector", daemon=True),
+        ]
+        for th in self.threads:
+            th.start()
+        return self.threads
+
+    def pending(self) -> int:
+        """Requests submitted and not yet collected."""
+        with self._cv:
+            return self._submitted - self._collected
+
+    def abort(self, exc: BaseException) -> None:
+        """The owner failed: every wait here raises from now on."""
+        with self._cv:
+            if self._error is None:
+                self._error = exc
+            self._cv.notify_all()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
+
+    @property
+    def driving(self) -> bool:
+        """The driver thread still has batches (or the final evaluation) to submit."""
+        return bool(self.threads) and self.threads[0].is_alive()
+
+    def _fail(self, component: str, exc: BaseException) -> None:
+        if self._stop.is_set():
+            return  # stopping: the wait that raised was woken on purpose
+        self.abort(exc)
+        self.on_error(component, exc)
+
+    def wait_idle(self, timeout: float | None = None) -> None:
+        """Blocks until every submitted request has been collected and emitted."""
+        timeout = self.timeout if timeout is None else timeout
+        with self._cv:
+            ok = self._cv.wait_for(
+                lambda: (
+                    self._collected >= self._submitted
+                    or self._error is not None
+                    or self._stop.is_set()
+                ),
+                timeout=timeout,
+            )
+            if self._error is not None:
+                raise RuntimeError(f"generation stopped: {self._error!r}") from self._error
+            if self._stop.is_set():
+                raise RuntimeError("generation stopped")
+        if not ok:
+            raise TimeoutError(
+                f"generation service: {self._submitted - self._collected} requests unfinished "
+                f"after {timeout:.0f} s"
+            )
+
+    # ------------------------------------------------------------------ driver
+    def _mine(self, index: int) -> bool:
+        k, g = self.share
+        return index % g == k
+
+    def _eval_requests(self, version: int) -> list[GenerationRequest]:
+        g = self.cfg.generation
+        return [
+            GenerationRequest(
+                request_id=f"eval/{version}/{i}",
+                prompt=p.tokens,
+                max_new_tokens=g.max_new_tokens,
+                sampling=SamplingParams.greedy(),
+                tag=RequestTag(group=i, prompt_id=p.problem.prompt_id, eval_version=version),
+                metadata=p.problem.metadata,
+            )
+            for i, p in enumerate(self.eval_prompts)
+            if self._mine(i)
+        ]
+
+    def _eval(self, batch: int) -> None:
+        """The eval hook: the held-out prompts under the loaded weights, once per policy
+        version (in stream_async several batches share one); round robin over the active
+        instances when the batch had an instance plan."""
+        if self.version in self.eval_versions:
+            return
+        self.eval_versions.add(self.version)
+        requests = self._eval_requests(self.version)
+        instances = None
+        if self._instances is not None:
+            instances = [i % self.live.active for i in range(len(requests))]
+        self._submit(requests, instances)
+
+    def _load(self, version: int) -> None:
+        """W_version into the service, once every earlier request has finished."""
+        self.wait_idle()
+        self.service.update_weights(self.weights(version), version)
+        self.version = version
+
+    def _submit(self, requests: list[GenerationRequest], instances: list[int] | None = None):
+        if not requests:
+            return
+        with self._cv:
+            self._submitted += len(requests)
+        self.service.submit(requests, instances)
+
+    def _drive(self) -> None:
+        try:
+            p = self.cfg.pipeline
+            for b in range(self.start, p.steps):
+                needed = self.sched.generation_version(b)
+                if needed != self.version:
+                    self._load(needed)
+                if self._stop.is_set():
+                    return
+                prompts = self.draw(b, p.prompts_per_step)
+                if b in self.expected_ids:
+                    ids = [q.problem.prompt_id for q in prompts]
+                    if ids != self.expected_ids[b]:
+                        raise RuntimeError(
+                            f"resume: batch {b} drew prompts {ids[:3]}..., the checkpoint "
+                            f"recorded {self.expected_ids[b][:3]}... (prompt iterator "
+                            "state does not match the checkpoint)"
+                        )
+                requests = make_requests(
+                    prompts,
+                    batch=b,
+                    group_size=p.group_size,
+                    max_new_tokens=self.cfg.generation.max_new_tokens,
+                    sampling=self.sampling,
+                    run_seed=self.cfg.seed,
+                    length_replay=self.cfg.generation.length_replay,
+                )
+                requests = [r for r in requests if self._mine(r.tag.group)]
+                requests, self._instances = self.live.plan(b, requests)
+                self._submit(requests, self._instances)
+                self.hooks.run(b)
+            self._final_eval()
+        except BaseException as e:  # noqa: BLE001 - reported to the owner
+            self._fail("generation driver", e)
+
+    def _final_eval(self) -> None:
+        """Greedy evaluation of the final weights (version = steps), when eval is on."""
+        version = self.cfg.pipeline.steps
+        if self.cfg.eval.num_problems == 0 or not self.eval_prompts:
+            return
+        if version in self.eval_versions or self._stop.is_set():
+            return
+        self.eval_versions.add(version)
+        self._load(version)
+        self._submit(self._eval_requests(version))
+
+    # ------------------------------------------------------------------ collector
+    def _collect(self) -> None:
+        component = "generation service"
+        try:
+            while not self._stop.is_set():
+                try:
+                    sample = self.service.get(timeout=0.1)
+                except TimeoutError:
+                    continue
+                except StreamClosed:
+                    return
+                if not sample.tag.is_eval:
+                    self.live.observe(sample.prompt, sample.num_tokens)
+                component = self.emit_component
+                self.emit(sample)
+                component = "generation service"
+                with self._cv:
+                    self._collected += 1
+                    self._cv.notify_all()
+        except BaseException as e:  # noqa: BLE001 - reported to the owner
+            self._fail(component, e)
+
+
+class GenerationLink(Protocol):
+    """Generation in other processes, as a training process sees it."""
+
+    num_instances: int  # generation instances over all generation processes
+    group: TrainingGroup | None  # several training processes: this one's share
+
+    def attach(
+        self,
+        on_sample: Callable[[Sample, Callable[[], None]], None],
+        on_chunk: Callable[..., None],
+        on_span: Callable[..., None],
+        on_error: Callable[[str, BaseException], None],
+    ) -> None:
+        """Starts delivering samples (credit back after `done()`), decode chunks, other
+        trace spans (wall times) and lost processes to these callbacks."""
+
+    def close(self, outcome: str, timeout: float) -> None:
+        """Tells the generation processes how the run ended and closes the channels."""

@@ -1,0 +1,231 @@
+"""A generation process of a multi-controller run (docs/multicontroller.md).
+
+It builds only the generation side (`components.build_generation`: its
+instances on its own devices, the tokenizer, the same seeded prompt pipeline),
+takes W_0 from the trainer and runs the same `GenerationDriver` as one process
+does, with its hooks pointed across processes: `weights(v)` takes W_v from a
+`WeightReceiver` (versions arrive in order; one the driver does not need is
+dropped), every process draws every batch's prompts and keeps the groups whose
+index is k mod G (held-out prompts likewise), and `emit` sends each finished
+sample to the training process that owns its group over a `SampleClient`.
+Decode-chunk and weight-arrival reports travel the same way.
+
+**End of a run.** Having taken every weight set, it reads the trainer's outcome,
+closes its sample channels in order and returns (raising for a failure). A
+generation process that fails tells the trainer why (`GenerationFailed`) before
+it exits; a lost trainer ends it at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Any
+
+import jax
+from absl import logging
+
+from streamrl_jax.config import ExperimentConfig
+from streamrl_jax.distributed import roles
+from streamrl_jax.distributed.channel import ChannelClosed, PeerLost, TransportError
+from streamrl_jax.distributed.messages import ChunkReport, GenerationFailed, SpanReport
+from streamrl_jax.distributed.transport import SampleClient
+from streamrl_jax.distributed.weights import WeightReceiver
+from streamrl_jax.generation.types import Sample
+from streamrl_jax.pipeline import components as components_lib
+from streamrl_jax.pipeline.driver import GenerationDriver
+from streamrl_jax.pipeline.process_plan import (
+    CHANNEL_TIMEOUT_S,
+    CLOSE_TIMEOUT_S,
+    RUN_END_KEY,
+    SAMPLES_KEY,
+    WEIGHTS_KEY,
+    ownership,
+)
+from streamrl_jax.scheduling.live import LiveScheduler
+
+
+class _Stopped(Exception):
+    """The training process stopped the run (signal) while this one still generated."""
+
+
+class _GenerationProcess:
+    """One generation process: W_0, its service and driver, the end protocol."""
+
+    def __init__(self, cfg: ExperimentConfig, dcfg: roles.DistributedConfig, r: roles.Roles):
+        self.cfg, self.r = cfg, r
+        self.timeout = cfg.pipeline.timeout_s
+        self.pid = r.process_id
+        self.share = (r.generation_processes.index(self.pid), len(r.generation_processes))
+        self.side = components_lib.build_generation(cfg, jax.local_devices())
+        name = f"generation-{self.pid}"
+        # One sample channel per training process: each group goes to its owner
+        # (shards.py); held-out samples and reports go to the first.
+        t = len(r.training_processes)
+        self.own = ownership(cfg, t) if t > 1 else None
+        self.clients = [
+            SampleClient(
+                roles.lookup(f"{SAMPLES_KEY}-{i}", self.timeout),
+                authkey=dcfg.authkey,
+                timeout_s=CHANNEL_TIMEOUT_S,
+                name=name,
+            )
+            for i in range(t)
+        ]
+        self.client = self.clients[0]
+        self.receiver = WeightReceiver(
+            roles.lookup(WEIGHTS_KEY, self.timeout),
+            authkey=dcfg.authkey,
+            timeout_s=CHANNEL_TIMEOUT_S,
+            name=name,
+        )
+        self._cv = threading.Condition()
+        self._error: tuple[str, BaseException] | None = None
+
+    # ------------------------------------------------------------------ hooks
+    def _send(self, msg: Any) -> None:
+        client = self.client
+        if self.own is not None and isinstance(msg, Sample) and not msg.tag.is_eval:
+            client = self.clients[self.own.owner(msg.tag.group)]
+        client.send(msg, timeout=self.timeout)  # back-pressure waits up to the stall bound
+
+    def _channel_error(self) -> BaseException | None:
+        return next((c.error for c in self.clients if c.error is not None), None)
+
+    def _receive(self, version: int) -> list[Any]:
+        """W_version placed on every instance; earlier versions the driver skips are dropped."""
+        shardings = self.side.parts.param_shardings
+        while True:
+            params, got, stats = self.receiver.receive(shardings[0], self.timeout)
+            t1 = time.time()
+            self._send(
+                SpanReport(
+                    f"weight_receive/generation-{self.pid}",
+                    f"W{got}",
+                    t1 - stats.seconds,
+                    t1,
+                    {"wire_s": stats.wire_s, "place_s": stats.place_s, "bytes": stats.bytes},
+                )
+            )
+            if got >= version:
+                break
+        if got != version:
+            raise RuntimeError(f"generation-{self.pid}: needed W_{version}, received W_{got}")
+        return [params] + [jax.device_put(params, s) for s in shardings[1:]]
+
+    def _on_chunk(self, instance, t0, t1, tokens, running, steps=0, prefilled=0) -> None:
+        label = f"p{self.pid}.{instance}"
+        with contextlib.suppress(TransportError):  # a lost channel: the main loop reports it
+            self._send(ChunkReport(label, t0, t1, tokens, running, steps, prefilled))
+
+    def _fail(self, component: str, exc: BaseException) -> None:
+        with self._cv:
+            if self._error is None:
+                self._error = (component, exc)
+                logging.error("%s failed: %r", component, exc)
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> None:
+        params = self._receive(0)
+        service = self.side.parts.service(params, 0, on_chunk=self._on_chunk)
+        live = LiveScheduler(self.cfg, self.cfg.mesh.instance_slots, self.side.vocab_size)
+        driver = GenerationDriver(
+            self.cfg,
+            service,
+            live,
+            self.side.eval_prompts,
+            weights=self._receive,
+            draw=lambda batch, n: self.side.prompts.next_prompts(n),
+            emit=self._send,
+            on_error=self._fail,
+            share=self.share,
+            emit_component="sample channel",
+        )
+        ok = False
+        try:
+            driver.start_threads()
+            self._wait(driver)
+            outcome = self._drain()
+            ok = True
+        except _Stopped:
+            outcome, ok = "stopped", True
+        finally:
+            driver.stop()
+            if not ok:
+                # Tell every training process why, so they fail naming this process.
+                failed = GenerationFailed(self.pid, repr(self._reason()))
+                for client in self.clients:
+                    if client.error is None:
+                        with contextlib.suppress(TransportError):
+                            client.send(failed, timeout=2)
+            # Closing the channels first wakes a driver thread blocked on one of them.
+            for client in self.clients:
+                client.close(CLOSE_TIMEOUT_S)
+            self.receiver.close(CLOSE_TIMEOUT_S)
+            for th in driver.threads:
+                th.join(CLOSE_TIMEOUT_S)
+            service.close(CLOSE_TIMEOUT_S)
+        if outcome == "stopped":
+            logging.warning("generation-%d: the training process stopped the run", self.pid)
+        elif outcome != "ok":
+            raise RuntimeError(
+                f"generation-{self.pid}: the training process ended the run: {outcome}"
+            )
+
+    def _reason(self) -> BaseException | str:
+        return self._error[1] if self._error is not None else "interrupted"
+
+    def _wait(self, driver: GenerationDriver) -> None:
+        """Until every batch (and the final eval) is generated and sent, watching the
+        sample channel so a lost trainer ends this process at once."""
+        while driver.driving or driver.pending() > 0:
+            with self._cv:
+                self._cv.wait(0.1)
+                error = self._error
+            if error is not None:
+                self._raise(error[1])
+            error = self._channel_error()
+            if error is not None:
+                self._raise(error)
+
+    def _raise(self, exc: BaseException) -> None:
+        if isinstance(exc, PeerLost):
+            logging.error("lost peer: %s", exc)
+        outcome = self._outcome(timeout=2.0)
+        if outcome == "stopped":
+            raise _Stopped() from exc
+        if outcome is not None and outcome != "ok":
+            raise RuntimeError(
+                f"generation-{self.pid}: the training process ended the run: {outcome}"
+            ) from exc
+        raise exc
+
+    def _outcome(self, timeout: float) -> str | None:
+        try:
+            return roles.lookup(RUN_END_KEY, timeout)
+        except TimeoutError:
+            return None
+
+    def _drain(self) -> str:
+        """Takes the weight sets nobody needs any more until the trainer closes the
+        channel, then reads the run's outcome."""
+        shardings = self.side.parts.param_shardings[0]
+        while True:
+            try:
+                self.receiver.receive(shardings, self.timeout)
+            except ChannelClosed:
+                break
+            except TransportError as e:
+                self._raise(e)
+        outcome = self._outcome(timeout=CLOSE_TIMEOUT_S)
+        if outcome == "stopped":
+            return outcome
+        if outcome is None:
+            raise RuntimeError(f"generation-{self.pid}: the trainer closed without an outcome")
+        return outcome
+
+
+def run_generation(cfg: ExperimentConfig, dcfg: roles.DistributedConfig, r: roles.Roles) -> None:
+    _GenerationProcess(cfg, dcfg, r).run()

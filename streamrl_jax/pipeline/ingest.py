@@ -1,0 +1,160 @@
+"""Samples in: decode, reward, into the grouping sample stream; held-out evaluations.
+
+`Ingest.on_sample(sample, done)` is what the generation side calls with every
+finished sample (the local driver's collector thread, or a sample channel's
+reader thread in a training process):
+
+* **training samples**: decoded, logged to samples.jsonl (the ranker's data),
+  scored on the reward pool and put into the `SampleStream`, which releases
+  complete GRPO groups to the trainer. `done()` runs once the sample is in the
+  stream (or failed), so a channel's credit comes back only then: the stream's
+  back-pressure reaches the generation processes.
+* **evaluation samples** (tag `eval_version`): scored here; once every held-out
+  prompt of a version is in, its accuracy / format / length are written as
+  `eval/...` metrics at that policy version.
+
+A reward function that raises fails the run naming "reward function" (or scores 0
+with `data.reward_errors="zero"`: `rewards/pool.py`).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+from streamrl_jax.config import ExperimentConfig
+from streamrl_jax.generation.types import Sample
+from streamrl_jax.metrics import MetricsWriter, Tracer
+from streamrl_jax.model.tokenizer import Tokenizer
+from streamrl_jax.pipeline.micro_batches import Scored
+from streamrl_jax.pipeline.step_metrics import GenerationMeter
+from streamrl_jax.pipeline.supervisor import Supervisor
+from streamrl_jax.rewards.base import RewardFn, RewardResult
+from streamrl_jax.rewards.pool import RewardPool
+from streamrl_jax.scheduling.sample_log import SampleLog
+from streamrl_jax.stream.sample_stream import SampleStream, StreamError
+
+
+class Evaluations:
+    """Held-out evaluation results by policy version (thread-safe)."""
+
+    def __init__(self, num_prompts: int, writer: MetricsWriter, supervisor: Supervisor):
+        self.num_prompts = num_prompts
+        self.writer, self.supervisor = writer, supervisor
+        self.metrics: dict[int, dict[str, float]] = {}  # version -> eval metrics
+        self._scored: dict[int, list[Scored]] = collections.defaultdict(list)
+        self._cv = threading.Condition()
+        supervisor.latch.add_listener(lambda component, exc: self._wake())
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def add(self, version: int, scored: Scored) -> None:
+        with self._cv:
+            group = self._scored[version]
+            group.append(scored)
+            if len(group) < self.num_prompts:
+                return
+            m = {
+                "accuracy": float(np.mean([s.reward.correct for s in group])),
+                "format_ok": float(np.mean([s.reward.format_ok for s in group])),
+                "response_len": float(np.mean([len(s.sample.response) for s in group])),
+                "num_problems": float(len(group)),
+            }
+            self.metrics[version] = m
+            self._cv.notify_all()
+        self.writer.write(version, m, prefix="eval/")
+        logging.info("eval at policy version %d: %s", version, m)
+
+    def wait(self, version: int, timeout: float) -> None:
+        """Blocks until the evaluation of `version` is complete (or the run failed).
+
+        Raises:
+          PipelineError: the run failed meanwhile.
+          TimeoutError: naming the version, after `timeout` seconds.
+        """
+        with self._cv:
+            ok = self._cv.wait_for(
+                lambda: version in self.metrics or self.supervisor.latch.failed, timeout
+            )
+        self.supervisor.raise_if_failed()
+        if not ok:
+            raise TimeoutError(
+                f"evaluation: policy version {version} not scored within {timeout:.0f} s "
+                "(generation stalled?)"
+            )
+
+
+class Ingest:
+    """Finished samples into rewards, the sample stream and the evaluations."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        tokenizer: Tokenizer,
+        reward_fn: RewardFn,
+        stream: SampleStream[Scored],
+        evaluations: Evaluations,
+        *,
+        supervisor: Supervisor,
+        meter: GenerationMeter,
+        tracer: Tracer,
+        workdir: str,
+    ):
+        self.tokenizer, self.reward_fn, self.stream = tokenizer, reward_fn, stream
+        self.evaluations, self.supervisor, self.meter = evaluations, supervisor, meter
+        self.tracer = tracer
+        self.timeout = cfg.pipeline.timeout_s
+        self.sample_log = (
+            SampleLog(os.path.join(workdir, "samples.jsonl")) if cfg.log.samples else None
+        )
+        self.pool = RewardPool(self._traced_reward, num_workers=2, on_error=cfg.data.reward_errors)
+
+    def _traced_reward(self, text: str, metadata: dict[str, Any]) -> RewardResult:
+        with self.tracer.span("reward/pool", "score"):
+            return self.reward_fn(text, metadata)
+
+    def on_sample(self, sample: Sample, done: Callable[[], None] | None = None) -> None:
+        """One finished sample (see the module docstring); `done()` runs once it is in
+        the stream, scored (evaluation) or failed."""
+        text = self.tokenizer.decode(sample.response)
+        if sample.tag.is_eval:
+            try:
+                result = self.reward_fn(text, sample.metadata)
+                self.evaluations.add(sample.tag.eval_version, Scored(sample, text, result))
+            finally:
+                if done is not None:
+                    done()
+            return
+        if self.sample_log is not None:
+            self.sample_log.write(sample, sample.tag.batch)
+        self.meter.sample(sample)
+        future = self.pool.submit(text, sample.metadata)
+        future.add_done_callback(lambda f, s=sample, t=text: self._scored(s, t, f, done))
+
+    def _scored(
+        self, sample: Sample, text: str, future: Any, done: Callable[[], None] | None
+    ) -> None:
+        try:
+            reward = future.result()
+            self.supervisor.tick("reward")
+            self.stream.put(Scored(sample, text, reward), timeout=self.timeout)
+        except StreamError:
+            pass  # the stream already carries the first failure
+        except BaseException as e:  # noqa: BLE001 - reported to the supervisor
+            self.supervisor.fail("reward function", e)
+        finally:
+            if done is not None:
+                done()
+
+    def close(self) -> None:
+        self.pool.close(cancel_pending=True)
+        if self.sample_log is not None:
+            self.sample_log.close()

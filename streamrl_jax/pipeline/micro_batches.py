@@ -1,0 +1,192 @@
+"""Micro-batch selection: which complete groups the trainer takes next, packed for the device.
+
+* `GroupTaker` takes complete GRPO groups of batch b from the sample stream,
+  parking groups of later batches (stream_async may deliver them early).
+  Streaming modes train once `pipeline.min_groups` are ready (dynamic-batch
+  pipelining); batch modes wait for all of them; `pipeline.deterministic` takes
+  exactly the groups of each micro-batch in group order, members in member
+  order (a fixed summation order: bitwise-reproducible training). With several
+  training processes each takes its fixed slice of every micro-batch
+  (`shards.py`), so all make the same calls.
+* `pack_groups` gates the groups (version contract), computes group-relative
+  advantages over each complete group (so arrival order cannot change them;
+  with `advantage="gae"` the critic fills them on the device instead) and
+  packs the samples into a bucket-padded `TrainBatch`, collecting the step's
+  per-sample statistics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+
+from streamrl_jax import algorithms
+from streamrl_jax.config import PipelineSection
+from streamrl_jax.generation.types import Sample
+from streamrl_jax.pipeline.schedules import Schedule, VersionGate
+from streamrl_jax.pipeline.shards import TrainingGroup
+from streamrl_jax.rewards.base import RewardResult
+from streamrl_jax.stream.sample_stream import SampleStream
+from streamrl_jax.trainer.batch import TrainBatch, make_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """A finished sample with its decoded text and reward."""
+
+    sample: Sample
+    text: str
+    reward: RewardResult
+
+
+Group = list[Scored]
+
+
+def group_key(s: Scored) -> tuple[int, int]:
+    """The sample stream's grouping: (batch, group) of the sample's tag."""
+    return s.sample.tag.batch, s.sample.tag.group
+
+
+def group_advantages(
+    advantage: str, rewards_B: np.ndarray, group_ids_B: np.ndarray, num_groups: int
+) -> np.ndarray:
+    """Per-sequence advantages f32[B] from the `algorithms.ADVANTAGES` entry `advantage`."""
+    fn = algorithms.ADVANTAGES[advantage]
+    put = jax.device_put  # explicit transfers: the loop runs under a transfer guard in tests
+    mask = put(np.ones((len(rewards_B), 1), np.float32))
+    adv = fn(put(rewards_B), mask, put(group_ids_B), num_groups=num_groups)
+    return np.asarray(jax.device_get(adv))[:, 0]
+
+
+def pack_groups(
+    step: int,
+    groups: list[Group],
+    *,
+    gate: VersionGate,
+    advantage: str,
+    seq_buckets: tuple[int, ...],
+    batch_buckets: tuple[int, ...],
+    pad_id: int,
+    stats: dict[str, list],
+) -> TrainBatch | None:
+    """Host TrainBatch of the admitted groups (None if the gate dropped them all).
+
+    Appends to `stats` lists: reward, correct, format_ok, length, truncated, versions.
+    `advantage="gae"` leaves the advantages at 0 (the critic fills them on device).
+    """
+    kept = [
+        g
+        for g in groups
+        if all([gate.admit(step, s.sample.policy_version, s.sample.request_id) for s in g])
+    ]
+    if not kept:
+        return None
+    samples = [s for g in kept for s in g]
+    rewards = np.asarray([s.reward.score for s in samples], np.float32)
+    if advantage == "gae":
+        adv = np.zeros_like(rewards)
+    else:
+        local = np.concatenate([np.full(len(g), i, np.int32) for i, g in enumerate(kept)])
+        adv = group_advantages(advantage, rewards, local, len(kept))
+    stats["reward"] += list(rewards)
+    stats["correct"] += [float(s.reward.correct) for s in samples]
+    stats["format_ok"] += [float(s.reward.format_ok) for s in samples]
+    stats["length"] += [len(s.sample.response) for s in samples]
+    stats["truncated"] += [float(s.sample.finish_reason != "stop") for s in samples]
+    stats["versions"] += [s.sample.policy_version for s in samples]
+    return make_batch(
+        [s.sample.prompt for s in samples],
+        [s.sample.response for s in samples],
+        behaviour_logp=[s.sample.logprobs for s in samples],
+        advantages=adv,
+        rewards=rewards,
+        group_ids=[s.sample.tag.group for s in samples],  # unique in the global batch
+        seq_buckets=seq_buckets,
+        batch_buckets=batch_buckets,
+        pad_id=pad_id,
+    )
+
+
+class GroupTaker:
+    """Takes the groups of each micro-batch from the stream (see the module docstring)."""
+
+    def __init__(
+        self,
+        p: PipelineSection,
+        schedule: Schedule,
+        stream: SampleStream[Scored],
+        group: TrainingGroup | None,
+        timeout: float,
+    ):
+        self.p, self.schedule, self.stream = p, schedule, stream
+        self.group, self.timeout = group, timeout
+        self._parked: dict[int, list[Group]] = {}  # batch -> groups taken early
+
+    def micro_batches(self, b: int, k: int) -> Iterator[list[Group]]:
+        """The groups of each micro-batch of mini-batch k of batch b, taken lazily (each
+        once the previous micro-batch is accumulated)."""
+        p = self.p
+        if self.group is not None:
+            own = self.group.own
+            for j in range(own.micro_batches()):
+                want = own.local_groups(k, j, self.group.index)
+                if p.deterministic:
+                    yield self._take_indexed(b, want)
+                else:
+                    yield self._take(b, len(want), len(want))
+            return
+        per_mini = p.prompts_per_step // p.mini_batches
+        remaining = per_mini
+        while remaining:
+            count = min(p.micro_batch_groups, remaining)
+            if p.deterministic:
+                first = k * per_mini + per_mini - remaining
+                groups = self._take_indexed(b, list(range(first, first + count)))
+            else:
+                groups = self._take(b, self.schedule.min_groups(p, remaining), count)
+            remaining -= len(groups)
+            yield groups
+
+    def _take(self, batch: int, min_groups: int, max_groups: int) -> list[Group]:
+        """Complete groups of `batch`, parking groups of later batches for later."""
+        out = self._parked.pop(batch, [])
+        while len(out) < min_groups:
+            for group in self.stream.get_groups(
+                min_groups=1, max_groups=max_groups, timeout=self.timeout
+            ):
+                b = group[0].sample.tag.batch
+                (out if b == batch else self._parked.setdefault(b, [])).append(group)
+        if len(out) > max_groups:
+            self._parked[batch] = out[max_groups:]
+            out = out[:max_groups]
+        return out
+
+    def _take_indexed(self, batch: int, want: list[int]) -> list[Group]:
+        """Exactly the groups `want` of `batch`, in that order, members in member order."""
+        have = {g[0].sample.tag.group: g for g in self._parked.pop(batch, [])}
+        while not all(i in have for i in want):
+            for group in self.stream.get_groups(min_groups=1, max_groups=1, timeout=self.timeout):
+                tag = group[0].sample.tag
+                if tag.batch == batch:
+                    have[tag.group] = group
+                else:
+                    self._parked.setdefault(tag.batch, []).append(group)
+        out = [sorted(have.pop(i), key=lambda s: s.sample.tag.member) for i in want]
+        if have:
+            self._parked[batch] = list(have.values())
+        return out
+
+
+def check_prompts(batch: int, groups: list[Group], drawn: list[str]) -> None:
+    """Several processes: every group's prompt is the one this process drew for its index
+    (the seeded prompt pipelines of all processes stay in step)."""
+    for g in groups:
+        tag = g[0].sample.tag
+        if tag.prompt_id != drawn[tag.group]:
+            raise RuntimeError(
+                f"batch {batch} group {tag.group}: generated for prompt {tag.prompt_id}, "
+                f"the trainer drew {drawn[tag.group]} (prompt pipelines out of step)"
+            )

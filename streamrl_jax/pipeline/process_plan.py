@@ -1,0 +1,76 @@
+"""How a multi-controller run is laid out: what works across processes, who trains what.
+
+Every process runs the same `python -m streamrl_jax.launch --config=...`;
+processes 0 .. G-1 generate, the others train (`distributed/roles.py`). Several
+training processes run one SPMD trainer over a mesh of all their devices, each
+feeding its own slice of every micro-batch (`shards.py`). Addresses go through
+the coordination service under the keys below; no port is configured.
+
+Not supported across processes yet (an error at start-up, on every process):
+colocated mode; checkpoints and resume; elastic instances and the online ranker
+refresh; training processes that cannot split every micro-batch equally.
+"""
+
+from __future__ import annotations
+
+import os
+
+from streamrl_jax.config import ExperimentConfig
+from streamrl_jax.pipeline.shards import Ownership
+
+SAMPLES_KEY, WEIGHTS_KEY, RUN_END_KEY = "samples", "weights", "run_end"
+CHANNEL_TIMEOUT_S = 30.0  # silence after which a peer is lost (heartbeats every 5 s)
+IN_FLIGHT = 8  # samples being scored or waiting for stream room, over all producers
+CLOSE_TIMEOUT_S = 10.0
+
+
+def check_supported(
+    cfg: ExperimentConfig, num_processes: int | None, generation_processes: int, workdir: str
+) -> None:
+    """Raises ValueError naming the setting that does not work across processes yet.
+
+    Runs before `jax.distributed.initialize`, on every process, so all of them fail
+    the same way at once.
+    """
+    n = "several processes" if num_processes is None else f"{num_processes} processes"
+    if cfg.pipeline.mode == "colocated":
+        raise ValueError(
+            f"pipeline.mode='colocated' shares one device set between generation and "
+            f"training, so it runs in one process; this program has {n} "
+            "(STREAMRL_NUM_PROCESSES). Use disaggregated_batch, stream_sync or stream_async, "
+            "or run one process."
+        )
+    if num_processes is not None and num_processes - generation_processes > 1:
+        try:
+            ownership(cfg, num_processes - generation_processes)
+        except ValueError as e:
+            raise ValueError(
+                f"STREAMRL_NUM_PROCESSES={num_processes}, STREAMRL_GENERATION_PROCESSES="
+                f"{generation_processes}: {e}"
+            ) from None
+    ckpt_dir = os.path.join(workdir, "checkpoints")
+    if cfg.checkpoint.every > 0 or os.path.isdir(ckpt_dir):
+        raise ValueError(
+            f"checkpoint.every={cfg.checkpoint.every} / {ckpt_dir}: checkpoints and resume are "
+            f"not supported with {n} yet (orbax's CheckpointManager would need "
+            "MultiprocessingOptions for the training process alone); set checkpoint.every=0 "
+            "and use a fresh --workdir"
+        )
+    s = cfg.scheduling
+    if s.elastic_reserved > 0:
+        raise ValueError(
+            f"scheduling.elastic_reserved={s.elastic_reserved}: elastic instances are not "
+            f"supported with {n} yet"
+        )
+    if s.ranker_online and (s.dispatch == "skew_aware" or s.ranker_path):
+        raise ValueError(
+            f"scheduling.ranker_online=True with a ranker: the online refresh is not supported "
+            f"with {n} yet; set scheduling.ranker_online=False"
+        )
+
+
+def ownership(cfg: ExperimentConfig, training_processes: int) -> Ownership:
+    """Which training process trains which group (`shards.py`); ValueError if the
+    processes cannot split every micro-batch equally."""
+    p = cfg.pipeline
+    return Ownership(training_processes, p.prompts_per_step // p.mini_batches, p.micro_batch_groups)

@@ -1,0 +1,253 @@
+"""Resume: a run's checkpoints at step boundaries, and the exact restart from one
+(docs/checkpoint.md).
+
+`RunCheckpoints` ties `checkpoint.Checkpointer` to the pipeline's state:
+
+* **save(k)** right after the optimizer step of batch k-1 (a step boundary):
+  the TrainState (W_k and the optimizer state), the critic's TrainState when
+  `algorithm.advantage="gae"`, the generation weights
+  W_v for v in [g(k), k) that batches >= k still need (the published
+  generation copies, from the weight board), the prompt-iterator state at the
+  start of batch k, the run seed and the prompt ids of the drawn but untrained
+  batches (`in_flight`), plus a config snapshot.
+* **restore()** puts all of that back: the states into this run's trainer
+  shardings (any mesh shape), the generation weights onto every generation
+  instance (republished on the board under their versions), the prompt
+  iterator at batch k; the driver and trainer then start at batch k and the
+  untrained batches are regenerated bit for bit (a sample depends only on
+  weights, prompt and per-sample seed).
+* **consumed.jsonl** in the workdir records the prompt ids each trained step
+  consumed; a resume truncates it to the restored steps, so every prompt
+  appears once per epoch however often the run was killed
+  (`tools/fault_drill.py` checks it).
+
+The ranker (scheduling) is saved when one is attached; it changes where and
+when a request runs, never its sample, so it does not affect exactness.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+from typing import Any
+
+import jax
+from absl import logging
+
+from streamrl_jax import checkpoint as ckpt_lib
+from streamrl_jax.config import ExperimentConfig
+from streamrl_jax.pipeline.components import Components
+from streamrl_jax.pipeline.schedules import Schedule, WeightBoard
+from streamrl_jax.weight_sync import Published
+
+CONSUMED = "consumed.jsonl"
+
+
+@dataclasses.dataclass
+class ResumePoint:
+    """Where a restored run starts.
+
+    Attributes:
+      batch: the first batch to generate and train (= optimizer steps... of whole batches).
+      gen_weights: version -> per-instance `Published` for the versions batches >= batch need.
+      expected_ids: batch -> prompt ids it must draw again (the saved `in_flight`).
+      step: the checkpoint's step.
+    """
+
+    batch: int
+    gen_weights: dict[int, list[Published]]
+    expected_ids: dict[int, list[str]]
+    step: int
+
+
+class RunCheckpoints:
+    """Checkpoints of one run in `<workdir>/checkpoints` (see the module docstring)."""
+
+    def __init__(self, cfg: ExperimentConfig, c: Components, workdir: str, sched: Schedule):
+        self.cfg, self.c, self.workdir, self.sched = cfg, c, workdir, sched
+        ck = cfg.checkpoint
+        self.directory = os.path.join(workdir, "checkpoints")
+        self.enabled = ck.every > 0
+        self.ckpt: ckpt_lib.Checkpointer | None = None
+        if self.enabled or os.path.isdir(self.directory):
+            self.ckpt = ckpt_lib.Checkpointer(
+                self.directory,
+                keep=ck.keep,
+                save_every=max(ck.every, 1),
+                async_save=ck.async_save,
+                fingerprint=ckpt_lib.model_fingerprint(c.model_cfg),
+                timeout_s=cfg.pipeline.timeout_s,
+            )
+        self._lock = threading.Lock()
+        self._prompt_state: dict[int, dict[str, Any]] = {}  # batch -> iterator state before it
+        self._batch_ids: dict[int, list[str]] = {}  # batch -> prompt ids drawn for it
+        self.saved: list[int] = []
+        self.ranker: Any = None  # object with state() / load_state(), when attached
+
+    # ------------------------------------------------------------------ driver hooks
+    def draw(self, batch: int, n: int) -> list[Any]:
+        """The driver's `next_prompts` for `batch`, recording the iterator state before it."""
+        with self._lock:
+            self._prompt_state[batch] = self.c.prompts.get_state()
+            prompts = self.c.prompts.next_prompts(n)
+            self._batch_ids[batch] = [p.problem.prompt_id for p in prompts]
+        return prompts
+
+    def prompt_ids(self, batch: int) -> list[str]:
+        with self._lock:
+            return list(self._batch_ids.get(batch, []))
+
+    # ------------------------------------------------------------------ save
+    def due(self, k: int, force: bool = False) -> bool:
+        return self.ckpt is not None and (force or (self.enabled and self.ckpt.should_save(k)))
+
+    def save(self, k: int, board: WeightBoard, *, force: bool = False) -> bool:
+        """Checkpoint k (after the optimizer step of batch k-1); False if not due."""
+        if not self.due(k, force):
+            return False
+        needed = range(self.sched.generation_version(k), k)
+        gen = {}
+        for v in needed:
+            published = board.get(v)
+            if published is None:
+                raise RuntimeError(
+                    f"checkpoint {k}: generation weights W_{v} are no longer on the weight board"
+                )
+            gen[str(v)] = published[0].params
+        with self._lock:
+            # The iterator state before batch k: recorded if the driver already drew
+            # batch k, else the current one (the driver has drawn exactly batches < k).
+            prompts = self._prompt_state.get(k) or self.c.prompts.get_state()
+            in_flight = {str(b): ids for b, ids in self._batch_ids.items() if b >= k}
+            for b in [b for b in self._prompt_state if b < k]:
+                del self._prompt_state[b]
+            for b in [b for b in self._batch_ids if b < k]:
+                del self._batch_ids[b]
+        metadata = {
+            "next_batch": k,
+            "run_seed": self.cfg.seed,
+            "mode": self.cfg.pipeline.mode,
+            "critic": self.c.critic_state is not None,
+            "staleness": self.cfg.pipeline.staleness,
+            "gen_versions": sorted(int(v) for v in gen),
+            "prompts": prompts,
+            "in_flight": in_flight,
+            "consumed": k * self.cfg.pipeline.prompts_per_step,
+            # The KL reference never changes: a pointer to where it is reloaded from.
+            "ref": {"init_from": self.cfg.init_from, "model_source": self.cfg.model.source},
+            "config": str(self.cfg),
+        }
+        extra: dict[str, Any] = {"gen_weights": gen} if gen else {}
+        if self.c.critic_state is not None:
+            extra["critic"] = self.c.critic_state
+        started = self.ckpt.save(
+            k,
+            self.c.state,
+            extra_arrays=extra or None,
+            ranker=self.ranker.state() if self.ranker is not None else None,
+            metadata=metadata,
+            force=force,
+        )
+        if started:
+            self.saved.append(k)
+            logging.info("checkpoint %d started (%s)", k, self.directory)
+        return started
+
+    def close(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.close()
+
+    # ------------------------------------------------------------------ consumption log
+    def log_consumed(self, batch: int, prompt_ids: list[str]) -> None:
+        with open(os.path.join(self.workdir, CONSUMED), "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": batch, "prompt_ids": prompt_ids}) + "\n")
+
+    def _truncate_consumed(self, k: int) -> None:
+        path = os.path.join(self.workdir, CONSUMED)
+        if not os.path.exists(path):
+            return
+        keep = [row for row in read_consumed(path) if row["step"] < k]
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            for row in keep:
+                f.write(json.dumps(row) + "\n")
+        os.replace(path + ".tmp", path)
+
+    # ------------------------------------------------------------------ restore
+    def restore(self) -> ResumePoint | None:
+        """Restores the newest checkpoint into the components; None if there is none."""
+        if self.ckpt is None or self.ckpt.latest_step() is None:
+            return None
+        step = self.ckpt.latest_step()
+        meta = self.ckpt.read_metadata(step)
+        p = self.cfg.pipeline
+        checks = (
+            ("mode", meta.get("mode"), p.mode),
+            ("run_seed", meta.get("run_seed"), self.cfg.seed),
+            ("critic", meta.get("critic", False), self.c.critic_state is not None),
+        )
+        for key, saved, now in checks:
+            if saved != now:
+                raise ValueError(
+                    f"checkpoint {self.ckpt.step_directory(step)} was written with "
+                    f"{key}={saved!r}, this run has {key}={now!r}: resume with the "
+                    "same setting or use a fresh --workdir (init_from to start from its weights)"
+                )
+        versions = [int(v) for v in meta.get("gen_versions", [])]
+        abstract_extra: dict[str, Any] = {}
+        if versions:
+            gen_abstract = ckpt_lib.abstract_tree(self.c.initial_weights[0].params)
+            abstract_extra["gen_weights"] = {str(v): gen_abstract for v in versions}
+        if self.c.critic_state is not None:
+            abstract_extra["critic"] = ckpt_lib.abstract_tree(self.c.critic_state)
+        r = self.ckpt.restore(
+            step,
+            abstract_state=ckpt_lib.abstract_tree(self.c.state),
+            abstract_extra=abstract_extra or None,
+            abstract_ranker=self.ranker.state() if self.ranker is not None else None,
+        )
+        self.c.state = r.state
+        if self.c.critic_state is not None:
+            self.c.critic_state = r.extra["critic"]
+        # Each generation instance's own placement of the weights (its shardings).
+        dests = [jax.tree.map(lambda x: x.sharding, p.params) for p in self.c.initial_weights]
+        if self.ranker is not None and r.ranker is not None:
+            self.ranker.load_state(r.ranker)
+        gen: dict[int, list[Published]] = {}
+        for v in versions:
+            tree = r.extra["gen_weights"][str(v)]
+            gen[v] = [Published(jax.device_put(tree, dst), v) for dst in dests]
+        self.c.prompts.set_state(meta["prompts"])
+        k = int(meta["next_batch"])
+        self._truncate_consumed(k)
+        logging.info(
+            "resumed from checkpoint %d (%s): next batch %d, generation versions %s",
+            step,
+            self.ckpt.step_directory(step),
+            k,
+            versions,
+        )
+        return ResumePoint(
+            batch=k,
+            gen_weights=gen,
+            expected_ids={int(b): ids for b, ids in meta.get("in_flight", {}).items()},
+            step=step,
+        )
+
+
+def read_consumed(path: str) -> list[dict[str, Any]]:
+    """Rows of a consumed.jsonl (a torn last line from a kill is skipped)."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i >= len(lines) - 2:  # the last line, cut by a kill
+                continue
+            raise ValueError(f"{path}:{i + 1}: not a JSON line") from None
+    return rows

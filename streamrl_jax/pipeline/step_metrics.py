@@ -1,0 +1,174 @@
+"""Step metrics: what each training step writes to metrics.jsonl / TensorBoard.
+
+* `GenerationMeter`: the generation side as the trainer sees it. Every decode
+  chunk (local engines, or `ChunkReport`s from generation processes) adds busy
+  seconds per instance and a trace span; every training sample widens its
+  batch's generation span (first admission to last completion: the elastic
+  rule's T_gen).
+* `StepMeter`: one row per trained step. Sample statistics (reward, accuracy,
+  format, lengths, truncation, staleness, stale drops) are summed over every
+  training process's share; pipeline figures (step time, train/gen busy
+  fractions, stream waits, weight-sync seconds, throughput) come from the loop;
+  device metrics of the optimizer steps (loss terms, norms, lr, ...) are
+  fetched one step late, so the fetch never stalls the device.
+* `RunResult`: what a finished run hands back (its rows, evaluations, state).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+
+from streamrl_jax.generation.types import Sample
+from streamrl_jax.metrics import MetricsWriter, Tracer
+from streamrl_jax.pipeline.shards import TrainingGroup, host
+
+# metric -> the per-sample list in a step's `stats` it is the mean of
+SAMPLE_MEANS = {
+    "reward": "reward",
+    "accuracy": "correct",
+    "format_ok": "format_ok",
+    "response_len": "length",
+    "truncated": "truncated",
+}
+
+
+class GenerationMeter:
+    """Generation busy time per instance and generation span per batch (thread-safe)."""
+
+    def __init__(self, tracer: Tracer, tick: Any):
+        self._tracer, self._tick = tracer, tick
+        self._lock = threading.Lock()
+        self._busy: dict[Any, float] = collections.defaultdict(float)  # instance -> seconds
+        self._spans: dict[int, list[float]] = {}  # batch -> [first admit, last finish]
+
+    def chunk(
+        self,
+        instance: int | str,
+        t0: float,
+        t1: float,
+        tokens: int,
+        running: int,
+        steps: int = 0,
+        prefilled: int = 0,
+    ) -> None:
+        """One decode chunk of an instance (the engines' `on_chunk`; wall times)."""
+        with self._lock:
+            self._busy[instance] += t1 - t0
+        self._tick("generation")
+        self._tracer.add_wall(
+            f"generation/instance {instance}",
+            "decode",
+            t0,
+            t1,
+            tokens=tokens,
+            running=running,
+            steps=steps,
+            prefilled=prefilled,
+        )
+
+    def sample(self, sample: Sample) -> None:
+        """Widens the generation span of the sample's batch."""
+        b, t = sample.tag.batch, sample.timings
+        with self._lock:
+            span = self._spans.setdefault(b, [t.admit, t.finish])
+            span[0], span[1] = min(span[0], t.admit), max(span[1], t.finish)
+
+    def busy_s(self) -> float:
+        """Busy seconds so far, summed over instances."""
+        with self._lock:
+            return sum(self._busy.values())
+
+    def pop_span(self, batch: int) -> float:
+        """The batch's generation span in seconds (0 if none was seen)."""
+        with self._lock:
+            first, last = self._spans.pop(batch, [0.0, 0.0])
+        return last - first
+
+
+def sample_stats(
+    batch: int, stats: dict[str, list], dropped: int, group: TrainingGroup | None
+) -> tuple[dict[str, float], int]:
+    """The step's sample statistics over every training process's share, and the
+    number of samples trained.
+
+    Args:
+      batch: the step b (staleness = b - version, averaged).
+      stats: per-sample lists (reward, correct, format_ok, length, truncated, versions).
+      dropped: stale samples dropped so far (the version gate's count).
+      group: the training processes to sum over (None: this process alone).
+    """
+    sums = [float(np.sum(stats[k])) for k in SAMPLE_MEANS.values()]
+    sums += [float(np.sum([batch - v for v in stats["versions"]])), float(dropped)]
+    sums.append(float(len(stats["reward"])))
+    longest = max(stats["length"], default=0)
+    if group is not None:
+        sums, longest = group.sum(sums), group.max([longest])[0]
+    *totals, staleness, dropped_total, n = sums
+    mean = lambda x: x / n if n else float("nan")
+    out = {k: mean(x) for k, x in zip(SAMPLE_MEANS, totals, strict=True)}
+    out |= {
+        "response_len_max": float(longest),
+        "staleness": mean(staleness),
+        "dropped_stale": dropped_total,
+    }
+    return out, int(n)
+
+
+def fetch(metrics: list[dict[str, jax.Array]]) -> dict[str, float]:
+    """Device metrics of a step's optimizer steps, fetched and averaged over them."""
+    values = host(metrics)
+    out = {k: float(np.mean([m[k] for m in values])) for k in values[0]}
+    if "nonfinite" in out:  # updates skipped for NaN/Inf: a count, not a mean
+        out["nonfinite"] = float(np.sum([m["nonfinite"] for m in values]))
+    return out
+
+
+class StepMeter:
+    """The rows of the trained steps; device metrics written one step late."""
+
+    def __init__(self, writer: MetricsWriter, start: int):
+        self.writer, self.start = writer, start
+        self.rows: list[dict[str, float]] = []  # per trained step (from `start`)
+        self.versions: list[list[int]] = []  # per step, every trained sample's version
+        self._pending: list[dict[str, jax.Array]] = []
+
+    def add(self, row: dict[str, float], versions: list[int], device: list[dict]) -> None:
+        """Records a step; its `device` metrics are fetched when the next step is added
+        (or at `flush`), after that step's work is dispatched."""
+        self.flush()
+        self.rows.append(row)
+        self.versions.append(versions)
+        self._pending = device
+
+    def flush(self) -> None:
+        """Fetches the pending device metrics and writes the last row."""
+        if self._pending and self.rows:
+            self.rows[-1].update(fetch(self._pending))
+            self.writer.write(self.start + len(self.rows) - 1, self.rows[-1])
+        self._pending = []
+
+    @property
+    def samples(self) -> int:
+        return sum(len(v) for v in self.versions)
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What a finished run hands back (tests and benchmarks read it)."""
+
+    state: Any  # final TrainState (on the training mesh)
+    steps: list[dict[str, float]]  # per-step host metrics
+    evals: dict[int, dict[str, float]]  # policy version -> eval metrics
+    trained_versions: list[list[int]]  # per step, the policy version of every trained sample
+    wall_s: float
+    samples: int
+    start_batch: int = 0  # first batch of this process (> 0 when resumed from a checkpoint)
+    stopped: bool = False  # ended early by SIGINT/SIGTERM (after checkpointing)
+    checkpoints: list[int] = dataclasses.field(default_factory=list)  # steps saved
+    critic_state: Any = None  # the critic's final TrainState (advantage="gae"), else None

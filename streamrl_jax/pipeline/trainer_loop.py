@@ -1,0 +1,291 @@
+"""The trainer loop: micro-batches as groups arrive, one optimizer step per global batch, publish.
+
+For step b = start .. steps-1 (the calling thread):
+
+1. For each of the `pipeline.mini_batches` mini-batches (PPO mini-batches by
+   group count; 1 by default), take each micro-batch's complete groups
+   (`micro_batches.GroupTaker`: streaming modes as soon as `min_groups` are
+   ready, batch modes once all are), gate, pack and place them on the training
+   mesh; reference log-probs when `kl_coef > 0`; with the critic
+   (`algorithm.advantage="gae"`) its values and per-sample GAE advantages; then
+   accumulate the gradients (the critic's too) into the donated accumulator.
+2. Apply the optimizer step(s) at the mini-batch boundary; W_{b+1} goes to the
+   generation side through the weight sync (on its background thread in
+   stream_async, so the copy overlaps the next step) and onto the weight board.
+3. Write the step's row (`step_metrics`) and run the step hooks: checkpoint
+   every `checkpoint.every`, the online ranker refresh and the scheduling
+   decision log every step.
+
+DESIGN.md §2: versions count batches, so W_{b+1} is published once per batch,
+after its last mini-batch step. With one mini-batch, stream_sync computes the
+same update as disaggregated_batch up to float summation order
+(`pipeline.deterministic` makes it bitwise).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import time
+from typing import Any
+
+import jax
+from absl import logging
+
+from streamrl_jax.config import ExperimentConfig
+from streamrl_jax.metrics import Progress
+from streamrl_jax.pipeline import micro_batches
+from streamrl_jax.pipeline.components import Components
+from streamrl_jax.pipeline.hooks import Hooks
+from streamrl_jax.pipeline.parts import RunParts
+from streamrl_jax.pipeline.schedules import VersionGate
+from streamrl_jax.pipeline.shards import TrainingGroup, host
+from streamrl_jax.pipeline.step_metrics import StepMeter, sample_stats
+from streamrl_jax.pipeline.supervisor import PipelineError
+from streamrl_jax.trainer.step import NonFiniteError
+
+
+@dataclasses.dataclass
+class _Step:
+    """What one step gathers while it trains."""
+
+    stats: dict[str, list] = dataclasses.field(
+        default_factory=lambda: collections.defaultdict(list)
+    )
+    micro: int = 0  # micro-batches accumulated
+    device: list[dict[str, jax.Array]] = dataclasses.field(default_factory=list)  # per apply
+    busy_s: float = 0.0  # seconds of accumulate compute
+    prompt_ids: list[str] = dataclasses.field(default_factory=list)
+
+
+class TrainerLoop:
+    """The trainer side of a run (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        c: Components,
+        parts: RunParts,
+        *,
+        start: int,
+        workdir: str,
+        group: TrainingGroup | None,
+        num_instances: int,
+        check_prompts: bool,
+    ):
+        """Args:
+        cfg, c, parts: the run's config, components and shared parts.
+        start: the first batch (a resumed run's checkpoint step).
+        workdir: where the scheduling decisions are logged.
+        group: the training processes of a multi-controller run (None: this one alone).
+        num_instances: generation instances over all processes (for `gen_busy`).
+        check_prompts: several processes: check each group's prompt against this
+          process's own draw of the batch (the seeded pipelines stay in step).
+        """
+        self.cfg, self.c = cfg, c
+        self.stream, self.board, self.ckpts = parts.stream, parts.board, parts.ckpts
+        self.live, self.supervisor, self.tracer = parts.live, parts.supervisor, parts.tracer
+        self.meter, self.schedule = parts.meter, parts.schedule
+        self.steps = StepMeter(parts.writer, start)
+        self.group, self.num_instances, self.check_prompts = group, num_instances, check_prompts
+        p = cfg.pipeline
+        self.timeout = p.timeout_s
+        self.gate = VersionGate(self.schedule, strict=p.strict_versions)
+        self.taker = micro_batches.GroupTaker(p, self.schedule, self.stream, group, self.timeout)
+        self.trained = start  # batches trained so far (the next checkpoint's step)
+        self.at_boundary = True  # the state is W_trained (no mini-batch step of a batch yet)
+        self._one = c.trainer.scalar(1.0)  # the micro-batch normaliser, on the training mesh
+        self._acc = c.trainer.init_accumulator()
+        self._critic_acc = c.critic.init_accumulator() if c.critic is not None else None
+        self.hooks = Hooks()
+        self.hooks.add("checkpoint", cfg.checkpoint.every, self.checkpoint, at_zero=False)
+        self.hooks.add("ranker refresh", 1, self.live.refresh_async)
+        decisions = os.path.join(workdir, "scheduling.jsonl")
+        self.hooks.add("scheduling decisions", 1, lambda k: self.live.write_decisions(decisions))
+
+    # ------------------------------------------------------------------ loop
+    def run(self, progress: Progress) -> None:
+        t0, done = time.perf_counter(), 0
+        for b in range(self.steps.start, self.cfg.pipeline.steps):
+            done += self._train_step(b, t0, done)
+            row = self.steps.rows[-1]
+            progress.update(
+                b + 1, reward=row["reward"], acc=row["accuracy"], sps=row["samples_per_s"]
+            )
+        self.steps.flush()
+
+    def _train_step(self, b: int, t_run: float, done: int) -> int:
+        """Trains batch b and publishes W_{b+1}; returns the samples trained."""
+        p = self.cfg.pipeline
+        t_step = time.perf_counter()
+        gen_busy0, waits0 = self.meter.busy_s(), dataclasses.replace(self.stream.metrics)
+        step = _Step()
+        drawn = None
+        if self.check_prompts:  # the generation processes drew the same prompts
+            drawn = [q.problem.prompt_id for q in self.ckpts.draw(b, p.prompts_per_step)]
+        for k in range(p.mini_batches):
+            for groups in self.taker.micro_batches(b, k):
+                step.prompt_ids += [g[0].sample.tag.prompt_id for g in groups]
+                if drawn is not None:
+                    micro_batches.check_prompts(b, groups, drawn)
+                self._accumulate(b, groups, step)
+            self._apply(b, k, step)
+        sync_s = self._publish(b + 1)
+        self.at_boundary, self.trained = True, b + 1
+        self.supervisor.tick("trainer")
+        self.ckpts.log_consumed(b, step.prompt_ids)
+        if self.check_prompts:  # no local driver frees the board: keep what g() needs
+            self.board.discard_below(self.schedule.generation_version(self.trained))
+        stats, n = sample_stats(b, step.stats, self.gate.dropped, self.group)
+        now = time.perf_counter()
+        wall = max(now - t_step, 1e-9)
+        m = self.stream.metrics
+        row = stats | {
+            "dropped_overlong": float(self.c.prompts.dropped_overlong),
+            "truncated_overlong": float(self.c.prompts.truncated_overlong),
+            "queue_depth": float(self.stream.depth()["ready_samples"]),
+            "step_s": wall,
+            "train_busy": step.busy_s / wall,
+            # Fraction of this step's wall time the instances spent decoding or
+            # prefilling (mean over instances).
+            "gen_busy": (self.meter.busy_s() - gen_busy0) / (wall * self.num_instances),
+            # Trainer blocked waiting for complete groups / reward threads blocked on
+            # back-pressure, seconds within this step.
+            "stream_wait_s": m.consumer_wait_s - waits0.consumer_wait_s,
+            "stream_backpressure_s": m.producer_wait_s - waits0.producer_wait_s,
+            "weight_sync_s": sync_s,
+            "samples_per_s": (done + n) / (now - t_run),
+            "micro_batches": float(step.micro),
+            "optimizer_steps": float(len(step.device)),
+            "watchdog_alerts": float(len(self.supervisor.alerts)),
+        }
+        row |= self.live.end_of_step(b, self.meter.pop_span(b), step.busy_s)
+        self.steps.add(row, list(step.stats["versions"]), step.device)
+        self.hooks.run(self.trained)
+        return n
+
+    # ------------------------------------------------------------------ one micro-batch
+    def _accumulate(self, b: int, groups: list[micro_batches.Group], step: _Step) -> None:
+        """One micro-batch's gradients (policy, and critic) into the accumulators."""
+        c, t0 = self.c, self.tracer.now()
+        dev = self._place(b, groups, step.stats)
+        if dev is None:
+            return
+        self._acc, _ = c.trainer.accumulate(c.state, self._acc, dev, self._one)
+        if c.critic is not None:
+            self._critic_acc, _ = c.critic.accumulate(
+                c.critic_state, self._critic_acc, dev, self._one
+            )
+        # Deliberate sync point: the trace span must cover the compute, and it bounds
+        # the micro-batches queued on the device.
+        jax.block_until_ready((self._acc, self._critic_acc))
+        t1 = self.tracer.now()
+        tokens = sum(len(s.sample.prompt) + len(s.sample.response) for g in groups for s in g)
+        self.tracer.add(
+            "trainer/micro-batch", "accumulate", t0, t1, groups=len(groups), tokens=tokens
+        )
+        step.micro += 1
+        step.busy_s += t1 - t0
+        self.supervisor.tick("trainer")
+
+    def _place(self, b: int, groups: list[micro_batches.Group], stats: dict) -> Any:
+        """The micro-batch on the training mesh (None if the gate dropped every group),
+        with reference log-probs and, with the critic, GAE advantages and returns."""
+        c, t = self.c, self.c.trainer
+        batch = micro_batches.pack_groups(
+            b,
+            groups,
+            gate=self.gate,
+            advantage=self.cfg.algorithm.advantage,
+            seq_buckets=t.cfg.seq_buckets,
+            batch_buckets=t.cfg.batch_buckets,
+            pad_id=c.tokenizer.pad_id,
+            stats=stats,
+        )
+        if self.group is not None:  # every training process feeds the same global shape
+            batch = self.group.agree(batch, c.tokenizer.pad_id, t.cfg.batch_buckets)
+        if batch is None:
+            return None
+        dev = t.place_batch(batch)
+        if c.ref_params is not None:
+            dev = dev.replace(ref_logp=t.logprobs(c.ref_params, dev))
+        if c.critic is not None:
+            # GAE from the critic's values under its weights from before its update on
+            # this batch (per sample: any split into micro-batches gives the same targets).
+            dev = c.critic.fill_gae(c.critic_state.params, dev)
+        return dev
+
+    # ------------------------------------------------------------------ boundaries
+    def _apply(self, b: int, k: int, step: _Step) -> None:
+        """The optimizer step(s) closing mini-batch k of batch b."""
+        c, t0 = self.c, self.tracer.now()
+        self.at_boundary = False
+        c.state, self._acc, m = c.trainer.apply(c.state, self._acc)
+        if c.critic is not None:
+            c.critic_state, self._critic_acc, cm = c.critic.apply(c.critic_state, self._critic_acc)
+            m = m | {f"critic_{name}": v for name, v in cm.items()}
+        step.device.append(m)
+        if self.cfg.pipeline.nonfinite == "stop":
+            skipped = [key for key in ("nonfinite", "critic_nonfinite") if key in m]
+            if any(float(host(m[key])) > 0 for key in skipped):
+                raise NonFiniteError(
+                    f"step {b}: non-finite loss or gradients (pipeline.nonfinite='stop'); the "
+                    "update was not applied"
+                )
+        name = f"step {b}" if self.cfg.pipeline.mini_batches == 1 else f"step {b}.{k}"
+        self.tracer.add("trainer/optimizer", name, t0, self.tracer.now())
+
+    def _publish(self, version: int) -> float:
+        """Sends W_version to generation; background in stream_async. Returns sync seconds.
+
+        Raises:
+          PipelineError("weight sync"): this transfer (or, in stream_async, the previous
+            background one) failed.
+        """
+        ws, params = self.c.weight_sync, self.c.state.params
+        try:
+            if self.schedule.mode == "stream_async":
+                if ws.in_flight:
+                    ws.result(self.timeout)
+                t0 = self.tracer.now()
+
+                def landed(published, stats):
+                    self.tracer.add("weight_sync/transfer", f"W{version}", t0, self.tracer.now())
+                    self.board.publish(version, published)
+
+                ws.start(params, version, on_done=landed)
+                return ws.history[-1].seconds if ws.history else 0.0
+            with self.tracer.span("weight_sync/transfer", f"W{version}"):
+                published, stats = ws.transfer(params, version)
+            self.board.publish(version, published)
+            return stats.seconds
+        except Exception as e:
+            raise PipelineError("weight sync", e) from e
+
+    def checkpoint(self, k: int, force: bool = False) -> None:
+        """Checkpoint k at the boundary after batch k-1 (the checkpoint hook; forced at
+        the end of a run and before a stop)."""
+        if not self.ckpts.due(k, force):
+            return
+        t0 = self.tracer.now()
+        try:
+            self.ckpts.save(k, self.board, force=force)
+        except Exception as e:
+            raise PipelineError("checkpoint writer", e) from e
+        self.tracer.add("checkpoint/save", f"step {k}", t0, self.tracer.now())
+
+    def checkpoint_at_boundary(self, raise_errors: bool = False) -> None:
+        """On a failure or a stop: save the last step boundary if the state is at one
+        (not mid-way through a batch's mini-batch steps) and it is not saved yet."""
+        k = self.trained
+        if self.ckpts.ckpt is None or not self.at_boundary or k == 0 or k in self.ckpts.saved:
+            return
+        try:
+            self.checkpoint(k, force=True)
+            self.ckpts.close()
+            logging.warning("saved checkpoint %d before stopping", k)
+        except Exception as e:
+            if raise_errors:
+                raise
+            logging.error("best-effort checkpoint %d failed: %r", k, e)

@@ -1,0 +1,229 @@
+"""A training process of a multi-controller run (docs/multicontroller.md).
+
+`run_training` opens a `SampleServer` whose `on_sample` hands each sample to
+the run's ingest (decode, reward, into the `SampleStream`); the channel's
+credit comes back only once the sample is in the stream, so the stream's
+back-pressure reaches the generation processes. The weight sync's mover sends
+W_v to every generation process through a `WeightSender` after the cast to
+the generation dtype on the training mesh (in stream_async on the weight
+sync's background thread, overlapping the next step). Then
+`lifecycle.run_components`: the same trainer loop, version gate, evaluation
+bookkeeping, metrics and trace as one process.
+
+Several training processes: the cast also gathers the params, replicated over
+the training mesh (a collective every training process joins, on its trainer
+thread); the first training process sends its full local copy, writes the
+metrics and scores the held-out prompts.
+
+**End of a run.** The trainer publishes its outcome (`ok`, `stopped`, or
+`failed: ...`) under `run_end` and closes the weight channel; it then waits
+(bounded) for every sample channel to close. **Failure.** A lost process is
+`PeerLost` on the channels (a killed one at once, a silent one after
+`CHANNEL_TIMEOUT_S`); it is logged as `lost peer: ...` naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import jax
+from absl import logging
+
+from streamrl_jax.config import ExperimentConfig
+from streamrl_jax.distributed import roles
+from streamrl_jax.distributed.channel import ChannelClosed, PeerLost, TransportError
+from streamrl_jax.distributed.messages import ChunkReport, GenerationFailed, SpanReport
+from streamrl_jax.distributed.transport import SampleServer
+from streamrl_jax.distributed.weights import WeightSender
+from streamrl_jax.generation.types import Sample
+from streamrl_jax.pipeline import components as components_lib
+from streamrl_jax.pipeline.lifecycle import run_components
+from streamrl_jax.pipeline.process_plan import (
+    CHANNEL_TIMEOUT_S,
+    CLOSE_TIMEOUT_S,
+    IN_FLIGHT,
+    RUN_END_KEY,
+    SAMPLES_KEY,
+    WEIGHTS_KEY,
+    ownership,
+)
+from streamrl_jax.pipeline.shards import TrainingGroup, host
+from streamrl_jax.pipeline.step_metrics import RunResult
+from streamrl_jax.weight_sync import Mover, Published, WeightSync
+
+
+def send_to_generation(sender: WeightSender | None, timeout_s: float) -> Mover:
+    """The weight sync's mover in a training process: `WeightSender.send` of the cast
+    weights to every generation process (the cast copy stays here: the weight board
+    keeps it). Its seconds cover the cast, `device_get`, checksums and the wire, not
+    the receivers' placement (each reports a `weight_receive/generation-<k>` span).
+    Without a sender (not the first training process) it only takes part in the cast."""
+
+    def move(cast: Any, version: int) -> tuple[list[Published], int]:
+        if sender is None:
+            jax.block_until_ready(cast)
+            return [Published(cast, version)], 0
+        sender.send(host(cast), version, timeout=timeout_s)
+        return [Published(cast, version)], sender.num_receivers
+
+    return move
+
+
+class TrainingLink:
+    """The training process's `GenerationLink` (pipeline/driver.py): samples in, weights out."""
+
+    def __init__(self, cfg: ExperimentConfig, dcfg: roles.DistributedConfig, r: roles.Roles):
+        g = len(r.generation_processes)
+        p = cfg.pipeline
+        # Several training processes: this one's index; the first sends the weights,
+        # writes the metrics and scores the held-out prompts.
+        self.index = r.training_processes.index(r.process_id)
+        self.group: TrainingGroup | None = None  # set once the training mesh exists
+        self.timeout = p.timeout_s
+        self.num_instances = g * len(cfg.mesh.instance_slots)
+        self._attached = threading.Event()
+        self._closed = False
+        self._hooks: tuple[Any, ...] = ()
+        self._early: list[tuple[str, BaseException]] = []  # failures before attach
+        self._inflight = threading.BoundedSemaphore(IN_FLIGHT)
+        address = roles.advertised_host(dcfg)
+        self.server = SampleServer(
+            f"{address}:0",
+            authkey=dcfg.authkey,
+            capacity=max(2 * g, p.prompts_per_step * p.group_size),
+            timeout_s=CHANNEL_TIMEOUT_S,
+            num_producers=g,
+            on_sample=self._on_message,
+            on_error=lambda exc: self._failed("generation process", exc),
+            name=f"training-{self.index}",
+        )
+        self.sender = None
+        if self.index == 0:
+            self.sender = WeightSender(
+                f"{address}:0",
+                authkey=dcfg.authkey,
+                num_receivers=g,
+                timeout_s=CHANNEL_TIMEOUT_S,
+                name="training",
+            )
+            roles.publish(WEIGHTS_KEY, "{}:{}".format(*self.sender.address))
+        roles.publish(f"{SAMPLES_KEY}-{self.index}", "{}:{}".format(*self.server.address))
+
+    def _failed(self, component: str, exc: BaseException) -> None:
+        if isinstance(exc, PeerLost):
+            logging.error("lost peer: %s", exc)
+        if self._attached.is_set():
+            self._hooks[3](component, exc)
+        else:
+            self._early.append((component, exc))
+
+    def attach(self, on_sample, on_chunk, on_span, on_error) -> None:
+        self._hooks = (on_sample, on_chunk, on_span, on_error)
+        self._attached.set()
+        for component, exc in self._early:
+            on_error(component, exc)
+
+    def _wait(self, wait: Any, what: str) -> None:
+        """`wait(timeout=...)` in short slices, so a closing link never waits long."""
+        deadline = time.monotonic() + self.timeout
+        while not wait(timeout=0.5):
+            if self._closed:
+                raise ChannelClosed(f"training: closing ({what})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"training: {what} for {self.timeout:.0f} s")
+
+    def _on_message(self, msg: Any) -> None:
+        """A sample channel's reader thread: one message from a generation process."""
+        self._wait(self._attached.wait, "the run did not start")
+        on_sample, on_chunk, on_span, _ = self._hooks
+        if isinstance(msg, Sample):
+            # Back-pressure: the reader (and so the producer's credit) waits here while
+            # IN_FLIGHT samples are still being scored or waiting for stream room.
+            self._wait(
+                self._inflight.acquire,
+                "no room for samples (reward pool / sample stream / trainer stalled)",
+            )
+            on_sample(msg, self._inflight.release)
+        elif isinstance(msg, ChunkReport):
+            m = msg
+            on_chunk(m.instance, m.t0, m.t1, m.tokens, m.running, m.steps, m.prefilled)
+        elif isinstance(msg, SpanReport):
+            on_span(msg.track, msg.name, msg.t0, msg.t1, **msg.args)
+        elif isinstance(msg, GenerationFailed):
+            self._failed(
+                f"generation process {msg.process}",
+                RuntimeError(f"generation process {msg.process} failed: {msg.reason}"),
+            )
+        else:
+            raise TypeError(f"training: unexpected message {type(msg).__name__} on the samples")
+
+    def close(self, outcome: str, timeout: float) -> None:
+        """Publishes the outcome, closes the weight channel, then waits (bounded) for
+        every generation process to close its sample channel. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.index == 0:
+            try:
+                roles.publish(RUN_END_KEY, outcome)
+            except Exception as e:  # noqa: BLE001 - the coordination service may be gone
+                logging.warning("could not publish the run's outcome: %r", e)
+        wait = min(timeout, 60.0 if outcome == "ok" else CLOSE_TIMEOUT_S)
+        if self.sender is not None:
+            self.sender.close(CLOSE_TIMEOUT_S)
+        try:
+            self.server.get(timeout=wait)  # callback mode: returns only by raising
+        except ChannelClosed:
+            pass  # every generation process closed in order
+        except TransportError as e:
+            if outcome == "ok":
+                logging.warning("generation processes at the end of the run: %s", e)
+        finally:
+            self.server.close(CLOSE_TIMEOUT_S)
+
+
+def run_training(
+    cfg: ExperimentConfig, workdir: str, dcfg: roles.DistributedConfig, r: roles.Roles
+) -> RunResult:
+    link = TrainingLink(cfg, dcfg, r)
+    # The training mesh: the first mesh.train_devices devices of every training process.
+    per = cfg.mesh.train_devices
+    devices = [
+        d
+        for pid in r.training_processes
+        for d in [d for d in r.training_devices if d.process_index == pid][:per]
+    ]
+
+    def weight_sync(params: Any, dtype: Any) -> WeightSync:
+        mesh = jax.tree.leaves(params)[0].sharding.mesh
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        return WeightSync(
+            dtype,
+            send_to_generation(link.sender, cfg.pipeline.timeout_s),
+            cast_sharding=replicated if mesh.is_multi_process else None,
+        )
+
+    try:
+        components = components_lib.build_training(
+            cfg, devices, weight_sync, processes=len(r.training_processes)
+        )
+        if len(r.training_processes) > 1:
+            link.group = TrainingGroup(
+                components.trainer.mesh, ownership(cfg, len(r.training_processes)), link.index
+            )
+        if link.index > 0:
+            # The first training process scores the held-out prompts and writes the
+            # metrics; this one keeps its own trace and sample logs apart.
+            components.eval_prompts = []
+            workdir = os.path.join(workdir, f"training-{link.index}")
+        return run_components(cfg, components, workdir, link=link)
+    except BaseException as e:
+        if len(r.training_processes) > 1 and "gloo" in str(e).lower():
+            # A collective of the training mesh broke: another training process is gone.
+            others = [p for p in r.training_processes if p != r.process_id]
+            logging.error("lost peer: a collective over the training processes %s failed", others)
+        link.close(f"failed: training process: {e!r}", CLOSE_TIMEOUT_S)  # if the run did not
+        raise

@@ -1,0 +1,180 @@
+"""The package's import structure: one-way layers, no cycles (STYLE.md "Imports flow one way").
+
+Parses every module of `streamrl_jax` (no import is executed), resolves each
+`import` / `from ... import` (function-level ones too) to the package's
+modules, and checks:
+
+* every import goes to the importer's own layer or a lower one (`LAYERS`, the
+  order written once here and in README.md);
+* no cycle between packages (a package is a top-level module or subpackage),
+  and none between modules;
+* the live code never imports `simulation/` (only tools/ and tests/ do), and
+  `algorithms/` never imports `model/` (RL maths work on arrays).
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import os
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "streamrl_jax")
+
+# Lowest first. A package may import its own layer and the ones before it.
+LAYERS = (
+    ("config", "mailbox", "mesh", "sharding"),
+    ("model", "algorithms"),
+    ("generation", "trainer", "weight_sync"),
+    ("stream", "scheduling", "rewards", "data", "checkpoint", "metrics", "distributed"),
+    ("simulation",),
+    ("pipeline",),
+    ("launch",),
+)
+FORBIDDEN = {("algorithms", "model")}  # (importer, imported) within a layer
+ONLY_FROM_OUTSIDE = {"simulation"}  # imported by tools/ and tests/, never by the package
+
+
+def _modules() -> dict[str, str]:
+    """Dotted module name -> file path, for every module of the package."""
+    out = {}
+    for folder, _, files in os.walk(ROOT):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                rel = os.path.relpath(path, os.path.dirname(ROOT))[: -len(".py")]
+                out[rel.replace(os.sep, ".").removesuffix(".__init__")] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The package module `name` refers to (a module, or the module defining a name)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str, path: str) -> set[str]:
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            names = [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name.startswith("streamrl_jax"):
+                target = _resolve(name)
+                # A package's own __init__ is not an edge for its modules: Python runs it
+                # first whatever they import, and it re-exports them.
+                if target is not None and not (module + ".").startswith(target + "."):
+                    found.add(target)
+    return found
+
+
+GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "streamrl_jax"
+
+
+def _layer(unit: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        if unit in layer:
+            return i
+    raise AssertionError(f"streamrl_jax/{unit} is in no layer of tests/layering_test.py")
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _package_graph() -> dict[str, set[str]]:
+    graph = collections.defaultdict(set)
+    for module, targets in GRAPH.items():
+        for target in targets:
+            if _unit(target) != _unit(module) and _unit(module) != "streamrl_jax":
+                graph[_unit(module)].add(_unit(target))
+    return graph
+
+
+def test_the_parser_sees_the_imports():
+    # A guard on the test itself: known edges are found, so an empty graph cannot pass.
+    assert "streamrl_jax.config" in GRAPH["streamrl_jax.pipeline.lifecycle"]
+    assert "streamrl_jax.pipeline.processes" in GRAPH["streamrl_jax.launch"]
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+
+
+def test_every_package_is_in_a_layer():
+    for module in MODULES:
+        if _unit(module) != "streamrl_jax":
+            _layer(_unit(module))
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_go_down_the_layers(module):
+    unit = _unit(module)
+    if unit == "streamrl_jax":
+        return
+    bad = []
+    for target in sorted(GRAPH[module]):
+        other = _unit(target)
+        if other in (unit, "streamrl_jax"):
+            continue
+        if _layer(other) > _layer(unit):
+            bad.append(f"{target} (layer {_layer(other)} above {unit}'s {_layer(unit)})")
+        elif (unit, other) in FORBIDDEN:
+            bad.append(f"{target} ({unit} must not import {other})")
+        elif other in ONLY_FROM_OUTSIDE:
+            bad.append(f"{target} (only tools/ and tests/ import {other})")
+    assert not bad, f"{module} imports upward or across a rule: {bad}"
+
+
+def test_no_cycle_between_packages():
+    assert _cycles(_package_graph()) == []
+
+
+def test_no_cycle_between_modules():
+    assert _cycles(GRAPH) == []
