@@ -93,17 +93,18 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
 _ONE_PROCESS, _ONE_PROCESS_DIR = {}, {}
 
 
-def _one_process(mode, tmp_path_factory):
+def _one_process(mode, tmp_path_factory, **overrides):
     """The same launch command in one process (its own 2 CPU devices: XLA:CPU's results
     depend on the process's device count, so the reference must not run in pytest's
     8-device process)."""
-    if mode not in _ONE_PROCESS:
+    key = (mode, *sorted(overrides.items()))
+    if key not in _ONE_PROCESS:
         workdir = tmp_path_factory.mktemp(f"one-{mode}")
-        run = _run(_launch_cmd(workdir, **{"pipeline.mode": mode}))
+        run = _run(_launch_cmd(workdir, **{"pipeline.mode": mode}, **overrides))
         assert run.returncode == 0, run.stderr[-6000:]
-        _ONE_PROCESS[mode] = np.load(workdir / run_lib.FINAL_PARAMS)
-        _ONE_PROCESS_DIR[mode] = workdir
-    return _ONE_PROCESS[mode]
+        _ONE_PROCESS[key] = np.load(workdir / run_lib.FINAL_PARAMS)
+        _ONE_PROCESS_DIR[key] = workdir
+    return _ONE_PROCESS[key]
 
 
 # Every case launches 2-4 real processes (40-70 s each on 2 shared cores). The default
@@ -151,7 +152,7 @@ def test_processes_give_the_one_process_parameters(
     rows = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "reward" in r]
     assert [r["step"] for r in rows] == [0, 1]
     reference = [
-        r for r in read_jsonl(str(_ONE_PROCESS_DIR[mode] / "metrics.jsonl")) if "reward" in r
+        r for r in read_jsonl(str(_ONE_PROCESS_DIR[(mode,)] / "metrics.jsonl")) if "reward" in r
     ]
     for key in ("reward", "response_len", "staleness", "micro_batches"):
         assert [r[key] for r in rows] == pytest.approx([r[key] for r in reference]), key
@@ -165,6 +166,31 @@ def test_processes_give_the_one_process_parameters(
     assert "weight_receive" in trace
     for k in range(generation):
         assert f"instance p{k}.0" in trace and f"generation-{k}" in trace  # weight_receive/
+
+
+@pytest.mark.parametrize("processes, generation", [(2, 1), pytest.param(4, 2, marks=_EXT)])
+def test_processes_train_the_critic_like_one_process(
+    processes, generation, tmp_path, tmp_path_factory
+):
+    # algorithm.advantage="gae": the critic trains on the training processes beside the
+    # policy (FSDP over all of them with 2 training processes). The policy's update reads
+    # the critic's values, so equal final policy parameters mean an equal critic too.
+    gae = {"pipeline.mode": "stream_sync", "algorithm.advantage": "gae"}
+    workdir = tmp_path / "run"
+    launcher = [sys.executable, str(REPO / "launch" / "local.py")]
+    cmd = [*launcher, "-n", str(processes), "-g", str(generation), "--timeout_s", "240"]
+    run = _run([*cmd, "--", *_launch_cmd(workdir, **gae)])
+    assert run.returncode == 0, run.stdout[-6000:]
+    got = np.load(workdir / run_lib.FINAL_PARAMS)
+    want = _one_process("stream_sync", tmp_path_factory, **{"algorithm.advantage": "gae"})
+    for key in want.files:
+        if processes - generation == 1:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+        else:
+            np.testing.assert_allclose(got[key], want[key], rtol=0, atol=1e-4, err_msg=key)
+    rows = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "reward" in r]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["critic_grad_norm"] > 0 and r["critic_nonfinite"] == 0 for r in rows)
 
 
 def _spawn(processes, generation, workdir, logs) -> list[subprocess.Popen]:

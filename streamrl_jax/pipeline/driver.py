@@ -18,9 +18,9 @@ thread draining it (DESIGN.md §4).
 The same class runs in both places; only the three hooks differ (`weights`,
 `draw`, `emit`). A training process of a multi-controller run has no driver: it
 sees the generation processes through a `GenerationLink` (below).
-Failures: an exception in either thread goes to
-`on_error(component, exc)`; `abort(exc)` (the owner failed) wakes every wait
-here, and `stop()` ends both threads quietly.
+Failures: an exception in either thread fails the owner's `FailureLatch`
+naming the component; any failure on that latch (here or elsewhere) wakes
+every wait here, and `stop()` ends both threads quietly.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.data import Prompt, make_requests
 from streamrl_jax.generation.service import GenerationService, StreamClosed
 from streamrl_jax.generation.types import GenerationRequest, RequestTag, Sample, SamplingParams
+from streamrl_jax.mailbox import FailureLatch
 from streamrl_jax.pipeline.hooks import Hooks
 from streamrl_jax.pipeline.schedules import Schedule
 from streamrl_jax.pipeline.shards import TrainingGroup
@@ -52,7 +53,7 @@ class GenerationDriver:
         weights: Callable[[int], list[Any]],
         draw: Callable[[int, int], list[Prompt]],
         emit: Callable[[Sample], None],
-        on_error: Callable[[str, BaseException], None],
+        latch: FailureLatch,
         start: int = 0,
         loaded_version: int = 0,
         expected_ids: dict[int, list[str]] | None = None,
@@ -68,7 +69,8 @@ class GenerationDriver:
           every instance (one tree per instance).
         draw: `draw(batch, n)`: the batch's n prompts (every process draws all of them).
         emit: receives every finished sample (training and evaluation).
-        on_error: told of a failure in either thread, with the component's name.
+        latch: the owner's failure latch: this driver reports its threads' failures
+          to it, and stops waiting once anything has failed it.
         start: first batch (a resumed run's checkpoint step).
         loaded_version: policy version the service holds now (-1: reload at the start).
         expected_ids: batch -> prompt ids the batch must draw (resume check).
@@ -77,7 +79,7 @@ class GenerationDriver:
         """
         self.cfg, self.service, self.live = cfg, service, live
         self.eval_prompts = list(eval_prompts)
-        self.weights, self.draw, self.emit, self.on_error = weights, draw, emit, on_error
+        self.weights, self.draw, self.emit, self.latch = weights, draw, emit, latch
         self.start, self.version = start, loaded_version
         self.expected_ids = expected_ids or {}
         self.share, self.emit_component = share, emit_component
@@ -96,8 +98,8 @@ class GenerationDriver:
         self._instances: list[int] | None = None  # the last batch's instance plan
         self._cv = threading.Condition()
         self._submitted = self._collected = 0  # requests sent to / returned by the service
-        self._error: BaseException | None = None
         self._stop = threading.Event()
+        latch.add_listener(lambda component, exc: self._wake())
         self.threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------------ control
@@ -115,17 +117,13 @@ class GenerationDriver:
         with self._cv:
             return self._submitted - self._collected
 
-    def abort(self, exc: BaseException) -> None:
-        """The owner failed: every wait here raises from now on."""
+    def _wake(self) -> None:
         with self._cv:
-            if self._error is None:
-                self._error = exc
             self._cv.notify_all()
 
     def stop(self) -> None:
         self._stop.set()
-        with self._cv:
-            self._cv.notify_all()
+        self._wake()
 
     @property
     def driving(self) -> bool:
@@ -135,8 +133,7 @@ class GenerationDriver:
     def _fail(self, component: str, exc: BaseException) -> None:
         if self._stop.is_set():
             return  # stopping: the wait that raised was woken on purpose
-        self.abort(exc)
-        self.on_error(component, exc)
+        self.latch.fail(component, exc)
 
     def wait_idle(self, timeout: float | None = None) -> None:
         """Blocks until every submitted request has been collected and emitted."""
@@ -144,14 +141,13 @@ class GenerationDriver:
         with self._cv:
             ok = self._cv.wait_for(
                 lambda: (
-                    self._collected >= self._submitted
-                    or self._error is not None
-                    or self._stop.is_set()
+                    self._collected >= self._submitted or self.latch.failed or self._stop.is_set()
                 ),
                 timeout=timeout,
             )
-            if self._error is not None:
-                raise RuntimeError(f"generation stopped: {self._error!r}") from self._error
+            if self.latch.failed:
+                error = self.latch.error
+                raise RuntimeError(f"generation stopped: {error!r}") from error
             if self._stop.is_set():
                 raise RuntimeError("generation stopped")
         if not ok:

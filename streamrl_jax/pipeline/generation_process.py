@@ -19,7 +19,6 @@ it exits; a lost trainer ends it at once.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from typing import Any
 
@@ -33,6 +32,7 @@ from streamrl_jax.distributed.messages import ChunkReport, GenerationFailed, Spa
 from streamrl_jax.distributed.transport import SampleClient
 from streamrl_jax.distributed.weights import WeightReceiver
 from streamrl_jax.generation.types import Sample
+from streamrl_jax.mailbox import FailureLatch
 from streamrl_jax.pipeline import components as components_lib
 from streamrl_jax.pipeline.driver import GenerationDriver
 from streamrl_jax.pipeline.process_plan import (
@@ -80,8 +80,10 @@ class _GenerationProcess:
             timeout_s=CHANNEL_TIMEOUT_S,
             name=name,
         )
-        self._cv = threading.Condition()
-        self._error: tuple[str, BaseException] | None = None
+        self.latch = FailureLatch(name)
+        self.latch.add_listener(
+            lambda component, exc: logging.error("%s failed: %r", component, exc)
+        )
 
     # ------------------------------------------------------------------ hooks
     def _send(self, msg: Any) -> None:
@@ -119,13 +121,6 @@ class _GenerationProcess:
         with contextlib.suppress(TransportError):  # a lost channel: the main loop reports it
             self._send(ChunkReport(label, t0, t1, tokens, running, steps, prefilled))
 
-    def _fail(self, component: str, exc: BaseException) -> None:
-        with self._cv:
-            if self._error is None:
-                self._error = (component, exc)
-                logging.error("%s failed: %r", component, exc)
-            self._cv.notify_all()
-
     # ------------------------------------------------------------------ run
     def run(self) -> None:
         params = self._receive(0)
@@ -139,7 +134,7 @@ class _GenerationProcess:
             weights=self._receive,
             draw=lambda batch, n: self.side.prompts.next_prompts(n),
             emit=self._send,
-            on_error=self._fail,
+            latch=self.latch,
             share=self.share,
             emit_component="sample channel",
         )
@@ -175,17 +170,14 @@ class _GenerationProcess:
             )
 
     def _reason(self) -> BaseException | str:
-        return self._error[1] if self._error is not None else "interrupted"
+        return self.latch.error if self.latch.failed else "interrupted"
 
     def _wait(self, driver: GenerationDriver) -> None:
         """Until every batch (and the final eval) is generated and sent, watching the
         sample channel so a lost trainer ends this process at once."""
         while driver.driving or driver.pending() > 0:
-            with self._cv:
-                self._cv.wait(0.1)
-                error = self._error
-            if error is not None:
-                self._raise(error[1])
+            if self.latch.wait(0.1):
+                self._raise(self.latch.error)
             error = self._channel_error()
             if error is not None:
                 self._raise(error)

@@ -99,13 +99,12 @@ class _Run:
             weights=self._weights,
             draw=parts.ckpts.draw,
             emit=parts.ingest.on_sample,
-            on_error=self.sup.fail,
+            latch=self.sup.latch,
             start=start,
             # A resumed run's service holds the build's W_0: always load its version.
             loaded_version=0 if resume is None else -1,
             expected_ids=resume.expected_ids if resume is not None else None,
         )
-        self.sup.latch.add_listener(lambda component, exc: self.driver.abort(exc))
         return threads + self.driver.start_threads()
 
     def train(self, progress: Progress) -> bool:

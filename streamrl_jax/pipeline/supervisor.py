@@ -1,10 +1,10 @@
 """Supervision of a run: the failure latch, the watchdog, shutdown requests, thread joins.
 
-* **Failure**: every thread of the pipeline reports an exception to
-  `Supervisor.fail(component, exc)`; the first one wins (one `FailureLatch`),
-  and its listeners fail the sample stream and the weight board and abort the
-  generation driver, so every other wait wakes at once. The run then ends with
-  `PipelineError` naming the component.
+* **Failure**: every thread of the pipeline reports an exception to the run's
+  one `FailureLatch` (`Supervisor.fail`, or the latch itself for the generation
+  driver); the first one wins and is logged, and its listeners fail the sample
+  stream and the weight board and wake the driver's waits, so every other wait
+  wakes at once. The run then ends with `PipelineError` naming the component.
 * **Watchdog** (a thread this module owns): warns once per stall about a stage
   that has work but made no progress in `pipeline.watchdog_s` (it fails at
   `pipeline.timeout_s`, where the stalled wait raises), and turns a shutdown
@@ -43,6 +43,9 @@ class Supervisor:
         self.timeout = p.timeout_s
         self.watchdog_s = p.watchdog_s
         self.latch = FailureLatch("pipeline")
+        self.latch.add_listener(
+            lambda component, exc: logging.error("%s failed: %r", component, exc)
+        )
         self.shutdown_requested = threading.Event()
         self.alerts: list[str] = []  # stages the watchdog warned about
         self._stop = threading.Event()
@@ -53,8 +56,7 @@ class Supervisor:
     # ------------------------------------------------------------------ failure
     def fail(self, component: str, exc: BaseException) -> None:
         """Reports a failure; the first one is the run's (its listeners run once)."""
-        if self.latch.fail(component, exc):
-            logging.error("%s failed: %r", component, exc)
+        self.latch.fail(component, exc)
 
     def raise_if_failed(self) -> None:
         """Raises `PipelineError` naming the first failed component, if any."""
