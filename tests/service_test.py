@@ -16,8 +16,8 @@ from streamrl_jax.generation.engine import EngineConfig
 from streamrl_jax.generation.service import (
     GenerationService,
     InstanceError,
-    SampleQueue,
     StreamClosed,
+    sample_queue,
 )
 from streamrl_jax.generation.types import GenerationRequest, SamplingParams
 from streamrl_jax.model import config, llama
@@ -158,7 +158,7 @@ def test_close_names_a_stalled_instance(model):
 
 
 def test_sample_queue_bounds_and_closes():
-    q = SampleQueue(capacity=1, name="q")
+    q = sample_queue(capacity=1, name="q")
     assert q.offer("a", timeout=0.01)
     assert not q.offer("b", timeout=0.01)  # full: back-pressure, not growth
     assert q.get(timeout=0.01) == "a"
@@ -167,4 +167,4 @@ def test_sample_queue_bounds_and_closes():
     with pytest.raises(StreamClosed):
         q.get(timeout=0.01)
     with pytest.raises(ValueError, match="capacity"):
-        SampleQueue(capacity=0)
+        sample_queue(capacity=0)

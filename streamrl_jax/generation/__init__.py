@@ -4,8 +4,8 @@ from streamrl_jax.generation.engine import Engine, EngineConfig
 from streamrl_jax.generation.service import (
     GenerationService,
     InstanceError,
-    SampleQueue,
     StreamClosed,
+    sample_queue,
 )
 from streamrl_jax.generation.types import (
     FinishReason,
@@ -23,7 +23,7 @@ __all__ = [
     "GenerationService",
     "InstanceError",
     "Sample",
-    "SampleQueue",
+    "sample_queue",
     "SamplingParams",
     "StreamClosed",
     "Timings",

@@ -5,7 +5,7 @@ mesh, with its own `EngineConfig` (so a long-tail instance can run a small
 batch). `submit(requests, instances)` sends each request to its target
 instance (round-robin by default; the skew-aware dispatcher chooses later);
 the instance admits its queue in its own order (FIFO or LPT). Every finished
-sample goes into one bounded `SampleQueue` (the package's `Mailbox`) in
+sample goes into one bounded `sample_queue` (the package's `Mailbox`) in
 completion order, the moment its instance's chunk returns.
 
 Failure and shutdown: an exception in an instance thread is recorded and
@@ -46,7 +46,7 @@ class StreamClosed(RuntimeError):
     """The sample stream was closed and holds no more samples."""
 
 
-def SampleQueue(capacity: int, name: str = "sgs") -> Mailbox[Sample]:
+def sample_queue(capacity: int, name: str = "sgs") -> Mailbox[Sample]:
     """The service's bounded output: a `Mailbox` of samples in the service's vocabulary.
 
     `get` raises `InstanceError` (naming the instance, before any queued
@@ -115,7 +115,7 @@ class GenerationService:
             )
             for i, (c, m) in enumerate(zip(engine_cfgs, meshes, strict=True))
         ]
-        self.queue = SampleQueue(capacity, name)
+        self.queue = sample_queue(capacity, name)
         self._inboxes: list[collections.deque] = [collections.deque() for _ in self.engines]
         self._wake = [threading.Event() for _ in self.engines]
         self._stop = threading.Event()

@@ -86,7 +86,7 @@ class TrainerLoop:
         self.cfg, self.c = cfg, c
         self.stream, self.board, self.ckpts = parts.stream, parts.board, parts.ckpts
         self.live, self.supervisor, self.tracer = parts.live, parts.supervisor, parts.tracer
-        self.meter, self.schedule = parts.meter, parts.schedule
+        self.meter, self.schedule, self.rewards = parts.meter, parts.schedule, parts.ingest.pool
         self.steps = StepMeter(parts.writer, start)
         self.group, self.num_instances, self.check_prompts = group, num_instances, check_prompts
         p = cfg.pipeline
@@ -158,6 +158,7 @@ class TrainerLoop:
             "samples_per_s": (done + n) / (now - t_run),
             "micro_batches": float(step.micro),
             "optimizer_steps": float(len(step.device)),
+            "reward_errors": float(self.rewards.num_errors),
             "watchdog_alerts": float(len(self.supervisor.alerts)),
         }
         row |= self.live.end_of_step(b, self.meter.pop_span(b), step.busy_s)
