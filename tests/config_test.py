@@ -100,7 +100,7 @@ def test_int_accepted_for_float_and_tuple_from_list():
 
 
 def test_registry_names_equal_the_registries():
-    # config.py imports no registry (it is the bottom layer); these keep the names in step.
+    # config/ imports no registry (it is the bottom layer); these keep the names in step.
     from streamrl_jax.model import config as model_config
     from streamrl_jax.rewards import jsonl
     from streamrl_jax.scheduling import dispatch, live

@@ -1,0 +1,87 @@
+"""Typed experiment configuration: an `ml_collections.ConfigDict` in, frozen dataclasses out.
+
+`configs/NAME.py:get_config(arg)` returns a ConfigDict with one section per
+component; `from_config_dict` turns it once into `ExperimentConfig`. Unknown
+keys, wrong types, registry names and impossible values fail here, at start-up,
+before any model loads, with a message naming the field
+(`pipeline.staleness must be >= 1 ...`). Library code receives these
+dataclasses, never a ConfigDict or flags.
+
+* `sections`: the sections and the registry names each field may take.
+* `rules`: what every field accepts (`RULES`) and the cross-field checks (`validate`).
+* `parse`: ConfigDict -> `ExperimentConfig` (`from_config_dict`), and back.
+"""
+
+from streamrl_jax.config.parse import defaults, from_config_dict, to_config_dict
+from streamrl_jax.config.rules import RULES, check_section, task_configs, task_names, validate
+from streamrl_jax.config.sections import (
+    ADVANTAGES,
+    AGGREGATIONS,
+    BAD_ROWS,
+    DISPATCHES,
+    DTYPES,
+    KL_ESTIMATORS,
+    LR_SCHEDULES,
+    MODES,
+    NONFINITE,
+    OBJECTIVES,
+    OVERLONG_PROMPTS,
+    PLANNERS,
+    POLICY_LOSSES,
+    REWARD_ERRORS,
+    REWARDS,
+    WHITENING,
+    AlgorithmSection,
+    CheckpointSection,
+    CriticSection,
+    DataSection,
+    EvalSection,
+    ExperimentConfig,
+    GenerationSection,
+    LogSection,
+    MeshSection,
+    ModelSection,
+    OptimizerSection,
+    PipelineSection,
+    SchedulingSection,
+)
+
+__all__ = [
+    "MODES",
+    "NONFINITE",
+    "ADVANTAGES",
+    "POLICY_LOSSES",
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "LR_SCHEDULES",
+    "DTYPES",
+    "BAD_ROWS",
+    "OVERLONG_PROMPTS",
+    "REWARD_ERRORS",
+    "REWARDS",
+    "DISPATCHES",
+    "OBJECTIVES",
+    "PLANNERS",
+    "WHITENING",
+    "ModelSection",
+    "MeshSection",
+    "GenerationSection",
+    "PipelineSection",
+    "AlgorithmSection",
+    "OptimizerSection",
+    "CriticSection",
+    "DataSection",
+    "EvalSection",
+    "LogSection",
+    "SchedulingSection",
+    "CheckpointSection",
+    "ExperimentConfig",
+    "RULES",
+    "check_section",
+    "defaults",
+    "from_config_dict",
+    "task_configs",
+    "task_names",
+    "to_config_dict",
+    "validate",
+]

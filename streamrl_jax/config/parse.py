@@ -1,0 +1,63 @@
+"""ConfigDict in, `ExperimentConfig` out: unknown keys and wrong types named by field."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+import ml_collections
+
+from streamrl_jax.config.rules import validate
+from streamrl_jax.config.sections import ExperimentConfig
+
+
+def _check_type(path: str, value: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if origin is tuple:
+        if not isinstance(value, (tuple, list)):
+            raise ValueError(f"{path} must be a tuple, got {value!r}")
+        return tuple(_check_type(path, v, typing.get_args(hint)[0]) for v in value)
+    if origin in (typing.Union, types.UnionType):
+        return value
+    if isinstance(hint, type) and not isinstance(value, hint):
+        raise ValueError(f"{path} must be {hint.__name__}, got {type(value).__name__} {value!r}")
+    if hint is int and isinstance(value, bool):
+        raise ValueError(f"{path} must be int, got bool")
+    return value
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if not isinstance(data, (dict, ml_collections.ConfigDict)):
+        raise ValueError(f"{path or 'config'} must be a section, got {data!r}")
+    data = data.to_dict() if isinstance(data, ml_collections.ConfigDict) else dict(data)
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"unknown config key(s) {', '.join(path + k for k in unknown)}")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, f"{path}{name}.")
+        else:
+            kwargs[name] = _check_type(path + name, value, hint)
+    return cls(**kwargs)
+
+
+def from_config_dict(cd: ml_collections.ConfigDict | dict) -> ExperimentConfig:
+    """Builds and validates the typed config."""
+    return validate(_build(ExperimentConfig, cd, ""))
+
+
+def to_config_dict(cfg: ExperimentConfig) -> ml_collections.ConfigDict:
+    """The defaults as a ConfigDict (configs start from this and override)."""
+    return ml_collections.ConfigDict(dataclasses.asdict(cfg))
+
+
+def defaults() -> ml_collections.ConfigDict:
+    return to_config_dict(ExperimentConfig())

@@ -1,0 +1,270 @@
+"""What every config field accepts, and the cross-field checks: `validate`.
+
+One `_Rule` per registry or numeric field of every section (`RULES`; a test
+fails if a field has none); each failure is a `ValueError` naming the field as
+the user wrote it (`algorithm.advantage='bogus'; expected one of (...)`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from collections.abc import Callable
+from typing import Any
+
+from streamrl_jax.config.sections import (
+    ADVANTAGES,
+    AGGREGATIONS,
+    BAD_ROWS,
+    DISPATCHES,
+    DTYPES,
+    KL_ESTIMATORS,
+    LR_SCHEDULES,
+    MODES,
+    NONFINITE,
+    OBJECTIVES,
+    OVERLONG_PROMPTS,
+    PLANNERS,
+    POLICY_LOSSES,
+    REWARD_ERRORS,
+    REWARDS,
+    WHITENING,
+    AlgorithmSection,
+    CheckpointSection,
+    CriticSection,
+    DataSection,
+    EvalSection,
+    ExperimentConfig,
+    GenerationSection,
+    LogSection,
+    MeshSection,
+    ModelSection,
+    OptimizerSection,
+    PipelineSection,
+    SchedulingSection,
+)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """What one field accepts: a registry name, or a numeric range."""
+
+    ok: Callable[[Any], bool]
+    expected: str  # "one of (...)", ">= 1", "in [0, 1)"
+    registry: bool = False
+
+    def check(self, path: str, value: Any) -> None:
+        if self.registry:
+            _require(self.ok(value), f"{path}={value!r}; expected {self.expected}")
+        else:
+            _require(self.ok(value), f"{path} must be {self.expected}, got {value!r}")
+
+
+def _one_of(names: tuple[str, ...]) -> _Rule:
+    return _Rule(lambda v: v in names, f"one of {names}", registry=True)
+
+
+def _at_least(low: float) -> _Rule:
+    return _Rule(lambda v: v >= low, f">= {low}")
+
+
+def _above(low: float) -> _Rule:
+    return _Rule(lambda v: v > low, f"> {low}")
+
+
+def _unit(*, open_low: bool = False, open_high: bool = False) -> _Rule:
+    lo, hi = ("(" if open_low else "["), (")" if open_high else "]")
+    return _Rule(
+        lambda v: (v > 0 if open_low else v >= 0) and (v < 1 if open_high else v <= 1),
+        f"in {lo}0, 1{hi}",
+    )
+
+
+_COUNT, _NONNEG, _POSITIVE = _at_least(1), _at_least(0), _above(0)
+# Every registry and numeric field of every section (a test checks none is missing).
+# "0 = off" (dual_clip, tis_cap, max_grad_norm, value_clip) is read in trainer/config.py.
+RULES: dict[type, dict[str, _Rule]] = {
+    ModelSection: {
+        **dict.fromkeys(("param_dtype", "dtype", "generate_dtype"), _one_of(DTYPES)),
+        "max_context": _COUNT,
+    },
+    MeshSection: dict.fromkeys(
+        ("generate_devices", "train_devices", "train_tp", "instance_tp"), _COUNT
+    ),
+    GenerationSection: {
+        **dict.fromkeys(
+            ("max_prompt_len", "max_new_tokens", "decode_chunk", "prefill_batch"), _COUNT
+        ),
+        "temperature": _NONNEG,
+        "top_k": _NONNEG,
+        "top_p": _unit(open_low=True),
+    },
+    PipelineSection: {
+        "mode": _one_of(MODES),
+        **dict.fromkeys(
+            ("staleness", "steps", "prompts_per_step", "group_size", "min_groups"), _COUNT
+        ),
+        **dict.fromkeys(("micro_batch_groups", "mini_batches"), _COUNT),
+        "nonfinite": _one_of(NONFINITE),
+        **dict.fromkeys(("watchdog_s", "timeout_s"), _POSITIVE),
+    },
+    AlgorithmSection: {
+        "advantage": _one_of(ADVANTAGES),
+        "policy_loss": _one_of(POLICY_LOSSES),
+        "aggregation": _one_of(AGGREGATIONS),
+        "kl_estimator": _one_of(KL_ESTIMATORS),
+        **dict.fromkeys(("clip_eps", "clip_eps_high"), _POSITIVE),
+        "dual_clip": _Rule(lambda v: v == 0 or v > 1, "0 (off) or > 1"),
+        **dict.fromkeys(("kl_coef", "entropy_coef", "tis_cap"), _NONNEG),
+    },
+    OptimizerSection: {
+        **dict.fromkeys(("learning_rate", "eps"), _POSITIVE),
+        **dict.fromkeys(("warmup_steps", "max_grad_norm", "weight_decay"), _NONNEG),
+        "schedule": _one_of(LR_SCHEDULES),
+        "min_lr_ratio": _unit(),
+        **dict.fromkeys(("b1", "b2"), _unit(open_high=True)),
+    },
+    CriticSection: {
+        "learning_rate": _POSITIVE,
+        "value_clip": _NONNEG,
+        **dict.fromkeys(("gamma", "lam"), _unit()),
+        "whiten": _one_of(WHITENING),
+    },
+    DataSection: {
+        **dict.fromkeys(("train_seed", "eval_seed", "format_reward"), _NONNEG),
+        "train_size": _COUNT,
+        "bad_rows": _one_of(BAD_ROWS),
+        "overlong_prompts": _one_of(OVERLONG_PROMPTS),
+        "reward_errors": _one_of(REWARD_ERRORS),
+        "reward": _one_of(REWARDS),
+    },
+    EvalSection: {"every": _NONNEG, "num_problems": _NONNEG},
+    LogSection: {},
+    SchedulingSection: {
+        "dispatch": _one_of(DISPATCHES),
+        "objective": _one_of(OBJECTIVES),
+        "planner": _one_of(PLANNERS),
+        "ranker_min_samples": _COUNT,
+        "elastic_reserved": _NONNEG,
+    },
+    CheckpointSection: {"every": _NONNEG, "keep": _COUNT},
+    ExperimentConfig: {"seed": _NONNEG},
+}
+
+
+def check_section(path: str, section: Any) -> None:
+    """Checks every registry name and numeric range of one section.
+
+    Args:
+      path: the section's name as the user writes it ("algorithm"), "" for the top level.
+      section: a section dataclass instance.
+
+    Raises:
+      ValueError: naming the field, e.g. `algorithm.advantage='bogus'; expected one of (...)`.
+    """
+    for name, rule in RULES[type(section)].items():
+        rule.check(f"{path}.{name}" if path else name, getattr(section, name))
+
+
+def _check_tasks(data: DataSection) -> None:
+    """data.tasks names reasoning-gym datasets (unused with data.jsonl_path)."""
+    if data.jsonl_path:
+        return
+    tasks = task_names(data)
+    _require(bool(tasks), f"data.tasks={data.tasks!r} names no task")
+    # reasoning-gym's own registry, imported only here: a third-party library, not a layer.
+    from reasoning_gym.factory import DATASETS
+
+    for task in tasks:
+        close = difflib.get_close_matches(task, DATASETS, n=3)
+        _require(
+            task in DATASETS,
+            f"data.tasks={data.tasks!r}: {task!r} is not a reasoning-gym task"
+            + (f" (did you mean {', '.join(close)}?)" if close else ""),
+        )
+
+
+def validate(cfg: ExperimentConfig) -> ExperimentConfig:
+    """Every field's registry name and range, then cross-field checks; raises naming the field."""
+    check_section("", cfg)
+    for field in dataclasses.fields(cfg):
+        section = getattr(cfg, field.name)
+        if dataclasses.is_dataclass(section):
+            check_section(field.name, section)
+    p, g, m = cfg.pipeline, cfg.generation, cfg.mesh
+    _require(
+        p.min_groups <= p.prompts_per_step,
+        f"pipeline.min_groups ({p.min_groups}) exceeds pipeline.prompts_per_step "
+        f"({p.prompts_per_step})",
+    )
+    _require(
+        p.prompts_per_step % p.mini_batches == 0,
+        f"pipeline.prompts_per_step ({p.prompts_per_step}) must be divisible by "
+        f"pipeline.mini_batches ({p.mini_batches}): each mini-batch holds the same number "
+        "of groups",
+    )
+    o, optimizer_steps = cfg.optimizer, p.steps * p.mini_batches
+    _require(
+        o.schedule != "cosine" or o.warmup_steps < optimizer_steps,
+        f"optimizer.warmup_steps ({o.warmup_steps}) must be below the run's optimizer steps "
+        f"(pipeline.steps * pipeline.mini_batches = {optimizer_steps}) for the cosine schedule",
+    )
+    _require(
+        cfg.algorithm.advantage != "gae" or cfg.critic.whiten != "group" or p.group_size >= 2,
+        "critic.whiten='group' needs pipeline.group_size >= 2 (use critic.whiten='none')",
+    )
+    _require(
+        not cfg.data.jsonl_path or bool(cfg.data.eval_jsonl_path),
+        "data.jsonl_path needs data.eval_jsonl_path (held-out problems from another file)",
+    )
+    sc = cfg.scheduling
+    _require(
+        sc.elastic_reserved < len(m.instance_slots),
+        f"scheduling.elastic_reserved={sc.elastic_reserved} must leave at least one of the "
+        f"{len(m.instance_slots)} instances in mesh.instance_slots active",
+    )
+    _require(
+        sc.dispatch != "oracle" or g.length_replay,
+        "scheduling.dispatch='oracle' needs generation.length_replay=True (true lengths)",
+    )
+    _require(len(m.instance_slots) >= 1, "mesh.instance_slots must name at least one instance")
+    _require(all(s >= 1 for s in m.instance_slots), "mesh.instance_slots must all be >= 1")
+    _require(
+        g.max_prompt_len + g.max_new_tokens <= cfg.model.max_context,
+        f"generation.max_prompt_len + max_new_tokens ({g.max_prompt_len + g.max_new_tokens}) "
+        f"exceeds model.max_context ({cfg.model.max_context})",
+    )
+    _require(
+        cfg.data.train_seed != cfg.data.eval_seed,
+        "data.train_seed must differ from data.eval_seed (held-out problems)",
+    )
+    _check_tasks(cfg.data)
+    task_configs(cfg.data)  # parses, or raises naming data.task_config
+    return cfg
+
+
+def task_names(data: DataSection) -> list[str]:
+    """`data.tasks` split into reasoning-gym task names."""
+    return [t.strip() for t in data.tasks.split(",") if t.strip()]
+
+
+def task_configs(data: DataSection) -> dict[str, dict[str, Any]]:
+    """`data.task_config` parsed: {task name: reasoning-gym config kwargs}."""
+    if not data.task_config:
+        return {}
+    try:
+        parsed = json.loads(data.task_config)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"data.task_config is not valid JSON: {e}") from None
+    tasks = set(task_names(data))
+    if not isinstance(parsed, dict) or not all(isinstance(v, dict) for v in parsed.values()):
+        raise ValueError("data.task_config must be a JSON object {task: {kwarg: value}}")
+    if unknown := set(parsed) - tasks:
+        raise ValueError(f"data.task_config names {sorted(unknown)}, not in data.tasks")
+    return parsed

@@ -1,0 +1,216 @@
+"""The experiment config's sections: frozen, keyword-only dataclasses, a comment a field.
+
+Every registry name a field may take is a tuple here, as the user writes it;
+`rules.py` checks them (and every numeric range), `parse.py` builds these from
+a ConfigDict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# Registry names, as the user writes them. config/ is the bottom layer and imports
+# no registry; tests/config_test.py asserts these equal the registries' keys
+# (streamrl_jax.algorithms, model.config, scheduling.dispatch, rewards.jsonl).
+MODES = ("colocated", "disaggregated_batch", "stream_sync", "stream_async")
+NONFINITE = ("skip", "stop")
+# Outcome estimators (algorithms.ADVANTAGES) and, with a critic, "gae"
+# (algorithms.CRITIC_ADVANTAGES; selects the critic section).
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
+POLICY_LOSSES = ("ppo_clip", "dapo")
+AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LR_SCHEDULES = ("constant", "cosine")
+DTYPES = ("float32", "bfloat16", "float16")
+BAD_ROWS = ("error", "skip")
+OVERLONG_PROMPTS = ("drop", "error", "truncate")
+REWARD_ERRORS = ("raise", "zero")
+REWARDS = ("task", "vowels")
+DISPATCHES = ("round_robin", "random", "skew_aware", "oracle")
+OBJECTIVES = ("max", "sum")
+PLANNERS = ("lpt", "groups")
+WHITENING = ("group", "none")  # trainer/critic.py
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSection:
+    """Which model, and its numerics."""
+
+    source: str = "smollm2"  # "smollm2" (embedded GGUF), "tiny" (random), or a path
+    param_dtype: str = "float32"  # trainer master weights
+    dtype: str = "float32"  # trainer compute dtype
+    generate_dtype: str = "float32"  # generation weights / KV cache dtype
+    remat: bool = False  # rematerialise blocks in the backward pass
+    max_context: int = 512  # cap on prompt + response length used by this run
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshSection:
+    """Device split (DESIGN.md §1); ignored device counts are derived for colocated mode."""
+
+    generate_devices: int = 1  # devices for generation instances
+    train_devices: int = 1  # devices for the trainer (FSDP)
+    train_tp: int = 1  # tensor parallel inside the training mesh
+    instance_tp: int = 1  # devices per generation instance
+    instance_slots: tuple[int, ...] = (16,)  # batch size (slots) of each instance
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerationSection:
+    """Sampling and engine shape."""
+
+    max_prompt_len: int = 128  # longest prompt admitted (tokens); longer is an error
+    max_new_tokens: int = 128  # response cap
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    decode_chunk: int = 8  # decode steps per host round trip
+    prefill_batch: int = 4  # prompts prefilled together
+    length_replay: bool = False  # force response lengths from the paper's long-tail trace
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineSection:
+    """The schedule (DESIGN.md §2-3)."""
+
+    mode: str = "stream_sync"  # one of MODES
+    staleness: int = 1  # s of stream_async: batch b is generated with W_{max(0, b-s)}
+    steps: int = 10  # optimizer steps (= global batches)
+    prompts_per_step: int = 8  # prompts per global batch
+    group_size: int = 4  # samples per prompt (GRPO group)
+    min_groups: int = 2  # streaming: train once this many complete groups are ready
+    micro_batch_groups: int = 4  # most groups per trainer micro-batch
+    mini_batches: int = 1  # optimizer steps per global batch (PPO mini-batches by group count)
+    strict_versions: bool = False  # raise (instead of count and drop) on a too-old sample
+    deterministic: bool = False  # micro-batches in group order: bitwise-reproducible training
+    nonfinite: str = "skip"  # NaN/Inf loss or gradients: "skip" the update (counted) | "stop"
+    watchdog_s: float = 120.0  # warn when a stage with work makes no progress this long
+    timeout_s: float = 600.0  # longest wait on any pipeline stage before it is reported stalled
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AlgorithmSection:
+    """RL maths, by registry name (streamrl_jax.algorithms, docs/algorithms.md)."""
+
+    advantage: str = "grpo"  # one of ADVANTAGES; "gae" trains a critic (section `critic`)
+    policy_loss: str = "ppo_clip"  # ppo_clip | dapo
+    aggregation: str = "token_mean"  # token_mean | seq_mean_token_sum | seq_mean_token_mean
+    clip_eps: float = 0.2  # PPO clip: ratio in [1 - clip_eps, 1 + clip_eps] (low side for dapo)
+    clip_eps_high: float = 0.28  # dapo only: upper clip 1 + clip_eps_high (ppo_clip ignores it)
+    dual_clip: float = 3.0  # dual-clip bound c > 1 for negative advantages (0 = off)
+    kl_coef: float = 0.0  # KL-to-reference coefficient (0 = no reference model)
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    entropy_coef: float = 0.0  # entropy bonus
+    tis_cap: float = 0.0  # truncated importance-sampling cap vs behaviour log-probs (0 = off)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerSection:
+    """AdamW with warmup and gradient clipping (the critic's too, with its own learning rate)."""
+
+    learning_rate: float = 1e-6  # peak learning rate
+    warmup_steps: int = 0  # linear warm-up; step s uses lr * min(1, (s + 1) / warmup_steps)
+    schedule: str = "constant"  # constant | cosine (decay to min_lr_ratio * lr at the last step)
+    min_lr_ratio: float = 0.1  # cosine: final learning rate / peak
+    max_grad_norm: float = 1.0  # clip the gradient's global L2 norm (0 = off)
+    weight_decay: float = 0.0  # decoupled; never applied to norm scales or biases
+    b1: float = 0.9  # AdamW first-moment decay
+    b2: float = 0.999  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW epsilon
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CriticSection:
+    """PPO value model (trainer/critic.py), trained when algorithm.advantage="gae".
+
+    It shares the model architecture and every optimizer.* setting except its
+    learning rate; GAE is computed per sample, so it streams (docs/trainer.md).
+    """
+
+    learning_rate: float = 1e-5  # the critic's peak AdamW learning rate
+    value_clip: float = 0.2  # value-loss clip around the old values (0 = plain squared error)
+    gamma: float = 1.0  # GAE discount
+    lam: float = 1.0  # GAE lambda; < 1 shrinks token t's share of the outcome by lam^(T-t)
+    # "group": whiten the advantages over each GRPO group's response tokens (groups never
+    # split across micro-batches, so this streams exactly; needs pipeline.group_size >= 2)
+    whiten: str = "group"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataSection:
+    """Prompts and rewards (reasoning-gym tasks)."""
+
+    tasks: str = "basic_arithmetic"  # comma-separated reasoning-gym task names
+    task_config: str = ""  # JSON {task: {reasoning-gym config kwargs}}, e.g. difficulty
+    train_seed: int = 1  # train problems
+    eval_seed: int = 2  # held-out problems (must differ from train_seed)
+    train_size: int = 2000  # problems in the training set
+    format_reward: float = 0.0  # bonus for a well-formed answer tag
+    system_prompt: str = ""  # "" = rewards.tasks.SYSTEM_PROMPT (asks for <answer> tags)
+    jsonl_path: str = ""  # a JSONL file of {"question", "answer"} rows instead of `tasks`
+    eval_jsonl_path: str = ""  # held-out JSONL problems (required with jsonl_path)
+    bad_rows: str = "error"  # JSONL rows that do not parse: "error" | "skip" (counted)
+    overlong_prompts: str = "drop"  # over generation.max_prompt_len: drop | error | truncate
+    reward_errors: str = "raise"  # a reward function exception: "raise" (end the run) | "zero"
+    # "task": the dataset's scorer; "vowels": a dense stand-in (rewards/vowels.py) for
+    # tests of untrained tiny models, which never earn the task reward
+    reward: str = "task"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalSection:
+    """Held-out evaluation (greedy)."""
+
+    every: int = 5  # evaluate every N steps (0 = only at start and end)
+    num_problems: int = 32  # held-out problems per evaluation (greedy)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LogSection:
+    tensorboard: bool = True
+    trace: bool = True  # write trace.json
+    progress: bool = True
+    samples: bool = True  # append every completed training sample to samples.jsonl (ranker data)
+    final_params: bool = False  # write <workdir>/final_params.npz at the end (compare runs)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulingSection:
+    """Skew-aware scheduling (streamrl_jax/scheduling/live.py, docs/scheduling.md)."""
+
+    dispatch: str = "round_robin"  # round_robin | random | skew_aware | oracle
+    objective: str = "max"  # Algorithm 2 objective: max (makespan) | sum (paper's pseudocode)
+    planner: str = "lpt"  # lpt (list scheduling, for fixed-shape engines) | groups (Algorithm 2)
+    ranker_path: str = ""  # a ranker pickle from tools/train_ranker.py ("" = untrained)
+    ranker_online: bool = True  # refresh the ranker from completed samples every step
+    ranker_min_samples: int = 64  # online refresh starts once this many samples are buffered
+    ptl_profile: str = ""  # PTL(BS) JSON from tools/profile_ptl.py ("" = flat)
+    elastic_reserved: int = 0  # last N of mesh.instance_slots held back for the elastic rule
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointSection:
+    """Orbax checkpoints in <workdir>/checkpoints (docs/checkpoint.md)."""
+
+    every: int = 0  # save every N steps (0 = off; a run still resumes an existing one)
+    keep: int = 3  # newest checkpoints kept
+    async_save: bool = True  # write on a background thread
+    on_signal: bool = True  # SIGINT/SIGTERM: save the last step boundary and stop
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExperimentConfig:
+    seed: int = 0
+    init_from: str = ""  # a checkpoint (root or step directory) to take the weights from
+    model: ModelSection = ModelSection()
+    mesh: MeshSection = MeshSection()
+    generation: GenerationSection = GenerationSection()
+    pipeline: PipelineSection = PipelineSection()
+    algorithm: AlgorithmSection = AlgorithmSection()
+    optimizer: OptimizerSection = OptimizerSection()
+    critic: CriticSection = CriticSection()
+    data: DataSection = DataSection()
+    eval: EvalSection = EvalSection()
+    log: LogSection = LogSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    scheduling: SchedulingSection = SchedulingSection()
