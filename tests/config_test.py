@@ -127,10 +127,12 @@ REGISTRY_FIELDS = [
     "model.param_dtype",
     "model.dtype",
     "model.generate_dtype",
+    "critic.whiten",
     "data.bad_rows",
     "data.overlong_prompts",
     "data.reward_errors",
     "data.reward",
+    "data.reward_sandbox",
     "data.tasks",
     "scheduling.dispatch",
     "scheduling.objective",
@@ -252,3 +254,16 @@ def test_zero_means_off_is_accepted():
         )
     )
     assert cfg.algorithm.advantage == "gae" and cfg.critic.value_clip == 0.0
+
+
+def test_reward_sandbox_auto_isolates_scorers_that_evaluate_answers():
+    from streamrl_jax.pipeline.datasets import reward_sandbox
+
+    def sandbox(**overrides):
+        return reward_sandbox(config_lib.from_config_dict(_with(**overrides)))
+
+    assert sandbox(data__tasks="basic_arithmetic,chain_sum") is None  # compare strings only
+    limits = sandbox(data__tasks="basic_arithmetic,countdown", data__reward_timeout_s=3.0)
+    assert limits is not None and limits.timeout_s == 3.0  # countdown evals the answer
+    assert sandbox(data__tasks="countdown", data__reward_sandbox="inline") is None
+    assert sandbox(data__tasks="chain_sum", data__reward_sandbox="process") is not None

@@ -26,6 +26,7 @@ BAD_ROWS = ("error", "skip")
 OVERLONG_PROMPTS = ("drop", "error", "truncate")
 REWARD_ERRORS = ("raise", "zero")
 REWARDS = ("task", "vowels")
+REWARD_SANDBOXES = ("auto", "process", "inline")
 DISPATCHES = ("round_robin", "random", "skew_aware", "oracle")
 OBJECTIVES = ("max", "sum")
 PLANNERS = ("lpt", "groups")
@@ -151,7 +152,15 @@ class DataSection:
     eval_jsonl_path: str = ""  # held-out JSONL problems (required with jsonl_path)
     bad_rows: str = "error"  # JSONL rows that do not parse: "error" | "skip" (counted)
     overlong_prompts: str = "drop"  # over generation.max_prompt_len: drop | error | truncate
-    reward_errors: str = "raise"  # a reward function exception: "raise" (end the run) | "zero"
+    # a reward call that raised, timed out or lost its worker: "raise" (end the run) | "zero"
+    # (score 0, counted in reward_errors / reward_timeouts)
+    reward_errors: str = "raise"
+    # where scorers run (rewards/sandbox.py): "process" (confined workers with a deadline),
+    # "inline" (threads here), "auto" (inline only when every task's scorer is known not
+    # to evaluate model text: rewards.tasks.INLINE_SAFE_TASKS)
+    reward_sandbox: str = "auto"
+    reward_timeout_s: float = 10.0  # deadline of one sandboxed reward call
+    reward_memory_mb: int = 2048  # address space of a sandboxed reward worker
     # "task": the dataset's scorer; "vowels": a dense stand-in (rewards/vowels.py) for
     # tests of untrained tiny models, which never earn the task reward
     reward: str = "task"

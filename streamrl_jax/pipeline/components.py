@@ -40,6 +40,7 @@ from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.pipeline import datasets
 from streamrl_jax.pipeline.meshes import make_meshes, role_meshes
 from streamrl_jax.rewards.base import RewardFn
+from streamrl_jax.rewards.sandbox import Limits
 from streamrl_jax.trainer import critic as critic_lib
 from streamrl_jax.trainer.config import critic_trainer_config, trainer_config
 from streamrl_jax.trainer.state import TrainState
@@ -95,6 +96,7 @@ class Components:
     weight_sync: WeightSync
     initial_weights: list[Published]  # W_0 as placed on each generation instance
     reward_fn: RewardFn
+    reward_sandbox: Limits | None  # worker limits when scoring runs sandboxed, else None
     prompts: PromptPipeline
     eval_prompts: list[Prompt]
 
@@ -295,6 +297,7 @@ def _components(
         weight_sync=weight_sync,
         initial_weights=published,
         reward_fn=datasets.reward_fn(cfg, train_set),
+        reward_sandbox=datasets.reward_sandbox(cfg),
         prompts=prompts,
         eval_prompts=eval_prompts,
     )

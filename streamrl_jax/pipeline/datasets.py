@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from streamrl_jax.config import ExperimentConfig, task_configs
+from streamrl_jax.config import ExperimentConfig, task_configs, task_names
 from streamrl_jax.data import Prompt, PromptPipeline, tokenize
 from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.rewards.base import RewardFn
-from streamrl_jax.rewards.tasks import TaskDataset
+from streamrl_jax.rewards.sandbox import Limits
+from streamrl_jax.rewards.tasks import INLINE_SAFE_TASKS, TaskDataset
 
 
 def datasets(cfg: ExperimentConfig) -> tuple[Any, Any]:
@@ -75,3 +76,21 @@ def reward_fn(cfg: ExperimentConfig, train_set: Any) -> RewardFn:
 
         return vowel_reward
     return train_set.reward_fn(format_bonus=cfg.data.format_reward)
+
+
+def reward_sandbox(cfg: ExperimentConfig) -> Limits | None:
+    """The worker limits when the task's scorer must run sandboxed, else None (inline):
+    `data.reward_sandbox`, with "auto" inline only for scorers known not to evaluate
+    model text (`INLINE_SAFE_TASKS`, the JSONL reference scorer, the vowel stand-in)."""
+    d = cfg.data
+    inline = d.reward_sandbox == "inline" or (
+        d.reward_sandbox == "auto"
+        and (
+            d.reward == "vowels"
+            or bool(d.jsonl_path)
+            or set(task_names(d)) <= set(INLINE_SAFE_TASKS)
+        )
+    )
+    if inline:
+        return None
+    return Limits(timeout_s=d.reward_timeout_s, memory_mb=d.reward_memory_mb)

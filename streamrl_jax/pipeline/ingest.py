@@ -9,12 +9,15 @@ reader thread in a training process):
   complete GRPO groups to the trainer. `done()` runs once the sample is in the
   stream (or failed), so a channel's credit comes back only then: the stream's
   back-pressure reaches the generation processes.
-* **evaluation samples** (tag `eval_version`): scored here; once every held-out
-  prompt of a version is in, its accuracy / format / length are written as
-  `eval/...` metrics at that policy version.
+* **evaluation samples** (tag `eval_version`): scored on the same pool; once
+  every held-out prompt of a version is in, its accuracy / format / length are
+  written as `eval/...` metrics at that policy version.
 
-A reward function that raises fails the run naming "reward function" (or scores 0
-with `data.reward_errors="zero"`: `rewards/pool.py`).
+Scorers run inline or in confined worker processes with a deadline per call
+(`data.reward_sandbox`, `rewards/sandbox.py`), so no scorer blocks this
+process's threads. A reward call that raises, times out or loses its worker
+fails the run naming "reward function" (or scores 0 with
+`data.reward_errors="zero"`, counted: `rewards/pool.py`).
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.pipeline.micro_batches import Scored
 from streamrl_jax.pipeline.step_metrics import GenerationMeter
 from streamrl_jax.pipeline.supervisor import Supervisor
-from streamrl_jax.rewards.base import RewardFn, RewardResult
+from streamrl_jax.rewards.base import RewardFn
 from streamrl_jax.rewards.pool import RewardPool
+from streamrl_jax.rewards.sandbox import Limits
 from streamrl_jax.scheduling.sample_log import SampleLog
 from streamrl_jax.stream.sample_stream import SampleStream, StreamError
 
@@ -107,45 +111,44 @@ class Ingest:
         meter: GenerationMeter,
         tracer: Tracer,
         workdir: str,
+        sandbox: Limits | None = None,
     ):
-        self.tokenizer, self.reward_fn, self.stream = tokenizer, reward_fn, stream
+        self.tokenizer, self.stream = tokenizer, stream
         self.evaluations, self.supervisor, self.meter = evaluations, supervisor, meter
         self.tracer = tracer
         self.timeout = cfg.pipeline.timeout_s
         self.sample_log = (
             SampleLog(os.path.join(workdir, "samples.jsonl")) if cfg.log.samples else None
         )
-        self.pool = RewardPool(self._traced_reward, num_workers=2, on_error=cfg.data.reward_errors)
-
-    def _traced_reward(self, text: str, metadata: dict[str, Any]) -> RewardResult:
-        with self.tracer.span("reward/pool", "score"):
-            return self.reward_fn(text, metadata)
+        self.pool = RewardPool(
+            reward_fn, num_workers=2, on_error=cfg.data.reward_errors, sandbox=sandbox
+        )
 
     def on_sample(self, sample: Sample, done: Callable[[], None] | None = None) -> None:
         """One finished sample (see the module docstring); `done()` runs once it is in
         the stream, scored (evaluation) or failed."""
         text = self.tokenizer.decode(sample.response)
-        if sample.tag.is_eval:
-            try:
-                result = self.reward_fn(text, sample.metadata)
-                self.evaluations.add(sample.tag.eval_version, Scored(sample, text, result))
-            finally:
-                if done is not None:
-                    done()
-            return
-        if self.sample_log is not None:
-            self.sample_log.write(sample, sample.tag.batch)
-        self.meter.sample(sample)
+        if not sample.tag.is_eval:
+            if self.sample_log is not None:
+                self.sample_log.write(sample, sample.tag.batch)
+            self.meter.sample(sample)
+        t0 = self.tracer.now()
         future = self.pool.submit(text, sample.metadata)
-        future.add_done_callback(lambda f, s=sample, t=text: self._scored(s, t, f, done))
+        future.add_done_callback(lambda f, s=sample: self._scored(s, text, f, t0, done))
 
     def _scored(
-        self, sample: Sample, text: str, future: Any, done: Callable[[], None] | None
+        self, sample: Sample, text: str, future: Any, t0: float, done: Callable[[], None] | None
     ) -> None:
+        """A reward pool's callback: the scored sample into the stream or the evaluations."""
         try:
             reward = future.result()
+            self.tracer.add("reward/pool", "score", t0, self.tracer.now())
             self.supervisor.tick("reward")
-            self.stream.put(Scored(sample, text, reward), timeout=self.timeout)
+            scored = Scored(sample, text, reward)
+            if sample.tag.is_eval:
+                self.evaluations.add(sample.tag.eval_version, scored)
+            else:
+                self.stream.put(scored, timeout=self.timeout)
         except StreamError:
             pass  # the stream already carries the first failure
         except BaseException as e:  # noqa: BLE001 - reported to the supervisor

@@ -199,8 +199,10 @@ def run_components(
 ) -> RunResult:
     """Runs built components; with `link`, generation runs in other processes and
     samples arrive through it."""
-    if reward_fn is not None:
+    if reward_fn is not None:  # the caller's own function: inline unless asked otherwise
         components.reward_fn = reward_fn
+        if cfg.data.reward_sandbox != "process":
+            components.reward_sandbox = None
     r, threads, signals, progress = _Run(cfg, components, workdir, link), [], None, None
     t0 = time.perf_counter()
     try:

@@ -72,6 +72,7 @@ def wire(cfg: ExperimentConfig, c: Components, workdir: str) -> RunParts:
         meter=meter,
         tracer=tracer,
         workdir=workdir,
+        sandbox=c.reward_sandbox,
     )
     ckpts = RunCheckpoints(cfg, c, workdir, schedule)
     live = LiveScheduler(cfg, cfg.mesh.instance_slots, c.model_cfg.vocab_size)

@@ -159,6 +159,7 @@ class TrainerLoop:
             "micro_batches": float(step.micro),
             "optimizer_steps": float(len(step.device)),
             "reward_errors": float(self.rewards.num_errors),
+            "reward_timeouts": float(self.rewards.num_timeouts),
             "watchdog_alerts": float(len(self.supervisor.alerts)),
         }
         row |= self.live.end_of_step(b, self.meter.pop_span(b), step.busy_s)

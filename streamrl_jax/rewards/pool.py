@@ -1,18 +1,26 @@
-"""Runs reward functions on a host thread pool as samples arrive.
+"""Scores samples as they arrive: on a host thread pool, or in confined worker processes.
 
 `RewardPool.submit(text, metadata)` returns a `Future[RewardResult]` at once;
-`map(samples)` scores many and returns results in input (arrival) order. A
-reward function that raises is never silently dropped:
+`map(samples)` scores many and returns results in input (arrival) order.
+
+* **Inline** (`sandbox=None`): a thread pool in this process, for scorers known
+  not to evaluate model text (`rewards.tasks.INLINE_SAFE_TASKS`, the caller's
+  own functions). Threads keep the trainer loop free while they run.
+* **Sandboxed** (`sandbox=Limits(...)`): confined, spawned worker processes
+  with a deadline per call (`sandbox.py`): a scorer that `eval`s the answer or
+  computes for ever costs one timeout, never the trainer's threads.
+
+A failed call (the scorer raised, timed out or its worker died) is never
+silently dropped:
 
 * `on_error="raise"`: the exception is stored in the future and re-raised to
   whoever calls `future.result()` (or `map`), with the prompt id in the log.
 * `on_error="zero"`: the sample scores 0 (`RewardResult.error` holds the
-  exception's repr), the error is counted (`num_errors`) and logged.
+  exception's repr), the error is counted (`num_errors`; timeouts also in
+  `num_timeouts`) and logged.
 
 Every blocking wait takes a timeout and names the reward pool and the prompt
-in its `TimeoutError`. Rule-based rewards are cheap Python; threads keep the
-trainer loop free while they run (the scorers release little of the GIL, so
-this is for overlap, not for parallel speed-up).
+in its `TimeoutError`.
 """
 
 import concurrent.futures
@@ -23,33 +31,60 @@ from typing import Any, Literal
 from absl import logging
 
 from streamrl_jax.rewards.base import RewardFn, RewardResult
+from streamrl_jax.rewards.sandbox import Limits, RewardTimeout, SandboxPool
 
 OnError = Literal["raise", "zero"]
 
 
 class RewardPool:
-    """Thread pool that scores samples with one `RewardFn`.
+    """Scores samples with one `RewardFn`, inline or sandboxed (module docstring).
 
     Args:
-      reward_fn: the reward function, called as `reward_fn(text, metadata)`.
-      num_workers: threads.
+      reward_fn: the reward function, called as `reward_fn(text, metadata)`; picklable
+        (and importable by module path) when sandboxed.
+      num_workers: threads, or worker processes when sandboxed.
       on_error: `"raise"` or `"zero"` (module docstring).
+      sandbox: the worker limits (deadline, memory, ...) to score in confined
+        processes; None scores in this process.
     """
 
-    def __init__(self, reward_fn: RewardFn, *, num_workers: int = 2, on_error: OnError = "raise"):
+    def __init__(
+        self,
+        reward_fn: RewardFn,
+        *,
+        num_workers: int = 2,
+        on_error: OnError = "raise",
+        sandbox: Limits | None = None,
+    ):
         if on_error not in ("raise", "zero"):
             raise ValueError(f"on_error={on_error!r}; expected 'raise' or 'zero'")
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers} must be >= 1")
         self._reward_fn = reward_fn
         self._on_error = on_error
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=num_workers, thread_name_prefix="reward"
-        )
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._sandbox: SandboxPool | None = None
+        if sandbox is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=num_workers, thread_name_prefix="reward"
+            )
+        else:
+            self._sandbox = SandboxPool(reward_fn, workers=num_workers, limits=sandbox)
         self._lock = threading.Lock()
         self._num_errors = 0
+        self._num_timeouts = 0
         self._num_scored = 0
         self._num_submitted = 0
+
+    @property
+    def sandboxed(self) -> bool:
+        return self._sandbox is not None
+
+    @property
+    def num_timeouts(self) -> int:
+        """Calls that ran past the sandbox's deadline (their worker was replaced)."""
+        with self._lock:
+            return self._num_timeouts
 
     @property
     def num_errors(self) -> int:
@@ -68,12 +103,16 @@ class RewardPool:
         with self._lock:
             return self._num_submitted - self._num_scored
 
-    def _score(self, text: str, metadata: dict[str, Any]) -> RewardResult:
+    def _settle(
+        self, inner: concurrent.futures.Future, outer: concurrent.futures.Future, metadata: dict
+    ) -> None:
+        """The call's outcome into `outer`, applying `on_error` to a failure."""
         try:
-            result = self._reward_fn(text, metadata)
-        except Exception as e:
+            result = inner.result()
+        except Exception as e:  # noqa: BLE001 - handed on, or scored 0 and counted
             with self._lock:
                 self._num_errors += 1
+                self._num_timeouts += isinstance(e, RewardTimeout)
                 self._num_scored += 1
             logging.warning(
                 "reward fn raised on prompt %s (on_error=%s): %r",
@@ -82,13 +121,21 @@ class RewardPool:
                 e,
             )
             if self._on_error == "raise":
-                raise
-            return RewardResult(
-                score=0.0, correct=False, extracted_answer=None, format_ok=False, error=repr(e)
-            )
+                outer.set_exception(e)
+            else:
+                outer.set_result(
+                    RewardResult(
+                        score=0.0,
+                        correct=False,
+                        extracted_answer=None,
+                        format_ok=False,
+                        error=repr(e),
+                    )
+                )
+            return
         with self._lock:
             self._num_scored += 1
-        return result
+        outer.set_result(result)
 
     def submit(
         self, text: str, metadata: dict[str, Any]
@@ -96,7 +143,13 @@ class RewardPool:
         """Schedules one sample; the future holds its result (or its exception)."""
         with self._lock:
             self._num_submitted += 1
-        return self._executor.submit(self._score, text, metadata)
+        if self._sandbox is not None:
+            inner = self._sandbox.submit(text, metadata)
+        else:
+            inner = self._executor.submit(self._reward_fn, text, metadata)
+        outer: concurrent.futures.Future = concurrent.futures.Future()
+        inner.add_done_callback(lambda f: self._settle(f, outer, metadata))
+        return outer
 
     def map(
         self, samples: Iterable[tuple[str, dict[str, Any]]], *, timeout_s: float = 60.0
@@ -120,8 +173,12 @@ class RewardPool:
         return [f.result() for f, _ in pending]
 
     def close(self, *, cancel_pending: bool = False) -> None:
-        """Stops the workers (waits for running calls; drops queued ones if asked)."""
-        self._executor.shutdown(wait=True, cancel_futures=cancel_pending)
+        """Stops the workers. Threads: waits for running calls (drops queued ones if
+        asked). Sandboxed: terminates the workers at once, stuck or not."""
+        if self._sandbox is not None:
+            self._sandbox.close()
+        else:
+            self._executor.shutdown(wait=True, cancel_futures=cancel_pending)
 
     def __enter__(self) -> "RewardPool":
         return self

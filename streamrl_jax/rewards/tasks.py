@@ -190,6 +190,13 @@ def _weights(tasks: str | Sequence[str] | Mapping[str, float]) -> dict[str, floa
     return weights
 
 
+# Tasks whose reasoning-gym scorer only compares strings or parses numbers: model text
+# is never evaluated, so they may score inline (data.reward_sandbox="auto"). Others
+# (countdown, puzzle24, polynomial_multiplication, ... `eval` or `sympy.parse_expr` the
+# answer) score in confined worker processes (rewards/sandbox.py).
+INLINE_SAFE_TASKS = ("basic_arithmetic", "chain_sum", "gsm_symbolic")
+
+
 @functools.cache
 def _default_scorer(task: str) -> ScoreFn:
     return reasoning_gym.get_score_answer_fn(task)

@@ -1,0 +1,145 @@
+"""Reward scoring in confined worker processes (rewards/sandbox.py, rewards/pool.py).
+
+The scorers here are module-level functions, so the spawned workers import them
+by name; each asserts what model text scored in a sandbox can and cannot do.
+"""
+
+import multiprocessing
+import os
+import time
+
+import numpy as np
+import pytest
+import reasoning_gym
+from lifecycle_test import _pipeline_threads, _tiny, vowel_reward
+
+from streamrl_jax import pipeline
+from streamrl_jax.rewards.base import RewardResult
+from streamrl_jax.rewards.pool import RewardPool
+from streamrl_jax.rewards.sandbox import Limits, RewardTimeout, RewardWorkerDied, SandboxPool
+from streamrl_jax.rewards.tasks import TaskReward
+
+LIMITS = Limits(timeout_s=3.0, memory_mb=1024)
+
+
+def _result(score: float, answer: str = "") -> RewardResult:
+    return RewardResult(score=score, correct=score >= 1, extracted_answer=answer, format_ok=True)
+
+
+def probe(text: str, metadata: dict) -> RewardResult:
+    """Runs `text` as the worst scorers do (eval), reporting what it could do."""
+    try:
+        out = repr(eval(text))  # noqa: S307 - the point of the test
+    except BaseException as e:  # noqa: BLE001
+        out = f"refused: {type(e).__name__}: {e}"
+    return _result(0.0, out)
+
+
+def die(text: str, metadata: dict) -> RewardResult:
+    if text == "die":
+        os._exit(3)
+    return _result(1.0, str(os.getpid()))
+
+
+@pytest.fixture(scope="module")
+def countdown():
+    entry = reasoning_gym.create_dataset("countdown", size=1, seed=0)[0]
+    fn = TaskReward(score_answer=reasoning_gym.get_score_answer_fn("countdown"))
+    return fn, {"task": "countdown", "entry": entry, "prompt_id": "countdown/0"}
+
+
+def test_an_evaluated_answer_cannot_write_outside_its_scratch_directory(countdown, tmp_path):
+    fn, meta = countdown
+    target = tmp_path / "pwned"
+    pool = SandboxPool(fn, workers=1, limits=LIMITS)
+    try:
+        # The countdown scorer `eval`s the answer (it created this file in the trainer's
+        # process before the sandbox); here the write is refused and the answer scores 0.
+        payload = f"<answer>__import__('pathlib').Path({str(target)!r}).touch()</answer>"
+        result = pool.submit(payload, meta).result(60)
+        assert result.score == 0.0 and not target.exists()
+        right = pool.submit(f"<answer>{meta['entry']['answer']}</answer>", meta).result(60)
+        assert right.score == 1.0  # the same worker still scores honest answers
+    finally:
+        pool.close()
+    assert not os.path.exists(pool.root)  # scratch directories are removed
+
+
+def test_a_worker_sees_no_secret_and_cannot_reach_the_trainer(tmp_path, monkeypatch):
+    monkeypatch.setenv("STREAMRL_AUTHKEY", "trainer-secret")
+    pool = SandboxPool(probe, workers=1, limits=LIMITS)
+    try:
+        ask = lambda text: pool.submit(text, {}).result(60).extracted_answer  # noqa: E731
+        assert ask("__import__('os').environ.get('STREAMRL_AUTHKEY')") == "None"
+        # The trainer's memory and environment through /proc: refused (Landlock scopes
+        # ptrace-like access to the worker's own domain).
+        parent = os.getpid()
+        assert ask(f"open('/proc/{parent}/environ', 'rb').read()").startswith("refused")
+        assert ask("open('/proc/self/environ', 'rb').read()").startswith("refused")
+        assert ask(f"__import__('os').kill({parent}, 0)").startswith("refused")
+        assert ask("__import__('os').system('true')").startswith("refused")
+        assert ask("__import__('socket').create_connection(('127.0.0.1', 9))").startswith("refused")
+        assert ask(f"open({str(tmp_path / 'x')!r}, 'w')").startswith("refused")
+        assert not (tmp_path / "x").exists()
+        # Its own scratch directory is writable.
+        assert ask("open('note.txt', 'w').write('ok')") == "2"
+    finally:
+        pool.close()
+
+
+def test_a_runaway_answer_costs_one_timeout_and_the_worker_is_replaced(countdown):
+    fn, meta = countdown
+    pool = SandboxPool(fn, workers=1, limits=LIMITS)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RewardTimeout, match="no result within 3 s"):
+            pool.submit("<answer>9**9**9**9</answer>", meta).result(60)
+        assert time.monotonic() - start < 30
+        right = pool.submit(f"<answer>{meta['entry']['answer']}</answer>", meta).result(60)
+        assert right.score == 1.0
+    finally:
+        pool.close()
+
+
+def test_a_dead_worker_is_replaced():
+    pool = SandboxPool(die, workers=1, limits=LIMITS)
+    try:
+        before = pool.submit("live", {}).result(60).extracted_answer
+        with pytest.raises(RewardWorkerDied):
+            pool.submit("die", {}).result(60)
+        after = pool.submit("live", {}).result(60).extracted_answer
+        assert before != after  # another process
+    finally:
+        pool.close()
+
+
+def test_the_pool_counts_timeouts_and_scores_them_zero(countdown):
+    fn, meta = countdown
+    with RewardPool(fn, num_workers=2, on_error="zero", sandbox=LIMITS) as pool:
+        bad, good = "<answer>9**9**9**9</answer>", f"<answer>{meta['entry']['answer']}</answer>"
+        results = pool.map([(bad, meta), (good, meta)], timeout_s=60)
+        assert [r.score for r in results] == [0.0, 1.0]
+        assert "RewardTimeout" in results[0].error
+        assert pool.num_timeouts == 1 and pool.num_errors == 1
+
+
+def slow_vowels(text: str, metadata: dict) -> RewardResult:
+    """The vowel reward, but some prompts' scorer never returns."""
+    if sum(map(ord, metadata["prompt_id"])) % 3 == 0:
+        time.sleep(3600)
+    return vowel_reward(text, metadata)
+
+
+def test_the_run_goes_on_past_hung_scorers(tmp_path):
+    cfg = _tiny(
+        eval__num_problems=0,
+        data__reward_sandbox="process",
+        data__reward_timeout_s=2.0,
+        data__reward_errors="zero",
+    )
+    result = pipeline.run(cfg, str(tmp_path), reward_fn=slow_vowels)
+    assert len(result.steps) == 2 and not _pipeline_threads()
+    assert not multiprocessing.active_children()  # the workers, hung or not, are gone
+    timeouts = result.steps[-1]["reward_timeouts"]
+    assert timeouts >= 1 and result.steps[-1]["reward_errors"] == timeouts
+    assert all(np.isfinite(r["loss"]) for r in result.steps)
