@@ -71,6 +71,15 @@ class PromptPipeline:
         self.dropped_overlong = 0
         self.truncated_overlong = 0
         self.consumed = 0
+        if overlong == "drop":
+            # Drawing would spin for ever when nothing fits: count once, fail at start-up.
+            lengths = [len(tokenize(p, tokenizer, system_prompt).tokens) for p in dataset]
+            if min(lengths) > max_prompt_len:
+                raise ValueError(
+                    f"none of the {len(dataset)} prompts fits generation.max_prompt_len="
+                    f"{max_prompt_len} (the shortest has {min(lengths)} tokens); with "
+                    "data.overlong_prompts='drop' every one would be dropped"
+                )
         ds = grain.MapDataset.range(len(dataset)).shuffle(seed=seed).repeat()
         ds = ds.map(lambda i: tokenize(dataset[int(i)], tokenizer, system_prompt))
         self._iter = ds.to_iter_dataset().__iter__()

@@ -13,17 +13,49 @@ processes 0 .. G-1 generate, the others train (`pipeline/processes.py`).
 from __future__ import annotations
 
 import os
+import sys
+from typing import NoReturn
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_CONFIG = config_flags.DEFINE_config_file(
-    "config",
-    os.path.join(_REPO, "configs", "quickstart.py"),
-    "Experiment config file (get_config(arg)); append :variant for a variant.",
-    lock_config=True,
-)
+
+
+def _user_error(message: str) -> NoReturn:
+    """A mistake of the user's (config, a file they named): one line, exit status 2.
+    A message that carries a traceback (a config file that raised) keeps its last line."""
+    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    text = lines[-1] if any(line.startswith("Traceback") for line in lines) else " ".join(lines)
+    print(f"error: {text}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _bad_override(argv: list[str], exc: BaseException) -> NoReturn:
+    """A `--config.a.b=v` override that names no field or does not convert, named."""
+    from streamrl_jax import config as config_lib
+
+    fields = config_lib.defaults()
+    overrides = [a for a in argv[1:] if a.startswith("--config.")]
+    for arg in overrides:
+        path = arg[len("--config.") :].partition("=")[0]
+        section, _, field = path.partition(".")
+        if section not in fields or (field and field not in fields[section]):
+            known = ", ".join(sorted(fields[section])) if section in fields else ""
+            where = f" ({section} has: {known})" if known else ""
+            _user_error(f"{arg}: no config field {path}{where}")
+    _user_error(f"{' '.join(overrides) or 'flags'}: {exc}")
+
+
+try:  # ml_collections applies the --config.* overrides of sys.argv right here
+    _CONFIG = config_flags.DEFINE_config_file(
+        "config",
+        os.path.join(_REPO, "configs", "quickstart.py"),
+        "Experiment config file (get_config(arg)); append :variant for a variant.",
+        lock_config=True,
+    )
+except (AttributeError, KeyError, TypeError, ValueError) as e:
+    _bad_override(sys.argv, e)
 _WORKDIR = flags.DEFINE_string(
     "workdir", os.path.join("workdir", "quickstart"), "Where metrics, traces and checkpoints go."
 )
@@ -56,12 +88,28 @@ def _distributed_config():
     return roles.DistributedConfig.from_env()
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with every user mistake one line and exit status 2."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        _user_error(f"{e}\n(--helpshort lists the flags)" if "Traceback" not in str(e) else e)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        _bad_override(argv, e)
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from streamrl_jax import config as config_lib
 
-    cfg = config_lib.from_config_dict(_CONFIG.value)
+    value = _CONFIG.value
+    if (failure := getattr(value, "_error", None)) is not None:  # the file did not load
+        _user_error(f"--config: {failure}")
+    try:
+        cfg = config_lib.from_config_dict(value)
+    except config_lib.ConfigError as e:
+        _user_error(str(e))
     import jax  # after flag parsing: the CPU device count must be set before the backend starts
 
     dcfg = _distributed_config()
@@ -72,16 +120,19 @@ def main(argv: list[str]) -> None:
     if _DEVICES.value:
         jax.config.update("jax_num_cpu_devices", wanted if _DEVICES.value < 0 else _DEVICES.value)
     logging.info("config:\n%s", cfg)
-    if dcfg is None:
-        from streamrl_jax import pipeline
+    try:
+        if dcfg is None:
+            from streamrl_jax import pipeline
 
-        pipeline.run(cfg, _WORKDIR.value)
-        return
-    from streamrl_jax.pipeline import processes
+            pipeline.run(cfg, _WORKDIR.value)
+            return
+        from streamrl_jax.pipeline import processes
 
-    processes.run_process(cfg, _WORKDIR.value, dcfg)
+        processes.run_process(cfg, _WORKDIR.value, dcfg)
+    except (config_lib.ConfigError, FileNotFoundError) as e:  # a field or a file, named
+        _user_error(str(e))
     jax.distributed.shutdown()  # every process meets here within seconds of the others
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

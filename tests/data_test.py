@@ -61,6 +61,12 @@ def test_overlong_prompts_error_or_are_counted(dataset, tokenizer):
         assert short.tokens == whole.tokens[-limit:]
 
 
+def test_no_prompt_that_fits_fails_at_start_up_with_the_count(dataset, tokenizer):
+    # overlong_prompts="drop" with nothing short enough used to draw for ever.
+    with pytest.raises(ValueError, match=f"none of the {len(dataset)} prompts fits .*=8"):
+        PromptPipeline(dataset, tokenizer, max_prompt_len=8, seed=0, overlong="drop")
+
+
 def test_requests_groups_and_seeds(dataset, tokenizer):
     prompts = PromptPipeline(dataset, tokenizer, max_prompt_len=512, seed=0).next_prompts(3)
     reqs = make_requests(

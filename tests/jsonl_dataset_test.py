@@ -217,3 +217,26 @@ def test_run_config_selects_jsonl_files(tmp_path):
     bad = _write(tmp_path, ['{"question": "1+1?", "answer": 2}', "{oops"], name="bad.jsonl")
     with pytest.raises(ValueError, match=re.escape(f"{bad}:2")):
         build_lib.build(_tiny(data__jsonl_path=str(bad), data__eval_jsonl_path=str(evals)))
+
+
+HOSTILE_ROWS = {
+    "a 5,000-digit integer": ('{"question": "q", "answer": ' + "9" * 5000 + "}", "invalid JSON"),
+    "nesting 100,000 deep": (
+        '{"question": "q", "answer": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        "nested too deeply",
+    ),  # fmt: skip
+    "a 2 MiB line": ('{"question": "' + "x" * (2 << 20) + '", "answer": 1}', "line longer than"),
+    "an answer of a wrong type": ('{"question": "q", "answer": {"a": 1}}', "'answer' must be"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_ROWS))
+def test_hostile_rows_are_named_or_skipped(tmp_path, case):
+    # Every kind of bad row is a clear error naming path:line, or skipped and counted.
+    row, message = HOSTILE_ROWS[case]
+    path = _write(tmp_path, [json.dumps(GOOD_ROWS[0]), row, json.dumps(GOOD_ROWS[1])])
+    with pytest.raises(ValueError, match=re.escape(f"{path}:2: ") + ".*" + re.escape(message)):
+        jsonl.JsonlDataset(path)
+    data = jsonl.JsonlDataset(path, on_bad_row="skip")
+    assert len(data) == 2 and data.skipped_rows == 1
+    assert data[1].prompt_id.endswith("/3")  # the line after the bad one is read as itself

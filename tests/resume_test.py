@@ -19,6 +19,7 @@ exactly once.
 import collections
 import dataclasses
 import os
+import re
 import signal
 import threading
 import time
@@ -175,7 +176,7 @@ def test_init_from_takes_another_runs_weights(reference, tmp_path):
 
 def test_resume_with_another_mode_is_refused(reference, tmp_path):
     _, ref_dir = reference
-    with pytest.raises(ValueError, match="mode='stream_async', this run has mode='stream_sync'"):
+    with pytest.raises(ValueError, match="mode: 'stream_async' -> 'stream_sync'"):
         run_lib.run(_cfg(pipeline__mode="stream_sync"), ref_dir, reward_fn=vowel_reward)
 
 
@@ -228,9 +229,46 @@ def test_resume_with_the_critic_is_exact(tmp_path):
         for a, b in zip(_params_of(got), _params_of(want), strict=True):
             np.testing.assert_array_equal(a, b)
     # A checkpoint written with the critic is not resumed without it.
-    with pytest.raises(ValueError, match="critic=True, this run has critic=False"):
+    with pytest.raises(ValueError, match="critic: True -> False"):
         run_lib.run(_cfg(pipeline__steps=4), workdir, reward_fn=vowel_reward)
 
 
 def _params_of(state):
     return [np.asarray(x) for x in jax.device_get(jax.tree.leaves(state.params))]
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(reference, tmp_path, caplog):
+    # Checkpoint 3's state is damaged (a torn write, a bad disk): the run resumes from
+    # checkpoint 2, warns naming both, and still ends at the reference parameters.
+    ref, ref_dir = reference
+    workdir = str(tmp_path)
+    run_lib.run(_cfg(pipeline__steps=3), workdir, reward_fn=vowel_reward)
+    state = os.path.join(workdir, "checkpoints", "3", "state")
+    for folder, _, files in os.walk(state):
+        for name in files:
+            with open(os.path.join(folder, name), "wb") as f:
+                f.write(b"torn")
+    with caplog.at_level("WARNING"):
+        result = run_lib.run(_cfg(), workdir, reward_fn=vowel_reward)
+    assert result.start_batch == 2
+    warned = [r.getMessage() for r in caplog.records if "does not read back" in r.getMessage()]
+    assert warned and "checkpoints/3" in warned[0] and "checkpoints/2" in warned[0]
+    for a, b in zip(_params(result), _params(ref), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert _consumed(workdir) == _consumed(ref_dir)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"pipeline__prompts_per_step": 2}, "prompts_per_step: 4 -> 2"),
+        ({"pipeline__staleness": 2}, "staleness: 1 -> 2"),
+        ({"data__train_seed": 7}, "data.train_seed: 1 -> 7"),
+    ],
+)
+def test_resume_refuses_another_schedule_or_data_naming_old_and_new(
+    reference, tmp_path, override, message
+):
+    _, ref_dir = reference
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run_lib.run(_cfg(**override), ref_dir, reward_fn=vowel_reward)

@@ -34,6 +34,7 @@ from streamrl_jax.config.sections import (
     WHITENING,
     AlgorithmSection,
     CheckpointSection,
+    ConfigError,
     CriticSection,
     DataSection,
     EvalSection,
@@ -48,6 +49,7 @@ from streamrl_jax.config.sections import (
 )
 
 __all__ = [
+    "ConfigError",
     "MODES",
     "NONFINITE",
     "ADVANTAGES",

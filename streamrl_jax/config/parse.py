@@ -10,7 +10,7 @@ from typing import Any
 import ml_collections
 
 from streamrl_jax.config.rules import validate
-from streamrl_jax.config.sections import ExperimentConfig
+from streamrl_jax.config.sections import ConfigError, ExperimentConfig
 
 
 def _check_type(path: str, value: Any, hint: Any) -> Any:
@@ -19,26 +19,26 @@ def _check_type(path: str, value: Any, hint: Any) -> Any:
         return float(value)
     if origin is tuple:
         if not isinstance(value, (tuple, list)):
-            raise ValueError(f"{path} must be a tuple, got {value!r}")
+            raise ConfigError(f"{path} must be a tuple, got {value!r}")
         return tuple(_check_type(path, v, typing.get_args(hint)[0]) for v in value)
     if origin in (typing.Union, types.UnionType):
         return value
     if isinstance(hint, type) and not isinstance(value, hint):
-        raise ValueError(f"{path} must be {hint.__name__}, got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{path} must be {hint.__name__}, got {type(value).__name__} {value!r}")
     if hint is int and isinstance(value, bool):
-        raise ValueError(f"{path} must be int, got bool")
+        raise ConfigError(f"{path} must be int, got bool")
     return value
 
 
 def _build(cls: type, data: Any, path: str) -> Any:
     if not isinstance(data, (dict, ml_collections.ConfigDict)):
-        raise ValueError(f"{path or 'config'} must be a section, got {data!r}")
+        raise ConfigError(f"{path or 'config'} must be a section, got {data!r}")
     data = data.to_dict() if isinstance(data, ml_collections.ConfigDict) else dict(data)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ValueError(f"unknown config key(s) {', '.join(path + k for k in unknown)}")
+        raise ConfigError(f"unknown config key(s) {', '.join(path + k for k in unknown)}")
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]

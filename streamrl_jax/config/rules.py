@@ -33,6 +33,7 @@ from streamrl_jax.config.sections import (
     WHITENING,
     AlgorithmSection,
     CheckpointSection,
+    ConfigError,
     CriticSection,
     DataSection,
     EvalSection,
@@ -49,7 +50,7 @@ from streamrl_jax.config.sections import (
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise ConfigError(message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,10 +266,10 @@ def task_configs(data: DataSection) -> dict[str, dict[str, Any]]:
     try:
         parsed = json.loads(data.task_config)
     except json.JSONDecodeError as e:
-        raise ValueError(f"data.task_config is not valid JSON: {e}") from None
+        raise ConfigError(f"data.task_config is not valid JSON: {e}") from None
     tasks = set(task_names(data))
     if not isinstance(parsed, dict) or not all(isinstance(v, dict) for v in parsed.values()):
-        raise ValueError("data.task_config must be a JSON object {task: {kwarg: value}}")
+        raise ConfigError("data.task_config must be a JSON object {task: {kwarg: value}}")
     if unknown := set(parsed) - tasks:
-        raise ValueError(f"data.task_config names {sorted(unknown)}, not in data.tasks")
+        raise ConfigError(f"data.task_config names {sorted(unknown)}, not in data.tasks")
     return parsed

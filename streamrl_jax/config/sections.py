@@ -9,6 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
+
+class ConfigError(ValueError):
+    """A mistake in the user's config, named by field: `launch` prints it as one line and
+    exits with status 2 (no traceback)."""
+
+
 # Registry names, as the user writes them. config/ is the bottom layer and imports
 # no registry; tests/config_test.py asserts these equal the registries' keys
 # (streamrl_jax.algorithms, model.config, scheduling.dispatch, rewards.jsonl).

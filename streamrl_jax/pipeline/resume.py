@@ -62,6 +62,32 @@ class ResumePoint:
     step: int
 
 
+class ResumeMismatch(ValueError):
+    """The run's schedule or data differ from the checkpoint's (named, old -> new)."""
+
+
+def run_identity(cfg: ExperimentConfig) -> dict[str, Any]:
+    """What a resumed run must share with its checkpoint: the fields that change the
+    schedule (which weights generate which batch, how batches are cut) or the data (which
+    prompts, in which order). `pipeline.steps` may grow: a resumed run can go further."""
+    p, d, g = cfg.pipeline, cfg.data, cfg.generation
+    return {
+        "mode": p.mode,
+        "staleness": p.staleness,
+        "prompts_per_step": p.prompts_per_step,
+        "group_size": p.group_size,
+        "mini_batches": p.mini_batches,
+        "data.tasks": d.tasks,
+        "data.task_config": d.task_config,
+        "data.train_seed": d.train_seed,
+        "data.train_size": d.train_size,
+        "data.jsonl_path": d.jsonl_path,
+        "data.system_prompt": d.system_prompt,
+        "data.overlong_prompts": d.overlong_prompts,
+        "generation.max_prompt_len": g.max_prompt_len,
+    }
+
+
 class RunCheckpoints:
     """Checkpoints of one run in `<workdir>/checkpoints` (see the module docstring)."""
 
@@ -130,6 +156,7 @@ class RunCheckpoints:
             "run_seed": self.cfg.seed,
             "mode": self.cfg.pipeline.mode,
             "critic": self.c.critic_state is not None,
+            "identity": run_identity(self.cfg),
             "staleness": self.cfg.pipeline.staleness,
             "gen_versions": sorted(int(v) for v in gen),
             "prompts": prompts,
@@ -176,24 +203,47 @@ class RunCheckpoints:
 
     # ------------------------------------------------------------------ restore
     def restore(self) -> ResumePoint | None:
-        """Restores the newest checkpoint into the components; None if there is none."""
+        """Restores the newest complete checkpoint into the components; None if there is
+        none. A checkpoint that does not read back (corrupt, truncated) is skipped with a
+        warning naming it and the older one tried next; a run whose schedule or data
+        differ from the checkpoint's is refused (`ResumeMismatch`), never skipped."""
         if self.ckpt is None or self.ckpt.latest_step() is None:
             return None
-        step = self.ckpt.latest_step()
+        steps = sorted(self.ckpt.all_steps(), reverse=True)
+        first: BaseException | None = None
+        for i, step in enumerate(steps):
+            try:
+                return self._restore(step)
+            except ResumeMismatch:
+                raise
+            except (ValueError, OSError) as e:
+                first = first or e
+                if i + 1 < len(steps):
+                    logging.warning(
+                        "checkpoint %s does not read back (%s); trying the previous one, %s",
+                        self.ckpt.step_directory(step),
+                        e,
+                        self.ckpt.step_directory(steps[i + 1]),
+                    )
+        raise ValueError(f"no checkpoint in {self.directory} reads back: {first}") from first
+
+    def _restore(self, step: int) -> ResumePoint:
+        where = self.ckpt.step_directory(step)
         meta = self.ckpt.read_metadata(step)
-        p = self.cfg.pipeline
-        checks = (
-            ("mode", meta.get("mode"), p.mode),
-            ("run_seed", meta.get("run_seed"), self.cfg.seed),
-            ("critic", meta.get("critic", False), self.c.critic_state is not None),
-        )
-        for key, saved, now in checks:
-            if saved != now:
-                raise ValueError(
-                    f"checkpoint {self.ckpt.step_directory(step)} was written with "
-                    f"{key}={saved!r}, this run has {key}={now!r}: resume with the "
-                    "same setting or use a fresh --workdir (init_from to start from its weights)"
-                )
+        for key in ("next_batch", "prompts"):
+            if key not in meta:
+                raise ValueError(f"checkpoint {where}: its metadata has no {key!r}")
+        saved = {"mode": meta.get("mode"), "run_seed": meta.get("run_seed")}
+        saved |= {"critic": meta.get("critic", False)} | meta.get("identity", {})
+        now = {"run_seed": self.cfg.seed, "critic": self.c.critic_state is not None}
+        now |= run_identity(self.cfg)
+        changed = [f"{k}: {saved[k]!r} -> {now[k]!r}" for k in saved if saved[k] != now.get(k)]
+        if changed:
+            raise ResumeMismatch(
+                f"checkpoint {where} was written by another schedule or data "
+                f"({'; '.join(changed)}): resume with the same settings, or use a fresh "
+                "--workdir (init_from=... to start from its weights)"
+            )
         versions = [int(v) for v in meta.get("gen_versions", [])]
         abstract_extra: dict[str, Any] = {}
         if versions:

@@ -60,14 +60,40 @@ def _optional_text(row: Mapping[str, Any], key: str) -> str | None:
     return value
 
 
-def _parse_row(line: bytes) -> dict[str, Any]:
+MAX_LINE_BYTES = 1 << 20  # a longer row is malformed (never read whole into memory)
+
+
+def _lines(f: Any) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, bytes) of each line; None for a line over `MAX_LINE_BYTES`, whose
+    rest is read and dropped in bounded chunks."""
+    line_no = 0
+    while True:
+        raw = f.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        line_no += 1
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            while (rest := f.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+                pass
+            yield line_no, None
+        else:
+            yield line_no, raw
+
+
+def _parse_row(line: bytes | None) -> dict[str, Any]:
     """The validated row of one non-blank line; raises `_BadRow`."""
+    if line is None:
+        raise _BadRow(f"line longer than {MAX_LINE_BYTES} bytes")
     try:
         row = json.loads(line.decode("utf-8").rstrip())  # error columns within the line
     except UnicodeDecodeError as e:
         raise _BadRow(f"not valid UTF-8 ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise _BadRow(f"invalid JSON: {e.msg} (column {e.colno})") from None
+    except RecursionError:
+        raise _BadRow("JSON nested too deeply") from None
+    except ValueError as e:  # e.g. an integer past Python's 4,300-digit conversion limit
+        raise _BadRow(f"invalid JSON value: {e}") from None
     if not isinstance(row, dict):
         raise _BadRow(f"expected a JSON object, got {_json_type(row)}")
     if "question" not in row:
@@ -134,10 +160,10 @@ class JsonlDataset(Sequence[Problem]):
         rows = 0
         self._problems: list[Problem] = []
         with self.path.open("rb") as f:
-            for line_no, raw in enumerate(f, start=1):
-                if line_no == 1:
+            for line_no, raw in _lines(f):
+                if line_no == 1 and raw is not None:
                     raw = raw.removeprefix(codecs.BOM_UTF8)  # editors on Windows write one
-                if not raw.strip():
+                if raw is not None and not raw.strip():
                     continue
                 rows += 1
                 try:

@@ -1,0 +1,44 @@
+"""`python -m streamrl_jax.launch`: a user's mistake is one line naming it, exit status 2.
+
+Each case runs the real entry point in a subprocess (flags are parsed there, at
+import) and checks the whole of stderr: no traceback, one `error:` line that
+names the field, flag or file.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CASES = {
+    "unknown field": (["--config.pipeline.foo=1"], "no config field pipeline.foo (pipeline has:"),
+    "unknown section": (["--config.pipelin.steps=1"], "no config field pipelin.steps"),
+    "bad type": (["--config.pipeline.steps=abc"], "--config.pipeline.steps=abc"),
+    "unknown flag": (["--bogus"], "Unknown command line flag 'bogus'"),
+    "missing config file": (["--config=/nonexistent/cfg.py"], "/nonexistent/cfg.py"),
+    "unknown variant": (["--config=configs/quickstart.py:bogus"], "unknown variant 'bogus'"),
+    "registry name": (["--config.algorithm.advantage=bogus"], "algorithm.advantage='bogus'"),
+    "numeric range": (["--config.eval.num_problems=-3"], "eval.num_problems must be >= 0"),
+    "cross-field": (["--config.data.eval_seed=1"], "data.train_seed must differ"),
+    "missing model file": (["--config.model.source=/nonexistent.gguf"], "/nonexistent.gguf"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_user_mistake_is_one_line_and_exit_status_2(case, tmp_path):
+    args, message = CASES[case]
+    run = subprocess.run(
+        [sys.executable, "-m", "streamrl_jax.launch", f"--workdir={tmp_path}", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], run.stderr[-3000:]
