@@ -11,7 +11,7 @@ recall of the true longest 20 / 10 / 5 % among the predicted longest and Kendall
 the held-out prompts, next to reference predictors (prompt length; the training mean
 length of the prompt's task; chance) and the split-half repeatability of the target
 itself (one half of a prompt's samples predicting the other half), and writes the ranker
-(pickle of {"config", "state", "report"}; `Ranker.load_state(d["state"])`).
+(arrays + JSON, `scheduling/ranker_file.py`; `load_ranker(path)` reads it back).
 
 With `--eval_samples` (a log of other prompts, e.g. another dataset seed) the ranker trains
 on all of `--samples` and is judged on those prompts only, on three targets: each prompt's
@@ -29,7 +29,6 @@ import collections
 import dataclasses
 import hashlib
 import json
-import pickle
 import time
 
 import numpy as np
@@ -37,6 +36,7 @@ from absl import app, flags
 
 from streamrl_jax.scheduling.rank_metrics import kendall_tau, ranking_report, recall_at
 from streamrl_jax.scheduling.ranker import Ranker, RankerConfig
+from streamrl_jax.scheduling.ranker_file import save_ranker
 from streamrl_jax.scheduling.sample_log import LoggedSample, group_by_prompt, read_sample_log
 
 FLAGS = flags.FLAGS
@@ -314,7 +314,7 @@ def define_flags() -> None:
     flags.DEFINE_string(
         "eval_samples", None, "Evaluate on these prompts (another dataset seed) instead."
     )
-    flags.DEFINE_string("out", None, "Where to write the trained ranker (pickle); none = skip.")
+    flags.DEFINE_string("out", None, "Where to write the trained ranker (.npz); none = skip.")
     flags.DEFINE_integer("steps", 600, "Optimizer steps.")
     flags.DEFINE_float("holdout", 0.25, "Share of prompts held out for evaluation.")
     flags.DEFINE_integer("folds", 1, "> 1: k-fold cross-validation instead of one holdout.")
@@ -335,10 +335,7 @@ def main(argv):
         ranker, report = train_and_evaluate(examples, cfg, FLAGS.steps, FLAGS.holdout, FLAGS.folds)
     report.pop("heldout_scores", None)
     if FLAGS.out:
-        with open(FLAGS.out, "wb") as f:
-            pickle.dump(
-                {"config": dataclasses.asdict(cfg), "state": ranker.state(), "report": report}, f
-            )
+        save_ranker(FLAGS.out, ranker, report)
     print(json.dumps(report))
 
 

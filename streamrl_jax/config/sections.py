@@ -196,7 +196,7 @@ class SchedulingSection:
     dispatch: str = "round_robin"  # round_robin | random | skew_aware | oracle
     objective: str = "max"  # Algorithm 2 objective: max (makespan) | sum (paper's pseudocode)
     planner: str = "lpt"  # lpt (list scheduling, for fixed-shape engines) | groups (Algorithm 2)
-    ranker_path: str = ""  # a ranker pickle from tools/train_ranker.py ("" = untrained)
+    ranker_path: str = ""  # a ranker .npz from tools/train_ranker.py ("" = untrained)
     ranker_online: bool = True  # refresh the ranker from completed samples every step
     ranker_min_samples: int = 64  # online refresh starts once this many samples are buffered
     ptl_profile: str = ""  # PTL(BS) JSON from tools/profile_ptl.py ("" = flat)

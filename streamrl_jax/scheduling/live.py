@@ -11,7 +11,8 @@
     step costs), plus longest-predicted-first admission inside each engine;
   * `"oracle"`: the same plan with the true lengths (length-replay runs only, where
     every request carries its forced length).
-* The ranker starts from `scheduling.ranker_path` (a pickle of tools/train_ranker.py)
+* The ranker starts from `scheduling.ranker_path` (arrays + JSON from tools/train_ranker.py,
+  `ranker_file.py`)
   or untrained, and with `scheduling.ranker_online` refreshes from the samples the
   run completes, once per step on a thread this object owns (`refresh_async`,
   joined by `close`), so generation never waits for it.
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pickle
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -43,24 +43,9 @@ from absl import logging
 from streamrl_jax.generation.types import GenerationRequest
 from streamrl_jax.scheduling import balance, dispatch
 from streamrl_jax.scheduling.ranker import Ranker, RankerConfig
+from streamrl_jax.scheduling.ranker_file import load_ranker
 
 DISPATCH = ("round_robin", "random", "skew_aware", "oracle")
-
-
-def load_ranker(path: str) -> Ranker:
-    """A ranker written by tools/train_ranker.py (clear errors for a bad file)."""
-    try:
-        with open(path, "rb") as f:
-            d = pickle.load(f)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"scheduling.ranker_path {path} does not exist") from None
-    except Exception as e:
-        raise ValueError(f"scheduling.ranker_path {path}: not a ranker file ({e!r})") from e
-    if not isinstance(d, dict) or not {"config", "state"} <= set(d):
-        raise ValueError(f"scheduling.ranker_path {path}: expected a dict with config and state")
-    ranker = Ranker(RankerConfig(**d["config"]))
-    ranker.load_state(d["state"])
-    return ranker
 
 
 class LiveScheduler:
