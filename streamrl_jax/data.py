@@ -27,6 +27,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from streamrl_jax.errors import UserError
 from streamrl_jax.generation.types import GenerationRequest, RequestTag, SamplingParams
 from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.rewards.tasks import Problem, TaskDataset, chat_messages
@@ -75,7 +76,7 @@ class PromptPipeline:
             # Drawing would spin for ever when nothing fits: count once, fail at start-up.
             lengths = [len(tokenize(p, tokenizer, system_prompt).tokens) for p in dataset]
             if min(lengths) > max_prompt_len:
-                raise ValueError(
+                raise UserError(
                     f"none of the {len(dataset)} prompts fits generation.max_prompt_len="
                     f"{max_prompt_len} (the shortest has {min(lengths)} tokens); with "
                     "data.overlong_prompts='drop' every one would be dropped"
@@ -91,7 +92,7 @@ class PromptPipeline:
             prompt = next(self._iter)
             if len(prompt.tokens) > self.max_prompt_len:
                 if self.overlong == "error":
-                    raise ValueError(
+                    raise UserError(
                         f"prompt {prompt.problem.prompt_id} has {len(prompt.tokens)} tokens, "
                         f"over generation.max_prompt_len={self.max_prompt_len} "
                         f"(raise the limit, or drop long prompts)"

@@ -44,7 +44,8 @@ def _bad_override(argv: list[str], exc: BaseException) -> NoReturn:
             known = ", ".join(sorted(fields[section])) if section in fields else ""
             where = f" ({section} has: {known})" if known else ""
             _user_error(f"{arg}: no config field {path}{where}")
-    _user_error(f"{' '.join(overrides) or 'flags'}: {exc}")
+    named = overrides or [a for a in argv[1:] if a.startswith("--config=")] or ["flags"]
+    _user_error(f"{' '.join(named)}: {exc}")
 
 
 try:  # ml_collections applies the --config.* overrides of sys.argv right here
@@ -54,7 +55,7 @@ try:  # ml_collections applies the --config.* overrides of sys.argv right here
         "Experiment config file (get_config(arg)); append :variant for a variant.",
         lock_config=True,
     )
-except (AttributeError, KeyError, TypeError, ValueError) as e:
+except Exception as e:  # noqa: BLE001 - the config file or an override; the user's
     _bad_override(sys.argv, e)
 _WORKDIR = flags.DEFINE_string(
     "workdir", os.path.join("workdir", "quickstart"), "Where metrics, traces and checkpoints go."
@@ -94,7 +95,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
         return flags.FLAGS(argv)
     except flags.Error as e:
         _user_error(f"{e}\n(--helpshort lists the flags)" if "Traceback" not in str(e) else e)
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - the config file or an override; the user's
         _bad_override(argv, e)
 
 
@@ -102,13 +103,14 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from streamrl_jax import config as config_lib
+    from streamrl_jax.errors import UserError
 
     value = _CONFIG.value
     if (failure := getattr(value, "_error", None)) is not None:  # the file did not load
         _user_error(f"--config: {failure}")
     try:
         cfg = config_lib.from_config_dict(value)
-    except config_lib.ConfigError as e:
+    except UserError as e:
         _user_error(str(e))
     import jax  # after flag parsing: the CPU device count must be set before the backend starts
 
@@ -129,7 +131,7 @@ def main(argv: list[str]) -> None:
         from streamrl_jax.pipeline import processes
 
         processes.run_process(cfg, _WORKDIR.value, dcfg)
-    except (config_lib.ConfigError, FileNotFoundError) as e:  # a field or a file, named
+    except (UserError, FileNotFoundError) as e:  # a field or a file of the user's, named
         _user_error(str(e))
     jax.distributed.shutdown()  # every process meets here within seconds of the others
 

@@ -24,7 +24,7 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 # Lowest first. A package may import its own layer and the ones before it.
 LAYERS = (
-    ("config", "mailbox", "mesh", "sharding"),
+    ("errors", "config", "mailbox", "mesh", "sharding"),
     ("model", "algorithms"),
     ("generation", "trainer", "weight_sync"),
     ("stream", "scheduling", "rewards", "data", "checkpoint", "metrics", "distributed"),

@@ -45,6 +45,7 @@ from streamrl_jax.checkpoint.trees import (
     encode_keys,
     signature,
 )
+from streamrl_jax.errors import UserError
 
 FORMAT_VERSION = 1
 _STATE, _EXTRA, _RANKER, _METADATA, _MANIFEST = "state", "extra", "ranker", "metadata", "manifest"
@@ -61,7 +62,7 @@ def _check_fingerprint(
         for k in sorted(set(saved) | set(mine))
         if saved.get(k) != mine.get(k)
     ]
-    raise ValueError(f"checkpoint {where} is from another model: " + ", ".join(diff))
+    raise UserError(f"checkpoint {where} is from another model: " + ", ".join(diff))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,7 +289,7 @@ class Checkpointer:
                 step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()})
             )[item]
         except Exception as e:
-            raise ValueError(
+            raise UserError(
                 f"checkpoint {self.step_directory(step)} is corrupt or truncated: cannot read "
                 f"its {item}: {type(e).__name__}: {e}"
             ) from e
@@ -351,9 +352,7 @@ class Checkpointer:
             item = _EXTRA + "_" + name
             if item not in manifest["items"]:
                 saved = [i[len(_EXTRA) + 1 :] for i in manifest["items"] if i.startswith(_EXTRA)]
-                raise ValueError(
-                    f"checkpoint {where} has no extra arrays {name!r} (it has {saved})"
-                )
+                raise UserError(f"checkpoint {where} has no extra arrays {name!r} (it has {saved})")
             target = abstract_key_data(tree)
             check_signature(
                 f"extra arrays {name!r}", where, manifest["signature"][item], signature(target)
@@ -364,7 +363,7 @@ class Checkpointer:
         try:
             out = self._mgr.restore(step, args=ocp.args.Composite(**args))
         except Exception as e:
-            raise ValueError(
+            raise UserError(
                 f"checkpoint {where} is corrupt or truncated: {type(e).__name__}: {e}"
             ) from e
         keys = manifest["prng_keys"]
@@ -406,7 +405,7 @@ def restore_params_only(
     if (path / _MANIFEST).exists():  # a step directory: open its root at that step
         root, step = path.parent, path.name
         if not step.isdigit():
-            raise ValueError(f"init_from checkpoint {path}: step directory name is not a step")
+            raise UserError(f"init_from checkpoint {path}: step directory name is not a step")
         step = int(step)
     else:
         root, step = path, None
@@ -434,7 +433,7 @@ def restore_params_only(
                 ),
             )
         except Exception as e:
-            raise ValueError(f"checkpoint {where} is corrupt or truncated: {e}") from e
+            raise UserError(f"checkpoint {where} is corrupt or truncated: {e}") from e
         return out[_STATE]["params"]
     finally:
         ckpt._mgr.close()

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from streamrl_jax.errors import UserError
 from streamrl_jax.model.config import SHAPE_FIELDS
 
 # Architecture fields of `model.config.ModelConfig` that decide parameter shapes
@@ -103,7 +104,7 @@ def check_signature(what: str, where: str, saved: Mapping[str, str], want: Mappi
     lines = [f"{p}: checkpoint {saved[p]} vs this run {want[p]}" for p in differ[:MAX_LISTED]]
     lines += [f"{p}: not in the checkpoint (this run {want[p]})" for p in missing[:MAX_LISTED]]
     more = len(missing) + len(differ) - len(lines)
-    raise ValueError(
+    raise UserError(
         f"checkpoint {where} does not match this run's {what} "
         f"({len(differ)} leaves differ in shape/dtype, {len(missing)} missing): "
         + "; ".join(lines)

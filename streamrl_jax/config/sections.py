@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from streamrl_jax.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """A mistake in the user's config, named by field: `launch` prints it as one line and
     exits with status 2 (no traceback)."""
 

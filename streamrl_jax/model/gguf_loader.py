@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from streamrl_jax.errors import UserError
 from streamrl_jax.model.config import ModelConfig
 
 # GGUF architectures whose q/k rows llama.cpp permuted for its interleaved RoPE.
@@ -89,7 +90,7 @@ def open_gguf(path: str) -> Any:
     try:
         return gguf.GGUFReader(path, "r")
     except Exception as e:  # the reader raises ValueError/IndexError/struct errors alike
-        raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from e
+        raise UserError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from e
 
 
 def _field(reader: Any, key: str) -> Any:
@@ -110,12 +111,12 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], path: str
     """
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(
+        raise UserError(
             f"{path}: unknown architecture general.architecture={arch!r}; "
             f"supported: {SUPPORTED_GGUF_ARCHITECTURES}"
         )
     if "rope_freqs.weight" in tensor_names:
-        raise ValueError(
+        raise UserError(
             f"{path}: has a rope_freqs tensor (Llama-3.1 RoPE scaling), which the GGUF loader "
             "does not support; load the Hugging Face directory instead"
         )
@@ -123,7 +124,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], path: str
     def need(key: str) -> Any:
         value = meta.get(f"{arch}.{key}")
         if value is None:
-            raise ValueError(f"{path}: missing GGUF metadata field {arch}.{key!r}")
+            raise UserError(f"{path}: missing GGUF metadata field {arch}.{key!r}")
         return value
 
     hidden = int(need("embedding_length"))
@@ -131,7 +132,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], path: str
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
     if vocab is None:
-        raise ValueError(f"{path}: missing {arch}.vocab_size and tokenizer.ggml.tokens")
+        raise UserError(f"{path}: missing {arch}.vocab_size and tokenizer.ggml.tokens")
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         vocab_size=int(vocab),
@@ -178,14 +179,14 @@ def read_gguf(path: str) -> GGUFContents:
 
     def load(name: str) -> np.ndarray:
         if name not in tensors:
-            raise ValueError(f"{path}: missing tensor {name!r}")
+            raise UserError(f"{path}: missing tensor {name!r}")
         t = tensors[name]
         try:
             # GGUF lists dims innermost-first; dequantize returns numpy (row-major) order,
             # i.e. [out, in] like a torch Linear weight.
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
-            raise ValueError(f"{path}: cannot dequantise tensor {name!r}: {e}") from e
+            raise UserError(f"{path}: cannot dequantise tensor {name!r}: {e}") from e
         return np.asarray(arr, dtype=np.float32)
 
     hf: dict[str, np.ndarray] = {

@@ -26,6 +26,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from streamrl_jax.errors import UserError
 from streamrl_jax.model.config import ModelConfig, from_hf_config
 
 _ST_DTYPES = {
@@ -66,7 +67,7 @@ def read_json(path: str) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON: {e}") from e
+        raise UserError(f"{path}: invalid JSON: {e}") from e
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
@@ -82,14 +83,14 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise ValueError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+            raise UserError(f"{path}: truncated safetensors file ({size} bytes, no header)")
         (n,) = struct.unpack("<Q", head)
         if n > size - 8:
-            raise ValueError(f"{path}: truncated safetensors header ({n} bytes declared)")
+            raise UserError(f"{path}: truncated safetensors header ({n} bytes declared)")
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: corrupt safetensors header: {e}") from e
+            raise UserError(f"{path}: corrupt safetensors header: {e}") from e
     header.pop("__metadata__", None)
     data_start = 8 + n
     mm = np.memmap(path, dtype=np.uint8, mode="r") if size > data_start else None
@@ -100,9 +101,9 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
             begin, end = info["data_offsets"]
             shape = tuple(info["shape"])
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}: corrupt header entry for tensor {name!r}") from e
+            raise UserError(f"{path}: corrupt header entry for tensor {name!r}") from e
         if data_start + end > size or end - begin != dtype.itemsize * int(np.prod(shape)):
-            raise ValueError(
+            raise UserError(
                 f"{path}: tensor {name!r} data [{begin}, {end}) does not fit the file "
                 f"({size - data_start} data bytes): truncated or corrupt"
             )
@@ -118,7 +119,7 @@ def read_hf_weights(directory: str) -> dict[str, np.ndarray]:
     if os.path.isfile(index):
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: missing 'weight_map'")
+            raise UserError(f"{index}: missing 'weight_map'")
         files = sorted(set(weight_map.values()))
     elif os.path.isfile(single):
         files = ["model.safetensors"]
@@ -168,7 +169,7 @@ def stack_hf_weights(tensors: dict[str, np.ndarray], cfg: ModelConfig, source: s
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:
-            raise ValueError(f"{source}: checkpoint has no tensor {name!r}")
+            raise UserError(f"{source}: checkpoint has no tensor {name!r}")
         used.add(name)
         return tensors[name]
 
@@ -181,13 +182,13 @@ def stack_hf_weights(tensors: dict[str, np.ndarray], cfg: ModelConfig, source: s
         layers = [get(f"model.layers.{i}.{suffix}") for i in range(cfg.num_layers)]
         shapes = {a.shape for a in layers}
         if len(shapes) != 1:
-            raise ValueError(f"{source}: {suffix} has different shapes across layers: {shapes}")
+            raise UserError(f"{source}: {suffix} has different shapes across layers: {shapes}")
         out[ours] = np.stack(layers)
     # A tensor we do not consume (mlp biases, q/k norms, ...) means an architecture
     # variant this model does not implement: refuse rather than silently drop it.
     unused = sorted(n for n in set(tensors) - used if not n.endswith("rotary_emb.inv_freq"))
     if unused:
-        raise ValueError(
+        raise UserError(
             f"{source}: checkpoint has {len(unused)} tensors the model does not use "
             f"(unsupported architecture variant?), e.g. {unused[:3]}"
         )
@@ -205,7 +206,7 @@ def to_model_layout(hf: dict[str, np.ndarray], cfg: ModelConfig, source: str) ->
         got = hf[name].shape
         want = shape if name in ("embed", "final_norm", "lm_head") else (cfg.num_layers, *shape)
         if tuple(got) != want:
-            raise ValueError(
+            raise UserError(
                 f"{source}: weights for {name!r} have shape {tuple(got)} but the config "
                 f"implies {want}; config and weights disagree"
             )
@@ -243,7 +244,7 @@ def read_hf_config(directory: str, **overrides: Any) -> tuple[ModelConfig, dict]
     try:
         cfg = from_hf_config(hf_cfg, **overrides)
     except ValueError as e:
-        raise ValueError(f"{cfg_path}: {e}") from e
+        raise UserError(f"{cfg_path}: {e}") from e
     gen_path = os.path.join(directory, "generation_config.json")
     return cfg, read_json(gen_path) if os.path.isfile(gen_path) else {}
 

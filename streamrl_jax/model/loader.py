@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh
 
 from streamrl_jax import sharding
+from streamrl_jax.errors import UserError
 from streamrl_jax.model import gguf_loader, hf_loader
 from streamrl_jax.model.config import ModelConfig
 from streamrl_jax.model.llama import Llama
@@ -104,7 +105,7 @@ def describe(
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if not _is_gguf(path):
-        raise ValueError(f"{path}: not a GGUF file (bad magic) and not a Hugging Face directory")
+        raise UserError(f"{path}: not a GGUF file (bad magic) and not a Hugging Face directory")
     cfg, meta = gguf_loader.describe_gguf(path)
     if "tokenizer.ggml.model" in meta:
         tokenizer = Tokenizer.from_gguf_metadata(meta, source=path)
@@ -155,7 +156,7 @@ def load_pretrained(
     try:
         params = sharding.place_host_arrays(abstract, arrays, mesh, role)
     except ValueError as e:
-        raise ValueError(f"{path}: {e}") from e
+        raise UserError(f"{path}: {e}") from e
     logging.info("loaded %s: %d params, %s on %s", path, cfg.num_params(), role, mesh.shape)
     return Pretrained(
         cfg=cfg,

@@ -28,6 +28,8 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from streamrl_jax.errors import UserError
+
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -115,7 +117,7 @@ class Tokenizer:
         try:
             backend = tokenizers.Tokenizer.from_file(path)
         except Exception as e:
-            raise ValueError(f"{path}: cannot parse tokenizer: {e}") from e
+            raise UserError(f"{path}: cannot parse tokenizer: {e}") from e
         cfg_path = os.path.join(directory, "tokenizer_config.json")
         tok_cfg = read_json(cfg_path) if os.path.isfile(cfg_path) else {}
         gen = generation_config or {}
@@ -156,14 +158,14 @@ class Tokenizer:
         """
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
-            raise ValueError(
+            raise UserError(
                 f"{source}: tokenizer.ggml.model={kind!r} is not supported (only 'gpt2' "
                 "byte-level BPE)"
             )
         tokens = meta.get("tokenizer.ggml.tokens")
         merges = meta.get("tokenizer.ggml.merges")
         if not tokens or not merges:
-            raise ValueError(f"{source}: missing tokenizer.ggml.tokens or tokenizer.ggml.merges")
+            raise UserError(f"{source}: missing tokenizer.ggml.tokens or tokenizer.ggml.merges")
         types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         alphabet = set(_bytes_to_unicode().values())
         spell = _bytes_to_unicode()
@@ -178,7 +180,7 @@ class Tokenizer:
         backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
         backend.decoder = decoders.ByteLevel()
         if len(types) != len(tokens):
-            raise ValueError(f"{source}: {len(types)} token types for {len(tokens)} tokens")
+            raise UserError(f"{source}: {len(types)} token types for {len(tokens)} tokens")
         typed = list(zip(tokens, types, strict=True))
         special = [AddedToken(t, special=True, normalized=False) for t, k in typed if k == 3]
         backend.add_special_tokens(special)

@@ -30,6 +30,7 @@ from streamrl_jax import mesh as mesh_lib
 from streamrl_jax import sharding
 from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.data import Prompt, PromptPipeline
+from streamrl_jax.errors import UserError
 from streamrl_jax.generation.engine import EngineConfig
 from streamrl_jax.generation.service import GenerationService
 from streamrl_jax.model import config as model_config
@@ -130,9 +131,9 @@ def describe_model(cfg: ExperimentConfig) -> tuple[model_config.ModelConfig, Tok
         raise FileNotFoundError(f"model.source: {path} does not exist")
     d = describe(path, param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat)
     if d.tokenizer is None:
-        raise ValueError(f"model.source {path}: the checkpoint has no tokenizer")
+        raise UserError(f"model.source {path}: the checkpoint has no tokenizer")
     if m.max_context > d.cfg.max_position_embeddings:
-        raise ValueError(
+        raise UserError(
             f"model.max_context ({m.max_context}) exceeds the model's context "
             f"({d.cfg.max_position_embeddings})"
         )

@@ -12,6 +12,7 @@ from typing import Any
 
 from streamrl_jax.config import ExperimentConfig, task_configs, task_names
 from streamrl_jax.data import Prompt, PromptPipeline, tokenize
+from streamrl_jax.errors import UserError
 from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.rewards.base import RewardFn
 from streamrl_jax.rewards.sandbox import Limits
@@ -63,7 +64,7 @@ def prompts(
     ]
     too_long = [p.problem.prompt_id for p in eval_prompts if len(p.tokens) > g.max_prompt_len]
     if too_long:
-        raise ValueError(
+        raise UserError(
             f"{len(too_long)} eval prompts exceed generation.max_prompt_len={g.max_prompt_len} "
             f"(e.g. {too_long[0]})"
         )

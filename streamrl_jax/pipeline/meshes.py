@@ -13,6 +13,7 @@ import jax
 
 from streamrl_jax import mesh as mesh_lib
 from streamrl_jax.config import ExperimentConfig
+from streamrl_jax.errors import UserError
 
 
 def devices_needed(cfg: ExperimentConfig) -> int:
@@ -24,7 +25,7 @@ def make_meshes(cfg: ExperimentConfig, devices: list[jax.Device] | None = None) 
     devices = list(jax.devices() if devices is None else devices)
     need = devices_needed(cfg)
     if need > len(devices):
-        raise ValueError(
+        raise UserError(
             f"mesh.generate_devices + mesh.train_devices = {need} exceeds the "
             f"{len(devices)} available devices"
         )
@@ -32,7 +33,7 @@ def make_meshes(cfg: ExperimentConfig, devices: list[jax.Device] | None = None) 
     m = cfg.mesh
     if cfg.pipeline.mode == "colocated":
         if need % len(m.instance_slots):
-            raise ValueError(
+            raise UserError(
                 f"colocated: {need} devices cannot be split into "
                 f"{len(m.instance_slots)} instances (mesh.instance_slots)"
             )
@@ -48,7 +49,7 @@ def make_meshes(cfg: ExperimentConfig, devices: list[jax.Device] | None = None) 
         )
     meshes = mesh_lib.make_meshes(mc, pool)
     if meshes.num_instances != len(m.instance_slots):
-        raise ValueError(
+        raise UserError(
             f"mesh.instance_slots names {len(m.instance_slots)} instances but the generation "
             f"mesh has {meshes.num_instances} (generate_devices / instance_tp)"
         )
@@ -67,7 +68,7 @@ def role_meshes(
     need = m.generate_devices if role == "generation" else m.train_devices * processes
     if need > len(devices):
         field = "mesh.generate_devices" if role == "generation" else "mesh.train_devices"
-        raise ValueError(
+        raise UserError(
             f"{field} = {need // processes} exceeds the {len(devices) // processes} devices "
             f"of this {role} process"
         )
@@ -79,7 +80,7 @@ def role_meshes(
     )
     meshes = mesh_lib.make_meshes(mc, list(devices)[:need])
     if generation and meshes.num_instances != len(m.instance_slots):
-        raise ValueError(
+        raise UserError(
             f"mesh.instance_slots names {len(m.instance_slots)} instances but each generation "
             f"process has {meshes.num_instances} (generate_devices / instance_tp)"
         )

@@ -38,6 +38,7 @@ from absl import logging
 
 from streamrl_jax import checkpoint as ckpt_lib
 from streamrl_jax.config import ExperimentConfig
+from streamrl_jax.errors import UserError
 from streamrl_jax.pipeline.components import Components
 from streamrl_jax.pipeline.schedules import Schedule, WeightBoard
 from streamrl_jax.weight_sync import Published
@@ -62,7 +63,7 @@ class ResumePoint:
     step: int
 
 
-class ResumeMismatch(ValueError):
+class ResumeMismatch(UserError):
     """The run's schedule or data differ from the checkpoint's (named, old -> new)."""
 
 
@@ -225,14 +226,14 @@ class RunCheckpoints:
                         e,
                         self.ckpt.step_directory(steps[i + 1]),
                     )
-        raise ValueError(f"no checkpoint in {self.directory} reads back: {first}") from first
+        raise UserError(f"no checkpoint in {self.directory} reads back: {first}") from first
 
     def _restore(self, step: int) -> ResumePoint:
         where = self.ckpt.step_directory(step)
         meta = self.ckpt.read_metadata(step)
         for key in ("next_batch", "prompts"):
             if key not in meta:
-                raise ValueError(f"checkpoint {where}: its metadata has no {key!r}")
+                raise UserError(f"checkpoint {where}: its metadata has no {key!r}")
         saved = {"mode": meta.get("mode"), "run_seed": meta.get("run_seed")}
         saved |= {"critic": meta.get("critic", False)} | meta.get("identity", {})
         now = {"run_seed": self.cfg.seed, "critic": self.c.critic_state is not None}

@@ -29,6 +29,7 @@ from typing import Any
 
 from absl import logging
 
+from streamrl_jax.errors import UserError
 from streamrl_jax.rewards.answers import same_answer
 from streamrl_jax.rewards.tasks import Problem, TaskReward
 
@@ -144,14 +145,14 @@ class JsonlDataset(Sequence[Problem]):
         exclude_questions: Collection[str] = (),
     ):
         if on_bad_row not in ON_BAD_ROW:
-            raise ValueError(f"on_bad_row={on_bad_row!r}; expected one of {ON_BAD_ROW}")
+            raise UserError(f"on_bad_row={on_bad_row!r}; expected one of {ON_BAD_ROW}")
         self.path = pathlib.Path(path)
         if not self.path.is_file():
             what = "is not a file" if self.path.exists() else "not found"
             raise FileNotFoundError(f"JSONL dataset {self.path}: {what}")
         self.name = self.path.stem if name is None else name
         if not self.name:
-            raise ValueError(f"JSONL dataset {self.path}: name must be non-empty")
+            raise UserError(f"JSONL dataset {self.path}: name must be non-empty")
         self.skipped_rows = 0
         self.excluded_rows = 0
         excluded = set(exclude_questions)
@@ -170,13 +171,13 @@ class JsonlDataset(Sequence[Problem]):
                     row = _parse_row(raw)
                 except _BadRow as e:
                     if on_bad_row == "error":
-                        raise ValueError(f"{self.path}:{line_no}: {e}") from None
+                        raise UserError(f"{self.path}:{line_no}: {e}") from None
                     self.skipped_rows += 1
                     bad.append(f"line {line_no} ({e})")
                     continue
                 prompt_id = f"{self.name}/{row['id'] or line_no}"
                 if prompt_id in first_line:
-                    raise ValueError(
+                    raise UserError(
                         f"{self.path}:{line_no}: duplicate prompt id {prompt_id!r} "
                         f"(first at line {first_line[prompt_id]}); ids must be unique "
                         "and a row without an id uses its line number"
@@ -196,9 +197,9 @@ class JsonlDataset(Sequence[Problem]):
                 "; ..." if len(bad) > _LOGGED_BAD_ROWS else "",
             )
         if rows == 0:
-            raise ValueError(f"JSONL dataset {self.path}: empty file (no rows)")
+            raise UserError(f"JSONL dataset {self.path}: empty file (no rows)")
         if not self._problems:
-            raise ValueError(
+            raise UserError(
                 f"JSONL dataset {self.path}: no usable rows ({rows} rows: "
                 f"{self.skipped_rows} malformed and skipped, {self.excluded_rows} excluded)"
             )
