@@ -9,6 +9,8 @@ import dataclasses
 import os
 import pathlib
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -22,11 +24,13 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from streamrl_jax.distributed import roles, weights
+from streamrl_jax.distributed import channel as channel_lib
+from streamrl_jax.distributed import peers, roles, weights
 from streamrl_jax.distributed.channel import (
     AuthenticationFailed,
     ChannelClosed,
     PeerLost,
+    TransportError,
 )
 from streamrl_jax.distributed.transport import SampleClient, SampleServer
 from streamrl_jax.generation.types import Sample, Timings
@@ -315,6 +319,80 @@ def test_weight_tree_mismatch_names_the_leaf():
         weights.place(header, arrays, wrong)
     params = weights.place(header, arrays, sharding)  # one sharding: the sender's structure
     assert jax.tree.structure(params) == jax.tree.structure(make_params())
+
+
+def test_a_weight_header_that_declares_the_wrong_tree_is_refused_before_allocation(
+    children, monkeypatch
+):
+    # The receiver knows the tree it expects; a sender declaring another shape (here: the
+    # real one, against a receiver expecting a larger embedding) allocates nothing.
+    allocated = []
+    real = weights.empty_aligned
+    monkeypatch.setattr(weights, "empty_aligned", lambda *a: allocated.append(a) or real(*a))
+    children.append(_spawn(_WEIGHT_SENDER))
+    expected = jax.eval_shape(make_params)
+    expected["embed"] = jax.ShapeDtypeStruct((10**6, 64), expected["embed"].dtype)
+    receiver = weights.WeightReceiver(
+        _readline(children[0], 60), authkey=KEY, timeout_s=20, expected=expected
+    )
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    refused = r"version 3: leaf 0: declared .*embed.*\(64, 16\).*expected .*\(1000000, 64\)"
+    with pytest.raises(TransportError, match=refused):
+        receiver.receive(jax.tree.map(lambda _: sharding, make_params()), timeout=60)
+    assert not allocated
+    receiver.close(timeout=1)
+
+
+def test_check_header_names_a_tampered_leaf():
+    header, _ = weights.pack(make_params(), version=2)
+    expected = weights.expected_leaves(jax.eval_shape(make_params))
+    weights.check_header(header, expected, "peer")
+    huge = dataclasses.replace(header.leaves[1], shape=(10**12,))
+    tampered = dataclasses.replace(header, leaves=(header.leaves[0], huge, *header.leaves[2:]))
+    with pytest.raises(TransportError, match=r"version 2: leaf 1: declared .*1000000000000"):
+        weights.check_header(tampered, expected, "peer")
+    short = dataclasses.replace(header, leaves=header.leaves[:1])
+    with pytest.raises(TransportError, match="1 leaves declared"):
+        weights.check_header(short, expected, "peer")
+
+
+def _framed(payload: bytes) -> bytes:
+    return struct.pack("!i", len(payload)) + payload  # multiprocessing.connection framing
+
+
+@pytest.mark.parametrize(
+    "wire, message",
+    [
+        (_framed(b"C" + struct.pack("!iq", -5, -1)), "malformed credit frame"),
+        (_framed(b"C\x01"), "malformed credit frame"),
+        (_framed(b"X"), "bad frame"),
+        # Only the length is sent: the frame is refused from its header, never read in.
+        (struct.pack("!i", channel_lib.MAX_FRAME_BYTES + 1) + b"D", "over 16777216 bytes"),
+    ],
+    ids=["negative credits", "short credit frame", "unknown kind", "oversized frame"],
+)
+def test_a_malformed_frame_fails_the_channel_naming_the_peer(wire, message):
+    server = socket.create_server(("127.0.0.1", 0))
+    b = socket.create_connection(server.getsockname())
+    a, _ = server.accept()
+    server.close()
+    conn, ctl = peers._wrap(a)
+    failed = []
+    channel = channel_lib.Channel(
+        conn, ctl, local="me", peer="attacker", heartbeat_s=1.0, timeout_s=5.0,
+        on_data=lambda ch, payload: None, on_lost=lambda ch, exc: failed.append(exc),
+    )  # fmt: skip
+    channel.start()
+    try:
+        b.sendall(wire)
+        deadline = time.monotonic() + 10
+        while not failed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert failed and message in str(failed[0]) and "attacker" in str(failed[0])
+        assert channel.credits == 0  # a negative grant was not applied
+    finally:
+        channel.close(timeout=1)
+        b.close()
 
 
 # ---------------------------------------------------------------------- roles

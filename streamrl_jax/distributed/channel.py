@@ -40,6 +40,10 @@ from streamrl_jax.mailbox import Mailbox
 
 _PING, _CREDIT, _DATA, _END = b"P", b"C", b"D", b"E"
 _CREDIT_FMT = "!iq"  # credits granted, version acknowledged (-1: none)
+_CREDIT_SIZE = 1 + struct.calcsize(_CREDIT_FMT)
+# Largest frame read (a pickled sample or a weight header; bulk array bytes are read
+# separately into preallocated buffers). A longer one fails the channel, never allocated.
+MAX_FRAME_BYTES = 16 << 20
 
 
 class TransportError(RuntimeError):
@@ -234,8 +238,25 @@ class Channel:
     def _read_loop(self) -> None:
         while True:
             try:
-                frame = self._conn.recv_bytes()
-            except (EOFError, OSError) as e:
+                frame = self._conn.recv_bytes(MAX_FRAME_BYTES)
+            except OSError as e:
+                if "bad message length" in str(e):  # over MAX_FRAME_BYTES: never read in
+                    self._fail(
+                        TransportError(
+                            f"{self.local}: frame from {self.peer} over {MAX_FRAME_BYTES} bytes"
+                        )
+                    )
+                    with self._state.locked():
+                        self._ended = True
+                    return
+                if not (self._closing or self._ended):
+                    self._fail(
+                        PeerLost(f"{self.local}: lost {self.peer}: connection closed ({e!r})")
+                    )
+                with self._state.locked():
+                    self._ended = True
+                return
+            except EOFError as e:
                 if not (self._closing or self._ended):
                     self._fail(
                         PeerLost(f"{self.local}: lost {self.peer}: connection closed ({e!r})")
@@ -262,7 +283,16 @@ class Channel:
                     self._in_handler = False
                     self._last_recv = time.monotonic()
             elif kind == _CREDIT:
-                credits, version = struct.unpack(_CREDIT_FMT, frame[1:])
+                credits, version = (
+                    struct.unpack(_CREDIT_FMT, frame[1:]) if len(frame) == _CREDIT_SIZE else (0, 0)
+                )
+                if credits < 1 or version < -1:
+                    self._fail(
+                        TransportError(
+                            f"{self.local}: malformed credit frame {frame[:16]!r} from {self.peer}"
+                        )
+                    )
+                    return
                 with self._state.locked():
                     self._credits += credits
                     self.acked_version = max(self.acked_version, version)

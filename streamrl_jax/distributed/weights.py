@@ -140,6 +140,29 @@ def pack(params: Any, version: int) -> tuple[WeightHeader, list[np.ndarray]]:
     return WeightHeader(version, leaves, treedef), arrays
 
 
+def expected_leaves(tree: Any) -> list[tuple[str, tuple[int, ...], str]]:
+    """(key path, shape, dtype name) of every leaf of a params-like pytree."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [(jax.tree_util.keystr(p), tuple(x.shape), jnp.dtype(x.dtype).name) for p, x in flat]
+
+
+def check_header(
+    header: WeightHeader, expected: list[tuple[str, tuple[int, ...], str]], source: str
+) -> None:
+    """Raises `TransportError` naming the first leaf whose path, shape or dtype differs
+    from `expected`: nothing a header declares is allocated before this passes."""
+    got = [(leaf.path, tuple(leaf.shape), leaf.dtype) for leaf in header.leaves]
+    if got == expected:
+        return
+    where = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None)
+    detail = (
+        f"leaf {where}: declared {got[where]}, expected {expected[where]}"
+        if where is not None
+        else f"{len(got)} leaves declared, {len(expected)} expected"
+    )
+    raise TransportError(f"weights from {source}, version {header.version}: {detail}")
+
+
 def verify(
     header: WeightHeader,
     arrays: list[np.ndarray],
@@ -277,8 +300,13 @@ class WeightReceiver:
         timeout_s: float = 60.0,
         heartbeat_s: float | None = None,
         name: str = "generation",
+        expected: Any = None,
     ):
+        """`expected`: a pytree with the params' structure whose leaves have `shape` and
+        `dtype` (e.g. the abstract generation params); a header that declares anything
+        else is refused before any buffer is allocated. None accepts any header."""
         self.name, self.timeout_s = name, timeout_s
+        self._expected = None if expected is None else expected_leaves(expected)
         # Arrived weight sets not yet taken by `receive`: at most one, as the
         # receiver grants one credit at a time.
         self._pending: Mailbox[_Arrived] = Mailbox(
@@ -295,6 +323,8 @@ class WeightReceiver:
     def _on_data(self, channel: Channel, payload: memoryview) -> None:
         t0 = time.perf_counter()
         header: WeightHeader = pickle.loads(payload)  # safe only because the peer authenticated
+        if self._expected is not None:
+            check_header(header, self._expected, channel.peer)
         arrays = [empty_aligned(leaf.shape, leaf.dtype) for leaf in header.leaves]
         # Checksum leaf i on a helper thread while leaf i+1 arrives (zlib and
         # recv both release the GIL).

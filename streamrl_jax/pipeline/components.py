@@ -61,6 +61,7 @@ class GenerationParts:
     instances: list[Any]  # one ("tp",) mesh per instance
     engine_cfgs: list[EngineConfig]
     param_shardings: list[Any]  # per instance, the params' NamedShardings
+    abstract_params: Any  # the params' shapes and dtypes (what a weight header must declare)
 
     def service(
         self, params: list[Any], version: int, on_chunk: Callable[..., None] | None = None
@@ -227,6 +228,7 @@ def _generation_parts(
         instances=instances,
         engine_cfgs=engine_cfgs,
         param_shardings=[sharding.state_shardings(abstract, m, "generate") for m in instances],
+        abstract_params=abstract,
     )
 
 

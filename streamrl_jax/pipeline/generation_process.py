@@ -79,6 +79,7 @@ class _GenerationProcess:
             authkey=dcfg.authkey,
             timeout_s=CHANNEL_TIMEOUT_S,
             name=name,
+            expected=self.side.parts.abstract_params,  # checked before any allocation
         )
         self.latch = FailureLatch(name)
         self.latch.add_listener(
