@@ -239,25 +239,14 @@ class Channel:
         while True:
             try:
                 frame = self._conn.recv_bytes(MAX_FRAME_BYTES)
-            except OSError as e:
+            except (EOFError, OSError) as e:
                 if "bad message length" in str(e):  # over MAX_FRAME_BYTES: never read in
                     self._fail(
                         TransportError(
                             f"{self.local}: frame from {self.peer} over {MAX_FRAME_BYTES} bytes"
                         )
                     )
-                    with self._state.locked():
-                        self._ended = True
-                    return
-                if not (self._closing or self._ended):
-                    self._fail(
-                        PeerLost(f"{self.local}: lost {self.peer}: connection closed ({e!r})")
-                    )
-                with self._state.locked():
-                    self._ended = True
-                return
-            except EOFError as e:
-                if not (self._closing or self._ended):
+                elif not (self._closing or self._ended):
                     self._fail(
                         PeerLost(f"{self.local}: lost {self.peer}: connection closed ({e!r})")
                     )
