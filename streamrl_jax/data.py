@@ -72,15 +72,15 @@ class PromptPipeline:
         self.dropped_overlong = 0
         self.truncated_overlong = 0
         self.consumed = 0
-        if overlong == "drop":
-            # Drawing would spin for ever when nothing fits: count once, fail at start-up.
-            lengths = [len(tokenize(p, tokenizer, system_prompt).tokens) for p in dataset]
-            if min(lengths) > max_prompt_len:
-                raise UserError(
-                    f"none of the {len(dataset)} prompts fits generation.max_prompt_len="
-                    f"{max_prompt_len} (the shortest has {min(lengths)} tokens); with "
-                    "data.overlong_prompts='drop' every one would be dropped"
-                )
+        length = lambda p: len(tokenize(p, tokenizer, system_prompt).tokens)  # noqa: E731
+        if overlong == "drop" and not any(length(p) <= max_prompt_len for p in dataset):
+            # Drawing would spin for ever: fail at start-up (the scan stops at the first
+            # prompt that fits, so a usable dataset costs one tokenisation here).
+            raise UserError(
+                f"none of the {len(dataset)} prompts fits generation.max_prompt_len="
+                f"{max_prompt_len} (the shortest has {min(map(length, dataset))} tokens); with "
+                "data.overlong_prompts='drop' every one would be dropped"
+            )
         ds = grain.MapDataset.range(len(dataset)).shuffle(seed=seed).repeat()
         ds = ds.map(lambda i: tokenize(dataset[int(i)], tokenizer, system_prompt))
         self._iter = ds.to_iter_dataset().__iter__()

@@ -43,7 +43,7 @@ def batch_prompt_ids(cfg, batch):
     replayed): what a reward function can tell its samples' batch by."""
     from streamrl_jax.pipeline import components, datasets
 
-    _, tokenizer = components.describe_model(cfg)
+    tokenizer = components.describe_model(cfg).tokenizer
     eval_set, train_set = datasets.datasets(cfg)
     prompts, _ = datasets.prompts(cfg, tokenizer, train_set, eval_set)
     n = cfg.pipeline.prompts_per_step

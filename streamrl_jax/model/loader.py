@@ -145,7 +145,14 @@ def load_pretrained(
       ValueError: a corrupt/truncated file, an unknown architecture, or weights
         whose shapes disagree with the config; the message names the file/field.
     """
-    d = describe(path, param_dtype=param_dtype, dtype=dtype, **cfg_overrides)
+    return load_weights(
+        describe(path, param_dtype=param_dtype, dtype=dtype, **cfg_overrides), mesh=mesh, role=role
+    )
+
+
+def load_weights(d: Description, *, mesh: Mesh | None = None, role: str = "generate") -> Pretrained:
+    """The weights of a described checkpoint (`describe`), placed in `role`'s sharding on
+    `mesh` (None: the first device); raises as `load_pretrained`."""
     cfg, path = d.cfg, d.source
     if d.is_gguf:
         arrays = hf_loader.to_model_layout(gguf_loader.read_gguf(path).hf_weights, cfg, path)

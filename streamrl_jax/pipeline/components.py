@@ -36,7 +36,7 @@ from streamrl_jax.generation.service import GenerationService
 from streamrl_jax.model import config as model_config
 from streamrl_jax.model import llama
 from streamrl_jax.model.defaults import smollm2_gguf_path
-from streamrl_jax.model.loader import describe, load_pretrained
+from streamrl_jax.model.loader import Description, describe, load_weights
 from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.pipeline import datasets
 from streamrl_jax.pipeline.meshes import make_meshes, role_meshes
@@ -114,7 +114,7 @@ class GenerationSide:
     vocab_size: int
 
 
-def describe_model(cfg: ExperimentConfig) -> tuple[model_config.ModelConfig, Tokenizer]:
+def describe_model(cfg: ExperimentConfig) -> Description:
     """The model's config (in the training dtypes) and tokenizer; reads no weight."""
     m = cfg.model
     if m.source == "tiny":
@@ -126,7 +126,7 @@ def describe_model(cfg: ExperimentConfig) -> tuple[model_config.ModelConfig, Tok
             dtype=m.dtype,
             remat=m.remat,
         )
-        return model_cfg, tokenizer
+        return Description(model_cfg, tokenizer, {}, "tiny", is_gguf=False)
     path = model_path(cfg)
     if not os.path.exists(path):
         raise FileNotFoundError(f"model.source: {path} does not exist")
@@ -138,7 +138,7 @@ def describe_model(cfg: ExperimentConfig) -> tuple[model_config.ModelConfig, Tok
             f"model.max_context ({m.max_context}) exceeds the model's context "
             f"({d.cfg.max_position_embeddings})"
         )
-    return d.cfg, d.tokenizer
+    return d
 
 
 def model_path(cfg: ExperimentConfig) -> str:
@@ -158,23 +158,16 @@ class _Training:
 
 def _training(cfg: ExperimentConfig, train_mesh: Any) -> _Training:
     """The model straight into the training sharding; the trainers and their states."""
-    model_cfg, tokenizer = describe_model(cfg)
+    d = describe_model(cfg)
+    model_cfg, tokenizer = d.cfg, d.tokenizer
     fsdp = train_mesh.shape["fsdp"]
     trainer = make_policy_trainer(
         model_cfg, trainer_config(cfg, fsdp=fsdp), train_mesh, model_seed=cfg.seed
     )
     if cfg.model.source == "tiny":
         state = trainer.init_state(cfg.seed)
-    else:
-        m = cfg.model
-        pre = load_pretrained(
-            model_path(cfg),
-            mesh=train_mesh,
-            role="train",
-            param_dtype=m.param_dtype,
-            dtype=m.dtype,
-            remat=m.remat,
-        )
+    else:  # described once above: only the weights are read here
+        pre = load_weights(d, mesh=train_mesh, role="train")
         state = trainer.state_from_params(pre.params, cfg.seed)
     if cfg.init_from:
         from streamrl_jax import checkpoint as ckpt_lib
@@ -317,7 +310,8 @@ def build_generation(cfg: ExperimentConfig, devices: Sequence[jax.Device]) -> Ge
         meshes.num_instances,
         [d.id for d in meshes.generate.devices.flat],
     )
-    model_cfg, tokenizer = describe_model(cfg)
+    d = describe_model(cfg)
+    model_cfg, tokenizer = d.cfg, d.tokenizer
     parts = _generation_parts(cfg, model_cfg, tokenizer, meshes.generate)
     prompts, eval_prompts = datasets.prompts(cfg, tokenizer, train_set, eval_set)
     return GenerationSide(
