@@ -6,7 +6,9 @@
 Each child gets the environment `streamrl_jax.distributed.roles` reads:
 STREAMRL_COORDINATOR (127.0.0.1:<free port>), STREAMRL_NUM_PROCESSES,
 STREAMRL_PROCESS_ID, STREAMRL_GENERATION_PROCESSES, STREAMRL_HOST=127.0.0.1,
-and STREAMRL_AUTHKEY (a fresh random key unless one is set already). Child
+and STREAMRL_AUTHKEY (a fresh random run secret, unless STREAMRL_AUTHKEY or
+STREAMRL_AUTHKEY_FILE is set already; in the environment, which other users
+cannot read, never on a command line). Child
 output is streamed line by line, prefixed `[p<id> <role>]`. `--pin` runs
 child i under `taskset -c <cpu i mod #cpus>` (the honest CPU stand-in for
 separate hardware, DESIGN.md §5).
@@ -38,15 +40,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def child_env(i: int, n: int, generation: int, coordinator: str, authkey: str) -> dict[str, str]:
+def child_env(
+    i: int, n: int, generation: int, coordinator: str, authkey: str | None
+) -> dict[str, str]:
     env = dict(os.environ)
+    if authkey is not None:
+        env["STREAMRL_AUTHKEY"] = authkey
     env.update(
         STREAMRL_COORDINATOR=coordinator,
         STREAMRL_NUM_PROCESSES=str(n),
         STREAMRL_PROCESS_ID=str(i),
         STREAMRL_GENERATION_PROCESSES=str(generation),
         STREAMRL_HOST="127.0.0.1",
-        STREAMRL_AUTHKEY=authkey,
         PYTHONUNBUFFERED="1",
     )
     return env
@@ -95,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--pin needs taskset (util-linux)")
 
     coordinator = f"127.0.0.1:{args.port or free_port()}"
-    authkey = os.environ.get("STREAMRL_AUTHKEY") or secrets.token_hex(16)
+    authkey = None  # children inherit a key the user set (a variable or a key file)
+    if not (os.environ.get("STREAMRL_AUTHKEY") or os.environ.get("STREAMRL_AUTHKEY_FILE")):
+        authkey = secrets.token_hex(32)
     cpus = sorted(os.sched_getaffinity(0))
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []

@@ -8,11 +8,12 @@
 # the same command on every worker, from REPO_DIR (default ~/streamrl_jax, a checkout
 # with the package installed on each worker). Each worker gets:
 #   STREAMRL_GENERATION_PROCESSES  workers 0..G-1 generate, the rest train (default 1)
-#   STREAMRL_AUTHKEY               a fresh random key per run unless already exported
+#   STREAMRL_AUTHKEY_FILE          ~/.streamrl/run-<id>.key: a fresh random run secret
+#                                  (or $STREAMRL_AUTHKEY if exported), copied by scp into
+#                                  an owner-only directory on every worker, removed when
+#                                  the run ends; never on a command line (`ps` shows those)
 # STREAMRL_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID stay unset: on Cloud TPU
-# `jax.distributed.initialize()` finds them from the TPU metadata. The key travels
-# inside the ssh command, so other users of the workers could read it from `ps`
-# while the command starts; on shared VMs put it in a 0600 file and export it from there.
+# `jax.distributed.initialize()` finds them from the TPU metadata.
 set -euo pipefail
 usage() {
   echo "usage: $0 NAME ZONE [-g N] [-d REPO_DIR] [-p PROJECT] -- COMMAND [ARGS...]" >&2
@@ -34,8 +35,21 @@ while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do
 done
 [ "${1:-}" = "--" ] && [ "$#" -ge 2 ] || usage
 shift
-authkey=${STREAMRL_AUTHKEY:-$(python3 -c 'import secrets; print(secrets.token_hex(16))')}
-command="cd $repo_dir && STREAMRL_GENERATION_PROCESSES=$generation STREAMRL_AUTHKEY=$authkey"
-command+=" $(printf '%q ' "$@")"
-exec gcloud compute tpus tpu-vm ssh "$name" --zone "$zone" "${project[@]}" --worker=all \
-  --command "$command"
+keyfile=$(mktemp)  # mode 0600
+trap 'rm -f "$keyfile"' EXIT
+if [ -n "${STREAMRL_AUTHKEY:-}" ]; then
+  printf '%s' "$STREAMRL_AUTHKEY" >"$keyfile"
+else
+  python3 -c 'import secrets; print(secrets.token_hex(32), end="")' >"$keyfile"
+fi
+remote_key=".streamrl/run-$(date +%s)-$$.key"
+ssh_all() {
+  gcloud compute tpus tpu-vm ssh "$name" --zone "$zone" "${project[@]}" --worker=all "$@"
+}
+ssh_all --command "mkdir -p ~/.streamrl && chmod 700 ~/.streamrl"
+gcloud compute tpus tpu-vm scp "$keyfile" "$name:$remote_key" --zone "$zone" "${project[@]}" \
+  --worker=all
+command="chmod 600 ~/$remote_key && cd $repo_dir && STREAMRL_GENERATION_PROCESSES=$generation"
+command+=" STREAMRL_AUTHKEY_FILE=~/$remote_key $(printf '%q ' "$@"); rc=\$?; rm -f ~/$remote_key;"
+command+=" exit \$rc"
+ssh_all --command "$command"

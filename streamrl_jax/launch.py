@@ -114,7 +114,10 @@ def main(argv: list[str]) -> None:
         _user_error(str(e))
     import jax  # after flag parsing: the CPU device count must be set before the backend starts
 
-    dcfg = _distributed_config()
+    try:
+        dcfg = _distributed_config()
+    except ValueError as e:  # the STREAMRL_* / SLURM_* environment, or the run key, named
+        _user_error(str(e))
     wanted = cfg.mesh.generate_devices + cfg.mesh.train_devices
     if dcfg is not None and dcfg.process_id is not None:
         generation = dcfg.role_of(dcfg.process_id) == "generation"

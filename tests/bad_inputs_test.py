@@ -3,7 +3,8 @@
 Configs, datasets, checkpoints and model files go through the real entry point
 and must end with exit status 2 and one `error:` line naming the field or file,
 without a traceback or a hang; hostile model output through the sandboxed
-scorer must come back scored (or as a named timeout) and write nothing.
+scorer must come back scored (or as a named timeout) and write nothing; hostile
+or broken network peers must end in their named error and leak nothing.
 """
 
 import importlib.util
@@ -22,7 +23,7 @@ _SPEC.loader.exec_module(corpus)
 
 def test_the_corpus_is_broad():
     kinds = {case.kind for case in corpus.CASES}
-    assert len(corpus.CASES) >= 50 and kinds == {"launch", "reward"}
+    assert len(corpus.CASES) >= 50 and kinds == {"launch", "reward", "network"}
     assert len({case.name for case in corpus.CASES}) == len(corpus.CASES)
 
 

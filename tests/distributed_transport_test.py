@@ -5,9 +5,12 @@ where a test needs a lost peer; every wait has a deadline so a broken
 transport fails the test instead of hanging it.
 """
 
+import contextlib
 import dataclasses
 import os
 import pathlib
+import pickle
+import re
 import signal
 import socket
 import struct
@@ -21,23 +24,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import zmq
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from streamrl_jax.distributed import channel as channel_lib
-from streamrl_jax.distributed import peers, roles, weights
+from streamrl_jax.distributed import keys, peers, roles, weights, wire
 from streamrl_jax.distributed.channel import (
     AuthenticationFailed,
     ChannelClosed,
     PeerLost,
     TransportError,
 )
+from streamrl_jax.distributed.messages import SpanReport
 from streamrl_jax.distributed.transport import SampleClient, SampleServer
-from streamrl_jax.generation.types import Sample, Timings
+from streamrl_jax.generation.types import RequestTag, Sample, Timings
 from streamrl_jax.stream.sample_stream import SampleStream
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-KEY = b"test-key"
+sys.path.insert(0, str(REPO / "tools"))
+from bad_frames import Evil, TamperingProxy, raw_peer, wait_for  # noqa: E402
+
+KEY = b"test-key-0123456789abcdef"
 # Children import this module (for make_samples / make_params) and the package.
 _PRELUDE = f"""
 import sys
@@ -59,10 +67,15 @@ def make_samples(n: int) -> list[Sample]:
             last_policy_version=i + 1,
             instance_id=i % 3,
             timings=Timings(enqueue=1.5 * i, admit=2.5 * i, finish=3.5 * i),
-            metadata={"group": i // 4, "answer": "42"},
+            tag=RequestTag(batch=0, group=i // 4, member=i % 4, prompt_id=f"p/{i // 4}"),
         )
         for i in range(n)
     ]
+
+
+def note(text: str) -> SpanReport:
+    """A small wire message carrying `text` (what the tests send besides samples)."""
+    return SpanReport(track="test", name=text, t0=0.0, t1=0.0, args={})
 
 
 def make_params() -> dict:
@@ -133,7 +146,8 @@ def _same_sample(a: Sample, b: Sample) -> None:
 _PRODUCER = """
 from distributed_transport_test import make_samples
 from streamrl_jax.distributed.transport import SampleClient
-client = SampleClient(sys.argv[1], authkey=b"test-key", timeout_s=10, name="generation-3")
+client = SampleClient(sys.argv[1], authkey=b"test-key-0123456789abcdef", timeout_s=10,
+                      name="generation-3")
 for s in make_samples(int(sys.argv[2])):
     client.send(s)
 client.close()
@@ -153,14 +167,16 @@ def test_samples_round_trip_exactly(children):
 
 
 _BLOCKED_PRODUCER = """
+from distributed_transport_test import note
 from streamrl_jax.distributed.transport import SampleClient
 from streamrl_jax.distributed.channel import TransportTimeout
-client = SampleClient(sys.argv[1], authkey=b"test-key", timeout_s=10, name="generation-0")
+client = SampleClient(sys.argv[1], authkey=b"test-key-0123456789abcdef", timeout_s=10,
+                      name="generation-0")
 for i in range(2):
-    client.send(i, timeout=5)
+    client.send(note(str(i)), timeout=5)
 print("sent 2", flush=True)
 try:
-    client.send(2, timeout=0.5)
+    client.send(note("2"), timeout=0.5)
 except TransportTimeout as e:
     print(e, flush=True)
 """
@@ -172,23 +188,27 @@ def test_producer_without_credit_times_out_naming_the_consumer(children):
         assert _readline(children[0], 30) == "sent 2"
         message = _readline(children[0], 10)
         assert f"no credit from training ({_addr(server)})" in message, message
-        assert [server.get(timeout=5), server.get(timeout=5)] == [0, 1]  # nothing was lost
+        got = [server.get(timeout=5).name for _ in range(2)]
+        assert got == ["0", "1"]  # nothing was lost
 
 
-def test_wrong_authkey_is_rejected_and_server_keeps_serving():
+def test_wrong_key_is_rejected_and_server_keeps_serving():
     with SampleServer("127.0.0.1:0", authkey=KEY, capacity=2, timeout_s=5) as server:
-        with pytest.raises(AuthenticationFailed, match="samples server 127.0.0.1"):
-            SampleClient(server.address, authkey=b"wrong", timeout_s=5)
-        with pytest.raises(AuthenticationFailed, match="requires an authkey"):
+        with pytest.raises(AuthenticationFailed, match="samples server 127.0.0.1:.*run key"):
+            SampleClient(server.address, authkey=b"another-run-key-0123456789", timeout_s=5)
+        with pytest.raises(keys.RunKeyError, match="no run key"):
             SampleClient(server.address, authkey=None, timeout_s=5)
         with SampleClient(server.address, authkey=KEY, timeout_s=5) as client:
-            client.send("ok")
-            assert server.get(timeout=5) == "ok"
-        assert len(server.rejected) == 2
+            client.send(note("ok"))
+            assert server.get(timeout=5).name == "ok"
+        assert server.rejected and "run's key" in server.rejected[0]
 
 
 def test_on_sample_feeds_a_sample_stream_with_its_back_pressure():
-    stream = SampleStream(group_size=2, group_key=lambda s: s["group"], capacity=2)
+    stream = SampleStream(group_size=2, group_key=lambda s: s.tag.group, capacity=2)
+    samples = make_samples(4)
+    for i, s in enumerate(samples):
+        samples[i] = dataclasses.replace(s, tag=RequestTag(group=i // 2, member=i % 2))
     with (
         SampleServer(
             "127.0.0.1:0",
@@ -199,28 +219,30 @@ def test_on_sample_feeds_a_sample_stream_with_its_back_pressure():
         ) as server,
         SampleClient(server.address, authkey=KEY, timeout_s=5) as client,
     ):
-        for i in range(4):
-            client.send({"group": i // 2, "i": i})
+        for s in samples:
+            client.send(s)
         first = stream.get_groups(timeout=5)  # frees the room group 1 waits for
         second = stream.get_groups(timeout=5)
-    assert [[s["i"] for s in g] for g in first + second] == [[0, 1], [2, 3]]
+    got = [[s.request_id for s in g] for g in first + second]
+    assert got == [["req-0", "req-1"], ["req-2", "req-3"]]
     assert len(first) == 1 and stream.metrics.max_ready_depth == 1  # capacity held
     assert server.received == 4
 
 
-def test_non_loopback_without_authkey_is_refused():
-    with pytest.raises(ValueError, match="non-loopback host '0.0.0.0' without an authkey"):
-        SampleServer("0.0.0.0:0", authkey=None, capacity=1)
-    with pytest.raises(ValueError, match="without an authkey"):
-        SampleClient("10.1.2.3:9", authkey=None, timeout_s=1)
+def test_no_key_is_refused_on_loopback_too():
+    with pytest.raises(keys.RunKeyError, match="no run key"):
+        SampleServer("127.0.0.1:0", authkey=None, capacity=1)
+    with pytest.raises(keys.RunKeyError, match="at least 16"):
+        SampleServer("127.0.0.1:0", authkey=b"short", capacity=1)
 
 
 _SLEEPY_PRODUCER = """
 import time
 from streamrl_jax.distributed.transport import SampleClient
-client = SampleClient(sys.argv[1], authkey=b"test-key", timeout_s=float(sys.argv[2]),
-                      heartbeat_s=0.2, name="generation-7")
-client.send("first")
+from distributed_transport_test import note
+client = SampleClient(sys.argv[1], authkey=b"test-key-0123456789abcdef",
+                      timeout_s=float(sys.argv[2]), heartbeat_s=0.2, name="generation-7")
+client.send(note("first"))
 print("sent", flush=True)
 time.sleep(600)
 """
@@ -228,16 +250,16 @@ time.sleep(600)
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
 def test_lost_producer_is_reported_by_name(children, how):
-    """SIGKILL: EOF on the socket. SIGSTOP: the process lives but its heartbeats stop."""
+    """SIGKILL: the connection closes. SIGSTOP: the process lives but its heartbeats stop."""
     with SampleServer(
         "127.0.0.1:0", authkey=KEY, capacity=4, timeout_s=3.0, heartbeat_s=0.2
     ) as server:
         children.append(_spawn(_SLEEPY_PRODUCER, _addr(server), "3.0"))
         assert _readline(children[0], 30) == "sent"
-        assert server.get(timeout=10) == "first"
+        assert server.get(timeout=10).name == "first"
         os.kill(children[0].pid, how)
         t0 = time.monotonic()
-        with pytest.raises(PeerLost, match=r"lost generation-7 \(127\.0\.0\.1:") as err:
+        with pytest.raises(PeerLost, match=r"lost generation-7 \(127\.0\.0\.1\)") as err:
             server.get(timeout=20)
         assert time.monotonic() - t0 < 15  # bounded (generous: a loaded 2-core machine)
         if how == signal.SIGSTOP:
@@ -248,7 +270,8 @@ def test_lost_producer_is_reported_by_name(children, how):
 _SLEEPY_CONSUMER = """
 import time
 from streamrl_jax.distributed.transport import SampleServer
-server = SampleServer("127.0.0.1:0", authkey=b"test-key", capacity=64, timeout_s=10)
+server = SampleServer("127.0.0.1:0", authkey=b"test-key-0123456789abcdef", capacity=64,
+                      timeout_s=10)
 print("%s:%d" % server.address, flush=True)
 time.sleep(600)
 """
@@ -258,12 +281,12 @@ def test_lost_consumer_is_reported_by_name(children):
     children.append(_spawn(_SLEEPY_CONSUMER))
     address = _readline(children[0], 30)
     client = SampleClient(address, authkey=KEY, timeout_s=10, name="generation-1")
-    client.send("x")
+    client.send(note("x"))
     os.kill(children[0].pid, signal.SIGKILL)
     t0 = time.monotonic()
     with pytest.raises(PeerLost, match=rf"lost training \({address}\)"):
         while time.monotonic() - t0 < 15:
-            client.send("x", timeout=1)
+            client.send(note("x"), timeout=1)
             time.sleep(0.05)
     client.close(timeout=1)
 
@@ -272,7 +295,7 @@ _WEIGHT_SENDER = """
 import jax
 from distributed_transport_test import make_params
 from streamrl_jax.distributed.weights import WeightSender
-sender = WeightSender("127.0.0.1:0", authkey=b"test-key", timeout_s=20)
+sender = WeightSender("127.0.0.1:0", authkey=b"test-key-0123456789abcdef", timeout_s=20)
 print("%s:%d" % sender.address, flush=True)
 params = jax.tree.map(jax.numpy.asarray, make_params())
 stats = sender.send(params, version=3, wait_ack=True)
@@ -319,6 +342,9 @@ def test_weight_tree_mismatch_names_the_leaf():
         weights.place(header, arrays, wrong)
     params = weights.place(header, arrays, sharding)  # one sharding: the sender's structure
     assert jax.tree.structure(params) == jax.tree.structure(make_params())
+    received = wire.decode_header(wire.encode_header(header), source="peer")
+    with pytest.raises(ValueError, match="carry no tree structure"):
+        weights.place(received, arrays, sharding)  # the structure does not travel
 
 
 def test_a_weight_header_that_declares_the_wrong_tree_is_refused_before_allocation(
@@ -356,43 +382,124 @@ def test_check_header_names_a_tampered_leaf():
         weights.check_header(short, expected, "peer")
 
 
-def _framed(payload: bytes) -> bytes:
-    return struct.pack("!i", len(payload)) + payload  # multiprocessing.connection framing
-
-
 @pytest.mark.parametrize(
-    "wire, message",
+    "frames, message",
     [
-        (_framed(b"C" + struct.pack("!iq", -5, -1)), "malformed credit frame"),
-        (_framed(b"C\x01"), "malformed credit frame"),
-        (_framed(b"X"), "bad frame"),
-        # Only the length is sent: the frame is refused from its header, never read in.
-        (struct.pack("!i", channel_lib.MAX_FRAME_BYTES + 1) + b"D", "over 16777216 bytes"),
+        ([b"C", struct.pack("!iq", -5, -1)], "malformed credit frame"),
+        ([b"C", b"\x01"], "malformed credit frame"),
+        ([b"Q", b"x"], "bad message kind"),
+        ([b"D", b"\xc1garbage"], "malformed message from rogue"),
+        ([b"R", b"xx"], "bulk bytes nobody asked for"),
+        ([b"D", b"x" * (channel_lib.MAX_FRAME_BYTES + 1)], "rogue .*connection closed"),
+        ([b"D", wire.encode(note("x"))] * 3, "sent data without credit"),
     ],
-    ids=["negative credits", "short credit frame", "unknown kind", "oversized frame"],
-)
-def test_a_malformed_frame_fails_the_channel_naming_the_peer(wire, message):
-    server = socket.create_server(("127.0.0.1", 0))
-    b = socket.create_connection(server.getsockname())
-    a, _ = server.accept()
-    server.close()
-    conn, ctl = peers._wrap(a)
+    ids=["negative credits", "short credit", "unknown kind", "not the schema", "raw unasked",
+         "oversized frame", "no credit"],
+)  # fmt: skip
+def test_a_malformed_message_from_an_authenticated_peer_fails_its_channel_by_name(frames, message):
     failed = []
-    channel = channel_lib.Channel(
-        conn, ctl, local="me", peer="attacker", heartbeat_s=1.0, timeout_s=5.0,
-        on_data=lambda ch, payload: None, on_lost=lambda ch, exc: failed.append(exc),
-    )  # fmt: skip
-    channel.start()
-    try:
-        b.sendall(wire)
-        deadline = time.monotonic() + 10
-        while not failed and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert failed and message in str(failed[0]) and "attacker" in str(failed[0])
-        assert channel.credits == 0  # a negative grant was not applied
-    finally:
-        channel.close(timeout=1)
-        b.close()
+    with SampleServer(
+        "127.0.0.1:0", authkey=KEY, capacity=2, timeout_s=10, on_error=failed.append
+    ) as server:
+        rogue = raw_peer(server.address, key=KEY)
+        try:
+            if len(frames) > 2:  # several messages
+                for i in range(0, len(frames), 2):
+                    rogue.send_multipart(frames[i : i + 2])
+            else:
+                rogue.send_multipart(frames)
+            assert wait_for(lambda: failed), "the channel did not fail"
+            assert re.search(message, str(failed[0])) and "rogue" in str(failed[0])
+            assert all(c.credits >= 0 for c in server._hub.channels)
+        finally:
+            rogue.close()
+
+
+def test_a_pickle_from_an_authenticated_peer_is_refused_and_never_run(tmp_path):
+    marker = tmp_path / "ran"
+    failed = []
+    with SampleServer(
+        "127.0.0.1:0", authkey=KEY, capacity=2, timeout_s=10, on_error=failed.append
+    ) as server:
+        rogue = raw_peer(server.address, key=KEY)
+        rogue.send_multipart([b"D", pickle.dumps(Evil(marker))])
+        assert wait_for(lambda: failed)
+        assert "malformed message from rogue" in str(failed[0])
+        rogue.close()
+    assert not marker.exists()
+
+
+def test_unauthenticated_local_processes_are_rejected_and_nothing_runs(tmp_path):
+    """A plain TCP client, a ZeroMQ client without CURVE and one with CURVE but not the
+    run's client key (it learnt the server's public key): none gets a byte to a channel."""
+    marker = tmp_path / "ran"
+    payload = pickle.dumps(Evil(marker))
+    with SampleServer("127.0.0.1:0", authkey=KEY, capacity=2, timeout_s=5) as server:
+        host, port = server.address
+        with socket.create_connection((host, port)) as raw:
+            raw.sendall(struct.pack("!i", len(payload)) + payload)  # the old framing
+            time.sleep(0.2)
+        ctx = peers._zmq()
+        plain = ctx.socket(zmq.DEALER)
+        outsider = ctx.socket(zmq.DEALER)
+        outsider.curve_serverkey = keys.run_key(KEY).server_public
+        outsider.curve_publickey, outsider.curve_secretkey = zmq.curve_keypair()
+        for sock in (plain, outsider):
+            sock.linger = 0
+            sock.connect(f"tcp://{host}:{port}")
+            sock.send_multipart([b"H", b'{"channel": "samples", "name": "intruder"}'])
+            sock.send_multipart([b"D", payload])
+        assert wait_for(lambda: len(server.rejected) >= 2)
+        assert not plain.poll(200) and not outsider.poll(200)  # no hello back
+        plain.close()
+        outsider.close()
+        with SampleClient(server.address, authkey=KEY, timeout_s=5) as client:
+            client.send(note("legit"))
+            assert server.get(timeout=5).name == "legit"  # nothing else was delivered
+        assert all("run's key" in r for r in server.rejected)
+    assert not marker.exists()
+
+
+def test_idle_unauthenticated_connections_cost_no_threads():
+    with SampleServer("127.0.0.1:0", authkey=KEY, capacity=2, timeout_s=5) as server:
+        before = threading.active_count()
+        idle = [socket.create_connection(server.address) for _ in range(300)]
+        try:
+            time.sleep(0.5)
+            assert threading.active_count() == before
+            with SampleClient(server.address, authkey=KEY, timeout_s=5) as client:
+                client.send(note("still serving"))
+                assert server.get(timeout=5).name == "still serving"
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+def test_a_tampered_frame_is_never_delivered_and_loses_its_peer_by_name():
+    samples = make_samples(8)
+    failed = []
+    with SampleServer(
+        "127.0.0.1:0",
+        authkey=KEY,
+        capacity=16,
+        timeout_s=3,
+        heartbeat_s=0.3,
+        on_error=failed.append,
+    ) as server:
+        proxy = TamperingProxy(server.address, offset=6000)  # past the CURVE handshake
+        client = SampleClient(proxy.address, authkey=KEY, timeout_s=3, name="generation-5")
+        got = []
+        with contextlib.suppress(channel_lib.TransportError):
+            for s in samples:
+                client.send(s, timeout=5)
+        lost = r"lost generation-5 .*no message .*a frame failed authentication"
+        with pytest.raises(PeerLost, match=lost):
+            while True:
+                got.append(server.get(timeout=10))
+        assert proxy.flipped and len(got) < len(samples)
+        for a, b in zip(got, samples, strict=False):
+            _same_sample(a, b)  # everything delivered is exactly what was sent
+        client.close(timeout=1)
 
 
 # ---------------------------------------------------------------------- roles
@@ -427,13 +534,13 @@ def test_distributed_config_from_env_and_slurm():
             "STREAMRL_NUM_PROCESSES": "4",
             "STREAMRL_PROCESS_ID": "3",
             "STREAMRL_GENERATION_PROCESSES": "2",
-            "STREAMRL_AUTHKEY": "k",
+            "STREAMRL_AUTHKEY": "k" * 16,
             "STREAMRL_CPU_COLLECTIVES": "none",
         }
     )
     assert (cfg.coordinator_address, cfg.num_processes, cfg.process_id) == ("10.0.0.1:1234", 4, 3)
     assert cfg.role_of(1) == "generation" and cfg.role_of(2) == "training"
-    assert cfg.authkey == b"k" and cfg.cpu_collectives is None
+    assert cfg.authkey == b"k" * 16 and cfg.cpu_collectives is None
     slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "3", "SLURM_JOB_NODELIST": "gpu-n[07-09,12]"}
     cfg = roles.DistributedConfig.from_env({**slurm, "SLURM_JOB_ID": "4097"})
     assert (cfg.coordinator_address, cfg.num_processes, cfg.process_id) == ("gpu-n07:61441", 3, 1)
@@ -476,11 +583,12 @@ if r.role == "training":
     address = "%s:0" % roles.advertised_host(cfg)
     with SampleServer(address, authkey=cfg.authkey, capacity=2, timeout_s=30) as server:
         roles.publish("samples", "%s:%d" % server.address)
-        got = [server.get(timeout=30) for _ in range(3)]
+        got = [int(server.get(timeout=30).name) for _ in range(3)]
 else:
+    from streamrl_jax.distributed.messages import SpanReport
     with SampleClient(roles.lookup("samples", 30), authkey=cfg.authkey, timeout_s=30) as c:
         for i in range(3):
-            c.send(i)
+            c.send(SpanReport(track="t", name=str(i), t0=0.0, t1=0.0, args={}))
 print("RESULT", json.dumps({"pid": r.process_id, "role": r.role, "sum": float(total),
       "gen": len(r.generation_devices), "train": len(r.training_devices), "got": got}))
 jax.distributed.shutdown()

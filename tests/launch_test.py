@@ -25,18 +25,42 @@ CASES = {
     "cross-field": (["--config.data.eval_seed=1"], "data.train_seed must differ"),
     "missing model file": (["--config.model.source=/nonexistent.gguf"], "/nonexistent.gguf"),
 }
+# A multi-process start (the STREAMRL_* environment) with a bad run key or environment.
+_PROCESS = {
+    "STREAMRL_NUM_PROCESSES": "2",
+    "STREAMRL_PROCESS_ID": "1",
+    "STREAMRL_COORDINATOR": "127.0.0.1:1",
+}
+ENV_CASES = {
+    "short run key": (
+        {**_PROCESS, "STREAMRL_AUTHKEY": "short"},
+        "STREAMRL_AUTHKEY: the run secret has 5 bytes; at least 16",
+    ),
+    "no run key": ({**_PROCESS, "STREAMRL_AUTHKEY": ""}, "no run key"),
+    "missing key file": (
+        {**_PROCESS, "STREAMRL_AUTHKEY_FILE": "/nonexistent.key"},
+        "STREAMRL_AUTHKEY_FILE=/nonexistent.key: cannot open the key file",
+    ),
+    "bad process id": ({**_PROCESS, "STREAMRL_PROCESS_ID": "x"}, "STREAMRL_PROCESS_ID='x'"),
+}
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(ENV_CASES))
 def test_a_user_mistake_is_one_line_and_exit_status_2(case, tmp_path):
-    args, message = CASES[case]
+    args, message = CASES.get(case, ([], None))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("STREAMRL_AUTHKEY", None)
+    env.pop("STREAMRL_AUTHKEY_FILE", None)
+    if case in ENV_CASES:
+        extra, message = ENV_CASES[case]
+        env.update(extra)
     run = subprocess.run(
         [sys.executable, "-m", "streamrl_jax.launch", f"--workdir={tmp_path}", *args],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=REPO,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        env=env,
     )
     assert run.returncode == 2, run.stderr[-3000:]
     assert "Traceback" not in run.stderr, run.stderr[-3000:]

@@ -197,7 +197,9 @@ def _spawn(processes, generation, workdir, logs) -> list[subprocess.Popen]:
     coordinator = f"127.0.0.1:{local.free_port()}"
     procs = []
     for i in range(processes):
-        env = dict(_env(), **local.child_env(i, processes, generation, coordinator, "test-key"))
+        env = dict(
+            _env(), **local.child_env(i, processes, generation, coordinator, "test-key-" + "0" * 24)
+        )
         with open(logs / f"p{i}.log", "w") as out:
             procs.append(
                 subprocess.Popen(

@@ -3,7 +3,7 @@
   python tools/bench_bad_inputs.py            # every case (about 1-2 min on 2 cores)
   python tools/bench_bad_inputs.py --quick    # the same corpus (it is already quick)
 
-Two kinds of case:
+Three kinds of case:
 
 * **launch** — configs, datasets, checkpoints and model files: a real
   `python -m streamrl_jax.launch` with the bad input (files written to a
@@ -13,9 +13,11 @@ Two kinds of case:
 * **reward** — hostile model output through the sandboxed scorer
   (`rewards/sandbox.py`): the call must come back (scored, or a named
   `RewardTimeout`) within its deadline and leave no file behind.
-
-Not covered yet: network frames (the pickle-free transport is still to come;
-docs/security.md).
+* **network** — hostile or broken peers of the cross-process channels
+  (`tools/bad_frames.py`): outsiders without the run key, a key holder
+  sending malformed, oversized, pickled or tampered frames, weight headers
+  that declare the wrong tree, samples of unknown prompts: each must end in
+  its named error, with no thread, file descriptor or file left behind.
 
 Last line: JSON with `cases`, `clear_errors`, `hangs`, `tracebacks`, `wrong`
 (the names of cases whose error was not the expected one).
@@ -34,12 +36,15 @@ import time
 from collections.abc import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [REPO, os.path.join(REPO, "tools")]
+
+import bad_frames  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
-    kind: str  # "launch" | "reward"
+    kind: str  # "launch" | "reward" | "network"
     expect: str  # text the one error line (launch) or the outcome (reward) must contain
     flags: tuple[str, ...] = ()
     files: Callable[[str], None] | None = None  # writes the bad input under a directory
@@ -302,6 +307,15 @@ CASES: list[Case] = [
 ]
 
 
+CASES += [Case(c.name, "network", c.expect) for c in bad_frames.cases()]
+_NETWORK = {c.name: c for c in bad_frames.cases()}
+
+
+def run_network(case: Case, root: str, timeout_s: float) -> tuple[str, str]:
+    """In this process, bounded by each case's own timeouts (seconds)."""
+    return bad_frames.run(_NETWORK[case.name])
+
+
 def run_launch(case: Case, root: str, timeout_s: float) -> tuple[str, str]:
     """(outcome, detail): outcome is "clear", "traceback", "hang" or "wrong"."""
     if case.files is not None:
@@ -354,7 +368,7 @@ def run_reward(case: Case, root: str, timeout_s: float) -> tuple[str, str]:
 def run_case(case: Case, timeout_s: float = 120.0) -> tuple[str, str]:
     root = tempfile.mkdtemp(prefix="bad-input-")
     try:
-        runner = run_launch if case.kind == "launch" else run_reward
+        runner = {"launch": run_launch, "reward": run_reward, "network": run_network}[case.kind]
         return runner(case, root, timeout_s)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import json
 import os
-import pickle
 import platform
 import secrets
 import statistics
@@ -46,9 +45,11 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from streamrl_jax.distributed import wire  # noqa: E402
+from streamrl_jax.distributed.messages import SpanReport  # noqa: E402
 from streamrl_jax.distributed.transport import SampleClient, SampleServer  # noqa: E402
 from streamrl_jax.distributed.weights import WeightReceiver, WeightSender  # noqa: E402
-from streamrl_jax.generation.types import Sample, Timings  # noqa: E402
+from streamrl_jax.generation.types import RequestTag, Sample, Timings  # noqa: E402
 from streamrl_jax.stream.sample_stream import SampleStream  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
@@ -77,6 +78,16 @@ def smollm2_params(dtype: str, seed: int = 0) -> dict:
     return {"embed": w(vocab, width), "layers": [layer() for _ in range(layers)], "norm": w(width)}
 
 
+def smollm2_shardings(sharding) -> dict:
+    """`sharding` for every leaf of `smollm2_params`' tree (weights arrive without one)."""
+    keys = ("attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down")
+    return {
+        "embed": sharding,
+        "layers": [dict.fromkeys(keys, sharding) for _ in range(30)],
+        "norm": sharding,
+    }
+
+
 def make_samples(n: int, prompt_len: int = 64, response_len: int = 200) -> list[Sample]:
     rng = np.random.default_rng(0)
     return [
@@ -91,10 +102,15 @@ def make_samples(n: int, prompt_len: int = 64, response_len: int = 200) -> list[
             last_policy_version=1,
             instance_id=0,
             timings=Timings(enqueue=0.0, admit=1.0, finish=2.0),
-            metadata={"group": i // 8, "answer": "1234"},
+            tag=RequestTag(batch=0, group=i // 8, member=i % 8, prompt_id=f"bench/{i // 8}"),
         )
         for i in range(n)
     ]
+
+
+def _report(kind: str, **figures: float) -> SpanReport:
+    """A child's figures for the parent, as a wire message (nothing crosses pickled)."""
+    return SpanReport(track="bench", name=kind, t0=0.0, t1=0.0, args=figures)
 
 
 # ---------------------------------------------------------------------- child (receiver)
@@ -103,6 +119,7 @@ def child(args: argparse.Namespace) -> None:
     receiver = WeightReceiver(args.weights, authkey=key, timeout_s=TIMEOUT_S, name="bench-gen")
     report = SampleClient(args.samples, authkey=key, timeout_s=TIMEOUT_S, name="bench-gen")
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = smollm2_shardings(sharding)
     xla = None
     if args.xla:
         from jax.experimental import transfer
@@ -111,12 +128,10 @@ def child(args: argparse.Namespace) -> None:
             jax.devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"]
         )
         xla = xla_server.connect(args.xla)
-    for d, dtype in enumerate(DTYPES):
-        for rep in range(args.reps + 1):
-            params, version, stats = receiver.receive(sharding, TIMEOUT_S)
-            report.send(
-                {"kind": "weights", "dtype": dtype, "rep": rep, **dataclasses.asdict(stats)}
-            )
+    for d, _ in enumerate(DTYPES):
+        for _ in range(args.reps + 1):
+            params, version, stats = receiver.receive(shardings, TIMEOUT_S)
+            report.send(_report("weights", **dataclasses.asdict(stats)))
         if xla is not None:
             specs = jax.tree.map(
                 lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), params
@@ -135,12 +150,10 @@ def child(args: argparse.Namespace) -> None:
                     else None
                 )
                 del pulled
-                report.send(
-                    {"kind": "xla", "dtype": dtype, "rep": rep, "seconds": seconds, "exact": exact}
-                )
+                report.send(_report("xla", seconds=seconds, exact=float(bool(exact))))
         del params
     samples = make_samples(args.num_samples)
-    report.send({"kind": "samples_start"})
+    report.send(_report("samples_start"))
     for s in samples:
         report.send(s)
     report.close(TIMEOUT_S)
@@ -257,23 +270,23 @@ def run_parent(args, sender, server, xla_server, dev0, dev1) -> dict:
             "bytes": nbytes,
             "cross_process_s": median([s.seconds for s in sends[1:]]),
             "sender_pack_s": median([s.pack_s for s in sends[1:]]),
-            "receiver_wire_s": median([r["wire_s"] for r in received[1:]]),
-            "receiver_verify_s": median([r["verify_s"] for r in received[1:]]),
-            "receiver_place_s": median([r["place_s"] for r in received[1:]]),
+            "receiver_wire_s": median([r.args["wire_s"] for r in received[1:]]),
+            "receiver_verify_s": median([r.args["verify_s"] for r in received[1:]]),
+            "receiver_place_s": median([r.args["place_s"] for r in received[1:]]),
             "in_process_device_put_s": median(local[1:]),
         }
         row["cross_process_gbps"] = nbytes / row["cross_process_s"] / 1e9
         row["in_process_gbps"] = nbytes / row["in_process_device_put_s"] / 1e9
         if xla:
-            row["xla_transfer_s"] = median([x["seconds"] for x in xla[1:]])
+            row["xla_transfer_s"] = median([x.args["seconds"] for x in xla[1:]])
             row["xla_transfer_gbps"] = nbytes / row["xla_transfer_s"] / 1e9
-            row["xla_transfer_exact"] = xla[-1]["exact"]
+            row["xla_transfer_exact"] = bool(xla[-1].args["exact"])
         out["weights"][dtype] = row
         print(f"weights {dtype}: " + json.dumps(row), flush=True)
         del params
 
     start = server.get(TIMEOUT_S)
-    assert start == {"kind": "samples_start"}, start
+    assert start.name == "samples_start", start
     t0 = time.perf_counter()
     for _ in range(args.num_samples):
         server.get(TIMEOUT_S)
@@ -282,7 +295,7 @@ def run_parent(args, sender, server, xla_server, dev0, dev1) -> dict:
     out["samples"] = {
         "count": args.num_samples,
         "response_tokens": 200,
-        "pickled_bytes": len(pickle.dumps(samples[0], protocol=pickle.HIGHEST_PROTOCOL)),
+        "wire_bytes": len(wire.encode(samples[0])),
         "cross_process_per_s": cross,
         "in_process_per_s": in_process_samples(samples),
     }

@@ -1,55 +1,77 @@
-"""Opening authenticated connections: `dial` (client side) and `Hub` (server side).
+"""Opening authenticated channels on ZeroMQ: `dial` (client side) and `Hub` (server side).
 
-Built on the standard library's `multiprocessing.connection`: its HMAC
-challenge-response handshake (`deliver_challenge` / `answer_challenge`, the
-code behind `Listener(authkey=...)` / `Client(authkey=...)`: each side proves
-it holds the key, the key never crosses the wire) and its `Connection`
-framing. The sockets are opened here rather than by `Listener` / `Client`
-because those have no timeouts: a client that connects and then says nothing
-would block `Listener.accept`, and every later client with it, forever. Here
-each handshake runs on its own thread under a deadline.
+Sockets: a `Hub` binds one ROUTER socket and serves up to `max_peers`
+clients of one channel kind; `dial` connects one DEALER socket. Both run
+CURVE with the run's keys (`keys.py`): the client must know the server's
+public key, and the server admits only clients holding the client secret
+(checked by this process's ZAP handler, one thread per process), so nothing
+from a process without the run secret ever reaches a channel. Every frame is
+encrypted and authenticated by libzmq; a frame over `MAX_FRAME_BYTES` drops
+its connection, and one that fails authentication (altered in transit) is
+never delivered and stops its connection (libzmq reads nothing more from it:
+the peer is then lost by its silence, the error naming the failed frame).
+The CURVE handshake runs in libzmq's I/O thread under `HANDSHAKE_IVL` (the endpoint's timeout): an
+unauthenticated connection costs a file descriptor for at most that long and
+no Python thread.
 
-After authentication each side sends a JSON hello (`{"channel": kind,
-"name": name}`); a client that reaches a server of another channel kind (a
-sample producer on the weight port) is refused with a message naming both.
+Each socket has one I/O thread (`_Loop`): it alone touches the socket;
+other threads `post` messages to it. After CURVE, each side sends a JSON
+hello (`{"channel": kind, "name": name}`); a client that reaches a server of
+another channel kind, or one already full, gets an `X` refusal naming why.
 
-Security: the handshake authenticates the peer; the stream itself is neither
-encrypted nor signed (use a private network or a tunnel across untrusted
-ones). The transports unpickle what an authenticated peer sends; without an
-authkey any local user could run code in this process, so a non-loopback
-endpoint without one is refused (`check_authkey`), and launchers always set
-`STREAMRL_AUTHKEY`.
+A peer's connection going away is seen at once: the server maps each peer
+to its connection's file descriptor (`zmq.SRCFD`) and probes the peer when
+the socket monitor reports that descriptor disconnected (a send to a gone
+peer fails: `ROUTER_MANDATORY`); the client fails on its monitor's
+disconnect. Silence past the timeout (a stopped process) is the channel's
+heartbeat watch (`channel.py`).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import ipaddress
 import json
-import multiprocessing
-import multiprocessing.connection as mpc
+import os
 import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import zmq
 from absl import logging
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import parse_monitor_message
 
+from streamrl_jax.distributed import keys
 from streamrl_jax.distributed.channel import (
+    HELLO,
+    MAX_FRAME_BYTES,
+    PING,
+    REFUSE,
     AuthenticationFailed,
     Channel,
-    PeerLost,
+    OnData,
     TransportError,
     TransportTimeout,
     default_heartbeat,
     refuse_data,
-    shutdown_socket,
 )
 
-_HELLO = b"H"
-_MAX_HELLO = 1 << 16
+_MAX_HELLO = 1024
+_RCV_HWM = 16  # messages a socket buffers per peer before TCP back-pressure
+_MAX_REFUSED = 1024
+_LOST = "connection closed (the process died or closed it, or it dropped a frame that failed "
+_LOST += "authentication or was over the size limit)"
+_MONITORED = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,13 +81,22 @@ class Endpoint:
     kind: str  # the channel kind ("samples", "weights"); both sides must agree
     name: str  # this side, as its errors and the peer's name it
     address: str | tuple[str, int]  # "host:port", "[v6]:port" or (host, port); a Hub may bind 0
-    authkey: bytes | None  # HMAC secret; None is refused off loopback (`check_authkey`)
+    authkey: bytes  # the run secret (`keys.py`); required
     timeout_s: float  # handshake deadline, and the silence after which the peer is lost
     heartbeat_s: float | None = None  # None: `default_heartbeat(timeout_s)`
 
     @property
     def heartbeat(self) -> float:
         return self.heartbeat_s or default_heartbeat(self.timeout_s)
+
+    def run_key(self) -> keys.RunKey:
+        if self.authkey is None:
+            raise keys.RunKeyError(
+                f"{self.name}: no run key: every channel is authenticated; set "
+                f"{keys.ENV_AUTHKEY_FILE} or {keys.ENV_AUTHKEY} (the launchers in launch/ "
+                "generate one per run)"
+            )
+        return keys.run_key(self.authkey)
 
 
 def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
@@ -93,187 +124,317 @@ def is_loopback(host: str) -> bool:
     return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
 
 
-def check_authkey(host: str, authkey: bytes | None, what: str) -> None:
-    """Refuses a non-loopback endpoint without an authkey (DESIGN: pickle needs auth)."""
-    if authkey is not None and not isinstance(authkey, bytes):
-        raise TypeError(f"{what}: authkey must be bytes, got {type(authkey).__name__}")
-    if authkey is None and not is_loopback(host):
-        raise ValueError(
-            f"{what}: refusing to use non-loopback host {host!r} without an authkey "
-            "(set STREAMRL_AUTHKEY): payloads are unpickled, so an unauthenticated "
-            "endpoint would run code sent by anyone who can reach it"
-        )
+def _tcp(host: str, port: int | str) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host or '*'}:{port}"
 
 
-@contextlib.contextmanager
-def _deadline(sock: socket.socket, timeout: float):
-    """Shuts `sock` down if the block runs past `timeout`: a blocked read/write then fails."""
-    fired = threading.Event()
-
-    def fire():
-        fired.set()
-        shutdown_socket(sock)
-
-    timer = threading.Timer(timeout, fire)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield fired
-    finally:
-        timer.cancel()
+# ---------------------------------------------------------------------- the process's context
+_lock = threading.Lock()
+_context: zmq.Context | None = None
+_auth: ThreadAuthenticator | None = None
+_allowed: dict[str, bytes] = {}  # ZAP domain → the one client public key it admits
 
 
-def handshake(
-    conn: mpc.Connection,
-    sock: socket.socket,
-    *,
-    authkey: bytes | None,
-    server: bool,
-    hello: dict[str, Any],
-    timeout: float,
-    peer: str,
-) -> dict[str, Any]:
-    """Mutual HMAC authentication (if `authkey`), then a JSON hello each way.
+class _Admit:
+    """The ZAP handler's credentials check: a domain admits its run's client key only."""
 
-    Returns the peer's hello. Raises `AuthenticationFailed`, `TransportTimeout`
-    or `PeerLost`, each naming `peer`.
+    def callback(self, domain: str, key: bytes) -> bool:
+        return _allowed.get(domain) == key
+
+
+def _zmq(run_key: keys.RunKey | None = None) -> zmq.Context:
+    """The process's ZeroMQ context (and ZAP handler); registers `run_key`'s domain."""
+    global _context, _auth
+    with _lock:
+        if _context is None or _context.closed:
+            _context = zmq.Context()
+            _auth = ThreadAuthenticator(_context)
+            _auth.start()
+        if run_key is not None and _domain(run_key) not in _allowed:
+            _allowed[_domain(run_key)] = run_key.client_public
+            _auth.configure_curve_callback(_domain(run_key), _Admit())
+        return _context
+
+
+def _domain(run_key: keys.RunKey) -> str:
+    return f"streamrl-{run_key.fingerprint}"
+
+
+def _socket(kind: int, end: Endpoint) -> zmq.Socket:
+    sock = _zmq(end.run_key()).socket(kind)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    sock.setsockopt(zmq.SNDHWM, 0)  # the channels' credits bound what is queued
+    sock.setsockopt(zmq.RCVHWM, _RCV_HWM)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, int(end.timeout_s * 1000))
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    if ":" in parse_address(end.address)[0]:
+        sock.setsockopt(zmq.IPV6, 1)
+    return sock
+
+
+# ---------------------------------------------------------------------- the I/O thread
+class _Loop:
+    """The one thread that touches a socket: sends what is posted, receives, watches.
+
+    `on_message(frames)`, `on_event(event)` (a parsed monitor event) and
+    `on_tick(now)` run on it.
     """
-    with _deadline(sock, timeout) as fired:
+
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        name: str,
+        *,
+        on_message: Callable[[list], None],
+        on_event: Callable[[dict], None],
+        on_tick: Callable[[float], None],
+        on_unreachable: Callable[[bytes], None] = lambda rid: None,
+        tick_s: float,
+    ):
+        self._sock = sock
+        self._monitor = sock.get_monitor_socket(_MONITORED)
+        self._on_message, self._on_event, self._on_tick = on_message, on_event, on_tick
+        self._on_unreachable = on_unreachable
+        self._tick_ms = max(10, int(tick_s * 1000))
+        self._out: collections.deque = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._stopping = False
+        self._pipe_lock = threading.Lock()  # the wake pipe is written until it is closed
+        self._pipe_open = True
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def post(self, frames: list | Callable[[], None], copy: bool = True, rid: bytes | None = None):
+        """Queues a message (or a callable to run) for the I/O thread."""
+        self._out.append((rid, frames, copy))
+        with self._pipe_lock:
+            if self._pipe_open:
+                with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending
+                    os.write(self._wake_w, b"\0")
+
+    def try_send(self, rid: bytes, frames: list) -> bool:
+        """I/O thread only: sends at once; False if the peer is gone (`ROUTER_MANDATORY`)."""
         try:
-            if authkey is not None:
-                try:
-                    if server:
-                        mpc.deliver_challenge(conn, authkey)
-                        mpc.answer_challenge(conn, authkey)
-                    else:
-                        mpc.answer_challenge(conn, authkey)
-                        mpc.deliver_challenge(conn, authkey)
-                except multiprocessing.AuthenticationError as e:
-                    raise AuthenticationFailed(
-                        f"authentication with {peer} failed ({e}): different authkeys?"
-                    ) from e
-                except AssertionError as e:  # answer_challenge got a non-challenge frame
-                    raise AuthenticationFailed(
-                        f"{peer} does not use an authkey but this side does"
-                    ) from e
-            conn.send_bytes(_HELLO + json.dumps(hello).encode())
-            frame = conn.recv_bytes(_MAX_HELLO)
-        except (EOFError, OSError) as e:
-            if fired.is_set():
-                raise TransportTimeout(f"handshake with {peer} took over {timeout:.1f} s") from e
-            raise PeerLost(f"{peer} closed the connection during the handshake ({e!r})") from e
-    if frame.startswith(b"#CHALLENGE#"):
-        raise AuthenticationFailed(f"{peer} requires an authkey (STREAMRL_AUTHKEY) and none is set")
-    if frame[:1] != _HELLO:
-        raise AuthenticationFailed(f"{peer}: unexpected first frame {frame[:16]!r} (authkey?)")
+            self._sock.send_multipart([rid, *frames], flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Sends what is queued, then closes the socket (joins unless called on the thread)."""
+        self._stopping = True
+        self.post(lambda: None)
+        if threading.current_thread() is not self._thread and self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for s in (self._sock, self._monitor, self._wake_r):
+            poller.register(s, zmq.POLLIN)
+        last_tick = 0.0
+        try:
+            while True:
+                ready = dict(poller.poll(self._tick_ms))
+                if self._wake_r in ready:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                self._flush()
+                if self._stopping and not self._out:
+                    return
+                if self._sock in ready:
+                    for _ in range(1024):  # then tick and flush again
+                        try:
+                            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_message(frames)
+                if self._monitor in ready:
+                    while self._monitor.poll(0):
+                        self._on_event(parse_monitor_message(self._monitor.recv_multipart()))
+                now = time.monotonic()
+                if now - last_tick >= self._tick_ms / 1000:
+                    last_tick = now
+                    self._on_tick(now)
+        except Exception as e:  # noqa: BLE001 - a bug here must not hang the peers
+            logging.exception("%s: I/O thread failed: %r", self._thread.name, e)
+        finally:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._sock.close()
+            with self._pipe_lock:
+                self._pipe_open = False
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+
+    def _flush(self) -> None:
+        while self._out:
+            rid, frames, copy = self._out.popleft()
+            if callable(frames):
+                frames()
+                continue
+            try:
+                parts = frames if rid is None else [rid, *frames]
+                self._sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=copy)
+            except zmq.Again:
+                self._out.appendleft((rid, frames, copy))  # a full queue: retry on the next tick
+                return
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EHOSTUNREACH:
+                    raise
+                self._on_unreachable(rid)
+
+
+def _hello(end: Endpoint) -> list[bytes]:
+    return [HELLO, json.dumps({"channel": end.kind, "name": end.name}).encode()]
+
+
+def _read_hello(frames: list) -> dict[str, str]:
+    """The peer's hello, or TransportError: a JSON object of short strings."""
+    if len(frames) != 2 or frames[0].bytes != HELLO or len(frames[1].buffer) > _MAX_HELLO:
+        raise TransportError("expected a hello")
     try:
-        return json.loads(frame[1:])
-    except ValueError as e:
-        raise TransportError(f"{peer}: malformed hello {frame[:64]!r}") from e
+        hello = json.loads(frames[1].bytes)
+    except ValueError:
+        raise TransportError("malformed hello") from None
+    if not isinstance(hello, dict) or not all(
+        isinstance(hello.get(k), str) and len(hello[k]) <= 256 for k in ("channel", "name")
+    ):
+        raise TransportError("malformed hello")
+    return hello
 
 
-def connect(
-    address: str | tuple[str, int], *, timeout: float
-) -> tuple[mpc.Connection, socket.socket]:
-    """TCP connect, retrying refusals until `timeout` (the server may still be starting)."""
-    host, port = parse_address(address)
-    deadline = time.monotonic() + timeout
-    while True:
-        remaining = deadline - time.monotonic()
-        try:
-            sock = socket.create_connection((host, port), timeout=max(remaining, 0.01))
-            break
-        except (ConnectionRefusedError, ConnectionResetError, TimeoutError, OSError) as e:
-            if time.monotonic() + 0.05 >= deadline:
-                raise TransportTimeout(
-                    f"could not connect to {host}:{port} within {timeout:.1f} s ({e!r})"
-                ) from e
-            time.sleep(0.05)
-    return _wrap(sock)
+def _handshake_failure(event: dict) -> str | None:
+    ev = event["event"]
+    if ev == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return "the server refused this process's key (a different run key?)"
+    if ev in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+        return "the CURVE handshake failed (a different run key, or not a streamrl server)"
+    return None
 
 
+# ---------------------------------------------------------------------- client side
 def dial(
     end: Endpoint,
     *,
-    on_data: Callable[[Channel, memoryview], None] = refuse_data,
+    on_data: OnData = refuse_data,
     on_lost: Callable[[Channel, TransportError], None] | None = None,
     on_end: Callable[[Channel], None] | None = None,
     grant: int = 0,
 ) -> Channel:
-    """Client side: connects to `end.address` (retrying refusals until `end.timeout_s`),
-    authenticates, checks the server serves `end.kind` channels; returns the started
-    `Channel` (with `grant` credits given to the server)."""
+    """Client side: connects to `end.address` (retrying while the server starts, up to
+    `end.timeout_s`), authenticates both ways, checks the server serves `end.kind`
+    channels; returns the started `Channel` (with `grant` credits given to the server).
+
+    Raises:
+      AuthenticationFailed: the server does not hold this run's key, or refused ours.
+      TransportError: the server refused the channel (named reason).
+      TransportTimeout: no server answered within `end.timeout_s`.
+    """
     host, port = parse_address(end.address)
-    check_authkey(host, end.authkey, end.name)
-    conn, sock = connect((host, port), timeout=end.timeout_s)
-    try:
-        channel = _greet(
-            conn,
-            sock,
-            end,
-            server=False,
-            remote=f"{host}:{port}",
-            callbacks=dict(on_data=on_data, on_lost=on_lost, on_end=on_end),
+    run_key = end.run_key()
+    remote = f"{host}:{port}"
+    sock = _socket(zmq.DEALER, end)
+    sock.curve_serverkey = run_key.server_public
+    sock.curve_publickey = run_key.client_public
+    sock.curve_secretkey = run_key.client_secret
+    result: dict[str, Any] = {}
+    ready = threading.Event()
+
+    def on_message(frames: list) -> None:
+        channel = result.get("channel")
+        if channel is not None:
+            channel.deliver(frames)
+            return
+        if ready.is_set():
+            return
+        kind = frames[0].bytes
+        if kind == REFUSE and len(frames) == 2:
+            reason = frames[1].bytes[:_MAX_HELLO].decode(errors="replace")
+            result["error"] = TransportError(f"{end.name}: {remote} refused the channel: {reason}")
+        else:
+            try:
+                hello = _read_hello(frames)
+            except TransportError as e:
+                result["error"] = TransportError(f"{end.name}: {remote}: {e}")
+            else:
+                if hello["channel"] != end.kind:  # a server of another kind answered
+                    result["error"] = TransportError(
+                        f"{end.name}: {remote} speaks {hello['channel']!r} channels, "
+                        f"this side {end.kind!r}"
+                    )
+                else:
+                    result["channel"] = Channel(
+                        local=end.name,
+                        peer=f"{hello['name']} ({remote})",
+                        heartbeat_s=end.heartbeat,
+                        timeout_s=end.timeout_s,
+                        post=loop.post,
+                        detach=loop.stop,
+                        on_data=on_data,
+                        on_lost=on_lost,
+                        on_end=on_end,
+                    )
+        ready.set()
+
+    def on_event(event: dict) -> None:
+        channel = result.get("channel")
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            if channel is not None:
+                channel.lost(_LOST)
+            return
+        failure = _handshake_failure(event)
+        if failure and channel is None and not ready.is_set():
+            result["error"] = AuthenticationFailed(
+                f"{end.name}: {end.kind} server {remote}: {failure}"
+            )
+            ready.set()
+
+    def on_tick(now: float) -> None:
+        if (channel := result.get("channel")) is not None:
+            channel.tick(now)
+
+    loop = _Loop(
+        sock,
+        f"{end.name}->{end.kind}",
+        on_message=on_message,
+        on_event=on_event,
+        on_tick=on_tick,
+        tick_s=min(end.heartbeat / 2, 0.5),
+    )
+    sock.connect(_tcp(host, port))
+    loop.post(_hello(end))
+    loop.start()
+    if not ready.wait(end.timeout_s):
+        ready.set()
+        loop.stop()
+        raise TransportTimeout(
+            f"{end.name}: no {end.kind} server answered at {remote} within {end.timeout_s:.1f} s"
         )
-    except BaseException:
-        conn.close()
-        sock.close()
-        raise
-    channel.start()
+    if "error" in result:
+        loop.stop()
+        raise result["error"]
+    channel: Channel = result["channel"]
     if grant:
         channel.grant(grant)
     return channel
 
 
-def _greet(
-    conn: mpc.Connection,
-    sock: socket.socket,
-    end: Endpoint,
-    *,
-    server: bool,
-    remote: str,
-    callbacks: dict[str, Any],
-) -> Channel:
-    """Either side, once connected to `remote` (host:port): authenticates, exchanges
-    hellos, checks both sides speak `end.kind`; returns the `Channel`, not yet started."""
-    peer = remote if server else f"{end.kind} server {remote}"
-    hello = handshake(
-        conn,
-        sock,
-        authkey=end.authkey,
-        server=server,
-        hello={"channel": end.kind, "name": end.name},
-        timeout=end.timeout_s,
-        peer=peer,
-    )
-    if hello.get("channel") != end.kind:
-        raise TransportError(
-            f"{end.name}: {peer} speaks {hello.get('channel')!r} channels, this side {end.kind!r}"
-        )
-    return Channel(
-        conn,
-        sock,
-        local=end.name,
-        peer=f"{hello.get('name', '?')} ({remote})",
-        heartbeat_s=end.heartbeat,
-        timeout_s=end.timeout_s,
-        **callbacks,
-    )
-
-
-def _wrap(sock: socket.socket) -> tuple[mpc.Connection, socket.socket]:
-    """A `Connection` on the socket plus a second handle for raw I/O and shutdown."""
-    sock.settimeout(None)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # credits and pings are tiny
-    ctl = sock.dup()
-    return mpc.Connection(sock.detach()), ctl
-
-
+# ---------------------------------------------------------------------- server side
 class Hub:
-    """Server side: accepts up to `max_peers` authenticated clients of one channel kind.
+    """Server side: admits up to `max_peers` authenticated clients of one channel kind.
 
-    Each accepted client becomes a started `Channel` with the given callbacks
-    (and `grant` initial credits); failed handshakes are logged and listed in
+    Each admitted client becomes a `Channel` with the given callbacks (and
+    `grant` initial credits); refused clients are logged and listed in
     `rejected`, and never stop the server.
     """
 
@@ -282,71 +443,129 @@ class Hub:
         end: Endpoint,
         *,
         max_peers: int,
-        on_data: Callable[[Channel, memoryview], None] = refuse_data,
+        on_data: OnData = refuse_data,
         on_lost: Callable[[Channel, TransportError], None] | None = None,
         on_end: Callable[[Channel], None] | None = None,
         grant: int = 0,
     ):
         host, port = parse_address(end.address)
-        check_authkey(host, end.authkey, end.name)
+        run_key = end.run_key()
         self.name, self.kind, self.max_peers = end.name, end.kind, max_peers
         self._end, self._grant = end, grant
         self._callbacks = dict(on_data=on_data, on_lost=on_lost, on_end=on_end)
         self._cv = threading.Condition()
         self._channels: list[Channel] = []
+        self._routes: dict[bytes, Channel] = {}
+        self._fds: dict[bytes, int] = {}
+        self._refused: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self.rejected: list[str] = []
         self._closed = False
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.create_server((host, port), family=family, backlog=64)
-        self._sock.settimeout(0.2)  # the accept loop polls `_closed`
-        self.address = (host, self._sock.getsockname()[1])
-        self._thread = threading.Thread(target=self._loop, name=f"{self.name}-accept", daemon=True)
-        self._thread.start()
+        self._forged: float | None = None  # when a frame last failed authentication
+        sock = _socket(zmq.ROUTER, end)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.curve_server = True
+        sock.curve_secretkey = run_key.server_secret
+        sock.curve_publickey = run_key.server_public
+        sock.zap_domain = _domain(run_key).encode()
+        sock.bind(_tcp(host, port or "*"))
+        self.address = (host, int(sock.last_endpoint.decode().rsplit(":", 1)[1]))
+        self._loop = _Loop(
+            sock,
+            f"{self.name}-{self.kind}",
+            on_message=self._on_message,
+            on_event=self._on_event,
+            on_tick=self._on_tick,
+            on_unreachable=self._on_unreachable,
+            tick_s=min(end.heartbeat / 2, 0.5),
+        )
+        self._loop.start()
 
     @property
     def channels(self) -> list[Channel]:
         with self._cv:
             return list(self._channels)
 
-    def _loop(self) -> None:
-        while not self._closed:
-            try:
-                sock, remote = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            peer = f"{remote[0]}:{remote[1]}"
-            threading.Thread(
-                target=self._admit, args=(sock, peer), name=f"{self.name}-hs", daemon=True
-            ).start()
-
-    def _admit(self, sock: socket.socket, remote: str) -> None:
-        conn, ctl = _wrap(sock)
-        try:
-            channel = _greet(
-                conn, ctl, self._end, server=True, remote=remote, callbacks=self._callbacks
-            )
-            with self._cv:
-                if self._closed or len(self._channels) >= self.max_peers:
-                    raise TransportError(
-                        f"refusing {channel.peer}: "
-                        + ("closed" if self._closed else f"already {self.max_peers} peers")
-                    )
-                self._channels.append(channel)
-                self._cv.notify_all()
-        except Exception as e:  # noqa: BLE001 - a bad client must not stop the server
-            logging.warning("%s: rejected connection from %s: %r", self.name, remote, e)
-            self.rejected.append(f"{remote}: {e}")
-            shutdown_socket(ctl)
-            with contextlib.suppress(OSError):
-                conn.close()
-                ctl.close()
+    # I/O thread ---------------------------------------------------------
+    def _on_message(self, frames: list) -> None:
+        rid, body = frames[0].bytes, frames[1:]
+        channel = self._routes.get(rid)
+        if channel is not None:
+            channel.deliver(body)
             return
-        channel.start()
+        if not body or rid in self._refused:
+            return
+        remote = body[0].get("Peer-Address") or "?"
+        try:
+            hello = _read_hello(body)
+            if hello["channel"] != self.kind:
+                raise TransportError(
+                    f"{self.name} serves {self.kind!r} channels, not {hello['channel']!r}"
+                )
+            if self._closed or len(self._channels) >= self.max_peers:
+                raise TransportError(
+                    f"{self.name}: "
+                    + ("closed" if self._closed else f"already {self.max_peers} peers")
+                )
+        except TransportError as e:
+            self._refuse(rid, f"{remote}", str(e))
+            return
+        channel = Channel(
+            local=self.name,
+            peer=f"{hello['name']} ({remote})",
+            heartbeat_s=self._end.heartbeat,
+            timeout_s=self._end.timeout_s,
+            post=lambda frames, copy, rid=rid: self._loop.post(frames, copy, rid),
+            detach=lambda: None,
+            **self._callbacks,
+        )
+        self._routes[rid] = channel
+        self._fds[rid] = body[0].get(zmq.SRCFD)
+        self._loop.post(_hello(self._end), True, rid)
         if self._grant:
             channel.grant(self._grant)
+        with self._cv:
+            self._channels.append(channel)
+            self._cv.notify_all()
 
+    def _refuse(self, rid: bytes, remote: str, reason: str) -> None:
+        logging.warning("%s: refused %s: %s", self.name, remote, reason)
+        self.rejected.append(f"{remote}: {reason}")
+        self._refused[rid] = None
+        while len(self._refused) > _MAX_REFUSED:
+            self._refused.popitem(last=False)
+        self._loop.post([REFUSE, reason.encode()[:_MAX_HELLO]], True, rid)
+
+    def _on_event(self, event: dict) -> None:
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            # Probe the peers on that descriptor: a send to a gone peer fails at once.
+            for rid, fd in list(self._fds.items()):
+                if fd == event["value"] and not self._loop.try_send(rid, [PING]):
+                    self._on_unreachable(rid)
+            return
+        failure = _handshake_failure(event)
+        if failure:
+            if self._routes and event["value"] == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
+                self._forged = time.monotonic()  # maybe a peer's frame, altered in transit
+            text = "a connection failed authentication: it does not hold this run's key"
+            logging.warning("%s: %s", self.name, text)
+            self.rejected.append(text)
+
+    def _on_unreachable(self, rid: bytes) -> None:
+        self._fds.pop(rid, None)
+        if (channel := self._routes.get(rid)) is not None:
+            channel.lost(_LOST)
+
+    def _on_tick(self, now: float) -> None:
+        note = ""
+        if self._forged is not None:
+            note = (
+                f" (a frame failed authentication {now - self._forged:.1f} s ago: altered in "
+                "transit?)"
+            )
+        for channel in self._routes.values():
+            channel.tick(now, note)
+
+    # any thread ---------------------------------------------------------
     def wait_for_peers(self, timeout: float) -> list[str]:
         """Blocks until `max_peers` clients have connected; returns their names."""
         with self._cv:
@@ -359,15 +578,13 @@ class Hub:
             return [c.peer for c in self._channels]
 
     def names(self) -> str:
-        return ", ".join(c.peer for c in self.channels) or "none connected"
+        return ", ".join(c.peer for c in self._channels) or "none connected"
 
     def close(self, timeout: float) -> None:
-        """Stops accepting and closes every channel in order."""
+        """Stops admitting, closes every channel in order, then the socket."""
         with self._cv:
             self._closed = True
             channels = list(self._channels)
-        self._thread.join(1.0)
-        with contextlib.suppress(OSError):
-            self._sock.close()
         for channel in channels:
             channel.close(timeout)
+        self._loop.stop()

@@ -17,9 +17,12 @@ Environment variables (explicit arguments win, then these, then SLURM's):
   `STREAMRL_SHUTDOWN_TIMEOUT_S` (10): `jax.distributed` timeouts;
 * `STREAMRL_CPU_COLLECTIVES`: `jax_cpu_collectives_implementation` (default
   `gloo`; `none` leaves it);
-* `STREAMRL_AUTHKEY`: shared secret of the sample and weight channels;
+* `STREAMRL_AUTHKEY_FILE` (an owner-only file) or `STREAMRL_AUTHKEY`: the run
+  secret every channel's keys derive from (`keys.py`; required);
 * `STREAMRL_HOST`: the name other processes reach this one's servers by;
-* `STREAMRL_COORDINATOR_PORT`: the coordinator port under SLURM.
+* `STREAMRL_COORDINATOR_PORT`: the coordinator port under SLURM;
+* `STREAMRL_COORDINATOR_BIND`: where process 0's coordination service listens
+  (default: the coordinator address itself, not every interface).
 
 Under SLURM (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_JOB_NODELIST` set) the
 process id, count and coordinator (first host of the node list, port from
@@ -43,6 +46,7 @@ from typing import Any, Literal
 import jax
 from absl import logging
 
+from streamrl_jax.distributed import keys
 from streamrl_jax.distributed.peers import is_loopback, parse_address
 
 Role = Literal["generation", "training"]
@@ -55,9 +59,9 @@ ENV_HEARTBEAT_TIMEOUT_S = "STREAMRL_HEARTBEAT_TIMEOUT_S"
 ENV_INIT_TIMEOUT_S = "STREAMRL_INIT_TIMEOUT_S"
 ENV_SHUTDOWN_TIMEOUT_S = "STREAMRL_SHUTDOWN_TIMEOUT_S"
 ENV_CPU_COLLECTIVES = "STREAMRL_CPU_COLLECTIVES"
-ENV_AUTHKEY = "STREAMRL_AUTHKEY"
 ENV_HOST = "STREAMRL_HOST"
 ENV_COORDINATOR_PORT = "STREAMRL_COORDINATOR_PORT"
+ENV_COORDINATOR_BIND = "STREAMRL_COORDINATOR_BIND"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,7 +82,8 @@ class DistributedConfig:
       cpu_collectives: `jax_cpu_collectives_implementation` to set before
         initializing ("gloo" makes CPU cross-process collectives work); None
         leaves it.
-      authkey: shared secret for the sample and weight channels.
+      authkey: the run secret the channels' keys derive from (`keys.py`);
+        required by `initialize`.
     """
 
     coordinator_address: str | None = None
@@ -164,8 +169,7 @@ class DistributedConfig:
         if ENV_CPU_COLLECTIVES in env:
             value = env[ENV_CPU_COLLECTIVES]
             kw["cpu_collectives"] = None if value in ("", "none") else value
-        if env.get(ENV_AUTHKEY):
-            kw["authkey"] = env[ENV_AUTHKEY].encode()
+        kw["authkey"] = keys.secret_from_env(env)
         kw.update(overrides)
         return cls(**kw)
 
@@ -234,10 +238,19 @@ def initialize(cfg: DistributedConfig) -> Roles:
 
     Must run before anything else touches a JAX backend.
     """
+    if cfg.authkey is None:
+        raise keys.RunKeyError(
+            f"distributed: no run key: set {keys.ENV_AUTHKEY_FILE} (an owner-only file) or "
+            f"{keys.ENV_AUTHKEY}; launch/local.py, launch/slurm.sbatch and launch/tpu_pod.sh "
+            "generate one per run"
+        )
     if cfg.cpu_collectives:
         jax.config.update("jax_cpu_collectives_implementation", cfg.cpu_collectives)
     kwargs = {
         "coordinator_address": cfg.coordinator_address,
+        # The coordination service listens where the launcher pointed the program,
+        # not on every interface (JAX's default).
+        "coordinator_bind_address": os.environ.get(ENV_COORDINATOR_BIND) or cfg.coordinator_address,
         "num_processes": cfg.num_processes,
         "process_id": cfg.process_id,
         "initialization_timeout": cfg.initialization_timeout_s,

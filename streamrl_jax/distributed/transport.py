@@ -1,19 +1,20 @@
 """Cross-process sample channel: generation processes → the training process.
 
 The training process runs one `SampleServer`; each generation process opens
-one `SampleClient` to it and `send`s every finished `Sample` (any picklable
-object). Connections are opened by `peers.py` (stdlib
-`multiprocessing.connection` HMAC handshake) and run by `channel.Channel`
-(framing, heartbeats, credits); see those modules for the wire format and
-the failure model.
+one `SampleClient` to it and `send`s every finished `Sample` and its reports
+(`messages.py`), encoded by `wire.py` (a fixed msgpack schema plus raw array
+bytes; nothing is pickled). Connections are opened by `peers.py` (ZeroMQ
+under CURVE with the run key) and run by `channel.Channel` (credits,
+heartbeats); see those modules for the wire format and the failure model.
 
 Back-pressure is credit-based and bounds memory: the server holds at most
 `capacity` samples. Each of the `num_producers` producers is granted
 `capacity // num_producers` credits; credits come back as the consumer
 takes that producer's samples (`get`; in batches of a quarter of the share,
 fewer round trips), or when `on_sample` returns in callback mode (e.g.
-`on_sample=lambda s: stream.put(s, timeout)`, which
-carries the in-process `SampleStream`'s back-pressure across the wire). A
+`on_sample=lambda s: stream.put(s, timeout)`, which carries the in-process
+`SampleStream`'s back-pressure across the wire; it runs on the server's one
+delivery thread, in arrival order). A
 producer without credit blocks in `send` and raises `TransportTimeout`
 naming the server after `timeout`.
 
@@ -24,17 +25,19 @@ lost server makes the producer's `send` raise `PeerLost`. An orderly
 `close()` is not a failure: once every producer has closed and the queue is
 drained, `get` raises `ChannelClosed`.
 
-Security: samples are pickles, which is only safe because the channel is
-authenticated (HMAC with `authkey`); a non-loopback server or client without
-an authkey is refused.
+Security: only processes holding the run key connect (`keys.py`); what they
+send is still decoded against a fixed schema with bounded sizes (`wire.py`),
+so even a buggy peer cannot make this process run code or allocate beyond
+one frame.
 """
 
 from __future__ import annotations
 
-import pickle
+import threading
 from collections.abc import Callable
 from typing import Any
 
+from streamrl_jax.distributed import wire
 from streamrl_jax.distributed.channel import (
     Channel,
     ChannelClosed,
@@ -54,7 +57,7 @@ class SampleServer:
         self,
         address: Address,
         *,
-        authkey: bytes | None,
+        authkey: bytes,
         capacity: int,
         timeout_s: float = 60.0,
         num_producers: int = 1,
@@ -65,12 +68,12 @@ class SampleServer:
     ):
         """Args:
         address: `host:port` to bind (port 0: any free port; see `address`).
-        authkey: shared secret for the HMAC handshake (required off loopback).
+        authkey: the run secret (`keys.py`).
         capacity: most samples held here (queued, or in flight under credit).
         timeout_s: handshake deadline and the silence after which a producer is lost.
         num_producers: producers expected; each gets `capacity // num_producers` credits.
-        on_sample: if set, called on the connection's reader thread with each
-          sample instead of queueing it; its return gives the credit back.
+        on_sample: if set, called on the server's delivery thread with each
+          message instead of queueing it; its return gives the credit back.
         on_error: called once per lost producer with the `PeerLost` error.
         """
         if num_producers < 1 or capacity < num_producers:
@@ -92,6 +95,17 @@ class SampleServer:
         )
         self._ended = 0
         self.received = 0
+        # Callback mode: decoded messages wait here for the delivery thread (bounded
+        # by the credits, like the queue above).
+        self._deliveries: Mailbox[tuple[Any, Channel]] = Mailbox(
+            f"{name} deliveries", failed=None, closed=ChannelClosed, timeout_error=TransportTimeout
+        )
+        self._delivery = None
+        if on_sample is not None:
+            self._delivery = threading.Thread(
+                target=self._deliver, name=f"{name}-deliver", daemon=True
+            )
+            self._delivery.start()
         self._hub = Hub(
             Endpoint("samples", name, address, authkey, timeout_s, heartbeat_s),
             max_peers=num_producers,
@@ -112,18 +126,36 @@ class SampleServer:
         return self._hub.rejected
 
     def _on_data(self, channel: Channel, payload: memoryview) -> None:
-        sample = pickle.loads(payload)  # safe only because the peer authenticated
+        """The I/O thread: decode (a malformed message fails the channel), hand on."""
+        sample = wire.decode(payload, source=channel.peer)
         if self._on_sample is not None:
-            self._on_sample(sample)
-            with self._queue.locked():
-                self.received += 1
-            channel.grant(1)
+            self._deliveries.offer((sample, channel), timeout=0.0)
             return
         with self._queue.locked():
             self.received += 1
             # Refused only once closed or failed, when nobody will take it.
             if self._queue.offer((sample, channel), timeout=0.0):
                 self._queued[channel] = self._queued.get(channel, 0) + 1
+
+    def _deliver(self) -> None:
+        """The delivery thread (callback mode): `on_sample`, then the credit back."""
+        while True:
+            try:
+                sample, channel = self._deliveries.get(timeout=3600.0, what="samples")
+            except TransportTimeout:
+                continue
+            except TransportError:
+                return  # the server was closed
+            try:
+                self._on_sample(sample)
+            except Exception as e:  # noqa: BLE001 - reported as that producer's failure
+                err = TransportError(f"{self.name}: handling data from {channel.peer}: {e!r}")
+                err.__cause__ = e
+                channel.fail(err)
+                continue
+            with self._queue.locked():
+                self.received += 1
+            channel.grant(1)
 
     def _on_lost(self, channel: Channel, exc: TransportError) -> None:
         self._queue.fail(exc)  # the first lost producer is what `get` raises
@@ -182,6 +214,9 @@ class SampleServer:
         """Stops accepting and closes every producer connection in order."""
         self._queue.close("the server was closed")
         self._hub.close(timeout)
+        self._deliveries.close("the server was closed")
+        if self._delivery is not None:
+            self._delivery.join(timeout)
 
     def __enter__(self) -> SampleServer:
         return self
@@ -197,7 +232,7 @@ class SampleClient:
         self,
         address: Address,
         *,
-        authkey: bytes | None,
+        authkey: bytes,
         timeout_s: float = 60.0,
         heartbeat_s: float | None = None,
         name: str = "generation",
@@ -215,13 +250,14 @@ class SampleClient:
         return self._channel.error
 
     def send(self, sample: Any, timeout: float | None = None) -> None:
-        """Sends one picklable object; blocks (up to `timeout`, default `timeout_s`) for credit.
+        """Sends one message (`wire.encode`: a `Sample` or a report); blocks (up to
+        `timeout`, default `timeout_s`) for credit.
 
         Raises:
           TransportTimeout: the server granted no credit in time (names it).
           PeerLost / ChannelClosed: the server is gone or the channel closed.
         """
-        payload = pickle.dumps(sample, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = wire.encode(sample)
         self._channel.send(payload, timeout=self.timeout_s if timeout is None else timeout)
 
     def close(self, timeout: float = 5.0) -> None:

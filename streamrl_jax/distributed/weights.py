@@ -5,10 +5,11 @@ Transport and resharding are kept apart (DESIGN.md §5):
 1. *Transport* (`WeightSender.send` → `WeightReceiver`): the sender
    `device_get`s its params (they must be fully addressable by this process:
    a process-local training mesh, or gathered first), and sends one header
-   (version, every leaf's key path, shape, dtype and crc32) followed by each
-   leaf's raw bytes, straight from the numpy buffer to the socket and from the
-   socket into a preallocated numpy buffer on the other side (no pickling of
-   array data, one copy per side).
+   (`wire.encode_header`: version, every leaf's key path, shape, dtype and
+   crc32) followed by each leaf's raw bytes in chunks, straight from the numpy
+   buffer (no copy on the sender) into a preallocated numpy buffer on the
+   receiver, which first checks the header against the tree it expects
+   (`check_header`): nothing a header declares is allocated before that.
 2. *Resharding* (`WeightReceiver.receive`): the receiver checks every leaf's
    crc32 and key path, then `jax.device_put`s each leaf into the target
    sharding it is given (its own generation mesh, its own layout). Nothing
@@ -26,15 +27,15 @@ of the version, so `send(..., wait_ack=True)` measures the full trip
 receiver has not taken the previous set blocks, up to its timeout, and then
 raises `TransportTimeout` naming the receiver.
 
-Security: the header is a pickle, safe only because the channel is
-authenticated (see `channel.py`).
+Security: the channel is authenticated and encrypted with the run key
+(`keys.py`); the header is a fixed schema (`wire.py`), never a pickle, so the
+receiver places into its own tree structure (a pytree of shardings).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import pickle
 import time
 import zlib
 from typing import Any
@@ -44,43 +45,21 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from streamrl_jax.distributed import wire
 from streamrl_jax.distributed.channel import (
     Channel,
     ChannelClosed,
+    RawSink,
     TransportError,
     TransportTimeout,
 )
 from streamrl_jax.distributed.peers import Endpoint, Hub, dial
+from streamrl_jax.distributed.wire import LeafSpec, WeightHeader
 from streamrl_jax.mailbox import Mailbox
 
 
 class ChecksumError(TransportError):
     """A received leaf's bytes do not match the sender's checksum."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafSpec:
-    """One leaf as described in the header; its raw bytes follow in leaf order."""
-
-    path: str  # jax.tree_util.keystr of the leaf's key path
-    shape: tuple[int, ...]
-    dtype: str  # dtype name: "float32", "bfloat16", ...
-    crc32: int  # zlib.crc32 of the C-contiguous bytes
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * jnp.dtype(self.dtype).itemsize
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightHeader:
-    version: int
-    leaves: tuple[LeafSpec, ...]
-    treedef: Any  # the sender's PyTreeDef when it pickles, else None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(leaf.nbytes for leaf in self.leaves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,10 +108,6 @@ def pack(params: Any, version: int) -> tuple[WeightHeader, list[np.ndarray]]:
             )
     # One device_get for the whole tree: the copies run concurrently.
     arrays = [np.asarray(a, order="C") for a in jax.device_get([leaf for _, leaf in flat])]
-    try:
-        pickle.dumps(treedef)
-    except Exception:  # noqa: BLE001 - custom nodes may not pickle; the receiver then needs a tree
-        treedef = None
     leaves = tuple(
         LeafSpec(jax.tree_util.keystr(path), a.shape, a.dtype.name, zlib.crc32(_bytes_of(a)))
         for (path, _), a in zip(flat, arrays, strict=True)
@@ -189,12 +164,14 @@ def place(header: WeightHeader, arrays: list[np.ndarray], shardings: Any) -> Any
     Args:
       shardings: a pytree of `jax.sharding.Sharding` with the params' structure
         (its key paths must equal the sender's), or one `Sharding` for every
-        leaf (then the sender's tree structure is used).
+        leaf (only in this process: the sender's tree structure does not travel).
     """
     paths = [leaf.path for leaf in header.leaves]
     if isinstance(shardings, jax.sharding.Sharding):
         if header.treedef is None:
-            raise ValueError("weights: the sender's tree structure did not pickle; pass a pytree")
+            raise ValueError(
+                "weights: received weights carry no tree structure; pass a pytree of shardings"
+            )
         treedef, targets = header.treedef, [shardings] * len(paths)
     else:
         flat, treedef = jax.tree_util.tree_flatten_with_path(
@@ -225,7 +202,7 @@ class WeightSender:
         self,
         address: str | tuple[str, int],
         *,
-        authkey: bytes | None,
+        authkey: bytes,
         num_receivers: int = 1,
         timeout_s: float = 60.0,
         heartbeat_s: float | None = None,
@@ -261,7 +238,7 @@ class WeightSender:
         t0 = time.perf_counter()
         header, arrays = pack(params, version)
         pack_s = time.perf_counter() - t0
-        payload = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = wire.encode_header(header)
         raw = [_bytes_of(a) for a in arrays]
         self.wait_for_receivers(timeout)
         channels = self._hub.channels
@@ -296,7 +273,7 @@ class WeightReceiver:
         self,
         address: str | tuple[str, int],
         *,
-        authkey: bytes | None,
+        authkey: bytes,
         timeout_s: float = 60.0,
         heartbeat_s: float | None = None,
         name: str = "generation",
@@ -312,6 +289,8 @@ class WeightReceiver:
         self._pending: Mailbox[_Arrived] = Mailbox(
             name, failed=None, closed=ChannelClosed, timeout_error=TransportTimeout
         )
+        # Checksums leaf i while leaf i+1 arrives (zlib releases the GIL).
+        self._crc = concurrent.futures.ThreadPoolExecutor(1, f"{name}-crc")
         self._channel = dial(
             Endpoint("weights", name, address, authkey, timeout_s, heartbeat_s),
             on_data=self._on_data,
@@ -320,22 +299,25 @@ class WeightReceiver:
             grant=1,  # room for one weight set not yet taken by `receive`
         )
 
-    def _on_data(self, channel: Channel, payload: memoryview) -> None:
+    def _on_data(self, channel: Channel, payload: memoryview) -> RawSink:
+        """The I/O thread: check the header, allocate, and take the leaves' bytes."""
         t0 = time.perf_counter()
-        header: WeightHeader = pickle.loads(payload)  # safe only because the peer authenticated
+        header = wire.decode_header(payload, source=channel.peer)
         if self._expected is not None:
             check_header(header, self._expected, channel.peer)
         arrays = [empty_aligned(leaf.shape, leaf.dtype) for leaf in header.leaves]
-        # Checksum leaf i on a helper thread while leaf i+1 arrives (zlib and
-        # recv both release the GIL).
-        with concurrent.futures.ThreadPoolExecutor(1, f"{self.name}-crc") as pool:
-            futures = []
-            for a in arrays:
-                channel.recv_raw_into(_bytes_of(a))
-                futures.append(pool.submit(zlib.crc32, _bytes_of(a)))
-            crcs = [f.result() for f in futures]
-        # Refused only once closed or failed, when nobody will take it.
-        self._pending.offer((header, arrays, crcs, time.perf_counter() - t0), timeout=0.0)
+        crcs: list[Any] = [None] * len(arrays)
+
+        def filled(i: int) -> None:
+            crcs[i] = self._crc.submit(zlib.crc32, _bytes_of(arrays[i]))
+            if i == len(arrays) - 1:
+                done = [f.result() for f in crcs]
+                # Refused only once closed or failed, when nobody will take it.
+                self._pending.offer((header, arrays, done, time.perf_counter() - t0), timeout=0.0)
+
+        if not arrays:
+            self._pending.offer((header, arrays, [], 0.0), timeout=0.0)
+        return RawSink([_bytes_of(a) for a in arrays], filled)
 
     def receive(
         self, shardings: Any, timeout: float | None = None
@@ -375,3 +357,4 @@ class WeightReceiver:
     def close(self, timeout: float = 5.0) -> None:
         self._channel.close(timeout)
         self._pending.close("the receiver was closed")
+        self._crc.shutdown(wait=False, cancel_futures=True)

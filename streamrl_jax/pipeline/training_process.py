@@ -1,7 +1,10 @@
 """A training process of a multi-controller run (docs/multicontroller.md).
 
 `run_training` opens a `SampleServer` whose `on_sample` hands each sample to
-the run's ingest (decode, reward, into the `SampleStream`); the channel's
+the run's ingest (decode, reward, into the `SampleStream`). A sample from the
+wire carries no task metadata: the training process scores it against its own
+copy of the problem, looked up by `tag.prompt_id` (`ProblemTable`), after
+checking its token ids and lengths against the run's limits. The channel's
 credit comes back only once the sample is in the stream, so the stream's
 back-pressure reaches the generation processes. The weight sync's mover sends
 W_v to every generation process through a `WeightSender` after the cast to
@@ -24,6 +27,7 @@ metrics and scores the held-out prompts.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -72,6 +76,37 @@ def send_to_generation(sender: WeightSender | None, timeout_s: float) -> Mover:
     return move
 
 
+class ProblemTable:
+    """The training process's own problems, by id: what a wire sample is scored against."""
+
+    def __init__(self, components: components_lib.Components, cfg: ExperimentConfig):
+        problems = [*components.prompts.dataset, *(p.problem for p in components.eval_prompts)]
+        self._metadata = {p.prompt_id: p.metadata for p in problems}
+        self._vocab = components.model_cfg.vocab_size
+        self._max_prompt = cfg.generation.max_prompt_len
+        self._max_new = cfg.generation.max_new_tokens
+
+    def attach(self, sample: Sample, source: str) -> Sample:
+        """`sample` with its problem's metadata; TransportError if it is not one of ours."""
+        tag = sample.tag
+        metadata = self._metadata.get(tag.prompt_id)
+        problem = None
+        if metadata is None:
+            problem = f"names prompt {tag.prompt_id!r}, which is in neither dataset"
+        elif not 0 < sample.prompt.shape[0] <= self._max_prompt:
+            problem = f"has a {sample.prompt.shape[0]}-token prompt (max {self._max_prompt})"
+        elif sample.num_tokens > self._max_new:
+            problem = f"has {sample.num_tokens} response tokens (max {self._max_new})"
+        else:
+            for name in ("prompt", "response"):
+                ids = getattr(sample, name)
+                if ids.min() < 0 or ids.max() >= self._vocab:
+                    problem = f"has {name} token ids outside [0, {self._vocab})"
+        if problem is not None:
+            raise TransportError(f"sample {sample.request_id!r} from {source} {problem}")
+        return dataclasses.replace(sample, metadata=metadata)
+
+
 class TrainingLink:
     """The training process's `GenerationLink` (pipeline/driver.py): samples in, weights out."""
 
@@ -89,6 +124,7 @@ class TrainingLink:
         self._hooks: tuple[Any, ...] = ()
         self._early: list[tuple[str, BaseException]] = []  # failures before attach
         self._inflight = threading.BoundedSemaphore(IN_FLIGHT)
+        self.problems: ProblemTable | None = None  # set once the datasets exist
         address = roles.advertised_host(dcfg)
         self.server = SampleServer(
             f"{address}:0",
@@ -140,6 +176,7 @@ class TrainingLink:
         self._wait(self._attached.wait, "the run did not start")
         on_sample, on_chunk, on_span, _ = self._hooks
         if isinstance(msg, Sample):
+            msg = self.problems.attach(msg, "a generation process")
             # Back-pressure: the reader (and so the producer's credit) waits here while
             # IN_FLIGHT samples are still being scored or waiting for stream room.
             self._wait(
@@ -210,6 +247,7 @@ def run_training(
         components = components_lib.build_training(
             cfg, devices, weight_sync, processes=len(r.training_processes)
         )
+        link.problems = ProblemTable(components, cfg)
         if len(r.training_processes) > 1:
             link.group = TrainingGroup(
                 components.trainer.mesh, ownership(cfg, len(r.training_processes)), link.index

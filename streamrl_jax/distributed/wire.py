@@ -1,0 +1,354 @@
+"""The pickle-free wire format of the cross-process channels.
+
+Every message a generation process sends its training process (`Sample`,
+`ChunkReport`, `SpanReport`, `GenerationFailed`) and the weight header the
+training process sends back is msgpack with a fixed, typed schema (msgspec
+`Struct`s, one tag per message type). Arrays travel as raw little-endian bytes
+with a fixed dtype per field (int32 tokens, float32 log-probs), so a frame
+never names a type to build and nothing is unpickled.
+
+Decoding is strict: unknown tags or fields, wrong types, over-long strings or
+containers, and array lengths that disagree raise `WireError` naming the
+sender and the field (msgspec's path, e.g. `$.tag.prompt_id`). msgspec checks
+every declared length against the bytes actually present before it allocates,
+so a hostile frame costs at most its own (bounded) size.
+
+What does not cross the wire:
+
+* `Sample.metadata`: the training process looks the problem up in its own
+  dataset by `tag.prompt_id`; `decode` returns `metadata={}`.
+* `WeightHeader.treedef`: `decode_header` returns `treedef=None`; the receiver
+  rebuilds the tree from its own target shardings.
+
+`LeafSpec` and `WeightHeader` live here, not in `weights.py`, so that
+`weights.py` can import this module without an import cycle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Annotated, Any, Literal
+
+import msgspec
+import numpy as np
+
+from streamrl_jax.distributed.channel import TransportError
+from streamrl_jax.distributed.messages import ChunkReport, GenerationFailed, SpanReport
+from streamrl_jax.generation.types import RequestTag, Sample, Timings
+
+MAX_TOKENS = 1 << 20  # elements of one token / log-prob array
+MAX_STR = 4096  # characters of an id, name or key path
+MAX_REASON = 64 * 1024  # characters of `GenerationFailed.reason`
+MAX_SPAN_ARGS = 64
+MAX_RANK = 8
+MAX_LEAVES = 100_000
+MAX_LEAF_BYTES = 1 << 40  # a sanity bound; the receiver checks the tree it expects
+# Dtype names a weight header may declare (`jnp.dtype(x).name`).
+_ITEMSIZE = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float64": 8,
+    "int8": 1,
+    "uint8": 1,
+    "int32": 4,
+    "int64": 8,
+}
+DTYPES = tuple(_ITEMSIZE)
+
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+
+
+class WireError(TransportError):
+    """A received frame is not a well-formed message; names the sender and the problem."""
+
+
+# ---------------------------------------------------------------- weight header
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+    """One leaf as described in the header; its raw bytes follow in leaf order."""
+
+    path: str  # jax.tree_util.keystr of the leaf's key path
+    shape: tuple[int, ...]
+    dtype: str  # dtype name, one of `DTYPES`
+    crc32: int  # zlib.crc32 of the C-contiguous bytes
+
+    @property
+    def nbytes(self) -> int:
+        # The whitelist's sizes (numpy has no bfloat16); numpy for a name `pack` made.
+        itemsize = _ITEMSIZE.get(self.dtype) or np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightHeader:
+    version: int
+    leaves: tuple[LeafSpec, ...]
+    treedef: Any = None  # the sender's PyTreeDef; never on the wire
+
+    @property
+    def nbytes(self) -> int:
+        return sum(leaf.nbytes for leaf in self.leaves)
+
+
+# ---------------------------------------------------------------- schema
+_Str = Annotated[str, msgspec.Meta(max_length=MAX_STR)]
+# Raw little-endian bytes of a 1-D array; the 4-byte dtype is fixed per field.
+_Raw4 = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_TOKENS)]
+_Dim = Annotated[int, msgspec.Meta(ge=0, le=MAX_LEAF_BYTES)]
+
+
+class _Struct(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    pass
+
+
+class _Tag(_Struct):
+    batch: int
+    group: int
+    member: int
+    prompt_id: _Str
+    eval_version: int | None
+
+
+class _Timings(_Struct):
+    enqueue: float
+    admit: float
+    finish: float
+
+
+class _Sample(_Struct, tag="sample"):
+    request_id: _Str | int
+    prompt: _Raw4  # i32[P], P >= 1
+    response: _Raw4  # i32[R], R >= 1
+    logprobs: _Raw4  # f32[R]
+    sampling_logprobs: _Raw4  # f32[R]
+    finish_reason: Literal["stop", "length", "context", "forced"]
+    policy_version: int
+    last_policy_version: int
+    instance_id: int
+    timings: _Timings
+    tag: _Tag
+
+
+class _Chunk(_Struct, tag="chunk"):
+    instance: _Str
+    t0: float
+    t1: float
+    tokens: int
+    running: int
+    steps: int
+    prefilled: int
+
+
+class _Span(_Struct, tag="span"):
+    track: _Str
+    name: _Str
+    t0: float
+    t1: float
+    args: Annotated[dict[_Str, float], msgspec.Meta(max_length=MAX_SPAN_ARGS)]
+
+
+class _Failed(_Struct, tag="failed"):
+    process: int
+    reason: Annotated[str, msgspec.Meta(max_length=MAX_REASON)]
+
+
+class _Leaf(_Struct):
+    path: _Str
+    shape: Annotated[tuple[_Dim, ...], msgspec.Meta(max_length=MAX_RANK)]
+    dtype: Literal[DTYPES]
+    crc32: Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
+
+
+class _Header(_Struct, tag="weights"):
+    version: int
+    leaves: Annotated[tuple[_Leaf, ...], msgspec.Meta(max_length=MAX_LEAVES)]
+
+
+def _enc_hook(obj: Any) -> Any:
+    # numpy scalars (an np.int64 version, an np.float32 time) as Python numbers.
+    if isinstance(obj, np.integer | np.floating):
+        return obj.item()
+    raise TypeError(f"wire: cannot encode {type(obj).__name__}")
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_DECODER = msgspec.msgpack.Decoder(_Sample | _Chunk | _Span | _Failed)
+_HEADER_DECODER = msgspec.msgpack.Decoder(_Header)
+
+
+# ---------------------------------------------------------------- messages
+Message = Sample | ChunkReport | SpanReport | GenerationFailed
+
+
+def _raw(a: Any, dtype: np.dtype, field: str) -> memoryview:
+    """`a`'s bytes, refusing anything but a 1-D array of exactly `dtype`."""
+    if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != 1:
+        got = f"{a.dtype}{list(a.shape)}" if isinstance(a, np.ndarray) else type(a).__name__
+        raise ValueError(f"wire: Sample.{field} must be a 1-D {dtype.name} array, got {got}")
+    return np.ascontiguousarray(a).data.cast("B")
+
+
+def _encode_sample(s: Sample) -> _Sample:
+    rid = s.request_id
+    if isinstance(rid, np.integer):
+        rid = int(rid)
+    if isinstance(rid, bool) or not isinstance(rid, str | int):
+        raise ValueError(f"wire: Sample.request_id must be a str or an int, got {rid!r}")
+    prompt = _raw(s.prompt, _I32, "prompt")
+    response = _raw(s.response, _I32, "response")
+    logprobs = _raw(s.logprobs, _F32, "logprobs")
+    sampling_logprobs = _raw(s.sampling_logprobs, _F32, "sampling_logprobs")
+    if not prompt or not response:
+        raise ValueError("wire: Sample.prompt and Sample.response must not be empty")
+    for field, raw in (("logprobs", logprobs), ("sampling_logprobs", sampling_logprobs)):
+        if len(raw) != len(response):
+            raise ValueError(
+                f"wire: Sample.{field} has {len(raw) // 4} elements, response {len(response) // 4}"
+            )
+    t, tag = s.timings, s.tag
+    return _Sample(
+        rid,
+        prompt,
+        response,
+        logprobs,
+        sampling_logprobs,
+        s.finish_reason,
+        s.policy_version,
+        s.last_policy_version,
+        s.instance_id,
+        _Timings(t.enqueue, t.admit, t.finish),
+        _Tag(tag.batch, tag.group, tag.member, tag.prompt_id, tag.eval_version),
+    )
+
+
+def _decode_sample(w: _Sample) -> Sample:
+    sizes = [len(w.prompt), len(w.response), len(w.logprobs), len(w.sampling_logprobs)]
+    fields = ("prompt", "response", "logprobs", "sampling_logprobs")
+    for field, size in zip(fields, sizes, strict=True):
+        if size == 0 or size % 4:
+            raise ValueError(f"$.{field} has {size} bytes, not a positive multiple of 4")
+    for field, size in zip(fields[2:], sizes[2:], strict=True):
+        if size != sizes[1]:
+            raise ValueError(f"$.{field} has {size // 4} elements, $.response {sizes[1] // 4}")
+    t, tag = w.timings, w.tag
+    return Sample(
+        request_id=w.request_id,
+        prompt=np.frombuffer(w.prompt, _I32),
+        response=np.frombuffer(w.response, _I32),
+        logprobs=np.frombuffer(w.logprobs, _F32),
+        sampling_logprobs=np.frombuffer(w.sampling_logprobs, _F32),
+        finish_reason=w.finish_reason,
+        policy_version=w.policy_version,
+        last_policy_version=w.last_policy_version,
+        instance_id=w.instance_id,
+        timings=Timings(enqueue=t.enqueue, admit=t.admit, finish=t.finish),
+        tag=RequestTag(
+            batch=tag.batch,
+            group=tag.group,
+            member=tag.member,
+            prompt_id=tag.prompt_id,
+            eval_version=tag.eval_version,
+        ),
+    )
+
+
+_TO_WIRE = {
+    Sample: _encode_sample,
+    ChunkReport: lambda m: _Chunk(
+        m.instance, m.t0, m.t1, m.tokens, m.running, m.steps, m.prefilled
+    ),
+    SpanReport: lambda m: _Span(m.track, m.name, m.t0, m.t1, m.args),
+    GenerationFailed: lambda m: _Failed(m.process, m.reason),
+}
+_FROM_WIRE = {
+    _Sample: _decode_sample,
+    _Chunk: lambda w: ChunkReport(
+        w.instance, w.t0, w.t1, w.tokens, w.running, w.steps, w.prefilled
+    ),
+    _Span: lambda w: SpanReport(w.track, w.name, w.t0, w.t1, w.args),
+    _Failed: lambda w: GenerationFailed(w.process, w.reason),
+}
+
+
+def encode(msg: Message) -> bytes:
+    """One message as a frame payload for `decode`.
+
+    `Sample.metadata` is not sent. Bounds on strings and lengths are checked
+    only by the receiver, which refuses the frame naming the sender.
+
+    Raises:
+      TypeError: `msg` is not one of the four message types.
+      ValueError: a `Sample` whose arrays are not 1-D int32 (prompt, response)
+        and float32 (log-probs) of equal length >= 1, or whose request id is
+        neither a str nor an int.
+    """
+    to_wire = _TO_WIRE.get(type(msg))
+    if to_wire is None:
+        raise TypeError(f"wire: cannot encode a {type(msg).__name__}")
+    return _ENCODER.encode(to_wire(msg))
+
+
+def decode(payload: bytes | memoryview, *, source: str) -> Message:
+    """The message in a frame payload from `source` (a peer's name, for errors).
+
+    The arrays of a returned `Sample` are read-only views of bytes the decoder
+    owns (not of `payload`), and its `metadata` is `{}`.
+
+    Raises:
+      WireError: the payload is not a well-formed message; the message names
+        `source` and the field or problem.
+    """
+    try:
+        wire = _DECODER.decode(payload)
+        return _FROM_WIRE[type(wire)](wire)
+    except (msgspec.MsgspecError, ValueError, RecursionError) as e:
+        raise WireError(f"malformed message from {source}: {e}") from None
+
+
+# ---------------------------------------------------------------- weight header
+def encode_header(header: WeightHeader) -> bytes:
+    """A weight header (without its treedef) as a frame payload for `decode_header`.
+
+    Raises:
+      ValueError: a leaf whose dtype is not in `DTYPES`, whose rank is over
+        `MAX_RANK`, or too many leaves; the message names the leaf.
+    """
+    if len(header.leaves) > MAX_LEAVES:
+        raise ValueError(f"wire: {len(header.leaves)} weight leaves; at most {MAX_LEAVES}")
+    leaves = []
+    for leaf in header.leaves:
+        if leaf.dtype not in DTYPES or len(leaf.shape) > MAX_RANK:
+            raise ValueError(
+                f"wire: weight leaf {leaf.path} is {leaf.dtype}{list(leaf.shape)}; "
+                f"the wire takes rank <= {MAX_RANK} and dtypes {DTYPES}"
+            )
+        leaves.append(_Leaf(leaf.path, tuple(leaf.shape), leaf.dtype, leaf.crc32))
+    return _ENCODER.encode(_Header(header.version, tuple(leaves)))
+
+
+def decode_header(payload: bytes | memoryview, *, source: str) -> WeightHeader:
+    """The weight header in a frame payload from `source`; its `treedef` is None.
+
+    Only the header's form is checked here (dtypes, ranks, dimensions >= 0, each
+    leaf under `MAX_LEAF_BYTES`); the receiver must still compare it with the
+    tree it expects (`weights.check_header`) before allocating any leaf.
+
+    Raises:
+      WireError: the payload is not a well-formed header; the message names
+        `source` and the field or leaf.
+    """
+    try:
+        wire = _HEADER_DECODER.decode(payload)
+    except (msgspec.MsgspecError, RecursionError) as e:
+        raise WireError(f"malformed weight header from {source}: {e}") from None
+    leaves = tuple(LeafSpec(w.path, w.shape, w.dtype, w.crc32) for w in wire.leaves)
+    for i, leaf in enumerate(leaves):
+        if leaf.nbytes > MAX_LEAF_BYTES:
+            raise WireError(
+                f"malformed weight header from {source}: leaf {i} ({leaf.path}) declares "
+                f"{leaf.dtype}{list(leaf.shape)}, over {MAX_LEAF_BYTES} bytes"
+            )
+    return WeightHeader(wire.version, leaves)

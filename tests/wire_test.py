@@ -1,0 +1,392 @@
+"""The pickle-free wire format: round trips, and hostile frames refused by name.
+
+Hostile frames are built by decoding a valid frame into plain msgpack values,
+changing one thing, and encoding it again, so each case differs from a good
+frame in exactly the way its name says.
+
+`python tests/wire_test.py` prints encode+decode timings (not asserted here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import timeit
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import msgspec
+import numpy as np
+import pytest
+
+from streamrl_jax.distributed import wire
+from streamrl_jax.distributed.channel import TransportError
+from streamrl_jax.distributed.messages import ChunkReport, GenerationFailed, SpanReport
+from streamrl_jax.generation.types import RequestTag, Sample, Timings
+
+SOURCE = "generation-3"
+
+
+def make_sample(
+    request_id: Any = "train/3/5/0", eval_version: int | None = None, p: int = 64, r: int = 256
+) -> Sample:
+    rng = np.random.default_rng(0)
+    return Sample(
+        request_id=request_id,
+        prompt=rng.integers(0, 49152, p, dtype=np.int32),
+        response=rng.integers(0, 49152, r, dtype=np.int32),
+        logprobs=-rng.exponential(size=r).astype(np.float32),
+        sampling_logprobs=-rng.exponential(size=r).astype(np.float32),
+        finish_reason="length",
+        policy_version=7,
+        last_policy_version=8,
+        instance_id=2,
+        timings=Timings(enqueue=1.7e9, admit=1.7e9 + 0.25, finish=1.7e9 + 3.5),
+        tag=RequestTag(
+            batch=3, group=5, member=1, prompt_id="mixture/0/17", eval_version=eval_version
+        ),
+        metadata={"answer": "42", "prompt_id": "mixture/0/17"},
+    )
+
+
+def make_header(n: int = 300) -> wire.WeightHeader:
+    dtypes = ["bfloat16", "float32", "int32", "float16"]
+    leaves = tuple(
+        wire.LeafSpec(f"['layers'][{i}]['w']", (i % 5, 64, 3)[: i % 4], dtypes[i % 4], i * 7919)
+        for i in range(n)
+    )
+    return wire.WeightHeader(version=12, leaves=leaves, treedef="not sent")
+
+
+def _plain(payload: bytes) -> dict:
+    """A frame as plain msgpack values (dicts, bytes, ...), to be tampered with."""
+    return msgspec.msgpack.decode(payload)
+
+
+def _tampered(msg: Any, change: Callable[[dict], None]) -> bytes:
+    frame = _plain(wire.encode(msg))
+    change(frame)
+    return msgspec.msgpack.encode(frame)
+
+
+def _refused(payload: bytes | memoryview, *, header: bool = False) -> str:
+    with pytest.raises(wire.WireError) as info:
+        (wire.decode_header if header else wire.decode)(payload, source=SOURCE)
+    message = str(info.value)
+    assert f"from {SOURCE}" in message
+    return message
+
+
+def _nested(levels: int) -> bytes:
+    return b"\x91" * levels + b"\x01"  # [[[...[1]...]]]
+
+
+# ---------------------------------------------------------------- round trips
+@pytest.mark.parametrize("request_id", ["train/3/5/0", "", 17, -(2**63)])
+@pytest.mark.parametrize("eval_version", [None, 0, 4])
+def test_sample_round_trip(request_id, eval_version):
+    sent = make_sample(request_id, eval_version)
+    got = wire.decode(wire.encode(sent), source=SOURCE)
+    for field in dataclasses.fields(Sample):
+        a, b = getattr(sent, field.name), getattr(got, field.name)
+        if field.name == "metadata":
+            assert b == {}  # the trainer looks the problem up by tag.prompt_id
+        elif isinstance(a, np.ndarray):
+            assert b.dtype == a.dtype and b.shape == a.shape, field.name
+            np.testing.assert_array_equal(b, a, err_msg=field.name)
+        else:
+            assert b == a and type(b) is type(a), field.name
+    assert got.tag.is_eval == (eval_version is not None)
+
+
+def test_sample_arrays_are_bit_exact_and_independent_of_the_payload():
+    sent = make_sample(r=5)
+    specials = np.array([np.nan, np.inf, -np.inf, -0.0, 1e-45], np.float32)
+    sent = dataclasses.replace(sent, logprobs=specials, sampling_logprobs=specials[::-1].copy())
+    buffer = bytearray(wire.encode(sent))
+    got = wire.decode(memoryview(buffer), source=SOURCE)
+    buffer[:] = b"\0" * len(buffer)  # a reused receive buffer must not change the sample
+    assert got.logprobs.tobytes() == specials.tobytes()
+    assert got.sampling_logprobs.tobytes() == specials[::-1].tobytes()
+    np.testing.assert_array_equal(got.prompt, sent.prompt)
+
+
+def test_strided_arrays_are_sent_contiguously():
+    sent = make_sample(r=8)
+    sent = dataclasses.replace(sent, prompt=np.arange(20, dtype=np.int32)[::2])
+    got = wire.decode(wire.encode(sent), source=SOURCE)
+    np.testing.assert_array_equal(got.prompt, np.arange(0, 20, 2))
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        ChunkReport("p1.0", 1.7e9, 1.7e9 + 0.1, 512, 31, 16, 2048),
+        SpanReport("weight_receive/generation-1", "W3", 1.0, 2.5, {"wire_s": 0.5, "bytes": 4e9}),
+        SpanReport("t", "n", 0.0, 0.0, {}),
+        GenerationFailed(1, "RuntimeError('engine: out of memory ✗')"),
+    ],
+    ids=["chunk", "span", "span-no-args", "failed"],
+)
+def test_report_round_trip(msg):
+    got = wire.decode(wire.encode(msg), source=SOURCE)
+    assert type(got) is type(msg) and got == msg
+
+
+def test_numpy_scalars_and_int_span_args_encode():
+    msg = ChunkReport("p0.1", np.float64(1.0), np.float32(2.0), np.int64(3), 4, 5, 6)
+    assert wire.decode(wire.encode(msg), source=SOURCE) == ChunkReport("p0.1", 1, 2, 3, 4, 5, 6)
+    span = wire.decode(wire.encode(SpanReport("t", "n", 0, 1, {"bytes": 10})), source=SOURCE)
+    assert span.args == {"bytes": 10.0} and isinstance(span.args["bytes"], float)
+
+
+def test_weight_header_round_trip():
+    sent = make_header(300)
+    got = wire.decode_header(wire.encode_header(sent), source=SOURCE)
+    assert got.treedef is None and got.version == sent.version
+    assert got.leaves == sent.leaves
+    assert got.nbytes == sent.nbytes > 0
+    assert all(isinstance(leaf.shape, tuple) for leaf in got.leaves)
+
+
+def test_header_dtype_names_are_what_jax_calls_them():
+    for dtype in (jnp.bfloat16, jnp.float32, jnp.float16, jnp.int32, jnp.int8, jnp.uint8):
+        assert jnp.dtype(dtype).name in wire.DTYPES
+
+
+# ---------------------------------------------------------------- encode refuses
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(prompt=np.arange(4)), "prompt must be a 1-D int32"),  # int64
+        (dict(response=np.zeros((2, 2), np.int32)), "response must be a 1-D int32"),
+        (dict(logprobs=np.zeros(256, np.float64)), "logprobs must be a 1-D float32"),
+        (dict(logprobs=[0.0] * 256), "logprobs must be a 1-D float32 array, got list"),
+        (dict(sampling_logprobs=np.zeros(255, np.float32)), "sampling_logprobs has 255"),
+        (dict(prompt=np.zeros(0, np.int32)), "must not be empty"),
+        (dict(request_id=("a", 1)), "request_id must be a str or an int"),
+        (dict(request_id=True), "request_id must be a str or an int"),
+    ],
+)
+def test_encode_refuses_a_sample_the_wire_cannot_carry(change, match):
+    with pytest.raises(ValueError, match=match):
+        wire.encode(dataclasses.replace(make_sample(), **change))
+
+
+def test_encode_refuses_other_types():
+    for msg in ({"type": "sample"}, "text", make_header(1)):
+        with pytest.raises(TypeError, match="cannot encode"):
+            wire.encode(msg)
+
+
+@pytest.mark.parametrize(
+    "leaf, match",
+    [
+        (wire.LeafSpec("['ok']", (2,), "bool", 0), "bool"),
+        (wire.LeafSpec("['deep']", (1,) * 9, "float32", 0), "rank <= 8"),
+    ],
+)
+def test_encode_header_refuses_what_the_wire_cannot_carry(leaf, match):
+    with pytest.raises(ValueError, match=match):
+        wire.encode_header(wire.WeightHeader(1, (leaf,)))
+
+
+# ---------------------------------------------------------------- decode refuses
+def _set(path: str, value: Any) -> Callable[[dict], None]:
+    *parents, key = path.split(".")
+
+    def change(frame: dict) -> None:
+        for p in parents:
+            frame = frame[p]
+        frame[key] = value
+
+    return change
+
+
+HOSTILE_SAMPLES = {
+    # name: (change to a good frame, text the error must contain)
+    "unknown tag": (_set("type", "evil"), "Invalid value 'evil' - at `$.type`"),
+    "header tag": (_set("type", "weights"), "`$.type`"),
+    "unknown field": (_set("treedef", b"\x80\x04"), "unknown field `treedef`"),
+    "missing field": (lambda f: f.pop("timings"), "missing required field `timings`"),
+    "odd byte count": (_set("response", b"\0" * 7), "$.response has 7 bytes"),
+    "empty response": (_set("response", b""), "$.response has 0 bytes"),
+    "empty prompt": (_set("prompt", b""), "$.prompt has 0 bytes"),
+    "lengths differ": (_set("logprobs", b"\0" * 1020), "$.logprobs has 255 elements"),
+    "array as list": (_set("prompt", [1, 2, 3]), "Expected `bytes`, got `array` - at `$.prompt`"),
+    "too many tokens": (
+        _set("response", b"\0" * (4 * wire.MAX_TOKENS + 4)),
+        "length <= 4194304 - at `$.response`",
+    ),
+    "finish reason": (_set("finish_reason", "exploded"), "at `$.finish_reason`"),
+    "request_id list": (_set("request_id", ["a"]), "got `array` - at `$.request_id`"),
+    "request_id dict": (_set("request_id", {"a": 1}), "got `object` - at `$.request_id`"),
+    "request_id bool": (_set("request_id", True), "got `bool` - at `$.request_id`"),
+    "request_id float": (_set("request_id", 1.5), "got `float` - at `$.request_id`"),
+    "request_id null": (_set("request_id", None), "got `None` - at `$.request_id`"),
+    "request_id long": (_set("request_id", "x" * 4097), "at `$.request_id`"),
+    "prompt_id long": (
+        _set("tag.prompt_id", "x" * 4097),
+        "Expected `str` of length <= 4096 - at `$.tag.prompt_id`",
+    ),
+    "eval_version str": (_set("tag.eval_version", "4"), "at `$.tag.eval_version`"),
+    "time as str": (_set("timings.finish", "soon"), "at `$.timings.finish`"),
+    "version as float": (_set("policy_version", 7.0), "got `float` - at `$.policy_version`"),
+    "tag unknown field": (_set("tag.metadata", {"a": 1}), "unknown field `metadata`"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_SAMPLES))
+def test_decode_refuses_a_tampered_sample(name):
+    change, expect = HOSTILE_SAMPLES[name]
+    assert expect in _refused(_tampered(make_sample(), change))
+
+
+@pytest.mark.parametrize(
+    "msg, change, expect",
+    [
+        (GenerationFailed(1, "x"), _set("reason", "x" * (64 * 1024 + 1)), "at `$.reason`"),
+        (GenerationFailed(1, "x"), _set("process", "1"), "at `$.process`"),
+        (
+            SpanReport("t", "n", 0, 1, {}),
+            _set("args", {f"k{i}": 1.0 for i in range(65)}),
+            "length <= 64 - at `$.args`",
+        ),
+        (SpanReport("t", "n", 0, 1, {}), _set("args", {"k": "v"}), "at `$.args[...]`"),
+        (SpanReport("t", "n", 0, 1, {}), _set("args", {"k" * 4097: 1.0}), "`key` in `$.args`"),
+        (ChunkReport("p", 0, 1, 2, 3, 4, 5), _set("instance", "p" * 4097), "at `$.instance`"),
+    ],
+)
+def test_decode_refuses_a_tampered_report(msg, change, expect):
+    assert expect in _refused(_tampered(msg, change))
+
+
+def test_decode_refuses_garbage_and_truncation():
+    good = wire.encode(make_sample())
+    assert "malformed" in _refused(b"\xc1 not msgpack at all")
+    assert "truncated" in _refused(good[:-7])
+    assert "truncated" in _refused(b"")
+    assert "trailing characters" in _refused(good + b"\0")
+    assert "Expected `object`, got `int`" in _refused(b"\x01")
+
+
+def test_decode_refuses_a_pickle_without_running_it(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    for payload in (pickle.dumps(Exploit()), pickle.dumps(Exploit(), protocol=0)):
+        _refused(payload)
+        _refused(payload, header=True)
+    assert not marker.exists()
+    pickle.loads(pickle.dumps(Exploit()))  # the guard: this payload is live
+    assert marker.exists()
+
+
+def test_decode_survives_deep_nesting():
+    # 100,000 levels: a RecursionError (or a crash) in a decoder that recursed.
+    deep = _nested(100_000)
+    marker = msgspec.msgpack.encode("@@MARK@@")
+    frame = msgspec.msgpack.encode({**_plain(wire.encode(make_sample())), "request_id": "@@MARK@@"})
+    assert "at `$.request_id`" in _refused(frame.replace(marker, deep))
+    span = wire.encode(SpanReport("t", "n", 0, 1, {"@@MARK@@": 1.0}))
+    assert "`$.args`" in _refused(span.replace(marker, deep))
+    assert "Expected `object`, got `array`" in _refused(deep)
+    assert "Expected `object`, got `array`" in _refused(deep, header=True)
+
+
+def test_a_huge_declared_length_allocates_nothing():
+    # A response declared as ~4 GiB (over the bound) or 4 MiB (within it), 4 bytes present.
+    marker = msgspec.msgpack.encode(b"@@MARK@@")
+    frame = msgspec.msgpack.encode({**_plain(wire.encode(make_sample())), "response": b"@@MARK@@"})
+    over = frame.replace(marker, b"\xc6\xff\xff\xff\xf0abcd")
+    within = frame.replace(marker, b"\xc6\x00\x40\x00\x00abcd")
+    # A weight header declaring 2**32 - 1 leaves (over the bound) or 100,000 (within it).
+    leaves = b"\x83\xa4type\xa7weights\xa7version\x01\xa6leaves\xdd"
+    tracemalloc.start()  # sees msgspec's allocations (a 8 MiB bytes field peaks at 8 MiB)
+    try:
+        assert "length <= 4194304 - at `$.response`" in _refused(over)
+        assert "truncated" in _refused(within)
+        assert "length <= 100000" in _refused(leaves + b"\xff\xff\xff\xff", header=True)
+        assert "truncated" in _refused(leaves + (100_000).to_bytes(4, "big"), header=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+
+
+def test_decode_refuses_a_header_and_decode_header_a_sample():
+    assert "$.type" in _refused(wire.encode_header(make_header(2)))
+    assert "$.type" in _refused(wire.encode(make_sample()), header=True)
+
+
+def _header_with(**leaf: Any) -> bytes:
+    frame = _plain(wire.encode_header(make_header(3)))
+    frame["leaves"][1].update(leaf)
+    return msgspec.msgpack.encode(frame)
+
+
+@pytest.mark.parametrize(
+    "leaf, expect",
+    [
+        (dict(dtype="object"), "Invalid enum value 'object' - at `$.leaves[1].dtype`"),
+        (dict(dtype="float128"), "at `$.leaves[1].dtype`"),
+        (dict(dtype=7), "at `$.leaves[1].dtype`"),
+        (dict(shape=[4, -1]), "Expected `int` >= 0 - at `$.leaves[1].shape[1]`"),
+        (dict(shape=[1] * 9), "length <= 8 - at `$.leaves[1].shape`"),
+        (dict(shape=[2**41]), "at `$.leaves[1].shape[0]`"),
+        (
+            dict(shape=[2**40, 2**40]),
+            "leaf 1 (['layers'][1]['w']) declares float32[",
+        ),
+        (dict(shape=[2.0]), "at `$.leaves[1].shape[0]`"),
+        (dict(crc32=-1), "at `$.leaves[1].crc32`"),
+        (dict(crc32=2**32), "at `$.leaves[1].crc32`"),
+        (dict(path="p" * 4097), "at `$.leaves[1].path`"),
+        (dict(path=None), "at `$.leaves[1].path`"),
+        (dict(treedef=b"\x80\x04"), "unknown field `treedef`"),
+    ],
+)
+def test_decode_header_refuses_a_tampered_leaf(leaf, expect):
+    assert expect in _refused(_header_with(**leaf), header=True)
+
+
+def test_decode_header_bounds_the_leaf_count():
+    leaf = {"path": "", "shape": [], "dtype": "int8", "crc32": 0}
+    frame = {"type": "weights", "version": 1, "leaves": [leaf] * (wire.MAX_LEAVES + 1)}
+    payload = msgspec.msgpack.encode(frame)
+    assert "length <= 100000 - at `$.leaves`" in _refused(payload, header=True)
+    frame["leaves"] = frame["leaves"][:-1]
+    assert len(wire.decode_header(msgspec.msgpack.encode(frame), source=SOURCE).leaves) == (
+        wire.MAX_LEAVES
+    )
+
+
+def test_wire_error_is_a_transport_error():
+    assert issubclass(wire.WireError, TransportError)
+
+
+# ---------------------------------------------------------------- timings
+def _time(fn: Callable[[], Any], n: int) -> float:
+    return min(timeit.repeat(fn, number=n, repeat=5)) / n * 1e6
+
+
+if __name__ == "__main__":
+    sample, header = make_sample(), make_header(300)
+    payload, header_payload = wire.encode(sample), wire.encode_header(header)
+    enc = _time(lambda: wire.encode(sample), 20_000)
+    dec = _time(lambda: wire.decode(payload, source=SOURCE), 20_000)
+    print(f"sample (P=64, R=256, {len(payload)} B): encode {enc:.2f} us + decode {dec:.2f} us")
+    enc = _time(lambda: wire.encode_header(header), 500)
+    dec = _time(lambda: wire.decode_header(header_payload, source=SOURCE), 500)
+    print(
+        f"header (300 leaves, {len(header_payload)} B): encode {enc:.1f} us + decode {dec:.1f} us"
+    )
+    pickled = pickle.dumps(sample, protocol=pickle.HIGHEST_PROTOCOL)
+    pkl = _time(lambda: pickle.loads(pickle.dumps(sample, protocol=5)), 20_000)
+    print(f"for comparison, pickle round trip of the sample ({len(pickled)} B): {pkl:.2f} us")
