@@ -324,6 +324,25 @@ def test_weights_round_trip_bit_exactly_into_target_shardings(children):
     receiver.close(timeout=1)
 
 
+@pytest.mark.parametrize("checksum", [False, True])
+def test_weights_in_one_process_with_and_without_checksums(checksum):
+    sender = weights.WeightSender("127.0.0.1:0", authkey=KEY, timeout_s=10, checksum=checksum)
+    receiver = weights.WeightReceiver(sender.address, authkey=KEY, timeout_s=10)
+    try:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: sharding, make_params())
+        sent = threading.Thread(target=sender.send, args=(make_params(), 4))
+        sent.start()
+        params, version, _ = receiver.receive(shardings, timeout=20)
+        sent.join(20)
+        assert version == 4
+        for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(make_params()), strict=True):
+            assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+    finally:
+        receiver.close(timeout=1)
+        sender.close(timeout=1)
+
+
 def test_weight_checksum_detects_corruption():
     header, arrays = weights.pack(make_params(), version=5)
     weights.verify(header, arrays)

@@ -73,7 +73,7 @@ class LeafSpec:
     path: str  # jax.tree_util.keystr of the leaf's key path
     shape: tuple[int, ...]
     dtype: str  # dtype name, one of `DTYPES`
-    crc32: int  # zlib.crc32 of the C-contiguous bytes
+    crc32: int | None  # zlib.crc32 of the C-contiguous bytes; None: not checksummed
 
     @property
     def nbytes(self) -> int:
@@ -159,7 +159,7 @@ class _Leaf(_Struct):
     path: _Str
     shape: Annotated[tuple[_Dim, ...], msgspec.Meta(max_length=MAX_RANK)]
     dtype: Literal[DTYPES]
-    crc32: Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
+    crc32: Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)] | None
 
 
 class _Header(_Struct, tag="weights"):
