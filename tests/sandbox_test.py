@@ -14,6 +14,7 @@ import reasoning_gym
 from lifecycle_test import _pipeline_threads, _tiny, vowel_reward
 
 from streamrl_jax import pipeline
+from streamrl_jax.rewards import sandbox
 from streamrl_jax.rewards.base import RewardResult
 from streamrl_jax.rewards.pool import RewardPool
 from streamrl_jax.rewards.sandbox import Limits, RewardTimeout, RewardWorkerDied, SandboxPool
@@ -85,6 +86,35 @@ def test_a_worker_sees_no_secret_and_cannot_reach_the_trainer(tmp_path, monkeypa
         assert ask("open('note.txt', 'w').write('ok')") == "2"
     finally:
         pool.close()
+
+
+def test_the_run_key_file_is_hidden_from_workers(tmp_path, monkeypatch):
+    keys = tmp_path / "keys"
+    keys.mkdir(mode=0o700)
+    (keys / "run.key").write_text("k" * 64)
+    (tmp_path / "visible.txt").write_text("ok")
+    monkeypatch.setenv("STREAMRL_AUTHKEY_FILE", str(keys / "run.key"))
+    pool = SandboxPool(probe, workers=1, limits=LIMITS)
+    try:
+        ask = lambda text: pool.submit(text, {}).result(60).extracted_answer  # noqa: E731
+        if not ask("open('/proc/self/environ', 'rb').read()").startswith("refused"):
+            pytest.skip("no Landlock on this kernel: the worker reads what its user reads")
+        assert ask(f"open({str(keys / 'run.key')!r}).read()").startswith("refused")
+        assert ask(f"open({str(tmp_path / 'visible.txt')!r}).read()") == "'ok'"  # siblings
+    finally:
+        pool.close()
+
+
+def test_readable_roots_cover_everything_but_the_hidden_paths(tmp_path):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "c").mkdir()
+    (tmp_path / "d").mkdir()
+    roots = sandbox.readable_roots([str(tmp_path / "a" / "b"), "/proc"])
+    assert "/proc" not in roots and "/" not in roots
+    assert str(tmp_path / "a" / "c") in roots and str(tmp_path / "d") in roots
+    assert not any(r == str(tmp_path / "a" / "b") or r.startswith(str(tmp_path / "a" / "b") + "/")
+                   for r in roots)  # fmt: skip
+    assert not any(str(tmp_path).startswith(r.rstrip("/") + "/") for r in roots)  # no ancestor
 
 
 def test_a_runaway_answer_costs_one_timeout_and_the_worker_is_replaced(countdown):

@@ -102,9 +102,58 @@ def _fs_rights(abi: int) -> int:
     return (1 << (last + 1)) - 1
 
 
-def landlock(scratch: str) -> int:
-    """Confines this process: read-only filesystem except `scratch`, no execve, no TCP,
-    no signals outside. Returns the Landlock ABI used (0: not available here)."""
+def readable_roots(hidden: list[str]) -> list[str]:
+    """Paths whose subtrees together cover all of `/` except the `hidden` ones.
+
+    Landlock only grants, so hiding a path means granting its siblings along the
+    way down from `/` instead of its ancestors (`/root/.streamrl` hidden: every
+    entry of `/` but `/root`, then every entry of `/root` but `.streamrl`).
+    """
+    roots = ["/"]
+    for path in hidden:
+        split: list[str] = []
+        for root in roots:
+            if path == root:
+                continue  # hidden whole
+            if not path.startswith(root.rstrip("/") + "/"):
+                split.append(root)
+                continue
+            cur = root  # an ancestor: grant the siblings of each step toward `path`
+            while cur != path:
+                step = os.path.join(cur, path[len(cur.rstrip("/")) + 1 :].split("/")[0])
+                try:
+                    entries = sorted(os.listdir(cur))
+                except OSError:
+                    entries = []
+                # Symlinks are left out: a rule on one would grant its target (which may
+                # be a hidden path's ancestor); whatever they point to is covered as itself.
+                split += [
+                    os.path.join(cur, e)
+                    for e in entries
+                    if os.path.join(cur, e) != step and not os.path.islink(os.path.join(cur, e))
+                ]
+                cur = step
+        roots = split
+    return roots
+
+
+def hidden_paths() -> list[str]:
+    """What a worker must not read: other processes (/proc), the kernel's view of
+    them (/sys), and where the run key lives (docs/security.md)."""
+    hidden = ["/proc", "/sys"]
+    key_file = os.environ.get("STREAMRL_AUTHKEY_FILE")
+    if key_file:
+        hidden.append(os.path.dirname(os.path.realpath(key_file)))
+    streamrl_home = os.path.realpath(os.path.expanduser("~/.streamrl"))
+    if os.path.isdir(streamrl_home):
+        hidden.append(streamrl_home)
+    return hidden
+
+
+def landlock(scratch: str, hidden: list[str] | None = None) -> int:
+    """Confines this process: read-only filesystem except `scratch` (and nothing of
+    `hidden`, default `hidden_paths()`), no execve, no TCP, no signals outside.
+    Returns the Landlock ABI used (0: not available here)."""
     if sys.platform != "linux" or os.uname().machine != "x86_64":
         return 0
     libc = ctypes.CDLL(None, use_errno=True)
@@ -118,11 +167,11 @@ def landlock(scratch: str) -> int:
         raise OSError(ctypes.get_errno(), "landlock_create_ruleset")
     try:
         # Read everywhere but /proc and /sys (other processes' memory and environment,
-        # this one's inherited environment); write only beneath the scratch directory.
+        # this one's inherited environment) and the run key's directory; write only
+        # beneath the scratch directory.
         rules = [
             (path, _FS_READ_FILE | (_FS_READ_DIR if os.path.isdir(path) else 0))
-            for path in (os.path.join("/", entry) for entry in sorted(os.listdir("/")))
-            if path not in ("/proc", "/sys")
+            for path in readable_roots(hidden if hidden is not None else hidden_paths())
         ]
         rules.append((scratch, attr.fs & ~_FS_EXECUTE))
         for path, allowed in rules:
@@ -180,6 +229,7 @@ def confine(limits: Limits, root: str) -> str:
     """Confines the calling (worker) process; returns its scratch directory (a fresh
     directory under `root`)."""
     scratch = os.path.realpath(tempfile.mkdtemp(prefix="worker-", dir=root))
+    hidden = hidden_paths()  # before the environment that names the key file is cleared
     os.chdir(scratch)
     sys.dont_write_bytecode = True  # lazily imported modules: no .pyc writes to refuse
     kept = {k: v for k, v in os.environ.items() if k in _ENV_KEPT}
@@ -196,7 +246,7 @@ def confine(limits: Limits, root: str) -> str:
             soft, hard = resource.getrlimit(limit)
             cap = value if hard == resource.RLIM_INFINITY else min(value, hard)
             resource.setrlimit(limit, (cap, cap))
-    abi = landlock(scratch)
+    abi = landlock(scratch, hidden)
     if abi == 0:
         logging.warning("reward sandbox: no Landlock on this kernel; audit hook and limits only")
     sys.addaudithook(_audit_hook(scratch))
