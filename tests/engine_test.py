@@ -287,7 +287,7 @@ def test_tensor_parallel_instance_matches_single_device(model):
     )
     (tp2,) = mesh_lib.instance_meshes(meshes.generate)
     engine = Engine(graphdef, params, CFG, ENGINE, tp2)
-    assert engine._state.cache.k.sharding.spec[3] == "tp"  # KV heads split over the instance
+    assert engine._state.cache.k[0].sharding.spec[1] == "tp"  # KV heads split over the instance
     reqs = requests(4)
     got = by_id(engine.run(reqs))
     want = by_id(make_engine(model).run(reqs))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import json
+import os
 import time
 
 import jax
@@ -49,6 +50,11 @@ flags.DEFINE_integer("chunk_steps", None, "Decode steps per host round trip (def
 flags.DEFINE_float("temperature", 1.0, "Sampling temperature (lengths are forced anyway).")
 flags.DEFINE_integer("repeats", 2, "Alternating runs per mode (best kept); SmolLM2 --quick uses 1.")
 flags.DEFINE_integer("prefill_batch", None, "Prompts per prefill call (default per model).")
+flags.DEFINE_list("hf_batches", ["1", "8", "16"], "Batch sizes of the engine-vs-HF comparison.")
+flags.DEFINE_bool("hf", True, "Compare SmolLM2 tokens/s with HF transformers `generate`.")
+
+# The HF comparison: greedy, a fixed prompt length and a fixed number of new tokens.
+_HF_PROMPT, _HF_NEW, _HF_REPEATS = 24, 64, 2
 
 # Quantile function of the paper's length trace, as fractions of the max length.
 _TRACE_Q = np.array([0.0, 0.5, 0.75, 0.9, 0.99, 1.0])
@@ -209,7 +215,8 @@ def bench_model(name: str, quick: bool, bandwidth: float) -> dict:
 
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     cache = continuous._state.cache
-    kv_bytes = cache.k.size * cache.k.dtype.itemsize * 2
+    # The decode step reads every layer's whole cache (attention is masked, not cut).
+    kv_bytes = sum(x.size * x.dtype.itemsize for x in (*cache.k, *cache.v))
     roofline_s = (param_bytes + kv_bytes) / bandwidth
     result = {
         "model": name,
@@ -252,6 +259,96 @@ def bench_model(name: str, quick: bool, bandwidth: float) -> dict:
     return result
 
 
+def engine_over_hf(batches: list[int]) -> dict:
+    """Tokens/s of the engine over HF transformers `generate` (torch, CPU) on SmolLM2 f32.
+
+    Same process, same weights (both load the packaged GGUF and dequantise it to
+    f32), same random prompts of `_HF_PROMPT` tokens, exactly `_HF_NEW` greedy new
+    tokens per prompt, all prompts of a batch at once; best of `_HF_REPEATS` after
+    a warm-up (compilation) run. Time includes the prefill for both.
+    """
+    import torch
+    import transformers
+
+    from streamrl_jax.model.defaults import smollm2_gguf_path
+    from streamrl_jax.model.loader import load_pretrained
+
+    path = smollm2_gguf_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
+    mesh = Mesh(np.asarray(jax.devices()[:1], dtype=object), ("tp",), axis_types=(AxisType.Auto,))
+    pre = load_pretrained(path, mesh=mesh)
+    rng = np.random.default_rng(FLAGS.seed + 2)
+    # Run right after the engine, torch at 2 threads measured 4-20x slower than alone
+    # (XLA:CPU's pool still spinning); at 1 thread it matched its solo b1 speed.
+    threads = 1
+    torch.set_num_threads(threads)
+    out = {}
+    for b in batches:
+        prompts = rng.integers(100, pre.cfg.vocab_size, size=(b, _HF_PROMPT))
+        ecfg = EngineConfig(
+            num_slots=b,
+            max_prompt_length=_HF_PROMPT,
+            max_total_length=_HF_PROMPT + _HF_NEW,
+            chunk_steps=16,
+            prefill_batch=b,
+            min_bucket=_HF_PROMPT,
+        )
+        engine = Engine(pre.graphdef, pre.params, pre.cfg, ecfg, mesh)
+        reqs = [
+            GenerationRequest(
+                request_id=i,
+                prompt=p.tolist(),
+                max_new_tokens=_HF_NEW,
+                forced_length=_HF_NEW,
+                sampling=SamplingParams.greedy(),
+            )
+            for i, p in enumerate(prompts)
+        ]
+        ids = torch.as_tensor(prompts)
+
+        def run_hf(ids=ids):
+            with torch.no_grad():
+                return hf.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=_HF_NEW,
+                    min_new_tokens=_HF_NEW,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+
+        engine.run(reqs)  # compile
+        run_hf()  # warm-up
+        eng_s = hf_s = float("inf")
+        for _ in range(_HF_REPEATS):  # alternate so machine noise hits both
+            t = time.perf_counter()
+            samples = engine.run(reqs)
+            eng_s = min(eng_s, time.perf_counter() - t)
+            t = time.perf_counter()
+            hf_out = run_hf()
+            hf_s = min(hf_s, time.perf_counter() - t)
+        ours = np.stack([s.response for s in sorted(samples, key=lambda s: s.request_id)])
+        theirs = hf_out[:, _HF_PROMPT:].numpy()
+        tokens = b * _HF_NEW
+        out[b] = {
+            "engine_tokens_per_s": round(tokens / eng_s, 1),
+            "hf_tokens_per_s": round(tokens / hf_s, 1),
+            "engine_over_hf": round(hf_s / eng_s, 2),
+            # Greedy f32 on two stacks: rows agree until a near-tie flips an argmax.
+            "same_tokens_fraction": float(np.mean(ours == theirs)),
+            "load_avg": round(os.getloadavg()[0], 2),
+            "hf_torch_threads": threads,
+        }
+        print(
+            f"batch {b:3d}: engine {tokens / eng_s:7.1f} tok/s  HF {tokens / hf_s:7.1f} tok/s  "
+            f"engine/HF {hf_s / eng_s:.2f}x  (load {os.getloadavg()[0]:.1f})",
+            flush=True,
+        )
+    return out
+
+
 def main(argv):
     del argv
     bandwidth = measure_bandwidth()
@@ -264,6 +361,9 @@ def main(argv):
             results[name] = bench_model(name, FLAGS.quick, bandwidth)
         except FileNotFoundError as e:  # SmolLM2 GGUF not installed
             logging.warning("skipping %s: %s", name, e)
+    versus_hf = {}
+    if FLAGS.hf and "smollm2" in results:
+        versus_hf = engine_over_hf([int(b) for b in FLAGS.hf_batches])
     head = results.get("smollm2") or results.get("tiny")
     out = {
         "bench": "generation",
@@ -271,6 +371,9 @@ def main(argv):
         "headline_model": head["model"],
         "continuous_over_static": head["continuous_over_static"],
         "decode_vs_roofline": head["decode_vs_roofline"],
+        **{f"engine_over_hf_b{b}": r["engine_over_hf"] for b, r in versus_hf.items()},
+        "versus_hf": {str(b): r for b, r in versus_hf.items()},
+        "load_avg": round(os.getloadavg()[0], 2),
         "bandwidth_GBps": round(bandwidth / 1e9, 2),
         "models": results,
     }

@@ -44,12 +44,12 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from streamrl_jax.generation import decoder
 from streamrl_jax.generation import slots as slots_lib
 from streamrl_jax.generation.sampling import request_key_data
 from streamrl_jax.generation.types import FINISH_REASONS, GenerationRequest, Sample, Timings
-from streamrl_jax.model import kv_cache
 from streamrl_jax.model.config import ModelConfig
-from streamrl_jax.sharding import GENERATE_RULES, logical_to_spec, state_shardings
+from streamrl_jax.sharding import GENERATE_RULES, state_shardings
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -160,27 +160,20 @@ class Engine:
         self._repl = NamedSharding(mesh, PartitionSpec())
         self._param_shardings = state_shardings(params, mesh, GENERATE_RULES)
         self._param_sig = _signature(params)
-        self._params = jax.device_put(params, self._param_shardings)
+        self._relayout = _relayout_fn(graphdef, model_cfg, mesh, params)
+        self._params = self._relayout(jax.device_put(params, self._param_shardings))
         self.version = version
-        self._pending_weights: tuple[nnx.State, int] | None = None
+        self._pending_weights: tuple[Any, int] | None = None
         self._lock = threading.Lock()
 
-        kv_shape = (
-            model_cfg.num_layers,
-            cfg.num_slots,
-            cfg.max_total_length,
-            model_cfg.num_kv_heads,
-            model_cfg.head_dim,
-        )
-        kv_sh = NamedSharding(
-            mesh, logical_to_spec(kv_cache.KV_AXES, kv_shape, GENERATE_RULES, mesh, "kv_cache")
-        )
+        kv_sh = decoder.cache_sharding(model_cfg, cfg.num_slots, cfg.max_total_length, mesh)
         abstract = jax.eval_shape(self._init_state)
         state_sh = jax.tree.map(lambda _: self._repl, abstract)
-        state_sh = state_sh.replace(cache=state_sh.cache.replace(k=kv_sh, v=kv_sh))
+        layer_sh = tuple(kv_sh for _ in range(model_cfg.num_layers))
+        state_sh = state_sh.replace(cache=state_sh.cache.replace(k=layer_sh, v=layer_sh))
         self._state = jax.jit(self._init_state, out_shardings=state_sh)()
 
-        self._prefill, self._chunk = _jitted(graphdef, cfg.chunk_steps, state_sh, self._repl)
+        self._prefill, self._chunk = _jitted(model_cfg, cfg.chunk_steps, state_sh, self._repl)
 
         self._seq = itertools.count()
         self._queue: list[tuple[tuple[float, int], GenerationRequest, float]] = []
@@ -189,7 +182,7 @@ class Engine:
         self._on_chunk = on_chunk
 
     def _init_state(self) -> slots_lib.SlotState:
-        cache = kv_cache.init_cache(self.model_cfg, self.cfg.num_slots, self.cfg.max_total_length)
+        cache = decoder.init_cache(self.model_cfg, self.cfg.num_slots, self.cfg.max_total_length)
         return slots_lib.init_slot_state(cache, self.cfg.max_stop_ids)
 
     # ------------------------------------------------------------------ requests
@@ -259,7 +252,8 @@ class Engine:
                 f"instance {self.instance_id}: update_weights params differ in structure, "
                 "shape or dtype from the engine's weights"
             )
-        placed = jax.device_put(params, self._param_shardings)
+        # The engine's own layout (`decoder`), made here on the caller's thread.
+        placed = self._relayout(jax.device_put(params, self._param_shardings))
         with self._lock:
             self._pending_weights = (placed, int(version))
 
@@ -427,13 +421,13 @@ class Engine:
 
 
 @functools.lru_cache(maxsize=32)
-def _jitted(graphdef: nnx.GraphDef, steps: int, state_sh: Any, repl: NamedSharding):
+def _jitted(model_cfg: ModelConfig, steps: int, state_sh: Any, repl: NamedSharding):
     """The jitted prefill and decode chunk, shared by engines with equal statics.
 
-    Engines of the same model, chunk length and placement (the slot state's
-    shardings: its mesh and cache partitioning, not its shapes) get the same
-    two jit objects and so one executable cache, which holds one executable per
-    input shape: a static-batch baseline engine next to a continuous one, a
+    Engines of the same model config, chunk length and placement (the slot
+    state's shardings: its mesh and cache partitioning, not its shapes) get the
+    same two jit objects and so one executable cache, which holds one executable
+    per input shape: a static-batch baseline engine next to a continuous one, a
     rebuilt service, or repeated `complete.generate` calls of one shape compile
     nothing new. The key is hashable because `SlotState` is a frozen dataclass
     of `NamedSharding`s. Bounded so that a process building engines on many
@@ -441,17 +435,23 @@ def _jitted(graphdef: nnx.GraphDef, steps: int, state_sh: Any, repl: NamedShardi
     stops being shared with later engines, those holding it keep working.
     """
 
-    def prefill(params, state, adm):
-        return slots_lib.prefill_into_slots(nnx.merge(graphdef, params), state, adm)
+    def prefill(weights, state, adm):
+        return slots_lib.prefill_into_slots(decoder.GenModel(weights, model_cfg), state, adm)
 
-    def chunk(params, state):
-        return slots_lib.decode_chunk(nnx.merge(graphdef, params), state, steps)
+    def chunk(weights, state):
+        return slots_lib.decode_chunk(decoder.GenModel(weights, model_cfg), state, steps)
 
     out_sh = (state_sh, repl)
     return (
         jax.jit(prefill, donate_argnums=1, out_shardings=out_sh),
         jax.jit(chunk, donate_argnums=1, out_shardings=out_sh),
     )
+
+
+def _relayout_fn(graphdef: nnx.GraphDef, model_cfg: ModelConfig, mesh: Mesh, params: Any):
+    """Jitted training layout -> `decoder` layout, placed on the instance's mesh."""
+    fn = functools.partial(decoder.from_training_layout, graphdef, cfg=model_cfg)
+    return jax.jit(fn, out_shardings=decoder.weight_shardings(jax.eval_shape(fn, params), mesh))
 
 
 def _signature(params: Any) -> Any:

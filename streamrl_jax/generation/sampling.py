@@ -85,17 +85,29 @@ def sample_tokens(
       docstring for the two log-probs.
     """
     logits = logits_BxV.astype(jnp.float32)
-    model_logp_BxV = jax.nn.log_softmax(logits, axis=-1)
-    filtered_BxV = sampling_logits(logits, temperature_B, top_k_B, top_p_B)
+    greedy_B = temperature_B <= 0
+    argmax_B = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw(key_data, position, row):
         key = jax.random.fold_in(jax.random.wrap_key_data(key_data), position)
         return jax.random.categorical(key, row)
 
-    drawn_B = jax.vmap(draw)(key_data_Bx2, position_B, filtered_BxV)
-    greedy_B = temperature_B <= 0
-    tokens_B = jnp.where(greedy_B, jnp.argmax(logits, axis=-1), drawn_B).astype(jnp.int32)
-    pick = lambda lp: jnp.take_along_axis(lp, tokens_B[:, None], axis=-1)[:, 0]
-    model_logp_B = pick(model_logp_BxV)
-    sampling_logp_B = jnp.where(greedy_B, 0.0, pick(jax.nn.log_softmax(filtered_BxV, axis=-1)))
+    def sampled(logits):
+        filtered_BxV = sampling_logits(logits, temperature_B, top_k_B, top_p_B)
+        drawn_B = jax.vmap(draw)(key_data_Bx2, position_B, filtered_BxV)
+        tokens_B = jnp.where(greedy_B, argmax_B, drawn_B).astype(jnp.int32)
+        slogp_B = _pick(jax.nn.log_softmax(filtered_BxV, axis=-1), tokens_B)
+        return tokens_B, jnp.where(greedy_B, 0.0, slogp_B)
+
+    def all_greedy(logits):
+        return argmax_B, jnp.zeros(argmax_B.shape, jnp.float32)
+
+    # The threefry draw over the whole vocabulary and the filtered softmax cost more
+    # than the argmax at batch 8+ on CPU; an all-greedy batch skips them.
+    tokens_B, sampling_logp_B = jax.lax.cond(jnp.all(greedy_B), all_greedy, sampled, logits)
+    model_logp_B = _pick(jax.nn.log_softmax(logits, axis=-1), tokens_B)
     return tokens_B, model_logp_B, sampling_logp_B
+
+
+def _pick(logp_BxV: jax.Array, tokens_B: jax.Array) -> jax.Array:
+    return jnp.take_along_axis(logp_BxV, tokens_B[:, None], axis=-1)[:, 0]

@@ -18,9 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from streamrl_jax.generation.decoder import GenModel, LayerCache
 from streamrl_jax.generation.sampling import sample_tokens
-from streamrl_jax.model.kv_cache import KVCache
-from streamrl_jax.model.llama import Llama
 
 # Finish codes on the device: 0 = running (or free), 1 + FINISH_REASONS index.
 STOP, LENGTH, CONTEXT, FORCED = 1, 2, 3, 4
@@ -30,7 +29,7 @@ STOP, LENGTH, CONTEXT, FORCED = 1, 2, 3, 4
 class SlotState:
     """Everything the decode loop needs per slot (B slots, S max total length)."""
 
-    cache: KVCache  # k/v [L, B, S, K, D]; lengths i32[B] = position of last_token
+    cache: LayerCache  # k/v L x [B, K, S, D]; lengths i32[B] = position of last_token
     last_token: jax.Array  # i32[B] last sampled token, the next decode input
     active: jax.Array  # bool[B] still generating
     num_generated: jax.Array  # i32[B] response tokens sampled so far
@@ -82,7 +81,7 @@ class PrefillOut:
     reason: jax.Array  # i32[N]
 
 
-def init_slot_state(cache: KVCache, max_stop_ids: int) -> SlotState:
+def init_slot_state(cache: LayerCache, max_stop_ids: int) -> SlotState:
     """All slots free; call under jit with out_shardings to place it."""
     b = cache.num_slots
     zi = jnp.zeros((b,), jnp.int32)
@@ -123,7 +122,7 @@ def _finish_code(
 
 
 def prefill_into_slots(
-    model: Llama, state: SlotState, adm: Admission
+    model: GenModel, state: SlotState, adm: Admission
 ) -> tuple[SlotState, PrefillOut]:
     """Prefills the admitted prompts into their slots and samples their first token."""
     logits_NxV, cache = model.prefill(adm.tokens, adm.lengths, state.cache, adm.slots)
@@ -162,7 +161,7 @@ def prefill_into_slots(
     return state, PrefillOut(tokens=tok, logp=logp, sampling_logp=slogp, reason=code)
 
 
-def decode_chunk(model: Llama, state: SlotState, steps: int) -> tuple[SlotState, ChunkOut]:
+def decode_chunk(model: GenModel, state: SlotState, steps: int) -> tuple[SlotState, ChunkOut]:
     """Advances every active slot by up to `steps` tokens (sampling inside the loop)."""
     b = state.last_token.shape[0]
     max_total = state.cache.max_length

@@ -1,0 +1,233 @@
+"""The engine's own forward pass: per-layer fused weights, per-layer KV cache, an unrolled loop.
+
+The training model (`model/llama.py`) stacks every block parameter along a
+`layers` axis and runs the blocks under one `lax.scan`: compile time does not
+grow with depth, which suits training. In a decode step on XLA:CPU the same
+layout costs the engine its roofline: each scan iteration materialises the
+layer's slice of every stacked weight (a dynamic-slice copy, then the matmul
+reads the copy), so the weights cross memory about three times per token
+instead of once (profile in docs/generation.md, "Decode step"). The
+generation copy of the weights is made anyway (the weight sync places them on
+the instance), so the engine keeps its own layout:
+
+* one array per layer (a tuple of L dicts), applied by a Python loop inside
+  the jitted step: each matmul reads its weight in place;
+* q, k and v fused into one matrix `qkv` [E, K, G + 2, D] (per kv head: its G
+  query heads, then its key and its value), so one GEMV per layer reads them,
+  and tensor parallelism still shards the `kv_heads` axis;
+* gate and up fused as `gate_up` [E, 2, M]; `o` as [K, G, D, E], the order
+  the attention produces;
+* matrices cast to the compute dtype once here, not per step;
+* the KV cache one [B, K, S, D] array per layer (`LayerCache`), so attention
+  is a batched matmul over (slot, kv head) without a transpose of the cache.
+
+`GenModel(weights, cfg)` has `prefill` / `decode` with the signatures of
+`Llama.prefill` / `Llama.decode`, and computes the same function (tests
+compare logits with the training model's within float32 rounding).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding
+
+from streamrl_jax.model import layers
+from streamrl_jax.model.config import ModelConfig
+from streamrl_jax.sharding import GENERATE_RULES, logical_to_spec
+
+# The generation layout's axes; `parts` (q heads + k + v, or gate + up) is never sharded.
+_RULES = {**GENERATE_RULES, "parts": None}
+_LAYER_AXES = {
+    "attn_norm": ("norm",),
+    "qkv": ("embed", "kv_heads", "parts", "head_dim"),
+    "qkv_bias": ("kv_heads", "parts", "head_dim"),
+    "o": ("kv_heads", "parts", "head_dim", "embed"),
+    "mlp_norm": ("norm",),
+    "gate_up": ("embed", "parts", "mlp"),
+    "down": ("mlp", "embed"),
+}
+_TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("norm",), "lm_head": ("embed", "vocab")}
+CACHE_AXES = ("cache_batch", "kv_heads", "cache_seq", "head_dim")
+_MASK_VALUE = -1e30  # as model.layers: finite, so a fully masked row gives no NaN
+
+
+@struct.dataclass
+class LayerCache:
+    """Per-slot keys and values, one array per layer.
+
+    Attributes:
+      k: L arrays [B, K, S, D] in the compute dtype (B slots, S max length).
+      v: same as `k`.
+      lengths: i32[B], tokens stored in each slot = position of its next token.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    lengths: jax.Array
+
+    @property
+    def num_slots(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def max_length(self) -> int:
+        return self.k[0].shape[2]
+
+
+def init_cache(cfg: ModelConfig, num_slots: int, max_length: int) -> LayerCache:
+    """An all-zero cache; call under `jax.jit(..., out_shardings=...)` to place it."""
+    if max_length > cfg.max_position_embeddings:
+        raise ValueError(
+            f"KV cache max_length {max_length} exceeds the model's context "
+            f"(max_position_embeddings={cfg.max_position_embeddings})"
+        )
+    shape = (num_slots, cfg.num_kv_heads, max_length, cfg.head_dim)
+    # Distinct buffers: each is donated and updated in place on its own.
+    zeros = lambda: tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers))
+    return LayerCache(k=zeros(), v=zeros(), lengths=jnp.zeros((num_slots,), jnp.int32))
+
+
+def cache_sharding(cfg: ModelConfig, num_slots: int, max_length: int, mesh: Mesh) -> Any:
+    """NamedShardings of `init_cache`'s k/v arrays (kv heads over "tp")."""
+    shape = (num_slots, cfg.num_kv_heads, max_length, cfg.head_dim)
+    return NamedSharding(mesh, logical_to_spec(CACHE_AXES, shape, _RULES, mesh, "kv_cache"))
+
+
+def from_training_layout(graphdef: nnx.GraphDef, params: nnx.State, cfg: ModelConfig) -> dict:
+    """The generation weights of a (graphdef, params) split of `Llama` (jit it).
+
+    Returns:
+      {"embed", "final_norm", ["lm_head"], "layers": tuple of L per-layer dicts}.
+    """
+    model = nnx.merge(graphdef, params)
+    stacked = model.layers.arrays()
+    e, h, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    g, dt = h // k, cfg.jnp_dtype
+
+    def one(i: int) -> dict[str, jax.Array]:
+        p = {name: a[i] for name, a in stacked.items()}
+        qkv = [p["q"].reshape(e, k, g, d), p["k"][:, :, None], p["v"][:, :, None]]
+        out = {
+            "attn_norm": p["attn_norm"],
+            "qkv": jnp.concatenate(qkv, axis=2).astype(dt),
+            "o": p["o"].reshape(k, g, d, e).astype(dt),
+            "mlp_norm": p["mlp_norm"],
+            "gate_up": jnp.stack([p["gate"], p["up"]], axis=1).astype(dt),
+            "down": p["down"].astype(dt),
+        }
+        if cfg.qkv_bias:
+            bias = [p["q_bias"].reshape(k, g, d), p["k_bias"][:, None], p["v_bias"][:, None]]
+            out["qkv_bias"] = jnp.concatenate(bias, axis=1).astype(dt)
+        return out
+
+    weights = {
+        "embed": model.embed[...].astype(dt),
+        "final_norm": model.final_norm[...],
+        "layers": tuple(one(i) for i in range(cfg.num_layers)),
+    }
+    if not cfg.tie_embeddings:
+        weights["lm_head"] = model.lm_head[...].astype(dt)
+    return weights
+
+
+def weight_shardings(weights_shape: Any, mesh: Mesh) -> Any:
+    """NamedShardings with the structure of `from_training_layout`'s output."""
+
+    def one(path, x):
+        name = str(getattr(path[-1], "key", path[-1]))
+        axes = _LAYER_AXES.get(name) or _TOP_AXES[name]
+        spec = logical_to_spec(axes, tuple(x.shape), _RULES, mesh, f"generation/{name}")
+        return NamedSharding(mesh, spec)
+
+    return jax.tree_util.tree_map_with_path(one, weights_shape)
+
+
+class GenModel:
+    """`prefill` / `decode` over generation weights, with `Llama`'s signatures."""
+
+    def __init__(self, weights: dict, cfg: ModelConfig):
+        self.w, self.cfg = weights, cfg
+
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.w["embed"], tokens, axis=0)
+
+    def _logits(self, x_NxE: jax.Array) -> jax.Array:
+        h = layers.rms_norm(x_NxE, self.w["final_norm"], self.cfg.rms_norm_eps)
+        if self.cfg.tie_embeddings:
+            out = jnp.einsum("ne,ve->nv", h, self.w["embed"])
+        else:
+            out = jnp.einsum("ne,ev->nv", h, self.w["lm_head"])
+        return out.astype(jnp.float32)
+
+    def _qkv(self, x_NxTxE, p, cos, sin):
+        """q [N, T, K, G, D] and k, v [N, T, K, D], RoPE applied to q and k."""
+        n, t, _ = x_NxTxE.shape
+        cfg = self.cfg
+        k_heads, g, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+        h = layers.rms_norm(x_NxTxE, p["attn_norm"], self.cfg.rms_norm_eps)
+        qkv = jnp.einsum("nte,ekpd->ntkpd", h, p["qkv"])
+        if "qkv_bias" in p:
+            qkv = qkv + p["qkv_bias"][None, None]
+        q = layers.apply_rope(qkv[:, :, :, :g].reshape(n, t, k_heads * g, d), cos, sin)
+        k = layers.apply_rope(qkv[:, :, :, g], cos, sin)
+        return q.reshape(n, t, k_heads, g, d), k, qkv[:, :, :, g + 1]
+
+    def _out_and_mlp(self, x_NxTxE, attn_NxTxKxGxD, p):
+        x = x_NxTxE + jnp.einsum("ntkgd,kgde->nte", attn_NxTxKxGxD, p["o"])
+        h = layers.rms_norm(x, p["mlp_norm"], self.cfg.rms_norm_eps)
+        gu = jnp.einsum("nte,epm->ntpm", h, p["gate_up"])
+        return x + jnp.einsum("ntm,me->nte", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], p["down"])
+
+    def prefill(
+        self, tokens_NxP: jax.Array, lengths_N: jax.Array, cache: LayerCache, slots_N: jax.Array
+    ) -> tuple[jax.Array, LayerCache]:
+        """As `Llama.prefill`: N right-padded prompts into their slots (slot >= B drops
+        the row); returns (f32[N, V] logits at each prompt's last token, cache)."""
+        n, p = tokens_NxP.shape
+        valid = jnp.arange(p)[None, :] < lengths_N[:, None]
+        positions = jnp.broadcast_to(jnp.arange(p)[None, :], (n, p))
+        mask = jnp.tril(jnp.ones((p, p), bool))[None] & valid[:, None, :]
+        cos, sin = layers.rope_tables(positions, layers.rope_inv_freq(self.cfg))
+        x = self._embed(tokens_NxP)
+        ks, vs = [], []
+        for w, ck, cv in zip(self.w["layers"], cache.k, cache.v, strict=True):
+            q, k, v = self._qkv(x, w, cos, sin)
+            attn = layers.attention(q.reshape(n, p, -1, q.shape[-1]), k, v, mask)
+            x = self._out_and_mlp(x, attn.reshape(q.shape), w)
+            ks.append(ck.at[slots_N, :, :p].set(k.transpose(0, 2, 1, 3), mode="drop"))
+            vs.append(cv.at[slots_N, :, :p].set(v.transpose(0, 2, 1, 3), mode="drop"))
+        last = jnp.take_along_axis(x, (lengths_N - 1)[:, None, None], axis=1)[:, 0]
+        lengths = cache.lengths.at[slots_N].set(lengths_N, mode="drop")
+        return self._logits(last), LayerCache(k=tuple(ks), v=tuple(vs), lengths=lengths)
+
+    def decode(
+        self, tokens_B: jax.Array, cache: LayerCache, active_B: jax.Array
+    ) -> tuple[jax.Array, LayerCache]:
+        """As `Llama.decode`: appends one token to every slot (inactive slots compute
+        but do not advance); returns (f32[B, V] next-token logits, cache)."""
+        b, s = tokens_B.shape[0], cache.max_length
+        d = self.cfg.head_dim
+        pos_B = jnp.minimum(cache.lengths, s - 1)
+        cos, sin = layers.rope_tables(pos_B[:, None], layers.rope_inv_freq(self.cfg))
+        visible_Bx1x1xS = (jnp.arange(s)[None, :] <= pos_B[:, None])[:, None, None, :]
+        rows = jnp.arange(b)
+        x = self._embed(tokens_B[:, None])
+        ks, vs = [], []
+        for w, ck, cv in zip(self.w["layers"], cache.k, cache.v, strict=True):
+            q, k, v = self._qkv(x, w, cos, sin)
+            ck = ck.at[rows, :, pos_B].set(k[:, 0])
+            cv = cv.at[rows, :, pos_B].set(v[:, 0])
+            scores = jnp.einsum("bkgd,bksd->bkgs", q[:, 0], ck).astype(jnp.float32)
+            scores = jnp.where(visible_Bx1x1xS, scores / math.sqrt(d), _MASK_VALUE)
+            probs = jax.nn.softmax(scores, axis=-1).astype(cv.dtype)
+            attn = jnp.einsum("bkgs,bksd->bkgd", probs, cv)
+            x = self._out_and_mlp(x, attn[:, None], w)
+            ks.append(ck)
+            vs.append(cv)
+        lengths = jnp.where(active_B, jnp.minimum(cache.lengths + 1, s), cache.lengths)
+        return self._logits(x[:, 0]), LayerCache(k=tuple(ks), v=tuple(vs), lengths=lengths)
