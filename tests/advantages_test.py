@@ -197,3 +197,27 @@ def test_estimators_show_the_common_signature_plus_their_options():
     rewards, mask, ids, *_ = _batch()
     with pytest.raises(TypeError, match="eps"):
         adv_lib.dr_grpo(rewards, mask, ids, eps=1e-6)  # not an option of Dr.GRPO
+
+
+def test_gae_with_segments_restarts_every_sequence():
+    # Rows 0-1 and 2-3 side by side in one row each: each sequence is its own episode.
+    rng = np.random.default_rng(6)
+    B, T = 4, 6
+    mask = (np.arange(T)[None, :] < np.array([[6], [3], [0], [4]])).astype(np.float32)
+    rewards = rng.normal(size=(B, T)).astype(np.float32) * mask
+    values = rng.normal(size=(B, T)).astype(np.float32)
+    want_adv, want_ret = _run(adv_lib.gae, rewards, values, mask, gamma=0.9, lam=0.8)
+    pack = lambda x: np.concatenate([x[0::2], x[1::2]], axis=1)
+    segments = np.broadcast_to(np.repeat(np.int32([1, 2]), T)[None], (B // 2, 2 * T))
+    got = _run(
+        lambda r, v, m, s: adv_lib.gae(r, v, m, gamma=0.9, lam=0.8, segment_ids_BxT=s),
+        pack(rewards),
+        pack(values),
+        pack(mask),
+        np.ascontiguousarray(segments),
+    )
+    np.testing.assert_allclose(got[0], pack(want_adv), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got[1], pack(want_ret), rtol=1e-6, atol=1e-6)
+    # Without segment ids the first sequence would bootstrap from the second.
+    chained, _ = _run(adv_lib.gae, pack(rewards), pack(values), pack(mask), gamma=0.9, lam=0.8)
+    assert np.abs(chained - pack(want_adv)).max() > 1e-3

@@ -113,7 +113,7 @@ def test_group_whitening_is_per_group_and_split_invariant():
     rewards = np.linspace(-1.0, 1.0, 8).astype(np.float32)
     groups = np.array([0, 0, 1, 1, 2, 2, 3, 3])
     host = _host_batch(range(8), rewards)
-    host = host.replace(group_ids=np.concatenate([groups, np.full(8 - len(groups), -1)]))
+    host = host.replace(group_ids=np.where(host.attention_mask, groups[:, None], -1))
     values = np.random.default_rng(1).normal(size=host.shape).astype(np.float32)
     grouped = CFG.replace(critic=CriticSection(gamma=1.0, lam=1.0, whiten="group"))
     gae = jax.jit(with_gae, static_argnames="cfg")
@@ -125,13 +125,15 @@ def test_group_whitening_is_per_group_and_split_invariant():
     assert np.all(adv[~mask] == 0)
     rows = [4, 5, 0, 1]  # groups 2 and 0, in another order and padding
     part = _host_batch(rows, rewards)
-    part = part.replace(group_ids=np.array([2, 2, 0, 0, -1, -1, -1, -1], np.int32))
+    part_groups = np.array([2, 2, 0, 0, -1, -1, -1, -1], np.int32)
+    part = part.replace(group_ids=np.where(part.attention_mask, part_groups[:, None], -1))
     part_values = np.zeros_like(values)
     part_values[:4] = values[rows]
     got = np.asarray(gae(jax.device_put(part), part_values, cfg=grouped).advantages)
     np.testing.assert_allclose(got[:4], adv[rows], atol=1e-5)
     # The helper alone: ids need only be unique, not dense.
-    sparse = jax.jit(group_whiten)(out.advantages * 0 + values, mask, groups * 7 + 3)
+    dense_ids = np.broadcast_to(groups[:, None], mask.shape)
+    sparse = jax.jit(group_whiten)(values, mask, dense_ids * 7 + 3)
     np.testing.assert_allclose(
-        np.asarray(sparse), np.asarray(jax.jit(group_whiten)(values, mask, groups)), atol=1e-6
+        np.asarray(sparse), np.asarray(jax.jit(group_whiten)(values, mask, dense_ids)), atol=1e-6
     )

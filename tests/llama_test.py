@@ -1,4 +1,5 @@
-"""Model properties: prefill+decode == full forward, causality, padding side, bf16, remat."""
+"""Model properties: prefill+decode == full forward, causality, padding side, bf16, remat,
+packed shared-prompt rows == separate sequences, response-only log-probs == full."""
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,7 @@ from flax import nnx
 
 from streamrl_jax.model import config, llama
 from streamrl_jax.model.kv_cache import init_cache
+from streamrl_jax.model.segments import Segments
 
 _CFG = config.tiny(qkv_bias=True)  # biases on, so every parameter kind is exercised
 
@@ -141,3 +143,84 @@ def test_remat_gives_same_gradients(split):
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(remat), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(plain)) > 0
+
+
+def _packed_row():
+    """One row: unit 0 = prompt A (4 tokens) with responses r1 (3), r2 (2); unit 1 =
+    prompt B (2) with response r3 (3); 2 padding columns. Returns the row's arrays and,
+    per response, (the plain sequence prompt + response, the row's columns of it)."""
+    rng = np.random.default_rng(5)
+    pa, pb = rng.integers(0, 256, 4), rng.integers(0, 256, 2)
+    r1, r2, r3 = (rng.integers(0, 256, n) for n in (3, 2, 3))
+    # pA[:3] | pA[3] r1 | pA[3] r2 | pB[:1] | pB[1] r3 | pad pad
+    tokens = np.concatenate([pa[:3], pa[3:], r1, pa[3:], r2, pb[:1], pb[1:], r3, [0, 0]])
+    positions = [0, 1, 2, 3, 4, 5, 6, 3, 4, 5, 0, 1, 2, 3, 4, 0, 0]
+    prefix = [0] * 10 + [1] * 5 + [-1] * 2
+    segment = [0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 0, 3, 3, 3, 3, 0, 0]
+    row = [jnp.asarray(np.asarray(x, np.int32)[None]) for x in (tokens, positions, prefix, segment)]
+    pieces = [
+        (np.concatenate([pa, r1]), np.r_[0:3, 3:7]),
+        (np.concatenate([pa, r2]), np.r_[0:3, 7:10]),
+        (np.concatenate([pb, r3]), np.r_[10:11, 11:15]),
+    ]
+    return row, pieces
+
+
+def test_shared_prompt_rows_equal_separate_sequences(split):
+    """Each response of a packed row sees its prompt and itself only, at positions as if it
+    followed the prompt directly: its logits equal a plain forward of prompt + response."""
+    graphdef, params = split
+    (tokens, positions, prefix, segment), pieces = _packed_row()
+    segments = Segments(positions=positions, prefix_ids=prefix, segment_ids=segment)
+
+    @jax.jit
+    def packed(params, tokens):
+        model = nnx.merge(graphdef, params)
+        return model.logits(model.hidden_states(tokens, prefix >= 0, segments=segments))
+
+    got = np.asarray(packed(params, tokens))[0]
+    for seq, cols in pieces:
+        seq = jnp.asarray(seq[None], jnp.int32)
+        want = np.asarray(_forward(graphdef, params, seq, jnp.ones_like(seq)))[0]
+        np.testing.assert_allclose(got[cols], want, atol=1e-5)
+    # Another response's tokens change nothing here (r2 and unit 1 rewritten).
+    other = tokens.at[0, 7:].set((tokens[0, 7:] + 1) % _CFG.vocab_size)
+    again = np.asarray(packed(params, other))[0]
+    np.testing.assert_array_equal(again[:7], got[:7])
+
+
+@pytest.mark.parametrize("marked", [[[1, 5, 6], [10, 11, 12, 13]], [[0, 2, 3, 4, 7, 8], [15]]])
+def test_response_only_logprobs_equal_the_full_computation(split, marked):
+    """With `columns_BxL` only the listed positions are projected (gathered first, chunked
+    over L, padding entries >= T dropped): log-probs, entropies and gradients equal the
+    full computation there, and the rest is 0."""
+    graphdef, params = split
+    tokens = _tokens(2, 16, seed=3)
+    targets = jnp.roll(tokens, -1, axis=1)
+    width = 8  # > the longest row's count: padded with T = 16
+    columns = np.full((2, width), 16, np.int32)
+    loss_BxT = np.zeros((2, 16), bool)
+    for row, cols in enumerate(marked):
+        loss_BxT[row, cols] = True
+        columns[row, : len(cols)] = cols
+    loss_BxT, columns = jnp.asarray(loss_BxT), jnp.asarray(columns)
+
+    def run(params, columns):
+        return nnx.merge(graphdef, params).token_logprobs(
+            tokens, targets, jnp.ones_like(tokens), chunk=4, columns_BxL=columns
+        )
+
+    def objective(params, columns):
+        logp, ent = run(params, columns)
+        return jnp.sum(jnp.where(loss_BxT, logp + 0.1 * ent, 0.0))
+
+    (logp, ent), (logp_full, ent_full) = jax.jit(run)(params, columns), jax.jit(run)(params, None)
+    np.testing.assert_allclose(logp[loss_BxT], logp_full[loss_BxT], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(ent[loss_BxT], ent_full[loss_BxT], rtol=1e-6, atol=1e-6)
+    assert not np.asarray(logp)[~loss_BxT].any() and not np.asarray(ent)[~loss_BxT].any()
+    grad = jax.jit(jax.grad(objective), static_argnums=())
+    g_only, g_full = grad(params, columns), grad(params, None)
+    scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g_full))
+    assert scale > 0
+    for a, b in zip(jax.tree.leaves(g_only), jax.tree.leaves(g_full), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * scale)

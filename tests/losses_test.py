@@ -249,3 +249,34 @@ def test_dapo_has_ppo_clips_arguments_with_clip_higher_default():
     ppo = inspect.signature(losses.ppo_clip).parameters
     assert list(dapo) == list(ppo)
     assert (dapo["clip_eps_high"].default, ppo["clip_eps_high"].default) == (0.28, 0.2)
+
+
+def _pack_pairs(*arrays_BxT):
+    """Rows 2k and 2k+1 side by side in one row (B odd: the last row with zeros), and the
+    segment ids (1 on the first half, 2 on the second) that name the two sequences."""
+    out = []
+    for x in arrays_BxT:
+        if x.shape[0] % 2:
+            x = np.concatenate([x, np.zeros_like(x[:1])])
+        out.append(np.concatenate([x[0::2], x[1::2]], axis=1))
+    b, t = out[0].shape
+    segments = np.broadcast_to(np.repeat(np.int32([1, 2]), t // 2)[None], (b, t)).copy()
+    return (*out, segments)
+
+
+@pytest.mark.parametrize("aggregation", AGGS)
+def test_packed_rows_aggregate_like_one_sequence_per_row(aggregation):
+    # Two sequences per row, named by segment ids: the same loss and normaliser.
+    logp, old, adv, mask, behaviour = _batch(3)
+    packed = _pack_pairs(logp, old, adv, mask, behaviour)
+    kw = dict(aggregation=aggregation, normalizer=7.0)
+    want = _run(functools.partial(losses.ppo_clip, **kw), logp, old, adv, mask)
+    got = _run(lambda *a: losses.ppo_clip(*a[:4], segment_ids_BxT=a[5], **kw), *packed)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    n_seq = _run(losses.normalizer_part, mask, aggregation=aggregation)
+    n_packed = _run(
+        lambda m, s: losses.normalizer_part(m, aggregation, segment_ids_BxT=s), packed[3], packed[5]
+    )
+    assert n_seq == n_packed == _full_normalizer(mask, aggregation)
+    if aggregation != "token_mean":
+        assert n_packed == (mask.sum(axis=1) > 0).sum()  # sequences, not rows

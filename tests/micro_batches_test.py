@@ -27,14 +27,17 @@ def _scored(group, member, score, version=0, length=3):
     return Scored(sample, "text", reward)
 
 
-def _pack(groups, gate, stats):
+def _pack(groups, gate, stats, shared_prompt=False, pack=False, seq_buckets=(16,)):
     return pack_groups(
         2,
         groups,
         gate=gate,
         advantage="grpo",
-        seq_buckets=(16,),
-        batch_buckets=(8,),
+        seq_buckets=seq_buckets,
+        batch_buckets=(1, 8),
+        shared_prompt=shared_prompt,
+        pack=pack,
+        loss_chunk=128,
         pad_id=0,
         stats=stats,
     )
@@ -63,3 +66,21 @@ def test_stale_groups_are_dropped_and_counted():
     stale = [[_scored(0, 0, 1.0, version=1), _scored(0, 1, 0.0, version=2)]]
     assert _pack(stale, gate, stats) is None
     assert gate.dropped == 1 and stats["reward"] == []
+
+
+def test_shared_prompt_packed_groups_keep_the_advantages():
+    # The trainer's default layout: each group's prompt once, both groups in one row.
+    gate = VersionGate(Schedule.from_config(PipelineSection(mode="stream_sync")), strict=False)
+    groups = [
+        [_scored(0, 0, 1.0, version=2), _scored(0, 1, 0.0, version=2)],
+        [_scored(1, 0, 0.5, version=2), _scored(1, 1, 0.5, version=2)],
+    ]
+    stats = {k: [] for k in ("reward", "correct", "format_ok", "length", "truncated", "versions")}
+    plain = _pack(groups, gate, dict(stats))
+    packed = _pack(groups, gate, stats, shared_prompt=True, pack=True, seq_buckets=(16, 32))
+    # Per group: (4 - 1) + 2 * (3 + 1) = 11 columns; both in one 32-column row.
+    assert packed.tokens.shape == (1, 32) and packed.attention_mask.sum() == 22
+    assert packed.loss_mask.sum() == plain.loss_mask.sum() == 12
+    adv = packed.advantages[packed.loss_mask]
+    np.testing.assert_array_equal(adv, plain.advantages[plain.loss_mask])
+    np.testing.assert_array_equal(packed.group_ids[0, :22], [0] * 11 + [1] * 11)

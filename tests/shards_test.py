@@ -42,12 +42,20 @@ def test_pad_batch_keeps_rows_and_masks_the_padding():
         seq_buckets=(8, 16),
         batch_buckets=(4, 8),
         pad_id=0,
+        loss_chunk=3,
     )
-    padded = pad_batch(batch, rows=2, seq=16, pad_id=0)  # cut padding rows, widen
-    assert padded.tokens.shape == (2, 16) and padded.rewards.shape == (2,)
+    padded = pad_batch(batch, rows=2, seq=16, pad_id=0, width=5)  # cut padding rows, widen
+    assert padded.tokens.shape == (2, 16) and padded.rewards.shape == (2, 16)
     np.testing.assert_array_equal(padded.tokens[:, :8], batch.tokens[:2])
     assert not padded.attention_mask[:, 8:].any() and not padded.loss_mask[:, 8:].any()
+    assert (padded.prefix_ids[:, 8:] == -1).all() and (padded.group_ids[:, 8:] == -1).all()
+    np.testing.assert_array_equal(padded.positions[:, :8], batch.positions[:2])
+    # Loss columns keep their places; every padding entry points past the new row end.
+    np.testing.assert_array_equal(batch.loss_columns[:2], [[1, 2, 3], [0, 8, 8]])
+    np.testing.assert_array_equal(padded.loss_columns, [[1, 2, 3, 16, 16], [0, 16, 16, 16, 16]])
     np.testing.assert_array_equal(padded.advantages[:, :8], batch.advantages[:2])
     empty = pad_batch(None, rows=2, seq=8, pad_id=3)
     assert (empty.tokens == 3).all() and not empty.loss_mask.any()
     assert not empty.attention_mask.any() and (empty.rewards == 0).all()
+    assert (empty.prefix_ids == -1).all() and not empty.segment_ids.any()
+    assert empty.loss_columns.shape == (2, 1) and (empty.loss_columns == 8).all()

@@ -34,6 +34,7 @@ def test_layout_alignment_and_padding_rows():
         seq_buckets=SEQ,
         batch_buckets=BATCH,
         pad_id=0,
+        loss_chunk=3,
     )
     assert batch.shape == (4, 8)  # 3 rows -> bucket 4; longest 5 tokens -> bucket 8
     np.testing.assert_array_equal(batch.tokens[0], [5, 6, 7, 8, 9, 0, 0, 0])
@@ -49,9 +50,19 @@ def test_layout_alignment_and_padding_rows():
     np.testing.assert_array_equal(batch.behaviour_logp[1, :3], [-3.0, -4.0, -5.0])
     np.testing.assert_array_equal(batch.old_logp, batch.behaviour_logp)  # behaviour-as-old
     np.testing.assert_array_equal(batch.ref_logp[0, 2:4], np.float32([-0.5, -0.6]))
-    np.testing.assert_array_equal(batch.rewards, [1.0, 0.0, 0.5, 0.0])
+    # The outcome reward sits on each sequence's last loss column (none for an empty one).
+    assert batch.rewards.shape == (4, 8) and batch.rewards[0, 3] == batch.rewards.sum() == 1.0
     assert batch.tokens.dtype == np.int32 and batch.loss_mask.dtype == bool
     assert not batch.returns.any() and not batch.old_values.any()
+    # One sequence per row: positions count the row's tokens, the prompt's last token
+    # opens the response's segment, padding is unit -1.
+    np.testing.assert_array_equal(batch.positions[0], [0, 1, 2, 3, 4, 0, 0, 0])
+    np.testing.assert_array_equal(batch.segment_ids[0], [0, 0, 1, 1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(batch.prefix_ids[0], [0, 0, 0, 0, 0, -1, -1, -1])
+    np.testing.assert_array_equal(batch.group_ids[:, 0], [0, 1, 2, -1])  # 0..N-1 by default
+    assert (batch.prefix_ids >= 0).tolist() == batch.attention_mask.tolist()
+    # Each row's loss columns, padded with T; width: the longest row's 3 (one chunk).
+    np.testing.assert_array_equal(batch.loss_columns, [[2, 3, 8], [0, 1, 2], [8] * 3, [8] * 3])
 
 
 def test_errors_name_the_field():
@@ -74,20 +85,96 @@ def test_errors_name_the_field():
         bucket(9, (4, 8), "x")
 
 
-def test_forward_logprobs_match_plain_full_forward():
+def test_shared_prompt_rows_and_packing():
+    # Group 7: prompt (5, 6, 7), responses (8, 9), (10), (); group 9: prompt (1), (2, 3), (4).
+    prompts = [[5, 6, 7]] * 3 + [[1]] * 2
+    responses = [[8, 9], [10], [], [2, 3], [4]]
+    kw = dict(
+        behaviour_logp=[np.full(len(r), -1.0) for r in responses],
+        advantages=[0.1, 0.2, 0.3, 0.4, 0.5],
+        rewards=[1.0, 2.0, 3.0, 4.0, 5.0],
+        group_ids=[7, 7, 7, 9, 9],
+        batch_buckets=(2, 4),
+        shared_prompt=True,
+    )
+    batch = make_batch(prompts, responses, seq_buckets=(8, 16), loss_chunk=2, **kw)
+    # One row per group: the prompt's first P-1 tokens once, then per response a copy
+    # of the prompt's last token (it predicts the response's first token) and the
+    # response; RoPE positions restart at P-1 for every response.
+    assert batch.shape == (2, 8)  # (3-1) + (2+1) + (1+1) + (0+1) = 8 columns
+    np.testing.assert_array_equal(batch.tokens[0], [5, 6, 7, 8, 9, 7, 10, 7])
+    np.testing.assert_array_equal(batch.positions[0], [0, 1, 2, 3, 4, 2, 3, 2])
+    np.testing.assert_array_equal(batch.segment_ids[0], [0, 0, 1, 1, 1, 2, 2, 3])
+    np.testing.assert_array_equal(np.flatnonzero(batch.loss_mask[0]), [2, 3, 5])
+    np.testing.assert_array_equal(batch.advantages[0], np.float32([0, 0, 0.1, 0.1, 0, 0.2, 0, 0]))
+    np.testing.assert_array_equal(batch.rewards[0], [0, 0, 0, 1.0, 0, 2.0, 0, 0])
+    np.testing.assert_array_equal(batch.group_ids[0], [7] * 8)
+    np.testing.assert_array_equal(batch.tokens[1, :5], [1, 2, 3, 1, 4])  # P = 1: no prefix
+    np.testing.assert_array_equal(batch.positions[1, :5], [0, 1, 2, 0, 1])
+    np.testing.assert_array_equal(batch.segment_ids[1, :5], [1, 1, 1, 2, 2])
+    np.testing.assert_array_equal(np.flatnonzero(batch.loss_mask[1]), [0, 1, 3])
+    np.testing.assert_array_equal(batch.prefix_ids[1], [0] * 5 + [-1] * 3)
+    np.testing.assert_array_equal(batch.group_ids[1], [9] * 5 + [-1] * 3)
+    np.testing.assert_array_equal(batch.loss_columns, [[2, 3, 5, 8], [0, 1, 3, 8]])  # 2 chunks
+
+    # Packing: both groups in one 16-column row (longest first), ids go on in the row.
+    packed = make_batch(prompts, responses, seq_buckets=(16,), pack=True, **kw)
+    assert packed.shape == (2, 16) and not packed.attention_mask[1].any()
+    np.testing.assert_array_equal(packed.tokens[0, :13], [*batch.tokens[0], 1, 2, 3, 1, 4])
+    np.testing.assert_array_equal(packed.prefix_ids[0], [0] * 8 + [1] * 5 + [-1] * 3)
+    np.testing.assert_array_equal(packed.segment_ids[0, 8:13], [4, 4, 4, 5, 5])
+    np.testing.assert_array_equal(packed.positions[0, :13], [*batch.positions[0], 0, 1, 2, 0, 1])
+    for name in ("loss_mask", "advantages", "rewards", "behaviour_logp", "group_ids"):
+        got, want = getattr(packed, name)[0], getattr(batch, name)
+        np.testing.assert_array_equal(got[:13], np.concatenate([want[0], want[1, :5]]), name)
+
+
+def test_a_group_longer_than_a_row_is_split_and_a_long_sample_is_an_error():
+    prompts, responses = [[1, 2, 3, 4]] * 3, [np.arange(10, 15)] * 3
+    kw = dict(seq_buckets=(8, 16), batch_buckets=(4,), shared_prompt=True, pack=True)
+    behaviour = [np.zeros(5)] * 3
+    batch = make_batch(prompts, responses, behaviour_logp=behaviour, group_ids=[0, 0, 0], **kw)
+    # 3 + 3 * 6 = 21 > 16 columns: responses 1-2 (15 columns) and 3 (9), each with the
+    # prompt; they do not fit one row together.
+    assert batch.shape == (4, 16)
+    np.testing.assert_array_equal(batch.attention_mask.sum(axis=1), [15, 9, 0, 0])
+    np.testing.assert_array_equal(batch.tokens[1, :4], [1, 2, 3, 4])
+    assert batch.loss_mask.sum() == 15 and set(batch.segment_ids[1, 3:9]) == {1}
+    with pytest.raises(ValueError, match="sequence length .prompt . response.: 20"):
+        make_batch([np.arange(10)], [np.arange(10)], behaviour_logp=[np.zeros(10)], **kw)
+
+
+def _sequences(batch):
+    """{response tokens: (row, loss columns)} of every trained sequence of a batch."""
+    out = {}
+    for row in range(batch.shape[0]):
+        for k in set(batch.segment_ids[row][batch.loss_mask[row]]):
+            cols = np.flatnonzero((batch.segment_ids[row] == k) & batch.loss_mask[row])
+            out[tuple(batch.tokens[row, cols + 1])] = (row, cols)
+    return out
+
+
+@pytest.mark.parametrize("shared, pack", [(False, False), (True, False), (True, True)])
+def test_forward_logprobs_match_plain_full_forward(shared, pack):
+    """Response-only log-probs (the policy's forward projects the loss columns only) equal
+    log_softmax of a plain full forward of each sample alone, in every layout."""
     cfg = model_config.tiny()
     graphdef, params = nnx.split(llama.create(cfg, 0))
     cfg_chunk4 = TrainerConfig(logprob_chunk=4)
     forward = jax.jit(lambda p, b: policy_forward(nnx.merge(graphdef, p), cfg_chunk4, b))
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 256, n) for n in (3, 1, 6)]
-    responses = [rng.integers(0, 256, n) for n in (4, 7, 2)]
+    prompts = [rng.integers(0, 256, n) for n in (3, 3, 3, 1, 6)]
+    prompts[1] = prompts[2] = prompts[0]  # samples 0-2: one group
+    responses = [rng.integers(0, 256, n) for n in (4, 7, 2, 7, 2)]
     host = make_batch(
         prompts,
         responses,
         behaviour_logp=[np.zeros(len(r)) for r in responses],
-        seq_buckets=(16,),
-        batch_buckets=(4,),
+        group_ids=[0, 0, 0, 1, 2],
+        seq_buckets=(16, 32),
+        batch_buckets=(2, 4, 8),
+        shared_prompt=shared,
+        pack=pack,
     )
     got = np.asarray(forward(params, jax.device_put(host)))
 
@@ -99,9 +186,15 @@ def test_forward_logprobs_match_plain_full_forward():
         logits = model.logits(model.hidden_states(tokens_BxT, jnp.ones_like(tokens_BxT)))
         return jax.nn.log_softmax(logits, axis=-1)
 
-    logp_full = np.asarray(full_logp(params, jnp.asarray(host.tokens)))
+    plain = np.zeros((len(prompts), 16), np.int32)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        plain[i, : len(p) + len(r)] = np.concatenate([p, r])
+    logp_full = np.asarray(full_logp(params, jnp.asarray(plain)))
+    sequences = _sequences(host)
+    assert len(sequences) == len(prompts)
     for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         # response token j (at column len(p) + j) is predicted at column len(p) + j - 1
         want = logp_full[i, np.arange(len(p) - 1, len(p) + len(r) - 1), r]
-        np.testing.assert_allclose(got[i][host.loss_mask[i]], want, rtol=1e-5, atol=1e-5)
-        assert not got[i][~host.loss_mask[i]].any()
+        row, cols = sequences[tuple(r)]
+        np.testing.assert_allclose(got[row, cols], want, rtol=1e-5, atol=1e-5)
+    assert not got[~host.loss_mask].any()  # only loss positions are computed

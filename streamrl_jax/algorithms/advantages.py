@@ -277,6 +277,7 @@ def gae(
     *,
     gamma: float = 1.0,
     lam: float = 0.95,
+    segment_ids_BxT: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Generalised advantage estimation (Schulman et al. 2016) with a critic.
 
@@ -286,8 +287,11 @@ def gae(
       returns_t = A_t + V_t,
     where V_next, A_next are those of the next *unmasked* token (0 after the
     last one: the response ends the episode, also when it was truncated at the
-    length limit). Outputs are 0 where m_t = 0. Use `last_token_rewards` (and
-    optionally subtract `beta * kl_BxT`) to build `token_rewards_BxT`.
+    length limit). With `segment_ids_BxT` a row holds several sequences (packed
+    rows, `algorithms.losses`): the next unmasked token counts only if it is in
+    the same segment, so each sequence is its own episode. Outputs are 0 where
+    m_t = 0. Use `last_token_rewards` (and optionally subtract `beta * kl_BxT`)
+    to build `token_rewards_BxT`.
 
     Args:
       token_rewards_BxT: f32[B, T] per-token rewards.
@@ -295,6 +299,8 @@ def gae(
       mask_BxT: [B, T] response mask (bool or float).
       gamma: discount.
       lam: GAE lambda.
+      segment_ids_BxT: i32[B, T] the sequence of each column within its row;
+        None = one sequence per row.
 
     Returns:
       `(advantages_BxT, returns_BxT)`, both f32[B, T].
@@ -311,7 +317,23 @@ def gae(
         return carry, a_B * m_B
 
     zeros_B = jnp.zeros_like(r_TxB[0])
-    _, adv_TxB = jax.lax.scan(step, (zeros_B, zeros_B), (r_TxB, v_TxB, m_TxB), reverse=True)
+    if segment_ids_BxT is None:
+        _, adv_TxB = jax.lax.scan(step, (zeros_B, zeros_B), (r_TxB, v_TxB, m_TxB), reverse=True)
+    else:
+
+        def segment_step(carry, xs):
+            next_v_B, next_a_B, next_seg_B = carry
+            r_B, v_B, m_B, seg_B = xs
+            # The carried token belongs to another sequence: this one ends here.
+            same_B = (seg_B == next_seg_B).astype(_F32)
+            (next_v_B, next_a_B), a_B = step((same_B * next_v_B, same_B * next_a_B), xs[:3])
+            next_seg_B = jnp.where(m_B > 0, seg_B, next_seg_B)
+            return (next_v_B, next_a_B, next_seg_B), a_B
+
+        seg_TxB = segment_ids_BxT.astype(jnp.int32).T
+        carry = (zeros_B, zeros_B, jnp.full_like(seg_TxB[0], -1))
+        xs = (r_TxB, v_TxB, m_TxB, seg_TxB)
+        _, adv_TxB = jax.lax.scan(segment_step, carry, xs, reverse=True)
     adv_BxT = adv_TxB.T
     return adv_BxT, (adv_BxT + v_TxB.T) * m_TxB.T
 

@@ -21,7 +21,7 @@ whenever every micro-batch gets the same `normalizer` N, the global value:
 | `seq_mean_token_sum`  | sum_t m_it l_it                       | number of sequences           |
 | `seq_mean_token_mean` | sum_t m_it l_it / sum_t m_it          | number of sequences           |
 
-"Number of sequences" counts rows with at least one response token
+"Number of sequences" counts sequences with at least one response token
 (`normalizer_part`). `normalizer_part(mask_BxT, aggregation)` is a micro-batch's
 share of N; summed over the micro-batches of a batch it is N. Dr.GRPO's
 constant normaliser is `seq_mean_token_sum` with N = num_sequences * T_max.
@@ -40,6 +40,17 @@ Metrics are also additive: loss components are already divided by N; token
 statistics are returned as `*_sum` over the micro-batch plus `num_tokens`.
 Sum the dicts over micro-batches, then call `finalize_metrics` (on the host,
 or on device inside the trainer's `apply`: one implementation for both).
+
+## Sequences in packed rows
+
+By default row i is one sequence. A packed row (several sequences, or a
+prompt shared by several responses: `trainer/batch.py`) names its sequences by
+`segment_ids_BxT` (i32, k >= 1 on the columns of sequence k of its row, ids
+unique within a row); every function here takes it as an optional keyword.
+Only the `seq_mean_*` aggregations read it (the per-sequence token count of
+`seq_mean_token_mean` and the sequence count of `normalizer_part`); token sums
+do not depend on how tokens are grouped into rows, so a packed batch gives the
+same loss as its one-sequence-per-row layout up to float summation order.
 
 ## Old log-probs and truncated importance sampling
 
@@ -78,21 +89,49 @@ def _check_aggregation(aggregation: str) -> None:
         raise ValueError(f"aggregation={aggregation!r}; expected one of {AGGREGATIONS}")
 
 
-def normalizer_part(mask_BxT: jax.Array, aggregation: str) -> jax.Array:
+def _sequence_keys(segment_ids_BxT: jax.Array) -> jax.Array:
+    """i32[B, T]: b * (T + 1) + segment, one key per sequence (row b, segment k)."""
+    b, t = segment_ids_BxT.shape
+    return jnp.arange(b, dtype=jnp.int32)[:, None] * (t + 1) + segment_ids_BxT
+
+
+def sequence_sums(x_BxT: jax.Array, segment_ids_BxT: jax.Array) -> jax.Array:
+    """f32[B * (T + 1)]: the sum of x over each sequence, at its `_sequence_keys` key."""
+    b, t = x_BxT.shape
+    keys = _sequence_keys(segment_ids_BxT).reshape(-1)
+    return jax.ops.segment_sum(x_BxT.astype(_F32).reshape(-1), keys, num_segments=b * (t + 1))
+
+
+def _sequence_token_counts(mask_BxT: jax.Array, segment_ids_BxT: jax.Array) -> jax.Array:
+    """f32[B, T]: at each column, the masked tokens of its sequence."""
+    return sequence_sums(mask_BxT, segment_ids_BxT)[_sequence_keys(segment_ids_BxT)]
+
+
+def normalizer_part(
+    mask_BxT: jax.Array, aggregation: str, segment_ids_BxT: jax.Array | None = None
+) -> jax.Array:
     """This micro-batch's share of the global normaliser N (f32 scalar).
 
-    Tokens for `token_mean`; rows with at least one response token for the
-    `seq_mean_*` modes. Summed over all micro-batches of a batch, it is N.
+    Tokens for `token_mean`; sequences (rows, or (row, segment) with
+    `segment_ids_BxT`) with at least one response token for the `seq_mean_*`
+    modes. Summed over all micro-batches of a batch, it is N.
     """
     _check_aggregation(aggregation)
     mask_BxT = mask_BxT.astype(_F32)
     if aggregation == "token_mean":
         return jnp.sum(mask_BxT)
+    if segment_ids_BxT is not None:
+        return jnp.sum((sequence_sums(mask_BxT, segment_ids_BxT) > 0).astype(_F32))
     return jnp.sum((jnp.sum(mask_BxT, axis=1) > 0).astype(_F32))
 
 
 def aggregate(
-    loss_BxT: jax.Array, mask_BxT: jax.Array, *, aggregation: str, normalizer: jax.Array | float
+    loss_BxT: jax.Array,
+    mask_BxT: jax.Array,
+    *,
+    aggregation: str,
+    normalizer: jax.Array | float,
+    segment_ids_BxT: jax.Array | None = None,
 ) -> jax.Array:
     """S_micro / N for per-token losses l_it (see the module table).
 
@@ -101,12 +140,17 @@ def aggregate(
       mask_BxT: [B, T] response mask (bool or float).
       aggregation: one of `AGGREGATIONS`.
       normalizer: the global N (or 1.0 to normalise after accumulation).
+      segment_ids_BxT: the sequences of packed rows (module docstring); None =
+        one sequence per row.
 
     Returns:
       f32 scalar.
     """
     _check_aggregation(aggregation)
     mask_BxT = mask_BxT.astype(_F32)
+    if aggregation == "seq_mean_token_mean" and segment_ids_BxT is not None:
+        count_BxT = jnp.maximum(_sequence_token_counts(mask_BxT, segment_ids_BxT), 1.0)
+        return jnp.sum(loss_BxT.astype(_F32) * mask_BxT / count_BxT) / normalizer
     per_seq_B = jnp.sum(loss_BxT.astype(_F32) * mask_BxT, axis=1)
     if aggregation == "seq_mean_token_mean":
         per_seq_B = per_seq_B / jnp.maximum(jnp.sum(mask_BxT, axis=1), 1.0)
@@ -130,6 +174,7 @@ def ppo_clip(
     dual_clip_c: float | None = None,
     behaviour_logp_BxT: jax.Array | None = None,
     tis_cap: float | None = None,
+    segment_ids_BxT: jax.Array | None = None,
 ) -> tuple[jax.Array, Metrics]:
     """PPO clipped surrogate with optional dual clip and truncated IS.
 
@@ -151,6 +196,7 @@ def ppo_clip(
       dual_clip_c: c of the dual clip (e.g. 3.0), None to disable.
       behaviour_logp_BxT: f32[B, T] recorded sampler log-probs log mu, for TIS.
       tis_cap: the cap of w; required with `behaviour_logp_BxT`.
+      segment_ids_BxT: the sequences of packed rows (module docstring).
 
     Returns:
       `(loss, metrics)`: f32 scalar S_micro / N and additive metrics.
@@ -179,7 +225,13 @@ def ppo_clip(
         loss_BxT = loss_BxT * w_BxT
         metrics["tis_weight_sum"] = _token_sum(w_BxT, mask_BxT)
         metrics["tis_capped_frac_sum"] = _token_sum(jnp.exp(log_w_BxT) > tis_cap, mask_BxT)
-    loss = aggregate(loss_BxT, mask_BxT, aggregation=aggregation, normalizer=normalizer)
+    loss = aggregate(
+        loss_BxT,
+        mask_BxT,
+        aggregation=aggregation,
+        normalizer=normalizer,
+        segment_ids_BxT=segment_ids_BxT,
+    )
     metrics |= {
         "pg_loss": jax.lax.stop_gradient(loss),
         "num_tokens": jnp.sum(mask_BxT),
@@ -222,13 +274,20 @@ def kl_loss(
     normalizer: jax.Array | float,
     aggregation: str = "token_mean",
     estimator: str = "k3",
+    segment_ids_BxT: jax.Array | None = None,
 ) -> tuple[jax.Array, Metrics]:
     """KL(pi_theta || pi_ref) penalty: aggregate of k_est(log pi_theta, log pi_ref).
 
     See `algorithms.kl` for the estimators (`k1`, `k2`, `k3`).
     """
     kl_BxT = kl_lib.KL_ESTIMATORS[estimator](logp_BxT, ref_logp_BxT)
-    loss = aggregate(kl_BxT, mask_BxT, aggregation=aggregation, normalizer=normalizer)
+    loss = aggregate(
+        kl_BxT,
+        mask_BxT,
+        aggregation=aggregation,
+        normalizer=normalizer,
+        segment_ids_BxT=segment_ids_BxT,
+    )
     return loss, {"kl_loss": jax.lax.stop_gradient(loss)}
 
 
@@ -244,9 +303,16 @@ def entropy_bonus(
     *,
     normalizer: jax.Array | float,
     aggregation: str = "token_mean",
+    segment_ids_BxT: jax.Array | None = None,
 ) -> tuple[jax.Array, Metrics]:
     """Aggregated entropy H (to be *subtracted*: loss -= entropy_coef * H)."""
-    ent = aggregate(entropy_BxT, mask_BxT, aggregation=aggregation, normalizer=normalizer)
+    ent = aggregate(
+        entropy_BxT,
+        mask_BxT,
+        aggregation=aggregation,
+        normalizer=normalizer,
+        segment_ids_BxT=segment_ids_BxT,
+    )
     return ent, {"entropy": jax.lax.stop_gradient(ent)}
 
 
@@ -259,6 +325,7 @@ def value_loss(
     normalizer: jax.Array | float,
     aggregation: str = "token_mean",
     clip_eps: float | None = 0.2,
+    segment_ids_BxT: jax.Array | None = None,
 ) -> tuple[jax.Array, Metrics]:
     """PPO clipped value loss.
 
@@ -278,7 +345,13 @@ def value_loss(
         clipped_BxT = jnp.square(v_clip_BxT - ret_BxT)
         metrics["vf_clip_frac_sum"] = _token_sum(clipped_BxT > loss_BxT, mask_BxT)
         loss_BxT = jnp.maximum(loss_BxT, clipped_BxT)
-    loss = aggregate(0.5 * loss_BxT, mask_BxT, aggregation=aggregation, normalizer=normalizer)
+    loss = aggregate(
+        0.5 * loss_BxT,
+        mask_BxT,
+        aggregation=aggregation,
+        normalizer=normalizer,
+        segment_ids_BxT=segment_ids_BxT,
+    )
     metrics["vf_loss"] = jax.lax.stop_gradient(loss)
     return loss, metrics
 
@@ -300,17 +373,20 @@ def actor_loss(
     kl_estimator: str = "k3",
     entropy_BxT: jax.Array | None = None,
     entropy_coef: float = 0.0,
+    segment_ids_BxT: jax.Array | None = None,
 ) -> tuple[jax.Array, Metrics]:
     """Policy loss + kl_coef * KL(pi || pi_ref) - entropy_coef * H, all with one N.
 
     `policy_loss` names an entry of `POLICY_LOSSES`; `policy_options` are its
     keyword hyper-parameters (`clip_eps_low`, `clip_eps_high`, `dual_clip_c`).
     The KL term is the in-loss penalty (GRPO style); KL in the reward goes to
-    the advantage functions instead.
+    the advantage functions instead. `segment_ids_BxT` names the sequences of
+    packed rows (module docstring) for every term.
 
     Returns:
       `(loss, metrics)`: scalar S_micro / N and the merged additive metrics.
     """
+    seq = {"segment_ids_BxT": segment_ids_BxT}
     loss, metrics = POLICY_LOSSES[policy_loss](
         logp_BxT,
         old_logp_BxT,
@@ -320,6 +396,7 @@ def actor_loss(
         aggregation=aggregation,
         behaviour_logp_BxT=behaviour_logp_BxT,
         tis_cap=tis_cap,
+        **seq,
         **(policy_options or {}),
     )
     if kl_coef:
@@ -332,13 +409,14 @@ def actor_loss(
             normalizer=normalizer,
             aggregation=aggregation,
             estimator=kl_estimator,
+            **seq,
         )
         loss, metrics = loss + kl_coef * kl, metrics | kl_metrics
     if entropy_coef:
         if entropy_BxT is None:
             raise ValueError("entropy_coef > 0 needs entropy_BxT")
         ent, ent_metrics = entropy_bonus(
-            entropy_BxT, mask_BxT, normalizer=normalizer, aggregation=aggregation
+            entropy_BxT, mask_BxT, normalizer=normalizer, aggregation=aggregation, **seq
         )
         loss, metrics = loss - entropy_coef * ent, metrics | ent_metrics
     metrics["loss"] = jax.lax.stop_gradient(loss)

@@ -46,6 +46,7 @@ from streamrl_jax.config.sections import (
     OptimizerSection,
     PipelineSection,
     SchedulingSection,
+    TrainerSection,
 )
 
 __all__ = [
@@ -78,6 +79,7 @@ __all__ = [
     "EvalSection",
     "LogSection",
     "SchedulingSection",
+    "TrainerSection",
     "CheckpointSection",
     "ExperimentConfig",
     "RULES",

@@ -45,6 +45,7 @@ from streamrl_jax.config.sections import (
     OptimizerSection,
     PipelineSection,
     SchedulingSection,
+    TrainerSection,
 )
 
 
@@ -138,6 +139,7 @@ RULES: dict[type, dict[str, _Rule]] = {
         **dict.fromkeys(("gamma", "lam"), _unit()),
         "whiten": _one_of(WHITENING),
     },
+    TrainerSection: {"row_tokens": _NONNEG},
     DataSection: {
         **dict.fromkeys(("train_seed", "eval_seed", "format_reward"), _NONNEG),
         "train_size": _COUNT,
@@ -244,6 +246,11 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         g.max_prompt_len + g.max_new_tokens <= cfg.model.max_context,
         f"generation.max_prompt_len + max_new_tokens ({g.max_prompt_len + g.max_new_tokens}) "
         f"exceeds model.max_context ({cfg.model.max_context})",
+    )
+    _require(
+        cfg.trainer.row_tokens == 0 or cfg.trainer.row_tokens >= cfg.model.max_context,
+        f"trainer.row_tokens ({cfg.trainer.row_tokens}) must be 0 (auto) or >= "
+        f"model.max_context ({cfg.model.max_context}): every sample must fit one row",
     )
     _require(
         cfg.data.train_seed != cfg.data.eval_seed,

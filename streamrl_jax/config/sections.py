@@ -146,6 +146,23 @@ class CriticSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainerSection:
+    """How the trainer lays out a micro-batch (trainer/batch.py, trainer/packing.py).
+
+    Both switches change only the layout, never the loss or its gradient (beyond
+    float summation order), for every advantage estimator and aggregation.
+    """
+
+    # a GRPO group's prompt runs once per row and its G responses follow it, each
+    # attending to the prompt and to itself: P + G*R (+ G - 1) trained tokens, not G*(P + R)
+    shared_prompt: bool = True
+    pack: bool = True  # several groups (or samples) share a row when they fit
+    # longest training row in tokens; a longer group is split over rows, each with the
+    # prompt (0 = auto: max(model.max_context, min(the longest possible group, 1024)))
+    row_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DataSection:
     """Prompts and rewards (reasoning-gym tasks)."""
 
@@ -226,6 +243,7 @@ class ExperimentConfig:
     algorithm: AlgorithmSection = AlgorithmSection()
     optimizer: OptimizerSection = OptimizerSection()
     critic: CriticSection = CriticSection()
+    trainer: TrainerSection = TrainerSection()
     data: DataSection = DataSection()
     eval: EvalSection = EvalSection()
     log: LogSection = LogSection()

@@ -3,7 +3,10 @@
 * Training: `token_logprobs(tokens, targets, mask)` runs the full sequence and
   returns per-token log-probs of the targets and the entropy, computed over
   sequence chunks under `jax.checkpoint` so the full-vocabulary logits are never
-  held twice (nor kept for the backward pass).
+  held twice (nor kept for the backward pass); given the trained positions
+  (`columns_BxL`) it projects only those. Packed rows (several sequences, a
+  prompt shared by several responses) pass `segments` (`model.segments`):
+  explicit positions and the shared-prefix attention rule.
 * Generation: `prefill` writes prompts into KV-cache slots and returns the
   next-token logits; `decode` advances every slot by one token.
 
@@ -27,6 +30,7 @@ from flax import nnx
 from streamrl_jax.model import layers
 from streamrl_jax.model.config import ModelConfig
 from streamrl_jax.model.kv_cache import KVCache
+from streamrl_jax.model.segments import Segments
 
 # name -> (shape given (L, E, H, K, D, M), logical axes, initialiser kind)
 _BLOCK_PARAMS: dict[str, tuple[Callable[..., tuple[int, ...]], tuple[str, ...], str]] = {
@@ -127,19 +131,29 @@ class Llama(nnx.Module):
         return x, ks, vs
 
     # ---------------------------------------------------------------- training
-    def hidden_states(self, tokens_BxT: jax.Array, mask_BxT: jax.Array) -> jax.Array:
+    def hidden_states(
+        self, tokens_BxT: jax.Array, mask_BxT: jax.Array, *, segments: Segments | None = None
+    ) -> jax.Array:
         """Last-layer hidden states (before the final norm) of a padded batch.
 
         Args:
           tokens_BxT: i32 token ids; padding may be on either side.
-          mask_BxT: bool/int, 1 on real tokens. Positions count real tokens only,
-            so a left-padded and a right-padded copy of a sequence agree.
+          mask_BxT: bool/int, 1 on real tokens. Without `segments`, positions count
+            real tokens only, so a left-padded and a right-padded copy of a sequence
+            agree.
+          segments: packed rows (several sequences, shared prefixes): explicit
+            positions and the attention rule of `model.segments`; None = one
+            sequence per row.
         """
         mask = mask_BxT.astype(bool)
-        positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
-        t = tokens_BxT.shape[1]
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        attn_mask = causal[None] & mask[:, None, :]
+        if segments is None:
+            positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+            t = tokens_BxT.shape[1]
+            causal = jnp.tril(jnp.ones((t, t), bool))
+            attn_mask = causal[None] & mask[:, None, :]
+        else:
+            positions = segments.positions
+            attn_mask = segments.attention_mask() & mask[:, None, :]
         x, _, _ = self._run_blocks(self._embed(tokens_BxT), positions, attn_mask)
         return x
 
@@ -150,22 +164,59 @@ class Llama(nnx.Module):
         mask_BxT: jax.Array,
         *,
         chunk: int = 128,
+        segments: Segments | None = None,
+        columns_BxL: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
-        """log p(targets[b, t] | tokens[b, :t+1]) and the entropy at each position.
+        """log p(targets[b, t] | the columns column t sees) and the entropy at each position.
 
         The vocabulary projection runs over `chunk`-long slices of the sequence,
         each under `jax.checkpoint`: peak memory holds one [B, chunk, V] block of
         logits, and the backward pass recomputes it instead of storing [B, T, V].
 
+        With `columns_BxL` only those positions are projected: each row's hidden
+        states at its L listed columns are gathered first, the projection, the
+        log-softmax and the entropy run over [B, L], and the results are scattered
+        back (0 at every other column). The cost then follows the trained tokens,
+        not the prompt and padding. L is static (the array's shape), so there is no
+        data-dependent control flow (a `lax.cond` around the projection would put
+        the FSDP weight gathers inside a conditional, which XLA:CPU's in-process
+        collectives can deadlock on).
+
+        Args:
+          tokens_BxT, mask_BxT, segments: as in `hidden_states`.
+          targets_BxT: i32 the token whose log-prob column t reports.
+          chunk: sequence chunk of the vocabulary projection.
+          columns_BxL: i32 the columns wanted in each row; entries >= T are
+            padding (dropped). None = every column.
+
         Returns:
-          (logp f32[B, T], entropy f32[B, T]); values at masked positions are
-          meaningless and must be masked by the caller.
+          (logp f32[B, T], entropy f32[B, T]); values at positions outside
+          `mask_BxT` (or `columns_BxL`) are meaningless (0 with `columns_BxL`) and
+          must be masked by the caller.
         """
-        hidden = self.hidden_states(tokens_BxT, mask_BxT)
-        b, t, e = hidden.shape
+        hidden_BxTxE = self.hidden_states(tokens_BxT, mask_BxT, segments=segments)
+        if columns_BxL is None:
+            return self._chunked_logprobs(hidden_BxTxE, targets_BxT, chunk)
+        b, t = targets_BxT.shape
+        cols_BxL = jnp.minimum(columns_BxL, t - 1)  # padding entries read column T-1 ...
+        h_BxLxE = jnp.take_along_axis(hidden_BxTxE, cols_BxL[..., None], axis=1)
+        tg_BxL = jnp.take_along_axis(targets_BxT, cols_BxL, axis=1)
+        logp_BxL, ent_BxL = self._chunked_logprobs(h_BxLxE, tg_BxL, chunk)
+        rows_Bx1 = jnp.arange(b)[:, None]
+        zeros_BxT = jnp.zeros((b, t), jnp.float32)
+        # ... and are dropped here (their index is >= T).
+        logp_BxT = zeros_BxT.at[rows_Bx1, columns_BxL].set(logp_BxL, mode="drop")
+        ent_BxT = zeros_BxT.at[rows_Bx1, columns_BxL].set(ent_BxL, mode="drop")
+        return logp_BxT, ent_BxT
+
+    def _chunked_logprobs(
+        self, hidden_BxTxE: jax.Array, targets_BxT: jax.Array, chunk: int
+    ) -> tuple[jax.Array, jax.Array]:
+        """Log-probs and entropies of the targets, `chunk` columns at a time."""
+        b, t, e = hidden_BxTxE.shape
         chunk = min(chunk, t)
         pad = (-t) % chunk
-        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        hidden = jnp.pad(hidden_BxTxE, ((0, 0), (0, pad), (0, 0)))
         targets = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
         n = (t + pad) // chunk
         h_NxBxCxE = hidden.reshape(b, n, chunk, e).transpose(1, 0, 2, 3)

@@ -11,8 +11,11 @@
 * `pack_groups` gates the groups (version contract), computes group-relative
   advantages over each complete group (so arrival order cannot change them;
   with `advantage="gae"` the critic fills them on the device instead) and
-  packs the samples into a bucket-padded `TrainBatch`, collecting the step's
-  per-sample statistics.
+  packs the samples into a bucket-padded `TrainBatch` in the trainer's layout
+  (`trainer.shared_prompt`: a group's prompt once, then its responses;
+  `trainer.pack`: several groups per row), collecting the step's per-sample
+  statistics. The layout changes no gradient (trainer/batch.py), and a group
+  never splits across micro-batches, so streaming stays exact.
 """
 
 from __future__ import annotations
@@ -69,11 +72,16 @@ def pack_groups(
     advantage: str,
     seq_buckets: tuple[int, ...],
     batch_buckets: tuple[int, ...],
+    shared_prompt: bool,
+    pack: bool,
+    loss_chunk: int,
     pad_id: int,
     stats: dict[str, list],
 ) -> TrainBatch | None:
     """Host TrainBatch of the admitted groups (None if the gate dropped them all).
 
+    The buckets, `shared_prompt`, `pack` and `loss_chunk` are the trainer's
+    (`TrainerConfig.layout`).
     Appends to `stats` lists: reward, correct, format_ok, length, truncated, versions.
     `advantage="gae"` leaves the advantages at 0 (the critic fills them on device).
     """
@@ -106,6 +114,9 @@ def pack_groups(
         group_ids=[s.sample.tag.group for s in samples],  # unique in the global batch
         seq_buckets=seq_buckets,
         batch_buckets=batch_buckets,
+        shared_prompt=shared_prompt,
+        pack=pack,
+        loss_chunk=loss_chunk,
         pad_id=pad_id,
     )
 

@@ -114,13 +114,15 @@ class TrainingGroup:
 
     def agree(self, batch: TrainBatch | None, pad_id: int, buckets: Sequence[int]):
         """This process's rows of a micro-batch, padded to the shape all processes agreed
-        on; None when every process's groups were dropped (all skip the micro-batch).
+        on (rows, columns and `loss_columns` width); None when every process's groups
+        were dropped (all skip the micro-batch).
 
         `buckets` are the trainer's global batch buckets (each divisible by the fsdp size).
         """
         rows = 0 if batch is None else int(batch.attention_mask.any(axis=1).sum())
         seq = 0 if batch is None else batch.tokens.shape[1]
-        max_rows, max_seq = self.max([rows, seq])
+        width = 0 if batch is None else batch.loss_columns.shape[1]
+        max_rows, max_seq, max_width = self.max([rows, seq, width])
         if max_rows == 0:
             return None
         need = max_rows * self.count
@@ -128,12 +130,16 @@ class TrainingGroup:
         if not fits:
             raise ValueError(f"micro-batch of {need} rows exceeds the batch buckets {buckets}")
         local_rows = fits[0] // self.count
-        return pad_batch(batch, local_rows, max_seq, pad_id)
+        return pad_batch(batch, local_rows, max_seq, pad_id, width=max_width)
 
 
-def pad_batch(batch: TrainBatch | None, rows: int, seq: int, pad_id: int) -> TrainBatch:
-    """`batch` padded (or cut: its real rows come first) to [rows, seq]; an all-padding
-    batch for None. Padding rows and columns are masked out of every loss term."""
+def pad_batch(
+    batch: TrainBatch | None, rows: int, seq: int, pad_id: int, width: int | None = None
+) -> TrainBatch:
+    """`batch` padded (or cut: its real rows come first) to [rows, seq], its
+    `loss_columns` to [rows, width] (None: its own width; 1 for None); an all-padding
+    batch for None. Padding rows and columns are masked out of every loss term, and
+    every padding `loss_columns` entry is `seq` (out of range)."""
 
     def fit(x: np.ndarray | None, fill: Any, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
         out = np.full(shape, fill, dtype)
@@ -149,10 +155,16 @@ def pad_batch(batch: TrainBatch | None, rows: int, seq: int, pad_id: int) -> Tra
     f = (lambda name: None) if batch is None else (lambda name: getattr(batch, name))
     fields = {}
     for name in TrainBatch.__dataclass_fields__:
-        if name == "rewards":
-            fields[name] = fit(f(name), 0, np.float32, (rows,))
-        elif name == "group_ids":
-            fields[name] = fit(f(name), -1, np.int32, (rows,))
+        if name == "loss_columns":
+            old = f(name)
+            w = width or (1 if old is None else old.shape[1])
+            if old is not None:  # entries past the old row end stay past the new one
+                old = np.where(old >= batch.tokens.shape[1], seq, old)
+            fields[name] = fit(old, seq, np.int32, (rows, w))
+        elif name in ("prefix_ids", "group_ids"):
+            fields[name] = fit(f(name), -1, np.int32, (rows, seq))
+        elif name in ("positions", "segment_ids"):
+            fields[name] = fit(f(name), 0, np.int32, (rows, seq))
         elif name == "tokens":
             fields[name] = fit(f(name), pad_id, np.int32, (rows, seq))
         elif name in ("attention_mask", "loss_mask"):

@@ -171,9 +171,10 @@ class TrainerLoop:
     def _accumulate(self, b: int, groups: list[micro_batches.Group], step: _Step) -> None:
         """One micro-batch's gradients (policy, and critic) into the accumulators."""
         c, t0 = self.c, self.tracer.now()
-        dev = self._place(b, groups, step.stats)
-        if dev is None:
+        placed = self._place(b, groups, step.stats)
+        if placed is None:
             return
+        dev, shape = placed
         self._acc, _ = c.trainer.accumulate(c.state, self._acc, dev, self._one)
         if c.critic is not None:
             self._critic_acc, _ = c.critic.accumulate(
@@ -185,23 +186,30 @@ class TrainerLoop:
         t1 = self.tracer.now()
         tokens = sum(len(s.sample.prompt) + len(s.sample.response) for g in groups for s in g)
         self.tracer.add(
-            "trainer/micro-batch", "accumulate", t0, t1, groups=len(groups), tokens=tokens
+            "trainer/micro-batch",
+            "accumulate",
+            t0,
+            t1,
+            groups=len(groups),
+            tokens=tokens,  # prompt + response of every sample
+            rows=shape[0],  # the padded batch actually trained (shared-prompt / packed rows)
+            columns=shape[1],
         )
         step.micro += 1
         step.busy_s += t1 - t0
         self.supervisor.tick("trainer")
 
     def _place(self, b: int, groups: list[micro_batches.Group], stats: dict) -> Any:
-        """The micro-batch on the training mesh (None if the gate dropped every group),
-        with reference log-probs and, with the critic, GAE advantages and returns."""
+        """The micro-batch on the training mesh and its padded (rows, columns) (None if the
+        gate dropped every group), with reference log-probs and, with the critic, GAE
+        advantages and returns."""
         c, t = self.c, self.c.trainer
         batch = micro_batches.pack_groups(
             b,
             groups,
             gate=self.gate,
             advantage=self.cfg.algorithm.advantage,
-            seq_buckets=t.cfg.seq_buckets,
-            batch_buckets=t.cfg.batch_buckets,
+            **t.cfg.layout,
             pad_id=c.tokenizer.pad_id,
             stats=stats,
         )
@@ -216,7 +224,7 @@ class TrainerLoop:
             # GAE from the critic's values under its weights from before its update on
             # this batch (per sample: any split into micro-batches gives the same targets).
             dev = c.critic.fill_gae(c.critic_state.params, dev)
-        return dev
+        return dev, batch.shape
 
     # ------------------------------------------------------------------ boundaries
     def _apply(self, b: int, k: int, step: _Step) -> None:

@@ -5,7 +5,7 @@ an experiment (`trainer_config`, `critic_trainer_config`) and `docs/trainer.md`
 for usage.
 """
 
-from streamrl_jax.trainer.batch import TrainBatch, bucket, make_batch
+from streamrl_jax.trainer.batch import TrainBatch, make_batch
 from streamrl_jax.trainer.config import (
     TrainerConfig,
     critic_trainer_config,
@@ -14,6 +14,7 @@ from streamrl_jax.trainer.config import (
     trainer_config,
 )
 from streamrl_jax.trainer.critic import make_critic_trainer, whiten_advantages, with_gae
+from streamrl_jax.trainer.packing import bucket
 from streamrl_jax.trainer.state import GradAccumulator, TrainState
 from streamrl_jax.trainer.step import NonFiniteError, Trainer, make_policy_trainer
 

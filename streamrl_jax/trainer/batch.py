@@ -1,17 +1,43 @@
-"""The trainer's micro-batch: a typed pytree, and a host-side packer into shape buckets.
+"""The trainer's micro-batch: a typed pytree, and the host-side packer into shape buckets.
 
-Layout. Row b holds one sample: its prompt then its response, right-padded to
-T. Every per-token field is aligned with the *prediction position*: column t
-describes the token `tokens[b, t + 1]` predicted from `tokens[b, :t + 1]`
-(the targets are the tokens shifted left by one). So for a prompt of length
-P and a response of length R, the response tokens sit at columns P .. P+R-1
-of `tokens`, and `loss_mask`, `advantages`, the log-probs, values and returns
-are set at columns P-1 .. P+R-2.
+Layout. A row holds one or more *units*, each a prompt and the responses that
+attend to it (`trainer.packing`):
 
-Buckets. `make_batch` pads T up to the smallest of `seq_buckets` and B up to
-the smallest of `batch_buckets` that fit (padding rows have all masks 0 and
+    prompt[:-1] | prompt[-1] response_1 | prompt[-1] response_2 | ... | next unit | pad
+
+With one response per unit and one unit per row this is the plain layout,
+row b = prompt then response. Shared-prompt rows (`shared_prompt=True`) put a
+GRPO group's G responses after one copy of its prompt; packing (`pack=True`)
+puts several units in a row. `positions`, `prefix_ids` and `segment_ids`
+describe the structure (`model.segments`: each response sees its prompt and
+its own earlier tokens; RoPE positions restart at P - 1 for every response
+segment, as if it followed the prompt directly).
+
+Every per-token field is aligned with the *prediction position*: column t
+describes the token `tokens[b, t + 1]` predicted from what column t sees (the
+targets are the tokens shifted left by one). A response of length R whose
+segment starts at column c (the copy of the prompt's last token) has its
+tokens at columns c+1 .. c+R, and `loss_mask`, `advantages`, the log-probs,
+values and returns are set at columns c .. c+R-1; in the plain layout
+c = P - 1. A segment's last column (it would predict the next segment's first
+token) is never trained. `rewards` holds each sequence's outcome reward at its
+last loss column, the token-level reward GAE reads.
+
+A sequence is (row, segment id >= 1): the `seq_mean_*` aggregations and GAE
+read `segment_ids`, group whitening reads the per-column `group_ids`.
+
+Response-only log-probs. `loss_columns[b]` lists row b's loss columns in order,
+padded with T (out of range); its width L is the longest row's loss count
+rounded up to a multiple of `loss_chunk` (the model's projection chunk), at
+most T. The policy projects only those columns (`Llama.token_logprobs`), so a
+(B, T) bucket compiles once per L, at most ceil(T / loss_chunk) widths.
+
+Buckets. `make_batch` pads T up to one of `seq_buckets` that holds the
+longest unit (`packing.plan`) and the rows up to one of `batch_buckets` (padding
+rows and columns have all masks 0, `prefix_ids` and `group_ids` -1, and
 contribute exactly nothing), so micro-batches of arbitrary sizes cost at most
-len(seq_buckets) * len(batch_buckets) compilations of each jitted step.
+len(seq_buckets) * len(batch_buckets) * ceil(max T / loss_chunk) compilations
+of each jitted step.
 """
 
 from __future__ import annotations
@@ -22,18 +48,31 @@ import flax.struct
 import jax
 import numpy as np
 
+from streamrl_jax.model.segments import Segments
+from streamrl_jax.trainer import packing
+
 ArrayLike = jax.Array | np.ndarray
+_FLOATS = ("advantages", "old_logp", "behaviour_logp", "ref_logp", "old_values", "returns")
+_INTS = ("positions", "prefix_ids", "segment_ids", "group_ids")
 
 
 @flax.struct.dataclass
 class TrainBatch:
-    """One (micro-)batch of samples, host numpy or device arrays.
+    """One (micro-)batch of packed rows, host numpy or device arrays (module docstring).
 
     Attributes:
-      tokens: i32[B, T] prompt + response token ids, right-padded with `pad_id`.
-      attention_mask: bool[B, T] True on real (prompt or response) tokens.
+      tokens: i32[B, T] token ids of the units, right-padded with `pad_id`.
+      attention_mask: bool[B, T] True on real (prompt or response) columns.
+      positions: i32[B, T] RoPE position of each column (0 on padding).
+      prefix_ids: i32[B, T] the column's unit within its row (-1 on padding).
+      segment_ids: i32[B, T] 0 on a unit's prompt columns (and padding), k >= 1 on
+        response segment k (unique within a row).
+      group_ids: i32[B, T] the column's GRPO group, an id unique within its global
+        batch (-1 on padding); the critic's group whitening reads it.
       loss_mask: bool[B, T] True at column t when tokens[t + 1] is a trained
-        response token (all False on padding rows).
+        response token.
+      loss_columns: i32[B, L] the columns where `loss_mask` is True, in order,
+        padded with T (module docstring).
       advantages: f32[B, T] advantage A_bt at loss positions (0 elsewhere).
       old_logp: f32[B, T] log pi_old of the response tokens (the PPO ratio's
         denominator); the behaviour log-probs in behaviour-as-old mode.
@@ -43,14 +82,18 @@ class TrainBatch:
       old_values: f32[B, T] critic values V(s_t) when the sample was scored
         (PPO; zeros otherwise).
       returns: f32[B, T] GAE returns, the critic's regression targets (PPO).
-      rewards: f32[B] outcome reward of each sequence (0 on padding rows).
-      group_ids: i32[B] each row's GRPO group, an id unique within its global batch
-        (-1 on padding rows); the critic's group whitening reads it.
+      rewards: f32[B, T] each sequence's outcome reward at its last loss column
+        (0 elsewhere).
     """
 
     tokens: ArrayLike
     attention_mask: ArrayLike
+    positions: ArrayLike
+    prefix_ids: ArrayLike
+    segment_ids: ArrayLike
+    group_ids: ArrayLike
     loss_mask: ArrayLike
+    loss_columns: ArrayLike
     advantages: ArrayLike
     old_logp: ArrayLike
     behaviour_logp: ArrayLike
@@ -58,38 +101,32 @@ class TrainBatch:
     old_values: ArrayLike
     returns: ArrayLike
     rewards: ArrayLike
-    group_ids: ArrayLike
 
     @property
     def shape(self) -> tuple[int, int]:
         """(B, T) of the padded batch."""
         return tuple(self.tokens.shape)
 
+    def segments(self) -> Segments:
+        """The rows' positions and attention structure, for the model's forward."""
+        return Segments(
+            positions=self.positions, prefix_ids=self.prefix_ids, segment_ids=self.segment_ids
+        )
+
 
 def abstract_batch(b: int, t: int) -> TrainBatch:
-    """A TrainBatch of ShapeDtypeStructs, B = b rows of T = t columns (for `eval_shape`)."""
+    """A TrainBatch of ShapeDtypeStructs, B = b rows of T = t columns (and L = T) (for
+    `eval_shape`)."""
     bt = lambda dtype: jax.ShapeDtypeStruct((b, t), dtype)
-    floats = ("advantages", "old_logp", "behaviour_logp", "ref_logp", "old_values", "returns")
     return TrainBatch(
         tokens=bt(np.int32),
+        loss_columns=bt(np.int32),
         attention_mask=bt(np.bool_),
         loss_mask=bt(np.bool_),
-        rewards=jax.ShapeDtypeStruct((b,), np.float32),
-        group_ids=jax.ShapeDtypeStruct((b,), np.int32),
-        **{name: bt(np.float32) for name in floats},
+        rewards=bt(np.float32),
+        **{name: bt(np.int32) for name in _INTS},
+        **{name: bt(np.float32) for name in _FLOATS},
     )
-
-
-def bucket(n: int, buckets: Sequence[int], field: str) -> int:
-    """Smallest bucket >= n.
-
-    Raises:
-      ValueError: naming `field` when n exceeds the largest bucket.
-    """
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{field}: {n} exceeds the largest bucket {max(buckets)} ({list(buckets)})")
 
 
 def _per_token(
@@ -131,6 +168,9 @@ def make_batch(
     seq_buckets: Sequence[int],
     batch_buckets: Sequence[int],
     pad_id: int = 0,
+    shared_prompt: bool = False,
+    pack: bool = False,
+    loss_chunk: int = 128,
 ) -> TrainBatch:
     """Packs samples into a bucket-padded host TrainBatch (numpy arrays).
 
@@ -151,6 +191,12 @@ def make_batch(
       seq_buckets: allowed T (ascending), e.g. `TrainerConfig.seq_buckets`.
       batch_buckets: allowed B (ascending), e.g. `TrainerConfig.batch_buckets`.
       pad_id: token id written into padding.
+      shared_prompt: one unit per group (the samples with the same group id and
+        prompt): the prompt once, then its responses; False = one unit per sample.
+      pack: several units per row when they fit (first-fit decreasing); False =
+        one unit per row.
+      loss_chunk: `loss_columns`' width is a multiple of it (or T); the trainer's
+        `logprob_chunk`.
 
     Returns:
       A TrainBatch of numpy arrays with B, T from the buckets; move it with
@@ -180,36 +226,78 @@ def make_batch(
         "old_values": _per_token(old_values, resp_lens, "old_values"),
         "returns": _per_token(returns, resp_lens, "returns"),
     }
-    longest = max(p.size + r.size for p, r in zip(prompts, responses, strict=True))
-    t = bucket(longest, seq_buckets, "sequence length (prompt + response)")
-    b = bucket(n, batch_buckets, "micro-batch size")
+    reward_N = _per_sample(rewards, n, np.float32, 0.0, "rewards")
+    group_N = _per_sample(group_ids, n, np.int32, None, "group_ids")
 
-    tokens = np.full((b, t), pad_id, np.int32)
-    attention = np.zeros((b, t), bool)
-    loss = np.zeros((b, t), bool)
-    per_token = {k: np.zeros((b, t), np.float32) for k in fields}
-    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        lp, lr = p.size, r.size
-        tokens[i, :lp] = p
-        tokens[i, lp : lp + lr] = r
-        attention[i, : lp + lr] = True
-        loss[i, lp - 1 : lp - 1 + lr] = True
-        for k, v in fields.items():
-            if v is not None:
-                per_token[k][i, lp - 1 : lp - 1 + lr] = v[i]
-    reward_B, group_B = np.zeros((b,), np.float32), np.full((b,), -1, np.int32)
-    group_B[:n] = np.arange(n)
-    for name, values, out in (("rewards", rewards, reward_B), ("group_ids", group_ids, group_B)):
-        if values is not None:
-            values = np.asarray(values, out.dtype).reshape(-1)
-            if values.shape != (n,):
-                raise ValueError(f"{name}: shape {values.shape}, expected ({n},)")
-            out[:n] = values
-    return TrainBatch(
-        tokens=tokens,
-        attention_mask=attention,
-        loss_mask=loss,
-        rewards=reward_B,
-        group_ids=group_B,
-        **per_token,
-    )
+    units = packing.make_units(prompts, resp_lens, group_N, shared_prompt=shared_prompt)
+    limit = max(seq_buckets)
+    units = [part for u in units for part in packing.split_unit(u, resp_lens, limit)]
+    t, b, rows = packing.plan(units, seq_buckets, batch_buckets, pack=pack)
+
+    out = {
+        "tokens": np.full((b, t), pad_id, np.int32),
+        "attention_mask": np.zeros((b, t), bool),
+        "loss_mask": np.zeros((b, t), bool),
+        "rewards": np.zeros((b, t), np.float32),
+        "positions": np.zeros((b, t), np.int32),
+        "segment_ids": np.zeros((b, t), np.int32),
+        "prefix_ids": np.full((b, t), -1, np.int32),
+        "group_ids": np.full((b, t), -1, np.int32),
+        **{k: np.zeros((b, t), np.float32) for k in fields},
+    }
+    for r, row in enumerate(rows):
+        col, segment = 0, 0
+        for u_index, unit in enumerate(row):
+            prompt = prompts[unit.samples[0]]
+            lp = prompt.size
+            span = slice(col, col + unit.length)
+            out["attention_mask"][r, span] = True
+            out["prefix_ids"][r, span] = u_index
+            out["tokens"][r, col : col + lp - 1] = prompt[:-1]
+            out["positions"][r, col : col + lp - 1] = np.arange(lp - 1)
+            col += lp - 1
+            for i in unit.samples:
+                segment += 1
+                lr = resp_lens[i]
+                seg = slice(col, col + lr + 1)  # prompt[-1], then the response
+                out["tokens"][r, col] = prompt[-1]
+                out["tokens"][r, col + 1 : col + 1 + lr] = responses[i]
+                out["positions"][r, seg] = np.arange(lp - 1, lp + lr)
+                out["segment_ids"][r, seg] = segment
+                out["group_ids"][r, seg] = group_N[i]
+                out["loss_mask"][r, col : col + lr] = True
+                for k, v in fields.items():
+                    if v is not None:
+                        out[k][r, col : col + lr] = v[i]
+                if lr:
+                    out["rewards"][r, col + lr - 1] = reward_N[i]
+                col += lr + 1
+            # The prompt's columns belong to the unit's group (its first sample's).
+            out["group_ids"][r, span.start : span.start + lp - 1] = group_N[unit.samples[0]]
+    out["loss_columns"] = loss_columns(out["loss_mask"], loss_chunk)
+    return TrainBatch(**out)
+
+
+def loss_columns(loss_mask_BxT: np.ndarray, chunk: int) -> np.ndarray:
+    """i32[B, L]: each row's loss columns in order, padded with T; L = the longest row's
+    count rounded up to a multiple of `chunk`, at most T (at least 1)."""
+    b, t = loss_mask_BxT.shape
+    counts = loss_mask_BxT.sum(axis=1)
+    width = min(t, max(1, -(-int(counts.max(initial=0)) // chunk) * chunk))
+    out = np.full((b, width), t, np.int32)
+    for row in range(b):
+        cols = np.flatnonzero(loss_mask_BxT[row])
+        out[row, : cols.size] = cols
+    return out
+
+
+def _per_sample(
+    values: ArrayLike | None, n: int, dtype: type, default: float | None, name: str
+) -> np.ndarray:
+    """One value per sample: `values` checked to shape (n,), else `default` (None: 0..n-1)."""
+    if values is None:
+        return np.arange(n, dtype=dtype) if default is None else np.full((n,), default, dtype)
+    out = np.asarray(values, dtype).reshape(-1)
+    if out.shape != (n,):
+        raise ValueError(f"{name}: shape {out.shape}, expected ({n},)")
+    return out

@@ -1,7 +1,7 @@
 """Trainer configuration in the user's vocabulary, and the optax optimizer it describes.
 
 `TrainerConfig` holds the user's own config sections (`algorithm`,
-`optimizer`, `critic`, from `streamrl_jax.config`), not renamed copies, plus
+`optimizer`, `critic`, `trainer`, from `streamrl_jax.config`), not renamed copies, plus
 the few things a trainer needs that the experiment derives: the run's
 optimizer-step count and the shape buckets. The user's conventions ("0 =
 off" for `dual_clip`, `tis_cap`, `max_grad_norm`, `value_clip`;
@@ -26,7 +26,13 @@ import jax.numpy as jnp
 import optax
 
 from streamrl_jax import config as config_lib
-from streamrl_jax.config import AlgorithmSection, CriticSection, ExperimentConfig, OptimizerSection
+from streamrl_jax.config import (
+    AlgorithmSection,
+    CriticSection,
+    ExperimentConfig,
+    OptimizerSection,
+    TrainerSection,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,6 +48,8 @@ class TrainerConfig:
         (`critic_trainer_config`).
       critic: the user's `critic` section: value-loss clip and GAE's gamma and
         lambda (read by the critic's trainer only).
+      trainer: the user's `trainer` section: the micro-batch layout
+        (`shared_prompt`, `pack`; `layout` hands them to `make_batch`).
       total_steps: optimizer steps of the run (the end of the cosine decay).
       seq_buckets: allowed padded sequence lengths T, ascending; a batch is
         padded to the smallest bucket that fits.
@@ -49,7 +57,8 @@ class TrainerConfig:
         be divisible by the training mesh's "fsdp" size (the batch is sharded
         over it). Compilations per jitted step <= len(seq) * len(batch) buckets.
       logprob_chunk: sequence chunk of the vocabulary projection
-        (`Llama.token_logprobs`); bounds peak logits memory to [B, chunk, V].
+        (`Llama.token_logprobs`); bounds peak logits memory to [B, chunk, V]. The
+        batch's `loss_columns` width is a multiple of it (`make_batch(loss_chunk=)`).
       nonfinite: the user's `pipeline.nonfinite`. Either way `apply` leaves the
         whole TrainState unchanged on device for a step whose loss or gradient
         norm is NaN/Inf and reports metric `nonfinite` = 1. "skip": training
@@ -60,6 +69,7 @@ class TrainerConfig:
     algorithm: AlgorithmSection = AlgorithmSection()
     optimizer: OptimizerSection = OptimizerSection()
     critic: CriticSection = CriticSection()
+    trainer: TrainerSection = TrainerSection()
     total_steps: int = 1000
     seq_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048)
     batch_buckets: tuple[int, ...] = (8, 16, 32, 64)
@@ -67,7 +77,7 @@ class TrainerConfig:
     nonfinite: str = "skip"
 
     def __post_init__(self) -> None:
-        for name in ("algorithm", "optimizer", "critic"):
+        for name in ("algorithm", "optimizer", "critic", "trainer"):
             config_lib.check_section(name, getattr(self, name))
         if self.nonfinite not in config_lib.NONFINITE:
             raise ValueError(
@@ -125,6 +135,18 @@ class TrainerConfig:
         return self.critic.value_clip or None
 
     @property
+    def layout(self) -> dict[str, Any]:
+        """`make_batch`'s layout keywords: the buckets, `shared_prompt`, `pack` and the
+        response-only projection's chunk (`loss_chunk`)."""
+        return {
+            "seq_buckets": self.seq_buckets,
+            "batch_buckets": self.batch_buckets,
+            "shared_prompt": self.trainer.shared_prompt,
+            "pack": self.trainer.pack,
+            "loss_chunk": self.logprob_chunk,
+        }
+
+    @property
     def policy_options(self) -> dict[str, Any]:
         """Keyword hyper-parameters of `algorithm.policy_loss` (`algorithms.POLICY_LOSSES`)."""
         return {
@@ -144,6 +166,16 @@ def _buckets(limit: int, start: int, multiple: int = 1) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+def _row_buckets(limit: int) -> tuple[int, ...]:
+    """64, 96, 128, 192, 256, 384, ... (powers of two and 1.5x them) below `limit`, then
+    `limit`: a padded row wastes at most a third of itself, not half."""
+    out, b = [], 64
+    while b < limit:
+        out += [b] + ([b * 3 // 2] if b * 3 // 2 < limit else [])
+        b *= 2
+    return (*out, limit)
+
+
 def trainer_config(cfg: ExperimentConfig, *, fsdp: int) -> TrainerConfig:
     """The policy trainer's config of an experiment.
 
@@ -152,22 +184,57 @@ def trainer_config(cfg: ExperimentConfig, *, fsdp: int) -> TrainerConfig:
       fsdp: the training mesh's "fsdp" size; every batch bucket is a multiple of it.
 
     Returns:
-      A TrainerConfig with the user's algorithm, optimizer and critic sections,
-      `total_steps = max(pipeline.steps * pipeline.mini_batches, 1)`, sequence
-      buckets up to `model.max_context` and batch buckets up to one micro-batch
-      (`pipeline.micro_batch_groups * pipeline.group_size` samples).
+      A TrainerConfig with the user's algorithm, optimizer, critic and trainer
+      sections and `total_steps = max(pipeline.steps * pipeline.mini_batches, 1)`.
+      Buckets: one sample per row (`trainer.shared_prompt` and `trainer.pack`
+      off): sequence buckets up to `model.max_context`, batch buckets from 8 up to
+      one micro-batch (`pipeline.micro_batch_groups * pipeline.group_size`
+      samples). Shared-prompt or packed rows: sequence buckets up to
+      `row_length(cfg)` in steps of 1.5x and 2x (`_row_buckets`: a packed row
+      holds a whole group, so the bucket's rounding is its pad waste), batch
+      buckets from 1 row up to that many rows (one sample per row is the most a
+      micro-batch can need).
     """
     p = cfg.pipeline
     micro = p.micro_batch_groups * p.group_size
+    if cfg.trainer.shared_prompt or cfg.trainer.pack:
+        seq_buckets = _row_buckets(row_length(cfg))
+        batch_buckets = _buckets(micro, 1, multiple=fsdp)
+    else:
+        seq_buckets = _buckets(cfg.model.max_context, 64)
+        batch_buckets = _buckets(micro, min(8, micro), multiple=fsdp)
     return TrainerConfig(
         algorithm=cfg.algorithm,
         optimizer=cfg.optimizer,
         critic=cfg.critic,
+        trainer=cfg.trainer,
         total_steps=max(p.steps * p.mini_batches, 1),  # optimizer steps
-        seq_buckets=_buckets(cfg.model.max_context, 64),
-        batch_buckets=_buckets(micro, min(8, micro), multiple=fsdp),
+        seq_buckets=seq_buckets,
+        batch_buckets=batch_buckets,
         nonfinite=p.nonfinite,
     )
+
+
+# Auto row length cap: attention over a row costs O(T^2) and a packed row still
+# computes its masked pairs, so rows stay short unless the user asks otherwise.
+_AUTO_ROW_CAP = 1024
+
+
+def row_length(cfg: ExperimentConfig) -> int:
+    """The longest training row: `trainer.row_tokens`, or auto.
+
+    Auto: the longest possible group with a shared prompt,
+    max_prompt_len - 1 + group_size * (max_new_tokens + 1) (`trainer.packing`),
+    at most 1024 tokens, and never below `model.max_context` (one sample always
+    fits a row). A group longer than the row is split over rows.
+    """
+    t, g, p = cfg.trainer, cfg.generation, cfg.pipeline
+    if t.row_tokens:
+        return t.row_tokens
+    if not t.shared_prompt:
+        return cfg.model.max_context
+    group = g.max_prompt_len - 1 + p.group_size * (g.max_new_tokens + 1)
+    return max(cfg.model.max_context, min(group, _AUTO_ROW_CAP))
 
 
 def critic_trainer_config(cfg: ExperimentConfig, *, fsdp: int) -> TrainerConfig:

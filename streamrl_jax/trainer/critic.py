@@ -39,6 +39,7 @@ from streamrl_jax import algorithms
 from streamrl_jax.algorithms import advantages as adv_lib
 from streamrl_jax.model import layers, llama
 from streamrl_jax.model.config import ModelConfig
+from streamrl_jax.model.segments import Segments
 from streamrl_jax.trainer.batch import TrainBatch
 from streamrl_jax.trainer.config import TrainerConfig
 from streamrl_jax.trainer.state import LossOutput
@@ -56,10 +57,13 @@ class Critic(nnx.Module):
         head = jnp.zeros((cfg.hidden_size, 1), cfg.jnp_param_dtype)
         self.value_head = nnx.Param(head, axes=("embed", "value_head"))
 
-    def values(self, tokens_BxT: jax.Array, mask_BxT: jax.Array) -> jax.Array:
-        """f32[B, T] values V(s_t) of a padded batch (meaningless on padding)."""
+    def values(
+        self, tokens_BxT: jax.Array, mask_BxT: jax.Array, *, segments: Segments | None = None
+    ) -> jax.Array:
+        """f32[B, T] values V(s_t) of a padded batch (meaningless on padding); `segments`
+        as in `Llama.hidden_states` (packed rows)."""
         cfg = self.backbone.cfg
-        h_BxTxE = self.backbone.hidden_states(tokens_BxT, mask_BxT)
+        h_BxTxE = self.backbone.hidden_states(tokens_BxT, mask_BxT, segments=segments)
         h_BxTxE = layers.rms_norm(h_BxTxE, self.backbone.final_norm[...], cfg.rms_norm_eps)
         w_Ex1 = self.value_head[...].astype(h_BxTxE.dtype)
         return jnp.einsum("bte,eo->bto", h_BxTxE, w_Ex1)[..., 0].astype(_F32)
@@ -78,7 +82,7 @@ def critic_loss(
     Returns:
       `(loss, metrics, per_token)`; `values` is reported as `values_sum`.
     """
-    values_BxT = model.values(batch.tokens, batch.attention_mask)
+    values_BxT = model.values(batch.tokens, batch.attention_mask, segments=batch.segments())
     loss, metrics = algorithms.value_loss(
         values_BxT,
         batch.old_values,
@@ -87,6 +91,7 @@ def critic_loss(
         normalizer=normalizer,
         aggregation=cfg.algorithm.aggregation,
         clip_eps=cfg.value_clip,
+        segment_ids_BxT=batch.segment_ids,
     )
     return loss, metrics, {"values": values_BxT}
 
@@ -94,15 +99,18 @@ def critic_loss(
 def critic_forward(model: Critic, cfg: TrainerConfig, batch: TrainBatch) -> jax.Array:
     """Forward-only values at loss positions (0 elsewhere), f32[B, T]."""
     del cfg
-    return jnp.where(batch.loss_mask, model.values(batch.tokens, batch.attention_mask), 0.0)
+    values_BxT = model.values(batch.tokens, batch.attention_mask, segments=batch.segments())
+    return jnp.where(batch.loss_mask, values_BxT, 0.0)
 
 
 def with_gae(batch: TrainBatch, values_BxT: jax.Array, cfg: TrainerConfig) -> TrainBatch:
     """Fills advantages, returns and old_values of a scored micro-batch by GAE, per group.
 
-    Each sequence's outcome reward goes on its last response token
-    (`algorithms.last_token_rewards`); `algorithms.gae` with the user's
-    `critic.gamma` and `critic.lam` gives A_t and R_t = A_t + V_t. With
+    Each sequence's outcome reward sits on its last response token
+    (`batch.rewards`, placed by `make_batch`); `algorithms.gae` with the user's
+    `critic.gamma` and `critic.lam` gives A_t and R_t = A_t + V_t, each
+    sequence (row, segment) its own episode, so packed and shared-prompt rows
+    get the targets of one sequence per row. With
     `critic.whiten="group"` the advantages are then whitened over each GRPO
     group's response tokens (`group_whiten`): raw GAE advantages of a [0, 1]
     reward are small, and PPO's usual whole-batch whitening would couple the
@@ -112,7 +120,7 @@ def with_gae(batch: TrainBatch, values_BxT: jax.Array, cfg: TrainerConfig) -> Tr
     values; or `jax.jit(with_gae, static_argnames="cfg")`).
 
     Args:
-      batch: TrainBatch with `rewards` and `loss_mask`.
+      batch: TrainBatch with `rewards`, `loss_mask`, `segment_ids` and `group_ids`.
       values_BxT: f32[B, T] critic values (`critic_trainer.forward`).
       cfg: the trainer config; reads its `critic` section (gamma, lam).
 
@@ -121,32 +129,43 @@ def with_gae(batch: TrainBatch, values_BxT: jax.Array, cfg: TrainerConfig) -> Tr
     """
     mask_BxT = batch.loss_mask.astype(_F32)
     values_BxT = values_BxT.astype(_F32) * mask_BxT
-    rewards_BxT = algorithms.last_token_rewards(batch.rewards, mask_BxT)
+    rewards_BxT = batch.rewards.astype(_F32) * mask_BxT
     gae = algorithms.CRITIC_ADVANTAGES["gae"]
     c = cfg.critic
-    adv_BxT, ret_BxT = gae(rewards_BxT, values_BxT, mask_BxT, gamma=c.gamma, lam=c.lam)
+    adv_BxT, ret_BxT = gae(
+        rewards_BxT,
+        values_BxT,
+        mask_BxT,
+        gamma=c.gamma,
+        lam=c.lam,
+        segment_ids_BxT=batch.segment_ids,
+    )
     if c.whiten == "group":
         adv_BxT = group_whiten(adv_BxT, mask_BxT, batch.group_ids)
     return batch.replace(advantages=adv_BxT, returns=ret_BxT, old_values=values_BxT)
 
 
 def group_whiten(
-    adv_BxT: jax.Array, mask_BxT: jax.Array, group_ids_B: jax.Array, eps: float = 1e-8
+    adv_BxT: jax.Array, mask_BxT: jax.Array, group_ids_BxT: jax.Array, eps: float = 1e-8
 ) -> jax.Array:
-    """A <- (A - mean_g) / (std_g + eps) over the response tokens of each row's group g.
+    """A <- (A - mean_g) / (std_g + eps) over the response tokens of each token's group g.
 
-    mean_g and std_g (population, two-pass) are over every masked token of the rows
-    whose `group_ids` equal g; rows with id -1 (padding) join no group. Rows are
-    matched by a [B, B] same-group matrix, so ids need only be unique, not dense.
+    mean_g and std_g (population, two-pass) are over every masked token whose
+    `group_ids` equal g, wherever it sits in the batch (a group may fill several
+    rows, and a packed row may hold several groups). Ids are mapped to dense
+    indices in-graph (`jnp.unique` with a static size), so they need only be
+    unique, not dense; unmasked tokens contribute nothing and come back 0.
     """
-    member_BxB = (group_ids_B[:, None] == group_ids_B[None, :]) & (group_ids_B[None, :] >= 0)
-    member_BxB = member_BxB.astype(_F32)
+    b, t = group_ids_BxT.shape
+    _, dense = jnp.unique(group_ids_BxT.reshape(-1), size=b * t, return_inverse=True)
+    dense = dense.reshape(-1)
+    seg = lambda x_BxT: jax.ops.segment_sum(x_BxT.reshape(-1), dense, num_segments=b * t)
     mask_BxT = mask_BxT.astype(_F32)
-    count_B = jnp.maximum(member_BxB @ mask_BxT.sum(1), 1.0)
-    mean_B = member_BxB @ (adv_BxT * mask_BxT).sum(1) / count_B
-    centred_BxT = (adv_BxT - mean_B[:, None]) * mask_BxT
-    std_B = jnp.sqrt(member_BxB @ jnp.square(centred_BxT).sum(1) / count_B)
-    return centred_BxT / (std_B[:, None] + eps)
+    count_G = jnp.maximum(seg(mask_BxT), 1.0)
+    mean_BxT = (seg(adv_BxT * mask_BxT) / count_G)[dense].reshape(b, t)
+    centred_BxT = (adv_BxT - mean_BxT) * mask_BxT
+    std_BxT = jnp.sqrt(seg(jnp.square(centred_BxT)) / count_G)[dense].reshape(b, t)
+    return centred_BxT / (std_BxT + eps)
 
 
 def whiten_advantages(batch: TrainBatch, eps: float = 1e-8) -> TrainBatch:

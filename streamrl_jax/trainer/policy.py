@@ -25,9 +25,18 @@ def shifted_targets(tokens_BxT: jax.Array) -> jax.Array:
 def policy_logprobs(
     model: llama.Llama, batch: TrainBatch, chunk: int
 ) -> tuple[jax.Array, jax.Array]:
-    """(logp f32[B, T], entropy f32[B, T]) of the shifted targets under `model`."""
+    """(logp f32[B, T], entropy f32[B, T]) of the shifted targets under `model`.
+
+    Computed at the loss positions only (the vocabulary projection skips prompt
+    and padding columns); 0 elsewhere.
+    """
     return model.token_logprobs(
-        batch.tokens, shifted_targets(batch.tokens), batch.attention_mask, chunk=chunk
+        batch.tokens,
+        shifted_targets(batch.tokens),
+        batch.attention_mask,
+        chunk=chunk,
+        segments=batch.segments(),
+        columns_BxL=batch.loss_columns,
     )
 
 
@@ -59,6 +68,7 @@ def policy_loss(
         kl_estimator=a.kl_estimator,
         entropy_BxT=ent_BxT,
         entropy_coef=a.entropy_coef,
+        segment_ids_BxT=batch.segment_ids,
     )
     return loss, metrics, {"entropy": ent_BxT}
 

@@ -172,7 +172,9 @@ def accumulate(
     """`acc` plus one micro-batch's gradients of S_micro / normalizer, and its metrics."""
     grad_fn = jax.value_and_grad(loss_and_metrics, argnums=1, has_aux=True)
     (_, metrics), grads = grad_fn(spec, state.params, batch, normalizer)
-    part = algorithms.normalizer_part(batch.loss_mask, spec.cfg.algorithm.aggregation)
+    part = algorithms.normalizer_part(
+        batch.loss_mask, spec.cfg.algorithm.aggregation, batch.segment_ids
+    )
     acc = GradAccumulator(
         grads=jax.tree.map(jnp.add, acc.grads, grads),
         metrics={k: acc.metrics[k] + metrics[k] for k in spec.metric_keys},
