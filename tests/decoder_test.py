@@ -25,28 +25,18 @@ def test_generation_layout_matches_training_layout(overrides):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 8)), jnp.int32)
     lengths, slots = jnp.array([8, 5], jnp.int32), jnp.array([2, 0], jnp.int32)
 
-    @jax.jit
-    def run_old(params):
-        m = nnx.merge(graphdef, params)
-        logits, cache = m.prefill(tokens, lengths, kv_cache.init_cache(cfg, b, s), slots)
+    def run(model, cache):
+        """Prefill, then three greedy decode steps; every step's logits."""
+        logits, cache = model.prefill(tokens, lengths, cache, slots)
         out, tok = [logits], jnp.zeros((b,), jnp.int32).at[slots].set(jnp.argmax(logits, -1))
         for _ in range(3):
-            logits, cache = m.decode(tok, cache, jnp.array([True, False, True]))
+            logits, cache = model.decode(tok, cache, jnp.array([True, False, True]))
             out.append(logits)
             tok = jnp.argmax(logits, -1).astype(jnp.int32)
         return out
 
-    @jax.jit
-    def run_new(weights):
-        m = decoder.GenModel(weights, cfg)
-        logits, cache = m.prefill(tokens, lengths, decoder.init_cache(cfg, b, s), slots)
-        out, tok = [logits], jnp.zeros((b,), jnp.int32).at[slots].set(jnp.argmax(logits, -1))
-        for _ in range(3):
-            logits, cache = m.decode(tok, cache, jnp.array([True, False, True]))
-            out.append(logits)
-            tok = jnp.argmax(logits, -1).astype(jnp.int32)
-        return out
-
+    run_old = jax.jit(lambda p: run(nnx.merge(graphdef, p), kv_cache.init_cache(cfg, b, s)))
+    run_new = jax.jit(lambda w: run(decoder.GenModel(w, cfg), decoder.init_cache(cfg, b, s)))
     old, new = run_old(params), run_new(weights)
     for o, n in zip(old, new, strict=True):
         np.testing.assert_allclose(n, o, atol=1e-5, rtol=1e-5)

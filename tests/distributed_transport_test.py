@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from streamrl_jax.distributed import channel as channel_lib
-from streamrl_jax.distributed import keys, peers, roles, weights, wire
+from streamrl_jax.distributed import keys, roles, sockets, weights, wire
 from streamrl_jax.distributed.channel import (
     AuthenticationFailed,
     ChannelClosed,
@@ -458,7 +458,7 @@ def test_unauthenticated_local_processes_are_rejected_and_nothing_runs(tmp_path)
         with socket.create_connection((host, port)) as raw:
             raw.sendall(struct.pack("!i", len(payload)) + payload)  # the old framing
             time.sleep(0.2)
-        ctx = peers._zmq()
+        ctx = sockets.context()
         plain = ctx.socket(zmq.DEALER)
         outsider = ctx.socket(zmq.DEALER)
         outsider.curve_serverkey = keys.run_key(KEY).server_public

@@ -47,10 +47,10 @@ def raw_peer(address, *, key=KEY, name="rogue", kind="samples"):
     process): says hello, then sends whatever the caller wants."""
     import zmq
 
-    from streamrl_jax.distributed import keys, peers
+    from streamrl_jax.distributed import keys, sockets
 
     k = keys.run_key(key)
-    sock = peers._zmq().socket(zmq.DEALER)
+    sock = sockets.context().socket(zmq.DEALER)
     sock.curve_serverkey = k.server_public
     sock.curve_publickey, sock.curve_secretkey = k.client_public, k.client_secret
     sock.linger = 0
@@ -182,7 +182,7 @@ def _outsider(how: str) -> Callable[[str], str]:
     def drive(root: str) -> str:
         import zmq
 
-        from streamrl_jax.distributed import keys, peers
+        from streamrl_jax.distributed import keys, sockets
 
         payload = pickle.dumps(Evil(os.path.join(root, "pwned")))
         server, _ = _server(timeout_s=3.0)
@@ -201,7 +201,7 @@ def _outsider(how: str) -> Callable[[str], str]:
                         return f"no close: {e!r}"
                 return f"the server closed the connection after {len(reply)} bytes of greeting"
             else:
-                sock = peers._zmq().socket(zmq.DEALER)
+                sock = sockets.context().socket(zmq.DEALER)
                 sock.linger = 0
                 if how == "curve":  # knows the server's public key, not the client secret
                     sock.curve_serverkey = keys.run_key(KEY).server_public
@@ -363,7 +363,8 @@ def _edited(**fields) -> bytes:
     return msgspec.msgpack.encode({**obj, **fields})
 
 
-def _cases() -> list[NetCase]:
+def cases() -> list[NetCase]:
+    """The network cases (built when called: they import the package)."""
     from streamrl_jax.distributed.channel import MAX_FRAME_BYTES
 
     credit = struct.pack("!iq", -5, -1)
@@ -411,11 +412,6 @@ def _cases() -> list[NetCase]:
     ]  # fmt: skip
 
 
-def cases() -> list[NetCase]:
-    """The network cases (built lazily: they import the package)."""
-    return _cases()
-
-
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -425,9 +421,9 @@ def _warm() -> None:
     backend) is started before a case counts threads and descriptors."""
     import jax
 
-    from streamrl_jax.distributed import peers
+    from streamrl_jax.distributed import sockets
 
-    peers._zmq()
+    sockets.context()
     jax.devices()
 
 

@@ -121,10 +121,8 @@ def secret_from_env(environ: Mapping[str, str] | None = None) -> bytes | None:
     """The run secret from `STREAMRL_AUTHKEY_FILE`, else `STREAMRL_AUTHKEY`; None if unset."""
     env = os.environ if environ is None else environ
     if env.get(ENV_AUTHKEY_FILE):
-        source, secret = (
-            f"{ENV_AUTHKEY_FILE}={env[ENV_AUTHKEY_FILE]}",
-            read_key_file(env[ENV_AUTHKEY_FILE]),
-        )
+        source = f"{ENV_AUTHKEY_FILE}={env[ENV_AUTHKEY_FILE]}"
+        secret = read_key_file(env[ENV_AUTHKEY_FILE])
     elif env.get(ENV_AUTHKEY):
         source, secret = ENV_AUTHKEY, env[ENV_AUTHKEY].encode()
     else:

@@ -3,18 +3,33 @@
 Decode-chunk and span reports let the trainer's trace and `gen_busy` see every
 instance of every process; `GenerationFailed` is a generation process's last
 word before it exits with an error, so the trainer fails naming it.
+
+Each is a msgspec `Struct` that is its own wire schema (`wire.py` encodes and
+decodes it as it is): the `Annotated` bounds are checked when a frame is
+decoded, unknown fields are refused, and the tag names the type on the wire.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Annotated
+
+import msgspec
+
+MAX_STR = 4096  # characters of an id, name or key path
+MAX_REASON = 64 * 1024  # characters of `GenerationFailed.reason`
+MAX_SPAN_ARGS = 64
+
+Str = Annotated[str, msgspec.Meta(max_length=MAX_STR)]
 
 
-@dataclasses.dataclass(frozen=True)
-class ChunkReport:
+class WireStruct(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Base of every wire schema: frozen, unknown fields refused."""
+
+
+class ChunkReport(WireStruct, tag="chunk"):
     """One decode chunk of a generation instance (wall times), for `gen_busy` and the trace."""
 
-    instance: str  # "p<process>.<instance>"
+    instance: Str  # "p<process>.<instance>"
     t0: float
     t1: float
     tokens: int
@@ -23,20 +38,18 @@ class ChunkReport:
     prefilled: int
 
 
-@dataclasses.dataclass(frozen=True)
-class SpanReport:
+class SpanReport(WireStruct, tag="span"):
     """A span for the trainer's trace (wall times), e.g. a weight set's arrival."""
 
-    track: str
-    name: str
+    track: Str
+    name: Str
     t0: float
     t1: float
-    args: dict[str, float]
+    args: Annotated[dict[Str, float], msgspec.Meta(max_length=MAX_SPAN_ARGS)]
 
 
-@dataclasses.dataclass(frozen=True)
-class GenerationFailed:
+class GenerationFailed(WireStruct, tag="failed"):
     """A generation process's last message before it exits with an error."""
 
     process: int
-    reason: str
+    reason: Annotated[str, msgspec.Meta(max_length=MAX_REASON)]

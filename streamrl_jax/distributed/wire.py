@@ -5,7 +5,8 @@ Every message a generation process sends its training process (`Sample`,
 training process sends back is msgpack with a fixed, typed schema (msgspec
 `Struct`s, one tag per message type). Arrays travel as raw little-endian bytes
 with a fixed dtype per field (int32 tokens, float32 log-probs), so a frame
-never names a type to build and nothing is unpickled.
+never names a type to build and nothing is unpickled. The reports are their own
+schema (`messages.py`); a `Sample` maps to and from `_Sample`.
 
 Decoding is strict: unknown tags or fields, wrong types, over-long strings or
 containers, and array lengths that disagree raise `WireError` naming the
@@ -34,13 +35,16 @@ import msgspec
 import numpy as np
 
 from streamrl_jax.distributed.channel import TransportError
-from streamrl_jax.distributed.messages import ChunkReport, GenerationFailed, SpanReport
+from streamrl_jax.distributed.messages import (
+    ChunkReport,
+    GenerationFailed,
+    SpanReport,
+    Str,
+    WireStruct,
+)
 from streamrl_jax.generation.types import RequestTag, Sample, Timings
 
 MAX_TOKENS = 1 << 20  # elements of one token / log-prob array
-MAX_STR = 4096  # characters of an id, name or key path
-MAX_REASON = 64 * 1024  # characters of `GenerationFailed.reason`
-MAX_SPAN_ARGS = 64
 MAX_RANK = 8
 MAX_LEAVES = 100_000
 MAX_LEAF_BYTES = 1 << 40  # a sanity bound; the receiver checks the tree it expects
@@ -94,32 +98,27 @@ class WeightHeader:
 
 
 # ---------------------------------------------------------------- schema
-_Str = Annotated[str, msgspec.Meta(max_length=MAX_STR)]
 # Raw little-endian bytes of a 1-D array; the 4-byte dtype is fixed per field.
 _Raw4 = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_TOKENS)]
 _Dim = Annotated[int, msgspec.Meta(ge=0, le=MAX_LEAF_BYTES)]
 
 
-class _Struct(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    pass
-
-
-class _Tag(_Struct):
+class _Tag(WireStruct):
     batch: int
     group: int
     member: int
-    prompt_id: _Str
+    prompt_id: Str
     eval_version: int | None
 
 
-class _Timings(_Struct):
+class _Timings(WireStruct):
     enqueue: float
     admit: float
     finish: float
 
 
-class _Sample(_Struct, tag="sample"):
-    request_id: _Str | int
+class _Sample(WireStruct, tag="sample"):
+    request_id: Str | int
     prompt: _Raw4  # i32[P], P >= 1
     response: _Raw4  # i32[R], R >= 1
     logprobs: _Raw4  # f32[R]
@@ -132,37 +131,14 @@ class _Sample(_Struct, tag="sample"):
     tag: _Tag
 
 
-class _Chunk(_Struct, tag="chunk"):
-    instance: _Str
-    t0: float
-    t1: float
-    tokens: int
-    running: int
-    steps: int
-    prefilled: int
-
-
-class _Span(_Struct, tag="span"):
-    track: _Str
-    name: _Str
-    t0: float
-    t1: float
-    args: Annotated[dict[_Str, float], msgspec.Meta(max_length=MAX_SPAN_ARGS)]
-
-
-class _Failed(_Struct, tag="failed"):
-    process: int
-    reason: Annotated[str, msgspec.Meta(max_length=MAX_REASON)]
-
-
-class _Leaf(_Struct):
-    path: _Str
+class _Leaf(WireStruct):
+    path: Str
     shape: Annotated[tuple[_Dim, ...], msgspec.Meta(max_length=MAX_RANK)]
     dtype: Literal[DTYPES]
     crc32: Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)] | None
 
 
-class _Header(_Struct, tag="weights"):
+class _Header(WireStruct, tag="weights"):
     version: int
     leaves: Annotated[tuple[_Leaf, ...], msgspec.Meta(max_length=MAX_LEAVES)]
 
@@ -175,7 +151,7 @@ def _enc_hook(obj: Any) -> Any:
 
 
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-_DECODER = msgspec.msgpack.Decoder(_Sample | _Chunk | _Span | _Failed)
+_DECODER = msgspec.msgpack.Decoder(_Sample | ChunkReport | SpanReport | GenerationFailed)
 _HEADER_DECODER = msgspec.msgpack.Decoder(_Header)
 
 
@@ -255,22 +231,8 @@ def _decode_sample(w: _Sample) -> Sample:
     )
 
 
-_TO_WIRE = {
-    Sample: _encode_sample,
-    ChunkReport: lambda m: _Chunk(
-        m.instance, m.t0, m.t1, m.tokens, m.running, m.steps, m.prefilled
-    ),
-    SpanReport: lambda m: _Span(m.track, m.name, m.t0, m.t1, m.args),
-    GenerationFailed: lambda m: _Failed(m.process, m.reason),
-}
-_FROM_WIRE = {
-    _Sample: _decode_sample,
-    _Chunk: lambda w: ChunkReport(
-        w.instance, w.t0, w.t1, w.tokens, w.running, w.steps, w.prefilled
-    ),
-    _Span: lambda w: SpanReport(w.track, w.name, w.t0, w.t1, w.args),
-    _Failed: lambda w: GenerationFailed(w.process, w.reason),
-}
+# The reports are their own schema (messages.py); a Sample maps to and from `_Sample`.
+_REPORTS = (ChunkReport, SpanReport, GenerationFailed)
 
 
 def encode(msg: Message) -> bytes:
@@ -285,10 +247,11 @@ def encode(msg: Message) -> bytes:
         and float32 (log-probs) of equal length >= 1, or whose request id is
         neither a str nor an int.
     """
-    to_wire = _TO_WIRE.get(type(msg))
-    if to_wire is None:
+    if type(msg) is Sample:
+        return _ENCODER.encode(_encode_sample(msg))
+    if type(msg) not in _REPORTS:
         raise TypeError(f"wire: cannot encode a {type(msg).__name__}")
-    return _ENCODER.encode(to_wire(msg))
+    return _ENCODER.encode(msg)
 
 
 def decode(payload: bytes | memoryview, *, source: str) -> Message:
@@ -303,7 +266,7 @@ def decode(payload: bytes | memoryview, *, source: str) -> Message:
     """
     try:
         wire = _DECODER.decode(payload)
-        return _FROM_WIRE[type(wire)](wire)
+        return _decode_sample(wire) if type(wire) is _Sample else wire
     except (msgspec.MsgspecError, ValueError, RecursionError) as e:
         raise WireError(f"malformed message from {source}: {e}") from None
 
