@@ -1,0 +1,247 @@
+"""Shard-to-shard weight sync (distributed/shard_sync.py).
+
+In one process: two senders playing training processes 0 and 1 (each holding
+half the rows of every matrix) and two receivers with different layouts, over
+real CURVE channels on loopback. Across real processes: `launch/local.py` with
+2 generation + 2 training processes (gloo), the training params FSDP-sharded
+over a mesh spanning both training processes.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+from streamrl_jax.distributed import shard_sync
+from streamrl_jax.distributed.channel import TransportError
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+KEY = b"test-key-0123456789abcdef"
+
+
+def make_params(scale: float = 1.0) -> dict:
+    rng = np.random.default_rng(3)
+    return {
+        "embed": (rng.standard_normal((32, 12)) * scale).astype(jnp.bfloat16),
+        "layers": [
+            {
+                "w": (rng.standard_normal((8, 6)) * scale).astype(np.float32),
+                "n": np.ones(6, np.float32),
+            },
+            {"w": np.full((8, 6), -0.0, np.float32), "n": np.full(6, np.nan, np.float32)},
+        ],
+        "step": np.int32(7),
+    }
+
+
+def _bitwise(got, want) -> bool:
+    return all(
+        np.asarray(a).dtype == np.asarray(b).dtype
+        and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    )
+
+
+def _row_halves(params):
+    """Training processes 0 and 1 each hold half the rows of every matrix; vectors and
+    the scalar are replicated on both: (sources, shards of each process)."""
+    sources, shards = {0: [], 1: []}, {0: {}, 1: {}}
+    for i, x in enumerate(jax.tree.leaves(params)):
+        x = np.asarray(x)
+        if x.ndim == 2:
+            half = x.shape[0] // 2
+            for p in (0, 1):
+                box = ((p * half, (p + 1) * half), (0, x.shape[1]))
+                sources[p].append([box])
+                shards[p][(i, box)] = x[p * half : (p + 1) * half]
+        else:
+            box = tuple((0, d) for d in x.shape)
+            for p in (0, 1):
+                sources[p].append([box])
+                shards[p][(i, box)] = x
+    return sources, shards
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+def test_two_senders_two_receivers_bitwise_each_sending_only_its_rows(checksum):
+    params = make_params()
+    senders = [
+        shard_sync.ShardSender(
+            "127.0.0.1:0", authkey=KEY, process=p, num_receivers=2, timeout_s=20,
+            name=f"training-{p}", checksum=checksum,
+        )
+        for p in (0, 1)
+    ]  # fmt: skip
+    mesh = Mesh(np.array(jax.devices()[2:4]), ("tp",))
+    layouts = [
+        jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[1]), params),
+        {  # generation process 1: tp over two devices where it divides
+            "embed": NamedSharding(mesh, P(None, "tp")),
+            "layers": [{"w": NamedSharding(mesh, P(None, "tp")), "n": NamedSharding(mesh, P())}]
+            * 2,
+            "step": NamedSharding(mesh, P()),
+        },
+    ]
+    receivers = [
+        shard_sync.ShardReceiver(
+            [s.address for s in senders],
+            shard_sync.need_of(layouts[r], params, r),
+            authkey=KEY,
+            timeout_s=20,
+            name=f"generation-{r}",
+        )
+        for r in (0, 1)
+    ]
+    try:
+        sources, shards = _row_halves(params)
+        leaves = shard_sync.layouts(params)
+        plans = [s.plan(leaves, sources, timeout=20) for s in senders]
+        sent = [
+            s.send_shards(plan, shards[p], 5)
+            for p, (s, plan) in enumerate(zip(senders, plans, strict=True))
+        ]
+        for r, receiver in enumerate(receivers):
+            got, version, stats = receiver.receive(layouts[r], timeout=20)
+            assert version == 5 and _bitwise(got, params)
+            assert jax.tree.leaves(got)[0].sharding == jax.tree.leaves(layouts[r])[0]
+            assert stats.checksum == checksum
+            assert stats.total_bytes == sum(x.nbytes for x in jax.tree.leaves(params))
+            for p in (0, 1):  # the report on both sides agrees with the plan
+                assert stats.bytes[f"training-{p}"] == plans[p].bytes_sent(p, r)
+                assert sent[p].bytes[f"generation-{r}"] == plans[p].bytes_sent(p, r)
+        matrices = sum(x.nbytes for x in jax.tree.leaves(params) if np.ndim(x) == 2)
+        for p in (0, 1):  # its half of every matrix to each receiver, plus shared vectors
+            assert sent[p].total_bytes >= matrices  # = 2 receivers x half
+            assert sent[p].total_bytes < 2 * sum(x.nbytes for x in jax.tree.leaves(params))
+        # A second version goes through once the first was taken (one credit each).
+        params2 = make_params(scale=2.0)
+        _, shards2 = _row_halves(params2)
+        for p, s in enumerate(senders):
+            s.send_shards(plans[p], shards2[p], 6)
+        for r, receiver in enumerate(receivers):
+            got, version, _ = receiver.receive(layouts[r], timeout=20)
+            assert version == 6 and _bitwise(got, params2)
+    finally:
+        for x in (*receivers, *senders):
+            x.close(2)
+
+
+def test_a_receiver_that_needs_other_weights_is_refused_naming_the_leaf():
+    params = make_params()
+    sender = shard_sync.ShardSender(
+        "127.0.0.1:0", authkey=KEY, process=0, num_receivers=1, timeout_s=10
+    )
+    other = dict(params, embed=np.zeros((32, 13), jnp.bfloat16))
+    shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), other)
+    receiver = shard_sync.ShardReceiver(
+        [sender.address], shard_sync.need_of(shardings, other, 0), authkey=KEY, timeout_s=10
+    )
+    try:
+        sources = {0: [[tuple((0, d) for d in np.shape(x))] for x in jax.tree.leaves(params)]}
+        with pytest.raises(
+            TransportError,
+            match=r"leaf 0: needs \['embed'\] bfloat16\[32, 13\], this process sends .*\[32, 12\]",
+        ):
+            sender.plan(shard_sync.layouts(params), sources, timeout=10)
+    finally:
+        receiver.close(1)
+        sender.close(1)
+
+
+# ---------------------------------------------------------------------- processes
+_WORKER = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+sys.path.insert(0, {tests!r})
+from shard_sync_test import make_params, _bitwise
+from streamrl_jax.distributed import roles, shard_sync
+
+cfg = roles.DistributedConfig.from_env()
+r = roles.initialize(cfg)
+train = Mesh(np.array(r.training_devices), ("fsdp",))
+local = Mesh(np.array(jax.local_devices()), ("tp",))
+
+def shard(params, mesh, axis):
+    def one(x):
+        spec = P(axis) if np.ndim(x) == 2 else P()
+        s = NamedSharding(mesh, spec)
+        return jax.make_array_from_callback(np.shape(x), s, lambda idx: np.asarray(x)[idx])
+    return jax.tree.map(one, params)
+
+out = {{"pid": r.process_id, "role": r.role}}
+if r.role == "training":
+    t = r.training_processes.index(r.process_id)
+    sender = shard_sync.ShardSender("%s:0" % roles.advertised_host(cfg), authkey=cfg.authkey,
+        process=r.process_id, num_receivers=len(r.generation_processes), timeout_s=60,
+        name="training-%d" % t, checksum=True)
+    roles.publish("weights-%d" % t, "%s:%d" % sender.address)
+    stats = [sender.send(shard(make_params(s), train, "fsdp"), v, wait_ack=True).bytes
+             for v, s in enumerate((1.0, 2.0))]
+    out["sent"] = stats
+    sender.close(10)
+else:
+    abstract = make_params()
+    shardings = jax.tree.map(lambda x: x.sharding, shard(abstract, local, None))
+    shardings["embed"] = NamedSharding(local, P(None, "tp"))  # tp on this side
+    addresses = [roles.lookup("weights-%d" % t, 60) for t in range(len(r.training_processes))]
+    receiver = shard_sync.ShardReceiver(addresses,
+        shard_sync.need_of(shardings, abstract, r.process_id), authkey=cfg.authkey,
+        timeout_s=60, name="generation-%d" % r.process_id)
+    out["exact"], out["received"] = [], []
+    for v, s in enumerate((1.0, 2.0)):
+        got, version, stats = receiver.receive(shardings, timeout=60)
+        out["exact"].append(version == v and _bitwise(got, make_params(s)))
+        out["received"].append(stats.bytes)
+        assert stats.checksum
+    receiver.close(10)
+print("RESULT", json.dumps(out), flush=True)
+jax.distributed.shutdown()
+"""
+
+
+def test_two_training_processes_send_only_their_shards_to_two_generation_processes(tmp_path):
+    path = tmp_path / "worker.py"
+    path.write_text(
+        f"import sys\nsys.path[:0] = [{str(REPO)!r}]\n"
+        + textwrap.dedent(_WORKER).format(tests=str(REPO / "tests"))
+    )
+    run = subprocess.run(
+        [sys.executable, str(REPO / "launch" / "local.py"), "-n", "4", "-g", "2",
+         "--timeout_s", "150", "--", sys.executable, str(path)],
+        capture_output=True, text=True, timeout=180,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", JAX_PLATFORMS="cpu"),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    results = [
+        json.loads(line.split("RESULT ", 1)[1])
+        for line in run.stdout.splitlines()
+        if "RESULT" in line
+    ]
+    by_role = {pid: x for x in results for pid in [x["pid"]]}
+    assert sorted(by_role) == [0, 1, 2, 3], run.stdout[-3000:]
+    params = make_params()
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    matrices = sum(x.nbytes for x in jax.tree.leaves(params) if np.ndim(x) == 2)
+    for g in (0, 1):
+        assert by_role[g]["exact"] == [True, True]  # every generation process, bitwise
+        for received in by_role[g]["received"]:
+            assert sum(received.values()) == total  # each element once
+    for t, pid in enumerate((2, 3)):
+        for v, sent in enumerate(by_role[pid]["sent"]):
+            for g in (0, 1):
+                # Exactly what the receiver saw from it; its half of every matrix, and
+                # never the whole model.
+                assert sent[f"generation-{g}"] == by_role[g]["received"][v][f"training-{t}"]
+                assert matrices // 2 <= sent[f"generation-{g}"] < total
