@@ -22,6 +22,7 @@ bound (a liveness bound, not a speed claim).
 """
 
 import importlib.util
+import json
 import os
 import pathlib
 import signal
@@ -166,6 +167,39 @@ def test_processes_give_the_one_process_parameters(
     assert "weight_receive" in trace
     for k in range(generation):
         assert f"instance p{k}.0" in trace and f"generation-{k}" in trace  # weight_receive/
+    _check_sync_reports(json.loads(trace)["traceEvents"], generation, training)
+
+
+def _check_sync_reports(events, generation: int, training: int) -> None:
+    """The per-sync reports (shard_sync.ShardStats) in the first training process's
+    trace: every receiver got each element once, from every training process only its
+    share (never the whole model with two), and the first training process's own report
+    of what it sent each receiver matches what that receiver saw from it."""
+    sent = {
+        int(e["args"]["version"]): e["args"]
+        for e in events
+        if e.get("ph") == "X" and "bytes/generation-0" in e.get("args", {})
+    }
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"
+    }
+    received = [  # (generation process's track, its report)
+        (threads.get((e["pid"], e.get("tid"))), e["args"])
+        for e in events
+        if "bytes/training-0" in e.get("args", {})
+    ]
+    assert sent and len(received) >= generation * (len(sent) - 1)
+    for _, r in received:
+        parts = [r[f"bytes/training-{t}"] for t in range(training)]
+        assert sum(parts) == r["bytes"] > 0 and r["gbps"] > 0
+        if training > 1:
+            assert all(0 < b < r["bytes"] for b in parts)
+    for k in range(generation):
+        mine = {r["version"]: r for track, r in received if track == f"generation-{k}"}
+        assert mine
+        for version, r in mine.items():
+            if version in sent:
+                assert sent[version][f"bytes/generation-{k}"] == r["bytes/training-0"]
 
 
 @pytest.mark.parametrize("processes, generation", [(2, 1), pytest.param(4, 2, marks=_EXT)])
