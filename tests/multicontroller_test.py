@@ -202,6 +202,28 @@ def _check_sync_reports(events, generation: int, training: int) -> None:
                 assert sent[version][f"bytes/generation-{k}"] == r["bytes/training-0"]
 
 
+@_EXT
+def test_device_to_device_weights_give_the_one_process_parameters(tmp_path, tmp_path_factory):
+    # pipeline.weight_transport="xla": every piece pulled through jax.experimental.transfer
+    # after the layout check, with crc32s; 2 generation + 2 training processes.
+    xla = {"pipeline.weight_transport": "xla", "pipeline.weight_checksum": True}
+    workdir = tmp_path / "run"
+    launcher = [sys.executable, str(REPO / "launch" / "local.py"), "-n", "4", "-g", "2"]
+    cmd = [*launcher, "--timeout_s", "240", "--"]
+    run = _run([*cmd, *_launch_cmd(workdir, **{"pipeline.mode": "stream_async"}, **xla)])
+    assert run.returncode == 0, run.stdout[-6000:]
+    assert "no authentication" in run.stdout + run.stderr  # said once per process
+    got = np.load(workdir / run_lib.FINAL_PARAMS)
+    want = _one_process("stream_async", tmp_path_factory)
+    for key in want.files:
+        np.testing.assert_allclose(got[key], want[key], rtol=0, atol=1e-4, err_msg=key)
+    events = json.loads((workdir / "trace.json").read_text())["traceEvents"]
+    _check_sync_reports(events, generation=2, training=2)
+    assert all(
+        e["args"]["checksum"] == 1.0 for e in events if "bytes/training-0" in e.get("args", {})
+    )
+
+
 @pytest.mark.parametrize("processes, generation", [(2, 1), pytest.param(4, 2, marks=_EXT)])
 def test_processes_train_the_critic_like_one_process(
     processes, generation, tmp_path, tmp_path_factory

@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from streamrl_jax.distributed import shard_sync
+from streamrl_jax.distributed import shard_receiver, shard_sync, shard_wire, xla_pull
 from streamrl_jax.distributed.channel import TransportError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -92,9 +92,9 @@ def test_two_senders_two_receivers_bitwise_each_sending_only_its_rows(checksum):
         },
     ]
     receivers = [
-        shard_sync.ShardReceiver(
+        shard_receiver.ShardReceiver(
             [s.address for s in senders],
-            shard_sync.need_of(layouts[r], params, r),
+            shard_wire.need_of(layouts[r], params, r),
             authkey=KEY,
             timeout_s=20,
             name=f"generation-{r}",
@@ -103,7 +103,7 @@ def test_two_senders_two_receivers_bitwise_each_sending_only_its_rows(checksum):
     ]
     try:
         sources, shards = _row_halves(params)
-        leaves = shard_sync.layouts(params)
+        leaves = shard_wire.layouts(params)
         plans = [s.plan(leaves, sources, timeout=20) for s in senders]
         sent = [
             s.send_shards(plan, shards[p], 5)
@@ -142,8 +142,8 @@ def test_a_receiver_that_needs_other_weights_is_refused_naming_the_leaf():
     )
     other = dict(params, embed=np.zeros((32, 13), jnp.bfloat16))
     shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), other)
-    receiver = shard_sync.ShardReceiver(
-        [sender.address], shard_sync.need_of(shardings, other, 0), authkey=KEY, timeout_s=10
+    receiver = shard_receiver.ShardReceiver(
+        [sender.address], shard_wire.need_of(shardings, other, 0), authkey=KEY, timeout_s=10
     )
     try:
         sources = {0: [[tuple((0, d) for d in np.shape(x))] for x in jax.tree.leaves(params)]}
@@ -151,10 +151,66 @@ def test_a_receiver_that_needs_other_weights_is_refused_naming_the_leaf():
             TransportError,
             match=r"leaf 0: needs \['embed'\] bfloat16\[32, 13\], this process sends .*\[32, 12\]",
         ):
-            sender.plan(shard_sync.layouts(params), sources, timeout=10)
+            sender.plan(shard_wire.layouts(params), sources, timeout=10)
     finally:
         receiver.close(1)
         sender.close(1)
+
+
+def test_device_to_device_pull_in_one_process_bitwise_with_checksums():
+    """`jax.experimental.transfer` behind the same interface: one sender holding the
+    params FSDP-sharded over devices 0-3, two receivers with their own layouts."""
+    params = make_params()
+    fsdp = Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+    sharded = jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(fsdp, P("fsdp") if np.ndim(x) == 2 else P())),
+        params,
+    )
+    sender = shard_sync.ShardSender(
+        "127.0.0.1:0", authkey=KEY, process=0, num_receivers=2, timeout_s=20, checksum=True,
+        xla=xla_pull.PullServer("127.0.0.1", jax.devices()[0]),
+    )  # fmt: skip
+    tp = Mesh(np.array(jax.devices()[6:8]), ("tp",))
+    layouts = [
+        jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[5]), params),
+        jax.tree.map(
+            lambda x: NamedSharding(tp, P(None, "tp") if np.ndim(x) == 2 else P()), params
+        ),
+    ]
+    receivers = [
+        shard_receiver.ShardReceiver(
+            [sender.address], shard_wire.need_of(layouts[r], params, r), authkey=KEY,
+            timeout_s=20, name=f"generation-{r}",
+            xla=xla_pull.PullServer("127.0.0.1", jax.devices()[5 + r]),
+        )
+        for r in (0, 1)
+    ]  # fmt: skip
+    try:
+        for version in (0, 1):
+            sent = sender.send(sharded, version)
+            for r, receiver in enumerate(receivers):
+                got, got_version, stats = receiver.receive(layouts[r], timeout=30)
+                assert got_version == version and _bitwise(got, params) and stats.checksum
+                assert jax.tree.leaves(got)[0].sharding == jax.tree.leaves(layouts[r])[0]
+                assert stats.bytes["training"] == sent.bytes[f"generation-{r}"]
+                assert stats.total_bytes == sum(x.nbytes for x in jax.tree.leaves(params))
+    finally:
+        for x in (*receivers, sender):
+            x.close(2)
+
+
+def test_a_pull_whose_layout_disagrees_is_refused_before_pulling():
+    device = SingleDeviceSharding(jax.devices()[0])
+    spec = jax.ShapeDtypeStruct((4, 3), jnp.float32, sharding=device)
+    whole = (((0, 4), (0, 3)),)
+    xla_pull.check_agreement(((4, 3), "float32", whole), spec, "w")  # agrees
+    for offered in [
+        ((3, 4), "float32", (((0, 3), (0, 4)),)),  # same bytes, another shape: silently wrong
+        ((4, 3), "bfloat16", whole),
+        ((4, 3), "float32", (((0, 2), (0, 3)), ((2, 4), (0, 3)))),  # split over 2 devices
+    ]:
+        with pytest.raises(TransportError, match="w: the offered array .* does not match"):
+            xla_pull.check_agreement(offered, spec, "w")
 
 
 # ---------------------------------------------------------------------- processes
@@ -166,10 +222,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 sys.path.insert(0, {tests!r})
 from shard_sync_test import make_params, _bitwise
-from streamrl_jax.distributed import roles, shard_sync
+from streamrl_jax.distributed import roles, shard_receiver, shard_sync, shard_wire, xla_pull
 
 cfg = roles.DistributedConfig.from_env()
 r = roles.initialize(cfg)
+host = roles.advertised_host(cfg)
+xla = xla_pull.PullServer(host, jax.local_devices()[0]) if {xla!r} else None
 train = Mesh(np.array(r.training_devices), ("fsdp",))
 local = Mesh(np.array(jax.local_devices()), ("tp",))
 
@@ -183,9 +241,9 @@ def shard(params, mesh, axis):
 out = {{"pid": r.process_id, "role": r.role}}
 if r.role == "training":
     t = r.training_processes.index(r.process_id)
-    sender = shard_sync.ShardSender("%s:0" % roles.advertised_host(cfg), authkey=cfg.authkey,
+    sender = shard_sync.ShardSender("%s:0" % host, authkey=cfg.authkey,
         process=r.process_id, num_receivers=len(r.generation_processes), timeout_s=60,
-        name="training-%d" % t, checksum=True)
+        name="training-%d" % t, checksum=True, xla=xla)
     roles.publish("weights-%d" % t, "%s:%d" % sender.address)
     stats = [sender.send(shard(make_params(s), train, "fsdp"), v, wait_ack=True).bytes
              for v, s in enumerate((1.0, 2.0))]
@@ -196,9 +254,9 @@ else:
     shardings = jax.tree.map(lambda x: x.sharding, shard(abstract, local, None))
     shardings["embed"] = NamedSharding(local, P(None, "tp"))  # tp on this side
     addresses = [roles.lookup("weights-%d" % t, 60) for t in range(len(r.training_processes))]
-    receiver = shard_sync.ShardReceiver(addresses,
-        shard_sync.need_of(shardings, abstract, r.process_id), authkey=cfg.authkey,
-        timeout_s=60, name="generation-%d" % r.process_id)
+    receiver = shard_receiver.ShardReceiver(addresses,
+        shard_wire.need_of(shardings, abstract, r.process_id), authkey=cfg.authkey,
+        timeout_s=60, name="generation-%d" % r.process_id, xla=xla)
     out["exact"], out["received"] = [], []
     for v, s in enumerate((1.0, 2.0)):
         got, version, stats = receiver.receive(shardings, timeout=60)
@@ -211,11 +269,12 @@ jax.distributed.shutdown()
 """
 
 
-def test_two_training_processes_send_only_their_shards_to_two_generation_processes(tmp_path):
+@pytest.mark.parametrize("xla", [False, True], ids=["channel", "xla_transfer"])
+def test_two_training_processes_send_only_their_shards_to_two_generation_processes(tmp_path, xla):
     path = tmp_path / "worker.py"
     path.write_text(
         f"import sys\nsys.path[:0] = [{str(REPO)!r}]\n"
-        + textwrap.dedent(_WORKER).format(tests=str(REPO / "tests"))
+        + textwrap.dedent(_WORKER).format(tests=str(REPO / "tests"), xla=xla)
     )
     run = subprocess.run(
         [sys.executable, str(REPO / "launch" / "local.py"), "-n", "4", "-g", "2",

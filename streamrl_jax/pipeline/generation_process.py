@@ -4,7 +4,7 @@ It builds only the generation side (`components.build_generation`: its
 instances on its own devices, the tokenizer, the same seeded prompt pipeline),
 takes W_0 from the trainer and runs the same `GenerationDriver` as one process
 does, with its hooks pointed across processes: `weights(v)` takes W_v from a
-`ShardReceiver` (`distributed/shard_sync.py`: its slices of every leaf, from the
+`ShardReceiver` (`distributed/shard_receiver.py`: its slices of every leaf, from the
 training processes that hold them; versions arrive in order; one the driver
 does not need is dropped), every process draws every batch's prompts and keeps the groups whose
 index is k mod G (held-out prompts likewise), and `emit` sends each finished
@@ -30,8 +30,10 @@ from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.distributed import roles
 from streamrl_jax.distributed.channel import ChannelClosed, PeerLost, TransportError
 from streamrl_jax.distributed.messages import ChunkReport, GenerationFailed, SpanReport
-from streamrl_jax.distributed.shard_sync import ShardReceiver, need_of
+from streamrl_jax.distributed.shard_receiver import ShardReceiver
+from streamrl_jax.distributed.shard_wire import need_of
 from streamrl_jax.distributed.transport import SampleClient
+from streamrl_jax.distributed.xla_pull import pull_server
 from streamrl_jax.generation.types import Sample
 from streamrl_jax.mailbox import FailureLatch
 from streamrl_jax.pipeline import components as components_lib
@@ -85,6 +87,7 @@ class _GenerationProcess:
             authkey=dcfg.authkey,
             timeout_s=CHANNEL_TIMEOUT_S,
             name=name,
+            xla=pull_server(cfg, roles.advertised_host(dcfg)),
         )
         self.latch = FailureLatch(name)
         self.latch.add_listener(

@@ -41,6 +41,7 @@ from streamrl_jax.distributed.channel import ChannelClosed, PeerLost, TransportE
 from streamrl_jax.distributed.messages import ChunkReport, GenerationFailed, SpanReport
 from streamrl_jax.distributed.shard_sync import ShardSender
 from streamrl_jax.distributed.transport import SampleServer
+from streamrl_jax.distributed.xla_pull import pull_server
 from streamrl_jax.generation.types import Sample
 from streamrl_jax.pipeline import components as components_lib
 from streamrl_jax.pipeline.lifecycle import run_components
@@ -133,7 +134,8 @@ class TrainingLink:
             on_error=lambda exc: self._failed("generation process", exc),
             name=f"training-{self.index}",
         )
-        # Every training process sends its own shards of the weights.
+        # Every training process sends its own shards of the weights (device to device
+        # with pipeline.weight_transport="xla": unauthenticated, opt-in).
         self.sender = ShardSender(
             f"{address}:0",
             authkey=dcfg.authkey,
@@ -141,6 +143,8 @@ class TrainingLink:
             num_receivers=g,
             timeout_s=CHANNEL_TIMEOUT_S,
             name=f"training-{self.index}",
+            checksum=p.weight_checksum,
+            xla=pull_server(cfg, address),
         )
         roles.publish(f"{WEIGHTS_KEY}-{self.index}", "{}:{}".format(*self.sender.address))
         roles.publish(f"{SAMPLES_KEY}-{self.index}", "{}:{}".format(*self.server.address))
