@@ -27,7 +27,9 @@ Measures, with random arrays of the SmolLM2-135M shapes (30 layers, width
   with a memcpy (`np.copyto`) of one receiver's bytes in this process, same
   run, and with the path it replaces (training process 0 sends a gathered
   copy to each receiver; the other sends nothing), alternated `--rounds`
-  times (the best round of each is reported). `--shards_only` runs just this.
+  times (the best round of each is reported); with `--xla_transfer` also the
+  device-to-device path (`pipeline.weight_transport="xla"`). `--shards_only`
+  runs just this part.
 
 `--pin` pins this process to the first allowed CPU and the child to the
 second (DESIGN.md §5). Times are medians over `--reps` after one warm-up.
@@ -56,7 +58,14 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from streamrl_jax.distributed import reshard, shard_receiver, shard_sync, shard_wire, wire  # noqa: E402
+from streamrl_jax.distributed import (  # noqa: E402
+    reshard,
+    shard_receiver,
+    shard_sync,
+    shard_wire,
+    wire,
+    xla_pull,
+)
 from streamrl_jax.distributed.messages import SpanReport  # noqa: E402
 from streamrl_jax.distributed.transport import SampleClient, SampleServer  # noqa: E402
 from streamrl_jax.distributed.weights import WeightReceiver, WeightSender  # noqa: E402
@@ -209,17 +218,22 @@ def shard_child(args: argparse.Namespace) -> None:
     report = SampleClient(args.samples, authkey=key, timeout_s=TIMEOUT_S, name="bench-shards")
     params = smollm2_params("bfloat16")
     reps = args.reps + 1
+    pull = xla_pull.PullServer("127.0.0.1", jax.devices()[0]) if args.xla_shards else None
     if args.shard_role == "training":
         sender = shard_sync.ShardSender(
             "127.0.0.1:0", authkey=key, process=args.index, num_receivers=2,
-            timeout_s=TIMEOUT_S, name=f"training-{args.index}",
+            timeout_s=TIMEOUT_S, name=f"training-{args.index}", xla=pull,
         )  # fmt: skip
         report.send(_report("address", index=args.index, port=sender.address[1]))
         leaves, sources, shards = fsdp_sources(params, 2, args.gathered)
         del params
         plan = sender.plan(leaves, sources, TIMEOUT_S)
+        mine = shards[args.index]
+        if pull is not None:  # device arrays, offered device to device
+            mine = jax.block_until_ready(jax.device_put(mine, jax.devices()[0]))
         for version in range(reps):
-            stats = sender.send_shards(plan, shards[args.index], version, wait_ack=True)
+            send = sender.send_shards if pull is None else sender.send_device_shards
+            stats = send(plan, mine, version, wait_ack=True)
             report.send(_report("shard_send", index=args.index, version=version, **{
                 "seconds": stats.seconds, "pack_s": stats.pack_s, "bytes": stats.total_bytes,
             }))  # fmt: skip
@@ -230,7 +244,7 @@ def shard_child(args: argparse.Namespace) -> None:
         need = shard_wire.need_of(shardings, params, args.index)
         receiver = shard_receiver.ShardReceiver(
             args.senders.split(","), need, authkey=key, timeout_s=TIMEOUT_S,
-            name=f"generation-{args.index}",
+            name=f"generation-{args.index}", xla=pull,
         )  # fmt: skip
         for version in range(reps):
             got, _, stats = receiver.receive(shardings, TIMEOUT_S)
@@ -248,9 +262,12 @@ def shard_child(args: argparse.Namespace) -> None:
     report.close(TIMEOUT_S)
 
 
-def run_shards(args: argparse.Namespace, key: str, gathered: bool = False) -> dict:
+def run_shards(
+    args: argparse.Namespace, key: str, gathered: bool = False, xla: bool = False
+) -> dict:
     """2 training -> 2 generation processes, shard to shard (module docstring); `gathered`:
-    training process 0 sends everything (the old path, for comparison)."""
+    training process 0 sends everything (the old path, for comparison); `xla`: the pieces
+    pulled device to device (`jax.experimental.transfer`)."""
     server = SampleServer(
         "127.0.0.1:0", authkey=key.encode(), capacity=256, timeout_s=TIMEOUT_S,
         num_producers=4, name="bench-parent",
@@ -258,7 +275,8 @@ def run_shards(args: argparse.Namespace, key: str, gathered: bool = False) -> di
     env = dict(os.environ, STREAMRL_AUTHKEY=key, TF_CPP_MIN_LOG_LEVEL="3")
     base = [
         sys.executable, os.path.abspath(__file__), "--child", "--reps", str(args.reps),
-        "--samples", f"127.0.0.1:{server.address[1]}", *(["--gathered"] if gathered else []),
+        "--samples", f"127.0.0.1:{server.address[1]}",
+        *(["--gathered"] if gathered else []), *(["--xla_shards"] if xla else []),
     ]  # fmt: skip
     procs = []
     try:
@@ -313,19 +331,22 @@ def run_shards(args: argparse.Namespace, key: str, gathered: bool = False) -> di
     row["sync_gbps"] = 2 * per_receiver / row["sync_s"] / 1e9  # both receivers' bytes
     row["memcpy_gbps"] = per_receiver / row["memcpy_s"] / 1e9
     row["sync_over_memcpy"] = row["sync_gbps"] / row["memcpy_gbps"]
-    print(("gathered: " if gathered else "shards: ") + json.dumps(row), flush=True)
+    name = "gathered" if gathered else "shards_xla" if xla else "shards"
+    print(f"{name}: " + json.dumps(row), flush=True)
     return row
 
 
 def shard_figures(args: argparse.Namespace, key: str) -> dict:
     """Shard-to-shard sync and the gathered path (one sender), alternated `--rounds` times."""
-    rows = {"shards": [], "gathered": []}
+    rows = {"shards": [], "gathered": [], **({"shards_xla": []} if args.xla_transfer else {})}
     for _ in range(args.rounds):
         rows["shards"].append(run_shards(args, key))
         rows["gathered"].append(run_shards(args, key, gathered=True))
+        if args.xla_transfer:
+            rows["shards_xla"].append(run_shards(args, key, xla=True))
     out = {name: min(runs, key=lambda r: r["sync_s"]) for name, runs in rows.items()}
-    out["shards"]["sync_s_per_round"] = [r["sync_s"] for r in rows["shards"]]
-    out["gathered"]["sync_s_per_round"] = [r["sync_s"] for r in rows["gathered"]]
+    for name, runs in rows.items():
+        out[name]["sync_s_per_round"] = [r["sync_s"] for r in runs]
     out["shards_over_gathered_speedup"] = out["gathered"]["sync_s"] / out["shards"]["sync_s"]
     return out
 
@@ -362,6 +383,7 @@ def main() -> None:
     parser.add_argument("--shards_only", action="store_true", help="only the shard-to-shard part")
     parser.add_argument("--rounds", type=int, default=None, help="alternations (quick: 1, else 3)")
     parser.add_argument("--gathered", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--xla_shards", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     for flag in ("--weights", "--samples", "--xla", "--senders", "--shard_role"):  # children's
         parser.add_argument(flag, help=argparse.SUPPRESS)
