@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from streamrl_jax.distributed import shard_receiver, shard_sync, shard_wire, xla_pull
+from streamrl_jax.distributed import reshard, shard_receiver, shard_sync, shard_wire, xla_pull
 from streamrl_jax.distributed.channel import TransportError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -155,6 +155,48 @@ def test_a_receiver_that_needs_other_weights_is_refused_naming_the_leaf():
     finally:
         receiver.close(1)
         sender.close(1)
+
+
+@pytest.mark.parametrize(
+    "boxes, match",
+    [
+        ([((0, 8), (0, 6))], "outside box"),  # rows 0-8: this receiver holds rows 0-4
+        ([((0, 4), (0, 6)), ((2, 4), (0, 6))], "overlaps another piece"),
+        ([((0, 2), (0, 6))], "covered 12 of the 24 elements"),  # a gap
+    ],
+)
+def test_a_header_outside_the_need_fails_naming_the_sender(boxes, match):
+    """A key holder that announces pieces the receiver did not ask for: refused before
+    any allocation (outside, overlapping), or when the version would be incomplete."""
+    x = np.arange(48, dtype=np.float32).reshape(8, 6)
+    leaf = reshard.LeafLayout("['w']", (8, 6), "float32", 4)
+    need = shard_wire.Need(0, (leaf,), ((((0, 4), (0, 6)),),))
+    sender = shard_sync.ShardSender(
+        "127.0.0.1:0", authkey=KEY, process=0, num_receivers=1, timeout_s=10, name="evil"
+    )
+    receiver = shard_receiver.ShardReceiver([sender.address], need, authkey=KEY, timeout_s=10)
+    try:
+        sender.wait_for_receivers(10)
+        source = ((0, 8), (0, 6))
+        pieces = tuple(
+            reshard.Piece(0, 0, 0, source, 0, box, reshard.volume(box) * 4) for box in boxes
+        )
+        plan = reshard.Plan((leaf,), pieces, {0: ((((0, 4), (0, 6)),),)})
+        sender.send_shards(plan, {(0, source): x}, 1)
+        with pytest.raises(TransportError, match=match):
+            receiver.receive(SingleDeviceSharding(jax.devices()[0]), timeout=10)
+    finally:
+        receiver.close(1)
+        sender.close(1)
+
+
+def test_the_report_is_flat_and_bounded():
+    stats = shard_wire.ShardStats(3, 0.5, {"training-0": 10, "training-1": 30}, True, wire_s=0.4)
+    report = stats.report()
+    assert report["bytes"] == 40 and report["bytes/training-1"] == 30
+    assert report["gbps"] == pytest.approx(40 / 0.5 / 1e9) and report["checksum"] == 1.0
+    many = shard_wire.ShardStats(3, 1.0, {f"training-{i}": i + 1 for i in range(100)}, False)
+    assert len(many.report()) <= 64 and many.report()["bytes_max"] == 100
 
 
 def test_device_to_device_pull_in_one_process_bitwise_with_checksums():

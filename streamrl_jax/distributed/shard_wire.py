@@ -23,6 +23,7 @@ from streamrl_jax.distributed.wire import DTYPES, ITEMSIZE, MAX_LEAVES, MAX_RANK
 
 MAX_BOXES = 4096  # boxes of one leaf a receiver may declare (its devices)
 MAX_PIECES = 1 << 20
+MAX_PEERS_REPORTED = 48  # per-peer byte counts in a report (a span carries at most 64 figures)
 _Dim = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
 _WireBox = Annotated[tuple[tuple[_Dim, _Dim], ...], msgspec.Meta(max_length=MAX_RANK)]
 
@@ -185,7 +186,11 @@ class ShardStats:
             "wire_s": self.wire_s,
             "place_s": self.place_s,
         }
-        out.update({f"bytes/{peer}": float(n) for peer, n in self.bytes.items()})
+        if len(self.bytes) <= MAX_PEERS_REPORTED:
+            out.update({f"bytes/{peer}": float(n) for peer, n in self.bytes.items()})
+        else:  # a SpanReport carries at most messages.MAX_SPAN_ARGS figures
+            out.update(bytes_min=float(min(self.bytes.values())),
+                       bytes_max=float(max(self.bytes.values())))  # fmt: skip
         return out
 
 
