@@ -126,7 +126,9 @@ def fsdp_sources(params: dict, processes: int, gathered: bool = False) -> tuple[
                 box[dim] = (p * size, (p + 1) * size)
             box = tuple(box)
             sources[p].append([box])
-            shards[p][(i, box)] = x[reshard.relative(box, tuple((0, n) for n in x.shape))]
+            # Its own contiguous array, as a device shard is (not a view of the whole).
+            whole = tuple((0, n) for n in x.shape)
+            shards[p][(i, box)] = np.ascontiguousarray(x[reshard.relative(box, whole)])
     return leaves, sources, shards
 
 
