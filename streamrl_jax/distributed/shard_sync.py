@@ -256,8 +256,13 @@ class ShardSender:
         return self._deliver(plan, messages, version, t0, timeout, wait_ack)
 
     def _receivers(self) -> list[int]:
+        """The receivers in this sender's order: rotated by its process id, so that the
+        senders start on different receivers and every receiver is busy from the start
+        (each socket sends its receivers one after another)."""
         with self._cv:
-            return sorted(self._needs)
+            order = sorted(self._needs)
+        k = self.process % len(order) if order else 0
+        return order[k:] + order[:k]
 
     def send_shards(
         self,
