@@ -88,19 +88,23 @@ class ShardReceiver:
             for t, box in enumerate(boxes)
         }
         self._channels: list[Channel] = []
-        for i, address in enumerate(addresses):
-            self._channels.append(
-                dial(
-                    Endpoint("weights", name, address, authkey, timeout_s, heartbeat_s),
-                    on_data=lambda ch, payload, i=i: self._on_data(i, ch, payload),
-                    on_lost=lambda ch, exc: self._pending.fail(exc),
-                    on_end=self._on_end,
-                    grant=1,
+        try:
+            for i, address in enumerate(addresses):
+                self._channels.append(
+                    dial(
+                        Endpoint("weights", name, address, authkey, timeout_s, heartbeat_s),
+                        on_data=lambda ch, payload, i=i: self._on_data(i, ch, payload),
+                        on_lost=lambda ch, exc: self._pending.fail(exc),
+                        on_end=self._on_end,
+                        grant=1,
+                    )
                 )
-            )
-        payload = need.encode()
-        for channel in self._channels:
-            channel.send(payload, timeout=timeout_s)
+            payload = need.encode()
+            for channel in self._channels:
+                channel.send(payload, timeout=timeout_s)
+        except BaseException:
+            self.close(1.0)  # the senders already dialled see an orderly close
+            raise
 
     def _on_end(self, channel: Channel) -> None:
         with self._lock:
