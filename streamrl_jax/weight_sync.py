@@ -41,6 +41,7 @@ class SyncStats:
     bytes: int  # bytes moved per destination (after the cast)
     seconds: float  # cast + move, blocked until the destination arrays are ready
     destinations: int
+    report: dict[str, float] = dataclasses.field(default_factory=dict)  # the mover's own figures
 
     @property
     def gbps(self) -> float:
@@ -59,8 +60,9 @@ def tree_bytes(tree: Any) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-# (cast params, version) -> (what each destination now holds, number of destinations).
-Mover = Callable[[Any, int], tuple[list[Published], int]]
+# (cast params, version) -> (what each destination now holds, number of destinations
+# [, the mover's report: per-sync figures for the trace, e.g. bytes per receiver]).
+Mover = Callable[[Any, int], tuple[list[Published], int] | tuple[list[Published], int, dict]]
 
 
 def place_on(destination_shardings: Sequence[Any]) -> Mover:
@@ -121,12 +123,13 @@ class WeightSync:
         return self._move(self._cast(params), version, time.perf_counter())
 
     def _move(self, cast: Any, version: int, t0: float) -> tuple[list[Published], SyncStats]:
-        out, destinations = self._move_fn(cast, version)
+        out, destinations, *report = self._move_fn(cast, version)
         stats = SyncStats(
             version=version,
             bytes=tree_bytes(cast),
             seconds=time.perf_counter() - t0,
             destinations=destinations,
+            report=report[0] if report else {},
         )
         self.history.append(stats)
         logging.info(

@@ -22,6 +22,7 @@ bound (a liveness bound, not a speed claim).
 """
 
 import importlib.util
+import json
 import os
 import pathlib
 import signal
@@ -166,6 +167,61 @@ def test_processes_give_the_one_process_parameters(
     assert "weight_receive" in trace
     for k in range(generation):
         assert f"instance p{k}.0" in trace and f"generation-{k}" in trace  # weight_receive/
+    _check_sync_reports(json.loads(trace)["traceEvents"], generation, training)
+
+
+def _check_sync_reports(events, generation: int, training: int) -> None:
+    """The per-sync reports (shard_sync.ShardStats) in the first training process's
+    trace: every receiver got each element once, from every training process only its
+    share (never the whole model with two), and the first training process's own report
+    of what it sent each receiver matches what that receiver saw from it."""
+    sent = {
+        int(e["args"]["version"]): e["args"]
+        for e in events
+        if e.get("ph") == "X" and "bytes/generation-0" in e.get("args", {})
+    }
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"
+    }
+    received = [  # (generation process's track, its report)
+        (threads.get((e["pid"], e.get("tid"))), e["args"])
+        for e in events
+        if "bytes/training-0" in e.get("args", {})
+    ]
+    assert sent and len(received) >= generation * (len(sent) - 1)
+    for _, r in received:
+        parts = [r[f"bytes/training-{t}"] for t in range(training)]
+        assert sum(parts) == r["bytes"] > 0 and r["gbps"] > 0
+        if training > 1:
+            assert all(0 < b < r["bytes"] for b in parts)
+    for k in range(generation):
+        mine = {r["version"]: r for track, r in received if track == f"generation-{k}"}
+        assert mine
+        for version, r in mine.items():
+            if version in sent:
+                assert sent[version][f"bytes/generation-{k}"] == r["bytes/training-0"]
+
+
+@_EXT
+def test_device_to_device_weights_give_the_one_process_parameters(tmp_path, tmp_path_factory):
+    # pipeline.weight_transport="xla": every piece pulled through jax.experimental.transfer
+    # after the layout check, with crc32s; 2 generation + 2 training processes.
+    xla = {"pipeline.weight_transport": "xla", "pipeline.weight_checksum": True}
+    workdir = tmp_path / "run"
+    launcher = [sys.executable, str(REPO / "launch" / "local.py"), "-n", "4", "-g", "2"]
+    cmd = [*launcher, "--timeout_s", "240", "--"]
+    run = _run([*cmd, *_launch_cmd(workdir, **{"pipeline.mode": "stream_async"}, **xla)])
+    assert run.returncode == 0, run.stdout[-6000:]
+    assert "no authentication" in run.stdout + run.stderr  # said once per process
+    got = np.load(workdir / run_lib.FINAL_PARAMS)
+    want = _one_process("stream_async", tmp_path_factory)
+    for key in want.files:
+        np.testing.assert_allclose(got[key], want[key], rtol=0, atol=1e-4, err_msg=key)
+    events = json.loads((workdir / "trace.json").read_text())["traceEvents"]
+    _check_sync_reports(events, generation=2, training=2)
+    assert all(
+        e["args"]["checksum"] == 1.0 for e in events if "bytes/training-0" in e.get("args", {})
+    )
 
 
 @pytest.mark.parametrize("processes, generation", [(2, 1), pytest.param(4, 2, marks=_EXT)])

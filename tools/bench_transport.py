@@ -16,7 +16,20 @@ Measures, with random arrays of the SmolLM2-135M shapes (30 layers, width
   (receiver-side time; bit-exactness checked against the checksummed copy);
 * sample throughput (samples of a 64-token prompt and 200-token response):
   `transport.SampleClient` → `SampleServer` across the processes vs the
-  in-process `SampleStream` (producer thread → consumer).
+  in-process `SampleStream` (producer thread → consumer);
+* shard-to-shard sync (`distributed.shard_sync`, bfloat16, the generation
+  dtype): 2 training processes, each holding half of every matrix as the
+  training rules' FSDP splits it (the `embed` dimension; norms replicated),
+  send to 2 generation processes that each place a full copy on one CPU
+  device (generation tensor parallelism 1: their sharding forces the full
+  copy). One sync = from both senders starting to cut their shards to both
+  receivers' acknowledgement (the slower sender's `wait_ack` time); compared
+  with a memcpy (`np.copyto`) of one receiver's bytes in this process, same
+  run, and with the path it replaces (training process 0 sends a gathered
+  copy to each receiver; the other sends nothing), alternated `--rounds`
+  times (the best round of each is reported); with `--xla_transfer` also the
+  device-to-device path (`pipeline.weight_transport="xla"`). `--shards_only`
+  runs just this part.
 
 `--pin` pins this process to the first allowed CPU and the child to the
 second (DESIGN.md §5). Times are medians over `--reps` after one warm-up.
@@ -45,7 +58,14 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from streamrl_jax.distributed import wire  # noqa: E402
+from streamrl_jax.distributed import (  # noqa: E402
+    reshard,
+    shard_receiver,
+    shard_sync,
+    shard_wire,
+    wire,
+    xla_pull,
+)
 from streamrl_jax.distributed.messages import SpanReport  # noqa: E402
 from streamrl_jax.distributed.transport import SampleClient, SampleServer  # noqa: E402
 from streamrl_jax.distributed.weights import WeightReceiver, WeightSender  # noqa: E402
@@ -76,6 +96,40 @@ def smollm2_params(dtype: str, seed: int = 0) -> dict:
         "down": w(mlp, width),
     }
     return {"embed": w(vocab, width), "layers": [layer() for _ in range(layers)], "norm": w(width)}
+
+
+# Leaves the training rules shard over "fsdp" on their `embed` dimension (0 or 1);
+# the norms are replicated (sharding.TRAIN_RULES).
+_FSDP_DIM = {"embed": 1, "q": 0, "k": 0, "v": 0, "gate": 0, "up": 0, "o": 1, "down": 1}
+
+
+def fsdp_sources(params: dict, processes: int, gathered: bool = False) -> tuple[tuple, dict, list]:
+    """(leaf layouts, {process: per leaf [box]}, per process {(leaf, box): its shard}) of
+    `params` split over `processes` training processes as FSDP splits them; `gathered`:
+    process 0 holds everything and the others nothing (the path before shard-to-shard
+    sync: the first training process sent a gathered copy)."""
+    leaves = shard_wire.layouts(params)
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    sources: dict[int, list] = {p: [] for p in range(processes)}
+    shards: list[dict] = [{} for _ in range(processes)]
+    for i, (path, x) in enumerate(flat):
+        dim = _FSDP_DIM.get(getattr(path[-1], "key", None))
+        for p in range(processes):
+            box = [(0, n) for n in x.shape]
+            if gathered:
+                sources[p].append([tuple(box)] if p == 0 else [])
+                if p == 0:
+                    shards[p][(i, tuple(box))] = x
+                continue
+            if dim is not None:
+                size = x.shape[dim] // processes
+                box[dim] = (p * size, (p + 1) * size)
+            box = tuple(box)
+            sources[p].append([box])
+            # Its own contiguous array, as a device shard is (not a view of the whole).
+            whole = tuple((0, n) for n in x.shape)
+            shards[p][(i, box)] = np.ascontiguousarray(x[reshard.relative(box, whole)])
+    return leaves, sources, shards
 
 
 def smollm2_shardings(sharding) -> dict:
@@ -160,6 +214,145 @@ def child(args: argparse.Namespace) -> None:
     receiver.close(TIMEOUT_S)
 
 
+def shard_child(args: argparse.Namespace) -> None:
+    """One process of the shard-to-shard part: training `--index` or a generation process."""
+    key = os.environ["STREAMRL_AUTHKEY"].encode()
+    report = SampleClient(args.samples, authkey=key, timeout_s=TIMEOUT_S, name="bench-shards")
+    params = smollm2_params("bfloat16")
+    reps = args.reps + 1
+    pull = xla_pull.PullServer("127.0.0.1", jax.devices()[0]) if args.xla_shards else None
+    if args.shard_role == "training":
+        sender = shard_sync.ShardSender(
+            "127.0.0.1:0", authkey=key, process=args.index, num_receivers=2,
+            timeout_s=TIMEOUT_S, name=f"training-{args.index}", xla=pull,
+        )  # fmt: skip
+        report.send(_report("address", index=args.index, port=sender.address[1]))
+        leaves, sources, shards = fsdp_sources(params, 2, args.gathered)
+        del params
+        plan = sender.plan(leaves, sources, TIMEOUT_S)
+        mine = shards[args.index]
+        if pull is not None:  # device arrays, offered device to device
+            mine = jax.block_until_ready(jax.device_put(mine, jax.devices()[0]))
+        for version in range(reps):
+            send = sender.send_shards if pull is None else sender.send_device_shards
+            stats = send(plan, mine, version, wait_ack=True)
+            report.send(_report("shard_send", index=args.index, version=version, **{
+                "seconds": stats.seconds, "pack_s": stats.pack_s, "bytes": stats.total_bytes,
+            }))  # fmt: skip
+        sender.close(TIMEOUT_S)
+    else:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = smollm2_shardings(sharding)
+        need = shard_wire.need_of(shardings, params, args.index)
+        receiver = shard_receiver.ShardReceiver(
+            args.senders.split(","), need, authkey=key, timeout_s=TIMEOUT_S,
+            name=f"generation-{args.index}", xla=pull,
+        )  # fmt: skip
+        for version in range(reps):
+            got, _, stats = receiver.receive(shardings, TIMEOUT_S)
+            exact = version < reps - 1 or all(
+                np.asarray(a).tobytes() == np.asarray(b).tobytes()
+                for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params), strict=True)
+            )
+            del got
+            report.send(_report("shard_receive", index=args.index, version=version, **{
+                "seconds": stats.seconds, "wire_s": stats.wire_s, "place_s": stats.place_s,
+                "bytes": stats.total_bytes, "exact": float(exact),
+                **{k: float(v) for k, v in stats.bytes.items()},
+            }))  # fmt: skip
+        receiver.close(TIMEOUT_S)
+    report.close(TIMEOUT_S)
+
+
+def run_shards(
+    args: argparse.Namespace, key: str, gathered: bool = False, xla: bool = False
+) -> dict:
+    """2 training -> 2 generation processes, shard to shard (module docstring); `gathered`:
+    training process 0 sends everything (the old path, for comparison); `xla`: the pieces
+    pulled device to device (`jax.experimental.transfer`)."""
+    server = SampleServer(
+        "127.0.0.1:0", authkey=key.encode(), capacity=256, timeout_s=TIMEOUT_S,
+        num_producers=4, name="bench-parent",
+    )  # fmt: skip
+    env = dict(os.environ, STREAMRL_AUTHKEY=key, TF_CPP_MIN_LOG_LEVEL="3")
+    base = [
+        sys.executable, os.path.abspath(__file__), "--child", "--reps", str(args.reps),
+        "--samples", f"127.0.0.1:{server.address[1]}",
+        *(["--gathered"] if gathered else []), *(["--xla_shards"] if xla else []),
+    ]  # fmt: skip
+    procs = []
+    try:
+        for t in range(2):
+            cmd = [*base, "--shard_role", "training", "--index", str(t)]
+            procs.append(subprocess.Popen(cmd, env=env))
+        ports = {}
+        while len(ports) < 2:
+            msg = server.get(TIMEOUT_S)
+            ports[int(msg.args["index"])] = int(msg.args["port"])
+        senders = ",".join(f"127.0.0.1:{ports[t]}" for t in range(2))
+        for g in range(2):
+            cmd = [*base, "--shard_role", "generation", "--index", str(g), "--senders", senders]
+            procs.append(subprocess.Popen(cmd, env=env))
+        sends, receives = [], []
+        for _ in range(4 * (args.reps + 1)):
+            msg = server.get(TIMEOUT_S)
+            (sends if msg.name == "shard_send" else receives).append(msg.args)
+        for p in procs:
+            p.wait(60)
+            if p.returncode:
+                raise RuntimeError(f"shard bench child {p.args[-1]} failed (rc {p.returncode})")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        server.close()
+    steady = range(1, args.reps + 1)  # version 0 is the warm-up
+    sync = [max(s["seconds"] for s in sends if s["version"] == v) for v in steady]
+    per_receiver = receives[0]["bytes"]
+    src = np.random.default_rng(0).integers(0, 255, int(per_receiver), dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # warm-up: touch the pages
+    memcpy = []
+    for _ in range(max(3, args.reps)):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        memcpy.append(time.perf_counter() - t0)
+    row = {
+        "bytes_per_receiver": int(per_receiver),
+        "bytes_per_sender": {
+            f"training-{t}": int(median([s["bytes"] for s in sends if s["index"] == t]))
+            for t in range(2)
+        },
+        "sync_s": median(sync),
+        "receiver_s": median([r["seconds"] for r in receives if r["version"] > 0]),
+        "receiver_place_s": median([r["place_s"] for r in receives if r["version"] > 0]),
+        "sender_pack_s": median([s["pack_s"] for s in sends if s["version"] > 0]),
+        "exact": all(r["exact"] == 1.0 for r in receives),
+        "memcpy_s": median(memcpy),
+    }
+    row["sync_gbps"] = 2 * per_receiver / row["sync_s"] / 1e9  # both receivers' bytes
+    row["memcpy_gbps"] = per_receiver / row["memcpy_s"] / 1e9
+    row["sync_over_memcpy"] = row["sync_gbps"] / row["memcpy_gbps"]
+    name = "gathered" if gathered else "shards_xla" if xla else "shards"
+    print(f"{name}: " + json.dumps(row), flush=True)
+    return row
+
+
+def shard_figures(args: argparse.Namespace, key: str) -> dict:
+    """Shard-to-shard sync and the gathered path (one sender), alternated `--rounds` times."""
+    rows = {"shards": [], "gathered": [], **({"shards_xla": []} if args.xla_transfer else {})}
+    for _ in range(args.rounds):
+        rows["shards"].append(run_shards(args, key))
+        rows["gathered"].append(run_shards(args, key, gathered=True))
+        if args.xla_transfer:
+            rows["shards_xla"].append(run_shards(args, key, xla=True))
+    out = {name: min(runs, key=lambda r: r["sync_s"]) for name, runs in rows.items()}
+    for name, runs in rows.items():
+        out[name]["sync_s_per_round"] = [r["sync_s"] for r in runs]
+    out["shards_over_gathered_speedup"] = out["gathered"]["sync_s"] / out["shards"]["sync_s"]
+    return out
+
+
 # ---------------------------------------------------------------------- parent (sender)
 def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
@@ -189,16 +382,26 @@ def main() -> None:
     parser.add_argument("--num_samples", type=int, default=None)
     parser.add_argument("--pin", action="store_true")
     parser.add_argument("--xla_transfer", action="store_true")
+    parser.add_argument("--shards_only", action="store_true", help="only the shard-to-shard part")
+    parser.add_argument("--rounds", type=int, default=None, help="alternations (quick: 1, else 3)")
+    parser.add_argument("--gathered", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--xla_shards", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    for flag in ("--weights", "--samples", "--xla"):  # the child's peers
+    for flag in ("--weights", "--samples", "--xla", "--senders", "--shard_role"):  # children's
         parser.add_argument(flag, help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.reps = args.reps or (3 if args.quick else 10)
     args.num_samples = args.num_samples or (2000 if args.quick else 10000)
+    args.rounds = args.rounds or (1 if args.quick else 3)
     if args.child:
-        return child(args)
+        return shard_child(args) if args.shard_role else child(args)
 
     key = secrets.token_hex(16)
+    machine = f"{platform.machine()} {os.cpu_count()} cpus, jax {jax.__version__}, CPU"
+    if args.shards_only:
+        print(json.dumps({**shard_figures(args, key), "machine": machine, "reps": args.reps}))
+        return
     cpus = sorted(os.sched_getaffinity(0))
     if args.pin:
         os.sched_setaffinity(0, {cpus[0]})
@@ -234,11 +437,8 @@ def main() -> None:
             child_proc.wait(60)
         except subprocess.TimeoutExpired:
             child_proc.kill()
-    result.update(
-        machine=f"{platform.machine()} {os.cpu_count()} cpus, jax {jax.__version__}, CPU",
-        pinned=args.pin,
-        reps=args.reps,
-    )
+    result.update(shard_figures(args, key))
+    result.update(machine=machine, pinned=args.pin, reps=args.reps)
     print(json.dumps(result))
 
 

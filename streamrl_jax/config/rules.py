@@ -30,6 +30,7 @@ from streamrl_jax.config.sections import (
     REWARD_ERRORS,
     REWARD_SANDBOXES,
     REWARDS,
+    WEIGHT_TRANSPORTS,
     WHITENING,
     AlgorithmSection,
     CheckpointSection,
@@ -116,6 +117,7 @@ RULES: dict[type, dict[str, _Rule]] = {
         **dict.fromkeys(("micro_batch_groups", "mini_batches"), _COUNT),
         "nonfinite": _one_of(NONFINITE),
         **dict.fromkeys(("watchdog_s", "timeout_s"), _POSITIVE),
+        "weight_transport": _one_of(WEIGHT_TRANSPORTS),
     },
     AlgorithmSection: {
         "advantage": _one_of(ADVANTAGES),

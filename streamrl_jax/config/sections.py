@@ -22,6 +22,7 @@ class ConfigError(UserError):
 # (streamrl_jax.algorithms, model.config, scheduling.dispatch, rewards.jsonl).
 MODES = ("colocated", "disaggregated_batch", "stream_sync", "stream_async")
 NONFINITE = ("skip", "stop")
+WEIGHT_TRANSPORTS = ("channel", "xla")  # several processes: how weight shards travel
 # Outcome estimators (algorithms.ADVANTAGES) and, with a critic, "gae"
 # (algorithms.CRITIC_ADVANTAGES; selects the critic section).
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
@@ -95,6 +96,11 @@ class PipelineSection:
     nonfinite: str = "skip"  # NaN/Inf loss or gradients: "skip" the update (counted) | "stop"
     watchdog_s: float = 120.0  # warn when a stage with work makes no progress this long
     timeout_s: float = 600.0  # longest wait on any pipeline stage before it is reported stalled
+    # Several processes: how weight shards reach the generation processes: "channel" (the
+    # CURVE channel) | "xla" (jax.experimental.transfer, device to device; NO
+    # authentication, trusted networks only: docs/multicontroller.md).
+    weight_transport: str = "channel"
+    weight_checksum: bool = False  # several processes: crc32 of every weight piece, checked
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

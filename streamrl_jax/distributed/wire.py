@@ -49,7 +49,7 @@ MAX_RANK = 8
 MAX_LEAVES = 100_000
 MAX_LEAF_BYTES = 1 << 40  # a sanity bound; the receiver checks the tree it expects
 # Dtype names a weight header may declare (`jnp.dtype(x).name`).
-_ITEMSIZE = {
+ITEMSIZE = {
     "float32": 4,
     "bfloat16": 2,
     "float16": 2,
@@ -59,7 +59,7 @@ _ITEMSIZE = {
     "int32": 4,
     "int64": 8,
 }
-DTYPES = tuple(_ITEMSIZE)
+DTYPES = tuple(ITEMSIZE)
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
@@ -82,7 +82,7 @@ class LeafSpec:
     @property
     def nbytes(self) -> int:
         # The whitelist's sizes (numpy has no bfloat16); numpy for a name `pack` made.
-        itemsize = _ITEMSIZE.get(self.dtype) or np.dtype(self.dtype).itemsize
+        itemsize = ITEMSIZE.get(self.dtype) or np.dtype(self.dtype).itemsize
         return math.prod(self.shape) * itemsize
 
 

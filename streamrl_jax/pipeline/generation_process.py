@@ -4,8 +4,9 @@ It builds only the generation side (`components.build_generation`: its
 instances on its own devices, the tokenizer, the same seeded prompt pipeline),
 takes W_0 from the trainer and runs the same `GenerationDriver` as one process
 does, with its hooks pointed across processes: `weights(v)` takes W_v from a
-`WeightReceiver` (versions arrive in order; one the driver does not need is
-dropped), every process draws every batch's prompts and keeps the groups whose
+`ShardReceiver` (`distributed/shard_receiver.py`: its slices of every leaf, from the
+training processes that hold them; versions arrive in order; one the driver
+does not need is dropped), every process draws every batch's prompts and keeps the groups whose
 index is k mod G (held-out prompts likewise), and `emit` sends each finished
 sample to the training process that owns its group over a `SampleClient`.
 Decode-chunk and weight-arrival reports travel the same way.
@@ -29,8 +30,10 @@ from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.distributed import roles
 from streamrl_jax.distributed.channel import ChannelClosed, PeerLost, TransportError
 from streamrl_jax.distributed.messages import ChunkReport, GenerationFailed, SpanReport
+from streamrl_jax.distributed.shard_receiver import ShardReceiver
+from streamrl_jax.distributed.shard_wire import need_of
 from streamrl_jax.distributed.transport import SampleClient
-from streamrl_jax.distributed.weights import WeightReceiver
+from streamrl_jax.distributed.xla_pull import pull_server
 from streamrl_jax.generation.types import Sample
 from streamrl_jax.mailbox import FailureLatch
 from streamrl_jax.pipeline import components as components_lib
@@ -74,12 +77,17 @@ class _GenerationProcess:
             for i in range(t)
         ]
         self.client = self.clients[0]
-        self.receiver = WeightReceiver(
-            roles.lookup(WEIGHTS_KEY, self.timeout),
+        # Dials every training process; its need (the boxes its first instance's devices
+        # hold of every leaf) is what each sender plans against and what every piece is
+        # checked against before anything is allocated.
+        parts = self.side.parts
+        self.receiver = ShardReceiver(
+            [roles.lookup(f"{WEIGHTS_KEY}-{i}", self.timeout) for i in range(t)],
+            need_of(parts.param_shardings[0], parts.abstract_params, self.pid),
             authkey=dcfg.authkey,
             timeout_s=CHANNEL_TIMEOUT_S,
             name=name,
-            expected=self.side.parts.abstract_params,  # checked before any allocation
+            xla=pull_server(cfg, roles.advertised_host(dcfg)),
         )
         self.latch = FailureLatch(name)
         self.latch.add_listener(
@@ -108,7 +116,7 @@ class _GenerationProcess:
                     f"W{got}",
                     t1 - stats.seconds,
                     t1,
-                    {"wire_s": stats.wire_s, "place_s": stats.place_s, "bytes": stats.bytes},
+                    stats.report(),  # version, seconds, GB/s, checksum, bytes per sender
                 )
             )
             if got >= version:

@@ -261,13 +261,18 @@ class TrainerLoop:
                 t0 = self.tracer.now()
 
                 def landed(published, stats):
-                    self.tracer.add("weight_sync/transfer", f"W{version}", t0, self.tracer.now())
+                    self.tracer.add(
+                        "weight_sync/transfer", f"W{version}", t0, self.tracer.now(), **stats.report
+                    )
                     self.board.publish(version, published)
 
                 ws.start(params, version, on_done=landed)
                 return ws.history[-1].seconds if ws.history else 0.0
-            with self.tracer.span("weight_sync/transfer", f"W{version}"):
-                published, stats = ws.transfer(params, version)
+            t0 = self.tracer.now()
+            published, stats = ws.transfer(params, version)
+            self.tracer.add(
+                "weight_sync/transfer", f"W{version}", t0, self.tracer.now(), **stats.report
+            )
             self.board.publish(version, published)
             return stats.seconds
         except Exception as e:

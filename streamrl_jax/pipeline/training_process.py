@@ -7,16 +7,16 @@ copy of the problem, looked up by `tag.prompt_id` (`ProblemTable`), after
 checking its token ids and lengths against the run's limits. The channel's
 credit comes back only once the sample is in the stream, so the stream's
 back-pressure reaches the generation processes. The weight sync's mover sends
-W_v to every generation process through a `WeightSender` after the cast to
-the generation dtype on the training mesh (in stream_async on the weight
-sync's background thread, overlapping the next step). Then
+this process's shards of W_v to the generation processes that need them through
+a `ShardSender` (`distributed/shard_sync.py`) after the cast to the generation
+dtype on the training mesh (in stream_async on the weight sync's background
+thread, overlapping the next step). Then
 `lifecycle.run_components`: the same trainer loop, version gate, evaluation
 bookkeeping, metrics and trace as one process.
 
-Several training processes: the cast also gathers the params, replicated over
-the training mesh (a collective every training process joins, on its trainer
-thread); the first training process sends its full local copy, writes the
-metrics and scores the held-out prompts.
+Several training processes: each sends only the shards it addresses (a shard
+replicated over processes by one of them: `distributed/reshard.py`); nothing is
+gathered. The first writes the metrics and scores the held-out prompts.
 
 **End of a run.** The trainer publishes its outcome (`ok`, `stopped`, or
 `failed: ...`) under `run_end` and closes the weight channel; it then waits
@@ -33,15 +33,15 @@ import threading
 import time
 from typing import Any
 
-import jax
 from absl import logging
 
 from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.distributed import roles
 from streamrl_jax.distributed.channel import ChannelClosed, PeerLost, TransportError
 from streamrl_jax.distributed.messages import ChunkReport, GenerationFailed, SpanReport
+from streamrl_jax.distributed.shard_sync import ShardSender
 from streamrl_jax.distributed.transport import SampleServer
-from streamrl_jax.distributed.weights import WeightSender
+from streamrl_jax.distributed.xla_pull import pull_server
 from streamrl_jax.generation.types import Sample
 from streamrl_jax.pipeline import components as components_lib
 from streamrl_jax.pipeline.lifecycle import run_components
@@ -54,24 +54,22 @@ from streamrl_jax.pipeline.process_plan import (
     WEIGHTS_KEY,
     ownership,
 )
-from streamrl_jax.pipeline.shards import TrainingGroup, host
+from streamrl_jax.pipeline.shards import TrainingGroup
 from streamrl_jax.pipeline.step_metrics import RunResult
 from streamrl_jax.weight_sync import Mover, Published, WeightSync
 
 
-def send_to_generation(sender: WeightSender | None, timeout_s: float) -> Mover:
-    """The weight sync's mover in a training process: `WeightSender.send` of the cast
-    weights to every generation process (the cast copy stays here: the weight board
-    keeps it). Its seconds cover the cast, `device_get`, checksums and the wire, not
-    the receivers' placement (each reports a `weight_receive/generation-<k>` span).
-    Without a sender (not the first training process) it only takes part in the cast."""
+def send_to_generation(sender: ShardSender, timeout_s: float) -> Mover:
+    """The weight sync's mover in a training process: `ShardSender.send` of this
+    process's shards of the cast weights to the generation processes that need them
+    (the cast copy stays here: the weight board keeps it). Its seconds cover the cast,
+    `device_get` of the shards sent, checksums and the wire, not the receivers'
+    placement (each reports a `weight_receive/generation-<k>` span); its report (bytes
+    to each receiver, GB/s, checksum) goes on the `weight_sync/transfer` span."""
 
-    def move(cast: Any, version: int) -> tuple[list[Published], int]:
-        if sender is None:
-            jax.block_until_ready(cast)
-            return [Published(cast, version)], 0
-        sender.send(host(cast), version, timeout=timeout_s)
-        return [Published(cast, version)], sender.num_receivers
+    def move(cast: Any, version: int) -> tuple[list[Published], int, dict[str, float]]:
+        stats = sender.send(cast, version, timeout=timeout_s)
+        return [Published(cast, version)], sender.num_receivers, stats.report()
 
     return move
 
@@ -136,16 +134,19 @@ class TrainingLink:
             on_error=lambda exc: self._failed("generation process", exc),
             name=f"training-{self.index}",
         )
-        self.sender = None
-        if self.index == 0:
-            self.sender = WeightSender(
-                f"{address}:0",
-                authkey=dcfg.authkey,
-                num_receivers=g,
-                timeout_s=CHANNEL_TIMEOUT_S,
-                name="training",
-            )
-            roles.publish(WEIGHTS_KEY, "{}:{}".format(*self.sender.address))
+        # Every training process sends its own shards of the weights (device to device
+        # with pipeline.weight_transport="xla": unauthenticated, opt-in).
+        self.sender = ShardSender(
+            f"{address}:0",
+            authkey=dcfg.authkey,
+            process=r.process_id,
+            num_receivers=g,
+            timeout_s=CHANNEL_TIMEOUT_S,
+            name=f"training-{self.index}",
+            checksum=p.weight_checksum,
+            xla=pull_server(cfg, address),
+        )
+        roles.publish(f"{WEIGHTS_KEY}-{self.index}", "{}:{}".format(*self.sender.address))
         roles.publish(f"{SAMPLES_KEY}-{self.index}", "{}:{}".format(*self.server.address))
 
     def _failed(self, component: str, exc: BaseException) -> None:
@@ -209,8 +210,7 @@ class TrainingLink:
             except Exception as e:  # noqa: BLE001 - the coordination service may be gone
                 logging.warning("could not publish the run's outcome: %r", e)
         wait = min(timeout, 60.0 if outcome == "ok" else CLOSE_TIMEOUT_S)
-        if self.sender is not None:
-            self.sender.close(CLOSE_TIMEOUT_S)
+        self.sender.close(CLOSE_TIMEOUT_S)
         try:
             self.server.get(timeout=wait)  # callback mode: returns only by raising
         except ChannelClosed:
@@ -235,13 +235,8 @@ def run_training(
     ]
 
     def weight_sync(params: Any, dtype: Any) -> WeightSync:
-        mesh = jax.tree.leaves(params)[0].sharding.mesh
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        return WeightSync(
-            dtype,
-            send_to_generation(link.sender, cfg.pipeline.timeout_s),
-            cast_sharding=replicated if mesh.is_multi_process else None,
-        )
+        # The cast keeps the training sharding: each process sends its own shards.
+        return WeightSync(dtype, send_to_generation(link.sender, cfg.pipeline.timeout_s))
 
     try:
         components = components_lib.build_training(

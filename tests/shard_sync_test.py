@@ -1,0 +1,348 @@
+"""Shard-to-shard weight sync (distributed/shard_sync.py).
+
+In one process: two senders playing training processes 0 and 1 (each holding
+half the rows of every matrix) and two receivers with different layouts, over
+real CURVE channels on loopback. Across real processes: `launch/local.py` with
+2 generation + 2 training processes (gloo), the training params FSDP-sharded
+over a mesh spanning both training processes.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+from streamrl_jax.distributed import reshard, shard_receiver, shard_sync, shard_wire, xla_pull
+from streamrl_jax.distributed.channel import TransportError
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+KEY = b"test-key-0123456789abcdef"
+
+
+def make_params(scale: float = 1.0) -> dict:
+    rng = np.random.default_rng(3)
+    return {
+        "embed": (rng.standard_normal((32, 12)) * scale).astype(jnp.bfloat16),
+        "layers": [
+            {
+                "w": (rng.standard_normal((8, 6)) * scale).astype(np.float32),
+                "n": np.ones(6, np.float32),
+            },
+            {"w": np.full((8, 6), -0.0, np.float32), "n": np.full(6, np.nan, np.float32)},
+        ],
+        "step": np.int32(7),
+    }
+
+
+def _bitwise(got, want) -> bool:
+    return all(
+        np.asarray(a).dtype == np.asarray(b).dtype
+        and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    )
+
+
+def _row_halves(params):
+    """Training processes 0 and 1 each hold half the rows of every matrix; vectors and
+    the scalar are replicated on both: (sources, shards of each process)."""
+    sources, shards = {0: [], 1: []}, {0: {}, 1: {}}
+    for i, x in enumerate(jax.tree.leaves(params)):
+        x = np.asarray(x)
+        if x.ndim == 2:
+            half = x.shape[0] // 2
+            for p in (0, 1):
+                box = ((p * half, (p + 1) * half), (0, x.shape[1]))
+                sources[p].append([box])
+                shards[p][(i, box)] = x[p * half : (p + 1) * half]
+        else:
+            box = tuple((0, d) for d in x.shape)
+            for p in (0, 1):
+                sources[p].append([box])
+                shards[p][(i, box)] = x
+    return sources, shards
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+def test_two_senders_two_receivers_bitwise_each_sending_only_its_rows(checksum):
+    params = make_params()
+    senders = [
+        shard_sync.ShardSender(
+            "127.0.0.1:0", authkey=KEY, process=p, num_receivers=2, timeout_s=20,
+            name=f"training-{p}", checksum=checksum,
+        )
+        for p in (0, 1)
+    ]  # fmt: skip
+    mesh = Mesh(np.array(jax.devices()[2:4]), ("tp",))
+    layouts = [
+        jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[1]), params),
+        {  # generation process 1: tp over two devices where it divides
+            "embed": NamedSharding(mesh, P(None, "tp")),
+            "layers": [{"w": NamedSharding(mesh, P(None, "tp")), "n": NamedSharding(mesh, P())}]
+            * 2,
+            "step": NamedSharding(mesh, P()),
+        },
+    ]
+    receivers = [
+        shard_receiver.ShardReceiver(
+            [s.address for s in senders],
+            shard_wire.need_of(layouts[r], params, r),
+            authkey=KEY,
+            timeout_s=20,
+            name=f"generation-{r}",
+        )
+        for r in (0, 1)
+    ]
+    try:
+        sources, shards = _row_halves(params)
+        leaves = shard_wire.layouts(params)
+        plans = [s.plan(leaves, sources, timeout=20) for s in senders]
+        sent = [
+            s.send_shards(plan, shards[p], 5)
+            for p, (s, plan) in enumerate(zip(senders, plans, strict=True))
+        ]
+        for r, receiver in enumerate(receivers):
+            got, version, stats = receiver.receive(layouts[r], timeout=20)
+            assert version == 5 and _bitwise(got, params)
+            assert jax.tree.leaves(got)[0].sharding == jax.tree.leaves(layouts[r])[0]
+            assert stats.checksum == checksum
+            assert stats.total_bytes == sum(x.nbytes for x in jax.tree.leaves(params))
+            for p in (0, 1):  # the report on both sides agrees with the plan
+                assert stats.bytes[f"training-{p}"] == plans[p].bytes_sent(p, r)
+                assert sent[p].bytes[f"generation-{r}"] == plans[p].bytes_sent(p, r)
+        matrices = sum(x.nbytes for x in jax.tree.leaves(params) if np.ndim(x) == 2)
+        for p in (0, 1):  # its half of every matrix to each receiver, plus shared vectors
+            assert sent[p].total_bytes >= matrices  # = 2 receivers x half
+            assert sent[p].total_bytes < 2 * sum(x.nbytes for x in jax.tree.leaves(params))
+        # A second version goes through once the first was taken (one credit each).
+        params2 = make_params(scale=2.0)
+        _, shards2 = _row_halves(params2)
+        for p, s in enumerate(senders):
+            s.send_shards(plans[p], shards2[p], 6)
+        for r, receiver in enumerate(receivers):
+            got, version, _ = receiver.receive(layouts[r], timeout=20)
+            assert version == 6 and _bitwise(got, params2)
+    finally:
+        for x in (*receivers, *senders):
+            x.close(2)
+
+
+def test_a_receiver_that_needs_other_weights_is_refused_naming_the_leaf():
+    params = make_params()
+    sender = shard_sync.ShardSender(
+        "127.0.0.1:0", authkey=KEY, process=0, num_receivers=1, timeout_s=10
+    )
+    other = dict(params, embed=np.zeros((32, 13), jnp.bfloat16))
+    shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), other)
+    receiver = shard_receiver.ShardReceiver(
+        [sender.address], shard_wire.need_of(shardings, other, 0), authkey=KEY, timeout_s=10
+    )
+    try:
+        sources = {0: [[tuple((0, d) for d in np.shape(x))] for x in jax.tree.leaves(params)]}
+        with pytest.raises(
+            TransportError,
+            match=r"leaf 0: needs \['embed'\] bfloat16\[32, 13\], this process sends .*\[32, 12\]",
+        ):
+            sender.plan(shard_wire.layouts(params), sources, timeout=10)
+    finally:
+        receiver.close(1)
+        sender.close(1)
+
+
+@pytest.mark.parametrize(
+    "boxes, match",
+    [
+        ([((0, 8), (0, 6))], "outside box"),  # rows 0-8: this receiver holds rows 0-4
+        ([((0, 4), (0, 6)), ((2, 4), (0, 6))], "overlaps another piece"),
+        ([((0, 2), (0, 6))], "covered 12 of the 24 elements"),  # a gap
+    ],
+)
+def test_a_header_outside_the_need_fails_naming_the_sender(boxes, match):
+    """A key holder that announces pieces the receiver did not ask for: refused before
+    any allocation (outside, overlapping), or when the version would be incomplete."""
+    x = np.arange(48, dtype=np.float32).reshape(8, 6)
+    leaf = reshard.LeafLayout("['w']", (8, 6), "float32", 4)
+    need = shard_wire.Need(0, (leaf,), ((((0, 4), (0, 6)),),))
+    sender = shard_sync.ShardSender(
+        "127.0.0.1:0", authkey=KEY, process=0, num_receivers=1, timeout_s=10, name="evil"
+    )
+    receiver = shard_receiver.ShardReceiver([sender.address], need, authkey=KEY, timeout_s=10)
+    try:
+        sender.wait_for_receivers(10)
+        source = ((0, 8), (0, 6))
+        pieces = tuple(
+            reshard.Piece(0, 0, 0, source, 0, box, reshard.volume(box) * 4) for box in boxes
+        )
+        plan = reshard.Plan((leaf,), pieces, {0: ((((0, 4), (0, 6)),),)})
+        sender.send_shards(plan, {(0, source): x}, 1)
+        with pytest.raises(TransportError, match=match):
+            receiver.receive(SingleDeviceSharding(jax.devices()[0]), timeout=10)
+    finally:
+        receiver.close(1)
+        sender.close(1)
+
+
+def test_the_report_is_flat_and_bounded():
+    stats = shard_wire.ShardStats(3, 0.5, {"training-0": 10, "training-1": 30}, True, wire_s=0.4)
+    report = stats.report()
+    assert report["bytes"] == 40 and report["bytes/training-1"] == 30
+    assert report["gbps"] == pytest.approx(40 / 0.5 / 1e9) and report["checksum"] == 1.0
+    many = shard_wire.ShardStats(3, 1.0, {f"training-{i}": i + 1 for i in range(100)}, False)
+    assert len(many.report()) <= 64 and many.report()["bytes_max"] == 100
+
+
+def test_device_to_device_pull_in_one_process_bitwise_with_checksums():
+    """`jax.experimental.transfer` behind the same interface: one sender holding the
+    params FSDP-sharded over devices 0-3, two receivers with their own layouts."""
+    params = make_params()
+    fsdp = Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+    sharded = jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(fsdp, P("fsdp") if np.ndim(x) == 2 else P())),
+        params,
+    )
+    sender = shard_sync.ShardSender(
+        "127.0.0.1:0", authkey=KEY, process=0, num_receivers=2, timeout_s=20, checksum=True,
+        xla=xla_pull.PullServer("127.0.0.1", jax.devices()[0]),
+    )  # fmt: skip
+    tp = Mesh(np.array(jax.devices()[6:8]), ("tp",))
+    layouts = [
+        jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[5]), params),
+        jax.tree.map(
+            lambda x: NamedSharding(tp, P(None, "tp") if np.ndim(x) == 2 else P()), params
+        ),
+    ]
+    receivers = [
+        shard_receiver.ShardReceiver(
+            [sender.address], shard_wire.need_of(layouts[r], params, r), authkey=KEY,
+            timeout_s=20, name=f"generation-{r}",
+            xla=xla_pull.PullServer("127.0.0.1", jax.devices()[5 + r]),
+        )
+        for r in (0, 1)
+    ]  # fmt: skip
+    try:
+        for version in (0, 1):
+            sent = sender.send(sharded, version)
+            for r, receiver in enumerate(receivers):
+                got, got_version, stats = receiver.receive(layouts[r], timeout=30)
+                assert got_version == version and _bitwise(got, params) and stats.checksum
+                assert jax.tree.leaves(got)[0].sharding == jax.tree.leaves(layouts[r])[0]
+                assert stats.bytes["training"] == sent.bytes[f"generation-{r}"]
+                assert stats.total_bytes == sum(x.nbytes for x in jax.tree.leaves(params))
+    finally:
+        for x in (*receivers, sender):
+            x.close(2)
+
+
+def test_a_pull_whose_layout_disagrees_is_refused_before_pulling():
+    device = SingleDeviceSharding(jax.devices()[0])
+    spec = jax.ShapeDtypeStruct((4, 3), jnp.float32, sharding=device)
+    whole = (((0, 4), (0, 3)),)
+    xla_pull.check_agreement(((4, 3), "float32", whole), spec, "w")  # agrees
+    for offered in [
+        ((3, 4), "float32", (((0, 3), (0, 4)),)),  # same bytes, another shape: silently wrong
+        ((4, 3), "bfloat16", whole),
+        ((4, 3), "float32", (((0, 2), (0, 3)), ((2, 4), (0, 3)))),  # split over 2 devices
+    ]:
+        with pytest.raises(TransportError, match="w: the offered array .* does not match"):
+            xla_pull.check_agreement(offered, spec, "w")
+
+
+# ---------------------------------------------------------------------- processes
+_WORKER = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+sys.path.insert(0, {tests!r})
+from shard_sync_test import make_params, _bitwise
+from streamrl_jax.distributed import roles, shard_receiver, shard_sync, shard_wire, xla_pull
+
+cfg = roles.DistributedConfig.from_env()
+r = roles.initialize(cfg)
+host = roles.advertised_host(cfg)
+xla = xla_pull.PullServer(host, jax.local_devices()[0]) if {xla!r} else None
+train = Mesh(np.array(r.training_devices), ("fsdp",))
+local = Mesh(np.array(jax.local_devices()), ("tp",))
+
+def shard(params, mesh, axis):
+    def one(x):
+        spec = P(axis) if np.ndim(x) == 2 else P()
+        s = NamedSharding(mesh, spec)
+        return jax.make_array_from_callback(np.shape(x), s, lambda idx: np.asarray(x)[idx])
+    return jax.tree.map(one, params)
+
+out = {{"pid": r.process_id, "role": r.role}}
+if r.role == "training":
+    t = r.training_processes.index(r.process_id)
+    sender = shard_sync.ShardSender("%s:0" % host, authkey=cfg.authkey,
+        process=r.process_id, num_receivers=len(r.generation_processes), timeout_s=60,
+        name="training-%d" % t, checksum=True, xla=xla)
+    roles.publish("weights-%d" % t, "%s:%d" % sender.address)
+    stats = [sender.send(shard(make_params(s), train, "fsdp"), v, wait_ack=True).bytes
+             for v, s in enumerate((1.0, 2.0))]
+    out["sent"] = stats
+    sender.close(10)
+else:
+    abstract = make_params()
+    shardings = jax.tree.map(lambda x: x.sharding, shard(abstract, local, None))
+    shardings["embed"] = NamedSharding(local, P(None, "tp"))  # tp on this side
+    addresses = [roles.lookup("weights-%d" % t, 60) for t in range(len(r.training_processes))]
+    receiver = shard_receiver.ShardReceiver(addresses,
+        shard_wire.need_of(shardings, abstract, r.process_id), authkey=cfg.authkey,
+        timeout_s=60, name="generation-%d" % r.process_id, xla=xla)
+    out["exact"], out["received"] = [], []
+    for v, s in enumerate((1.0, 2.0)):
+        got, version, stats = receiver.receive(shardings, timeout=60)
+        out["exact"].append(version == v and _bitwise(got, make_params(s)))
+        out["received"].append(stats.bytes)
+        assert stats.checksum
+    receiver.close(10)
+print("RESULT", json.dumps(out), flush=True)
+jax.distributed.shutdown()
+"""
+
+
+@pytest.mark.parametrize("xla", [False, True], ids=["channel", "xla_transfer"])
+def test_two_training_processes_send_only_their_shards_to_two_generation_processes(tmp_path, xla):
+    path = tmp_path / "worker.py"
+    path.write_text(
+        f"import sys\nsys.path[:0] = [{str(REPO)!r}]\n"
+        + textwrap.dedent(_WORKER).format(tests=str(REPO / "tests"), xla=xla)
+    )
+    run = subprocess.run(
+        [sys.executable, str(REPO / "launch" / "local.py"), "-n", "4", "-g", "2",
+         "--timeout_s", "150", "--", sys.executable, str(path)],
+        capture_output=True, text=True, timeout=180,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", JAX_PLATFORMS="cpu"),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    results = [
+        json.loads(line.split("RESULT ", 1)[1])
+        for line in run.stdout.splitlines()
+        if "RESULT" in line
+    ]
+    by_role = {pid: x for x in results for pid in [x["pid"]]}
+    assert sorted(by_role) == [0, 1, 2, 3], run.stdout[-3000:]
+    params = make_params()
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    matrices = sum(x.nbytes for x in jax.tree.leaves(params) if np.ndim(x) == 2)
+    for g in (0, 1):
+        assert by_role[g]["exact"] == [True, True]  # every generation process, bitwise
+        for received in by_role[g]["received"]:
+            assert sum(received.values()) == total  # each element once
+    for t, pid in enumerate((2, 3)):
+        for v, sent in enumerate(by_role[pid]["sent"]):
+            for g in (0, 1):
+                # Exactly what the receiver saw from it; its half of every matrix, and
+                # never the whole model.
+                assert sent[f"generation-{g}"] == by_role[g]["received"][v][f"training-{t}"]
+                assert matrices // 2 <= sent[f"generation-{g}"] < total
