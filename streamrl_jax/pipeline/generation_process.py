@@ -19,6 +19,7 @@ it exits; a lost trainer ends it at once.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from typing import Any
 
@@ -40,6 +41,7 @@ from streamrl_jax.pipeline.process_plan import (
     CLOSE_TIMEOUT_S,
     RUN_END_KEY,
     SAMPLES_KEY,
+    START_KEY,
     WEIGHTS_KEY,
     ownership,
 )
@@ -124,6 +126,13 @@ class _GenerationProcess:
 
     # ------------------------------------------------------------------ run
     def run(self) -> None:
+        # Where the trainer starts: batch 0, or a restored checkpoint's batch with the
+        # prompt iterator's state there and the prompt ids the batch must draw again.
+        start = json.loads(roles.lookup(START_KEY, self.timeout))
+        batch = int(start["batch"])
+        if batch > 0:
+            self.side.prompts.set_state(start["prompts"])
+        expected = {int(b): ids for b, ids in start.get("expected_ids", {}).items()}
         params = self._receive(0)
         service = self.side.parts.service(params, 0, on_chunk=self._on_chunk)
         live = LiveScheduler(self.cfg, self.cfg.mesh.instance_slots, self.side.vocab_size)
@@ -138,6 +147,10 @@ class _GenerationProcess:
             latch=self.latch,
             share=self.share,
             emit_component="sample channel",
+            start=batch,
+            # A resumed run's service holds the build's W_0: load W_g(batch) first.
+            loaded_version=0 if batch == 0 else -1,
+            expected_ids=expected,
         )
         ok = False
         try:

@@ -28,6 +28,7 @@ metrics and scores the held-out prompts.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import threading
 import time
@@ -51,6 +52,7 @@ from streamrl_jax.pipeline.process_plan import (
     IN_FLIGHT,
     RUN_END_KEY,
     SAMPLES_KEY,
+    START_KEY,
     WEIGHTS_KEY,
     ownership,
 )
@@ -125,6 +127,8 @@ class TrainingLink:
         self._early: list[tuple[str, BaseException]] = []  # failures before attach
         self._inflight = threading.BoundedSemaphore(IN_FLIGHT)
         self.problems: ProblemTable | None = None  # set once the datasets exist
+        # The run's one checkpoint directory and orbax's active set (resume.py).
+        self.checkpoints: tuple[str, tuple[int, ...]] | None = None
         address = roles.advertised_host(dcfg)
         self.server = SampleServer(
             f"{address}:0",
@@ -161,6 +165,25 @@ class TrainingLink:
         self._attached.set()
         for component, exc in self._early:
             on_error(component, exc)
+
+    def begin(self, resume: Any, weights: dict[int, list[Any]]) -> None:
+        """Publishes where generation starts (`START_KEY`: batch 0, or a restored run's
+        batch, prompt-iterator state and in-flight prompt ids), then sends the restored
+        generation weights in version order. Publish first: a generation process reads
+        it before it takes W_0, and the sender waits for room at the receivers."""
+        if self.index != 0:
+            return
+        start: dict[str, Any] = {"batch": 0}
+        if resume is not None:
+            start = {
+                "batch": resume.batch,
+                "prompts": resume.prompts,
+                "expected_ids": {str(b): ids for b, ids in resume.expected_ids.items()},
+            }
+        roles.publish(START_KEY, json.dumps(start))
+        if resume is not None:
+            for v in sorted(weights):
+                self.sender.send(host(weights[v][0].params), v, timeout=self.timeout)
 
     def _wait(self, wait: Any, what: str) -> None:
         """`wait(timeout=...)` in short slices, so a closing link never waits long."""
@@ -226,6 +249,7 @@ def run_training(
     cfg: ExperimentConfig, workdir: str, dcfg: roles.DistributedConfig, r: roles.Roles
 ) -> RunResult:
     link = TrainingLink(cfg, dcfg, r)
+    link.checkpoints = (os.path.join(workdir, "checkpoints"), tuple(r.training_processes))
     # The training mesh: the first mesh.train_devices devices of every training process.
     per = cfg.mesh.train_devices
     devices = [
