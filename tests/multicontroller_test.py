@@ -22,6 +22,7 @@ bound (a liveness bound, not a speed claim).
 """
 
 import importlib.util
+import json
 import os
 import pathlib
 import signal
@@ -337,6 +338,41 @@ def test_resume_onto_another_topology(first, then, tmp_path, tmp_path_factory):
     _launched(*first, workdir, **{"pipeline.steps": 2})
     log = _launched(*then, workdir, **{"pipeline.steps": 3})
     _assert_resumed_like_one_process(workdir, want, exact=False, log=log)
+
+
+@pytest.mark.extended
+def test_ranker_refresh_reaches_the_generation_process(tmp_path, tmp_path_factory):
+    # skew_aware dispatch with the online refresh: the trainer refreshes the ranker from
+    # the samples it receives and sends each refresh to the generation process, whose
+    # dispatcher scores with it. Dispatch moves requests, never changes a sample, so
+    # the parameters (and so the version contract's outcome) equal one process's.
+    # 8 steps: the first refresh (after step 0) compiles the ranker's train step on a
+    # loaded machine; the later ones reach the generation process within a step.
+    ranker = {
+        "pipeline.steps": 8,
+        "scheduling.dispatch": "skew_aware",
+        "scheduling.ranker_min_samples": 8,
+    }
+    want = _one_process("stream_async", tmp_path_factory, **ranker)
+    workdir = tmp_path / "run"
+    launcher = [sys.executable, str(REPO / "launch" / "local.py"), "--timeout_s", "240"]
+    cmd = [*launcher, "-n", "2", "-g", "1", "--"]
+    run = _run([*cmd, *_launch_cmd(workdir, **{"pipeline.mode": "stream_async"}, **ranker)])
+    assert run.returncode == 0, run.stdout[-6000:]
+    got = np.load(workdir / run_lib.FINAL_PARAMS)
+    for key in want.files:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    # From the run's records: the generation process placed a refreshed ranker (a
+    # `ranker/generation-0` span R<version> in the trainer's trace), and the trainer's rows count
+    # the refresh steps.
+    assert "generation-0: ranker v" in run.stdout, run.stdout[-4000:]
+    trace = json.loads((workdir / "trace.json").read_text())["traceEvents"]
+    ranker_tracks = [e["pid"] for e in trace if e.get("args", {}).get("name") == "ranker"]
+    assert any(
+        e["ph"] == "X" and e["name"].startswith("R") and e["pid"] in ranker_tracks for e in trace
+    )
+    rows = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "reward" in r]
+    assert rows[-1]["ranker_steps"] > 0
 
 
 def test_settings_that_need_one_process_are_refused():

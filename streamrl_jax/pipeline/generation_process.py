@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 from typing import Any
 
@@ -28,7 +29,12 @@ from absl import logging
 
 from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.distributed import roles
-from streamrl_jax.distributed.channel import ChannelClosed, PeerLost, TransportError
+from streamrl_jax.distributed.channel import (
+    ChannelClosed,
+    PeerLost,
+    TransportError,
+    TransportTimeout,
+)
 from streamrl_jax.distributed.messages import ChunkReport, GenerationFailed, SpanReport
 from streamrl_jax.distributed.transport import SampleClient
 from streamrl_jax.distributed.weights import WeightReceiver
@@ -39,11 +45,13 @@ from streamrl_jax.pipeline.driver import GenerationDriver
 from streamrl_jax.pipeline.process_plan import (
     CHANNEL_TIMEOUT_S,
     CLOSE_TIMEOUT_S,
+    RANKER_KEY,
     RUN_END_KEY,
     SAMPLES_KEY,
     START_KEY,
     WEIGHTS_KEY,
     ownership,
+    ranker_online,
 )
 from streamrl_jax.scheduling.live import LiveScheduler
 
@@ -56,7 +64,9 @@ class _GenerationProcess:
     """One generation process: W_0, its service and driver, the end protocol."""
 
     def __init__(self, cfg: ExperimentConfig, dcfg: roles.DistributedConfig, r: roles.Roles):
-        self.cfg, self.r = cfg, r
+        self.cfg, self.r, self.dcfg = cfg, r, dcfg
+        self.ranker_receiver: WeightReceiver | None = None
+        self._stopping = threading.Event()
         self.timeout = cfg.pipeline.timeout_s
         self.pid = r.process_id
         self.share = (r.generation_processes.index(self.pid), len(r.generation_processes))
@@ -124,6 +134,52 @@ class _GenerationProcess:
         with contextlib.suppress(TransportError):  # a lost channel: the main loop reports it
             self._send(ChunkReport(label, t0, t1, tokens, running, steps, prefilled))
 
+    def _ranker_channel(self, live: LiveScheduler) -> threading.Thread | None:
+        """With an online ranker: the trainer refreshes it (it sees the samples), this
+        process only scores with it; a thread places each refresh into `live.ranker`."""
+        if not ranker_online(self.cfg):
+            return None
+        live.online = False  # no local buffer or refresh
+        ranker = live.ranker
+        self.ranker_receiver = WeightReceiver(
+            roles.lookup(RANKER_KEY, self.timeout),
+            authkey=self.dcfg.authkey,
+            timeout_s=CHANNEL_TIMEOUT_S,
+            name=f"generation-{self.pid}-ranker",
+            expected=ranker.params(),
+        )
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        shardings = jax.tree.map(lambda _: device, ranker.params())
+
+        def take() -> None:
+            while not self._stopping.is_set():
+                try:
+                    params, version, stats = self.ranker_receiver.receive(shardings, 1.0)
+                except TransportTimeout:
+                    continue  # no refresh this step; stop is checked every second
+                except ChannelClosed:
+                    return
+                except TransportError as e:  # the trainer is gone: the main loop reports it
+                    logging.warning("generation-%d: ranker channel: %s", self.pid, e)
+                    return
+                ranker.set_params(jax.device_get(params), version)
+                logging.info("generation-%d: ranker v%d from the trainer", self.pid, version)
+                t1 = time.time()
+                with contextlib.suppress(TransportError):
+                    self._send(
+                        SpanReport(
+                            f"ranker/generation-{self.pid}",
+                            f"R{version}",
+                            t1 - stats.seconds,
+                            t1,
+                            {"bytes": stats.bytes},
+                        )
+                    )
+
+        thread = threading.Thread(target=take, name="ranker-receiver", daemon=True)
+        thread.start()
+        return thread
+
     # ------------------------------------------------------------------ run
     def run(self) -> None:
         # Where the trainer starts: batch 0, or a restored checkpoint's batch with the
@@ -136,6 +192,7 @@ class _GenerationProcess:
         params = self._receive(0)
         service = self.side.parts.service(params, 0, on_chunk=self._on_chunk)
         live = LiveScheduler(self.cfg, self.cfg.mesh.instance_slots, self.side.vocab_size)
+        ranker_thread = self._ranker_channel(live)
         driver = GenerationDriver(
             self.cfg,
             service,
@@ -173,7 +230,10 @@ class _GenerationProcess:
             for client in self.clients:
                 client.close(CLOSE_TIMEOUT_S)
             self.receiver.close(CLOSE_TIMEOUT_S)
-            for th in driver.threads:
+            self._stopping.set()
+            if self.ranker_receiver is not None:
+                self.ranker_receiver.close(CLOSE_TIMEOUT_S)
+            for th in [*driver.threads, *([ranker_thread] if ranker_thread else [])]:
                 th.join(CLOSE_TIMEOUT_S)
             service.close(CLOSE_TIMEOUT_S)
         if outcome == "stopped":

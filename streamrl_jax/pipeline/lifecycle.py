@@ -71,7 +71,8 @@ class _Run:
         start = 0 if resume is None else resume.batch
         if link is not None:
             # Generation processes: where to start, and the restored versions, in order,
-            # before W_start below.
+            # before W_start below; ranker refreshes go to their dispatchers.
+            link.schedule(parts.live)
             link.begin(resume, weights)
         if start not in weights:
             weights[start] = c.weight_sync.transfer(c.state.params, start)[0]

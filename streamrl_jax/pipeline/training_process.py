@@ -50,11 +50,13 @@ from streamrl_jax.pipeline.process_plan import (
     CHANNEL_TIMEOUT_S,
     CLOSE_TIMEOUT_S,
     IN_FLIGHT,
+    RANKER_KEY,
     RUN_END_KEY,
     SAMPLES_KEY,
     START_KEY,
     WEIGHTS_KEY,
     ownership,
+    ranker_online,
 )
 from streamrl_jax.pipeline.shards import TrainingGroup, host
 from streamrl_jax.pipeline.step_metrics import RunResult
@@ -150,6 +152,19 @@ class TrainingLink:
                 name="training",
             )
             roles.publish(WEIGHTS_KEY, "{}:{}".format(*self.sender.address))
+        # The online ranker refresh runs here, where the samples arrive; its parameters
+        # go to every generation process's dispatcher (version = the ranker's steps).
+        self.live: Any = None
+        self.ranker_sender = None
+        if self.index == 0 and ranker_online(cfg):
+            self.ranker_sender = WeightSender(
+                f"{address}:0",
+                authkey=dcfg.authkey,
+                num_receivers=g,
+                timeout_s=CHANNEL_TIMEOUT_S,
+                name="training-ranker",
+            )
+            roles.publish(RANKER_KEY, "{}:{}".format(*self.ranker_sender.address))
         roles.publish(f"{SAMPLES_KEY}-{self.index}", "{}:{}".format(*self.server.address))
 
     def _failed(self, component: str, exc: BaseException) -> None:
@@ -165,6 +180,18 @@ class TrainingLink:
         self._attached.set()
         for component, exc in self._early:
             on_error(component, exc)
+
+    def schedule(self, live: Any) -> None:
+        self.live = live
+        if self.ranker_sender is not None:
+            live.on_refresh = self._send_ranker
+
+    def _send_ranker(self, ranker: Any) -> None:
+        """The refresh thread: the new ranker parameters to every generation process."""
+        try:
+            self.ranker_sender.send(ranker.params(), ranker.steps, timeout=self.timeout)
+        except ChannelClosed:  # the run ended while the refresh ran: nobody dispatches
+            logging.info("ranker v%d: the run ended before it was sent", ranker.steps)
 
     def begin(self, resume: Any, weights: dict[int, list[Any]]) -> None:
         """Publishes where generation starts (`START_KEY`: batch 0, or a restored run's
@@ -184,6 +211,9 @@ class TrainingLink:
         if resume is not None:
             for v in sorted(weights):
                 self.sender.send(host(weights[v][0].params), v, timeout=self.timeout)
+            ranker = getattr(self.live, "ranker", None)
+            if self.ranker_sender is not None and ranker is not None and ranker.steps > 0:
+                self._send_ranker(ranker)  # the restored ranker
 
     def _wait(self, wait: Any, what: str) -> None:
         """`wait(timeout=...)` in short slices, so a closing link never waits long."""
@@ -200,6 +230,8 @@ class TrainingLink:
         on_sample, on_chunk, on_span, _ = self._hooks
         if isinstance(msg, Sample):
             msg = self.problems.attach(msg, "a generation process")
+            if self.live is not None and not msg.tag.is_eval:
+                self.live.observe(msg.prompt, msg.num_tokens)  # the ranker refresh's data
             # Back-pressure: the reader (and so the producer's credit) waits here while
             # IN_FLIGHT samples are still being scored or waiting for stream room.
             self._wait(
@@ -232,8 +264,9 @@ class TrainingLink:
             except Exception as e:  # noqa: BLE001 - the coordination service may be gone
                 logging.warning("could not publish the run's outcome: %r", e)
         wait = min(timeout, 60.0 if outcome == "ok" else CLOSE_TIMEOUT_S)
-        if self.sender is not None:
-            self.sender.close(CLOSE_TIMEOUT_S)
+        for sender in (self.sender, self.ranker_sender):
+            if sender is not None:
+                sender.close(CLOSE_TIMEOUT_S)
         try:
             self.server.get(timeout=wait)  # callback mode: returns only by raising
         except ChannelClosed:
