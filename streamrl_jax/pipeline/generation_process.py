@@ -184,7 +184,14 @@ class _GenerationProcess:
     def run(self) -> None:
         # Where the trainer starts: batch 0, or a restored checkpoint's batch with the
         # prompt iterator's state there and the prompt ids the batch must draw again.
-        start = json.loads(roles.lookup(START_KEY, self.timeout))
+        try:
+            start = json.loads(roles.lookup(START_KEY, self.timeout))
+        except TimeoutError as e:
+            raise TimeoutError(
+                f"generation-{self.pid}: the training process did not say where the run "
+                f"starts ({START_KEY!r}) within {self.timeout:.0f} s (still restoring a "
+                "checkpoint or building, or gone)"
+            ) from e
         batch = int(start["batch"])
         if batch > 0:
             self.side.prompts.set_state(start["prompts"])

@@ -213,7 +213,8 @@ class TrainingLink:
                 self.sender.send(host(weights[v][0].params), v, timeout=self.timeout)
             ranker = getattr(self.live, "ranker", None)
             if self.ranker_sender is not None and ranker is not None and ranker.steps > 0:
-                self._send_ranker(ranker)  # the restored ranker
+                logging.info("restored ranker v%d to the generation processes", ranker.steps)
+                self._send_ranker(ranker)
 
     def _wait(self, wait: Any, what: str) -> None:
         """`wait(timeout=...)` in short slices, so a closing link never waits long."""
