@@ -8,7 +8,10 @@ does, with its hooks pointed across processes: `weights(v)` takes W_v from a
 dropped), every process draws every batch's prompts and keeps the groups whose
 index is k mod G (held-out prompts likewise), and `emit` sends each finished
 sample to the training process that owns its group over a `SampleClient`.
-Decode-chunk and weight-arrival reports travel the same way.
+Decode-chunk and weight-arrival reports travel the same way. It starts at the
+batch the trainer publishes under `START_KEY` (0, or a restored checkpoint's, with
+the prompt iterator's state there), and with an online ranker it scores with the
+trainer's refreshes (`_ranker_channel`) instead of refreshing its own.
 
 **End of a run.** Having taken every weight set, it reads the trainer's outcome,
 closes its sample channels in order and returns (raising for a failure). A

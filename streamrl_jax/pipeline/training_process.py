@@ -13,6 +13,13 @@ sync's background thread, overlapping the next step). Then
 `lifecycle.run_components`: the same trainer loop, version gate, evaluation
 bookkeeping, metrics and trace as one process.
 
+Checkpoints: every training process saves and restores its own shards into the
+run's one `<workdir>/checkpoints` (orbax's active set, `TrainingLink.checkpoints`);
+`TrainingLink.begin` then tells the generation processes where the run starts and
+sends a restored run's generation weights. The online ranker refresh runs here,
+where the samples arrive; each refresh goes to the generation processes' dispatchers
+over a second weight channel (`TrainingLink.schedule`).
+
 Several training processes: the cast also gathers the params, replicated over
 the training mesh (a collective every training process joins, on its trainer
 thread); the first training process sends its full local copy, writes the
