@@ -17,12 +17,15 @@ If a child fails (non-zero exit or a signal), every other child gets SIGTERM
 and, after `--grace_s`, SIGKILL (JAX catches SIGTERM); the launcher exits with
 the first failing child's code (128 + signal for a signal). `--timeout_s`
 bounds the whole run (exit 124). Children that exit 0 early are left be.
+`--pids_file PATH` writes `{process id: [pid, role]}` once every child is started
+(each child leads its own process group), e.g. for `tools/fault_drill.py --processes`.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -88,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pin", action="store_true", help="taskset each child to one core")
     parser.add_argument("--grace_s", type=float, default=3.0)
     parser.add_argument("--timeout_s", type=float, default=0.0, help="0: no limit")
+    parser.add_argument(
+        "--pids_file",
+        default="",
+        help="write {process id: [pid, role]} of the children here as JSON (drills, supervisors)",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- command and arguments")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -123,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         pump = threading.Thread(target=_pump, args=(proc, f"[p{i} {role}]", lock), daemon=True)
         pump.start()
         pumps.append(pump)
+
+    if args.pids_file:
+        pids = {i: [p.pid, "gen" if i < g else "train"] for i, p in enumerate(procs)}
+        with open(args.pids_file + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(pids, f)
+        os.replace(args.pids_file + ".tmp", args.pids_file)
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt

@@ -7,6 +7,7 @@ transport fails the test instead of hanging it.
 
 import contextlib
 import dataclasses
+import json
 import os
 import pathlib
 import pickle
@@ -651,3 +652,19 @@ def test_launch_local_stops_everyone_when_one_fails(tmp_path):
     assert run.returncode == 3, run.stdout
     assert "process 2 failed (rc 3)" in run.stdout
     assert time.monotonic() - t0 < 60
+
+
+def test_launch_local_writes_the_childrens_pids(tmp_path):
+    # --pids_file (tools/fault_drill.py --processes kills one child by it): each
+    # process id maps to that child's pid and role.
+    script = """
+    import os
+    print("PID", os.environ["STREAMRL_PROCESS_ID"], os.getpid())
+    """
+    pids_file = tmp_path / "pids.json"
+    run = _launch(tmp_path, script, "-n", "3", "-g", "2", "--pids_file", str(pids_file))
+    assert run.returncode == 0, run.stdout
+    printed = dict(line.split()[-2:] for line in run.stdout.splitlines() if " PID " in line)
+    pids = json.loads(pids_file.read_text())
+    role_of = {"0": "gen", "1": "gen", "2": "train"}
+    assert pids == {i: [int(printed[i]), role] for i, role in role_of.items()}

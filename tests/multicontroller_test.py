@@ -25,6 +25,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -249,7 +250,8 @@ def test_processes_train_the_critic_like_one_process(
     assert all(r["critic_grad_norm"] > 0 and r["critic_nonfinite"] == 0 for r in rows)
 
 
-def _spawn(processes, generation, workdir, logs) -> list[subprocess.Popen]:
+def _spawn(processes, generation, workdir, logs, **overrides) -> list[subprocess.Popen]:
+    overrides = {"pipeline.steps": 40, "eval.num_problems": 0, **overrides}
     coordinator = f"127.0.0.1:{local.free_port()}"
     procs = []
     for i in range(processes):
@@ -259,7 +261,7 @@ def _spawn(processes, generation, workdir, logs) -> list[subprocess.Popen]:
         with open(logs / f"p{i}.log", "w") as out:
             procs.append(
                 subprocess.Popen(
-                    _launch_cmd(workdir, **{"pipeline.steps": 40, "eval.num_problems": 0}),
+                    _launch_cmd(workdir, **overrides),
                     env=env,
                     stdout=out,
                     stderr=subprocess.STDOUT,
@@ -315,12 +317,130 @@ def test_killed_process_ends_the_others_naming_it(processes, generation, victim,
     assert ended < 45  # channels see a killed peer at once; JAX's heartbeat bound is 10 s
 
 
-def test_settings_that_need_one_process_are_refused(tmp_path):
+_CKPT = {"checkpoint.every": 1}
+
+
+def _launched(processes, generation, workdir, **overrides):
+    """The launch command in `processes` processes (`launch/local.py`) or in one."""
+    cmd = _launch_cmd(workdir, **{"pipeline.mode": "stream_async"}, **_CKPT, **overrides)
+    if processes > 1:
+        launcher = [sys.executable, str(REPO / "launch" / "local.py"), "--timeout_s", "240"]
+        cmd = [*launcher, "-n", str(processes), "-g", str(generation), "--", *cmd]
+    run = _run(cmd)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    return run.stdout + run.stderr
+
+
+def _assert_resumed_like_one_process(workdir, want, exact, log):
+    assert "resumed from checkpoint" in log, log[-4000:]
+    got = np.load(workdir / run_lib.FINAL_PARAMS)
+    assert sorted(got.files) == sorted(want.files)
+    off = 0
+    for key in want.files:
+        if exact:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+        else:  # another reduction order: the parity tests' tolerance (module docstring)
+            np.testing.assert_allclose(got[key], want[key], rtol=0, atol=1e-4, err_msg=key)
+            off += int((np.abs(got[key] - want[key]) > 1e-6).sum())
+    assert off <= sum(want[k].size for k in want.files) // 100_000
+
+
+def test_checkpoint_kill_resume_equals_the_uninterrupted_run(tmp_path, tmp_path_factory):
+    # 1 generation + 1 training process, a checkpoint after every step: the trainer is
+    # SIGKILLed once checkpoint 1 is on disk (the generation process then fails naming
+    # it), the same command resumes, and the run ends with the parameters of the same 2
+    # steps uninterrupted in one process (the parity test's reference), bit for bit,
+    # every prompt consumed once.
+    want = _one_process("stream_async", tmp_path_factory)
+    ref_dir = _ONE_PROCESS_DIR[("stream_async",)]
+    workdir = tmp_path / "run"
+    tiny = {"pipeline.mode": "stream_async", "pipeline.steps": 2, "eval.num_problems": 4}
+    procs = _spawn(2, 1, workdir, tmp_path, **_CKPT, **tiny)
+    try:
+        deadline = time.monotonic() + 180
+        while not (workdir / "checkpoints" / "1").is_dir():
+            assert time.monotonic() < deadline, (tmp_path / "p1.log").read_text()[-4000:]
+            assert all(p.poll() is None for p in procs), (tmp_path / "p1.log").read_text()[-4000:]
+            time.sleep(0.05)
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        procs[0].wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert procs[0].returncode != 0 and not (workdir / run_lib.FINAL_PARAMS).exists()
+    log = _launched(2, 1, workdir)
+    _assert_resumed_like_one_process(workdir, want, exact=True, log=log)
+    rows = read_jsonl(str(workdir / "consumed.jsonl"))
+    assert rows == read_jsonl(str(ref_dir / "consumed.jsonl"))  # each prompt once, in order
+    assert [r["step"] for r in rows] == [0, 1]
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize(
+    "first, then",
+    [((1, 0), (4, 2)), ((4, 2), (1, 0))],  # 1 process -> 2 + 2, and 2 + 2 -> 1 process
+)
+def test_resume_onto_another_topology(first, then, tmp_path, tmp_path_factory):
+    # Two steps in one topology, the third resumed in another: the parameters of three
+    # uninterrupted steps in one process (within the 2-training-process tolerance).
+    want = _one_process("stream_async", tmp_path_factory, **{"pipeline.steps": 3, **_CKPT})
+    workdir = tmp_path / "run"
+    _launched(*first, workdir, **{"pipeline.steps": 2})
+    log = _launched(*then, workdir, **{"pipeline.steps": 3})
+    _assert_resumed_like_one_process(workdir, want, exact=False, log=log)
+
+
+@pytest.mark.extended
+def test_ranker_refresh_reaches_the_generation_process(tmp_path, tmp_path_factory):
+    # skew_aware dispatch with the online refresh: the trainer refreshes the ranker from
+    # the samples it receives and sends each refresh to the generation process, whose
+    # dispatcher scores with it. Dispatch moves requests, never changes a sample, so
+    # the parameters (and so the version contract's outcome) equal one process's.
+    # 8 steps: the first refresh (after step 0) compiles the ranker's train step on a
+    # loaded machine; the later ones reach the generation process within a step.
+    ranker = {
+        "pipeline.steps": 8,
+        "scheduling.dispatch": "skew_aware",
+        "scheduling.ranker_min_samples": 8,
+        "checkpoint.every": 4,
+    }
+    want = _one_process("stream_async", tmp_path_factory, **ranker)
+    workdir = tmp_path / "run"
+    launcher = [sys.executable, str(REPO / "launch" / "local.py"), "--timeout_s", "240"]
+    cmd = [*launcher, "-n", "2", "-g", "1", "--"]
+    mode = {"pipeline.mode": "stream_async"}
+    run = _run([*cmd, *_launch_cmd(workdir, **mode, **ranker)])
+    assert run.returncode == 0, run.stdout[-6000:]
+    got = np.load(workdir / run_lib.FINAL_PARAMS)
+    for key in want.files:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    # From the run's records: the generation process placed a refreshed ranker (a
+    # `ranker/generation-0` span R<version> in the trainer's trace), and the trainer's
+    # rows count the refresh steps.
+    assert "generation-0: ranker v" in run.stdout, run.stdout[-4000:]
+    trace = json.loads((workdir / "trace.json").read_text())["traceEvents"]
+    ranker_tracks = [e["pid"] for e in trace if e.get("args", {}).get("name") == "ranker"]
+    assert any(
+        e["ph"] == "X" and e["name"].startswith("R") and e["pid"] in ranker_tracks for e in trace
+    )
+    rows = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "reward" in r]
+    assert rows[-1]["ranker_steps"] > 0
+    # The ranker is in the checkpoint the run ended with (the training processes save
+    # it), and a resumed run sends the restored one to the generation process first.
+    run = _run([*cmd, *_launch_cmd(workdir, **mode, **{**ranker, "pipeline.steps": 9})])
+    assert run.returncode == 0, run.stdout[-6000:]
+    assert "resumed from checkpoint 8" in run.stdout, run.stdout[-4000:]
+    restored = re.search(r"restored ranker v(\d+) to the generation processes", run.stdout)
+    assert restored and int(restored[1]) >= rows[-1]["ranker_steps"] > 0, run.stdout[-4000:]
+    assert f"generation-0: ranker v{restored[1]} from the trainer" in run.stdout
+
+
+def test_settings_that_need_one_process_are_refused():
     with pytest.raises(ValueError, match="colocated.*one process"):
-        process_plan.check_supported(_config(**{"pipeline.mode": "colocated"}), 2, 1, str(tmp_path))
-    with pytest.raises(ValueError, match="checkpoint.every=2"):
-        process_plan.check_supported(_config(**{"checkpoint.every": 2}), 2, 1, str(tmp_path))
-    process_plan.check_supported(_config(), 3, 2, str(tmp_path))  # 2 generation + 1 training
-    process_plan.check_supported(_config(), 4, 2, str(tmp_path))  # 2 generation + 2 training
+        process_plan.check_supported(_config(**{"pipeline.mode": "colocated"}), 2, 1)
+    process_plan.check_supported(_config(**{"checkpoint.every": 2}), 2, 1)  # checkpoints
+    process_plan.check_supported(_config(), 3, 2)  # 2 generation + 1 training
+    process_plan.check_supported(_config(), 4, 2)  # 2 generation + 2 training
     with pytest.raises(ValueError, match=r"3 training processes must divide.*micro_batch_groups"):
-        process_plan.check_supported(_config(), 5, 2, str(tmp_path))
+        process_plan.check_supported(_config(), 5, 2)

@@ -2,6 +2,7 @@
 
   python tools/fault_drill.py --kills=10             # ~10 min on 2 cores
   python tools/fault_drill.py --kills=3 --steps=15   # a shorter drill
+  python tools/fault_drill.py --processes --kills=10 # across processes (1 gen + 1 train)
 
 The run is `configs/quickstart.py:tiny` in stream_async, deterministic mode, a
 checkpoint every step. A random tiny model never earns the task's reward, so
@@ -23,12 +24,24 @@ trivially match.
    (exactly once per epoch); the final parameters equal the reference's bit for
    bit.
 
+With `--processes` the job is a multi-controller run: `launch/local.py -n N -g G`
+(default 1 generation + 1 training process) of `python -m streamrl_jax.launch` with
+the same settings (`data.reward=vowels`, `log.final_params`), its children's pids
+in `--pids_file`. Each kill SIGKILLs one process chosen at random (generation or
+training, `victim` in the leg's record) at the same random moments;
+`launch/local.py` then stops the others (SIGTERM: the trainer saves its last step
+boundary if it is still alive) and the next leg relaunches the whole program,
+which resumes from the newest checkpoint (the JAX program cannot take a process
+back: docs/multicontroller.md). The reference is the same multi-process command,
+uninterrupted.
+
 Last line: JSON with `kills`, `resumed_ok`, `prompts_exactly_once`, `params_match`.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import random
@@ -53,6 +66,11 @@ _STARTUP = flags.DEFINE_integer(
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the kill times.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/fault_drill", "Drill directory (wiped).")
 _CHILD = flags.DEFINE_string("child", "", "Internal: run the job in this workdir.")
+_PROCESSES = flags.DEFINE_bool(
+    "processes", False, "Drill a multi-controller run (launch/local.py), killing one process."
+)
+_NUM = flags.DEFINE_integer("num_processes", 2, "--processes: processes in the program.")
+_GEN = flags.DEFINE_integer("generation_processes", 1, "--processes: generation processes.")
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PARAMS = "final_params.npz"
@@ -96,6 +114,30 @@ def _child(workdir: str, steps: int) -> None:
     np.savez(os.path.join(workdir, _PARAMS), *[np.asarray(x) for x in leaves])
 
 
+def _launch_cmd(workdir: str) -> list[str]:
+    """--processes: the multi-controller job, the same settings as `_config`."""
+    settings = {
+        "pipeline.mode": "stream_async",
+        "pipeline.steps": _STEPS.value,
+        "pipeline.deterministic": True,
+        "checkpoint.every": 1,
+        "checkpoint.keep": 2,
+        "eval.num_problems": 0,
+        "log.tensorboard": False,
+        "log.trace": False,
+        "log.final_params": True,
+        "data.reward": "vowels",
+    }
+    return [
+        *[sys.executable, os.path.join(_ROOT, "launch", "local.py")],
+        *["-n", str(_NUM.value), "-g", str(_GEN.value), "--pids_file", workdir + ".pids"],
+        *["--", sys.executable, "-m", "streamrl_jax.launch"],
+        f"--config={os.path.join(_ROOT, 'configs', 'quickstart.py')}:tiny",
+        f"--workdir={workdir}",
+        *[f"--config.{k}={v}" for k, v in settings.items()],
+    ]
+
+
 def _start(workdir: str, log) -> subprocess.Popen:
     cmd = [
         sys.executable,
@@ -103,7 +145,31 @@ def _start(workdir: str, log) -> subprocess.Popen:
         f"--child={workdir}",
         f"--steps={_STEPS.value}",
     ]
+    if _PROCESSES.value:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(workdir + ".pids")
+        cmd = _launch_cmd(workdir)
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=_ROOT)
+
+
+def _kill(proc: subprocess.Popen, workdir: str, rng: random.Random) -> str:
+    """SIGKILLs the job: the child itself, or (--processes) one of the launcher's
+    children at random (its process group); returns which."""
+    if not _PROCESSES.value:
+        proc.send_signal(signal.SIGKILL)
+        return "job"
+    deadline = time.monotonic() + 60
+    while not os.path.exists(workdir + ".pids"):  # written once every child started
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"launcher exited (rc {proc.returncode}) without {workdir}.pids")
+        time.sleep(0.05)
+    with open(workdir + ".pids", encoding="utf-8") as f:
+        pids = json.load(f)
+    i = rng.choice(sorted(pids, key=int))
+    pid, role = pids[i]
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    return f"p{i} {role}"
 
 
 def _trained_steps(workdir: str) -> int:
@@ -116,11 +182,14 @@ def _trained_steps(workdir: str) -> int:
         return sum(1 for line in f if line.endswith("\n"))
 
 
-def _wait_and_kill(proc: subprocess.Popen, workdir: str, kind: str, delay: float | None) -> int:
-    """Waits for `proc`; SIGKILLs it `delay` s after start ("start-up") or after its
-    first trained step ("running"); returns its exit code."""
+def _wait_and_kill(
+    proc: subprocess.Popen, workdir: str, kind: str, delay: float | None, rng: random.Random
+) -> tuple[int, str | None]:
+    """Waits for `proc`; SIGKILLs it (or one of its processes) `delay` s after start
+    ("start-up") or after its first trained step ("running"); returns its exit code and
+    the victim (None when it ended by itself)."""
     if kind == "to the end":
-        return proc.wait()
+        return proc.wait(), None
     start, steps0, armed = time.monotonic(), _trained_steps(workdir), None
     if kind == "start-up":
         armed = start
@@ -129,10 +198,13 @@ def _wait_and_kill(proc: subprocess.Popen, workdir: str, kind: str, delay: float
         if armed is None and _trained_steps(workdir) > steps0:
             armed = now
         if armed is not None and now - armed >= delay:
-            proc.send_signal(signal.SIGKILL)
-            return proc.wait()
+            victim = _kill(proc, workdir, rng)
+            try:  # the launcher stops the others (SIGTERM, then SIGKILL after 3 s)
+                return proc.wait(timeout=120), victim
+            except subprocess.TimeoutExpired:
+                raise SystemExit(f"the job did not end within 120 s of killing {victim}") from None
         time.sleep(0.1)
-    return proc.returncode
+    return proc.returncode, None
 
 
 def _latest_checkpoint(workdir: str) -> int | None:
@@ -152,7 +224,7 @@ def _params(workdir: str):
     import numpy as np
 
     with np.load(os.path.join(workdir, _PARAMS)) as f:
-        return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
+        return {k: f[k] for k in f.files}
 
 
 def main(argv: list[str]) -> None:
@@ -183,15 +255,24 @@ def main(argv: list[str]) -> None:
             if kills < _KILLS.value:
                 kind = "start-up" if kills % _STARTUP.value == _STARTUP.value - 1 else "running"
                 delay = rng.uniform(1.0, 10.0) if kind == "start-up" else rng.uniform(0, _MAX.value)
-            rc = _wait_and_kill(proc, drill_dir, kind, delay)
-            if rc == -signal.SIGKILL:
+            rc, victim = _wait_and_kill(proc, drill_dir, kind, delay, rng)
+            if victim is not None:
                 kills += 1
         after = _latest_checkpoint(drill_dir)
-        ok = rc in (0, -signal.SIGKILL)
+        # Killed: the job's exit code is the victim's (-9; the launcher's 137), or a
+        # survivor's that failed first; either way the next leg must resume.
+        ok = rc == 0 or victim is not None
         if before is not None and ok:
             resumed_ok += 1
         legs.append(
-            {"kill": kind, "delay_s": delay, "rc": rc, "checkpoint_before": before, "after": after}
+            {
+                "kill": kind,
+                "victim": victim,
+                "delay_s": delay,
+                "rc": rc,
+                "checkpoint_before": before,
+                "after": after,
+            }
         )
         print(f"leg {len(legs) - 1}: {legs[-1]}", file=sys.stderr, flush=True)
         if not ok:
@@ -209,11 +290,10 @@ def main(argv: list[str]) -> None:
     ref_steps, ref_counts = _consumed(ref_dir)
     exactly_once = steps == ref_steps == list(range(_STEPS.value)) and counts == ref_counts
     mine, ref = _params(drill_dir), _params(ref_dir)
-    params_match = len(mine) == len(ref) and all(
-        np.array_equal(a, b) for a, b in zip(mine, ref, strict=True)
-    )
+    params_match = sorted(mine) == sorted(ref) and all(np.array_equal(mine[k], ref[k]) for k in ref)
     out = {
         "tool": "fault_drill",
+        "processes": _NUM.value if _PROCESSES.value else 1,
         "kills": kills,
         "restarts": len(legs) - 1,
         "resumed_ok": resumed_ok,

@@ -17,7 +17,10 @@ write continues on orbax's thread; the caller may donate the saved state to
 the next step at once (the checkpoint keeps the values at save time).
 Restores go straight into the target shardings given by the caller, so a
 checkpoint written on one mesh restores onto any other mesh shape or device
-count. The manifest is read and checked
+count. With `processes` (a multi-controller run: the training processes of a
+`jax.distributed` program) orbax works over that active set alone: the first
+of them is the primary host, each process writes its own shards, and the
+barriers span only them (`_active_set`). The manifest is read and checked
 before any array is touched: a checkpoint of another model, or a damaged one,
 is a `ValueError` naming the mismatch or the directory, never an error from
 deep inside orbax or XLA.
@@ -65,6 +68,57 @@ def _check_fingerprint(
     raise UserError(f"checkpoint {where} is from another model: " + ", ".join(diff))
 
 
+class _ActiveSetJax:
+    """`jax` as orbax's array serializer sees it in an active-set save: the process
+    count is the active set's. orbax refuses a fully addressable array when
+    `jax.process_count() > 1` (a pmap-era host-local array); with one training process
+    in a multi-controller program every array is fully addressable *and* global to
+    the active set, so the check must count the active set only."""
+
+    def __init__(self, count: int):
+        self._count = count
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(jax, name)
+
+    def process_count(self) -> int:
+        return self._count
+
+
+def _active_set(processes: tuple[int, ...]) -> tuple[Any, Any]:
+    """orbax options and handler registry for saves by `processes` only.
+
+    orbax 0.12.8 needs three things beyond `MultiprocessingOptions` for an active set
+    that excludes process 0 (each found by a hang or an error on this machine): every
+    item handler built with the options (else its array-metadata store waits for
+    process 0 to create a directory), the jax.Array type handler built with the
+    primary host (else the zarr metadata is written by process 0 alone, i.e. never),
+    and its process count seen as the active set's (`_ActiveSetJax`). Host numpy
+    arrays would still be written by process 0 only: `Checkpointer.save` places them
+    on the state's mesh first.
+    """
+    from orbax.checkpoint._src.serialization import jax_array_handlers
+
+    mp = ocp.options.MultiprocessingOptions(
+        primary_host=processes[0], active_processes=set(processes)
+    )
+    ocp.type_handlers.register_type_handler(
+        jax.Array, ocp.type_handlers.ArrayHandler(primary_host=processes[0]), override=True
+    )
+    jax_array_handlers.jax = _ActiveSetJax(len(processes))
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    standard = ocp.StandardCheckpointHandler(multiprocessing_options=mp)
+    json_handler = ocp.JsonCheckpointHandler(multiprocessing_options=mp)
+    for args, handler in (
+        (ocp.args.StandardSave, standard),
+        (ocp.args.StandardRestore, standard),
+        (ocp.args.JsonSave, json_handler),
+        (ocp.args.JsonRestore, json_handler),
+    ):
+        registry.add(None, args, handler)
+    return mp, registry
+
+
 @dataclasses.dataclass(frozen=True)
 class Restored:
     """What `Checkpointer.restore` returns.
@@ -108,6 +162,9 @@ class Checkpointer:
         save and compared on every restore; None skips that check (the
         shape/dtype signature is always checked).
       timeout_s: bound on every wait for the background writer.
+      processes: the `jax.distributed` processes that save and restore together (a
+        multi-controller run's training processes; every one of them makes the same
+        calls); None: this process alone, or all of them.
     """
 
     def __init__(
@@ -119,6 +176,7 @@ class Checkpointer:
         async_save: bool = True,
         fingerprint: Mapping[str, Any] | None = None,
         timeout_s: float = 600.0,
+        processes: tuple[int, ...] | None = None,
     ):
         if keep < 1:
             raise ValueError(f"checkpoint keep={keep}: must be >= 1")
@@ -129,13 +187,27 @@ class Checkpointer:
         self.fingerprint = dict(fingerprint) if fingerprint is not None else None
         self.timeout_s = timeout_s
         self._pending: int | None = None  # step of the last save, until waited for
+        self._host_sharding: Any = None  # active set: where host arrays are placed
+        self.processes = tuple(processes) if processes and jax.process_count() > 1 else None
+        options: dict[str, Any] = {"create": True}
+        registry = None
+        if self.processes is not None:
+            if jax.process_index() not in self.processes:
+                raise ValueError(
+                    f"checkpoint: process {jax.process_index()} is not one of the saving "
+                    f"processes {list(self.processes)}"
+                )
+            # orbax refuses create=True with an active set: each process makes the
+            # directory itself (exist_ok), before the manager's first barrier.
+            self.directory.mkdir(parents=True, exist_ok=True)
+            mp, registry = _active_set(self.processes)
+            options = {"create": False, "multiprocessing_options": mp}
         self._mgr = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep,
-                enable_async_checkpointing=async_save,
-                create=True,
+                max_to_keep=keep, enable_async_checkpointing=async_save, **options
             ),
+            handler_registry=registry,
         )
 
     # ------------------------------------------------------------------ queries
@@ -220,7 +292,8 @@ class Checkpointer:
         if ranker is not None:
             # Host copy: the ranker is small, and host arrays restore on any device set.
             ranker_data, ranker_keys = encode_keys(ranker)
-            items[_RANKER] = ocp.args.StandardSave(jax.device_get(ranker_data))
+            ranker_data = self._host(jax.device_get(ranker_data), state_data)
+            items[_RANKER] = ocp.args.StandardSave(ranker_data)
             manifest["prng_keys"][_RANKER] = ranker_keys
         manifest["items"] = sorted(items) + [_METADATA, _MANIFEST]
         items[_METADATA] = ocp.args.JsonSave(metadata)
@@ -229,6 +302,16 @@ class Checkpointer:
         if started:
             self._pending = step
         return started
+
+    def _host(self, tree: Any, state: Any) -> Any:
+        """Host arrays as they can be saved: as they are, or in an active-set save
+        (orbax writes host numpy from process 0 only) replicated on the state's mesh."""
+        if self.processes is None:
+            return tree
+        if self._host_sharding is None:
+            mesh = jax.tree.leaves(state)[0].sharding.mesh
+            self._host_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        return jax.tree.map(lambda x: jax.device_put(x, self._host_sharding), tree)
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Blocks until the background write (if any) is on disk.

@@ -287,5 +287,13 @@ class GenerationLink(Protocol):
         """Starts delivering samples (credit back after `done()`), decode chunks, other
         trace spans (wall times) and lost processes to these callbacks."""
 
+    def schedule(self, live: LiveScheduler) -> None:
+        """The run's scheduler: the link observes arriving samples for its ranker
+        refresh and sends refreshed ranker parameters to the generation processes."""
+
+    def begin(self, resume: Any, weights: dict[int, list[Any]]) -> None:
+        """Tells the generation processes the first batch (a restored run's
+        `ResumePoint`, or None) and sends them its restored weight versions."""
+
     def close(self, outcome: str, timeout: float) -> None:
         """Tells the generation processes how the run ended and closes the channels."""

@@ -9,7 +9,10 @@ training processes that hold them; versions arrive in order; one the driver
 does not need is dropped), every process draws every batch's prompts and keeps the groups whose
 index is k mod G (held-out prompts likewise), and `emit` sends each finished
 sample to the training process that owns its group over a `SampleClient`.
-Decode-chunk and weight-arrival reports travel the same way.
+Decode-chunk and weight-arrival reports travel the same way. It starts at the
+batch the trainer publishes under `START_KEY` (0, or a restored checkpoint's, with
+the prompt iterator's state there), and with an online ranker it scores with the
+trainer's refreshes (`_ranker_channel`) instead of refreshing its own.
 
 **End of a run.** Having taken every weight set, it reads the trainer's outcome,
 closes its sample channels in order and returns (raising for a failure). A
@@ -20,6 +23,8 @@ it exits; a lost trainer ends it at once.
 from __future__ import annotations
 
 import contextlib
+import json
+import threading
 import time
 from typing import Any
 
@@ -28,11 +33,17 @@ from absl import logging
 
 from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.distributed import roles
-from streamrl_jax.distributed.channel import ChannelClosed, PeerLost, TransportError
+from streamrl_jax.distributed.channel import (
+    ChannelClosed,
+    PeerLost,
+    TransportError,
+    TransportTimeout,
+)
 from streamrl_jax.distributed.messages import ChunkReport, GenerationFailed, SpanReport
 from streamrl_jax.distributed.shard_receiver import ShardReceiver
 from streamrl_jax.distributed.shard_wire import need_of
 from streamrl_jax.distributed.transport import SampleClient
+from streamrl_jax.distributed.weights import WeightReceiver
 from streamrl_jax.distributed.xla_pull import pull_server
 from streamrl_jax.generation.types import Sample
 from streamrl_jax.mailbox import FailureLatch
@@ -41,10 +52,13 @@ from streamrl_jax.pipeline.driver import GenerationDriver
 from streamrl_jax.pipeline.process_plan import (
     CHANNEL_TIMEOUT_S,
     CLOSE_TIMEOUT_S,
+    RANKER_KEY,
     RUN_END_KEY,
     SAMPLES_KEY,
+    START_KEY,
     WEIGHTS_KEY,
     ownership,
+    ranker_online,
 )
 from streamrl_jax.scheduling.live import LiveScheduler
 
@@ -57,7 +71,9 @@ class _GenerationProcess:
     """One generation process: W_0, its service and driver, the end protocol."""
 
     def __init__(self, cfg: ExperimentConfig, dcfg: roles.DistributedConfig, r: roles.Roles):
-        self.cfg, self.r = cfg, r
+        self.cfg, self.r, self.dcfg = cfg, r, dcfg
+        self.ranker_receiver: WeightReceiver | None = None
+        self._stopping = threading.Event()
         self.timeout = cfg.pipeline.timeout_s
         self.pid = r.process_id
         self.share = (r.generation_processes.index(self.pid), len(r.generation_processes))
@@ -130,11 +146,72 @@ class _GenerationProcess:
         with contextlib.suppress(TransportError):  # a lost channel: the main loop reports it
             self._send(ChunkReport(label, t0, t1, tokens, running, steps, prefilled))
 
+    def _ranker_channel(self, live: LiveScheduler) -> threading.Thread | None:
+        """With an online ranker: the trainer refreshes it (it sees the samples), this
+        process only scores with it; a thread places each refresh into `live.ranker`."""
+        if not ranker_online(self.cfg):
+            return None
+        live.online = False  # no local buffer or refresh
+        ranker = live.ranker
+        self.ranker_receiver = WeightReceiver(
+            roles.lookup(RANKER_KEY, self.timeout),
+            authkey=self.dcfg.authkey,
+            timeout_s=CHANNEL_TIMEOUT_S,
+            name=f"generation-{self.pid}-ranker",
+            expected=ranker.params(),
+        )
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        shardings = jax.tree.map(lambda _: device, ranker.params())
+
+        def take() -> None:
+            while not self._stopping.is_set():
+                try:
+                    params, version, stats = self.ranker_receiver.receive(shardings, 1.0)
+                except TransportTimeout:
+                    continue  # no refresh this step; stop is checked every second
+                except ChannelClosed:
+                    return
+                except TransportError as e:  # the trainer is gone: the main loop reports it
+                    logging.warning("generation-%d: ranker channel: %s", self.pid, e)
+                    return
+                ranker.set_params(jax.device_get(params), version)
+                logging.info("generation-%d: ranker v%d from the trainer", self.pid, version)
+                t1 = time.time()
+                with contextlib.suppress(TransportError):
+                    self._send(
+                        SpanReport(
+                            f"ranker/generation-{self.pid}",
+                            f"R{version}",
+                            t1 - stats.seconds,
+                            t1,
+                            {"bytes": stats.bytes},
+                        )
+                    )
+
+        thread = threading.Thread(target=take, name="ranker-receiver", daemon=True)
+        thread.start()
+        return thread
+
     # ------------------------------------------------------------------ run
     def run(self) -> None:
+        # Where the trainer starts: batch 0, or a restored checkpoint's batch with the
+        # prompt iterator's state there and the prompt ids the batch must draw again.
+        try:
+            start = json.loads(roles.lookup(START_KEY, self.timeout))
+        except TimeoutError as e:
+            raise TimeoutError(
+                f"generation-{self.pid}: the training process did not say where the run "
+                f"starts ({START_KEY!r}) within {self.timeout:.0f} s (still restoring a "
+                "checkpoint or building, or gone)"
+            ) from e
+        batch = int(start["batch"])
+        if batch > 0:
+            self.side.prompts.set_state(start["prompts"])
+        expected = {int(b): ids for b, ids in start.get("expected_ids", {}).items()}
         params = self._receive(0)
         service = self.side.parts.service(params, 0, on_chunk=self._on_chunk)
         live = LiveScheduler(self.cfg, self.cfg.mesh.instance_slots, self.side.vocab_size)
+        ranker_thread = self._ranker_channel(live)
         driver = GenerationDriver(
             self.cfg,
             service,
@@ -146,6 +223,10 @@ class _GenerationProcess:
             latch=self.latch,
             share=self.share,
             emit_component="sample channel",
+            start=batch,
+            # A resumed run's service holds the build's W_0: load W_g(batch) first.
+            loaded_version=0 if batch == 0 else -1,
+            expected_ids=expected,
         )
         ok = False
         try:
@@ -168,7 +249,10 @@ class _GenerationProcess:
             for client in self.clients:
                 client.close(CLOSE_TIMEOUT_S)
             self.receiver.close(CLOSE_TIMEOUT_S)
-            for th in driver.threads:
+            self._stopping.set()
+            if self.ranker_receiver is not None:
+                self.ranker_receiver.close(CLOSE_TIMEOUT_S)
+            for th in [*driver.threads, *([ranker_thread] if ranker_thread else [])]:
                 th.join(CLOSE_TIMEOUT_S)
             service.close(CLOSE_TIMEOUT_S)
         if outcome == "stopped":

@@ -40,7 +40,7 @@ class _Run:
 
     def __init__(self, cfg: ExperimentConfig, c: Components, workdir: str, link: Any):
         self.cfg, self.c, self.workdir, self.link = cfg, c, workdir, link
-        self.parts = parts = wire(cfg, c, workdir)
+        self.parts = parts = wire(cfg, c, workdir, getattr(link, "checkpoints", None))
         self.sup, self.board, self.stream = parts.supervisor, parts.board, parts.stream
         self.service: Any = None
         self.driver: GenerationDriver | None = None
@@ -69,6 +69,11 @@ class _Run:
         resume = parts.ckpts.restore()
         weights = {0: c.initial_weights} if resume is None else dict(resume.gen_weights)
         start = 0 if resume is None else resume.batch
+        if link is not None:
+            # Generation processes: where to start, and the restored versions, in order,
+            # before W_start below; ranker refreshes go to their dispatchers.
+            link.schedule(parts.live)
+            link.begin(resume, weights)
         if start not in weights:
             weights[start] = c.weight_sync.transfer(c.state.params, start)[0]
         for v in sorted(weights):

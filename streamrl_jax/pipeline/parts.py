@@ -49,7 +49,14 @@ class RunParts:
         self.board.fail(Shutdown("shutdown requested by signal"))
 
 
-def wire(cfg: ExperimentConfig, c: Components, workdir: str) -> RunParts:
+def wire(
+    cfg: ExperimentConfig,
+    c: Components,
+    workdir: str,
+    checkpoints: tuple[str, tuple[int, ...]] | None = None,
+) -> RunParts:
+    """`checkpoints`: a multi-controller training process's (directory, training
+    processes), see `RunCheckpoints`."""
     p = cfg.pipeline
     sup = Supervisor(p)
     schedule = Schedule.from_config(p)
@@ -74,7 +81,8 @@ def wire(cfg: ExperimentConfig, c: Components, workdir: str) -> RunParts:
         workdir=workdir,
         sandbox=c.reward_sandbox,
     )
-    ckpts = RunCheckpoints(cfg, c, workdir, schedule)
+    directory, processes = checkpoints or (None, None)
+    ckpts = RunCheckpoints(cfg, c, workdir, schedule, directory=directory, processes=processes)
     live = LiveScheduler(cfg, cfg.mesh.instance_slots, c.model_cfg.vocab_size)
     ckpts.ranker = live.ranker  # saved and restored with the checkpoints
     board = WeightBoard()

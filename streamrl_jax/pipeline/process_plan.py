@@ -7,25 +7,27 @@ feeding its own slice of every micro-batch (`shards.py`). Addresses go through
 the coordination service under the keys below; no port is configured.
 
 Not supported across processes yet (an error at start-up, on every process):
-colocated mode; checkpoints and resume; elastic instances and the online ranker
-refresh; training processes that cannot split every micro-batch equally.
+colocated mode; elastic instances; training processes that cannot split every
+micro-batch equally. Checkpoints are written by
+the training processes (orbax's active set, `checkpoint/manager.py`); the
+generation processes learn where a resumed run starts under `START_KEY`.
 """
 
 from __future__ import annotations
-
-import os
 
 from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.pipeline.shards import Ownership
 
 SAMPLES_KEY, WEIGHTS_KEY, RUN_END_KEY = "samples", "weights", "run_end"
+START_KEY = "start"  # JSON: the first batch; a resumed run's prompt state and in-flight ids
+RANKER_KEY = "ranker"  # the trainer's ranker channel (online refresh -> dispatchers)
 CHANNEL_TIMEOUT_S = 30.0  # silence after which a peer is lost (heartbeats every 5 s)
 IN_FLIGHT = 8  # samples being scored or waiting for stream room, over all producers
 CLOSE_TIMEOUT_S = 10.0
 
 
 def check_supported(
-    cfg: ExperimentConfig, num_processes: int | None, generation_processes: int, workdir: str
+    cfg: ExperimentConfig, num_processes: int | None, generation_processes: int
 ) -> None:
     """Raises ValueError naming the setting that does not work across processes yet.
 
@@ -48,25 +50,19 @@ def check_supported(
                 f"STREAMRL_NUM_PROCESSES={num_processes}, STREAMRL_GENERATION_PROCESSES="
                 f"{generation_processes}: {e}"
             ) from None
-    ckpt_dir = os.path.join(workdir, "checkpoints")
-    if cfg.checkpoint.every > 0 or os.path.isdir(ckpt_dir):
-        raise ValueError(
-            f"checkpoint.every={cfg.checkpoint.every} / {ckpt_dir}: checkpoints and resume are "
-            f"not supported with {n} yet (orbax's CheckpointManager would need "
-            "MultiprocessingOptions for the training process alone); set checkpoint.every=0 "
-            "and use a fresh --workdir"
-        )
     s = cfg.scheduling
     if s.elastic_reserved > 0:
         raise ValueError(
             f"scheduling.elastic_reserved={s.elastic_reserved}: elastic instances are not "
             f"supported with {n} yet"
         )
-    if s.ranker_online and (s.dispatch == "skew_aware" or s.ranker_path):
-        raise ValueError(
-            f"scheduling.ranker_online=True with a ranker: the online refresh is not supported "
-            f"with {n} yet; set scheduling.ranker_online=False"
-        )
+
+
+def ranker_online(cfg: ExperimentConfig) -> bool:
+    """The run refreshes a ranker online (`LiveScheduler.online`): across processes the
+    trainer refreshes it and sends its parameters to the generation processes."""
+    s = cfg.scheduling
+    return s.ranker_online and (s.dispatch == "skew_aware" or bool(s.ranker_path))
 
 
 def ownership(cfg: ExperimentConfig, training_processes: int) -> Ownership:

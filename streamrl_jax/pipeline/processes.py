@@ -24,9 +24,9 @@ def run_process(
     """Joins the program and runs this process's role (the training process returns the
     run's result, a generation process None). The caller then calls
     `jax.distributed.shutdown()`."""
-    check_supported(cfg, dcfg.num_processes, dcfg.generation_processes, workdir)
+    check_supported(cfg, dcfg.num_processes, dcfg.generation_processes)
     r = roles.initialize(dcfg)
-    check_supported(cfg, r.num_processes, len(r.generation_processes), workdir)
+    check_supported(cfg, r.num_processes, len(r.generation_processes))
     metrics.set_writer_process(r.training_processes[0])  # it has the metrics
     if r.role == "generation":
         run_generation(cfg, dcfg, r)

@@ -55,12 +55,16 @@ class ResumePoint:
       gen_weights: version -> per-instance `Published` for the versions batches >= batch need.
       expected_ids: batch -> prompt ids it must draw again (the saved `in_flight`).
       step: the checkpoint's step.
+      prompts: the prompt iterator's state at the start of `batch` (already set on
+        this process's iterator; a multi-controller run hands it to its generation
+        processes).
     """
 
     batch: int
     gen_weights: dict[int, list[Published]]
     expected_ids: dict[int, list[str]]
     step: int
+    prompts: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class ResumeMismatch(UserError):
@@ -90,12 +94,26 @@ def run_identity(cfg: ExperimentConfig) -> dict[str, Any]:
 
 
 class RunCheckpoints:
-    """Checkpoints of one run in `<workdir>/checkpoints` (see the module docstring)."""
+    """Checkpoints of one run in `<workdir>/checkpoints` (see the module docstring).
 
-    def __init__(self, cfg: ExperimentConfig, c: Components, workdir: str, sched: Schedule):
+    A multi-controller run's training processes pass `directory` (the run's one
+    checkpoint directory: a process other than the first keeps its logs apart) and
+    `processes` (the training processes, orbax's active set: each saves its own shards).
+    """
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        c: Components,
+        workdir: str,
+        sched: Schedule,
+        *,
+        directory: str | None = None,
+        processes: tuple[int, ...] | None = None,
+    ):
         self.cfg, self.c, self.workdir, self.sched = cfg, c, workdir, sched
         ck = cfg.checkpoint
-        self.directory = os.path.join(workdir, "checkpoints")
+        self.directory = directory or os.path.join(workdir, "checkpoints")
         self.enabled = ck.every > 0
         self.ckpt: ckpt_lib.Checkpointer | None = None
         if self.enabled or os.path.isdir(self.directory):
@@ -106,6 +124,7 @@ class RunCheckpoints:
                 async_save=ck.async_save,
                 fingerprint=ckpt_lib.model_fingerprint(c.model_cfg),
                 timeout_s=cfg.pipeline.timeout_s,
+                processes=processes,
             )
         self._lock = threading.Lock()
         self._prompt_state: dict[int, dict[str, Any]] = {}  # batch -> iterator state before it
@@ -284,6 +303,7 @@ class RunCheckpoints:
             gen_weights=gen,
             expected_ids={int(b): ids for b, ids in meta.get("in_flight", {}).items()},
             step=step,
+            prompts=meta["prompts"],
         )
 
 

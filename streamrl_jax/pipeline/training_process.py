@@ -14,6 +14,13 @@ thread, overlapping the next step). Then
 `lifecycle.run_components`: the same trainer loop, version gate, evaluation
 bookkeeping, metrics and trace as one process.
 
+Checkpoints: every training process saves and restores its own shards into the
+run's one `<workdir>/checkpoints` (orbax's active set, `TrainingLink.checkpoints`);
+`TrainingLink.begin` then tells the generation processes where the run starts and
+sends a restored run's generation weights. The online ranker refresh runs here,
+where the samples arrive; each refresh goes to the generation processes' dispatchers
+over a second weight channel (`TrainingLink.schedule`).
+
 Several training processes: each sends only the shards it addresses (a shard
 replicated over processes by one of them: `distributed/reshard.py`); nothing is
 gathered. The first writes the metrics and scores the held-out prompts.
@@ -28,6 +35,7 @@ gathered. The first writes the metrics and scores the held-out prompts.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import threading
 import time
@@ -41,6 +49,7 @@ from streamrl_jax.distributed.channel import ChannelClosed, PeerLost, TransportE
 from streamrl_jax.distributed.messages import ChunkReport, GenerationFailed, SpanReport
 from streamrl_jax.distributed.shard_sync import ShardSender
 from streamrl_jax.distributed.transport import SampleServer
+from streamrl_jax.distributed.weights import WeightSender
 from streamrl_jax.distributed.xla_pull import pull_server
 from streamrl_jax.generation.types import Sample
 from streamrl_jax.pipeline import components as components_lib
@@ -49,10 +58,13 @@ from streamrl_jax.pipeline.process_plan import (
     CHANNEL_TIMEOUT_S,
     CLOSE_TIMEOUT_S,
     IN_FLIGHT,
+    RANKER_KEY,
     RUN_END_KEY,
     SAMPLES_KEY,
+    START_KEY,
     WEIGHTS_KEY,
     ownership,
+    ranker_online,
 )
 from streamrl_jax.pipeline.shards import TrainingGroup
 from streamrl_jax.pipeline.step_metrics import RunResult
@@ -123,6 +135,8 @@ class TrainingLink:
         self._early: list[tuple[str, BaseException]] = []  # failures before attach
         self._inflight = threading.BoundedSemaphore(IN_FLIGHT)
         self.problems: ProblemTable | None = None  # set once the datasets exist
+        # The run's one checkpoint directory and orbax's active set (resume.py).
+        self.checkpoints: tuple[str, tuple[int, ...]] | None = None
         address = roles.advertised_host(dcfg)
         self.server = SampleServer(
             f"{address}:0",
@@ -147,6 +161,19 @@ class TrainingLink:
             xla=pull_server(cfg, address),
         )
         roles.publish(f"{WEIGHTS_KEY}-{self.index}", "{}:{}".format(*self.sender.address))
+        # The online ranker refresh runs here, where the samples arrive; its parameters
+        # go to every generation process's dispatcher (version = the ranker's steps).
+        self.live: Any = None
+        self.ranker_sender = None
+        if self.index == 0 and ranker_online(cfg):
+            self.ranker_sender = WeightSender(
+                f"{address}:0",
+                authkey=dcfg.authkey,
+                num_receivers=g,
+                timeout_s=CHANNEL_TIMEOUT_S,
+                name="training-ranker",
+            )
+            roles.publish(RANKER_KEY, "{}:{}".format(*self.ranker_sender.address))
         roles.publish(f"{SAMPLES_KEY}-{self.index}", "{}:{}".format(*self.server.address))
 
     def _failed(self, component: str, exc: BaseException) -> None:
@@ -163,6 +190,41 @@ class TrainingLink:
         for component, exc in self._early:
             on_error(component, exc)
 
+    def schedule(self, live: Any) -> None:
+        self.live = live
+        if self.ranker_sender is not None:
+            live.on_refresh = self._send_ranker
+
+    def _send_ranker(self, ranker: Any) -> None:
+        """The refresh thread: the new ranker parameters to every generation process."""
+        try:
+            self.ranker_sender.send(ranker.params(), ranker.steps, timeout=self.timeout)
+        except ChannelClosed:  # the run ended while the refresh ran: nobody dispatches
+            logging.info("ranker v%d: the run ended before it was sent", ranker.steps)
+
+    def begin(self, resume: Any, weights: dict[int, list[Any]]) -> None:
+        """Publishes where generation starts (`START_KEY`: batch 0, or a restored run's
+        batch, prompt-iterator state and in-flight prompt ids), then sends the restored
+        generation weights in version order. Publish first: a generation process reads
+        it before it takes W_0, and the sender waits for room at the receivers."""
+        start: dict[str, Any] = {"batch": 0}
+        if resume is not None:
+            start = {
+                "batch": resume.batch,
+                "prompts": resume.prompts,
+                "expected_ids": {str(b): ids for b, ids in resume.expected_ids.items()},
+            }
+        if self.index == 0:
+            roles.publish(START_KEY, json.dumps(start))
+        if resume is not None:
+            # Every training process sends its own shards of each restored version.
+            for v in sorted(weights):
+                self.sender.send(weights[v][0].params, v, timeout=self.timeout)
+            ranker = getattr(self.live, "ranker", None)
+            if self.ranker_sender is not None and ranker is not None and ranker.steps > 0:
+                logging.info("restored ranker v%d to the generation processes", ranker.steps)
+                self._send_ranker(ranker)
+
     def _wait(self, wait: Any, what: str) -> None:
         """`wait(timeout=...)` in short slices, so a closing link never waits long."""
         deadline = time.monotonic() + self.timeout
@@ -178,6 +240,8 @@ class TrainingLink:
         on_sample, on_chunk, on_span, _ = self._hooks
         if isinstance(msg, Sample):
             msg = self.problems.attach(msg, "a generation process")
+            if self.live is not None and not msg.tag.is_eval:
+                self.live.observe(msg.prompt, msg.num_tokens)  # the ranker refresh's data
             # Back-pressure: the reader (and so the producer's credit) waits here while
             # IN_FLIGHT samples are still being scored or waiting for stream room.
             self._wait(
@@ -210,7 +274,9 @@ class TrainingLink:
             except Exception as e:  # noqa: BLE001 - the coordination service may be gone
                 logging.warning("could not publish the run's outcome: %r", e)
         wait = min(timeout, 60.0 if outcome == "ok" else CLOSE_TIMEOUT_S)
-        self.sender.close(CLOSE_TIMEOUT_S)
+        for sender in (self.sender, self.ranker_sender):
+            if sender is not None:
+                sender.close(CLOSE_TIMEOUT_S)
         try:
             self.server.get(timeout=wait)  # callback mode: returns only by raising
         except ChannelClosed:
@@ -226,6 +292,7 @@ def run_training(
     cfg: ExperimentConfig, workdir: str, dcfg: roles.DistributedConfig, r: roles.Roles
 ) -> RunResult:
     link = TrainingLink(cfg, dcfg, r)
+    link.checkpoints = (os.path.join(workdir, "checkpoints"), tuple(r.training_processes))
     # The training mesh: the first mesh.train_devices devices of every training process.
     per = cfg.mesh.train_devices
     devices = [

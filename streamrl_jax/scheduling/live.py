@@ -16,7 +16,10 @@
   or untrained, and with `scheduling.ranker_online` refreshes from the samples the
   run completes, once per step on a thread this object owns (`refresh_async`,
   joined by `close`), so generation never waits for it.
-  Its state is saved with the run's checkpoints.
+  Its state is saved with the run's checkpoints. In a multi-controller run the
+  refresh runs on the training process, where the samples arrive, and
+  `on_refresh` sends the new parameters to every generation process's dispatcher
+  (`pipeline/training_process.py`, `generation_process.py`).
 * Elastic generation (`scheduling.elastic_reserved = R`): the last R instances of
   `mesh.instance_slots` are built at start (they hold the current weights, since
   every weight update goes to every engine, so the version contract is unchanged)
@@ -34,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -97,6 +100,9 @@ class LiveScheduler:
         self._refresh: threading.Thread | None = None
         self._written = 0  # decisions already written by `write_decisions`
         self.last_loss = float("nan")
+        # After each refresh that trained (multi-controller trainer: sends the params to
+        # the generation processes' dispatchers); runs on the refresh thread.
+        self.on_refresh: Callable[[Ranker], None] | None = None
 
     @property
     def lpt(self) -> bool:
@@ -177,6 +183,8 @@ class LiveScheduler:
             loss = self.ranker.update(batch)
             if loss is not None:
                 self.last_loss = loss
+                if self.on_refresh is not None:
+                    self.on_refresh(self.ranker)
         except Exception as e:  # noqa: BLE001 - scheduling quality only; never fails the run
             logging.warning("ranker refresh failed (dispatch keeps the previous ranker): %r", e)
 

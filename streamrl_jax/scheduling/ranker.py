@@ -289,6 +289,25 @@ class Ranker:
             "steps": np.asarray(self.steps, np.int64),
         }
 
+    def params(self) -> dict[str, Any]:
+        """The parameters as a host pytree (what a trainer sends to the dispatchers of
+        other processes after a refresh)."""
+        with self._lock:
+            return jax.device_get(nnx.to_pure_dict(self._params))
+
+    def set_params(self, params: dict[str, Any], steps: int) -> None:
+        """Scores with `params` (another process's refresh, `params()`); the optimizer
+        state stays (this ranker does not train). ValueError on another shape."""
+        with self._lock:
+            ref = nnx.to_pure_dict(self._params)
+            if jax.tree.structure(ref) != jax.tree.structure(params) or any(
+                np.shape(a) != np.shape(b)
+                for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(params), strict=True)
+            ):
+                raise ValueError(f"ranker.set_params: not the params of RankerConfig {self.cfg}")
+            nnx.replace_by_pure_dict(self._params, jax.tree.map(jnp.asarray, params))
+            self.steps = steps
+
     def load_state(self, state: dict[str, Any]) -> None:
         """Restores what `state()` returned (raises ValueError on a shape mismatch)."""
         with self._lock:
