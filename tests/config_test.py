@@ -73,6 +73,25 @@ def _with(**sections):
         ({"mesh__instance_slots": (4, 0)}, "instance_slots must all be >= 1"),
         ({"data__task_config": "{nope"}, "data.task_config is not valid JSON"),
         ({"data__task_config": '{"countdown": {}}'}, "names .'countdown'., not in data.tasks"),
+        ({"pipeline__weight_update": "eager"}, "pipeline.weight_update='eager'; expected one of"),
+        (
+            {"pipeline__weight_update": "inflight", "pipeline__mode": "stream_sync"},
+            "pipeline.weight_update='inflight' needs pipeline.mode='stream_async'",
+        ),
+        (
+            {
+                "pipeline__weight_update": "inflight",
+                "pipeline__mode": "stream_async",
+                "pipeline__deterministic": True,
+            },
+            "'inflight' cannot be pipeline.deterministic",
+        ),
+        ({"pipeline__max_lag": -1}, "pipeline.max_lag must be >= 0"),
+        ({"pipeline__max_lag": 2}, r"pipeline.max_lag \(2\) must be 0 \(= staleness\) or, in"),
+        (
+            {"pipeline__mode": "stream_async", "pipeline__staleness": 3, "pipeline__max_lag": 2},
+            r"pipeline.max_lag \(2\) must be 0 .* >= pipeline.staleness \(3\)",
+        ),
     ],
 )
 def test_impossible_values_name_the_field(overrides, message):

@@ -294,3 +294,50 @@ def test_tensor_parallel_instance_matches_single_device(model):
     for rid, s in want.items():
         np.testing.assert_array_equal(got[rid].response, s.response)
         np.testing.assert_allclose(got[rid].logprobs, s.logprobs, atol=1e-4)
+
+
+def _full_forward_logprobs(graphdef, params, sample) -> np.ndarray:
+    """log p(response token t | prompt, earlier tokens) under `params`, one full forward."""
+    model = nnx.merge(graphdef, params)
+    seq = np.concatenate([sample.prompt, sample.response])[None].astype(np.int32)
+    inputs, targets = jax.device_put(seq[:, :-1]), jax.device_put(seq[:, 1:])
+    logp, _ = model.token_logprobs(inputs, targets, jnp.ones_like(inputs, jnp.float32))
+    return np.asarray(jax.device_get(logp))[0, len(sample.prompt) - 1 :]
+
+
+def test_a_sample_spanning_two_versions_records_each_tokens_version_and_logprob(model):
+    # In-flight update: new weights land at the next chunk boundary while samples run;
+    # each token records the version that sampled it and the log-prob it was sampled
+    # with. Tokens after the swap attend to a KV cache written partly by the old weights
+    # (the slot is kept), so their behaviour log-prob is neither W_0's nor W_1's full
+    # forward: only the recorded per-token value is the sampler's, which is why the
+    # trainer's ratio divides by it.
+    graphdef, params0, params1 = model
+    reqs = requests(4, forced_length=20, max_new_tokens=20)
+
+    def spanning_run():
+        engine = make_engine(model)
+        engine.submit(reqs)
+        done = engine.step()  # prefill (1 token) + one chunk (4 tokens) under W_0
+        engine.update_weights(params1, version=1)
+        while engine.has_work():
+            done += engine.step()
+        return by_id(done)
+
+    done, again = spanning_run(), spanning_run()
+    only0 = by_id(make_engine(model).run(reqs))
+    first = ENGINE.chunk_steps + 1
+    assert len(done) == 4
+    for i, s in done.items():
+        np.testing.assert_array_equal(s.versions(), [0] * first + [1] * (20 - first))
+        assert (s.policy_version, s.last_policy_version) == (0, 1)
+        assert (s.oldest_version, s.newest_version) == (0, 1)
+        # Before the swap: W_0's tokens and log-probs (its full forward, and a W_0-only run).
+        under0 = _full_forward_logprobs(graphdef, params0, s)
+        np.testing.assert_allclose(s.logprobs[:first], under0[:first], atol=2e-4)
+        np.testing.assert_array_equal(s.response[:first], only0[i].response[:first])
+        # After it: the new weights sampled (W_0's log-probs no longer describe them) ...
+        assert np.abs(s.logprobs[first:] - under0[first:]).max() > 1e-2
+        # ... and the recorded log-probs are a function of the swap point only.
+        np.testing.assert_array_equal(s.response, again[i].response)
+        np.testing.assert_array_equal(s.logprobs, again[i].logprobs)

@@ -125,6 +125,40 @@ def test_stream_async_trains_exactly_s_versions_behind(tmp_path_factory):
     assert all(e["num_problems"] == 4 for e in result.evals.values())
 
 
+def test_inflight_records_per_token_versions_within_the_bound(tmp_path):
+    # In-flight weight updates: batch b+1 starts as soon as W_b is published, without
+    # draining batch b; every token records its version; nothing beyond max_lag trains.
+    from streamrl_jax.pipeline.ingest import Ingest
+
+    cfg = _tiny(
+        pipeline__mode="stream_async",
+        pipeline__weight_update="inflight",
+        pipeline__steps=3,
+        eval__num_problems=0,
+    )
+    seen, on_sample = [], Ingest.on_sample
+
+    def record(self, sample, *args, **kwargs):
+        seen.append(sample)
+        return on_sample(self, sample, *args, **kwargs)
+
+    with mock.patch.object(Ingest, "on_sample", record):
+        result = run_lib.run(cfg, str(tmp_path), reward_fn=vowel_reward)
+    p = cfg.pipeline
+    assert result.samples == 3 * p.prompts_per_step * p.group_size
+    assert len(seen) == result.samples
+    for s in seen:
+        v, b = s.versions(), s.tag.batch
+        assert s.token_versions is not None and len(v) == s.num_tokens
+        assert np.all(np.diff(v) >= 0)  # a slot only ever moves to newer weights
+        # Submitted with W_{b-1} (W_0 for b = 0); no token newer than W_b (published
+        # only after step b trained the whole batch): lag b - oldest <= max_lag = s = 1.
+        assert v[0] == max(0, b - 1) and v[-1] <= b
+    assert all(r["lag_max"] <= 1.0 and r["dropped_stale"] == 0.0 for r in result.steps)
+    assert min(r["mixed_versions"] for r in result.steps) >= 0.0
+    assert not _pipeline_threads()
+
+
 def _assert_fails_fast(cfg, tmp_path, component, patch=None, reward=vowel_reward):
     start = time.monotonic()
     with pytest.raises(Exception) as info:

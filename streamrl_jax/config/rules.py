@@ -30,6 +30,7 @@ from streamrl_jax.config.sections import (
     REWARD_ERRORS,
     REWARD_SANDBOXES,
     REWARDS,
+    WEIGHT_UPDATES,
     WHITENING,
     AlgorithmSection,
     CheckpointSection,
@@ -115,6 +116,8 @@ RULES: dict[type, dict[str, _Rule]] = {
         ),
         **dict.fromkeys(("micro_batch_groups", "mini_batches"), _COUNT),
         "nonfinite": _one_of(NONFINITE),
+        "weight_update": _one_of(WEIGHT_UPDATES),
+        "max_lag": _NONNEG,
         **dict.fromkeys(("watchdog_s", "timeout_s"), _POSITIVE),
     },
     AlgorithmSection: {
@@ -215,6 +218,22 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         f"pipeline.prompts_per_step ({p.prompts_per_step}) must be divisible by "
         f"pipeline.mini_batches ({p.mini_batches}): each mini-batch holds the same number "
         "of groups",
+    )
+    _require(
+        p.weight_update == "boundary" or p.mode == "stream_async",
+        f"pipeline.weight_update='inflight' needs pipeline.mode='stream_async' (mode is "
+        f"{p.mode!r}: the synchronous modes generate batch b with W_b only, and colocated "
+        "shares the devices between the stages)",
+    )
+    _require(
+        p.weight_update == "boundary" or not p.deterministic,
+        "pipeline.weight_update='inflight' cannot be pipeline.deterministic: the chunk at "
+        "which a running sample takes new weights depends on timing",
+    )
+    _require(
+        p.max_lag == 0 or (p.mode == "stream_async" and p.max_lag >= p.staleness),
+        f"pipeline.max_lag ({p.max_lag}) must be 0 (= staleness) or, in stream_async, "
+        f">= pipeline.staleness ({p.staleness}): batch b starts with W_(b-s)",
     )
     o, optimizer_steps = cfg.optimizer, p.steps * p.mini_batches
     _require(

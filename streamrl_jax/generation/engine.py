@@ -117,6 +117,7 @@ class _Running:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logp: list[float] = dataclasses.field(default_factory=list)
     slogp: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)  # per response token
 
 
 class Engine:
@@ -352,6 +353,7 @@ class Engine:
                 run.tokens.append(int(out.tokens[i]))
                 run.logp.append(float(out.logp[i]))
                 run.slogp.append(float(out.sampling_logp[i]))
+                run.versions.append(self.version)
                 emitted += 1
                 if out.reason[i]:
                     done.append(self._finish(slot, int(out.reason[i])))
@@ -362,6 +364,8 @@ class Engine:
             run.tokens.extend(chunk_h.tokens[slot, :e].tolist())
             run.logp.extend(chunk_h.logp[slot, :e].tolist())
             run.slogp.extend(chunk_h.sampling_logp[slot, :e].tolist())
+            # Weights change only between round trips: this chunk ran on one version.
+            run.versions.extend([self.version] * e)
             emitted += e
             if chunk_h.reason[slot]:
                 done.append(self._finish(slot, int(chunk_h.reason[slot])))
@@ -400,6 +404,7 @@ class Engine:
             timings=Timings(enqueue=run.enqueue, admit=run.admit, finish=time.time()),
             tag=r.tag,
             metadata=dict(r.metadata),
+            token_versions=np.asarray(run.versions, np.int32),
         )
 
     def run(self, requests: Sequence[GenerationRequest] = ()) -> list[Sample]:

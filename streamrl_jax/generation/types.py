@@ -151,6 +151,9 @@ class Sample:
       policy_version: weights version when the sample was admitted (prefill).
       last_policy_version: weights version of its last token; differs from
         `policy_version` only if `update_weights` landed mid-sample.
+      token_versions: i32[R] the weights version that sampled each response token
+        (in-flight weight updates: a sample may span versions); None when the
+        producer did not record them (every token then has `policy_version`).
       instance_id: the generation instance that produced it.
       timings: enqueue / admit / finish wall times.
       tag: from the request.
@@ -169,7 +172,26 @@ class Sample:
     timings: Timings
     tag: RequestTag = RequestTag()
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    token_versions: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.response.shape[0])
+
+    def versions(self) -> np.ndarray:
+        """i32[R]: the version of every response token (`token_versions`, or
+        `policy_version` throughout when none were recorded)."""
+        if self.token_versions is not None:
+            return np.asarray(self.token_versions, np.int32)
+        return np.full((self.num_tokens,), self.policy_version, np.int32)
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest token's version: a sample's lag at step b is b - oldest_version."""
+        v = self.versions()
+        return int(v.min()) if v.size else self.policy_version
+
+    @property
+    def newest_version(self) -> int:
+        v = self.versions()
+        return int(v.max()) if v.size else self.last_policy_version

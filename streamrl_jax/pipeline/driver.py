@@ -3,13 +3,15 @@ thread draining it (DESIGN.md §4).
 
 * **driver**: for batch b = start .. steps-1: W_{g(b)} from `weights`, swapped
   into the service only once every earlier request has finished (so no sample
-  mixes versions); the batch's prompts from `draw`; `make_requests` (per-sample
-  seeds, so a sample depends only on weights, prompt and seed); this process's
-  share of them (`share=(k, G)`: the groups whose index is k mod G; all of them
-  when G = 1); the `LiveScheduler`'s instance plan; then its hooks: the held-out
-  evaluation (its share too) every `eval.every` batches and at batch 0, once per
-  policy version. After the last batch, the final evaluation of W_steps when
-  evaluation is on.
+  mixes versions), or with `pipeline.weight_update="inflight"` at once: each
+  instance takes it at its next decode-chunk boundary while earlier requests
+  keep running (their later tokens record the new version); the batch's prompts
+  from `draw`; `make_requests` (per-sample seeds, so a sample depends only on
+  weights, prompt and seed); this process's share of them (`share=(k, G)`: the
+  groups whose index is k mod G; all of them when G = 1); the `LiveScheduler`'s
+  instance plan; then its hooks: the held-out evaluation (its share too) every
+  `eval.every` batches and at batch 0, once per policy version. After the last
+  batch, the final evaluation of W_steps when evaluation is on.
 * **collector**: each finished sample, the moment it completes, goes to `emit`:
   in one process the run scores it and puts it into the sample stream
   (`ingest.py`); in a generation process it is sent to the training process
@@ -190,8 +192,10 @@ class GenerationDriver:
         self._submit(requests, instances)
 
     def _load(self, version: int) -> None:
-        """W_version into the service, once every earlier request has finished."""
-        self.wait_idle()
+        """W_version into the service: once every earlier request has finished, or in
+        flight (the instances swap at their next chunk boundary, nothing drained)."""
+        if not self.sched.inflight:
+            self.wait_idle()
         self.service.update_weights(self.weights(version), version)
         self.version = version
 

@@ -82,14 +82,16 @@ def pack_groups(
 
     The buckets, `shared_prompt`, `pack` and `loss_chunk` are the trainer's
     (`TrainerConfig.layout`).
-    Appends to `stats` lists: reward, correct, format_ok, length, truncated, versions.
+    Appends to `stats` lists: reward, correct, format_ok, length, truncated, versions (each
+    sample's oldest token version) and spans (1 for a sample whose tokens span versions).
     `advantage="gae"` leaves the advantages at 0 (the critic fills them on device).
     """
-    kept = [
-        g
-        for g in groups
-        if all([gate.admit(step, s.sample.policy_version, s.sample.request_id) for s in g])
-    ]
+
+    def admit(s: Scored) -> bool:
+        x = s.sample
+        return gate.admit(step, x.oldest_version, x.request_id, x.newest_version)
+
+    kept = [g for g in groups if all([admit(s) for s in g])]
     if not kept:
         return None
     samples = [s for g in kept for s in g]
@@ -104,7 +106,10 @@ def pack_groups(
     stats["format_ok"] += [float(s.reward.format_ok) for s in samples]
     stats["length"] += [len(s.sample.response) for s in samples]
     stats["truncated"] += [float(s.sample.finish_reason != "stop") for s in samples]
-    stats["versions"] += [s.sample.policy_version for s in samples]
+    # The oldest token's version: staleness = lag = step - this (DESIGN.md §2, §6).
+    stats["versions"] += [s.sample.oldest_version for s in samples]
+    spans = [float(s.sample.newest_version > s.sample.oldest_version) for s in samples]
+    stats.setdefault("spans", []).extend(spans)
     return make_batch(
         [s.sample.prompt for s in samples],
         [s.sample.response for s in samples],

@@ -7,8 +7,8 @@ feeding its own slice of every micro-batch (`shards.py`). Addresses go through
 the coordination service under the keys below; no port is configured.
 
 Not supported across processes yet (an error at start-up, on every process):
-colocated mode; checkpoints and resume; elastic instances and the online ranker
-refresh; training processes that cannot split every micro-batch equally.
+colocated mode; in-flight weight updates; checkpoints and resume; elastic instances
+and the online ranker refresh; training processes that cannot split every micro-batch equally.
 """
 
 from __future__ import annotations
@@ -39,6 +39,12 @@ def check_supported(
             f"training, so it runs in one process; this program has {n} "
             "(STREAMRL_NUM_PROCESSES). Use disaggregated_batch, stream_sync or stream_async, "
             "or run one process."
+        )
+    if cfg.pipeline.weight_update == "inflight":
+        raise ValueError(
+            f"pipeline.weight_update='inflight' runs in one process only; this program has "
+            f"{n} (STREAMRL_NUM_PROCESSES): the wire does not carry per-token versions yet. "
+            "Use weight_update='boundary', or run one process."
         )
     if num_processes is not None and num_processes - generation_processes > 1:
         try:

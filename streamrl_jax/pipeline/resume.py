@@ -78,6 +78,8 @@ def run_identity(cfg: ExperimentConfig) -> dict[str, Any]:
         "prompts_per_step": p.prompts_per_step,
         "group_size": p.group_size,
         "mini_batches": p.mini_batches,
+        "weight_update": p.weight_update,
+        "max_lag": p.max_lag,
         "data.tasks": d.tasks,
         "data.task_config": d.task_config,
         "data.train_seed": d.train_seed,
