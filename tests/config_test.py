@@ -89,6 +89,33 @@ def _with(**sections):
         ({"pipeline__max_lag": -1}, "pipeline.max_lag must be >= 0"),
         ({"pipeline__max_lag": 2}, r"pipeline.max_lag \(2\) must be 0 \(= staleness\) or, in"),
         (
+            {"pipeline__partial_budget_tokens": 8},
+            "pipeline.partial_budget_tokens needs pipeline.mode='stream_async'",
+        ),
+        (
+            {"pipeline__mode": "stream_async", "pipeline__partial_budget_tokens": 8},
+            r"needs pipeline.max_lag \(0\) > pipeline.staleness \(1\)",
+        ),
+        (
+            {
+                "pipeline__mode": "stream_async",
+                "pipeline__partial_budget_tokens": 8,
+                "pipeline__max_lag": 2,
+                "pipeline__mini_batches": 2,
+            },
+            "partial_budget_tokens needs pipeline.mini_batches=1",
+        ),
+        (
+            {
+                "pipeline__mode": "stream_async",
+                "pipeline__partial_budget_tokens": 4,
+                "pipeline__max_lag": 2,
+                "pipeline__lag_policy": "regenerate",
+            },
+            r"lag_policy='regenerate' needs .* = 8 >= generation.max_new_tokens",
+        ),
+        ({"pipeline__lag_policy": "keep"}, "pipeline.lag_policy='keep'; expected one of"),
+        (
             {"pipeline__mode": "stream_async", "pipeline__staleness": 3, "pipeline__max_lag": 2},
             r"pipeline.max_lag \(2\) must be 0 .* >= pipeline.staleness \(3\)",
         ),

@@ -13,7 +13,12 @@ from jax.sharding import Mesh
 
 from streamrl_jax import mesh as mesh_lib
 from streamrl_jax.generation.engine import Engine, EngineConfig
-from streamrl_jax.generation.types import GenerationRequest, RequestTag, SamplingParams
+from streamrl_jax.generation.types import (
+    Continuation,
+    GenerationRequest,
+    RequestTag,
+    SamplingParams,
+)
 from streamrl_jax.model import config, llama
 
 CFG = config.tiny()
@@ -341,3 +346,33 @@ def test_a_sample_spanning_two_versions_records_each_tokens_version_and_logprob(
         # ... and the recorded log-probs are a function of the swap point only.
         np.testing.assert_array_equal(s.response, again[i].response)
         np.testing.assert_array_equal(s.logprobs, again[i].logprobs)
+
+
+def test_a_paused_sample_continued_draws_what_the_uninterrupted_one_does(model):
+    # Partial rollout: `segment_tokens` pauses a request; a request carrying the paused
+    # sample's `Continuation` re-prefills prompt + response so far and samples on with
+    # the same per-token keys. Under the same weights the result is the uninterrupted
+    # sample (tokens; log-probs up to prefill-vs-decode float order).
+    reqs = requests(6, seed=3)
+    whole = by_id(make_engine(model).run(reqs))
+    engine = make_engine(model)
+    first = by_id(engine.run([dataclasses.replace(r, segment_tokens=5) for r in reqs]))
+    paused = [s for s in first.values() if s.finish_reason == "paused"]
+    assert paused and all(s.num_tokens == 5 for s in paused)
+    for i, s in first.items():
+        if s.finish_reason != "paused":  # finished within the segment: the same sample
+            np.testing.assert_array_equal(s.response, whole[i].response)
+    again = [
+        dataclasses.replace(reqs[s.request_id], continuation=Continuation.of(s)) for s in paused
+    ]
+    compiled = engine.compile_count()
+    for s in engine.run(again):
+        ref = whole[s.request_id]
+        assert s.finish_reason == ref.finish_reason != "paused"
+        np.testing.assert_array_equal(s.response, ref.response)
+        np.testing.assert_allclose(s.logprobs, ref.logprobs, atol=2e-4)
+        np.testing.assert_array_equal(s.versions(), np.zeros(s.num_tokens))
+    assert engine.compile_count() > compiled  # prompt + response needs longer buckets
+    bad = dataclasses.replace(reqs[0], continuation=Continuation.of(whole[0]))
+    with pytest.raises(ValueError, match="leaves nothing to generate"):
+        engine.validate(bad)

@@ -26,6 +26,9 @@ NONFINITE = ("skip", "stop")
 # "boundary" once every earlier request finished (no sample mixes versions), "inflight" at
 # the next decode-chunk boundary without draining (stream_async only).
 WEIGHT_UPDATES = ("boundary", "inflight")
+# A partial sample whose lag would pass pipeline.max_lag: "drop" its group (counted) or
+# "regenerate" it from its prompt under the current weights (counted).
+LAG_POLICIES = ("drop", "regenerate")
 # Outcome estimators (algorithms.ADVANTAGES) and, with a critic, "gae"
 # (algorithms.CRITIC_ADVANTAGES; selects the critic section).
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
@@ -100,6 +103,11 @@ class PipelineSection:
     # a sample beyond it is counted and dropped (or raises with strict_versions).
     # 0 = pipeline.staleness (the four modes' contract)
     max_lag: int = 0
+    # partial rollout (stream_async): each step's generation is a round in which every
+    # sample generates at most this many tokens; unfinished ones pause and continue in the
+    # next round under newer weights (re-prefilled); needs max_lag > staleness. 0 = off
+    partial_budget_tokens: int = 0
+    lag_policy: str = "drop"  # one of LAG_POLICIES: a paused sample that would pass max_lag
     deterministic: bool = False  # micro-batches in group order: bitwise-reproducible training
     nonfinite: str = "skip"  # NaN/Inf loss or gradients: "skip" the update (counted) | "stop"
     watchdog_s: float = 120.0  # warn when a stage with work makes no progress this long

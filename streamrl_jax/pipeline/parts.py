@@ -2,11 +2,12 @@
 
 `wire(cfg, components, workdir)` creates them in dependency order: the
 supervisor (failure latch, watchdog), the schedule, the weight board, the
-grouping sample stream, the trace and metrics writers, the generation meter,
-the evaluations, ingest (reward pool, sample log), the run's checkpoints and
-the live scheduler (dispatch, ranker, elasticity; its ranker is saved with the
-checkpoints). The first failure reported to the supervisor fails the stream and
-the board, so every wait on them wakes at once.
+grouping sample stream, the trace and metrics writers, the generation meter, the
+evaluations, ingest (reward pool, sample log), the run's checkpoints and the
+live scheduler (dispatch, ranker, elasticity; its ranker is saved with the
+checkpoints) and, with partial rollout, the `PartialRollout` (saved with them
+too). The first failure reported to the supervisor fails the stream and the
+board, so every wait on them wakes at once.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from streamrl_jax.pipeline.components import Components
 from streamrl_jax.pipeline.ingest import Evaluations, Ingest
 from streamrl_jax.pipeline.micro_batches import Scored, group_key
 from streamrl_jax.pipeline.resume import RunCheckpoints
+from streamrl_jax.pipeline.rollout import PartialRollout
 from streamrl_jax.pipeline.schedules import Schedule, WeightBoard
 from streamrl_jax.pipeline.step_metrics import GenerationMeter
 from streamrl_jax.pipeline.supervisor import Shutdown, Supervisor
@@ -41,6 +43,7 @@ class RunParts:
     ingest: Ingest
     ckpts: RunCheckpoints
     live: LiveScheduler
+    rollout: PartialRollout | None  # partial rollout (pipeline.partial_budget_tokens)
 
     def interrupt(self) -> None:
         """SIGINT/SIGTERM (the watchdog's stop): end the trainer's and driver's waits
@@ -74,7 +77,8 @@ def wire(cfg: ExperimentConfig, c: Components, workdir: str) -> RunParts:
         workdir=workdir,
         sandbox=c.reward_sandbox,
     )
-    ckpts = RunCheckpoints(cfg, c, workdir, schedule)
+    rollout = PartialRollout(p, schedule) if p.partial_budget_tokens else None
+    ckpts = RunCheckpoints(cfg, c, workdir, schedule, rollout)
     live = LiveScheduler(cfg, cfg.mesh.instance_slots, c.model_cfg.vocab_size)
     ckpts.ranker = live.ranker  # saved and restored with the checkpoints
     board = WeightBoard()
@@ -82,6 +86,8 @@ def wire(cfg: ExperimentConfig, c: Components, workdir: str) -> RunParts:
     def failed(component: str, exc: BaseException) -> None:  # wake every wait at once
         stream.fail(exc, component)
         board.fail(exc)
+        if rollout is not None:
+            rollout.fail(exc)
 
     sup.latch.add_listener(failed)
     return RunParts(
@@ -96,4 +102,5 @@ def wire(cfg: ExperimentConfig, c: Components, workdir: str) -> RunParts:
         ingest=ingest,
         ckpts=ckpts,
         live=live,
+        rollout=rollout,
     )

@@ -87,6 +87,17 @@ class VersionGate:
             f"sample {sample_id} has policy {what}; step {step} in mode "
             f"{self.schedule.mode} accepts versions {oldest}..{step}"
         )
+        return self._drop(message)
+
+    def refuse(self, step: int, version: int, sample_id: Any, what: str) -> bool:
+        """Drops (counts, or raises in strict mode) a sample that may never be trained:
+        partial rollout's paused sample past `max_lag` (lag_policy="drop"). False."""
+        return self._drop(
+            f"sample {sample_id} is {what} from version {version}: its lag at step "
+            f"{step} or later passes max_lag {self.schedule.max_lag}"
+        )
+
+    def _drop(self, message: str) -> bool:
         if self.strict:
             raise StaleSampleError(message)
         self.dropped += 1
