@@ -76,6 +76,17 @@ def _fail_on_call(n, exc):
     return effect
 
 
+def _trainer_dies_on_call(n):
+    """Patches `Trainer.accumulate` to raise "trainer died" on its n-th call."""
+    real, boom = Trainer.accumulate, _fail_on_call(n, RuntimeError("trainer died"))
+
+    def accumulate(self, *args, **kwargs):
+        boom()
+        return real(self, *args, **kwargs)
+
+    return mock.patch.object(Trainer, "accumulate", accumulate)
+
+
 def test_resume_after_three_stops_gives_the_reference_parameters(reference, tmp_path):
     ref, ref_dir = reference
     workdir = str(tmp_path)
@@ -98,17 +109,7 @@ def test_resume_after_three_stops_gives_the_reference_parameters(reference, tmp_
     assert steps == list(range(len(steps))) and len(steps) <= 2  # batch 2 never trained
 
     # 2. mid-accumulation: the 3rd micro-batch after resuming (batch 2's first) raises.
-    real = Trainer.accumulate
-    boom = _fail_on_call(3, RuntimeError("trainer died"))
-
-    def accumulate(self, *args, **kwargs):
-        boom()
-        return real(self, *args, **kwargs)
-
-    with (
-        mock.patch.object(Trainer, "accumulate", accumulate),
-        pytest.raises(RuntimeError, match="trainer died"),
-    ):
+    with _trainer_dies_on_call(3), pytest.raises(RuntimeError, match="trainer died"):
         run_lib.run(cfg, workdir, reward_fn=vowel_reward)
     assert not _pipeline_threads()
     steps, _ = _consumed(workdir)
@@ -298,17 +299,7 @@ def test_resume_with_partial_samples_in_flight_is_exact(tmp_path):
     assert all(len(x["versions"]) == len(x["logprobs"]) for x in carried["paused"])
 
     # 2. the trainer dies on its 2nd micro-batch after the resume (step 2 or 3).
-    real = Trainer.accumulate
-    boom = _fail_on_call(2, RuntimeError("trainer died"))
-
-    def accumulate(self, *args, **kwargs):
-        boom()
-        return real(self, *args, **kwargs)
-
-    with (
-        mock.patch.object(Trainer, "accumulate", accumulate),
-        pytest.raises(RuntimeError, match="trainer died"),
-    ):
+    with _trainer_dies_on_call(2), pytest.raises(RuntimeError, match="trainer died"):
         run_lib.run(_cfg(**PARTIAL), workdir, reward_fn=vowel_reward)
     assert not _pipeline_threads()
 
