@@ -162,6 +162,7 @@ class TrainerLoop:
             "stream_backpressure_s": m.producer_wait_s - waits0.producer_wait_s,
             "weight_sync_s": sync_s,
             "samples_per_s": (done + n) / (now - t_run),
+            "samples": float(n),  # trained this step (partial rollout: varies by step)
             "micro_batches": float(step.micro),
             "optimizer_steps": float(len(step.device)),
             "reward_errors": float(self.rewards.num_errors),

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from streamrl_jax.simulation import generation
+from streamrl_jax.simulation.inflight import run_inflight
 from streamrl_jax.simulation.pipeline import run_schedule
 from streamrl_jax.simulation.scenario import MODES
 
@@ -156,6 +157,26 @@ def costs_from_profile(profile: dict[str, Any], colocated: bool) -> MeasuredCost
     )
 
 
+def _inflight(profile: dict[str, Any], batches: list, chunk: int, warmup: int) -> float:
+    """The in-flight mode (simulation/inflight.py) on the profile's measured costs; its
+    settings from the profile's `inflight` section (budget tokens, staleness) and
+    `group_size`."""
+    spec = _need(profile, "inflight", "")
+    res = run_inflight(
+        costs=costs_from_profile(profile, False),
+        batches=batches,
+        gen_devices=int(profile.get("gen_instances", 1)),
+        train_devices=int(profile.get("train_devices", 1)),
+        tp=1,
+        budget=int(_need(spec, "budget_tokens", "inflight.")),
+        staleness=int(spec.get("staleness", 1)),
+        warmup=warmup,
+        group_size=int(profile.get("group_size", 1)),
+        chunk=chunk,
+    )
+    return res.samples_per_s
+
+
 def predict(profile: dict[str, Any], modes: tuple[str, ...] = MODES, seed: int = 0) -> dict:
     """Predicted samples/s per mode for a measured profile (and the measured ones, if any)."""
     lens = _need(profile, "lengths", "")
@@ -181,6 +202,9 @@ def predict(profile: dict[str, Any], modes: tuple[str, ...] = MODES, seed: int =
     gen_lengths = [-(-r // chunk) * chunk for _, r in batches]
     out: dict[str, Any] = {"predicted_samples_per_s": {}}
     for mode in modes:
+        if mode == "inflight":
+            out["predicted_samples_per_s"][mode] = _inflight(profile, batches, chunk, warmup)
+            continue
         colocated = mode == "colocated"
         costs = costs_from_profile(profile, colocated)
         key = "colocated_instances" if colocated else "gen_instances"
