@@ -16,6 +16,7 @@ from streamrl_jax.generation.types import (
 )
 from streamrl_jax.pipeline.rollout import PartialRollout, from_json, to_json
 from streamrl_jax.pipeline.schedules import Schedule
+from streamrl_jax.stream.sample_stream import StreamError
 
 
 def _rollout(**kw):
@@ -141,3 +142,11 @@ def test_the_work_in_flight_round_trips_through_json():
         if q is not cb:
             fresh.returned(_back(q, 6, 1, "stop"))
     assert fresh.wait_round(1, timeout=1) == [(0, 0), (0, 1)]
+
+
+def test_a_failure_wakes_the_trainer_waiting_for_a_round():
+    ro = _rollout()
+    ro.open(0, _requests(0))
+    ro.fail(RuntimeError("engine died"))
+    with pytest.raises(StreamError, match="engine died"):
+        ro.wait_round(0, timeout=30)

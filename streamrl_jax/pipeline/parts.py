@@ -50,6 +50,8 @@ class RunParts:
         with `Shutdown`, which the trainer turns into a checkpointed stop."""
         self.stream.fail(Shutdown("shutdown requested by signal"), "shutdown")
         self.board.fail(Shutdown("shutdown requested by signal"))
+        if self.rollout is not None:
+            self.rollout.fail(Shutdown("shutdown requested by signal"))
 
 
 def wire(cfg: ExperimentConfig, c: Components, workdir: str) -> RunParts:

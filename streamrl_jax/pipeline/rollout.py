@@ -46,6 +46,7 @@ from streamrl_jax.generation.types import (
     Timings,
 )
 from streamrl_jax.pipeline.schedules import Schedule
+from streamrl_jax.stream.sample_stream import StreamError
 
 Key = tuple[int, int]  # (batch, group): a GRPO group
 
@@ -168,14 +169,15 @@ class PartialRollout:
 
         Raises:
           TimeoutError: naming the round and the segments it still waits for.
-          RuntimeError: the run failed (`fail`).
+          StreamError: the run failed or was stopped (`fail`; chained to the cause), as
+            the sample stream raises for the trainer.
         """
         with self._cv:
             ok = self._cv.wait_for(
                 lambda: r in self._closed or self._error is not None, timeout=timeout
             )
             if self._error is not None:
-                raise RuntimeError(f"partial rollout: {self._error!r}") from self._error
+                raise StreamError(f"partial rollout: {self._error!r}") from self._error
             if not ok:
                 pending = {q: x.pending for q, x in self._rounds.items() if q <= r}
                 raise TimeoutError(
