@@ -264,6 +264,13 @@ def test_settings_that_need_one_process_are_refused(tmp_path):
         process_plan.check_supported(_config(**{"pipeline.mode": "colocated"}), 2, 1, str(tmp_path))
     with pytest.raises(ValueError, match="checkpoint.every=2"):
         process_plan.check_supported(_config(**{"checkpoint.every": 2}), 2, 1, str(tmp_path))
+    inflight = {
+        "pipeline.mode": "stream_async",
+        "pipeline.weight_update": "inflight",
+        "pipeline.deterministic": False,
+    }
+    with pytest.raises(ValueError, match="weight_update='inflight' runs in one process only"):
+        process_plan.check_supported(_config(**inflight), 2, 1, str(tmp_path))
     process_plan.check_supported(_config(), 3, 2, str(tmp_path))  # 2 generation + 1 training
     process_plan.check_supported(_config(), 4, 2, str(tmp_path))  # 2 generation + 2 training
     with pytest.raises(ValueError, match=r"3 training processes must divide.*micro_batch_groups"):

@@ -293,6 +293,9 @@ def _profile(cfg, workdir: str, measured: dict[str, float]) -> dict:
         "inflight": {
             "budget_tokens": _inflight(cfg.generation.max_new_tokens, {})["partial_budget_tokens"],
             "staleness": p.staleness,
+            # as the bench runs it: INFLIGHT_ROUNDS - 1 more steps, left out with the first
+            "iterations": len(log) // n + INFLIGHT_ROUNDS - 1,
+            "warmup": INFLIGHT_ROUNDS,
         },
         "measured_samples_per_s": measured,
     }
@@ -449,11 +452,15 @@ def main(argv: list[str]) -> None:
     per_mode = {}
     t_start = time.time()
     for mode in _MODES.value:
-        cfg = _config(mode, steps)
+        # The first step compiles; the inflight mode's first INFLIGHT_ROUNDS - 1 steps also
+        # fill its rounds (a step trains the groups its round completed, and the longest
+        # take INFLIGHT_ROUNDS rounds), so it runs that many more steps and leaves them out.
+        fill = INFLIGHT_ROUNDS - 1 if mode == "inflight" else 0
+        cfg = _config(mode, (steps or _config(mode, 0).pipeline.steps) + fill)
         workdir = os.path.join(_WORKDIR.value, mode)
         shutil.rmtree(workdir, ignore_errors=True)  # logs append; a checkpoint would resume
         result = run_lib.run(cfg, workdir, reward_fn=no_reward)
-        rows = result.steps[1:]  # the first step includes compilation
+        rows = result.steps[1 + fill :]
         n = cfg.pipeline.prompts_per_step * cfg.pipeline.group_size
         # Samples trained (partial rollout trains a varying number per step).
         sps = sum(r["samples"] for r in rows) / sum(r["step_s"] for r in rows)

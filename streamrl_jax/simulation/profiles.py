@@ -157,11 +157,23 @@ def costs_from_profile(profile: dict[str, Any], colocated: bool) -> MeasuredCost
     )
 
 
-def _inflight(profile: dict[str, Any], batches: list, chunk: int, warmup: int) -> float:
+def _replay(prompt: np.ndarray, resp: np.ndarray, batch: int, iterations: int) -> list:
+    """The trace in order, `batch` samples a step, wrapping around when it is shorter."""
+    idx = np.arange(batch * iterations) % resp.size
+    return [
+        (prompt[idx[i * batch : (i + 1) * batch]], resp[idx[i * batch : (i + 1) * batch]])
+        for i in range(iterations)
+    ]
+
+
+def _inflight(profile: dict[str, Any], prompt: np.ndarray, resp: np.ndarray, chunk: int) -> float:
     """The in-flight mode (simulation/inflight.py) on the profile's measured costs; its
-    settings from the profile's `inflight` section (budget tokens, staleness) and
-    `group_size`."""
+    settings from the profile's `inflight` section (budget tokens, staleness, and its own
+    iterations and warmup: its rounds take longer to fill) and `group_size`."""
     spec = _need(profile, "inflight", "")
+    warmup = int(spec.get("warmup", profile.get("warmup", 1)))
+    batches = _replay(prompt, resp, int(profile.get("global_batch", resp.size)),
+                      int(spec.get("iterations", profile.get("iterations", 2))))  # fmt: skip
     res = run_inflight(
         costs=costs_from_profile(profile, False),
         batches=batches,
@@ -190,12 +202,7 @@ def predict(profile: dict[str, Any], modes: tuple[str, ...] = MODES, seed: int =
     if batch < 1 or not 0 <= warmup < iterations:
         raise ValueError("profile fields global_batch >= 1 and 0 <= warmup < iterations")
     rng = np.random.default_rng(seed)
-    # Replay the trace in order, wrapping around when it is shorter than the run.
-    idx = np.arange(batch * iterations) % resp.size
-    batches = [
-        (prompt[idx[i * batch : (i + 1) * batch]], resp[idx[i * batch : (i + 1) * batch]])
-        for i in range(iterations)
-    ]
+    batches = _replay(prompt, resp, batch, iterations)
     chunk = int(_need(profile, "decode", "").get("chunk_steps", 1))
     if chunk < 1:
         raise ValueError(f"profile field decode.chunk_steps must be >= 1, got {chunk}")
@@ -203,7 +210,7 @@ def predict(profile: dict[str, Any], modes: tuple[str, ...] = MODES, seed: int =
     out: dict[str, Any] = {"predicted_samples_per_s": {}}
     for mode in modes:
         if mode == "inflight":
-            out["predicted_samples_per_s"][mode] = _inflight(profile, batches, chunk, warmup)
+            out["predicted_samples_per_s"][mode] = _inflight(profile, prompt, resp, chunk)
             continue
         colocated = mode == "colocated"
         costs = costs_from_profile(profile, colocated)
