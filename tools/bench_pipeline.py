@@ -1,6 +1,6 @@
-"""Pipeline throughput of the four modes on the length-replay workload.
+"""Pipeline throughput of the four modes and the inflight mode on the length-replay workload.
 
-  python tools/bench_pipeline.py --quick          # tiny model, <= 5 min on 2 cores
+  python tools/bench_pipeline.py --quick   # tiny model; 564 s at load 6-7 (inflight +6 steps)
   python tools/bench_pipeline.py --variant=smollm2 --steps=6
   python tools/bench_pipeline.py --processes            # one process per stage (~12 min)
   python tools/bench_pipeline.py --processes --quick    # the same, rough (~6 min)
@@ -464,8 +464,13 @@ def main(argv: list[str]) -> None:
         n = cfg.pipeline.prompts_per_step * cfg.pipeline.group_size
         # Samples trained (partial rollout trains a varying number per step).
         sps = sum(r["samples"] for r in rows) / sum(r["step_s"] for r in rows)
+        every = result.steps
         per_mode[mode] = {
             "samples_per_s": round(sps, 4),
+            # every step, compilation and (inflight) round fill included: the other bias
+            "run_samples_per_s": round(
+                sum(r["samples"] for r in every) / sum(r["step_s"] for r in every), 4
+            ),
             "step_s": [round(r["step_s"], 3) for r in result.steps],
             "samples": [int(r["samples"]) for r in result.steps],
             "train_busy": round(sum(r["train_busy"] for r in rows) / len(rows), 3),
