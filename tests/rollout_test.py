@@ -150,3 +150,30 @@ def test_a_failure_wakes_the_trainer_waiting_for_a_round():
     ro.fail(RuntimeError("engine died"))
     with pytest.raises(StreamError, match="engine died"):
         ro.wait_round(0, timeout=30)
+
+
+def test_the_snapshot_is_the_state_at_the_rounds_close_even_when_later_rounds_ran():
+    # In flight, round 1 runs before round 0 closes: a continuation may finish first.
+    # The checkpoint's view of round 1's start must not hold that later member (a resumed
+    # run regenerates it) but must hold the paused sample it continued.
+    ro = _rollout()
+    a, b, c, d = ro.open(0, _requests(0, groups=2))
+    ro.open(1, [])
+    ro.returned(_back(a, 2, 0, "stop"))
+    (b1,) = ro.returned(_back(b, 4, 0, "paused"))[1]
+    ro.returned(_back(b1, 6, 1, "stop"))  # group 0 completes in round 1, round 0 still open
+    ro.returned(_back(c, 3, 0, "stop"))
+    (d1,) = ro.returned(_back(d, 4, 0, "paused"))[1]
+    assert ro.wait_round(0, timeout=1) == []
+    saved = json.loads(json.dumps(ro.snapshot(1)))
+    assert sorted(x["request_id"] for x in saved["paused"]) == [b.request_id, d.request_id]
+    assert sorted(x["request_id"] for x in saved["finished"]) == [a.request_id, c.request_id]
+    ro.returned(_back(d1, 5, 1, "stop"))
+    assert ro.wait_round(1, timeout=1) == [(0, 0), (0, 1)]
+    # Resumed from the snapshot, round 1 gives the same groups.
+    fresh = _rollout()
+    fresh.restore(1, saved)
+    for q in fresh.open(1, []):
+        fresh.returned(_back(q, 6, 1, "stop"))
+    assert fresh.wait_round(1, timeout=1) == [(0, 0), (0, 1)]
+    assert fresh.in_flight() == {"paused": 0, "waiting_members": 0}
