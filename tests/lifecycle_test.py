@@ -164,7 +164,9 @@ def test_inflight_records_per_token_versions_within_the_bound(tmp_path):
     assert not _pipeline_threads()
 
 
-@pytest.mark.parametrize("weight_update", ["boundary", "inflight"])
+@pytest.mark.parametrize(
+    "weight_update", ["boundary", pytest.param("inflight", marks=pytest.mark.extended)]
+)
 def test_partial_rollout_trains_every_group_once_within_the_bound(weight_update, tmp_path):
     # Rounds of 6 tokens: the tiny model's 16-token samples take 3 rounds (lag 3 =
     # max_lag), so steps 0 and 1 train nothing and later steps train carried groups.
