@@ -73,6 +73,52 @@ def _with(**sections):
         ({"mesh__instance_slots": (4, 0)}, "instance_slots must all be >= 1"),
         ({"data__task_config": "{nope"}, "data.task_config is not valid JSON"),
         ({"data__task_config": '{"countdown": {}}'}, "names .'countdown'., not in data.tasks"),
+        ({"pipeline__weight_update": "eager"}, "pipeline.weight_update='eager'; expected one of"),
+        (
+            {"pipeline__weight_update": "inflight", "pipeline__mode": "stream_sync"},
+            "pipeline.weight_update='inflight' needs pipeline.mode='stream_async'",
+        ),
+        (
+            {
+                "pipeline__weight_update": "inflight",
+                "pipeline__mode": "stream_async",
+                "pipeline__deterministic": True,
+            },
+            "'inflight' cannot be pipeline.deterministic",
+        ),
+        ({"pipeline__max_lag": -1}, "pipeline.max_lag must be >= 0"),
+        ({"pipeline__max_lag": 2}, r"pipeline.max_lag \(2\) must be 0 \(= staleness\) or, in"),
+        (
+            {"pipeline__partial_budget_tokens": 8},
+            "pipeline.partial_budget_tokens needs pipeline.mode='stream_async'",
+        ),
+        (
+            {"pipeline__mode": "stream_async", "pipeline__partial_budget_tokens": 8},
+            r"needs pipeline.max_lag \(0\) > pipeline.staleness \(1\)",
+        ),
+        (
+            {
+                "pipeline__mode": "stream_async",
+                "pipeline__partial_budget_tokens": 8,
+                "pipeline__max_lag": 2,
+                "pipeline__mini_batches": 2,
+            },
+            "partial_budget_tokens needs pipeline.mini_batches=1",
+        ),
+        (
+            {
+                "pipeline__mode": "stream_async",
+                "pipeline__partial_budget_tokens": 4,
+                "pipeline__max_lag": 2,
+                "pipeline__lag_policy": "regenerate",
+            },
+            r"lag_policy='regenerate' needs .* = 8 >= generation.max_new_tokens",
+        ),
+        ({"pipeline__lag_policy": "keep"}, "pipeline.lag_policy='keep'; expected one of"),
+        (
+            {"pipeline__mode": "stream_async", "pipeline__staleness": 3, "pipeline__max_lag": 2},
+            r"pipeline.max_lag \(2\) must be 0 .* >= pipeline.staleness \(3\)",
+        ),
     ],
 )
 def test_impossible_values_name_the_field(overrides, message):

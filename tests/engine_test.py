@@ -13,7 +13,12 @@ from jax.sharding import Mesh
 
 from streamrl_jax import mesh as mesh_lib
 from streamrl_jax.generation.engine import Engine, EngineConfig
-from streamrl_jax.generation.types import GenerationRequest, RequestTag, SamplingParams
+from streamrl_jax.generation.types import (
+    Continuation,
+    GenerationRequest,
+    RequestTag,
+    SamplingParams,
+)
 from streamrl_jax.model import config, llama
 
 CFG = config.tiny()
@@ -294,3 +299,80 @@ def test_tensor_parallel_instance_matches_single_device(model):
     for rid, s in want.items():
         np.testing.assert_array_equal(got[rid].response, s.response)
         np.testing.assert_allclose(got[rid].logprobs, s.logprobs, atol=1e-4)
+
+
+def _full_forward_logprobs(graphdef, params, sample) -> np.ndarray:
+    """log p(response token t | prompt, earlier tokens) under `params`, one full forward."""
+    model = nnx.merge(graphdef, params)
+    seq = np.concatenate([sample.prompt, sample.response])[None].astype(np.int32)
+    inputs, targets = jax.device_put(seq[:, :-1]), jax.device_put(seq[:, 1:])
+    logp, _ = model.token_logprobs(inputs, targets, jnp.ones_like(inputs, jnp.float32))
+    return np.asarray(jax.device_get(logp))[0, len(sample.prompt) - 1 :]
+
+
+def test_a_sample_spanning_two_versions_records_each_tokens_version_and_logprob(model):
+    # In-flight update: new weights land at the next chunk boundary while samples run;
+    # each token records the version that sampled it and the log-prob it was sampled
+    # with. Tokens after the swap attend to a KV cache written partly by the old weights
+    # (the slot is kept), so their behaviour log-prob is neither W_0's nor W_1's full
+    # forward: only the recorded per-token value is the sampler's, which is why the
+    # trainer's ratio divides by it.
+    graphdef, params0, params1 = model
+    reqs = requests(4, forced_length=20, max_new_tokens=20)
+
+    def spanning_run():
+        engine = make_engine(model)
+        engine.submit(reqs)
+        done = engine.step()  # prefill (1 token) + one chunk (4 tokens) under W_0
+        engine.update_weights(params1, version=1)
+        while engine.has_work():
+            done += engine.step()
+        return by_id(done)
+
+    done, again = spanning_run(), spanning_run()
+    only0 = by_id(make_engine(model).run(reqs))
+    first = ENGINE.chunk_steps + 1
+    assert len(done) == 4
+    for i, s in done.items():
+        np.testing.assert_array_equal(s.versions(), [0] * first + [1] * (20 - first))
+        assert (s.policy_version, s.last_policy_version) == (0, 1)
+        assert (s.oldest_version, s.newest_version) == (0, 1)
+        # Before the swap: W_0's tokens and log-probs (its full forward, and a W_0-only run).
+        under0 = _full_forward_logprobs(graphdef, params0, s)
+        np.testing.assert_allclose(s.logprobs[:first], under0[:first], atol=2e-4)
+        np.testing.assert_array_equal(s.response[:first], only0[i].response[:first])
+        # After it: the new weights sampled (W_0's log-probs no longer describe them) ...
+        assert np.abs(s.logprobs[first:] - under0[first:]).max() > 1e-2
+        # ... and the recorded log-probs are a function of the swap point only.
+        np.testing.assert_array_equal(s.response, again[i].response)
+        np.testing.assert_array_equal(s.logprobs, again[i].logprobs)
+
+
+def test_a_paused_sample_continued_draws_what_the_uninterrupted_one_does(model):
+    # Partial rollout: `segment_tokens` pauses a request; a request carrying the paused
+    # sample's `Continuation` re-prefills prompt + response so far and samples on with
+    # the same per-token keys. Under the same weights the result is the uninterrupted
+    # sample (tokens; log-probs up to prefill-vs-decode float order).
+    reqs = requests(6, seed=3)
+    whole = by_id(make_engine(model).run(reqs))
+    engine = make_engine(model)
+    first = by_id(engine.run([dataclasses.replace(r, segment_tokens=5) for r in reqs]))
+    paused = [s for s in first.values() if s.finish_reason == "paused"]
+    assert paused and all(s.num_tokens == 5 for s in paused)
+    for i, s in first.items():
+        if s.finish_reason != "paused":  # finished within the segment: the same sample
+            np.testing.assert_array_equal(s.response, whole[i].response)
+    again = [
+        dataclasses.replace(reqs[s.request_id], continuation=Continuation.of(s)) for s in paused
+    ]
+    compiled = engine.compile_count()
+    for s in engine.run(again):
+        ref = whole[s.request_id]
+        assert s.finish_reason == ref.finish_reason != "paused"
+        np.testing.assert_array_equal(s.response, ref.response)
+        np.testing.assert_allclose(s.logprobs, ref.logprobs, atol=2e-4)
+        np.testing.assert_array_equal(s.versions(), np.zeros(s.num_tokens))
+    assert engine.compile_count() > compiled  # prompt + response needs longer buckets
+    bad = dataclasses.replace(reqs[0], continuation=Continuation.of(whole[0]))
+    with pytest.raises(ValueError, match="leaves nothing to generate"):
+        engine.validate(bad)

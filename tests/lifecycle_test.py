@@ -125,6 +125,76 @@ def test_stream_async_trains_exactly_s_versions_behind(tmp_path_factory):
     assert all(e["num_problems"] == 4 for e in result.evals.values())
 
 
+def _run_recording(cfg, tmp_path):
+    """Runs `cfg` and returns the result and every sample handed to training (ingest)."""
+    from streamrl_jax.pipeline.ingest import Ingest
+
+    seen, on_sample = [], Ingest.on_sample
+
+    def record(self, sample, *args, **kwargs):
+        seen.append(sample)
+        return on_sample(self, sample, *args, **kwargs)
+
+    with mock.patch.object(Ingest, "on_sample", record):
+        return run_lib.run(cfg, str(tmp_path), reward_fn=vowel_reward), seen
+
+
+def test_inflight_records_per_token_versions_within_the_bound(tmp_path):
+    # In-flight weight updates: batch b+1 starts as soon as W_b is published, without
+    # draining batch b; every token records its version; nothing beyond max_lag trains.
+    cfg = _tiny(
+        pipeline__mode="stream_async",
+        pipeline__weight_update="inflight",
+        pipeline__steps=3,
+        eval__num_problems=0,
+    )
+    result, seen = _run_recording(cfg, tmp_path)
+    p = cfg.pipeline
+    assert result.samples == 3 * p.prompts_per_step * p.group_size
+    assert len(seen) == result.samples
+    for s in seen:
+        v, b = s.versions(), s.tag.batch
+        assert s.token_versions is not None and len(v) == s.num_tokens
+        assert np.all(np.diff(v) >= 0)  # a slot only ever moves to newer weights
+        # Submitted with W_{b-1} (W_0 for b = 0); no token newer than W_b (published
+        # only after step b trained the whole batch): lag b - oldest <= max_lag = s = 1.
+        assert v[0] == max(0, b - 1) and v[-1] <= b
+    assert all(r["lag_max"] <= 1.0 and r["dropped_stale"] == 0.0 for r in result.steps)
+    assert min(r["mixed_versions"] for r in result.steps) >= 0.0
+    assert not _pipeline_threads()
+
+
+@pytest.mark.parametrize(
+    "weight_update", ["boundary", pytest.param("inflight", marks=pytest.mark.extended)]
+)
+def test_partial_rollout_trains_every_group_once_within_the_bound(weight_update, tmp_path):
+    # Rounds of 6 tokens: the tiny model's 16-token samples take 3 rounds (lag 3 =
+    # max_lag), so steps 0 and 1 train nothing and later steps train carried groups.
+    cfg = _tiny(
+        pipeline__mode="stream_async",
+        pipeline__weight_update=weight_update,
+        pipeline__partial_budget_tokens=6,
+        pipeline__max_lag=3,
+        pipeline__steps=4,
+        eval__num_problems=0,
+    )
+    result, seen = _run_recording(cfg, tmp_path)
+    consumed = read_jsonl(os.path.join(str(tmp_path), "consumed.jsonl"))
+    ids = [i for r in consumed for i in r["prompt_ids"]]
+    drawn = {i for b in range(4) for i in batch_prompt_ids(cfg, b)}
+    assert len(ids) == len(set(ids)) and set(ids) <= drawn  # never twice
+    assert [r["optimizer_steps"] for r in result.steps][:2] == [0.0, 0.0]
+    assert len(ids) == result.samples // cfg.pipeline.group_size > 0
+    for s in seen:  # every sample handed to training: whole, versions within the bound
+        assert s.finish_reason != "paused" and len(s.versions()) == s.num_tokens
+        assert np.all(np.diff(s.versions()) >= 0)
+    trained_lag = [r["lag_max"] for r in result.steps if r["optimizer_steps"]]
+    assert trained_lag and max(trained_lag) <= 3.0
+    assert all(r["dropped_stale"] == 0.0 for r in result.steps)
+    assert max(r["mixed_versions"] for r in result.steps if r["optimizer_steps"]) > 0
+    assert not _pipeline_threads()
+
+
 def _assert_fails_fast(cfg, tmp_path, component, patch=None, reward=vowel_reward):
     start = time.monotonic()
     with pytest.raises(Exception) as info:

@@ -1,11 +1,15 @@
 """Packing complete groups into a trainer micro-batch: gate, group advantages, stats."""
 
+import collections
+import dataclasses
+
 import numpy as np
+import pytest
 
 from streamrl_jax.config import PipelineSection
 from streamrl_jax.generation.types import RequestTag, Sample, Timings
 from streamrl_jax.pipeline.micro_batches import Scored, pack_groups
-from streamrl_jax.pipeline.schedules import Schedule, VersionGate
+from streamrl_jax.pipeline.schedules import Schedule, StaleSampleError, VersionGate
 from streamrl_jax.rewards.base import RewardResult
 
 
@@ -84,3 +88,40 @@ def test_shared_prompt_packed_groups_keep_the_advantages():
     adv = packed.advantages[packed.loss_mask]
     np.testing.assert_array_equal(adv, plain.advantages[plain.loss_mask])
     np.testing.assert_array_equal(packed.group_ids[0, :22], [0] * 11 + [1] * 11)
+
+
+def _spanning(group, member, versions, score):
+    """A sample whose tokens came from several versions (in-flight weight updates)."""
+    s = _scored(group, member, score, version=versions[0], length=len(versions))
+    logprobs = -0.1 * np.arange(1, len(versions) + 1, dtype=np.float32)
+    sample = dataclasses.replace(
+        s.sample,
+        logprobs=logprobs,
+        last_policy_version=versions[-1],
+        token_versions=np.asarray(versions, np.int32),
+    )
+    return Scored(sample, s.text, s.reward)
+
+
+def test_lag_is_counted_from_the_oldest_token_and_bounded_by_max_lag():
+    p = PipelineSection(mode="stream_async", staleness=1, max_lag=2, weight_update="inflight")
+    gate = VersionGate(Schedule.from_config(p), strict=False)
+    ok = [_spanning(0, 0, [0, 0, 1, 2], 1.0), _spanning(0, 1, [1, 2, 2, 2], 0.0)]
+    too_old = [_spanning(1, 0, [-1, 0, 1, 2], 1.0), _spanning(1, 1, [2, 2, 2, 2], 0.0)]
+    too_new = [_spanning(2, 0, [1, 2, 3, 3], 1.0), _spanning(2, 1, [2, 2, 2, 2], 0.0)]
+    stats = collections.defaultdict(list)
+    batch = _pack([ok, too_old, too_new], gate, stats)  # trained at step 2
+    # Step 2 admits token versions 0..2: the group with a version -1 token (lag 3) and
+    # the one with a version 3 token are dropped whole and counted per sample.
+    assert gate.dropped == 2
+    assert stats["versions"] == [0, 1] and stats["spans"] == [1.0, 1.0]
+    # Each response token keeps the behaviour log-prob it was sampled with, whichever
+    # version sampled it (the PPO/TIS ratio is per token).
+    rows = batch.loss_mask.sum(axis=1) > 0
+    np.testing.assert_allclose(
+        batch.behaviour_logp[rows][batch.loss_mask[rows]],
+        np.concatenate([s.sample.logprobs for s in ok]),
+    )
+    message = r"versions -1\.\.2; step 2 .* accepts versions 0\.\.2"
+    with pytest.raises(StaleSampleError, match=message):
+        _pack([too_old], VersionGate(Schedule.from_config(p), strict=True), stats)

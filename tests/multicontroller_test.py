@@ -439,6 +439,20 @@ def test_ranker_refresh_reaches_the_generation_process(tmp_path, tmp_path_factor
 def test_settings_that_need_one_process_are_refused():
     with pytest.raises(ValueError, match="colocated.*one process"):
         process_plan.check_supported(_config(**{"pipeline.mode": "colocated"}), 2, 1)
+    inflight = {
+        "pipeline.mode": "stream_async",
+        "pipeline.weight_update": "inflight",
+        "pipeline.deterministic": False,
+    }
+    with pytest.raises(ValueError, match="weight_update='inflight' runs in one process only"):
+        process_plan.check_supported(_config(**inflight), 2, 1)
+    partial = {
+        "pipeline.mode": "stream_async",
+        "pipeline.partial_budget_tokens": 8,
+        "pipeline.max_lag": 3,
+    }
+    with pytest.raises(ValueError, match="partial rollout runs in one process only"):
+        process_plan.check_supported(_config(**partial), 2, 1)
     process_plan.check_supported(_config(**{"checkpoint.every": 2}), 2, 1)  # checkpoints
     process_plan.check_supported(_config(), 3, 2)  # 2 generation + 1 training
     process_plan.check_supported(_config(), 4, 2)  # 2 generation + 2 training

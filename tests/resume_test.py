@@ -76,6 +76,17 @@ def _fail_on_call(n, exc):
     return effect
 
 
+def _trainer_dies_on_call(n):
+    """Patches `Trainer.accumulate` to raise "trainer died" on its n-th call."""
+    real, boom = Trainer.accumulate, _fail_on_call(n, RuntimeError("trainer died"))
+
+    def accumulate(self, *args, **kwargs):
+        boom()
+        return real(self, *args, **kwargs)
+
+    return mock.patch.object(Trainer, "accumulate", accumulate)
+
+
 def test_resume_after_three_stops_gives_the_reference_parameters(reference, tmp_path):
     ref, ref_dir = reference
     workdir = str(tmp_path)
@@ -98,17 +109,7 @@ def test_resume_after_three_stops_gives_the_reference_parameters(reference, tmp_
     assert steps == list(range(len(steps))) and len(steps) <= 2  # batch 2 never trained
 
     # 2. mid-accumulation: the 3rd micro-batch after resuming (batch 2's first) raises.
-    real = Trainer.accumulate
-    boom = _fail_on_call(3, RuntimeError("trainer died"))
-
-    def accumulate(self, *args, **kwargs):
-        boom()
-        return real(self, *args, **kwargs)
-
-    with (
-        mock.patch.object(Trainer, "accumulate", accumulate),
-        pytest.raises(RuntimeError, match="trainer died"),
-    ):
+    with _trainer_dies_on_call(3), pytest.raises(RuntimeError, match="trainer died"):
         run_lib.run(cfg, workdir, reward_fn=vowel_reward)
     assert not _pipeline_threads()
     steps, _ = _consumed(workdir)
@@ -272,3 +273,41 @@ def test_resume_refuses_another_schedule_or_data_naming_old_and_new(
     _, ref_dir = reference
     with pytest.raises(ValueError, match=re.escape(message)):
         run_lib.run(_cfg(**override), ref_dir, reward_fn=vowel_reward)
+
+
+PARTIAL = dict(pipeline__partial_budget_tokens=6, pipeline__max_lag=3)
+
+
+def test_resume_with_partial_samples_in_flight_is_exact(tmp_path):
+    # Partial rollout (rounds of 6 tokens; the tiny model's samples take 3): killed
+    # mid-step with paused samples in flight, then resumed twice; the paused samples
+    # (tokens, per-token versions and log-probs) come back from the checkpoint and are
+    # continued, so the run ends with the uninterrupted run's parameters bit for bit
+    # and has trained the same prompts, each once.
+    ref_dir, workdir = str(tmp_path / "ref"), str(tmp_path / "run")
+    ref = run_lib.run(_cfg(**PARTIAL), ref_dir, reward_fn=vowel_reward)
+    assert sum(r["optimizer_steps"] for r in ref.steps) >= 2  # carried groups trained
+
+    # 1. stopped at the end of step 1: nothing trained yet, every sample in flight.
+    run_lib.run(_cfg(pipeline__steps=2, **PARTIAL), workdir, reward_fn=vowel_reward)
+    ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
+    carried = ckpt.read_metadata(2)["rollout"]
+    ckpt.close()
+    # Paused into round 2: batch 0's samples after two rounds, batch 1's after one.
+    lengths = sorted({len(x["response"]) for x in carried["paused"]})
+    assert lengths == [6, 12]
+    assert all(len(x["versions"]) == len(x["logprobs"]) for x in carried["paused"])
+
+    # 2. the trainer dies on its 2nd micro-batch after the resume (step 2 or 3).
+    with _trainer_dies_on_call(2), pytest.raises(RuntimeError, match="trainer died"):
+        run_lib.run(_cfg(**PARTIAL), workdir, reward_fn=vowel_reward)
+    assert not _pipeline_threads()
+
+    result = run_lib.run(_cfg(**PARTIAL), workdir, reward_fn=vowel_reward)
+    assert result.start_batch >= 2
+    for a, b in zip(_params(result), _params(ref), strict=True):
+        np.testing.assert_array_equal(a, b)
+    steps, counts = _consumed(workdir)
+    ref_steps, ref_counts = _consumed(ref_dir)
+    assert steps == ref_steps == list(range(STEPS))
+    assert counts == ref_counts and set(counts.values()) == {1}

@@ -1,6 +1,6 @@
-"""Pipeline throughput of the four modes on the length-replay workload.
+"""Pipeline throughput of the four modes and the inflight mode on the length-replay workload.
 
-  python tools/bench_pipeline.py --quick          # tiny model, <= 5 min on 2 cores
+  python tools/bench_pipeline.py --quick   # tiny model; 564 s at load 6-7 (inflight +6 steps)
   python tools/bench_pipeline.py --variant=smollm2 --steps=6
   python tools/bench_pipeline.py --processes            # one process per stage (~12 min)
   python tools/bench_pipeline.py --processes --quick    # the same, rough (~6 min)
@@ -15,7 +15,8 @@ its metrics.jsonl, the stage times alone from the two-process
 `disaggregated_batch` trace (the stages strictly alternate, each on its own
 core), `weight_sync_seconds` is the trainer's mean per-step transfer (cast,
 `device_get`, checksums, wire) and `weight_receive_seconds` the generation
-side's (wire, checksum, placement). No simulator profile in this mode. Figures
+side's (wire, checksum, placement). No simulator profile in this mode, and no
+"inflight" mode (in-flight weight updates run in one process only). Figures
 leave out the first `--skip` steps (default 2; 1 with --quick): they hold process
 start-up, compilation and the first batches' new shapes (steps 1-2 still run 1.5-2x
 the later ones). The full run (6 steps of 8 prompts x 4 samples) is the one to quote;
@@ -50,7 +51,16 @@ discrete-event schedules the pod simulator uses and reports the relative
 error against the measured rates (`sim_rel_error`, `sim_max_abs_rel_error`).
 `python tools/simulate.py --profile=DIR/profile.json` re-runs the prediction.
 
+The "inflight" mode (in process only): stream_async with `weight_update="inflight"`
+and partial rollout (`partial_budget_tokens` = max_new_tokens / 4, `max_lag` = s + 3,
+so no sample is dropped); per mode the lag of the trained samples (`lag_mean`,
+`lag_max`, the bound `max_lag`) and the idle generation slot-seconds after the first
+step (`idle_slot_s`: slots x wall time minus the running slots of every chunk x its
+duration; `idle_slot_frac`).
+
 Last line: JSON with `stream_sync_over_colocated`, `stream_async_over_colocated`,
+`inflight_over_colocated`, `inflight_over_stream_async`, `max_lag` (the bound),
+`lag_mean` / `lag_max` (the inflight run's trained samples),
 `async_efficiency_vs_bound` and the per-mode figures. Traces stay in --workdir.
 """
 
@@ -71,7 +81,10 @@ _QUICK = flags.DEFINE_bool("quick", False, "Tiny model, 3 steps per mode (<= 5 m
 _VARIANT = flags.DEFINE_string("variant", "tiny", "configs/length_replay.py variant.")
 _STEPS = flags.DEFINE_integer("steps", 0, "Steps per mode (0 = config default / quick).")
 _MODES = flags.DEFINE_list(
-    "modes", "colocated,disaggregated_batch,stream_sync,stream_async", "Modes to run."
+    "modes",
+    "colocated,disaggregated_batch,stream_sync,stream_async,inflight",
+    "Modes to run ('inflight': stream_async with in-flight weight updates and partial "
+    "rollout, INFLIGHT below).",
 )
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/bench_pipeline", "Traces and metrics per mode.")
 _SKIP = flags.DEFINE_integer(
@@ -88,6 +101,10 @@ _PROCESSES = flags.DEFINE_bool(
 )
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The "inflight" mode: stream_async (s = 1) taking new weights at the next chunk boundary,
+# with partial rollout in rounds of a quarter of max_new_tokens, so a sample spans at most
+# 4 rounds and max_lag = s + 3 never drops one (lengths are forced to <= max_new_tokens).
+INFLIGHT_ROUNDS = 4
 
 
 def _config(mode: str, steps: int, prompts_per_step: int = 0):
@@ -100,11 +117,49 @@ def _config(mode: str, steps: int, prompts_per_step: int = 0):
     spec.loader.exec_module(module)
     cd = module.get_config(_VARIANT.value).to_dict()
     cd["pipeline"]["mode"] = mode
+    if mode == "inflight":
+        cd["pipeline"] |= _inflight(cd["generation"]["max_new_tokens"], cd["pipeline"])
     if steps:
         cd["pipeline"]["steps"] = steps
     if prompts_per_step:
         cd["pipeline"]["prompts_per_step"] = prompts_per_step
     return config_lib.from_config_dict(cd)
+
+
+def _inflight(max_new_tokens: int, pipeline: dict) -> dict:
+    """The pipeline fields of the "inflight" mode (see INFLIGHT_ROUNDS)."""
+    return {
+        "mode": "stream_async",
+        "weight_update": "inflight",
+        "partial_budget_tokens": -(-max_new_tokens // INFLIGHT_ROUNDS),
+        "max_lag": pipeline.get("staleness", 1) + INFLIGHT_ROUNDS - 1,
+    }
+
+
+def _idle_slots(trace_path: str, slots: int, instances: int) -> dict[str, float]:
+    """Idle generation slot-seconds after the first step: every instance's slots times
+    the window, minus the running slots of each decode chunk times its duration."""
+    sp = _spans(trace_path)
+    opt = [e for e in sp.get("trainer", []) if e["name"].startswith("step ")]
+    chunks = sp.get("generation", [])
+    if not opt or not chunks:
+        return {}
+    t0 = min(min(e["ts"] for e in chunks), min(e["ts"] for e in opt))
+    window = (max(e["ts"] + e["dur"] for e in opt) - t0) / 1e6
+    used = sum(e["args"].get("running", 0) * e["dur"] for e in chunks) / 1e6
+    idle = max(instances * slots * window - used, 0.0)
+    return {
+        "idle_slot_s": round(idle, 2),
+        "idle_slot_frac": round(idle / (instances * slots * window), 3),
+    }
+
+
+def _lag(rows: list[dict], bound: int) -> dict[str, float]:
+    """The lag of the trained samples (step - oldest token version): mean, max, bound."""
+    n = sum(r["samples"] for r in rows)
+    mean = sum(r["staleness"] * r["samples"] for r in rows if r["samples"]) / max(n, 1)
+    worst = max((r["lag_max"] for r in rows if r["samples"]), default=0.0)
+    return {"lag_mean": round(mean, 3), "lag_max": worst, "max_lag": bound}
 
 
 def _stage_times(trace_path: str, steps: int) -> tuple[float, float]:
@@ -233,6 +288,15 @@ def _profile(cfg, workdir: str, measured: dict[str, float]) -> dict:
             "train": coloc["train_s_per_token"] / disagg["train_s_per_token"],
         },
         "lengths": {"prompt": prompt, "response": resp},
+        "group_size": p.group_size,
+        # the "inflight" mode's settings (simulation/inflight.py)
+        "inflight": {
+            "budget_tokens": _inflight(cfg.generation.max_new_tokens, {})["partial_budget_tokens"],
+            "staleness": p.staleness,
+            # as the bench runs it: INFLIGHT_ROUNDS - 1 more steps, left out with the first
+            "iterations": len(log) // n + INFLIGHT_ROUNDS - 1,
+            "warmup": INFLIGHT_ROUNDS,
+        },
         "measured_samples_per_s": measured,
     }
 
@@ -250,9 +314,16 @@ def _ratios(out: dict, per_mode: dict) -> None:
     """Each mode over colocated, and stream_async over the overlap bound."""
     out["modes"] = per_mode
     base = per_mode.get("colocated", {}).get("samples_per_s")
-    for mode in ("disaggregated_batch", "stream_sync", "stream_async"):
+    for mode in ("disaggregated_batch", "stream_sync", "stream_async", "inflight"):
         if base and mode in per_mode:
             out[f"{mode}_over_colocated"] = round(per_mode[mode]["samples_per_s"] / base, 3)
+    if "inflight" in per_mode:
+        fl = per_mode["inflight"]
+        if "stream_async" in per_mode:
+            ratio = fl["samples_per_s"] / per_mode["stream_async"]["samples_per_s"]
+            out["inflight_over_stream_async"] = round(ratio, 3)
+        # max_lag: the bound; lag_mean / lag_max: what the trained samples had.
+        out |= {k: fl[k] for k in ("max_lag", "lag_mean", "lag_max") if k in fl}
     if "bound_overlap_sps" in out and "stream_async" in per_mode:
         async_sps = per_mode["stream_async"]["samples_per_s"]
         out["async_efficiency_vs_bound"] = round(async_sps / out["bound_overlap_sps"], 3)
@@ -315,6 +386,9 @@ def main_processes() -> None:
     per_mode, sync_s = {}, []
     t_start = time.time()
     for mode in _MODES.value:
+        if mode == "inflight":  # process_plan.check_supported refuses it by name
+            out["inflight"] = "not run: in-flight weight updates run in one process only"
+            continue
         cfg = _config(mode, steps, prompts_per_step=4 if _QUICK.value else 0)
         workdir = os.path.join(_WORKDIR.value, mode)
         shutil.rmtree(workdir, ignore_errors=True)  # logs append
@@ -365,6 +439,7 @@ def main(argv: list[str]) -> None:
     from absl import logging
 
     from streamrl_jax import pipeline as run_lib
+    from streamrl_jax.pipeline.schedules import Schedule
     from streamrl_jax.rewards.base import RewardResult
 
     logging.set_verbosity(logging.WARNING)
@@ -377,17 +452,34 @@ def main(argv: list[str]) -> None:
     per_mode = {}
     t_start = time.time()
     for mode in _MODES.value:
-        cfg = _config(mode, steps)
+        # The first step compiles; the inflight mode's first INFLIGHT_ROUNDS - 1 steps also
+        # fill its rounds (a step trains the groups its round completed, and the longest
+        # take INFLIGHT_ROUNDS rounds), so it runs that many more steps and leaves them out.
+        fill = INFLIGHT_ROUNDS - 1 if mode == "inflight" else 0
+        cfg = _config(mode, (steps or _config(mode, 0).pipeline.steps) + fill)
         workdir = os.path.join(_WORKDIR.value, mode)
         shutil.rmtree(workdir, ignore_errors=True)  # logs append; a checkpoint would resume
         result = run_lib.run(cfg, workdir, reward_fn=no_reward)
-        rows = result.steps[1:]  # the first step includes compilation
+        rows = result.steps[1 + fill :]
         n = cfg.pipeline.prompts_per_step * cfg.pipeline.group_size
-        sps = n * len(rows) / sum(r["step_s"] for r in rows)
+        # Samples trained (partial rollout trains a varying number per step).
+        sps = sum(r["samples"] for r in rows) / sum(r["step_s"] for r in rows)
+        every = result.steps
         per_mode[mode] = {
             "samples_per_s": round(sps, 4),
+            # every step, compilation and (inflight) round fill included: the other bias
+            "run_samples_per_s": round(
+                sum(r["samples"] for r in every) / sum(r["step_s"] for r in every), 4
+            ),
             "step_s": [round(r["step_s"], 3) for r in result.steps],
+            "samples": [int(r["samples"]) for r in result.steps],
             "train_busy": round(sum(r["train_busy"] for r in rows) / len(rows), 3),
+            **_lag(rows, Schedule.from_config(cfg.pipeline).max_lag),
+            **_idle_slots(
+                os.path.join(workdir, "trace.json"),
+                cfg.mesh.instance_slots[0],
+                len(cfg.mesh.instance_slots),
+            ),
         }
         print(f"{mode}: {sps:.3f} samples/s", file=sys.stderr, flush=True)
         if mode == "disaggregated_batch":

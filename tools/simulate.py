@@ -19,9 +19,11 @@ from absl import app, flags
 
 from streamrl_jax.scheduling import lengths
 from streamrl_jax.simulation import calibrate, hardware, profiles, simulator, trace
-from streamrl_jax.simulation.scenario import MODES, Scenario
+from streamrl_jax.simulation.scenario import INFLIGHT, MODES, Scenario
 
-_MODE = flags.DEFINE_enum("mode", "all", ["all", *MODES], "Mode to simulate, or all.")
+_MODE = flags.DEFINE_enum(
+    "mode", "all", ["all", *MODES, INFLIGHT], "Mode to simulate, or all (the four and inflight)."
+)
 _MODEL = flags.DEFINE_enum("model", "qwen2.5-7b", sorted(hardware.MODELS), "Policy model.")
 _HW = flags.DEFINE_enum("hardware", "h800", sorted(hardware.HARDWARE), "Accelerator.")
 _DEVICES = flags.DEFINE_integer("devices", 32, "Accelerators in the pod.")
@@ -85,9 +87,11 @@ def main(argv: list[str]) -> None:
         _run_calibration()
         return
     if _PROFILE.value:
-        print(json.dumps(profiles.predict(profiles.load(_PROFILE.value), seed=_SEED.value)))
+        profile = profiles.load(_PROFILE.value)
+        modes = (*MODES, INFLIGHT) if "inflight" in profile else MODES
+        print(json.dumps(profiles.predict(profile, modes=modes, seed=_SEED.value)))
         return
-    modes = MODES if _MODE.value == "all" else (_MODE.value,)
+    modes = (*MODES, INFLIGHT) if _MODE.value == "all" else (_MODE.value,)
     base = _scenario(modes[0])
     results = simulator.simulate_modes(base, modes)
     out = {}

@@ -20,6 +20,7 @@ from streamrl_jax.config.sections import (
     DISPATCHES,
     DTYPES,
     KL_ESTIMATORS,
+    LAG_POLICIES,
     LR_SCHEDULES,
     MODES,
     NONFINITE,
@@ -31,6 +32,7 @@ from streamrl_jax.config.sections import (
     REWARD_SANDBOXES,
     REWARDS,
     WEIGHT_TRANSPORTS,
+    WEIGHT_UPDATES,
     WHITENING,
     AlgorithmSection,
     CheckpointSection,
@@ -116,6 +118,10 @@ RULES: dict[type, dict[str, _Rule]] = {
         ),
         **dict.fromkeys(("micro_batch_groups", "mini_batches"), _COUNT),
         "nonfinite": _one_of(NONFINITE),
+        "weight_update": _one_of(WEIGHT_UPDATES),
+        "max_lag": _NONNEG,
+        "partial_budget_tokens": _NONNEG,
+        "lag_policy": _one_of(LAG_POLICIES),
         **dict.fromkeys(("watchdog_s", "timeout_s"), _POSITIVE),
         "weight_transport": _one_of(WEIGHT_TRANSPORTS),
     },
@@ -218,6 +224,47 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         f"pipeline.mini_batches ({p.mini_batches}): each mini-batch holds the same number "
         "of groups",
     )
+    _require(
+        p.weight_update == "boundary" or p.mode == "stream_async",
+        f"pipeline.weight_update='inflight' needs pipeline.mode='stream_async' (mode is "
+        f"{p.mode!r}: the synchronous modes generate batch b with W_b only, and colocated "
+        "shares the devices between the stages)",
+    )
+    _require(
+        p.weight_update == "boundary" or not p.deterministic,
+        "pipeline.weight_update='inflight' cannot be pipeline.deterministic: the chunk at "
+        "which a running sample takes new weights depends on timing",
+    )
+    _require(
+        p.max_lag == 0 or (p.mode == "stream_async" and p.max_lag >= p.staleness),
+        f"pipeline.max_lag ({p.max_lag}) must be 0 (= staleness) or, in stream_async, "
+        f">= pipeline.staleness ({p.staleness}): batch b starts with W_(b-s)",
+    )
+    if p.partial_budget_tokens:
+        _require(
+            p.mode == "stream_async",
+            f"pipeline.partial_budget_tokens needs pipeline.mode='stream_async' (mode is "
+            f"{p.mode!r}): a carried sample is trained at a later step than its batch",
+        )
+        _require(
+            p.max_lag > p.staleness,
+            f"pipeline.partial_budget_tokens needs pipeline.max_lag ({p.max_lag}) > "
+            f"pipeline.staleness ({p.staleness}): a sample carried into the next round is "
+            "one step older when trained",
+        )
+        _require(
+            p.mini_batches == 1,
+            "pipeline.partial_budget_tokens needs pipeline.mini_batches=1 (a step trains the "
+            "groups its round completed, a number that varies)",
+        )
+        rounds = p.max_lag - p.staleness + 1
+        _require(
+            p.lag_policy == "drop" or p.partial_budget_tokens * rounds >= g.max_new_tokens,
+            f"pipeline.lag_policy='regenerate' needs partial_budget_tokens * (max_lag - "
+            f"staleness + 1) = {p.partial_budget_tokens * rounds} >= generation."
+            f"max_new_tokens ({g.max_new_tokens}), or the longest sample could be "
+            "regenerated forever",
+        )
     o, optimizer_steps = cfg.optimizer, p.steps * p.mini_batches
     _require(
         o.schedule != "cosine" or o.warmup_steps < optimizer_steps,

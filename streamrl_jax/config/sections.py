@@ -23,6 +23,13 @@ class ConfigError(UserError):
 MODES = ("colocated", "disaggregated_batch", "stream_sync", "stream_async")
 NONFINITE = ("skip", "stop")
 WEIGHT_TRANSPORTS = ("channel", "xla")  # several processes: how weight shards travel
+# When the generation side takes new weights (docs/pipeline.md, "In-flight weight updates"):
+# "boundary" once every earlier request finished (no sample mixes versions), "inflight" at
+# the next decode-chunk boundary without draining (stream_async only).
+WEIGHT_UPDATES = ("boundary", "inflight")
+# A partial sample whose lag would pass pipeline.max_lag: "drop" its group (counted) or
+# "regenerate" it from its prompt under the current weights (counted).
+LAG_POLICIES = ("drop", "regenerate")
 # Outcome estimators (algorithms.ADVANTAGES) and, with a critic, "gae"
 # (algorithms.CRITIC_ADVANTAGES; selects the critic section).
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
@@ -92,6 +99,16 @@ class PipelineSection:
     micro_batch_groups: int = 4  # most groups per trainer micro-batch
     mini_batches: int = 1  # optimizer steps per global batch (PPO mini-batches by group count)
     strict_versions: bool = False  # raise (instead of count and drop) on a too-old sample
+    weight_update: str = "boundary"  # one of WEIGHT_UPDATES; "inflight": stream_async only
+    # most lag (trainer step - the sample's oldest token version) a trained sample may have;
+    # a sample beyond it is counted and dropped (or raises with strict_versions).
+    # 0 = pipeline.staleness (the four modes' contract)
+    max_lag: int = 0
+    # partial rollout (stream_async): each step's generation is a round in which every
+    # sample generates at most this many tokens; unfinished ones pause and continue in the
+    # next round under newer weights (re-prefilled); needs max_lag > staleness. 0 = off
+    partial_budget_tokens: int = 0
+    lag_policy: str = "drop"  # one of LAG_POLICIES: a paused sample that would pass max_lag
     deterministic: bool = False  # micro-batches in group order: bitwise-reproducible training
     nonfinite: str = "skip"  # NaN/Inf loss or gradients: "skip" the update (counted) | "stop"
     watchdog_s: float = 120.0  # warn when a stage with work makes no progress this long

@@ -6,7 +6,9 @@ instance mesh. Each `step()` is one host round trip:
 1. apply a pending weight update (so weights only change between chunks);
 2. admit waiting requests into free slots (FIFO, or longest-predicted-first
    "lpt"), prefilling them in batches of `prefill_batch` per prompt-length
-   bucket; each prefill also samples the request's first token;
+   bucket; each prefill also samples the request's first token (a paused
+   sample's continuation re-prefills prompt + its response so far and samples
+   on from there; `segment_tokens` pauses a request after that many new tokens);
 3. dispatch one decode chunk (up to `chunk_steps` tokens for every active
    slot, sampling inside the loop, finished slots stop);
 4. fetch the prefill and chunk outputs in one `jax.device_get` and hand out
@@ -107,6 +109,18 @@ class EngineConfig:
             b *= 2
         return (*out, self.max_prompt_length)
 
+    def bucket(self, n: int) -> int:
+        """The prefill length for `n` input tokens: a prompt's bucket, or for a
+        continuation (prompt + response so far, up to `max_total_length` - 1) the
+        prompt buckets doubled on past `max_prompt_length`, capped at the cache length."""
+        for b in self.buckets():
+            if b >= n:
+                return b
+        b = self.max_prompt_length
+        while b < n:
+            b *= 2
+        return min(b, self.max_total_length)
+
 
 @dataclasses.dataclass
 class _Running:
@@ -117,6 +131,7 @@ class _Running:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logp: list[float] = dataclasses.field(default_factory=list)
     slogp: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)  # per response token
 
 
 class Engine:
@@ -181,6 +196,16 @@ class Engine:
         self._metrics: dict[str, Any] = {"tokens": 0, "busy_s": 0.0, "chunks": 0, "timeline": []}
         self._on_chunk = on_chunk
 
+    def _running(self, req: GenerationRequest, enq: float, now: float) -> _Running:
+        """A slot's host record; a continuation starts with the response it already has."""
+        run = _Running(req, enq, now, self.version)
+        c = req.continuation
+        if c is not None:
+            run.admit, run.version = c.admit, int(c.versions[0])
+            run.tokens, run.logp = c.tokens.tolist(), c.logprobs.tolist()
+            run.slogp, run.versions = c.sampling_logprobs.tolist(), c.versions.tolist()
+        return run
+
     def _init_state(self) -> slots_lib.SlotState:
         cache = decoder.init_cache(self.model_cfg, self.cfg.num_slots, self.cfg.max_total_length)
         return slots_lib.init_slot_state(cache, self.cfg.max_stop_ids)
@@ -218,6 +243,32 @@ class Engine:
             raise ValueError(f"request {req.request_id!r}: seed must be an int")
         if not math.isfinite(req.priority):
             raise ValueError(f"request {req.request_id!r}: priority must be finite")
+        if req.segment_tokens is not None and (
+            not isinstance(req.segment_tokens, int | np.integer) or req.segment_tokens < 1
+        ):
+            raise ValueError(
+                f"request {req.request_id!r}: segment_tokens must be None or an int >= 1, "
+                f"got {req.segment_tokens!r}"
+            )
+        c = req.continuation
+        if c is not None:
+            k = len(c.tokens)
+            limit = req.forced_length if req.forced_length is not None else req.max_new_tokens
+            if k < 1 or any(len(a) != k for a in (c.logprobs, c.sampling_logprobs, c.versions)):
+                raise ValueError(
+                    f"request {req.request_id!r}: continuation needs >= 1 token and one "
+                    "log-prob, sampling log-prob and version per token"
+                )
+            if k >= limit or n + k >= cfg.max_total_length:
+                raise ValueError(
+                    f"request {req.request_id!r}: continuation of {k} tokens leaves nothing "
+                    f"to generate (limit {limit}, prompt {n}, context {cfg.max_total_length})"
+                )
+            tokens = np.asarray(c.tokens)
+            if tokens.min() < 0 or tokens.max() >= vocab:
+                raise ValueError(
+                    f"request {req.request_id!r}: continuation has ids outside [0, {vocab})"
+                )
         try:
             req.sampling.validate(vocab, cfg.max_stop_ids)
         except ValueError as e:
@@ -285,10 +336,9 @@ class Engine:
             take.append((free[len(take)], req, enq))
         now = time.time()
         by_bucket: dict[int, list[tuple[int, GenerationRequest]]] = {}
-        buckets = self.cfg.buckets()
         for slot, req, enq in take:
-            self._slots[slot] = _Running(req, enq, now, self.version)
-            bucket = next(b for b in buckets if b >= len(req.prompt))
+            self._slots[slot] = self._running(req, enq, now)
+            bucket = self.cfg.bucket(len(req.prompt) + req.generated)
             by_bucket.setdefault(bucket, []).append((slot, req))
         outs = []
         nb = self.cfg.prefill_batch
@@ -311,9 +361,16 @@ class Engine:
         temp, top_p = np.zeros((n,), np.float32), np.ones((n,), np.float32)
         top_k = np.zeros((n,), np.int32)
         stops = np.full((n, x), -1, np.int32)
+        generated = np.zeros((n,), np.int32)
+        pause_at = np.full((n,), np.iinfo(np.int32).max, np.int32)
         for i, (slot, r) in enumerate(rows):
             tokens[i, : len(r.prompt)] = r.prompt
-            lengths[i], slot_ids[i] = len(r.prompt), slot
+            if r.continuation is not None:
+                tokens[i, len(r.prompt) : len(r.prompt) + r.generated] = r.continuation.tokens
+            generated[i] = r.generated
+            if r.segment_tokens is not None:
+                pause_at[i] = r.generated + r.segment_tokens
+            lengths[i], slot_ids[i] = len(r.prompt) + r.generated, slot
             forced[i] = r.forced_length is not None
             limit[i] = r.forced_length if forced[i] else r.max_new_tokens
             keys[i] = request_key_data(r.seed)
@@ -332,6 +389,8 @@ class Engine:
             top_k=top_k,
             top_p=top_p,
             stop_ids=stops,
+            generated=generated,
+            pause_at=pause_at,
         )
 
     def step(self) -> list[Sample]:
@@ -352,6 +411,7 @@ class Engine:
                 run.tokens.append(int(out.tokens[i]))
                 run.logp.append(float(out.logp[i]))
                 run.slogp.append(float(out.sampling_logp[i]))
+                run.versions.append(self.version)
                 emitted += 1
                 if out.reason[i]:
                     done.append(self._finish(slot, int(out.reason[i])))
@@ -362,6 +422,8 @@ class Engine:
             run.tokens.extend(chunk_h.tokens[slot, :e].tolist())
             run.logp.extend(chunk_h.logp[slot, :e].tolist())
             run.slogp.extend(chunk_h.sampling_logp[slot, :e].tolist())
+            # Weights change only between round trips: this chunk ran on one version.
+            run.versions.extend([self.version] * e)
             emitted += e
             if chunk_h.reason[slot]:
                 done.append(self._finish(slot, int(chunk_h.reason[slot])))
@@ -400,6 +462,7 @@ class Engine:
             timings=Timings(enqueue=run.enqueue, admit=run.admit, finish=time.time()),
             tag=r.tag,
             metadata=dict(r.metadata),
+            token_versions=np.asarray(run.versions, np.int32),
         )
 
     def run(self, requests: Sequence[GenerationRequest] = ()) -> list[Sample]:

@@ -22,7 +22,7 @@ from streamrl_jax.generation.decoder import GenModel, LayerCache
 from streamrl_jax.generation.sampling import sample_tokens
 
 # Finish codes on the device: 0 = running (or free), 1 + FINISH_REASONS index.
-STOP, LENGTH, CONTEXT, FORCED = 1, 2, 3, 4
+STOP, LENGTH, CONTEXT, FORCED, PAUSED = 1, 2, 3, 4, 5
 
 
 @struct.dataclass
@@ -42,6 +42,7 @@ class SlotState:
     top_p: jax.Array  # f32[B]
     stop_ids: jax.Array  # i32[B, X] padded with -1
     reason: jax.Array  # i32[B] finish code, 0 while running
+    pause_at: jax.Array  # i32[B] pause once this many response tokens exist (partial rollout)
 
 
 @struct.dataclass
@@ -58,6 +59,10 @@ class Admission:
     top_k: jax.Array  # i32[N]
     top_p: jax.Array  # f32[N]
     stop_ids: jax.Array  # i32[N, X]
+    generated: (
+        jax.Array
+    )  # i32[N] response tokens already there (a continuation's), after the prompt
+    pause_at: jax.Array  # i32[N] response-token count at which the row pauses
 
 
 @struct.dataclass
@@ -99,6 +104,7 @@ def init_slot_state(cache: LayerCache, max_stop_ids: int) -> SlotState:
         top_p=jnp.ones((b,), jnp.float32),
         stop_ids=jnp.full((b, max_stop_ids), -1, jnp.int32),
         reason=zi,
+        pause_at=zi,
     )
 
 
@@ -110,12 +116,15 @@ def _finish_code(
     forced_B: jax.Array,
     stop_ids_BxX: jax.Array,
     max_total: int,
+    pause_at_B: jax.Array,
 ) -> jax.Array:
-    """Finish code after appending `token_B` as response token number `n_after_B`."""
+    """Finish code after appending `token_B` as response token number `n_after_B`
+    (a real finish wins over a pause at the same token)."""
     at_limit = n_after_B >= limit_B
     is_stop = ~forced_B & jnp.any(token_B[:, None] == stop_ids_BxX, axis=-1)
     context = prompt_len_B + n_after_B >= max_total
-    code = jnp.where(context, CONTEXT, 0)
+    code = jnp.where(n_after_B >= pause_at_B, PAUSED, 0)
+    code = jnp.where(context, CONTEXT, code)
     code = jnp.where(~forced_B & at_limit, LENGTH, code)
     code = jnp.where(is_stop, STOP, code)
     return jnp.where(forced_B & at_limit, FORCED, code).astype(jnp.int32)
@@ -124,20 +133,23 @@ def _finish_code(
 def prefill_into_slots(
     model: GenModel, state: SlotState, adm: Admission
 ) -> tuple[SlotState, PrefillOut]:
-    """Prefills the admitted prompts into their slots and samples their first token."""
+    """Prefills the admitted prompts (and a continuation's response so far) into their
+    slots and samples each row's next token: token number `generated`, drawn with that
+    counter, as the uninterrupted decode would."""
     logits_NxV, cache = model.prefill(adm.tokens, adm.lengths, state.cache, adm.slots)
-    zeros_N = jnp.zeros_like(adm.lengths)
     tok, logp, slogp = sample_tokens(
-        logits_NxV, adm.key_data, zeros_N, adm.temperature, adm.top_k, adm.top_p
+        logits_NxV, adm.key_data, adm.generated, adm.temperature, adm.top_k, adm.top_p
     )
+    prompt_len_N = adm.lengths - adm.generated
     code = _finish_code(
         tok,
-        zeros_N + 1,
-        adm.lengths,
+        adm.generated + 1,
+        prompt_len_N,
         adm.limit,
         adm.forced,
         adm.stop_ids,
         cache.max_length,
+        adm.pause_at,
     )
 
     def put(dst: jax.Array, src: jax.Array) -> jax.Array:
@@ -147,8 +159,8 @@ def prefill_into_slots(
         cache=cache,
         last_token=put(state.last_token, tok),
         active=put(state.active, code == 0),
-        num_generated=put(state.num_generated, zeros_N + 1),
-        prompt_len=put(state.prompt_len, adm.lengths),
+        num_generated=put(state.num_generated, adm.generated + 1),
+        prompt_len=put(state.prompt_len, prompt_len_N),
         limit=put(state.limit, adm.limit),
         forced=put(state.forced, adm.forced),
         key_data=put(state.key_data, adm.key_data),
@@ -157,6 +169,7 @@ def prefill_into_slots(
         top_p=put(state.top_p, adm.top_p),
         stop_ids=put(state.stop_ids, adm.stop_ids),
         reason=put(state.reason, code),
+        pause_at=put(state.pause_at, adm.pause_at),
     )
     return state, PrefillOut(tokens=tok, logp=logp, sampling_logp=slogp, reason=code)
 
@@ -181,7 +194,7 @@ def decode_chunk(model: GenModel, state: SlotState, steps: int) -> tuple[SlotSta
         act = st.active
         n_after = st.num_generated + 1
         code = _finish_code(
-            tok, n_after, st.prompt_len, st.limit, st.forced, st.stop_ids, max_total
+            tok, n_after, st.prompt_len, st.limit, st.forced, st.stop_ids, max_total, st.pause_at
         )
         tok_buf = tok_buf.at[:, step].set(jnp.where(act, tok, 0))
         logp_buf = logp_buf.at[:, step].set(jnp.where(act, logp, 0.0))

@@ -15,9 +15,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-FinishReason = Literal["stop", "length", "context", "forced"]
-# Device-side finish codes (0 = still running), shared with the engine.
-FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "context", "forced")
+FinishReason = Literal["stop", "length", "context", "forced", "paused"]
+# Device-side finish codes (0 = still running), shared with the engine. "paused": the
+# request's `segment_tokens` ran out before it finished (partial rollout): a partial
+# sample, to be continued by a request with its `Continuation`.
+FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "context", "forced", "paused")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,6 +80,8 @@ class RequestTag:
       member: index of the sample in its group.
       prompt_id: the problem's id.
       eval_version: the policy version a held-out evaluation scores; None for training.
+      round: partial rollout (pipeline.partial_budget_tokens): the round (step) whose
+        generation this segment belongs to; -1 outside partial rollout.
     """
 
     batch: int = -1
@@ -85,10 +89,43 @@ class RequestTag:
     member: int = 0
     prompt_id: str = ""
     eval_version: int | None = None
+    round: int = -1  # partial rollout: the generation round of this segment (-1: = batch)
 
     @property
     def is_eval(self) -> bool:
         return self.eval_version is not None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Continuation:
+    """The response a paused sample already has: the engine re-prefills prompt + these
+    tokens and samples on from token number len(tokens) (same per-token keys, so under
+    the same weights the continuation draws what the uninterrupted sample would).
+
+    Attributes:
+      tokens: i32[K] response tokens so far (K >= 1).
+      logprobs: f32[K] their behaviour log-probs.
+      sampling_logprobs: f32[K].
+      versions: i32[K] the version that sampled each.
+      admit: wall time the sample was first admitted.
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    sampling_logprobs: np.ndarray
+    versions: np.ndarray
+    admit: float = 0.0
+
+    @classmethod
+    def of(cls, sample: Sample) -> Continuation:
+        """Where a paused sample stopped."""
+        return cls(
+            tokens=np.asarray(sample.response, np.int32),
+            logprobs=np.asarray(sample.logprobs, np.float32),
+            sampling_logprobs=np.asarray(sample.sampling_logprobs, np.float32),
+            versions=sample.versions(),
+            admit=sample.timings.admit,
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,6 +147,10 @@ class GenerationRequest:
       tag: the pipeline's routing of the sample (batch, group, member, ...), echoed.
       metadata: the task's payload for the reward function (its answer, task
         name, ...), echoed; opaque to the engine and the pipeline.
+      segment_tokens: partial rollout: pause after this many new tokens (finish
+        reason "paused") unless the sample finishes first; None = never pause.
+      continuation: the response of a paused sample to continue (re-prefilled);
+        the sample returned holds the whole response, continuation first.
     """
 
     request_id: Any
@@ -121,6 +162,13 @@ class GenerationRequest:
     priority: float = 0.0
     tag: RequestTag = RequestTag()
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    segment_tokens: int | None = None
+    continuation: Continuation | None = None
+
+    @property
+    def generated(self) -> int:
+        """Response tokens the request already has (its continuation's)."""
+        return 0 if self.continuation is None else len(self.continuation.tokens)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -151,6 +199,9 @@ class Sample:
       policy_version: weights version when the sample was admitted (prefill).
       last_policy_version: weights version of its last token; differs from
         `policy_version` only if `update_weights` landed mid-sample.
+      token_versions: i32[R] the weights version that sampled each response token
+        (in-flight weight updates: a sample may span versions); None when the
+        producer did not record them (every token then has `policy_version`).
       instance_id: the generation instance that produced it.
       timings: enqueue / admit / finish wall times.
       tag: from the request.
@@ -169,7 +220,26 @@ class Sample:
     timings: Timings
     tag: RequestTag = RequestTag()
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    token_versions: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.response.shape[0])
+
+    def versions(self) -> np.ndarray:
+        """i32[R]: the version of every response token (`token_versions`, or
+        `policy_version` throughout when none were recorded)."""
+        if self.token_versions is not None:
+            return np.asarray(self.token_versions, np.int32)
+        return np.full((self.num_tokens,), self.policy_version, np.int32)
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest token's version: a sample's lag at step b is b - oldest_version."""
+        v = self.versions()
+        return int(v.min()) if v.size else self.policy_version
+
+    @property
+    def newest_version(self) -> int:
+        v = self.versions()
+        return int(v.max()) if v.size else self.last_policy_version

@@ -4,10 +4,11 @@ Data flow, one module a job:
 
 * `meshes`, `datasets`, `components`: the role meshes, the problems and the
   components of a run (trainers, generation instances, W_0), built once.
-* `schedules`: the modes as schedules (g(b), streaming or not), the version gate
-  and the weight board.
+* `schedules`: the modes as schedules (g(b), streaming or not, in-flight weight
+  updates), the version gate (per-token lag) and the weight board.
 * `driver`: the generation driver (W_{g(b)}, prompts, requests, dispatch, eval).
 * `ingest`: finished samples in: decode, reward, into the grouping stream; evals.
+* `rollout`: partial rollout (rounds, paused samples, continuations, round closure).
 * `micro_batches`: which complete groups the trainer takes next, packed.
 * `trainer_loop`: accumulate per micro-batch, apply, publish W_{b+1}, step hooks.
 * `hooks`: periodic actions with an `every` (checkpoint, ranker refresh, eval).

@@ -3,13 +3,20 @@ thread draining it (DESIGN.md §4).
 
 * **driver**: for batch b = start .. steps-1: W_{g(b)} from `weights`, swapped
   into the service only once every earlier request has finished (so no sample
-  mixes versions); the batch's prompts from `draw`; `make_requests` (per-sample
-  seeds, so a sample depends only on weights, prompt and seed); this process's
-  share of them (`share=(k, G)`: the groups whose index is k mod G; all of them
-  when G = 1); the `LiveScheduler`'s instance plan; then its hooks: the held-out
-  evaluation (its share too) every `eval.every` batches and at batch 0, once per
-  policy version. After the last batch, the final evaluation of W_steps when
-  evaluation is on.
+  mixes versions), or with `pipeline.weight_update="inflight"` at once: each
+  instance takes it at its next decode-chunk boundary while earlier requests
+  keep running (their later tokens record the new version); the batch's prompts
+  from `draw`; `make_requests` (per-sample seeds, so a sample depends only on
+  weights, prompt and seed); this process's share of them (`share=(k, G)`: the
+  groups whose index is k mod G; all of them when G = 1); the `LiveScheduler`'s
+  instance plan; then its hooks: the held-out evaluation (its share too) every
+  `eval.every` batches and at batch 0, once per policy version. After the last
+  batch, the final evaluation of W_steps when evaluation is on.
+* **partial rollout** (`rollout`, `pipeline.partial_budget_tokens`): batch b is
+  round b, its requests segments of at most the budget plus the continuations of
+  the samples paused in round b - 1 (`rollout.py`); the collector hands a paused
+  sample back to the rollout (its continuation is submitted at once when its round
+  is open) instead of to `emit`.
 * **collector**: each finished sample, the moment it completes, goes to `emit`:
   in one process the run scores it and puts it into the sample stream
   (`ingest.py`); in a generation process it is sent to the training process
@@ -35,6 +42,7 @@ from streamrl_jax.generation.service import GenerationService, StreamClosed
 from streamrl_jax.generation.types import GenerationRequest, RequestTag, Sample, SamplingParams
 from streamrl_jax.mailbox import FailureLatch
 from streamrl_jax.pipeline.hooks import Hooks
+from streamrl_jax.pipeline.rollout import PartialRollout
 from streamrl_jax.pipeline.schedules import Schedule
 from streamrl_jax.pipeline.shards import TrainingGroup
 from streamrl_jax.scheduling.live import LiveScheduler
@@ -59,6 +67,7 @@ class GenerationDriver:
         expected_ids: dict[int, list[str]] | None = None,
         share: tuple[int, int] = (0, 1),
         emit_component: str = "generation service",
+        rollout: PartialRollout | None = None,
     ):
         """Args:
         cfg: the experiment.
@@ -76,13 +85,16 @@ class GenerationDriver:
         expected_ids: batch -> prompt ids the batch must draw (resume check).
         share: (k, G): this process keeps groups and eval prompts with index % G == k.
         emit_component: the component named when `emit` raises.
+        rollout: partial rollout (`pipeline.partial_budget_tokens`): batch b is round b,
+          with the continuations of the samples paused in round b - 1; a paused sample
+          goes back to it, never to `emit`.
         """
         self.cfg, self.service, self.live = cfg, service, live
         self.eval_prompts = list(eval_prompts)
         self.weights, self.draw, self.emit, self.latch = weights, draw, emit, latch
         self.start, self.version = start, loaded_version
         self.expected_ids = expected_ids or {}
-        self.share, self.emit_component = share, emit_component
+        self.share, self.emit_component, self.rollout = share, emit_component, rollout
         self.sched = Schedule.from_config(cfg.pipeline)
         self.timeout = cfg.pipeline.timeout_s
         self.sampling = SamplingParams(
@@ -190,8 +202,10 @@ class GenerationDriver:
         self._submit(requests, instances)
 
     def _load(self, version: int) -> None:
-        """W_version into the service, once every earlier request has finished."""
-        self.wait_idle()
+        """W_version into the service: once every earlier request has finished, or in
+        flight (the instances swap at their next chunk boundary, nothing drained)."""
+        if not self.sched.inflight:
+            self.wait_idle()
         self.service.update_weights(self.weights(version), version)
         self.version = version
 
@@ -230,6 +244,8 @@ class GenerationDriver:
                     length_replay=self.cfg.generation.length_replay,
                 )
                 requests = [r for r in requests if self._mine(r.tag.group)]
+                if self.rollout is not None:
+                    requests = self.rollout.open(b, requests)
                 requests, self._instances = self.live.plan(b, requests)
                 self._submit(requests, self._instances)
                 self.hooks.run(b)
@@ -259,11 +275,16 @@ class GenerationDriver:
                     continue
                 except StreamClosed:
                     return
-                if not sample.tag.is_eval:
-                    self.live.observe(sample.prompt, sample.num_tokens)
-                component = self.emit_component
-                self.emit(sample)
-                component = "generation service"
+                out = sample
+                if self.rollout is not None and not sample.tag.is_eval:
+                    out, now = self.rollout.returned(sample)
+                    self._submit(now)  # continuations whose round is already open
+                if out is not None and out.finish_reason != "paused" and not out.tag.is_eval:
+                    self.live.observe(out.prompt, out.num_tokens)
+                if out is not None:
+                    component = self.emit_component
+                    self.emit(out)
+                    component = "generation service"
                 with self._cv:
                     self._collected += 1
                     self._cv.notify_all()

@@ -109,7 +109,10 @@ class _Run:
             # A resumed run's service holds the build's W_0: always load its version.
             loaded_version=0 if resume is None else -1,
             expected_ids=resume.expected_ids if resume is not None else None,
+            rollout=parts.rollout,
         )
+        for sample in [] if resume is None else resume.carried:
+            parts.ingest.on_sample(sample)  # scored again; its group completes later
         return threads + self.driver.start_threads()
 
     def train(self, progress: Progress) -> bool:

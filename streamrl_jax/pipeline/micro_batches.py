@@ -29,6 +29,7 @@ import numpy as np
 from streamrl_jax import algorithms
 from streamrl_jax.config import PipelineSection
 from streamrl_jax.generation.types import Sample
+from streamrl_jax.pipeline.rollout import PartialRollout
 from streamrl_jax.pipeline.schedules import Schedule, VersionGate
 from streamrl_jax.pipeline.shards import TrainingGroup
 from streamrl_jax.rewards.base import RewardResult
@@ -82,14 +83,18 @@ def pack_groups(
 
     The buckets, `shared_prompt`, `pack` and `loss_chunk` are the trainer's
     (`TrainerConfig.layout`).
-    Appends to `stats` lists: reward, correct, format_ok, length, truncated, versions.
+    Appends to `stats` lists: reward, correct, format_ok, length, truncated, versions (each
+    sample's oldest token version) and spans (1 for a sample whose tokens span versions).
     `advantage="gae"` leaves the advantages at 0 (the critic fills them on device).
     """
-    kept = [
-        g
-        for g in groups
-        if all([gate.admit(step, s.sample.policy_version, s.sample.request_id) for s in g])
-    ]
+
+    def admit(s: Scored) -> bool:
+        x = s.sample
+        if x.finish_reason == "paused":  # partial rollout: past max_lag, lag_policy="drop"
+            return gate.refuse(step, x.oldest_version, x.request_id, "a paused partial sample")
+        return gate.admit(step, x.oldest_version, x.request_id, x.newest_version)
+
+    kept = [g for g in groups if all([admit(s) for s in g])]
     if not kept:
         return None
     samples = [s for g in kept for s in g]
@@ -104,14 +109,17 @@ def pack_groups(
     stats["format_ok"] += [float(s.reward.format_ok) for s in samples]
     stats["length"] += [len(s.sample.response) for s in samples]
     stats["truncated"] += [float(s.sample.finish_reason != "stop") for s in samples]
-    stats["versions"] += [s.sample.policy_version for s in samples]
+    # The oldest token's version: staleness = lag = step - this (DESIGN.md §2, §6).
+    stats["versions"] += [s.sample.oldest_version for s in samples]
+    spans = [float(s.sample.newest_version > s.sample.oldest_version) for s in samples]
+    stats.setdefault("spans", []).extend(spans)
     return make_batch(
         [s.sample.prompt for s in samples],
         [s.sample.response for s in samples],
         behaviour_logp=[s.sample.logprobs for s in samples],
         advantages=adv,
         rewards=rewards,
-        group_ids=[s.sample.tag.group for s in samples],  # unique in the global batch
+        group_ids=_group_ids(kept),
         seq_buckets=seq_buckets,
         batch_buckets=batch_buckets,
         shared_prompt=shared_prompt,
@@ -119,6 +127,14 @@ def pack_groups(
         loss_chunk=loss_chunk,
         pad_id=pad_id,
     )
+
+
+def _group_ids(groups: list[Group]) -> list[int]:
+    """Per sample, its group's id, unique in the micro-batch: the group index in its
+    batch, or with partial rollout (groups of several batches) the index in the list."""
+    if len({g[0].sample.tag.batch for g in groups}) <= 1:
+        return [s.sample.tag.group for g in groups for s in g]
+    return [i for i, g in enumerate(groups) for _ in g]
 
 
 class GroupTaker:
@@ -131,15 +147,20 @@ class GroupTaker:
         stream: SampleStream[Scored],
         group: TrainingGroup | None,
         timeout: float,
+        rollout: PartialRollout | None = None,
     ):
         self.p, self.schedule, self.stream = p, schedule, stream
-        self.group, self.timeout = group, timeout
+        self.group, self.timeout, self.rollout = group, timeout, rollout
         self._parked: dict[int, list[Group]] = {}  # batch -> groups taken early
+        self._by_key: dict[tuple[int, int], Group] = {}  # partial rollout: taken early
 
     def micro_batches(self, b: int, k: int) -> Iterator[list[Group]]:
         """The groups of each micro-batch of mini-batch k of batch b, taken lazily (each
         once the previous micro-batch is accumulated)."""
         p = self.p
+        if self.rollout is not None:
+            yield from self._round(b)
+            return
         if self.group is not None:
             own = self.group.own
             for j in range(own.micro_batches()):
@@ -160,6 +181,33 @@ class GroupTaker:
                 groups = self._take(b, self.schedule.min_groups(p, remaining), count)
             remaining -= len(groups)
             yield groups
+
+    def _round(self, b: int) -> Iterator[list[Group]]:
+        """Partial rollout: the groups that round b completed (of any batch), once it
+        closed; deterministic: in (batch, group) order, members in member order."""
+        want = self.rollout.wait_round(b, self.timeout)
+        p, i = self.p, 0
+        while i < len(want):
+            if p.deterministic:
+                keys = want[i : i + p.micro_batch_groups]
+            else:  # whichever are ready first (scored), at least min_groups of them
+                keys = self._ready(want[i:], min(p.min_groups, len(want) - i))
+                keys = keys[: p.micro_batch_groups]
+                want[i:] = keys + [k for k in want[i:] if k not in keys]
+            i += len(keys)
+            yield [sorted(self._key(k), key=lambda s: s.sample.tag.member) for k in keys]
+
+    def _ready(self, want: list[tuple[int, int]], at_least: int) -> list[tuple[int, int]]:
+        while sum(k in self._by_key for k in want) < at_least:
+            for group in self.stream.get_groups(min_groups=1, max_groups=1, timeout=self.timeout):
+                self._by_key[group_key(group[0])] = group
+        return [k for k in want if k in self._by_key]
+
+    def _key(self, key: tuple[int, int]) -> Group:
+        while key not in self._by_key:
+            for group in self.stream.get_groups(min_groups=1, max_groups=1, timeout=self.timeout):
+                self._by_key[group_key(group[0])] = group
+        return self._by_key.pop(key)
 
     def _take(self, batch: int, min_groups: int, max_groups: int) -> list[Group]:
         """Complete groups of `batch`, parking groups of later batches for later."""

@@ -2,11 +2,12 @@
 
 `wire(cfg, components, workdir)` creates them in dependency order: the
 supervisor (failure latch, watchdog), the schedule, the weight board, the
-grouping sample stream, the trace and metrics writers, the generation meter,
-the evaluations, ingest (reward pool, sample log), the run's checkpoints and
-the live scheduler (dispatch, ranker, elasticity; its ranker is saved with the
-checkpoints). The first failure reported to the supervisor fails the stream and
-the board, so every wait on them wakes at once.
+grouping sample stream, the trace and metrics writers, the generation meter, the
+evaluations, ingest (reward pool, sample log), the run's checkpoints and the
+live scheduler (dispatch, ranker, elasticity; its ranker is saved with the
+checkpoints) and, with partial rollout, the `PartialRollout` (saved with them
+too). The first failure reported to the supervisor fails the stream and the
+board, so every wait on them wakes at once.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from streamrl_jax.pipeline.components import Components
 from streamrl_jax.pipeline.ingest import Evaluations, Ingest
 from streamrl_jax.pipeline.micro_batches import Scored, group_key
 from streamrl_jax.pipeline.resume import RunCheckpoints
+from streamrl_jax.pipeline.rollout import PartialRollout
 from streamrl_jax.pipeline.schedules import Schedule, WeightBoard
 from streamrl_jax.pipeline.step_metrics import GenerationMeter
 from streamrl_jax.pipeline.supervisor import Shutdown, Supervisor
@@ -41,12 +43,15 @@ class RunParts:
     ingest: Ingest
     ckpts: RunCheckpoints
     live: LiveScheduler
+    rollout: PartialRollout | None  # partial rollout (pipeline.partial_budget_tokens)
 
     def interrupt(self) -> None:
         """SIGINT/SIGTERM (the watchdog's stop): end the trainer's and driver's waits
         with `Shutdown`, which the trainer turns into a checkpointed stop."""
         self.stream.fail(Shutdown("shutdown requested by signal"), "shutdown")
         self.board.fail(Shutdown("shutdown requested by signal"))
+        if self.rollout is not None:
+            self.rollout.fail(Shutdown("shutdown requested by signal"))
 
 
 def wire(
@@ -81,8 +86,11 @@ def wire(
         workdir=workdir,
         sandbox=c.reward_sandbox,
     )
+    rollout = PartialRollout(p, schedule) if p.partial_budget_tokens else None
     directory, processes = checkpoints or (None, None)
-    ckpts = RunCheckpoints(cfg, c, workdir, schedule, directory=directory, processes=processes)
+    ckpts = RunCheckpoints(
+        cfg, c, workdir, schedule, rollout, directory=directory, processes=processes
+    )
     live = LiveScheduler(cfg, cfg.mesh.instance_slots, c.model_cfg.vocab_size)
     ckpts.ranker = live.ranker  # saved and restored with the checkpoints
     board = WeightBoard()
@@ -90,6 +98,8 @@ def wire(
     def failed(component: str, exc: BaseException) -> None:  # wake every wait at once
         stream.fail(exc, component)
         board.fail(exc)
+        if rollout is not None:
+            rollout.fail(exc)
 
     sup.latch.add_listener(failed)
     return RunParts(
@@ -104,4 +114,5 @@ def wire(
         ingest=ingest,
         ckpts=ckpts,
         live=live,
+        rollout=rollout,
     )

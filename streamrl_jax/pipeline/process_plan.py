@@ -7,8 +7,9 @@ feeding its own slice of every micro-batch (`shards.py`). Addresses go through
 the coordination service under the keys below; no port is configured.
 
 Not supported across processes yet (an error at start-up, on every process):
-colocated mode; elastic instances; training processes that cannot split every
-micro-batch equally. Checkpoints are written by
+colocated mode; in-flight weight updates and partial rollout (the wire carries
+neither per-token versions nor paused samples yet); elastic instances; training
+processes that cannot split every micro-batch equally. Checkpoints are written by
 the training processes (orbax's active set, `checkpoint/manager.py`); the
 generation processes learn where a resumed run starts under `START_KEY`.
 """
@@ -41,6 +42,19 @@ def check_supported(
             f"training, so it runs in one process; this program has {n} "
             "(STREAMRL_NUM_PROCESSES). Use disaggregated_batch, stream_sync or stream_async, "
             "or run one process."
+        )
+    if cfg.pipeline.weight_update == "inflight":
+        raise ValueError(
+            f"pipeline.weight_update='inflight' runs in one process only; this program has "
+            f"{n} (STREAMRL_NUM_PROCESSES): the wire does not carry per-token versions yet. "
+            "Use weight_update='boundary', or run one process."
+        )
+    if cfg.pipeline.partial_budget_tokens > 0:
+        raise ValueError(
+            f"pipeline.partial_budget_tokens={cfg.pipeline.partial_budget_tokens}: partial "
+            f"rollout runs in one process only; this program has {n} "
+            "(STREAMRL_NUM_PROCESSES): the wire does not carry paused samples yet. "
+            "Set pipeline.partial_budget_tokens=0, or run one process."
         )
     if num_processes is not None and num_processes - generation_processes > 1:
         try:

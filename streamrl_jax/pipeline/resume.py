@@ -9,7 +9,9 @@
   W_v for v in [g(k), k) that batches >= k still need (the published
   generation copies, from the weight board), the prompt-iterator state at the
   start of batch k, the run seed and the prompt ids of the drawn but untrained
-  batches (`in_flight`), plus a config snapshot.
+  batches (`in_flight`), with partial rollout the work carried into round k (the
+  paused samples: tokens, per-token versions and log-probs; the finished members of
+  groups not complete yet), plus a config snapshot.
 * **restore()** puts all of that back: the states into this run's trainer
   shardings (any mesh shape), the generation weights onto every generation
   instance (republished on the board under their versions), the prompt
@@ -39,7 +41,9 @@ from absl import logging
 from streamrl_jax import checkpoint as ckpt_lib
 from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.errors import UserError
+from streamrl_jax.generation.types import Sample
 from streamrl_jax.pipeline.components import Components
+from streamrl_jax.pipeline.rollout import PartialRollout
 from streamrl_jax.pipeline.schedules import Schedule, WeightBoard
 from streamrl_jax.weight_sync import Published
 
@@ -58,6 +62,8 @@ class ResumePoint:
       prompts: the prompt iterator's state at the start of `batch` (already set on
         this process's iterator; a multi-controller run hands it to its generation
         processes).
+      carried: partial rollout: the finished members of incomplete groups, to hand to
+        ingest again (the paused samples are back in the `PartialRollout`).
     """
 
     batch: int
@@ -65,6 +71,7 @@ class ResumePoint:
     expected_ids: dict[int, list[str]]
     step: int
     prompts: dict[str, Any] = dataclasses.field(default_factory=dict)
+    carried: list[Sample] = dataclasses.field(default_factory=list)
 
 
 class ResumeMismatch(UserError):
@@ -82,6 +89,10 @@ def run_identity(cfg: ExperimentConfig) -> dict[str, Any]:
         "prompts_per_step": p.prompts_per_step,
         "group_size": p.group_size,
         "mini_batches": p.mini_batches,
+        "weight_update": p.weight_update,
+        "max_lag": p.max_lag,
+        "partial_budget_tokens": p.partial_budget_tokens,
+        "lag_policy": p.lag_policy,
         "data.tasks": d.tasks,
         "data.task_config": d.task_config,
         "data.train_seed": d.train_seed,
@@ -107,11 +118,13 @@ class RunCheckpoints:
         c: Components,
         workdir: str,
         sched: Schedule,
+        rollout: PartialRollout | None = None,
         *,
         directory: str | None = None,
         processes: tuple[int, ...] | None = None,
     ):
         self.cfg, self.c, self.workdir, self.sched = cfg, c, workdir, sched
+        self.rollout = rollout
         ck = cfg.checkpoint
         self.directory = directory or os.path.join(workdir, "checkpoints")
         self.enabled = ck.every > 0
@@ -182,6 +195,9 @@ class RunCheckpoints:
             "prompts": prompts,
             "in_flight": in_flight,
             "consumed": k * self.cfg.pipeline.prompts_per_step,
+            # Partial rollout: the work carried into round k (paused samples, finished
+            # members of incomplete groups), continued by the resumed run.
+            "rollout": self.rollout.snapshot(k) if self.rollout is not None else None,
             # The KL reference never changes: a pointer to where it is reloaded from.
             "ref": {"init_from": self.cfg.init_from, "model_source": self.cfg.model.source},
             "config": str(self.cfg),
@@ -290,6 +306,9 @@ class RunCheckpoints:
             gen[v] = [Published(jax.device_put(tree, dst), v) for dst in dests]
         self.c.prompts.set_state(meta["prompts"])
         k = int(meta["next_batch"])
+        carried = []
+        if self.rollout is not None:
+            carried = self.rollout.restore(k, meta.get("rollout") or {})
         self._truncate_consumed(k)
         logging.info(
             "resumed from checkpoint %d (%s): next batch %d, generation versions %s",
@@ -304,6 +323,7 @@ class RunCheckpoints:
             expected_ids={int(b): ids for b, ids in meta.get("in_flight", {}).items()},
             step=step,
             prompts=meta["prompts"],
+            carried=carried,
         )
 
 

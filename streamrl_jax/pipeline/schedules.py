@@ -8,7 +8,14 @@ W_{b+1}; batch b is generated with W_{g(b)}:
 
 A sample trained at step b must have version >= b - s (s = 0 for the
 synchronous modes); `VersionGate` counts and drops older ones, or raises in
-strict mode. `WeightBoard` is where the trainer publishes W_v and the
+strict mode.
+
+The in-flight extension (`pipeline.weight_update="inflight"`, stream_async):
+the generation side takes each new version at the next decode-chunk boundary
+without draining, so a sample may span versions and the unit of versioning is
+the token. A sample's lag at step b is b - (its oldest token's version); the
+gate admits lag <= `max_lag` (default s: the same bound as the four modes) and
+no token newer than W_b. `WeightBoard` is where the trainer publishes W_v and the
 generation driver waits for it, with a timeout that names the stalled side.
 """
 
@@ -29,14 +36,19 @@ class Schedule:
     staleness: int  # s; 0 for the synchronous modes
     streaming: bool  # train on complete groups as they arrive
     colocated: bool  # one device set for both stages
+    inflight: bool = False  # new weights at the next chunk boundary, without draining
+    max_lag: int = 0  # the gate's bound on step - oldest token version (>= staleness)
 
     @classmethod
     def from_config(cls, p: PipelineSection) -> Schedule:
+        staleness = p.staleness if p.mode == "stream_async" else 0
         return cls(
             mode=p.mode,
-            staleness=p.staleness if p.mode == "stream_async" else 0,
+            staleness=staleness,
             streaming=p.mode in ("stream_sync", "stream_async"),
             colocated=p.mode == "colocated",
+            inflight=p.weight_update == "inflight",
+            max_lag=p.max_lag or staleness,
         )
 
     def generation_version(self, batch: int) -> int:
@@ -53,22 +65,39 @@ class StaleSampleError(RuntimeError):
 
 
 class VersionGate:
-    """Enforces version >= b - s for samples trained at step b."""
+    """Enforces b - max_lag <= every token's version <= b for samples trained at step b
+    (max_lag = s unless `pipeline.max_lag` widens it)."""
 
     def __init__(self, schedule: Schedule, strict: bool):
         self.schedule = schedule
         self.strict = strict
         self.dropped = 0
 
-    def admit(self, step: int, version: int, sample_id: Any) -> bool:
-        """True if a sample of `version` may be trained at `step`; counts drops."""
-        oldest = step - self.schedule.staleness
-        if version >= oldest and version <= step:
+    def admit(self, step: int, version: int, sample_id: Any, newest: int | None = None) -> bool:
+        """True if a sample whose tokens span versions `version` (the oldest) ..
+        `newest` (default: `version`) may be trained at `step`; counts drops."""
+        oldest = step - self.schedule.max_lag
+        newest = version if newest is None else newest
+        if version >= oldest and newest <= step:
             return True
+        what = f"version {version}"
+        if newest != version:
+            what = f"tokens of versions {version}..{newest}"
         message = (
-            f"sample {sample_id} has policy version {version}; step {step} in mode "
+            f"sample {sample_id} has policy {what}; step {step} in mode "
             f"{self.schedule.mode} accepts versions {oldest}..{step}"
         )
+        return self._drop(message)
+
+    def refuse(self, step: int, version: int, sample_id: Any, what: str) -> bool:
+        """Drops (counts, or raises in strict mode) a sample that may never be trained:
+        partial rollout's paused sample past `max_lag` (lag_policy="drop"). False."""
+        return self._drop(
+            f"sample {sample_id} is {what} from version {version}: its lag at step "
+            f"{step} or later passes max_lag {self.schedule.max_lag}"
+        )
+
+    def _drop(self, message: str) -> bool:
         if self.strict:
             raise StaleSampleError(message)
         self.dropped += 1

@@ -35,6 +35,7 @@ SAMPLE_MEANS = {
     "format_ok": "format_ok",
     "response_len": "length",
     "truncated": "truncated",
+    "mixed_versions": "spans",  # samples whose tokens span versions (in-flight updates)
 }
 
 
@@ -99,7 +100,8 @@ def sample_stats(
 
     Args:
       batch: the step b (staleness = b - version, averaged).
-      stats: per-sample lists (reward, correct, format_ok, length, truncated, versions).
+      stats: per-sample lists (reward, correct, format_ok, length, truncated, versions:
+        the oldest token's version, spans).
       dropped: stale samples dropped so far (the version gate's count).
       group: the training processes to sum over (None: this process alone).
     """
@@ -107,14 +109,16 @@ def sample_stats(
     sums += [float(np.sum([batch - v for v in stats["versions"]])), float(dropped)]
     sums.append(float(len(stats["reward"])))
     longest = max(stats["length"], default=0)
+    lag = max([batch - v for v in stats["versions"]], default=0)
     if group is not None:
-        sums, longest = group.sum(sums), group.max([longest])[0]
+        sums, (longest, lag) = group.sum(sums), group.max([longest, lag])
     *totals, staleness, dropped_total, n = sums
     mean = lambda x: x / n if n else float("nan")
     out = {k: mean(x) for k, x in zip(SAMPLE_MEANS, totals, strict=True)}
     out |= {
         "response_len_max": float(longest),
-        "staleness": mean(staleness),
+        "staleness": mean(staleness),  # = the mean lag: step - oldest token version
+        "lag_max": float(lag),
         "dropped_stale": dropped_total,
     }
     return out, int(n)

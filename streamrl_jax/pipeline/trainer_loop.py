@@ -92,7 +92,10 @@ class TrainerLoop:
         p = cfg.pipeline
         self.timeout = p.timeout_s
         self.gate = VersionGate(self.schedule, strict=p.strict_versions)
-        self.taker = micro_batches.GroupTaker(p, self.schedule, self.stream, group, self.timeout)
+        self.rollout = parts.rollout
+        self.taker = micro_batches.GroupTaker(
+            p, self.schedule, self.stream, group, self.timeout, rollout=self.rollout
+        )
         self.trained = start  # batches trained so far (the next checkpoint's step)
         self.at_boundary = True  # the state is W_trained (no mini-batch step of a batch yet)
         self._one = c.trainer.scalar(1.0)  # the micro-batch normaliser, on the training mesh
@@ -130,7 +133,10 @@ class TrainerLoop:
                 if drawn is not None:
                     micro_batches.check_prompts(b, groups, drawn)
                 self._accumulate(b, groups, step)
-            self._apply(b, k, step)
+            if step.micro or self.rollout is None:
+                self._apply(b, k, step)
+            # else: partial rollout, a round that completed no trainable group: no update
+            # (W_{b+1} = W_b is still published: versions count steps).
         sync_s = self._publish(b + 1)
         self.at_boundary, self.trained = True, b + 1
         self.supervisor.tick("trainer")
@@ -156,12 +162,21 @@ class TrainerLoop:
             "stream_backpressure_s": m.producer_wait_s - waits0.producer_wait_s,
             "weight_sync_s": sync_s,
             "samples_per_s": (done + n) / (now - t_run),
+            "samples": float(n),  # trained this step (partial rollout: varies by step)
             "micro_batches": float(step.micro),
             "optimizer_steps": float(len(step.device)),
             "reward_errors": float(self.rewards.num_errors),
             "reward_timeouts": float(self.rewards.num_timeouts),
             "watchdog_alerts": float(len(self.supervisor.alerts)),
         }
+        if self.rollout is not None:
+            carried = self.rollout.in_flight()
+            row |= {
+                "carried_paused": float(carried["paused"]),
+                "carried_members": float(carried["waiting_members"]),
+                "regenerated": float(self.rollout.regenerated),
+                "dropped_lag": float(self.rollout.dropped),
+            }
         row |= self.live.end_of_step(b, self.meter.pop_span(b), step.busy_s)
         self.steps.add(row, list(step.stats["versions"]), step.device)
         self.hooks.run(self.trained)

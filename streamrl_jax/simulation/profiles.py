@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from streamrl_jax.simulation import generation
+from streamrl_jax.simulation.inflight import run_inflight
 from streamrl_jax.simulation.pipeline import run_schedule
 from streamrl_jax.simulation.scenario import MODES
 
@@ -156,6 +157,38 @@ def costs_from_profile(profile: dict[str, Any], colocated: bool) -> MeasuredCost
     )
 
 
+def _replay(prompt: np.ndarray, resp: np.ndarray, batch: int, iterations: int) -> list:
+    """The trace in order, `batch` samples a step, wrapping around when it is shorter."""
+    idx = np.arange(batch * iterations) % resp.size
+    return [
+        (prompt[idx[i * batch : (i + 1) * batch]], resp[idx[i * batch : (i + 1) * batch]])
+        for i in range(iterations)
+    ]
+
+
+def _inflight(profile: dict[str, Any], prompt: np.ndarray, resp: np.ndarray, chunk: int) -> float:
+    """The in-flight mode (simulation/inflight.py) on the profile's measured costs; its
+    settings from the profile's `inflight` section (budget tokens, staleness, and its own
+    iterations and warmup: its rounds take longer to fill) and `group_size`."""
+    spec = _need(profile, "inflight", "")
+    warmup = int(spec.get("warmup", profile.get("warmup", 1)))
+    batches = _replay(prompt, resp, int(profile.get("global_batch", resp.size)),
+                      int(spec.get("iterations", profile.get("iterations", 2))))  # fmt: skip
+    res = run_inflight(
+        costs=costs_from_profile(profile, False),
+        batches=batches,
+        gen_devices=int(profile.get("gen_instances", 1)),
+        train_devices=int(profile.get("train_devices", 1)),
+        tp=1,
+        budget=int(_need(spec, "budget_tokens", "inflight.")),
+        staleness=int(spec.get("staleness", 1)),
+        warmup=warmup,
+        group_size=int(profile.get("group_size", 1)),
+        chunk=chunk,
+    )
+    return res.samples_per_s
+
+
 def predict(profile: dict[str, Any], modes: tuple[str, ...] = MODES, seed: int = 0) -> dict:
     """Predicted samples/s per mode for a measured profile (and the measured ones, if any)."""
     lens = _need(profile, "lengths", "")
@@ -169,18 +202,16 @@ def predict(profile: dict[str, Any], modes: tuple[str, ...] = MODES, seed: int =
     if batch < 1 or not 0 <= warmup < iterations:
         raise ValueError("profile fields global_batch >= 1 and 0 <= warmup < iterations")
     rng = np.random.default_rng(seed)
-    # Replay the trace in order, wrapping around when it is shorter than the run.
-    idx = np.arange(batch * iterations) % resp.size
-    batches = [
-        (prompt[idx[i * batch : (i + 1) * batch]], resp[idx[i * batch : (i + 1) * batch]])
-        for i in range(iterations)
-    ]
+    batches = _replay(prompt, resp, batch, iterations)
     chunk = int(_need(profile, "decode", "").get("chunk_steps", 1))
     if chunk < 1:
         raise ValueError(f"profile field decode.chunk_steps must be >= 1, got {chunk}")
     gen_lengths = [-(-r // chunk) * chunk for _, r in batches]
     out: dict[str, Any] = {"predicted_samples_per_s": {}}
     for mode in modes:
+        if mode == "inflight":
+            out["predicted_samples_per_s"][mode] = _inflight(profile, prompt, resp, chunk)
+            continue
         colocated = mode == "colocated"
         costs = costs_from_profile(profile, colocated)
         key = "colocated_instances" if colocated else "gen_instances"

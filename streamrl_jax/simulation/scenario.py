@@ -17,6 +17,8 @@ from streamrl_jax.simulation.dispatch import DISPATCHES
 from streamrl_jax.simulation.hardware import Hardware, Model
 
 MODES = ("colocated", "disaggregated_batch", "stream_sync", "stream_async")
+# stream_async with in-flight weight updates and partial rollout (simulation/inflight.py)
+INFLIGHT = "inflight"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -24,7 +26,7 @@ class Scenario:
     """One RL iteration stream on one pod.
 
     Attributes:
-      mode: one of MODES.
+      mode: one of MODES, or INFLIGHT.
       model: the policy model (critic and reference have the same shape).
       hw: accelerator type.
       devices: accelerators in the pod.
@@ -44,6 +46,8 @@ class Scenario:
       alpha: long-tail share for skew-aware dispatch.
       dispatch_objective: "max" or "sum" of the two groups' predicted latencies.
       staleness: policy lag of stream_async (the paper's StreamRL-Async is 1).
+      partial_budget_tokens: INFLIGHT: tokens per sample per round; None = a quarter of
+        the trace's longest response.
       iterations: training steps simulated.
       warmup: first steps excluded from throughput (pipeline fill).
       seed: seed of the length draws and the dispatch / ranker randomness.
@@ -66,14 +70,21 @@ class Scenario:
     alpha: float = 0.2
     dispatch_objective: str = "max"
     staleness: int = 1
+    partial_budget_tokens: int | None = None
     iterations: int = 5
     warmup: int = 2
     seed: int = 0
     params: CostParams = dataclasses.field(default_factory=CostParams)
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"Scenario.mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode not in (*MODES, INFLIGHT):
+            raise ValueError(
+                f"Scenario.mode must be one of {(*MODES, INFLIGHT)}, got {self.mode!r}"
+            )
+        if self.partial_budget_tokens is not None and self.partial_budget_tokens < 1:
+            raise ValueError(
+                f"Scenario.partial_budget_tokens must be >= 1, got {self.partial_budget_tokens}"
+            )
         if self.devices < 1:
             raise ValueError(f"Scenario.devices must be >= 1, got {self.devices}")
         if self.global_batch < 1:
@@ -139,6 +150,11 @@ class Scenario:
                 f"Scenario.trace.max_len: one {self.trace.max_seq_len}-token sequence does not "
                 f"fit the KV cache of {tp} x {self.hw.name} for {self.model.name}; raise gen_tp"
             )
+
+    @property
+    def budget(self) -> int:
+        """INFLIGHT: tokens per sample per round."""
+        return self.partial_budget_tokens or -(-self.trace.max_len // 4)
 
     @property
     def disaggregated(self) -> bool:

@@ -13,8 +13,9 @@ import numpy as np
 
 from streamrl_jax.scheduling import lengths
 from streamrl_jax.simulation import generation, stages
+from streamrl_jax.simulation.inflight import run_inflight
 from streamrl_jax.simulation.pipeline import SimResult, run_schedule
-from streamrl_jax.simulation.scenario import MODES, Scenario
+from streamrl_jax.simulation.scenario import INFLIGHT, MODES, Scenario
 
 
 def draw_batches(
@@ -85,17 +86,21 @@ def simulate(scenario: Scenario, costs: stages.CostSource | None = None) -> SimR
             generation.plan_batch(spec, n_inst, resp, recent, rng=rng, **plan_kwargs(scenario))
         )
         recent = resp  # the dispatcher's representative lengths come from the last batch
-    return run_schedule(
-        mode=scenario.mode,
+    common = dict(
         costs=costs,
         batches=batches,
-        plans=plans,
         gen_devices=split.gen_devices,
         train_devices=split.train_devices,
         tp=scenario.tp,
         staleness=scenario.staleness,
         warmup=scenario.warmup,
     )
+    if scenario.mode == INFLIGHT:
+        # Admissions every budget/16 decode steps (a chunk), so a pod-scale round is a few
+        # hundred host steps per instance, not one per token.
+        budget = scenario.budget
+        return run_inflight(budget=budget, chunk=max(1, budget // 16), **common)
+    return run_schedule(mode=scenario.mode, plans=plans, **common)
 
 
 def simulate_modes(
