@@ -111,8 +111,9 @@ def _one_process(mode, tmp_path_factory, **overrides):
 
 # Every case launches 2-4 real processes (40-70 s each on 2 shared cores). The default
 # run covers stream_async (one reference run) with one training process bit for bit
-# (2 processes) and with two generation and two training processes (4 processes), and
-# a killed trainer (2 processes); the other combinations are `-m extended`
+# (2 processes) and with two generation and two training processes (4 processes), a
+# killed trainer (2 processes) and a checkpoint, kill and resume (2 processes); the
+# other combinations, the critic included, are `-m extended`
 # (python -m pytest -q -m extended tests/multicontroller_test.py).
 _EXT = pytest.mark.extended
 
@@ -225,7 +226,11 @@ def test_device_to_device_weights_give_the_one_process_parameters(tmp_path, tmp_
     )
 
 
-@pytest.mark.parametrize("processes, generation", [(2, 1), pytest.param(4, 2, marks=_EXT)])
+# The critic across processes: extended since the checkpoint/kill/resume case joined the
+# default run (the suite's ~10 minute budget); the in-process critic tests stay default.
+@pytest.mark.parametrize(
+    "processes, generation", [pytest.param(2, 1, marks=_EXT), pytest.param(4, 2, marks=_EXT)]
+)
 def test_processes_train_the_critic_like_one_process(
     processes, generation, tmp_path, tmp_path_factory
 ):
