@@ -87,6 +87,7 @@ def _trainer_dies_on_call(n):
     return mock.patch.object(Trainer, "accumulate", accumulate)
 
 
+@pytest.mark.extended  # the default suite's ~10 min budget; `-m extended` runs it
 def test_resume_after_three_stops_gives_the_reference_parameters(reference, tmp_path):
     ref, ref_dir = reference
     workdir = str(tmp_path)
@@ -217,6 +218,7 @@ def test_checkpoint_write_failure_names_the_writer(tmp_path):
     assert not _pipeline_threads()
 
 
+@pytest.mark.extended  # the default suite's ~10 min budget; `-m extended` runs it
 def test_resume_with_the_critic_is_exact(tmp_path):
     # The critic's TrainState is part of the checkpoint: 2 steps, then a resumed 3rd,
     # equal bit for bit to 3 uninterrupted steps (deterministic micro-batches).
@@ -238,6 +240,7 @@ def _params_of(state):
     return [np.asarray(x) for x in jax.device_get(jax.tree.leaves(state.params))]
 
 
+@pytest.mark.extended  # the default suite's ~10 min budget; `-m extended` runs it
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(reference, tmp_path, caplog):
     # Checkpoint 3's state is damaged (a torn write, a bad disk): the run resumes from
     # checkpoint 2, warns naming both, and still ends at the reference parameters.

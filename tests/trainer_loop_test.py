@@ -56,6 +56,7 @@ def test_gae_stream_sync_equals_disaggregated_batch(tmp_path_factory):
     assert [r["reward"] for r in stream.steps] == [r["reward"] for r in batch.steps]
 
 
+@pytest.mark.extended  # the default suite's ~10 min budget; `-m extended` runs it
 def test_ppo_with_the_critic_learns_the_tiny_task(tmp_path):
     # The dense vowel reward on the tiny random model, sampling among the 8 likeliest
     # tokens (a random 49k-way softmax is flat: nothing would be re-sampled to learn
