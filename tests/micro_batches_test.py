@@ -47,13 +47,26 @@ def _pack(groups, gate, stats, shared_prompt=False, pack=False, seq_buckets=(16,
     )
 
 
-def test_group_relative_advantages_and_stats():
-    gate = VersionGate(Schedule.from_config(PipelineSection(mode="stream_sync")), strict=False)
-    groups = [
+def _sync_gate() -> VersionGate:
+    return VersionGate(Schedule.from_config(PipelineSection(mode="stream_sync")), strict=False)
+
+
+def _stats() -> dict[str, list]:
+    return {k: [] for k in ("reward", "correct", "format_ok", "length", "truncated", "versions")}
+
+
+def _two_groups():
+    """Group 0 rewards (1, 0); group 1 a tie (0.5, 0.5); all under W_2."""
+    return [
         [_scored(0, 0, 1.0, version=2), _scored(0, 1, 0.0, version=2)],
         [_scored(1, 0, 0.5, version=2), _scored(1, 1, 0.5, version=2)],
     ]
-    stats = {k: [] for k in ("reward", "correct", "format_ok", "length", "truncated", "versions")}
+
+
+def test_group_relative_advantages_and_stats():
+    gate = _sync_gate()
+    groups = _two_groups()
+    stats = _stats()
     batch = _pack(groups, gate, stats)
     adv_per_row = batch.advantages.max(axis=1) + batch.advantages.min(axis=1)
     # Group 0: rewards (1, 0) -> advantages of equal size and opposite sign; group 1: tie -> 0.
@@ -65,8 +78,8 @@ def test_group_relative_advantages_and_stats():
 
 
 def test_stale_groups_are_dropped_and_counted():
-    gate = VersionGate(Schedule.from_config(PipelineSection(mode="stream_sync")), strict=False)
-    stats = {k: [] for k in ("reward", "correct", "format_ok", "length", "truncated", "versions")}
+    gate = _sync_gate()
+    stats = _stats()
     stale = [[_scored(0, 0, 1.0, version=1), _scored(0, 1, 0.0, version=2)]]
     assert _pack(stale, gate, stats) is None
     assert gate.dropped == 1 and stats["reward"] == []
@@ -74,12 +87,9 @@ def test_stale_groups_are_dropped_and_counted():
 
 def test_shared_prompt_packed_groups_keep_the_advantages():
     # The trainer's default layout: each group's prompt once, both groups in one row.
-    gate = VersionGate(Schedule.from_config(PipelineSection(mode="stream_sync")), strict=False)
-    groups = [
-        [_scored(0, 0, 1.0, version=2), _scored(0, 1, 0.0, version=2)],
-        [_scored(1, 0, 0.5, version=2), _scored(1, 1, 0.5, version=2)],
-    ]
-    stats = {k: [] for k in ("reward", "correct", "format_ok", "length", "truncated", "versions")}
+    gate = _sync_gate()
+    groups = _two_groups()
+    stats = _stats()
     plain = _pack(groups, gate, dict(stats))
     packed = _pack(groups, gate, stats, shared_prompt=True, pack=True, seq_buckets=(16, 32))
     # Per group: (4 - 1) + 2 * (3 + 1) = 11 columns; both in one 32-column row.

@@ -65,18 +65,15 @@ def pass_at(n: int, c: int, k: int) -> float:
 
 
 def _engine(cfg, model_cfg, graphdef, params, mesh, tokenizer):
-    from streamrl_jax.generation.engine import Engine, EngineConfig
+    """The run's own engine config (stop ids, lengths, chunk), with --slots slots and
+    prefills of up to 16 prompts (all of a problem's samples share one prompt length)."""
+    import dataclasses
 
-    g = cfg.generation
-    ecfg = EngineConfig(
-        num_slots=_SLOTS.value,
-        max_prompt_length=g.max_prompt_len,
-        max_total_length=g.max_prompt_len + g.max_new_tokens,
-        chunk_steps=g.decode_chunk,
-        prefill_batch=min(_SLOTS.value, 16),
-        stop_ids=tuple(tokenizer.stop_ids),
-        max_stop_ids=max(4, len(tokenizer.stop_ids)),
-    )
+    from streamrl_jax.generation.engine import Engine
+    from streamrl_jax.pipeline.components import engine_config
+
+    ecfg = engine_config(cfg, tokenizer, _SLOTS.value)
+    ecfg = dataclasses.replace(ecfg, prefill_batch=min(_SLOTS.value, 16), admission="fifo")
     return Engine(graphdef, params, model_cfg, ecfg, mesh)
 
 

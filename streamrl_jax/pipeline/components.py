@@ -190,6 +190,21 @@ def _training(cfg: ExperimentConfig, train_mesh: Any) -> _Training:
     return _Training(model_cfg, tokenizer, trainer, state, ref_params, critic, critic_state)
 
 
+def engine_config(cfg: ExperimentConfig, tokenizer: Tokenizer, slots: int) -> EngineConfig:
+    """The engine of a generation instance with `slots` slots, as the run configures it."""
+    g = cfg.generation
+    return EngineConfig(
+        num_slots=slots,
+        max_prompt_length=g.max_prompt_len,
+        max_total_length=g.max_prompt_len + g.max_new_tokens,
+        chunk_steps=g.decode_chunk,
+        prefill_batch=g.prefill_batch,
+        stop_ids=tuple(tokenizer.stop_ids),
+        max_stop_ids=max(4, len(tokenizer.stop_ids)),
+        admission="lpt" if cfg.scheduling.dispatch in ("skew_aware", "oracle") else "fifo",
+    )
+
+
 def _generation_parts(
     cfg: ExperimentConfig,
     model_cfg: model_config.ModelConfig,
@@ -201,20 +216,7 @@ def _generation_parts(
     gen_cfg = model_cfg.replace(param_dtype=gen_dtype, dtype=gen_dtype, remat=False)
     gen_graphdef, abstract = nnx.split(nnx.eval_shape(lambda: llama.create(gen_cfg)))
     instances = mesh_lib.instance_meshes(generate_mesh)
-    g = cfg.generation
-    engine_cfgs = [
-        EngineConfig(
-            num_slots=slots,
-            max_prompt_length=g.max_prompt_len,
-            max_total_length=g.max_prompt_len + g.max_new_tokens,
-            chunk_steps=g.decode_chunk,
-            prefill_batch=g.prefill_batch,
-            stop_ids=tuple(tokenizer.stop_ids),
-            max_stop_ids=max(4, len(tokenizer.stop_ids)),
-            admission="lpt" if cfg.scheduling.dispatch in ("skew_aware", "oracle") else "fifo",
-        )
-        for slots in cfg.mesh.instance_slots
-    ]
+    engine_cfgs = [engine_config(cfg, tokenizer, slots) for slots in cfg.mesh.instance_slots]
     return GenerationParts(
         model_cfg=gen_cfg,
         graphdef=gen_graphdef,
