@@ -134,3 +134,41 @@ def test_sampling_params_validation_names_fields():
         with pytest.raises(ValueError, match=field):
             bad.validate(vocab_size=256, max_stop_ids=4)
     SamplingParams(temperature=0.0, top_k=3, top_p=0.5, stop_ids=(1,)).validate(256, 4)
+
+
+def test_inverse_cdf_picks_the_interval_holding_u_across_blocks():
+    # 600 entries (three blocks, the last one partial); mass on 5 entries spread over them.
+    v = 600
+    logits = np.full((v,), -np.inf, np.float32)
+    support = np.array([3, 255, 256, 511, 599])
+    logits[support] = np.log(np.array([0.1, 0.2, 0.3, 0.15, 0.25], np.float32))
+    edges = np.cumsum([0.1, 0.2, 0.3, 0.15, 0.25])
+    us, want = [], []
+    for lo, hi, tok in zip(np.r_[0.0, edges[:-1]], edges, support, strict=True):
+        us += [lo + 1e-4, (lo + hi) / 2, hi - 1e-4]
+        want += [tok] * 3
+    us += [0.0, np.nextafter(np.float32(1), np.float32(0))]
+    want += [3, 599]
+    got = sampling.inverse_cdf(
+        jnp.broadcast_to(jnp.asarray(logits), (len(us), v)), jnp.asarray(us, jnp.float32)
+    )
+    np.testing.assert_array_equal(jax.device_get(got), want)
+
+
+def test_inverse_cdf_never_picks_a_masked_entry():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(64, 1000)).astype(np.float32)
+    logits[:, rng.random(1000) < 0.9] = -np.inf  # about 100 survivors per row
+    u = np.linspace(0.0, 1.0, 64, endpoint=False, dtype=np.float32)
+    u[-1] = np.nextafter(np.float32(1), np.float32(0))
+    got = jax.device_get(sampling.inverse_cdf(jnp.asarray(logits), jnp.asarray(u)))
+    assert np.all(np.isfinite(logits[np.arange(64), got]))
+
+
+def test_argmax_is_the_first_maximum():
+    x = np.array([[0.0, 2.0, 2.0, 1.0], [5.0, -1.0, 5.0, 5.0], [-np.inf, -3.0, -np.inf, -3.0]])
+    np.testing.assert_array_equal(jax.device_get(sampling.argmax(jnp.asarray(x))), [1, 0, 1])
+    y = np.random.default_rng(2).normal(size=(8, 49152)).astype(np.float32)
+    np.testing.assert_array_equal(
+        jax.device_get(sampling.argmax(jnp.asarray(y))), np.argmax(y, axis=-1)
+    )

@@ -52,6 +52,7 @@ flags.DEFINE_integer("repeats", 2, "Alternating runs per mode (best kept); SmolL
 flags.DEFINE_integer("prefill_batch", None, "Prompts per prefill call (default per model).")
 flags.DEFINE_list("hf_batches", ["1", "8", "16"], "Batch sizes of the engine-vs-HF comparison.")
 flags.DEFINE_bool("hf", True, "Compare SmolLM2 tokens/s with HF transformers `generate`.")
+flags.DEFINE_string("hf_child", None, "Internal: run the HF baseline on these prompts (.npz).")
 
 # The HF comparison: greedy, a fixed prompt length and a fixed number of new tokens.
 _HF_PROMPT, _HF_NEW, _HF_REPEATS = 24, 64, 2
@@ -93,9 +94,11 @@ def long_tail_lengths(n: int, max_len: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).permutation(lengths)
 
 
-def make_requests(lengths, max_prompt: int, vocab: int, seed: int) -> list[GenerationRequest]:
+def make_requests(
+    lengths, max_prompt: int, vocab: int, seed: int, greedy: bool = False
+) -> list[GenerationRequest]:
     rng = np.random.default_rng(seed + 1)
-    sampling = SamplingParams(temperature=FLAGS.temperature)
+    sampling = SamplingParams.greedy() if greedy else SamplingParams(temperature=FLAGS.temperature)
     return [
         GenerationRequest(
             request_id=i,
@@ -146,10 +149,15 @@ def makespan(engine: Engine, requests) -> tuple[float, int]:
     return elapsed, sum(s.num_tokens for s in samples)
 
 
-def decode_step_time(engine: Engine, cfg: EngineConfig, vocab: int, chunks: int = 4) -> float:
-    """Seconds per decode step with every slot active (steady state, after warm-up)."""
+def decode_step_time(
+    engine: Engine, cfg: EngineConfig, vocab: int, chunks: int = 4, greedy: bool = False
+) -> float:
+    """Seconds per decode step with every slot active (steady state, after warm-up),
+    sampling at `--temperature` (or greedy)."""
     n = cfg.chunk_steps * (chunks + 2) + 1
-    reqs = make_requests([n] * cfg.num_slots, cfg.max_prompt_length, vocab, seed=7)
+    if n > cfg.max_total_length - cfg.max_prompt_length:
+        raise ValueError(f"decode_step_time: {n} steps do not fit the engine's context")
+    reqs = make_requests([n] * cfg.num_slots, cfg.max_prompt_length, vocab, seed=7, greedy=greedy)
     engine.submit(reqs)
     engine.step()  # prefill + first chunk
     t = time.perf_counter()
@@ -259,56 +267,28 @@ def bench_model(name: str, quick: bool, bandwidth: float) -> dict:
     return result
 
 
-def engine_over_hf(batches: list[int]) -> dict:
-    """Tokens/s of the engine over HF transformers `generate` (torch, CPU) on SmolLM2 f32.
+def _hf_child(spec_path: str) -> None:
+    """`--hf_child`: HF `generate` on the prompts in `spec_path`, best of repeats, as JSON.
 
-    Same process, same weights (both load the packaged GGUF and dequantise it to
-    f32), same random prompts of `_HF_PROMPT` tokens, exactly `_HF_NEW` greedy new
-    tokens per prompt, all prompts of a batch at once; best of `_HF_REPEATS` after
-    a warm-up (compilation) run. Time includes the prefill for both.
+    A process of its own at torch's default thread count: in the benchmark's process,
+    straight after JAX work, torch at 2 threads ran 4-20x slower than alone (XLA's
+    pool and torch's contend), so an in-process baseline would flatter the engine.
     """
     import torch
     import transformers
 
     from streamrl_jax.model.defaults import smollm2_gguf_path
-    from streamrl_jax.model.loader import load_pretrained
 
+    spec = np.load(spec_path)
     path = smollm2_gguf_path()
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
     ).eval()
-    mesh = Mesh(np.asarray(jax.devices()[:1], dtype=object), ("tp",), axis_types=(AxisType.Auto,))
-    pre = load_pretrained(path, mesh=mesh)
-    rng = np.random.default_rng(FLAGS.seed + 2)
-    # Run right after the engine, torch at 2 threads measured 4-20x slower than alone
-    # (XLA:CPU's pool still spinning); at 1 thread it matched its solo b1 speed.
-    threads = 1
-    torch.set_num_threads(threads)
-    out = {}
-    for b in batches:
-        prompts = rng.integers(100, pre.cfg.vocab_size, size=(b, _HF_PROMPT))
-        ecfg = EngineConfig(
-            num_slots=b,
-            max_prompt_length=_HF_PROMPT,
-            max_total_length=_HF_PROMPT + _HF_NEW,
-            chunk_steps=16,
-            prefill_batch=b,
-            min_bucket=_HF_PROMPT,
-        )
-        engine = Engine(pre.graphdef, pre.params, pre.cfg, ecfg, mesh)
-        reqs = [
-            GenerationRequest(
-                request_id=i,
-                prompt=p.tolist(),
-                max_new_tokens=_HF_NEW,
-                forced_length=_HF_NEW,
-                sampling=SamplingParams.greedy(),
-            )
-            for i, p in enumerate(prompts)
-        ]
-        ids = torch.as_tensor(prompts)
+    out = {"torch_threads": torch.get_num_threads(), "batches": {}}
+    for key in sorted(spec.files, key=lambda k: int(k[1:])):
+        ids = torch.as_tensor(spec[key])
 
-        def run_hf(ids=ids):
+        def run(ids=ids):
             with torch.no_grad():
                 return hf.generate(
                     ids,
@@ -319,31 +299,128 @@ def engine_over_hf(batches: list[int]) -> dict:
                     pad_token_id=0,
                 )
 
-        engine.run(reqs)  # compile
-        run_hf()  # warm-up
-        eng_s = hf_s = float("inf")
-        for _ in range(_HF_REPEATS):  # alternate so machine noise hits both
+        run()  # warm-up
+        best = float("inf")
+        for _ in range(_HF_REPEATS):
             t = time.perf_counter()
-            samples = engine.run(reqs)
-            eng_s = min(eng_s, time.perf_counter() - t)
+            gen = run()
+            best = min(best, time.perf_counter() - t)
+        out["batches"][key[1:]] = {"seconds": best, "tokens": gen[:, ids.shape[1] :].tolist()}
+    print("HF_RESULT " + json.dumps(out), flush=True)
+
+
+def _run_hf_child(prompts: dict[int, np.ndarray]) -> dict:
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = os.path.join(tmp, "prompts.npz")
+        np.savez(spec, **{f"b{b}": p for b, p in prompts.items()})
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        proc = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), f"--hf_child={spec}"],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            env=env,
+            check=False,
+        )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("HF_RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(
+            f"HF baseline process failed (rc {proc.returncode}): {proc.stderr[-2000:]}"
+        )
+    return json.loads(lines[-1][len("HF_RESULT ") :])
+
+
+def engine_over_hf(batches: list[int], bandwidth: float) -> dict:
+    """Tokens/s of the engine over HF transformers `generate` (torch, CPU) on SmolLM2 f32,
+    and the engine's decode step against the memory roofline at the same batches.
+
+    Same weights (both load the packaged GGUF and dequantise it to f32), same random
+    prompts of `_HF_PROMPT` tokens, exactly `_HF_NEW` greedy new tokens per prompt,
+    all prompts of a batch at once; time includes the prefill for both. HF runs in a
+    process of its own at torch's default threads (`_hf_child`), between the engine's
+    two timed rounds, so machine noise hits both; best of `_HF_REPEATS` each, after a
+    warm-up (compilation) run.
+
+    The roofline of a decode step at batch b: (generation weight bytes + the KV bytes
+    the step attends) / the bandwidth measured in this run. The step is timed with
+    every slot active, greedy and at `--temperature`.
+    """
+    from streamrl_jax.model.defaults import smollm2_gguf_path
+    from streamrl_jax.model.loader import load_pretrained
+
+    mesh = Mesh(np.asarray(jax.devices()[:1], dtype=object), ("tp",), axis_types=(AxisType.Auto,))
+    pre = load_pretrained(smollm2_gguf_path(), mesh=mesh)
+    rng = np.random.default_rng(FLAGS.seed + 2)
+    prompts = {b: rng.integers(100, pre.cfg.vocab_size, size=(b, _HF_PROMPT)) for b in batches}
+    engines, reqs, eng_s, samples = {}, {}, {}, {}
+    for b in batches:
+        ecfg = EngineConfig(
+            num_slots=b,
+            max_prompt_length=_HF_PROMPT,
+            max_total_length=_HF_PROMPT + _HF_NEW,
+            chunk_steps=16,
+            prefill_batch=b,
+            min_bucket=_HF_PROMPT,
+        )
+        engines[b] = Engine(pre.graphdef, pre.params, pre.cfg, ecfg, mesh)
+        reqs[b] = [
+            GenerationRequest(
+                request_id=i,
+                prompt=p.tolist(),
+                max_new_tokens=_HF_NEW,
+                forced_length=_HF_NEW,
+                sampling=SamplingParams.greedy(),
+            )
+            for i, p in enumerate(prompts[b])
+        ]
+        engines[b].run(reqs[b])  # compile
+        eng_s[b] = float("inf")
+
+    def engine_round():
+        for b in batches:
             t = time.perf_counter()
-            hf_out = run_hf()
-            hf_s = min(hf_s, time.perf_counter() - t)
-        ours = np.stack([s.response for s in sorted(samples, key=lambda s: s.request_id)])
-        theirs = hf_out[:, _HF_PROMPT:].numpy()
-        tokens = b * _HF_NEW
+            samples[b] = engines[b].run(reqs[b])
+            eng_s[b] = min(eng_s[b], time.perf_counter() - t)
+
+    engine_round()
+    hf = _run_hf_child(prompts)
+    engine_round()
+    out = {}
+    for b in batches:
+        engine, tokens = engines[b], b * _HF_NEW
+        hf_s = hf["batches"][str(b)]["seconds"]
+        ours = np.stack([s.response for s in sorted(samples[b], key=lambda s: s.request_id)])
+        theirs = np.asarray(hf["batches"][str(b)]["tokens"])
+        step_s = decode_step_time(engine, engine.cfg, pre.cfg.vocab_size, chunks=1, greedy=True)
+        sampled_s = decode_step_time(engine, engine.cfg, pre.cfg.vocab_size, chunks=1)
+        weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine._params))
+        cache = engine._state.cache
+        kv_bytes = sum(x.size * x.dtype.itemsize for x in (*cache.k, *cache.v))
+        roofline_s = (weight_bytes + kv_bytes) / bandwidth
         out[b] = {
-            "engine_tokens_per_s": round(tokens / eng_s, 1),
+            "engine_tokens_per_s": round(tokens / eng_s[b], 1),
             "hf_tokens_per_s": round(tokens / hf_s, 1),
-            "engine_over_hf": round(hf_s / eng_s, 2),
+            "engine_over_hf": round(hf_s / eng_s[b], 2),
             # Greedy f32 on two stacks: rows agree until a near-tie flips an argmax.
             "same_tokens_fraction": float(np.mean(ours == theirs)),
+            "hf_torch_threads": hf["torch_threads"],
+            "decode_step_ms": round(step_s * 1e3, 2),
+            "sampled_step_ms": round(sampled_s * 1e3, 2),
+            "roofline_step_ms": round(roofline_s * 1e3, 2),
+            "decode_vs_roofline": round(step_s / roofline_s, 2),
+            "weight_bytes": int(weight_bytes),
+            "kv_bytes": int(kv_bytes),
             "load_avg": round(os.getloadavg()[0], 2),
-            "hf_torch_threads": threads,
         }
         print(
-            f"batch {b:3d}: engine {tokens / eng_s:7.1f} tok/s  HF {tokens / hf_s:7.1f} tok/s  "
-            f"engine/HF {hf_s / eng_s:.2f}x  (load {os.getloadavg()[0]:.1f})",
+            f"batch {b:3d}: engine {tokens / eng_s[b]:7.1f} tok/s  HF {tokens / hf_s:7.1f} tok/s"
+            f"  engine/HF {hf_s / eng_s[b]:.2f}x  step {step_s * 1e3:.1f} ms (sampled "
+            f"{sampled_s * 1e3:.1f}) vs roofline {roofline_s * 1e3:.1f} ms "
+            f"({step_s / roofline_s:.2f}x)  (load {os.getloadavg()[0]:.1f})",
             flush=True,
         )
     return out
@@ -351,6 +428,9 @@ def engine_over_hf(batches: list[int]) -> dict:
 
 def main(argv):
     del argv
+    if FLAGS.hf_child:
+        _hf_child(FLAGS.hf_child)
+        return
     bandwidth = measure_bandwidth()
     print(f"memory bandwidth (jitted 512 MiB reduction): {bandwidth / 1e9:.2f} GB/s", flush=True)
     results = {}
@@ -363,7 +443,7 @@ def main(argv):
             logging.warning("skipping %s: %s", name, e)
     versus_hf = {}
     if FLAGS.hf and "smollm2" in results:
-        versus_hf = engine_over_hf([int(b) for b in FLAGS.hf_batches])
+        versus_hf = engine_over_hf([int(b) for b in FLAGS.hf_batches], bandwidth)
     head = results.get("smollm2") or results.get("tiny")
     out = {
         "bench": "generation",
@@ -372,6 +452,7 @@ def main(argv):
         "continuous_over_static": head["continuous_over_static"],
         "decode_vs_roofline": head["decode_vs_roofline"],
         **{f"engine_over_hf_b{b}": r["engine_over_hf"] for b, r in versus_hf.items()},
+        **{f"decode_vs_roofline_b{b}": r["decode_vs_roofline"] for b, r in versus_hf.items()},
         "versus_hf": {str(b): r for b, r in versus_hf.items()},
         "load_avg": round(os.getloadavg()[0], 2),
         "bandwidth_GBps": round(bandwidth / 1e9, 2),

@@ -16,7 +16,9 @@ the instance), so the engine keeps its own layout:
   query heads, then its key and its value), so one GEMV per layer reads them,
   and tensor parallelism still shards the `kv_heads` axis;
 * gate and up fused as `gate_up` [E, 2, M]; `o` as [K, G, D, E], the order
-  the attention produces;
+  the attention produces, contracted as one [K*G*D, E] matrix;
+* the vocabulary projection `lm_head` as [E, V]; with tied embeddings it is
+  the only copy, and the embedding lookup takes its columns;
 * matrices cast to the compute dtype once here, not per step;
 * the KV cache one [B, K, S, D] array per layer (`LayerCache`), so attention
   is a batched matmul over (slot, kv head) without a transpose of the cache.
@@ -102,7 +104,8 @@ def from_training_layout(graphdef: nnx.GraphDef, params: nnx.State, cfg: ModelCo
     """The generation weights of a (graphdef, params) split of `Llama` (jit it).
 
     Returns:
-      {"embed", "final_norm", ["lm_head"], "layers": tuple of L per-layer dicts}.
+      {["embed"], "final_norm", "lm_head", "layers": tuple of L per-layer dicts}:
+      `lm_head` is [E, V]; `embed` [V, E] only when the embeddings are untied.
     """
     model = nnx.merge(graphdef, params)
     stacked = model.layers.arrays()
@@ -126,11 +129,15 @@ def from_training_layout(graphdef: nnx.GraphDef, params: nnx.State, cfg: ModelCo
         return out
 
     weights = {
-        "embed": model.embed[...].astype(dt),
         "final_norm": model.final_norm[...],
         "layers": tuple(one(i) for i in range(cfg.num_layers)),
     }
-    if not cfg.tie_embeddings:
+    if cfg.tie_embeddings:
+        # One copy, [E, V]: the vocabulary projection reads it in place (a [V, E]
+        # operand made XLA:CPU's dot 1.2-1.9x slower), the embedding takes columns.
+        weights["lm_head"] = model.embed[...].T.astype(dt)
+    else:
+        weights["embed"] = model.embed[...].astype(dt)
         weights["lm_head"] = model.lm_head[...].astype(dt)
     return weights
 
@@ -154,15 +161,13 @@ class GenModel:
         self.w, self.cfg = weights, cfg
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
+        if "embed" not in self.w:  # tied: columns of the [E, V] head
+            return jnp.moveaxis(jnp.take(self.w["lm_head"], tokens, axis=1), 0, -1)
         return jnp.take(self.w["embed"], tokens, axis=0)
 
     def _logits(self, x_NxE: jax.Array) -> jax.Array:
         h = layers.rms_norm(x_NxE, self.w["final_norm"], self.cfg.rms_norm_eps)
-        if self.cfg.tie_embeddings:
-            out = jnp.einsum("ne,ve->nv", h, self.w["embed"])
-        else:
-            out = jnp.einsum("ne,ev->nv", h, self.w["lm_head"])
-        return out.astype(jnp.float32)
+        return jnp.einsum("ne,ev->nv", h, self.w["lm_head"]).astype(jnp.float32)
 
     def _qkv(self, x_NxTxE, p, cos, sin):
         """q [N, T, K, G, D] and k, v [N, T, K, D], RoPE applied to q and k."""
@@ -178,7 +183,11 @@ class GenModel:
         return q.reshape(n, t, k_heads, g, d), k, qkv[:, :, :, g + 1]
 
     def _out_and_mlp(self, x_NxTxE, attn_NxTxKxGxD, p):
-        x = x_NxTxE + jnp.einsum("ntkgd,kgde->nte", attn_NxTxKxGxD, p["o"])
+        # [K, G, D, E] read as [K*G*D, E] (a bitcast): contracting the four-axis form
+        # made XLA:CPU transpose and copy `o` every layer, every step (docs/generation.md).
+        n, t, e = x_NxTxE.shape
+        attn_NxTxF = attn_NxTxKxGxD.reshape(n, t, -1)
+        x = x_NxTxE + jnp.einsum("ntf,fe->nte", attn_NxTxF, p["o"].reshape(-1, e))
         h = layers.rms_norm(x, p["mlp_norm"], self.cfg.rms_norm_eps)
         gu = jnp.einsum("nte,epm->ntpm", h, p["gate_up"])
         return x + jnp.einsum("ntm,me->nte", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], p["down"])

@@ -6,6 +6,13 @@ is drawn with `fold_in(request_key, t)`: the draw depends only on the
 request's seed and the token index, never on the slot, the batch-mates or the
 time of admission.
 
+The draw is an inverse-CDF lookup with one uniform per row (two levels, blocks
+of `_BLOCK` entries, so each float32 prefix sum adds at most a few hundred
+terms). The Gumbel-max `jax.random.categorical` it replaced drew one threefry
+number per vocabulary entry: at 49k entries that cost 15-28 ms of a batch-8/16
+decode step on this CPU against about 1-2 ms here (docs/generation.md,
+"Decode step"). Same distribution, different tokens for a given seed.
+
 Two log-probs are returned per token:
 
 * `model_logp`: log_softmax(logits)[token], the *unmodified* model
@@ -30,6 +37,46 @@ def request_key_data(seed: int) -> np.ndarray:
     seeds below 2**32; 64-bit seeds keep their high word)."""
     seed = int(seed)
     return np.array([(seed >> 32) & _MASK, seed & _MASK], dtype=np.uint32)
+
+
+_BLOCK = 256
+
+
+def argmax(x_BxV: jax.Array) -> jax.Array:
+    """First index of each row's maximum (as `jnp.argmax`; XLA:CPU's variadic-reduce
+    argmax was 8x slower than this max + min over matching indices at 49k entries)."""
+    v = x_BxV.shape[-1]
+    is_max = x_BxV == jnp.max(x_BxV, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(is_max, jnp.arange(v, dtype=jnp.int32), v - 1), axis=-1)
+
+
+def _last_positive(x_BxN: jax.Array) -> jax.Array:
+    n = x_BxN.shape[-1]
+    return jnp.max(jnp.where(x_BxN > 0, jnp.arange(n, dtype=jnp.int32), 0), axis=-1)
+
+
+def inverse_cdf(logits_BxV: jax.Array, u_B: jax.Array) -> jax.Array:
+    """The token whose probability interval holds `u_B` (in [0, 1)) under
+    softmax(logits) per row; -inf logits are never picked.
+
+    Two levels: the block (of `_BLOCK` entries) whose mass interval holds u, then
+    the entry within it. Entries of zero probability have empty intervals (the
+    `<=` counts skip them); a count that runs past the end through rounding is
+    clamped to the last entry (block) of positive probability.
+    """
+    b, v = logits_BxV.shape
+    nb = -(-v // _BLOCK)
+    p = jnp.exp(logits_BxV - jnp.max(logits_BxV, axis=-1, keepdims=True))
+    p = jnp.pad(p, ((0, 0), (0, nb * _BLOCK - v))).reshape(b, nb, _BLOCK)
+    block_mass = jnp.sum(p, axis=-1)
+    block_cum = jnp.cumsum(block_mass, axis=-1)
+    target = u_B * block_cum[:, -1]
+    blk = jnp.minimum(jnp.sum(block_cum <= target[:, None], axis=-1), _last_positive(block_mass))
+    row = jnp.take_along_axis(p, blk[:, None, None], axis=1)[:, 0]
+    before = jnp.take_along_axis(block_cum - block_mass, blk[:, None], axis=1)[:, 0]
+    within = jnp.cumsum(row, axis=-1)
+    idx = jnp.minimum(jnp.sum(within <= (target - before)[:, None], axis=-1), _last_positive(row))
+    return (blk * _BLOCK + idx).astype(jnp.int32)
 
 
 def _filter(scaled_BxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
@@ -86,15 +133,15 @@ def sample_tokens(
     """
     logits = logits_BxV.astype(jnp.float32)
     greedy_B = temperature_B <= 0
-    argmax_B = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    argmax_B = argmax(logits)
 
-    def draw(key_data, position, row):
+    def uniform(key_data, position):
         key = jax.random.fold_in(jax.random.wrap_key_data(key_data), position)
-        return jax.random.categorical(key, row)
+        return jax.random.uniform(key)
 
     def sampled(logits):
         filtered_BxV = sampling_logits(logits, temperature_B, top_k_B, top_p_B)
-        drawn_B = jax.vmap(draw)(key_data_Bx2, position_B, filtered_BxV)
+        drawn_B = inverse_cdf(filtered_BxV, jax.vmap(uniform)(key_data_Bx2, position_B))
         tokens_B = jnp.where(greedy_B, argmax_B, drawn_B).astype(jnp.int32)
         slogp_B = _pick(jax.nn.log_softmax(filtered_BxV, axis=-1), tokens_B)
         return tokens_B, jnp.where(greedy_B, 0.0, slogp_B)
@@ -102,8 +149,8 @@ def sample_tokens(
     def all_greedy(logits):
         return argmax_B, jnp.zeros(argmax_B.shape, jnp.float32)
 
-    # The threefry draw over the whole vocabulary and the filtered softmax cost more
-    # than the argmax at batch 8+ on CPU; an all-greedy batch skips them.
+    # The filtered softmax and the draw cost more than the argmax at batch 8+ on CPU;
+    # an all-greedy batch skips them.
     tokens_B, sampling_logp_B = jax.lax.cond(jnp.all(greedy_B), all_greedy, sampled, logits)
     model_logp_B = _pick(jax.nn.log_softmax(logits, axis=-1), tokens_B)
     return tokens_B, model_logp_B, sampling_logp_B
