@@ -267,6 +267,32 @@ def bench_model(name: str, quick: bool, bandwidth: float) -> dict:
     return result
 
 
+def dot_floor_s(weights: dict, batch: int, repeats: int = 5) -> float:
+    """Seconds of the decode step's matmuls alone at `batch`: per layer x @ qkv,
+    x @ o, x @ gate_up, x @ down on the engine's own weights, then x @ lm_head, as one
+    jitted chain (no attention, norms, sampling or cache). What this backend's GEMM
+    takes for the step's weight reads at this batch: the floor the step can reach."""
+    e = weights["lm_head"].shape[0]
+
+    def chain(w, x):
+        for p in w["layers"]:
+            qkv = x @ p["qkv"].reshape(e, -1)
+            x = x + qkv[:, :e] @ p["o"].reshape(-1, e)
+            gu = x @ p["gate_up"].reshape(e, -1)
+            x = x + gu[:, : gu.shape[1] // 2] @ p["down"]
+        return x @ w["lm_head"]
+
+    fn = jax.jit(chain)
+    x = jnp.full((batch, e), 0.01, jnp.float32)
+    fn(weights, x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn(weights, x).block_until_ready()  # deliberate sync: timing
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def _hf_child(spec_path: str) -> None:
     """`--hf_child`: HF `generate` on the prompts in `spec_path`, best of repeats, as JSON.
 
@@ -401,6 +427,7 @@ def engine_over_hf(batches: list[int], bandwidth: float) -> dict:
         cache = engine._state.cache
         kv_bytes = sum(x.size * x.dtype.itemsize for x in (*cache.k, *cache.v))
         roofline_s = (weight_bytes + kv_bytes) / bandwidth
+        floor_s = dot_floor_s(engine._params, b)
         out[b] = {
             "engine_tokens_per_s": round(tokens / eng_s[b], 1),
             "hf_tokens_per_s": round(tokens / hf_s, 1),
@@ -412,6 +439,8 @@ def engine_over_hf(batches: list[int], bandwidth: float) -> dict:
             "sampled_step_ms": round(sampled_s * 1e3, 2),
             "roofline_step_ms": round(roofline_s * 1e3, 2),
             "decode_vs_roofline": round(step_s / roofline_s, 2),
+            "dot_floor_ms": round(floor_s * 1e3, 2),
+            "dot_floor_vs_roofline": round(floor_s / roofline_s, 2),
             "weight_bytes": int(weight_bytes),
             "kv_bytes": int(kv_bytes),
             "load_avg": round(os.getloadavg()[0], 2),
@@ -420,7 +449,8 @@ def engine_over_hf(batches: list[int], bandwidth: float) -> dict:
             f"batch {b:3d}: engine {tokens / eng_s[b]:7.1f} tok/s  HF {tokens / hf_s:7.1f} tok/s"
             f"  engine/HF {hf_s / eng_s[b]:.2f}x  step {step_s * 1e3:.1f} ms (sampled "
             f"{sampled_s * 1e3:.1f}) vs roofline {roofline_s * 1e3:.1f} ms "
-            f"({step_s / roofline_s:.2f}x)  (load {os.getloadavg()[0]:.1f})",
+            f"({step_s / roofline_s:.2f}x; matmuls alone {floor_s * 1e3:.1f} ms)  "
+            f"(load {os.getloadavg()[0]:.1f})",
             flush=True,
         )
     return out
