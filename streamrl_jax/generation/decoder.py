@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 
+from streamrl_jax.generation import quant
 from streamrl_jax.model import layers
 from streamrl_jax.model.config import ModelConfig
 from streamrl_jax.sharding import GENERATE_RULES, logical_to_spec
@@ -98,12 +99,20 @@ def cache_sharding(cfg: ModelConfig, num_slots: int, max_length: int, mesh: Mesh
     return NamedSharding(mesh, logical_to_spec(CACHE_AXES, shape, _RULES, mesh, "kv_cache"))
 
 
-def from_training_layout(graphdef: nnx.GraphDef, params: nnx.State, cfg: ModelConfig) -> dict:
+def from_training_layout(
+    graphdef: nnx.GraphDef, params: nnx.State, cfg: ModelConfig, weight_dtype: str = "auto"
+) -> dict:
     """The generation weights of a (graphdef, params) split of `Llama` (jit it).
+
+    Args:
+      weight_dtype: "auto" (matrices in the compute dtype) or "int8" (every matrix a
+        `quant.QArray`, quantised per output channel: `generation/quant.py`).
 
     Returns:
       {"embed", "final_norm", ["lm_head"], "layers": tuple of L per-layer dicts}.
     """
+    if weight_dtype not in quant.WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype={weight_dtype!r}; expected one of {quant.WEIGHT_DTYPES}")
     model = nnx.merge(graphdef, params)
     stacked = model.layers.arrays()
     e, h, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -132,19 +141,28 @@ def from_training_layout(graphdef: nnx.GraphDef, params: nnx.State, cfg: ModelCo
     }
     if not cfg.tie_embeddings:
         weights["lm_head"] = model.lm_head[...].astype(dt)
-    return weights
+    return quant.quantize_weights(weights) if weight_dtype == "int8" else weights
 
 
 def weight_shardings(weights_shape: Any, mesh: Mesh) -> Any:
     """NamedShardings with the structure of `from_training_layout`'s output."""
 
+    def place(axes, shape, name):
+        return NamedSharding(mesh, logical_to_spec(axes, shape, _RULES, mesh, f"generation/{name}"))
+
     def one(path, x):
         name = str(getattr(path[-1], "key", path[-1]))
         axes = _LAYER_AXES.get(name) or _TOP_AXES[name]
-        spec = logical_to_spec(axes, tuple(x.shape), _RULES, mesh, f"generation/{name}")
-        return NamedSharding(mesh, spec)
+        if not isinstance(x, quant.QArray):
+            return place(axes, tuple(x.shape), name)
+        kept = tuple(a for i, a in enumerate(axes) if i not in quant.CONTRACTED[name])
+        return quant.QArray(
+            q=place(axes, tuple(x.q.shape), name),
+            scale=place(kept, tuple(x.scale.shape), f"{name}.scale"),
+        )
 
-    return jax.tree_util.tree_map_with_path(one, weights_shape)
+    is_q = lambda x: isinstance(x, quant.QArray)
+    return jax.tree_util.tree_map_with_path(one, weights_shape, is_leaf=is_q)
 
 
 class GenModel:
@@ -154,14 +172,18 @@ class GenModel:
         self.w, self.cfg = weights, cfg
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.w["embed"], tokens, axis=0)
+        e = self.w["embed"]
+        if isinstance(e, quant.QArray):
+            rows = jnp.take(e.q, tokens, axis=0).astype(jnp.float32)
+            return (rows * jnp.take(e.scale, tokens)[..., None]).astype(self.cfg.jnp_dtype)
+        return jnp.take(e, tokens, axis=0)
 
     def _logits(self, x_NxE: jax.Array) -> jax.Array:
         h = layers.rms_norm(x_NxE, self.w["final_norm"], self.cfg.rms_norm_eps)
         if self.cfg.tie_embeddings:
-            out = jnp.einsum("ne,ve->nv", h, self.w["embed"])
+            out = quant.einsum("ne,ve->nv", h, self.w["embed"])
         else:
-            out = jnp.einsum("ne,ev->nv", h, self.w["lm_head"])
+            out = quant.einsum("ne,ev->nv", h, self.w["lm_head"])
         return out.astype(jnp.float32)
 
     def _qkv(self, x_NxTxE, p, cos, sin):
@@ -170,7 +192,7 @@ class GenModel:
         cfg = self.cfg
         k_heads, g, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         h = layers.rms_norm(x_NxTxE, p["attn_norm"], self.cfg.rms_norm_eps)
-        qkv = jnp.einsum("nte,ekpd->ntkpd", h, p["qkv"])
+        qkv = quant.einsum("nte,ekpd->ntkpd", h, p["qkv"])
         if "qkv_bias" in p:
             qkv = qkv + p["qkv_bias"][None, None]
         q = layers.apply_rope(qkv[:, :, :, :g].reshape(n, t, k_heads * g, d), cos, sin)
@@ -178,10 +200,10 @@ class GenModel:
         return q.reshape(n, t, k_heads, g, d), k, qkv[:, :, :, g + 1]
 
     def _out_and_mlp(self, x_NxTxE, attn_NxTxKxGxD, p):
-        x = x_NxTxE + jnp.einsum("ntkgd,kgde->nte", attn_NxTxKxGxD, p["o"])
+        x = x_NxTxE + quant.einsum("ntkgd,kgde->nte", attn_NxTxKxGxD, p["o"])
         h = layers.rms_norm(x, p["mlp_norm"], self.cfg.rms_norm_eps)
-        gu = jnp.einsum("nte,epm->ntpm", h, p["gate_up"])
-        return x + jnp.einsum("ntm,me->nte", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], p["down"])
+        gu = quant.einsum("nte,epm->ntpm", h, p["gate_up"])
+        return x + quant.einsum("ntm,me->nte", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], p["down"])
 
     def prefill(
         self, tokens_NxP: jax.Array, lengths_N: jax.Array, cache: LayerCache, slots_N: jax.Array
