@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from engine_test import CFG, ENGINE, lively_model, requests
 from jax.sharding import Mesh
 
-from engine_test import CFG, ENGINE, lively_model, requests
 from streamrl_jax import mesh as mesh_lib
 from streamrl_jax.generation import decoder, quant
 from streamrl_jax.generation.engine import Engine, EngineConfig
@@ -144,3 +144,26 @@ def test_bad_weight_dtype_is_named():
         EngineConfig(weight_dtype="int4")
     with pytest.raises(ValueError, match="weight_dtype='fp8'"):
         decoder.from_training_layout(None, None, CFG, "fp8")
+
+
+@pytest.mark.extended  # two pipeline runs (~1.5 min on the loaded 2-core machine)
+def test_int8_rollout_trains_with_tis_against_recomputed_pi_old(tmp_path):
+    """quickstart:tiny, stream_sync, TIS with a cap just above 1: pi_old is recomputed
+    by the trainer, so with the f32 sampler (engine log-probs = the trainer's within
+    float rounding) no token's weight pi_old / mu passes 1.001, while with the int8
+    sampler, whose recorded log-probs are the int8 model's, many do. (Before pi_old
+    was recomputed it was the recorded log-prob itself and every weight was 1.)"""
+    from lifecycle_test import _tiny, vowel_reward
+
+    from streamrl_jax import pipeline
+
+    def capped(weight_dtype):
+        cfg = _tiny(
+            generation__weight_dtype=weight_dtype, algorithm__tis_cap=1.001, pipeline__steps=1
+        )
+        result = pipeline.run(cfg, str(tmp_path / weight_dtype), reward_fn=vowel_reward)
+        return np.array([row["tis_capped_frac"] for row in result.steps])
+
+    f32, int8 = capped("auto"), capped("int8")
+    np.testing.assert_array_equal(f32, 0.0)
+    assert np.all(int8 > 0.05), int8
