@@ -19,7 +19,9 @@ the instance), so the engine keeps its own layout:
   the attention produces;
 * matrices cast to the compute dtype once here, not per step;
 * the KV cache one [B, K, S, D] array per layer (`LayerCache`), so attention
-  is a batched matmul over (slot, kv head) without a transpose of the cache.
+  is a batched matmul over (slot, kv head) without a transpose of the cache;
+* with `weight_dtype="int8"` every matrix a `quant.QArray` (per-channel int8 +
+  f32 scales) and every matmul `quant.einsum` (W8A8), `generation/quant.py`.
 
 `GenModel(weights, cfg)` has `prefill` / `decode` with the signatures of
 `Llama.prefill` / `Llama.decode`, and computes the same function (tests
