@@ -147,6 +147,7 @@ def test_int_accepted_for_float_and_tuple_from_list():
 
 def test_registry_names_equal_the_registries():
     # config/ imports no registry (it is the bottom layer); these keep the names in step.
+    from streamrl_jax.generation import quant
     from streamrl_jax.model import config as model_config
     from streamrl_jax.rewards import jsonl
     from streamrl_jax.scheduling import dispatch, live
@@ -160,6 +161,7 @@ def test_registry_names_equal_the_registries():
     assert set(config_lib.PLANNERS) == set(dispatch.PLANNERS)
     assert set(config_lib.DISPATCHES) == set(live.DISPATCH)
     assert set(config_lib.BAD_ROWS) == set(jsonl.ON_BAD_ROW)
+    assert config_lib.WEIGHT_DTYPES == quant.WEIGHT_DTYPES
 
 
 REGISTRY_FIELDS = [
@@ -173,6 +175,7 @@ REGISTRY_FIELDS = [
     "model.param_dtype",
     "model.dtype",
     "model.generate_dtype",
+    "generation.weight_dtype",
     "critic.whiten",
     "data.bad_rows",
     "data.overlong_prompts",
@@ -317,3 +320,18 @@ def test_reward_sandbox_auto_isolates_scorers_that_evaluate_answers():
     assert limits is not None and limits.timeout_s == 3.0  # countdown evals the answer
     assert sandbox(data__tasks="countdown", data__reward_sandbox="inline") is None
     assert sandbox(data__tasks="chain_sum", data__reward_sandbox="process") is not None
+
+
+def test_int8_rollout_needs_tis_and_tis_needs_one_mini_batch():
+    with pytest.raises(ValueError, match="generation.weight_dtype='bogus'; expected one of"):
+        config_lib.from_config_dict(_with(generation__weight_dtype="bogus"))
+    with pytest.raises(ValueError, match="weight_dtype='int8' needs algorithm.tis_cap > 0"):
+        config_lib.from_config_dict(_with(generation__weight_dtype="int8"))
+    with pytest.raises(ValueError, match="tis_cap > 0 needs pipeline.mini_batches=1"):
+        config_lib.from_config_dict(
+            _with(algorithm__tis_cap=2.0, pipeline__mini_batches=2, pipeline__prompts_per_step=8)
+        )
+    cfg = config_lib.from_config_dict(
+        _with(generation__weight_dtype="int8", algorithm__tis_cap=2.0)
+    )
+    assert cfg.generation.weight_dtype == "int8"

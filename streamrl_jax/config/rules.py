@@ -31,6 +31,7 @@ from streamrl_jax.config.sections import (
     REWARD_ERRORS,
     REWARD_SANDBOXES,
     REWARDS,
+    WEIGHT_DTYPES,
     WEIGHT_TRANSPORTS,
     WEIGHT_UPDATES,
     WHITENING,
@@ -110,6 +111,7 @@ RULES: dict[type, dict[str, _Rule]] = {
         "temperature": _NONNEG,
         "top_k": _NONNEG,
         "top_p": _unit(open_low=True),
+        "weight_dtype": _one_of(WEIGHT_DTYPES),
     },
     PipelineSection: {
         "mode": _one_of(MODES),
@@ -265,6 +267,19 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
             f"max_new_tokens ({g.max_new_tokens}), or the longest sample could be "
             "regenerated forever",
         )
+    a = cfg.algorithm
+    _require(
+        g.weight_dtype != "int8" or a.tis_cap > 0,
+        "generation.weight_dtype='int8' needs algorithm.tis_cap > 0 (e.g. 2.0): the int8 "
+        "sampler's log-probs differ from the trained model's, and the truncated importance "
+        "weight min(pi_old / mu, tis_cap) is what corrects it",
+    )
+    _require(
+        a.tis_cap == 0 or p.mini_batches == 1,
+        f"algorithm.tis_cap > 0 needs pipeline.mini_batches=1 (it is {p.mini_batches}): "
+        "pi_old is recomputed under the trainer's weights when each micro-batch is "
+        "trained, which are the batch's starting weights only with one mini-batch",
+    )
     o, optimizer_steps = cfg.optimizer, p.steps * p.mini_batches
     _require(
         o.schedule != "cosine" or o.warmup_steps < optimizer_steps,

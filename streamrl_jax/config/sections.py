@@ -30,6 +30,9 @@ WEIGHT_UPDATES = ("boundary", "inflight")
 # A partial sample whose lag would pass pipeline.max_lag: "drop" its group (counted) or
 # "regenerate" it from its prompt under the current weights (counted).
 LAG_POLICIES = ("drop", "regenerate")
+# The generation copy's matrices (generation/quant.py): "auto" = model.generate_dtype,
+# "int8" = per-channel int8 weights with W8A8 matmuls (needs algorithm.tis_cap > 0).
+WEIGHT_DTYPES = ("auto", "int8")
 # Outcome estimators (algorithms.ADVANTAGES) and, with a critic, "gae"
 # (algorithms.CRITIC_ADVANTAGES; selects the critic section).
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
@@ -84,6 +87,7 @@ class GenerationSection:
     decode_chunk: int = 8  # decode steps per host round trip
     prefill_batch: int = 4  # prompts prefilled together
     length_replay: bool = False  # force response lengths from the paper's long-tail trace
+    weight_dtype: str = "auto"  # one of WEIGHT_DTYPES: "int8" = quantised rollout (FlashRL)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,9 @@ the instance), so the engine keeps its own layout:
   the only copy, and the embedding lookup takes its columns;
 * matrices cast to the compute dtype once here, not per step;
 * the KV cache one [B, K, S, D] array per layer (`LayerCache`), so attention
-  is a batched matmul over (slot, kv head) without a transpose of the cache.
+  is a batched matmul over (slot, kv head) without a transpose of the cache;
+* with `weight_dtype="int8"` every matrix a `quant.QArray` (per-channel int8 +
+  f32 scales) and every matmul `quant.einsum` (W8A8), `generation/quant.py`.
 
 `GenModel(weights, cfg)` has `prefill` / `decode` with the signatures of
 `Llama.prefill` / `Llama.decode`, and computes the same function (tests
@@ -38,6 +40,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 
+from streamrl_jax.generation import quant
 from streamrl_jax.model import layers
 from streamrl_jax.model.config import ModelConfig
 from streamrl_jax.sharding import GENERATE_RULES, logical_to_spec
@@ -100,13 +103,21 @@ def cache_sharding(cfg: ModelConfig, num_slots: int, max_length: int, mesh: Mesh
     return NamedSharding(mesh, logical_to_spec(CACHE_AXES, shape, _RULES, mesh, "kv_cache"))
 
 
-def from_training_layout(graphdef: nnx.GraphDef, params: nnx.State, cfg: ModelConfig) -> dict:
+def from_training_layout(
+    graphdef: nnx.GraphDef, params: nnx.State, cfg: ModelConfig, weight_dtype: str = "auto"
+) -> dict:
     """The generation weights of a (graphdef, params) split of `Llama` (jit it).
+
+    Args:
+      weight_dtype: "auto" (matrices in the compute dtype) or "int8" (every matrix a
+        `quant.QArray`, quantised per output channel: `generation/quant.py`).
 
     Returns:
       {["embed"], "final_norm", "lm_head", "layers": tuple of L per-layer dicts}:
       `lm_head` is [E, V]; `embed` [V, E] only when the embeddings are untied.
     """
+    if weight_dtype not in quant.WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype={weight_dtype!r}; expected one of {quant.WEIGHT_DTYPES}")
     model = nnx.merge(graphdef, params)
     stacked = model.layers.arrays()
     e, h, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -139,19 +150,38 @@ def from_training_layout(graphdef: nnx.GraphDef, params: nnx.State, cfg: ModelCo
     else:
         weights["embed"] = model.embed[...].astype(dt)
         weights["lm_head"] = model.lm_head[...].astype(dt)
-    return weights
+    return quant.quantize_weights(weights) if weight_dtype == "int8" else weights
 
 
 def weight_shardings(weights_shape: Any, mesh: Mesh) -> Any:
     """NamedShardings with the structure of `from_training_layout`'s output."""
 
+    def place(axes, shape, name):
+        return NamedSharding(mesh, logical_to_spec(axes, shape, _RULES, mesh, f"generation/{name}"))
+
     def one(path, x):
         name = str(getattr(path[-1], "key", path[-1]))
         axes = _LAYER_AXES.get(name) or _TOP_AXES[name]
-        spec = logical_to_spec(axes, tuple(x.shape), _RULES, mesh, f"generation/{name}")
-        return NamedSharding(mesh, spec)
+        if not isinstance(x, quant.QArray):
+            return place(axes, tuple(x.shape), name)
+        kept = tuple(a for i, a in enumerate(axes) if i not in quant.CONTRACTED[name])
+        return quant.QArray(
+            q=place(axes, tuple(x.q.shape), name),
+            scale=place(kept, tuple(x.scale.shape), f"{name}.scale"),
+        )
 
-    return jax.tree_util.tree_map_with_path(one, weights_shape)
+    is_q = lambda x: isinstance(x, quant.QArray)
+    return jax.tree_util.tree_map_with_path(one, weights_shape, is_leaf=is_q)
+
+
+def _columns(head_ExV: jax.Array | quant.QArray, tokens: jax.Array, dtype) -> jax.Array:
+    """Embeddings of `tokens` (any shape) as columns of a tied [E, V] head: [..., E]."""
+    if isinstance(head_ExV, quant.QArray):
+        cols = jnp.take(head_ExV.q, tokens, axis=1).astype(jnp.float32)
+        cols = cols * jnp.take(head_ExV.scale, tokens)[None]
+    else:
+        cols = jnp.take(head_ExV, tokens, axis=1)
+    return jnp.moveaxis(cols, 0, -1).astype(dtype)
 
 
 class GenModel:
@@ -162,12 +192,16 @@ class GenModel:
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
         if "embed" not in self.w:  # tied: columns of the [E, V] head
-            return jnp.moveaxis(jnp.take(self.w["lm_head"], tokens, axis=1), 0, -1)
-        return jnp.take(self.w["embed"], tokens, axis=0)
+            return _columns(self.w["lm_head"], tokens, self.cfg.jnp_dtype)
+        e = self.w["embed"]
+        if isinstance(e, quant.QArray):
+            rows = jnp.take(e.q, tokens, axis=0).astype(jnp.float32)
+            return (rows * jnp.take(e.scale, tokens)[..., None]).astype(self.cfg.jnp_dtype)
+        return jnp.take(e, tokens, axis=0)
 
     def _logits(self, x_NxE: jax.Array) -> jax.Array:
         h = layers.rms_norm(x_NxE, self.w["final_norm"], self.cfg.rms_norm_eps)
-        return jnp.einsum("ne,ev->nv", h, self.w["lm_head"]).astype(jnp.float32)
+        return quant.einsum("ne,ev->nv", h, self.w["lm_head"]).astype(jnp.float32)
 
     def _qkv(self, x_NxTxE, p, cos, sin):
         """q [N, T, K, G, D] and k, v [N, T, K, D], RoPE applied to q and k."""
@@ -175,7 +209,7 @@ class GenModel:
         cfg = self.cfg
         k_heads, g, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         h = layers.rms_norm(x_NxTxE, p["attn_norm"], self.cfg.rms_norm_eps)
-        qkv = jnp.einsum("nte,ekpd->ntkpd", h, p["qkv"])
+        qkv = quant.einsum("nte,ekpd->ntkpd", h, p["qkv"])
         if "qkv_bias" in p:
             qkv = qkv + p["qkv_bias"][None, None]
         q = layers.apply_rope(qkv[:, :, :, :g].reshape(n, t, k_heads * g, d), cos, sin)
@@ -187,10 +221,10 @@ class GenModel:
         # made XLA:CPU transpose and copy `o` every layer, every step (docs/generation.md).
         n, t, e = x_NxTxE.shape
         attn_NxTxF = attn_NxTxKxGxD.reshape(n, t, -1)
-        x = x_NxTxE + jnp.einsum("ntf,fe->nte", attn_NxTxF, p["o"].reshape(-1, e))
+        x = x_NxTxE + quant.einsum("ntf,fe->nte", attn_NxTxF, quant.reshape_rows(p["o"], e))
         h = layers.rms_norm(x, p["mlp_norm"], self.cfg.rms_norm_eps)
-        gu = jnp.einsum("nte,epm->ntpm", h, p["gate_up"])
-        return x + jnp.einsum("ntm,me->nte", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], p["down"])
+        gu = quant.einsum("nte,epm->ntpm", h, p["gate_up"])
+        return x + quant.einsum("ntm,me->nte", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], p["down"])
 
     def prefill(
         self, tokens_NxP: jax.Array, lengths_N: jax.Array, cache: LayerCache, slots_N: jax.Array

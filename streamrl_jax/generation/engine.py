@@ -46,7 +46,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from streamrl_jax.generation import decoder
+from streamrl_jax.generation import decoder, quant
 from streamrl_jax.generation import slots as slots_lib
 from streamrl_jax.generation.sampling import request_key_data
 from streamrl_jax.generation.types import FINISH_REASONS, GenerationRequest, Sample, Timings
@@ -73,6 +73,9 @@ class EngineConfig:
         i.e. longest predicted output first; ties in submission order).
       refill: admit into freed slots as soon as they free (continuous
         batching); False waits until every slot is free (static batching).
+      weight_dtype: the generation copy's matrices: "auto" (the model's compute
+        dtype) or "int8" (per-channel int8, W8A8 matmuls: `quant.py`); the
+        recorded behaviour log-probs are then the int8 model's.
     """
 
     num_slots: int = 8
@@ -85,6 +88,7 @@ class EngineConfig:
     max_stop_ids: int = 4
     admission: str = "fifo"
     refill: bool = True
+    weight_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("num_slots", "max_prompt_length", "chunk_steps", "prefill_batch"):
@@ -98,6 +102,11 @@ class EngineConfig:
         if self.admission not in ("fifo", "lpt"):
             raise ValueError(
                 f"EngineConfig.admission must be 'fifo' or 'lpt', not {self.admission!r}"
+            )
+        if self.weight_dtype not in quant.WEIGHT_DTYPES:
+            raise ValueError(
+                f"EngineConfig.weight_dtype must be one of {quant.WEIGHT_DTYPES}, "
+                f"not {self.weight_dtype!r}"
             )
         if len(self.stop_ids) > self.max_stop_ids:
             raise ValueError("EngineConfig.stop_ids has more ids than max_stop_ids")
@@ -175,7 +184,7 @@ class Engine:
         self._repl = NamedSharding(mesh, PartitionSpec())
         self._param_shardings = state_shardings(params, mesh, GENERATE_RULES)
         self._param_sig = _signature(params)
-        self._relayout = _relayout_fn(graphdef, model_cfg, mesh, params)
+        self._relayout = _relayout_fn(graphdef, model_cfg, mesh, params, cfg.weight_dtype)
         self._params = self._relayout(jax.device_put(params, self._param_shardings))
         self.version = version
         self._pending_weights: tuple[Any, int] | None = None
@@ -511,9 +520,14 @@ def _jitted(model_cfg: ModelConfig, steps: int, state_sh: Any, repl: NamedShardi
     )
 
 
-def _relayout_fn(graphdef: nnx.GraphDef, model_cfg: ModelConfig, mesh: Mesh, params: Any):
-    """Jitted training layout -> `decoder` layout, placed on the instance's mesh."""
-    fn = functools.partial(decoder.from_training_layout, graphdef, cfg=model_cfg)
+def _relayout_fn(
+    graphdef: nnx.GraphDef, model_cfg: ModelConfig, mesh: Mesh, params: Any, weight_dtype: str
+):
+    """Jitted training layout -> `decoder` layout (quantised with "int8"), placed on the
+    instance's mesh."""
+    fn = functools.partial(
+        decoder.from_training_layout, graphdef, cfg=model_cfg, weight_dtype=weight_dtype
+    )
     return jax.jit(fn, out_shardings=decoder.weight_shardings(jax.eval_shape(fn, params), mesh))
 
 

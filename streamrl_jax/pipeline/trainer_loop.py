@@ -216,8 +216,8 @@ class TrainerLoop:
 
     def _place(self, b: int, groups: list[micro_batches.Group], stats: dict) -> Any:
         """The micro-batch on the training mesh and its padded (rows, columns) (None if the
-        gate dropped every group), with reference log-probs and, with the critic, GAE
-        advantages and returns."""
+        gate dropped every group), with pi_old recomputed when TIS is on, reference
+        log-probs and, with the critic, GAE advantages and returns."""
         c, t = self.c, self.c.trainer
         batch = micro_batches.pack_groups(
             b,
@@ -233,6 +233,11 @@ class TrainerLoop:
         if batch is None:
             return None
         dev = t.place_batch(batch)
+        if t.cfg.tis_cap is not None:
+            # pi_old under the trainer's weights (not yet updated this batch: tis_cap needs
+            # one mini-batch), so the TIS weight min(pi_old / mu, cap) sees the sampler's
+            # mismatch: int8 rollout, staleness, a mid-sample weight swap (docs/trainer.md).
+            dev = dev.replace(old_logp=t.logprobs(c.state.params, dev))
         if c.ref_params is not None:
             dev = dev.replace(ref_logp=t.logprobs(c.ref_params, dev))
         if c.critic is not None:
