@@ -84,6 +84,8 @@ class GenerationSection:
     decode_chunk: int = 8  # decode steps per host round trip
     prefill_batch: int = 4  # prompts prefilled together
     length_replay: bool = False  # force response lengths from the paper's long-tail trace
+    # a group's members (same prompt) prefill it once, the rest copy its KV (bitwise equal)
+    share_prefill: bool = True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

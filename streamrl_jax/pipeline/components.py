@@ -202,6 +202,7 @@ def engine_config(cfg: ExperimentConfig, tokenizer: Tokenizer, slots: int) -> En
         stop_ids=tuple(tokenizer.stop_ids),
         max_stop_ids=max(4, len(tokenizer.stop_ids)),
         admission="lpt" if cfg.scheduling.dispatch in ("skew_aware", "oracle") else "fifo",
+        share_prefill=g.share_prefill,
     )
 
 
