@@ -348,9 +348,9 @@ def bench_groups(name: str) -> dict:
                 t = time.perf_counter()
                 out = e.run(reqs)
                 best[share][kind] = min(best[share][kind], time.perf_counter() - t)
-                if kind == "prefill_s":
-                    best[share].update({k: e.metrics()[k] - before[k] for k in keys})
-                else:
+                tag = "" if kind == "prefill_s" else "grpo_"
+                best[share].update({tag + k: e.metrics()[k] - before[k] for k in keys})
+                if tag:
                     samples[share] = {s.request_id: s for s in out}
         a, b = samples[False], samples[True]
         equal &= a.keys() == b.keys() and all(
@@ -367,6 +367,8 @@ def bench_groups(name: str) -> dict:
             "forked_per_group": r["forked"] / g,
             "prefill_ms_per_group": round(r["prefill_s"] / g * 1e3, 1),
             "grpo_makespan_s": round(r["makespan_s"], 3),
+            "grpo_prefill_calls": r["grpo_prefill_calls"],
+            "grpo_forked": r["grpo_forked"],
         }
         for share, r in best.items()
     }
