@@ -317,3 +317,13 @@ def test_reward_sandbox_auto_isolates_scorers_that_evaluate_answers():
     assert limits is not None and limits.timeout_s == 3.0  # countdown evals the answer
     assert sandbox(data__tasks="countdown", data__reward_sandbox="inline") is None
     assert sandbox(data__tasks="chain_sum", data__reward_sandbox="process") is not None
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_generation_share_prefill_reaches_every_engine(share):
+    from types import SimpleNamespace
+
+    from streamrl_jax.pipeline.components import engine_config
+
+    cfg = config_lib.from_config_dict(_with(generation__share_prefill=share))
+    assert engine_config(cfg, SimpleNamespace(stop_ids=[2]), slots=4).share_prefill is share
