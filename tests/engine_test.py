@@ -421,13 +421,16 @@ def test_shared_prompt_prefill_is_bitwise_the_unshared_one(model, admission):
     )
     reqs.insert(3, cont)
     kw = dict(min_bucket=4, admission=admission)
-    off, on = make_engine(model, share_prefill=False, **kw), make_engine(model, **kw)
+    prefilled = []
+    off = make_engine(model, share_prefill=False, **kw)
+    on = make_engine(model, on_chunk=lambda *a, **k: prefilled.append(k["prefilled"]), **kw)
     before = on.compile_count()
     assert_bitwise(by_id(off.run(reqs)), by_id(on.run(reqs)))
     m_on, m_off = on.metrics(), off.metrics()
     assert m_off["forked"] == 0 and m_off["prefill_rows"] == len(reqs)
     assert m_on["forked"] > 0 and m_on["prefill_rows"] + m_on["forked"] == len(reqs)
     assert m_on["prefill_rows"] >= 6  # 5 prompts and the continuation, at least once each
+    assert sum(prefilled) == m_on["prefill_rows"]  # the observer counts prefills, not forks
     # Bounded compilation: one prefill per bucket (3 prompt buckets + the continuation's),
     # one fork, one chunk; new groups of the same buckets compile nothing.
     assert on.compile_count() - before <= 6

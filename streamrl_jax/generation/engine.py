@@ -156,7 +156,8 @@ class Engine:
         running, steps=0, prefilled=0)`: the instance id, the step's wall-clock
         start and end (`time.time()` seconds), response tokens emitted, slots
         running (including those that finished in the step), decode steps the
-        chunk ran and prompts prefilled. The pipeline draws its trace with it.
+        chunk ran and prompts prefilled (forks of a shared prompt not counted). The
+        pipeline draws its trace with it.
     """
 
     def __init__(
@@ -404,6 +405,7 @@ class Engine:
         """One host round trip: admit, one decode chunk, return the finished samples."""
         t0 = time.time()
         self._apply_pending_weights()
+        rows_before = self._metrics["prefill_rows"]
         prefills = self._admit()
         if self.num_running == 0:
             return []
@@ -448,7 +450,7 @@ class Engine:
                 emitted,
                 self.num_running + len(done),
                 steps=int(chunk_h.emitted.max(initial=0)),
-                prefilled=sum(len(ids) for ids, _ in prefills),
+                prefilled=m["prefill_rows"] - rows_before,  # forked members not counted
             )
         return done
 
