@@ -335,3 +335,13 @@ def test_int8_rollout_needs_tis_and_tis_needs_one_mini_batch():
         _with(generation__weight_dtype="int8", algorithm__tis_cap=2.0)
     )
     assert cfg.generation.weight_dtype == "int8"
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_generation_share_prefill_reaches_every_engine(share):
+    from types import SimpleNamespace
+
+    from streamrl_jax.pipeline.components import engine_config
+
+    cfg = config_lib.from_config_dict(_with(generation__share_prefill=share))
+    assert engine_config(cfg, SimpleNamespace(stop_ids=[2]), slots=4).share_prefill is share

@@ -376,3 +376,79 @@ def test_a_paused_sample_continued_draws_what_the_uninterrupted_one_does(model):
     bad = dataclasses.replace(reqs[0], continuation=Continuation.of(whole[0]))
     with pytest.raises(ValueError, match="leaves nothing to generate"):
         engine.validate(bad)
+
+
+def grouped_requests(seed: int, lpt: bool = False) -> list[GenerationRequest]:
+    """GRPO-style groups (one prompt, G seeds; G = 3, 1, 4, 2, 3) of prompt lengths in
+    three buckets, members submitted interleaved rather than group by group."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g, (size, n) in enumerate(zip((3, 1, 4, 2, 3), (3, 7, 12, 16, 5), strict=True)):
+        prompt = rng.integers(0, CFG.vocab_size, size=n).tolist()
+        for m in range(size):
+            out.append(
+                GenerationRequest(
+                    request_id=f"{g}/{m}",
+                    prompt=prompt,
+                    max_new_tokens=int(rng.integers(1, 25)),
+                    sampling=SAMPLED,
+                    seed=1000 * seed + 10 * g + m,
+                    priority=float(rng.integers(0, 3)) if lpt else 0.0,
+                )
+            )
+    return [out[i] for i in rng.permutation(len(out))]
+
+
+def assert_bitwise(a, b):
+    assert a.keys() == b.keys()
+    for rid in a:
+        for field in ("response", "logprobs", "sampling_logprobs", "token_versions"):
+            np.testing.assert_array_equal(
+                getattr(a[rid], field), getattr(b[rid], field), err_msg=f"{rid} {field}"
+            )
+        assert a[rid].finish_reason == b[rid].finish_reason
+
+
+@pytest.mark.parametrize("admission", ["fifo", "lpt"])
+def test_shared_prompt_prefill_is_bitwise_the_unshared_one(model, admission):
+    # The members of a group prefill their prompt once (the rest fork its KV and logits,
+    # within one admission and across later steps: 4 slots for groups of up to 4 admitted
+    # interleaved); a continuation of a group's prompt is never shared.
+    reqs = grouped_requests(7, lpt=admission == "lpt")
+    paused = make_engine(model).run([dataclasses.replace(reqs[0], segment_tokens=2)])[0]
+    cont = dataclasses.replace(
+        reqs[0], request_id="continued", max_new_tokens=24, continuation=Continuation.of(paused)
+    )
+    reqs.insert(3, cont)
+    kw = dict(min_bucket=4, admission=admission)
+    prefilled = []
+    off = make_engine(model, share_prefill=False, **kw)
+    on = make_engine(model, on_chunk=lambda *a, **k: prefilled.append(k["prefilled"]), **kw)
+    before = on.compile_count()
+    assert_bitwise(by_id(off.run(reqs)), by_id(on.run(reqs)))
+    m_on, m_off = on.metrics(), off.metrics()
+    assert m_off["forked"] == 0 and m_off["prefill_rows"] == len(reqs)
+    assert m_on["forked"] > 0 and m_on["prefill_rows"] + m_on["forked"] == len(reqs)
+    assert m_on["prefill_rows"] >= 6  # 5 prompts and the continuation, at least once each
+    assert sum(prefilled) == m_on["prefill_rows"]  # the observer counts prefills, not forks
+    # Bounded compilation: one prefill per bucket (3 prompt buckets + the continuation's),
+    # one fork, one chunk; new groups of the same buckets compile nothing.
+    assert on.compile_count() - before <= 6
+    compiled = on.compile_count()
+    again = grouped_requests(8, lpt=admission == "lpt")
+    assert_bitwise(by_id(off.run(again)), by_id(on.run(again)))
+    assert on.compile_count() == compiled
+
+
+def test_shared_prefill_never_forks_across_a_weight_update(model):
+    _, _, params2 = model
+    reqs = grouped_requests(9)
+    out = []
+    for share in (False, True):
+        engine = make_engine(model, share_prefill=share, min_bucket=4)
+        engine.submit(reqs)
+        got = engine.step()  # the first members are admitted under version 0
+        engine.update_weights(params2, version=1)
+        out.append(by_id(got + engine.run()))
+    assert_bitwise(*out)
+    assert any(s.policy_version == 1 for s in out[1].values())

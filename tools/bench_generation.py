@@ -20,6 +20,14 @@ The last line of stdout is JSON with `continuous_over_static` (static makespan /
 continuous makespan) and `decode_vs_roofline` (step time / roofline time) of
 the headline model (SmolLM2 when it is available, else tiny), plus every
 model's details.
+
+`--group=G` runs only the shared-prompt prefill benchmark instead (`bench_groups`):
+`--groups` prompts x G samples on two engines that differ only in `share_prefill`,
+alternated in one process; its JSON line has `shared_prefill_speedup` (prefill
+seconds per group, off / on), `shared_prefill_makespan_ratio` (a GRPO-style batch
+with long-tail forced lengths, off / on) and `bitwise_equal` (the two engines' samples).
+
+    python tools/bench_generation.py --group=8 --models=smollm2
 """
 
 from __future__ import annotations
@@ -53,6 +61,11 @@ flags.DEFINE_integer("prefill_batch", None, "Prompts per prefill call (default p
 flags.DEFINE_list("hf_batches", ["1", "8", "16"], "Batch sizes of the engine-vs-HF comparison.")
 flags.DEFINE_bool("hf", True, "Compare SmolLM2 tokens/s with HF transformers `generate`.")
 flags.DEFINE_string("hf_child", None, "Internal: run the HF baseline on these prompts (.npz).")
+flags.DEFINE_integer("group", 0, "Run only the shared-prefill benchmark with this group size.")
+flags.DEFINE_integer("groups", 8, "--group: prompts per batch.")
+flags.DEFINE_integer("group_slots", 16, "--group: engine slots.")
+flags.DEFINE_integer("group_prompt", 64, "--group: prompt tokens (one bucket).")
+flags.DEFINE_integer("group_max_len", 128, "--group: longest forced response of the GRPO batch.")
 
 # The HF comparison: greedy, a fixed prompt length and a fixed number of new tokens.
 _HF_PROMPT, _HF_NEW, _HF_REPEATS = 24, 64, 2
@@ -267,6 +280,130 @@ def bench_model(name: str, quick: bool, bandwidth: float) -> dict:
     return result
 
 
+def load_model(name: str, mesh: Mesh, max_total: int):
+    """(model config, graphdef, params, stop ids): tiny random, or SmolLM2 from its GGUF."""
+    if name == "tiny":
+        cfg = model_config.tiny(max_position_embeddings=max_total)
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: llama.create(cfg)))
+        return cfg, graphdef, jax.jit(lambda: nnx.state(llama.create(cfg, seed=0)))(), ()
+    from streamrl_jax.model.defaults import smollm2_gguf_path
+    from streamrl_jax.model.loader import load_pretrained
+
+    pre = load_pretrained(smollm2_gguf_path(), mesh=mesh)
+    return pre.cfg, pre.graphdef, pre.params, tuple(pre.cfg.eos_token_ids)
+
+
+def group_requests(vocab: int, seed: int, lengths=None) -> list[GenerationRequest]:
+    """`--groups` fresh random prompts x `--group` seeds, group by group (as
+    `data.make_requests`); one token each, or the forced `lengths`."""
+    rng = np.random.default_rng([FLAGS.seed, seed])
+    out = []
+    for g in range(FLAGS.groups):
+        prompt = rng.integers(100, vocab, size=FLAGS.group_prompt).tolist()
+        for m in range(FLAGS.group):
+            n = 1 if lengths is None else int(lengths[g * FLAGS.group + m])
+            out.append(
+                GenerationRequest(
+                    request_id=f"{seed}/{g}/{m}",
+                    prompt=prompt,
+                    max_new_tokens=n,
+                    forced_length=n,
+                    sampling=SamplingParams(temperature=1.0),
+                    seed=1000 * g + m,
+                )
+            )
+    return out
+
+
+def bench_groups(name: str) -> dict:
+    """Shared-prompt prefill on vs off (two engines of one configuration, alternated).
+
+    Each repeat runs, on each engine, `--groups` x `--group` one-token requests (every
+    sample ends at admission: the prefill calls and seconds per group) and then a
+    GRPO-style batch of new prompts with long-tail forced lengths (makespan). Every run
+    has prompts no engine has seen (a slot keeps serving as a fork source until reused).
+    """
+    mesh = Mesh(np.asarray(jax.devices()[:1], dtype=object), ("tp",), axis_types=(AxisType.Auto,))
+    max_total = FLAGS.group_prompt + FLAGS.group_max_len
+    cfg, graphdef, params, stop_ids = load_model(name, mesh, max_total)
+    base = EngineConfig(
+        num_slots=FLAGS.group_slots,
+        max_prompt_length=FLAGS.group_prompt,
+        max_total_length=max_total,
+        chunk_steps=FLAGS.chunk_steps or 8,
+        prefill_batch=FLAGS.prefill_batch or 4,
+        min_bucket=FLAGS.group_prompt,
+        stop_ids=stop_ids,
+    )
+    engines = {
+        share: Engine(graphdef, params, cfg, dataclasses.replace(base, share_prefill=share), mesh)
+        for share in (False, True)
+    }
+    lengths = long_tail_lengths(FLAGS.groups * FLAGS.group, FLAGS.group_max_len, FLAGS.seed)
+    for e in engines.values():  # compile prefill, fork and chunk
+        e.run(group_requests(cfg.vocab_size, 0, lengths=[2] * len(lengths)))
+    best = {share: {"prefill_s": float("inf"), "makespan_s": float("inf")} for share in engines}
+    keys = ("prefill_calls", "prefill_rows", "forked")
+    equal, loads = True, []
+    for rep in range(1, FLAGS.repeats + 1):  # alternated so machine noise hits both
+        samples = {}
+        for share, e in engines.items():
+            for kind, reqs in (
+                ("prefill_s", group_requests(cfg.vocab_size, 2 * rep)),
+                ("makespan_s", group_requests(cfg.vocab_size, 2 * rep + 1, lengths)),
+            ):
+                before = e.metrics()
+                t = time.perf_counter()
+                out = e.run(reqs)
+                best[share][kind] = min(best[share][kind], time.perf_counter() - t)
+                tag = "" if kind == "prefill_s" else "grpo_"
+                best[share].update({tag + k: e.metrics()[k] - before[k] for k in keys})
+                if tag:
+                    samples[share] = {s.request_id: s for s in out}
+        a, b = samples[False], samples[True]
+        equal &= a.keys() == b.keys() and all(
+            np.array_equal(getattr(a[k], f), getattr(b[k], f))
+            for k in a
+            for f in ("response", "logprobs", "sampling_logprobs")
+        )
+        loads.append(round(os.getloadavg()[0], 2))
+    g = FLAGS.groups
+    rows = {
+        ("on" if share else "off"): {
+            "prefill_calls_per_group": r["prefill_calls"] / g,
+            "prefill_rows_per_group": r["prefill_rows"] / g,
+            "forked_per_group": r["forked"] / g,
+            "prefill_ms_per_group": round(r["prefill_s"] / g * 1e3, 1),
+            "grpo_makespan_s": round(r["makespan_s"], 3),
+            "grpo_prefill_calls": r["grpo_prefill_calls"],
+            "grpo_forked": r["grpo_forked"],
+        }
+        for share, r in best.items()
+    }
+    for k, r in rows.items():
+        print(f"share_prefill {k:3s}: {r}", flush=True)
+    return {
+        "bench": "shared_prefill",
+        "model": name,
+        "group": FLAGS.group,
+        "groups": g,
+        "slots": FLAGS.group_slots,
+        "prompt_len": FLAGS.group_prompt,
+        "prefill_batch": base.prefill_batch,
+        "max_len": FLAGS.group_max_len,
+        "grpo_tokens": int(lengths.sum()),
+        "repeats": FLAGS.repeats,
+        "shared_prefill_speedup": round(best[False]["prefill_s"] / best[True]["prefill_s"], 3),
+        "shared_prefill_makespan_ratio": round(
+            best[False]["makespan_s"] / best[True]["makespan_s"], 3
+        ),
+        "bitwise_equal": bool(equal),
+        "compile_count": engines[True].compile_count(),
+        "load_avg": loads,
+        **rows,
+    }
+
+
 def dot_floor_s(weights: dict, batch: int, repeats: int = 5) -> float:
     """Seconds of the decode step's matmuls alone at `batch`: per layer x @ qkv,
     x @ o, x @ gate_up, x @ down on the engine's own weights, then x @ lm_head, as one
@@ -458,6 +595,9 @@ def engine_over_hf(batches: list[int], bandwidth: float) -> dict:
 
 def main(argv):
     del argv
+    if FLAGS.group:
+        print(json.dumps(bench_groups(FLAGS.models[-1])))
+        return
     if FLAGS.hf_child:
         _hf_child(FLAGS.hf_child)
         return

@@ -88,6 +88,8 @@ class GenerationSection:
     prefill_batch: int = 4  # prompts prefilled together
     length_replay: bool = False  # force response lengths from the paper's long-tail trace
     weight_dtype: str = "auto"  # one of WEIGHT_DTYPES: "int8" = quantised rollout (FlashRL)
+    # a group's members (same prompt) prefill it once, the rest copy its KV (bitwise equal)
+    share_prefill: bool = True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -8,7 +8,9 @@ instance mesh. Each `step()` is one host round trip:
    "lpt"), prefilling them in batches of `prefill_batch` per prompt-length
    bucket; each prefill also samples the request's first token (a paused
    sample's continuation re-prefills prompt + its response so far and samples
-   on from there; `segment_tokens` pauses a request after that many new tokens);
+   on from there; `segment_tokens` pauses a request after that many new tokens;
+   with `share_prefill` a request whose prompt a slot already holds forks that
+   slot's KV and logits instead of prefilling: `admission.py`);
 3. dispatch one decode chunk (up to `chunk_steps` tokens for every active
    slot, sampling inside the loop, finished slots stop);
 4. fetch the prefill and chunk outputs in one `jax.device_get` and hand out
@@ -46,9 +48,8 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from streamrl_jax.generation import decoder, quant
+from streamrl_jax.generation import admission, decoder, quant
 from streamrl_jax.generation import slots as slots_lib
-from streamrl_jax.generation.sampling import request_key_data
 from streamrl_jax.generation.types import FINISH_REASONS, GenerationRequest, Sample, Timings
 from streamrl_jax.model.config import ModelConfig
 from streamrl_jax.sharding import GENERATE_RULES, state_shardings
@@ -76,6 +77,9 @@ class EngineConfig:
       weight_dtype: the generation copy's matrices: "auto" (the model's compute
         dtype) or "int8" (per-channel int8, W8A8 matmuls: `quant.py`); the
         recorded behaviour log-probs are then the int8 model's.
+      share_prefill: requests with the same prompt (a GRPO group) prefill it
+        once; the others copy its KV and logits into their slots and sample
+        their own first token (`admission.py`; samples are bitwise unchanged).
     """
 
     num_slots: int = 8
@@ -89,6 +93,7 @@ class EngineConfig:
     admission: str = "fifo"
     refill: bool = True
     weight_dtype: str = "auto"
+    share_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_slots", "max_prompt_length", "chunk_steps", "prefill_batch"):
@@ -160,7 +165,8 @@ class Engine:
         running, steps=0, prefilled=0)`: the instance id, the step's wall-clock
         start and end (`time.time()` seconds), response tokens emitted, slots
         running (including those that finished in the step), decode steps the
-        chunk ran and prompts prefilled. The pipeline draws its trace with it.
+        chunk ran and prompts prefilled (forks of a shared prompt not counted). The
+        pipeline draws its trace with it.
     """
 
     def __init__(
@@ -197,12 +203,20 @@ class Engine:
         state_sh = state_sh.replace(cache=state_sh.cache.replace(k=layer_sh, v=layer_sh))
         self._state = jax.jit(self._init_state, out_shardings=state_sh)()
 
-        self._prefill, self._chunk = _jitted(model_cfg, cfg.chunk_steps, state_sh, self._repl)
+        self._prefill, self._chunk, self._prefill_keep, self._fork = _jitted(
+            model_cfg, cfg.chunk_steps, state_sh, self._repl
+        )
+        # Shared-prompt prefill: per-slot prompt logits and which slot holds which prompt.
+        self._sources = admission.PromptSources(cfg.num_slots)
+        if cfg.share_prefill:
+            store = functools.partial(admission.init_store, cfg.num_slots, model_cfg.vocab_size)
+            self._store = jax.jit(store, out_shardings=self._repl)()
 
         self._seq = itertools.count()
         self._queue: list[tuple[tuple[float, int], GenerationRequest, float]] = []
         self._slots: list[_Running | None] = [None] * cfg.num_slots
         self._metrics: dict[str, Any] = {"tokens": 0, "busy_s": 0.0, "chunks": 0, "timeline": []}
+        self._metrics.update(prefill_calls=0, prefill_rows=0, forked=0)
         self._on_chunk = on_chunk
 
     def _running(self, req: GenerationRequest, enq: float, now: float) -> _Running:
@@ -322,6 +336,7 @@ class Engine:
             pending, self._pending_weights = self._pending_weights, None
         if pending is not None:
             self._params, self.version = pending
+            self._sources.clear()
             logging.info("instance %d: weights version %d", self.instance_id, self.version)
 
     @property
@@ -330,9 +345,11 @@ class Engine:
         return self._param_shardings
 
     def compile_count(self) -> int:
-        """Compiled executables of prefill (one per bucket) and decode chunk (shared with
-        engines of equal statics, see `_jitted`)."""
-        return self._prefill._cache_size() + self._chunk._cache_size()
+        """Compiled executables of prefill (one per bucket; with `share_prefill` the
+        logits-keeping prefill, and one fork), and decode chunk (shared with engines of
+        equal statics, see `_jitted`)."""
+        fns = (self._prefill, self._chunk, self._prefill_keep, self._fork)
+        return sum(f._cache_size() for f in fns)
 
     # ------------------------------------------------------------------ host loop
     def _admit(self) -> list[tuple[list[int], slots_lib.PrefillOut]]:
@@ -344,68 +361,60 @@ class Engine:
             _, req, enq = heapq.heappop(self._queue)
             take.append((free[len(take)], req, enq))
         now = time.time()
-        by_bucket: dict[int, list[tuple[int, GenerationRequest]]] = {}
         for slot, req, enq in take:
             self._slots[slot] = self._running(req, enq, now)
+        rows = [(slot, req) for slot, req, _ in take]
+        forks = []
+        if self.cfg.share_prefill:
+            rows, forks = self._sources.plan(rows)
+        by_bucket: dict[int, list[tuple[int, GenerationRequest]]] = {}
+        for slot, req in rows:
             bucket = self.cfg.bucket(len(req.prompt) + req.generated)
             by_bucket.setdefault(bucket, []).append((slot, req))
         outs = []
-        nb = self.cfg.prefill_batch
+        nb, m = self.cfg.prefill_batch, self._metrics
         for bucket, rows in sorted(by_bucket.items()):
             for i in range(0, len(rows), nb):
                 group = rows[i : i + nb]
                 adm = jax.device_put(self._admission(group, bucket), self._repl)
-                self._state, out = self._prefill(self._params, self._state, adm)
+                if self.cfg.share_prefill:
+                    self._state, self._store, out = self._prefill_keep(
+                        self._params, self._state, self._store, adm
+                    )
+                else:
+                    self._state, out = self._prefill(self._params, self._state, adm)
                 outs.append(([slot for slot, _ in group], out))
+                m["prefill_calls"] += 1
+                m["prefill_rows"] += len(group)
+        # Forks after every prefill: a fork may copy from a slot prefilled just above.
+        for i in range(0, len(forks), nb):
+            group = forks[i : i + nb]
+            src = np.zeros((nb,), np.int32)
+            src[: len(group)] = [source for _, _, source in group]
+            # Its tokens are unused; their width, max_prompt_length, is the KV span copied.
+            rows = [(slot, req) for slot, req, _ in group]
+            adm = self._admission(rows, self.cfg.max_prompt_length)
+            adm, src = jax.device_put((adm, src), self._repl)
+            self._state, self._store, out = self._fork(self._state, self._store, adm, src)
+            outs.append(([slot for slot, _, _ in group], out))
+            m["forked"] += len(group)
         return outs
 
     def _admission(self, rows: list[tuple[int, GenerationRequest]], p: int) -> slots_lib.Admission:
-        n, x = self.cfg.prefill_batch, self.cfg.max_stop_ids
-        tokens = np.zeros((n, p), np.int32)
-        lengths = np.ones((n,), np.int32)
-        slot_ids = np.full((n,), self.cfg.num_slots, np.int32)  # out of range: dropped
-        limit = np.ones((n,), np.int32)
-        forced = np.zeros((n,), bool)
-        keys = np.zeros((n, 2), np.uint32)
-        temp, top_p = np.zeros((n,), np.float32), np.ones((n,), np.float32)
-        top_k = np.zeros((n,), np.int32)
-        stops = np.full((n, x), -1, np.int32)
-        generated = np.zeros((n,), np.int32)
-        pause_at = np.full((n,), np.iinfo(np.int32).max, np.int32)
-        for i, (slot, r) in enumerate(rows):
-            tokens[i, : len(r.prompt)] = r.prompt
-            if r.continuation is not None:
-                tokens[i, len(r.prompt) : len(r.prompt) + r.generated] = r.continuation.tokens
-            generated[i] = r.generated
-            if r.segment_tokens is not None:
-                pause_at[i] = r.generated + r.segment_tokens
-            lengths[i], slot_ids[i] = len(r.prompt) + r.generated, slot
-            forced[i] = r.forced_length is not None
-            limit[i] = r.forced_length if forced[i] else r.max_new_tokens
-            keys[i] = request_key_data(r.seed)
-            s = r.sampling
-            temp[i], top_k[i], top_p[i] = s.temperature, s.top_k, s.top_p
-            ids = s.stop_ids or self.cfg.stop_ids
-            stops[i, : len(ids)] = ids
-        return slots_lib.Admission(
-            tokens=tokens,
-            lengths=lengths,
-            slots=slot_ids,
-            limit=limit,
-            forced=forced,
-            key_data=keys,
-            temperature=temp,
-            top_k=top_k,
-            top_p=top_p,
-            stop_ids=stops,
-            generated=generated,
-            pause_at=pause_at,
+        return admission.build_admission(
+            rows,
+            p,
+            n=self.cfg.prefill_batch,
+            num_slots=self.cfg.num_slots,
+            max_stop_ids=self.cfg.max_stop_ids,
+            stop_ids=self.cfg.stop_ids,
         )
 
     def step(self) -> list[Sample]:
         """One host round trip: admit, one decode chunk, return the finished samples."""
         t0 = time.time()
         self._apply_pending_weights()
+        rows_before = self._metrics["prefill_rows"]
         prefills = self._admit()
         if self.num_running == 0:
             return []
@@ -450,7 +459,7 @@ class Engine:
                 emitted,
                 self.num_running + len(done),
                 steps=int(chunk_h.emitted.max(initial=0)),
-                prefilled=sum(len(ids) for ids, _ in prefills),
+                prefilled=m["prefill_rows"] - rows_before,  # forked members not counted
             )
         return done
 
@@ -513,10 +522,18 @@ def _jitted(model_cfg: ModelConfig, steps: int, state_sh: Any, repl: NamedShardi
     def chunk(weights, state):
         return slots_lib.decode_chunk(decoder.GenModel(weights, model_cfg), state, steps)
 
-    out_sh = (state_sh, repl)
+    def prefill_keep(weights, state, store, adm):
+        return admission.prefill_keep(decoder.GenModel(weights, model_cfg), state, store, adm)
+
+    def fork(state, store, adm, src):
+        return admission.fork_into_slots(state, store, adm, src)
+
+    out_sh, out3 = (state_sh, repl), (state_sh, repl, repl)
     return (
         jax.jit(prefill, donate_argnums=1, out_shardings=out_sh),
         jax.jit(chunk, donate_argnums=1, out_shardings=out_sh),
+        jax.jit(prefill_keep, donate_argnums=(1, 2), out_shardings=out3),
+        jax.jit(fork, donate_argnums=(0, 1), out_shardings=out3),
     )
 
 

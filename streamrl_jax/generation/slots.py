@@ -6,7 +6,8 @@ functions here are pure and are jitted by the engine with the weights as an
 argument and the slot state donated:
 
 * `prefill_into_slots(model, state, admission)`: runs N right-padded prompts,
-  writes them into their slots, samples each first response token.
+  writes them into their slots, samples each first response token
+  (`start_rows`, which a shared-prompt fork reuses: `admission.py`).
 * `decode_chunk(model, state, steps)`: advances every active slot up to
   `steps` tokens inside one `lax.while_loop` (exits early once no slot is
   active); a slot that finishes stops there and keeps its tokens.
@@ -137,6 +138,15 @@ def prefill_into_slots(
     slots and samples each row's next token: token number `generated`, drawn with that
     counter, as the uninterrupted decode would."""
     logits_NxV, cache = model.prefill(adm.tokens, adm.lengths, state.cache, adm.slots)
+    return start_rows(state.replace(cache=cache), adm, logits_NxV)
+
+
+def start_rows(
+    state: SlotState, adm: Admission, logits_NxV: jax.Array
+) -> tuple[SlotState, PrefillOut]:
+    """Samples each admitted row's next token from its logits and writes the row's
+    request state into its slot (`state.cache` already holds the row's KV)."""
+    cache = state.cache
     tok, logp, slogp = sample_tokens(
         logits_NxV, adm.key_data, adm.generated, adm.temperature, adm.top_k, adm.top_p
     )

@@ -203,6 +203,7 @@ def engine_config(cfg: ExperimentConfig, tokenizer: Tokenizer, slots: int) -> En
         max_stop_ids=max(4, len(tokenizer.stop_ids)),
         admission="lpt" if cfg.scheduling.dispatch in ("skew_aware", "oracle") else "fifo",
         weight_dtype=g.weight_dtype,
+        share_prefill=g.share_prefill,
     )
 
 
