@@ -63,6 +63,7 @@ def test_decode_compiles_at_most_one_executable_per_bucket_pair(model):  # noqa:
     engine.run(reqs)
     used = engine._chunk._cache_size()
     assert 2 < used <= len(shapes.all()) == 6  # several shapes, all within the bound
+    assert engine.compile_count() == engine._prefill._cache_size() + used
     assert len(steps) > len(shapes.all())  # more chunks than shapes
     engine.compile_decode_shapes()
     compiled = engine.compile_count()
