@@ -28,6 +28,8 @@ def test_decode_shapes_cover_the_running_slots_with_free_padding():
     rows, seq = shapes.pick([0, 1, 2, 3, 5], [97, 1, 1, 1, 1])
     np.testing.assert_array_equal(rows, np.arange(6))
     assert seq == 100  # capped at the cache length
+    assert compact.doubling(64, 72) == (72,)  # 64 saves too little to compile
+    assert compact.doubling(1, 5) == (1, 2, 5)
     full = compact.DecodeShapes(num_slots=6, max_length=100, chunk_steps=4, enabled=False)
     assert full.all() == [(6, 100)]
     rows, seq = full.pick([2], [3])
