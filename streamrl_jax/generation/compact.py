@@ -9,7 +9,9 @@ whatever is running. Before each chunk the host picks a *decode shape*
   that covers the running slots, padded with free slots;
 * a length bucket `seq` (powers of two from `min_length`, then
   `max_total_length`) that covers every running slot's cache length plus
-  the chunk's steps, so no write or attended position falls outside it.
+  the chunk's steps, so no write or attended position falls outside it;
+  with every slot running, the whole cache (no copy at all: the shorter
+  attention saved less than the prefix copy cost, measured).
 
 `decode_compact` then gathers those rows' state and the first `seq` cache
 positions, runs the ordinary decode chunk on that compact state (attention
@@ -17,14 +19,16 @@ reads only the `seq` prefix; matmuls run `rows` rows) and scatters the rows
 back. The full shape (all slots, full length) skips the gather entirely and is
 the engine's uncompacted chunk. Per-step cost then follows the active count
 and the longest active sequence; the gather/scatter copy is paid once per
-chunk and is small next to the steps (measured in docs/generation.md).
+chunk. On XLA:CPU a row gather/scatter is far slower than a contiguous slice
+(docs/generation.md, "Decode shapes"), so the copy is worth it when it cuts
+rows, not when it only cuts positions of every row.
 
 Padding rows are free slots: inactive, so they compute but do not advance,
 and what they write lands in rows no sample owns. Positions are clamped inside
 `seq` by `GenModel.decode`; finish codes use the full `max_total_length`.
 
-Executables: one per (batch bucket, length bucket) used, at most
-`len(batch) * len(lengths)`; `DecodeShapes.all()` lists them.
+Executables: one per shape used, at most `DecodeShapes.all()`: every length
+bucket for each batch bucket below `num_slots`, and the full shape.
 """
 
 from __future__ import annotations
@@ -79,8 +83,9 @@ class DecodeShapes:
         return doubling(self.min_length, self.max_length) if self.enabled else (self.max_length,)
 
     def all(self) -> list[tuple[int, int]]:
-        """Every (batch, length) shape `pick` can return."""
-        return [(b, s) for b in self.batch_buckets for s in self.length_buckets]
+        """Every (batch, length) shape `pick` can return (all slots: the whole cache)."""
+        part = [(b, s) for b in self.batch_buckets[:-1] for s in self.length_buckets]
+        return [*part, (self.num_slots, self.max_length)]
 
     def pick(self, running: Sequence[int], lengths: Sequence[int]) -> tuple[np.ndarray, int]:
         """Rows to decode (ascending slot ids, running slots padded with free ones) and the
@@ -90,10 +95,10 @@ class DecodeShapes:
         if n == 0:
             raise ValueError("DecodeShapes.pick: no running slot")
         rows = next(b for b in self.batch_buckets if b >= n)
+        if rows == self.num_slots:  # no copy: see the module docstring
+            return np.arange(rows, dtype=np.int32), self.max_length
         need = max(lengths) + self.chunk_steps
         seq = next((s for s in self.length_buckets if s >= need), self.max_length)
-        if rows == self.num_slots:
-            return np.arange(rows, dtype=np.int32), seq
         taken = set(running)
         free = [i for i in range(self.num_slots) if i not in taken][: rows - n]
         return np.asarray(sorted([*running, *free]), np.int32), seq
