@@ -66,6 +66,9 @@ flags.DEFINE_integer("groups", 8, "--group: prompts per batch.")
 flags.DEFINE_integer("group_slots", 16, "--group: engine slots.")
 flags.DEFINE_integer("group_prompt", 64, "--group: prompt tokens (one bucket).")
 flags.DEFINE_integer("group_max_len", 128, "--group: longest forced response of the GRPO batch.")
+flags.DEFINE_bool(
+    "decode_buckets", True, "Decode the active (batch, length) bucket; False: every slot, always."
+)
 
 # The HF comparison: greedy, a fixed prompt length and a fixed number of new tokens.
 _HF_PROMPT, _HF_NEW, _HF_REPEATS = 24, 64, 2
@@ -162,12 +165,17 @@ def makespan(engine: Engine, requests) -> tuple[float, int]:
     return elapsed, sum(s.num_tokens for s in samples)
 
 
+def step_response_length(cfg: EngineConfig, chunks: int) -> int:
+    """Forced response length of `decode_step_time`'s requests (they outlast its chunks)."""
+    return cfg.chunk_steps * (chunks + 2) + 1
+
+
 def decode_step_time(
     engine: Engine, cfg: EngineConfig, vocab: int, chunks: int = 4, greedy: bool = False
 ) -> float:
     """Seconds per decode step with every slot active (steady state, after warm-up),
     sampling at `--temperature` (or greedy)."""
-    n = cfg.chunk_steps * (chunks + 2) + 1
+    n = step_response_length(cfg, chunks)
     if n > cfg.max_total_length - cfg.max_prompt_length:
         raise ValueError(f"decode_step_time: {n} steps do not fit the engine's context")
     reqs = make_requests([n] * cfg.num_slots, cfg.max_prompt_length, vocab, seed=7, greedy=greedy)
@@ -213,6 +221,7 @@ def bench_model(name: str, quick: bool, bandwidth: float) -> dict:
         prefill_batch=FLAGS.prefill_batch or size.prefill_batch,
         min_bucket=max_prompt,
         stop_ids=stop_ids,
+        decode_buckets=FLAGS.decode_buckets,
     )
     lengths = long_tail_lengths(num_requests, max_len, FLAGS.seed)
     requests = make_requests(lengths, max_prompt, cfg.vocab_size, FLAGS.seed)
@@ -224,6 +233,7 @@ def bench_model(name: str, quick: bool, bandwidth: float) -> dict:
     continuous.run(
         [GenerationRequest(request_id=b, prompt=[1] * b, max_new_tokens=1) for b in ecfg.buckets()]
     )
+    continuous.compile_decode_shapes()  # every (batch, length) bucket, shared with `static`
     compile_s = time.perf_counter() - t
     repeats = 1 if (quick and name == "smollm2") else FLAGS.repeats
     cont_s = static_s = float("inf")
@@ -232,12 +242,17 @@ def bench_model(name: str, quick: bool, bandwidth: float) -> dict:
         st, _ = makespan(static, requests)
         cont_s, static_s = min(cont_s, c), min(static_s, st)
     ideal_static, ideal_cont = scheduled_steps(lengths, num_slots, ecfg.chunk_steps)
-    step_s = decode_step_time(continuous, ecfg, cfg.vocab_size, chunks=2 if quick else 4)
+    step_chunks = 2 if quick else 4
+    step_s = decode_step_time(continuous, ecfg, cfg.vocab_size, chunks=step_chunks)
 
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     cache = continuous._state.cache
-    # The decode step reads every layer's whole cache (attention is masked, not cut).
+    # The step reads its length bucket of every layer's cache (attention is masked inside
+    # it); `decode_step_time`'s requests fill at most max_prompt + their response length.
+    filled = max_prompt + step_response_length(ecfg, step_chunks)
+    _, attended = ecfg.decode_shapes().pick(range(num_slots), [filled])
     kv_bytes = sum(x.size * x.dtype.itemsize for x in (*cache.k, *cache.v))
+    kv_bytes = kv_bytes * attended // cache.max_length
     roofline_s = (param_bytes + kv_bytes) / bandwidth
     result = {
         "model": name,
@@ -268,6 +283,8 @@ def bench_model(name: str, quick: bool, bandwidth: float) -> dict:
         "decode_vs_roofline": round(step_s / roofline_s, 2),
         "param_bytes": int(param_bytes),
         "kv_bytes": int(kv_bytes),
+        "attended_length": attended,
+        "decode_buckets": ecfg.decode_buckets,
     }
     logging.info("%s: %s", name, result)
     print(

@@ -15,8 +15,9 @@
    dataset seed) trained on all of `--samples` and judged there
    (`train_ranker.evaluate_separate`). `--dataset=''` without `--samples`: synthetic toy
    prompts, `"ranker_data": "synthetic"`.
-2. **Makespan on the real engine** (tiny random model, lengths forced to the paper's
-   long-tail trace scaled to `--max_len`): one global batch over instances with different
+2. **Makespan on the real engine** (`--model`: the tiny random model or SmolLM2; lengths
+   forced to the paper's long-tail trace scaled to `--max_len`): one global batch over
+   instances with different
    slot counts (`--slots`), dispatched by random + FIFO (baseline), random + LPT, counts
    balanced by PTL without a ranker + FIFO, Algorithm 2's groups planner (max / sum) and
    the lpt planner (the pipeline's default here; `dispatch.py` explains why), each with
@@ -28,9 +29,11 @@
    each share runs `--repeats` times and the fastest is kept. On this shared, loaded CPU
    wall times of ~1 s runs are noisy (`wall_over_random`), so the headline ratio times the
    engine's *own schedule* (its decode chunks: admissions, completions and LPT order as
-   they happened) with the measured PTL at the instance's slot count (the decode step
-   computes every slot): `over_random`. The simulator's makespan of the same plans is
-   `simulated_over_random`. Dispatch plans with `static_batch=True` for the same reason.
+   they happened) with the measured PTL at each chunk's decode batch (the batch bucket
+   covering its running slots; the instance's slot count with `--nodecode_buckets`, where
+   every step computes every slot): `over_random`. The simulator's makespan of the same
+   plans is `simulated_over_random`. Dispatch plans price steps the same way
+   (`static_batch=True` only with `--nodecode_buckets`).
 2b. **The real mixture** (real data): the same, each request one real SmolLM2 sample of
    a held-out prompt (its length forced), whole prompts (GRPO groups) per batch, scored
    by a ranker that never saw the prompt. **The group signal** (the Seer observation)
@@ -94,6 +97,15 @@ flags.DEFINE_integer("repeats", 1, "Timed runs per plan (the fastest is kept: sh
 flags.DEFINE_integer("max_len", 256, "Longest forced response (engine section).")
 flags.DEFINE_integer("requests", None, "Requests per global batch (engine section).")
 flags.DEFINE_integer("seeds", None, "Global batches (seeds) in the engine section.")
+flags.DEFINE_bool(
+    "decode_buckets",
+    True,
+    "Engines decode the active batch bucket (compact.py) and the planners price steps at "
+    "the active batch (static_batch=False); False: every slot every step, as before.",
+)
+flags.DEFINE_enum(
+    "model", "tiny", ["tiny", "smollm2"], "Model of the engine sections (SmolLM2: slow)."
+)
 flags.DEFINE_float("ranker_recall", 0.87, "Modelled ranker recall@20 for length replay.")
 flags.DEFINE_string(
     "eval_samples", None, "Judge the ranker on these prompts (another seed) instead of CV."
@@ -157,8 +169,8 @@ def ranker_section(
 
 
 def _engines(slots: list[int], max_len: int, quick: bool):
-    """One tiny-model engine per instance, compiled, and the PTL profile measured on them."""
-    graphdef, params, cfg = profile_ptl.load_model("tiny")
+    """One engine per instance (`--model`), compiled, and the PTL profile measured on them."""
+    graphdef, params, cfg = profile_ptl.load_model(FLAGS.model)
     ptl_sizes = sorted({1, 2, *slots, max(slots) // 2 or 1})
     # The fastest chunk over interleaved rounds: on this shared CPU another job's burst
     # during one batch size's chunks would otherwise skew PTL(8) / PTL(4), which decides
@@ -186,6 +198,7 @@ def _engines(slots: list[int], max_len: int, quick: bool):
                 chunk_steps=8,
                 prefill_batch=4,
                 admission="lpt",  # priority 0 everywhere = FIFO (ties in submission order)
+                decode_buckets=FLAGS.decode_buckets,
             ),
             single_device_mesh(),
             instance_id=i,
@@ -195,6 +208,7 @@ def _engines(slots: list[int], max_len: int, quick: bool):
     warm = [_request(i, 8, np.random.default_rng(i)) for i in range(4)]
     for e in engines:
         e.run(warm)  # compile prefill and the decode chunk outside the timings
+        e.compile_decode_shapes()
     return engines, ptl, prof
 
 
@@ -210,7 +224,9 @@ def _plans(scores, true, history, slots, ptl, seed) -> dict[str, dispatch.Dispat
         ("groups_sum", "groups", "sum"),
         ("lpt", "lpt", "max"),
     ):
-        cfg = dispatch.DispatchConfig(objective=objective, static_batch=True, planner=planner)
+        cfg = dispatch.DispatchConfig(
+            objective=objective, static_batch=not FLAGS.decode_buckets, planner=planner
+        )
         d = dispatch.SkewAwareDispatcher(None, ptl, cfg)
         d.observe(history)
         out[f"skew_{name}"] = d.plan_scores(scores, len(slots), slots)
@@ -242,11 +258,14 @@ def _time_plans(engines, slots, ptl, reqs, plans, true, acc) -> None:
                 t0 = time.perf_counter()
                 engine.run(mine)
                 best = min(best, time.perf_counter() - t0)
-                chunks = len(engine.metrics()["timeline"]) - chunks0
+                timeline = engine.metrics()["timeline"][chunks0:]
             span = max(span, best)
             # The engine's own schedule (admissions, chunks) timed with the measured PTL
-            # at its slot count: every decode step computes every slot.
-            step_span = max(step_span, chunks * engine.cfg.chunk_steps * ptl(slots[k]))
+            # at each chunk's decode batch: the batch bucket covering the slots running
+            # (every slot without --decode_buckets).
+            buckets = _batch_buckets(slots[k])
+            step_s = [ptl(next(b for b in buckets if b >= run)) for _, run, _, _ in timeline]
+            step_span = max(step_span, engine.cfg.chunk_steps * float(np.sum(step_s)))
         acc["wall"].setdefault(name, []).append(span)
         acc["step"].setdefault(name, []).append(step_span)
         acc["sim"].setdefault(name, []).append(_simulated_makespan(plan, slots, ptl, true))
@@ -488,7 +507,8 @@ def _simulated_makespan(plan, slots, ptl, true) -> float:
     prompt = np.full(len(true), 12)
     for k, order in enumerate(plan.orders(len(slots))):
         if order:
-            cost = sim_gen.InstanceSpec(cost=_PTLCost(ptl, slots[k]), slots=slots[k])
+            buckets = _batch_buckets(slots[k])
+            cost = sim_gen.InstanceSpec(cost=_PTLCost(ptl, buckets), slots=slots[k])
             spans.append(sim_gen.run_instance(cost, order, prompt, true)[2])
     return max(spans)
 
@@ -496,13 +516,19 @@ def _simulated_makespan(plan, slots, ptl, true) -> float:
 @dataclasses.dataclass(frozen=True)
 class _PTLCost:
     ptl: dispatch.PTLProfile
-    slots: int
+    buckets: tuple[int, ...]  # the engine's decode batch buckets
 
     def segment_time(self, batch: int, ctx0: float, steps: int) -> float:
-        return steps * self.ptl(self.slots)  # fixed-shape decode step: every slot computed
+        return steps * self.ptl(next(b for b in self.buckets if b >= batch))
 
     def prefill_time(self, tokens: float) -> float:
         return 0.0
+
+
+def _batch_buckets(slots: int) -> tuple[int, ...]:
+    """The decode batch buckets of an instance of `slots` slots in this bench's engines."""
+    cfg = EngineConfig(num_slots=slots, decode_buckets=FLAGS.decode_buckets)
+    return cfg.decode_shapes().batch_buckets
 
 
 def _scenario(max_len: int, devices: int = 32) -> Scenario:

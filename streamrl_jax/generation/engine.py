@@ -12,7 +12,10 @@ instance mesh. Each `step()` is one host round trip:
    with `share_prefill` a request whose prompt a slot already holds forks that
    slot's KV and logits instead of prefilling: `admission.py`);
 3. dispatch one decode chunk (up to `chunk_steps` tokens for every active
-   slot, sampling inside the loop, finished slots stop);
+   slot, sampling inside the loop, finished slots stop) on the smallest
+   decode shape covering the running slots: a batch bucket of rows and a
+   length bucket of cache positions (`compact.py`), so a step's cost follows
+   the active count and the longest active sequence;
 4. fetch the prefill and chunk outputs in one `jax.device_get` and hand out
    every sample that finished.
 
@@ -21,10 +24,10 @@ full batch only when every slot is free.
 
 Determinism: a request's tokens depend only on (weights, prompt, seed): token
 t is drawn with `fold_in(key(seed), t)`, prefill shapes depend only on the
-prompt's own length bucket, and the decode step has one shape. Samples are
-therefore identical whatever the slot, batch-mates or admission time (up to
-floating-point effects of a different matmul shape when two engines have
-different slot counts).
+prompt's own length bucket. Samples are therefore the same whatever the slot,
+batch-mates or admission time, up to floating-point effects of the decode
+shape (the batch bucket, the length bucket, or another engine's slot count
+changes matmul and reduction shapes; tests hold log-probs to 1e-5).
 
 Weights are a jit argument; `update_weights` swaps the reference (after a
 `device_put` onto this instance's sharding), never recompiling.
@@ -48,7 +51,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from streamrl_jax.generation import admission, decoder, quant
+from streamrl_jax.generation import admission, compact, decoder, quant
 from streamrl_jax.generation import slots as slots_lib
 from streamrl_jax.generation.types import FINISH_REASONS, GenerationRequest, Sample, Timings
 from streamrl_jax.model.config import ModelConfig
@@ -80,6 +83,11 @@ class EngineConfig:
       share_prefill: requests with the same prompt (a GRPO group) prefill it
         once; the others copy its KV and logits into their slots and sample
         their own first token (`admission.py`; samples are bitwise unchanged).
+      decode_buckets: run each decode chunk on the smallest (batch, length)
+        bucket covering the running slots (`compact.py`); False decodes every
+        slot over the whole cache every step (one shape).
+      min_decode_length: smallest length bucket; they double up to
+        `max_total_length`.
     """
 
     num_slots: int = 8
@@ -94,9 +102,12 @@ class EngineConfig:
     refill: bool = True
     weight_dtype: str = "auto"
     share_prefill: bool = True
+    decode_buckets: bool = True
+    min_decode_length: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("num_slots", "max_prompt_length", "chunk_steps", "prefill_batch"):
+        counts = ("num_slots", "max_prompt_length", "chunk_steps", "prefill_batch")
+        for name in (*counts, "min_decode_length"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1")
         if self.max_total_length <= self.max_prompt_length:
@@ -134,6 +145,15 @@ class EngineConfig:
         while b < n:
             b *= 2
         return min(b, self.max_total_length)
+
+    def decode_shapes(self) -> compact.DecodeShapes:
+        return compact.DecodeShapes(
+            num_slots=self.num_slots,
+            max_length=self.max_total_length,
+            chunk_steps=self.chunk_steps,
+            min_length=self.min_decode_length,
+            enabled=self.decode_buckets,
+        )
 
 
 @dataclasses.dataclass
@@ -211,6 +231,7 @@ class Engine:
         if cfg.share_prefill:
             store = functools.partial(admission.init_store, cfg.num_slots, model_cfg.vocab_size)
             self._store = jax.jit(store, out_shardings=self._repl)()
+        self._shapes = cfg.decode_shapes()
 
         self._seq = itertools.count()
         self._queue: list[tuple[tuple[float, int], GenerationRequest, float]] = []
@@ -346,10 +367,23 @@ class Engine:
 
     def compile_count(self) -> int:
         """Compiled executables of prefill (one per bucket; with `share_prefill` the
-        logits-keeping prefill, and one fork), and decode chunk (shared with engines of
-        equal statics, see `_jitted`)."""
+        logits-keeping prefill, and one fork) and decode chunk (one per (batch, length)
+        bucket used, at most `len(cfg.decode_shapes().all())`), shared with engines of
+        equal statics (see `_jitted`)."""
         fns = (self._prefill, self._chunk, self._prefill_keep, self._fork)
         return sum(f._cache_size() for f in fns)
+
+    def compile_decode_shapes(self) -> None:
+        """Compiles every decode shape now (e.g. before timing) by running each once with
+        no slot active (the loop exits at once). Only while no slot is running."""
+        if self.num_running:
+            raise RuntimeError(
+                f"instance {self.instance_id}: compile_decode_shapes needs an idle engine "
+                f"({self.num_running} slots running)"
+            )
+        for rows, seq in self._shapes.all():
+            idx = jax.device_put(np.arange(rows, dtype=np.int32), self._repl)
+            self._state, _ = self._chunk(self._params, self._state, idx, seq=seq)
 
     # ------------------------------------------------------------------ host loop
     def _admit(self) -> list[tuple[list[int], slots_lib.PrefillOut]]:
@@ -418,7 +452,13 @@ class Engine:
         prefills = self._admit()
         if self.num_running == 0:
             return []
-        self._state, chunk = self._chunk(self._params, self._state)
+        running = [i for i, s in enumerate(self._slots) if s is not None]
+        # Upper bound of each running slot's cache length (prompt + response - 1 once
+        # its first token is known to the host; prompt + continuation when just admitted).
+        filled = [len(self._slots[i].request.prompt) + len(self._slots[i].tokens) for i in running]
+        rows, seq = self._shapes.pick(running, filled)
+        idx = jax.device_put(rows, self._repl)
+        self._state, chunk = self._chunk(self._params, self._state, idx, seq=seq)
         # The one deliberate sync point per chunk: the host needs the done flags.
         prefills_h, chunk_h = jax.device_get(([o for _, o in prefills], chunk))
         done: list[Sample] = []
@@ -433,18 +473,19 @@ class Engine:
                 emitted += 1
                 if out.reason[i]:
                     done.append(self._finish(slot, int(out.reason[i])))
-        for slot, run in enumerate(self._slots):
+        for i, slot in enumerate(rows.tolist()):  # chunk row i is slot rows[i]
+            run = self._slots[slot]
             if run is None:
                 continue
-            e = int(chunk_h.emitted[slot])
-            run.tokens.extend(chunk_h.tokens[slot, :e].tolist())
-            run.logp.extend(chunk_h.logp[slot, :e].tolist())
-            run.slogp.extend(chunk_h.sampling_logp[slot, :e].tolist())
+            e = int(chunk_h.emitted[i])
+            run.tokens.extend(chunk_h.tokens[i, :e].tolist())
+            run.logp.extend(chunk_h.logp[i, :e].tolist())
+            run.slogp.extend(chunk_h.sampling_logp[i, :e].tolist())
             # Weights change only between round trips: this chunk ran on one version.
             run.versions.extend([self.version] * e)
             emitted += e
-            if chunk_h.reason[slot]:
-                done.append(self._finish(slot, int(chunk_h.reason[slot])))
+            if chunk_h.reason[i]:
+                done.append(self._finish(slot, int(chunk_h.reason[i])))
         t1 = time.time()
         m = self._metrics
         m["tokens"] += emitted
@@ -519,8 +560,9 @@ def _jitted(model_cfg: ModelConfig, steps: int, state_sh: Any, repl: NamedShardi
     def prefill(weights, state, adm):
         return slots_lib.prefill_into_slots(decoder.GenModel(weights, model_cfg), state, adm)
 
-    def chunk(weights, state):
-        return slots_lib.decode_chunk(decoder.GenModel(weights, model_cfg), state, steps)
+    def chunk(weights, state, rows, seq):
+        model = decoder.GenModel(weights, model_cfg)
+        return compact.decode_compact(model, state, rows, steps, seq)
 
     def prefill_keep(weights, state, store, adm):
         return admission.prefill_keep(decoder.GenModel(weights, model_cfg), state, store, adm)
@@ -531,7 +573,7 @@ def _jitted(model_cfg: ModelConfig, steps: int, state_sh: Any, repl: NamedShardi
     out_sh, out3 = (state_sh, repl), (state_sh, repl, repl)
     return (
         jax.jit(prefill, donate_argnums=1, out_shardings=out_sh),
-        jax.jit(chunk, donate_argnums=1, out_shardings=out_sh),
+        jax.jit(chunk, donate_argnums=1, out_shardings=out_sh, static_argnames="seq"),
         jax.jit(prefill_keep, donate_argnums=(1, 2), out_shardings=out3),
         jax.jit(fork, donate_argnums=(0, 1), out_shardings=out3),
     )

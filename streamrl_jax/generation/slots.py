@@ -10,7 +10,9 @@ argument and the slot state donated:
   (`start_rows`, which a shared-prompt fork reuses: `admission.py`).
 * `decode_chunk(model, state, steps)`: advances every active slot up to
   `steps` tokens inside one `lax.while_loop` (exits early once no slot is
-  active); a slot that finishes stops there and keeps its tokens.
+  active); a slot that finishes stops there and keeps its tokens. The engine
+  runs it on a compacted state (`compact.decode_compact`: the running rows
+  and the filled cache prefix).
 """
 
 from __future__ import annotations
@@ -184,10 +186,15 @@ def start_rows(
     return state, PrefillOut(tokens=tok, logp=logp, sampling_logp=slogp, reason=code)
 
 
-def decode_chunk(model: GenModel, state: SlotState, steps: int) -> tuple[SlotState, ChunkOut]:
-    """Advances every active slot by up to `steps` tokens (sampling inside the loop)."""
+def decode_chunk(
+    model: GenModel, state: SlotState, steps: int, max_total: int | None = None
+) -> tuple[SlotState, ChunkOut]:
+    """Advances every active slot by up to `steps` tokens (sampling inside the loop).
+
+    `max_total` is the context cap of the finish codes, default the cache length (the
+    compacted chunk, `compact.py`, runs on a cache prefix and passes the full length)."""
     b = state.last_token.shape[0]
-    max_total = state.cache.max_length
+    max_total = state.cache.max_length if max_total is None else max_total
     buf_i = jnp.zeros((b, steps), jnp.int32)
     buf_f = jnp.zeros((b, steps), jnp.float32)
 

@@ -26,8 +26,9 @@ The plan, per global batch of n prompts over N instances:
 
 Steps 1-4 are the `"groups"` planner (the paper's). Its premise is a GPU decode step
 whose cost falls with the *active* batch: a long-tail instance left with a few long
-samples then runs them fast. This repo's engine decodes every KV slot every step
-(`static_batch`), so an instance costs PTL(BS_max) per step however few samples it holds,
+samples then runs them fast. An engine that decodes every KV slot every step
+(`static_batch`; this repo's before issue 16 added decode buckets, `--nodecode_buckets`
+in the benches) costs PTL(BS_max) per step however few samples it holds,
 and isolating the long tail buys nothing; what remains is balancing work. The `"lpt"`
 planner does that with the same inputs:
 
@@ -391,8 +392,9 @@ class DispatchConfig:
         slot count is the only batch cap.
       kv_memory_bytes: KV-cache memory per instance (used when kv_bytes_per_token > 0).
       prompt_tokens: prompt length added to L for the KV cap.
-      static_batch: cost each instance's steps at its full slot count (this repo's engine
-        decodes every slot every step); False = at the active batch (the paper's model).
+      static_batch: cost each instance's steps at its full slot count (an engine that
+        decodes every slot every step, `decode_buckets=False`); False = at the active
+        batch (the paper's model, and this repo's engine with decode buckets).
       planner: "groups" (Algorithm 2's long-tail / regular groups) or "lpt" (list
         scheduling of expected lengths; see the module docstring).
     """

@@ -85,9 +85,9 @@ class LiveScheduler:
                 objective=s.objective,
                 planner=s.planner,
                 initial_length=max(cfg.generation.max_new_tokens / 4, 1.0),
-                # The engine decodes every KV slot each step: an instance with S slots
-                # costs PTL(S) per step (profile_ptl measures PTL(BS) with BS slots).
-                static_batch=True,
+                # The engine decodes the batch bucket covering its running slots
+                # (generation/compact.py): a step costs PTL(active batch), as on GPUs.
+                static_batch=False,
             ),
         )
         self.random = dispatch.RandomDispatcher(seed=cfg.seed)
