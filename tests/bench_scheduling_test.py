@@ -31,7 +31,7 @@ def test_static_plan_matches_the_simulator():
         [ptl(s) for s in slots],
         true,
     )
-    assert np.isclose(got, bench._simulated_makespan(plan, slots, ptl, true))
+    assert np.isclose(got, bench._simulated_makespan(plan, slots, ptl, true, fixed_shape=True))
 
 
 def test_update_reorders_queued_requests():

@@ -66,7 +66,8 @@ def test_decode_compiles_at_most_one_executable_per_bucket_pair(model):  # noqa:
     engine.run(reqs)
     used = engine._chunk._cache_size()
     assert 2 < used <= len(shapes.all()) == 5  # several shapes, all within the bound
-    assert engine.compile_count() == engine._prefill._cache_size() + used
+    prefills = sum(f._cache_size() for f in (engine._prefill, engine._prefill_keep, engine._fork))
+    assert engine.compile_count() == prefills + used
     assert len(steps) > len(shapes.all())  # more chunks than shapes
     engine.compile_decode_shapes()
     compiled = engine.compile_count()

@@ -501,13 +501,15 @@ def _request(i: int, length: int, rng: np.random.Generator) -> GenerationRequest
     )
 
 
-def _simulated_makespan(plan, slots, ptl, true) -> float:
-    """The simulator's makespan of the same plan with the measured PTL (cross-check)."""
+def _simulated_makespan(plan, slots, ptl, true, fixed_shape: bool = False) -> float:
+    """The simulator's makespan of the same plan with the measured PTL (cross-check);
+    a step costs PTL at its decode batch bucket, or at the slot count (`fixed_shape`, as
+    `dynamic_makespan` prices it)."""
     spans = []
     prompt = np.full(len(true), 12)
     for k, order in enumerate(plan.orders(len(slots))):
         if order:
-            buckets = _batch_buckets(slots[k])
+            buckets = (slots[k],) if fixed_shape else _batch_buckets(slots[k])
             cost = sim_gen.InstanceSpec(cost=_PTLCost(ptl, buckets), slots=slots[k])
             spans.append(sim_gen.run_instance(cost, order, prompt, true)[2])
     return max(spans)
