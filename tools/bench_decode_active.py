@@ -17,6 +17,7 @@ an idle engine (no row active: the loop exits at once) at each bucket vs the
 full shape, whose difference is the copy per chunk.
 
     PYTHONPATH=. python tools/bench_decode_active.py   # ~5 min on 2 quiet cores
+    PYTHONPATH=. python tools/bench_decode_active.py --quick
 
 The last line of stdout is JSON: per-step [wall, process CPU] ms per (prompt,
 active, mode), the idle chunk ms per bucket and the load average.
@@ -44,6 +45,7 @@ flags.DEFINE_integer("chunks", 2, "Timed chunks per point.")
 flags.DEFINE_integer("repeats", 2, "Alternating repeats per point (best kept).")
 flags.DEFINE_list("prompts", ["24", "200"], "Prompt lengths to run.")
 flags.DEFINE_list("actives", ["1", "4", "16"], "Active counts to run (<= --slots).")
+flags.DEFINE_bool("quick", False, "One repeat, the short prompt only (<= 5 minutes).")
 
 
 def step_ms(engine: Engine, prompt_len: int, active: int, vocab: int) -> tuple[float, float]:
@@ -96,6 +98,8 @@ def main(argv):
     mesh = Mesh(np.asarray(jax.devices()[:1], dtype=object), ("tp",), axis_types=(AxisType.Auto,))
     pre = load_pretrained(smollm2_gguf_path(), mesh=mesh)
     prompts = [int(p) for p in FLAGS.prompts]
+    if FLAGS.quick:
+        prompts = prompts[:1]
     base = EngineConfig(
         num_slots=FLAGS.slots,
         max_prompt_length=max(prompts),
@@ -117,7 +121,7 @@ def main(argv):
             for engine in engines.values():
                 step_ms(engine, p, a, vocab)  # warm-up: compiles this point's shapes
             best = {mode: np.array([np.inf, np.inf]) for mode in engines}
-            for _ in range(FLAGS.repeats):
+            for _ in range(1 if FLAGS.quick else FLAGS.repeats):
                 for mode, engine in engines.items():
                     best[mode] = np.minimum(best[mode], step_ms(engine, p, a, vocab))
             results[f"p{p}_a{a}"] = {m: np.round(v, 2).tolist() for m, v in best.items()}

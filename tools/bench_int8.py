@@ -13,6 +13,7 @@ trainer computes), mean and max absolute difference over the largest batch:
 the mismatch the trainer's TIS weight corrects.
 
     PYTHONPATH=. python tools/bench_int8.py                 # batches 1, 8, 16
+    PYTHONPATH=. python tools/bench_int8.py --quick         # 2 repeats, <= 5 minutes
     PYTHONPATH=. python tools/bench_int8.py --batches=1,8   # fewer
     PYTHONPATH=. python tools/bench_int8.py --chain         # matmul variants only
 
@@ -46,6 +47,7 @@ flags.DEFINE_list("batches", ["1", "8", "16"], "Decode batch sizes (slots = prom
 flags.DEFINE_integer("prompt", 24, "Prompt tokens.")
 flags.DEFINE_integer("new", 64, "Forced new tokens per prompt.")
 flags.DEFINE_integer("repeats", 3, "Alternating timed runs per engine (best kept).")
+flags.DEFINE_bool("quick", False, "2 repeats (<= 5 minutes on 2 CPU cores).")
 flags.DEFINE_integer("seed", 0, "Prompt seed.")
 flags.DEFINE_bool("chain", False, "Time the matmul variants on SmolLM2's MLP chain only.")
 
@@ -89,7 +91,7 @@ def chain() -> dict:
         for name, (f, ws) in variants.items():
             f(x, ws).block_until_ready()  # compile
             best[name] = float("inf")
-        for _ in range(FLAGS.repeats):  # alternate so machine noise hits every variant
+        for _ in range(_repeats()):  # alternate so machine noise hits every variant
             for name, (f, ws) in variants.items():
                 for _ in range(7):
                     t = time.perf_counter()
@@ -115,6 +117,10 @@ def _logprob_gap(pre, samples) -> dict:
     got = np.stack([s.logprobs for s in samples])
     diff = np.abs(got - want)
     return {"mean_abs": round(float(diff.mean()), 5), "max_abs": round(float(diff.max()), 4)}
+
+
+def _repeats() -> int:
+    return min(FLAGS.repeats, 2) if FLAGS.quick else FLAGS.repeats
 
 
 def main(argv):
@@ -157,7 +163,7 @@ def main(argv):
             engines[wd].run(reqs)  # compile
         best = {wd: float("inf") for wd in engines}
         samples = {}
-        for _ in range(FLAGS.repeats):
+        for _ in range(_repeats()):
             for wd, engine in engines.items():
                 t = time.perf_counter()
                 got = engine.run(reqs)
