@@ -17,7 +17,9 @@ the bandwidth measured in the same run by a large jitted reduction.
     python tools/bench_generation.py --models=tiny    # tiny random model only
 
 The last line of stdout is JSON with `continuous_over_static` (static makespan /
-continuous makespan) and `decode_vs_roofline` (step time / roofline time) of
+continuous makespan), `bucket_cost_bound` (the same ratio from decode cost alone, each
+step priced at the measured step time of its decode batch bucket: the ceiling once the
+step cost follows the active batch) and `decode_vs_roofline` (step time / roofline time) of
 the headline model (SmolLM2 when it is available, else tiny), plus every
 model's details.
 
@@ -141,6 +143,48 @@ def scheduled_steps(lengths, num_slots: int, chunk: int) -> tuple[int, int]:
     return static, max(free)
 
 
+def bucket_cost_bound(lengths, num_slots: int, chunk: int, step_s: dict[int, float]) -> float:
+    """continuous_over_static from decode cost alone: the static and continuous (refill at
+    chunk boundaries, FIFO) schedules of `lengths`, each step priced at `step_s` of the
+    batch bucket covering its running slots (no prefill or host cost). With a constant
+    step cost this is `scheduled_steps`' ratio; with decode buckets the static batch's
+    long tail runs at small-batch cost, which lowers it."""
+    buckets = sorted(step_s)
+
+    def cost(running: int) -> float:
+        return step_s[next(b for b in buckets if b >= running)] if running else 0.0
+
+    static = 0.0
+    for i in range(0, len(lengths), num_slots):
+        batch = lengths[i : i + num_slots]
+        for t in range(-(-int(batch.max()) // chunk) * chunk):
+            static += cost(int(np.sum(batch > t)))
+    queue, left, cont = [int(n) for n in lengths], [0] * num_slots, 0.0
+    while queue or any(left):
+        for k in range(num_slots):
+            if not left[k] and queue:
+                left[k] = queue.pop(0)
+        for _ in range(chunk):
+            cont += cost(sum(n > 0 for n in left))
+            left = [max(n - 1, 0) for n in left]
+    return static / cont
+
+
+def bucket_step_times(engine: Engine, cfg: EngineConfig, vocab: int) -> dict[int, float]:
+    """Seconds per decode step with `b` slots running, for each decode batch bucket b
+    (steady state: one chunk after the prefill chunk; greedy)."""
+    out = {}
+    for b in cfg.decode_shapes().batch_buckets:
+        n = step_response_length(cfg, 1)
+        engine.submit(make_requests([n] * b, cfg.max_prompt_length, vocab, seed=9, greedy=True))
+        engine.step()  # prefill + first chunk
+        t = time.perf_counter()
+        engine.step()
+        out[b] = (time.perf_counter() - t) / cfg.chunk_steps
+        engine.run()  # drain
+    return out
+
+
 def measure_bandwidth(mib: int = 512, reps: int = 5) -> float:
     """Bytes/s of a jitted full reduction over a large float32 array (best of reps)."""
     x = jax.jit(lambda: jnp.ones((mib * 2**18,), jnp.float32))()
@@ -243,6 +287,8 @@ def bench_model(name: str, quick: bool, bandwidth: float) -> dict:
         cont_s, static_s = min(cont_s, c), min(static_s, st)
     ideal_static, ideal_cont = scheduled_steps(lengths, num_slots, ecfg.chunk_steps)
     step_chunks = 2 if quick else 4
+    bucket_s = bucket_step_times(continuous, ecfg, cfg.vocab_size)
+    bound = bucket_cost_bound(lengths, num_slots, ecfg.chunk_steps, bucket_s)
     step_s = decode_step_time(continuous, ecfg, cfg.vocab_size, chunks=step_chunks)
 
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
@@ -275,6 +321,9 @@ def bench_model(name: str, quick: bool, bandwidth: float) -> dict:
         "static_tokens_per_s": round(tokens / static_s, 1),
         "continuous_over_static": round(static_s / cont_s, 3),
         "scheduled_steps_ratio": round(ideal_static / ideal_cont, 3),
+        # the same with each step priced at its batch bucket's measured step time
+        "bucket_cost_bound": round(bound, 3),
+        "bucket_step_ms": {str(b): round(v * 1e3, 2) for b, v in bucket_s.items()},
         "repeats": repeats,
         "chunk_steps": ecfg.chunk_steps,
         "prefill_batch": ecfg.prefill_batch,
@@ -637,6 +686,7 @@ def main(argv):
         "quick": FLAGS.quick,
         "headline_model": head["model"],
         "continuous_over_static": head["continuous_over_static"],
+        "bucket_cost_bound": head["bucket_cost_bound"],
         "decode_vs_roofline": head["decode_vs_roofline"],
         **{f"engine_over_hf_b{b}": r["engine_over_hf"] for b, r in versus_hf.items()},
         **{f"decode_vs_roofline_b{b}": r["decode_vs_roofline"] for b, r in versus_hf.items()},
