@@ -53,3 +53,15 @@ def test_busy_fraction_unions_overlapping_spans():
         {"track": "train/x", "ts": 0.0, "dur": 100.0},  # other prefix, ignored
     ]
     assert busy_fraction(spans, "gen", 0.0, 100.0) == 0.8
+
+
+def test_generation_busy_counts_only_the_window():
+    from streamrl_jax.pipeline.step_metrics import GenerationMeter
+
+    meter = GenerationMeter(Tracer(enabled=False), tick=lambda name: None)
+    meter.chunk(0, 0.0, 10.0, tokens=1, running=1)  # e.g. a chunk that compiled a shape
+    meter.chunk(1, 9.0, 11.0, tokens=1, running=1)
+    meter.chunk(0, 12.0, 13.0, tokens=1, running=1)
+    # window [8, 12.5]: 2 s of the first chunk, all 2 of the second, 0.5 of the third
+    assert meter.busy_between(8.0, 12.5) == 4.5
+    assert meter.busy_between(11.5, 20.0) == 1.0  # older chunks dropped, not counted

@@ -115,7 +115,8 @@ class PipelineSection:
     # next round under newer weights (re-prefilled); needs max_lag > staleness. 0 = off
     partial_budget_tokens: int = 0
     lag_policy: str = "drop"  # one of LAG_POLICIES: a paused sample that would pass max_lag
-    deterministic: bool = False  # micro-batches in group order: bitwise-reproducible training
+    # micro-batches in group order, one decode shape: bitwise-reproducible training
+    deterministic: bool = False
     nonfinite: str = "skip"  # NaN/Inf loss or gradients: "skip" the update (counted) | "stop"
     watchdog_s: float = 120.0  # warn when a stage with work makes no progress this long
     timeout_s: float = 600.0  # longest wait on any pipeline stage before it is reported stalled

@@ -45,7 +45,8 @@ class GenerationMeter:
     def __init__(self, tracer: Tracer, tick: Any):
         self._tracer, self._tick = tracer, tick
         self._lock = threading.Lock()
-        self._busy: dict[Any, float] = collections.defaultdict(float)  # instance -> seconds
+        # (t0, t1) wall intervals of recent chunks, all instances, for `busy_between`
+        self._intervals: collections.deque[tuple[float, float]] = collections.deque(maxlen=1 << 18)
         self._spans: dict[int, list[float]] = {}  # batch -> [first admit, last finish]
 
     def chunk(
@@ -60,7 +61,7 @@ class GenerationMeter:
     ) -> None:
         """One decode chunk of an instance (the engines' `on_chunk`; wall times)."""
         with self._lock:
-            self._busy[instance] += t1 - t0
+            self._intervals.append((t0, t1))
         self._tick("generation")
         self._tracer.add_wall(
             f"generation/instance {instance}",
@@ -80,10 +81,15 @@ class GenerationMeter:
             span = self._spans.setdefault(b, [t.admit, t.finish])
             span[0], span[1] = min(span[0], t.admit), max(span[1], t.finish)
 
-    def busy_s(self) -> float:
-        """Busy seconds so far, summed over instances."""
+    def busy_between(self, start: float, end: float) -> float:
+        """Busy seconds inside the wall window [start, end], summed over instances: each
+        chunk counts only its overlap with the window (a chunk that began before it, e.g.
+        one that compiled a new shape, counts from `start`). Windows must not go back in
+        time: chunks that ended before `start` are dropped."""
         with self._lock:
-            return sum(self._busy.values())
+            while self._intervals and self._intervals[0][1] < start:
+                self._intervals.popleft()
+            return sum(max(0.0, min(t1, end) - max(t0, start)) for t0, t1 in self._intervals)
 
     def pop_span(self, batch: int) -> float:
         """The batch's generation span in seconds (0 if none was seen)."""

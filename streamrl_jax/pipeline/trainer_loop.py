@@ -118,11 +118,18 @@ class TrainerLoop:
             )
         self.steps.flush()
 
+    def _gen_busy(self, w_start: float) -> float:
+        """Fraction of the wall time since `w_start` the instances spent decoding or
+        prefilling (mean over instances)."""
+        w_end = time.time()
+        busy = self.meter.busy_between(w_start, w_end)
+        return busy / (max(w_end - w_start, 1e-9) * self.num_instances)
+
     def _train_step(self, b: int, t_run: float, done: int) -> int:
         """Trains batch b and publishes W_{b+1}; returns the samples trained."""
         p = self.cfg.pipeline
-        t_step = time.perf_counter()
-        gen_busy0, waits0 = self.meter.busy_s(), dataclasses.replace(self.stream.metrics)
+        t_step, w_step = time.perf_counter(), time.time()  # chunk reports carry wall times
+        waits0 = dataclasses.replace(self.stream.metrics)
         step = _Step()
         drawn = None
         if self.check_prompts:  # the generation processes drew the same prompts
@@ -155,7 +162,7 @@ class TrainerLoop:
             "train_busy": step.busy_s / wall,
             # Fraction of this step's wall time the instances spent decoding or
             # prefilling (mean over instances).
-            "gen_busy": (self.meter.busy_s() - gen_busy0) / (wall * self.num_instances),
+            "gen_busy": self._gen_busy(w_step),
             # Trainer blocked waiting for complete groups / reward threads blocked on
             # back-pressure, seconds within this step.
             "stream_wait_s": m.consumer_wait_s - waits0.consumer_wait_s,
