@@ -90,12 +90,11 @@ def copy_ms(engine: Engine, rows: int, seq: int, reps: int = 5) -> float:
 
 def main(argv):
     del argv
-    from jax.sharding import AxisType, Mesh
 
     from streamrl_jax.model.defaults import smollm2_gguf_path
-    from streamrl_jax.model.loader import load_pretrained
+    from streamrl_jax.model.loader import load_pretrained, single_device_mesh
 
-    mesh = Mesh(np.asarray(jax.devices()[:1], dtype=object), ("tp",), axis_types=(AxisType.Auto,))
+    mesh = single_device_mesh()
     pre = load_pretrained(smollm2_gguf_path(), mesh=mesh)
     prompts = [int(p) for p in FLAGS.prompts]
     if FLAGS.quick:

@@ -45,12 +45,13 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 from flax import nnx
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
 
 from streamrl_jax.generation.engine import Engine, EngineConfig
 from streamrl_jax.generation.types import GenerationRequest, SamplingParams
 from streamrl_jax.model import config as model_config
 from streamrl_jax.model import llama
+from streamrl_jax.model.loader import single_device_mesh
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "Small sizes (<= 5 minutes on 2 CPU cores).")
@@ -173,16 +174,10 @@ def bucket_cost_bound(lengths, num_slots: int, chunk: int, step_s: dict[int, flo
 def bucket_step_times(engine: Engine, cfg: EngineConfig, vocab: int) -> dict[int, float]:
     """Seconds per decode step with `b` slots running, for each decode batch bucket b
     (steady state: one chunk after the prefill chunk; greedy)."""
-    out = {}
-    for b in cfg.decode_shapes().batch_buckets:
-        n = step_response_length(cfg, 1)
-        engine.submit(make_requests([n] * b, cfg.max_prompt_length, vocab, seed=9, greedy=True))
-        engine.step()  # prefill + first chunk
-        t = time.perf_counter()
-        engine.step()
-        out[b] = (time.perf_counter() - t) / cfg.chunk_steps
-        engine.run()  # drain
-    return out
+    return {
+        b: decode_step_time(engine, cfg, vocab, chunks=1, greedy=True, running=b)
+        for b in cfg.decode_shapes().batch_buckets
+    }
 
 
 def measure_bandwidth(mib: int = 512, reps: int = 5) -> float:
@@ -215,14 +210,20 @@ def step_response_length(cfg: EngineConfig, chunks: int) -> int:
 
 
 def decode_step_time(
-    engine: Engine, cfg: EngineConfig, vocab: int, chunks: int = 4, greedy: bool = False
+    engine: Engine,
+    cfg: EngineConfig,
+    vocab: int,
+    chunks: int = 4,
+    greedy: bool = False,
+    running: int | None = None,
 ) -> float:
-    """Seconds per decode step with every slot active (steady state, after warm-up),
-    sampling at `--temperature` (or greedy)."""
+    """Seconds per decode step with `running` slots active (default every slot; steady
+    state, after warm-up), sampling at `--temperature` (or greedy)."""
     n = step_response_length(cfg, chunks)
     if n > cfg.max_total_length - cfg.max_prompt_length:
         raise ValueError(f"decode_step_time: {n} steps do not fit the engine's context")
-    reqs = make_requests([n] * cfg.num_slots, cfg.max_prompt_length, vocab, seed=7, greedy=greedy)
+    count = cfg.num_slots if running is None else running
+    reqs = make_requests([n] * count, cfg.max_prompt_length, vocab, seed=7, greedy=greedy)
     engine.submit(reqs)
     engine.step()  # prefill + first chunk
     t = time.perf_counter()
@@ -241,21 +242,9 @@ def bench_model(name: str, quick: bool, bandwidth: float) -> dict:
         size.max_len,
         size.max_prompt,
     )
-    mesh = Mesh(np.asarray(jax.devices()[:1], dtype=object), ("tp",), axis_types=(AxisType.Auto,))
+    mesh = single_device_mesh()
     t_load = time.perf_counter()
-    if name == "tiny":
-        cfg = model_config.tiny(max_position_embeddings=max_prompt + max_len)
-        graphdef = nnx.graphdef(nnx.eval_shape(lambda: llama.create(cfg)))
-        init = jax.jit(lambda: nnx.state(llama.create(cfg, seed=0)))
-        params = init()
-        stop_ids: tuple[int, ...] = ()
-    else:
-        from streamrl_jax.model.defaults import smollm2_gguf_path
-        from streamrl_jax.model.loader import load_pretrained
-
-        pre = load_pretrained(smollm2_gguf_path(), mesh=mesh)
-        cfg, graphdef, params = pre.cfg, pre.graphdef, pre.params
-        stop_ids = tuple(cfg.eos_token_ids)
+    cfg, graphdef, params, stop_ids = load_model(name, mesh, max_prompt + max_len)
     load_s = time.perf_counter() - t_load
     ecfg = EngineConfig(
         num_slots=num_slots,
@@ -389,7 +378,7 @@ def bench_groups(name: str) -> dict:
     GRPO-style batch of new prompts with long-tail forced lengths (makespan). Every run
     has prompts no engine has seen (a slot keeps serving as a fork source until reused).
     """
-    mesh = Mesh(np.asarray(jax.devices()[:1], dtype=object), ("tp",), axis_types=(AxisType.Auto,))
+    mesh = single_device_mesh()
     max_total = FLAGS.group_prompt + FLAGS.group_max_len
     cfg, graphdef, params, stop_ids = load_model(name, mesh, max_total)
     base = EngineConfig(
@@ -578,13 +567,10 @@ def engine_over_hf(batches: list[int], bandwidth: float) -> dict:
     the step attends) / the bandwidth measured in this run. The step is timed with
     every slot active, greedy and at `--temperature`.
     """
-    from streamrl_jax.model.defaults import smollm2_gguf_path
-    from streamrl_jax.model.loader import load_pretrained
-
-    mesh = Mesh(np.asarray(jax.devices()[:1], dtype=object), ("tp",), axis_types=(AxisType.Auto,))
-    pre = load_pretrained(smollm2_gguf_path(), mesh=mesh)
+    mesh = single_device_mesh()
+    model_cfg, graphdef, params, _ = load_model("smollm2", mesh, _HF_PROMPT + _HF_NEW)
     rng = np.random.default_rng(FLAGS.seed + 2)
-    prompts = {b: rng.integers(100, pre.cfg.vocab_size, size=(b, _HF_PROMPT)) for b in batches}
+    prompts = {b: rng.integers(100, model_cfg.vocab_size, size=(b, _HF_PROMPT)) for b in batches}
     engines, reqs, eng_s, samples = {}, {}, {}, {}
     for b in batches:
         ecfg = EngineConfig(
@@ -595,7 +581,7 @@ def engine_over_hf(batches: list[int], bandwidth: float) -> dict:
             prefill_batch=b,
             min_bucket=_HF_PROMPT,
         )
-        engines[b] = Engine(pre.graphdef, pre.params, pre.cfg, ecfg, mesh)
+        engines[b] = Engine(graphdef, params, model_cfg, ecfg, mesh)
         reqs[b] = [
             GenerationRequest(
                 request_id=i,
@@ -624,8 +610,8 @@ def engine_over_hf(batches: list[int], bandwidth: float) -> dict:
         hf_s = hf["batches"][str(b)]["seconds"]
         ours = np.stack([s.response for s in sorted(samples[b], key=lambda s: s.request_id)])
         theirs = np.asarray(hf["batches"][str(b)]["tokens"])
-        step_s = decode_step_time(engine, engine.cfg, pre.cfg.vocab_size, chunks=1, greedy=True)
-        sampled_s = decode_step_time(engine, engine.cfg, pre.cfg.vocab_size, chunks=1)
+        step_s = decode_step_time(engine, engine.cfg, model_cfg.vocab_size, chunks=1, greedy=True)
+        sampled_s = decode_step_time(engine, engine.cfg, model_cfg.vocab_size, chunks=1)
         weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine._params))
         cache = engine._state.cache
         kv_bytes = sum(x.size * x.dtype.itemsize for x in (*cache.k, *cache.v))

@@ -37,7 +37,6 @@ import time
 import jax
 import numpy as np
 from absl import app, flags
-from jax.sharding import AxisType, Mesh
 
 from streamrl_jax.generation.engine import Engine, EngineConfig
 from streamrl_jax.generation.types import GenerationRequest, SamplingParams
@@ -129,9 +128,9 @@ def main(argv):
         print(json.dumps({"load_avg": round(os.getloadavg()[0], 2), **chain()}))
         return
     from streamrl_jax.model.defaults import smollm2_gguf_path
-    from streamrl_jax.model.loader import load_pretrained
+    from streamrl_jax.model.loader import load_pretrained, single_device_mesh
 
-    mesh = Mesh(np.asarray(jax.devices()[:1], dtype=object), ("tp",), axis_types=(AxisType.Auto,))
+    mesh = single_device_mesh()
     pre = load_pretrained(smollm2_gguf_path(), mesh=mesh)
     rng = np.random.default_rng(FLAGS.seed)
     out: dict = {"load_avg_start": round(os.getloadavg()[0], 2)}

@@ -1,6 +1,7 @@
 """Generation: per-instance engines with continuous batching, and the SGS over them."""
 
-from streamrl_jax.generation.engine import Engine, EngineConfig
+from streamrl_jax.generation.engine import Engine
+from streamrl_jax.generation.engine_config import EngineConfig
 from streamrl_jax.generation.service import (
     GenerationService,
     InstanceError,

@@ -51,109 +51,12 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from streamrl_jax.generation import admission, compact, decoder, quant
+from streamrl_jax.generation import admission, compact, decoder
 from streamrl_jax.generation import slots as slots_lib
+from streamrl_jax.generation.engine_config import EngineConfig
 from streamrl_jax.generation.types import FINISH_REASONS, GenerationRequest, Sample, Timings
 from streamrl_jax.model.config import ModelConfig
 from streamrl_jax.sharding import GENERATE_RULES, state_shardings
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-    """Static shape and policy of one engine.
-
-    Attributes:
-      num_slots: KV-cache rows = decode batch size.
-      max_prompt_length: longest accepted prompt.
-      max_total_length: prompt + response cap (KV-cache length); a sample that
-        reaches it finishes with reason "context".
-      chunk_steps: decode steps per host round trip.
-      prefill_batch: prompts per prefill call (padded to this size).
-      min_bucket: smallest prompt-length bucket; buckets double up to
-        `max_prompt_length` (the last bucket is `max_prompt_length`).
-      stop_ids: default stop ids for requests that set none.
-      max_stop_ids: per-request stop-id capacity on the device.
-      admission: "fifo" (submission order) or "lpt" (highest `priority` first,
-        i.e. longest predicted output first; ties in submission order).
-      refill: admit into freed slots as soon as they free (continuous
-        batching); False waits until every slot is free (static batching).
-      weight_dtype: the generation copy's matrices: "auto" (the model's compute
-        dtype) or "int8" (per-channel int8, W8A8 matmuls: `quant.py`); the
-        recorded behaviour log-probs are then the int8 model's.
-      share_prefill: requests with the same prompt (a GRPO group) prefill it
-        once; the others copy its KV and logits into their slots and sample
-        their own first token (`admission.py`; samples are bitwise unchanged).
-      decode_buckets: run each decode chunk on the smallest (batch, length)
-        bucket covering the running slots (`compact.py`); False decodes every
-        slot over the whole cache every step (one shape).
-      min_decode_length: smallest length bucket; they double up to
-        `max_total_length`.
-    """
-
-    num_slots: int = 8
-    max_prompt_length: int = 64
-    max_total_length: int = 256
-    chunk_steps: int = 8
-    prefill_batch: int = 4
-    min_bucket: int = 16
-    stop_ids: tuple[int, ...] = ()
-    max_stop_ids: int = 4
-    admission: str = "fifo"
-    refill: bool = True
-    weight_dtype: str = "auto"
-    share_prefill: bool = True
-    decode_buckets: bool = True
-    min_decode_length: int = 64
-
-    def __post_init__(self) -> None:
-        counts = ("num_slots", "max_prompt_length", "chunk_steps", "prefill_batch")
-        for name in (*counts, "min_decode_length"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be an int >= 1")
-        if self.max_total_length <= self.max_prompt_length:
-            raise ValueError(
-                f"EngineConfig.max_total_length ({self.max_total_length}) must exceed "
-                f"max_prompt_length ({self.max_prompt_length})"
-            )
-        if self.admission not in ("fifo", "lpt"):
-            raise ValueError(
-                f"EngineConfig.admission must be 'fifo' or 'lpt', not {self.admission!r}"
-            )
-        if self.weight_dtype not in quant.WEIGHT_DTYPES:
-            raise ValueError(
-                f"EngineConfig.weight_dtype must be one of {quant.WEIGHT_DTYPES}, "
-                f"not {self.weight_dtype!r}"
-            )
-        if len(self.stop_ids) > self.max_stop_ids:
-            raise ValueError("EngineConfig.stop_ids has more ids than max_stop_ids")
-
-    def buckets(self) -> tuple[int, ...]:
-        out, b = [], max(1, self.min_bucket)
-        while b < self.max_prompt_length:
-            out.append(b)
-            b *= 2
-        return (*out, self.max_prompt_length)
-
-    def bucket(self, n: int) -> int:
-        """The prefill length for `n` input tokens: a prompt's bucket, or for a
-        continuation (prompt + response so far, up to `max_total_length` - 1) the
-        prompt buckets doubled on past `max_prompt_length`, capped at the cache length."""
-        for b in self.buckets():
-            if b >= n:
-                return b
-        b = self.max_prompt_length
-        while b < n:
-            b *= 2
-        return min(b, self.max_total_length)
-
-    def decode_shapes(self) -> compact.DecodeShapes:
-        return compact.DecodeShapes(
-            num_slots=self.num_slots,
-            max_length=self.max_total_length,
-            chunk_steps=self.chunk_steps,
-            min_length=self.min_decode_length,
-            enabled=self.decode_buckets,
-        )
 
 
 @dataclasses.dataclass
