@@ -118,8 +118,8 @@ class _Run:
     def train(self, progress: Progress) -> bool:
         """The trainer loop to the last step; True when a signal stopped it."""
         try:
-            self.loop.run(progress)
-            return False
+            if not self.loop.run(progress):
+                return False
         except StreamError as e:
             if not self.sup.shutdown_requested.is_set():
                 self.loop.checkpoint_at_boundary()

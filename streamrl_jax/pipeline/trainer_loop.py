@@ -108,7 +108,10 @@ class TrainerLoop:
         self.hooks.add("scheduling decisions", 1, lambda k: self.live.write_decisions(decisions))
 
     # ------------------------------------------------------------------ loop
-    def run(self, progress: Progress) -> None:
+    def run(self, progress: Progress) -> bool:
+        """Trains to the last step; True when a shutdown request stopped it at a step
+        boundary (one process polls the flag after each step: the watchdog's interrupt
+        alone comes up to a second late, after which a short run may have ended)."""
         t0, done = time.perf_counter(), 0
         for b in range(self.steps.start, self.cfg.pipeline.steps):
             done += self._train_step(b, t0, done)
@@ -116,7 +119,11 @@ class TrainerLoop:
             progress.update(
                 b + 1, reward=row["reward"], acc=row["accuracy"], sps=row["samples_per_s"]
             )
+            # Several training processes stop together through the stream's failure.
+            if self.group is None and self.supervisor.shutdown_requested.is_set():
+                return True
         self.steps.flush()
+        return False
 
     def _gen_busy(self, w_start: float) -> float:
         """Fraction of the wall time since `w_start` the instances spent decoding or
