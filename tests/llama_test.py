@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from streamrl_jax.model import config, llama
+from streamrl_jax.model import config, layers, llama
 from streamrl_jax.model.kv_cache import init_cache
 from streamrl_jax.model.segments import Segments
 
@@ -224,3 +224,26 @@ def test_response_only_logprobs_equal_the_full_computation(split, marked):
     assert scale > 0
     for a, b in zip(jax.tree.leaves(g_only), jax.tree.leaves(g_full), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_swiglu_backward_equals_autodiff(dtype):
+    rng = np.random.default_rng(3)
+    h, gate, up, down, dy = (
+        jnp.asarray(rng.standard_normal(s), dtype)
+        for s in ((6, 8), (8, 12), (8, 12), (12, 8), (6, 8))
+    )
+
+    def plain(*args):
+        h, gate, up, down = args
+        return (jax.nn.silu(h @ gate) * (h @ up)) @ down
+
+    args = (h, gate, up, down)
+    y, vjp = jax.vjp(layers.swiglu, *args)
+    y_ref, vjp_ref = jax.vjp(plain, *args)
+    tol = 1e-5 if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(np.float32(y), np.float32(y_ref), rtol=tol, atol=tol)
+    for got, want in zip(vjp(dy), vjp_ref(dy), strict=True):
+        scale = float(jnp.abs(want.astype(jnp.float32)).max())
+        assert scale > 0
+        np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=0, atol=tol * scale)

@@ -11,6 +11,8 @@
   and, without --quick, B=4, T=256 are reported beside it. Achieved FLOPs are
   `3 * ModelConfig.flops_per_token(T // 2) * B * T` (fwd + 2x for bwd; T // 2
   is the mean causal attention context).
+* Matmul floor: the headline shape's GEMMs alone (`matmul_floor_time`): the fraction of
+  peak they reach is the ceiling for the train step's fraction on this backend.
 * Decode: one jitted `Llama.decode` step (cache donated) for batch 1 and 8
   after a 64-token prefill into a 512-long KV cache.
 
@@ -73,6 +75,56 @@ def train_step_time(pre, batch: int, length: int, repeats: int) -> float:
     return _best_time(lambda: jax.block_until_ready(grad_fn(pre.params)), repeats)
 
 
+def matmul_floor_time(cfg, batch: int, length: int, repeats: int) -> float:
+    """The training step's matmuls alone: the best time XLA:CPU takes for the GEMMs a
+    fwd+bwd at [batch, length] must run, at their own shapes, with nothing else.
+
+    Per layer the forward's projections (q, k, v, o, gate, up, down: [M, E] x [E, N],
+    M = batch * length) and dense attention ([T, D] x [D, T] scores and [T, T] x [T, D]
+    values per head), each with its two backward GEMMs (dX = dY W^T, dW = X^T dY); then
+    the vocabulary projection and its two. Distinct weights for all layers, as in the
+    model. Its credited FLOPs over this time, over the peak, is the fraction of peak a
+    trainer made of nothing but these GEMMs would reach: the ceiling for
+    `train_flops_fraction_of_peak` on this backend.
+    """
+    e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    h, k, v, n = cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size, cfg.num_layers
+    m = batch * length
+    keys = iter(jax.random.split(jax.random.key(4), 8 * cfg.num_layers + 16))
+
+    def rnd(*shape):
+        return jax.random.normal(next(keys), shape, jnp.float32)
+
+    widths = [(e, h * d), (e, k * d), (e, k * d), (h * d, e), (e, f), (e, f), (f, e)]
+    weights = [[rnd(a, b) for a, b in widths] for _ in range(n)]
+    acts = {a: rnd(m, a) for a in {a for a, _ in widths}}
+    grads = {b: rnd(m, b) for b in {b for _, b in widths}}
+    qkv = [rnd(batch * h, length, d) for _ in range(3)]  # q, k, v (kv repeated per head)
+    probs = rnd(batch * h, length, length)
+    embed, x_last, g_logits = rnd(e, v), rnd(m, e), rnd(m, v)
+
+    @jax.jit
+    def gemms(weights, acts, grads, qkv, probs, embed, x_last, g_logits):
+        out = []
+        q, kk, vv = qkv
+        for layer in weights:
+            for w, (a, b) in zip(layer, widths, strict=True):
+                out += [acts[a] @ w, grads[b] @ w.T, acts[a].T @ grads[b]]
+            out += [  # scores, probs @ v, and their backward GEMMs
+                jnp.einsum("btd,bsd->bts", q, kk),
+                jnp.einsum("bts,bsd->btd", probs, vv),
+                jnp.einsum("bts,bsd->btd", probs, kk),  # dQ = dS K
+                jnp.einsum("bts,btd->bsd", probs, q),  # dK = dS^T Q
+                jnp.einsum("btd,bsd->bts", q, vv),  # dP = dO V^T
+                jnp.einsum("bts,btd->bsd", probs, q),  # dV = P^T dO
+            ]
+        out += [x_last @ embed, g_logits @ embed.T, x_last.T @ g_logits]
+        return out
+
+    args = (weights, acts, grads, qkv, probs, embed, x_last, g_logits)
+    return _best_time(lambda: jax.block_until_ready(gemms(*args)), repeats)
+
+
 def decode_step_time(pre, batch: int, steps: int, prompt: int = 64, cache_len: int = 512):
     cfg = pre.cfg
 
@@ -120,6 +172,8 @@ def main(argv) -> None:
     for batch, length in shapes:
         train_s = train_step_time(pre, batch, length, repeats=2 if quick else 5)
         train[(batch, length)] = (train_s, 3 * cfg.flops_per_token(length // 2) * batch * length)
+    batch, length = shapes[0]
+    floor_s = matmul_floor_time(cfg, batch, length, repeats=2 if quick else 5)
     # Re-measure the peak after the train steps and keep the best: on a shared machine
     # a single measurement under someone else's load understates it.
     peak = max(peak, matmul_peak(n, repeats=3 if quick else 10))
@@ -132,6 +186,11 @@ def main(argv) -> None:
     batch, length = shapes[0]
     train_s, flops = train[shapes[0]]
     train_flops = flops / train_s
+    print(
+        f"matmul floor B={batch} T={length}: {floor_s * 1e3:.0f} ms "
+        f"({flops / floor_s / peak:.1%} of peak: the ceiling), "
+        f"the train step is {train_s / floor_s:.2f}x it"
+    )
     steps = 10 if quick else 50
     decode_b1 = decode_step_time(pre, 1, steps)
     decode_b8 = decode_step_time(pre, 8, steps)
@@ -148,6 +207,9 @@ def main(argv) -> None:
         "train_tokens_per_s": round(batch * length / train_s, 1),
         "train_gflops": round(train_flops / 1e9, 2),
         "train_flops_fraction_of_peak": round(train_flops / peak, 4),
+        "matmul_floor_ms": round(floor_s * 1e3, 1),
+        "matmul_floor_fraction_of_peak": round(flops / floor_s / peak, 4),
+        "train_over_matmul_floor": round(train_s / floor_s, 3),
         "fraction_of_peak_by_shape": {
             f"B{b}xT{t}": round(f / s / peak, 4) for (b, t), (s, f) in train.items()
         },

@@ -125,8 +125,12 @@ class Llama(nnx.Module):
             x, k, v = layers.block(x, p, cfg, cos, sin, mask)
             return x, (k, v)
 
-        if cfg.remat:
-            body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+        # The backward keeps the matmuls' outputs and recomputes the elementwise work
+        # from them (`dots_saveable`: 10% faster than saving everything on XLA:CPU, fewer
+        # per-layer buffers to allocate; docs/trainer.md); `remat` keeps nothing.
+        policies = jax.checkpoint_policies
+        policy = policies.nothing_saveable if cfg.remat else policies.dots_saveable
+        body = jax.checkpoint(body, policy=policy)
         x, (ks, vs) = jax.lax.scan(body, x, self.layers.arrays())
         return x, ks, vs
 
