@@ -247,3 +247,34 @@ def test_swiglu_backward_equals_autodiff(dtype):
         scale = float(jnp.abs(want.astype(jnp.float32)).max())
         assert scale > 0
         np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=0, atol=tol * scale)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_attention_backward_equals_autodiff(dtype):
+    rng = np.random.default_rng(4)
+    q, k, v, dout = (
+        jnp.asarray(rng.standard_normal(s), dtype)
+        for s in ((2, 5, 4, 8), (2, 5, 2, 8), (2, 5, 2, 8), (2, 5, 4, 8))
+    )
+    mask = (
+        jnp.tril(jnp.ones((5, 5), bool))[None]
+        & jnp.asarray([[1] * 5, [0, 1, 1, 1, 1]], bool)[:, None, :]
+    )
+
+    def plain(q, k, v):  # the same attention, differentiated by JAX
+        b, t, h, d = q.shape
+        q5 = q.reshape(b, t, 2, h // 2, d)
+        s = jnp.einsum("btkgd,bskd->bkgts", q5, k).astype(jnp.float32) / np.sqrt(d)
+        s = jnp.where(mask[:, None, None], s, -1e30)
+        p = jax.nn.softmax(s, axis=-1) * jnp.any(mask, -1)[:, None, None, :, None]
+        p = p.astype(v.dtype)  # batch 1's first query sees no key: it gets 0
+        return jnp.einsum("bkgts,bskd->btkgd", p, v).reshape(b, t, h, d)
+
+    y, vjp = jax.vjp(lambda *a: layers.attention(*a, mask), q, k, v)
+    y_ref, vjp_ref = jax.vjp(plain, q, k, v)
+    tol = 1e-5 if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(np.float32(y), np.float32(y_ref), rtol=tol, atol=tol)
+    for got, want in zip(vjp(dout), vjp_ref(dout), strict=True):
+        scale = float(jnp.abs(want.astype(jnp.float32)).max())
+        assert scale > 0
+        np.testing.assert_allclose(np.float32(got), np.float32(want), rtol=0, atol=tol * scale)

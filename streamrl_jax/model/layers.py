@@ -67,16 +67,50 @@ def apply_rope(x_BxTxNxD: jax.Array, cos_BxTxD: jax.Array, sin_BxTxD: jax.Array)
 def attention(
     q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array, mask_BxTxS: jax.Array
 ) -> jax.Array:
-    """Grouped-query softmax attention; `mask` True where a query may see a key."""
+    """Grouped-query softmax attention; `mask` True where a query may see a key (a
+    query that sees no key, e.g. padding, gets 0)."""
     b, t, h, d = q_BxTxHxD.shape
     k_heads = k_BxSxKxD.shape[2]
     q_BxTxKxGxD = q_BxTxHxD.reshape(b, t, k_heads, h // k_heads, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD).astype(jnp.float32)
-    scores = scores / math.sqrt(d)
-    scores = jnp.where(mask_BxTxS[:, None, None, :, :], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxD.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxD)
+    out = _attend(q_BxTxKxGxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS)
     return out.reshape(b, t, h, d)
+
+
+def _probs(q, k, mask):
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k).astype(jnp.float32)
+    scores = scores / math.sqrt(q.shape[-1])
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+    sees_a_key = jnp.any(mask, axis=-1)[:, None, None, :, None]
+    return jax.nn.softmax(scores, axis=-1) * sees_a_key  # a query that sees none: 0
+
+
+@jax.custom_vjp
+def _attend(q_BxTxKxGxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
+    """softmax(q k^T / sqrt(D), masked) v, with a hand-written backward: the softmax's
+    derivative from the probabilities alone (masked entries are 0 there, so the mask is
+    not applied again), in float32."""
+    probs = _probs(q_BxTxKxGxD, k_BxSxKxD, mask_BxTxS).astype(v_BxSxKxD.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxD)
+
+
+def _attend_fwd(q, k, v, mask):
+    probs = _probs(q, k, mask)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
+    return out, (q, k, v, probs)
+
+
+def _attend_bwd(res, dout_BxTxKxGxD):
+    q, k, v, probs = res
+    dv = jnp.einsum("bkgts,btkgd->bskd", probs.astype(v.dtype), dout_BxTxKxGxD)
+    dprobs = jnp.einsum("btkgd,bskd->bkgts", dout_BxTxKxGxD, v).astype(jnp.float32)
+    dscores = probs * (dprobs - jnp.sum(dprobs * probs, axis=-1, keepdims=True))
+    dscores = (dscores / math.sqrt(q.shape[-1])).astype(q.dtype)
+    dq = jnp.einsum("bkgts,bskd->btkgd", dscores, k)
+    dk = jnp.einsum("bkgts,btkgd->bskd", dscores, q)
+    return dq, dk, dv, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def qkv(
