@@ -66,3 +66,20 @@ def test_a_user_mistake_is_one_line_and_exit_status_2(case, tmp_path):
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], run.stderr[-3000:]
+
+
+def test_launch_restarts_itself_with_malloc_hugepages_once():
+    code = (
+        "import os; from streamrl_jax import launch; "
+        "print(os.environ.get('GLIBC_TUNABLES')); launch._reexec_with_malloc_hugepages()"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.split() == ["None", "glibc.malloc.hugetlb=1"], out.stderr[-2000:]
+    env["STREAMRL_MALLOC_HUGEPAGES"] = "0"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.split() == ["None"], out.stderr[-2000:]
