@@ -91,6 +91,32 @@ class MetricsWriter:
                 self._tb = None
 
 
+_COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+_compile = {"seconds": 0.0, "registered": False}
+_compile_lock = threading.Lock()
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent tracing, lowering and compiling jitted functions
+    since the first call (JAX's monitoring events, every thread). A step's difference is
+    its `compile_s`: mid-run compilations of new shapes are not steady state."""
+    with _compile_lock:
+        if not _compile["registered"]:
+
+            def listener(event: str, duration: float, **kwargs: Any) -> None:
+                if event in _COMPILE_EVENTS:
+                    with _compile_lock:
+                        _compile["seconds"] += duration
+
+            jax.monitoring.register_event_duration_secs_listener(listener)
+            _compile["registered"] = True
+        return _compile["seconds"]
+
+
 def read_jsonl(path: str) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]

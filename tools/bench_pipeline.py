@@ -26,7 +26,13 @@ length distribution) checks that everything runs and gives rough ratios.
 Every mode runs the same config (configs/length_replay.py: forced, paper-shaped
 response lengths; same prompts, seeds and model) and differs only in
 `pipeline.mode`. Per mode: samples/s over the steps after the first (the
-first includes compilation), and the ratio to `colocated`.
+first includes compilation), and the ratio to `colocated`. New micro-batch shapes
+still compile in later steps (the trainer's (rows, columns, loss width) buckets: 3-8 s
+each for the tiny model on 2 loaded cores, against 0.2-0.4 s for a warm micro-batch), so
+each mode also reports its steps' `compile_s` (the trainer process's compile seconds,
+every thread: `metrics.compile_seconds`) and `samples_per_s_ex_compile` (compilation
+taken out of the wall time; an estimate where a compile overlapped other work), and
+`inflight_over_stream_async_ex_compile`.
 
 Stage times "alone" come from the `disaggregated_batch` run, where the stages
 strictly alternate: T_gen = generation wall time of a batch (first chunk to
@@ -310,6 +316,19 @@ def _bounds(out: dict, n: int, trace_path: str, steps: int) -> None:
     out["bound_serial_sps"] = round(n / (t_gen + t_train), 4)
 
 
+def _compile_figures(rows: list[dict]) -> dict:
+    """The measured steps' compilation (`compile_s`: the trainer process's tracing and
+    compiling, every thread) and samples/s with it taken out of the wall time: new
+    micro-batch shapes compile mid-run (3-8 s each here), which is not steady state."""
+    compile_s = [r.get("compile_s", 0.0) for r in rows]
+    wall = sum(r["step_s"] for r in rows) - sum(compile_s)
+    samples = sum(r.get("samples", 0.0) for r in rows)
+    return {
+        "compile_s": [round(c, 2) for c in compile_s],
+        "samples_per_s_ex_compile": round(samples / max(wall, 1e-9), 4),
+    }
+
+
 def _ratios(out: dict, per_mode: dict) -> None:
     """Each mode over colocated, and stream_async over the overlap bound."""
     out["modes"] = per_mode
@@ -322,6 +341,9 @@ def _ratios(out: dict, per_mode: dict) -> None:
         if "stream_async" in per_mode:
             ratio = fl["samples_per_s"] / per_mode["stream_async"]["samples_per_s"]
             out["inflight_over_stream_async"] = round(ratio, 3)
+            ex = [per_mode[m].get("samples_per_s_ex_compile") for m in ("inflight", "stream_async")]
+            if all(ex):
+                out["inflight_over_stream_async_ex_compile"] = round(ex[0] / ex[1], 3)
         # max_lag: the bound; lag_mean / lag_max: what the trained samples had.
         out |= {k: fl[k] for k in ("max_lag", "lag_mean", "lag_max") if k in fl}
     if "bound_overlap_sps" in out and "stream_async" in per_mode:
@@ -403,6 +425,7 @@ def main_processes() -> None:
         per_mode[mode] = {
             "samples_per_s": round(sps, 4),
             "step_s": [round(r["step_s"], 3) for r in rows],
+            **_compile_figures(later),
             "train_busy": round(sum(r["train_busy"] for r in later) / len(later), 3),
             "gen_busy": round(sum(r["gen_busy"] for r in later) / len(later), 3),
             "run_wall_s": round(time.time() - t0, 1),
@@ -473,6 +496,7 @@ def main(argv: list[str]) -> None:
             ),
             "step_s": [round(r["step_s"], 3) for r in result.steps],
             "samples": [int(r["samples"]) for r in result.steps],
+            **_compile_figures(rows),
             "train_busy": round(sum(r["train_busy"] for r in rows) / len(rows), 3),
             **_lag(rows, Schedule.from_config(cfg.pipeline).max_lag),
             **_idle_slots(

@@ -34,7 +34,7 @@ import jax
 from absl import logging
 
 from streamrl_jax.config import ExperimentConfig
-from streamrl_jax.metrics import Progress
+from streamrl_jax.metrics import Progress, compile_seconds
 from streamrl_jax.pipeline import micro_batches
 from streamrl_jax.pipeline.components import Components
 from streamrl_jax.pipeline.hooks import Hooks
@@ -96,6 +96,7 @@ class TrainerLoop:
         self.taker = micro_batches.GroupTaker(
             p, self.schedule, self.stream, group, self.timeout, rollout=self.rollout
         )
+        compile_seconds()  # starts counting (the build's compilations are not a step's)
         self.trained = start  # batches trained so far (the next checkpoint's step)
         self.at_boundary = True  # the state is W_trained (no mini-batch step of a batch yet)
         self._one = c.trainer.scalar(1.0)  # the micro-batch normaliser, on the training mesh
@@ -137,6 +138,7 @@ class TrainerLoop:
         p = self.cfg.pipeline
         t_step, w_step = time.perf_counter(), time.time()  # chunk reports carry wall times
         waits0 = dataclasses.replace(self.stream.metrics)
+        compile0 = compile_seconds()
         step = _Step()
         drawn = None
         if self.check_prompts:  # the generation processes drew the same prompts
@@ -166,6 +168,9 @@ class TrainerLoop:
             "truncated_overlong": float(self.c.prompts.truncated_overlong),
             "queue_depth": float(self.stream.depth()["ready_samples"]),
             "step_s": wall,
+            # This process's tracing and compiling within the step (every thread): a
+            # step with new shapes is not steady state (tools/bench_pipeline.py).
+            "compile_s": compile_seconds() - compile0,
             "train_busy": step.busy_s / wall,
             # Fraction of this step's wall time the instances spent decoding or
             # prefilling (mean over instances).
