@@ -426,6 +426,45 @@ def test_restarted_generation_process_rejoins_and_gets_work(tmp_path, tmp_path_f
     assert rows == read_jsonl(str(ref_dir / "consumed.jsonl"))
 
 
+@pytest.mark.extended
+def test_hung_generation_process_is_left_behind_after_the_peer_timeout(tmp_path, tmp_path_factory):
+    # Generation process 1 of 2 is SIGSTOPped after W_1 (hung, its connections open):
+    # with STREAMRL_PEER_TIMEOUT_S=3 the trainer drops it after 3 s of silence and
+    # the run ends with the other, with the uninterrupted run's parameters.
+    extra = {"pipeline.steps": 6, "eval.num_problems": 4}
+    want = _one_process("stream_async", tmp_path_factory, **extra)
+    workdir = tmp_path / "run"
+    coordinator = f"127.0.0.1:{local.free_port()}"
+    envs = [
+        dict(local.child_env(i, 3, 2, coordinator, "test-key-" + "0" * 24))
+        | {"STREAMRL_PEER_TIMEOUT_S": "3"}
+        for i in range(3)
+    ]
+    mode = {"pipeline.mode": "stream_async", **extra}
+    procs = [_start(envs[i], workdir, tmp_path / f"p{i}.log", **mode) for i in range(3)]
+    trainer_log = tmp_path / "p2.log"
+    try:
+        deadline = time.monotonic() + 180
+        while "weights v1" not in trainer_log.read_text():
+            assert time.monotonic() < deadline, trainer_log.read_text()[-4000:]
+            assert all(p.poll() is None for p in procs), trainer_log.read_text()[-4000:]
+            time.sleep(0.05)
+        os.killpg(procs[1].pid, signal.SIGSTOP)
+        for p in (procs[0], procs[2]):
+            p.wait(timeout=180)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    log = trainer_log.read_text()
+    assert procs[2].returncode == 0 and procs[0].returncode == 0, log[-4000:]
+    lost = r"lost peer: .*generation-1.*no message or heartbeat for [\d.]+ s \(timeout 3.0 s\)"
+    assert re.search(lost, log), log[-4000:]
+    got = np.load(workdir / run_lib.FINAL_PARAMS)
+    for key in want.files:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
 _CKPT = {"checkpoint.every": 1}
 
 

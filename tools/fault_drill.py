@@ -31,9 +31,9 @@ in `--pids_file`. Each kill SIGKILLs one process chosen at random (generation or
 training, `victim` in the leg's record) at the same random moments;
 `launch/local.py` then stops the others (SIGTERM: the trainer saves its last step
 boundary if it is still alive) and the next leg relaunches the whole program,
-which resumes from the newest checkpoint (the JAX program cannot take a process
-back: docs/multicontroller.md). The reference is the same multi-process command,
-uninterrupted.
+which resumes from the newest checkpoint (a lost training process ends the run;
+with one generation process its loss does too: docs/multicontroller.md). The
+reference is the same multi-process command, uninterrupted.
 
 With `--processes --generation_only` (G >= 2, e.g. `--num_processes=3
 --generation_processes=2`) only generation processes are killed, and the run is one
@@ -244,7 +244,7 @@ def _generation_leg(proc, workdir: str, log_path: str, rng: random.Random) -> tu
         i = rng.choice(sorted((i for i in pids if pids[i][1] == "gen"), key=int))
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pids[i][0], signal.SIGKILL)
-        kills.append({"victim": f"p{i} gen", "delay_s": round(delay, 2)})
+        kills.append({"victim": f"p{i} gen", "delay_s": round(delay, 2), "at": time.time()})
         print(f"kill {len(kills)}: {kills[-1]}", file=sys.stderr, flush=True)
     return proc.wait(timeout=600), kills
 

@@ -213,11 +213,12 @@ class ShardSender:
 
     def catch_up(self, process: int, first: int, timeout: float | None = None) -> list[int]:
         """Sends a receiver that rejoined every kept version from `first` on, in order,
-        before any later version; returns the versions sent. TransportError when
-        `first` is no longer kept."""
+        before any later version; returns the versions sent (none when `first` is not
+        made yet: the next `send` includes the receiver). TransportError when `first`
+        is older than every kept version."""
         with self._sending:
             versions = [v for v in sorted(self._kept) if v >= first]
-            if first not in self._kept and (not versions or versions[0] > first):
+            if self._kept and first < min(self._kept):
                 raise TransportError(
                     f"{self.name}: generation process {process} rejoined needing W_{first}; "
                     f"kept versions: {sorted(self._kept)}"

@@ -90,6 +90,8 @@ class _GenerationProcess:
         self.share = (r.generation_processes.index(self.pid), len(r.generation_processes))
         self.side = components_lib.build_generation(cfg, jax.local_devices())
         name = f"generation-{self.pid}"
+        # A restarted process: the roster so far; the update taking it back comes after.
+        self.epoch0 = self._last_epoch() if r.rejoined else 0
         # One sample channel per training process: each group goes to its owner
         # (shards.py); held-out samples and reports go to the first.
         t = len(r.training_processes)
@@ -174,17 +176,28 @@ class _GenerationProcess:
                 if self.latch.failed or self._stopping.is_set():
                     raise
 
+    @staticmethod
+    def _last_epoch() -> int:
+        """The newest roster epoch published so far (0: none)."""
+        epoch = 0
+        while True:
+            try:
+                roles.lookup(f"{ROSTER_KEY}/{epoch + 1}", 0.05)
+            except TimeoutError:
+                return epoch
+            epoch += 1
+
     def _rejoin_roster(self) -> RosterUpdate:
-        """A restarted process: the trainer's roster update that takes it back (published
-        once its weight channel is connected again), after the one that lost it."""
-        deadline, epoch, was_lost = time.monotonic() + self.timeout, 1, False
+        """A restarted process: the trainer's roster update that takes it back, published
+        once its weight channel is connected again, so after `self.epoch0` (read before
+        this process dialed)."""
+        deadline, epoch = time.monotonic() + self.timeout, self.epoch0 + 1
         while time.monotonic() < deadline:
             try:
                 update = RosterUpdate.decode(roles.lookup(f"{ROSTER_KEY}/{epoch}", 1.0))
             except TimeoutError:
                 continue
-            was_lost = was_lost or self.pid in update.lost
-            if was_lost and self.pid not in update.lost:
+            if self.pid not in update.lost:
                 logging.warning(
                     "generation-%d: rejoined the run at batch %d (roster epoch %d)",
                     self.pid,
@@ -419,4 +432,12 @@ class _GenerationProcess:
 
 
 def run_generation(cfg: ExperimentConfig, dcfg: roles.DistributedConfig, r: roles.Roles) -> None:
+    if r.rejoined:
+        try:
+            outcome = roles.lookup(RUN_END_KEY, 0.1)
+        except TimeoutError:
+            outcome = None
+        if outcome is not None:  # restarted after the trainer finished: nothing to join
+            logging.warning("generation-%d: the run already ended (%s)", r.process_id, outcome)
+            return
     _GenerationProcess(cfg, dcfg, r).run()
