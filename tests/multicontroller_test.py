@@ -283,6 +283,15 @@ def _start(child_env, workdir, log, **overrides) -> subprocess.Popen:
         )
 
 
+def _wait_for_line(log, text, procs, timeout=180.0) -> None:
+    """Until `text` is in `log` (bounded; every process in `procs` still running)."""
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()[-4000:]
+        assert all(p.poll() is None for p in procs), log.read_text()[-4000:]
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize(
     "processes, generation, victim, expect",
     [
@@ -343,11 +352,7 @@ def test_lost_generation_process_leaves_the_run_to_the_others(tmp_path, tmp_path
     procs = _spawn(3, 2, workdir, tmp_path, **tiny)
     trainer_log = tmp_path / "p2.log"
     try:
-        deadline = time.monotonic() + 180
-        while "weights v0" not in trainer_log.read_text():
-            assert time.monotonic() < deadline, trainer_log.read_text()[-4000:]
-            assert all(p.poll() is None for p in procs), trainer_log.read_text()[-4000:]
-            time.sleep(0.05)
+        _wait_for_line(trainer_log, "weights v0", procs)
         os.killpg(procs[0].pid, signal.SIGKILL)
         for p in procs[1:]:
             p.wait(timeout=180)
@@ -387,18 +392,11 @@ def test_restarted_generation_process_rejoins_and_gets_work(tmp_path, tmp_path_f
     trainer_log = tmp_path / "p2.log"
     restarted = None
 
-    def wait_for(text):
-        deadline = time.monotonic() + 180
-        while text not in trainer_log.read_text():
-            assert time.monotonic() < deadline, trainer_log.read_text()[-4000:]
-            assert procs[2].poll() is None, trainer_log.read_text()[-4000:]
-            time.sleep(0.05)
-
     try:
-        wait_for("weights v1")
+        _wait_for_line(trainer_log, "weights v1", procs)
         os.killpg(procs[1].pid, signal.SIGKILL)
         procs[1].wait(timeout=30)
-        wait_for("lost peer")
+        _wait_for_line(trainer_log, "lost peer", [procs[0], procs[2]])
         restarted = _start(envs[1], workdir, tmp_path / "p1-restarted.log", **steps)
         for p in [procs[0], procs[2], restarted]:
             p.wait(timeout=240)
@@ -444,11 +442,7 @@ def test_hung_generation_process_is_left_behind_after_the_peer_timeout(tmp_path,
     procs = [_start(envs[i], workdir, tmp_path / f"p{i}.log", **mode) for i in range(3)]
     trainer_log = tmp_path / "p2.log"
     try:
-        deadline = time.monotonic() + 180
-        while "weights v1" not in trainer_log.read_text():
-            assert time.monotonic() < deadline, trainer_log.read_text()[-4000:]
-            assert all(p.poll() is None for p in procs), trainer_log.read_text()[-4000:]
-            time.sleep(0.05)
+        _wait_for_line(trainer_log, "weights v1", procs)
         os.killpg(procs[1].pid, signal.SIGSTOP)
         for p in (procs[0], procs[2]):
             p.wait(timeout=180)
