@@ -333,7 +333,7 @@ def _rejoining(cfg: DistributedConfig) -> bool:
     except Exception:  # noqa: BLE001 - NOT_FOUND: a fresh run
         return False
     logging.warning("process %s: rejoining a run under way", cfg.process_id)
-    if jax.process_index() == 0:
+    if cfg.process_id == 0:  # not jax.process_index(): that would start the backend
         with contextlib.suppress(Exception):  # another backend: no such key
             client.key_value_delete(_CPU_TOPOLOGY_KEY)
     return True
