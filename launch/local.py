@@ -19,6 +19,11 @@ the first failing child's code (128 + signal for a signal). `--timeout_s`
 bounds the whole run (exit 124). Children that exit 0 early are left be.
 `--pids_file PATH` writes `{process id: [pid, role]}` once every child is started
 (each child leads its own process group), e.g. for `tools/fault_drill.py --processes`.
+
+`--restart_generation K`: a generation child that fails while a training child is
+still running is started again (the same command and environment, so the same
+process id: it rejoins the run, docs/multicontroller.md "Losing a process"), at most
+K times over the run, `--restart_delay_s` after its failure; the others keep running.
 """
 
 from __future__ import annotations
@@ -96,6 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="write {process id: [pid, role]} of the children here as JSON (drills, supervisors)",
     )
+    parser.add_argument(
+        "--restart_generation",
+        type=int,
+        default=0,
+        help="restart a failed generation child (it rejoins the run), at most this many times",
+    )
+    parser.add_argument("--restart_delay_s", type=float, default=2.0)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- command and arguments")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -113,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         authkey = secrets.token_hex(32)
     cpus = sorted(os.sched_getaffinity(0))
     lock = threading.Lock()
-    procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
-    for i in range(n):
+
+    def start(i: int) -> subprocess.Popen:
         role = "gen" if i < g else "train"
         cmd = list(command)
         if args.pin:
@@ -127,16 +139,21 @@ def main(argv: list[str] | None = None) -> int:
             stderr=subprocess.STDOUT,
             start_new_session=True,  # own process group: a stop reaches its children too
         )
-        procs.append(proc)
         pump = threading.Thread(target=_pump, args=(proc, f"[p{i} {role}]", lock), daemon=True)
         pump.start()
         pumps.append(pump)
+        return proc
 
-    if args.pids_file:
-        pids = {i: [p.pid, "gen" if i < g else "train"] for i, p in enumerate(procs)}
-        with open(args.pids_file + ".tmp", "w", encoding="utf-8") as f:
-            json.dump(pids, f)
-        os.replace(args.pids_file + ".tmp", args.pids_file)
+    def write_pids() -> None:
+        if args.pids_file:
+            pids = {i: [p.pid, "gen" if i < g else "train"] for i, p in enumerate(procs)}
+            with open(args.pids_file + ".tmp", "w", encoding="utf-8") as f:
+                json.dump(pids, f)
+            os.replace(args.pids_file + ".tmp", args.pids_file)
+
+    procs = [start(i) for i in range(n)]
+    write_pids()
+    restarts = args.restart_generation
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -147,6 +164,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while [p.poll() for p in procs].count(None):  # poll every child: sets returncode
             failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode]
+            training = any(p.poll() is None for p in procs[g:])
+            if failed and failed[0][0] < g and restarts > 0 and training:
+                i, rc = failed[0]
+                restarts -= 1
+                print(
+                    f"[launch] generation process {i} failed (rc {rc}); restarting it in "
+                    f"{args.restart_delay_s:.0f} s ({restarts} restart(s) left)",
+                    flush=True,
+                )
+                time.sleep(args.restart_delay_s)
+                procs[i] = start(i)
+                write_pids()
+                continue
             if failed:
                 i, rc = failed[0]
                 print(f"[launch] process {i} failed (rc {rc}); stopping the others", flush=True)

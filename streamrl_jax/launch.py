@@ -136,7 +136,11 @@ def main(argv: list[str]) -> None:
         processes.run_process(cfg, _WORKDIR.value, dcfg)
     except (UserError, FileNotFoundError) as e:  # a field or a file of the user's, named
         _user_error(str(e))
-    jax.distributed.shutdown()  # every process meets here within seconds of the others
+    from streamrl_jax.distributed import roles
+
+    # Every process leaves within seconds of the others; the first training process,
+    # serving the coordination service, last.
+    roles.shutdown(dcfg.shutdown_timeout_s if dcfg is not None else 10.0)
 
 
 _HUGEPAGES = "glibc.malloc.hugetlb=1"

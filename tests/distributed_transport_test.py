@@ -540,6 +540,7 @@ def test_a_tampered_frame_is_never_delivered_and_loses_its_peer_by_name():
         (dict(coordinator_address="h:1", num_processes=1, process_id=0), ">= 2"),
         (dict(coordinator_address="nohostport", num_processes=2, process_id=0), "host:port"),
         (dict(heartbeat_timeout_s=0), "heartbeat_timeout_s"),
+        (dict(peer_timeout_s=0.5), "STREAMRL_PEER_TIMEOUT_S"),
     ],
 )
 def test_distributed_config_rejects_inconsistent_input(kwargs, match):
@@ -556,9 +557,11 @@ def test_distributed_config_from_env_and_slurm():
             "STREAMRL_GENERATION_PROCESSES": "2",
             "STREAMRL_AUTHKEY": "k" * 16,
             "STREAMRL_CPU_COLLECTIVES": "none",
+            "STREAMRL_PEER_TIMEOUT_S": "7.5",
         }
     )
     assert (cfg.coordinator_address, cfg.num_processes, cfg.process_id) == ("10.0.0.1:1234", 4, 3)
+    assert cfg.peer_timeout_s == 7.5
     assert cfg.role_of(1) == "generation" and cfg.role_of(2) == "training"
     assert cfg.authkey == b"k" * 16 and cfg.cpu_collectives is None
     slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "3", "SLURM_JOB_NODELIST": "gpu-n[07-09,12]"}
@@ -567,6 +570,8 @@ def test_distributed_config_from_env_and_slurm():
     assert roles.DistributedConfig.from_env({}).num_processes is None  # TPU: JAX detects
     with pytest.raises(ValueError, match="STREAMRL_PROCESS_ID='x' is not an integer"):
         roles.DistributedConfig.from_env({**slurm, "STREAMRL_PROCESS_ID": "x"})
+    with pytest.raises(ValueError, match="STREAMRL_PEER_TIMEOUT_S='soon' is not a number"):
+        roles.DistributedConfig.from_env({**slurm, "STREAMRL_PEER_TIMEOUT_S": "soon"})
     assert roles.first_host("a1,b2") == "a1" and roles.first_host("n[3,5-6]") == "n3"
 
 
@@ -652,6 +657,31 @@ def test_launch_local_stops_everyone_when_one_fails(tmp_path):
     assert run.returncode == 3, run.stdout
     assert "process 2 failed (rc 3)" in run.stdout
     assert time.monotonic() - t0 < 60
+
+
+def test_launch_local_restarts_a_failed_generation_process(tmp_path):
+    # --restart_generation: generation process 1 fails the first time and is started
+    # again with the same id (it rejoins); the training process, still running, waits
+    # for the restarted one; the run ends 0.
+    script = f"""
+    import os, pathlib, time
+    me, mark = os.environ["STREAMRL_PROCESS_ID"], pathlib.Path({str(tmp_path)!r})
+    if me == "1":
+        if not (mark / "failed").exists():
+            (mark / "failed").write_text("")
+            raise SystemExit(5)
+        (mark / "back").write_text(os.environ["STREAMRL_PROCESS_ID"])
+    if me == "2":
+        deadline = time.monotonic() + 60
+        while not (mark / "back").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    """
+    flags = ["-n", "3", "-g", "2", "--restart_generation", "1", "--restart_delay_s", "0"]
+    run = _launch(tmp_path, script, *flags)
+    assert run.returncode == 0, run.stdout
+    assert "generation process 1 failed (rc 5); restarting it" in run.stdout
+    assert (tmp_path / "back").read_text() == "1"
 
 
 def test_launch_local_writes_the_childrens_pids(tmp_path):

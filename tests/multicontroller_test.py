@@ -256,25 +256,40 @@ def test_processes_train_the_critic_like_one_process(
 
 
 def _spawn(processes, generation, workdir, logs, **overrides) -> list[subprocess.Popen]:
-    overrides = {"pipeline.steps": 40, "eval.num_problems": 0, **overrides}
     coordinator = f"127.0.0.1:{local.free_port()}"
-    procs = []
-    for i in range(processes):
-        env = dict(
-            _env(), **local.child_env(i, processes, generation, coordinator, "test-key-" + "0" * 24)
+    return [
+        _start(
+            local.child_env(i, processes, generation, coordinator, "test-key-" + "0" * 24),
+            workdir,
+            logs / f"p{i}.log",
+            **overrides,
         )
-        with open(logs / f"p{i}.log", "w") as out:
-            procs.append(
-                subprocess.Popen(
-                    _launch_cmd(workdir, **overrides),
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    cwd=REPO,
-                    start_new_session=True,
-                )
-            )
-    return procs
+        for i in range(processes)
+    ]
+
+
+def _start(child_env, workdir, log, **overrides) -> subprocess.Popen:
+    """One process of the program (`child_env`: its STREAMRL_* variables); starting it
+    again with the same `child_env` is what a restarted process does."""
+    overrides = {"pipeline.steps": 40, "eval.num_problems": 0, **overrides}
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            _launch_cmd(workdir, **overrides),
+            env=dict(_env(), **child_env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            start_new_session=True,
+        )
+
+
+def _wait_for_line(log, text, procs, timeout=180.0) -> None:
+    """Until `text` is in `log` (bounded; every process in `procs` still running)."""
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()[-4000:]
+        assert all(p.poll() is None for p in procs), log.read_text()[-4000:]
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize(
@@ -282,9 +297,8 @@ def _spawn(processes, generation, workdir, logs, **overrides) -> list[subprocess
     [
         # The trainer dies: the generation process names it.
         (2, 1, 1, {0: "lost training"}),
-        # One of two generation processes dies: the trainer names it, and the other
-        # generation process reports the trainer's failure, which names it too.
-        pytest.param(3, 2, 1, {2: "lost generation-1", 0: "generation-1"}, marks=_EXT),
+        # (One of two generation processes dying does not end the run:
+        # test_lost_generation_process_leaves_the_run_to_the_others.)
         # The second of two training processes dies: the generation processes name it,
         # the first training process's next collective fails and it names the others.
         pytest.param(
@@ -320,6 +334,129 @@ def test_killed_process_ends_the_others_naming_it(processes, generation, victim,
         assert procs[i].returncode != 0, log[-4000:]
         assert text in log, log[-4000:]
     assert ended < 45  # channels see a killed peer at once; JAX's heartbeat bound is 10 s
+
+
+def test_lost_generation_process_leaves_the_run_to_the_others(tmp_path, tmp_path_factory):
+    # 2 generation + 1 training process, stream_async, 2 steps: generation process 0
+    # (the one JAX would host the coordination service on) is SIGKILLed as soon as the
+    # trainer has sent W_0, before its first batch is in. The trainer and generation
+    # process 1 go on: process 1 generates process 0's groups too (those of batches it
+    # already drew, again), the trainer keeps the first copy of each sample, and the
+    # run ends with the parameters of the uninterrupted run in one process, bit for bit
+    # (a sample depends only on weights, prompt and seed, whichever process makes it),
+    # every prompt consumed once.
+    want = _one_process("stream_async", tmp_path_factory)
+    ref_dir = _ONE_PROCESS_DIR[("stream_async",)]
+    workdir = tmp_path / "run"
+    tiny = {"pipeline.mode": "stream_async", "pipeline.steps": 2, "eval.num_problems": 4}
+    procs = _spawn(3, 2, workdir, tmp_path, **tiny)
+    trainer_log = tmp_path / "p2.log"
+    try:
+        _wait_for_line(trainer_log, "weights v0", procs)
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        for p in procs[1:]:
+            p.wait(timeout=180)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    logs = {i: (tmp_path / f"p{i}.log").read_text() for i in (1, 2)}
+    assert procs[2].returncode == 0 and procs[1].returncode == 0, logs[2][-4000:] + logs[1][-3000:]
+    lost = r"lost peer: .*generation-0.*going on with generation processes \[1\]"
+    assert re.search(lost, logs[2]), logs[2][-4000:]
+    assert "generation-1: roster epoch 1, generation processes [0] lost" in logs[1]
+    got = np.load(workdir / run_lib.FINAL_PARAMS)
+    for key in want.files:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    rows = read_jsonl(str(workdir / "consumed.jsonl"))
+    assert rows == read_jsonl(str(ref_dir / "consumed.jsonl"))  # each prompt once, in order
+    evals = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "eval/accuracy" in r]
+    assert evals  # the held-out prompts of the lost process were scored too
+
+
+@pytest.mark.extended
+def test_restarted_generation_process_rejoins_and_gets_work(tmp_path, tmp_path_factory):
+    # 2 generation + 1 training process, stream_async, 40 steps: generation process 1 is
+    # SIGKILLed after W_1, then started again with the same command and id once the
+    # trainer has logged the loss. It rejoins (the trainer's roster takes it back, the
+    # weight sender sends it the current version), generates its share again, and the
+    # run ends with the uninterrupted run's parameters, each prompt consumed once.
+    extra = {"pipeline.steps": 40, "eval.num_problems": 4}
+    want = _one_process("stream_async", tmp_path_factory, **extra)
+    ref_dir = _ONE_PROCESS_DIR[("stream_async", *sorted(extra.items()))]
+    steps = {"pipeline.mode": "stream_async", **extra}
+    workdir = tmp_path / "run"
+    coordinator = f"127.0.0.1:{local.free_port()}"
+    envs = [local.child_env(i, 3, 2, coordinator, "test-key-" + "0" * 24) for i in range(3)]
+    procs = [_start(envs[i], workdir, tmp_path / f"p{i}.log", **steps) for i in range(3)]
+    trainer_log = tmp_path / "p2.log"
+    restarted = None
+
+    try:
+        _wait_for_line(trainer_log, "weights v1", procs)
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        procs[1].wait(timeout=30)
+        _wait_for_line(trainer_log, "lost peer", [procs[0], procs[2]])
+        restarted = _start(envs[1], workdir, tmp_path / "p1-restarted.log", **steps)
+        for p in [procs[0], procs[2], restarted]:
+            p.wait(timeout=240)
+    finally:
+        for p in [*procs, *([restarted] if restarted is not None else [])]:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    log = trainer_log.read_text()
+    again = (tmp_path / "p1-restarted.log").read_text()
+    assert procs[2].returncode == 0 and procs[0].returncode == 0, log[-4000:]
+    assert restarted.returncode == 0, again[-4000:]
+    assert re.search(r"generation-1 rejoined \(roster epoch 2\): it generates from batch", log)
+    assert "generation-1: rejoined the run at batch" in again
+    # From the trainer's trace: decode chunks of the restarted process's instance after
+    # the roster took it back.
+    events = json.loads((workdir / "trace.json").read_text())["traceEvents"]
+    marks = [e["ts"] for e in events if e.get("name") == "rejoined generation-1"]
+    tracks = {e["pid"] for e in events if "instance p1.0" in e.get("args", {}).get("name", "")}
+    assert marks and tracks
+    assert any(e["pid"] in tracks and e.get("ph") == "X" and e["ts"] > marks[0] for e in events)
+    got = np.load(workdir / run_lib.FINAL_PARAMS)
+    for key in want.files:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    rows = read_jsonl(str(workdir / "consumed.jsonl"))
+    assert rows == read_jsonl(str(ref_dir / "consumed.jsonl"))
+
+
+@pytest.mark.extended
+def test_hung_generation_process_is_left_behind_after_the_peer_timeout(tmp_path, tmp_path_factory):
+    # Generation process 1 of 2 is SIGSTOPped after W_1 (hung, its connections open):
+    # with STREAMRL_PEER_TIMEOUT_S=3 the trainer drops it after 3 s of silence and
+    # the run ends with the other, with the uninterrupted run's parameters.
+    extra = {"pipeline.steps": 6, "eval.num_problems": 4}
+    want = _one_process("stream_async", tmp_path_factory, **extra)
+    workdir = tmp_path / "run"
+    coordinator = f"127.0.0.1:{local.free_port()}"
+    envs = [
+        dict(local.child_env(i, 3, 2, coordinator, "test-key-" + "0" * 24))
+        | {"STREAMRL_PEER_TIMEOUT_S": "3"}
+        for i in range(3)
+    ]
+    mode = {"pipeline.mode": "stream_async", **extra}
+    procs = [_start(envs[i], workdir, tmp_path / f"p{i}.log", **mode) for i in range(3)]
+    trainer_log = tmp_path / "p2.log"
+    try:
+        _wait_for_line(trainer_log, "weights v1", procs)
+        os.killpg(procs[1].pid, signal.SIGSTOP)
+        for p in (procs[0], procs[2]):
+            p.wait(timeout=180)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    log = trainer_log.read_text()
+    assert procs[2].returncode == 0 and procs[0].returncode == 0, log[-4000:]
+    lost = r"lost peer: .*generation-1.*no message or heartbeat for [\d.]+ s \(timeout 3.0 s\)"
+    assert re.search(lost, log), log[-4000:]
+    got = np.load(workdir / run_lib.FINAL_PARAMS)
+    for key in want.files:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
 _CKPT = {"checkpoint.every": 1}

@@ -31,9 +31,17 @@ in `--pids_file`. Each kill SIGKILLs one process chosen at random (generation or
 training, `victim` in the leg's record) at the same random moments;
 `launch/local.py` then stops the others (SIGTERM: the trainer saves its last step
 boundary if it is still alive) and the next leg relaunches the whole program,
-which resumes from the newest checkpoint (the JAX program cannot take a process
-back: docs/multicontroller.md). The reference is the same multi-process command,
-uninterrupted.
+which resumes from the newest checkpoint (a lost training process ends the run;
+with one generation process its loss does too: docs/multicontroller.md). The
+reference is the same multi-process command, uninterrupted.
+
+With `--processes --generation_only` (G >= 2, e.g. `--num_processes=3
+--generation_processes=2`) only generation processes are killed, and the run is one
+leg: `launch/local.py --restart_generation K` starts each victim again and it rejoins
+(docs/multicontroller.md, "Losing a process"). Each kill waits until the previous
+victim has rejoined (the trainer's `rejoined` line) and the run has trained another
+step, then a uniform random delay in [0, --max_delay]; the run must then finish by
+itself with the uninterrupted run's parameters, every prompt once.
 
 Last line: JSON with `kills`, `resumed_ok`, `prompts_exactly_once`, `params_match`.
 """
@@ -71,6 +79,11 @@ _PROCESSES = flags.DEFINE_bool(
 )
 _NUM = flags.DEFINE_integer("num_processes", 2, "--processes: processes in the program.")
 _GEN = flags.DEFINE_integer("generation_processes", 1, "--processes: generation processes.")
+_GEN_ONLY = flags.DEFINE_bool(
+    "generation_only",
+    False,
+    "--processes: kill only generation processes; the launcher restarts them and they rejoin.",
+)
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PARAMS = "final_params.npz"
@@ -131,6 +144,7 @@ def _launch_cmd(workdir: str) -> list[str]:
     return [
         *[sys.executable, os.path.join(_ROOT, "launch", "local.py")],
         *["-n", str(_NUM.value), "-g", str(_GEN.value), "--pids_file", workdir + ".pids"],
+        *(["--restart_generation", str(_KILLS.value)] if _GEN_ONLY.value else []),
         *["--", sys.executable, "-m", "streamrl_jax.launch"],
         f"--config={os.path.join(_ROOT, 'configs', 'quickstart.py')}:tiny",
         f"--workdir={workdir}",
@@ -207,6 +221,34 @@ def _wait_and_kill(
     return proc.returncode, None
 
 
+def _generation_leg(proc, workdir: str, log_path: str, rng: random.Random) -> tuple[int, list]:
+    """--generation_only: SIGKILLs a random generation process `--kills` times in one leg
+    (each once the previous victim rejoined and a step more was trained), then waits
+    for the run to end; returns its exit code and the kills."""
+    kills = []
+    while len(kills) < _KILLS.value:
+        deadline = time.monotonic() + 300
+        steps0 = _trained_steps(workdir)
+        while True:
+            with open(log_path, encoding="utf-8", errors="replace") as f:
+                rejoined = f.read().count(" rejoined (roster epoch ")
+            if rejoined >= len(kills) and _trained_steps(workdir) > steps0:
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the run ended or stalled before kill {len(kills) + 1}")
+            time.sleep(0.1)
+        delay = rng.uniform(0, _MAX.value)
+        time.sleep(delay)
+        with open(workdir + ".pids", encoding="utf-8") as f:
+            pids = json.load(f)
+        i = rng.choice(sorted((i for i in pids if pids[i][1] == "gen"), key=int))
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pids[i][0], signal.SIGKILL)
+        kills.append({"victim": f"p{i} gen", "delay_s": round(delay, 2), "at": time.time()})
+        print(f"kill {len(kills)}: {kills[-1]}", file=sys.stderr, flush=True)
+    return proc.wait(timeout=600), kills
+
+
 def _latest_checkpoint(workdir: str) -> int | None:
     d = os.path.join(workdir, "checkpoints")
     steps = [int(n) for n in os.listdir(d) if n.isdigit()] if os.path.isdir(d) else []
@@ -247,7 +289,17 @@ def main(argv: list[str]) -> None:
 
     rng = random.Random(_SEED.value)
     kills, resumed_ok, legs = 0, 0, []
-    while True:
+    if _GEN_ONLY.value:
+        if not _PROCESSES.value or _GEN.value < 2:
+            raise SystemExit("--generation_only needs --processes and --generation_processes >= 2")
+        log_path = os.path.join(root, "leg0.log")
+        with open(log_path, "w") as log:
+            rc, done = _generation_leg(_start(drill_dir, log), drill_dir, log_path, rng)
+        kills = len(done)
+        legs.append({"kill": "generation only", "kills": done, "rc": rc})
+        if rc != 0:
+            raise SystemExit(f"the run failed (rc {rc}); see {log_path}")
+    while not _GEN_ONLY.value:
         before = _latest_checkpoint(drill_dir)
         with open(os.path.join(root, f"leg{len(legs)}.log"), "w") as log:
             proc = _start(drill_dir, log)

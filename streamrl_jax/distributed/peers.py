@@ -267,7 +267,8 @@ def dial(
 
 # ---------------------------------------------------------------------- server side
 class Hub:
-    """Server side: admits up to `max_peers` authenticated clients of one channel kind.
+    """Server side: admits up to `max_peers` authenticated clients of one channel kind
+    (live ones: a lost peer's place is free for its restarted process).
 
     Each admitted client becomes a `Channel` with the given callbacks (and
     `grant` initial credits); refused clients are logged and listed in
@@ -337,11 +338,16 @@ class Hub:
                 raise TransportError(
                     f"{self.name} serves {self.kind!r} channels, not {hello['channel']!r}"
                 )
-            if self._closed or len(self._channels) >= self.max_peers:
+            # A lost peer's place is free again: a restarted process rejoins under its
+            # name; a second live peer of the same name is refused.
+            live = [c for c in self._channels if c.error is None]
+            if self._closed or len(live) >= self.max_peers:
                 raise TransportError(
                     f"{self.name}: "
                     + ("closed" if self._closed else f"already {self.max_peers} peers")
                 )
+            if any(c.peer.split(" (")[0] == hello["name"] for c in live):
+                raise TransportError(f"{self.name}: {hello['name']} is already connected")
         except TransportError as e:
             self._refuse(rid, f"{remote}", str(e))
             return

@@ -7,8 +7,8 @@ devices of each role (`jax.devices()` grouped by `d.process_index`).
 
 Environment variables (explicit arguments win, then these, then SLURM's):
 
-* `STREAMRL_COORDINATOR`: `host:port` of the coordination service (process 0
-  serves it);
+* `STREAMRL_COORDINATOR`: `host:port` of the coordination service (the first
+  training process serves it when the ids are explicit, see below; else process 0);
 * `STREAMRL_NUM_PROCESSES`, `STREAMRL_PROCESS_ID`: the program's size and
   this process's id;
 * `STREAMRL_GENERATION_PROCESSES`: processes `0 .. G-1` generate, the rest
@@ -32,14 +32,27 @@ TPU leave all three unset: `jax.distributed.initialize()` detects them.
 JAX's defaults wait 100 s (heartbeat) and 300 s (shutdown) before a lost
 process is reported; the short defaults here make a dead peer an error within
 seconds (DESIGN.md §5).
+
+**Surviving a lost generation process.** Every process sets
+`jax_enable_recoverability` before joining, so JAX does not abort the others when
+one process dies and a process restarted with the same id joins again (measured on
+jax 0.10.2: docs/multicontroller.md, "Losing a process"); the shutdown barrier then
+waits only for the processes still there. The coordination service must outlive
+every generation process, so with explicit ids (`launch/local.py`, SLURM) the first
+training process serves it at `STREAMRL_COORDINATOR` (`_serve_coordination`: JAX
+itself would start it on process 0, a generation process; that process's own
+service is bound to a spare loopback port nobody dials). Only auto-detection (Cloud
+TPU) leaves it on process 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -62,6 +75,7 @@ ENV_CPU_COLLECTIVES = "STREAMRL_CPU_COLLECTIVES"
 ENV_HOST = "STREAMRL_HOST"
 ENV_COORDINATOR_PORT = "STREAMRL_COORDINATOR_PORT"
 ENV_COORDINATOR_BIND = "STREAMRL_COORDINATOR_BIND"
+ENV_PEER_TIMEOUT_S = "STREAMRL_PEER_TIMEOUT_S"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,6 +98,8 @@ class DistributedConfig:
         leaves it.
       authkey: the run secret the channels' keys derive from (`keys.py`);
         required by `initialize`.
+      peer_timeout_s: silence (no data, no heartbeat) after which a sample or weight
+        channel's peer is lost: how long a hung generation process goes unnoticed.
     """
 
     coordinator_address: str | None = None
@@ -95,6 +111,7 @@ class DistributedConfig:
     shutdown_timeout_s: int = 10
     cpu_collectives: str | None = "gloo"
     authkey: bytes | None = None
+    peer_timeout_s: float = 30.0
 
     def __post_init__(self):
         known = (self.coordinator_address, self.num_processes, self.process_id)
@@ -127,6 +144,11 @@ class DistributedConfig:
             raise ValueError(
                 f"distributed: generation_processes ({ENV_GENERATION_PROCESSES}) must be >= 1, "
                 f"got {self.generation_processes}"
+            )
+        if not self.peer_timeout_s >= 1:
+            raise ValueError(
+                f"distributed: peer_timeout_s ({ENV_PEER_TIMEOUT_S}) must be >= 1 s, "
+                f"got {self.peer_timeout_s}"
             )
         for name in ("heartbeat_timeout_s", "initialization_timeout_s", "shutdown_timeout_s"):
             if getattr(self, name) < 1:
@@ -166,6 +188,13 @@ class DistributedConfig:
         ):
             if var in env:
                 kw[field] = _int(env, var)
+        if ENV_PEER_TIMEOUT_S in env:
+            try:
+                kw["peer_timeout_s"] = float(env[ENV_PEER_TIMEOUT_S])
+            except ValueError:
+                raise ValueError(
+                    f"distributed: {ENV_PEER_TIMEOUT_S}={env[ENV_PEER_TIMEOUT_S]!r} is not a number"
+                ) from None
         if ENV_CPU_COLLECTIVES in env:
             value = env[ENV_CPU_COLLECTIVES]
             kw["cpu_collectives"] = None if value in ("", "none") else value
@@ -205,6 +234,7 @@ class Roles:
     training_processes: tuple[int, ...]
     generation_devices: tuple[Any, ...]  # jax.Device of every generation process
     training_devices: tuple[Any, ...]
+    rejoined: bool = False  # a restarted process joining a run already under way
 
 
 def assign_roles(
@@ -246,11 +276,20 @@ def initialize(cfg: DistributedConfig) -> Roles:
         )
     if cfg.cpu_collectives:
         jax.config.update("jax_cpu_collectives_implementation", cfg.cpu_collectives)
+    # A lost process must not abort the others, and a restarted one may join again.
+    jax.config.update("jax_enable_recoverability", True)
+    # The coordination service listens where the launcher pointed the program, not on
+    # every interface (JAX's default).
+    bind = os.environ.get(ENV_COORDINATOR_BIND) or cfg.coordinator_address
+    if cfg.process_id is not None and cfg.process_id == cfg.generation_processes:
+        _serve_coordination(bind, cfg)  # the first training process
+    if cfg.process_id == 0 and cfg.num_processes is not None:
+        # JAX starts a service on process 0 regardless; the program's is elsewhere.
+        host = parse_address(cfg.coordinator_address)[0]
+        bind = f"{'127.0.0.1' if is_loopback(host) else host}:0"
     kwargs = {
         "coordinator_address": cfg.coordinator_address,
-        # The coordination service listens where the launcher pointed the program,
-        # not on every interface (JAX's default).
-        "coordinator_bind_address": os.environ.get(ENV_COORDINATOR_BIND) or cfg.coordinator_address,
+        "coordinator_bind_address": bind,
         "num_processes": cfg.num_processes,
         "process_id": cfg.process_id,
         "initialization_timeout": cfg.initialization_timeout_s,
@@ -262,10 +301,12 @@ def initialize(cfg: DistributedConfig) -> Roles:
     if dropped:  # another jax version: keep going, but say which timeouts are JAX's defaults
         logging.warning("jax.distributed.initialize does not accept %s; using defaults", dropped)
     jax.distributed.initialize(**{k: v for k, v in kwargs.items() if k in accepted})
+    rejoined = _rejoining(cfg)
     cfg.check_generation_processes(jax.process_count())
     roles = assign_roles(
         jax.process_index(), jax.process_count(), cfg.generation_processes, jax.devices()
     )
+    roles = dataclasses.replace(roles, rejoined=rejoined)
     logging.info(
         "process %d/%d: %s (%d generation, %d training devices)",
         roles.process_id,
@@ -275,6 +316,72 @@ def initialize(cfg: DistributedConfig) -> Roles:
         len(roles.training_devices),
     )
     return roles
+
+
+RUN_STARTED_KEY = "start"  # published by the first training process (process_plan.START_KEY)
+# XLA:CPU's topology, written once by process 0 (jax 0.10.2, `xla_bridge`'s CPU client).
+_CPU_TOPOLOGY_KEY = "cpu:global_topology/cpu"
+
+
+def _rejoining(cfg: DistributedConfig) -> bool:
+    """A process restarted into a run under way (the run's start is already published).
+    Process 0 then removes the CPU topology it wrote the first time: XLA:CPU's client
+    refuses to write it again (`ALREADY_EXISTS`, measured), and writes the same one."""
+    client = _kv_client()
+    try:
+        client.key_value_try_get(f"streamrl/{RUN_STARTED_KEY}")
+    except Exception:  # noqa: BLE001 - NOT_FOUND: a fresh run
+        return False
+    logging.warning("process %s: rejoining a run under way", cfg.process_id)
+    if cfg.process_id == 0:  # not jax.process_index(): that would start the backend
+        with contextlib.suppress(Exception):  # another backend: no such key
+            client.key_value_delete(_CPU_TOPOLOGY_KEY)
+    return True
+
+
+_SERVICE: list[Any] = []  # the coordination service this process serves, if any
+
+
+def _serve_coordination(bind: str, cfg: DistributedConfig) -> None:
+    """Starts the program's coordination service in this (the first training) process,
+    as `jax.distributed.initialize` does on process 0, recoverable: a generation
+    process, which may die, must not host it. jax 0.10.2 has no public call for it."""
+    from jax._src.lib import _jax
+
+    logging.info("serving the coordination service on %s (first training process)", bind)
+    _SERVICE.append(
+        _jax.get_distributed_runtime_service(
+            bind,
+            cfg.num_processes,
+            heartbeat_timeout=cfg.heartbeat_timeout_s,
+            shutdown_timeout=cfg.shutdown_timeout_s,
+            recoverable=True,
+        )
+    )
+
+
+def shutdown(timeout_s: float = 10.0) -> None:
+    """`jax.distributed.shutdown()`; the process serving the coordination service first
+    waits (up to `timeout_s`) for every other process to leave it (with recoverable
+    tasks JAX's shutdown barrier waits for nobody, and a process still leaving when the
+    service stops is aborted), then stops it."""
+    if _SERVICE:
+        client = _kv_client()
+        me = jax.process_index()
+        everyone = list(range(jax.process_count()))
+        deadline = time.monotonic() + timeout_s
+        while set(others := [p for p in client.get_live_nodes(everyone) if p != me]):
+            if time.monotonic() > deadline:
+                logging.warning(
+                    "coordination service: processes %s still connected after %.0f s; stopping it",
+                    sorted(others),
+                    timeout_s,
+                )
+                break
+            time.sleep(0.1)
+    jax.distributed.shutdown()
+    while _SERVICE:
+        _SERVICE.pop().shutdown()
 
 
 def advertised_host(cfg: DistributedConfig) -> str:
@@ -296,9 +403,10 @@ def _kv_client():
     return client
 
 
-def publish(key: str, value: str) -> None:
-    """Publishes `value` (e.g. a server's `host:port`) under `key` to every process."""
-    _kv_client().key_value_set(f"streamrl/{key}", value)
+def publish(key: str, value: str, overwrite: bool = False) -> None:
+    """Publishes `value` (e.g. a server's `host:port`) under `key` to every process
+    (`overwrite`: replace an earlier value, e.g. a restarted process's address)."""
+    _kv_client().key_value_set(f"streamrl/{key}", value, allow_overwrite=overwrite)
 
 
 def lookup(key: str, timeout_s: float) -> str:

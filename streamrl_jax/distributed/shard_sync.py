@@ -47,6 +47,7 @@ from __future__ import annotations
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -57,6 +58,7 @@ from absl import logging
 from streamrl_jax.distributed import reshard
 from streamrl_jax.distributed.channel import (
     Channel,
+    PeerLost,
     TransportError,
     TransportTimeout,
 )
@@ -91,15 +93,29 @@ class ShardSender:
         name: str = "training",
         checksum: bool = False,
         xla: PullServer | None = None,
+        on_lost: Callable[[int, TransportError], bool] | None = None,
+        on_rejoin: Callable[[int], None] | None = None,
+        keep: int = 1,
     ):
         """`checksum`: crc32 of every piece, checked on arrival (off by default: CURVE
-        authenticates every byte). `xla`: offer the pieces on this transfer server
-        instead of sending their bytes (`xla_pull.py`; unauthenticated: opt-in)."""
+        authenticates every byte). `on_lost(process, error)`: a receiver lost while
+        sending; True drops it (the run goes on without it: `pipeline/roster.py`),
+        else the error is raised. A dropped receiver that connects again (a restarted
+        process) is admitted: `on_rejoin(process)` (on the I/O thread) is told, and
+        `catch_up` sends it the kept versions (the last `keep`). `xla`: offer the
+        pieces on this transfer server instead of sending their bytes (`xla_pull.py`;
+        unauthenticated: opt-in)."""
         if num_receivers < 1:
             raise ValueError(f"{name}: num_receivers must be >= 1, got {num_receivers}")
         self.name, self.process, self.num_receivers = name, process, num_receivers
         self.timeout_s, self.checksum, self._xla = timeout_s, checksum, xla
         self._needs: dict[int, tuple[Channel, Need]] = {}
+        self._lost: set[int] = set()  # receivers dropped after a loss (`on_lost`)
+        self._on_lost, self._on_rejoin = on_lost, on_rejoin
+        self._sending = threading.Lock()  # one version at a time, catch-ups included
+        self.keep = keep
+        self._kept: dict[int, Any] = {}  # the last `keep` versions sent
+        self._only: int | None = None  # a catch-up: its one receiver
         self._cv = threading.Condition()
         self._plans: dict[Any, reshard.Plan] = {}
         self.history: list[ShardStats] = []
@@ -118,18 +134,25 @@ class ShardSender:
         """The I/O thread: a receiver's need (one per channel: it has one credit)."""
         need = Need.decode(payload, channel.peer)
         with self._cv:
-            if need.process in self._needs:
+            rejoined = need.process in self._lost
+            if rejoined:
+                self._lost.discard(need.process)
+                logging.warning("%s: generation process %d rejoined", self.name, need.process)
+            elif need.process in self._needs:
                 raise TransportError(
                     f"{self.name}: {channel.peer} claims generation process {need.process}, "
                     "which another receiver already is"
                 )
             self._needs[need.process] = (channel, need)
             self._cv.notify_all()
+        if rejoined and self._on_rejoin is not None:
+            self._on_rejoin(need.process)
 
     def wait_for_receivers(self, timeout: float) -> dict[int, Need]:
         """Blocks until every receiver has connected and declared its need."""
         deadline = time.monotonic() + timeout
-        self._hub.wait_for_peers(timeout)
+        if not self._lost:
+            self._hub.wait_for_peers(timeout)
         with self._cv:
             ok = self._cv.wait_for(
                 lambda: len(self._needs) >= self.num_receivers,
@@ -180,7 +203,35 @@ class ShardSender:
         self, params: Any, version: int, *, timeout: float | None = None, wait_ack: bool = False
     ) -> ShardStats:
         """Sends this process's pieces of `params` (jax Arrays, possibly over a mesh spanning
-        several processes) to every receiver."""
+        several processes) to every receiver; keeps the last `keep` versions for a
+        receiver that rejoins (`catch_up`)."""
+        with self._sending:
+            self._kept[version] = params
+            for v in sorted(self._kept)[: -self.keep]:
+                del self._kept[v]
+            return self._send(params, version, timeout, wait_ack)
+
+    def catch_up(self, process: int, first: int, timeout: float | None = None) -> list[int]:
+        """Sends a receiver that rejoined every kept version from `first` on, in order,
+        before any later version; returns the versions sent (none when `first` is not
+        made yet: the next `send` includes the receiver). TransportError when `first`
+        is older than every kept version."""
+        with self._sending:
+            versions = [v for v in sorted(self._kept) if v >= first]
+            if self._kept and first < min(self._kept):
+                raise TransportError(
+                    f"{self.name}: generation process {process} rejoined needing W_{first}; "
+                    f"kept versions: {sorted(self._kept)}"
+                )
+            self._only = process
+            try:
+                for v in versions:
+                    self._send(self._kept[v], v, timeout, False)
+            finally:
+                self._only = None
+            return versions
+
+    def _send(self, params: Any, version: int, timeout: float | None, wait_ack: bool):
         t0 = time.perf_counter()
         leaves = layouts(params)
         flat = jax.tree.leaves(params)
@@ -260,7 +311,9 @@ class ShardSender:
         senders start on different receivers and every receiver is busy from the start
         (each socket sends its receivers one after another)."""
         with self._cv:
-            order = sorted(self._needs)
+            order = sorted(p for p in self._needs if p not in self._lost)
+            if self._only is not None:
+                order = [p for p in order if p == self._only]
         k = self.process % len(order) if order else 0
         return order[k:] + order[:k]
 
@@ -301,8 +354,12 @@ class ShardSender:
         pack_s = time.perf_counter() - t0
         with self._cv:
             channels = {p: ch for p, (ch, _) in self._needs.items()}
-        for r, (payload, raw) in messages.items():
-            channels[r].send(payload, raw=raw, timeout=timeout)
+        for r, (payload, raw) in list(messages.items()):
+            try:
+                channels[r].send(payload, raw=raw, timeout=timeout)
+            except PeerLost as e:
+                self._drop(r, e)
+                del messages[r]
         if wait_ack:
             for r in messages:
                 channels[r].wait_acked(version, timeout)
@@ -323,6 +380,25 @@ class ShardSender:
             stats.seconds,
         )
         return stats
+
+    def drop(self, process: int) -> None:
+        """The owner lost this receiver elsewhere (its sample channel): send it nothing
+        more, and admit it again when it reconnects."""
+        with self._cv:
+            if process not in self._needs or process in self._lost:
+                return
+            self._lost.add(process)
+            channel = self._needs[process][0]
+        # A send waiting for its credit wakes now instead of at the channel's timeout.
+        channel.fail(PeerLost(f"{self.name}: generation process {process} is lost"))
+
+    def _drop(self, process: int, exc: PeerLost) -> None:
+        """A receiver lost mid-send: dropped when the owner goes on without it."""
+        if self._on_lost is None or not self._on_lost(process, exc):
+            raise exc
+        with self._cv:
+            self._lost.add(process)
+        logging.warning("%s: dropped generation process %d: %s", self.name, process, exc)
 
     def close(self, timeout: float = 5.0) -> None:
         self._hub.close(timeout)

@@ -21,7 +21,10 @@ naming the server after `timeout`.
 Failure: a lost producer (EOF, reset, silence past `timeout_s`) makes the
 next `get` raise `PeerLost` naming it, even if other producers' samples are
 queued (fail fast, as `SampleStream` does); `on_error` is told at once. A
-lost server makes the producer's `send` raise `PeerLost`. An orderly
+lost server makes the producer's `send` raise `PeerLost`. With `on_lost`, the owner
+may decide to go on without a lost producer (`on_lost(name, error)` returns True:
+the trainer's roster, `pipeline/roster.py`): its loss then counts as its end and
+fails nothing. An orderly
 `close()` is not a failure: once every producer has closed and the queue is
 drained, `get` raises `ChannelClosed`.
 
@@ -41,6 +44,7 @@ from streamrl_jax.distributed import wire
 from streamrl_jax.distributed.channel import (
     Channel,
     ChannelClosed,
+    PeerLost,
     TransportError,
     TransportTimeout,
 )
@@ -64,6 +68,7 @@ class SampleServer:
         heartbeat_s: float | None = None,
         on_sample: Callable[[Any], None] | None = None,
         on_error: Callable[[TransportError], None] | None = None,
+        on_lost: Callable[[str, TransportError], bool] | None = None,
         name: str = "training",
     ):
         """Args:
@@ -75,6 +80,8 @@ class SampleServer:
         on_sample: if set, called on the server's delivery thread with each
           message instead of queueing it; its return gives the credit back.
         on_error: called once per lost producer with the `PeerLost` error.
+        on_lost: called first with a lost producer's name and its `PeerLost`; True:
+          the run goes on without it (no `on_error`, and it counts as closed).
         """
         if num_producers < 1 or capacity < num_producers:
             raise ValueError(
@@ -87,13 +94,13 @@ class SampleServer:
         self._grant_batch = max(1, self._share // 4)
         self._queued: dict[Channel, int] = {}  # samples in `_queue`, per producer
         self._owed: dict[Channel, int] = {}  # credits taken but not yet returned
-        self._on_sample, self._on_error = on_sample, on_error
+        self._on_sample, self._on_error, self._on_lost_peer = on_sample, on_error, on_lost
         # Received samples with their producer; unbounded here because the
         # credits bound it. The counters above and below are guarded by its lock.
         self._queue: Mailbox[tuple[Any, Channel]] = Mailbox(
             name, failed=None, closed=ChannelClosed, timeout_error=TransportTimeout
         )
-        self._ended = 0
+        self._ended: set[Channel] = set()  # closed in order, or lost and let go
         self.received = 0
         # Callback mode: decoded messages wait here for the delivery thread (bounded
         # by the credits, like the queue above).
@@ -158,14 +165,24 @@ class SampleServer:
             channel.grant(1)
 
     def _on_lost(self, channel: Channel, exc: TransportError) -> None:
+        name = channel.peer.split(" (")[0]
+        if (
+            isinstance(exc, PeerLost)
+            and self._on_lost_peer is not None
+            and self._on_lost_peer(name, exc)
+        ):
+            self._on_end(channel)  # the run goes on without it
+            return
         self._queue.fail(exc)  # the first lost producer is what `get` raises
         if self._on_error is not None:
             self._on_error(exc)
 
     def _on_end(self, channel: Channel) -> None:
         with self._queue.locked():
-            self._ended += 1
-            if self._ended >= self.num_producers:
+            self._ended.add(channel)
+            channels = self._hub.channels
+            # Every producer that connected (a restarted one included) has ended.
+            if len(channels) >= self.num_producers and all(c in self._ended for c in channels):
                 self._queue.close(f"all producers closed ({self._hub.names()})")
 
     # ------------------------------------------------------------------ consumer

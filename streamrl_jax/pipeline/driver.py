@@ -8,7 +8,8 @@ thread draining it (DESIGN.md §4).
   keep running (their later tokens record the new version); the batch's prompts
   from `draw`; `make_requests` (per-sample seeds, so a sample depends only on
   weights, prompt and seed); this process's share of them (`share=(k, G)`: the
-  groups whose index is k mod G; all of them when G = 1); the `LiveScheduler`'s
+  groups it owns, index k mod G while no generation process is lost, `roster.py`;
+  all of them when G = 1); the `LiveScheduler`'s
   instance plan; then its hooks: the held-out evaluation (its share too) every
   `eval.every` batches and at batch 0, once per policy version. After the last
   batch, the final evaluation of W_steps when evaluation is on.
@@ -17,6 +18,12 @@ thread draining it (DESIGN.md §4).
   the samples paused in round b - 1 (`rollout.py`); the collector hands a paused
   sample back to the rollout (its continuation is submitted at once when its round
   is open) instead of to `emit`.
+* **a lost generation process** (across processes; `roster.py`): `lose(lost, update)`
+  hands this driver the groups (and held-out prompts) of batches it already drew that
+  it owns now; `regenerate()`, on the driver thread (or the owner's once that has
+  ended), generates them under the batch's own version W_{g(b)} (`weights_at`: the
+  recent placed versions), swapping it in and back only when the service holds
+  another.
 * **collector**: each finished sample, the moment it completes, goes to `emit`:
   in one process the run scores it and puts it into the sample stream
   (`ingest.py`); in a generation process it is sent to the training process
@@ -43,6 +50,7 @@ from streamrl_jax.generation.types import GenerationRequest, RequestTag, Sample,
 from streamrl_jax.mailbox import FailureLatch
 from streamrl_jax.pipeline.hooks import Hooks
 from streamrl_jax.pipeline.rollout import PartialRollout
+from streamrl_jax.pipeline.roster import RosterUpdate, owner, regenerate
 from streamrl_jax.pipeline.schedules import Schedule
 from streamrl_jax.pipeline.shards import TrainingGroup
 from streamrl_jax.scheduling.live import LiveScheduler
@@ -68,6 +76,7 @@ class GenerationDriver:
         share: tuple[int, int] = (0, 1),
         emit_component: str = "generation service",
         rollout: PartialRollout | None = None,
+        weights_at: Callable[[int], list[Any] | None] | None = None,
     ):
         """Args:
         cfg: the experiment.
@@ -88,6 +97,8 @@ class GenerationDriver:
         rollout: partial rollout (`pipeline.partial_budget_tokens`): batch b is round b,
           with the continuations of the samples paused in round b - 1; a paused sample
           goes back to it, never to `emit`.
+        weights_at: `weights_at(v)`: W_v placed on every instance if still kept here
+          (None otherwise): groups generated again after a loss use their batch's version.
         """
         self.cfg, self.service, self.live = cfg, service, live
         self.eval_prompts = list(eval_prompts)
@@ -113,6 +124,16 @@ class GenerationDriver:
         self._stop = threading.Event()
         latch.add_listener(lambda component, exc: self._wake())
         self.threads: list[threading.Thread] = []
+        # Losing a generation process (roster.py): the lost set, the requests of the
+        # recent batches and of every held-out version (all processes' shares), and
+        # the requests to generate again, by the version they need.
+        self.weights_at = weights_at
+        self.lost: frozenset[int] = frozenset()
+        self._drawn: dict[int, list[GenerationRequest]] = {}
+        self._evals: dict[int, list[GenerationRequest]] = {}
+        self._again: dict[int, list[GenerationRequest]] = {}
+        self._roster_lock = threading.Lock()
+        self._keep = cfg.pipeline.staleness + 2  # the trainer is at most s + 1 batches behind
 
     # ------------------------------------------------------------------ control
     def start_threads(self) -> list[threading.Thread]:
@@ -171,9 +192,14 @@ class GenerationDriver:
     # ------------------------------------------------------------------ driver
     def _mine(self, index: int) -> bool:
         k, g = self.share
-        return index % g == k
+        return owner(index, g, self.lost) == k
 
     def _eval_requests(self, version: int) -> list[GenerationRequest]:
+        with self._roster_lock:
+            self._evals[version] = every = self._all_eval_requests(version)
+            return [r for r in every if self._mine(r.tag.group)]
+
+    def _all_eval_requests(self, version: int) -> list[GenerationRequest]:
         g = self.cfg.generation
         return [
             GenerationRequest(
@@ -185,8 +211,69 @@ class GenerationDriver:
                 metadata=p.problem.metadata,
             )
             for i, p in enumerate(self.eval_prompts)
-            if self._mine(i)
         ]
+
+    # ------------------------------------------------------------------ roster
+    def lose(self, update: RosterUpdate) -> int:
+        """Another generation process is lost (`update.lost`): queues the requests of
+        batches and held-out versions already drawn that this process owns now and
+        did not, except what the trainer already has. Returns how many."""
+        k, g = self.share
+        n = 0
+        with self._roster_lock:
+            before, self.lost = self.lost, frozenset(update.lost)
+            for b, requests in self._drawn.items():
+                if b < update.floor:
+                    continue
+                have = set(update.complete.get(b, ()))
+                groups = {r.tag.group for r in requests} - have
+                mine = set(regenerate(groups, k, g, before, self.lost))
+                again = [r for r in requests if r.tag.group in mine]
+                self._again.setdefault(self.sched.generation_version(b), []).extend(again)
+                n += len(again)
+            for v, requests in self._evals.items():
+                if v in update.evals_done:
+                    continue
+                have = set(update.evals.get(v, ()))
+                mine = set(regenerate([r.tag.group for r in requests], k, g, before, self.lost))
+                again = [r for r in requests if r.tag.group in mine - have]
+                self._again.setdefault(v, []).extend(again)
+                n += len(again)
+        self._wake()
+        return n
+
+    def regenerate(self) -> None:
+        """Generates the queued requests of a lost process under their own versions
+        (the driver thread, or the owner's thread once the driver has ended)."""
+        with self._roster_lock:
+            again, self._again = self._again, {}
+        for version, requests in sorted(again.items()):
+            if not requests:
+                continue
+            if version == self.version:
+                self._submit(requests)
+                continue
+            held = self.version
+            w, back = self.weights_at(version), self.weights_at(held)
+            if w is None or back is None:
+                raise RuntimeError(
+                    f"generation: W_{version} (to generate a lost process's groups again) or "
+                    f"W_{held} (loaded) is no longer kept here"
+                )
+            self.wait_idle()  # no sample mixes versions
+            self.service.update_weights(w, version)
+            self._submit(requests)
+            self.wait_idle()
+            self.service.update_weights(back, held)
+
+    def _record(self, batch: int, requests: list[GenerationRequest]) -> list[GenerationRequest]:
+        """Keeps a drawn batch's requests (all shares) a few batches; returns this
+        process's share under the current roster."""
+        with self._roster_lock:
+            self._drawn[batch] = requests
+            for b in [b for b in self._drawn if b < batch - self._keep]:
+                del self._drawn[b]
+            return [r for r in requests if self._mine(r.tag.group)]
 
     def _eval(self, batch: int) -> None:
         """The eval hook: the held-out prompts under the loaded weights, once per policy
@@ -243,7 +330,8 @@ class GenerationDriver:
                     run_seed=self.cfg.seed,
                     length_replay=self.cfg.generation.length_replay,
                 )
-                requests = [r for r in requests if self._mine(r.tag.group)]
+                requests = self._record(b, requests)
+                self.regenerate()
                 if self.rollout is not None:
                     requests = self.rollout.open(b, requests)
                 requests, self._instances = self.live.plan(b, requests)

@@ -6,9 +6,10 @@ takes W_0 from the trainer and runs the same `GenerationDriver` as one process
 does, with its hooks pointed across processes: `weights(v)` takes W_v from a
 `ShardReceiver` (`distributed/shard_receiver.py`: its slices of every leaf, from the
 training processes that hold them; versions arrive in order; one the driver
-does not need is dropped), every process draws every batch's prompts and keeps the groups whose
-index is k mod G (held-out prompts likewise), and `emit` sends each finished
-sample to the training process that owns its group over a `SampleClient`.
+does not need is dropped), every process draws every batch's prompts and keeps the
+groups it owns (index k mod G while none is lost, `roster.py`; held-out prompts
+likewise), and `emit` sends each finished sample to the training process that owns
+its group over a `SampleClient`.
 Decode-chunk and weight-arrival reports travel the same way. It starts at the
 batch the trainer publishes under `START_KEY` (0, or a restored checkpoint's, with
 the prompt iterator's state there), and with an online ranker it scores with the
@@ -18,6 +19,15 @@ trainer's refreshes (`_ranker_channel`) instead of refreshing its own.
 closes its sample channels in order and returns (raising for a failure). A
 generation process that fails tells the trainer why (`GenerationFailed`) before
 it exits; a lost trainer ends it at once.
+
+**Another generation process lost.** A `roster-watcher` thread reads the trainer's
+roster updates (`roster.py`, `roster/<epoch>`); the driver then generates the lost
+process's groups of the batches already drawn that this process owns now, under
+their own version (the last `staleness + 2` placed versions are kept for it), and
+owns its share of every later batch. **Restarted** (the same command and id,
+`roles.Roles.rejoined`): it waits for the roster update that takes it back, moves its
+prompt iterator to that update's batch by drawing, takes that batch's weights (the
+trainer's `ShardSender.catch_up`) and generates its share from there.
 """
 
 from __future__ import annotations
@@ -50,7 +60,6 @@ from streamrl_jax.mailbox import FailureLatch
 from streamrl_jax.pipeline import components as components_lib
 from streamrl_jax.pipeline.driver import GenerationDriver
 from streamrl_jax.pipeline.process_plan import (
-    CHANNEL_TIMEOUT_S,
     CLOSE_TIMEOUT_S,
     RANKER_KEY,
     RUN_END_KEY,
@@ -60,6 +69,8 @@ from streamrl_jax.pipeline.process_plan import (
     ownership,
     ranker_online,
 )
+from streamrl_jax.pipeline.roster import ROSTER_KEY, RosterUpdate
+from streamrl_jax.pipeline.schedules import Schedule
 from streamrl_jax.scheduling.live import LiveScheduler
 
 
@@ -79,6 +90,8 @@ class _GenerationProcess:
         self.share = (r.generation_processes.index(self.pid), len(r.generation_processes))
         self.side = components_lib.build_generation(cfg, jax.local_devices())
         name = f"generation-{self.pid}"
+        # A restarted process: the roster so far; the update taking it back comes after.
+        self.epoch0 = self._last_epoch() if r.rejoined else 0
         # One sample channel per training process: each group goes to its owner
         # (shards.py); held-out samples and reports go to the first.
         t = len(r.training_processes)
@@ -87,7 +100,7 @@ class _GenerationProcess:
             SampleClient(
                 roles.lookup(f"{SAMPLES_KEY}-{i}", self.timeout),
                 authkey=dcfg.authkey,
-                timeout_s=CHANNEL_TIMEOUT_S,
+                timeout_s=dcfg.peer_timeout_s,
                 name=name,
             )
             for i in range(t)
@@ -101,10 +114,12 @@ class _GenerationProcess:
             [roles.lookup(f"{WEIGHTS_KEY}-{i}", self.timeout) for i in range(t)],
             need_of(parts.param_shardings[0], parts.abstract_params, self.pid),
             authkey=dcfg.authkey,
-            timeout_s=CHANNEL_TIMEOUT_S,
+            timeout_s=dcfg.peer_timeout_s,
             name=name,
             xla=pull_server(cfg, roles.advertised_host(dcfg)),
         )
+        self.driver: GenerationDriver | None = None
+        self._placed: dict[int, list[Any]] = {}  # recent versions, for groups made again
         self.latch = FailureLatch(name)
         self.latch.add_listener(
             lambda component, exc: logging.error("%s failed: %r", component, exc)
@@ -124,7 +139,7 @@ class _GenerationProcess:
         """W_version placed on every instance; earlier versions the driver skips are dropped."""
         shardings = self.side.parts.param_shardings
         while True:
-            params, got, stats = self.receiver.receive(shardings[0], self.timeout)
+            params, got, stats = self._next_weights(shardings[0])
             t1 = time.time()
             self._send(
                 SpanReport(
@@ -139,7 +154,93 @@ class _GenerationProcess:
                 break
         if got != version:
             raise RuntimeError(f"generation-{self.pid}: needed W_{version}, received W_{got}")
-        return [params] + [jax.device_put(params, s) for s in shardings[1:]]
+        placed = [params] + [jax.device_put(params, s) for s in shardings[1:]]
+        self._placed[version] = placed
+        for v in [v for v in self._placed if v < version - self.cfg.pipeline.staleness - 2]:
+            del self._placed[v]
+        return placed
+
+    def _next_weights(self, shardings: Any) -> tuple[Any, int, Any]:
+        """The next weight version (bounded by the stall timeout); meanwhile the groups
+        of a lost generation process that this one owns now are generated again (the
+        trainer may be waiting for them before it can make the next version)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            if self.driver is not None:
+                self.driver.regenerate()
+            try:
+                return self.receiver.receive(shardings, min(0.5, self.timeout))
+            except TransportTimeout:
+                if time.monotonic() > deadline:
+                    raise
+                if self.latch.failed or self._stopping.is_set():
+                    raise
+
+    @staticmethod
+    def _last_epoch() -> int:
+        """The newest roster epoch published so far (0: none)."""
+        epoch = 0
+        while True:
+            try:
+                roles.lookup(f"{ROSTER_KEY}/{epoch + 1}", 0.05)
+            except TimeoutError:
+                return epoch
+            epoch += 1
+
+    def _rejoin_roster(self) -> RosterUpdate:
+        """A restarted process: the trainer's roster update that takes it back, published
+        once its weight channel is connected again, so after `self.epoch0` (read before
+        this process dialed)."""
+        deadline, epoch = time.monotonic() + self.timeout, self.epoch0 + 1
+        while time.monotonic() < deadline:
+            try:
+                update = RosterUpdate.decode(roles.lookup(f"{ROSTER_KEY}/{epoch}", 1.0))
+            except TimeoutError:
+                continue
+            if self.pid not in update.lost:
+                logging.warning(
+                    "generation-%d: rejoined the run at batch %d (roster epoch %d)",
+                    self.pid,
+                    update.floor,
+                    update.epoch,
+                )
+                return update
+            epoch += 1
+        raise TimeoutError(
+            f"generation-{self.pid}: restarted, but the training process did not take it "
+            f"back (no roster update after epoch {epoch - 1}) within {self.timeout:.0f} s"
+        )
+
+    def _roster_watcher(self, epoch: int) -> threading.Thread:
+        """Reads the trainer's roster updates (a generation process lost or back) from
+        `epoch` on and hands each to the driver."""
+
+        def watch() -> None:
+            nonlocal epoch
+            while not self._stopping.is_set():
+                try:
+                    text = roles.lookup(f"{ROSTER_KEY}/{epoch}", 1.0)
+                except TimeoutError:
+                    continue
+                try:
+                    update = RosterUpdate.decode(text)
+                    n = self.driver.lose(update)
+                except Exception as e:  # noqa: BLE001 - reported to the owner
+                    self.latch.fail("roster watcher", e)
+                    return
+                logging.warning(
+                    "generation-%d: roster epoch %d, generation processes %s lost: "
+                    "generating %d requests again",
+                    self.pid,
+                    update.epoch,
+                    list(update.lost),
+                    n,
+                )
+                epoch += 1
+
+        thread = threading.Thread(target=watch, name="roster-watcher", daemon=True)
+        thread.start()
+        return thread
 
     def _on_chunk(self, instance, t0, t1, tokens, running, steps=0, prefilled=0) -> None:
         label = f"p{self.pid}.{instance}"
@@ -156,7 +257,7 @@ class _GenerationProcess:
         self.ranker_receiver = WeightReceiver(
             roles.lookup(RANKER_KEY, self.timeout),
             authkey=self.dcfg.authkey,
-            timeout_s=CHANNEL_TIMEOUT_S,
+            timeout_s=self.dcfg.peer_timeout_s,
             name=f"generation-{self.pid}-ranker",
             expected=ranker.params(),
         )
@@ -208,8 +309,18 @@ class _GenerationProcess:
         if batch > 0:
             self.side.prompts.set_state(start["prompts"])
         expected = {int(b): ids for b, ids in start.get("expected_ids", {}).items()}
-        params = self._receive(0)
-        service = self.side.parts.service(params, 0, on_chunk=self._on_chunk)
+        loaded, lost, epoch = 0, (), 1
+        if self.r.rejoined:
+            # Restarted into the run: start where the trainer's roster says, with
+            # that batch's weights; the prompt iterator is moved there by drawing.
+            update = self._rejoin_roster()
+            lost, epoch = update.lost, update.epoch + 1
+            for _ in range(batch, update.floor):
+                self.side.prompts.next_prompts(self.cfg.pipeline.prompts_per_step)
+            batch, expected = update.floor, {}
+            loaded = Schedule.from_config(self.cfg.pipeline).generation_version(batch)
+        params = self._receive(loaded)
+        service = self.side.parts.service(params, loaded, on_chunk=self._on_chunk)
         live = LiveScheduler(self.cfg, self.cfg.mesh.instance_slots, self.side.vocab_size)
         ranker_thread = self._ranker_channel(live)
         driver = GenerationDriver(
@@ -222,13 +333,17 @@ class _GenerationProcess:
             emit=self._send,
             latch=self.latch,
             share=self.share,
+            weights_at=self._placed.get,
             emit_component="sample channel",
             start=batch,
             # A resumed run's service holds the build's W_0: load W_g(batch) first.
-            loaded_version=0 if batch == 0 else -1,
+            loaded_version=loaded if batch == 0 or self.r.rejoined else -1,
             expected_ids=expected,
         )
+        driver.lost = frozenset(lost)
+        self.driver = driver
         ok = False
+        roster_thread = self._roster_watcher(epoch)
         try:
             driver.start_threads()
             self._wait(driver)
@@ -252,7 +367,8 @@ class _GenerationProcess:
             self._stopping.set()
             if self.ranker_receiver is not None:
                 self.ranker_receiver.close(CLOSE_TIMEOUT_S)
-            for th in [*driver.threads, *([ranker_thread] if ranker_thread else [])]:
+            extra = [roster_thread, *([ranker_thread] if ranker_thread else [])]
+            for th in [*driver.threads, *extra]:
                 th.join(CLOSE_TIMEOUT_S)
             service.close(CLOSE_TIMEOUT_S)
         if outcome == "stopped":
@@ -269,6 +385,8 @@ class _GenerationProcess:
         """Until every batch (and the final eval) is generated and sent, watching the
         sample channel so a lost trainer ends this process at once."""
         while driver.driving or driver.pending() > 0:
+            if not driver.driving:
+                driver.regenerate()  # the driver thread has ended: this thread does it
             if self.latch.wait(0.1):
                 self._raise(self.latch.error)
             error = self._channel_error()
@@ -299,7 +417,8 @@ class _GenerationProcess:
         shardings = self.side.parts.param_shardings[0]
         while True:
             try:
-                self.receiver.receive(shardings, self.timeout)
+                self._next_weights(shardings)
+                self.driver.wait_idle()  # what it generated again is sent
             except ChannelClosed:
                 break
             except TransportError as e:
@@ -313,4 +432,12 @@ class _GenerationProcess:
 
 
 def run_generation(cfg: ExperimentConfig, dcfg: roles.DistributedConfig, r: roles.Roles) -> None:
+    if r.rejoined:
+        try:
+            outcome = roles.lookup(RUN_END_KEY, 0.1)
+        except TimeoutError:
+            outcome = None
+        if outcome is not None:  # restarted after the trainer finished: nothing to join
+            logging.warning("generation-%d: the run already ended (%s)", r.process_id, outcome)
+            return
     _GenerationProcess(cfg, dcfg, r).run()

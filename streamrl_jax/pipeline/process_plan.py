@@ -9,9 +9,11 @@ the coordination service under the keys below; no port is configured.
 Not supported across processes yet (an error at start-up, on every process):
 colocated mode; in-flight weight updates and partial rollout (the wire carries
 neither per-token versions nor paused samples yet); elastic instances; training
-processes that cannot split every micro-batch equally. Checkpoints are written by
-the training processes (orbax's active set, `checkpoint/manager.py`); the
-generation processes learn where a resumed run starts under `START_KEY`.
+processes that cannot split every micro-batch equally. A lost generation process is
+left behind while another is alive, and a restarted one rejoins (`roster.py`).
+Checkpoints are written by the training processes (orbax's active set,
+`checkpoint/manager.py`); the generation processes learn where a resumed run starts
+under `START_KEY`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from streamrl_jax.pipeline.shards import Ownership
 SAMPLES_KEY, WEIGHTS_KEY, RUN_END_KEY = "samples", "weights", "run_end"
 START_KEY = "start"  # JSON: the first batch; a resumed run's prompt state and in-flight ids
 RANKER_KEY = "ranker"  # the trainer's ranker channel (online refresh -> dispatchers)
-CHANNEL_TIMEOUT_S = 30.0  # silence after which a peer is lost (heartbeats every 5 s)
 IN_FLIGHT = 8  # samples being scored or waiting for stream room, over all producers
 CLOSE_TIMEOUT_S = 10.0
 

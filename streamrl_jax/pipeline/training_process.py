@@ -29,7 +29,11 @@ gathered. The first writes the metrics and scores the held-out prompts.
 `failed: ...`) under `run_end` and closes the weight channel; it then waits
 (bounded) for every sample channel to close. **Failure.** A lost process is
 `PeerLost` on the channels (a killed one at once, a silent one after
-`CHANNEL_TIMEOUT_S`); it is logged as `lost peer: ...` naming it.
+`STREAMRL_PEER_TIMEOUT_S`, default 30 s); it is logged as `lost peer: ...` naming it.
+A lost *generation* process does not end the run while another is left: the
+`Roster` (`roster.py`) records it, the first training process publishes who is lost
+and which groups it already has, the others generate its groups again, the weight
+sender drops it, and only the first copy of every sample is kept.
 """
 
 from __future__ import annotations
@@ -55,7 +59,6 @@ from streamrl_jax.generation.types import Sample
 from streamrl_jax.pipeline import components as components_lib
 from streamrl_jax.pipeline.lifecycle import run_components
 from streamrl_jax.pipeline.process_plan import (
-    CHANNEL_TIMEOUT_S,
     CLOSE_TIMEOUT_S,
     IN_FLIGHT,
     RANKER_KEY,
@@ -66,6 +69,8 @@ from streamrl_jax.pipeline.process_plan import (
     ownership,
     ranker_online,
 )
+from streamrl_jax.pipeline.roster import ROSTER_KEY, Roster
+from streamrl_jax.pipeline.schedules import Schedule
 from streamrl_jax.pipeline.shards import TrainingGroup
 from streamrl_jax.pipeline.step_metrics import RunResult
 from streamrl_jax.weight_sync import Mover, Published, WeightSync
@@ -137,15 +142,24 @@ class TrainingLink:
         self.problems: ProblemTable | None = None  # set once the datasets exist
         # The run's one checkpoint directory and orbax's active set (resume.py).
         self.checkpoints: tuple[str, tuple[int, ...]] | None = None
+        # Lost generation processes and the samples received (first copies only).
+        t = len(r.training_processes)
+        per_batch = range(p.prompts_per_step)
+        own = ownership(cfg, t) if t > 1 else None
+        groups = [i for i in per_batch if own is None or own.owner(i) == self.index]
+        self.roster = Roster(g, groups, p.group_size, num_evals=0)  # evals: set at build
+        self.versions = Schedule.from_config(p)  # g(b): the version batch b needs
+        self.duplicates = 0
         address = roles.advertised_host(dcfg)
         self.server = SampleServer(
             f"{address}:0",
             authkey=dcfg.authkey,
             capacity=max(2 * g, p.prompts_per_step * p.group_size),
-            timeout_s=CHANNEL_TIMEOUT_S,
+            timeout_s=dcfg.peer_timeout_s,
             num_producers=g,
             on_sample=self._on_message,
             on_error=lambda exc: self._failed("generation process", exc),
+            on_lost=self._lost,
             name=f"training-{self.index}",
         )
         # Every training process sends its own shards of the weights (device to device
@@ -155,10 +169,13 @@ class TrainingLink:
             authkey=dcfg.authkey,
             process=r.process_id,
             num_receivers=g,
-            timeout_s=CHANNEL_TIMEOUT_S,
+            timeout_s=dcfg.peer_timeout_s,
             name=f"training-{self.index}",
             checksum=p.weight_checksum,
             xla=pull_server(cfg, address),
+            on_lost=lambda k, exc: self._lost(f"generation-{k}", exc),
+            on_rejoin=self._rejoined,
+            keep=p.staleness + 2,  # what a restarted generation process may still need
         )
         roles.publish(f"{WEIGHTS_KEY}-{self.index}", "{}:{}".format(*self.sender.address))
         # The online ranker refresh runs here, where the samples arrive; its parameters
@@ -170,11 +187,78 @@ class TrainingLink:
                 f"{address}:0",
                 authkey=dcfg.authkey,
                 num_receivers=g,
-                timeout_s=CHANNEL_TIMEOUT_S,
+                timeout_s=dcfg.peer_timeout_s,
                 name="training-ranker",
             )
             roles.publish(RANKER_KEY, "{}:{}".format(*self.ranker_sender.address))
         roles.publish(f"{SAMPLES_KEY}-{self.index}", "{}:{}".format(*self.server.address))
+
+    def _lost(self, name: str, exc: BaseException) -> bool:
+        """A generation process is lost (a sample channel or the weight sender saw it):
+        True when the run goes on with the others (the first training process publishes
+        the new roster), False when none is left (the run fails naming it)."""
+        try:
+            k = int(name.rsplit("-", 1)[1])
+        except (IndexError, ValueError):
+            return False
+        try:
+            update = self.roster.lose(k)
+        except ValueError as e:
+            logging.error("lost peer: %s; %s", exc, e)
+            return False
+        if update is None:
+            return True  # already known (its other channel)
+        self.sender.drop(k)
+        logging.error(
+            "lost peer: %s; going on with generation processes %s, which generate its "
+            "groups again (roster epoch %d)",
+            exc,
+            self.roster.live(),
+            update.epoch,
+        )
+        self._mark(f"lost generation-{k}")
+        if self.index == 0:
+            try:
+                roles.publish(f"{ROSTER_KEY}/{update.epoch}", update.encode())
+            except Exception as e:  # noqa: BLE001 - the coordination service is this process's
+                logging.error("could not publish the roster: %r", e)
+                return False
+        return True
+
+    def _rejoined(self, k: int) -> None:
+        """A lost generation process connected its weight channel again (the weight
+        sender's I/O thread): publish the roster that gives it back its share from the
+        first batch the trainer lacks, and send it the weights from that batch's version
+        on (a thread of its own: it waits for the receiver's room)."""
+        update = self.roster.rejoin(k)
+        if update is None:
+            return
+
+        def catch_up() -> None:
+            try:
+                if self.index == 0:
+                    roles.publish(f"{ROSTER_KEY}/{update.epoch}", update.encode())
+                first = self.versions.generation_version(update.floor)
+                sent = self.sender.catch_up(k, first, self.timeout)
+                self._mark(f"rejoined generation-{k}")
+                logging.warning(
+                    "generation-%d rejoined (roster epoch %d): it generates from batch %d; "
+                    "sent it weights %s",
+                    k,
+                    update.epoch,
+                    update.floor,
+                    sent,
+                )
+            except Exception as e:  # noqa: BLE001 - the run cannot take it back
+                self._failed(f"generation process {k} (rejoining)", e)
+
+        threading.Thread(target=catch_up, name=f"rejoin-{k}", daemon=True).start()
+
+    def _mark(self, what: str) -> None:
+        """A roster change on the trace's `roster` track (the run's record of it)."""
+        if self._attached.is_set():
+            now = time.time()
+            self._hooks[2]("roster", what, now, now + 1e-3)
 
     def _failed(self, component: str, exc: BaseException) -> None:
         if isinstance(exc, PeerLost):
@@ -214,6 +298,7 @@ class TrainingLink:
                 "prompts": resume.prompts,
                 "expected_ids": {str(b): ids for b, ids in resume.expected_ids.items()},
             }
+        self.roster.start(start["batch"])
         if self.index == 0:
             roles.publish(START_KEY, json.dumps(start))
         if resume is not None:
@@ -240,6 +325,9 @@ class TrainingLink:
         on_sample, on_chunk, on_span, _ = self._hooks
         if isinstance(msg, Sample):
             msg = self.problems.attach(msg, "a generation process")
+            if not self.roster.first(msg.tag):
+                self.duplicates += 1  # generated again after a loss: the first copy counts
+                return
             if self.live is not None and not msg.tag.is_eval:
                 self.live.observe(msg.prompt, msg.num_tokens)  # the ranker refresh's data
             # Back-pressure: the reader (and so the producer's credit) waits here while
@@ -268,6 +356,14 @@ class TrainingLink:
         if self._closed:
             return
         self._closed = True
+        if self.roster.epoch:
+            logging.warning(
+                "roster changed %d time(s) during the run (lost at the end: %s); %d "
+                "duplicate samples dropped",
+                self.roster.epoch,
+                sorted(self.roster.lost),
+                self.duplicates,
+            )
         if self.index == 0:
             try:
                 roles.publish(RUN_END_KEY, outcome)
@@ -319,6 +415,7 @@ def run_training(
             # metrics; this one keeps its own trace and sample logs apart.
             components.eval_prompts = []
             workdir = os.path.join(workdir, f"training-{link.index}")
+        link.roster.num_evals = len(components.eval_prompts)
         return run_components(cfg, components, workdir, link=link)
     except BaseException as e:
         if len(r.training_processes) > 1 and "gloo" in str(e).lower():
