@@ -135,6 +135,7 @@ RULES: dict[type, dict[str, _Rule]] = {
         **dict.fromkeys(("clip_eps", "clip_eps_high"), _POSITIVE),
         "dual_clip": _Rule(lambda v: v == 0 or v > 1, "0 (off) or > 1"),
         **dict.fromkeys(("kl_coef", "entropy_coef", "tis_cap"), _NONNEG),
+        **dict.fromkeys(("overlong_buffer", "overlong_penalty"), _NONNEG),
     },
     OptimizerSection: {
         **dict.fromkeys(("learning_rate", "eps"), _POSITIVE),
@@ -279,6 +280,11 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         f"algorithm.tis_cap > 0 needs pipeline.mini_batches=1 (it is {p.mini_batches}): "
         "pi_old is recomputed under the trainer's weights when each micro-batch is "
         "trained, which are the batch's starting weights only with one mini-batch",
+    )
+    _require(
+        a.overlong_buffer <= g.max_new_tokens,
+        f"algorithm.overlong_buffer ({a.overlong_buffer}) exceeds generation.max_new_tokens "
+        f"({g.max_new_tokens}): the buffer is the last tokens before the response cap",
     )
     o, optimizer_steps = cfg.optimizer, p.steps * p.mini_batches
     _require(

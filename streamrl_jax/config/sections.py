@@ -141,6 +141,11 @@ class AlgorithmSection:
     kl_estimator: str = "k3"  # k1 | k2 | k3
     entropy_coef: float = 0.0  # entropy bonus
     tis_cap: float = 0.0  # truncated importance-sampling cap vs behaviour log-probs (0 = off)
+    # DAPO soft overlong punishment (algorithms/overlong.py): responses longer than
+    # generation.max_new_tokens - overlong_buffer lose up to overlong_penalty reward,
+    # linearly in the buffer, all of it at the cap (truncated). 0 = off
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0  # the maximum penalty (reward units), >= 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

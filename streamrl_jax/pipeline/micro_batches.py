@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from streamrl_jax import algorithms
+from streamrl_jax.algorithms.overlong import OverlongPenalty
 from streamrl_jax.config import PipelineSection
 from streamrl_jax.generation.types import Sample
 from streamrl_jax.pipeline.rollout import PartialRollout
@@ -65,6 +66,20 @@ def group_advantages(
     return np.asarray(jax.device_get(adv))[:, 0]
 
 
+def length_penalties(samples: list[Scored], overlong: OverlongPenalty | None) -> np.ndarray:
+    """Each sample's soft overlong penalty f32[B] (zeros when it is off)."""
+    if overlong is None:
+        return np.zeros(len(samples), np.float32)
+    lengths = [len(s.sample.response) for s in samples]
+    return overlong(lengths, [s.sample.finish_reason != "stop" for s in samples])
+
+
+def shaped_rewards(samples: list[Scored], overlong: OverlongPenalty | None) -> np.ndarray:
+    """The rewards the advantages see, f32[B]: outcome score plus the overlong penalty."""
+    scores = np.asarray([s.reward.score for s in samples], np.float32)
+    return scores + length_penalties(samples, overlong)
+
+
 def pack_groups(
     step: int,
     groups: list[Group],
@@ -78,6 +93,7 @@ def pack_groups(
     loss_chunk: int,
     pad_id: int,
     stats: dict[str, list],
+    overlong: OverlongPenalty | None = None,
 ) -> TrainBatch | None:
     """Host TrainBatch of the admitted groups (None if the gate dropped them all).
 
@@ -86,6 +102,8 @@ def pack_groups(
     Appends to `stats` lists: reward, correct, format_ok, length, truncated, versions (each
     sample's oldest token version) and spans (1 for a sample whose tokens span versions).
     `advantage="gae"` leaves the advantages at 0 (the critic fills them on device).
+    `overlong` (DAPO's soft overlong punishment) is added to each outcome score before
+    the advantages (`shaped_rewards`); `stats["overlong_penalty"]` gets each sample's term.
     """
 
     def admit(s: Scored) -> bool:
@@ -98,13 +116,16 @@ def pack_groups(
     if not kept:
         return None
     samples = [s for g in kept for s in g]
-    rewards = np.asarray([s.reward.score for s in samples], np.float32)
+    scores = np.asarray([s.reward.score for s in samples], np.float32)
+    penalties = length_penalties(samples, overlong)
+    rewards = scores + penalties
     if advantage == "gae":
         adv = np.zeros_like(rewards)
     else:
         local = np.concatenate([np.full(len(g), i, np.int32) for i, g in enumerate(kept)])
         adv = group_advantages(advantage, rewards, local, len(kept))
-    stats["reward"] += list(rewards)
+    stats["reward"] += list(scores)  # the outcome score; the penalty has its own metric
+    stats.setdefault("overlong_penalty", []).extend(penalties.tolist())
     stats["correct"] += [float(s.reward.correct) for s in samples]
     stats["format_ok"] += [float(s.reward.format_ok) for s in samples]
     stats["length"] += [len(s.sample.response) for s in samples]

@@ -33,6 +33,7 @@ from typing import Any
 import jax
 from absl import logging
 
+from streamrl_jax.algorithms.overlong import OverlongPenalty
 from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.metrics import Progress
 from streamrl_jax.pipeline import micro_batches
@@ -92,6 +93,7 @@ class TrainerLoop:
         p = cfg.pipeline
         self.timeout = p.timeout_s
         self.gate = VersionGate(self.schedule, strict=p.strict_versions)
+        self.overlong = OverlongPenalty.from_config(cfg)
         self.rollout = parts.rollout
         self.taker = micro_batches.GroupTaker(
             p, self.schedule, self.stream, group, self.timeout, rollout=self.rollout
@@ -241,6 +243,7 @@ class TrainerLoop:
             **t.cfg.layout,
             pad_id=c.tokenizer.pad_id,
             stats=stats,
+            overlong=self.overlong,
         )
         if self.group is not None:  # every training process feeds the same global shape
             batch = self.group.agree(batch, c.tokenizer.pad_id, t.cfg.batch_buckets)
