@@ -125,6 +125,13 @@ class PipelineSection:
     # authentication, trusted networks only: docs/multicontroller.md).
     weight_transport: str = "channel"
     weight_checksum: bool = False  # several processes: crc32 of every weight piece, checked
+    # DAPO dynamic sampling (pipeline/dynamic_sampling.py): skip groups whose rewards are
+    # all equal (counted: groups_skipped) and draw replacement prompts, generated with the
+    # batch's own weights, until the step has prompts_per_step informative groups
+    dynamic_sampling: bool = False
+    # most replacement prompts drawn per step; past it the step trains what it has
+    # (dynamic_short = 1 in its metrics). 0 = skip only, never refill
+    dynamic_sampling_max_draws: int = 16
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

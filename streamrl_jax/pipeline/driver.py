@@ -32,6 +32,7 @@ every wait here, and `stop()` ends both threads quietly.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -68,6 +69,8 @@ class GenerationDriver:
         share: tuple[int, int] = (0, 1),
         emit_component: str = "generation service",
         rollout: PartialRollout | None = None,
+        dynamic: Any = None,
+        draw_more: Callable[[int, int], list[Prompt]] | None = None,
     ):
         """Args:
         cfg: the experiment.
@@ -88,6 +91,10 @@ class GenerationDriver:
         rollout: partial rollout (`pipeline.partial_budget_tokens`): batch b is round b,
           with the continuations of the samples paused in round b - 1; a paused sample
           goes back to it, never to `emit`.
+        dynamic: dynamic sampling's `DynamicSampler` (`pipeline.dynamic_sampling`): after
+          submitting batch b the driver settles it (refill rounds under the same
+          weights) before it draws batch b + 1 or loads other weights.
+        draw_more: `draw_more(batch, n)`: n replacement prompts for `batch` (with `dynamic`).
         """
         self.cfg, self.service, self.live = cfg, service, live
         self.eval_prompts = list(eval_prompts)
@@ -95,6 +102,7 @@ class GenerationDriver:
         self.start, self.version = start, loaded_version
         self.expected_ids = expected_ids or {}
         self.share, self.emit_component, self.rollout = share, emit_component, rollout
+        self.dynamic, self.draw_more = dynamic, draw_more
         self.sched = Schedule.from_config(cfg.pipeline)
         self.timeout = cfg.pipeline.timeout_s
         self.sampling = SamplingParams(
@@ -226,32 +234,50 @@ class GenerationDriver:
                 if self._stop.is_set():
                     return
                 prompts = self.draw(b, p.prompts_per_step)
-                if b in self.expected_ids:
-                    ids = [q.problem.prompt_id for q in prompts]
-                    if ids != self.expected_ids[b]:
-                        raise RuntimeError(
-                            f"resume: batch {b} drew prompts {ids[:3]}..., the checkpoint "
-                            f"recorded {self.expected_ids[b][:3]}... (prompt iterator "
-                            "state does not match the checkpoint)"
-                        )
-                requests = make_requests(
-                    prompts,
-                    batch=b,
-                    group_size=p.group_size,
-                    max_new_tokens=self.cfg.generation.max_new_tokens,
-                    sampling=self.sampling,
-                    run_seed=self.cfg.seed,
-                    length_replay=self.cfg.generation.length_replay,
-                )
-                requests = [r for r in requests if self._mine(r.tag.group)]
+                requests = self._requests(b, prompts, 0)
                 if self.rollout is not None:
                     requests = self.rollout.open(b, requests)
                 requests, self._instances = self.live.plan(b, requests)
                 self._submit(requests, self._instances)
                 self.hooks.run(b)
+                if self.dynamic is not None:
+                    self.dynamic.settle(b, functools.partial(self._refill, b), self._stop.is_set)
             self._final_eval()
         except BaseException as e:  # noqa: BLE001 - reported to the owner
             self._fail("generation driver", e)
+
+    def _requests(self, b: int, prompts: list[Prompt], first: int) -> list[GenerationRequest]:
+        """This process's requests for `prompts` as groups `first`.. of batch b, after
+        checking them against a resumed run's record of the batch's draws."""
+        ids = [q.problem.prompt_id for q in prompts]
+        if b in self.expected_ids:
+            want = self.expected_ids[b][first : first + len(ids)]
+            if ids != want:
+                raise RuntimeError(
+                    f"resume: batch {b} drew prompts {ids[:3]}... as groups {first}.., the "
+                    f"checkpoint recorded {want[:3]}... (prompt iterator state does not "
+                    "match the checkpoint)"
+                )
+        if self.dynamic is not None:
+            self.dynamic.expect(b, dict(enumerate(ids, start=first)))
+        requests = make_requests(
+            prompts,
+            batch=b,
+            group_size=self.cfg.pipeline.group_size,
+            max_new_tokens=self.cfg.generation.max_new_tokens,
+            sampling=self.sampling,
+            run_seed=self.cfg.seed,
+            length_replay=self.cfg.generation.length_replay,
+            first_group=first,
+        )
+        return [r for r in requests if self._mine(r.tag.group)]
+
+    def _refill(self, b: int, first: int, n: int) -> None:
+        """Dynamic sampling: n replacement prompts for batch b as groups first.., under
+        the weights the batch was generated with (still loaded)."""
+        requests = self._requests(b, self.draw_more(b, n), first)
+        requests, instances = self.live.plan(b, requests)
+        self._submit(requests, instances)
 
     def _final_eval(self) -> None:
         """Greedy evaluation of the final weights (version = steps), when eval is on."""

@@ -21,7 +21,9 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -34,7 +36,7 @@ from streamrl_jax.pipeline.rollout import PartialRollout
 from streamrl_jax.pipeline.schedules import Schedule, VersionGate
 from streamrl_jax.pipeline.shards import TrainingGroup
 from streamrl_jax.rewards.base import RewardResult
-from streamrl_jax.stream.sample_stream import SampleStream
+from streamrl_jax.stream.sample_stream import SampleStream, StreamTimeout
 from streamrl_jax.trainer.batch import TrainBatch, make_batch
 
 
@@ -169,9 +171,12 @@ class GroupTaker:
         group: TrainingGroup | None,
         timeout: float,
         rollout: PartialRollout | None = None,
+        dynamic: Any = None,
     ):
+        """`dynamic`: the run's `dynamic_sampling.DynamicSampler` (None: off)."""
         self.p, self.schedule, self.stream = p, schedule, stream
         self.group, self.timeout, self.rollout = group, timeout, rollout
+        self.dynamic = dynamic
         self._parked: dict[int, list[Group]] = {}  # batch -> groups taken early
         self._by_key: dict[tuple[int, int], Group] = {}  # partial rollout: taken early
 
@@ -181,6 +186,9 @@ class GroupTaker:
         p = self.p
         if self.rollout is not None:
             yield from self._round(b)
+            return
+        if self.dynamic is not None:
+            yield from self._dynamic(b)
             return
         if self.group is not None:
             own = self.group.own
@@ -218,6 +226,68 @@ class GroupTaker:
             i += len(keys)
             yield [sorted(self._key(k), key=lambda s: s.sample.tag.member) for k in keys]
 
+    def _dynamic(self, b: int) -> Iterator[list[Group]]:
+        """Dynamic sampling: the informative groups of batch b (skipped ones never enter
+        the stream), as many as the settled batch holds. Deterministic and batch modes
+        wait for the batch to settle and take its groups in index order; streaming takes
+        them as they come, at least `min_groups` at a time while more may come."""
+        p, taken = self.p, 0
+        order = None
+        if p.deterministic or not self.schedule.streaming:
+            order = self.dynamic.outcome(b).informative
+        while True:
+            target = len(order) if order is not None else self.dynamic.target(b)
+            remaining = (p.prompts_per_step if target is None else target) - taken
+            if remaining <= 0:
+                return
+            count = min(p.micro_batch_groups, remaining)
+            if p.deterministic:
+                groups = self._take_indexed(b, order[taken : taken + count])
+            elif target is not None:
+                groups = self._take(b, count, count)
+            else:
+                groups = self._take_unsettled(b, self.schedule.min_groups(p, remaining), count)
+                if not groups:
+                    continue  # settled meanwhile: the target is known now
+            taken += len(groups)
+            yield groups
+
+    def _take_unsettled(self, batch: int, min_groups: int, max_groups: int) -> list[Group]:
+        """Like `_take`, for a batch that may still settle with fewer groups: polls, and
+        returns what it has (possibly nothing) once the batch has settled."""
+        out = self._parked.pop(batch, [])
+        deadline = time.monotonic() + self.timeout
+        while len(out) < min_groups:
+            if self.dynamic.target(batch) is not None:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"trainer: batch {batch}: {len(out)} of {min_groups} groups after "
+                    f"{self.timeout:.0f} s (generation or reward stalled?)"
+                )
+            try:
+                got = self.stream.get_groups(
+                    min_groups=1, max_groups=max_groups, timeout=min(left, 0.5)
+                )
+            except StreamTimeout:
+                continue
+            self._file(got, batch, out)
+        return self._trim(batch, out, max_groups)
+
+    def _file(self, groups: list[Group], batch: int, out: list[Group]) -> None:
+        """Groups of `batch` into `out`, those of later batches parked."""
+        for group in groups:
+            b = group[0].sample.tag.batch
+            (out if b == batch else self._parked.setdefault(b, [])).append(group)
+
+    def _trim(self, batch: int, out: list[Group], max_groups: int) -> list[Group]:
+        """At most `max_groups` of `out`; the rest parked for the next micro-batch."""
+        if len(out) > max_groups:
+            self._parked[batch] = out[max_groups:]
+            out = out[:max_groups]
+        return out
+
     def _ready(self, want: list[tuple[int, int]], at_least: int) -> list[tuple[int, int]]:
         while sum(k in self._by_key for k in want) < at_least:
             for group in self.stream.get_groups(min_groups=1, max_groups=1, timeout=self.timeout):
@@ -234,15 +304,9 @@ class GroupTaker:
         """Complete groups of `batch`, parking groups of later batches for later."""
         out = self._parked.pop(batch, [])
         while len(out) < min_groups:
-            for group in self.stream.get_groups(
-                min_groups=1, max_groups=max_groups, timeout=self.timeout
-            ):
-                b = group[0].sample.tag.batch
-                (out if b == batch else self._parked.setdefault(b, [])).append(group)
-        if len(out) > max_groups:
-            self._parked[batch] = out[max_groups:]
-            out = out[:max_groups]
-        return out
+            got = self.stream.get_groups(min_groups=1, max_groups=max_groups, timeout=self.timeout)
+            self._file(got, batch, out)
+        return self._trim(batch, out, max_groups)
 
     def _take_indexed(self, batch: int, want: list[int]) -> list[Group]:
         """Exactly the groups `want` of `batch`, in that order, members in member order."""

@@ -95,8 +95,15 @@ class TrainerLoop:
         self.gate = VersionGate(self.schedule, strict=p.strict_versions)
         self.overlong = OverlongPenalty.from_config(cfg)
         self.rollout = parts.rollout
+        self.dynamic = parts.dynamic
         self.taker = micro_batches.GroupTaker(
-            p, self.schedule, self.stream, group, self.timeout, rollout=self.rollout
+            p,
+            self.schedule,
+            self.stream,
+            group,
+            self.timeout,
+            rollout=self.rollout,
+            dynamic=self.dynamic,
         )
         self.trained = start  # batches trained so far (the next checkpoint's step)
         self.at_boundary = True  # the state is W_trained (no mini-batch step of a batch yet)
@@ -149,10 +156,23 @@ class TrainerLoop:
                 if drawn is not None:
                     micro_batches.check_prompts(b, groups, drawn)
                 self._accumulate(b, groups, step)
-            if step.micro or self.rollout is None:
+            if step.micro or (self.rollout is None and self.dynamic is None):
                 self._apply(b, k, step)
-            # else: partial rollout, a round that completed no trainable group: no update
-            # (W_{b+1} = W_b is still published: versions count steps).
+            # else: partial rollout, a round that completed no trainable group, or dynamic
+            # sampling, a batch whose every group was skipped: no update (W_{b+1} = W_b is
+            # still published: versions count steps).
+        dynamic = {}
+        if self.dynamic is not None:  # skipped prompts are consumed too
+            out = self.dynamic.outcome(b)
+            self.supervisor.raise_if_failed()
+            step.prompt_ids += out.skipped_prompts()
+            dynamic = {
+                "groups_skipped": float(len(out.skipped)),
+                "dynamic_draws": float(out.draws),  # replacement prompts drawn
+                # 1: the draws ran out before prompts_per_step informative groups
+                "dynamic_short": float(len(out.informative) < p.prompts_per_step),
+            }
+            self.dynamic.forget(b)
         sync_s = self._publish(b + 1)
         self.at_boundary, self.trained = True, b + 1
         self.supervisor.tick("trainer")
@@ -163,28 +183,32 @@ class TrainerLoop:
         now = time.perf_counter()
         wall = max(now - t_step, 1e-9)
         m = self.stream.metrics
-        row = stats | {
-            "dropped_overlong": float(self.c.prompts.dropped_overlong),
-            "truncated_overlong": float(self.c.prompts.truncated_overlong),
-            "queue_depth": float(self.stream.depth()["ready_samples"]),
-            "step_s": wall,
-            "train_busy": step.busy_s / wall,
-            # Fraction of this step's wall time the instances spent decoding or
-            # prefilling (mean over instances).
-            "gen_busy": self._gen_busy(w_step),
-            # Trainer blocked waiting for complete groups / reward threads blocked on
-            # back-pressure, seconds within this step.
-            "stream_wait_s": m.consumer_wait_s - waits0.consumer_wait_s,
-            "stream_backpressure_s": m.producer_wait_s - waits0.producer_wait_s,
-            "weight_sync_s": sync_s,
-            "samples_per_s": (done + n) / (now - t_run),
-            "samples": float(n),  # trained this step (partial rollout: varies by step)
-            "micro_batches": float(step.micro),
-            "optimizer_steps": float(len(step.device)),
-            "reward_errors": float(self.rewards.num_errors),
-            "reward_timeouts": float(self.rewards.num_timeouts),
-            "watchdog_alerts": float(len(self.supervisor.alerts)),
-        }
+        row = (
+            stats
+            | {
+                "dropped_overlong": float(self.c.prompts.dropped_overlong),
+                "truncated_overlong": float(self.c.prompts.truncated_overlong),
+                "queue_depth": float(self.stream.depth()["ready_samples"]),
+                "step_s": wall,
+                "train_busy": step.busy_s / wall,
+                # Fraction of this step's wall time the instances spent decoding or
+                # prefilling (mean over instances).
+                "gen_busy": self._gen_busy(w_step),
+                # Trainer blocked waiting for complete groups / reward threads blocked on
+                # back-pressure, seconds within this step.
+                "stream_wait_s": m.consumer_wait_s - waits0.consumer_wait_s,
+                "stream_backpressure_s": m.producer_wait_s - waits0.producer_wait_s,
+                "weight_sync_s": sync_s,
+                "samples_per_s": (done + n) / (now - t_run),
+                "samples": float(n),  # trained this step (partial rollout: varies by step)
+                "micro_batches": float(step.micro),
+                "optimizer_steps": float(len(step.device)),
+                "reward_errors": float(self.rewards.num_errors),
+                "reward_timeouts": float(self.rewards.num_timeouts),
+                "watchdog_alerts": float(len(self.supervisor.alerts)),
+            }
+            | dynamic
+        )
         if self.rollout is not None:
             carried = self.rollout.in_flight()
             row |= {
