@@ -161,18 +161,7 @@ class TrainerLoop:
             # else: partial rollout, a round that completed no trainable group, or dynamic
             # sampling, a batch whose every group was skipped: no update (W_{b+1} = W_b is
             # still published: versions count steps).
-        dynamic = {}
-        if self.dynamic is not None:  # skipped prompts are consumed too
-            out = self.dynamic.outcome(b)
-            self.supervisor.raise_if_failed()
-            step.prompt_ids += out.skipped_prompts()
-            dynamic = {
-                "groups_skipped": float(len(out.skipped)),
-                "dynamic_draws": float(out.draws),  # replacement prompts drawn
-                # 1: the draws ran out before prompts_per_step informative groups
-                "dynamic_short": float(len(out.informative) < p.prompts_per_step),
-            }
-            self.dynamic.forget(b)
+        dynamic = self._dynamic_outcome(b, step)
         sync_s = self._publish(b + 1)
         self.at_boundary, self.trained = True, b + 1
         self.supervisor.tick("trainer")
@@ -183,32 +172,29 @@ class TrainerLoop:
         now = time.perf_counter()
         wall = max(now - t_step, 1e-9)
         m = self.stream.metrics
-        row = (
-            stats
-            | {
-                "dropped_overlong": float(self.c.prompts.dropped_overlong),
-                "truncated_overlong": float(self.c.prompts.truncated_overlong),
-                "queue_depth": float(self.stream.depth()["ready_samples"]),
-                "step_s": wall,
-                "train_busy": step.busy_s / wall,
-                # Fraction of this step's wall time the instances spent decoding or
-                # prefilling (mean over instances).
-                "gen_busy": self._gen_busy(w_step),
-                # Trainer blocked waiting for complete groups / reward threads blocked on
-                # back-pressure, seconds within this step.
-                "stream_wait_s": m.consumer_wait_s - waits0.consumer_wait_s,
-                "stream_backpressure_s": m.producer_wait_s - waits0.producer_wait_s,
-                "weight_sync_s": sync_s,
-                "samples_per_s": (done + n) / (now - t_run),
-                "samples": float(n),  # trained this step (partial rollout: varies by step)
-                "micro_batches": float(step.micro),
-                "optimizer_steps": float(len(step.device)),
-                "reward_errors": float(self.rewards.num_errors),
-                "reward_timeouts": float(self.rewards.num_timeouts),
-                "watchdog_alerts": float(len(self.supervisor.alerts)),
-            }
-            | dynamic
-        )
+        row = stats | {
+            "dropped_overlong": float(self.c.prompts.dropped_overlong),
+            "truncated_overlong": float(self.c.prompts.truncated_overlong),
+            "queue_depth": float(self.stream.depth()["ready_samples"]),
+            "step_s": wall,
+            "train_busy": step.busy_s / wall,
+            # Fraction of this step's wall time the instances spent decoding or
+            # prefilling (mean over instances).
+            "gen_busy": self._gen_busy(w_step),
+            # Trainer blocked waiting for complete groups / reward threads blocked on
+            # back-pressure, seconds within this step.
+            "stream_wait_s": m.consumer_wait_s - waits0.consumer_wait_s,
+            "stream_backpressure_s": m.producer_wait_s - waits0.producer_wait_s,
+            "weight_sync_s": sync_s,
+            "samples_per_s": (done + n) / (now - t_run),
+            "samples": float(n),  # trained this step (partial rollout: varies by step)
+            "micro_batches": float(step.micro),
+            "optimizer_steps": float(len(step.device)),
+            "reward_errors": float(self.rewards.num_errors),
+            "reward_timeouts": float(self.rewards.num_timeouts),
+            "watchdog_alerts": float(len(self.supervisor.alerts)),
+        }
+        row |= dynamic
         if self.rollout is not None:
             carried = self.rollout.in_flight()
             row |= {
@@ -221,6 +207,22 @@ class TrainerLoop:
         self.steps.add(row, list(step.stats["versions"]), step.device)
         self.hooks.run(self.trained)
         return n
+
+    def _dynamic_outcome(self, b: int, step: _Step) -> dict[str, float]:
+        """Dynamic sampling: batch b's skipped prompts into the step's consumed ones, and
+        its metrics ({} when off)."""
+        if self.dynamic is None:
+            return {}
+        out = self.dynamic.outcome(b)
+        self.supervisor.raise_if_failed()
+        step.prompt_ids += out.skipped_prompts()  # a skipped prompt is consumed too
+        self.dynamic.forget(b)
+        return {
+            "groups_skipped": float(len(out.skipped)),
+            "dynamic_draws": float(out.draws),  # replacement prompts drawn
+            # 1: the draws ran out before prompts_per_step informative groups
+            "dynamic_short": float(len(out.informative) < self.cfg.pipeline.prompts_per_step),
+        }
 
     # ------------------------------------------------------------------ one micro-batch
     def _accumulate(self, b: int, groups: list[micro_batches.Group], step: _Step) -> None:
