@@ -142,6 +142,7 @@ def make_requests(
     run_seed: int,
     id_prefix: str = "train",
     length_replay: bool = False,
+    first_group: int = 0,
 ) -> list[GenerationRequest]:
     """`group_size` requests per prompt of global batch `batch`.
 
@@ -151,17 +152,19 @@ def make_requests(
 
     Each request's tag: `batch`, `group` (index of the prompt in the batch),
     `member`, `prompt_id`; its metadata: the problem's (`task`, `entry`: what the
-    reward function scores against).
+    reward function scores against). Groups are numbered from `first_group` (dynamic
+    sampling's replacement prompts continue a batch's numbering).
     """
     forced = [None] * (len(prompts) * group_size)
     if length_replay:
         trace = dataclasses.replace(
             lengths.paper_trace(max_new_tokens), min_len=min(16, max_new_tokens)
         )
-        rng = np.random.default_rng([run_seed, batch])
+        rng = np.random.default_rng([run_seed, batch] + ([first_group] if first_group else []))
         forced = [int(n) for n in lengths.sample_lengths(trace, len(forced), rng)[1]]
     out = []
-    for g, prompt in enumerate(prompts):
+    for i, prompt in enumerate(prompts):
+        g = first_group + i
         for m in range(group_size):
             out.append(
                 GenerationRequest(
@@ -170,7 +173,7 @@ def make_requests(
                     max_new_tokens=max_new_tokens,
                     sampling=sampling,
                     seed=sample_seed(run_seed, batch, g, m),
-                    forced_length=forced[g * group_size + m],
+                    forced_length=forced[i * group_size + m],
                     tag=RequestTag(
                         batch=batch, group=g, member=m, prompt_id=prompt.problem.prompt_id
                     ),

@@ -31,7 +31,7 @@ def _scored(group, member, score, version=0, length=3):
     return Scored(sample, "text", reward)
 
 
-def _pack(groups, gate, stats, shared_prompt=False, pack=False, seq_buckets=(16,)):
+def _pack(groups, gate, stats, shared_prompt=False, pack=False, seq_buckets=(16,), **kwargs):
     return pack_groups(
         2,
         groups,
@@ -44,6 +44,7 @@ def _pack(groups, gate, stats, shared_prompt=False, pack=False, seq_buckets=(16,
         loss_chunk=128,
         pad_id=0,
         stats=stats,
+        **kwargs,
     )
 
 

@@ -123,6 +123,7 @@ RULES: dict[type, dict[str, _Rule]] = {
         "weight_update": _one_of(WEIGHT_UPDATES),
         "max_lag": _NONNEG,
         "partial_budget_tokens": _NONNEG,
+        "dynamic_sampling_max_draws": _NONNEG,
         "lag_policy": _one_of(LAG_POLICIES),
         **dict.fromkeys(("watchdog_s", "timeout_s"), _POSITIVE),
         "weight_transport": _one_of(WEIGHT_TRANSPORTS),
@@ -135,6 +136,7 @@ RULES: dict[type, dict[str, _Rule]] = {
         **dict.fromkeys(("clip_eps", "clip_eps_high"), _POSITIVE),
         "dual_clip": _Rule(lambda v: v == 0 or v > 1, "0 (off) or > 1"),
         **dict.fromkeys(("kl_coef", "entropy_coef", "tis_cap"), _NONNEG),
+        **dict.fromkeys(("overlong_buffer", "overlong_penalty"), _NONNEG),
     },
     OptimizerSection: {
         **dict.fromkeys(("learning_rate", "eps"), _POSITIVE),
@@ -267,6 +269,8 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
             f"max_new_tokens ({g.max_new_tokens}), or the longest sample could be "
             "regenerated forever",
         )
+    if p.dynamic_sampling:
+        _check_dynamic_sampling(p)
     a = cfg.algorithm
     _require(
         g.weight_dtype != "int8" or a.tis_cap > 0,
@@ -279,6 +283,11 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         f"algorithm.tis_cap > 0 needs pipeline.mini_batches=1 (it is {p.mini_batches}): "
         "pi_old is recomputed under the trainer's weights when each micro-batch is "
         "trained, which are the batch's starting weights only with one mini-batch",
+    )
+    _require(
+        a.overlong_buffer <= g.max_new_tokens,
+        f"algorithm.overlong_buffer ({a.overlong_buffer}) exceeds generation.max_new_tokens "
+        f"({g.max_new_tokens}): the buffer is the last tokens before the response cap",
     )
     o, optimizer_steps = cfg.optimizer, p.steps * p.mini_batches
     _require(
@@ -323,6 +332,31 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     _check_tasks(cfg.data)
     task_configs(cfg.data)  # parses, or raises naming data.task_config
     return cfg
+
+
+def _check_dynamic_sampling(p: PipelineSection) -> None:
+    """The combinations dynamic sampling refuses (docs/pipeline.md, "Dynamic sampling")."""
+    _require(
+        p.group_size >= 2,
+        "pipeline.dynamic_sampling needs pipeline.group_size >= 2 (a group of one sample "
+        "has no reward variance: every group would be skipped)",
+    )
+    _require(
+        p.mini_batches == 1,
+        f"pipeline.dynamic_sampling needs pipeline.mini_batches=1 (it is {p.mini_batches}): "
+        "a step that ran out of draws holds fewer groups than the mini-batches split",
+    )
+    _require(
+        p.weight_update == "boundary",
+        "pipeline.dynamic_sampling needs pipeline.weight_update='boundary': replacement "
+        "prompts are generated with the batch's own weights W_g(b), which in-flight "
+        "updates would swap mid-batch",
+    )
+    _require(
+        p.partial_budget_tokens == 0,
+        "pipeline.dynamic_sampling cannot run with pipeline.partial_budget_tokens "
+        "(partial rollout trains whatever groups a round completed, of several batches)",
+    )
 
 
 def task_names(data: DataSection) -> list[str]:

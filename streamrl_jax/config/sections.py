@@ -125,6 +125,13 @@ class PipelineSection:
     # authentication, trusted networks only: docs/multicontroller.md).
     weight_transport: str = "channel"
     weight_checksum: bool = False  # several processes: crc32 of every weight piece, checked
+    # DAPO dynamic sampling (pipeline/dynamic_sampling.py): skip groups whose rewards are
+    # all equal (counted: groups_skipped) and draw replacement prompts, generated with the
+    # batch's own weights, until the step has prompts_per_step informative groups
+    dynamic_sampling: bool = False
+    # most replacement prompts drawn per step; past it the step trains what it has
+    # (dynamic_short = 1 in its metrics). 0 = skip only, never refill
+    dynamic_sampling_max_draws: int = 16
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -141,6 +148,11 @@ class AlgorithmSection:
     kl_estimator: str = "k3"  # k1 | k2 | k3
     entropy_coef: float = 0.0  # entropy bonus
     tis_cap: float = 0.0  # truncated importance-sampling cap vs behaviour log-probs (0 = off)
+    # DAPO soft overlong punishment (algorithms/overlong.py): responses longer than
+    # generation.max_new_tokens - overlong_buffer lose up to overlong_penalty reward,
+    # linearly in the buffer, all of it at the cap (truncated). 0 = off
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0  # the maximum penalty (reward units), >= 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -39,6 +39,7 @@ every wait here, and `stop()` ends both threads quietly.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -77,6 +78,8 @@ class GenerationDriver:
         emit_component: str = "generation service",
         rollout: PartialRollout | None = None,
         weights_at: Callable[[int], list[Any] | None] | None = None,
+        dynamic: Any = None,
+        draw_more: Callable[[int, int], list[Prompt]] | None = None,
     ):
         """Args:
         cfg: the experiment.
@@ -99,6 +102,10 @@ class GenerationDriver:
           goes back to it, never to `emit`.
         weights_at: `weights_at(v)`: W_v placed on every instance if still kept here
           (None otherwise): groups generated again after a loss use their batch's version.
+        dynamic: dynamic sampling's `DynamicSampler` (`pipeline.dynamic_sampling`): after
+          submitting batch b the driver settles it (refill rounds under the same
+          weights) before it draws batch b + 1 or loads other weights.
+        draw_more: `draw_more(batch, n)`: n replacement prompts for `batch` (with `dynamic`).
         """
         self.cfg, self.service, self.live = cfg, service, live
         self.eval_prompts = list(eval_prompts)
@@ -106,6 +113,7 @@ class GenerationDriver:
         self.start, self.version = start, loaded_version
         self.expected_ids = expected_ids or {}
         self.share, self.emit_component, self.rollout = share, emit_component, rollout
+        self.dynamic, self.draw_more = dynamic, draw_more
         self.sched = Schedule.from_config(cfg.pipeline)
         self.timeout = cfg.pipeline.timeout_s
         self.sampling = SamplingParams(
@@ -270,7 +278,7 @@ class GenerationDriver:
         """Keeps a drawn batch's requests (all shares) a few batches; returns this
         process's share under the current roster."""
         with self._roster_lock:
-            self._drawn[batch] = requests
+            self._drawn.setdefault(batch, []).extend(requests)  # refills add groups
             for b in [b for b in self._drawn if b < batch - self._keep]:
                 del self._drawn[b]
             return [r for r in requests if self._mine(r.tag.group)]
@@ -313,33 +321,53 @@ class GenerationDriver:
                 if self._stop.is_set():
                     return
                 prompts = self.draw(b, p.prompts_per_step)
-                if b in self.expected_ids:
-                    ids = [q.problem.prompt_id for q in prompts]
-                    if ids != self.expected_ids[b]:
-                        raise RuntimeError(
-                            f"resume: batch {b} drew prompts {ids[:3]}..., the checkpoint "
-                            f"recorded {self.expected_ids[b][:3]}... (prompt iterator "
-                            "state does not match the checkpoint)"
-                        )
-                requests = make_requests(
-                    prompts,
-                    batch=b,
-                    group_size=p.group_size,
-                    max_new_tokens=self.cfg.generation.max_new_tokens,
-                    sampling=self.sampling,
-                    run_seed=self.cfg.seed,
-                    length_replay=self.cfg.generation.length_replay,
-                )
-                requests = self._record(b, requests)
+                requests = self._requests(b, prompts, 0)
                 self.regenerate()
                 if self.rollout is not None:
                     requests = self.rollout.open(b, requests)
                 requests, self._instances = self.live.plan(b, requests)
                 self._submit(requests, self._instances)
                 self.hooks.run(b)
+                if self.dynamic is not None:
+                    self.dynamic.settle(b, functools.partial(self._refill, b), self._stop.is_set)
             self._final_eval()
         except BaseException as e:  # noqa: BLE001 - reported to the owner
             self._fail("generation driver", e)
+
+    def _requests(self, b: int, prompts: list[Prompt], first: int) -> list[GenerationRequest]:
+        """This process's requests for `prompts` as groups `first`.. of batch b, after
+        checking them against a resumed run's record of the batch's draws."""
+        ids = [q.problem.prompt_id for q in prompts]
+        if b in self.expected_ids:
+            # The checkpoint may have been written while the batch was still being
+            # refilled: it records a prefix of the batch's draws.
+            want = self.expected_ids[b][first : first + len(ids)]
+            if ids[: len(want)] != want:
+                raise RuntimeError(
+                    f"resume: batch {b} drew prompts {ids[:3]}... as groups {first}.., the "
+                    f"checkpoint recorded {want[:3]}... (prompt iterator state does not "
+                    "match the checkpoint)"
+                )
+        if self.dynamic is not None:
+            self.dynamic.expect(b, dict(enumerate(ids, start=first)))
+        requests = make_requests(
+            prompts,
+            batch=b,
+            group_size=self.cfg.pipeline.group_size,
+            max_new_tokens=self.cfg.generation.max_new_tokens,
+            sampling=self.sampling,
+            run_seed=self.cfg.seed,
+            length_replay=self.cfg.generation.length_replay,
+            first_group=first,
+        )
+        return self._record(b, requests)
+
+    def _refill(self, b: int, first: int, n: int) -> None:
+        """Dynamic sampling: n replacement prompts for batch b as groups first.., under
+        the weights the batch was generated with (still loaded)."""
+        requests = self._requests(b, self.draw_more(b, n), first)
+        requests, instances = self.live.plan(b, requests)
+        self._submit(requests, instances)
 
     def _final_eval(self) -> None:
         """Greedy evaluation of the final weights (version = steps), when eval is on."""

@@ -112,10 +112,13 @@ class Ingest:
         tracer: Tracer,
         workdir: str,
         sandbox: Limits | None = None,
+        dynamic: Any = None,
     ):
+        """`dynamic`: the run's `dynamic_sampling.DynamicSampler`: training samples go to
+        it (it puts the groups with reward variance into the stream); None: the stream."""
         self.tokenizer, self.stream = tokenizer, stream
         self.evaluations, self.supervisor, self.meter = evaluations, supervisor, meter
-        self.tracer = tracer
+        self.tracer, self.dynamic = tracer, dynamic
         self.timeout = cfg.pipeline.timeout_s
         self.sample_log = (
             SampleLog(os.path.join(workdir, "samples.jsonl")) if cfg.log.samples else None
@@ -147,6 +150,8 @@ class Ingest:
             scored = Scored(sample, text, reward)
             if sample.tag.is_eval:
                 self.evaluations.add(sample.tag.eval_version, scored)
+            elif self.dynamic is not None:
+                self.dynamic.add(scored)
             else:
                 self.stream.put(scored, timeout=self.timeout)
         except StreamError:

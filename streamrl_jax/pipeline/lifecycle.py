@@ -22,6 +22,7 @@ from absl import logging
 
 from streamrl_jax import checkpoint as ckpt_lib
 from streamrl_jax.config import ExperimentConfig, validate
+from streamrl_jax.errors import UserError
 from streamrl_jax.metrics import Progress
 from streamrl_jax.pipeline.components import Components, build
 from streamrl_jax.pipeline.driver import GenerationDriver, GenerationLink
@@ -110,6 +111,8 @@ class _Run:
             loaded_version=0 if resume is None else -1,
             expected_ids=resume.expected_ids if resume is not None else None,
             rollout=parts.rollout,
+            dynamic=parts.dynamic,
+            draw_more=parts.ckpts.draw_more,
         )
         for sample in [] if resume is None else resume.carried:
             parts.ingest.on_sample(sample)  # scored again; its group completes later
@@ -207,6 +210,11 @@ def run_components(
 ) -> RunResult:
     """Runs built components; with `link`, generation runs in other processes and
     samples arrive through it."""
+    if link is not None and cfg.pipeline.dynamic_sampling:
+        raise UserError(
+            "pipeline.dynamic_sampling runs in one process only: a multi-controller run's "
+            "generation processes cannot see the rewards that decide the refills"
+        )
     if reward_fn is not None:  # the caller's own function: inline unless asked otherwise
         components.reward_fn = reward_fn
         if cfg.data.reward_sandbox != "process":

@@ -21,19 +21,22 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import numpy as np
 
 from streamrl_jax import algorithms
+from streamrl_jax.algorithms.overlong import OverlongPenalty
 from streamrl_jax.config import PipelineSection
 from streamrl_jax.generation.types import Sample
 from streamrl_jax.pipeline.rollout import PartialRollout
 from streamrl_jax.pipeline.schedules import Schedule, VersionGate
 from streamrl_jax.pipeline.shards import TrainingGroup
 from streamrl_jax.rewards.base import RewardResult
-from streamrl_jax.stream.sample_stream import SampleStream
+from streamrl_jax.stream.sample_stream import SampleStream, StreamTimeout
 from streamrl_jax.trainer.batch import TrainBatch, make_batch
 
 
@@ -65,6 +68,20 @@ def group_advantages(
     return np.asarray(jax.device_get(adv))[:, 0]
 
 
+def length_penalties(samples: list[Scored], overlong: OverlongPenalty | None) -> np.ndarray:
+    """Each sample's soft overlong penalty f32[B] (zeros when it is off)."""
+    if overlong is None:
+        return np.zeros(len(samples), np.float32)
+    lengths = [len(s.sample.response) for s in samples]
+    return overlong(lengths, [s.sample.finish_reason != "stop" for s in samples])
+
+
+def shaped_rewards(samples: list[Scored], overlong: OverlongPenalty | None) -> np.ndarray:
+    """The rewards the advantages see, f32[B]: outcome score plus the overlong penalty."""
+    scores = np.asarray([s.reward.score for s in samples], np.float32)
+    return scores + length_penalties(samples, overlong)
+
+
 def pack_groups(
     step: int,
     groups: list[Group],
@@ -78,6 +95,7 @@ def pack_groups(
     loss_chunk: int,
     pad_id: int,
     stats: dict[str, list],
+    overlong: OverlongPenalty | None = None,
 ) -> TrainBatch | None:
     """Host TrainBatch of the admitted groups (None if the gate dropped them all).
 
@@ -86,6 +104,8 @@ def pack_groups(
     Appends to `stats` lists: reward, correct, format_ok, length, truncated, versions (each
     sample's oldest token version) and spans (1 for a sample whose tokens span versions).
     `advantage="gae"` leaves the advantages at 0 (the critic fills them on device).
+    `overlong` (DAPO's soft overlong punishment) is added to each outcome score before
+    the advantages (`shaped_rewards`); `stats["overlong_penalty"]` gets each sample's term.
     """
 
     def admit(s: Scored) -> bool:
@@ -98,13 +118,16 @@ def pack_groups(
     if not kept:
         return None
     samples = [s for g in kept for s in g]
-    rewards = np.asarray([s.reward.score for s in samples], np.float32)
+    scores = np.asarray([s.reward.score for s in samples], np.float32)
+    penalties = length_penalties(samples, overlong)
+    rewards = scores + penalties
     if advantage == "gae":
         adv = np.zeros_like(rewards)
     else:
         local = np.concatenate([np.full(len(g), i, np.int32) for i, g in enumerate(kept)])
         adv = group_advantages(advantage, rewards, local, len(kept))
-    stats["reward"] += list(rewards)
+    stats["reward"] += list(scores)  # the outcome score; the penalty has its own metric
+    stats.setdefault("overlong_penalty", []).extend(penalties.tolist())
     stats["correct"] += [float(s.reward.correct) for s in samples]
     stats["format_ok"] += [float(s.reward.format_ok) for s in samples]
     stats["length"] += [len(s.sample.response) for s in samples]
@@ -148,9 +171,12 @@ class GroupTaker:
         group: TrainingGroup | None,
         timeout: float,
         rollout: PartialRollout | None = None,
+        dynamic: Any = None,
     ):
+        """`dynamic`: the run's `dynamic_sampling.DynamicSampler` (None: off)."""
         self.p, self.schedule, self.stream = p, schedule, stream
         self.group, self.timeout, self.rollout = group, timeout, rollout
+        self.dynamic = dynamic
         self._parked: dict[int, list[Group]] = {}  # batch -> groups taken early
         self._by_key: dict[tuple[int, int], Group] = {}  # partial rollout: taken early
 
@@ -160,6 +186,9 @@ class GroupTaker:
         p = self.p
         if self.rollout is not None:
             yield from self._round(b)
+            return
+        if self.dynamic is not None:
+            yield from self._dynamic(b)
             return
         if self.group is not None:
             own = self.group.own
@@ -197,6 +226,68 @@ class GroupTaker:
             i += len(keys)
             yield [sorted(self._key(k), key=lambda s: s.sample.tag.member) for k in keys]
 
+    def _dynamic(self, b: int) -> Iterator[list[Group]]:
+        """Dynamic sampling: the informative groups of batch b (skipped ones never enter
+        the stream), as many as the settled batch holds. Deterministic and batch modes
+        wait for the batch to settle and take its groups in index order; streaming takes
+        them as they come, at least `min_groups` at a time while more may come."""
+        p, taken = self.p, 0
+        order = None
+        if p.deterministic or not self.schedule.streaming:
+            order = self.dynamic.outcome(b).informative
+        while True:
+            target = len(order) if order is not None else self.dynamic.target(b)
+            remaining = (p.prompts_per_step if target is None else target) - taken
+            if remaining <= 0:
+                return
+            count = min(p.micro_batch_groups, remaining)
+            if p.deterministic:
+                groups = self._take_indexed(b, order[taken : taken + count])
+            elif target is not None:
+                groups = self._take(b, count, count)
+            else:
+                groups = self._take_unsettled(b, self.schedule.min_groups(p, remaining), count)
+                if not groups:
+                    continue  # settled meanwhile: the target is known now
+            taken += len(groups)
+            yield groups
+
+    def _take_unsettled(self, batch: int, min_groups: int, max_groups: int) -> list[Group]:
+        """Like `_take`, for a batch that may still settle with fewer groups: polls, and
+        returns what it has (possibly nothing) once the batch has settled."""
+        out = self._parked.pop(batch, [])
+        deadline = time.monotonic() + self.timeout
+        while len(out) < min_groups:
+            if self.dynamic.target(batch) is not None:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"trainer: batch {batch}: {len(out)} of {min_groups} groups after "
+                    f"{self.timeout:.0f} s (generation or reward stalled?)"
+                )
+            try:
+                got = self.stream.get_groups(
+                    min_groups=1, max_groups=max_groups, timeout=min(left, 0.5)
+                )
+            except StreamTimeout:
+                continue
+            self._file(got, batch, out)
+        return self._trim(batch, out, max_groups)
+
+    def _file(self, groups: list[Group], batch: int, out: list[Group]) -> None:
+        """Groups of `batch` into `out`, those of later batches parked."""
+        for group in groups:
+            b = group[0].sample.tag.batch
+            (out if b == batch else self._parked.setdefault(b, [])).append(group)
+
+    def _trim(self, batch: int, out: list[Group], max_groups: int) -> list[Group]:
+        """At most `max_groups` of `out`; the rest parked for the next micro-batch."""
+        if len(out) > max_groups:
+            self._parked[batch] = out[max_groups:]
+            out = out[:max_groups]
+        return out
+
     def _ready(self, want: list[tuple[int, int]], at_least: int) -> list[tuple[int, int]]:
         while sum(k in self._by_key for k in want) < at_least:
             for group in self.stream.get_groups(min_groups=1, max_groups=1, timeout=self.timeout):
@@ -213,15 +304,9 @@ class GroupTaker:
         """Complete groups of `batch`, parking groups of later batches for later."""
         out = self._parked.pop(batch, [])
         while len(out) < min_groups:
-            for group in self.stream.get_groups(
-                min_groups=1, max_groups=max_groups, timeout=self.timeout
-            ):
-                b = group[0].sample.tag.batch
-                (out if b == batch else self._parked.setdefault(b, [])).append(group)
-        if len(out) > max_groups:
-            self._parked[batch] = out[max_groups:]
-            out = out[:max_groups]
-        return out
+            got = self.stream.get_groups(min_groups=1, max_groups=max_groups, timeout=self.timeout)
+            self._file(got, batch, out)
+        return self._trim(batch, out, max_groups)
 
     def _take_indexed(self, batch: int, want: list[int]) -> list[Group]:
         """Exactly the groups `want` of `batch`, in that order, members in member order."""

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from streamrl_jax.algorithms.overlong import OverlongPenalty
 from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.metrics import MetricsWriter, Tracer
 from streamrl_jax.pipeline.components import Components
+from streamrl_jax.pipeline.dynamic_sampling import DynamicSampler
 from streamrl_jax.pipeline.ingest import Evaluations, Ingest
 from streamrl_jax.pipeline.micro_batches import Scored, group_key
 from streamrl_jax.pipeline.resume import RunCheckpoints
@@ -44,6 +46,7 @@ class RunParts:
     ckpts: RunCheckpoints
     live: LiveScheduler
     rollout: PartialRollout | None  # partial rollout (pipeline.partial_budget_tokens)
+    dynamic: DynamicSampler | None = None  # pipeline.dynamic_sampling
 
     def interrupt(self) -> None:
         """SIGINT/SIGTERM (the watchdog's stop): end the trainer's and driver's waits
@@ -74,6 +77,10 @@ def wire(
     writer = MetricsWriter(workdir, tensorboard=cfg.log.tensorboard)
     meter = GenerationMeter(tracer, sup.tick)
     evals = Evaluations(len(c.eval_prompts), writer, sup)
+    dynamic = None
+    if p.dynamic_sampling:
+        overlong = OverlongPenalty.from_config(cfg)
+        dynamic = DynamicSampler(p, stream, sup.latch, overlong=overlong, timeout=p.timeout_s)
     ingest = Ingest(
         cfg,
         c.tokenizer,
@@ -85,6 +92,7 @@ def wire(
         tracer=tracer,
         workdir=workdir,
         sandbox=c.reward_sandbox,
+        dynamic=dynamic,
     )
     rollout = PartialRollout(p, schedule) if p.partial_budget_tokens else None
     directory, processes = checkpoints or (None, None)
@@ -115,4 +123,5 @@ def wire(
         ckpts=ckpts,
         live=live,
         rollout=rollout,
+        dynamic=dynamic,
     )

@@ -93,6 +93,8 @@ def run_identity(cfg: ExperimentConfig) -> dict[str, Any]:
         "max_lag": p.max_lag,
         "partial_budget_tokens": p.partial_budget_tokens,
         "lag_policy": p.lag_policy,
+        "dynamic_sampling": p.dynamic_sampling,
+        "dynamic_sampling_max_draws": p.dynamic_sampling_max_draws,
         "data.tasks": d.tasks,
         "data.task_config": d.task_config,
         "data.train_seed": d.train_seed,
@@ -152,6 +154,14 @@ class RunCheckpoints:
             self._prompt_state[batch] = self.c.prompts.get_state()
             prompts = self.c.prompts.next_prompts(n)
             self._batch_ids[batch] = [p.problem.prompt_id for p in prompts]
+        return prompts
+
+    def draw_more(self, batch: int, n: int) -> list[Any]:
+        """Dynamic sampling's replacement prompts for `batch`: drawn after the batch's
+        own (and earlier refills), appended to its recorded ids."""
+        with self._lock:
+            prompts = self.c.prompts.next_prompts(n)
+            self._batch_ids.setdefault(batch, []).extend(p.problem.prompt_id for p in prompts)
         return prompts
 
     def prompt_ids(self, batch: int) -> list[str]:

@@ -34,7 +34,8 @@ SAMPLE_MEANS = {
     "accuracy": "correct",
     "format_ok": "format_ok",
     "response_len": "length",
-    "truncated": "truncated",
+    "truncated": "truncated",  # cut at generation.max_new_tokens (no end of sequence)
+    "overlong_penalty": "overlong_penalty",  # mean soft overlong penalty (0 when off)
     "mixed_versions": "spans",  # samples whose tokens span versions (in-flight updates)
 }
 

@@ -33,6 +33,7 @@ from typing import Any
 import jax
 from absl import logging
 
+from streamrl_jax.algorithms.overlong import OverlongPenalty
 from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.metrics import Progress, compile_seconds
 from streamrl_jax.pipeline import micro_batches
@@ -92,9 +93,17 @@ class TrainerLoop:
         p = cfg.pipeline
         self.timeout = p.timeout_s
         self.gate = VersionGate(self.schedule, strict=p.strict_versions)
+        self.overlong = OverlongPenalty.from_config(cfg)
         self.rollout = parts.rollout
+        self.dynamic = parts.dynamic
         self.taker = micro_batches.GroupTaker(
-            p, self.schedule, self.stream, group, self.timeout, rollout=self.rollout
+            p,
+            self.schedule,
+            self.stream,
+            group,
+            self.timeout,
+            rollout=self.rollout,
+            dynamic=self.dynamic,
         )
         compile_seconds()  # starts counting (the build's compilations are not a step's)
         self.trained = start  # batches trained so far (the next checkpoint's step)
@@ -149,10 +158,12 @@ class TrainerLoop:
                 if drawn is not None:
                     micro_batches.check_prompts(b, groups, drawn)
                 self._accumulate(b, groups, step)
-            if step.micro or self.rollout is None:
+            if step.micro or (self.rollout is None and self.dynamic is None):
                 self._apply(b, k, step)
-            # else: partial rollout, a round that completed no trainable group: no update
-            # (W_{b+1} = W_b is still published: versions count steps).
+            # else: partial rollout, a round that completed no trainable group, or dynamic
+            # sampling, a batch whose every group was skipped: no update (W_{b+1} = W_b is
+            # still published: versions count steps).
+        dynamic = self._dynamic_outcome(b, step)
         sync_s = self._publish(b + 1)
         self.at_boundary, self.trained = True, b + 1
         self.supervisor.tick("trainer")
@@ -188,6 +199,7 @@ class TrainerLoop:
             "reward_timeouts": float(self.rewards.num_timeouts),
             "watchdog_alerts": float(len(self.supervisor.alerts)),
         }
+        row |= dynamic
         if self.rollout is not None:
             carried = self.rollout.in_flight()
             row |= {
@@ -200,6 +212,22 @@ class TrainerLoop:
         self.steps.add(row, list(step.stats["versions"]), step.device)
         self.hooks.run(self.trained)
         return n
+
+    def _dynamic_outcome(self, b: int, step: _Step) -> dict[str, float]:
+        """Dynamic sampling: batch b's skipped prompts into the step's consumed ones, and
+        its metrics ({} when off)."""
+        if self.dynamic is None:
+            return {}
+        out = self.dynamic.outcome(b)
+        self.supervisor.raise_if_failed()
+        step.prompt_ids += out.skipped_prompts()  # a skipped prompt is consumed too
+        self.dynamic.forget(b)
+        return {
+            "groups_skipped": float(len(out.skipped)),
+            "dynamic_draws": float(out.draws),  # replacement prompts drawn
+            # 1: the draws ran out before prompts_per_step informative groups
+            "dynamic_short": float(len(out.informative) < self.cfg.pipeline.prompts_per_step),
+        }
 
     # ------------------------------------------------------------------ one micro-batch
     def _accumulate(self, b: int, groups: list[micro_batches.Group], step: _Step) -> None:
@@ -246,6 +274,7 @@ class TrainerLoop:
             **t.cfg.layout,
             pad_id=c.tokenizer.pad_id,
             stats=stats,
+            overlong=self.overlong,
         )
         if self.group is not None:  # every training process feeds the same global shape
             batch = self.group.agree(batch, c.tokenizer.pad_id, t.cfg.batch_buckets)

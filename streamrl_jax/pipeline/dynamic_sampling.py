@@ -1,0 +1,204 @@
+"""DAPO's dynamic sampling: groups without reward variance never reach the trainer.
+
+`pipeline.dynamic_sampling=True` (DAPO, arXiv 2503.14476 §3.2): a GRPO group
+whose rewards are all equal has zero advantage everywhere and only dilutes the
+step, so it is skipped, and replacement prompts are drawn until the step holds
+`pipeline.prompts_per_step` informative groups, or `pipeline.dynamic_sampling_max_draws`
+extra prompts were drawn for it (then the step trains the informative groups it has;
+`dynamic_short` in its metrics says so).
+
+Where each part runs (one process; `config/rules.py` and `run_components` refuse
+the rest):
+
+* **judge** (`add`, the reward pool's callback threads): the scored members of
+  each group are held until the group is complete; its rewards (the outcome
+  score plus the overlong penalty: what the advantages see) either vary, and
+  the members go into the sample stream, or are all equal, and the group is
+  recorded as skipped. Skipped groups never enter the stream.
+* **refill** (`settle`, the generation driver's thread, right after it
+  submitted batch b and before it draws batch b+1 or loads other weights):
+  rounds of "wait until every group of b submitted so far is judged, then draw
+  as many new prompts as groups are missing" (group indices continue after
+  `prompts_per_step`; per-sample seeds from (run seed, batch, group, member) as
+  for every sample). Refills therefore run under the same weights as the batch,
+  W_{g(b)}: the version contract (DESIGN.md §2) holds in every mode; the batch's
+  draws (originals, then its refill rounds) come before the next batch's
+  from the prompt iterator, and a round's size depends only on the samples, so
+  a resumed run draws and regenerates the same prompts (`resume.py`).
+* **take** (`target`, `outcome`, the trainer): a step trains the informative
+  groups of its batch: all of them once the batch is settled (at most
+  `prompts_per_step`, since each round draws only the missing number); a skipped
+  group's prompt is still consumed (`consumed.jsonl` lists trained and skipped
+  prompts of the step).
+
+Costs: the next batch's generation waits for the current batch's refill rounds
+(scoring its last group and generating the refills), which in stream_async
+moves generation of b+1 later by that much.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from streamrl_jax.algorithms.overlong import OverlongPenalty
+from streamrl_jax.config import PipelineSection
+from streamrl_jax.mailbox import FailureLatch
+from streamrl_jax.pipeline.micro_batches import Scored, shaped_rewards
+from streamrl_jax.stream.sample_stream import SampleStream
+
+_SLICE_S = 0.5  # waits poll the failure latch and the driver's stop at this period
+
+
+@dataclasses.dataclass
+class Outcome:
+    """One batch's groups as dynamic sampling judged them."""
+
+    submitted: int = 0  # groups submitted (originals and refills)
+    informative: list[int] = dataclasses.field(default_factory=list)  # group indices
+    skipped: list[int] = dataclasses.field(default_factory=list)  # group indices
+    prompt_ids: dict[int, str] = dataclasses.field(default_factory=dict)  # group -> prompt
+    draws: int = 0  # extra prompts drawn for the batch
+    settled: bool = False  # no more groups will come for the batch
+
+    @property
+    def judged(self) -> int:
+        return len(self.informative) + len(self.skipped)
+
+    def skipped_prompts(self) -> list[str]:
+        return [self.prompt_ids[g] for g in sorted(self.skipped)]
+
+
+class DynamicSampler:
+    """Judges complete groups, refills batches, tells the trainer what to take
+    (module docstring). Thread-safe."""
+
+    def __init__(
+        self,
+        p: PipelineSection,
+        stream: SampleStream[Scored],
+        latch: FailureLatch,
+        *,
+        overlong: OverlongPenalty | None,
+        timeout: float,
+    ):
+        self.need, self.group_size = p.prompts_per_step, p.group_size
+        self.max_draws = p.dynamic_sampling_max_draws
+        self.stream, self.latch, self.overlong, self.timeout = stream, latch, overlong, timeout
+        self._cv = threading.Condition()
+        self._members: dict[tuple[int, int], list[Scored]] = collections.defaultdict(list)
+        self._batches: dict[int, Outcome] = collections.defaultdict(Outcome)
+        latch.add_listener(lambda component, exc: self._wake())
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------ driver side
+    def expect(self, batch: int, groups: dict[int, str]) -> None:
+        """Groups (index -> prompt id) of `batch` about to be submitted."""
+        with self._cv:
+            out = self._batches[batch]
+            out.submitted += len(groups)
+            out.prompt_ids.update(groups)
+
+    def settle(
+        self, batch: int, refill: Callable[[int, int], None], stopped: Callable[[], bool]
+    ) -> None:
+        """Refill rounds for `batch` until it holds `prompts_per_step` informative groups
+        or its draws are spent; `refill(first_group, n)` draws and submits n prompts
+        as groups first_group.. (and calls `expect` first). Returns early once
+        `stopped()`.
+
+        Raises:
+          TimeoutError: a round's groups were not all judged within the timeout.
+        """
+        while True:
+            with self._cv:
+                out = self._batches[batch]
+                self._wait(batch, out, lambda o: o.judged >= o.submitted, stopped)
+                if stopped() or self.latch.failed:
+                    return
+                missing = self.need - len(out.informative)
+                n = min(missing, self.max_draws - out.draws)
+                if n <= 0:
+                    out.settled = True
+                    self._cv.notify_all()
+                    return
+                out.draws += n
+                first = out.submitted
+            refill(first, n)
+
+    def _wait(
+        self,
+        batch: int,
+        out: Outcome,
+        ready: Callable[[Outcome], bool],
+        stopped: Callable[[], bool],
+    ) -> None:
+        """Waits (holding `_cv`) until `ready(out)`, a failure or `stopped()`."""
+        deadline = time.monotonic() + self.timeout
+        while not (ready(out) or stopped() or self.latch.failed):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"dynamic sampling: batch {batch}: {out.judged} of {out.submitted} groups "
+                    f"judged after {self.timeout:.0f} s (generation or reward stalled?)"
+                )
+            self._cv.wait(min(left, _SLICE_S))
+
+    # ------------------------------------------------------------------ reward side
+    def add(self, scored: Scored) -> None:
+        """A scored training sample; its complete group goes into the stream unless its
+        rewards are all equal (then it is recorded as skipped)."""
+        tag = scored.sample.tag
+        key = (tag.batch, tag.group)
+        with self._cv:
+            members = self._members[key]
+            members.append(scored)
+            if len(members) < self.group_size:
+                return
+            del self._members[key]
+        rewards = shaped_rewards(members, self.overlong)
+        informative = bool(np.ptp(rewards) > 0)
+        if informative:
+            for s in members:
+                self.stream.put(s, timeout=self.timeout)
+        with self._cv:
+            out = self._batches[tag.batch]
+            (out.informative if informative else out.skipped).append(tag.group)
+            out.prompt_ids.setdefault(tag.group, tag.prompt_id)
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------ trainer side
+    def target(self, batch: int) -> int | None:
+        """The number of groups batch `batch` trains, once it is settled (else None)."""
+        with self._cv:
+            out = self._batches[batch]
+            return len(out.informative) if out.settled else None
+
+    def outcome(self, batch: int, stopped: Callable[[], bool] = lambda: False) -> Outcome:
+        """Blocks until `batch` is settled; its outcome (a copy).
+
+        Raises:
+          TimeoutError: not settled within the timeout (naming the batch).
+        """
+        with self._cv:
+            out = self._batches[batch]
+            self._wait(batch, out, lambda o: o.settled, stopped)
+            return dataclasses.replace(
+                out,
+                informative=sorted(out.informative),
+                skipped=sorted(out.skipped),
+                prompt_ids=dict(out.prompt_ids),
+            )
+
+    def forget(self, batch: int) -> None:
+        """The trainer is done with `batch`."""
+        with self._cv:
+            self._batches.pop(batch, None)
