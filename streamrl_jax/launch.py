@@ -146,7 +146,7 @@ def main(argv: list[str]) -> None:
 _HUGEPAGES = "glibc.malloc.hugetlb=1"
 
 
-def _reexec_with_malloc_hugepages() -> None:
+def reexec_with_malloc_hugepages() -> None:
     """Starts this command again with glibc's malloc asking for transparent huge pages.
 
     XLA:CPU allocates each step's large buffers afresh; with 4 KB pages a SmolLM2 train
@@ -167,5 +167,5 @@ def _reexec_with_malloc_hugepages() -> None:
 
 
 if __name__ == "__main__":
-    _reexec_with_malloc_hugepages()
+    reexec_with_malloc_hugepages()
     app.run(main, flags_parser=_parse_flags)

@@ -71,7 +71,7 @@ def test_a_user_mistake_is_one_line_and_exit_status_2(case, tmp_path):
 def test_launch_restarts_itself_with_malloc_hugepages_once():
     code = (
         "import os; from streamrl_jax import launch; "
-        "print(os.environ.get('GLIBC_TUNABLES')); launch._reexec_with_malloc_hugepages()"
+        "print(os.environ.get('GLIBC_TUNABLES')); launch.reexec_with_malloc_hugepages()"
     )
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     out = subprocess.run(

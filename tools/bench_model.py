@@ -11,6 +11,8 @@
   and, without --quick, B=4, T=256 are reported beside it. Achieved FLOPs are
   `3 * ModelConfig.flops_per_token(T // 2) * B * T` (fwd + 2x for bwd; T // 2
   is the mean causal attention context).
+* Runs with glibc's malloc on transparent huge pages, as `python -m streamrl_jax.launch`
+  does (`STREAMRL_MALLOC_HUGEPAGES=0` to compare without).
 * Matmul floor: the headline shape's GEMMs alone (`matmul_floor_time`): the fraction of
   peak they reach is the ceiling for the train step's fraction on this backend.
 * Decode: one jitted `Llama.decode` step (cache donated) for batch 1 and 8
@@ -90,7 +92,7 @@ def matmul_floor_time(cfg, batch: int, length: int, repeats: int) -> float:
     e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     h, k, v, n = cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size, cfg.num_layers
     m = batch * length
-    keys = iter(jax.random.split(jax.random.key(4), 8 * cfg.num_layers + 16))
+    keys = iter(jax.random.split(jax.random.key(4), 16 * cfg.num_layers + 16))
 
     def rnd(*shape):
         return jax.random.normal(next(keys), shape, jnp.float32)
@@ -99,29 +101,33 @@ def matmul_floor_time(cfg, batch: int, length: int, repeats: int) -> float:
     weights = [[rnd(a, b) for a, b in widths] for _ in range(n)]
     acts = {a: rnd(m, a) for a in {a for a, _ in widths}}
     grads = {b: rnd(m, b) for b in {b for _, b in widths}}
-    qkv = [rnd(batch * h, length, d) for _ in range(3)]  # q, k, v (kv repeated per head)
-    probs = rnd(batch * h, length, length)
+    # Attention's operands differ per layer (XLA would compute identical einsums once):
+    # q, k, v, dO [B*H, T, D]; P, dS [B*H, T, T] (k and v repeated per query head).
+    heads = [
+        [rnd(batch * h, length, d) for _ in range(4)]
+        + [rnd(batch * h, length, length) for _ in range(2)]
+        for _ in range(n)
+    ]
     embed, x_last, g_logits = rnd(e, v), rnd(m, e), rnd(m, v)
 
     @jax.jit
-    def gemms(weights, acts, grads, qkv, probs, embed, x_last, g_logits):
+    def gemms(weights, acts, grads, heads, embed, x_last, g_logits):
         out = []
-        q, kk, vv = qkv
-        for layer in weights:
+        for layer, (q, kk, vv, do, probs, dscores) in zip(weights, heads, strict=True):
             for w, (a, b) in zip(layer, widths, strict=True):
                 out += [acts[a] @ w, grads[b] @ w.T, acts[a].T @ grads[b]]
-            out += [  # scores, probs @ v, and their backward GEMMs
-                jnp.einsum("btd,bsd->bts", q, kk),
-                jnp.einsum("bts,bsd->btd", probs, vv),
-                jnp.einsum("bts,bsd->btd", probs, kk),  # dQ = dS K
-                jnp.einsum("bts,btd->bsd", probs, q),  # dK = dS^T Q
-                jnp.einsum("btd,bsd->bts", q, vv),  # dP = dO V^T
-                jnp.einsum("bts,btd->bsd", probs, q),  # dV = P^T dO
+            out += [
+                jnp.einsum("btd,bsd->bts", q, kk),  # S = Q K^T
+                jnp.einsum("bts,bsd->btd", probs, vv),  # O = P V
+                jnp.einsum("btd,bsd->bts", do, vv),  # dP = dO V^T
+                jnp.einsum("bts,btd->bsd", probs, do),  # dV = P^T dO
+                jnp.einsum("bts,bsd->btd", dscores, kk),  # dQ = dS K
+                jnp.einsum("bts,btd->bsd", dscores, q),  # dK = dS^T Q
             ]
         out += [x_last @ embed, g_logits @ embed.T, x_last.T @ g_logits]
         return out
 
-    args = (weights, acts, grads, qkv, probs, embed, x_last, g_logits)
+    args = (weights, acts, grads, heads, embed, x_last, g_logits)
     return _best_time(lambda: jax.block_until_ready(gemms(*args)), repeats)
 
 
@@ -217,6 +223,7 @@ def main(argv) -> None:
         "decode_step_ms_b8": round(decode_b8 * 1e3, 2),
         "decode_tokens_per_s_b8": round(8 / decode_b8, 1),
         "quick": quick,
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
         # Other processes' load inflates every time above; report it with the numbers.
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "cpu_count": os.cpu_count(),
@@ -225,4 +232,7 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+    from streamrl_jax.launch import reexec_with_malloc_hugepages
+
+    reexec_with_malloc_hugepages()  # the allocator the trainer runs with (docs/trainer.md)
     app.run(main)

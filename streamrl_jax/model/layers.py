@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from streamrl_jax.model.config import ModelConfig
 
@@ -94,7 +95,7 @@ def _attend(q_BxTxKxGxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
 
 
 def _attend_fwd(q, k, v, mask):
-    probs = _probs(q, k, mask)
+    probs = checkpoint_name(_probs(q, k, mask), "attention_probs")
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
     return out, (q, k, v, probs)
 
