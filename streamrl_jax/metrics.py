@@ -96,25 +96,28 @@ _COMPILE_EVENTS = (
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
     "/jax/core/compile/backend_compile_duration",
 )
-_compile = {"seconds": 0.0, "registered": False}
+_compile: dict[Any, float] = {}  # thread id (and None: every thread) -> seconds
 _compile_lock = threading.Lock()
+_compile_registered = [False]
 
 
-def compile_seconds() -> float:
+def compile_seconds(this_thread: bool = False) -> float:
     """Seconds this process has spent tracing, lowering and compiling jitted functions
-    since the first call (JAX's monitoring events, every thread). A step's difference is
-    its `compile_s`: mid-run compilations of new shapes are not steady state."""
+    since the first call (JAX's monitoring events), on every thread or only on the
+    calling one. The trainer loop's step difference on its own thread is the step's
+    `compile_s`: mid-run compilations of new shapes are not steady state."""
     with _compile_lock:
-        if not _compile["registered"]:
+        if not _compile_registered[0]:
 
             def listener(event: str, duration: float, **kwargs: Any) -> None:
                 if event in _COMPILE_EVENTS:
                     with _compile_lock:
-                        _compile["seconds"] += duration
+                        for key in (None, threading.get_ident()):
+                            _compile[key] = _compile.get(key, 0.0) + duration
 
             jax.monitoring.register_event_duration_secs_listener(listener)
-            _compile["registered"] = True
-        return _compile["seconds"]
+            _compile_registered[0] = True
+        return _compile.get(threading.get_ident() if this_thread else None, 0.0)
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:

@@ -90,7 +90,7 @@ def test_each_mode_runs_two_steps(mode, tmp_path_factory):
         assert 0.0 <= r["gen_busy"] <= 1.0 and 0.0 <= r["train_busy"] <= 1.0
         assert r["stream_wait_s"] >= 0.0 and r["stream_backpressure_s"] >= 0.0
         assert r["optimizer_steps"] == 1.0
-        assert r["compile_s"] >= 0.0  # every thread's: may exceed step_s
+        assert 0.0 <= r["compile_s"] <= r["step_s"]  # the trainer thread's, inside the step
     step0 = next(r for r in rows if r.get("step") == 0 and "reward" in r)
     assert step0["compile_s"] > 0  # its first micro-batch compiled the trainer's step
     assert os.path.exists(os.path.join(workdir, "trace.json"))

@@ -29,9 +29,9 @@ response lengths; same prompts, seeds and model) and differs only in
 first includes compilation), and the ratio to `colocated`. New micro-batch shapes
 still compile in later steps (the trainer's (rows, columns, loss width) buckets: 3-8 s
 each for the tiny model on 2 loaded cores, against 0.2-0.4 s for a warm micro-batch), so
-each mode also reports its steps' `compile_s` (the trainer process's compile seconds,
-every thread: `metrics.compile_seconds`) and `samples_per_s_ex_compile` (compilation
-taken out of the wall time; an estimate where a compile overlapped other work), and
+each mode also reports its steps' `compile_s` (the trainer thread's compile seconds:
+`metrics.compile_seconds`) and `samples_per_s_ex_compile` (those taken out of the wall
+time; generation's compiles stay in), and
 `inflight_over_stream_async_ex_compile`.
 
 Stage times "alone" come from the `disaggregated_batch` run, where the stages
@@ -317,9 +317,10 @@ def _bounds(out: dict, n: int, trace_path: str, steps: int) -> None:
 
 
 def _compile_figures(rows: list[dict]) -> dict:
-    """The measured steps' compilation (`compile_s`: the trainer process's tracing and
-    compiling, every thread) and samples/s with it taken out of the wall time: new
-    micro-batch shapes compile mid-run (3-8 s each here), which is not steady state."""
+    """The measured steps' compilation (`compile_s`: the trainer thread's tracing and
+    compiling, inside the step's wall time) and samples/s with it taken out of the wall
+    time: new micro-batch shapes compile mid-run (3-8 s each here), which is not steady
+    state. Generation's own compiles are not taken out."""
     compile_s = [r.get("compile_s", 0.0) for r in rows]
     wall = sum(r["step_s"] for r in rows) - sum(compile_s)
     samples = sum(r.get("samples", 0.0) for r in rows)

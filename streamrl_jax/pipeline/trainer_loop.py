@@ -147,7 +147,7 @@ class TrainerLoop:
         p = self.cfg.pipeline
         t_step, w_step = time.perf_counter(), time.time()  # chunk reports carry wall times
         waits0 = dataclasses.replace(self.stream.metrics)
-        compile0 = compile_seconds()
+        compile0 = compile_seconds(this_thread=True)
         step = _Step()
         drawn = None
         if self.check_prompts:  # the generation processes drew the same prompts
@@ -179,9 +179,9 @@ class TrainerLoop:
             "truncated_overlong": float(self.c.prompts.truncated_overlong),
             "queue_depth": float(self.stream.depth()["ready_samples"]),
             "step_s": wall,
-            # This process's tracing and compiling within the step (every thread): a
-            # step with new shapes is not steady state (tools/bench_pipeline.py).
-            "compile_s": compile_seconds() - compile0,
+            # The trainer's own tracing and compiling within the step (new micro-batch
+            # shapes): not steady state (tools/bench_pipeline.py).
+            "compile_s": compile_seconds(this_thread=True) - compile0,
             "train_busy": step.busy_s / wall,
             # Fraction of this step's wall time the instances spent decoding or
             # prefilling (mean over instances).
