@@ -90,8 +90,7 @@ def _attend(q_BxTxKxGxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
     """softmax(q k^T / sqrt(D), masked) v, with a hand-written backward: the softmax's
     derivative from the probabilities alone (masked entries are 0 there, so the mask is
     not applied again), in float32."""
-    probs = _probs(q_BxTxKxGxD, k_BxSxKxD, mask_BxTxS).astype(v_BxSxKxD.dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxD)
+    return _attend_fwd(q_BxTxKxGxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS)[0]
 
 
 def _attend_fwd(q, k, v, mask):
@@ -141,7 +140,7 @@ def swiglu(h_NxE: jax.Array, gate_ExM: jax.Array, up_ExM: jax.Array, down_MxE: j
     materialised row-major first, so the transposes are plain copies. Residuals: h and
     the two projections (a is recomputed).
     """
-    return (jax.nn.silu(h_NxE @ gate_ExM) * (h_NxE @ up_ExM)) @ down_MxE
+    return _swiglu_fwd(h_NxE, gate_ExM, up_ExM, down_MxE)[0]
 
 
 def _swiglu_fwd(h, gate, up, down):
