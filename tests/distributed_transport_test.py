@@ -69,6 +69,7 @@ def make_samples(n: int) -> list[Sample]:
             instance_id=i % 3,
             timings=Timings(enqueue=1.5 * i, admit=2.5 * i, finish=3.5 * i),
             tag=RequestTag(batch=0, group=i // 4, member=i % 4, prompt_id=f"p/{i // 4}"),
+            token_versions=np.repeat(np.int32([i, i + 1]), 100),  # W_{i+1} mid-sample
         )
         for i in range(n)
     ]

@@ -578,6 +578,180 @@ def test_ranker_refresh_reaches_the_generation_process(tmp_path, tmp_path_factor
     assert f"generation-0: ranker v{restored[1]} from the trainer" in run.stdout
 
 
+# A child of the in-flight test: `python -c _PROBE --config=... --workdir=...` runs the
+# launch command with two records added. A generation process appends every training
+# sample it encodes for the wire to probe-<pid>.jsonl (id, behaviour log-probs, token
+# versions); the training process appends, for every micro-batch it packs, the samples
+# it trains (the same fields, as received) and the behaviour log-probs at the packed
+# batch's loss positions, in row order. The generation process also sleeps
+# CHUNK_SLEEP_S per decode chunk, so that the test's version swaps do not depend on a race
+# between the tiny model's decode and the trainer's step.
+_PROBE = """
+import json, os, runpy, sys, time
+import numpy as np
+from streamrl_jax.distributed import wire
+from streamrl_jax.generation.types import Sample
+from streamrl_jax.pipeline import generation_process, micro_batches
+
+CHUNK_SLEEP_S = 0.05
+
+workdir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--workdir="))
+os.makedirs(workdir, exist_ok=True)
+out = open(os.path.join(workdir, "probe-%s.jsonl" % os.environ["STREAMRL_PROCESS_ID"]), "a")
+
+def fields(s):
+    return {"id": str(s.request_id), "logprobs": s.logprobs.tolist(),
+            "versions": s.versions().tolist()}
+
+encode, pack = wire.encode, micro_batches.pack_groups
+
+def probe_encode(msg):
+    if type(msg) is Sample and not msg.tag.is_eval:
+        out.write(json.dumps({"sent": fields(msg)}) + "\\n")
+        out.flush()
+    return encode(msg)
+
+def probe_pack(step, groups, **kwargs):
+    dropped = kwargs["gate"].dropped
+    batch = pack(step, groups, **kwargs)
+    if batch is not None and kwargs["gate"].dropped == dropped:
+        rows = batch.loss_mask.sum(axis=1) > 0
+        behaviour = batch.behaviour_logp[rows][batch.loss_mask[rows]]
+        record = {"step": step, "samples": [fields(x.sample) for g in groups for x in g],
+                  "behaviour": behaviour.tolist()}
+        out.write(json.dumps({"trained": record}) + "\\n")
+        out.flush()
+    return batch
+
+wire.encode, micro_batches.pack_groups = probe_encode, probe_pack
+
+# Generation slowed to a fixed pace (a sleep per decode chunk, on the instance's
+# thread) so that a batch decodes for several trainer steps' time.
+on_chunk = generation_process._GenerationProcess._on_chunk
+
+def slow_on_chunk(self, *args, **kwargs):
+    time.sleep(CHUNK_SLEEP_S)
+    return on_chunk(self, *args, **kwargs)
+
+generation_process._GenerationProcess._on_chunk = slow_on_chunk
+sys.argv[0] = "streamrl_jax.launch"
+runpy.run_module("streamrl_jax.launch", run_name="__main__", alter_sys=True)
+"""
+
+
+def _probe_records(path, kind) -> list:
+    return [r[kind] for r in read_jsonl(str(path)) if kind in r]
+
+
+def _in_row_order(behaviour, samples) -> list:
+    """The samples in the order their behaviour log-probs sit in `behaviour` (each
+    sample's log-probs must be one contiguous run of it, bit for bit)."""
+    flat, left, order, at = np.float32(behaviour), list(samples), [], 0
+    while left:
+        match = [
+            s
+            for s in left
+            if np.array_equal(flat[at : at + len(s["logprobs"])], np.float32(s["logprobs"]))
+        ]
+        assert match, f"no sample's behaviour log-probs start at loss position {at}"
+        order.append(match[0])
+        left.remove(match[0])
+        at += len(match[0]["logprobs"])
+    assert at == len(flat)
+    return order
+
+
+def test_inflight_weight_updates_across_processes(tmp_path):
+    # stream_async (s = 1) with in-flight weight updates, one generation and one training
+    # process, 4 steps. Every response runs to max_new_tokens (a random tiny model does
+    # not stop) in one instance of 2 slots, so a batch of 8 samples decodes for 4 x 128
+    # steps, paced by the probe's sleep to >= 64 x CHUNK_SLEEP_S = 3.2 s, while the
+    # trainer needs a fraction of that for a step once compiled (0.3-0.6 s here): W_2
+    # (published once step 1 trained batch 1, taken when the driver reaches batch 3)
+    # reaches the instance while batch 2, submitted under W_1, is still decoding, and
+    # the samples in its slots then swap weights mid-response without a drain (W_1
+    # arrives after step 0's compilation, too late to catch batch 1).
+    # Checks: every token's version crossed the wire; each sample trained at step b has
+    # b - max_lag <= every token's version <= b; some sample spans two versions; the
+    # behaviour log-probs the trainer packed are bit for bit the per-token ones the
+    # generation process recorded; nothing dropped; the rows report the lag.
+    m = 128
+    workdir = tmp_path / "run"
+    inflight = {
+        "pipeline.mode": "stream_async",
+        "pipeline.weight_update": "inflight",
+        "pipeline.deterministic": False,
+        "pipeline.steps": 4,
+        "eval.num_problems": 0,
+        "generation.max_new_tokens": m,
+        "model.max_context": 128 + m,
+        "mesh.instance_slots": (2,),
+    }
+    child = [sys.executable, "-c", _PROBE, *_launch_cmd(workdir, **inflight)[3:]]
+    launcher = [sys.executable, str(REPO / "launch" / "local.py"), "-n", "2", "-g", "1"]
+    run = _run([*launcher, "--timeout_s", "240", "--", *child])
+    assert run.returncode == 0, run.stdout[-6000:]
+    cfg = _config(**inflight)
+    p = cfg.pipeline
+    sent = {s["id"]: s for s in _probe_records(workdir / "probe-0.jsonl", "sent")}
+    trained = _probe_records(workdir / "probe-1.jsonl", "trained")
+    assert len(sent) == p.steps * p.prompts_per_step * p.group_size
+    seen, spanning = set(), 0
+    for record in trained:
+        step = record["step"]
+        for s in _in_row_order(record["behaviour"], record["samples"]):
+            assert s["id"] not in seen
+            seen.add(s["id"])
+            assert s == sent[s["id"]]  # log-probs and versions bit for bit across the wire
+            v = np.asarray(s["versions"])
+            assert len(v) == len(s["logprobs"]) and np.all(np.diff(v) >= 0)
+            assert step - p.staleness <= v[0] and v[-1] <= step  # max_lag = s = 1
+            spanning += int(v[-1] > v[0])
+    assert seen == set(sent)  # every sample trained once
+    assert spanning > 0, "no sample took new weights mid-response"
+    rows = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "reward" in r]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["dropped_stale"] == 0 and r["lag_max"] <= p.staleness for r in rows)
+    assert max(r["mixed_versions"] for r in rows) > 0
+
+
+def test_partial_rollout_across_processes_trains_every_group_once(tmp_path):
+    # Partial rollout with one generation and one training process: rounds of 6 tokens,
+    # so the tiny model's 16-token samples take 3 rounds (lag 3 = max_lag). The paused
+    # samples stay in the generation process and continue there under newer weights; the
+    # trainer learns of each round's closure from its RoundClosed report. As in one
+    # process (lifecycle_test): steps 0 and 1 train nothing, later steps train carried
+    # groups, every prompt trained at most once and only prompts the run drew, nothing
+    # paused or beyond max_lag handed to training.
+    from lifecycle_test import batch_prompt_ids
+
+    workdir = tmp_path / "run"
+    partial = {
+        "pipeline.mode": "stream_async",
+        "pipeline.partial_budget_tokens": 6,
+        "pipeline.max_lag": 3,
+        "pipeline.steps": 5,
+        "eval.num_problems": 0,
+    }
+    launcher = [sys.executable, str(REPO / "launch" / "local.py"), "-n", "2", "-g", "1"]
+    run = _run([*launcher, "--timeout_s", "240", "--", *_launch_cmd(workdir, **partial)])
+    assert run.returncode == 0, run.stdout[-6000:]
+    cfg = _config(**partial)
+    consumed = read_jsonl(str(workdir / "consumed.jsonl"))
+    assert [r["step"] for r in consumed] == list(range(5))
+    assert [r["prompt_ids"] for r in consumed][:2] == [[], []]
+    # A step that trained nothing writes no metrics row (as in one process).
+    rows = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "reward" in r]
+    assert [r["step"] for r in rows] == [2, 3, 4]
+    assert all(r["optimizer_steps"] > 0 and r["lag_max"] <= 3.0 for r in rows)
+    assert all(r["dropped_stale"] == 0.0 for r in rows)
+    assert max(r["mixed_versions"] for r in rows) > 0  # continued under newer weights
+    ids = [i for r in consumed for i in r["prompt_ids"]]
+    drawn = {i for b in range(5) for i in batch_prompt_ids(cfg, b)}
+    assert len(ids) == len(set(ids)) and set(ids) <= drawn  # never twice
+    assert len(ids) * cfg.pipeline.group_size == sum(r["samples"] for r in rows) > 0
+
+
 def test_settings_that_need_one_process_are_refused():
     with pytest.raises(ValueError, match="colocated.*one process"):
         process_plan.check_supported(_config(**{"pipeline.mode": "colocated"}), 2, 1)
@@ -586,15 +760,18 @@ def test_settings_that_need_one_process_are_refused():
         "pipeline.weight_update": "inflight",
         "pipeline.deterministic": False,
     }
-    with pytest.raises(ValueError, match="weight_update='inflight' runs in one process only"):
-        process_plan.check_supported(_config(**inflight), 2, 1)
+    process_plan.check_supported(_config(**inflight), 2, 1)  # in-flight weight updates
     partial = {
         "pipeline.mode": "stream_async",
         "pipeline.partial_budget_tokens": 8,
         "pipeline.max_lag": 3,
     }
-    with pytest.raises(ValueError, match="partial rollout runs in one process only"):
-        process_plan.check_supported(_config(**partial), 2, 1)
+    process_plan.check_supported(_config(**partial), 2, 1)  # 1 generation + 1 training
+    for n, g in ((3, 2), (3, 1), (None, 1)):
+        with pytest.raises(ValueError, match="one generation and one training process"):
+            process_plan.check_supported(_config(**partial), n, g)
+    with pytest.raises(ValueError, match="cannot be checkpointed or resumed"):
+        process_plan.check_supported(_config(**partial, **{"checkpoint.every": 2}), 2, 1)
     process_plan.check_supported(_config(**{"checkpoint.every": 2}), 2, 1)  # checkpoints
     process_plan.check_supported(_config(), 3, 2)  # 2 generation + 1 training
     process_plan.check_supported(_config(), 4, 2)  # 2 generation + 2 training

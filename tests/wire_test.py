@@ -24,8 +24,13 @@ import pytest
 
 from streamrl_jax.distributed import wire
 from streamrl_jax.distributed.channel import TransportError
-from streamrl_jax.distributed.messages import ChunkReport, GenerationFailed, SpanReport
-from streamrl_jax.generation.types import RequestTag, Sample, Timings
+from streamrl_jax.distributed.messages import (
+    ChunkReport,
+    GenerationFailed,
+    RoundClosed,
+    SpanReport,
+)
+from streamrl_jax.generation.types import FINISH_REASONS, RequestTag, Sample, Timings
 
 SOURCE = "generation-3"
 
@@ -49,6 +54,8 @@ def make_sample(
             batch=3, group=5, member=1, prompt_id="mixture/0/17", eval_version=eval_version
         ),
         metadata={"answer": "42", "prompt_id": "mixture/0/17"},
+        # In-flight weight update: W_8 reached the slot half way through the response.
+        token_versions=np.repeat(np.int32([7, 8]), [r // 2, r - r // 2]),
     )
 
 
@@ -80,6 +87,10 @@ def _refused(payload: bytes | memoryview, *, header: bool = False) -> str:
     return message
 
 
+def _i32(values: list[int]) -> bytes:
+    return np.asarray(values, "<i4").tobytes()
+
+
 def _nested(levels: int) -> bytes:
     return b"\x91" * levels + b"\x01"  # [[[...[1]...]]]
 
@@ -100,6 +111,13 @@ def test_sample_round_trip(request_id, eval_version):
         else:
             assert b == a and type(b) is type(a), field.name
     assert got.tag.is_eval == (eval_version is not None)
+
+
+@pytest.mark.parametrize("reason", FINISH_REASONS)
+def test_every_finish_reason_crosses_the_wire(reason):
+    # "paused": a partial-rollout sample past max_lag handed on under lag_policy="drop".
+    sent = dataclasses.replace(make_sample(), finish_reason=reason)
+    assert wire.decode(wire.encode(sent), source=SOURCE).finish_reason == reason
 
 
 def test_sample_arrays_are_bit_exact_and_independent_of_the_payload():
@@ -127,9 +145,10 @@ def test_strided_arrays_are_sent_contiguously():
         ChunkReport("p1.0", 1.7e9, 1.7e9 + 0.1, 512, 31, 16, 2048),
         SpanReport("weight_receive/generation-1", "W3", 1.0, 2.5, {"wire_s": 0.5, "bytes": 4e9}),
         SpanReport("t", "n", 0.0, 0.0, {}),
+        RoundClosed(0, 3, ((2, 1), (3, 0)), 5, 1, 2, 0),
         GenerationFailed(1, "RuntimeError('engine: out of memory ✗')"),
     ],
-    ids=["chunk", "span", "span-no-args", "failed"],
+    ids=["chunk", "span", "span-no-args", "round", "failed"],
 )
 def test_report_round_trip(msg):
     got = wire.decode(wire.encode(msg), source=SOURCE)
@@ -169,6 +188,13 @@ def test_header_dtype_names_are_what_jax_calls_them():
         (dict(prompt=np.zeros(0, np.int32)), "must not be empty"),
         (dict(request_id=("a", 1)), "request_id must be a str or an int"),
         (dict(request_id=True), "request_id must be a str or an int"),
+        (dict(token_versions=np.full(255, 7, np.int32)), "token_versions has 255"),
+        (dict(token_versions=np.full((2, 128), 7, np.int32)), "token_versions must be a 1-D"),
+        (dict(token_versions=None), r"run 7\.\.7, but .* last_policy_version 8"),
+        (
+            dict(token_versions=np.int32([7] * 100 + [8] * 100 + [7] * 56)),
+            r"decrease at token 200 \(8 -> 7\)",
+        ),
     ],
 )
 def test_encode_refuses_a_sample_the_wire_cannot_carry(change, match):
@@ -236,6 +262,25 @@ HOSTILE_SAMPLES = {
     "time as str": (_set("timings.finish", "soon"), "at `$.timings.finish`"),
     "version as float": (_set("policy_version", 7.0), "got `float` - at `$.policy_version`"),
     "tag unknown field": (_set("tag.metadata", {"a": 1}), "unknown field `metadata`"),
+    # Per-token versions (in-flight weight updates): one per token, never decreasing,
+    # from policy_version (7) to last_policy_version (8).
+    "versions missing": (lambda f: f.pop("versions"), "missing required field `versions`"),
+    "versions as list": (_set("versions", [7] * 256), "got `array` - at `$.versions`"),
+    "versions short": (_set("versions", _i32([7] * 128 + [8] * 127)), "$.versions has 255"),
+    "versions odd bytes": (_set("versions", b"\0" * 1023), "$.versions has 1023 bytes"),
+    "versions decrease": (
+        _set("versions", _i32([7] * 100 + [8] * 100 + [7] * 56)),
+        "$.versions decrease at token 200 (8 -> 7)",
+    ),
+    "versions negative": (
+        _set("versions", _i32([-1] * 128 + [8] * 128)),
+        "$.versions has a negative version (-1)",
+    ),
+    "versions beyond last": (
+        _set("versions", _i32([7] * 128 + [9] * 128)),
+        "$.versions run 7..9, but the sample says policy_version 7, last_policy_version 8",
+    ),
+    "versions one version": (_set("versions", _i32([8] * 256)), "$.versions run 8..8"),
 }
 
 
@@ -258,6 +303,9 @@ def test_decode_refuses_a_tampered_sample(name):
         (SpanReport("t", "n", 0, 1, {}), _set("args", {"k": "v"}), "at `$.args[...]`"),
         (SpanReport("t", "n", 0, 1, {}), _set("args", {"k" * 4097: 1.0}), "`key` in `$.args`"),
         (ChunkReport("p", 0, 1, 2, 3, 4, 5), _set("instance", "p" * 4097), "at `$.instance`"),
+        (RoundClosed(0, 1, (), 0, 0, 0, 0), _set("round", -1), "`int` >= 0 - at `$.round`"),
+        (RoundClosed(0, 1, (), 0, 0, 0, 0), _set("groups", [[1, 2, 3]]), "at `$.groups[0]`"),
+        (RoundClosed(0, 1, (), 0, 0, 0, 0), _set("paused", -2), "at `$.paused`"),
     ],
 )
 def test_decode_refuses_a_tampered_report(msg, change, expect):

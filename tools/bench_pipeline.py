@@ -414,8 +414,26 @@ def _weight_receive_s(trace_path: str) -> float:
     return sum(e["dur"] for e in spans) / 1e6 / max(len(spans), 1)
 
 
+def _process_mode(mode: str, max_new_tokens: int) -> tuple[str, list[str], int]:
+    """A `--processes` mode as launched: `pipeline.mode`, the overrides it adds and the
+    steps it fills first. "inflight" is the in-process mode's settings (stream_async,
+    `weight_update="inflight"`, partial rollout in INFLIGHT_ROUNDS rounds, `_inflight`),
+    which run with one generation and one training process; it runs INFLIGHT_ROUNDS - 1
+    more steps and leaves them out, as `main` does."""
+    if mode != "inflight":
+        return mode, [], 0
+    fields = _inflight(max_new_tokens, {})
+    overrides = [f"--config.pipeline.{k}={v}" for k, v in fields.items() if k != "mode"]
+    return fields["mode"], overrides, INFLIGHT_ROUNDS - 1
+
+
 def main_processes() -> None:
+    """`--processes` (module docstring), the "inflight" mode included (`_process_mode`);
+    per disaggregated mode also the lag of the trained samples (`lag_mean`, `lag_max`,
+    the bound `max_lag`), `mixed_versions` (the fraction spanning versions) and the idle
+    generation slot-seconds, and `inflight_over_stream_async` etc. (`_ratios`)."""
     from streamrl_jax.metrics import read_jsonl
+    from streamrl_jax.pipeline.schedules import Schedule
 
     steps = _STEPS.value or (3 if _QUICK.value else 0)
     # Quick: every run also pays 15-30 s of process start-up and a compile-heavy first
@@ -432,29 +450,35 @@ def main_processes() -> None:
     per_mode, sync_s = {}, []
     t_start = time.time()
     for mode in _MODES.value:
-        if mode == "inflight":  # process_plan.check_supported refuses it by name
-            out["inflight"] = "not run: in-flight weight updates run in one process only"
-            continue
         cfg = _config(mode, steps, prompts_per_step=4 if _QUICK.value else 0)
+        max_new = 64 if _QUICK.value else cfg.generation.max_new_tokens
+        launched, extra, fill = _process_mode(mode, max_new)
         workdir = os.path.join(_WORKDIR.value, mode)
         shutil.rmtree(workdir, ignore_errors=True)  # logs append
         t0 = time.time()
-        _launch(mode, steps, workdir, quick)
+        _launch(launched, (steps or cfg.pipeline.steps) + fill, workdir, quick + extra)
         rows = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "step_s" in r]
         skip = _SKIP.value if _SKIP.value is not None else (1 if _QUICK.value else 2)
-        later = rows[skip:]  # the first steps include start-up and compilation
+        later = rows[skip + fill :]  # the first steps include start-up and compilation
         n = cfg.pipeline.prompts_per_step * cfg.pipeline.group_size
-        sps = n * len(later) / sum(r["step_s"] for r in later)
+        # Samples trained (partial rollout trains a varying number per step).
+        sps = sum(r["samples"] for r in later) / sum(r["step_s"] for r in later)
         trace = os.path.join(workdir, "trace.json")
         per_mode[mode] = {
             "samples_per_s": round(sps, 4),
             "step_s": [round(r["step_s"], 3) for r in rows],
+            "samples": [int(r["samples"]) for r in rows],
             **_compile_figures(later),
             "train_busy": round(sum(r["train_busy"] for r in later) / len(later), 3),
             "gen_busy": round(sum(r["gen_busy"] for r in later) / len(later), 3),
             "run_wall_s": round(time.time() - t0, 1),
         }
         if mode != "colocated":
+            bound = Schedule.from_config(cfg.pipeline).max_lag
+            per_mode[mode] |= _lag(later, bound) | {
+                "mixed_versions": round(sum(r["mixed_versions"] for r in later) / len(later), 3),
+                **_idle_slots(trace, cfg.mesh.instance_slots[0], len(cfg.mesh.instance_slots)),
+            }
             sync = [r["weight_sync_s"] for r in later]
             sync_s += sync
             per_mode[mode]["weight_sync_s"] = round(sum(sync) / len(sync), 4)

@@ -1,8 +1,9 @@
 """The messages a generation process sends its training process besides samples.
 
 Decode-chunk and span reports let the trainer's trace and `gen_busy` see every
-instance of every process; `GenerationFailed` is a generation process's last
-word before it exits with an error, so the trainer fails naming it.
+instance of every process; `RoundClosed` tells it that a partial-rollout round
+closed (`pipeline/round_reports.py`); `GenerationFailed` is a generation process's
+last word before it exits with an error, so the trainer fails naming it.
 
 Each is a msgspec `Struct` that is its own wire schema (`wire.py` encodes and
 decodes it as it is): the `Annotated` bounds are checked when a frame is
@@ -18,6 +19,7 @@ import msgspec
 MAX_STR = 4096  # characters of an id, name or key path
 MAX_REASON = 64 * 1024  # characters of `GenerationFailed.reason`
 MAX_SPAN_ARGS = 64
+MAX_GROUPS = 1 << 20  # groups one round report may name
 
 Str = Annotated[str, msgspec.Meta(max_length=MAX_STR)]
 
@@ -46,6 +48,24 @@ class SpanReport(WireStruct, tag="span"):
     t0: float
     t1: float
     args: Annotated[dict[Str, float], msgspec.Meta(max_length=MAX_SPAN_ARGS)]
+
+
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class RoundClosed(WireStruct, tag="round"):
+    """Partial rollout: every segment of this process's round `round` returned (and its
+    previous round closed); the groups whose last member finished in it, and the
+    process's counts at that moment (`PartialRollout.in_flight`, `regenerated`,
+    `dropped`)."""
+
+    process: int
+    round: _Count
+    groups: Annotated[tuple[tuple[int, int], ...], msgspec.Meta(max_length=MAX_GROUPS)]
+    paused: _Count
+    waiting_members: _Count
+    regenerated: _Count
+    dropped: _Count
 
 
 class GenerationFailed(WireStruct, tag="failed"):

@@ -1,11 +1,15 @@
 """The pickle-free wire format of the cross-process channels.
 
 Every message a generation process sends its training process (`Sample`,
-`ChunkReport`, `SpanReport`, `GenerationFailed`) and the weight header the
+`ChunkReport`, `SpanReport`, `RoundClosed`, `GenerationFailed`) and the weight header the
 training process sends back is msgpack with a fixed, typed schema (msgspec
 `Struct`s, one tag per message type). Arrays travel as raw little-endian bytes
-with a fixed dtype per field (int32 tokens, float32 log-probs), so a frame
-never names a type to build and nothing is unpickled. The reports are their own
+with a fixed dtype per field (int32 tokens and per-token versions, float32
+log-probs), so a frame never names a type to build and nothing is unpickled.
+Every response token carries the policy version that sampled it (in-flight
+weight updates: a sample may span versions; docs/pipeline.md), checked on
+receipt like the other fields: one per token, never decreasing, from
+`policy_version` to `last_policy_version`. The reports are their own
 schema (`messages.py`); a `Sample` maps to and from `_Sample`.
 
 Decoding is strict: unknown tags or fields, wrong types, over-long strings or
@@ -38,11 +42,12 @@ from streamrl_jax.distributed.channel import TransportError
 from streamrl_jax.distributed.messages import (
     ChunkReport,
     GenerationFailed,
+    RoundClosed,
     SpanReport,
     Str,
     WireStruct,
 )
-from streamrl_jax.generation.types import RequestTag, Sample, Timings
+from streamrl_jax.generation.types import FinishReason, RequestTag, Sample, Timings
 
 MAX_TOKENS = 1 << 20  # elements of one token / log-prob array
 MAX_RANK = 8
@@ -123,7 +128,8 @@ class _Sample(WireStruct, tag="sample"):
     response: _Raw4  # i32[R], R >= 1
     logprobs: _Raw4  # f32[R]
     sampling_logprobs: _Raw4  # f32[R]
-    finish_reason: Literal["stop", "length", "context", "forced"]
+    versions: _Raw4  # i32[R]: the policy version that sampled each response token
+    finish_reason: FinishReason  # "paused": a partial-rollout sample handed on past max_lag
     policy_version: int
     last_policy_version: int
     instance_id: int
@@ -151,12 +157,14 @@ def _enc_hook(obj: Any) -> Any:
 
 
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-_DECODER = msgspec.msgpack.Decoder(_Sample | ChunkReport | SpanReport | GenerationFailed)
+_DECODER = msgspec.msgpack.Decoder(
+    _Sample | ChunkReport | SpanReport | RoundClosed | GenerationFailed
+)
 _HEADER_DECODER = msgspec.msgpack.Decoder(_Header)
 
 
 # ---------------------------------------------------------------- messages
-Message = Sample | ChunkReport | SpanReport | GenerationFailed
+Message = Sample | ChunkReport | SpanReport | RoundClosed | GenerationFailed
 
 
 def _raw(a: Any, dtype: np.dtype, field: str) -> memoryview:
@@ -179,11 +187,18 @@ def _encode_sample(s: Sample) -> _Sample:
     sampling_logprobs = _raw(s.sampling_logprobs, _F32, "sampling_logprobs")
     if not prompt or not response:
         raise ValueError("wire: Sample.prompt and Sample.response must not be empty")
-    for field, raw in (("logprobs", logprobs), ("sampling_logprobs", sampling_logprobs)):
+    # Every token's version (`Sample.versions()`: policy_version throughout when none
+    # were recorded), checked here as the receiver will, so a bad one fails at its source.
+    versions = _raw(s.versions(), _I32, "token_versions")
+    arrays = (("logprobs", logprobs), ("sampling_logprobs", sampling_logprobs))
+    for field, raw in (*arrays, ("token_versions", versions)):
         if len(raw) != len(response):
             raise ValueError(
                 f"wire: Sample.{field} has {len(raw) // 4} elements, response {len(response) // 4}"
             )
+    problem = _versions_problem(s.versions(), s.policy_version, s.last_policy_version)
+    if problem is not None:
+        raise ValueError(f"wire: Sample.token_versions {problem}")
     t, tag = s.timings, s.tag
     return _Sample(
         rid,
@@ -191,6 +206,7 @@ def _encode_sample(s: Sample) -> _Sample:
         response,
         logprobs,
         sampling_logprobs,
+        versions,
         s.finish_reason,
         s.policy_version,
         s.last_policy_version,
@@ -200,15 +216,36 @@ def _encode_sample(s: Sample) -> _Sample:
     )
 
 
+def _versions_problem(versions: np.ndarray, first: int, last: int) -> str | None:
+    """What is wrong with a sample's per-token versions (None: nothing). A slot only ever
+    moves to newer weights (at a chunk boundary), so they never decrease; the first token
+    is sampled at admission (`policy_version`), the last under `last_policy_version`."""
+    if versions.size and int(versions.min()) < 0:
+        return f"has a negative version ({int(versions.min())})"
+    if np.any(np.diff(versions) < 0):
+        i = int(np.argmax(np.diff(versions) < 0))
+        return f"decrease at token {i + 1} ({int(versions[i])} -> {int(versions[i + 1])})"
+    if versions.size and (int(versions[0]), int(versions[-1])) != (first, last):
+        return (
+            f"run {int(versions[0])}..{int(versions[-1])}, but the sample says "
+            f"policy_version {first}, last_policy_version {last}"
+        )
+    return None
+
+
 def _decode_sample(w: _Sample) -> Sample:
-    sizes = [len(w.prompt), len(w.response), len(w.logprobs), len(w.sampling_logprobs)]
-    fields = ("prompt", "response", "logprobs", "sampling_logprobs")
+    fields = ("prompt", "response", "logprobs", "sampling_logprobs", "versions")
+    sizes = [len(getattr(w, field)) for field in fields]
     for field, size in zip(fields, sizes, strict=True):
         if size == 0 or size % 4:
             raise ValueError(f"$.{field} has {size} bytes, not a positive multiple of 4")
     for field, size in zip(fields[2:], sizes[2:], strict=True):
         if size != sizes[1]:
             raise ValueError(f"$.{field} has {size // 4} elements, $.response {sizes[1] // 4}")
+    versions = np.frombuffer(w.versions, _I32)
+    problem = _versions_problem(versions, w.policy_version, w.last_policy_version)
+    if problem is not None:
+        raise ValueError(f"$.versions {problem}")
     t, tag = w.timings, w.tag
     return Sample(
         request_id=w.request_id,
@@ -221,6 +258,7 @@ def _decode_sample(w: _Sample) -> Sample:
         last_policy_version=w.last_policy_version,
         instance_id=w.instance_id,
         timings=Timings(enqueue=t.enqueue, admit=t.admit, finish=t.finish),
+        token_versions=versions,
         tag=RequestTag(
             batch=tag.batch,
             group=tag.group,
@@ -232,7 +270,7 @@ def _decode_sample(w: _Sample) -> Sample:
 
 
 # The reports are their own schema (messages.py); a Sample maps to and from `_Sample`.
-_REPORTS = (ChunkReport, SpanReport, GenerationFailed)
+_REPORTS = (ChunkReport, SpanReport, RoundClosed, GenerationFailed)
 
 
 def encode(msg: Message) -> bytes:
@@ -242,10 +280,11 @@ def encode(msg: Message) -> bytes:
     only by the receiver, which refuses the frame naming the sender.
 
     Raises:
-      TypeError: `msg` is not one of the four message types.
-      ValueError: a `Sample` whose arrays are not 1-D int32 (prompt, response)
-        and float32 (log-probs) of equal length >= 1, or whose request id is
-        neither a str nor an int.
+      TypeError: `msg` is not one of the five message types.
+      ValueError: a `Sample` whose arrays are not 1-D int32 (prompt, response,
+        token versions) and float32 (log-probs) of equal length >= 1, whose
+        per-token versions decrease or do not run from `policy_version` to
+        `last_policy_version`, or whose request id is neither a str nor an int.
     """
     if type(msg) is Sample:
         return _ENCODER.encode(_encode_sample(msg))

@@ -15,6 +15,15 @@ batch the trainer publishes under `START_KEY` (0, or a restored checkpoint's, wi
 the prompt iterator's state there), and with an online ranker it scores with the
 trainer's refreshes (`_ranker_channel`) instead of refreshing its own.
 
+**In-flight weight updates** (`pipeline.weight_update="inflight"`) need nothing more: the
+driver hands each version it receives to the instances without draining, and every
+sample carries its per-token versions over the wire. **Partial rollout**
+(`pipeline.partial_budget_tokens`, one generation and one training process) runs this
+process's rounds in the same `PartialRollout` as one process: paused samples stay here
+and continue in the next round under the weights this process holds by then, and a
+`round-reporter` thread sends the trainer a `RoundClosed` per round
+(`round_reports.py`), which is what its steps wait for.
+
 **End of a run.** Having taken every weight set, it reads the trainer's outcome,
 closes its sample channels in order and returns (raising for a failure). A
 generation process that fails tells the trainer why (`GenerationFailed`) before
@@ -49,7 +58,12 @@ from streamrl_jax.distributed.channel import (
     TransportError,
     TransportTimeout,
 )
-from streamrl_jax.distributed.messages import ChunkReport, GenerationFailed, SpanReport
+from streamrl_jax.distributed.messages import (
+    ChunkReport,
+    GenerationFailed,
+    RoundClosed,
+    SpanReport,
+)
 from streamrl_jax.distributed.shard_receiver import ShardReceiver
 from streamrl_jax.distributed.shard_wire import need_of
 from streamrl_jax.distributed.transport import SampleClient
@@ -69,9 +83,11 @@ from streamrl_jax.pipeline.process_plan import (
     ownership,
     ranker_online,
 )
+from streamrl_jax.pipeline.rollout import PartialRollout
 from streamrl_jax.pipeline.roster import ROSTER_KEY, RosterUpdate
 from streamrl_jax.pipeline.schedules import Schedule
 from streamrl_jax.scheduling.live import LiveScheduler
+from streamrl_jax.stream.sample_stream import StreamError
 
 
 class _Stopped(Exception):
@@ -293,6 +309,45 @@ class _GenerationProcess:
         thread.start()
         return thread
 
+    def _round_reporter(self, rollout: PartialRollout | None, first: int):
+        """Partial rollout: a thread that sends a `RoundClosed` per round, in order, once
+        this process's rollout closed it (every segment of the round returned); the
+        trainer's `RoundReports` waits for them. None without partial rollout."""
+        if rollout is None:
+            return None
+
+        def report() -> None:
+            for r in range(first, self.cfg.pipeline.steps):
+                while True:
+                    if self._stopping.is_set():
+                        return
+                    try:
+                        groups = rollout.wait_round(r, 0.5)
+                        break
+                    except TimeoutError:
+                        continue  # stop is checked twice a second
+                    except StreamError:
+                        return  # the run failed: the latch already holds why
+                counts = rollout.in_flight()
+                closed = RoundClosed(
+                    self.pid,
+                    r,
+                    tuple(groups),
+                    counts["paused"],
+                    counts["waiting_members"],
+                    rollout.regenerated,
+                    rollout.dropped,
+                )
+                try:
+                    self.client.send(closed, timeout=self.timeout)
+                except Exception as e:  # a lost channel, or a bug: the run fails naming it
+                    self.latch.fail("round reporter", e)
+                    return
+
+        thread = threading.Thread(target=report, name="round-reporter", daemon=True)
+        thread.start()
+        return thread
+
     # ------------------------------------------------------------------ run
     def run(self) -> None:
         # Where the trainer starts: batch 0, or a restored checkpoint's batch with the
@@ -323,6 +378,11 @@ class _GenerationProcess:
         service = self.side.parts.service(params, loaded, on_chunk=self._on_chunk)
         live = LiveScheduler(self.cfg, self.cfg.mesh.instance_slots, self.side.vocab_size)
         ranker_thread = self._ranker_channel(live)
+        # Partial rollout: this process's rounds (the trainer learns of each closure).
+        p = self.cfg.pipeline
+        rollout = PartialRollout(p, Schedule.from_config(p)) if p.partial_budget_tokens else None
+        if rollout is not None:
+            self.latch.add_listener(lambda component, exc: rollout.fail(exc))
         driver = GenerationDriver(
             self.cfg,
             service,
@@ -339,14 +399,17 @@ class _GenerationProcess:
             # A resumed run's service holds the build's W_0: load W_g(batch) first.
             loaded_version=loaded if batch == 0 or self.r.rejoined else -1,
             expected_ids=expected,
+            rollout=rollout,
         )
         driver.lost = frozenset(lost)
         self.driver = driver
         ok = False
         roster_thread = self._roster_watcher(epoch)
+        reporter = None
         try:
             driver.start_threads()
-            self._wait(driver)
+            reporter = self._round_reporter(rollout, batch)
+            self._wait(driver, reporter)
             outcome = self._drain()
             ok = True
         except _Stopped:
@@ -367,7 +430,7 @@ class _GenerationProcess:
             self._stopping.set()
             if self.ranker_receiver is not None:
                 self.ranker_receiver.close(CLOSE_TIMEOUT_S)
-            extra = [roster_thread, *([ranker_thread] if ranker_thread else [])]
+            extra = [roster_thread, *(t for t in (ranker_thread, reporter) if t is not None)]
             for th in [*driver.threads, *extra]:
                 th.join(CLOSE_TIMEOUT_S)
             service.close(CLOSE_TIMEOUT_S)
@@ -381,10 +444,12 @@ class _GenerationProcess:
     def _reason(self) -> BaseException | str:
         return self.latch.error if self.latch.failed else "interrupted"
 
-    def _wait(self, driver: GenerationDriver) -> None:
-        """Until every batch (and the final eval) is generated and sent, watching the
-        sample channel so a lost trainer ends this process at once."""
-        while driver.driving or driver.pending() > 0:
+    def _wait(self, driver: GenerationDriver, reporter: threading.Thread | None) -> None:
+        """Until every batch (and the final eval) is generated and sent (and, with partial
+        rollout, every round reported), watching the sample channel so a lost trainer
+        ends this process at once."""
+        reporting = lambda: reporter is not None and reporter.is_alive()  # noqa: E731
+        while driver.driving or driver.pending() > 0 or reporting():
             if not driver.driving:
                 driver.regenerate()  # the driver thread has ended: this thread does it
             if self.latch.wait(0.1):

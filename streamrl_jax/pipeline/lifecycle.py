@@ -41,7 +41,8 @@ class _Run:
 
     def __init__(self, cfg: ExperimentConfig, c: Components, workdir: str, link: Any):
         self.cfg, self.c, self.workdir, self.link = cfg, c, workdir, link
-        self.parts = parts = wire(cfg, c, workdir, getattr(link, "checkpoints", None))
+        rounds = getattr(link, "rollout", None)  # partial rollout across processes
+        self.parts = parts = wire(cfg, c, workdir, getattr(link, "checkpoints", None), rounds)
         self.sup, self.board, self.stream = parts.supervisor, parts.board, parts.stream
         self.service: Any = None
         self.driver: GenerationDriver | None = None

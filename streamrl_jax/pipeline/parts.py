@@ -23,6 +23,7 @@ from streamrl_jax.pipeline.ingest import Evaluations, Ingest
 from streamrl_jax.pipeline.micro_batches import Scored, group_key
 from streamrl_jax.pipeline.resume import RunCheckpoints
 from streamrl_jax.pipeline.rollout import PartialRollout
+from streamrl_jax.pipeline.round_reports import RoundReports
 from streamrl_jax.pipeline.schedules import Schedule, WeightBoard
 from streamrl_jax.pipeline.step_metrics import GenerationMeter
 from streamrl_jax.pipeline.supervisor import Shutdown, Supervisor
@@ -45,7 +46,9 @@ class RunParts:
     ingest: Ingest
     ckpts: RunCheckpoints
     live: LiveScheduler
-    rollout: PartialRollout | None  # partial rollout (pipeline.partial_budget_tokens)
+    # Partial rollout (pipeline.partial_budget_tokens); a training process of several:
+    # the generation processes' round reports.
+    rollout: PartialRollout | RoundReports | None
     dynamic: DynamicSampler | None = None  # pipeline.dynamic_sampling
 
     def interrupt(self) -> None:
@@ -62,9 +65,11 @@ def wire(
     c: Components,
     workdir: str,
     checkpoints: tuple[str, tuple[int, ...]] | None = None,
+    rounds: RoundReports | None = None,
 ) -> RunParts:
     """`checkpoints`: a multi-controller training process's (directory, training
-    processes), see `RunCheckpoints`."""
+    processes), see `RunCheckpoints`; `rounds`: its partial rollout's round reports
+    (the rounds run in the generation processes)."""
     p = cfg.pipeline
     sup = Supervisor(p)
     schedule = Schedule.from_config(p)
@@ -94,7 +99,9 @@ def wire(
         sandbox=c.reward_sandbox,
         dynamic=dynamic,
     )
-    rollout = PartialRollout(p, schedule) if p.partial_budget_tokens else None
+    rollout = rounds
+    if rollout is None and p.partial_budget_tokens:
+        rollout = PartialRollout(p, schedule)
     directory, processes = checkpoints or (None, None)
     ckpts = RunCheckpoints(
         cfg, c, workdir, schedule, rollout, directory=directory, processes=processes

@@ -6,10 +6,19 @@ training processes run one SPMD trainer over a mesh of all their devices, each
 feeding its own slice of every micro-batch (`shards.py`). Addresses go through
 the coordination service under the keys below; no port is configured.
 
+In-flight weight updates (`pipeline.weight_update="inflight"`) work as in one
+process: the generation process's driver hands each version it receives to its
+instances at once (they swap at the next chunk boundary), and every sample carries
+its per-token versions over the wire (`distributed/wire.py`) to the trainer's
+version gate. Partial rollout (`pipeline.partial_budget_tokens`) runs with one
+generation and one training process: the rounds run in the generation process, which
+reports each closure to the trainer (`round_reports.py`).
+
 Not supported across processes yet (an error at start-up, on every process):
-colocated mode; in-flight weight updates and partial rollout (the wire carries
-neither per-token versions nor paused samples yet); elastic instances; training
-processes that cannot split every micro-batch equally. A lost generation process is
+colocated mode; partial rollout with more than one generation or training process, or
+with checkpoints (the paused samples a checkpoint must hold live in the generation
+process); elastic instances; training processes that cannot split every micro-batch
+equally. A lost generation process is
 left behind while another is alive, and a restarted one rejoins (`roster.py`).
 Checkpoints are written by the training processes (orbax's active set,
 `checkpoint/manager.py`); the generation processes learn where a resumed run starts
@@ -26,6 +35,11 @@ START_KEY = "start"  # JSON: the first batch; a resumed run's prompt state and i
 RANKER_KEY = "ranker"  # the trainer's ranker channel (online refresh -> dispatchers)
 IN_FLIGHT = 8  # samples being scored or waiting for stream room, over all producers
 CLOSE_TIMEOUT_S = 10.0
+NO_RESUME = (
+    "a partial-rollout run across processes cannot be checkpointed or resumed: the "
+    "paused samples a checkpoint must hold live in the generation process "
+    "(docs/multicontroller.md); run one process, or set pipeline.partial_budget_tokens=0"
+)
 
 
 def check_supported(
@@ -44,18 +58,20 @@ def check_supported(
             "(STREAMRL_NUM_PROCESSES). Use disaggregated_batch, stream_sync or stream_async, "
             "or run one process."
         )
-    if cfg.pipeline.weight_update == "inflight":
+    partial = cfg.pipeline.partial_budget_tokens
+    if partial > 0 and (num_processes != 2 or generation_processes != 1):
         raise ValueError(
-            f"pipeline.weight_update='inflight' runs in one process only; this program has "
-            f"{n} (STREAMRL_NUM_PROCESSES): the wire does not carry per-token versions yet. "
-            "Use weight_update='boundary', or run one process."
+            f"pipeline.partial_budget_tokens={partial}: partial rollout across processes "
+            f"runs with one generation and one training process; this program has {n}, "
+            f"{generation_processes} generating (STREAMRL_NUM_PROCESSES, "
+            "STREAMRL_GENERATION_PROCESSES): the paused samples live in their generation "
+            "process, which a lost one would take with it, and the round reports go to "
+            "one trainer. Use 2 processes (-n 2 -g 1), or set pipeline.partial_budget_tokens=0."
         )
-    if cfg.pipeline.partial_budget_tokens > 0:
+    if partial > 0 and cfg.checkpoint.every > 0:
         raise ValueError(
-            f"pipeline.partial_budget_tokens={cfg.pipeline.partial_budget_tokens}: partial "
-            f"rollout runs in one process only; this program has {n} "
-            "(STREAMRL_NUM_PROCESSES): the wire does not carry paused samples yet. "
-            "Set pipeline.partial_budget_tokens=0, or run one process."
+            f"pipeline.partial_budget_tokens={partial} with checkpoint.every="
+            f"{cfg.checkpoint.every}: {NO_RESUME}"
         )
     if num_processes is not None and num_processes - generation_processes > 1:
         try:

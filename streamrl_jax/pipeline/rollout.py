@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -189,19 +190,15 @@ class PartialRollout:
           StreamError: the run failed or was stopped (`fail`; chained to the cause), as
             the sample stream raises for the trainer.
         """
-        with self._cv:
-            ok = self._cv.wait_for(
-                lambda: r in self._closed or self._error is not None, timeout=timeout
+
+        def stalled() -> str:
+            pending = {q: x.pending for q, x in self._rounds.items() if q <= r}
+            return (
+                f"partial rollout: round {r} not closed after {timeout:.0f} s (segments "
+                f"still running per round: {pending}); the generation service stalled"
             )
-            if self._error is not None:
-                raise StreamError(f"partial rollout: {self._error!r}") from self._error
-            if not ok:
-                pending = {q: x.pending for q, x in self._rounds.items() if q <= r}
-                raise TimeoutError(
-                    f"partial rollout: round {r} not closed after {timeout:.0f} s (segments "
-                    f"still running per round: {pending}); the generation service stalled"
-                )
-            return self._closed.pop(r)
+
+        return wait_closed(self._cv, self._closed, lambda: self._error, r, timeout, stalled)
 
     def fail(self, exc: BaseException) -> None:
         with self._cv:
@@ -243,6 +240,30 @@ class PartialRollout:
                     len(m) for k, m in self._finished.items() if k not in self._done_in
                 ),
             }
+
+
+def wait_closed(
+    cv: threading.Condition,
+    closed: dict[int, list[Key]],
+    failure: Callable[[], BaseException | None],
+    r: int,
+    timeout: float,
+    stalled: Callable[[], str],
+) -> list[Key]:
+    """Round r's groups, popped from `closed` (guarded by `cv`) once it is there.
+
+    Raises:
+      StreamError: `failure()` is set (chained to it), as the sample stream raises.
+      TimeoutError: after `timeout` seconds, with `stalled()`'s text (called under `cv`).
+    """
+    with cv:
+        ok = cv.wait_for(lambda: r in closed or failure() is not None, timeout=timeout)
+        error = failure()
+        if error is not None:
+            raise StreamError(f"partial rollout: {error!r}") from error
+        if not ok:
+            raise TimeoutError(stalled())
+        return closed.pop(r)
 
 
 def to_json(s: Sample, first: GenerationRequest | None) -> dict[str, Any]:

@@ -90,6 +90,7 @@ class TrainerLoop:
         self.meter, self.schedule, self.rewards = parts.meter, parts.schedule, parts.ingest.pool
         self.steps = StepMeter(parts.writer, start)
         self.group, self.num_instances, self.check_prompts = group, num_instances, check_prompts
+        self._drawn: dict[int, list[str]] = {}  # batch -> its prompt ids (check_prompts)
         p = cfg.pipeline
         self.timeout = p.timeout_s
         self.gate = VersionGate(self.schedule, strict=p.strict_versions)
@@ -149,14 +150,16 @@ class TrainerLoop:
         waits0 = dataclasses.replace(self.stream.metrics)
         compile0 = compile_seconds(this_thread=True)
         step = _Step()
-        drawn = None
         if self.check_prompts:  # the generation processes drew the same prompts
-            drawn = [q.problem.prompt_id for q in self.ckpts.draw(b, p.prompts_per_step)]
+            self._drawn[b] = [q.problem.prompt_id for q in self.ckpts.draw(b, p.prompts_per_step)]
+            # Partial rollout trains groups of batches up to max_lag - s steps back.
+            for old in [j for j in self._drawn if j < b - self.schedule.max_lag - 1]:
+                del self._drawn[old]
         for k in range(p.mini_batches):
             for groups in self.taker.micro_batches(b, k):
                 step.prompt_ids += [g[0].sample.tag.prompt_id for g in groups]
-                if drawn is not None:
-                    micro_batches.check_prompts(b, groups, drawn)
+                if self.check_prompts:
+                    micro_batches.check_prompts(groups, self._drawn)
                 self._accumulate(b, groups, step)
             if step.micro or (self.rollout is None and self.dynamic is None):
                 self._apply(b, k, step)

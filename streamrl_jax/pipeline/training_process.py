@@ -50,7 +50,12 @@ from absl import logging
 from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.distributed import roles
 from streamrl_jax.distributed.channel import ChannelClosed, PeerLost, TransportError
-from streamrl_jax.distributed.messages import ChunkReport, GenerationFailed, SpanReport
+from streamrl_jax.distributed.messages import (
+    ChunkReport,
+    GenerationFailed,
+    RoundClosed,
+    SpanReport,
+)
 from streamrl_jax.distributed.shard_sync import ShardSender
 from streamrl_jax.distributed.transport import SampleServer
 from streamrl_jax.distributed.weights import WeightSender
@@ -70,6 +75,7 @@ from streamrl_jax.pipeline.process_plan import (
     ranker_online,
 )
 from streamrl_jax.pipeline.roster import ROSTER_KEY, Roster
+from streamrl_jax.pipeline.round_reports import RoundReports
 from streamrl_jax.pipeline.schedules import Schedule
 from streamrl_jax.pipeline.shards import TrainingGroup
 from streamrl_jax.pipeline.step_metrics import RunResult
@@ -150,6 +156,9 @@ class TrainingLink:
         self.roster = Roster(g, groups, p.group_size, num_evals=0)  # evals: set at build
         self.versions = Schedule.from_config(p)  # g(b): the version batch b needs
         self.duplicates = 0
+        # Partial rollout: the generation processes' round closures (round_reports.py),
+        # what the trainer loop waits on instead of a local PartialRollout.
+        self.rollout = RoundReports(p, r.generation_processes) if p.partial_budget_tokens else None
         address = roles.advertised_host(dcfg)
         self.server = SampleServer(
             f"{address}:0",
@@ -299,6 +308,8 @@ class TrainingLink:
                 "expected_ids": {str(b): ids for b, ids in resume.expected_ids.items()},
             }
         self.roster.start(start["batch"])
+        if self.rollout is not None:
+            self.rollout.start(start["batch"])
         if self.index == 0:
             roles.publish(START_KEY, json.dumps(start))
         if resume is not None:
@@ -328,7 +339,7 @@ class TrainingLink:
             if not self.roster.first(msg.tag):
                 self.duplicates += 1  # generated again after a loss: the first copy counts
                 return
-            if self.live is not None and not msg.tag.is_eval:
+            if self.live is not None and not msg.tag.is_eval and msg.finish_reason != "paused":
                 self.live.observe(msg.prompt, msg.num_tokens)  # the ranker refresh's data
             # Back-pressure: the reader (and so the producer's credit) waits here while
             # IN_FLIGHT samples are still being scored or waiting for stream room.
@@ -342,6 +353,8 @@ class TrainingLink:
             on_chunk(m.instance, m.t0, m.t1, m.tokens, m.running, m.steps, m.prefilled)
         elif isinstance(msg, SpanReport):
             on_span(msg.track, msg.name, msg.t0, msg.t1, **msg.args)
+        elif isinstance(msg, RoundClosed) and self.rollout is not None:
+            self.rollout.closed(msg)
         elif isinstance(msg, GenerationFailed):
             self._failed(
                 f"generation process {msg.process}",

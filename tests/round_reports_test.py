@@ -1,0 +1,81 @@
+"""Tests for pipeline/round_reports.py: the trainer's view of the generation processes'
+partial-rollout rounds (host only, no devices)."""
+
+import threading
+
+import pytest
+
+from streamrl_jax.config import PipelineSection
+from streamrl_jax.distributed.channel import TransportError
+from streamrl_jax.distributed.messages import RoundClosed
+from streamrl_jax.pipeline.round_reports import RoundReports
+from streamrl_jax.stream.sample_stream import StreamError
+
+P = PipelineSection(
+    mode="stream_async", partial_budget_tokens=6, max_lag=3, prompts_per_step=4, group_size=2
+)
+
+
+def closed(process, r, groups, paused=0, waiting=0, regenerated=0, dropped=0):
+    return RoundClosed(process, r, tuple(groups), paused, waiting, regenerated, dropped)
+
+
+def test_a_round_closes_once_every_process_reported_it():
+    reports = RoundReports(P, (0, 1))
+    reports.closed(closed(0, 0, [(0, 0)], paused=3, waiting=1))
+    with pytest.raises(TimeoutError, match=r"round 0 not reported .* processes \[1\]"):
+        reports.wait_round(0, timeout=0.05)
+    reports.closed(closed(1, 0, [(0, 3), (0, 1)], paused=2, regenerated=1, dropped=2))
+    assert reports.wait_round(0, timeout=1) == [(0, 0), (0, 1), (0, 3)]
+    # Counts: the sum of each process's last report.
+    assert reports.in_flight() == {"paused": 5, "waiting_members": 1}
+    assert (reports.regenerated, reports.dropped) == (1, 2)
+    # A round with no complete group closes with none (its step trains nothing).
+    reports.closed(closed(0, 1, []))
+    reports.closed(closed(1, 1, []))
+    assert reports.wait_round(1, timeout=1) == []
+
+
+def test_a_waiting_trainer_wakes_on_the_last_report_and_on_failure():
+    reports = RoundReports(P, (0,))
+    reports.start(2)  # a run that starts at batch 2: round 2 is the first reported
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(reports.wait_round(2, timeout=10)))
+    waiter.start()
+    reports.closed(closed(0, 2, [(1, 2), (2, 0)]))
+    waiter.join(timeout=10)
+    assert got == [[(1, 2), (2, 0)]]
+    reports.fail(RuntimeError("generation process 0 failed"))
+    with pytest.raises(StreamError, match="generation process 0 failed"):
+        reports.wait_round(3, timeout=10)
+
+
+@pytest.mark.parametrize(
+    "report, message",
+    [
+        (closed(2, 0, []), "round report from generation-2, which is not generating"),
+        (closed(0, 1, []), "generation-0 reported round 1; expected round 0"),
+        (closed(0, 0, [(1, 0)]), r"group \(1, 0\) complete in round 0: round 0 holds batches 0..0"),
+        (closed(0, 0, [(0, 4)]), r"group \(0, 4\) .* groups 0..3"),
+        (closed(0, 0, [(-1, 0)]), r"group \(-1, 0\)"),
+    ],
+)
+def test_a_report_that_cannot_be_right_is_refused_naming_the_process(report, message):
+    reports = RoundReports(P, (0, 1))
+    with pytest.raises(TransportError, match=message):
+        reports.closed(report)
+
+
+def test_a_report_repeated_is_refused():
+    reports = RoundReports(P, (0,))
+    reports.closed(closed(0, 0, []))
+    with pytest.raises(TransportError, match="reported round 0; expected round 1"):
+        reports.closed(closed(0, 0, []))
+
+
+def test_checkpoints_are_refused_by_name():
+    reports = RoundReports(P, (0,))
+    with pytest.raises(RuntimeError, match="checkpoint 3: a partial-rollout run across"):
+        reports.snapshot(3)
+    with pytest.raises(ValueError, match="resume from checkpoint 3: .* paused samples"):
+        reports.restore(3, {})
