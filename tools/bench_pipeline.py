@@ -15,8 +15,11 @@ its metrics.jsonl, the stage times alone from the two-process
 `disaggregated_batch` trace (the stages strictly alternate, each on its own
 core), `weight_sync_seconds` is the trainer's mean per-step transfer (cast,
 `device_get`, checksums, wire) and `weight_receive_seconds` the generation
-side's (wire, checksum, placement). No simulator profile in this mode, and no
-"inflight" mode (in-flight weight updates run in one process only). Figures
+side's (wire, checksum, placement). The simulator's prediction is made from this
+mode's own profile too (below): here the stages are independent, on separate cores, as
+the simulator models them; the "inflight" mode runs as two processes as well. The
+persistent compilation cache does not make this mode's later runs warm (the training
+process is not process 0, and JAX writes the cache from process 0 only). Figures
 leave out the first `--skip` steps (default 2; 1 with --quick): they hold process
 start-up, compilation and the first batches' new shapes (steps 1-2 still run 1.5-2x
 the later ones). The full run (6 steps of 8 prompts x 4 samples) is the one to quote;
@@ -65,7 +68,7 @@ discrete-event schedules the pod simulator uses and reports the relative
 error against the measured rates (`sim_rel_error`, `sim_max_abs_rel_error`).
 `python tools/simulate.py --profile=DIR/profile.json` re-runs the prediction.
 
-The "inflight" mode (in process only): stream_async with `weight_update="inflight"`
+The "inflight" mode: stream_async with `weight_update="inflight"`
 and partial rollout (`partial_budget_tokens` = max_new_tokens / 4, `max_lag` = s + 3,
 so no sample is dropped); per mode the lag of the trained samples (`lag_mean`,
 `lag_max`, the bound `max_lag`) and the idle generation slot-seconds after the first
@@ -80,6 +83,7 @@ Last line: JSON with `stream_sync_over_colocated`, `stream_async_over_colocated`
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -105,8 +109,14 @@ _MODES = flags.DEFINE_list(
 _PROMPTS = flags.DEFINE_integer(
     "prompts_per_step",
     0,
-    "In process: prompts per step (0 = the config's 8). Fewer shrink the trainer's share "
-    "of a step more than generation's (its long tail stays): 2 balances the stages here.",
+    "In process: prompts per step (0 = the config's 8). Fewer shrink both stages; at 2 "
+    "the trainer still dominates (its fixed cost per micro-batch stays; BENCHMARKS.md).",
+)
+_SLOTS = flags.DEFINE_integer(
+    "instance_slots",
+    0,
+    "Slots of the generation instance (0 = the config's 16), to move the stages' balance "
+    "(with the tiny model 4 slots decode a batch in the same time as 16: BENCHMARKS.md).",
 )
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/bench_pipeline", "Traces and metrics per mode.")
 _SKIP = flags.DEFINE_integer(
@@ -152,6 +162,8 @@ def _config(mode: str, steps: int, prompts_per_step: int = 0):
         cd["pipeline"]["steps"] = steps
     if prompts_per_step:
         cd["pipeline"]["prompts_per_step"] = prompts_per_step
+    if _SLOTS.value:
+        cd["mesh"]["instance_slots"] = (_SLOTS.value,)
     return config_lib.from_config_dict(cd)
 
 
@@ -414,6 +426,25 @@ def _weight_receive_s(trace_path: str) -> float:
     return sum(e["dur"] for e in spans) / 1e6 / max(len(spans), 1)
 
 
+def _simulate(out: dict, cfg, per_mode: dict) -> None:
+    """With colocated and disaggregated_batch measured: writes the measured profile to
+    `--workdir/profile.json` and adds the simulator's prediction of every measured mode
+    (`sim_predicted_sps`, `sim_rel_error`) to `out`. `cfg`: the runs' shared settings."""
+    if not {"colocated", "disaggregated_batch"} <= set(per_mode):
+        return
+    from streamrl_jax.simulation import profiles
+
+    profile = _profile(cfg, _WORKDIR.value, {m: v["samples_per_s"] for m, v in per_mode.items()})
+    path = os.path.join(_WORKDIR.value, "profile.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(profile, f)
+    pred = profiles.predict(profile, modes=tuple(per_mode))
+    out["sim_predicted_sps"] = {m: round(v, 4) for m, v in pred["predicted_samples_per_s"].items()}
+    out["sim_rel_error"] = {m: round(v, 3) for m, v in pred["rel_error"].items()}
+    out["sim_max_abs_rel_error"] = round(max(abs(v) for v in pred["rel_error"].values()), 3)
+    out["profile"] = path
+
+
 def _process_mode(mode: str, max_new_tokens: int) -> tuple[str, list[str], int]:
     """A `--processes` mode as launched: `pipeline.mode`, the overrides it adds and the
     steps it fills first. "inflight" is the in-process mode's settings (stream_async,
@@ -441,11 +472,13 @@ def main_processes() -> None:
     # tokens instead of 128 (the same length distribution: lengths are fractions of
     # max_new_tokens) to stay within 5 minutes; 3 steps, so stream_async's measured
     # steps still overlap generation (with 2, its last step only trains).
-    quick = (
+    overrides = (
         ["--config.pipeline.prompts_per_step=4", "--config.generation.max_new_tokens=64"]
         if _QUICK.value
         else []
     )
+    if _SLOTS.value:
+        overrides.append(f"--config.mesh.instance_slots=({_SLOTS.value},)")
     out: dict = {"bench": "pipeline_processes", "variant": _VARIANT.value, "quick": _QUICK.value}
     per_mode, sync_s = {}, []
     t_start = time.time()
@@ -456,7 +489,7 @@ def main_processes() -> None:
         workdir = os.path.join(_WORKDIR.value, mode)
         shutil.rmtree(workdir, ignore_errors=True)  # logs append
         t0 = time.time()
-        _launch(launched, (steps or cfg.pipeline.steps) + fill, workdir, quick + extra)
+        _launch(launched, (steps or cfg.pipeline.steps) + fill, workdir, overrides + extra)
         rows = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "step_s" in r]
         skip = _SKIP.value if _SKIP.value is not None else (1 if _QUICK.value else 2)
         later = rows[skip + fill :]  # the first steps include start-up and compilation
@@ -487,6 +520,14 @@ def main_processes() -> None:
         if mode == "disaggregated_batch":
             _bounds(out, n, trace, len(rows))
     _ratios(out, per_mode)
+    # The simulator's prediction from this run's profile: here the stages are separate
+    # processes on separate cores, independent as the simulator models them.
+    base = _config("disaggregated_batch", steps, prompts_per_step=4 if _QUICK.value else 0)
+    if _QUICK.value:
+        base = dataclasses.replace(
+            base, generation=dataclasses.replace(base.generation, max_new_tokens=64)
+        )
+    _simulate(out, base, per_mode)
     if sync_s:
         out["weight_sync_seconds"] = round(sum(sync_s) / len(sync_s), 4)
         receive = [v["weight_receive_s"] for v in per_mode.values() if "weight_receive_s" in v]
@@ -575,22 +616,7 @@ def main(argv: list[str]) -> None:
         if mode == "disaggregated_batch":
             _bounds(out, n, os.path.join(workdir, "trace.json"), len(result.steps))
     _ratios(out, per_mode)
-    if {"colocated", "disaggregated_batch"} <= set(per_mode):
-        from streamrl_jax.simulation import profiles
-
-        profile = _profile(
-            cfg, _WORKDIR.value, {m: v["samples_per_s"] for m, v in per_mode.items()}
-        )
-        path = os.path.join(_WORKDIR.value, "profile.json")
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(profile, f)
-        pred = profiles.predict(profile, modes=tuple(per_mode))
-        out["sim_predicted_sps"] = {
-            m: round(v, 4) for m, v in pred["predicted_samples_per_s"].items()
-        }
-        out["sim_rel_error"] = {m: round(v, 3) for m, v in pred["rel_error"].items()}
-        out["sim_max_abs_rel_error"] = round(max(abs(v) for v in pred["rel_error"].values()), 3)
-        out["profile"] = path
+    _simulate(out, cfg, per_mode)
     out["wall_s"] = round(time.time() - t_start, 1)
     out["machine"] = f"{os.cpu_count()} CPU cores, {_CPU.value} host devices, one process"
     print(json.dumps(out))
