@@ -86,6 +86,8 @@ def test_each_mode_runs_two_steps(mode, tmp_path_factory):
     assert set(result.evals) == {0, 2}  # initial and final weights, greedy
     rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
     assert {r["step"] for r in rows if "reward" in r} == {0, 1}
+    # Every value a finding: no NaN placeholders (e.g. the ranker's loss before any refresh).
+    assert all(np.isfinite(v) for r in rows for k, v in r.items() if k != "time")
     for r in (r for r in rows if "reward" in r):
         assert 0.0 <= r["gen_busy"] <= 1.0 and 0.0 <= r["train_busy"] <= 1.0
         assert r["stream_wait_s"] >= 0.0 and r["stream_backpressure_s"] >= 0.0

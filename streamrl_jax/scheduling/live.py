@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -214,9 +215,10 @@ class LiveScheduler:
         """Once per training step: the elastic rule; returns the step's scheduling metrics."""
         out = {
             "active_instances": float(self.active),
-            "ranker_loss": self.last_loss,
             "ranker_steps": float(self.ranker.steps if self.ranker is not None else 0),
         }
+        if math.isfinite(self.last_loss):  # NaN until the first refresh: no row entry
+            out["ranker_loss"] = self.last_loss
         if self.elastic is not None and t_gen > 0:
             d = self.elastic.observe(step, t_gen, t_train)
             self.decisions.append({"batch": step, "kind": "elastic", **dataclasses.asdict(d)})
