@@ -61,7 +61,6 @@ from streamrl_jax.distributed.channel import (
 from streamrl_jax.distributed.messages import (
     ChunkReport,
     GenerationFailed,
-    RoundClosed,
     SpanReport,
 )
 from streamrl_jax.distributed.shard_receiver import ShardReceiver
@@ -85,9 +84,9 @@ from streamrl_jax.pipeline.process_plan import (
 )
 from streamrl_jax.pipeline.rollout import PartialRollout
 from streamrl_jax.pipeline.roster import ROSTER_KEY, RosterUpdate
+from streamrl_jax.pipeline.round_reports import start_reporter
 from streamrl_jax.pipeline.schedules import Schedule
 from streamrl_jax.scheduling.live import LiveScheduler
-from streamrl_jax.stream.sample_stream import StreamError
 
 
 class _Stopped(Exception):
@@ -310,43 +309,18 @@ class _GenerationProcess:
         return thread
 
     def _round_reporter(self, rollout: PartialRollout | None, first: int):
-        """Partial rollout: a thread that sends a `RoundClosed` per round, in order, once
-        this process's rollout closed it (every segment of the round returned); the
-        trainer's `RoundReports` waits for them. None without partial rollout."""
+        """Partial rollout: the thread that reports this process's rounds to the trainer
+        (`round_reports.start_reporter`); None without partial rollout."""
         if rollout is None:
             return None
-
-        def report() -> None:
-            for r in range(first, self.cfg.pipeline.steps):
-                while True:
-                    if self._stopping.is_set():
-                        return
-                    try:
-                        groups = rollout.wait_round(r, 0.5)
-                        break
-                    except TimeoutError:
-                        continue  # stop is checked twice a second
-                    except StreamError:
-                        return  # the run failed: the latch already holds why
-                counts = rollout.in_flight()
-                closed = RoundClosed(
-                    self.pid,
-                    r,
-                    tuple(groups),
-                    counts["paused"],
-                    counts["waiting_members"],
-                    rollout.regenerated,
-                    rollout.dropped,
-                )
-                try:
-                    self.client.send(closed, timeout=self.timeout)
-                except Exception as e:  # a lost channel, or a bug: the run fails naming it
-                    self.latch.fail("round reporter", e)
-                    return
-
-        thread = threading.Thread(target=report, name="round-reporter", daemon=True)
-        thread.start()
-        return thread
+        return start_reporter(
+            rollout,
+            range(first, self.cfg.pipeline.steps),
+            self.pid,
+            lambda msg: self.client.send(msg, timeout=self.timeout),
+            self._stopping,
+            lambda e: self.latch.fail("round reporter", e),
+        )
 
     # ------------------------------------------------------------------ run
     def run(self) -> None:

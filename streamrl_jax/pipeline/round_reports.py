@@ -10,7 +10,8 @@ samples is *when a round closed and which groups it completed*: the generation
 process sends a `RoundClosed` report per round, in order, once its `PartialRollout`
 closed it (`generation_process.py`).
 
-`RoundReports` takes those reports (validated: the next round of a known process,
+`start_reporter` is that sender (the generation side's thread); `RoundReports` takes
+those reports (validated: the next round of a known process,
 groups of batches the round can hold) and is what the trainer loop sees in place of
 a `PartialRollout`: `wait_round(r)` returns the groups round r completed once every
 generation process reported it, `in_flight()` / `regenerated` / `dropped` sum the
@@ -26,12 +27,14 @@ checkpoint directory exist anyway.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
 
 from streamrl_jax.config import PipelineSection
 from streamrl_jax.distributed.channel import TransportError
 from streamrl_jax.distributed.messages import RoundClosed
 from streamrl_jax.pipeline.process_plan import NO_RESUME
-from streamrl_jax.pipeline.rollout import Key, wait_closed
+from streamrl_jax.pipeline.rollout import Key, PartialRollout, wait_closed
+from streamrl_jax.stream.sample_stream import StreamError
 
 
 class RoundReports:
@@ -126,3 +129,50 @@ class RoundReports:
 
     def restore(self, k: int, saved: dict) -> list:
         raise ValueError(f"resume from checkpoint {k}: {NO_RESUME}")
+
+
+def start_reporter(
+    rollout: PartialRollout,
+    rounds: Iterable[int],
+    process: int,
+    send: Callable[[RoundClosed], None],
+    stopping: threading.Event,
+    fail: Callable[[BaseException], None],
+) -> threading.Thread:
+    """The generation side: a thread that sends a `RoundClosed` per round of `rounds`,
+    in order, once this process's `rollout` closed it (every segment of the round
+    returned). It ends when `stopping` is set (checked twice a second) or the rollout
+    fails (the run's failure is already known); a send that raises fails the run
+    through `fail` (a lost channel, or a bug, named as the round reporter's)."""
+
+    def report() -> None:
+        for r in rounds:
+            while True:
+                if stopping.is_set():
+                    return
+                try:
+                    groups = rollout.wait_round(r, 0.5)
+                    break
+                except TimeoutError:
+                    continue
+                except StreamError:
+                    return
+            counts = rollout.in_flight()
+            closed = RoundClosed(
+                process,
+                r,
+                tuple(groups),
+                counts["paused"],
+                counts["waiting_members"],
+                rollout.regenerated,
+                rollout.dropped,
+            )
+            try:
+                send(closed)
+            except Exception as e:
+                fail(e)
+                return
+
+    thread = threading.Thread(target=report, name="round-reporter", daemon=True)
+    thread.start()
+    return thread
