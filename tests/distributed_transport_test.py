@@ -217,7 +217,7 @@ def test_on_sample_feeds_a_sample_stream_with_its_back_pressure():
             authkey=KEY,
             capacity=8,
             timeout_s=5,
-            on_sample=lambda s: stream.put(s, timeout=5),
+            on_sample=lambda s, peer: stream.put(s, timeout=5),
         ) as server,
         SampleClient(server.address, authkey=KEY, timeout_s=5) as client,
     ):

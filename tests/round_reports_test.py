@@ -2,6 +2,7 @@
 partial-rollout rounds (host only, no devices)."""
 
 import threading
+import types
 
 import pytest
 
@@ -126,3 +127,20 @@ def test_the_reporter_fails_the_run_when_a_send_fails_and_stops_when_asked():
     stopping.set()
     thread.join(5)
     assert not thread.is_alive() and len(failed) == 1
+
+
+def test_a_round_report_speaks_for_its_sender_only():
+    # The training process takes a RoundClosed only from the process it names.
+    from streamrl_jax.pipeline.training_process import TrainingLink
+
+    link = types.SimpleNamespace(
+        _wait=lambda *args: None,
+        _attached=threading.Event(),
+        _hooks=(None,) * 4,
+        rollout=RoundReports(P, (0, 1)),
+    )
+    with pytest.raises(TransportError, match="generation-1 sent a round report for generation-0"):
+        TrainingLink._on_message(link, closed(0, 0, [(0, 1)]), "generation-1")
+    TrainingLink._on_message(link, closed(0, 0, [(0, 1)]), "generation-0")
+    TrainingLink._on_message(link, closed(1, 0, [(0, 2)]), "generation-1")
+    assert link.rollout.wait_round(0, timeout=1) == [(0, 1), (0, 2)]

@@ -12,7 +12,7 @@ Back-pressure is credit-based and bounds memory: the server holds at most
 `capacity // num_producers` credits; credits come back as the consumer
 takes that producer's samples (`get`; in batches of a quarter of the share,
 fewer round trips), or when `on_sample` returns in callback mode (e.g.
-`on_sample=lambda s: stream.put(s, timeout)`, which carries the in-process
+`on_sample=lambda s, peer: stream.put(s, timeout)`, which carries the in-process
 `SampleStream`'s back-pressure across the wire; it runs on the server's one
 delivery thread, in arrival order). A
 producer without credit blocks in `send` and raises `TransportTimeout`
@@ -66,7 +66,7 @@ class SampleServer:
         timeout_s: float = 60.0,
         num_producers: int = 1,
         heartbeat_s: float | None = None,
-        on_sample: Callable[[Any], None] | None = None,
+        on_sample: Callable[[Any, str], None] | None = None,
         on_error: Callable[[TransportError], None] | None = None,
         on_lost: Callable[[str, TransportError], bool] | None = None,
         name: str = "training",
@@ -78,7 +78,8 @@ class SampleServer:
         timeout_s: handshake deadline and the silence after which a producer is lost.
         num_producers: producers expected; each gets `capacity // num_producers` credits.
         on_sample: if set, called on the server's delivery thread with each
-          message instead of queueing it; its return gives the credit back.
+          message and its sender's name (the producer's hello name, e.g.
+          "generation-0") instead of queueing it; its return gives the credit back.
         on_error: called once per lost producer with the `PeerLost` error.
         on_lost: called first with a lost producer's name and its `PeerLost`; True:
           the run goes on without it (no `on_error`, and it counts as closed).
@@ -154,7 +155,7 @@ class SampleServer:
             except TransportError:
                 return  # the server was closed
             try:
-                self._on_sample(sample)
+                self._on_sample(sample, channel.peer.split(" (")[0])
             except Exception as e:  # noqa: BLE001 - reported as that producer's failure
                 err = TransportError(f"{self.name}: handling data from {channel.peer}: {e!r}")
                 err.__cause__ = e

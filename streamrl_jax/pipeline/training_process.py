@@ -330,8 +330,9 @@ class TrainingLink:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"training: {what} for {self.timeout:.0f} s")
 
-    def _on_message(self, msg: Any) -> None:
-        """A sample channel's reader thread: one message from a generation process."""
+    def _on_message(self, msg: Any, peer: str) -> None:
+        """A sample channel's reader thread: one message from a generation process
+        (`peer`: its name, e.g. "generation-0")."""
         self._wait(self._attached.wait, "the run did not start")
         on_sample, on_chunk, on_span, _ = self._hooks
         if isinstance(msg, Sample):
@@ -354,6 +355,8 @@ class TrainingLink:
         elif isinstance(msg, SpanReport):
             on_span(msg.track, msg.name, msg.t0, msg.t1, **msg.args)
         elif isinstance(msg, RoundClosed) and self.rollout is not None:
+            if peer != f"generation-{msg.process}":  # a report speaks for its sender only
+                raise TransportError(f"{peer} sent a round report for generation-{msg.process}")
             self.rollout.closed(msg)
         elif isinstance(msg, GenerationFailed):
             self._failed(
