@@ -83,7 +83,6 @@ Last line: JSON with `stream_sync_over_colocated`, `stream_async_over_colocated`
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import os
@@ -146,7 +145,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INFLIGHT_ROUNDS = 4
 
 
-def _config(mode: str, steps: int, prompts_per_step: int = 0):
+def _config(mode: str, steps: int, prompts_per_step: int = 0, max_new_tokens: int = 0):
     from streamrl_jax import config as config_lib
 
     spec = importlib.util.spec_from_file_location(
@@ -156,6 +155,8 @@ def _config(mode: str, steps: int, prompts_per_step: int = 0):
     spec.loader.exec_module(module)
     cd = module.get_config(_VARIANT.value).to_dict()
     cd["pipeline"]["mode"] = mode
+    if max_new_tokens:
+        cd["generation"]["max_new_tokens"] = max_new_tokens
     if mode == "inflight":
         cd["pipeline"] |= _inflight(cd["generation"]["max_new_tokens"], cd["pipeline"])
     if steps:
@@ -472,20 +473,22 @@ def main_processes() -> None:
     # tokens instead of 128 (the same length distribution: lengths are fractions of
     # max_new_tokens) to stay within 5 minutes; 3 steps, so stream_async's measured
     # steps still overlap generation (with 2, its last step only trains).
-    overrides = (
-        ["--config.pipeline.prompts_per_step=4", "--config.generation.max_new_tokens=64"]
-        if _QUICK.value
-        else []
-    )
+    shape = (4, 64) if _QUICK.value else (0, 0)  # prompts_per_step, max_new_tokens (0: config)
+    overrides = [
+        f"--config.{key}={value}"
+        for key, value in zip(
+            ("pipeline.prompts_per_step", "generation.max_new_tokens"), shape, strict=True
+        )
+        if value
+    ]
     if _SLOTS.value:
         overrides.append(f"--config.mesh.instance_slots=({_SLOTS.value},)")
     out: dict = {"bench": "pipeline_processes", "variant": _VARIANT.value, "quick": _QUICK.value}
     per_mode, sync_s = {}, []
     t_start = time.time()
     for mode in _MODES.value:
-        cfg = _config(mode, steps, prompts_per_step=4 if _QUICK.value else 0)
-        max_new = 64 if _QUICK.value else cfg.generation.max_new_tokens
-        launched, extra, fill = _process_mode(mode, max_new)
+        cfg = _config(mode, steps, *shape)
+        launched, extra, fill = _process_mode(mode, cfg.generation.max_new_tokens)
         workdir = os.path.join(_WORKDIR.value, mode)
         shutil.rmtree(workdir, ignore_errors=True)  # logs append
         t0 = time.time()
@@ -522,12 +525,7 @@ def main_processes() -> None:
     _ratios(out, per_mode)
     # The simulator's prediction from this run's profile: here the stages are separate
     # processes on separate cores, independent as the simulator models them.
-    base = _config("disaggregated_batch", steps, prompts_per_step=4 if _QUICK.value else 0)
-    if _QUICK.value:
-        base = dataclasses.replace(
-            base, generation=dataclasses.replace(base.generation, max_new_tokens=64)
-        )
-    _simulate(out, base, per_mode)
+    _simulate(out, _config("disaggregated_batch", steps, *shape), per_mode)
     if sync_s:
         out["weight_sync_seconds"] = round(sum(sync_s) / len(sync_s), 4)
         receive = [v["weight_receive_s"] for v in per_mode.values() if "weight_receive_s" in v]

@@ -189,14 +189,15 @@ def _encode_sample(s: Sample) -> _Sample:
         raise ValueError("wire: Sample.prompt and Sample.response must not be empty")
     # Every token's version (`Sample.versions()`: policy_version throughout when none
     # were recorded), checked here as the receiver will, so a bad one fails at its source.
-    versions = _raw(s.versions(), _I32, "token_versions")
+    token_versions = s.versions()
+    versions = _raw(token_versions, _I32, "token_versions")
     arrays = (("logprobs", logprobs), ("sampling_logprobs", sampling_logprobs))
     for field, raw in (*arrays, ("token_versions", versions)):
         if len(raw) != len(response):
             raise ValueError(
                 f"wire: Sample.{field} has {len(raw) // 4} elements, response {len(response) // 4}"
             )
-    problem = _versions_problem(s.versions(), s.policy_version, s.last_policy_version)
+    problem = _versions_problem(token_versions, s.policy_version, s.last_policy_version)
     if problem is not None:
         raise ValueError(f"wire: Sample.token_versions {problem}")
     t, tag = s.timings, s.tag

@@ -58,11 +58,7 @@ from streamrl_jax.distributed.channel import (
     TransportError,
     TransportTimeout,
 )
-from streamrl_jax.distributed.messages import (
-    ChunkReport,
-    GenerationFailed,
-    SpanReport,
-)
+from streamrl_jax.distributed.messages import ChunkReport, GenerationFailed, SpanReport
 from streamrl_jax.distributed.shard_receiver import ShardReceiver
 from streamrl_jax.distributed.shard_wire import need_of
 from streamrl_jax.distributed.transport import SampleClient
