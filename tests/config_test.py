@@ -12,6 +12,7 @@ import pytest
 
 from streamrl_jax import algorithms
 from streamrl_jax import config as config_lib
+from streamrl_jax import pipeline as run_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
@@ -35,6 +36,21 @@ def test_every_config_and_variant_builds(path):
     for variant in VARIANTS.get(os.path.basename(path), [None]):
         cfg = config_lib.from_config_dict(module.get_config(variant))
         assert cfg.pipeline.mode in config_lib.MODES
+
+
+def test_one_process_needs_an_active_instance():
+    # In one process scheduling.elastic_reserved counts instances (across processes,
+    # generation processes: process_plan.check_supported, multicontroller_test).
+    cfg = config_lib.from_config_dict(_with(scheduling__elastic_reserved=1))
+    with pytest.raises(config_lib.ConfigError, match="elastic_reserved=1 must leave at least one"):
+        config_lib.check_one_process(cfg)
+    config_lib.check_one_process(
+        config_lib.from_config_dict(
+            _with(scheduling__elastic_reserved=1, mesh__instance_slots=(4, 4))
+        )
+    )
+    with pytest.raises(config_lib.ConfigError, match="elastic_reserved=1 must leave"):
+        run_lib.run(cfg, "/nonexistent")  # before any model load
 
 
 def test_unknown_variant_is_an_error():
@@ -65,7 +81,6 @@ def _with(**sections):
         ({"checkpoint__keep": 0}, "checkpoint.keep must be >= 1"),
         ({"checkpoint__every": -1}, "checkpoint.every must be >= 0"),
         ({"scheduling__dispatch": "lpt"}, "scheduling.dispatch='lpt'"),
-        ({"scheduling__elastic_reserved": 1}, "elastic_reserved=1 must leave at least one"),
         ({"generation__max_new_tokens": 10_000}, "exceeds model.max_context"),
         ({"generation__top_p": 0.0}, "generation.top_p"),
         ({"data__eval_seed": 1}, "data.train_seed must differ"),

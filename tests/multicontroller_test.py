@@ -374,24 +374,15 @@ def test_lost_generation_process_leaves_the_run_to_the_others(tmp_path, tmp_path
     assert evals  # the held-out prompts of the lost process were scored too
 
 
-@pytest.mark.extended
-def test_restarted_generation_process_rejoins_and_gets_work(tmp_path, tmp_path_factory):
-    # 2 generation + 1 training process, stream_async, 40 steps: generation process 1 is
-    # SIGKILLed after W_1, then started again with the same command and id once the
-    # trainer has logged the loss. It rejoins (the trainer's roster takes it back, the
-    # weight sender sends it the current version), generates its share again, and the
-    # run ends with the uninterrupted run's parameters, each prompt consumed once.
-    extra = {"pipeline.steps": 40, "eval.num_problems": 4}
-    want = _one_process("stream_async", tmp_path_factory, **extra)
-    ref_dir = _ONE_PROCESS_DIR[("stream_async", *sorted(extra.items()))]
-    steps = {"pipeline.mode": "stream_async", **extra}
-    workdir = tmp_path / "run"
+def _kill_and_restart_generation_1(tmp_path, workdir, **steps) -> tuple[str, str]:
+    """2 generation + 1 training process: generation process 1 is SIGKILLed after W_1
+    and started again (same command and id) once the trainer has logged the loss; every
+    process must exit 0. Returns the trainer's and the restarted process's logs."""
     coordinator = f"127.0.0.1:{local.free_port()}"
     envs = [local.child_env(i, 3, 2, coordinator, "test-key-" + "0" * 24) for i in range(3)]
     procs = [_start(envs[i], workdir, tmp_path / f"p{i}.log", **steps) for i in range(3)]
     trainer_log = tmp_path / "p2.log"
     restarted = None
-
     try:
         _wait_for_line(trainer_log, "weights v1", procs)
         os.killpg(procs[1].pid, signal.SIGKILL)
@@ -408,6 +399,22 @@ def test_restarted_generation_process_rejoins_and_gets_work(tmp_path, tmp_path_f
     again = (tmp_path / "p1-restarted.log").read_text()
     assert procs[2].returncode == 0 and procs[0].returncode == 0, log[-4000:]
     assert restarted.returncode == 0, again[-4000:]
+    return log, again
+
+
+@pytest.mark.extended
+def test_restarted_generation_process_rejoins_and_gets_work(tmp_path, tmp_path_factory):
+    # 2 generation + 1 training process, stream_async, 40 steps: generation process 1 is
+    # SIGKILLed after W_1, then started again with the same command and id once the
+    # trainer has logged the loss. It rejoins (the trainer's roster takes it back, the
+    # weight sender sends it the current version), generates its share again, and the
+    # run ends with the uninterrupted run's parameters, each prompt consumed once.
+    extra = {"pipeline.steps": 40, "eval.num_problems": 4}
+    want = _one_process("stream_async", tmp_path_factory, **extra)
+    ref_dir = _ONE_PROCESS_DIR[("stream_async", *sorted(extra.items()))]
+    steps = {"pipeline.mode": "stream_async", **extra}
+    workdir = tmp_path / "run"
+    log, again = _kill_and_restart_generation_1(tmp_path, workdir, **steps)
     assert re.search(r"generation-1 rejoined \(roster epoch 2\): it generates from batch", log)
     assert "generation-1: rejoined the run at batch" in again
     # From the trainer's trace: decode chunks of the restarted process's instance after
@@ -422,6 +429,33 @@ def test_restarted_generation_process_rejoins_and_gets_work(tmp_path, tmp_path_f
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
     rows = read_jsonl(str(workdir / "consumed.jsonl"))
     assert rows == read_jsonl(str(ref_dir / "consumed.jsonl"))
+
+
+@pytest.mark.extended
+def test_restarted_generation_process_takes_the_online_rankers_refreshes_again(
+    tmp_path, tmp_path_factory
+):
+    # skew_aware dispatch with the online ranker refresh, 2 generation + 1 training
+    # process, 40 steps: generation process 1 is SIGKILLed after W_1 and restarted. The
+    # trainer's refreshes skip the lost receiver (logged) instead of waiting for it, the
+    # restarted process's ranker receiver is admitted again and places later refreshes,
+    # and the run ends with the parameters of the one-process run (dispatch moves
+    # requests between slots and reorders admission, it never changes a sample).
+    extra = {
+        "pipeline.steps": 40,
+        "eval.num_problems": 4,
+        "scheduling.dispatch": "skew_aware",
+        "scheduling.ranker_min_samples": 8,
+    }
+    want = _one_process("stream_async", tmp_path_factory, **extra)
+    steps = {"pipeline.mode": "stream_async", **extra}
+    workdir = tmp_path / "run"
+    log, again = _kill_and_restart_generation_1(tmp_path, workdir, **steps)
+    assert re.search(r"generation-1 rejoined \(roster epoch 2\)", log), log[-4000:]
+    assert re.search(r"generation-1: ranker v\d+ from the trainer", again), again[-4000:]
+    got = np.load(workdir / run_lib.FINAL_PARAMS)
+    for key in want.files:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
 @pytest.mark.extended
@@ -752,6 +786,85 @@ def test_partial_rollout_across_processes_trains_every_group_once(tmp_path):
     assert len(ids) * cfg.pipeline.group_size == sum(r["samples"] for r in rows) > 0
 
 
+_ELASTIC_PROBE = """
+import json, os, runpy, sys
+from streamrl_jax.distributed import wire
+from streamrl_jax.generation.types import Sample
+from streamrl_jax.scheduling.live import LiveScheduler
+
+workdir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--workdir="))
+os.makedirs(workdir, exist_ok=True)
+out = open(os.path.join(workdir, "sent-%s.jsonl" % os.environ["STREAMRL_PROCESS_ID"]), "a")
+encode = wire.encode
+
+def probe_encode(msg):
+    if type(msg) is Sample:
+        tag = msg.tag
+        out.write(json.dumps({"batch": tag.batch, "group": tag.group, "member": tag.member,
+                              "eval": tag.eval_version if tag.is_eval else None}) + "\\n")
+        out.flush()
+    return encode(msg)
+
+# Generation measured 100 s slower than it is, so that delta >= delta' at step 0.
+end_of_step = LiveScheduler.end_of_step
+
+def slow_generation(self, step, t_gen, t_train):
+    return end_of_step(self, step, t_gen + 100.0, t_train)
+
+wire.encode, LiveScheduler.end_of_step = probe_encode, slow_generation
+sys.argv[0] = "streamrl_jax.launch"
+runpy.run_module("streamrl_jax.launch", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_elastic_activation_across_processes_keeps_the_version_contract(tmp_path, tmp_path_factory):
+    # 2 generation processes, the second reserved (scheduling.elastic_reserved=1), one
+    # training process, stream_async, 4 steps. The probe inflates the measured T_gen by
+    # 100 s, so the trainer's rule fires at step 0 and activates generation-1 from the
+    # first batch whose weights it has not begun to send: W_{g(b)} >= W_2, so b = 3 (g(b)
+    # = b - 1). Generation-1 holds every version meanwhile (each goes to every process)
+    # and generates nothing of batches 0-2; from batch 3 on it generates its share
+    # (groups 1 and 3), and the final evaluation's. The run's parameters equal the
+    # one-process run's bit for bit (each sample under its batch's version, each
+    # prompt once, whichever process generates it), and nothing is generated twice.
+    extra = {"pipeline.steps": 4}
+    want = _one_process("stream_async", tmp_path_factory, **extra)
+    ref_dir = _ONE_PROCESS_DIR[("stream_async", *sorted(extra.items()))]
+    workdir = tmp_path / "run"
+    elastic = {"pipeline.mode": "stream_async", "scheduling.elastic_reserved": 1, **extra}
+    child = [sys.executable, "-c", _ELASTIC_PROBE, *_launch_cmd(workdir, **elastic)[3:]]
+    launcher = [sys.executable, str(REPO / "launch" / "local.py"), "-n", "3", "-g", "2"]
+    run = _run([*launcher, "--timeout_s", "240", "--", *child])
+    assert run.returncode == 0, run.stdout[-6000:]
+    assert re.search(
+        r"elastic: generation process 1 activated at step 0; it generates its share from "
+        r"batch 3 \(roster epoch 1\)",
+        run.stdout,
+    ), run.stdout[-6000:]
+    sent = {k: read_jsonl(str(workdir / f"sent-{k}.jsonl")) for k in (0, 1)}
+    train = {
+        k: [(r["batch"], r["group"], r["member"]) for r in v if r["eval"] is None]
+        for k, v in sent.items()
+    }
+    assert {(b, g) for b, g, _ in train[1]} == {(3, 1), (3, 3)}
+    both = sorted(train[0] + train[1])
+    assert both == sorted(set(both))  # nothing generated twice
+    assert len(both) == 4 * 4 * 2  # steps x prompts x group size
+    assert any(r["eval"] == 4 for r in sent[1])  # the final evaluation's share too
+    decisions = [json.loads(x) for x in (workdir / "scheduling.jsonl").read_text().splitlines()]
+    elastic_rows = [d for d in decisions if d["kind"] == "elastic"]
+    assert elastic_rows[0]["add"] and elastic_rows[0]["activated"] is True
+    assert all(not d["add"] for d in elastic_rows[1:])  # no reserved process left
+    rows = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "reward" in r]
+    assert [r["active_generation_processes"] for r in rows] == [2.0, 2.0, 2.0, 2.0]
+    got = np.load(workdir / run_lib.FINAL_PARAMS)
+    for key in want.files:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    assert read_jsonl(str(workdir / "consumed.jsonl")) == read_jsonl(
+        str(ref_dir / "consumed.jsonl")
+    )
+
+
 def test_settings_that_need_one_process_are_refused():
     with pytest.raises(ValueError, match="colocated.*one process"):
         process_plan.check_supported(_config(**{"pipeline.mode": "colocated"}), 2, 1)
@@ -777,3 +890,9 @@ def test_settings_that_need_one_process_are_refused():
     process_plan.check_supported(_config(), 4, 2)  # 2 generation + 2 training
     with pytest.raises(ValueError, match=r"3 training processes must divide.*micro_batch_groups"):
         process_plan.check_supported(_config(), 5, 2)
+    # Elastic: the reserved units are generation processes, one at least left active.
+    reserve = {"scheduling.elastic_reserved": 1}
+    process_plan.check_supported(_config(**reserve), 3, 2)
+    for n, g, r in ((2, 1, 1), (4, 2, 2)):
+        with pytest.raises(ValueError, match=f"elastic_reserved={r}: across processes"):
+            process_plan.check_supported(_config(**{"scheduling.elastic_reserved": r}), n, g)

@@ -70,22 +70,26 @@ def _driver(share, staleness=1):
     )
 
 
+def _requests(batch, groups, members):
+    return [
+        GenerationRequest(
+            request_id=f"{batch}/{g}/{m}",
+            prompt=np.array([1, 2], np.int32),
+            max_new_tokens=4,
+            sampling=SamplingParams(temperature=1.0),
+            tag=RequestTag(batch=batch, group=g, member=m, prompt_id=f"q{g}"),
+        )
+        for g in range(groups)
+        for m in range(members)
+    ]
+
+
 def test_driver_takes_over_the_lost_processes_drawn_groups():
     # Generation process 1 of 2 (stream_async, staleness 1: batch b needs W_{b-1}).
     driver = _driver(share=(1, 2))
 
     def requests(batch):
-        return [
-            GenerationRequest(
-                request_id=f"{batch}/{g}/{m}",
-                prompt=np.array([1, 2], np.int32),
-                max_new_tokens=4,
-                sampling=SamplingParams(temperature=1.0),
-                tag=RequestTag(batch=batch, group=g, member=m, prompt_id=f"q{g}"),
-            )
-            for g in range(4)
-            for m in range(2)
-        ]
+        return _requests(batch, groups=4, members=2)
 
     for b in range(5):
         mine = driver._record(b, requests(b))
@@ -97,3 +101,51 @@ def test_driver_takes_over_the_lost_processes_drawn_groups():
     assert again == {2: [(3, 2), (3, 2)], 3: [(4, 0), (4, 0), (4, 2), (4, 2)]}  # W_{b-1}
     later = driver._record(5, requests(5))
     assert sorted({r.tag.group for r in later}) == [0, 1, 2, 3]  # the only one left
+
+
+def test_reserved_processes_own_batches_from_their_activation_on():
+    # 3 generation processes, the last reserved: it owns nothing until the trainer's
+    # elastic rule activates it from batch 5; batches drawn before keep their owners.
+    roster = Roster(3, groups=range(4), group_size=2, num_evals=0, reserved=(2,))
+    assert roster.counts() == (2, 1)
+    start = roster._update()
+    assert start.lost_at(0) == {2} and start.lost_at(10**6) == {2}
+    k, update = roster.activate(5)
+    assert k == 2 and update.active_from == {2: 5} and roster.counts() == (3, 0)
+    assert update.lost_at(4) == {2} and update.lost_at(5) == frozenset()
+    assert RosterUpdate.decode(update.encode()) == update
+    assert roster.activate(6) is None  # none left
+    # Ownership of batch 4 does not move (nothing generated twice), batch 5's does.
+    assert [owner(i, 3, update.lost_at(4)) for i in range(6)] == [0, 1, 0, 0, 1, 1]
+    assert [owner(i, 3, update.lost_at(5)) for i in range(6)] == [0, 1, 2, 0, 1, 2]
+
+
+def test_losing_the_last_active_process_activates_a_reserved_one_at_the_floor():
+    roster = Roster(2, groups=range(2), group_size=1, num_evals=0, reserved=(1,))
+    roster.start(3)
+    update = roster.lose(0)
+    assert update.lost == (0,) and update.active_from == {1: 3}
+    assert update.lost_at(3) == {0} and roster.counts() == (1, 0)
+    with pytest.raises(ValueError, match="no other is left"):
+        roster.lose(1)
+
+
+def test_driver_splits_each_batch_under_the_roster_of_its_draw():
+    # Generation process 2 of 3 is reserved; activated from batch 3 while batches 1-2
+    # are drawn: it generates nothing of them (no regeneration), then its share.
+    driver = _driver(share=(2, 3))
+    driver.roster = RosterUpdate(0, (), 0, {}, (), {}, reserved=(2,))
+
+    def requests(batch):
+        return _requests(batch, groups=6, members=1)
+
+    assert driver._record(1, requests(1)) == [] and driver._record(2, requests(2)) == []
+    update = RosterUpdate(1, (), 1, {}, (), {}, reserved=(2,), active_from={2: 3})
+    assert driver.lose(update) == 0  # batches 1 and 2 keep their owners
+    assert [r.tag.group for r in driver._record(3, requests(3))] == [2, 5]
+    # Then process 0 is lost: 2 takes its groups of batch 3 (those not already whole)
+    # but not of batches 1-2, where it was not active (1 takes them all there).
+    lost = RosterUpdate(2, (0,), 1, {3: (0,)}, (), {}, reserved=(2,), active_from={2: 3})
+    assert driver.lose(lost) == 1
+    again = {v: [r.tag.group for r in rs] for v, rs in driver._again.items() if rs}
+    assert again == {2: [3]}  # W_{b-1}

@@ -13,7 +13,14 @@ dataclasses, never a ConfigDict or flags.
 """
 
 from streamrl_jax.config.parse import defaults, from_config_dict, to_config_dict
-from streamrl_jax.config.rules import RULES, check_section, task_configs, task_names, validate
+from streamrl_jax.config.rules import (
+    RULES,
+    check_one_process,
+    check_section,
+    task_configs,
+    task_names,
+    validate,
+)
 from streamrl_jax.config.sections import (
     ADVANTAGES,
     AGGREGATIONS,
@@ -96,4 +103,5 @@ __all__ = [
     "task_names",
     "to_config_dict",
     "validate",
+    "check_one_process",
 ]

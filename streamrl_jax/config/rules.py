@@ -209,6 +209,22 @@ def _check_tasks(data: DataSection) -> None:
         )
 
 
+def check_one_process(cfg: ExperimentConfig) -> None:
+    """The rules of a one-process run (a multi-controller run has its own,
+    `pipeline/process_plan.check_supported`): its elastic units are instances.
+
+    Raises:
+      ConfigError: naming the field.
+    """
+    sc, m = cfg.scheduling, cfg.mesh
+    _require(
+        sc.elastic_reserved < len(m.instance_slots),
+        f"scheduling.elastic_reserved={sc.elastic_reserved} must leave at least one of the "
+        f"{len(m.instance_slots)} instances in mesh.instance_slots active (in one process "
+        "it counts instances; across processes, generation processes)",
+    )
+
+
 def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     """Every field's registry name and range, then cross-field checks; raises naming the field."""
     check_section("", cfg)
@@ -304,11 +320,6 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         "data.jsonl_path needs data.eval_jsonl_path (held-out problems from another file)",
     )
     sc = cfg.scheduling
-    _require(
-        sc.elastic_reserved < len(m.instance_slots),
-        f"scheduling.elastic_reserved={sc.elastic_reserved} must leave at least one of the "
-        f"{len(m.instance_slots)} instances in mesh.instance_slots active",
-    )
     _require(
         sc.dispatch != "oracle" or g.length_replay,
         "scheduling.dispatch='oracle' needs generation.length_replay=True (true lengths)",

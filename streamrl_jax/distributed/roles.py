@@ -409,6 +409,14 @@ def publish(key: str, value: str, overwrite: bool = False) -> None:
     _kv_client().key_value_set(f"streamrl/{key}", value, allow_overwrite=overwrite)
 
 
+def try_lookup(key: str) -> str | None:
+    """The value published under `key`, or None if there is none yet (does not wait)."""
+    try:
+        return _kv_client().key_value_try_get(f"streamrl/{key}")
+    except Exception:  # noqa: BLE001 - NOT_FOUND is a plain XlaRuntimeError
+        return None
+
+
 def lookup(key: str, timeout_s: float) -> str:
     """Waits (up to `timeout_s`) for the value another process `publish`ed under `key`."""
     try:

@@ -52,6 +52,7 @@ from streamrl_jax.distributed import wire
 from streamrl_jax.distributed.channel import (
     Channel,
     ChannelClosed,
+    PeerLost,
     RawSink,
     TransportError,
     TransportTimeout,
@@ -242,9 +243,21 @@ class WeightSender:
         return self._hub.wait_for_peers(timeout)
 
     def send(
-        self, params: Any, version: int, *, timeout: float | None = None, wait_ack: bool = False
+        self,
+        params: Any,
+        version: int,
+        *,
+        timeout: float | None = None,
+        wait_ack: bool = False,
+        live_only: bool = False,
     ) -> TransferStats:
         """Sends `params` (version `version`) to every receiver, one after another.
+
+        `live_only`: to the receivers connected now, without waiting for the others; a
+        receiver that is lost, or has not taken the previous version within `timeout`,
+        is skipped (logged, it gets the next send if it is back), and a restarted one
+        is served again once it has dialed in (the online ranker's refreshes: scheduling
+        quality, never a reason to stop the run).
 
         Raises:
           TransportTimeout: a receiver has not taken the previous version (or,
@@ -257,10 +270,19 @@ class WeightSender:
         pack_s = time.perf_counter() - t0
         payload = wire.encode_header(header)
         raw = [_bytes_of(a) for a in arrays]
-        self.wait_for_receivers(timeout)
+        if not live_only:
+            self.wait_for_receivers(timeout)
         channels = self._hub.channels
+        sent = []
         for channel in channels:
-            channel.send(payload, raw=raw, timeout=timeout)
+            try:
+                channel.send(payload, raw=raw, timeout=timeout)
+                sent.append(channel)
+            except (PeerLost, TransportTimeout) as e:
+                if not live_only:
+                    raise
+                logging.warning("%s: v%d not sent to %s: %s", self.name, version, channel.peer, e)
+        channels = sent
         if wait_ack:
             for channel in channels:
                 channel.wait_acked(version, timeout)

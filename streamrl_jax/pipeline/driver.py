@@ -18,12 +18,13 @@ thread draining it (DESIGN.md §4).
   the samples paused in round b - 1 (`rollout.py`); the collector hands a paused
   sample back to the rollout (its continuation is submitted at once when its round
   is open) instead of to `emit`.
-* **a lost generation process** (across processes; `roster.py`): `lose(lost, update)`
+* **a lost generation process** (across processes; `roster.py`): `lose(update)`
   hands this driver the groups (and held-out prompts) of batches it already drew that
-  it owns now; `regenerate()`, on the driver thread (or the owner's once that has
-  ended), generates them under the batch's own version W_{g(b)} (`weights_at`: the
-  recent placed versions), swapping it in and back only when the service holds
-  another.
+  it owns now (each batch split under `update.lost_at(batch)`: reserved processes own
+  batches from their activation on; `before_draw(b)` reads the roster first);
+  `regenerate()`, on the driver thread (or the owner's once that has ended),
+  generates them under the batch's own version W_{g(b)} (`weights_at`: the recent
+  placed versions), swapping it in and back only when the service holds another.
 * **collector**: each finished sample, the moment it completes, goes to `emit`:
   in one process the run scores it and puts it into the sample stream
   (`ingest.py`); in a generation process it is sent to the training process
@@ -136,9 +137,14 @@ class GenerationDriver:
         # recent batches and of every held-out version (all processes' shares), and
         # the requests to generate again, by the version they need.
         self.weights_at = weights_at
-        self.lost: frozenset[int] = frozenset()
+        # The roster in force (roster.py: lost and reserved processes); `before_draw(b)`
+        # applies the updates published before W_{g(b)} was sent (elastic activations
+        # name the batch they start from).
+        self.roster = RosterUpdate(0, (), 0, {}, (), {})
+        self.before_draw: Callable[[int], None] | None = None
         self._drawn: dict[int, list[GenerationRequest]] = {}
         self._evals: dict[int, list[GenerationRequest]] = {}
+        self._eval_batch: dict[int, int] = {}  # held-out version -> batch it was drawn at
         self._again: dict[int, list[GenerationRequest]] = {}
         self._roster_lock = threading.Lock()
         self._keep = cfg.pipeline.staleness + 2  # the trainer is at most s + 1 batches behind
@@ -198,14 +204,16 @@ class GenerationDriver:
             )
 
     # ------------------------------------------------------------------ driver
-    def _mine(self, index: int) -> bool:
+    def _mine(self, index: int, batch: int) -> bool:
         k, g = self.share
-        return owner(index, g, self.lost) == k
+        return owner(index, g, self.roster.lost_at(batch)) == k
 
-    def _eval_requests(self, version: int) -> list[GenerationRequest]:
+    def _eval_requests(self, version: int, batch: int) -> list[GenerationRequest]:
+        """This process's share of the held-out prompts of `version`, submitted at `batch`."""
         with self._roster_lock:
             self._evals[version] = every = self._all_eval_requests(version)
-            return [r for r in every if self._mine(r.tag.group)]
+            self._eval_batch[version] = batch
+            return [r for r in every if self._mine(r.tag.group, batch)]
 
     def _all_eval_requests(self, version: int) -> list[GenerationRequest]:
         g = self.cfg.generation
@@ -223,19 +231,19 @@ class GenerationDriver:
 
     # ------------------------------------------------------------------ roster
     def lose(self, update: RosterUpdate) -> int:
-        """Another generation process is lost (`update.lost`): queues the requests of
-        batches and held-out versions already drawn that this process owns now and
-        did not, except what the trainer already has. Returns how many."""
+        """A new roster (a generation process lost, back, or activated): queues the
+        requests of batches and held-out versions already drawn that this process owns
+        now and did not, except what the trainer already has. Returns how many."""
         k, g = self.share
         n = 0
         with self._roster_lock:
-            before, self.lost = self.lost, frozenset(update.lost)
+            before, self.roster = self.roster, update
             for b, requests in self._drawn.items():
                 if b < update.floor:
                     continue
                 have = set(update.complete.get(b, ()))
                 groups = {r.tag.group for r in requests} - have
-                mine = set(regenerate(groups, k, g, before, self.lost))
+                mine = set(regenerate(groups, k, g, before.lost_at(b), update.lost_at(b)))
                 again = [r for r in requests if r.tag.group in mine]
                 self._again.setdefault(self.sched.generation_version(b), []).extend(again)
                 n += len(again)
@@ -243,7 +251,9 @@ class GenerationDriver:
                 if v in update.evals_done:
                     continue
                 have = set(update.evals.get(v, ()))
-                mine = set(regenerate([r.tag.group for r in requests], k, g, before, self.lost))
+                at = self._eval_batch[v]
+                indices = [r.tag.group for r in requests]
+                mine = set(regenerate(indices, k, g, before.lost_at(at), update.lost_at(at)))
                 again = [r for r in requests if r.tag.group in mine - have]
                 self._again.setdefault(v, []).extend(again)
                 n += len(again)
@@ -281,7 +291,7 @@ class GenerationDriver:
             self._drawn.setdefault(batch, []).extend(requests)  # refills add groups
             for b in [b for b in self._drawn if b < batch - self._keep]:
                 del self._drawn[b]
-            return [r for r in requests if self._mine(r.tag.group)]
+            return [r for r in requests if self._mine(r.tag.group, batch)]
 
     def _eval(self, batch: int) -> None:
         """The eval hook: the held-out prompts under the loaded weights, once per policy
@@ -290,7 +300,7 @@ class GenerationDriver:
         if self.version in self.eval_versions:
             return
         self.eval_versions.add(self.version)
-        requests = self._eval_requests(self.version)
+        requests = self._eval_requests(self.version, batch)
         instances = None
         if self._instances is not None:
             instances = [i % self.live.active for i in range(len(requests))]
@@ -320,6 +330,8 @@ class GenerationDriver:
                     self._load(needed)
                 if self._stop.is_set():
                     return
+                if self.before_draw is not None:
+                    self.before_draw(b)
                 prompts = self.draw(b, p.prompts_per_step)
                 requests = self._requests(b, prompts, 0)
                 self.regenerate()
@@ -378,7 +390,7 @@ class GenerationDriver:
             return
         self.eval_versions.add(version)
         self._load(version)
-        self._submit(self._eval_requests(version))
+        self._submit(self._eval_requests(version, version))
 
     # ------------------------------------------------------------------ collector
     def _collect(self) -> None:

@@ -29,11 +29,13 @@ closes its sample channels in order and returns (raising for a failure). A
 generation process that fails tells the trainer why (`GenerationFailed`) before
 it exits; a lost trainer ends it at once.
 
-**Another generation process lost.** A `roster-watcher` thread reads the trainer's
-roster updates (`roster.py`, `roster/<epoch>`); the driver then generates the lost
-process's groups of the batches already drawn that this process owns now, under
-their own version (the last `staleness + 2` placed versions are kept for it), and
-owns its share of every later batch. **Restarted** (the same command and id,
+**Another generation process lost, or a reserved one activated.** A `roster-watcher`
+thread reads the trainer's roster updates (`roster.py`, `roster/<epoch>`), and so does
+the driver before it draws each batch (an elastic activation names the batch it starts
+from; the trainer publishes it before the weights that batch needs); the driver then
+generates the lost process's groups of the batches already drawn that this process
+owns now, under their own version (the last `staleness + 2` placed versions are kept
+for it), and owns its share of every later batch. **Restarted** (the same command and id,
 `roles.Roles.rejoined`): it waits for the roster update that takes it back, moves its
 prompt iterator to that update's batch by drawing, takes that batch's weights (the
 trainer's `ShardSender.catch_up`) and generates its share from there.
@@ -79,7 +81,7 @@ from streamrl_jax.pipeline.process_plan import (
     ranker_online,
 )
 from streamrl_jax.pipeline.rollout import PartialRollout
-from streamrl_jax.pipeline.roster import ROSTER_KEY, RosterUpdate
+from streamrl_jax.pipeline.roster import ROSTER_KEY, RosterUpdate, reserved_processes
 from streamrl_jax.pipeline.round_reports import start_reporter
 from streamrl_jax.pipeline.schedules import Schedule
 from streamrl_jax.scheduling.live import LiveScheduler
@@ -130,6 +132,8 @@ class _GenerationProcess:
             xla=pull_server(cfg, roles.advertised_host(dcfg)),
         )
         self.driver: GenerationDriver | None = None
+        self._roster_lock = threading.Lock()
+        self._epoch = 1  # the next roster epoch to read
         self._placed: dict[int, list[Any]] = {}  # recent versions, for groups made again
         self.latch = FailureLatch(name)
         self.latch.add_listener(
@@ -222,32 +226,58 @@ class _GenerationProcess:
             f"back (no roster update after epoch {epoch - 1}) within {self.timeout:.0f} s"
         )
 
-    def _roster_watcher(self, epoch: int) -> threading.Thread:
-        """Reads the trainer's roster updates (a generation process lost or back) from
-        `epoch` on and hands each to the driver."""
+    def _apply_roster(self, text: str | None, epoch: int) -> bool:
+        """Hands roster update `epoch` (its published `text`, None if there is none yet)
+        to the driver, once: the watcher thread and the driver's `before_draw` both read
+        the roster. False when there was nothing to apply."""
+        if text is None:
+            return False
+        with self._roster_lock:
+            if self._epoch != epoch:
+                return True  # the other reader applied it
+            update = RosterUpdate.decode(text)
+            n = self.driver.lose(update)
+            self._epoch = epoch + 1
+        active = {r: b for r, b in update.active_from.items() if r not in update.lost}
+        logging.warning(
+            "generation-%d: roster epoch %d, generation processes %s lost, reserved %s "
+            "active from batch %s: generating %d requests again",
+            self.pid,
+            update.epoch,
+            list(update.lost),
+            list(update.reserved),
+            active,
+            n,
+        )
+        return True
+
+    def _before_draw(self, batch: int) -> None:
+        """The driver, before it draws `batch` (holding W_{g(batch)}): applies every
+        roster update published so far. The trainer publishes an elastic activation
+        before it sends the weights of the first batch the activation names, so every
+        process splits that batch under it (roster.py)."""
+        del batch
+        while True:
+            epoch = self._epoch
+            if not self._apply_roster(roles.try_lookup(f"{ROSTER_KEY}/{epoch}"), epoch):
+                return
+
+    def _roster_watcher(self) -> threading.Thread:
+        """Reads the trainer's roster updates (a generation process lost, back or
+        activated) and hands each to the driver."""
 
         def watch() -> None:
-            nonlocal epoch
             while not self._stopping.is_set():
+                epoch = self._epoch
                 try:
                     text = roles.lookup(f"{ROSTER_KEY}/{epoch}", 1.0)
                 except TimeoutError:
                     continue
                 try:
-                    update = RosterUpdate.decode(text)
-                    n = self.driver.lose(update)
+                    self._apply_roster(text, epoch)
                 except Exception as e:  # noqa: BLE001 - reported to the owner
                     self.latch.fail("roster watcher", e)
                     return
-                logging.warning(
-                    "generation-%d: roster epoch %d, generation processes %s lost: "
-                    "generating %d requests again",
-                    self.pid,
-                    update.epoch,
-                    list(update.lost),
-                    n,
-                )
-                epoch += 1
 
         thread = threading.Thread(target=watch, name="roster-watcher", daemon=True)
         thread.start()
@@ -334,19 +364,22 @@ class _GenerationProcess:
         if batch > 0:
             self.side.prompts.set_state(start["prompts"])
         expected = {int(b): ids for b, ids in start.get("expected_ids", {}).items()}
-        loaded, lost, epoch = 0, (), 1
+        loaded = 0
+        g = len(self.r.generation_processes)
+        reserved = reserved_processes(g, self.cfg.scheduling.elastic_reserved)
+        roster = RosterUpdate(0, (), 0, {}, (), {}, reserved=reserved)
         if self.r.rejoined:
             # Restarted into the run: start where the trainer's roster says, with
             # that batch's weights; the prompt iterator is moved there by drawing.
-            update = self._rejoin_roster()
-            lost, epoch = update.lost, update.epoch + 1
+            roster = update = self._rejoin_roster()
             for _ in range(batch, update.floor):
                 self.side.prompts.next_prompts(self.cfg.pipeline.prompts_per_step)
             batch, expected = update.floor, {}
             loaded = Schedule.from_config(self.cfg.pipeline).generation_version(batch)
         params = self._receive(loaded)
         service = self.side.parts.service(params, loaded, on_chunk=self._on_chunk)
-        live = LiveScheduler(self.cfg, self.cfg.mesh.instance_slots, self.side.vocab_size)
+        # Every instance of this process dispatches; the reserved units are processes.
+        live = LiveScheduler(self.cfg, self.cfg.mesh.instance_slots, self.side.vocab_size, 0)
         ranker_thread = self._ranker_channel(live)
         # Partial rollout: this process's rounds (the trainer learns of each closure).
         p = self.cfg.pipeline
@@ -371,10 +404,11 @@ class _GenerationProcess:
             expected_ids=expected,
             rollout=rollout,
         )
-        driver.lost = frozenset(lost)
+        driver.roster, self._epoch = roster, roster.epoch + 1
+        driver.before_draw = self._before_draw
         self.driver = driver
         ok = False
-        roster_thread = self._roster_watcher(epoch)
+        roster_thread = self._roster_watcher()
         reporter = None
         try:
             driver.start_threads()

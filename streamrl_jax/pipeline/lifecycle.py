@@ -21,7 +21,7 @@ from typing import Any
 from absl import logging
 
 from streamrl_jax import checkpoint as ckpt_lib
-from streamrl_jax.config import ExperimentConfig, validate
+from streamrl_jax.config import ExperimentConfig, check_one_process, validate
 from streamrl_jax.errors import UserError
 from streamrl_jax.metrics import Progress
 from streamrl_jax.pipeline.components import Components, build
@@ -42,7 +42,14 @@ class _Run:
     def __init__(self, cfg: ExperimentConfig, c: Components, workdir: str, link: Any):
         self.cfg, self.c, self.workdir, self.link = cfg, c, workdir, link
         rounds = getattr(link, "rollout", None)  # partial rollout across processes
-        self.parts = parts = wire(cfg, c, workdir, getattr(link, "checkpoints", None), rounds)
+        self.parts = parts = wire(
+            cfg,
+            c,
+            workdir,
+            getattr(link, "checkpoints", None),
+            rounds,
+            across_processes=link is not None,
+        )
         self.sup, self.board, self.stream = parts.supervisor, parts.board, parts.stream
         self.service: Any = None
         self.driver: GenerationDriver | None = None
@@ -198,6 +205,7 @@ def run(
     `cfg.pipeline.mode`; metrics, trace and checkpoints go to `workdir`; `reward_fn`
     replaces the task's reward (tests, custom rewards)."""
     validate(cfg)  # a config made in code, too, fails here before any model load
+    check_one_process(cfg)
     return run_components(cfg, build(cfg, devices), workdir, reward_fn=reward_fn)
 
 
@@ -216,6 +224,8 @@ def run_components(
             "pipeline.dynamic_sampling runs in one process only: a multi-controller run's "
             "generation processes cannot see the rewards that decide the refills"
         )
+    if link is None:
+        check_one_process(cfg)
     if reward_fn is not None:  # the caller's own function: inline unless asked otherwise
         components.reward_fn = reward_fn
         if cfg.data.reward_sandbox != "process":

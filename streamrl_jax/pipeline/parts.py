@@ -66,10 +66,12 @@ def wire(
     workdir: str,
     checkpoints: tuple[str, tuple[int, ...]] | None = None,
     rounds: RoundReports | None = None,
+    across_processes: bool = False,
 ) -> RunParts:
     """`checkpoints`: a multi-controller training process's (directory, training
     processes), see `RunCheckpoints`; `rounds`: its partial rollout's round reports
-    (the rounds run in the generation processes)."""
+    (the rounds run in the generation processes); `across_processes`: a training
+    process's run, whose elastic units are generation processes (`TrainingLink`)."""
     p = cfg.pipeline
     sup = Supervisor(p)
     schedule = Schedule.from_config(p)
@@ -106,7 +108,8 @@ def wire(
     ckpts = RunCheckpoints(
         cfg, c, workdir, schedule, rollout, directory=directory, processes=processes
     )
-    live = LiveScheduler(cfg, cfg.mesh.instance_slots, c.model_cfg.vocab_size)
+    reserved = 0 if across_processes else None  # across processes: reserved processes
+    live = LiveScheduler(cfg, cfg.mesh.instance_slots, c.model_cfg.vocab_size, reserved)
     ckpts.ranker = live.ranker  # saved and restored with the checkpoints
     board = WeightBoard()
 

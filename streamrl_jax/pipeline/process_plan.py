@@ -17,8 +17,9 @@ reports each closure to the trainer (`round_reports.py`).
 Not supported across processes yet (an error at start-up, on every process):
 colocated mode; partial rollout with more than one generation or training process, or
 with checkpoints (the paused samples a checkpoint must hold live in the generation
-process); elastic instances; training processes that cannot split every micro-batch
-equally. A lost generation process is
+process); training processes that cannot split every micro-batch equally. Elastic
+generation (`scheduling.elastic_reserved`) counts reserved generation processes
+(`roster.py`); it must leave one active. A lost generation process is
 left behind while another is alive, and a restarted one rejoins (`roster.py`).
 Checkpoints are written by the training processes (orbax's active set,
 `checkpoint/manager.py`); the generation processes learn where a resumed run starts
@@ -81,11 +82,12 @@ def check_supported(
                 f"STREAMRL_NUM_PROCESSES={num_processes}, STREAMRL_GENERATION_PROCESSES="
                 f"{generation_processes}: {e}"
             ) from None
-    s = cfg.scheduling
-    if s.elastic_reserved > 0:
+    reserved = cfg.scheduling.elastic_reserved
+    if reserved > 0 and reserved >= generation_processes:
         raise ValueError(
-            f"scheduling.elastic_reserved={s.elastic_reserved}: elastic instances are not "
-            f"supported with {n} yet"
+            f"scheduling.elastic_reserved={reserved}: across processes it counts reserved "
+            f"generation processes, and must leave at least one of the "
+            f"{generation_processes} (STREAMRL_GENERATION_PROCESSES) active"
         )
 
 

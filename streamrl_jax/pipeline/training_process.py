@@ -74,7 +74,7 @@ from streamrl_jax.pipeline.process_plan import (
     ownership,
     ranker_online,
 )
-from streamrl_jax.pipeline.roster import ROSTER_KEY, Roster
+from streamrl_jax.pipeline.roster import ROSTER_KEY, Roster, reserved_processes
 from streamrl_jax.pipeline.round_reports import RoundReports
 from streamrl_jax.pipeline.schedules import Schedule
 from streamrl_jax.pipeline.shards import TrainingGroup
@@ -153,7 +153,10 @@ class TrainingLink:
         per_batch = range(p.prompts_per_step)
         own = ownership(cfg, t) if t > 1 else None
         groups = [i for i in per_batch if own is None or own.owner(i) == self.index]
-        self.roster = Roster(g, groups, p.group_size, num_evals=0)  # evals: set at build
+        # The reserved (elastic) generation processes own nothing until activated.
+        reserved = reserved_processes(g, cfg.scheduling.elastic_reserved)
+        self.roster = Roster(g, groups, p.group_size, num_evals=0, reserved=reserved)
+        self.steps = p.steps
         self.versions = Schedule.from_config(p)  # g(b): the version batch b needs
         self.duplicates = 0
         # Partial rollout: the generation processes' round closures (round_reports.py),
@@ -287,11 +290,45 @@ class TrainingLink:
         self.live = live
         if self.ranker_sender is not None:
             live.on_refresh = self._send_ranker
+        if self.index == 0 and self.roster.reserved:
+            live.elastic_over_processes(self.roster.counts, self._activate)
+
+    def _activate(self, step: int) -> bool:
+        """The elastic rule added a generation instance at the end of `step`: the next
+        reserved generation process generates its share of every batch from the first
+        one whose weights (version >= step + 2) the trainer has not begun to send. The
+        roster update is published here, before those weights leave (the generation
+        processes read the roster before they draw a batch: roster.py). False when no
+        reserved process is left or no batch is."""
+        g = self.versions.generation_version
+        first = next((b for b in range(step + 1, self.steps) if g(b) >= step + 2), None)
+        if first is None:
+            logging.info("elastic: the rule fired at step %d, but no batch is left to give", step)
+            return False
+        taken = self.roster.activate(first)
+        if taken is None:
+            return False
+        k, update = taken
+        roles.publish(f"{ROSTER_KEY}/{update.epoch}", update.encode())
+        self._mark(f"activated generation-{k}")
+        logging.warning(
+            "elastic: generation process %d activated at step %d; it generates its share "
+            "from batch %d (roster epoch %d)",
+            k,
+            step,
+            first,
+            update.epoch,
+        )
+        return True
 
     def _send_ranker(self, ranker: Any) -> None:
         """The refresh thread: the new ranker parameters to every generation process."""
         try:
-            self.ranker_sender.send(ranker.params(), ranker.steps, timeout=self.timeout)
+            # To the generation processes connected now: a lost one is skipped, a
+            # restarted one (its ranker receiver dialed in again) gets the next refresh.
+            self.ranker_sender.send(
+                ranker.params(), ranker.steps, timeout=self.timeout, live_only=True
+            )
         except ChannelClosed:  # the run ended while the refresh ran: nobody dispatches
             logging.info("ranker v%d: the run ended before it was sent", ranker.steps)
 

@@ -26,7 +26,10 @@
   but get no requests until the elastic rule (balance.ElasticController, delta >=
   delta') activates one, between two batches, without stopping the trainer. T_gen
   is the batch's generation span (first admission to last completion), T_train the
-  trainer's busy seconds of the step.
+  trainer's busy seconds of the step. Across processes the units are generation
+  processes: the first training process runs the rule (`elastic_over_processes`) and
+  activates a reserved process from a later batch through the roster
+  (`pipeline/roster.py`); the generation processes' schedulers reserve nothing.
 
 Every plan and elastic decision is logged (`decisions`), and the step metrics carry
 `active_instances`, `plan_long_instances` and the ranker's refresh loss.
@@ -55,11 +58,21 @@ DISPATCH = ("round_robin", "random", "skew_aware", "oracle")
 class LiveScheduler:
     """Dispatch, ranker and elasticity of one run (see the module docstring)."""
 
-    def __init__(self, cfg: Any, instance_slots: Sequence[int], vocab_size: int):
+    def __init__(
+        self,
+        cfg: Any,
+        instance_slots: Sequence[int],
+        vocab_size: int,
+        reserved: int | None = None,
+    ):
+        """`reserved`: instances of `instance_slots` held back (default
+        `scheduling.elastic_reserved`; a generation process of a multi-controller run
+        passes 0: there the reserved units are processes, `elastic_over_processes`)."""
         s = cfg.scheduling
         self.kind = s.dispatch
         self.slots = list(instance_slots)
-        self.active = len(self.slots) - s.elastic_reserved
+        reserved = s.elastic_reserved if reserved is None else reserved
+        self.active = len(self.slots) - reserved
         self.decisions: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self.ranker: Ranker | None = None
@@ -94,9 +107,13 @@ class LiveScheduler:
         self.random = dispatch.RandomDispatcher(seed=cfg.seed)
         self.elastic = (
             balance.ElasticController(self.active, len(self.slots), saving=balance.ideal_saving)
-            if s.elastic_reserved
+            if reserved
             else None
         )
+        # Across processes (the first training process): the rule counts generation
+        # processes and `on_add(step)` activates one (`elastic_over_processes`).
+        self.on_add: Callable[[int], bool] | None = None
+        self._counts: Callable[[], tuple[int, int]] | None = None
         self._pending: list[tuple[tuple[int, ...], int]] = []
         self._refresh: threading.Thread | None = None
         self._written = 0  # decisions already written by `write_decisions`
@@ -109,6 +126,17 @@ class LiveScheduler:
     def lpt(self) -> bool:
         """Engines admit longest-predicted first."""
         return self.kind in ("skew_aware", "oracle")
+
+    def elastic_over_processes(
+        self, counts: Callable[[], tuple[int, int]], on_add: Callable[[int], bool]
+    ) -> None:
+        """A multi-controller trainer's rule over generation processes: `counts()` gives
+        (active processes, reserved ones left) from the roster before each decision
+        (a loss may have activated one already); when the rule adds one, `on_add(step)`
+        activates the next reserved process (False if none could be)."""
+        active, left = counts()
+        self.elastic = balance.ElasticController(active, active + left, saving=balance.ideal_saving)
+        self.on_add, self._counts = on_add, counts
 
     # ------------------------------------------------------------------ dispatch
     def plan(
@@ -220,13 +248,21 @@ class LiveScheduler:
         if math.isfinite(self.last_loss):  # NaN until the first refresh: no row entry
             out["ranker_loss"] = self.last_loss
         if self.elastic is not None and t_gen > 0:
+            if self.on_add is not None:  # the roster's truth, losses included
+                active, left = self._counts()
+                self.elastic.instances, self.elastic.max_instances = active, active + left
             d = self.elastic.observe(step, t_gen, t_train)
-            self.decisions.append({"batch": step, "kind": "elastic", **dataclasses.asdict(d)})
-            if d.add:
+            record = {"batch": step, "kind": "elastic", **dataclasses.asdict(d)}
+            if d.add and self.on_add is not None:
+                record["activated"] = self.on_add(step)  # a generation process
+            elif d.add:
                 with self._lock:
                     self.active = self.elastic.instances
                 logging.info(
                     "elastic: instance %d activated for batches after %d", self.active - 1, step
                 )
+            self.decisions.append(record)
             out |= {"elastic_delta": d.delta, "elastic_delta_prime": d.delta_prime}
+            if self.on_add is not None:
+                out["active_generation_processes"] = float(self._counts()[0])
         return out
