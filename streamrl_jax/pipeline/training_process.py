@@ -321,13 +321,14 @@ class TrainingLink:
         )
         return True
 
-    def _send_ranker(self, ranker: Any) -> None:
-        """The refresh thread: the new ranker parameters to every generation process."""
+    def _send_ranker(self, ranker: Any, live_only: bool = True) -> None:
+        """The refresh thread: the new ranker parameters to every generation process.
+        `live_only` (refreshes): to the generation processes connected now, a lost one
+        skipped, a restarted one (its ranker receiver dialed in again) served from the
+        next refresh; a resumed run's restored ranker waits for every receiver."""
         try:
-            # To the generation processes connected now: a lost one is skipped, a
-            # restarted one (its ranker receiver dialed in again) gets the next refresh.
             self.ranker_sender.send(
-                ranker.params(), ranker.steps, timeout=self.timeout, live_only=True
+                ranker.params(), ranker.steps, timeout=self.timeout, live_only=live_only
             )
         except ChannelClosed:  # the run ended while the refresh ran: nobody dispatches
             logging.info("ranker v%d: the run ended before it was sent", ranker.steps)
@@ -356,7 +357,7 @@ class TrainingLink:
             ranker = getattr(self.live, "ranker", None)
             if self.ranker_sender is not None and ranker is not None and ranker.steps > 0:
                 logging.info("restored ranker v%d to the generation processes", ranker.steps)
-                self._send_ranker(ranker)
+                self._send_ranker(ranker, live_only=False)
 
     def _wait(self, wait: Any, what: str) -> None:
         """`wait(timeout=...)` in short slices, so a closing link never waits long."""
