@@ -30,7 +30,7 @@ generation process that fails tells the trainer why (`GenerationFailed`) before
 it exits; a lost trainer ends it at once.
 
 **Another generation process lost, or a reserved one activated.** A `roster-watcher`
-thread reads the trainer's roster updates (`roster.py`, `roster/<epoch>`), and so does
+thread reads the trainer's roster updates (`roster_reader.py`, `roster/<epoch>`), and so does
 the driver before it draws each batch (an elastic activation names the batch it starts
 from; the trainer publishes it before the weights that batch needs); the driver then
 generates the lost process's groups of the batches already drawn that this process
@@ -69,6 +69,7 @@ from streamrl_jax.distributed.xla_pull import pull_server
 from streamrl_jax.generation.types import Sample
 from streamrl_jax.mailbox import FailureLatch
 from streamrl_jax.pipeline import components as components_lib
+from streamrl_jax.pipeline import roster_reader
 from streamrl_jax.pipeline.driver import GenerationDriver
 from streamrl_jax.pipeline.process_plan import (
     CLOSE_TIMEOUT_S,
@@ -81,7 +82,7 @@ from streamrl_jax.pipeline.process_plan import (
     ranker_online,
 )
 from streamrl_jax.pipeline.rollout import PartialRollout
-from streamrl_jax.pipeline.roster import ROSTER_KEY, RosterUpdate, reserved_processes
+from streamrl_jax.pipeline.roster import RosterUpdate, reserved_processes
 from streamrl_jax.pipeline.round_reports import start_reporter
 from streamrl_jax.pipeline.schedules import Schedule
 from streamrl_jax.scheduling.live import LiveScheduler
@@ -104,7 +105,7 @@ class _GenerationProcess:
         self.side = components_lib.build_generation(cfg, jax.local_devices())
         name = f"generation-{self.pid}"
         # A restarted process: the roster so far; the update taking it back comes after.
-        self.epoch0 = self._last_epoch() if r.rejoined else 0
+        self.epoch0 = roster_reader.last_epoch() if r.rejoined else 0
         # One sample channel per training process: each group goes to its owner
         # (shards.py); held-out samples and reports go to the first.
         t = len(r.training_processes)
@@ -132,8 +133,6 @@ class _GenerationProcess:
             xla=pull_server(cfg, roles.advertised_host(dcfg)),
         )
         self.driver: GenerationDriver | None = None
-        self._roster_lock = threading.Lock()
-        self._epoch = 1  # the next roster epoch to read
         self._placed: dict[int, list[Any]] = {}  # recent versions, for groups made again
         self.latch = FailureLatch(name)
         self.latch.add_listener(
@@ -190,98 +189,6 @@ class _GenerationProcess:
                     raise
                 if self.latch.failed or self._stopping.is_set():
                     raise
-
-    @staticmethod
-    def _last_epoch() -> int:
-        """The newest roster epoch published so far (0: none)."""
-        epoch = 0
-        while True:
-            try:
-                roles.lookup(f"{ROSTER_KEY}/{epoch + 1}", 0.05)
-            except TimeoutError:
-                return epoch
-            epoch += 1
-
-    def _rejoin_roster(self) -> RosterUpdate:
-        """A restarted process: the trainer's roster update that takes it back, published
-        once its weight channel is connected again, so after `self.epoch0` (read before
-        this process dialed)."""
-        deadline, epoch = time.monotonic() + self.timeout, self.epoch0 + 1
-        while time.monotonic() < deadline:
-            try:
-                update = RosterUpdate.decode(roles.lookup(f"{ROSTER_KEY}/{epoch}", 1.0))
-            except TimeoutError:
-                continue
-            if self.pid not in update.lost:
-                logging.warning(
-                    "generation-%d: rejoined the run at batch %d (roster epoch %d)",
-                    self.pid,
-                    update.floor,
-                    update.epoch,
-                )
-                return update
-            epoch += 1
-        raise TimeoutError(
-            f"generation-{self.pid}: restarted, but the training process did not take it "
-            f"back (no roster update after epoch {epoch - 1}) within {self.timeout:.0f} s"
-        )
-
-    def _apply_roster(self, text: str | None, epoch: int) -> bool:
-        """Hands roster update `epoch` (its published `text`, None if there is none yet)
-        to the driver, once: the watcher thread and the driver's `before_draw` both read
-        the roster. False when there was nothing to apply."""
-        if text is None:
-            return False
-        with self._roster_lock:
-            if self._epoch != epoch:
-                return True  # the other reader applied it
-            update = RosterUpdate.decode(text)
-            n = self.driver.lose(update)
-            self._epoch = epoch + 1
-        active = {r: b for r, b in update.active_from.items() if r not in update.lost}
-        logging.warning(
-            "generation-%d: roster epoch %d, generation processes %s lost, reserved %s "
-            "active from batch %s: generating %d requests again",
-            self.pid,
-            update.epoch,
-            list(update.lost),
-            list(update.reserved),
-            active,
-            n,
-        )
-        return True
-
-    def _before_draw(self, batch: int) -> None:
-        """The driver, before it draws `batch` (holding W_{g(batch)}): applies every
-        roster update published so far. The trainer publishes an elastic activation
-        before it sends the weights of the first batch the activation names, so every
-        process splits that batch under it (roster.py)."""
-        del batch
-        while True:
-            epoch = self._epoch
-            if not self._apply_roster(roles.try_lookup(f"{ROSTER_KEY}/{epoch}"), epoch):
-                return
-
-    def _roster_watcher(self) -> threading.Thread:
-        """Reads the trainer's roster updates (a generation process lost, back or
-        activated) and hands each to the driver."""
-
-        def watch() -> None:
-            while not self._stopping.is_set():
-                epoch = self._epoch
-                try:
-                    text = roles.lookup(f"{ROSTER_KEY}/{epoch}", 1.0)
-                except TimeoutError:
-                    continue
-                try:
-                    self._apply_roster(text, epoch)
-                except Exception as e:  # noqa: BLE001 - reported to the owner
-                    self.latch.fail("roster watcher", e)
-                    return
-
-        thread = threading.Thread(target=watch, name="roster-watcher", daemon=True)
-        thread.start()
-        return thread
 
     def _on_chunk(self, instance, t0, t1, tokens, running, steps=0, prefilled=0) -> None:
         label = f"p{self.pid}.{instance}"
@@ -371,7 +278,7 @@ class _GenerationProcess:
         if self.r.rejoined:
             # Restarted into the run: start where the trainer's roster says, with
             # that batch's weights; the prompt iterator is moved there by drawing.
-            roster = update = self._rejoin_roster()
+            roster = update = roster_reader.rejoin(self.pid, self.epoch0, self.timeout)
             for _ in range(batch, update.floor):
                 self.side.prompts.next_prompts(self.cfg.pipeline.prompts_per_step)
             batch, expected = update.floor, {}
@@ -404,11 +311,12 @@ class _GenerationProcess:
             expected_ids=expected,
             rollout=rollout,
         )
-        driver.roster, self._epoch = roster, roster.epoch + 1
-        driver.before_draw = self._before_draw
+        reader = roster_reader.RosterReader(self.pid, driver, roster)
         self.driver = driver
         ok = False
-        roster_thread = self._roster_watcher()
+        roster_thread = reader.start_watcher(
+            self._stopping, lambda e: self.latch.fail("roster watcher", e)
+        )
         reporter = None
         try:
             driver.start_threads()
