@@ -132,6 +132,21 @@ def sample_seed(run_seed: int, batch: int, group: int, member: int) -> int:
     return int.from_bytes(digest.digest(), "little") & 0x7FFFFFFF
 
 
+def replay_lengths(
+    run_seed: int, batch: int, n: int, max_new_tokens: int, first_group: int = 0
+) -> list[int]:
+    """Length replay's forced response lengths of the n samples (groups from `first_group`,
+    members in order) of batch `batch`: drawn from the paper's long-tail trace scaled to
+    `max_new_tokens`, seeded by run and batch, so known before anything is generated."""
+    if max_new_tokens <= 1:
+        return [max_new_tokens] * n
+    # At least 16 tokens (a quarter of the cap below 64: the window must stay open).
+    shortest = min(16, max(1, max_new_tokens // 4))
+    trace = lengths.paper_trace(max_new_tokens, min_len=shortest)
+    rng = np.random.default_rng([run_seed, batch] + ([first_group] if first_group else []))
+    return [int(k) for k in lengths.sample_lengths(trace, n, rng)[1]]
+
+
 def make_requests(
     prompts: Sequence[Prompt],
     *,
@@ -157,11 +172,7 @@ def make_requests(
     """
     forced = [None] * (len(prompts) * group_size)
     if length_replay:
-        trace = dataclasses.replace(
-            lengths.paper_trace(max_new_tokens), min_len=min(16, max_new_tokens)
-        )
-        rng = np.random.default_rng([run_seed, batch] + ([first_group] if first_group else []))
-        forced = [int(n) for n in lengths.sample_lengths(trace, len(forced), rng)[1]]
+        forced = replay_lengths(run_seed, batch, len(forced), max_new_tokens, first_group)
     out = []
     for i, prompt in enumerate(prompts):
         g = first_group + i

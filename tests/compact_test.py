@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from engine_test import assert_same, by_id, make_engine, model, requests  # noqa: F401
 
 from streamrl_jax.generation import compact
-from streamrl_jax.generation.types import SamplingParams
+from streamrl_jax.generation.types import Continuation, SamplingParams
 
 # A config of its own (chunk_steps=3): its jitted chunk is not shared with other tests',
 # so its executable count is this test's. Shapes: batch (1, 2) x length (24, 48), and
@@ -74,3 +76,44 @@ def test_decode_compiles_at_most_one_executable_per_bucket_pair(model):  # noqa:
     assert engine._chunk._cache_size() == len(shapes.all())
     engine.run(requests(16, seed=7))
     assert engine.compile_count() == compiled
+
+
+@pytest.mark.parametrize("share_prefill", [True, False])
+def test_compile_shapes_compiles_everything_a_run_meets_and_changes_no_sample(
+    model,  # noqa: F811
+    share_prefill,
+):
+    """`pipeline.precompile`'s engine part: after `compile_shapes(continuations=True)` a
+    run with admissions mid-run, shared prompts and paused-and-continued requests compiles
+    nothing more, and gives bitwise the samples of an engine that compiled as it went (the
+    padding rows the compile runs on write nothing)."""
+    kw = dict(chunk_steps=5, min_decode_length=16, share_prefill=share_prefill)  # own statics
+    reqs = requests(9, seed=8)
+    reqs += [dataclasses.replace(r, request_id=100 + i) for i, r in enumerate(reqs[:3])]
+    paused = [dataclasses.replace(r, segment_tokens=4) for r in reqs[:4]]
+
+    def run(engine):
+        first = engine.run(paused)
+        again = [
+            dataclasses.replace(reqs[s.request_id], continuation=Continuation.of(s))
+            for s in first
+            if s.finish_reason == "paused"
+        ]
+        assert again
+        return by_id(engine.run(reqs[4:]) + engine.run(again))
+
+    cold = run(make_engine(model, **kw))
+    engine = make_engine(model, **kw)
+    engine.compile_shapes(continuations=True)
+    compiled = engine.compile_count()  # executables of these statics, shared with `cold`'s
+    prefill = len(engine.cfg.prefill_buckets(continuations=True))
+    assert prefill > len(engine.cfg.buckets())  # re-prefill buckets past the prompt
+    assert engine._chunk._cache_size() == len(engine.cfg.decode_shapes().all())
+    assert (engine._prefill_keep if share_prefill else engine._prefill)._cache_size() == prefill
+    warm = run(engine)
+    assert engine.compile_count() == compiled
+    assert cold.keys() == warm.keys()
+    for rid, s in cold.items():
+        np.testing.assert_array_equal(s.response, warm[rid].response, err_msg=f"request {rid}")
+        np.testing.assert_array_equal(s.logprobs, warm[rid].logprobs, err_msg=f"request {rid}")
+        assert s.finish_reason == warm[rid].finish_reason

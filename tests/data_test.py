@@ -3,11 +3,13 @@
 import numpy as np
 import pytest
 
+from streamrl_jax import data
 from streamrl_jax.data import PromptPipeline, make_requests, sample_seed
 from streamrl_jax.generation.types import SamplingParams
 from streamrl_jax.model.defaults import smollm2_gguf_path
 from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.rewards.tasks import TaskDataset
+from streamrl_jax.scheduling import lengths
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +93,15 @@ def test_length_replay_forces_paper_shaped_lengths(dataset, tokenizer):
     assert [r.forced_length for r in again] == list(forced)  # seeded by run and batch
     other = make_requests(prompts, length_replay=True, **{**kwargs, "batch": 1})
     assert [r.forced_length for r in other] != list(forced)
+
+
+def test_replay_lengths_stay_within_the_cap_for_short_caps():
+    # A cap of 16 once left the trace's window [16, 16], which continuous draws never
+    # fill: the draw looped forever. Short caps now open the window below.
+    for cap in (1, 2, 16, 64, 256):
+        got = data.replay_lengths(0, 3, 64, cap)
+        assert len(got) == 64 and min(got) >= 1 and max(got) <= cap
+    assert data.replay_lengths(0, 3, 8, 64) == data.replay_lengths(0, 3, 8, 64)  # seeded
+    assert min(data.replay_lengths(0, 3, 256, 64)) >= 16  # caps >= 64: at least 16 tokens
+    with pytest.raises(ValueError, match="min_len 16 must be below max_len 16"):
+        lengths.sample_lengths(lengths.paper_trace(16, min_len=16), 4, np.random.default_rng(0))

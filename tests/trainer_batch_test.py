@@ -9,7 +9,7 @@ from flax import nnx
 
 from streamrl_jax.model import config as model_config
 from streamrl_jax.model import llama
-from streamrl_jax.trainer import TrainerConfig, bucket, make_batch
+from streamrl_jax.trainer import TrainerConfig, bucket, make_batch, packing
 from streamrl_jax.trainer.policy import policy_forward
 
 SEQ, BATCH = (8, 16), (2, 4)
@@ -142,6 +142,43 @@ def test_a_group_longer_than_a_row_is_split_and_a_long_sample_is_an_error():
     assert batch.loss_mask.sum() == 15 and set(batch.segment_ids[1, 3:9]) == {1}
     with pytest.raises(ValueError, match="sequence length .prompt . response.: 20"):
         make_batch([np.arange(10)], [np.arange(10)], behaviour_logp=[np.zeros(10)], **kw)
+
+
+@pytest.mark.parametrize("shared, pack", [(False, False), (True, False), (True, True)])
+def test_packing_shape_is_the_shape_make_batch_packs(shared, pack):
+    """`packing.shape` (pipeline.precompile plans the trainer's executables from it) gives
+    make_batch's (B, T, loss_columns width) and its rows holding a unit, on random groups."""
+    rng = np.random.default_rng(0)
+    kw = dict(seq_buckets=(16, 24, 32, 48, 64), batch_buckets=(1, 2, 4, 8, 16), loss_chunk=8)
+    for _ in range(60):
+        groups = int(rng.integers(1, 5))
+        size = int(rng.integers(1, 5))
+        prompts, responses, group_ids = [], [], []
+        for g in range(groups):
+            prompt = rng.integers(1, 50, int(rng.integers(1, 12)))
+            for _ in range(size):
+                prompts.append(prompt)
+                responses.append(rng.integers(1, 50, int(rng.integers(0, 20))))
+                group_ids.append(g)
+        batch = make_batch(
+            prompts,
+            responses,
+            behaviour_logp=[np.zeros(len(r)) for r in responses],
+            group_ids=group_ids,
+            shared_prompt=shared,
+            pack=pack,
+            **kw,
+        )
+        b, t, width, rows = packing.shape(
+            [len(p) for p in prompts],
+            [len(r) for r in responses],
+            group_ids,
+            shared_prompt=shared,
+            pack=pack,
+            **kw,
+        )
+        assert (b, t, width) == (*batch.shape, batch.loss_columns.shape[1])
+        assert rows == int(batch.attention_mask.any(axis=1).sum())
 
 
 def _sequences(batch):

@@ -2,8 +2,8 @@
 
   python tools/bench_pipeline.py --quick   # tiny model, 5 steps a mode, warm; ~4 min quiet
   python tools/bench_pipeline.py --variant=smollm2 --steps=6
-  python tools/bench_pipeline.py --processes            # one process per stage (~12 min)
-  python tools/bench_pipeline.py --processes --quick    # the same, rough (~6 min)
+  python tools/bench_pipeline.py --processes            # one process per stage (~9 min)
+  python tools/bench_pipeline.py --processes --quick    # the same, smaller (~5 min)
 
 `--processes`: the honest CPU stand-in for disaggregated hardware (DESIGN.md
 §5). Each disaggregated mode runs as two processes of one `jax.distributed`
@@ -17,14 +17,22 @@ core), `weight_sync_seconds` is the trainer's mean per-step transfer (cast,
 `device_get`, checksums, wire) and `weight_receive_seconds` the generation
 side's (wire, checksum, placement). The simulator's prediction is made from this
 mode's own profile too (below): here the stages are independent, on separate cores, as
-the simulator models them; the "inflight" mode runs as two processes as well. The
-persistent compilation cache does not make this mode's later runs warm (the training
-process is not process 0, and JAX writes the cache from process 0 only). Figures
-leave out the first `--skip` steps (default 2; 1 with --quick): they hold process
-start-up, compilation and the first batches' new shapes (steps 1-2 still run 1.5-2x
-the later ones). The full run (6 steps of 8 prompts x 4 samples) is the one to quote;
-`--quick` (3 steps of 4 x 4, responses up to 64 tokens instead of 128, the same
-length distribution) checks that everything runs and gives rough ratios.
+the simulator models them; the "inflight" mode runs as two processes as well.
+
+Steady state by construction (`--processes`): every run sets `pipeline.precompile`,
+so everything it meets compiles before its first step (each engine's decode and
+prefill shapes; the trainer's micro-batch shapes, planned from the replayed lengths:
+pipeline/precompile.py), and the figures leave out the first `--skip` steps (default
+1: the pipeline filling) and the last (draining: stream_async's last step only
+trains). Each mode reports its measured steps' `compile_s` (0.0 when nothing
+compiled mid-run) and `precompile_s` (the trainer's, before its first step). (The
+persistent compilation cache cannot do this here: JAX writes it from process 0 only
+and the training process is process 1.) The stage times' overlap bound
+(`_core_bounds`) counts each stage's work per batch on its own core: the training
+process's CPU seconds per step (`process_cpu_s`: receiving and scoring samples
+included) when they exceed its trace wall time. The full run: 8 prompts x 4 samples,
+responses up to 256 tokens, 6 steps (`--steps`); `--quick`: 10 steps of 4 x 4, up to
+128 tokens (the same length distribution).
 
 Every mode runs the same config (configs/length_replay.py: forced, paper-shaped
 response lengths; same prompts, seeds and model) and differs only in
@@ -95,7 +103,7 @@ from absl import app, flags
 
 _CPU = flags.DEFINE_integer("cpu_devices", 2, "Host CPU devices (generation 1 + training 1).")
 _QUICK = flags.DEFINE_bool(
-    "quick", False, "Tiny model, 5 steps per mode in process, 3 with --processes (<= 5 min)."
+    "quick", False, "Tiny model, 5 steps per mode in process, 12 with --processes (<= 5 min)."
 )
 _VARIANT = flags.DEFINE_string("variant", "tiny", "configs/length_replay.py variant.")
 _STEPS = flags.DEFINE_integer("steps", 0, "Steps per mode (0 = config default / quick).")
@@ -121,8 +129,8 @@ _WORKDIR = flags.DEFINE_string("workdir", "/tmp/bench_pipeline", "Traces and met
 _SKIP = flags.DEFINE_integer(
     "skip",
     None,
-    "--processes: leading steps left out of the figures (start-up, compilation, the first "
-    "batches' new shapes); default 1 with --quick, else 2.",
+    "--processes: leading steps left out of the figures (default 1: the pipeline filling; "
+    "the last step, draining, is always left out).",
 )
 _WARM = flags.DEFINE_bool(
     "warm",
@@ -143,6 +151,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # with partial rollout in rounds of a quarter of max_new_tokens, so a sample spans at most
 # 4 rounds and max_lag = s + 3 never drops one (lengths are forced to <= max_new_tokens).
 INFLIGHT_ROUNDS = 4
+# --processes --quick: steps per mode; the figures are steps 1 .. QUICK_STEPS - 2.
+QUICK_STEPS = 10
 
 
 def _config(mode: str, steps: int, prompts_per_step: int = 0, max_new_tokens: int = 0):
@@ -352,6 +362,26 @@ def _bounds(out: dict, n: int, trace_path: str, steps: int) -> None:
     out["bound_serial_sps"] = round(n / (t_gen + t_train), 4)
 
 
+def _core_bounds(out: dict, n: int, rows: list[dict], receive_s: float) -> None:
+    """--processes: the overlap bound from each stage's work per batch on its own core.
+
+    `t_train_s` (trace wall time from the first micro-batch to the end of the weight
+    sync) leaves out the training process's share of a batch that runs inside the
+    generation window in `disaggregated_batch`: receiving and scoring samples as they
+    stream in. Overlapped, that work shares the training core with the trainer. Pinned to
+    one core, a process cannot do a step's work in less than its CPU seconds, so the
+    training stage alone is `t_train_cpu_s` (`process_cpu_s`, every thread of the
+    process, mean over `rows`) when that is the larger, and the generation stage is
+    `t_gen_s` plus its weight receive. `bound_overlap_sps` becomes N / max of the two;
+    the wall-time bound stays as `bound_overlap_wall_sps`."""
+    cpu = sum(r["process_cpu_s"] for r in rows) / len(rows)
+    t_gen = out["t_gen_s"] + receive_s
+    t_train = max(out["t_train_s"], cpu)
+    out["t_train_cpu_s"], out["t_gen_core_s"] = round(cpu, 3), round(t_gen, 3)
+    out["bound_overlap_wall_sps"] = out["bound_overlap_sps"]
+    out["bound_overlap_sps"] = round(n / max(t_gen, t_train), 4)
+
+
 def _compile_figures(rows: list[dict]) -> dict:
     """The measured steps' compilation (`compile_s`: the trainer thread's tracing and
     compiling, inside the step's wall time) and samples/s with it taken out of the wall
@@ -386,6 +416,9 @@ def _ratios(out: dict, per_mode: dict) -> None:
     if "bound_overlap_sps" in out and "stream_async" in per_mode:
         async_sps = per_mode["stream_async"]["samples_per_s"]
         out["async_efficiency_vs_bound"] = round(async_sps / out["bound_overlap_sps"], 3)
+        if "bound_overlap_wall_sps" in out:
+            wall = out["bound_overlap_wall_sps"]
+            out["async_efficiency_vs_wall_bound"] = round(async_sps / wall, 3)
 
 
 def _launch(mode: str, steps: int, workdir: str, overrides: list[str]) -> None:
@@ -467,13 +500,12 @@ def main_processes() -> None:
     from streamrl_jax.metrics import read_jsonl
     from streamrl_jax.pipeline.schedules import Schedule
 
-    steps = _STEPS.value or (3 if _QUICK.value else 0)
-    # Quick: every run also pays 15-30 s of process start-up and a compile-heavy first
-    # step, so a batch is 4 prompts x 4 samples instead of 8 x 4 with responses up to 64
-    # tokens instead of 128 (the same length distribution: lengths are fractions of
-    # max_new_tokens) to stay within 5 minutes; 3 steps, so stream_async's measured
-    # steps still overlap generation (with 2, its last step only trains).
-    shape = (4, 64) if _QUICK.value else (0, 0)  # prompts_per_step, max_new_tokens (0: config)
+    steps = _STEPS.value or (QUICK_STEPS if _QUICK.value else 0)
+    # Quick: every run also pays 15-30 s of process start-up and 20-60 s of precompiling,
+    # so a batch is 4 prompts x 4 samples instead of 8 x 4 with responses up to 128 tokens
+    # instead of 256 (the same length distribution: lengths are fractions of
+    # max_new_tokens) to stay within 5 minutes.
+    shape = (4, 128) if _QUICK.value else (0, 0)  # prompts_per_step, max_new_tokens (0: config)
     overrides = [
         f"--config.{key}={value}"
         for key, value in zip(
@@ -481,6 +513,11 @@ def main_processes() -> None:
         )
         if value
     ]
+    # Steady state by construction: everything the run meets compiles before its first
+    # step (pipeline.precompile: the engine's shapes, and the trainer's micro-batch shapes
+    # planned from the replayed lengths), and the figures leave out the first step (the
+    # pipeline filling) and the last (draining: stream_async's last step only trains).
+    overrides.append("--config.pipeline.precompile=True")
     if _SLOTS.value:
         overrides.append(f"--config.mesh.instance_slots=({_SLOTS.value},)")
     out: dict = {"bench": "pipeline_processes", "variant": _VARIANT.value, "quick": _QUICK.value}
@@ -494,8 +531,8 @@ def main_processes() -> None:
         t0 = time.time()
         _launch(launched, (steps or cfg.pipeline.steps) + fill, workdir, overrides + extra)
         rows = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "step_s" in r]
-        skip = _SKIP.value if _SKIP.value is not None else (1 if _QUICK.value else 2)
-        later = rows[skip + fill :]  # the first steps include start-up and compilation
+        skip = _SKIP.value if _SKIP.value is not None else 1
+        later = rows[skip + fill : -1]  # filling and draining left out (above)
         n = cfg.pipeline.prompts_per_step * cfg.pipeline.group_size
         # Samples trained (partial rollout trains a varying number per step).
         sps = sum(r["samples"] for r in later) / sum(r["step_s"] for r in later)
@@ -505,6 +542,8 @@ def main_processes() -> None:
             "step_s": [round(r["step_s"], 3) for r in rows],
             "samples": [int(r["samples"]) for r in rows],
             **_compile_figures(later),
+            # Before the first step, not in any step_s (the trainer's precompilation).
+            "precompile_s": round(max(r.get("precompile_s", 0.0) for r in rows), 1),
             "train_busy": round(sum(r["train_busy"] for r in later) / len(later), 3),
             "gen_busy": round(sum(r["gen_busy"] for r in later) / len(later), 3),
             "run_wall_s": round(time.time() - t0, 1),
@@ -522,6 +561,7 @@ def main_processes() -> None:
         print(f"{mode}: {sps:.3f} samples/s", file=sys.stderr, flush=True)
         if mode == "disaggregated_batch":
             _bounds(out, n, trace, len(rows))
+            _core_bounds(out, n, later, per_mode[mode]["weight_receive_s"])
     _ratios(out, per_mode)
     # The simulator's prediction from this run's profile: here the stages are separate
     # processes on separate cores, independent as the simulator models them.

@@ -117,6 +117,10 @@ class PipelineSection:
     lag_policy: str = "drop"  # one of LAG_POLICIES: a paused sample that would pass max_lag
     # micro-batches in group order, one decode shape: bitwise-reproducible training
     deterministic: bool = False
+    # compile before the first step what the run will meet: every generation instance's
+    # decode and prefill shapes, and with generation.length_replay the trainer's
+    # reachable micro-batch shapes (pipeline/precompile.py): no mid-run compilation
+    precompile: bool = False
     nonfinite: str = "skip"  # NaN/Inf loss or gradients: "skip" the update (counted) | "stop"
     watchdog_s: float = 120.0  # warn when a stage with work makes no progress this long
     timeout_s: float = 600.0  # longest wait on any pipeline stage before it is reported stalled

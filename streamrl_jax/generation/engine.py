@@ -288,6 +288,31 @@ class Engine:
             idx = jax.device_put(np.arange(rows, dtype=np.int32), self._repl)
             self._state, _ = self._chunk(self._params, self._state, idx, seq=seq)
 
+    def compile_shapes(self, continuations: bool = False) -> int:
+        """Compiles every executable this engine can run (`pipeline.precompile`): the
+        decode shapes (`compile_decode_shapes`), prefill at every prompt bucket (with
+        `continuations`, the partial-rollout buckets past the prompt too) and, with
+        `share_prefill`, the fork, each run once on padding rows, which write nothing
+        (their slot is `num_slots`: dropped). Only while idle. Returns the executables
+        compiled."""
+        before = self.compile_count()
+        self.compile_decode_shapes()
+        nb = self.cfg.prefill_batch
+        for bucket in self.cfg.prefill_buckets(continuations):
+            adm = jax.device_put(self._admission([], bucket), self._repl)
+            if self.cfg.share_prefill:
+                self._state, self._store, _ = self._prefill_keep(
+                    self._params, self._state, self._store, adm
+                )
+            else:
+                self._state, _ = self._prefill(self._params, self._state, adm)
+        if self.cfg.share_prefill:
+            adm = self._admission([], self.cfg.max_prompt_length)
+            adm, src = jax.device_put((adm, np.zeros((nb,), np.int32)), self._repl)
+            self._state, self._store, _ = self._fork(self._state, self._store, adm, src)
+        jax.block_until_ready(self._state)
+        return self.compile_count() - before
+
     # ------------------------------------------------------------------ host loop
     def _admit(self) -> list[tuple[list[int], slots_lib.PrefillOut]]:
         free = [i for i, s in enumerate(self._slots) if s is None]

@@ -95,6 +95,14 @@ class EngineConfig:
             b *= 2
         return min(b, self.max_total_length)
 
+    def prefill_buckets(self, continuations: bool = False) -> tuple[int, ...]:
+        """Every prefill length `bucket` gives: the prompt buckets, and with
+        `continuations` (partial rollout re-prefills prompt + response so far) those past
+        `max_prompt_length` too."""
+        if not continuations:
+            return self.buckets()
+        return tuple(sorted({self.bucket(n) for n in range(1, self.max_total_length)}))
+
     def decode_shapes(self) -> compact.DecodeShapes:
         return compact.DecodeShapes(
             num_slots=self.num_slots,

@@ -62,6 +62,13 @@ def sample_queue(capacity: int, name: str = "sgs") -> Mailbox[Sample]:
     )
 
 
+def precompiled(name: str, engine: Engine, continuations: bool) -> None:
+    """`engine.compile_shapes`, logged with its count and time."""
+    t0 = time.perf_counter()
+    n = engine.compile_shapes(continuations)
+    logging.info("%s: precompiled %d executables in %.1f s", name, n, time.perf_counter() - t0)
+
+
 class GenerationService:
     """N generation instances behind `submit` / `get` / `update_weights` / `close`."""
 
@@ -78,6 +85,8 @@ class GenerationService:
         poll_s: float = 0.05,
         name: str = "sgs",
         on_chunk: Callable[..., None] | None = None,
+        precompile: bool = False,
+        continuations: bool = False,
     ):
         """Builds one engine per mesh and starts its thread.
 
@@ -93,6 +102,9 @@ class GenerationService:
           on_chunk: observer of every engine step, called on the instance's
             thread as `on_chunk(instance, t0, t1, tokens, running, steps=0,
             prefilled=0)` (see `Engine`).
+          precompile: each instance thread compiles every executable its engine can
+            run before it serves (`Engine.compile_shapes`; `continuations`: partial
+            rollout's re-prefill buckets too); submitted requests wait in its inbox.
         """
         if isinstance(engine_cfgs, EngineConfig):
             engine_cfgs = [engine_cfgs] * len(meshes)
@@ -102,6 +114,7 @@ class GenerationService:
                 f"({len(engine_cfgs)} configs for {len(meshes)} meshes)"
             )
         self.name, self.poll_s = name, poll_s
+        self._precompile = (precompile, continuations)
         self.engines = [
             Engine(
                 graphdef,
@@ -251,6 +264,8 @@ class GenerationService:
     def _loop(self, i: int) -> None:
         engine, inbox, wake = self.engines[i], self._inboxes[i], self._wake[i]
         try:
+            if self._precompile[0]:
+                precompiled(f"{self.name} instance {i}", engine, self._precompile[1])
             while not self._stop.is_set():
                 with self._lock:
                     batch = list(inbox)

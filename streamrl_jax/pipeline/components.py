@@ -64,10 +64,16 @@ class GenerationParts:
     abstract_params: Any  # the params' shapes and dtypes (what a weight header must declare)
 
     def service(
-        self, params: list[Any], version: int, on_chunk: Callable[..., None] | None = None
+        self,
+        params: list[Any],
+        version: int,
+        on_chunk: Callable[..., None] | None = None,
+        pipeline: Any = None,
     ) -> GenerationService:
         """The service, its instances holding `params` (one tree per instance);
-        `on_chunk` observes every decode chunk (`generation.engine.Engine`)."""
+        `on_chunk` observes every decode chunk (`generation.engine.Engine`); `pipeline`
+        (the run's `PipelineSection`): with `precompile`, every instance compiles its
+        shapes before it serves (partial rollout's re-prefill buckets too)."""
         service = GenerationService(
             self.graphdef,
             params[0],
@@ -76,6 +82,8 @@ class GenerationParts:
             self.engine_cfgs,
             version=version,
             on_chunk=on_chunk,
+            precompile=pipeline is not None and pipeline.precompile,
+            continuations=pipeline is not None and pipeline.partial_budget_tokens > 0,
         )
         if len(params) > 1:
             service.update_weights(list(params), version)

@@ -284,7 +284,9 @@ class _GenerationProcess:
             batch, expected = update.floor, {}
             loaded = Schedule.from_config(self.cfg.pipeline).generation_version(batch)
         params = self._receive(loaded)
-        service = self.side.parts.service(params, loaded, on_chunk=self._on_chunk)
+        service = self.side.parts.service(
+            params, loaded, on_chunk=self._on_chunk, pipeline=self.cfg.pipeline
+        )
         # Every instance of this process dispatches; the reserved units are processes.
         live = LiveScheduler(self.cfg, self.cfg.mesh.instance_slots, self.side.vocab_size, 0)
         ranker_thread = self._ranker_channel(live)

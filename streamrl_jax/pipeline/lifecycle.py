@@ -104,7 +104,9 @@ class _Run:
             )
             return threads
         params = [p.params for p in c.initial_weights]
-        self.service = c.generation.service(params, 0, on_chunk=parts.meter.chunk)
+        self.service = c.generation.service(
+            params, 0, on_chunk=parts.meter.chunk, pipeline=self.cfg.pipeline
+        )
         self.driver = GenerationDriver(
             self.cfg,
             self.service,

@@ -156,6 +156,17 @@ class RunCheckpoints:
             self._batch_ids[batch] = [p.problem.prompt_id for p in prompts]
         return prompts
 
+    def preview(self, batches: range, n: int) -> dict[int, list[int]]:
+        """The prompt lengths (n per batch) the next draws, of `batches` in order, will
+        give, without drawing them: the iterator's state is put back (`pipeline.precompile`
+        plans from it before anything is drawn)."""
+        with self._lock:
+            state = self.c.prompts.get_state()
+            try:
+                return {b: [len(q.tokens) for q in self.c.prompts.next_prompts(n)] for b in batches}
+            finally:
+                self.c.prompts.set_state(state)
+
     def draw_more(self, batch: int, n: int) -> list[Any]:
         """Dynamic sampling's replacement prompts for `batch`: drawn after the batch's
         own (and earlier refills), appended to its recorded ids."""

@@ -36,14 +36,15 @@ from absl import logging
 from streamrl_jax.algorithms.overlong import OverlongPenalty
 from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.metrics import Progress, compile_seconds
-from streamrl_jax.pipeline import micro_batches
+from streamrl_jax.pipeline import micro_batches, precompile
 from streamrl_jax.pipeline.components import Components
 from streamrl_jax.pipeline.hooks import Hooks
 from streamrl_jax.pipeline.parts import RunParts
 from streamrl_jax.pipeline.schedules import VersionGate
-from streamrl_jax.pipeline.shards import TrainingGroup, host
+from streamrl_jax.pipeline.shards import TrainingGroup, host, pad_batch
 from streamrl_jax.pipeline.step_metrics import StepMeter, sample_stats
 from streamrl_jax.pipeline.supervisor import PipelineError
+from streamrl_jax.trainer.batch import TrainBatch
 from streamrl_jax.trainer.step import NonFiniteError
 
 
@@ -106,10 +107,14 @@ class TrainerLoop:
             rollout=self.rollout,
             dynamic=self.dynamic,
         )
+        self._one = c.trainer.scalar(1.0)  # the micro-batch normaliser, on the training mesh
+        # pipeline.precompile: seconds before the first step, until a row reports them
+        self.precompile_s: float | None = None
+        if p.precompile:
+            self.precompile_s = precompile.timed("trainer", self._precompile)
         compile_seconds()  # starts counting (the build's compilations are not a step's)
         self.trained = start  # batches trained so far (the next checkpoint's step)
         self.at_boundary = True  # the state is W_trained (no mini-batch step of a batch yet)
-        self._one = c.trainer.scalar(1.0)  # the micro-batch normaliser, on the training mesh
         self._acc = c.trainer.init_accumulator()
         self._critic_acc = c.critic.init_accumulator() if c.critic is not None else None
         self.hooks = Hooks()
@@ -147,6 +152,7 @@ class TrainerLoop:
         """Trains batch b and publishes W_{b+1}; returns the samples trained."""
         p = self.cfg.pipeline
         t_step, w_step = time.perf_counter(), time.time()  # chunk reports carry wall times
+        cpu_step = time.process_time()
         waits0 = dataclasses.replace(self.stream.metrics)
         compile0 = compile_seconds(this_thread=True)
         step = _Step()
@@ -182,6 +188,10 @@ class TrainerLoop:
             "truncated_overlong": float(self.c.prompts.truncated_overlong),
             "queue_depth": float(self.stream.depth()["ready_samples"]),
             "step_s": wall,
+            # CPU seconds of this process (every thread: trainer, scoring, ingest, weight
+            # sync) within the step: a process pinned to one core cannot do a step's
+            # work faster (tools/bench_pipeline.py --processes).
+            "process_cpu_s": time.process_time() - cpu_step,
             # The trainer's own tracing and compiling within the step (new micro-batch
             # shapes): not steady state (tools/bench_pipeline.py).
             "compile_s": compile_seconds(this_thread=True) - compile0,
@@ -203,6 +213,9 @@ class TrainerLoop:
             "watchdog_alerts": float(len(self.supervisor.alerts)),
         }
         row |= dynamic
+        if self.precompile_s is not None and step.device:  # the first row written
+            row["precompile_s"] = self.precompile_s  # before the first step, in no step_s
+            self.precompile_s = None
         if self.rollout is not None:
             carried = self.rollout.in_flight()
             row |= {
@@ -283,6 +296,12 @@ class TrainerLoop:
             batch = self.group.agree(batch, c.tokenizer.pad_id, t.cfg.batch_buckets)
         if batch is None:
             return None
+        return self._on_device(batch), batch.shape
+
+    def _on_device(self, batch: TrainBatch) -> TrainBatch:
+        """A host micro-batch placed on the training mesh, with the targets the loss
+        reads computed there (pi_old, reference log-probs, the critic's GAE)."""
+        c, t = self.c, self.c.trainer
         dev = t.place_batch(batch)
         if t.cfg.tis_cap is not None:
             # pi_old under the trainer's weights (not yet updated this batch: tis_cap needs
@@ -295,7 +314,44 @@ class TrainerLoop:
             # GAE from the critic's values under its weights from before its update on
             # this batch (per sample: any split into micro-batches gives the same targets).
             dev = c.critic.fill_gae(c.critic_state.params, dev)
-        return dev, batch.shape
+        return dev
+
+    # ------------------------------------------------------------------ precompile
+    def _precompile(self) -> int:
+        """`pipeline.precompile` (pipeline/precompile.py): every micro-batch shape the
+        remaining batches can produce, run once before the first step on an all-padding
+        batch into a throwaway accumulator (the state is not touched). Returns the shapes
+        compiled (0 when the lengths are not known in advance)."""
+        cfg, c, p = self.cfg, self.c, self.cfg.pipeline
+        if not cfg.generation.length_replay or self.dynamic is not None:
+            logging.info(
+                "pipeline.precompile: the trainer's micro-batch shapes depend on what is "
+                "sampled (%s): only the generation instances precompile",
+                "dynamic sampling" if cfg.generation.length_replay else "no length replay",
+            )
+            return 0
+        start = self.steps.start
+        ahead = p.staleness if p.partial_budget_tokens > 0 else 0
+        batches = range(start, p.steps)
+        lens = self.ckpts.preview(range(start, p.steps + ahead), p.prompts_per_step)
+        shapes = precompile.micro_batch_shapes(
+            cfg,
+            c.trainer.cfg.layout,
+            self.schedule,
+            precompile.group_lengths(cfg, lens),
+            batches,
+            count=1 if self.group is None else self.group.count,
+        )
+        acc = c.trainer.init_accumulator()
+        critic_acc = c.critic.init_accumulator() if c.critic is not None else None
+        for rows, columns, width in shapes:
+            dev = self._on_device(pad_batch(None, rows, columns, c.tokenizer.pad_id, width))
+            acc, _ = c.trainer.accumulate(c.state, acc, dev, self._one)
+            if c.critic is not None:
+                critic_acc, _ = c.critic.accumulate(c.critic_state, critic_acc, dev, self._one)
+            jax.block_until_ready((acc, critic_acc))
+        logging.info("pipeline.precompile: trainer shapes (rows, columns, loss width): %s", shapes)
+        return len(shapes)
 
     # ------------------------------------------------------------------ boundaries
     def _apply(self, b: int, k: int, step: _Step) -> None:

@@ -71,10 +71,12 @@ class LengthTrace:
         return self.prompt_max + self.max_len
 
 
-def paper_trace(max_len: int) -> LengthTrace:
-    """The paper's trace at its "5K" / "10K" / "20K" setting (any max_len scales it)."""
+def paper_trace(max_len: int, min_len: int | None = None) -> LengthTrace:
+    """The paper's trace at its "5K" / "10K" / "20K" setting (any max_len scales it);
+    `min_len` replaces the trace's default shortest response."""
     scale = max_len / 20_000
-    return LengthTrace(max_len=max_len, median_param=PAPER_MEDIAN_20K * scale)
+    extra = {} if min_len is None else {"min_len": min_len}
+    return LengthTrace(max_len=max_len, median_param=PAPER_MEDIAN_20K * scale, **extra)
 
 
 def fixed_trace(length: int, prompt_len: int = 128) -> LengthTrace:
@@ -103,6 +105,11 @@ def sample_lengths(
         return (
             np.full(n, trace.prompt_max, dtype=np.int64),
             np.full(n, trace.fixed_len, dtype=np.int64),
+        )
+    if not trace.min_len < trace.max_len:
+        # The draws are continuous: an empty or one-point window would never fill.
+        raise ValueError(
+            f"length trace: min_len {trace.min_len} must be below max_len {trace.max_len}"
         )
     out = np.empty(0)
     while out.size < n:

@@ -157,3 +157,29 @@ def plan_rows(units: Sequence[Unit], row_length: int, *, pack: bool) -> list[lis
             rows.append([u])
             free.append(row_length - u.length)
     return rows
+
+
+def shape(
+    prompt_lens: Sequence[int],
+    response_lens: Sequence[int],
+    group_ids: Sequence[int],
+    *,
+    seq_buckets: Sequence[int],
+    batch_buckets: Sequence[int],
+    shared_prompt: bool,
+    pack: bool,
+    loss_chunk: int,
+) -> tuple[int, int, int, int]:
+    """(B, T, L, rows) of the micro-batch `batch.make_batch` packs from these lengths,
+    without building it: the padded rows and columns, the `loss_columns` width and the
+    rows that hold a unit. Samples with one group id must share one prompt (a GRPO
+    group), as `make_batch`'s shared-prompt units require. `pipeline.precompile` plans
+    the trainer's executables from it; a test holds it to `make_batch`."""
+    prompts = [np.zeros((n,), np.int32) for n in prompt_lens]
+    units = make_units(prompts, response_lens, group_ids, shared_prompt=shared_prompt)
+    limit = max(seq_buckets)
+    units = [part for u in units for part in split_unit(u, response_lens, limit)]
+    t, b, rows = plan(units, seq_buckets, batch_buckets, pack=pack)
+    most = max(sum(response_lens[i] for u in row for i in u.samples) for row in rows)
+    width = min(t, max(1, -(-most // loss_chunk) * loss_chunk))
+    return b, t, width, len(rows)
