@@ -217,7 +217,8 @@ def child(args: argparse.Namespace) -> None:
 def shard_child(args: argparse.Namespace) -> None:
     """One process of the shard-to-shard part: training `--index` or a generation process."""
     key = os.environ["STREAMRL_AUTHKEY"].encode()
-    report = SampleClient(args.samples, authkey=key, timeout_s=TIMEOUT_S, name="bench-shards")
+    name = f"bench-{args.shard_role}-{args.index}"  # one live peer per name (rejoin rule)
+    report = SampleClient(args.samples, authkey=key, timeout_s=TIMEOUT_S, name=name)
     params = smollm2_params("bfloat16")
     reps = args.reps + 1
     pull = xla_pull.PullServer("127.0.0.1", jax.devices()[0]) if args.xla_shards else None
