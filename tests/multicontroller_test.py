@@ -749,6 +749,31 @@ def test_inflight_weight_updates_across_processes(tmp_path):
     assert max(r["mixed_versions"] for r in rows) > 0
 
 
+def test_precompiled_processes_compile_nothing_after_the_first_step(tmp_path):
+    # pipeline.precompile across processes (tools/bench_pipeline.py --processes): the
+    # generation process compiles its engine's shapes, the training process every
+    # micro-batch shape planned from the replayed lengths (any 1-2 of a batch's groups, as
+    # they stream in; the group advantages' host ops for every group count), before step
+    # 0; no later step compiles anything (~25 s).
+    workdir = tmp_path / "run"
+    overrides = {
+        "pipeline.mode": "stream_async",
+        "pipeline.deterministic": False,
+        "pipeline.precompile": True,
+        "pipeline.steps": 4,
+        "generation.length_replay": True,
+        "eval.num_problems": 0,
+    }
+    launcher = [sys.executable, str(REPO / "launch" / "local.py"), "-n", "2", "-g", "1"]
+    run = _run([*launcher, "--timeout_s", "240", "--", *_launch_cmd(workdir, **overrides)])
+    assert run.returncode == 0, run.stdout[-6000:]
+    rows = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "step_s" in r]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[0]["precompile_s"] > 0
+    assert [r["compile_s"] for r in rows[1:]] == [0.0, 0.0, 0.0]
+    assert "precompiled" in run.stdout + run.stderr  # the generation process's engine
+
+
 def test_partial_rollout_across_processes_trains_every_group_once(tmp_path):
     # Partial rollout with one generation and one training process: rounds of 6 tokens,
     # so the tiny model's 16-token samples take 3 rounds (lag 3 = max_lag). The paused

@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 from absl import logging
 
 from streamrl_jax.algorithms.overlong import OverlongPenalty
@@ -342,6 +343,15 @@ class TrainerLoop:
             batches,
             count=1 if self.group is None else self.group.count,
         )
+        # The group advantages run op by op on the host's device, and each op compiles
+        # once per sample count: every count a micro-batch of 1..micro_batch_groups
+        # complete groups can have (the gate may keep fewer).
+        if cfg.algorithm.advantage != "gae":
+            for k in range(1, p.micro_batch_groups + 1):
+                ids = np.repeat(np.arange(k, dtype=np.int32), p.group_size)
+                micro_batches.group_advantages(
+                    cfg.algorithm.advantage, np.zeros(len(ids), np.float32), ids, k
+                )
         acc = c.trainer.init_accumulator()
         critic_acc = c.critic.init_accumulator() if c.critic is not None else None
         for rows, columns, width in shapes:
