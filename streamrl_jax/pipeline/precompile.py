@@ -115,13 +115,13 @@ def micro_batch_shapes(
     Raises:
       ValueError: more than `_MAX_SUBSETS` subsets to plan (names the fields).
     """
+    if count > 1:
+        return _multi_process_shapes(cfg, layout, schedule, groups, batches, count)
     p = cfg.pipeline
     per_mini = p.prompts_per_step // p.mini_batches
     shape_of = _shape_fn(layout)
     rollout = p.partial_budget_tokens > 0
     plans: list[tuple[list[Group], list[tuple[int, ...]]]] = []  # (pool, subsets)
-    if count > 1:
-        return _multi_process_shapes(cfg, layout, schedule, groups, batches, count)
     total = 0
     for b in batches:
         if rollout:
