@@ -24,6 +24,25 @@ def test_constant_step_makespan_is_waves_times_length(n, slots):
     assert res.makespan == pytest.approx(waves * 50 * 0.01)
 
 
+def test_shared_prefill_prefills_a_group_once_while_one_of_it_holds_a_slot():
+    # Groups of 2 (samples 0-1, 2-3), 1 s per prompt token, decode steps nearly free.
+    cost = TableDecode(
+        batch_sizes=np.array([1.0]), per_token_s=np.array([1e-6]), prefill_s_per_token=1.0
+    )
+    prompt, resp = np.array([3, 3, 5, 5]), np.array([2, 2, 2, 2])
+
+    def prefill_s(slots, share_group):
+        spec = generation.InstanceSpec(cost=cost, slots=slots, share_group=share_group)
+        res = generation.simulate_batch(spec, [[0, 1, 2, 3]], prompt, resp)
+        return round(res.makespan)  # the decode steps add microseconds
+
+    assert prefill_s(4, 1) == 16  # every sample prefills its prompt
+    assert prefill_s(4, 2) == 8  # admitted together: each group prefills once (3 + 5)
+    # One slot: a member is admitted only after the other finished, so nothing holds the
+    # prompt any more and each prefills again.
+    assert prefill_s(1, 2) == 16
+
+
 def test_roofline_one_instance_fixed_lengths_equals_closed_form():
     p = CostParams()
     n, prompt, length = 8, 100, 300

@@ -31,8 +31,9 @@ and the training process is process 1.) The stage times' overlap bound
 (`_core_bounds`) counts each stage's work per batch on its own core: the training
 process's CPU seconds per step (`process_cpu_s`: receiving and scoring samples
 included) when they exceed its trace wall time. The full run: 8 prompts x 4 samples,
-responses up to 256 tokens, 6 steps (`--steps`); `--quick`: 10 steps of 4 x 4, up to
-128 tokens (the same length distribution).
+responses up to 256 tokens, 6 steps (`--steps`); `--quick`: 16 steps of 4 x 4, up to
+128 tokens (the same length distribution), the four modes (inflight too when `--modes`
+names it).
 
 Every mode runs the same config (configs/length_replay.py: forced, paper-shaped
 response lengths; same prompts, seeds and model) and differs only in
@@ -103,7 +104,7 @@ from absl import app, flags
 
 _CPU = flags.DEFINE_integer("cpu_devices", 2, "Host CPU devices (generation 1 + training 1).")
 _QUICK = flags.DEFINE_bool(
-    "quick", False, "Tiny model, 5 steps per mode in process, 12 with --processes (<= 5 min)."
+    "quick", False, "Tiny model, 5 steps per mode in process, 16 with --processes (<= 5 min)."
 )
 _VARIANT = flags.DEFINE_string("variant", "tiny", "configs/length_replay.py variant.")
 _STEPS = flags.DEFINE_integer("steps", 0, "Steps per mode (0 = config default / quick).")
@@ -152,7 +153,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 4 rounds and max_lag = s + 3 never drops one (lengths are forced to <= max_new_tokens).
 INFLIGHT_ROUNDS = 4
 # --processes --quick: steps per mode; the figures are steps 1 .. QUICK_STEPS - 2.
-QUICK_STEPS = 10
+QUICK_STEPS = 16
 
 
 def _config(mode: str, steps: int, prompts_per_step: int = 0, max_new_tokens: int = 0):
@@ -341,6 +342,8 @@ def _profile(cfg, workdir: str, measured: dict[str, float]) -> dict:
         },
         "lengths": {"prompt": prompt, "response": resp},
         "group_size": p.group_size,
+        # a group's samples prefill their prompt once (generation/admission.py)
+        "share_prefill": cfg.generation.share_prefill,
         # the "inflight" mode's settings (simulation/inflight.py)
         "inflight": {
             "budget_tokens": _inflight(cfg.generation.max_new_tokens, {})["partial_budget_tokens"],
@@ -523,7 +526,12 @@ def main_processes() -> None:
     out: dict = {"bench": "pipeline_processes", "variant": _VARIANT.value, "quick": _QUICK.value}
     per_mode, sync_s = {}, []
     t_start = time.time()
-    for mode in _MODES.value:
+    modes = _MODES.value
+    if _QUICK.value and not flags.FLAGS["modes"].present:
+        # Quick: the four modes' ratios over more steps (inflight adds ~80 s: name it in
+        # --modes to run it too).
+        modes = [m for m in modes if m != "inflight"]
+    for mode in modes:
         cfg = _config(mode, steps, *shape)
         launched, extra, fill = _process_mode(mode, cfg.generation.max_new_tokens)
         workdir = os.path.join(_WORKDIR.value, mode)

@@ -81,10 +81,17 @@ class RooflineDecode:
 
 @dataclasses.dataclass(frozen=True)
 class InstanceSpec:
-    """One generation instance: its time model and its KV-cache slot count."""
+    """One generation instance: its time model and its KV-cache slot count.
+
+    `share_group` > 1 models shared-prompt prefill (`generation.share_prefill`): samples
+    i // share_group of a batch share one prompt, and a sample admitted while another of
+    its group holds a slot (or is admitted in the same wave) copies that prompt's KV
+    instead of prefilling it (the copy's cost is taken as nil).
+    """
 
     cost: DecodeCost
     slots: int
+    share_group: int = 1
 
     def __post_init__(self):
         if self.slots < 1:
@@ -135,6 +142,7 @@ def run_instance(
     done_t: dict[int, float] = {}
     t, step = 0.0, 0
     ctx_offset = 0.0  # sum over running of (prompt - admit step); context = this + B * step
+    holding: dict[int, int] = {}  # shared prefill: group -> its samples holding a slot
     while queue or running:
         prefill_tokens = []
         while queue and len(running) < spec.slots:
@@ -142,7 +150,10 @@ def run_instance(
             admit_t[i] = t
             heapq.heappush(running, (step + int(resp[i]), i))
             ctx_offset += float(prompt[i]) - step
-            prefill_tokens.append(float(prompt[i]))
+            g = i // spec.share_group
+            if spec.share_group == 1 or not holding.get(g):
+                prefill_tokens.append(float(prompt[i]))
+            holding[g] = holding.get(g, 0) + 1
         for p in prefill_tokens:
             t += spec.cost.prefill_time(p)
         next_step = running[0][0]
@@ -152,6 +163,7 @@ def run_instance(
         while running and running[0][0] == step:
             _, i = heapq.heappop(running)
             done_t[i] = t
+            holding[i // spec.share_group] -= 1
             ctx_offset -= float(prompt[i]) - (step - int(resp[i]))
     return admit_t, done_t, t
 

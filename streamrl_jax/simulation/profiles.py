@@ -33,6 +33,9 @@ docs/simulator.md; every field in seconds or tokens):
       "colocated_scale": {"decode": 0.65, "train": 0.65},  # time multipliers when one
                                           # process owns every device (DESIGN.md s.5)
       "lengths": {"prompt": [...], "response": [...]},      # the replayed trace
+      "group_size": 4, "share_prefill": true,  # optional: consecutive group_size samples
+                                          # share a prompt, prefilled once while one of
+                                          # them holds a slot (generation.share_prefill)
       "measured_samples_per_s": {"colocated": 1.2, ...}     # optional, for comparison
     }
 """
@@ -93,9 +96,12 @@ class MeasuredCosts:
     min_tokens: int
     sync_s: float
     switch: tuple[float, float]
+    share_group: int = 1  # "share_prefill": a group's samples prefill their prompt once
 
     def instance(self) -> generation.InstanceSpec:
-        return generation.InstanceSpec(cost=self.decode, slots=self.slots)
+        return generation.InstanceSpec(
+            cost=self.decode, slots=self.slots, share_group=self.share_group
+        )
 
     def train_seconds(self, prompt: np.ndarray, resp: np.ndarray, devices: int) -> np.ndarray:
         del devices  # measured on the profile's own trainer devices
@@ -154,6 +160,7 @@ def costs_from_profile(profile: dict[str, Any], colocated: bool) -> MeasuredCost
         min_tokens=int(trn.get("min_microbatch_tokens", 0)),
         sync_s=float(profile.get("weight_sync_s", 0.0)),
         switch=tuple(float(x) for x in profile.get("switch_s", (0.0, 0.0))),
+        share_group=int(profile.get("group_size", 1)) if profile.get("share_prefill") else 1,
     )
 
 
