@@ -107,7 +107,7 @@ def test_int8_engine_records_the_int8_models_logprobs_not_the_f32_models(model):
 def test_int8_engine_compiles_once_per_shape_and_updates_without_recompiling(model):
     graphdef, params, params2 = model
     engine = Engine(graphdef, params, CFG, INT8, _one_device())
-    # Engines of equal statics share their jit objects (engine._jitted): count new ones.
+    # Engines of equal statics share their jit objects (generation/executables.py): count new ones.
     start = engine.compile_count()
     before = engine.run(requests(5, sampling=SAMPLED))
     compiled = engine.compile_count()

@@ -51,7 +51,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from streamrl_jax.generation import admission, compact, decoder
+from streamrl_jax.generation import admission, decoder, executables
 from streamrl_jax.generation import slots as slots_lib
 from streamrl_jax.generation.engine_config import EngineConfig
 from streamrl_jax.generation.types import FINISH_REASONS, GenerationRequest, Sample, Timings
@@ -112,8 +112,10 @@ class Engine:
         self.cfg, self.model_cfg, self.mesh, self.instance_id = cfg, model_cfg, mesh, instance_id
         self._repl = NamedSharding(mesh, PartitionSpec())
         self._param_shardings = state_shardings(params, mesh, GENERATE_RULES)
-        self._param_sig = _signature(params)
-        self._relayout = _relayout_fn(graphdef, model_cfg, mesh, params, cfg.weight_dtype)
+        self._param_sig = executables.signature(params)
+        self._relayout = executables.relayout_fn(
+            graphdef, model_cfg, mesh, params, cfg.weight_dtype
+        )
         self._params = self._relayout(jax.device_put(params, self._param_shardings))
         self.version = version
         self._pending_weights: tuple[Any, int] | None = None
@@ -126,7 +128,7 @@ class Engine:
         state_sh = state_sh.replace(cache=state_sh.cache.replace(k=layer_sh, v=layer_sh))
         self._state = jax.jit(self._init_state, out_shardings=state_sh)()
 
-        self._prefill, self._chunk, self._prefill_keep, self._fork = _jitted(
+        self._prefill, self._chunk, self._prefill_keep, self._fork = executables.jitted(
             model_cfg, cfg.chunk_steps, state_sh, self._repl
         )
         # Shared-prompt prefill: per-slot prompt logits and which slot holds which prompt.
@@ -245,7 +247,7 @@ class Engine:
     # ------------------------------------------------------------------ weights
     def update_weights(self, params: nnx.State, version: int) -> None:
         """Queues new weights (same structure, shapes, dtypes); applied before the next chunk."""
-        if _signature(params) != self._param_sig:
+        if executables.signature(params) != self._param_sig:
             raise ValueError(
                 f"instance {self.instance_id}: update_weights params differ in structure, "
                 "shape or dtype from the engine's weights"
@@ -468,56 +470,3 @@ class Engine:
         occ = [row[1] for row in m["timeline"]]
         m["mean_occupancy"] = float(np.mean(occ)) / self.cfg.num_slots if occ else 0.0
         return m
-
-
-@functools.lru_cache(maxsize=32)
-def _jitted(model_cfg: ModelConfig, steps: int, state_sh: Any, repl: NamedSharding):
-    """The jitted prefill and decode chunk, shared by engines with equal statics.
-
-    Engines of the same model config, chunk length and placement (the slot
-    state's shardings: its mesh and cache partitioning, not its shapes) get the
-    same two jit objects and so one executable cache, which holds one executable
-    per input shape: a static-batch baseline engine next to a continuous one, a
-    rebuilt service, or repeated `complete.generate` calls of one shape compile
-    nothing new. The key is hashable because `SlotState` is a frozen dataclass
-    of `NamedSharding`s. Bounded so that a process building engines on many
-    meshes or models does not keep every executable alive; an evicted entry only
-    stops being shared with later engines, those holding it keep working.
-    """
-
-    def prefill(weights, state, adm):
-        return slots_lib.prefill_into_slots(decoder.GenModel(weights, model_cfg), state, adm)
-
-    def chunk(weights, state, rows, seq):
-        model = decoder.GenModel(weights, model_cfg)
-        return compact.decode_compact(model, state, rows, steps, seq)
-
-    def prefill_keep(weights, state, store, adm):
-        return admission.prefill_keep(decoder.GenModel(weights, model_cfg), state, store, adm)
-
-    def fork(state, store, adm, src):
-        return admission.fork_into_slots(state, store, adm, src)
-
-    out_sh, out3 = (state_sh, repl), (state_sh, repl, repl)
-    return (
-        jax.jit(prefill, donate_argnums=1, out_shardings=out_sh),
-        jax.jit(chunk, donate_argnums=1, out_shardings=out_sh, static_argnames="seq"),
-        jax.jit(prefill_keep, donate_argnums=(1, 2), out_shardings=out3),
-        jax.jit(fork, donate_argnums=(0, 1), out_shardings=out3),
-    )
-
-
-def _relayout_fn(
-    graphdef: nnx.GraphDef, model_cfg: ModelConfig, mesh: Mesh, params: Any, weight_dtype: str
-):
-    """Jitted training layout -> `decoder` layout (quantised with "int8"), placed on the
-    instance's mesh."""
-    fn = functools.partial(
-        decoder.from_training_layout, graphdef, cfg=model_cfg, weight_dtype=weight_dtype
-    )
-    return jax.jit(fn, out_shardings=decoder.weight_shardings(jax.eval_shape(fn, params), mesh))
-
-
-def _signature(params: Any) -> Any:
-    leaves, tree = jax.tree.flatten(params)
-    return tree, tuple((tuple(x.shape), np.dtype(x.dtype)) for x in leaves)

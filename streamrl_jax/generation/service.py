@@ -114,7 +114,7 @@ class GenerationService:
                 f"({len(engine_cfgs)} configs for {len(meshes)} meshes)"
             )
         self.name, self.poll_s = name, poll_s
-        self._precompile = (precompile, continuations)
+        self._precompile, self._continuations = precompile, continuations
         self.engines = [
             Engine(
                 graphdef,
@@ -264,8 +264,8 @@ class GenerationService:
     def _loop(self, i: int) -> None:
         engine, inbox, wake = self.engines[i], self._inboxes[i], self._wake[i]
         try:
-            if self._precompile[0]:
-                precompiled(f"{self.name} instance {i}", engine, self._precompile[1])
+            if self._precompile:
+                precompiled(f"{self.name} instance {i}", engine, self._continuations)
             while not self._stop.is_set():
                 with self._lock:
                     batch = list(inbox)

@@ -249,19 +249,12 @@ class TrainerLoop:
     # ------------------------------------------------------------------ one micro-batch
     def _accumulate(self, b: int, groups: list[micro_batches.Group], step: _Step) -> None:
         """One micro-batch's gradients (policy, and critic) into the accumulators."""
-        c, t0 = self.c, self.tracer.now()
+        t0 = self.tracer.now()
         placed = self._place(b, groups, step.stats)
         if placed is None:
             return
         dev, shape = placed
-        self._acc, _ = c.trainer.accumulate(c.state, self._acc, dev, self._one)
-        if c.critic is not None:
-            self._critic_acc, _ = c.critic.accumulate(
-                c.critic_state, self._critic_acc, dev, self._one
-            )
-        # Deliberate sync point: the trace span must cover the compute, and it bounds
-        # the micro-batches queued on the device.
-        jax.block_until_ready((self._acc, self._critic_acc))
+        self._acc, self._critic_acc = self._grads(dev, self._acc, self._critic_acc)
         t1 = self.tracer.now()
         tokens = sum(len(s.sample.prompt) + len(s.sample.response) for g in groups for s in g)
         self.tracer.add(
@@ -298,6 +291,16 @@ class TrainerLoop:
         if batch is None:
             return None
         return self._on_device(batch), batch.shape
+
+    def _grads(self, dev: TrainBatch, acc: Any, critic_acc: Any) -> tuple[Any, Any]:
+        """The micro-batch's gradients (policy, and critic) added into the donated
+        accumulators; returns the new ones once computed (a deliberate sync point: the
+        trace span must cover the compute, and it bounds the micro-batches queued)."""
+        c = self.c
+        acc, _ = c.trainer.accumulate(c.state, acc, dev, self._one)
+        if c.critic is not None:
+            critic_acc, _ = c.critic.accumulate(c.critic_state, critic_acc, dev, self._one)
+        return jax.block_until_ready((acc, critic_acc))
 
     def _on_device(self, batch: TrainBatch) -> TrainBatch:
         """A host micro-batch placed on the training mesh, with the targets the loss
@@ -356,10 +359,7 @@ class TrainerLoop:
         critic_acc = c.critic.init_accumulator() if c.critic is not None else None
         for rows, columns, width in shapes:
             dev = self._on_device(pad_batch(None, rows, columns, c.tokenizer.pad_id, width))
-            acc, _ = c.trainer.accumulate(c.state, acc, dev, self._one)
-            if c.critic is not None:
-                critic_acc, _ = c.critic.accumulate(c.critic_state, critic_acc, dev, self._one)
-            jax.block_until_ready((acc, critic_acc))
+            acc, critic_acc = self._grads(dev, acc, critic_acc)
         logging.info("pipeline.precompile: trainer shapes (rows, columns, loss width): %s", shapes)
         return len(shapes)
 

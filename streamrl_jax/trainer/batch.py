@@ -229,10 +229,15 @@ def make_batch(
     reward_N = _per_sample(rewards, n, np.float32, 0.0, "rewards")
     group_N = _per_sample(group_ids, n, np.int32, None, "group_ids")
 
-    units = packing.make_units(prompts, resp_lens, group_N, shared_prompt=shared_prompt)
-    limit = max(seq_buckets)
-    units = [part for u in units for part in packing.split_unit(u, resp_lens, limit)]
-    t, b, rows = packing.plan(units, seq_buckets, batch_buckets, pack=pack)
+    t, b, rows = packing.layout(
+        prompts,
+        resp_lens,
+        group_N,
+        seq_buckets=seq_buckets,
+        batch_buckets=batch_buckets,
+        shared_prompt=shared_prompt,
+        pack=pack,
+    )
 
     out = {
         "tokens": np.full((b, t), pad_id, np.int32),
@@ -283,7 +288,7 @@ def loss_columns(loss_mask_BxT: np.ndarray, chunk: int) -> np.ndarray:
     count rounded up to a multiple of `chunk`, at most T (at least 1)."""
     b, t = loss_mask_BxT.shape
     counts = loss_mask_BxT.sum(axis=1)
-    width = min(t, max(1, -(-int(counts.max(initial=0)) // chunk) * chunk))
+    width = packing.loss_width(int(counts.max(initial=0)), t, chunk)
     out = np.full((b, width), t, np.int32)
     for row in range(b):
         cols = np.flatnonzero(loss_mask_BxT[row])

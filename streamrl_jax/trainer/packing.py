@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -164,22 +165,40 @@ def shape(
     response_lens: Sequence[int],
     group_ids: Sequence[int],
     *,
+    loss_chunk: int,
+    **kw: Any,
+) -> tuple[int, int, int, int]:
+    """(B, T, L, rows) of the micro-batch `batch.make_batch` packs from these lengths,
+    without building it: the padded rows and columns, the `loss_columns` width and the
+    rows that hold a unit. `kw`: `layout`'s buckets, `shared_prompt` and `pack`. Samples
+    with one group id must share one prompt (a GRPO group), as `make_batch`'s
+    shared-prompt units require. `pipeline.precompile` plans the trainer's executables
+    from it; a test holds it to `make_batch`."""
+    prompts = [np.zeros((n,), np.int32) for n in prompt_lens]
+    t, b, rows = layout(prompts, response_lens, group_ids, **kw)
+    most = max(sum(response_lens[i] for u in row for i in u.samples) for row in rows)
+    return b, t, loss_width(most, t, loss_chunk), len(rows)
+
+
+def layout(
+    prompts: Sequence[np.ndarray],
+    response_lens: Sequence[int],
+    group_ids: Sequence[int],
+    *,
     seq_buckets: Sequence[int],
     batch_buckets: Sequence[int],
     shared_prompt: bool,
     pack: bool,
-    loss_chunk: int,
-) -> tuple[int, int, int, int]:
-    """(B, T, L, rows) of the micro-batch `batch.make_batch` packs from these lengths,
-    without building it: the padded rows and columns, the `loss_columns` width and the
-    rows that hold a unit. Samples with one group id must share one prompt (a GRPO
-    group), as `make_batch`'s shared-prompt units require. `pipeline.precompile` plans
-    the trainer's executables from it; a test holds it to `make_batch`."""
-    prompts = [np.zeros((n,), np.int32) for n in prompt_lens]
+) -> tuple[int, int, list[list[Unit]]]:
+    """(T, B, rows) of a micro-batch: its units (split to fit the largest bucket), then
+    `plan` (what `batch.make_batch` writes and `shape` reports)."""
     units = make_units(prompts, response_lens, group_ids, shared_prompt=shared_prompt)
     limit = max(seq_buckets)
     units = [part for u in units for part in split_unit(u, response_lens, limit)]
-    t, b, rows = plan(units, seq_buckets, batch_buckets, pack=pack)
-    most = max(sum(response_lens[i] for u in row for i in u.samples) for row in rows)
-    width = min(t, max(1, -(-most // loss_chunk) * loss_chunk))
-    return b, t, width, len(rows)
+    return plan(units, seq_buckets, batch_buckets, pack=pack)
+
+
+def loss_width(most: int, t: int, chunk: int) -> int:
+    """`loss_columns`' width L: the longest row's loss count `most` rounded up to a
+    multiple of `chunk`, at most T, at least 1."""
+    return min(t, max(1, -(-most // chunk) * chunk))

@@ -1,0 +1,75 @@
+"""The engine's jitted executables, and the keys by which engines share them.
+
+`jitted`: prefill, the decode chunk, the logits-keeping prefill and the fork, one set
+per (model config, chunk length, placement), so engines of equal statics share one
+executable cache (`Engine.compile_count`, `Engine.compile_shapes`). `relayout_fn`:
+training layout -> the decoder's layout on an instance's mesh. `signature`: the
+params' structure and leaf shapes, what a weight update must keep.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from streamrl_jax.generation import admission, compact, decoder
+from streamrl_jax.generation import slots as slots_lib
+from streamrl_jax.model.config import ModelConfig
+
+
+@functools.lru_cache(maxsize=32)
+def jitted(model_cfg: ModelConfig, steps: int, state_sh: Any, repl: NamedSharding):
+    """The jitted prefill and decode chunk, shared by engines with equal statics.
+
+    Engines of the same model config, chunk length and placement (the slot
+    state's shardings: its mesh and cache partitioning, not its shapes) get the
+    same two jit objects and so one executable cache, which holds one executable
+    per input shape: a static-batch baseline engine next to a continuous one, a
+    rebuilt service, or repeated `complete.generate` calls of one shape compile
+    nothing new. The key is hashable because `SlotState` is a frozen dataclass
+    of `NamedSharding`s. Bounded so that a process building engines on many
+    meshes or models does not keep every executable alive; an evicted entry only
+    stops being shared with later engines, those holding it keep working.
+    """
+
+    def prefill(weights, state, adm):
+        return slots_lib.prefill_into_slots(decoder.GenModel(weights, model_cfg), state, adm)
+
+    def chunk(weights, state, rows, seq):
+        model = decoder.GenModel(weights, model_cfg)
+        return compact.decode_compact(model, state, rows, steps, seq)
+
+    def prefill_keep(weights, state, store, adm):
+        return admission.prefill_keep(decoder.GenModel(weights, model_cfg), state, store, adm)
+
+    def fork(state, store, adm, src):
+        return admission.fork_into_slots(state, store, adm, src)
+
+    out_sh, out3 = (state_sh, repl), (state_sh, repl, repl)
+    return (
+        jax.jit(prefill, donate_argnums=1, out_shardings=out_sh),
+        jax.jit(chunk, donate_argnums=1, out_shardings=out_sh, static_argnames="seq"),
+        jax.jit(prefill_keep, donate_argnums=(1, 2), out_shardings=out3),
+        jax.jit(fork, donate_argnums=(0, 1), out_shardings=out3),
+    )
+
+
+def relayout_fn(
+    graphdef: nnx.GraphDef, model_cfg: ModelConfig, mesh: Mesh, params: Any, weight_dtype: str
+):
+    """Jitted training layout -> `decoder` layout (quantised with "int8"), placed on the
+    instance's mesh."""
+    fn = functools.partial(
+        decoder.from_training_layout, graphdef, cfg=model_cfg, weight_dtype=weight_dtype
+    )
+    return jax.jit(fn, out_shardings=decoder.weight_shardings(jax.eval_shape(fn, params), mesh))
+
+
+def signature(params: Any) -> Any:
+    leaves, tree = jax.tree.flatten(params)
+    return tree, tuple((tuple(x.shape), np.dtype(x.dtype)) for x in leaves)
