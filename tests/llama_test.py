@@ -145,6 +145,51 @@ def test_remat_gives_same_gradients(split):
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(plain)) > 0
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_blocked_head_equals_the_dense_head(tied):
+    """`blocked_head` (model/vocab_head.py) changes how the trainer's log-probs are
+    computed, not what: values and every parameter's gradient equal the dense head's
+    (the tiny model's 256-entry vocabulary in tiles of 2048: one padded tile; chunks
+    of 4 over 11 positions: the last padded)."""
+    cfg = _CFG.replace(tie_embeddings=tied)
+    graphdef, params = nnx.split(llama.create(cfg.replace(blocked_head=False), seed=0))
+    tokens = _tokens(2, 11, seed=4)
+    targets = jnp.roll(tokens, -1, axis=1)
+
+    def run(gdef, params):
+        logp, ent = nnx.merge(gdef, params).token_logprobs(
+            tokens, targets, jnp.ones_like(tokens), chunk=4
+        )
+        return jnp.sum(logp) + 0.1 * jnp.sum(ent), (logp, ent)
+
+    outs = {}
+    for blocked in (False, True):
+        gdef = _graphdef(cfg.replace(blocked_head=blocked))
+        outs[blocked] = jax.jit(jax.grad(run, argnums=1, has_aux=True), static_argnums=0)(
+            gdef, params
+        )
+    (g_dense, (lp_dense, ent_dense)), (g_blocked, (lp_blocked, ent_blocked)) = (
+        outs[False],
+        outs[True],
+    )
+    np.testing.assert_allclose(lp_blocked, lp_dense, rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(ent_blocked, ent_dense, rtol=1e-6, atol=1e-5)
+    scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g_dense))
+    assert scale > 0
+    for a, b in zip(jax.tree.leaves(g_blocked), jax.tree.leaves(g_dense), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * scale)
+
+
+def test_blocked_head_default_follows_the_width():
+    assert config.tiny().uses_blocked_head  # width 64
+    assert not config.tiny(
+        hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64
+    ).uses_blocked_head
+    assert config.tiny(
+        hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, blocked_head=True
+    ).uses_blocked_head
+
+
 def _packed_row():
     """One row: unit 0 = prompt A (4 tokens) with responses r1 (3), r2 (2); unit 1 =
     prompt B (2) with response r3 (3); 2 padding columns. Returns the row's arrays and,

@@ -3,7 +3,7 @@
   python tools/bench_pipeline.py --quick   # tiny model, 5 steps a mode, warm; ~4 min quiet
   python tools/bench_pipeline.py --variant=smollm2 --steps=6
   python tools/bench_pipeline.py --processes            # one process per stage (~9 min)
-  python tools/bench_pipeline.py --processes --quick    # the same, smaller (~5 min)
+  python tools/bench_pipeline.py --processes --quick    # the same, smaller (~3.5 min quiet)
 
 `--processes`: the honest CPU stand-in for disaggregated hardware (DESIGN.md
 §5). Each disaggregated mode runs as two processes of one `jax.distributed`
@@ -32,8 +32,10 @@ and the training process is process 1.) The stage times' overlap bound
 process's CPU seconds per step (`process_cpu_s`: receiving and scoring samples
 included) when they exceed its trace wall time. The full run: 8 prompts x 4 samples,
 responses up to 256 tokens, 6 steps (`--steps`); `--quick`: 16 steps of 4 x 4, up to
-128 tokens (the same length distribution), the four modes (inflight too when `--modes`
-names it).
+128 tokens (the same length distribution), on a generation instance of 4 slots
+(QUICK_SLOTS: the batch is 4x the instance's concurrency, so groups complete throughout
+the generation window, as in the paper's regime), the four modes (inflight too when
+`--modes` names it).
 
 Every mode runs the same config (configs/length_replay.py: forced, paper-shaped
 response lengths; same prompts, seeds and model) and differs only in
@@ -117,14 +119,16 @@ _MODES = flags.DEFINE_list(
 _PROMPTS = flags.DEFINE_integer(
     "prompts_per_step",
     0,
-    "In process: prompts per step (0 = the config's 8). Fewer shrink both stages; at 2 "
-    "the trainer still dominates (its fixed cost per micro-batch stays; BENCHMARKS.md).",
+    "Prompts per step (0 = the config's 8; 4 with --processes --quick). Fewer shrink both "
+    "stages; at 2 the trainer still dominates (its fixed cost per micro-batch stays; "
+    "BENCHMARKS.md).",
 )
 _SLOTS = flags.DEFINE_integer(
     "instance_slots",
     0,
-    "Slots of the generation instance (0 = the config's 16), to move the stages' balance "
-    "(with the tiny model 4 slots decode a batch in the same time as 16: BENCHMARKS.md).",
+    "Slots of the generation instance (0 = the config's 16; QUICK_SLOTS = 4 with "
+    "--processes --quick), to move the stages' balance (decode cost follows the active "
+    "batch, so 4 slots decode a batch in about 1.3x the time of 16: BENCHMARKS.md).",
 )
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/bench_pipeline", "Traces and metrics per mode.")
 _SKIP = flags.DEFINE_integer(
@@ -154,6 +158,11 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INFLIGHT_ROUNDS = 4
 # --processes --quick: steps per mode; the figures are steps 1 .. QUICK_STEPS - 2.
 QUICK_STEPS = 16
+# --processes --quick: slots of the generation instance. A batch of 16 samples is then
+# 4x what the instance holds at once, as in the paper's regime (a batch far larger than
+# the instances' concurrency), so groups complete throughout the generation window
+# instead of all near its end (16 slots: one wave; BENCHMARKS.md has both).
+QUICK_SLOTS = 4
 
 
 def _config(mode: str, steps: int, prompts_per_step: int = 0, max_new_tokens: int = 0):
@@ -174,9 +183,17 @@ def _config(mode: str, steps: int, prompts_per_step: int = 0, max_new_tokens: in
         cd["pipeline"]["steps"] = steps
     if prompts_per_step:
         cd["pipeline"]["prompts_per_step"] = prompts_per_step
-    if _SLOTS.value:
-        cd["mesh"]["instance_slots"] = (_SLOTS.value,)
+    if _slots():
+        cd["mesh"]["instance_slots"] = (_slots(),)
     return config_lib.from_config_dict(cd)
+
+
+def _slots() -> int:
+    """The generation instance's slots: `--instance_slots`, else QUICK_SLOTS for
+    `--processes --quick`, else 0 (the config's 16)."""
+    if _SLOTS.value:
+        return _SLOTS.value
+    return QUICK_SLOTS if _QUICK.value and _PROCESSES.value else 0
 
 
 def _inflight(max_new_tokens: int, pipeline: dict) -> dict:
@@ -508,7 +525,8 @@ def main_processes() -> None:
     # so a batch is 4 prompts x 4 samples instead of 8 x 4 with responses up to 128 tokens
     # instead of 256 (the same length distribution: lengths are fractions of
     # max_new_tokens) to stay within 5 minutes.
-    shape = (4, 128) if _QUICK.value else (0, 0)  # prompts_per_step, max_new_tokens (0: config)
+    # prompts_per_step, max_new_tokens (0: the config's)
+    shape = (_PROMPTS.value or 4, 128) if _QUICK.value else (_PROMPTS.value, 0)
     overrides = [
         f"--config.{key}={value}"
         for key, value in zip(
@@ -521,8 +539,8 @@ def main_processes() -> None:
     # planned from the replayed lengths), and the figures leave out the first step (the
     # pipeline filling) and the last (draining: stream_async's last step only trains).
     overrides.append("--config.pipeline.precompile=True")
-    if _SLOTS.value:
-        overrides.append(f"--config.mesh.instance_slots=({_SLOTS.value},)")
+    if _slots():
+        overrides.append(f"--config.mesh.instance_slots=({_slots()},)")
     out: dict = {"bench": "pipeline_processes", "variant": _VARIANT.value, "quick": _QUICK.value}
     per_mode, sync_s = {}, []
     t_start = time.time()

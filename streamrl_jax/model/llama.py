@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from streamrl_jax.model import layers
+from streamrl_jax.model import layers, vocab_head
 from streamrl_jax.model.config import ModelConfig
 from streamrl_jax.model.kv_cache import KVCache
 from streamrl_jax.model.segments import Segments
@@ -179,6 +179,8 @@ class Llama(nnx.Module):
         The vocabulary projection runs over `chunk`-long slices of the sequence,
         each under `jax.checkpoint`: peak memory holds one [B, chunk, V] block of
         logits, and the backward pass recomputes it instead of storing [B, T, V].
+        With `cfg.uses_blocked_head` the slices are also tiled over the vocabulary with
+        a streamed log-sum-exp, so no row of logits is held (model/vocab_head.py).
 
         With `columns_BxL` only those positions are projected: each row's hidden
         states at its L listed columns are gathered first, the projection, the
@@ -192,7 +194,7 @@ class Llama(nnx.Module):
         Args:
           tokens_BxT, mask_BxT, segments: as in `hidden_states`.
           targets_BxT: i32 the token whose log-prob column t reports.
-          chunk: sequence chunk of the vocabulary projection.
+          chunk: positions per tile of the vocabulary projection.
           columns_BxL: i32 the columns wanted in each row; entries >= T are
             padding (dropped). None = every column.
 
@@ -219,7 +221,10 @@ class Llama(nnx.Module):
     def _chunked_logprobs(
         self, hidden_BxTxE: jax.Array, targets_BxT: jax.Array, chunk: int
     ) -> tuple[jax.Array, jax.Array]:
-        """Log-probs and entropies of the targets, `chunk` columns at a time."""
+        """Log-probs and entropies of the targets, `chunk` positions at a time: blocked
+        over the vocabulary (`cfg.uses_blocked_head`) or whole [chunk, V] logits."""
+        if self.cfg.uses_blocked_head:
+            return self._blocked_logprobs(hidden_BxTxE, targets_BxT, chunk)
         b, t, e = hidden_BxTxE.shape
         chunk = min(chunk, t)
         pad = (-t) % chunk
@@ -243,6 +248,22 @@ class Llama(nnx.Module):
         logp = logp.transpose(1, 0, 2).reshape(b, n * chunk)[:, :t]
         ent = ent.transpose(1, 0, 2).reshape(b, n * chunk)[:, :t]
         return logp, ent
+
+    def _blocked_logprobs(
+        self, hidden_BxTxE: jax.Array, targets_BxT: jax.Array, chunk: int
+    ) -> tuple[jax.Array, jax.Array]:
+        """The final norm, then the projection in [chunk, vocabulary block] tiles that
+        never hold a row of logits (`vocab_head.token_logprobs_entropy`)."""
+        b, t, e = hidden_BxTxE.shape
+        h = layers.rms_norm(hidden_BxTxE, self.final_norm[...], self.cfg.rms_norm_eps)
+        if self.cfg.tie_embeddings:
+            w_VxE = self.embed[...].astype(h.dtype)
+        else:
+            w_VxE = self.lm_head[...].astype(h.dtype).T
+        logp, ent = vocab_head.token_logprobs_entropy(
+            h.reshape(b * t, e), w_VxE, targets_BxT.reshape(b * t), chunk=chunk
+        )
+        return logp.reshape(b, t), ent.reshape(b, t)
 
     # ---------------------------------------------------------------- generation
     def prefill(
