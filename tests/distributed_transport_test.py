@@ -7,6 +7,7 @@ transport fails the test instead of hanging it.
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -20,6 +21,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +38,7 @@ from streamrl_jax.distributed.channel import (
     ChannelClosed,
     PeerLost,
     TransportError,
+    TransportTimeout,
 )
 from streamrl_jax.distributed.messages import SpanReport
 from streamrl_jax.distributed.transport import SampleClient, SampleServer
@@ -204,6 +207,25 @@ def test_wrong_key_is_rejected_and_server_keeps_serving():
             client.send(note("ok"))
             assert server.get(timeout=5).name == "ok"
         assert server.rejected and "run's key" in server.rejected[0]
+
+
+def test_a_short_dial_deadline_leaves_the_channels_silence_bound_alone():
+    # dial_timeout_s bounds only the handshake (a restarted generation process dials in
+    # short attempts); the connected channel still tolerates timeout_s of silence (the
+    # server pings every 5 s here, so a 0.5 s bound would lose it).
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(TransportTimeout, match=r"no samples server answered .* within 0.5 s"):
+        SampleClient(f"127.0.0.1:{port}", authkey=KEY, timeout_s=30, dial_timeout_s=0.5)
+    with (
+        SampleServer("127.0.0.1:0", authkey=KEY, capacity=2, timeout_s=30) as server,
+        SampleClient(server.address, authkey=KEY, timeout_s=30, dial_timeout_s=0.5) as c,
+    ):
+        time.sleep(2.0)
+        assert c.error is None
+        c.send(note("ok"))
+        assert server.get(timeout=5).name == "ok"
 
 
 def test_on_sample_feeds_a_sample_stream_with_its_back_pressure():
@@ -683,6 +705,70 @@ def test_launch_local_restarts_a_failed_generation_process(tmp_path):
     assert run.returncode == 0, run.stdout
     assert "generation process 1 failed (rc 5); restarting it" in run.stdout
     assert (tmp_path / "back").read_text() == "1"
+
+
+def _dialer(rejoined: bool, peer_timeout_s: float):
+    from streamrl_jax.pipeline import generation_process
+
+    me = types.SimpleNamespace(
+        r=types.SimpleNamespace(rejoined=rejoined),
+        dcfg=types.SimpleNamespace(peer_timeout_s=peer_timeout_s),
+        pid=1,
+    )
+    return functools.partial(generation_process._GenerationProcess._dial, me)
+
+
+def test_a_restarted_generation_process_that_finds_the_run_ended_while_dialing_stops(
+    monkeypatch,
+):
+    # The run may end while a restarted generation process starts (its trainer's sample
+    # server then closes): the process dials in short attempts and, between them, reads
+    # the run's outcome; finding one ends it cleanly (`_RunEnded`), not with a timeout.
+    from streamrl_jax.pipeline import generation_process
+
+    outcomes = iter([None, None, "ok"])
+    monkeypatch.setattr(roles, "try_lookup", lambda key: next(outcomes))
+    monkeypatch.setattr(generation_process, "REJOIN_DIAL_S", 0.5)
+    timeouts = []
+
+    def make(timeout_s):
+        timeouts.append(timeout_s)
+        raise TransportTimeout("no samples server answered")
+
+    with pytest.raises(generation_process._RunEnded) as ended:
+        _dialer(rejoined=True, peer_timeout_s=30.0)(make)
+    assert ended.value.outcome == "ok"
+    assert timeouts == [0.5, 0.5, 0.5]
+
+
+def test_a_restarted_generation_process_not_admitted_names_the_whole_wait(monkeypatch):
+    from streamrl_jax.pipeline import generation_process
+
+    monkeypatch.setattr(roles, "try_lookup", lambda key: None)  # the run goes on
+    monkeypatch.setattr(generation_process, "REJOIN_DIAL_S", 0.2)
+    calls = []
+
+    def make(timeout_s):
+        calls.append(timeout_s)
+        time.sleep(timeout_s)
+        raise TransportTimeout("no samples server answered")
+
+    with pytest.raises(TransportTimeout, match="restarted process within 1.0 s"):
+        _dialer(rejoined=True, peer_timeout_s=1.0)(make)
+    assert 3 <= len(calls) <= 7 and all(t <= 0.2 for t in calls)
+
+
+def test_a_first_start_dials_once_with_the_peer_timeout(monkeypatch):
+    monkeypatch.setattr(roles, "try_lookup", lambda key: pytest.fail("looked up the outcome"))
+    calls = []
+
+    def make(timeout_s):
+        calls.append(timeout_s)
+        raise TransportTimeout("no samples server answered")
+
+    with pytest.raises(TransportTimeout, match="no samples server answered"):
+        _dialer(rejoined=False, peer_timeout_s=30.0)(make)
+    assert calls == [30.0]
 
 
 def test_launch_local_writes_the_childrens_pids(tmp_path):

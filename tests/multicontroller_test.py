@@ -12,8 +12,14 @@ training processes (FSDP over both, each feeding its half of every
 micro-batch) the samples, batches and statistics are the same but the
 gradient sums run in another order over two processes' devices; Adam turns
 that float noise into at most a fraction of the learning rate (1e-3 here) on
-elements whose gradient is ~0, so the tolerance is 1e-4 absolute, with all
-but 1 in 10^5 elements within 1e-6.
+elements whose gradient is ~0, so the tolerance is 2e-4 absolute, with all
+but 1 in 2*10^4 elements within 1e-6. The runs are deterministic, so these
+are fixed figures, measured (of 3,219,776 elements; the tiny model's blocked
+vocabulary head moved them up from the dense head's): 4 processes (2 + 2)
+against 1, 25 elements beyond 1e-6, at most 8.9e-5 (dense head: 16, 6.0e-5);
+resumed from 2 + 2 onto 1 process, 39 and 9.8e-5 (dense: 16, 5.4e-5). A real
+divergence moves nearly every element: the one-process stream_sync and
+stream_async runs differ in 3,218,093 of them beyond 1e-6, at most 2.7e-3.
 
 The failure tests start the processes themselves (`launch/local.py` would stop
 the survivors on the first failure) and SIGKILL one mid-run: every survivor
@@ -116,6 +122,21 @@ def _one_process(mode, tmp_path_factory, **overrides):
 # other combinations, the critic included, are `-m extended`
 # (python -m pytest -q -m extended tests/multicontroller_test.py).
 _EXT = pytest.mark.extended
+# Two training processes against one (module docstring): every element within ATOL, all
+# but 1 in OFF_FRACTION of them within 1e-6.
+ATOL, OFF_FRACTION = 2e-4, 20_000
+
+
+def _assert_params_match(got, want, exact: bool) -> None:
+    off = 0
+    for key in want.files:
+        if exact:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+        else:  # another reduction order
+            np.testing.assert_allclose(got[key], want[key], rtol=0, atol=ATOL, err_msg=key)
+            off += int((np.abs(got[key] - want[key]) > 1e-6).sum())
+    size = sum(want[k].size for k in want.files)
+    assert off <= size // OFF_FRACTION, f"{off} of {size} elements off by more than 1e-6"
 
 
 @pytest.mark.parametrize(
@@ -142,14 +163,7 @@ def test_processes_give_the_one_process_parameters(
     want = _one_process(mode, tmp_path_factory)
     assert sorted(got.files) == sorted(want.files)
     training = processes - generation
-    off = 0
-    for key in want.files:
-        if training == 1:
-            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
-        else:
-            np.testing.assert_allclose(got[key], want[key], rtol=0, atol=1e-4, err_msg=key)
-            off += int((np.abs(got[key] - want[key]) > 1e-6).sum())
-    assert off <= sum(want[k].size for k in want.files) // 100_000
+    _assert_params_match(got, want, exact=training == 1)
     # The first training process writes the metrics, over every training process's
     # samples (the same statistics as one process); every instance shows in its trace.
     rows = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "reward" in r]
@@ -374,6 +388,13 @@ def test_lost_generation_process_leaves_the_run_to_the_others(tmp_path, tmp_path
     assert evals  # the held-out prompts of the lost process were scored too
 
 
+# Long enough that the run is still under way when the restarted process has rejoined:
+# 40 steps of the tiny model ended 7 s after the loss once its vocabulary head was
+# blocked, before the restarted process was up; with two such tests side by side the
+# rejoin came 11-13 s after the loss, at batch 47 and 85 of 100.
+REJOIN_STEPS = 160
+
+
 def _kill_and_restart_generation_1(tmp_path, workdir, **steps) -> tuple[str, str]:
     """2 generation + 1 training process: generation process 1 is SIGKILLed after W_1
     and started again (same command and id) once the trainer has logged the loss; every
@@ -404,12 +425,12 @@ def _kill_and_restart_generation_1(tmp_path, workdir, **steps) -> tuple[str, str
 
 @pytest.mark.extended
 def test_restarted_generation_process_rejoins_and_gets_work(tmp_path, tmp_path_factory):
-    # 2 generation + 1 training process, stream_async, 40 steps: generation process 1 is
-    # SIGKILLed after W_1, then started again with the same command and id once the
-    # trainer has logged the loss. It rejoins (the trainer's roster takes it back, the
+    # 2 generation + 1 training process, stream_async, REJOIN_STEPS steps: generation
+    # process 1 is SIGKILLed after W_1, then started again with the same command and id
+    # once the trainer has logged the loss. It rejoins (the trainer's roster takes it back, the
     # weight sender sends it the current version), generates its share again, and the
     # run ends with the uninterrupted run's parameters, each prompt consumed once.
-    extra = {"pipeline.steps": 40, "eval.num_problems": 4}
+    extra = {"pipeline.steps": REJOIN_STEPS, "eval.num_problems": 4}
     want = _one_process("stream_async", tmp_path_factory, **extra)
     ref_dir = _ONE_PROCESS_DIR[("stream_async", *sorted(extra.items()))]
     steps = {"pipeline.mode": "stream_async", **extra}
@@ -436,13 +457,14 @@ def test_restarted_generation_process_takes_the_online_rankers_refreshes_again(
     tmp_path, tmp_path_factory
 ):
     # skew_aware dispatch with the online ranker refresh, 2 generation + 1 training
-    # process, 40 steps: generation process 1 is SIGKILLed after W_1 and restarted. The
+    # process, REJOIN_STEPS steps: generation process 1 is SIGKILLed after W_1 and
+    # restarted. The
     # trainer's refreshes skip the lost receiver (logged) instead of waiting for it, the
     # restarted process's ranker receiver is admitted again and places later refreshes,
     # and the run ends with the parameters of the one-process run (dispatch moves
     # requests between slots and reorders admission, it never changes a sample).
     extra = {
-        "pipeline.steps": 40,
+        "pipeline.steps": REJOIN_STEPS,
         "eval.num_problems": 4,
         "scheduling.dispatch": "skew_aware",
         "scheduling.ranker_min_samples": 8,
@@ -511,14 +533,7 @@ def _assert_resumed_like_one_process(workdir, want, exact, log):
     assert "resumed from checkpoint" in log, log[-4000:]
     got = np.load(workdir / run_lib.FINAL_PARAMS)
     assert sorted(got.files) == sorted(want.files)
-    off = 0
-    for key in want.files:
-        if exact:
-            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
-        else:  # another reduction order: the parity tests' tolerance (module docstring)
-            np.testing.assert_allclose(got[key], want[key], rtol=0, atol=1e-4, err_msg=key)
-            off += int((np.abs(got[key] - want[key]) > 1e-6).sum())
-    assert off <= sum(want[k].size for k in want.files) // 100_000
+    _assert_params_match(got, want, exact)
 
 
 def test_checkpoint_kill_resume_equals_the_uninterrupted_run(tmp_path, tmp_path_factory):

@@ -73,10 +73,15 @@ class Endpoint:
     authkey: bytes  # the run secret (`keys.py`); required
     timeout_s: float  # handshake deadline, and the silence after which the peer is lost
     heartbeat_s: float | None = None  # None: `default_heartbeat(timeout_s)`
+    dial_timeout_s: float | None = None  # a client's handshake deadline; None: timeout_s
 
     @property
     def heartbeat(self) -> float:
         return self.heartbeat_s or default_heartbeat(self.timeout_s)
+
+    @property
+    def dial_timeout(self) -> float:
+        return self.timeout_s if self.dial_timeout_s is None else self.dial_timeout_s
 
     def run_key(self) -> keys.RunKey:
         if self.authkey is None:
@@ -168,13 +173,13 @@ def dial(
     grant: int = 0,
 ) -> Channel:
     """Client side: connects to `end.address` (retrying while the server starts, up to
-    `end.timeout_s`), authenticates both ways, checks the server serves `end.kind`
+    `end.dial_timeout`), authenticates both ways, checks the server serves `end.kind`
     channels; returns the started `Channel` (with `grant` credits given to the server).
 
     Raises:
       AuthenticationFailed: the server does not hold this run's key, or refused ours.
       TransportError: the server refused the channel (named reason).
-      TransportTimeout: no server answered within `end.timeout_s`.
+      TransportTimeout: no server answered within `end.dial_timeout`.
     """
     host, port = parse_address(end.address)
     run_key = end.run_key()
@@ -250,11 +255,11 @@ def dial(
     sock.connect(_tcp(host, port))
     loop.post(_hello(end))
     loop.start()
-    if not ready.wait(end.timeout_s):
+    if not ready.wait(end.dial_timeout):
         ready.set()
         loop.stop()
         raise TransportTimeout(
-            f"{end.name}: no {end.kind} server answered at {remote} within {end.timeout_s:.1f} s"
+            f"{end.name}: no {end.kind} server answered at {remote} within {end.dial_timeout:.1f} s"
         )
     if "error" in result:
         loop.stop()

@@ -254,10 +254,14 @@ class SampleClient:
         timeout_s: float = 60.0,
         heartbeat_s: float | None = None,
         name: str = "generation",
+        dial_timeout_s: float | None = None,
     ):
-        """Connects (retrying until `timeout_s` while the server starts) and authenticates."""
+        """Connects (retrying until `dial_timeout_s`, default `timeout_s`, while the
+        server starts) and authenticates; `timeout_s` is also the silence after which
+        the server is lost."""
         self.name, self.timeout_s = name, timeout_s
-        self._channel = dial(Endpoint("samples", name, address, authkey, timeout_s, heartbeat_s))
+        end = Endpoint("samples", name, address, authkey, timeout_s, heartbeat_s, dial_timeout_s)
+        self._channel = dial(end)
 
     @property
     def credits(self) -> int:

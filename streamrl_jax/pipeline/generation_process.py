@@ -47,6 +47,7 @@ import contextlib
 import json
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -92,6 +93,17 @@ class _Stopped(Exception):
     """The training process stopped the run (signal) while this one still generated."""
 
 
+class _RunEnded(Exception):
+    """A restarted process found the run already ended (the trainer's outcome)."""
+
+    def __init__(self, outcome: str):
+        super().__init__(outcome)
+        self.outcome = outcome
+
+
+REJOIN_DIAL_S = 2.0  # a restarted process's dial attempts (it checks the outcome between)
+
+
 class _GenerationProcess:
     """One generation process: W_0, its service and driver, the end protocol."""
 
@@ -111,11 +123,14 @@ class _GenerationProcess:
         t = len(r.training_processes)
         self.own = ownership(cfg, t) if t > 1 else None
         self.clients = [
-            SampleClient(
-                roles.lookup(f"{SAMPLES_KEY}-{i}", self.timeout),
-                authkey=dcfg.authkey,
-                timeout_s=dcfg.peer_timeout_s,
-                name=name,
+            self._dial(
+                lambda dial_s, i=i: SampleClient(
+                    roles.lookup(f"{SAMPLES_KEY}-{i}", self.timeout),
+                    authkey=dcfg.authkey,
+                    timeout_s=dcfg.peer_timeout_s,
+                    name=name,
+                    dial_timeout_s=dial_s,
+                )
             )
             for i in range(t)
         ]
@@ -138,6 +153,29 @@ class _GenerationProcess:
         self.latch.add_listener(
             lambda component, exc: logging.error("%s failed: %r", component, exc)
         )
+
+    def _dial(self, make: Callable[[float], SampleClient]) -> SampleClient:
+        """`make(dial_s)` dials a training process's sample server (giving up after
+        `dial_s`; the channel's silence bound stays the peer timeout). A restarted
+        process dials in short attempts and, between them, looks for the run's outcome:
+        the run may end while this process starts (its server then closes or no longer
+        admits anyone), and that ends this process cleanly (`_RunEnded`), not as a
+        dial timeout once the coordination service is gone too."""
+        total = self.dcfg.peer_timeout_s
+        if not self.r.rejoined:
+            return make(total)
+        deadline = time.monotonic() + total
+        while True:
+            try:
+                return make(max(min(REJOIN_DIAL_S, deadline - time.monotonic()), 0.1))
+            except TransportTimeout as e:
+                if (outcome := roles.try_lookup(RUN_END_KEY)) is not None:
+                    raise _RunEnded(outcome) from e
+                if time.monotonic() >= deadline:
+                    raise TransportTimeout(
+                        f"generation-{self.pid}: no sample server admitted this restarted "
+                        f"process within {total:.1f} s ({e})"
+                    ) from e
 
     # ------------------------------------------------------------------ hooks
     def _send(self, msg: Any) -> None:
@@ -419,4 +457,11 @@ def run_generation(cfg: ExperimentConfig, dcfg: roles.DistributedConfig, r: role
         if outcome is not None:  # restarted after the trainer finished: nothing to join
             logging.warning("generation-%d: the run already ended (%s)", r.process_id, outcome)
             return
-    _GenerationProcess(cfg, dcfg, r).run()
+    try:
+        process = _GenerationProcess(cfg, dcfg, r)
+    except _RunEnded as e:  # it ended while this restarted process started
+        logging.warning(
+            "generation-%d: the run ended (%s) while this process rejoined", r.process_id, e.outcome
+        )
+        return
+    process.run()
