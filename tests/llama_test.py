@@ -321,3 +321,35 @@ def test_attention_backward_equals_autodiff(dtype):
         return jnp.einsum("bkgts,bskd->btkgd", p, v).reshape(b, t, h, d)
 
     _assert_vjp_matches(lambda *a: layers.attention(*a, mask), plain, (q, k, v), dout, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 6])
+def test_causal_blocks_equal_the_whole_square(rows, dtype):
+    # Query blocks against the keys up to their last row (the upper triangle skipped)
+    # give the masked whole square's values and gradients: a causal mask with left
+    # padding in one row and two packed segments in the other, T = 7 (the last block
+    # shorter when `rows` does not divide it).
+    rng = np.random.default_rng(5)
+    t = 7
+    q, k, v, dout = (
+        jnp.asarray(rng.standard_normal(s), dtype)
+        for s in ((2, t, 4, 8), (2, t, 2, 8), (2, t, 2, 8), (2, t, 4, 8))
+    )
+    segment = jnp.asarray([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 2, 2, 2, 2]])
+    mask = (
+        jnp.tril(jnp.ones((t, t), bool))[None]
+        & (segment[:, :, None] == segment[:, None, :])
+        & (segment > 0)[:, None, :]
+    )
+    whole = lambda *a: layers.attention(*a, mask)  # noqa: E731
+    blocked = lambda *a: layers.attention(*a, mask, causal_block=rows)  # noqa: E731
+    _assert_vjp_matches(blocked, whole, (q, k, v), dout, dtype)
+
+
+def test_causal_blocks_need_a_square():
+    q = jnp.zeros((1, 4, 2, 8))
+    kv = jnp.zeros((1, 6, 1, 8))
+    mask = jnp.ones((1, 4, 6), bool)
+    with pytest.raises(ValueError, match="as many keys as queries, got 6 and 4"):
+        layers.attention(q, kv, kv, mask, causal_block=2)

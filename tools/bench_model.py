@@ -39,6 +39,12 @@ from streamrl_jax.model.loader import load_pretrained
 
 _MODEL = flags.DEFINE_string("model", None, "HF directory or .gguf (default: SmolLM2-135M).")
 _QUICK = flags.DEFINE_bool("quick", False, "Short run (<= 5 min on 2 CPU cores).")
+_CAUSAL_BLOCK = flags.DEFINE_integer(
+    "causal_block",
+    None,
+    "ModelConfig.causal_block for the training step (0: the whole masked [T, T] "
+    "attention square); default: the model's default.",
+)
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -163,7 +169,8 @@ def main(argv) -> None:
     quick = _QUICK.value
     path = _MODEL.value or smollm2_gguf_path()
     t0 = time.perf_counter()
-    pre = load_pretrained(path)
+    overrides = {} if _CAUSAL_BLOCK.value is None else {"causal_block": _CAUSAL_BLOCK.value}
+    pre = load_pretrained(path, **overrides)
     load_s = time.perf_counter() - t0
     cfg = pre.cfg
     n = 2048
@@ -223,6 +230,7 @@ def main(argv) -> None:
         "decode_step_ms_b8": round(decode_b8 * 1e3, 2),
         "decode_tokens_per_s_b8": round(8 / decode_b8, 1),
         "quick": quick,
+        "causal_block": cfg.causal_block,
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
         # Other processes' load inflates every time above; report it with the numbers.
         "load_avg_1m": round(os.getloadavg()[0], 2),

@@ -8,6 +8,7 @@ attention softmax run in float32.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -66,14 +67,32 @@ def apply_rope(x_BxTxNxD: jax.Array, cos_BxTxD: jax.Array, sin_BxTxD: jax.Array)
 
 
 def attention(
-    q_BxTxHxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array, mask_BxTxS: jax.Array
+    q_BxTxHxD: jax.Array,
+    k_BxSxKxD: jax.Array,
+    v_BxSxKxD: jax.Array,
+    mask_BxTxS: jax.Array,
+    *,
+    causal_block: int = 0,
 ) -> jax.Array:
     """Grouped-query softmax attention; `mask` True where a query may see a key (a
-    query that sees no key, e.g. padding, gets 0)."""
+    query that sees no key, e.g. padding, gets 0).
+
+    `causal_block` > 0 (the caller's promise: S == T and `mask` is within the causal
+    triangle, query t sees no key after t): queries run in blocks of that many rows and
+    each block only against the keys up to its last row, so the masked upper triangle
+    is skipped, not computed and masked (at T = 4 blocks, 10/16 of the work).
+    """
     b, t, h, d = q_BxTxHxD.shape
     k_heads = k_BxSxKxD.shape[2]
     q_BxTxKxGxD = q_BxTxHxD.reshape(b, t, k_heads, h // k_heads, d)
-    out = _attend(q_BxTxKxGxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS)
+    if 0 < causal_block < t:
+        if k_BxSxKxD.shape[1] != t:
+            raise ValueError(
+                f"causal_block needs as many keys as queries, got {k_BxSxKxD.shape[1]} and {t}"
+            )
+        out = _attend_causal(q_BxTxKxGxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, causal_block)
+    else:
+        out = _attend(q_BxTxKxGxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS)
     return out.reshape(b, t, h, d)
 
 
@@ -100,17 +119,57 @@ def _attend_fwd(q, k, v, mask):
 
 
 def _attend_bwd(res, dout_BxTxKxGxD):
-    q, k, v, probs = res
+    return (*_attend_grads(*res, dout_BxTxKxGxD), None)
+
+
+def _attend_grads(q, k, v, probs, dout_BxTxKxGxD):
     dv = jnp.einsum("bkgts,btkgd->bskd", probs.astype(v.dtype), dout_BxTxKxGxD)
     dprobs = jnp.einsum("btkgd,bskd->bkgts", dout_BxTxKxGxD, v).astype(jnp.float32)
     dscores = probs * (dprobs - jnp.sum(dprobs * probs, axis=-1, keepdims=True))
     dscores = (dscores / math.sqrt(q.shape[-1])).astype(q.dtype)
     dq = jnp.einsum("bkgts,bskd->btkgd", dscores, k)
     dk = jnp.einsum("bkgts,btkgd->bskd", dscores, q)
-    return dq, dk, dv, None
+    return dq, dk, dv
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def _query_blocks(t: int, rows: int) -> list[tuple[int, int]]:
+    return [(start, min(start + rows, t)) for start in range(0, t, rows)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attend_causal(q_BxTxKxGxD, k_BxTxKxD, v_BxTxKxD, mask_BxTxT, rows):
+    """`_attend` with a mask inside the causal triangle: the query block [s, e) is
+    computed against keys [0, e) only (static slices; one probability array per block,
+    each saved for the backward under the same name)."""
+    return _attend_causal_fwd(q_BxTxKxGxD, k_BxTxKxD, v_BxTxKxD, mask_BxTxT, rows)[0]
+
+
+def _attend_causal_fwd(q, k, v, mask, rows):
+    outs, probs = [], []
+    for s, e in _query_blocks(q.shape[1], rows):
+        p = checkpoint_name(_probs(q[:, s:e], k[:, :e], mask[:, s:e, :e]), "attention_probs")
+        outs.append(jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v[:, :e]))
+        probs.append(p)
+    return jnp.concatenate(outs, axis=1), (q, k, v, tuple(probs))
+
+
+def _attend_causal_bwd(rows, res, dout_BxTxKxGxD):
+    q, k, v, probs = res
+    dq = []
+    dk = jnp.zeros(k.shape, jnp.float32)  # key gradients summed over the query blocks
+    dv = jnp.zeros(v.shape, jnp.float32)
+    for (s, e), p in zip(_query_blocks(q.shape[1], rows), probs, strict=True):
+        dq_s, dk_s, dv_s = _attend_grads(q[:, s:e], k[:, :e], v[:, :e], p, dout_BxTxKxGxD[:, s:e])
+        dq.append(dq_s)
+        dk = dk.at[:, :e].add(dk_s.astype(jnp.float32))
+        dv = dv.at[:, :e].add(dv_s.astype(jnp.float32))
+    return jnp.concatenate(dq, axis=1), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_attend_causal.defvjp(_attend_causal_fwd, _attend_causal_bwd)
 
 
 def qkv(
@@ -183,7 +242,8 @@ def block(
     sin: jax.Array,
     mask_BxTxT: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One decoder block over a full sequence; also returns this block's k and v."""
+    """One decoder block over a full sequence (`mask` within the causal triangle);
+    also returns this block's k and v."""
     q, k, v = qkv(x_BxTxE, p, cfg, cos, sin)
-    attn = attention(q, k, v, mask_BxTxT)
+    attn = attention(q, k, v, mask_BxTxT, causal_block=cfg.causal_block)
     return attn_out_and_mlp(x_BxTxE, attn, p, cfg), k, v
