@@ -46,11 +46,18 @@ def test_the_critic_trains_beside_the_policy_in_every_mode(mode, tmp_path_factor
 def test_gae_stream_sync_equals_disaggregated_batch(tmp_path_factory):
     # Per-sample GAE from the critic's pre-update values: the micro-batch split
     # cannot change the targets, only the order of the gradient sums.
-    # Tolerance: float32 summation order over 2 steps of Adam, 1e-5 absolute.
+    # Tolerance: float32 summation order over 2 steps of Adam, which Adam turns into a
+    # fraction of the learning rate on elements whose gradient is ~0: the policy within
+    # 5e-5 with all but 1 in 10^5 elements within 1e-6 (measured with causal attention
+    # blocks, whose count follows the micro-batch's length: 1 of 3,219,776 elements off,
+    # by 1.1e-5), the critic within 1e-5 (measured 1.9e-9).
     stream = _gae_run("stream_sync", tmp_path_factory)
     batch = _gae_run("disaggregated_batch", tmp_path_factory)
-    for a, b in zip(_params(stream), _params(batch), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    policy = list(zip(_params(stream), _params(batch), strict=True))
+    for a, b in policy:
+        np.testing.assert_allclose(a, b, atol=5e-5, rtol=0)
+    off = sum(int((np.abs(a - b) > 1e-6).sum()) for a, b in policy)
+    assert off <= sum(a.size for a, _ in policy) // 100_000
     for a, b in zip(_critic_params(stream), _critic_params(batch), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
     assert [r["reward"] for r in stream.steps] == [r["reward"] for r in batch.steps]
