@@ -14,10 +14,12 @@ gradient sums run in another order over two processes' devices; Adam turns
 that float noise into at most a fraction of the learning rate (1e-3 here) on
 elements whose gradient is ~0, so the tolerance is 2e-4 absolute, with all
 but 1 in 2*10^4 elements within 1e-6. The runs are deterministic, so these
-are fixed figures, measured (of 3,219,776 elements; the tiny model's blocked
-vocabulary head moved them up from the dense head's): 4 processes (2 + 2)
-against 1, 25 elements beyond 1e-6, at most 8.9e-5 (dense head: 16, 6.0e-5);
-resumed from 2 + 2 onto 1 process, 39 and 9.8e-5 (dense: 16, 5.4e-5). A real
+are fixed figures per version of the code, measured (of 3,219,776 elements):
+4 processes (2 + 2) against 1, stream_sync 22 elements beyond 1e-6, at most
+6.3e-5, stream_async 12 and 5.9e-5; resumed from 2 + 2 onto 1 process, 26 and
+7.8e-5 (with causal attention blocks; before them, with the blocked vocabulary
+head, 25 / 8.9e-5 and 39 / 9.8e-5, and with the dense head 16 / 6.0e-5 and
+16 / 5.4e-5). A real
 divergence moves nearly every element: the one-process stream_sync and
 stream_async runs differ in 3,218,093 of them beyond 1e-6, at most 2.7e-3.
 
