@@ -19,9 +19,9 @@ are fixed figures per version of the code, measured (of 3,219,776 elements):
 6.3e-5, stream_async 12 and 5.9e-5; resumed from 2 + 2 onto 1 process, 26 and
 7.8e-5 (with causal attention blocks; before them, with the blocked vocabulary
 head, 25 / 8.9e-5 and 39 / 9.8e-5, and with the dense head 16 / 6.0e-5 and
-16 / 5.4e-5). A real
-divergence moves nearly every element: the one-process stream_sync and
-stream_async runs differ in 3,218,093 of them beyond 1e-6, at most 2.7e-3.
+16 / 5.4e-5). A real divergence moves nearly every element: the one-process
+stream_sync and stream_async runs differ in 3,218,093 of them beyond 1e-6, at
+most 2.7e-3.
 
 The failure tests start the processes themselves (`launch/local.py` would stop
 the survivors on the first failure) and SIGKILL one mid-run: every survivor
@@ -429,9 +429,9 @@ def _kill_and_restart_generation_1(tmp_path, workdir, **steps) -> tuple[str, str
 def test_restarted_generation_process_rejoins_and_gets_work(tmp_path, tmp_path_factory):
     # 2 generation + 1 training process, stream_async, REJOIN_STEPS steps: generation
     # process 1 is SIGKILLed after W_1, then started again with the same command and id
-    # once the trainer has logged the loss. It rejoins (the trainer's roster takes it back, the
-    # weight sender sends it the current version), generates its share again, and the
-    # run ends with the uninterrupted run's parameters, each prompt consumed once.
+    # once the trainer has logged the loss. It rejoins (the trainer's roster takes it
+    # back, the weight sender sends it the current version), generates its share again,
+    # and the run ends with the uninterrupted run's parameters, each prompt consumed once.
     extra = {"pipeline.steps": REJOIN_STEPS, "eval.num_problems": 4}
     want = _one_process("stream_async", tmp_path_factory, **extra)
     ref_dir = _ONE_PROCESS_DIR[("stream_async", *sorted(extra.items()))]
@@ -460,11 +460,11 @@ def test_restarted_generation_process_takes_the_online_rankers_refreshes_again(
 ):
     # skew_aware dispatch with the online ranker refresh, 2 generation + 1 training
     # process, REJOIN_STEPS steps: generation process 1 is SIGKILLed after W_1 and
-    # restarted. The
-    # trainer's refreshes skip the lost receiver (logged) instead of waiting for it, the
-    # restarted process's ranker receiver is admitted again and places later refreshes,
-    # and the run ends with the parameters of the one-process run (dispatch moves
-    # requests between slots and reorders admission, it never changes a sample).
+    # restarted. The trainer's refreshes skip the lost receiver (logged) instead of
+    # waiting for it, the restarted process's ranker receiver is admitted again and
+    # places later refreshes, and the run ends with the parameters of the one-process
+    # run (dispatch moves requests between slots and reorders admission, it never
+    # changes a sample).
     extra = {
         "pipeline.steps": REJOIN_STEPS,
         "eval.num_problems": 4,

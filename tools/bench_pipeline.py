@@ -184,8 +184,8 @@ def _config(mode: str, steps: int, prompts_per_step: int = 0, max_new_tokens: in
         cd["pipeline"]["steps"] = steps
     if prompts_per_step:
         cd["pipeline"]["prompts_per_step"] = prompts_per_step
-    if _slots():
-        cd["mesh"]["instance_slots"] = (_slots(),)
+    if slots := _slots():
+        cd["mesh"]["instance_slots"] = (slots,)
     return config_lib.from_config_dict(cd)
 
 

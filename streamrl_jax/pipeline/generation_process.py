@@ -124,15 +124,15 @@ class _GenerationProcess:
         self.own = ownership(cfg, t) if t > 1 else None
         self.clients = [
             self._dial(
-                lambda dial_s, i=i: SampleClient(
-                    roles.lookup(f"{SAMPLES_KEY}-{i}", self.timeout),
+                lambda dial_s, address=address: SampleClient(
+                    address,
                     authkey=dcfg.authkey,
                     timeout_s=dcfg.peer_timeout_s,
                     name=name,
                     dial_timeout_s=dial_s,
                 )
             )
-            for i in range(t)
+            for address in [roles.lookup(f"{SAMPLES_KEY}-{i}", self.timeout) for i in range(t)]
         ]
         self.client = self.clients[0]
         # Dials every training process; its need (the boxes its first instance's devices
