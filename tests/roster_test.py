@@ -5,6 +5,10 @@ record (first copies only, the floor of complete batches, the update it publishe
 and the generation driver's share of a lost process's groups (`GenerationDriver.lose`).
 """
 
+import queue
+import threading
+import types
+
 import numpy as np
 import pytest
 
@@ -53,16 +57,16 @@ def test_roster_keeps_first_copies_and_publishes_what_it_has():
         roster.lose(0)  # the last generation process: the run cannot go on
 
 
-def _driver(share, staleness=1):
+def _driver(share, staleness=1, service=None, live=None, weights=lambda v: []):
     cd = config_lib.defaults()
     cd.pipeline.mode, cd.pipeline.staleness = "stream_async", staleness
     cd.eval.num_problems = 0
     return GenerationDriver(
         config_lib.from_config_dict(cd),
-        service=None,
-        live=None,
+        service=service,
+        live=live,
         eval_prompts=[],
-        weights=lambda v: [],
+        weights=weights,
         draw=lambda b, n: [],
         emit=lambda s: None,
         latch=FailureLatch("test"),
@@ -149,3 +153,55 @@ def test_driver_splits_each_batch_under_the_roster_of_its_draw():
     assert driver.lose(lost) == 1
     again = {v: [r.tag.group for r in rs] for v, rs in driver._again.items() if rs}
     assert again == {2: [3]}  # W_{b-1}
+
+
+class _SlowService:
+    """Returns each submitted request as a sample 0.2 s later; records every weight
+    swap with the number of requests still out at that moment."""
+
+    def __init__(self):
+        self.out: queue.Queue = queue.Queue()
+        self.swaps: list[tuple[int, int]] = []
+        self.driver = None
+
+    def submit(self, requests, instances=None):
+        for r in requests:
+            sample = types.SimpleNamespace(
+                tag=r.tag, finish_reason="length", prompt=r.prompt, num_tokens=4
+            )
+            threading.Timer(0.2, self.out.put, (sample,)).start()
+
+    def get(self, timeout):
+        try:
+            return self.out.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError from None
+
+    def update_weights(self, weights, version):
+        self.swaps.append((version, self.driver.pending()))
+
+
+def test_groups_generated_again_while_waiting_for_weights_finish_before_the_swap():
+    # A generation process waiting for W_{v+1} generates a lost process's groups again
+    # meanwhile (its `weights` hook calls `regenerate`); those under the loaded W_v must
+    # all be collected before W_{v+1} replaces it, or their tokens would span versions.
+    service = _SlowService()
+    live = types.SimpleNamespace(observe=lambda prompt, tokens: None)
+
+    def weights(version):
+        driver.regenerate()
+        return []
+
+    driver = _driver(share=(0, 2), service=service, live=live, weights=weights)
+    service.driver = driver
+    driver.version = 1
+    driver._again = {1: _requests(2, groups=1, members=2)}
+    collector = threading.Thread(target=driver._collect, daemon=True)
+    collector.start()
+    try:
+        driver._load(2)
+    finally:
+        driver._stop.set()
+        collector.join(5)
+    assert service.swaps == [(2, 0)]
+    assert driver.version == 2 and driver.pending() == 0

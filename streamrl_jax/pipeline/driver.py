@@ -308,10 +308,14 @@ class GenerationDriver:
 
     def _load(self, version: int) -> None:
         """W_version into the service: once every earlier request has finished, or in
-        flight (the instances swap at their next chunk boundary, nothing drained)."""
+        flight (the instances swap at their next chunk boundary, nothing drained).
+        The weights are fetched first: while a generation process waits for them it
+        generates a lost process's groups again (`regenerate`), under the loaded
+        version, and those must finish before the swap too."""
+        weights = self.weights(version)
         if not self.sched.inflight:
             self.wait_idle()
-        self.service.update_weights(self.weights(version), version)
+        self.service.update_weights(weights, version)
         self.version = version
 
     def _submit(self, requests: list[GenerationRequest], instances: list[int] | None = None):
