@@ -162,7 +162,7 @@ def test_int_accepted_for_float_and_tuple_from_list():
 
 def test_registry_names_equal_the_registries():
     # config/ imports no registry (it is the bottom layer); these keep the names in step.
-    from streamrl_jax.generation import quant
+    from streamrl_jax.generation import engine_config, quant
     from streamrl_jax.model import config as model_config
     from streamrl_jax.rewards import jsonl
     from streamrl_jax.scheduling import dispatch, live
@@ -177,6 +177,7 @@ def test_registry_names_equal_the_registries():
     assert set(config_lib.DISPATCHES) == set(live.DISPATCH)
     assert set(config_lib.BAD_ROWS) == set(jsonl.ON_BAD_ROW)
     assert config_lib.WEIGHT_DTYPES == quant.WEIGHT_DTYPES
+    assert config_lib.CPU_DOTS == engine_config.CPU_DOTS
 
 
 REGISTRY_FIELDS = [
@@ -191,6 +192,7 @@ REGISTRY_FIELDS = [
     "model.dtype",
     "model.generate_dtype",
     "generation.weight_dtype",
+    "generation.cpu_dots",
     "critic.whiten",
     "data.bad_rows",
     "data.overlong_prompts",

@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from streamrl_jax import mesh as mesh_lib
+from streamrl_jax.generation import engine_config
 from streamrl_jax.generation.engine import Engine, EngineConfig
 from streamrl_jax.generation.types import (
     Continuation,
@@ -204,6 +205,43 @@ def test_update_weights_changes_outputs_without_recompiling(model):
     wrong = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params2)
     with pytest.raises(ValueError, match="update_weights"):
         engine.update_weights(wrong, version=4)
+
+
+def _chunk_hlo(engine: Engine) -> str:
+    idx = jnp.arange(engine.cfg.num_slots, dtype=jnp.int32)
+    seq = engine.cfg.max_total_length
+    lowered = engine._chunk.lower(engine._params, engine._state, idx, seq=seq)
+    return lowered.compile().as_text()
+
+
+def test_cpu_dots_picks_the_decode_matmul_library_and_keeps_the_samples(model):
+    reqs = requests(6, sampling=SamplingParams.greedy())
+    eigen, ynn = make_engine(model, cpu_dots="eigen"), make_engine(model, cpu_dots="ynnpack")
+    assert make_engine(model)._chunk is ynn._chunk  # "auto": the tiny model is narrow
+
+    # The decode chunk's matmuls leave YNNPACK with "eigen" (its reductions may stay):
+    # YNNPACK runs a dot as the root of a fused computation, XLA's emitter as its own op.
+    def dots(hlo):
+        lines = [ln.strip() for ln in hlo.splitlines() if " dot(" in ln]
+        return sum(ln.startswith("ROOT") for ln in lines), len(lines)
+
+    fused, total = dots(_chunk_hlo(ynn))
+    assert fused == total > 0 and "__ynn_fusion" in _chunk_hlo(ynn)
+    fused, total = dots(_chunk_hlo(eigen))
+    assert fused == 0 and total > 0
+    # Another library rounds differently: the same greedy tokens, log-probs within 1e-5.
+    assert_same(by_id(eigen.run(reqs)), by_id(ynn.run(reqs)))
+    # "auto" is Eigen from EIGEN_MIN_WIDTH on; int8 engines and other backends keep theirs.
+    wide = engine_config.EIGEN_MIN_WIDTH
+    assert ENGINE.decode_compiler_options("cpu", wide) == eigen.cfg.decode_compiler_options(
+        "cpu", 64
+    )
+    assert ENGINE.decode_compiler_options("cpu", wide - 1) == ()
+    assert ENGINE.decode_compiler_options("gpu", wide) == ()
+    int8 = dataclasses.replace(ENGINE, cpu_dots="eigen", weight_dtype="int8")
+    assert int8.decode_compiler_options("cpu", wide) == ()
+    with pytest.raises(ValueError, match="EngineConfig.cpu_dots must be one of"):
+        dataclasses.replace(ENGINE, cpu_dots="mkl")
 
 
 def test_hot_loop_runs_under_transfer_guard(model):

@@ -64,6 +64,12 @@ flags.DEFINE_integer("prefill_batch", None, "Prompts per prefill call (default p
 flags.DEFINE_list("hf_batches", ["1", "8", "16"], "Batch sizes of the engine-vs-HF comparison.")
 flags.DEFINE_bool("hf", True, "Compare SmolLM2 tokens/s with HF transformers `generate`.")
 flags.DEFINE_string("hf_child", None, "Internal: run the HF baseline on these prompts (.npz).")
+flags.DEFINE_enum(
+    "cpu_dots",
+    "auto",
+    ["auto", "eigen", "ynnpack"],
+    "EngineConfig.cpu_dots of every engine (the decode chunk's matmul library on CPU).",
+)
 flags.DEFINE_integer("group", 0, "Run only the shared-prefill benchmark with this group size.")
 flags.DEFINE_integer("groups", 8, "--group: prompts per batch.")
 flags.DEFINE_integer("group_slots", 16, "--group: engine slots.")
@@ -247,6 +253,7 @@ def bench_model(name: str, quick: bool, bandwidth: float) -> dict:
     cfg, graphdef, params, stop_ids = load_model(name, mesh, max_prompt + max_len)
     load_s = time.perf_counter() - t_load
     ecfg = EngineConfig(
+        cpu_dots=FLAGS.cpu_dots,
         num_slots=num_slots,
         max_prompt_length=max_prompt,
         max_total_length=max_prompt + max_len,
@@ -382,6 +389,7 @@ def bench_groups(name: str) -> dict:
     max_total = FLAGS.group_prompt + FLAGS.group_max_len
     cfg, graphdef, params, stop_ids = load_model(name, mesh, max_total)
     base = EngineConfig(
+        cpu_dots=FLAGS.cpu_dots,
         num_slots=FLAGS.group_slots,
         max_prompt_length=FLAGS.group_prompt,
         max_total_length=max_total,
@@ -459,11 +467,12 @@ def bench_groups(name: str) -> dict:
     }
 
 
-def dot_floor_s(weights: dict, batch: int, repeats: int = 5) -> float:
+def dot_floor_s(weights: dict, batch: int, options: tuple = (), repeats: int = 5) -> float:
     """Seconds of the decode step's matmuls alone at `batch`: per layer x @ qkv,
     x @ o, x @ gate_up, x @ down on the engine's own weights, then x @ lm_head, as one
     jitted chain (no attention, norms, sampling or cache). What this backend's GEMM
-    takes for the step's weight reads at this batch: the floor the step can reach."""
+    takes for the step's weight reads at this batch: the floor the step can reach.
+    `options`: the engine's decode compiler options (its matmul library)."""
     e = weights["lm_head"].shape[0]
 
     def chain(w, x):
@@ -474,7 +483,7 @@ def dot_floor_s(weights: dict, batch: int, repeats: int = 5) -> float:
             x = x + gu[:, : gu.shape[1] // 2] @ p["down"]
         return x @ w["lm_head"]
 
-    fn = jax.jit(chain)
+    fn = jax.jit(chain, compiler_options=dict(options) or None)
     x = jnp.full((batch, e), 0.01, jnp.float32)
     fn(weights, x).block_until_ready()
     best = float("inf")
@@ -574,6 +583,7 @@ def engine_over_hf(batches: list[int], bandwidth: float) -> dict:
     engines, reqs, eng_s, samples = {}, {}, {}, {}
     for b in batches:
         ecfg = EngineConfig(
+            cpu_dots=FLAGS.cpu_dots,
             num_slots=b,
             max_prompt_length=_HF_PROMPT,
             max_total_length=_HF_PROMPT + _HF_NEW,
@@ -616,7 +626,9 @@ def engine_over_hf(batches: list[int], bandwidth: float) -> dict:
         cache = engine._state.cache
         kv_bytes = sum(x.size * x.dtype.itemsize for x in (*cache.k, *cache.v))
         roofline_s = (weight_bytes + kv_bytes) / bandwidth
-        floor_s = dot_floor_s(engine._params, b)
+        platform = engine.mesh.devices.flat[0].platform
+        options = engine.cfg.decode_compiler_options(platform, model_cfg.hidden_size)
+        floor_s = dot_floor_s(engine._params, b, options)
         out[b] = {
             "engine_tokens_per_s": round(tokens / eng_s[b], 1),
             "hf_tokens_per_s": round(tokens / hf_s, 1),
@@ -671,6 +683,7 @@ def main(argv):
         "bench": "generation",
         "quick": FLAGS.quick,
         "headline_model": head["model"],
+        "cpu_dots": FLAGS.cpu_dots,
         "continuous_over_static": head["continuous_over_static"],
         "bucket_cost_bound": head["bucket_cost_bound"],
         "decode_vs_roofline": head["decode_vs_roofline"],

@@ -17,6 +17,7 @@ from streamrl_jax.config.sections import (
     ADVANTAGES,
     AGGREGATIONS,
     BAD_ROWS,
+    CPU_DOTS,
     DISPATCHES,
     DTYPES,
     KL_ESTIMATORS,
@@ -112,6 +113,7 @@ RULES: dict[type, dict[str, _Rule]] = {
         "top_k": _NONNEG,
         "top_p": _unit(open_low=True),
         "weight_dtype": _one_of(WEIGHT_DTYPES),
+        "cpu_dots": _one_of(CPU_DOTS),
     },
     PipelineSection: {
         "mode": _one_of(MODES),

@@ -33,6 +33,8 @@ LAG_POLICIES = ("drop", "regenerate")
 # The generation copy's matrices (generation/quant.py): "auto" = model.generate_dtype,
 # "int8" = per-channel int8 weights with W8A8 matmuls (needs algorithm.tis_cap > 0).
 WEIGHT_DTYPES = ("auto", "int8")
+# CPU backend: the library of the decode chunk's f32/bf16 matmuls (generation/engine_config.py)
+CPU_DOTS = ("auto", "eigen", "ynnpack")
 # Outcome estimators (algorithms.ADVANTAGES) and, with a critic, "gae"
 # (algorithms.CRITIC_ADVANTAGES; selects the critic section).
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
@@ -88,6 +90,10 @@ class GenerationSection:
     prefill_batch: int = 4  # prompts prefilled together
     length_replay: bool = False  # force response lengths from the paper's long-tail trace
     weight_dtype: str = "auto"  # one of WEIGHT_DTYPES: "int8" = quantised rollout (FlashRL)
+    # one of CPU_DOTS: the CPU decode chunk's matmuls, "eigen", XLA:CPU's default "ynnpack"
+    # or "auto" (Eigen for wide models: faster for SmolLM2 at 8-16 rows, slower for the tiny
+    # model); other backends and int8 engines ignore it
+    cpu_dots: str = "auto"
     # a group's members (same prompt) prefill it once, the rest copy its KV (bitwise equal)
     share_prefill: bool = True
 

@@ -6,6 +6,11 @@ import dataclasses
 
 from streamrl_jax.generation import compact, quant
 
+CPU_DOTS = ("auto", "eigen", "ynnpack")
+# "auto" picks Eigen for the decode chunk of models at least this wide: measured faster
+# for SmolLM2 (width 576) at 8-16 rows, slower for the tiny model (width 64).
+EIGEN_MIN_WIDTH = 512
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
@@ -37,6 +42,13 @@ class EngineConfig:
         slot over the whole cache every step (one shape).
       min_decode_length: smallest length bucket; they double up to
         `max_total_length`.
+      cpu_dots: on the CPU backend, which library runs the f32/bf16 matmuls of the
+        decode chunk: "eigen" (XLA's own dot emitter; YNNPACK keeps the reductions),
+        "ynnpack" (XLA:CPU's default in jaxlib 0.10.2 for every dot) or "auto"
+        (Eigen for models of width >= EIGEN_MIN_WIDTH). Eigen is faster for SmolLM2's
+        decode at 8-16 rows here, YNNPACK for prefill's many rows (which keeps it)
+        and for narrow models (docs/generation.md, "Matmul library"). int8 engines
+        always use YNNPACK (its s8 dot is the W8A8 kernel); other backends ignore this.
     """
 
     num_slots: int = 8
@@ -53,6 +65,7 @@ class EngineConfig:
     share_prefill: bool = True
     decode_buckets: bool = True
     min_decode_length: int = 64
+    cpu_dots: str = "auto"
 
     def __post_init__(self) -> None:
         counts = ("num_slots", "max_prompt_length", "chunk_steps", "prefill_batch")
@@ -73,8 +86,21 @@ class EngineConfig:
                 f"EngineConfig.weight_dtype must be one of {quant.WEIGHT_DTYPES}, "
                 f"not {self.weight_dtype!r}"
             )
+        if self.cpu_dots not in CPU_DOTS:
+            raise ValueError(
+                f"EngineConfig.cpu_dots must be one of {CPU_DOTS}, not {self.cpu_dots!r}"
+            )
         if len(self.stop_ids) > self.max_stop_ids:
             raise ValueError("EngineConfig.stop_ids has more ids than max_stop_ids")
+
+    def decode_compiler_options(self, platform: str, width: int) -> tuple[tuple[str, str], ...]:
+        """XLA compiler options of the decode chunk on `platform` for a model of hidden
+        size `width` (hashable: `executables.jitted` is cached by them)."""
+        eigen = self.cpu_dots == "eigen" or (self.cpu_dots == "auto" and width >= EIGEN_MIN_WIDTH)
+        if platform != "cpu" or not eigen or self.weight_dtype == "int8":
+            return ()
+        # YNNPACK for reductions only: its dot fusions are what the default adds.
+        return (("xla_cpu_experimental_ynn_fusion_type", "LIBRARY_FUSION_TYPE_REDUCE"),)
 
     def buckets(self) -> tuple[int, ...]:
         out, b = [], max(1, self.min_bucket)

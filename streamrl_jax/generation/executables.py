@@ -23,10 +23,17 @@ from streamrl_jax.model.config import ModelConfig
 
 
 @functools.lru_cache(maxsize=32)
-def jitted(model_cfg: ModelConfig, steps: int, state_sh: Any, repl: NamedSharding):
+def jitted(
+    model_cfg: ModelConfig,
+    steps: int,
+    state_sh: Any,
+    repl: NamedSharding,
+    decode_options: tuple[tuple[str, str], ...] = (),
+):
     """The jitted prefill and decode chunk, shared by engines with equal statics.
 
-    Engines of the same model config, chunk length and placement (the slot
+    Engines of the same model config, chunk length, decode compiler options
+    (`EngineConfig.decode_compiler_options`) and placement (the slot
     state's shardings: its mesh and cache partitioning, not its shapes) get the
     same two jit objects and so one executable cache, which holds one executable
     per input shape: a static-batch baseline engine next to a continuous one, a
@@ -53,7 +60,13 @@ def jitted(model_cfg: ModelConfig, steps: int, state_sh: Any, repl: NamedShardin
     out_sh, out3 = (state_sh, repl), (state_sh, repl, repl)
     return (
         jax.jit(prefill, donate_argnums=1, out_shardings=out_sh),
-        jax.jit(chunk, donate_argnums=1, out_shardings=out_sh, static_argnames="seq"),
+        jax.jit(
+            chunk,
+            donate_argnums=1,
+            out_shardings=out_sh,
+            static_argnames="seq",
+            compiler_options=dict(decode_options) or None,
+        ),
         jax.jit(prefill_keep, donate_argnums=(1, 2), out_shardings=out3),
         jax.jit(fork, donate_argnums=(0, 1), out_shardings=out3),
     )

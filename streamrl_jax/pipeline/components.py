@@ -212,6 +212,7 @@ def engine_config(cfg: ExperimentConfig, tokenizer: Tokenizer, slots: int) -> En
         admission="lpt" if cfg.scheduling.dispatch in ("skew_aware", "oracle") else "fifo",
         weight_dtype=g.weight_dtype,
         share_prefill=g.share_prefill,
+        cpu_dots=g.cpu_dots,
         # Decode buckets change a chunk's matmul and attention shapes with what else is
         # running, which moves log-probs by float rounding (docs/generation.md): a
         # deterministic run keeps one decode shape, so its samples are bitwise the same
