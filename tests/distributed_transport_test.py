@@ -28,11 +28,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import zmq
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from streamrl_jax.distributed import channel as channel_lib
-from streamrl_jax.distributed import keys, roles, sockets, weights, wire
+from streamrl_jax.distributed import (
+    keys,
+    reshard,
+    roles,
+    shard_receiver,
+    shard_sync,
+    shard_wire,
+    sockets,
+    weights,
+    wire,
+)
 from streamrl_jax.distributed.channel import (
     AuthenticationFailed,
     ChannelClosed,
@@ -226,6 +236,42 @@ def test_a_short_dial_deadline_leaves_the_channels_silence_bound_alone():
         assert c.error is None
         c.send(note("ok"))
         assert server.get(timeout=5).name == "ok"
+
+
+def test_a_weights_receiver_dials_in_short_attempts_too():
+    # A restarted generation process dials the weights servers as it dials the sample
+    # servers (`_GenerationProcess._dial`): the handshake gives up after dial_timeout_s,
+    # and a receiver that did connect keeps the 30 s silence bound.
+    leaf = reshard.LeafLayout("['w']", (8, 6), "float32", 4)
+    need = shard_wire.Need(0, (leaf,), ((((0, 8), (0, 6)),),))
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(TransportTimeout, match="within 0.5 s"):
+        shard_receiver.ShardReceiver(
+            [f"127.0.0.1:{port}"], need, authkey=KEY, timeout_s=30, dial_timeout_s=0.5
+        )
+    assert time.monotonic() - t0 < 10
+    sender = shard_sync.ShardSender(
+        "127.0.0.1:0", authkey=KEY, process=0, num_receivers=1, timeout_s=30, name="w"
+    )
+    receiver = shard_receiver.ShardReceiver(
+        [sender.address], need, authkey=KEY, timeout_s=30, dial_timeout_s=0.5
+    )
+    try:
+        x = np.arange(48, dtype=np.float32).reshape(8, 6)
+        source = ((0, 8), (0, 6))
+        plan = sender.plan((leaf,), {0: [[source]]}, timeout=10)
+        time.sleep(2.0)  # past the dial deadline: the channel must still be up
+        sender.send_shards(plan, {(0, source): x}, 1)
+        sharding = {"w": SingleDeviceSharding(jax.devices()[0])}
+        got, version, _ = receiver.receive(sharding, timeout=10)
+        assert version == 1
+        np.testing.assert_array_equal(got["w"], x)
+    finally:
+        receiver.close(1)
+        sender.close(1)
 
 
 def test_on_sample_feeds_a_sample_stream_with_its_back_pressure():
@@ -736,7 +782,7 @@ def test_a_restarted_generation_process_that_finds_the_run_ended_while_dialing_s
         raise TransportTimeout("no samples server answered")
 
     with pytest.raises(generation_process._RunEnded) as ended:
-        _dialer(rejoined=True, peer_timeout_s=30.0)(make)
+        _dialer(rejoined=True, peer_timeout_s=30.0)(make, "sample")
     assert ended.value.outcome == "ok"
     assert timeouts == [0.5, 0.5, 0.5]
 
@@ -753,8 +799,8 @@ def test_a_restarted_generation_process_not_admitted_names_the_whole_wait(monkey
         time.sleep(timeout_s)
         raise TransportTimeout("no samples server answered")
 
-    with pytest.raises(TransportTimeout, match="restarted process within 1.0 s"):
-        _dialer(rejoined=True, peer_timeout_s=1.0)(make)
+    with pytest.raises(TransportTimeout, match="no weights server admitted .* within 1.0 s"):
+        _dialer(rejoined=True, peer_timeout_s=1.0)(make, "weights")
     assert 3 <= len(calls) <= 7 and all(t <= 0.2 for t in calls)
 
 
@@ -767,7 +813,7 @@ def test_a_first_start_dials_once_with_the_peer_timeout(monkeypatch):
         raise TransportTimeout("no samples server answered")
 
     with pytest.raises(TransportTimeout, match="no samples server answered"):
-        _dialer(rejoined=False, peer_timeout_s=30.0)(make)
+        _dialer(rejoined=False, peer_timeout_s=30.0)(make, "sample")
     assert calls == [30.0]
 
 

@@ -69,10 +69,12 @@ class ShardReceiver:
         heartbeat_s: float | None = None,
         name: str = "generation",
         xla: PullServer | None = None,
+        dial_timeout_s: float | None = None,
     ):
         """`need`: what this process holds of every leaf (`shard_wire.need_of`). `xla`:
         pull the pieces a sender offers device-to-device through this transfer server
-        (`xla_pull.py`); without it such a header fails the channel."""
+        (`xla_pull.py`); without it such a header fails the channel. `dial_timeout_s`
+        bounds each handshake only (None: `timeout_s`, also the silence bound)."""
         self.name, self.timeout_s, self.need, self._xla = name, timeout_s, need, xla
         self._pending: Mailbox[_Assembly] = Mailbox(
             name, failed=None, closed=ChannelClosed, timeout_error=TransportTimeout
@@ -92,7 +94,15 @@ class ShardReceiver:
             for i, address in enumerate(addresses):
                 self._channels.append(
                     dial(
-                        Endpoint("weights", name, address, authkey, timeout_s, heartbeat_s),
+                        Endpoint(
+                            "weights",
+                            name,
+                            address,
+                            authkey,
+                            timeout_s,
+                            heartbeat_s,
+                            dial_timeout_s,
+                        ),
                         on_data=lambda ch, payload, i=i: self._on_data(i, ch, payload),
                         on_lost=lambda ch, exc: self._pending.fail(exc),
                         on_end=self._on_end,

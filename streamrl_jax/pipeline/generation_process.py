@@ -48,7 +48,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 from absl import logging
@@ -102,6 +102,7 @@ class _RunEnded(Exception):
 
 
 REJOIN_DIAL_S = 2.0  # a restarted process's dial attempts (it checks the outcome between)
+_Dialed = TypeVar("_Dialed")
 
 
 class _GenerationProcess:
@@ -130,7 +131,8 @@ class _GenerationProcess:
                     timeout_s=dcfg.peer_timeout_s,
                     name=name,
                     dial_timeout_s=dial_s,
-                )
+                ),
+                "sample",
             )
             for address in [roles.lookup(f"{SAMPLES_KEY}-{i}", self.timeout) for i in range(t)]
         ]
@@ -139,13 +141,20 @@ class _GenerationProcess:
         # hold of every leaf) is what each sender plans against and what every piece is
         # checked against before anything is allocated.
         parts = self.side.parts
-        self.receiver = ShardReceiver(
-            [roles.lookup(f"{WEIGHTS_KEY}-{i}", self.timeout) for i in range(t)],
-            need_of(parts.param_shardings[0], parts.abstract_params, self.pid),
-            authkey=dcfg.authkey,
-            timeout_s=dcfg.peer_timeout_s,
-            name=name,
-            xla=pull_server(cfg, roles.advertised_host(dcfg)),
+        weights = [roles.lookup(f"{WEIGHTS_KEY}-{i}", self.timeout) for i in range(t)]
+        need = need_of(parts.param_shardings[0], parts.abstract_params, self.pid)
+        xla = pull_server(cfg, roles.advertised_host(dcfg))
+        self.receiver = self._dial(
+            lambda dial_s: ShardReceiver(
+                weights,
+                need,
+                authkey=dcfg.authkey,
+                timeout_s=dcfg.peer_timeout_s,
+                name=name,
+                xla=xla,
+                dial_timeout_s=dial_s,
+            ),
+            "weights",
         )
         self.driver: GenerationDriver | None = None
         self._placed: dict[int, list[Any]] = {}  # recent versions, for groups made again
@@ -154,13 +163,13 @@ class _GenerationProcess:
             lambda component, exc: logging.error("%s failed: %r", component, exc)
         )
 
-    def _dial(self, make: Callable[[float], SampleClient]) -> SampleClient:
-        """`make(dial_s)` dials a training process's sample server (giving up after
-        `dial_s`; the channel's silence bound stays the peer timeout). A restarted
-        process dials in short attempts and, between them, looks for the run's outcome:
-        the run may end while this process starts (its server then closes or no longer
-        admits anyone), and that ends this process cleanly (`_RunEnded`), not as a
-        dial timeout once the coordination service is gone too."""
+    def _dial(self, make: Callable[[float], _Dialed], kind: str) -> _Dialed:
+        """`make(dial_s)` dials the training processes' `kind` ("sample", "weights")
+        servers (giving up after `dial_s`; the channels' silence bound stays the peer
+        timeout). A restarted process dials in short attempts and, between them, looks
+        for the run's outcome: the run may end while this process starts (a server then
+        closes or no longer admits anyone), and that ends this process cleanly
+        (`_RunEnded`), not as a dial timeout once the coordination service is gone too."""
         total = self.dcfg.peer_timeout_s
         if not self.r.rejoined:
             return make(total)
@@ -173,7 +182,7 @@ class _GenerationProcess:
                     raise _RunEnded(outcome) from e
                 if time.monotonic() >= deadline:
                     raise TransportTimeout(
-                        f"generation-{self.pid}: no sample server admitted this restarted "
+                        f"generation-{self.pid}: no {kind} server admitted this restarted "
                         f"process within {total:.1f} s ({e})"
                     ) from e
 
