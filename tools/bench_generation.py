@@ -48,6 +48,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from streamrl_jax.generation.engine import Engine, EngineConfig
+from streamrl_jax.generation.engine_config import CPU_DOTS
 from streamrl_jax.generation.types import GenerationRequest, SamplingParams
 from streamrl_jax.model import config as model_config
 from streamrl_jax.model import llama
@@ -67,7 +68,7 @@ flags.DEFINE_string("hf_child", None, "Internal: run the HF baseline on these pr
 flags.DEFINE_enum(
     "cpu_dots",
     "auto",
-    ["auto", "eigen", "ynnpack"],
+    list(CPU_DOTS),
     "EngineConfig.cpu_dots of every engine (the decode chunk's matmul library on CPU).",
 )
 flags.DEFINE_integer("group", 0, "Run only the shared-prefill benchmark with this group size.")
@@ -626,9 +627,7 @@ def engine_over_hf(batches: list[int], bandwidth: float) -> dict:
         cache = engine._state.cache
         kv_bytes = sum(x.size * x.dtype.itemsize for x in (*cache.k, *cache.v))
         roofline_s = (weight_bytes + kv_bytes) / bandwidth
-        platform = engine.mesh.devices.flat[0].platform
-        options = engine.cfg.decode_compiler_options(platform, model_cfg.hidden_size)
-        floor_s = dot_floor_s(engine._params, b, options)
+        floor_s = dot_floor_s(engine._params, b, engine.decode_options)
         out[b] = {
             "engine_tokens_per_s": round(tokens / eng_s[b], 1),
             "hf_tokens_per_s": round(tokens / hf_s, 1),

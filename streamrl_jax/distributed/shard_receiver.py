@@ -101,7 +101,7 @@ class ShardReceiver:
                             authkey,
                             timeout_s,
                             heartbeat_s,
-                            dial_timeout_s,
+                            dial_timeout_s=dial_timeout_s,
                         ),
                         on_data=lambda ch, payload, i=i: self._on_data(i, ch, payload),
                         on_lost=lambda ch, exc: self._pending.fail(exc),

@@ -128,10 +128,12 @@ class Engine:
         state_sh = state_sh.replace(cache=state_sh.cache.replace(k=layer_sh, v=layer_sh))
         self._state = jax.jit(self._init_state, out_shardings=state_sh)()
 
-        platform = mesh.devices.flat[0].platform
-        options = cfg.decode_compiler_options(platform, model_cfg.hidden_size)
+        # The decode chunk's XLA options (its matmul library on CPU: `EngineConfig.cpu_dots`).
+        self.decode_options = cfg.decode_compiler_options(
+            mesh.devices.flat[0].platform, model_cfg.hidden_size
+        )
         self._prefill, self._chunk, self._prefill_keep, self._fork = executables.jitted(
-            model_cfg, cfg.chunk_steps, state_sh, self._repl, options
+            model_cfg, cfg.chunk_steps, state_sh, self._repl, self.decode_options
         )
         # Shared-prompt prefill: per-slot prompt logits and which slot holds which prompt.
         self._sources = admission.PromptSources(cfg.num_slots)
