@@ -12,10 +12,12 @@ from streamrl_jax.generation import decoder
 from streamrl_jax.model import config, kv_cache, llama
 
 
+@pytest.mark.parametrize("attention", decoder.ATTENTION)
 @pytest.mark.parametrize("overrides", [{}, {"qkv_bias": True, "tie_embeddings": False}])
-def test_generation_layout_matches_training_layout(overrides):
+def test_generation_layout_matches_training_layout(overrides, attention):
     """Same logits (f32, atol 1e-5) after a prefill and three decode steps, and the
-    same greedy tokens, as `Llama.prefill`/`Llama.decode` on the stacked weights."""
+    same greedy tokens, as `Llama.prefill`/`Llama.decode` on the stacked weights, with
+    either decode attention form."""
     cfg = config.tiny(**overrides)
     model = llama.Llama(cfg, rngs=nnx.Rngs(params=0))
     graphdef, params = nnx.split(model)
@@ -36,8 +38,15 @@ def test_generation_layout_matches_training_layout(overrides):
         return out
 
     run_old = jax.jit(lambda p: run(nnx.merge(graphdef, p), kv_cache.init_cache(cfg, b, s)))
-    run_new = jax.jit(lambda w: run(decoder.GenModel(w, cfg), decoder.init_cache(cfg, b, s)))
+    run_new = jax.jit(
+        lambda w: run(decoder.GenModel(w, cfg, attention), decoder.init_cache(cfg, b, s))
+    )
     old, new = run_old(params), run_new(weights)
     for o, n in zip(old, new, strict=True):
         np.testing.assert_allclose(n, o, atol=1e-5, rtol=1e-5)
         np.testing.assert_array_equal(jnp.argmax(n, -1), jnp.argmax(o, -1))
+
+
+def test_unknown_attention_form_is_named():
+    with pytest.raises(ValueError, match="attention='flash'"):
+        decoder.GenModel({}, config.tiny(), "flash")

@@ -48,7 +48,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from streamrl_jax.generation.engine import Engine, EngineConfig
-from streamrl_jax.generation.engine_config import CPU_DOTS
+from streamrl_jax.generation.engine_config import CPU_DOTS, DECODE_ATTENTION
 from streamrl_jax.generation.types import GenerationRequest, SamplingParams
 from streamrl_jax.model import config as model_config
 from streamrl_jax.model import llama
@@ -70,6 +70,12 @@ flags.DEFINE_enum(
     "auto",
     list(CPU_DOTS),
     "EngineConfig.cpu_dots of every engine (the decode chunk's matmul library on CPU).",
+)
+flags.DEFINE_enum(
+    "decode_attention",
+    "auto",
+    list(DECODE_ATTENTION),
+    "EngineConfig.decode_attention of every engine (elementwise on CPU by default).",
 )
 flags.DEFINE_integer("group", 0, "Run only the shared-prefill benchmark with this group size.")
 flags.DEFINE_integer("groups", 8, "--group: prompts per batch.")
@@ -255,6 +261,7 @@ def bench_model(name: str, quick: bool, bandwidth: float) -> dict:
     load_s = time.perf_counter() - t_load
     ecfg = EngineConfig(
         cpu_dots=FLAGS.cpu_dots,
+        decode_attention=FLAGS.decode_attention,
         num_slots=num_slots,
         max_prompt_length=max_prompt,
         max_total_length=max_prompt + max_len,
@@ -391,6 +398,7 @@ def bench_groups(name: str) -> dict:
     cfg, graphdef, params, stop_ids = load_model(name, mesh, max_total)
     base = EngineConfig(
         cpu_dots=FLAGS.cpu_dots,
+        decode_attention=FLAGS.decode_attention,
         num_slots=FLAGS.group_slots,
         max_prompt_length=FLAGS.group_prompt,
         max_total_length=max_total,
@@ -585,6 +593,7 @@ def engine_over_hf(batches: list[int], bandwidth: float) -> dict:
     for b in batches:
         ecfg = EngineConfig(
             cpu_dots=FLAGS.cpu_dots,
+            decode_attention=FLAGS.decode_attention,
             num_slots=b,
             max_prompt_length=_HF_PROMPT,
             max_total_length=_HF_PROMPT + _HF_NEW,
@@ -683,6 +692,7 @@ def main(argv):
         "quick": FLAGS.quick,
         "headline_model": head["model"],
         "cpu_dots": FLAGS.cpu_dots,
+        "decode_attention": FLAGS.decode_attention,
         "continuous_over_static": head["continuous_over_static"],
         "bucket_cost_bound": head["bucket_cost_bound"],
         "decode_vs_roofline": head["decode_vs_roofline"],

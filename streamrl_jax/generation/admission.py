@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from streamrl_jax.generation import slots as slots_lib
-from streamrl_jax.generation.decoder import GenModel, LayerCache
+from streamrl_jax.generation.decoder import GenModel, LayerCache, cache_prefix, set_cache_prefix
 from streamrl_jax.generation.sampling import request_key_data
 from streamrl_jax.generation.types import GenerationRequest
 
@@ -169,14 +169,18 @@ def fork_into_slots(
     them (padding rows: slot >= B, dropped)."""
     c, prompt_span = state.cache, adm.tokens.shape[1]
 
-    def copy(layers):
+    def copy(layers, keys):
         return tuple(
-            a.at[adm.slots, :, :prompt_span].set(a[src_N, :, :prompt_span], mode="drop")
+            set_cache_prefix(
+                a, adm.slots, cache_prefix(a[src_N], keys, prompt_span), keys, mode="drop"
+            )
             for a in layers
         )
 
     cache = LayerCache(
-        k=copy(c.k), v=copy(c.v), lengths=c.lengths.at[adm.slots].set(adm.lengths, mode="drop")
+        k=copy(c.k, True),
+        v=copy(c.v, False),
+        lengths=c.lengths.at[adm.slots].set(adm.lengths, mode="drop"),
     )
     logits_NxV = store[src_N]
     store = store.at[adm.slots].set(logits_NxV, mode="drop")

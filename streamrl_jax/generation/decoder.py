@@ -20,8 +20,15 @@ the instance), so the engine keeps its own layout:
 * the vocabulary projection `lm_head` as [E, V]; with tied embeddings it is
   the only copy, and the embedding lookup takes its columns;
 * matrices cast to the compute dtype once here, not per step;
-* the KV cache one [B, K, S, D] array per layer (`LayerCache`), so attention
-  is a batched matmul over (slot, kv head) without a transpose of the cache;
+* the KV cache one array per layer for keys and one for values (`LayerCache`):
+  values [B, K, S, D], keys [B, K, D, S] (positions minor), so that both of a
+  decode step's attention products reduce over a major axis with a contiguous,
+  vectorised minor one (scores: over D, S minor; output: over S, D minor);
+* attention (`attention="elementwise"`, the default on CPU) as broadcast
+  products and sums, which XLA fuses into loops: XLA:CPU runs a batched
+  `dot_general` of (slot, kv head) pairs of [G, D] x [D, S] as that many tiny
+  matmuls, 2.2x slower for SmolLM2 at batch 16 (docs/generation.md). "dot" keeps
+  the two `einsum`s (what a TPU or GPU wants);
 * with `weight_dtype="int8"` every matrix a `quant.QArray` (per-channel int8 +
   f32 scales) and every matmul `quant.einsum` (W8A8), `generation/quant.py`.
 
@@ -57,7 +64,9 @@ _LAYER_AXES = {
     "down": ("mlp", "embed"),
 }
 _TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("norm",), "lm_head": ("embed", "vocab")}
-CACHE_AXES = ("cache_batch", "kv_heads", "cache_seq", "head_dim")
+CACHE_AXES = ("cache_batch", "kv_heads", "cache_seq", "head_dim")  # values
+K_CACHE_AXES = ("cache_batch", "kv_heads", "head_dim", "cache_seq")  # keys
+ATTENTION = ("elementwise", "dot")
 _MASK_VALUE = -1e30  # as model.layers: finite, so a fully masked row gives no NaN
 
 
@@ -66,8 +75,9 @@ class LayerCache:
     """Per-slot keys and values, one array per layer.
 
     Attributes:
-      k: L arrays [B, K, S, D] in the compute dtype (B slots, S max length).
-      v: same as `k`.
+      k: L arrays [B, K, D, S] in the compute dtype (B slots, S max length): keys
+        with the positions minor (`K_CACHE_AXES`).
+      v: L arrays [B, K, S, D] (`CACHE_AXES`).
       lengths: i32[B], tokens stored in each slot = position of its next token.
     """
 
@@ -81,7 +91,7 @@ class LayerCache:
 
     @property
     def max_length(self) -> int:
-        return self.k[0].shape[2]
+        return self.v[0].shape[2]
 
 
 def init_cache(cfg: ModelConfig, num_slots: int, max_length: int) -> LayerCache:
@@ -91,16 +101,39 @@ def init_cache(cfg: ModelConfig, num_slots: int, max_length: int) -> LayerCache:
             f"KV cache max_length {max_length} exceeds the model's context "
             f"(max_position_embeddings={cfg.max_position_embeddings})"
         )
-    shape = (num_slots, cfg.num_kv_heads, max_length, cfg.head_dim)
+    v_shape = (num_slots, cfg.num_kv_heads, max_length, cfg.head_dim)
+    k_shape = (num_slots, cfg.num_kv_heads, cfg.head_dim, max_length)
     # Distinct buffers: each is donated and updated in place on its own.
-    zeros = lambda: tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers))
-    return LayerCache(k=zeros(), v=zeros(), lengths=jnp.zeros((num_slots,), jnp.int32))
+    zeros = lambda shape: tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers))
+    return LayerCache(
+        k=zeros(k_shape), v=zeros(v_shape), lengths=jnp.zeros((num_slots,), jnp.int32)
+    )
 
 
-def cache_sharding(cfg: ModelConfig, num_slots: int, max_length: int, mesh: Mesh) -> Any:
-    """NamedShardings of `init_cache`'s k/v arrays (kv heads over "tp")."""
-    shape = (num_slots, cfg.num_kv_heads, max_length, cfg.head_dim)
-    return NamedSharding(mesh, logical_to_spec(CACHE_AXES, shape, _RULES, mesh, "kv_cache"))
+def cache_sharding(
+    cfg: ModelConfig, num_slots: int, max_length: int, mesh: Mesh
+) -> tuple[NamedSharding, NamedSharding]:
+    """NamedShardings of `init_cache`'s (k, v) arrays (kv heads over "tp")."""
+    v_shape = (num_slots, cfg.num_kv_heads, max_length, cfg.head_dim)
+    k_shape = (num_slots, cfg.num_kv_heads, cfg.head_dim, max_length)
+    spec = lambda axes, shape: logical_to_spec(axes, shape, _RULES, mesh, "kv_cache")
+    return (
+        NamedSharding(mesh, spec(K_CACHE_AXES, k_shape)),
+        NamedSharding(mesh, spec(CACHE_AXES, v_shape)),
+    )
+
+
+def cache_prefix(x: jax.Array, keys: bool, n: int) -> jax.Array:
+    """The first `n` positions of a layer's key (`keys`) or value cache array."""
+    return x[..., :n] if keys else x[:, :, :n]
+
+
+def set_cache_prefix(dst: jax.Array, rows: jax.Array, src: jax.Array, keys: bool, **kw):
+    """`dst` with rows `rows`' first `src`-length positions set to `src` (a key or value
+    cache array's rows, as `cache_prefix` takes them); `kw` go to `.set`."""
+    if keys:
+        return dst.at[rows, :, :, : src.shape[3]].set(src, **kw)
+    return dst.at[rows, :, : src.shape[2]].set(src, **kw)
 
 
 def from_training_layout(
@@ -187,8 +220,10 @@ def _columns(head_ExV: jax.Array | quant.QArray, tokens: jax.Array, dtype) -> ja
 class GenModel:
     """`prefill` / `decode` over generation weights, with `Llama`'s signatures."""
 
-    def __init__(self, weights: dict, cfg: ModelConfig):
-        self.w, self.cfg = weights, cfg
+    def __init__(self, weights: dict, cfg: ModelConfig, attention: str = "dot"):
+        if attention not in ATTENTION:
+            raise ValueError(f"attention={attention!r}; expected one of {ATTENTION}")
+        self.w, self.cfg, self.attention = weights, cfg, attention
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
         if "embed" not in self.w:  # tied: columns of the [E, V] head
@@ -242,7 +277,7 @@ class GenModel:
             q, k, v = self._qkv(x, w, cos, sin)
             attn = layers.attention(q.reshape(n, p, -1, q.shape[-1]), k, v, mask)
             x = self._out_and_mlp(x, attn.reshape(q.shape), w)
-            ks.append(ck.at[slots_N, :, :p].set(k.transpose(0, 2, 1, 3), mode="drop"))
+            ks.append(ck.at[slots_N, :, :, :p].set(k.transpose(0, 2, 3, 1), mode="drop"))
             vs.append(cv.at[slots_N, :, :p].set(v.transpose(0, 2, 1, 3), mode="drop"))
         last = jnp.take_along_axis(x, (lengths_N - 1)[:, None, None], axis=1)[:, 0]
         lengths = cache.lengths.at[slots_N].set(lengths_N, mode="drop")
@@ -254,7 +289,6 @@ class GenModel:
         """As `Llama.decode`: appends one token to every slot (inactive slots compute
         but do not advance); returns (f32[B, V] next-token logits, cache)."""
         b, s = tokens_B.shape[0], cache.max_length
-        d = self.cfg.head_dim
         pos_B = jnp.minimum(cache.lengths, s - 1)
         cos, sin = layers.rope_tables(pos_B[:, None], layers.rope_inv_freq(self.cfg))
         visible_Bx1x1xS = (jnp.arange(s)[None, :] <= pos_B[:, None])[:, None, None, :]
@@ -263,14 +297,26 @@ class GenModel:
         ks, vs = [], []
         for w, ck, cv in zip(self.w["layers"], cache.k, cache.v, strict=True):
             q, k, v = self._qkv(x, w, cos, sin)
-            ck = ck.at[rows, :, pos_B].set(k[:, 0])
+            ck = ck.at[rows, :, :, pos_B].set(k[:, 0])
             cv = cv.at[rows, :, pos_B].set(v[:, 0])
-            scores = jnp.einsum("bkgd,bksd->bkgs", q[:, 0], ck).astype(jnp.float32)
-            scores = jnp.where(visible_Bx1x1xS, scores / math.sqrt(d), _MASK_VALUE)
-            probs = jax.nn.softmax(scores, axis=-1).astype(cv.dtype)
-            attn = jnp.einsum("bkgs,bksd->bkgd", probs, cv)
+            attn = self._attend(q[:, 0], ck, cv, visible_Bx1x1xS)
             x = self._out_and_mlp(x, attn[:, None], w)
             ks.append(ck)
             vs.append(cv)
         lengths = jnp.where(active_B, jnp.minimum(cache.lengths + 1, s), cache.lengths)
         return self._logits(x[:, 0]), LayerCache(k=tuple(ks), v=tuple(vs), lengths=lengths)
+
+    def _attend(self, q_BxKxGxD, k_BxKxDxS, v_BxKxSxD, visible_Bx1x1xS):
+        """One query per slot against its cache: [B, K, G, D]."""
+        dt, f32 = v_BxKxSxD.dtype, jnp.float32
+        if self.attention == "dot":
+            scores = jnp.einsum("bkgd,bkds->bkgs", q_BxKxGxD, k_BxKxDxS).astype(f32)
+        else:  # products and sums in f32 (fused loops): over D, S the keys' minor axis
+            q, k = q_BxKxGxD.astype(f32), k_BxKxDxS.astype(f32)
+            scores = jnp.sum(q[..., None] * k[:, :, None], axis=3)
+        scores = jnp.where(visible_Bx1x1xS, scores / math.sqrt(self.cfg.head_dim), _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1)
+        if self.attention == "dot":
+            return jnp.einsum("bkgs,bksd->bkgd", probs.astype(dt), v_BxKxSxD)
+        v = v_BxKxSxD.astype(f32)
+        return jnp.sum(probs[..., None] * v[:, :, None], axis=3).astype(dt)  # over S

@@ -121,19 +121,27 @@ class Engine:
         self._pending_weights: tuple[Any, int] | None = None
         self._lock = threading.Lock()
 
-        kv_sh = decoder.cache_sharding(model_cfg, cfg.num_slots, cfg.max_total_length, mesh)
+        k_sh, v_sh = decoder.cache_sharding(model_cfg, cfg.num_slots, cfg.max_total_length, mesh)
         abstract = jax.eval_shape(self._init_state)
         state_sh = jax.tree.map(lambda _: self._repl, abstract)
-        layer_sh = tuple(kv_sh for _ in range(model_cfg.num_layers))
-        state_sh = state_sh.replace(cache=state_sh.cache.replace(k=layer_sh, v=layer_sh))
+        layers = model_cfg.num_layers
+        state_sh = state_sh.replace(
+            cache=state_sh.cache.replace(k=(k_sh,) * layers, v=(v_sh,) * layers)
+        )
         self._state = jax.jit(self._init_state, out_shardings=state_sh)()
 
         # The decode chunk's XLA options (its matmul library on CPU: `EngineConfig.cpu_dots`).
         self.decode_options = cfg.decode_compiler_options(
             mesh.devices.flat[0].platform, model_cfg.hidden_size
         )
+        self.decode_attention = cfg.attention(mesh.devices.flat[0].platform)
         self._prefill, self._chunk, self._prefill_keep, self._fork = executables.jitted(
-            model_cfg, cfg.chunk_steps, state_sh, self._repl, self.decode_options
+            model_cfg,
+            cfg.chunk_steps,
+            state_sh,
+            self._repl,
+            self.decode_options,
+            self.decode_attention,
         )
         # Shared-prompt prefill: per-slot prompt logits and which slot holds which prompt.
         self._sources = admission.PromptSources(cfg.num_slots)

@@ -10,6 +10,7 @@ CPU_DOTS = ("auto", "eigen", "ynnpack")
 # "auto" picks Eigen for the decode chunk of models at least this wide: measured faster
 # for SmolLM2 (width 576) at 8-16 rows, slower for the tiny model (width 64).
 EIGEN_MIN_WIDTH = 512
+DECODE_ATTENTION = ("auto", "elementwise", "dot")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,6 +50,10 @@ class EngineConfig:
         decode at 8-16 rows here, YNNPACK for prefill's many rows (which keeps it)
         and for narrow models (docs/generation.md, "Matmul library"). int8 engines
         always use YNNPACK (its s8 dot is the W8A8 kernel); other backends ignore this.
+      decode_attention: how a decode step attends (`decoder.GenModel`): "elementwise"
+        (broadcast products and sums, fused loops), "dot" (two batched einsums) or
+        "auto" (elementwise on CPU, where XLA runs the batched dot as one tiny matmul
+        per (slot, kv head): 2.2x slower for SmolLM2 at batch 16; dot elsewhere).
     """
 
     num_slots: int = 8
@@ -66,6 +71,7 @@ class EngineConfig:
     decode_buckets: bool = True
     min_decode_length: int = 64
     cpu_dots: str = "auto"
+    decode_attention: str = "auto"
 
     def __post_init__(self) -> None:
         counts = ("num_slots", "max_prompt_length", "chunk_steps", "prefill_batch")
@@ -90,6 +96,11 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.cpu_dots must be one of {CPU_DOTS}, not {self.cpu_dots!r}"
             )
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(
+                f"EngineConfig.decode_attention must be one of {DECODE_ATTENTION}, "
+                f"not {self.decode_attention!r}"
+            )
         if len(self.stop_ids) > self.max_stop_ids:
             raise ValueError("EngineConfig.stop_ids has more ids than max_stop_ids")
 
@@ -101,6 +112,12 @@ class EngineConfig:
             return ()
         # YNNPACK for reductions only: its dot fusions are what the default adds.
         return (("xla_cpu_experimental_ynn_fusion_type", "LIBRARY_FUSION_TYPE_REDUCE"),)
+
+    def attention(self, platform: str) -> str:
+        """The decode step's attention form on `platform` (`decoder.ATTENTION`)."""
+        if self.decode_attention != "auto":
+            return self.decode_attention
+        return "elementwise" if platform == "cpu" else "dot"
 
     def buckets(self) -> tuple[int, ...]:
         out, b = [], max(1, self.min_bucket)

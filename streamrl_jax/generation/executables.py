@@ -29,11 +29,13 @@ def jitted(
     state_sh: Any,
     repl: NamedSharding,
     decode_options: tuple[tuple[str, str], ...] = (),
+    attention: str = "dot",
 ):
     """The jitted prefill and decode chunk, shared by engines with equal statics.
 
     Engines of the same model config, chunk length, decode compiler options
-    (`EngineConfig.decode_compiler_options`) and placement (the slot
+    (`EngineConfig.decode_compiler_options`), decode attention form
+    (`EngineConfig.attention`) and placement (the slot
     state's shardings: its mesh and cache partitioning, not its shapes) get the
     same two jit objects and so one executable cache, which holds one executable
     per input shape: a static-batch baseline engine next to a continuous one, a
@@ -48,7 +50,7 @@ def jitted(
         return slots_lib.prefill_into_slots(decoder.GenModel(weights, model_cfg), state, adm)
 
     def chunk(weights, state, rows, seq):
-        model = decoder.GenModel(weights, model_cfg)
+        model = decoder.GenModel(weights, model_cfg, attention)
         return compact.decode_compact(model, state, rows, steps, seq)
 
     def prefill_keep(weights, state, store, adm):

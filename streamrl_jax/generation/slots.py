@@ -32,7 +32,8 @@ STOP, LENGTH, CONTEXT, FORCED, PAUSED = 1, 2, 3, 4, 5
 class SlotState:
     """Everything the decode loop needs per slot (B slots, S max total length)."""
 
-    cache: LayerCache  # k/v L x [B, K, S, D]; lengths i32[B] = position of last_token
+    # k L x [B, K, D, S], v L x [B, K, S, D]; lengths i32[B] = position of last_token
+    cache: LayerCache
     last_token: jax.Array  # i32[B] last sampled token, the next decode input
     active: jax.Array  # bool[B] still generating
     num_generated: jax.Array  # i32[B] response tokens sampled so far
