@@ -134,11 +134,12 @@ def decode_compact(
     )
     small, out = slots_lib.decode_chunk(model, small, steps, max_total=s)
 
-    def back(full_x: jax.Array, small_x: jax.Array, keys: bool) -> jax.Array:  # a layer's
+    def back(full_x: jax.Array, small_x: jax.Array, keys: bool) -> jax.Array:  # k or v
         if all_rows:
             return jax.lax.dynamic_update_slice(full_x, small_x, (0, 0, 0, 0))
-        kw = {"unique_indices": True, "indices_are_sorted": True}
-        return set_cache_prefix(full_x, rows, small_x, keys, **kw)
+        return set_cache_prefix(
+            full_x, rows, small_x, keys, unique_indices=True, indices_are_sorted=True
+        )
 
     new_cache = cache.replace(
         k=tuple(back(f, x, True) for f, x in zip(cache.k, small.cache.k, strict=True)),

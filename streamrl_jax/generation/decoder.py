@@ -94,6 +94,12 @@ class LayerCache:
         return self.v[0].shape[2]
 
 
+def _cache_shapes(cfg: ModelConfig, num_slots: int, max_length: int):
+    """A layer's key ([B, K, D, S]) and value ([B, K, S, D]) array shapes."""
+    k, d = cfg.num_kv_heads, cfg.head_dim
+    return (num_slots, k, d, max_length), (num_slots, k, max_length, d)
+
+
 def init_cache(cfg: ModelConfig, num_slots: int, max_length: int) -> LayerCache:
     """An all-zero cache; call under `jax.jit(..., out_shardings=...)` to place it."""
     if max_length > cfg.max_position_embeddings:
@@ -101,8 +107,7 @@ def init_cache(cfg: ModelConfig, num_slots: int, max_length: int) -> LayerCache:
             f"KV cache max_length {max_length} exceeds the model's context "
             f"(max_position_embeddings={cfg.max_position_embeddings})"
         )
-    v_shape = (num_slots, cfg.num_kv_heads, max_length, cfg.head_dim)
-    k_shape = (num_slots, cfg.num_kv_heads, cfg.head_dim, max_length)
+    k_shape, v_shape = _cache_shapes(cfg, num_slots, max_length)
     # Distinct buffers: each is donated and updated in place on its own.
     zeros = lambda shape: tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers))
     return LayerCache(
@@ -114,8 +119,7 @@ def cache_sharding(
     cfg: ModelConfig, num_slots: int, max_length: int, mesh: Mesh
 ) -> tuple[NamedSharding, NamedSharding]:
     """NamedShardings of `init_cache`'s (k, v) arrays (kv heads over "tp")."""
-    v_shape = (num_slots, cfg.num_kv_heads, max_length, cfg.head_dim)
-    k_shape = (num_slots, cfg.num_kv_heads, cfg.head_dim, max_length)
+    k_shape, v_shape = _cache_shapes(cfg, num_slots, max_length)
     spec = lambda axes, shape: logical_to_spec(axes, shape, _RULES, mesh, "kv_cache")
     return (
         NamedSharding(mesh, spec(K_CACHE_AXES, k_shape)),
@@ -277,8 +281,8 @@ class GenModel:
             q, k, v = self._qkv(x, w, cos, sin)
             attn = layers.attention(q.reshape(n, p, -1, q.shape[-1]), k, v, mask)
             x = self._out_and_mlp(x, attn.reshape(q.shape), w)
-            ks.append(ck.at[slots_N, :, :, :p].set(k.transpose(0, 2, 3, 1), mode="drop"))
-            vs.append(cv.at[slots_N, :, :p].set(v.transpose(0, 2, 1, 3), mode="drop"))
+            ks.append(set_cache_prefix(ck, slots_N, k.transpose(0, 2, 3, 1), True, mode="drop"))
+            vs.append(set_cache_prefix(cv, slots_N, v.transpose(0, 2, 1, 3), False, mode="drop"))
         last = jnp.take_along_axis(x, (lengths_N - 1)[:, None, None], axis=1)[:, 0]
         lengths = cache.lengths.at[slots_N].set(lengths_N, mode="drop")
         return self._logits(last), LayerCache(k=tuple(ks), v=tuple(vs), lengths=lengths)

@@ -131,10 +131,9 @@ class Engine:
         self._state = jax.jit(self._init_state, out_shardings=state_sh)()
 
         # The decode chunk's XLA options (its matmul library on CPU: `EngineConfig.cpu_dots`).
-        self.decode_options = cfg.decode_compiler_options(
-            mesh.devices.flat[0].platform, model_cfg.hidden_size
-        )
-        self.decode_attention = cfg.attention(mesh.devices.flat[0].platform)
+        platform = mesh.devices.flat[0].platform
+        self.decode_options = cfg.decode_compiler_options(platform, model_cfg.hidden_size)
+        self.decode_attention = cfg.attention(platform)
         self._prefill, self._chunk, self._prefill_keep, self._fork = executables.jitted(
             model_cfg,
             cfg.chunk_steps,
