@@ -2,9 +2,11 @@
 
 Run (from the repository root):
   python -m streamrl_jax.launch --config=configs/quickstart.py --workdir=/tmp/quickstart
-Variants:
+The default is the 30-minute recipe (240 steps, about 24 min on a quiet 2-core CPU;
+BENCHMARKS.md "The main job"). Variants:
+  configs/quickstart.py:short  the same recipe for 20 steps (about 2 min; a first look)
+  configs/quickstart.py:sync   the recipe in stream_sync mode
   configs/quickstart.py:tiny   tiny random model, a few seconds a step (tests, smoke runs)
-  configs/quickstart.py:sync   the same run in stream_sync mode
 Any field can be overridden: --config.pipeline.steps=40 --config.pipeline.mode=stream_sync
 """
 
@@ -31,17 +33,29 @@ def get_config(arg: str | None = None):
     # that most groups hold both right and wrong answers).
     c.pipeline.mode = "stream_async"
     c.pipeline.staleness = 1
-    c.pipeline.steps = 20
+    c.pipeline.steps = 240
     c.pipeline.prompts_per_step = 4
     c.pipeline.group_size = 8
     c.pipeline.min_groups = 1
     c.pipeline.micro_batch_groups = 2
-    # GRPO with PPO clipping; no reference model (KL 0) to keep a CPU step short.
+    # DAPO dynamic sampling: groups with no reward variance give GRPO no gradient; skip
+    # them and draw replacement prompts (at most 8 a step, twice prompts_per_step).
+    c.pipeline.dynamic_sampling = True
+    c.pipeline.dynamic_sampling_max_draws = 8
+    # GRPO with DAPO's clip-higher (1 - 0.2, 1 + 0.28: slows the entropy collapse); no
+    # reference model (KL 0) to keep a CPU step short.
     c.algorithm.advantage = "grpo"
-    c.algorithm.policy_loss = "ppo_clip"
+    c.algorithm.policy_loss = "dapo"
     c.algorithm.aggregation = "token_mean"
+    # DAPO soft overlong punishment over the last third of the 48-token cap, at most half
+    # a correct answer: a correct truncated answer (0.5) stays above a wrong short one.
+    c.algorithm.overlong_buffer = 16
+    c.algorithm.overlong_penalty = 0.5
+    # 2e-5 decaying to 2e-6 at the last step: 4e-5 was unstable (BENCHMARKS.md), and the
+    # decay holds the end of the curve.
     c.optimizer.learning_rate = 2e-5
     c.optimizer.warmup_steps = 2
+    c.optimizer.schedule = "cosine"
     # Arithmetic from reasoning-gym; eval problems from another seed.
     c.data.tasks = "basic_arithmetic"
     # Two-term addition/subtraction of 1-2 digit numbers: within reach of a 135M model
@@ -56,13 +70,20 @@ def get_config(arg: str | None = None):
     c.data.format_reward = 0.1
     # A short system prompt: prompt tokens dominate the trainer's cost here.
     c.data.system_prompt = "Solve it. End with: The answer is <answer>N</answer>."
-    c.eval.every = 10
+    c.eval.every = 40
     c.eval.num_problems = 64
+    # The final weights only (a save at the run's last step); --config.checkpoint.every=N
+    # for periodic ones.
+    c.checkpoint.every = c.pipeline.steps
 
     if arg in (None, "", "async"):
         pass
     elif arg == "sync":
         c.pipeline.mode = "stream_sync"
+    elif arg == "short":
+        c.pipeline.steps = 20
+        c.eval.every = 10
+        c.checkpoint.every = 0
     elif arg == "tiny":
         c.model.source = "tiny"
         c.model.max_context = 144
@@ -79,7 +100,15 @@ def get_config(arg: str | None = None):
         c.optimizer.learning_rate = 1e-3
         c.eval.every = 0
         c.eval.num_problems = 4
+        c.checkpoint.every = 0
+        # The plain GRPO path: the levers above stay off in tests and smoke runs.
+        c.pipeline.dynamic_sampling = False
+        c.algorithm.policy_loss = "ppo_clip"
+        c.algorithm.overlong_buffer = 0
+        c.optimizer.schedule = "constant"
         c.log.progress = False
     else:
-        raise ValueError(f"configs/quickstart.py: unknown variant {arg!r} (tiny | sync | async)")
+        raise ValueError(
+            f"configs/quickstart.py: unknown variant {arg!r} (async | sync | short | tiny)"
+        )
     return c

@@ -16,7 +16,7 @@ from streamrl_jax import pipeline as run_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
-VARIANTS = {"quickstart.py": [None, "tiny", "sync"], "length_replay.py": [None, "smollm2"]}
+VARIANTS = {"quickstart.py": [None, "tiny", "sync", "short"], "length_replay.py": [None, "smollm2"]}
 
 
 def _load(path):

@@ -161,8 +161,19 @@ CASES: list[Case] = [
         "group whitening with groups of 1",
         "launch",
         "critic.whiten='group' needs",
-        ("--config.algorithm.advantage=gae", "--config.pipeline.group_size=1"),
+        # dynamic sampling (on in the quickstart) refuses groups of one first
+        (
+            "--config.algorithm.advantage=gae",
+            "--config.pipeline.group_size=1",
+            "--config.pipeline.dynamic_sampling=False",
+        ),
     ),  # fmt: skip
+    Case(
+        "dynamic sampling with groups of 1",
+        "launch",
+        "pipeline.dynamic_sampling needs pipeline.group_size >= 2",
+        ("--config.pipeline.group_size=1",),
+    ),
     Case(
         "all instances reserved",
         "launch",
