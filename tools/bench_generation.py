@@ -57,14 +57,28 @@ from streamrl_jax.model.loader import single_device_mesh
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "Small sizes (<= 5 minutes on 2 CPU cores).")
-flags.DEFINE_list("models", ["tiny", "smollm2"], "Models to run: tiny, smollm2.")
+flags.DEFINE_list(
+    "models",
+    ["tiny", "smollm2"],
+    "Models to run: tiny, smollm2 (the shipped GGUF), smollm2_shape / smollm2_1.7b_shape "
+    "(SmolLM2-135M's / -1.7B's shapes with random weights: step times without a model file, "
+    "e.g. on an accelerator).",
+)
 flags.DEFINE_integer("seed", 0, "Workload seed.")
+flags.DEFINE_integer(
+    "bandwidth_mib", 512, "Size of the bandwidth probe's array (larger on an accelerator)."
+)
 flags.DEFINE_integer("chunk_steps", None, "Decode steps per host round trip (default per model).")
 flags.DEFINE_float("temperature", 1.0, "Sampling temperature (lengths are forced anyway).")
 flags.DEFINE_integer("repeats", 2, "Alternating runs per mode (best kept); SmolLM2 --quick uses 1.")
 flags.DEFINE_integer("prefill_batch", None, "Prompts per prefill call (default per model).")
 flags.DEFINE_list("hf_batches", ["1", "8", "16"], "Batch sizes of the engine-vs-HF comparison.")
 flags.DEFINE_bool("hf", True, "Compare SmolLM2 tokens/s with HF transformers `generate`.")
+flags.DEFINE_list(
+    "roofline_batches",
+    [],
+    "Without HF: time the last model's decode step against the roofline at these batches.",
+)
 flags.DEFINE_string("hf_child", None, "Internal: run the HF baseline on these prompts (.npz).")
 flags.DEFINE_enum(
     "cpu_dots",
@@ -116,6 +130,15 @@ _SIZES = {
     ("smollm2", True): Size(48, 8, 64, 8, 4, 4),
     ("smollm2", False): Size(96, 16, 256, 32, 8, 4),
 }
+# Random weights in a real model's shapes (Llama architecture, vocabulary 49,152, tied).
+_SHAPES = {
+    "smollm2_shape": dict(hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                          num_kv_heads=3),
+    "smollm2_1.7b_shape": dict(hidden_size=2048, intermediate_size=8192, num_layers=24,
+                               num_heads=32, num_kv_heads=32),
+}  # fmt: skip
+_SIZES.update({(m, q): _SIZES[("smollm2", q)] for m in _SHAPES for q in (True, False)})
+_MODELS = ("tiny", "smollm2", *_SHAPES)
 
 
 def long_tail_lengths(n: int, max_len: int, seed: int) -> np.ndarray:
@@ -358,9 +381,12 @@ def bench_model(name: str, quick: bool) -> dict:
 
 
 def load_model(name: str, mesh: Mesh, max_total: int):
-    """(model config, graphdef, params, stop ids): tiny random, or SmolLM2 from its GGUF."""
-    if name == "tiny":
+    """(model config, graphdef, params, stop ids): tiny random, SmolLM2 from its GGUF, or
+    SmolLM2's shapes with random weights."""
+    if name == "tiny" or name in _SHAPES:
         cfg = model_config.tiny(max_position_embeddings=max_total)
+        if name in _SHAPES:
+            cfg = dataclasses.replace(cfg, vocab_size=49152, head_dim=64, **_SHAPES[name])
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: llama.create(cfg)))
         return cfg, graphdef, jax.jit(lambda: nnx.state(llama.create(cfg, seed=0)))(), ()
     from streamrl_jax.model.defaults import smollm2_gguf_path
@@ -636,12 +662,6 @@ def engine_over_hf(batches: list[int]) -> dict:
         hf_s = hf["batches"][str(b)]["seconds"]
         ours = np.stack([s.response for s in sorted(samples[b], key=lambda s: s.request_id)])
         theirs = np.asarray(hf["batches"][str(b)]["tokens"])
-        step_s = decode_step_time(engine, engine.cfg, model_cfg.vocab_size, chunks=1, greedy=True)
-        sampled_s = decode_step_time(engine, engine.cfg, model_cfg.vocab_size, chunks=1)
-        weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine._params))
-        cache = engine._state.cache
-        kv_bytes = sum(x.size * x.dtype.itemsize for x in (*cache.k, *cache.v))
-        floor_s = dot_floor_s(engine._params, b, engine.decode_options)
         out[b] = {
             "engine_tokens_per_s": round(tokens / eng_s[b], 1),
             "hf_tokens_per_s": round(tokens / hf_s, 1),
@@ -649,20 +669,52 @@ def engine_over_hf(batches: list[int]) -> dict:
             # Greedy f32 on two stacks: rows agree until a near-tie flips an argmax.
             "same_tokens_fraction": float(np.mean(ours == theirs)),
             "hf_torch_threads": hf["torch_threads"],
-            "decode_step_ms": round(step_s * 1e3, 2),
-            "sampled_step_ms": round(sampled_s * 1e3, 2),
-            "dot_floor_ms": round(floor_s * 1e3, 2),
-            "param_bytes": int(weight_bytes),
-            "kv_bytes": int(kv_bytes),
-            "load_avg": round(os.getloadavg()[0], 2),
+            **step_figures(engine, model_cfg.vocab_size, b),
         }
         print(
             f"batch {b:3d}: engine {tokens / eng_s[b]:7.1f} tok/s  HF {tokens / hf_s:7.1f} tok/s"
-            f"  engine/HF {hf_s / eng_s[b]:.2f}x  step {step_s * 1e3:.1f} ms (sampled "
-            f"{sampled_s * 1e3:.1f}; matmuls alone {floor_s * 1e3:.1f} ms)  "
-            f"(load {os.getloadavg()[0]:.1f})",
+            f"  engine/HF {hf_s / eng_s[b]:.2f}x  (load {os.getloadavg()[0]:.1f})",
             flush=True,
         )
+    return out
+
+
+def step_figures(engine: Engine, vocab: int, batch: int) -> dict:
+    """The decode step of `engine` (every slot active; greedy and sampled), the matmuls
+    alone at `batch`, and the bytes a step reads: what `add_roofline` needs."""
+    step_s = decode_step_time(engine, engine.cfg, vocab, chunks=1, greedy=True)
+    sampled_s = decode_step_time(engine, engine.cfg, vocab, chunks=1)
+    cache = engine._state.cache
+    return {
+        "decode_step_ms": round(step_s * 1e3, 3),
+        "sampled_step_ms": round(sampled_s * 1e3, 3),
+        "dot_floor_ms": round(dot_floor_s(engine._params, batch, engine.decode_options) * 1e3, 3),
+        "param_bytes": int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine._params))),
+        "kv_bytes": int(sum(x.size * x.dtype.itemsize for x in (*cache.k, *cache.v))),
+        "load_avg": round(os.getloadavg()[0], 2),
+    }
+
+
+def roofline_sweep(name: str, batches: list[int]) -> dict:
+    """`--roofline_batches` (no HF): `name`'s decode step at each batch, greedy, every slot
+    active, a `_HF_PROMPT`-token prompt and `_HF_NEW` positions of cache, as in
+    `engine_over_hf`."""
+    mesh = single_device_mesh()
+    model_cfg, graphdef, params, _ = load_model(name, mesh, _HF_PROMPT + _HF_NEW)
+    out = {}
+    for b in batches:
+        ecfg = EngineConfig(
+            cpu_dots=FLAGS.cpu_dots,
+            decode_attention=FLAGS.decode_attention,
+            num_slots=b,
+            max_prompt_length=_HF_PROMPT,
+            max_total_length=_HF_PROMPT + _HF_NEW,
+            chunk_steps=16,
+            prefill_batch=b,
+            min_bucket=_HF_PROMPT,
+        )
+        engine = Engine(graphdef, params, model_cfg, ecfg, mesh)
+        out[b] = step_figures(engine, model_cfg.vocab_size, b)
     return out
 
 
@@ -674,12 +726,16 @@ def main(argv):
     if FLAGS.hf_child:
         _hf_child(FLAGS.hf_child)
         return
-    probes = [measure_bandwidth()]
-    print(f"memory bandwidth (jitted 512 MiB reduction): {probes[0] / 1e9:.2f} GB/s", flush=True)
+    probes = [measure_bandwidth(FLAGS.bandwidth_mib)]
+    print(
+        f"memory bandwidth (jitted {FLAGS.bandwidth_mib} MiB reduction): "
+        f"{probes[0] / 1e9:.2f} GB/s",
+        flush=True,
+    )
     results = {}
     for name in FLAGS.models:
-        if name not in ("tiny", "smollm2"):
-            raise ValueError(f"--models: unknown model {name!r} (tiny, smollm2)")
+        if name not in _MODELS:
+            raise ValueError(f"--models: unknown model {name!r} ({', '.join(_MODELS)})")
         try:
             results[name] = bench_model(name, FLAGS.quick)
         except FileNotFoundError as e:  # SmolLM2 GGUF not installed
@@ -687,10 +743,12 @@ def main(argv):
     versus_hf = {}
     if FLAGS.hf and "smollm2" in results:
         versus_hf = engine_over_hf([int(b) for b in FLAGS.hf_batches])
+    elif FLAGS.roofline_batches:
+        versus_hf = roofline_sweep(FLAGS.models[-1], [int(b) for b in FLAGS.roofline_batches])
     # The roofline's denominator: the best of a probe before and one after the timed work
     # (the machine's bandwidth drifts by ~20 % between runs; the higher reading is the
     # stricter roofline).
-    probes.append(measure_bandwidth())
+    probes.append(measure_bandwidth(FLAGS.bandwidth_mib))
     bandwidth = max(probes)
     print(
         "memory bandwidth probes: "
@@ -707,7 +765,7 @@ def main(argv):
             f"{r['dot_floor_vs_roofline']:.2f}x)",
             flush=True,
         )
-    head = results.get("smollm2") or results.get("tiny")
+    head = next(results[m] for m in reversed(_MODELS) if m in results)
     out = {
         "bench": "generation",
         "quick": FLAGS.quick,
@@ -717,7 +775,11 @@ def main(argv):
         "continuous_over_static": head["continuous_over_static"],
         "bucket_cost_bound": head["bucket_cost_bound"],
         "decode_vs_roofline": head["decode_vs_roofline"],
-        **{f"engine_over_hf_b{b}": r["engine_over_hf"] for b, r in versus_hf.items()},
+        **{
+            f"engine_over_hf_b{b}": r["engine_over_hf"]
+            for b, r in versus_hf.items()
+            if "engine_over_hf" in r
+        },
         **{f"decode_vs_roofline_b{b}": r["decode_vs_roofline"] for b, r in versus_hf.items()},
         "versus_hf": {str(b): r for b, r in versus_hf.items()},
         "load_avg": round(os.getloadavg()[0], 2),
