@@ -603,6 +603,21 @@ def _run_hf_child(prompts: dict[int, np.ndarray]) -> dict:
     return json.loads(lines[-1][len("HF_RESULT ") :])
 
 
+def _batch_engine_config(batch: int) -> EngineConfig:
+    """An engine of `batch` slots for `_HF_PROMPT`-token prompts and `_HF_NEW` new tokens,
+    prefilled in one call (`engine_over_hf`, `roofline_sweep`)."""
+    return EngineConfig(
+        cpu_dots=FLAGS.cpu_dots,
+        decode_attention=FLAGS.decode_attention,
+        num_slots=batch,
+        max_prompt_length=_HF_PROMPT,
+        max_total_length=_HF_PROMPT + _HF_NEW,
+        chunk_steps=16,
+        prefill_batch=batch,
+        min_bucket=_HF_PROMPT,
+    )
+
+
 def engine_over_hf(batches: list[int]) -> dict:
     """Tokens/s of the engine over HF transformers `generate` (torch, CPU) on SmolLM2 f32,
     and the engine's decode step against the memory roofline at the same batches.
@@ -623,17 +638,7 @@ def engine_over_hf(batches: list[int]) -> dict:
     prompts = {b: rng.integers(100, model_cfg.vocab_size, size=(b, _HF_PROMPT)) for b in batches}
     engines, reqs, eng_s, samples = {}, {}, {}, {}
     for b in batches:
-        ecfg = EngineConfig(
-            cpu_dots=FLAGS.cpu_dots,
-            decode_attention=FLAGS.decode_attention,
-            num_slots=b,
-            max_prompt_length=_HF_PROMPT,
-            max_total_length=_HF_PROMPT + _HF_NEW,
-            chunk_steps=16,
-            prefill_batch=b,
-            min_bucket=_HF_PROMPT,
-        )
-        engines[b] = Engine(graphdef, params, model_cfg, ecfg, mesh)
+        engines[b] = Engine(graphdef, params, model_cfg, _batch_engine_config(b), mesh)
         reqs[b] = [
             GenerationRequest(
                 request_id=i,
@@ -703,17 +708,7 @@ def roofline_sweep(name: str, batches: list[int]) -> dict:
     model_cfg, graphdef, params, _ = load_model(name, mesh, _HF_PROMPT + _HF_NEW)
     out = {}
     for b in batches:
-        ecfg = EngineConfig(
-            cpu_dots=FLAGS.cpu_dots,
-            decode_attention=FLAGS.decode_attention,
-            num_slots=b,
-            max_prompt_length=_HF_PROMPT,
-            max_total_length=_HF_PROMPT + _HF_NEW,
-            chunk_steps=16,
-            prefill_batch=b,
-            min_bucket=_HF_PROMPT,
-        )
-        engine = Engine(graphdef, params, model_cfg, ecfg, mesh)
+        engine = Engine(graphdef, params, model_cfg, _batch_engine_config(b), mesh)
         out[b] = step_figures(engine, model_cfg.vocab_size, b)
     return out
 
