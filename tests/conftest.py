@@ -24,6 +24,9 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# Parity tests compare f32 forms at ~1e-5; on a GPU the default dot precision is TF32
+# (10 mantissa bits). XLA:CPU computes f32 dots in full precision either way.
+jax.config.update("jax_default_matmul_precision", "highest")
 _CACHE = os.environ.get(
     "STREAMRL_TEST_JAX_CACHE",
     os.path.join(

@@ -216,6 +216,8 @@ def _chunk_hlo(engine: Engine) -> str:
 
 
 def test_cpu_dots_picks_the_decode_matmul_library_and_keeps_the_samples(model):
+    if jax.default_backend() != "cpu":
+        pytest.skip("XLA:CPU's matmul libraries")
     reqs = requests(6, sampling=SamplingParams.greedy())
     eigen, ynn = make_engine(model, cpu_dots="eigen"), make_engine(model, cpu_dots="ynnpack")
     assert make_engine(model)._chunk is ynn._chunk  # "auto": the tiny model is narrow
@@ -264,7 +266,8 @@ def test_decode_attention_forms_keep_the_samples(model):
         elementwise = make_engine(model, decode_attention="elementwise")
         assert dot._chunk is not elementwise._chunk
         assert_same(by_id(elementwise.run(reqs)), by_id(dot.run(reqs)))
-    assert make_engine(model).decode_attention == "elementwise"
+    assert make_engine(model).decode_attention == ENGINE.attention(jax.default_backend())
+    assert ENGINE.attention("cpu") == "elementwise"
     assert ENGINE.attention("gpu") == ENGINE.attention("tpu") == "dot"
     with pytest.raises(ValueError, match="EngineConfig.decode_attention must be one of"):
         dataclasses.replace(ENGINE, decode_attention="flash")
@@ -350,6 +353,8 @@ def test_bad_requests_name_the_field(model, change, field):
 
 
 def test_tensor_parallel_instance_matches_single_device(model):
+    if jax.device_count() < 3:
+        pytest.skip("needs 3 devices (2 generation, 1 training)")
     graphdef, params, _ = model
     meshes = mesh_lib.make_meshes(
         mesh_lib.MeshConfig(generate_devices=2, train_devices=1, instance_tp=2)
@@ -464,12 +469,18 @@ def grouped_requests(seed: int, lpt: bool = False) -> list[GenerationRequest]:
 
 
 def assert_bitwise(a, b):
+    """Bitwise on CPU. On an H200 a forked sample's first log-prob differed from the
+    unshared prefill's in the last bit (a GEMM's kernel, and so its rounding, can depend
+    on the row count): off CPU tokens and versions stay exact, log-probs within 1e-6."""
+    exact = jax.default_backend() == "cpu"
     assert a.keys() == b.keys()
     for rid in a:
         for field in ("response", "logprobs", "sampling_logprobs", "token_versions"):
-            np.testing.assert_array_equal(
-                getattr(a[rid], field), getattr(b[rid], field), err_msg=f"{rid} {field}"
-            )
+            x, y, msg = getattr(a[rid], field), getattr(b[rid], field), f"{rid} {field}"
+            if exact or "logprobs" not in field:
+                np.testing.assert_array_equal(x, y, err_msg=msg)
+            else:
+                np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6, err_msg=msg)
         assert a[rid].finish_reason == b[rid].finish_reason
 
 
