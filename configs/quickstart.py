@@ -2,9 +2,9 @@
 
 Run (from the repository root):
   python -m streamrl_jax.launch --config=configs/quickstart.py --workdir=/tmp/quickstart
-The default is the 30-minute recipe (240 steps, about 24 min on a quiet 2-core CPU;
+The default is the 30-minute recipe (240 steps, 23-29 min on a quiet 2-core CPU;
 BENCHMARKS.md "The main job"). Variants:
-  configs/quickstart.py:short  the same recipe for 20 steps (about 2 min; a first look)
+  configs/quickstart.py:short  the same recipe for 20 steps (about 4 min; a first look)
   configs/quickstart.py:sync   the recipe in stream_sync mode
   configs/quickstart.py:tiny   tiny random model, a few seconds a step (tests, smoke runs)
 Any field can be overridden: --config.pipeline.steps=40 --config.pipeline.mode=stream_sync
@@ -72,8 +72,8 @@ def get_config(arg: str | None = None):
     c.data.system_prompt = "Solve it. End with: The answer is <answer>N</answer>."
     c.eval.every = 40
     c.eval.num_problems = 64
-    # The final weights only (a save at the run's last step); --config.checkpoint.every=N
-    # for periodic ones.
+    # A save every 240 steps: the default run's final weights only (a longer run set with
+    # --config.pipeline.steps also saves at each multiple of 240; --config.checkpoint.every=N).
     c.checkpoint.every = c.pipeline.steps
 
     if arg in (None, "", "async"):

@@ -230,6 +230,11 @@ def measure_bandwidth(mib: int = 512, reps: int = 5) -> float:
     return x.size * 4 / best
 
 
+def nbytes(tree) -> int:
+    """Bytes of every array in `tree`."""
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
 def add_roofline(result: dict, bandwidth: float) -> None:
     """Adds the roofline of `result`'s decode step: (its weight bytes + the KV bytes the
     step attends) / `bandwidth`, and the step (and matmul floor, where measured) over it."""
@@ -329,14 +334,13 @@ def bench_model(name: str, quick: bool) -> dict:
     bound = bucket_cost_bound(lengths, num_slots, ecfg.chunk_steps, bucket_s)
     step_s = decode_step_time(continuous, ecfg, cfg.vocab_size, chunks=step_chunks)
 
-    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    param_bytes = nbytes(params)
     cache = continuous._state.cache
     # The step reads its length bucket of every layer's cache (attention is masked inside
     # it); `decode_step_time`'s requests fill at most max_prompt + their response length.
     filled = max_prompt + step_response_length(ecfg, step_chunks)
     _, attended = ecfg.decode_shapes().pick(range(num_slots), [filled])
-    kv_bytes = sum(x.size * x.dtype.itemsize for x in (*cache.k, *cache.v))
-    kv_bytes = kv_bytes * attended // cache.max_length
+    kv_bytes = nbytes((cache.k, cache.v)) * attended // cache.max_length
     result = {
         "model": name,
         "num_requests": num_requests,
@@ -694,8 +698,8 @@ def step_figures(engine: Engine, vocab: int, batch: int) -> dict:
         "decode_step_ms": round(step_s * 1e3, 3),
         "sampled_step_ms": round(sampled_s * 1e3, 3),
         "dot_floor_ms": round(dot_floor_s(engine._params, batch, engine.decode_options) * 1e3, 3),
-        "param_bytes": int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(engine._params))),
-        "kv_bytes": int(sum(x.size * x.dtype.itemsize for x in (*cache.k, *cache.v))),
+        "param_bytes": nbytes(engine._params),
+        "kv_bytes": nbytes((cache.k, cache.v)),
         "load_avg": round(os.getloadavg()[0], 2),
     }
 
