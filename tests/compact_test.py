@@ -63,7 +63,7 @@ def test_decode_compiles_at_most_one_executable_per_bucket_pair(model):  # noqa:
     engine = make_engine(model, **BUCKETED)
     shapes = engine.cfg.decode_shapes()
     steps = []
-    engine._on_chunk = lambda *a, **kw: steps.append(kw["steps"])
+    engine._on_chunk = lambda r: steps.append(r.steps)
     reqs = requests(16, sampling=SamplingParams.greedy(), seed=6)
     engine.run(reqs)
     used = engine._chunk._cache_size()

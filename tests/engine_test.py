@@ -284,17 +284,16 @@ def test_hot_loop_runs_under_transfer_guard(model):
 
 def test_on_chunk_reports_every_round_trip(model):
     seen = []
-    extra = []
-    engine = make_engine(model, on_chunk=lambda *args, **kw: (seen.append(args), extra.append(kw)))
+    engine = make_engine(model, on_chunk=seen.append)
     samples = engine.run(requests(6, seed=2))
-    assert seen and all(inst == 0 and t1 >= t0 for inst, t0, t1, _, _ in seen)
-    assert sum(tokens for *_, tokens, _ in seen) == sum(len(s.response) for s in samples)
-    assert max(running for *_, running in seen) <= ENGINE.num_slots
-    assert sum(kw["prefilled"] for kw in extra) == 6  # every request prefilled once
-    assert all(0 <= kw["steps"] <= ENGINE.chunk_steps for kw in extra)
+    assert seen and all(r.instance == "0" and r.t1 >= r.t0 for r in seen)
+    assert sum(r.tokens for r in seen) == sum(len(s.response) for s in samples)
+    assert max(r.running for r in seen) <= ENGINE.num_slots
+    assert sum(r.prefilled for r in seen) == 6  # every request prefilled once
+    assert all(0 <= r.steps <= ENGINE.chunk_steps for r in seen)
     # The longest sample's decode steps all ran in some chunk (its first token
     # comes from prefill).
-    assert sum(kw["steps"] for kw in extra) >= max(len(s.response) for s in samples) - 1
+    assert sum(r.steps for r in seen) >= max(len(s.response) for s in samples) - 1
 
 
 def test_tag_and_metadata_are_echoed(model):
@@ -498,7 +497,7 @@ def test_shared_prompt_prefill_is_bitwise_the_unshared_one(model, admission):
     kw = dict(min_bucket=4, admission=admission)
     prefilled = []
     off = make_engine(model, share_prefill=False, **kw)
-    on = make_engine(model, on_chunk=lambda *a, **k: prefilled.append(k["prefilled"]), **kw)
+    on = make_engine(model, on_chunk=lambda r: prefilled.append(r.prefilled), **kw)
     before = on.compile_count()
     assert_bitwise(by_id(off.run(reqs)), by_id(on.run(reqs)))
     m_on, m_off = on.metrics(), off.metrics()

@@ -1,6 +1,7 @@
 """The messages a generation process sends its training process besides samples.
 
-Decode-chunk and span reports let the trainer's trace and `gen_busy` see every
+Decode-chunk (`generation.types.ChunkReport`, the engine's own report, relabelled
+with its process) and span reports let the trainer's trace and `gen_busy` see every
 instance of every process; `RoundClosed` tells it that a partial-rollout round
 closed (`pipeline/round_reports.py`); `GenerationFailed` is a generation process's
 last word before it exits with an error, so the trainer fails naming it.
@@ -16,6 +17,10 @@ from typing import Annotated
 
 import msgspec
 
+from streamrl_jax.generation.types import ChunkReport  # its own wire schema (tag "chunk")
+
+__all__ = ["ChunkReport", "GenerationFailed", "RoundClosed", "SpanReport", "WireStruct"]
+
 MAX_STR = 4096  # characters of an id, name or key path
 MAX_REASON = 64 * 1024  # characters of `GenerationFailed.reason`
 MAX_SPAN_ARGS = 64
@@ -26,18 +31,6 @@ Str = Annotated[str, msgspec.Meta(max_length=MAX_STR)]
 
 class WireStruct(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Base of every wire schema: frozen, unknown fields refused."""
-
-
-class ChunkReport(WireStruct, tag="chunk"):
-    """One decode chunk of a generation instance (wall times), for `gen_busy` and the trace."""
-
-    instance: Str  # "p<process>.<instance>"
-    t0: float
-    t1: float
-    tokens: int
-    running: int
-    steps: int
-    prefilled: int
 
 
 class SpanReport(WireStruct, tag="span"):

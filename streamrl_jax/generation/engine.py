@@ -54,7 +54,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from streamrl_jax.generation import admission, decoder, executables
 from streamrl_jax.generation import slots as slots_lib
 from streamrl_jax.generation.engine_config import EngineConfig
-from streamrl_jax.generation.types import FINISH_REASONS, GenerationRequest, Sample, Timings
+from streamrl_jax.generation.types import (
+    FINISH_REASONS,
+    ChunkReport,
+    GenerationRequest,
+    Sample,
+    Timings,
+)
 from streamrl_jax.model.config import ModelConfig
 from streamrl_jax.sharding import GENERATE_RULES, state_shardings
 
@@ -83,13 +89,10 @@ class Engine:
       mesh: this instance's 1-D ("tp",) mesh.
       instance_id: echoed in every `Sample` and callback.
       version: policy version of `params`.
-      on_chunk: optional observer of each `step()` (one host round trip),
-        called on the stepping thread as `on_chunk(instance, t0, t1, tokens,
-        running, steps=0, prefilled=0)`: the instance id, the step's wall-clock
-        start and end (`time.time()` seconds), response tokens emitted, slots
-        running (including those that finished in the step), decode steps the
-        chunk ran and prompts prefilled (forks of a shared prompt not counted). The
-        pipeline draws its trace with it.
+      on_chunk: optional observer of each `step()` (one host round trip), called on
+        the stepping thread with its `ChunkReport` (wall times, tokens emitted, slots
+        running, decode steps, prompts prefilled). The pipeline meters and draws its
+        trace with it.
     """
 
     def __init__(
@@ -102,7 +105,7 @@ class Engine:
         *,
         instance_id: int = 0,
         version: int = 0,
-        on_chunk: Callable[..., None] | None = None,
+        on_chunk: Callable[[ChunkReport], None] | None = None,
     ):
         if cfg.max_total_length > model_cfg.max_position_embeddings:
             raise ValueError(
@@ -435,13 +438,15 @@ class Engine:
         m["timeline"].append((t1, self.num_running + len(done), len(self._queue), emitted))
         if self._on_chunk is not None:
             self._on_chunk(
-                self.instance_id,
-                t0,
-                t1,
-                emitted,
-                self.num_running + len(done),
-                steps=int(chunk_h.emitted.max(initial=0)),
-                prefilled=m["prefill_rows"] - rows_before,  # forked members not counted
+                ChunkReport(
+                    instance=str(self.instance_id),
+                    t0=t0,
+                    t1=t1,
+                    tokens=emitted,
+                    running=self.num_running + len(done),
+                    steps=int(chunk_h.emitted.max(initial=0)),
+                    prefilled=m["prefill_rows"] - rows_before,
+                )
             )
         return done
 

@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from streamrl_jax.generation.engine import Engine, EngineConfig
-from streamrl_jax.generation.types import GenerationRequest, Sample
+from streamrl_jax.generation.types import ChunkReport, GenerationRequest, Sample
 from streamrl_jax.mailbox import Mailbox
 from streamrl_jax.model.config import ModelConfig
 
@@ -84,7 +84,7 @@ class GenerationService:
         capacity: int = 4096,
         poll_s: float = 0.05,
         name: str = "sgs",
-        on_chunk: Callable[..., None] | None = None,
+        on_chunk: Callable[[ChunkReport], None] | None = None,
         precompile: bool = False,
         continuations: bool = False,
     ):
@@ -99,9 +99,8 @@ class GenerationService:
           capacity: bound of the output sample queue (back-pressure).
           poll_s: the period of every timed wait inside the instance threads.
           name: used in errors and logs.
-          on_chunk: observer of every engine step, called on the instance's
-            thread as `on_chunk(instance, t0, t1, tokens, running, steps=0,
-            prefilled=0)` (see `Engine`).
+          on_chunk: observer of every engine step's `ChunkReport`, called on the
+            instance's thread (see `Engine`).
           precompile: each instance thread compiles every executable its engine can
             run before it serves (`Engine.compile_shapes`; `continuations`: partial
             rollout's re-prefill buckets too); submitted requests wait in its inbox.

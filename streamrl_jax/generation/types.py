@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+import msgspec
 import numpy as np
 
 FinishReason = Literal["stop", "length", "context", "forced", "paused"]
@@ -243,3 +244,20 @@ class Sample:
     def newest_version(self) -> int:
         v = self.versions()
         return int(v.max()) if v.size else self.last_policy_version
+
+
+class ChunkReport(msgspec.Struct, forbid_unknown_fields=True, frozen=True, tag="chunk"):
+    """One engine round trip (a decode chunk, with any prefill before it), wall times.
+
+    The one value that travels from the engine (`Engine(on_chunk=...)`) to the run's
+    generation meter and trace, and across processes on the sample wire (its own wire
+    schema: the bounds are checked when a frame is decoded, `distributed/wire.py`).
+    """
+
+    instance: Annotated[str, msgspec.Meta(max_length=256)]  # "0"; across processes "p<k>.<i>"
+    t0: float  # wall time the round trip began (time.time())
+    t1: float  # ... and ended
+    tokens: int  # tokens emitted over all slots
+    running: int  # slots running during the chunk (finished ones included)
+    steps: int = 0  # decode steps of the chunk (the most any slot emitted)
+    prefilled: int = 0  # prompt rows prefilled before it (forked group members not counted)

@@ -33,6 +33,7 @@ from streamrl_jax.data import Prompt, PromptPipeline
 from streamrl_jax.errors import UserError
 from streamrl_jax.generation.engine import EngineConfig
 from streamrl_jax.generation.service import GenerationService
+from streamrl_jax.generation.types import ChunkReport
 from streamrl_jax.model import config as model_config
 from streamrl_jax.model import llama
 from streamrl_jax.model.defaults import smollm2_gguf_path
@@ -67,7 +68,7 @@ class GenerationParts:
         self,
         params: list[Any],
         version: int,
-        on_chunk: Callable[..., None] | None = None,
+        on_chunk: Callable[[ChunkReport], None] | None = None,
         pipeline: Any = None,
     ) -> GenerationService:
         """The service, its instances holding `params` (one tree per instance);

@@ -48,7 +48,13 @@ from typing import Any, Protocol
 from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.data import Prompt, make_requests
 from streamrl_jax.generation.service import GenerationService, StreamClosed
-from streamrl_jax.generation.types import GenerationRequest, RequestTag, Sample, SamplingParams
+from streamrl_jax.generation.types import (
+    ChunkReport,
+    GenerationRequest,
+    RequestTag,
+    Sample,
+    SamplingParams,
+)
 from streamrl_jax.mailbox import FailureLatch
 from streamrl_jax.pipeline.hooks import Hooks
 from streamrl_jax.pipeline.rollout import PartialRollout
@@ -433,7 +439,7 @@ class GenerationLink(Protocol):
     def attach(
         self,
         on_sample: Callable[[Sample, Callable[[], None]], None],
-        on_chunk: Callable[..., None],
+        on_chunk: Callable[[ChunkReport], None],
         on_span: Callable[..., None],
         on_error: Callable[[str, BaseException], None],
     ) -> None:

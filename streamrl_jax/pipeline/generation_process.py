@@ -51,6 +51,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
+import msgspec
 from absl import logging
 
 from streamrl_jax.config import ExperimentConfig
@@ -237,10 +238,10 @@ class _GenerationProcess:
                 if self.latch.failed or self._stopping.is_set():
                     raise
 
-    def _on_chunk(self, instance, t0, t1, tokens, running, steps=0, prefilled=0) -> None:
-        label = f"p{self.pid}.{instance}"
+    def _on_chunk(self, report: ChunkReport) -> None:
+        labelled = msgspec.structs.replace(report, instance=f"p{self.pid}.{report.instance}")
         with contextlib.suppress(TransportError):  # a lost channel: the main loop reports it
-            self._send(ChunkReport(label, t0, t1, tokens, running, steps, prefilled))
+            self._send(labelled)
 
     def _ranker_channel(self, live: LiveScheduler) -> threading.Thread | None:
         """With an online ranker: the trainer refreshes it (it sees the samples), this

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from streamrl_jax.generation.types import Sample
+from streamrl_jax.generation.types import ChunkReport, Sample
 from streamrl_jax.metrics import MetricsWriter, Tracer
 from streamrl_jax.pipeline.shards import TrainingGroup, host
 
@@ -50,29 +50,20 @@ class GenerationMeter:
         self._intervals: collections.deque[tuple[float, float]] = collections.deque(maxlen=1 << 18)
         self._spans: dict[int, list[float]] = {}  # batch -> [first admit, last finish]
 
-    def chunk(
-        self,
-        instance: int | str,
-        t0: float,
-        t1: float,
-        tokens: int,
-        running: int,
-        steps: int = 0,
-        prefilled: int = 0,
-    ) -> None:
+    def chunk(self, r: ChunkReport) -> None:
         """One decode chunk of an instance (the engines' `on_chunk`; wall times)."""
         with self._lock:
-            self._intervals.append((t0, t1))
+            self._intervals.append((r.t0, r.t1))
         self._tick("generation")
         self._tracer.add_wall(
-            f"generation/instance {instance}",
+            f"generation/instance {r.instance}",
             "decode",
-            t0,
-            t1,
-            tokens=tokens,
-            running=running,
-            steps=steps,
-            prefilled=prefilled,
+            r.t0,
+            r.t1,
+            tokens=r.tokens,
+            running=r.running,
+            steps=r.steps,
+            prefilled=r.prefilled,
         )
 
     def sample(self, sample: Sample) -> None:

@@ -388,8 +388,7 @@ class TrainingLink:
             )
             on_sample(msg, self._inflight.release)
         elif isinstance(msg, ChunkReport):
-            m = msg
-            on_chunk(m.instance, m.t0, m.t1, m.tokens, m.running, m.steps, m.prefilled)
+            on_chunk(msg)
         elif isinstance(msg, SpanReport):
             on_span(msg.track, msg.name, msg.t0, msg.t1, **msg.args)
         elif isinstance(msg, RoundClosed) and self.rollout is not None:
