@@ -40,7 +40,7 @@ def get_config(arg: str | None = None):
     c.pipeline.micro_batch_groups = 2
     # DAPO dynamic sampling: groups with no reward variance give GRPO no gradient; skip
     # them and draw replacement prompts (at most 8 a step, twice prompts_per_step).
-    c.pipeline.dynamic_sampling = True
+    c.pipeline.rollout = "dynamic_sampling"
     c.pipeline.dynamic_sampling_max_draws = 8
     # GRPO with DAPO's clip-higher (1 - 0.2, 1 + 0.28: slows the entropy collapse); no
     # reference model (KL 0) to keep a CPU step short.
@@ -102,7 +102,7 @@ def get_config(arg: str | None = None):
         c.eval.num_problems = 4
         c.checkpoint.every = 0
         # The plain GRPO path: the levers above stay off in tests and smoke runs.
-        c.pipeline.dynamic_sampling = False
+        c.pipeline.rollout = "full"
         c.algorithm.policy_loss = "ppo_clip"
         c.algorithm.overlong_buffer = 0
         c.optimizer.schedule = "constant"

@@ -244,8 +244,11 @@ class Progress:
             dynamic_ncols=True,
         )
 
-    def update(self, step: int, **fields: float) -> None:
-        self._bar.set_postfix({k: f"{v:.3g}" for k, v in fields.items()}, refresh=False)
+    def update(self, step: int, row: Mapping[str, float]) -> None:
+        """Step `step` done; its metrics `row` supplies the figures shown."""
+        fields = {"reward": "reward", "acc": "accuracy", "sps": "samples_per_s"}
+        shown = {k: f"{row[name]:.3g}" for k, name in fields.items() if name in row}
+        self._bar.set_postfix(shown, refresh=False)
         self._bar.update(step - self._bar.n)
 
     def close(self) -> None:

@@ -26,11 +26,14 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
 from absl import logging
+
+# A model's parameter pytree (an `nnx.State` of arrays, in a role's sharding and dtype).
+Params: TypeAlias = Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +55,7 @@ class SyncStats:
 class Published:
     """Weights as placed on one generation instance, tagged with their policy version."""
 
-    params: Any
+    params: Params
     version: int
 
 

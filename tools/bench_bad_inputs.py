@@ -165,13 +165,13 @@ CASES: list[Case] = [
         (
             "--config.algorithm.advantage=gae",
             "--config.pipeline.group_size=1",
-            "--config.pipeline.dynamic_sampling=False",
+            "--config.pipeline.rollout=full",
         ),
     ),  # fmt: skip
     Case(
         "dynamic sampling with groups of 1",
         "launch",
-        "pipeline.dynamic_sampling needs pipeline.group_size >= 2",
+        "pipeline.rollout='dynamic_sampling' needs pipeline.group_size >= 2",
         ("--config.pipeline.group_size=1",),
     ),
     Case(

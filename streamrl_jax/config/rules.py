@@ -32,6 +32,8 @@ from streamrl_jax.config.sections import (
     REWARD_ERRORS,
     REWARD_SANDBOXES,
     REWARDS,
+    ROLLOUT_WRAPPERS,
+    ROLLOUTS,
     WEIGHT_DTYPES,
     WEIGHT_TRANSPORTS,
     WEIGHT_UPDATES,
@@ -76,6 +78,19 @@ class _Rule:
 
 def _one_of(names: tuple[str, ...]) -> _Rule:
     return _Rule(lambda v: v in names, f"one of {names}", registry=True)
+
+
+def rollout_names(value: str) -> tuple[list[str], str]:
+    """`pipeline.rollout` split into (wrappers, kind)."""
+    *wrappers, kind = value.split("+")
+    return wrappers, kind
+
+
+def _is_rollout(value: str) -> bool:
+    wrappers, kind = rollout_names(value)
+    return kind in ROLLOUTS and all(w in ROLLOUT_WRAPPERS for w in wrappers) and (
+        len(set(wrappers)) == len(wrappers)
+    )
 
 
 def _at_least(low: float) -> _Rule:
@@ -124,8 +139,16 @@ RULES: dict[type, dict[str, _Rule]] = {
         "nonfinite": _one_of(NONFINITE),
         "weight_update": _one_of(WEIGHT_UPDATES),
         "max_lag": _NONNEG,
+        "rollout": _Rule(
+            _is_rollout,
+            f"a kind of {ROLLOUTS}, after optional wrappers of {ROLLOUT_WRAPPERS} joined "
+            "with '+' (e.g. 'curriculum+dynamic_sampling')",
+            registry=True,
+        ),
         "partial_budget_tokens": _NONNEG,
         "dynamic_sampling_max_draws": _NONNEG,
+        "curriculum_decay": _unit(open_low=True, open_high=True),
+        "curriculum_floor": _unit(open_low=True),
         "lag_policy": _one_of(LAG_POLICIES),
         **dict.fromkeys(("watchdog_s", "timeout_s"), _POSITIVE),
         "weight_transport": _one_of(WEIGHT_TRANSPORTS),
@@ -262,7 +285,14 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         f"pipeline.max_lag ({p.max_lag}) must be 0 (= staleness) or, in stream_async, "
         f">= pipeline.staleness ({p.staleness}): batch b starts with W_(b-s)",
     )
-    if p.partial_budget_tokens:
+    _, kind = rollout_names(p.rollout)
+    _require(
+        (kind == "partial") == (p.partial_budget_tokens > 0),
+        f"pipeline.partial_budget_tokens ({p.partial_budget_tokens}) is partial rollout's "
+        f"token budget per round: > 0 exactly when pipeline.rollout names 'partial' "
+        f"(it is {p.rollout!r})",
+    )
+    if kind == "partial":
         _require(
             p.mode == "stream_async",
             f"pipeline.partial_budget_tokens needs pipeline.mode='stream_async' (mode is "
@@ -287,7 +317,7 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
             f"max_new_tokens ({g.max_new_tokens}), or the longest sample could be "
             "regenerated forever",
         )
-    if p.dynamic_sampling:
+    if kind == "dynamic_sampling":
         _check_dynamic_sampling(p)
     a = cfg.algorithm
     _require(
@@ -351,24 +381,20 @@ def _check_dynamic_sampling(p: PipelineSection) -> None:
     """The combinations dynamic sampling refuses (docs/pipeline.md, "Dynamic sampling")."""
     _require(
         p.group_size >= 2,
-        "pipeline.dynamic_sampling needs pipeline.group_size >= 2 (a group of one sample "
-        "has no reward variance: every group would be skipped)",
+        "pipeline.rollout='dynamic_sampling' needs pipeline.group_size >= 2 (a group of one "
+        "sample has no reward variance: every group would be skipped)",
     )
     _require(
         p.mini_batches == 1,
-        f"pipeline.dynamic_sampling needs pipeline.mini_batches=1 (it is {p.mini_batches}): "
-        "a step that ran out of draws holds fewer groups than the mini-batches split",
+        f"pipeline.rollout='dynamic_sampling' needs pipeline.mini_batches=1 (it is "
+        f"{p.mini_batches}): a step that ran out of draws holds fewer groups than the "
+        "mini-batches split",
     )
     _require(
         p.weight_update == "boundary",
-        "pipeline.dynamic_sampling needs pipeline.weight_update='boundary': replacement "
-        "prompts are generated with the batch's own weights W_g(b), which in-flight "
-        "updates would swap mid-batch",
-    )
-    _require(
-        p.partial_budget_tokens == 0,
-        "pipeline.dynamic_sampling cannot run with pipeline.partial_budget_tokens "
-        "(partial rollout trains whatever groups a round completed, of several batches)",
+        "pipeline.rollout='dynamic_sampling' needs pipeline.weight_update='boundary': "
+        "replacement prompts are generated with the batch's own weights W_g(b), which "
+        "in-flight updates would swap mid-batch",
     )
 
 

@@ -30,6 +30,9 @@ WEIGHT_UPDATES = ("boundary", "inflight")
 # A partial sample whose lag would pass pipeline.max_lag: "drop" its group (counted) or
 # "regenerate" it from its prompt under the current weights (counted).
 LAG_POLICIES = ("drop", "regenerate")
+# pipeline.rollout: a kind, after optional wrappers joined with "+" (pipeline/rollouts/).
+ROLLOUTS = ("full", "dynamic_sampling", "partial")
+ROLLOUT_WRAPPERS = ("curriculum",)
 # The generation copy's matrices (generation/quant.py): "auto" = model.generate_dtype,
 # "int8" = per-channel int8 weights with W8A8 matmuls (needs algorithm.tis_cap > 0).
 WEIGHT_DTYPES = ("auto", "int8")
@@ -116,9 +119,14 @@ class PipelineSection:
     # a sample beyond it is counted and dropped (or raises with strict_versions).
     # 0 = pipeline.staleness (the four modes' contract)
     max_lag: int = 0
+    # What a step trains (pipeline/rollouts/): "full" (every group of batch b),
+    # "dynamic_sampling" (DAPO: groups without reward variance skipped and replaced),
+    # "partial" (rounds of partial_budget_tokens, unfinished samples carried over), and
+    # wrappers before a kind: "curriculum+dynamic_sampling".
+    rollout: str = "full"
     # partial rollout (stream_async): each step's generation is a round in which every
     # sample generates at most this many tokens; unfinished ones pause and continue in the
-    # next round under newer weights (re-prefilled); needs max_lag > staleness. 0 = off
+    # next round under newer weights (re-prefilled); needs max_lag > staleness
     partial_budget_tokens: int = 0
     lag_policy: str = "drop"  # one of LAG_POLICIES: a paused sample that would pass max_lag
     # micro-batches in group order, one decode shape: bitwise-reproducible training
@@ -135,13 +143,13 @@ class PipelineSection:
     # authentication, trusted networks only: docs/multicontroller.md).
     weight_transport: str = "channel"
     weight_checksum: bool = False  # several processes: crc32 of every weight piece, checked
-    # DAPO dynamic sampling (pipeline/dynamic_sampling.py): skip groups whose rewards are
-    # all equal (counted: groups_skipped) and draw replacement prompts, generated with the
-    # batch's own weights, until the step has prompts_per_step informative groups
-    dynamic_sampling: bool = False
-    # most replacement prompts drawn per step; past it the step trains what it has
-    # (dynamic_short = 1 in its metrics). 0 = skip only, never refill
+    # dynamic sampling: most replacement prompts drawn per step; past it the step trains
+    # what it has (dynamic_short = 1 in its metrics). 0 = skip only, never refill
     dynamic_sampling_max_draws: int = 16
+    # curriculum: a prompt whose group was all right or all wrong has its draw probability
+    # multiplied by this; a group with both sets it back to 1
+    curriculum_decay: float = 0.5
+    curriculum_floor: float = 0.1  # the lowest draw probability: nothing starves
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

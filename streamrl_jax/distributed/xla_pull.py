@@ -30,6 +30,7 @@ from typing import Any
 import jax
 from absl import logging
 
+from streamrl_jax.config import PipelineSection
 from streamrl_jax.distributed import reshard
 from streamrl_jax.distributed.channel import TransportError
 
@@ -90,10 +91,10 @@ class PullServer:
         return list(connection.pull(uuid, list(specs)))
 
 
-def pull_server(cfg: Any, host: str) -> PullServer | None:
-    """This process's transfer server when `cfg.pipeline.weight_transport == "xla"`
-    (on its first local device), else None."""
-    if cfg.pipeline.weight_transport != "xla":
+def pull_server(pipeline: PipelineSection, host: str) -> PullServer | None:
+    """This process's transfer server when `pipeline.weight_transport == "xla"` (on its
+    first local device), else None."""
+    if pipeline.weight_transport != "xla":
         return None
     logging.warning(
         "pipeline.weight_transport='xla': weights travel device to device through "

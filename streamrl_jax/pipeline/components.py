@@ -11,8 +11,8 @@ with its observers and owns it.
 Several processes (docs/multicontroller.md): `build_training` builds the same
 without generation (its `WeightSync` mover sends to the generation processes);
 `build_generation` only the generation side of a generation process (its
-instances, the tokenizer, the same seeded prompt pipeline), reading the model's
-config and tokenizer without loading its weights (the trainer sends W_0).
+instances, the same seeded prompt pipeline, the held-out prompts), reading the
+model's config and tokenizer without loading its weights (the trainer sends W_0).
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
+import jax.numpy as jnp
 from absl import logging
 from flax import nnx
+from jax.sharding import Mesh
 
 from streamrl_jax import mesh as mesh_lib
 from streamrl_jax import sharding
@@ -47,10 +48,10 @@ from streamrl_jax.trainer import critic as critic_lib
 from streamrl_jax.trainer.config import critic_trainer_config, trainer_config
 from streamrl_jax.trainer.state import TrainState
 from streamrl_jax.trainer.step import Trainer, make_policy_trainer
-from streamrl_jax.weight_sync import Published, WeightSync, place_on
+from streamrl_jax.weight_sync import Params, Published, WeightSync, place_on
 
 # (training params, generation dtype) -> the WeightSync of a training process.
-MakeWeightSync = Callable[[Any, Any], WeightSync]
+MakeWeightSync = Callable[[Params, jnp.dtype], WeightSync]
 
 
 @dataclasses.dataclass
@@ -59,22 +60,24 @@ class GenerationParts:
 
     model_cfg: model_config.ModelConfig  # in the generation dtype
     graphdef: nnx.GraphDef
-    instances: list[Any]  # one ("tp",) mesh per instance
+    instances: list[Mesh]  # one ("tp",) mesh per instance
     engine_cfgs: list[EngineConfig]
-    param_shardings: list[Any]  # per instance, the params' NamedShardings
-    abstract_params: Any  # the params' shapes and dtypes (what a weight header must declare)
+    param_shardings: list[Params]  # per instance, a tree of the params' NamedShardings
+    abstract_params: Params  # the params' shapes and dtypes (what a weight header declares)
 
     def service(
         self,
-        params: list[Any],
+        params: list[Params],
         version: int,
-        on_chunk: Callable[[ChunkReport], None] | None = None,
-        pipeline: Any = None,
+        *,
+        on_chunk: Callable[[ChunkReport], None],
+        precompile: bool,
+        continuations: bool,
     ) -> GenerationService:
         """The service, its instances holding `params` (one tree per instance);
-        `on_chunk` observes every decode chunk (`generation.engine.Engine`); `pipeline`
-        (the run's `PipelineSection`): with `precompile`, every instance compiles its
-        shapes before it serves (partial rollout's re-prefill buckets too)."""
+        `on_chunk` observes every decode chunk (`generation.engine.Engine`); with
+        `precompile` every instance compiles its shapes before it serves (with
+        `continuations`, partial rollout's re-prefill buckets too)."""
         service = GenerationService(
             self.graphdef,
             params[0],
@@ -83,8 +86,8 @@ class GenerationParts:
             self.engine_cfgs,
             version=version,
             on_chunk=on_chunk,
-            precompile=pipeline is not None and pipeline.precompile,
-            continuations=pipeline is not None and pipeline.partial_budget_tokens > 0,
+            precompile=precompile,
+            continuations=continuations,
         )
         if len(params) > 1:
             service.update_weights(list(params), version)
@@ -100,7 +103,7 @@ class Components:
     tokenizer: Tokenizer
     trainer: Trainer
     state: TrainState
-    ref_params: Any  # frozen reference params (None when kl_coef == 0)
+    ref_params: Params | None  # frozen reference params (None when kl_coef == 0)
     critic: Trainer | None  # the PPO value model's trainer (advantage="gae"), else None
     critic_state: TrainState | None
     generation: GenerationParts | None  # None in a training process (generation elsewhere)
@@ -110,17 +113,6 @@ class Components:
     reward_sandbox: Limits | None  # worker limits when scoring runs sandboxed, else None
     prompts: PromptPipeline
     eval_prompts: list[Prompt]
-
-
-@dataclasses.dataclass
-class GenerationSide:
-    """What a generation process builds (`build_generation`)."""
-
-    parts: GenerationParts
-    tokenizer: Tokenizer
-    prompts: PromptPipeline
-    eval_prompts: list[Prompt]
-    vocab_size: int
 
 
 def describe_model(cfg: ExperimentConfig) -> Description:
@@ -154,28 +146,18 @@ def model_path(cfg: ExperimentConfig) -> str:
     return smollm2_gguf_path() if cfg.model.source == "smollm2" else cfg.model.source
 
 
-@dataclasses.dataclass
-class _Training:
-    model_cfg: model_config.ModelConfig
-    tokenizer: Tokenizer
-    trainer: Trainer
-    state: TrainState
-    ref_params: Any
-    critic: Trainer | None
-    critic_state: TrainState | None
-
-
-def _training(cfg: ExperimentConfig, train_mesh: Any) -> _Training:
-    """The model straight into the training sharding; the trainers and their states."""
-    d = describe_model(cfg)
-    model_cfg, tokenizer = d.cfg, d.tokenizer
+def _training(
+    cfg: ExperimentConfig, d: Description, train_mesh: Mesh
+) -> tuple[Trainer, TrainState]:
+    """The policy trainer and its state, the model straight into the training sharding."""
+    model_cfg = d.cfg
     fsdp = train_mesh.shape["fsdp"]
     trainer = make_policy_trainer(
         model_cfg, trainer_config(cfg, fsdp=fsdp), train_mesh, model_seed=cfg.seed
     )
     if cfg.model.source == "tiny":
         state = trainer.init_state(cfg.seed)
-    else:  # described once above: only the weights are read here
+    else:  # described once: only the weights are read here
         pre = load_weights(d, mesh=train_mesh, role="train")
         state = trainer.state_from_params(pre.params, cfg.seed)
     if cfg.init_from:
@@ -189,14 +171,7 @@ def _training(cfg: ExperimentConfig, train_mesh: Any) -> _Training:
         )
         state = trainer.state_from_params(params, cfg.seed)
         logging.info("initial weights from %s", cfg.init_from)
-    ref_params = trainer.copy_params(state.params) if cfg.algorithm.kl_coef > 0 else None
-    critic = critic_state = None
-    if cfg.algorithm.advantage == "gae":
-        critic = critic_lib.make_critic_trainer(
-            model_cfg, critic_trainer_config(cfg, fsdp=fsdp), train_mesh, model_seed=cfg.seed
-        )
-        critic_state = critic.init_state(cfg.seed)
-    return _Training(model_cfg, tokenizer, trainer, state, ref_params, critic, critic_state)
+    return trainer, state
 
 
 def engine_config(cfg: ExperimentConfig, tokenizer: Tokenizer, slots: int) -> EngineConfig:
@@ -226,7 +201,7 @@ def _generation_parts(
     cfg: ExperimentConfig,
     model_cfg: model_config.ModelConfig,
     tokenizer: Tokenizer,
-    generate_mesh: Any,
+    generate_mesh: Mesh,
 ) -> GenerationParts:
     """Instance meshes, engine configs and weight shardings of the generation side."""
     gen_dtype = cfg.model.generate_dtype
@@ -244,8 +219,14 @@ def _generation_parts(
     )
 
 
-def build(cfg: ExperimentConfig, devices: list[jax.Device] | None = None) -> Components:
-    """Creates every component of a one-process run; the caller must `close()` it."""
+def build(
+    cfg: ExperimentConfig,
+    devices: list[jax.Device] | None = None,
+    *,
+    reward_fn: RewardFn | None = None,
+) -> Components:
+    """Creates every component of a one-process run. `reward_fn` replaces the task's
+    reward (tests, custom rewards): it runs inline unless `data.reward_sandbox="process"`."""
     # Datasets first: a bad file fails before any device memory or thread exists.
     eval_set, train_set = datasets.datasets(cfg)
     meshes = make_meshes(cfg, devices)
@@ -256,20 +237,23 @@ def build(cfg: ExperimentConfig, devices: list[jax.Device] | None = None) -> Com
         dict(meshes.generate.shape),
         [d.id for d in meshes.generate.devices.flat],
     )
-    return _components(cfg, meshes, train_set, eval_set)
+    return _components(cfg, meshes, train_set, eval_set, reward_fn=reward_fn)
 
 
 def build_training(
     cfg: ExperimentConfig,
     devices: Sequence[jax.Device],
     make_weight_sync: MakeWeightSync,
+    *,
     processes: int = 1,
+    held_out: bool = True,
 ) -> Components:
     """The components of a training process: no generation service; W_0 goes out
     through `make_weight_sync(params, generate_dtype)` (it sends to the generation
     processes, which must be connected). With several training processes, `devices`
     holds every training process's devices (process by process) and the training mesh
-    spans them all."""
+    spans them all; `held_out=False`: this one scores no held-out prompts (the first
+    training process does)."""
     eval_set, train_set = datasets.datasets(cfg)
     meshes = role_meshes(cfg, devices, "training", processes)
     logging.info(
@@ -277,51 +261,72 @@ def build_training(
         dict(meshes.train.shape),
         [d.id for d in meshes.train.devices.flat],
     )
-    return _components(cfg, meshes, train_set, eval_set, make_weight_sync)
+    return _components(
+        cfg, meshes, train_set, eval_set, make_weight_sync=make_weight_sync, held_out=held_out
+    )
 
 
 def _components(
     cfg: ExperimentConfig,
     meshes: mesh_lib.Meshes,
-    train_set: Any,
-    eval_set: Any,
+    train_set: datasets.ProblemSet,
+    eval_set: datasets.ProblemSet,
+    *,
     make_weight_sync: MakeWeightSync | None = None,
+    reward_fn: RewardFn | None = None,
+    held_out: bool = True,
 ) -> Components:
     """Trainers, prompts and W_0 through the weight sync; the generation service on
     `meshes.generate` unless `make_weight_sync` sends the weights to other processes."""
-    t = _training(cfg, meshes.train)
-    prompts, eval_prompts = datasets.prompts(cfg, t.tokenizer, train_set, eval_set)
+    d = describe_model(cfg)
+    model_cfg, tokenizer = d.cfg, d.tokenizer
+    trainer, state = _training(cfg, d, meshes.train)
+    ref_params = trainer.copy_params(state.params) if cfg.algorithm.kl_coef > 0 else None
+    critic = critic_state = None
+    if cfg.algorithm.advantage == "gae":
+        fsdp = meshes.train.shape["fsdp"]
+        critic = critic_lib.make_critic_trainer(
+            model_cfg, critic_trainer_config(cfg, fsdp=fsdp), meshes.train, model_seed=cfg.seed
+        )
+        critic_state = critic.init_state(cfg.seed)
+    prompts, eval_prompts = datasets.prompts(cfg, tokenizer, train_set, eval_set)
     parts = None
     if make_weight_sync is None:
-        parts = _generation_parts(cfg, t.model_cfg, t.tokenizer, meshes.generate)
+        parts = _generation_parts(cfg, model_cfg, tokenizer, meshes.generate)
         weight_sync = WeightSync(parts.model_cfg.jnp_param_dtype, place_on(parts.param_shardings))
     else:
-        dtype = t.model_cfg.replace(param_dtype=cfg.model.generate_dtype).jnp_param_dtype
-        weight_sync = make_weight_sync(t.state.params, dtype)
-    published, _ = weight_sync.transfer(t.state.params, version=0)
+        dtype = model_cfg.replace(param_dtype=cfg.model.generate_dtype).jnp_param_dtype
+        weight_sync = make_weight_sync(state.params, dtype)
+    published, _ = weight_sync.transfer(state.params, version=0)
+    sandbox = datasets.reward_sandbox(cfg)
+    if reward_fn is not None and cfg.data.reward_sandbox != "process":
+        sandbox = None  # the caller's own function: inline unless asked otherwise
     return Components(
         meshes=meshes,
-        model_cfg=t.model_cfg,
-        tokenizer=t.tokenizer,
-        trainer=t.trainer,
-        state=t.state,
-        ref_params=t.ref_params,
-        critic=t.critic,
-        critic_state=t.critic_state,
+        model_cfg=model_cfg,
+        tokenizer=tokenizer,
+        trainer=trainer,
+        state=state,
+        ref_params=ref_params,
+        critic=critic,
+        critic_state=critic_state,
         generation=parts,
         weight_sync=weight_sync,
         initial_weights=published,
-        reward_fn=datasets.reward_fn(cfg, train_set),
-        reward_sandbox=datasets.reward_sandbox(cfg),
+        reward_fn=reward_fn or datasets.reward_fn(cfg, train_set),
+        reward_sandbox=sandbox,
         prompts=prompts,
-        eval_prompts=eval_prompts,
+        eval_prompts=eval_prompts if held_out else [],
     )
 
 
-def build_generation(cfg: ExperimentConfig, devices: Sequence[jax.Device]) -> GenerationSide:
-    """The generation side of a generation process; its service is made once W_0 has
-    arrived (`GenerationSide.parts.service`). Reads the model's config and tokenizer
-    only: the weights come from the trainer."""
+def build_generation(
+    cfg: ExperimentConfig, devices: Sequence[jax.Device]
+) -> tuple[GenerationParts, PromptPipeline, list[Prompt]]:
+    """The generation side of a generation process: its instances (the service is made
+    once W_0 has arrived, `GenerationParts.service`), the seeded prompt pipeline and the
+    held-out prompts. Reads the model's config and tokenizer only: the weights come
+    from the trainer."""
     eval_set, train_set = datasets.datasets(cfg)
     meshes = role_meshes(cfg, devices, "generation")
     logging.info(
@@ -330,13 +335,6 @@ def build_generation(cfg: ExperimentConfig, devices: Sequence[jax.Device]) -> Ge
         [d.id for d in meshes.generate.devices.flat],
     )
     d = describe_model(cfg)
-    model_cfg, tokenizer = d.cfg, d.tokenizer
-    parts = _generation_parts(cfg, model_cfg, tokenizer, meshes.generate)
-    prompts, eval_prompts = datasets.prompts(cfg, tokenizer, train_set, eval_set)
-    return GenerationSide(
-        parts=parts,
-        tokenizer=tokenizer,
-        prompts=prompts,
-        eval_prompts=eval_prompts,
-        vocab_size=model_cfg.vocab_size,
-    )
+    parts = _generation_parts(cfg, d.cfg, d.tokenizer, meshes.generate)
+    prompts, eval_prompts = datasets.prompts(cfg, d.tokenizer, train_set, eval_set)
+    return parts, prompts, eval_prompts

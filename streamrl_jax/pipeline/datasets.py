@@ -8,7 +8,8 @@ excludes its questions.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import Protocol
 
 from streamrl_jax.config import ExperimentConfig, task_configs, task_names
 from streamrl_jax.data import Prompt, PromptPipeline, tokenize
@@ -16,10 +17,27 @@ from streamrl_jax.errors import UserError
 from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.rewards.base import RewardFn
 from streamrl_jax.rewards.sandbox import Limits
-from streamrl_jax.rewards.tasks import INLINE_SAFE_TASKS, TaskDataset
+from streamrl_jax.rewards.tasks import INLINE_SAFE_TASKS, Problem, TaskDataset
 
 
-def datasets(cfg: ExperimentConfig) -> tuple[Any, Any]:
+class ProblemSet(Protocol):
+    """A training or held-out set: reasoning-gym tasks (`TaskDataset`) or a JSONL file
+    (`JsonlDataset`), both `Sequence[Problem]`."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> Problem: ...
+
+    def __iter__(self) -> Iterator[Problem]: ...
+
+    def questions(self) -> set[str]:
+        """Every question's text (the training set excludes the held-out ones)."""
+
+    def reward_fn(self, *, format_bonus: float = 0.0) -> RewardFn:
+        """The scorer of this set's problems."""
+
+
+def datasets(cfg: ExperimentConfig) -> tuple[ProblemSet, ProblemSet]:
     """(eval set, train set): reasoning-gym tasks, or JSONL files (docs/datasets.md)."""
     d = cfg.data
     if d.jsonl_path:
@@ -46,7 +64,7 @@ def datasets(cfg: ExperimentConfig) -> tuple[Any, Any]:
 
 
 def prompts(
-    cfg: ExperimentConfig, tokenizer: Tokenizer, train_set: Any, eval_set: Any
+    cfg: ExperimentConfig, tokenizer: Tokenizer, train_set: ProblemSet, eval_set: ProblemSet
 ) -> tuple[PromptPipeline, list[Prompt]]:
     """The seeded training prompt pipeline and the held-out eval prompts."""
     d, g = cfg.data, cfg.generation
@@ -71,7 +89,7 @@ def prompts(
     return prompts, eval_prompts
 
 
-def reward_fn(cfg: ExperimentConfig, train_set: Any) -> RewardFn:
+def reward_fn(cfg: ExperimentConfig, train_set: ProblemSet) -> RewardFn:
     if cfg.data.reward == "vowels":
         from streamrl_jax.rewards.vowels import vowel_reward
 

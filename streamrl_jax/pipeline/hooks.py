@@ -1,16 +1,26 @@
 """Periodic actions of a run as hooks with an `every` (Levanter's `add_hook`).
 
-The trainer loop runs its hooks once per step boundary k (after the optimizer
-step of batch k-1): checkpoints every `checkpoint.every`, the online ranker
-refresh and the scheduling-decision log every step. The generation driver
-runs its own at each batch it submits: the held-out evaluation every
-`eval.every` batches (and at batch 0). A hook is never a branch inside a loop.
+Every periodic action of a run is registered here, once, at the top of the run
+(`trainer_hooks`, `generation_hooks`):
+
+* the trainer loop runs its hooks once per step boundary k (after the optimizer
+  step of batch k-1): checkpoints every `checkpoint.every`, the online ranker
+  refresh and the scheduling-decision log every step;
+* the generation driver runs its own after each batch it submits: the held-out
+  evaluation every `eval.every` batches (and at batch 0; `eval.every = 0`: at the
+  start only, and the final evaluation after the last batch).
+
+A hook is never a branch inside a loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
+
+from streamrl_jax.config import ExperimentConfig
+from streamrl_jax.scheduling.live import LiveScheduler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,3 +56,29 @@ class Hooks:
                 hook.fn(step)
                 ran.append(hook.name)
         return ran
+
+
+def trainer_hooks(
+    cfg: ExperimentConfig,
+    checkpoint: Callable[[int], None],
+    live: LiveScheduler,
+    workdir: str,
+) -> Hooks:
+    """The trainer's periodic work: `checkpoint(k)` every `checkpoint.every` steps, the
+    ranker refresh and the scheduling decisions (to `<workdir>/scheduling.jsonl`) every
+    step."""
+    hooks = Hooks()
+    hooks.add("checkpoint", cfg.checkpoint.every, checkpoint, at_zero=False)
+    hooks.add("ranker refresh", 1, live.refresh_async)
+    decisions = os.path.join(workdir, "scheduling.jsonl")
+    hooks.add("scheduling decisions", 1, lambda k: live.write_decisions(decisions))
+    return hooks
+
+
+def generation_hooks(cfg: ExperimentConfig, evaluate: Callable[[int], None]) -> Hooks:
+    """The generation driver's periodic work: `evaluate(b)` (the held-out prompts under
+    the loaded weights) every `eval.every` batches and at batch 0."""
+    hooks = Hooks()
+    if cfg.eval.num_problems > 0:
+        hooks.add("eval", cfg.eval.every or cfg.pipeline.steps, evaluate)
+    return hooks

@@ -5,10 +5,11 @@ finished sample (the local driver's collector thread, or a sample channel's
 reader thread in a training process):
 
 * **training samples**: decoded, logged to samples.jsonl (the ranker's data),
-  scored on the reward pool and put into the `SampleStream`, which releases
-  complete GRPO groups to the trainer. `done()` runs once the sample is in the
-  stream (or failed), so a channel's credit comes back only then: the stream's
-  back-pressure reaches the generation processes.
+  scored on the reward pool and handed to the rollout (`Rollout.scored`: into the
+  `SampleStream`, which releases complete GRPO groups to the trainer, or held until
+  its group is judged). `done()` runs once the rollout took it (or it failed), so a
+  channel's credit comes back only then: the stream's back-pressure reaches the
+  generation processes.
 * **evaluation samples** (tag `eval_version`): scored on the same pool; once
   every held-out prompt of a version is in, its accuracy / format / length are
   written as `eval/...` metrics at that policy version.
@@ -23,26 +24,23 @@ fails the run naming "reward function" (or scores 0 with
 from __future__ import annotations
 
 import collections
-import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import Future
 
 import numpy as np
 from absl import logging
 
-from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.generation.types import Sample
 from streamrl_jax.metrics import MetricsWriter, Tracer
 from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.pipeline.micro_batches import Scored
 from streamrl_jax.pipeline.step_metrics import GenerationMeter
 from streamrl_jax.pipeline.supervisor import Supervisor
-from streamrl_jax.rewards.base import RewardFn
+from streamrl_jax.rewards.base import RewardResult
 from streamrl_jax.rewards.pool import RewardPool
-from streamrl_jax.rewards.sandbox import Limits
 from streamrl_jax.scheduling.sample_log import SampleLog
-from streamrl_jax.stream.sample_stream import SampleStream, StreamError
+from streamrl_jax.stream.sample_stream import StreamError
 
 
 class Evaluations:
@@ -97,39 +95,36 @@ class Evaluations:
 
 
 class Ingest:
-    """Finished samples into rewards, the sample stream and the evaluations."""
+    """Finished samples into rewards, the rollout and the evaluations."""
 
     def __init__(
         self,
-        cfg: ExperimentConfig,
         tokenizer: Tokenizer,
-        reward_fn: RewardFn,
-        stream: SampleStream[Scored],
+        pool: RewardPool,
+        rollout: Callable[[Scored], None],
         evaluations: Evaluations,
         *,
         supervisor: Supervisor,
         meter: GenerationMeter,
         tracer: Tracer,
-        workdir: str,
-        sandbox: Limits | None = None,
-        dynamic: Any = None,
+        sample_log: SampleLog | None,
     ):
-        """`dynamic`: the run's `dynamic_sampling.DynamicSampler`: training samples go to
-        it (it puts the groups with reward variance into the stream); None: the stream."""
-        self.tokenizer, self.stream = tokenizer, stream
+        """Args:
+        tokenizer: decodes responses for the reward function.
+        pool: the reward workers.
+        rollout: where a scored training sample goes (`Rollout.scored`).
+        evaluations: where a scored held-out sample goes.
+        supervisor, meter, tracer: the run's failure latch and progress ticks, its
+          generation meter (each training sample widens its batch's span), its trace.
+        sample_log: samples.jsonl (`log.samples`; None: off).
+        """
+        self.tokenizer, self.pool, self.rollout = tokenizer, pool, rollout
         self.evaluations, self.supervisor, self.meter = evaluations, supervisor, meter
-        self.tracer, self.dynamic = tracer, dynamic
-        self.timeout = cfg.pipeline.timeout_s
-        self.sample_log = (
-            SampleLog(os.path.join(workdir, "samples.jsonl")) if cfg.log.samples else None
-        )
-        self.pool = RewardPool(
-            reward_fn, num_workers=2, on_error=cfg.data.reward_errors, sandbox=sandbox
-        )
+        self.tracer, self.sample_log = tracer, sample_log
 
     def on_sample(self, sample: Sample, done: Callable[[], None] | None = None) -> None:
-        """One finished sample (see the module docstring); `done()` runs once it is in
-        the stream, scored (evaluation) or failed."""
+        """One finished sample (see the module docstring); `done()` runs once the rollout
+        took it, it is scored (evaluation) or it failed."""
         text = self.tokenizer.decode(sample.response)
         if not sample.tag.is_eval:
             if self.sample_log is not None:
@@ -140,9 +135,14 @@ class Ingest:
         future.add_done_callback(lambda f, s=sample: self._scored(s, text, f, t0, done))
 
     def _scored(
-        self, sample: Sample, text: str, future: Any, t0: float, done: Callable[[], None] | None
+        self,
+        sample: Sample,
+        text: str,
+        future: Future[RewardResult],
+        t0: float,
+        done: Callable[[], None] | None,
     ) -> None:
-        """A reward pool's callback: the scored sample into the stream or the evaluations."""
+        """A reward pool's callback: the scored sample to the rollout or the evaluations."""
         try:
             reward = future.result()
             self.tracer.add("reward/pool", "score", t0, self.tracer.now())
@@ -150,10 +150,8 @@ class Ingest:
             scored = Scored(sample, text, reward)
             if sample.tag.is_eval:
                 self.evaluations.add(sample.tag.eval_version, scored)
-            elif self.dynamic is not None:
-                self.dynamic.add(scored)
             else:
-                self.stream.put(scored, timeout=self.timeout)
+                self.rollout(scored)
         except StreamError:
             pass  # the stream already carries the first failure
         except BaseException as e:  # noqa: BLE001 - reported to the supervisor

@@ -1,13 +1,11 @@
-"""Micro-batch selection: which complete groups the trainer takes next, packed for the device.
+"""Micro-batches: complete groups taken from the stream, packed for the device.
 
-* `GroupTaker` takes complete GRPO groups of batch b from the sample stream,
-  parking groups of later batches (stream_async may deliver them early).
-  Streaming modes train once `pipeline.min_groups` are ready (dynamic-batch
-  pipelining); batch modes wait for all of them; `pipeline.deterministic` takes
-  exactly the groups of each micro-batch in group order, members in member
-  order (a fixed summation order: bitwise-reproducible training). With several
-  training processes each takes its fixed slice of every micro-batch
-  (`shards.py`), so all make the same calls.
+* `Scored`: a finished sample with its text and reward; a `Group` is the scored
+  samples of one GRPO group.
+* `GroupTaker`: the ways a rollout (`rollouts/`) takes complete groups from the
+  sample stream: the next ones of a batch, exactly the indexed ones, or by key,
+  parking what it took early (stream_async may deliver a later batch's groups
+  first). Which groups a step's micro-batches hold is the rollout's decision.
 * `pack_groups` gates the groups (version contract), computes group-relative
   advantages over each complete group (so arrival order cannot change them;
   with `advantage="gae"` the critic fills them on the device instead) and
@@ -22,19 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable
 
 import jax
 import numpy as np
 
 from streamrl_jax import algorithms
 from streamrl_jax.algorithms.overlong import OverlongPenalty
-from streamrl_jax.config import PipelineSection
 from streamrl_jax.generation.types import Sample
-from streamrl_jax.pipeline.rollout import PartialRollout
-from streamrl_jax.pipeline.schedules import Schedule, VersionGate
-from streamrl_jax.pipeline.shards import TrainingGroup
+from streamrl_jax.pipeline.schedules import VersionGate
 from streamrl_jax.rewards.base import RewardResult
 from streamrl_jax.stream.sample_stream import SampleStream, StreamTimeout
 from streamrl_jax.trainer.batch import TrainBatch, make_batch
@@ -161,105 +155,34 @@ def _group_ids(groups: list[Group]) -> list[int]:
 
 
 class GroupTaker:
-    """Takes the groups of each micro-batch from the stream (see the module docstring)."""
+    """Takes complete groups from the sample stream for the rollouts' micro-batches,
+    parking groups taken early (of a later batch, or not wanted yet) for later.
 
-    def __init__(
-        self,
-        p: PipelineSection,
-        schedule: Schedule,
-        stream: SampleStream[Scored],
-        group: TrainingGroup | None,
-        timeout: float,
-        rollout: PartialRollout | None = None,
-        dynamic: Any = None,
-    ):
-        """`dynamic`: the run's `dynamic_sampling.DynamicSampler` (None: off)."""
-        self.p, self.schedule, self.stream = p, schedule, stream
-        self.group, self.timeout, self.rollout = group, timeout, rollout
-        self.dynamic = dynamic
+    Every take waits at most `timeout` for the stream (raising `StreamTimeout` naming
+    it), and raises the stream's `StreamError` once the run failed."""
+
+    def __init__(self, stream: SampleStream[Scored], timeout: float):
+        self.stream, self.timeout = stream, timeout
         self._parked: dict[int, list[Group]] = {}  # batch -> groups taken early
-        self._by_key: dict[tuple[int, int], Group] = {}  # partial rollout: taken early
+        self._by_key: dict[tuple[int, int], Group] = {}  # groups taken early, by key
 
-    def micro_batches(self, b: int, k: int) -> Iterator[list[Group]]:
-        """The groups of each micro-batch of mini-batch k of batch b, taken lazily (each
-        once the previous micro-batch is accumulated)."""
-        p = self.p
-        if self.rollout is not None:
-            yield from self._round(b)
-            return
-        if self.dynamic is not None:
-            yield from self._dynamic(b)
-            return
-        if self.group is not None:
-            own = self.group.own
-            for j in range(own.micro_batches()):
-                want = own.local_groups(k, j, self.group.index)
-                if p.deterministic:
-                    yield self._take_indexed(b, want)
-                else:
-                    yield self._take(b, len(want), len(want))
-            return
-        per_mini = p.prompts_per_step // p.mini_batches
-        remaining = per_mini
-        while remaining:
-            count = min(p.micro_batch_groups, remaining)
-            if p.deterministic:
-                first = k * per_mini + per_mini - remaining
-                groups = self._take_indexed(b, list(range(first, first + count)))
-            else:
-                groups = self._take(b, self.schedule.min_groups(p, remaining), count)
-            remaining -= len(groups)
-            yield groups
+    def take(self, batch: int, min_groups: int, max_groups: int) -> list[Group]:
+        """At least `min_groups` (at most `max_groups`) complete groups of `batch`, in
+        the order they completed."""
+        out = self._parked.pop(batch, [])
+        while len(out) < min_groups:
+            got = self.stream.get_groups(min_groups=1, max_groups=max_groups, timeout=self.timeout)
+            self._file(got, batch, out)
+        return self._trim(batch, out, max_groups)
 
-    def _round(self, b: int) -> Iterator[list[Group]]:
-        """Partial rollout: the groups that round b completed (of any batch), once it
-        closed; deterministic: in (batch, group) order, members in member order."""
-        want = self.rollout.wait_round(b, self.timeout)
-        p, i = self.p, 0
-        while i < len(want):
-            if p.deterministic:
-                keys = want[i : i + p.micro_batch_groups]
-            else:  # whichever are ready first (scored), at least min_groups of them
-                keys = self._ready(want[i:], min(p.min_groups, len(want) - i))
-                keys = keys[: p.micro_batch_groups]
-                want[i:] = keys + [k for k in want[i:] if k not in keys]
-            i += len(keys)
-            yield [sorted(self._key(k), key=lambda s: s.sample.tag.member) for k in keys]
-
-    def _dynamic(self, b: int) -> Iterator[list[Group]]:
-        """Dynamic sampling: the informative groups of batch b (skipped ones never enter
-        the stream), as many as the settled batch holds. Deterministic and batch modes
-        wait for the batch to settle and take its groups in index order; streaming takes
-        them as they come, at least `min_groups` at a time while more may come."""
-        p, taken = self.p, 0
-        order = None
-        if p.deterministic or not self.schedule.streaming:
-            order = self.dynamic.outcome(b).informative
-        while True:
-            target = len(order) if order is not None else self.dynamic.target(b)
-            remaining = (p.prompts_per_step if target is None else target) - taken
-            if remaining <= 0:
-                return
-            count = min(p.micro_batch_groups, remaining)
-            if p.deterministic:
-                groups = self._take_indexed(b, order[taken : taken + count])
-            elif target is not None:
-                groups = self._take(b, count, count)
-            else:
-                groups = self._take_unsettled(b, self.schedule.min_groups(p, remaining), count)
-                if not groups:
-                    continue  # settled meanwhile: the target is known now
-            taken += len(groups)
-            yield groups
-
-    def _take_unsettled(self, batch: int, min_groups: int, max_groups: int) -> list[Group]:
-        """Like `_take`, for a batch that may still settle with fewer groups: polls, and
-        returns what it has (possibly nothing) once the batch has settled."""
+    def take_until(
+        self, batch: int, min_groups: int, max_groups: int, done: Callable[[], bool]
+    ) -> list[Group]:
+        """Like `take`, for a batch that may end with fewer groups: polls, and returns
+        what it has (possibly nothing) once `done()`."""
         out = self._parked.pop(batch, [])
         deadline = time.monotonic() + self.timeout
-        while len(out) < min_groups:
-            if self.dynamic.target(batch) is not None:
-                break
+        while len(out) < min_groups and not done():
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(
@@ -275,6 +198,37 @@ class GroupTaker:
             self._file(got, batch, out)
         return self._trim(batch, out, max_groups)
 
+    def take_indexed(self, batch: int, want: list[int]) -> list[Group]:
+        """Exactly the groups `want` of `batch`, in that order, members in member order."""
+        have = {g[0].sample.tag.group: g for g in self._parked.pop(batch, [])}
+        while not all(i in have for i in want):
+            for group in self.stream.get_groups(min_groups=1, max_groups=1, timeout=self.timeout):
+                tag = group[0].sample.tag
+                if tag.batch == batch:
+                    have[tag.group] = group
+                else:
+                    self._parked.setdefault(tag.batch, []).append(group)
+        out = [by_member(have.pop(i)) for i in want]
+        if have:
+            self._parked[batch] = list(have.values())
+        return out
+
+    def ready(self, want: list[tuple[int, int]], at_least: int) -> list[tuple[int, int]]:
+        """The keys of `want` whose groups are taken, once at least `at_least` are."""
+        while sum(k in self._by_key for k in want) < at_least:
+            self._take_one()
+        return [k for k in want if k in self._by_key]
+
+    def key(self, key: tuple[int, int]) -> Group:
+        """The group `key` (batch, group index), members in member order."""
+        while key not in self._by_key:
+            self._take_one()
+        return by_member(self._by_key.pop(key))
+
+    def _take_one(self) -> None:
+        for group in self.stream.get_groups(min_groups=1, max_groups=1, timeout=self.timeout):
+            self._by_key[group_key(group[0])] = group
+
     def _file(self, groups: list[Group], batch: int, out: list[Group]) -> None:
         """Groups of `batch` into `out`, those of later batches parked."""
         for group in groups:
@@ -288,40 +242,10 @@ class GroupTaker:
             out = out[:max_groups]
         return out
 
-    def _ready(self, want: list[tuple[int, int]], at_least: int) -> list[tuple[int, int]]:
-        while sum(k in self._by_key for k in want) < at_least:
-            for group in self.stream.get_groups(min_groups=1, max_groups=1, timeout=self.timeout):
-                self._by_key[group_key(group[0])] = group
-        return [k for k in want if k in self._by_key]
 
-    def _key(self, key: tuple[int, int]) -> Group:
-        while key not in self._by_key:
-            for group in self.stream.get_groups(min_groups=1, max_groups=1, timeout=self.timeout):
-                self._by_key[group_key(group[0])] = group
-        return self._by_key.pop(key)
-
-    def _take(self, batch: int, min_groups: int, max_groups: int) -> list[Group]:
-        """Complete groups of `batch`, parking groups of later batches for later."""
-        out = self._parked.pop(batch, [])
-        while len(out) < min_groups:
-            got = self.stream.get_groups(min_groups=1, max_groups=max_groups, timeout=self.timeout)
-            self._file(got, batch, out)
-        return self._trim(batch, out, max_groups)
-
-    def _take_indexed(self, batch: int, want: list[int]) -> list[Group]:
-        """Exactly the groups `want` of `batch`, in that order, members in member order."""
-        have = {g[0].sample.tag.group: g for g in self._parked.pop(batch, [])}
-        while not all(i in have for i in want):
-            for group in self.stream.get_groups(min_groups=1, max_groups=1, timeout=self.timeout):
-                tag = group[0].sample.tag
-                if tag.batch == batch:
-                    have[tag.group] = group
-                else:
-                    self._parked.setdefault(tag.batch, []).append(group)
-        out = [sorted(have.pop(i), key=lambda s: s.sample.tag.member) for i in want]
-        if have:
-            self._parked[batch] = list(have.values())
-        return out
+def by_member(group: Group) -> Group:
+    """A group's members in member order (a fixed summation order)."""
+    return sorted(group, key=lambda s: s.sample.tag.member)
 
 
 def check_prompts(groups: list[Group], drawn: dict[int, list[str]]) -> None:

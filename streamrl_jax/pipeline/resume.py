@@ -15,15 +15,15 @@
 * **restore()** puts all of that back: the states into this run's trainer
   shardings (any mesh shape), the generation weights onto every generation
   instance (republished on the board under their versions), the prompt
-  iterator at batch k; the driver and trainer then start at batch k and the
-  untrained batches are regenerated bit for bit (a sample depends only on
-  weights, prompt and per-sample seed).
+  iterator at batch k, the rollout's state; the driver and trainer then start at
+  batch k and the untrained batches are regenerated bit for bit (a sample depends
+  only on weights, prompt and per-sample seed).
 * **consumed.jsonl** in the workdir records the prompt ids each trained step
   consumed; a resume truncates it to the restored steps, so every prompt
   appears once per epoch however often the run was killed
   (`tools/fault_drill.py` checks it).
 
-The ranker (scheduling) is saved when one is attached; it changes where and
+The ranker (scheduling) is saved when the run has one; it changes where and
 when a request runs, never its sample, so it does not affect exactness.
 """
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import threading
 from typing import Any
 
 import jax
@@ -43,8 +42,10 @@ from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.errors import UserError
 from streamrl_jax.generation.types import Sample
 from streamrl_jax.pipeline.components import Components
-from streamrl_jax.pipeline.rollout import PartialRollout
+from streamrl_jax.pipeline.prompts import PromptSource
+from streamrl_jax.pipeline.rollouts import Rollout
 from streamrl_jax.pipeline.schedules import Schedule, WeightBoard
+from streamrl_jax.scheduling.ranker import Ranker
 from streamrl_jax.weight_sync import Published
 
 CONSUMED = "consumed.jsonl"
@@ -62,8 +63,8 @@ class ResumePoint:
       prompts: the prompt iterator's state at the start of `batch` (already set on
         this process's iterator; a multi-controller run hands it to its generation
         processes).
-      carried: partial rollout: the finished members of incomplete groups, to hand to
-        ingest again (the paused samples are back in the `PartialRollout`).
+      carried: finished samples the rollout hands to ingest again (partial rollout: the
+        finished members of incomplete groups; its paused samples are back in it).
     """
 
     batch: int
@@ -72,6 +73,15 @@ class ResumePoint:
     step: int
     prompts: dict[str, Any] = dataclasses.field(default_factory=dict)
     carried: list[Sample] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def fresh(cls) -> ResumePoint:
+        """A run that starts at batch 0 (no checkpoint)."""
+        return cls(batch=0, gen_weights={}, expected_ids={}, step=0)
+
+    @property
+    def resumed(self) -> bool:
+        return self.batch > 0 or bool(self.gen_weights)
 
 
 class ResumeMismatch(UserError):
@@ -91,9 +101,11 @@ def run_identity(cfg: ExperimentConfig) -> dict[str, Any]:
         "mini_batches": p.mini_batches,
         "weight_update": p.weight_update,
         "max_lag": p.max_lag,
+        "rollout": p.rollout,
         "partial_budget_tokens": p.partial_budget_tokens,
         "lag_policy": p.lag_policy,
-        "dynamic_sampling": p.dynamic_sampling,
+        # Before pipeline.rollout, dynamic sampling had a switch of its own.
+        "dynamic_sampling": p.rollout.endswith("dynamic_sampling"),
         "dynamic_sampling_max_draws": p.dynamic_sampling_max_draws,
         "data.tasks": d.tasks,
         "data.task_config": d.task_config,
@@ -107,11 +119,10 @@ def run_identity(cfg: ExperimentConfig) -> dict[str, Any]:
 
 
 class RunCheckpoints:
-    """Checkpoints of one run in `<workdir>/checkpoints` (see the module docstring).
+    """Checkpoints of one run in `directory` (see the module docstring).
 
-    A multi-controller run's training processes pass `directory` (the run's one
-    checkpoint directory: a process other than the first keeps its logs apart) and
-    `processes` (the training processes, orbax's active set: each saves its own shards).
+    A multi-controller run's training processes all save into the run's one directory
+    (`processes`: the training processes, orbax's active set: each saves its own shards).
     """
 
     def __init__(
@@ -119,16 +130,26 @@ class RunCheckpoints:
         cfg: ExperimentConfig,
         c: Components,
         workdir: str,
-        sched: Schedule,
-        rollout: PartialRollout | None = None,
         *,
-        directory: str | None = None,
-        processes: tuple[int, ...] | None = None,
+        directory: str,
+        processes: tuple[int, ...] | None,
+        schedule: Schedule,
+        prompts: PromptSource,
+        rollout: Rollout,
+        ranker: Ranker | None,
     ):
-        self.cfg, self.c, self.workdir, self.sched = cfg, c, workdir, sched
-        self.rollout = rollout
+        """Args:
+        cfg, c: the run's config and components (their states are what is saved).
+        workdir: where consumed.jsonl is kept.
+        directory, processes: the checkpoint directory and orbax's active set (None: this
+          process alone).
+        schedule: g(k): which generation weights a checkpoint keeps.
+        prompts, rollout, ranker: whose state a checkpoint saves and a resume restores.
+        """
+        self.cfg, self.c, self.workdir, self.sched = cfg, c, workdir, schedule
+        self.prompts, self.rollout, self.ranker = prompts, rollout, ranker
         ck = cfg.checkpoint
-        self.directory = directory or os.path.join(workdir, "checkpoints")
+        self.directory = directory
         self.enabled = ck.every > 0
         self.ckpt: ckpt_lib.Checkpointer | None = None
         if self.enabled or os.path.isdir(self.directory):
@@ -141,43 +162,7 @@ class RunCheckpoints:
                 timeout_s=cfg.pipeline.timeout_s,
                 processes=processes,
             )
-        self._lock = threading.Lock()
-        self._prompt_state: dict[int, dict[str, Any]] = {}  # batch -> iterator state before it
-        self._batch_ids: dict[int, list[str]] = {}  # batch -> prompt ids drawn for it
         self.saved: list[int] = []
-        self.ranker: Any = None  # object with state() / load_state(), when attached
-
-    # ------------------------------------------------------------------ driver hooks
-    def draw(self, batch: int, n: int) -> list[Any]:
-        """The driver's `next_prompts` for `batch`, recording the iterator state before it."""
-        with self._lock:
-            self._prompt_state[batch] = self.c.prompts.get_state()
-            prompts = self.c.prompts.next_prompts(n)
-            self._batch_ids[batch] = [p.problem.prompt_id for p in prompts]
-        return prompts
-
-    def preview(self, batches: range, n: int) -> dict[int, list[int]]:
-        """The prompt lengths (n per batch) the next draws, of `batches` in order, will
-        give, without drawing them: the iterator's state is put back (`pipeline.precompile`
-        plans from it before anything is drawn)."""
-        with self._lock:
-            state = self.c.prompts.get_state()
-            try:
-                return {b: [len(q.tokens) for q in self.c.prompts.next_prompts(n)] for b in batches}
-            finally:
-                self.c.prompts.set_state(state)
-
-    def draw_more(self, batch: int, n: int) -> list[Any]:
-        """Dynamic sampling's replacement prompts for `batch`: drawn after the batch's
-        own (and earlier refills), appended to its recorded ids."""
-        with self._lock:
-            prompts = self.c.prompts.next_prompts(n)
-            self._batch_ids.setdefault(batch, []).extend(p.problem.prompt_id for p in prompts)
-        return prompts
-
-    def prompt_ids(self, batch: int) -> list[str]:
-        with self._lock:
-            return list(self._batch_ids.get(batch, []))
 
     # ------------------------------------------------------------------ save
     def due(self, k: int, force: bool = False) -> bool:
@@ -196,15 +181,9 @@ class RunCheckpoints:
                     f"checkpoint {k}: generation weights W_{v} are no longer on the weight board"
                 )
             gen[str(v)] = published[0].params
-        with self._lock:
-            # The iterator state before batch k: recorded if the driver already drew
-            # batch k, else the current one (the driver has drawn exactly batches < k).
-            prompts = self._prompt_state.get(k) or self.c.prompts.get_state()
-            in_flight = {str(b): ids for b, ids in self._batch_ids.items() if b >= k}
-            for b in [b for b in self._prompt_state if b < k]:
-                del self._prompt_state[b]
-            for b in [b for b in self._batch_ids if b < k]:
-                del self._batch_ids[b]
+        prompts = self.prompts.state_at(k)
+        in_flight = {str(b): ids for b, ids in self.prompts.drawn_from(k).items()}
+        self.prompts.forget_below(k)
         metadata = {
             "next_batch": k,
             "run_seed": self.cfg.seed,
@@ -216,9 +195,9 @@ class RunCheckpoints:
             "prompts": prompts,
             "in_flight": in_flight,
             "consumed": k * self.cfg.pipeline.prompts_per_step,
-            # Partial rollout: the work carried into round k (paused samples, finished
-            # members of incomplete groups), continued by the resumed run.
-            "rollout": self.rollout.snapshot(k) if self.rollout is not None else None,
+            # The rollout's work carried across boundary k (partial rollout: paused
+            # samples, finished members of incomplete groups), continued by the resumed run.
+            "rollout": self.rollout.state(k),
             # The KL reference never changes: a pointer to where it is reloaded from.
             "ref": {"init_from": self.cfg.init_from, "model_source": self.cfg.model.source},
             "config": str(self.cfg),
@@ -259,13 +238,15 @@ class RunCheckpoints:
         os.replace(path + ".tmp", path)
 
     # ------------------------------------------------------------------ restore
-    def restore(self) -> ResumePoint | None:
-        """Restores the newest complete checkpoint into the components; None if there is
-        none. A checkpoint that does not read back (corrupt, truncated) is skipped with a
+    def restore(self) -> ResumePoint:
+        """Restores the newest complete checkpoint into the components
+        (`ResumePoint.fresh()` when there is none: the rollout starts at batch 0). A
+        checkpoint that does not read back (corrupt, truncated) is skipped with a
         warning naming it and the older one tried next; a run whose schedule or data
         differ from the checkpoint's is refused (`ResumeMismatch`), never skipped."""
         if self.ckpt is None or self.ckpt.latest_step() is None:
-            return None
+            self.rollout.restore(0, {})
+            return ResumePoint.fresh()
         steps = sorted(self.ckpt.all_steps(), reverse=True)
         first: BaseException | None = None
         for i, step in enumerate(steps):
@@ -325,11 +306,10 @@ class RunCheckpoints:
         for v in versions:
             tree = r.extra["gen_weights"][str(v)]
             gen[v] = [Published(jax.device_put(tree, dst), v) for dst in dests]
-        self.c.prompts.set_state(meta["prompts"])
         k = int(meta["next_batch"])
-        carried = []
-        if self.rollout is not None:
-            carried = self.rollout.restore(k, meta.get("rollout") or {})
+        expected = {int(b): ids for b, ids in meta.get("in_flight", {}).items()}
+        self.prompts.restore(meta["prompts"], expected)
+        carried = self.rollout.restore(k, meta.get("rollout") or {})
         self._truncate_consumed(k)
         logging.info(
             "resumed from checkpoint %d (%s): next batch %d, generation versions %s",
@@ -341,7 +321,7 @@ class RunCheckpoints:
         return ResumePoint(
             batch=k,
             gen_weights=gen,
-            expected_ids={int(b): ids for b, ids in meta.get("in_flight", {}).items()},
+            expected_ids=expected,
             step=step,
             prompts=meta["prompts"],
             carried=carried,

@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from streamrl_jax.config import PipelineSection
 from streamrl_jax.trainer.batch import TrainBatch
 
 
@@ -77,6 +78,60 @@ class Ownership:
         return list(range(first + process * share, first + (process + 1) * share))
 
 
+def ownership(p: PipelineSection, training_processes: int) -> Ownership:
+    """Which training process trains which group of the run's batches; ValueError if the
+    processes cannot split every micro-batch equally."""
+    return Ownership(training_processes, p.prompts_per_step // p.mini_batches, p.micro_batch_groups)
+
+
+class TrainerShare(Protocol):
+    """This process's share of the training: which groups of every micro-batch it feeds,
+    and the values all training processes agree on (`Alone`: one training process;
+    `TrainingGroup`: several)."""
+
+    count: int  # training processes
+    own: Ownership
+
+    def owned(self, mini: int, j: int) -> list[int]:
+        """Group indices (in order) this process feeds to micro-batch j of mini-batch
+        `mini` (the deterministic split)."""
+
+    def agree(
+        self, batch: TrainBatch | None, pad_id: int, buckets: Sequence[int]
+    ) -> TrainBatch | None:
+        """This process's rows of a micro-batch in the shape all processes agreed on."""
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sums over the training processes."""
+
+    def max(self, values: Sequence[int]) -> list[int]:
+        """Element-wise maxima over the training processes."""
+
+
+class Alone:
+    """One training process: it owns every group, and agrees with itself."""
+
+    count = 1
+
+    def __init__(self, ownership: Ownership):
+        self.own = ownership
+
+    def owned(self, mini: int, j: int) -> list[int]:
+        return self.own.local_groups(mini, j, 0)
+
+    def agree(
+        self, batch: TrainBatch | None, pad_id: int, buckets: Sequence[int]
+    ) -> TrainBatch | None:
+        del pad_id, buckets
+        return batch
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        return [float(v) for v in values]
+
+    def max(self, values: Sequence[int]) -> list[int]:
+        return [int(v) for v in values]
+
+
 class TrainingGroup:
     """The training processes' collectives: shape agreement, sums and maxima."""
 
@@ -96,6 +151,9 @@ class TrainingGroup:
     @property
     def count(self) -> int:
         return self.own.count
+
+    def owned(self, mini: int, j: int) -> list[int]:
+        return self.own.local_groups(mini, j, self.index)
 
     def _global(self, rows: np.ndarray) -> jax.Array:
         """[fsdp / T, k] rows of this process -> a [fsdp, k] array over the training mesh."""

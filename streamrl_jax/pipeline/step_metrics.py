@@ -5,12 +5,17 @@
   seconds per instance and a trace span; every training sample widens its
   batch's generation span (first admission to last completion: the elastic
   rule's T_gen).
+* `StepWork` / `StepClock`: what one step gathers while it trains (per-sample
+  statistics, micro-batches, device metrics, busy seconds, prompts) and its clocks
+  (wall, CPU, the trainer thread's compiling, the stream's waits), read into the
+  step's row at its end.
 * `StepMeter`: one row per trained step. Sample statistics (reward, accuracy,
   format, lengths, truncation, staleness, stale drops) are summed over every
   training process's share; pipeline figures (step time, train/gen busy
   fractions, stream waits, weight-sync seconds, throughput) come from the loop;
-  device metrics of the optimizer steps (loss terms, norms, lr, ...) are
-  fetched one step late, so the fetch never stalls the device.
+  the rollout adds its own (`Rollout.finish`); device metrics of the optimizer
+  steps (loss terms, norms, lr, ...) are fetched one step late, so the fetch never
+  stalls the device.
 * `RunResult`: what a finished run hands back (its rows, evaluations, state).
 """
 
@@ -19,14 +24,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
 from streamrl_jax.generation.types import ChunkReport, Sample
-from streamrl_jax.metrics import MetricsWriter, Tracer
-from streamrl_jax.pipeline.shards import TrainingGroup, host
+from streamrl_jax.metrics import MetricsWriter, Tracer, compile_seconds
+from streamrl_jax.pipeline.shards import TrainerShare, host
+from streamrl_jax.stream.sample_stream import StreamMetrics
 
 # metric -> the per-sample list in a step's `stats` it is the mean of
 SAMPLE_MEANS = {
@@ -43,7 +51,7 @@ SAMPLE_MEANS = {
 class GenerationMeter:
     """Generation busy time per instance and generation span per batch (thread-safe)."""
 
-    def __init__(self, tracer: Tracer, tick: Any):
+    def __init__(self, tracer: Tracer, tick: Callable[[str], None]):
         self._tracer, self._tick = tracer, tick
         self._lock = threading.Lock()
         # (t0, t1) wall intervals of recent chunks, all instances, for `busy_between`
@@ -90,8 +98,61 @@ class GenerationMeter:
         return last - first
 
 
+@dataclasses.dataclass
+class StepWork:
+    """What one step gathers while it trains."""
+
+    stats: dict[str, list] = dataclasses.field(
+        default_factory=lambda: collections.defaultdict(list)
+    )
+    micro: int = 0  # micro-batches accumulated
+    applied: int = 0  # of them, those an optimizer step has taken
+    device: list[dict[str, jax.Array]] = dataclasses.field(default_factory=list)  # per apply
+    busy_s: float = 0.0  # seconds of accumulate compute
+    prompt_ids: list[str] = dataclasses.field(default_factory=list)  # trained groups' prompts
+
+
+@dataclasses.dataclass(frozen=True)
+class StepClock:
+    """A step's clocks at its start; `figures` reads them at its end."""
+
+    perf: float  # time.perf_counter()
+    wall: float  # time.time(): chunk reports carry wall times
+    cpu: float  # time.process_time()
+    compile: float  # the trainer thread's compile seconds
+    waits: StreamMetrics  # the sample stream's counters
+
+    @classmethod
+    def start(cls, stream_metrics: StreamMetrics) -> StepClock:
+        return cls(
+            perf=time.perf_counter(),
+            wall=time.time(),
+            cpu=time.process_time(),
+            compile=compile_seconds(this_thread=True),
+            waits=dataclasses.replace(stream_metrics),
+        )
+
+    def figures(self, stream_metrics: StreamMetrics) -> dict[str, float]:
+        """The step's time figures so far."""
+        m = stream_metrics
+        return {
+            "step_s": max(time.perf_counter() - self.perf, 1e-9),
+            # CPU seconds of this process (every thread: trainer, scoring, ingest, weight
+            # sync) within the step: a process pinned to one core cannot do a step's
+            # work faster (tools/bench_pipeline.py --processes).
+            "process_cpu_s": time.process_time() - self.cpu,
+            # The trainer's own tracing and compiling within the step (new micro-batch
+            # shapes): not steady state (tools/bench_pipeline.py).
+            "compile_s": compile_seconds(this_thread=True) - self.compile,
+            # Trainer blocked waiting for complete groups / reward threads blocked on
+            # back-pressure, seconds within this step.
+            "stream_wait_s": m.consumer_wait_s - self.waits.consumer_wait_s,
+            "stream_backpressure_s": m.producer_wait_s - self.waits.producer_wait_s,
+        }
+
+
 def sample_stats(
-    batch: int, stats: dict[str, list], dropped: int, group: TrainingGroup | None
+    batch: int, stats: dict[str, list], dropped: int, trainers: TrainerShare
 ) -> tuple[dict[str, float], int]:
     """The step's sample statistics over every training process's share, and the
     number of samples trained.
@@ -101,15 +162,14 @@ def sample_stats(
       stats: per-sample lists (reward, correct, format_ok, length, truncated, versions:
         the oldest token's version, spans).
       dropped: stale samples dropped so far (the version gate's count).
-      group: the training processes to sum over (None: this process alone).
+      trainers: the training processes to sum over.
     """
     sums = [float(np.sum(stats[k])) for k in SAMPLE_MEANS.values()]
     sums += [float(np.sum([batch - v for v in stats["versions"]])), float(dropped)]
     sums.append(float(len(stats["reward"])))
     longest = max(stats["length"], default=0)
     lag = max([batch - v for v in stats["versions"]], default=0)
-    if group is not None:
-        sums, (longest, lag) = group.sum(sums), group.max([longest, lag])
+    sums, (longest, lag) = trainers.sum(sums), trainers.max([longest, lag])
     *totals, staleness, dropped_total, n = sums
     mean = lambda x: x / n if n else float("nan")
     out = {k: mean(x) for k, x in zip(SAMPLE_MEANS, totals, strict=True)}

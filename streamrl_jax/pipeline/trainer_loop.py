@@ -3,18 +3,20 @@
 For step b = start .. steps-1 (the calling thread):
 
 1. For each of the `pipeline.mini_batches` mini-batches (PPO mini-batches by
-   group count; 1 by default), take each micro-batch's complete groups
-   (`micro_batches.GroupTaker`: streaming modes as soon as `min_groups` are
-   ready, batch modes once all are), gate, pack and place them on the training
-   mesh; reference log-probs when `kl_coef > 0`; with the critic
-   (`algorithm.advantage="gae"`) its values and per-sample GAE advantages; then
-   accumulate the gradients (the critic's too) into the donated accumulator.
-2. Apply the optimizer step(s) at the mini-batch boundary; W_{b+1} goes to the
-   generation side through the weight sync (on its background thread in
-   stream_async, so the copy overlaps the next step) and onto the weight board.
-3. Write the step's row (`step_metrics`) and run the step hooks: checkpoint
-   every `checkpoint.every`, the online ranker refresh and the scheduling
-   decision log every step.
+   group count; 1 by default), the rollout's micro-batches of complete groups
+   (`Rollout.micro_batches`: which groups, and when), gated, packed and placed on
+   the training mesh; reference log-probs when `kl_coef > 0`; with the critic
+   (`algorithm.advantage="gae"`) its values and per-sample GAE advantages; then the
+   gradients (the critic's too) are added into the donated accumulator.
+2. The optimizer step(s) at each mini-batch boundary that accumulated anything;
+   the rollout's end of the step (`Rollout.finish`: its metrics, the prompts it
+   consumed without training); W_{b+1} goes to the generation side through the
+   weight sync (on its background thread in stream_async, so the copy overlaps the
+   next step) and onto the weight board, whether or not an update was applied
+   (versions count steps).
+3. The step's row (`step_metrics`) and the trainer's periodic work
+   (`hooks.trainer_hooks`: checkpoints, the online ranker refresh, the scheduling
+   decisions).
 
 DESIGN.md §2: versions count batches, so W_{b+1} is published once per batch,
 after its last mini-batch step. With one mini-batch, stream_sync computes the
@@ -24,91 +26,48 @@ same update as disaggregated_batch up to float summation order
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import os
 import time
-from typing import Any
 
 import jax
 import numpy as np
 from absl import logging
 
 from streamrl_jax.algorithms.overlong import OverlongPenalty
-from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.metrics import Progress, compile_seconds
 from streamrl_jax.pipeline import micro_batches, precompile
-from streamrl_jax.pipeline.components import Components
+from streamrl_jax.pipeline.generation import Generation
 from streamrl_jax.pipeline.hooks import Hooks
+from streamrl_jax.pipeline.micro_batches import Group
 from streamrl_jax.pipeline.parts import RunParts
+from streamrl_jax.pipeline.rollouts import StepOutcome
 from streamrl_jax.pipeline.schedules import VersionGate
-from streamrl_jax.pipeline.shards import TrainingGroup, host, pad_batch
-from streamrl_jax.pipeline.step_metrics import StepMeter, sample_stats
+from streamrl_jax.pipeline.shards import host, pad_batch
+from streamrl_jax.pipeline.step_metrics import StepClock, StepMeter, StepWork, sample_stats
 from streamrl_jax.pipeline.supervisor import PipelineError
 from streamrl_jax.trainer.batch import TrainBatch
+from streamrl_jax.trainer.state import GradAccumulator
 from streamrl_jax.trainer.step import NonFiniteError
-
-
-@dataclasses.dataclass
-class _Step:
-    """What one step gathers while it trains."""
-
-    stats: dict[str, list] = dataclasses.field(
-        default_factory=lambda: collections.defaultdict(list)
-    )
-    micro: int = 0  # micro-batches accumulated
-    device: list[dict[str, jax.Array]] = dataclasses.field(default_factory=list)  # per apply
-    busy_s: float = 0.0  # seconds of accumulate compute
-    prompt_ids: list[str] = dataclasses.field(default_factory=list)
 
 
 class TrainerLoop:
     """The trainer side of a run (see the module docstring)."""
 
-    def __init__(
-        self,
-        cfg: ExperimentConfig,
-        c: Components,
-        parts: RunParts,
-        *,
-        start: int,
-        workdir: str,
-        group: TrainingGroup | None,
-        num_instances: int,
-        check_prompts: bool,
-    ):
+    def __init__(self, parts: RunParts, generation: Generation, start: int):
         """Args:
-        cfg, c, parts: the run's config, components and shared parts.
+        parts: the run's shared objects.
+        generation: where the samples come from (its instances, for `gen_busy`; a
+          training process of several checks each group against its own draws).
         start: the first batch (a resumed run's checkpoint step).
-        workdir: where the scheduling decisions are logged.
-        group: the training processes of a multi-controller run (None: this one alone).
-        num_instances: generation instances over all processes (for `gen_busy`).
-        check_prompts: several processes: check each group's prompt against this
-          process's own draw of the batch (the seeded pipelines stay in step).
         """
-        self.cfg, self.c = cfg, c
-        self.stream, self.board, self.ckpts = parts.stream, parts.board, parts.ckpts
-        self.live, self.supervisor, self.tracer = parts.live, parts.supervisor, parts.tracer
-        self.meter, self.schedule, self.rewards = parts.meter, parts.schedule, parts.ingest.pool
+        self.parts, self.generation = parts, generation
+        self.cfg, self.c = parts.cfg, parts.components
+        self.rollout, self.trainers = parts.rollout, parts.trainers.share
         self.steps = StepMeter(parts.writer, start)
-        self.group, self.num_instances, self.check_prompts = group, num_instances, check_prompts
-        self._drawn: dict[int, list[str]] = {}  # batch -> its prompt ids (check_prompts)
-        p = cfg.pipeline
+        p = self.cfg.pipeline
         self.timeout = p.timeout_s
-        self.gate = VersionGate(self.schedule, strict=p.strict_versions)
-        self.overlong = OverlongPenalty.from_config(cfg)
-        self.rollout = parts.rollout
-        self.dynamic = parts.dynamic
-        self.taker = micro_batches.GroupTaker(
-            p,
-            self.schedule,
-            self.stream,
-            group,
-            self.timeout,
-            rollout=self.rollout,
-            dynamic=self.dynamic,
-        )
-        self._one = c.trainer.scalar(1.0)  # the micro-batch normaliser, on the training mesh
+        self.gate = VersionGate(parts.schedule, strict=p.strict_versions)
+        self.overlong = OverlongPenalty.from_config(self.cfg)
+        self._one = self.c.trainer.scalar(1.0)  # the micro-batch normaliser, on the training mesh
         # pipeline.precompile: seconds before the first step, until a row reports them
         self.precompile_s: float | None = None
         if p.precompile:
@@ -116,148 +75,111 @@ class TrainerLoop:
         compile_seconds()  # starts counting (the build's compilations are not a step's)
         self.trained = start  # batches trained so far (the next checkpoint's step)
         self.at_boundary = True  # the state is W_trained (no mini-batch step of a batch yet)
-        self._acc = c.trainer.init_accumulator()
-        self._critic_acc = c.critic.init_accumulator() if c.critic is not None else None
-        self.hooks = Hooks()
-        self.hooks.add("checkpoint", cfg.checkpoint.every, self.checkpoint, at_zero=False)
-        self.hooks.add("ranker refresh", 1, self.live.refresh_async)
-        decisions = os.path.join(workdir, "scheduling.jsonl")
-        self.hooks.add("scheduling decisions", 1, lambda k: self.live.write_decisions(decisions))
+        self._acc = self.c.trainer.init_accumulator()
+        self._critic_acc = self.c.critic.init_accumulator() if self.c.critic else None
 
     # ------------------------------------------------------------------ loop
-    def run(self, progress: Progress) -> bool:
-        """Trains to the last step; True when a shutdown request stopped it at a step
-        boundary (one process polls the flag after each step: the watchdog's interrupt
-        alone comes up to a second late, after which a short run may have ended)."""
+    def run(self, progress: Progress, hooks: Hooks) -> bool:
+        """Trains to the last step, running `hooks` at every step boundary; True when a
+        shutdown request stopped it at a step boundary (one process polls the flag after
+        each step: the watchdog's interrupt alone comes up to a second late, after which
+        a short run may have ended; several training processes stop together through the
+        stream's failure)."""
         t0, done = time.perf_counter(), 0
+        alone = self.trainers.count == 1
         for b in range(self.steps.start, self.cfg.pipeline.steps):
             done += self._train_step(b, t0, done)
-            row = self.steps.rows[-1]
-            progress.update(
-                b + 1, reward=row["reward"], acc=row["accuracy"], sps=row["samples_per_s"]
-            )
-            # Several training processes stop together through the stream's failure.
-            if self.group is None and self.supervisor.shutdown_requested.is_set():
+            hooks.run(self.trained)
+            progress.update(b + 1, self.steps.rows[-1])
+            if alone and self.parts.supervisor.shutdown_requested.is_set():
                 return True
         self.steps.flush()
         return False
+
+    def _train_step(self, b: int, t_run: float, done: int) -> int:
+        """Trains batch b and publishes W_{b+1}; returns the samples trained."""
+        clock, work = StepClock.start(self.parts.stream.metrics), StepWork()
+        self.generation.step_started(b)
+        for k in range(self.cfg.pipeline.mini_batches):
+            for groups in self.rollout.micro_batches(b, k):
+                self.generation.verify(groups)
+                work.prompt_ids += [g[0].sample.tag.prompt_id for g in groups]
+                self._accumulate(b, groups, work)
+            if work.micro > work.applied:  # nothing accumulated: no update (W_b+1 = W_b)
+                self._apply(b, k, work)
+        outcome = self.rollout.finish(b)
+        self.parts.supervisor.raise_if_failed()
+        sync_s = self._publish(b + 1)
+        self.at_boundary, self.trained = True, b + 1
+        self.parts.supervisor.tick("trainer")
+        self.parts.ckpts.log_consumed(b, work.prompt_ids + outcome.consumed)
+        # Older weights are no longer needed: W_v for v >= g(trained) may still be.
+        self.parts.board.discard_below(self.parts.schedule.generation_version(self.trained))
+        stats, n = sample_stats(b, work.stats, self.gate.dropped, self.trainers)
+        row = self._row(b, stats, n, done, t_run, clock, work, sync_s, outcome)
+        self.steps.add(row, list(work.stats["versions"]), work.device)
+        return n
+
+    def _row(
+        self,
+        b: int,
+        stats: dict[str, float],
+        n: int,
+        done: int,
+        t_run: float,
+        clock: StepClock,
+        work: StepWork,
+        sync_s: float,
+        outcome: StepOutcome,
+    ) -> dict[str, float]:
+        """Step b's metrics row: sample statistics, time figures, counts, the rollout's
+        and the scheduler's figures."""
+        p = self.parts
+        times = clock.figures(p.stream.metrics)
+        row = stats | times
+        row |= {
+            "dropped_overlong": float(self.c.prompts.dropped_overlong),
+            "truncated_overlong": float(self.c.prompts.truncated_overlong),
+            "queue_depth": float(p.stream.depth()["ready_samples"]),
+            "train_busy": work.busy_s / times["step_s"],
+            # Fraction of this step's wall time the instances spent decoding or
+            # prefilling (mean over every process's instances).
+            "gen_busy": self._gen_busy(clock.wall),
+            "weight_sync_s": sync_s,
+            "samples_per_s": (done + n) / (time.perf_counter() - t_run),
+            "samples": float(n),  # trained this step (partial rollout: varies by step)
+            "micro_batches": float(work.micro),
+            "optimizer_steps": float(len(work.device)),
+            "reward_errors": float(p.ingest.pool.num_errors),
+            "reward_timeouts": float(p.ingest.pool.num_timeouts),
+            "watchdog_alerts": float(len(p.supervisor.alerts)),
+        }
+        if self.precompile_s is not None and work.device:  # the first row written
+            row["precompile_s"] = self.precompile_s  # before the first step, in no step_s
+            self.precompile_s = None
+        row |= outcome.metrics
+        return row | p.live.end_of_step(b, p.meter.pop_span(b), work.busy_s)
 
     def _gen_busy(self, w_start: float) -> float:
         """Fraction of the wall time since `w_start` the instances spent decoding or
         prefilling (mean over instances)."""
         w_end = time.time()
-        busy = self.meter.busy_between(w_start, w_end)
-        return busy / (max(w_end - w_start, 1e-9) * self.num_instances)
-
-    def _train_step(self, b: int, t_run: float, done: int) -> int:
-        """Trains batch b and publishes W_{b+1}; returns the samples trained."""
-        p = self.cfg.pipeline
-        t_step, w_step = time.perf_counter(), time.time()  # chunk reports carry wall times
-        cpu_step = time.process_time()
-        waits0 = dataclasses.replace(self.stream.metrics)
-        compile0 = compile_seconds(this_thread=True)
-        step = _Step()
-        if self.check_prompts:  # the generation processes drew the same prompts
-            self._drawn[b] = [q.problem.prompt_id for q in self.ckpts.draw(b, p.prompts_per_step)]
-            # Partial rollout trains groups of batches up to max_lag - s steps back.
-            for old in [j for j in self._drawn if j < b - self.schedule.max_lag - 1]:
-                del self._drawn[old]
-        for k in range(p.mini_batches):
-            for groups in self.taker.micro_batches(b, k):
-                step.prompt_ids += [g[0].sample.tag.prompt_id for g in groups]
-                if self.check_prompts:
-                    micro_batches.check_prompts(groups, self._drawn)
-                self._accumulate(b, groups, step)
-            if step.micro or (self.rollout is None and self.dynamic is None):
-                self._apply(b, k, step)
-            # else: partial rollout, a round that completed no trainable group, or dynamic
-            # sampling, a batch whose every group was skipped: no update (W_{b+1} = W_b is
-            # still published: versions count steps).
-        dynamic = self._dynamic_outcome(b, step)
-        sync_s = self._publish(b + 1)
-        self.at_boundary, self.trained = True, b + 1
-        self.supervisor.tick("trainer")
-        self.ckpts.log_consumed(b, step.prompt_ids)
-        if self.check_prompts:  # no local driver frees the board: keep what g() needs
-            self.board.discard_below(self.schedule.generation_version(self.trained))
-        stats, n = sample_stats(b, step.stats, self.gate.dropped, self.group)
-        now = time.perf_counter()
-        wall = max(now - t_step, 1e-9)
-        m = self.stream.metrics
-        row = stats | {
-            "dropped_overlong": float(self.c.prompts.dropped_overlong),
-            "truncated_overlong": float(self.c.prompts.truncated_overlong),
-            "queue_depth": float(self.stream.depth()["ready_samples"]),
-            "step_s": wall,
-            # CPU seconds of this process (every thread: trainer, scoring, ingest, weight
-            # sync) within the step: a process pinned to one core cannot do a step's
-            # work faster (tools/bench_pipeline.py --processes).
-            "process_cpu_s": time.process_time() - cpu_step,
-            # The trainer's own tracing and compiling within the step (new micro-batch
-            # shapes): not steady state (tools/bench_pipeline.py).
-            "compile_s": compile_seconds(this_thread=True) - compile0,
-            "train_busy": step.busy_s / wall,
-            # Fraction of this step's wall time the instances spent decoding or
-            # prefilling (mean over instances).
-            "gen_busy": self._gen_busy(w_step),
-            # Trainer blocked waiting for complete groups / reward threads blocked on
-            # back-pressure, seconds within this step.
-            "stream_wait_s": m.consumer_wait_s - waits0.consumer_wait_s,
-            "stream_backpressure_s": m.producer_wait_s - waits0.producer_wait_s,
-            "weight_sync_s": sync_s,
-            "samples_per_s": (done + n) / (now - t_run),
-            "samples": float(n),  # trained this step (partial rollout: varies by step)
-            "micro_batches": float(step.micro),
-            "optimizer_steps": float(len(step.device)),
-            "reward_errors": float(self.rewards.num_errors),
-            "reward_timeouts": float(self.rewards.num_timeouts),
-            "watchdog_alerts": float(len(self.supervisor.alerts)),
-        }
-        row |= dynamic
-        if self.precompile_s is not None and step.device:  # the first row written
-            row["precompile_s"] = self.precompile_s  # before the first step, in no step_s
-            self.precompile_s = None
-        if self.rollout is not None:
-            carried = self.rollout.in_flight()
-            row |= {
-                "carried_paused": float(carried["paused"]),
-                "carried_members": float(carried["waiting_members"]),
-                "regenerated": float(self.rollout.regenerated),
-                "dropped_lag": float(self.rollout.dropped),
-            }
-        row |= self.live.end_of_step(b, self.meter.pop_span(b), step.busy_s)
-        self.steps.add(row, list(step.stats["versions"]), step.device)
-        self.hooks.run(self.trained)
-        return n
-
-    def _dynamic_outcome(self, b: int, step: _Step) -> dict[str, float]:
-        """Dynamic sampling: batch b's skipped prompts into the step's consumed ones, and
-        its metrics ({} when off)."""
-        if self.dynamic is None:
-            return {}
-        out = self.dynamic.outcome(b)
-        self.supervisor.raise_if_failed()
-        step.prompt_ids += out.skipped_prompts()  # a skipped prompt is consumed too
-        self.dynamic.forget(b)
-        return {
-            "groups_skipped": float(len(out.skipped)),
-            "dynamic_draws": float(out.draws),  # replacement prompts drawn
-            # 1: the draws ran out before prompts_per_step informative groups
-            "dynamic_short": float(len(out.informative) < self.cfg.pipeline.prompts_per_step),
-        }
+        busy = self.parts.meter.busy_between(w_start, w_end)
+        return busy / (max(w_end - w_start, 1e-9) * self.generation.num_instances)
 
     # ------------------------------------------------------------------ one micro-batch
-    def _accumulate(self, b: int, groups: list[micro_batches.Group], step: _Step) -> None:
+    def _accumulate(self, b: int, groups: list[Group], work: StepWork) -> None:
         """One micro-batch's gradients (policy, and critic) into the accumulators."""
-        t0 = self.tracer.now()
-        placed = self._place(b, groups, step.stats)
+        tracer = self.parts.tracer
+        t0 = tracer.now()
+        placed = self._place(b, groups, work.stats)
         if placed is None:
             return
         dev, shape = placed
         self._acc, self._critic_acc = self._grads(dev, self._acc, self._critic_acc)
-        t1 = self.tracer.now()
+        t1 = tracer.now()
         tokens = sum(len(s.sample.prompt) + len(s.sample.response) for g in groups for s in g)
-        self.tracer.add(
+        tracer.add(
             "trainer/micro-batch",
             "accumulate",
             t0,
@@ -267,11 +189,13 @@ class TrainerLoop:
             rows=shape[0],  # the padded batch actually trained (shared-prompt / packed rows)
             columns=shape[1],
         )
-        step.micro += 1
-        step.busy_s += t1 - t0
-        self.supervisor.tick("trainer")
+        work.micro += 1
+        work.busy_s += t1 - t0
+        self.parts.supervisor.tick("trainer")
 
-    def _place(self, b: int, groups: list[micro_batches.Group], stats: dict) -> Any:
+    def _place(
+        self, b: int, groups: list[Group], stats: dict[str, list]
+    ) -> tuple[TrainBatch, tuple[int, int]] | None:
         """The micro-batch on the training mesh and its padded (rows, columns) (None if the
         gate dropped every group), with pi_old recomputed when TIS is on, reference
         log-probs and, with the critic, GAE advantages and returns."""
@@ -286,13 +210,15 @@ class TrainerLoop:
             stats=stats,
             overlong=self.overlong,
         )
-        if self.group is not None:  # every training process feeds the same global shape
-            batch = self.group.agree(batch, c.tokenizer.pad_id, t.cfg.batch_buckets)
+        # Every training process feeds the same global shape (one process: as it is).
+        batch = self.trainers.agree(batch, c.tokenizer.pad_id, t.cfg.batch_buckets)
         if batch is None:
             return None
         return self._on_device(batch), batch.shape
 
-    def _grads(self, dev: TrainBatch, acc: Any, critic_acc: Any) -> tuple[Any, Any]:
+    def _grads(
+        self, dev: TrainBatch, acc: GradAccumulator, critic_acc: GradAccumulator | None
+    ) -> tuple[GradAccumulator, GradAccumulator | None]:
         """The micro-batch's gradients (policy, and critic) added into the donated
         accumulators; returns the new ones once computed (a deliberate sync point: the
         trace span must cover the compute, and it bounds the micro-batches queued)."""
@@ -327,24 +253,23 @@ class TrainerLoop:
         batch into a throwaway accumulator (the state is not touched). Returns the shapes
         compiled (0 when the lengths are not known in advance)."""
         cfg, c, p = self.cfg, self.c, self.cfg.pipeline
-        if not cfg.generation.length_replay or self.dynamic is not None:
+        start = self.steps.start
+        batches = self.rollout.plannable(start, p.steps)
+        if not cfg.generation.length_replay or batches is None:
             logging.info(
                 "pipeline.precompile: the trainer's micro-batch shapes depend on what is "
                 "sampled (%s): only the generation instances precompile",
-                "dynamic sampling" if cfg.generation.length_replay else "no length replay",
+                f"pipeline.rollout={p.rollout}" if batches is None else "no length replay",
             )
             return 0
-        start = self.steps.start
-        ahead = p.staleness if p.partial_budget_tokens > 0 else 0
-        batches = range(start, p.steps)
-        lens = self.ckpts.preview(range(start, p.steps + ahead), p.prompts_per_step)
+        lens = self.parts.prompts.preview(batches, p.prompts_per_step)
         shapes = precompile.micro_batch_shapes(
             cfg,
             c.trainer.cfg.layout,
-            self.schedule,
+            self.parts.schedule,
             precompile.group_lengths(cfg, lens),
-            batches,
-            count=1 if self.group is None else self.group.count,
+            range(start, p.steps),
+            count=self.trainers.count,
         )
         # The group advantages run op by op on the host's device, and each op compiles
         # once per sample count: every count a micro-batch of 1..micro_batch_groups
@@ -364,15 +289,17 @@ class TrainerLoop:
         return len(shapes)
 
     # ------------------------------------------------------------------ boundaries
-    def _apply(self, b: int, k: int, step: _Step) -> None:
+    def _apply(self, b: int, k: int, work: StepWork) -> None:
         """The optimizer step(s) closing mini-batch k of batch b."""
-        c, t0 = self.c, self.tracer.now()
+        c, tracer = self.c, self.parts.tracer
+        t0 = tracer.now()
         self.at_boundary = False
+        work.applied = work.micro
         c.state, self._acc, m = c.trainer.apply(c.state, self._acc)
         if c.critic is not None:
             c.critic_state, self._critic_acc, cm = c.critic.apply(c.critic_state, self._critic_acc)
             m = m | {f"critic_{name}": v for name, v in cm.items()}
-        step.device.append(m)
+        work.device.append(m)
         if self.cfg.pipeline.nonfinite == "stop":
             skipped = [key for key in ("nonfinite", "critic_nonfinite") if key in m]
             if any(float(host(m[key])) > 0 for key in skipped):
@@ -381,7 +308,7 @@ class TrainerLoop:
                     "update was not applied"
                 )
         name = f"step {b}" if self.cfg.pipeline.mini_batches == 1 else f"step {b}.{k}"
-        self.tracer.add("trainer/optimizer", name, t0, self.tracer.now())
+        tracer.add("trainer/optimizer", name, t0, tracer.now())
 
     def _publish(self, version: int) -> float:
         """Sends W_version to generation; background in stream_async. Returns sync seconds.
@@ -390,27 +317,26 @@ class TrainerLoop:
           PipelineError("weight sync"): this transfer (or, in stream_async, the previous
             background one) failed.
         """
-        ws, params = self.c.weight_sync, self.c.state.params
+        ws, params, tracer = self.c.weight_sync, self.c.state.params, self.parts.tracer
+        board = self.parts.board
         try:
-            if self.schedule.mode == "stream_async":
+            if self.parts.schedule.mode == "stream_async":
                 if ws.in_flight:
                     ws.result(self.timeout)
-                t0 = self.tracer.now()
+                t0 = tracer.now()
 
                 def landed(published, stats):
-                    self.tracer.add(
-                        "weight_sync/transfer", f"W{version}", t0, self.tracer.now(), **stats.report
+                    tracer.add(
+                        "weight_sync/transfer", f"W{version}", t0, tracer.now(), **stats.report
                     )
-                    self.board.publish(version, published)
+                    board.publish(version, published)
 
                 ws.start(params, version, on_done=landed)
                 return ws.history[-1].seconds if ws.history else 0.0
-            t0 = self.tracer.now()
+            t0 = tracer.now()
             published, stats = ws.transfer(params, version)
-            self.tracer.add(
-                "weight_sync/transfer", f"W{version}", t0, self.tracer.now(), **stats.report
-            )
-            self.board.publish(version, published)
+            tracer.add("weight_sync/transfer", f"W{version}", t0, tracer.now(), **stats.report)
+            board.publish(version, published)
             return stats.seconds
         except Exception as e:
             raise PipelineError("weight sync", e) from e
@@ -418,24 +344,25 @@ class TrainerLoop:
     def checkpoint(self, k: int, force: bool = False) -> None:
         """Checkpoint k at the boundary after batch k-1 (the checkpoint hook; forced at
         the end of a run and before a stop)."""
-        if not self.ckpts.due(k, force):
+        ckpts, tracer = self.parts.ckpts, self.parts.tracer
+        if not ckpts.due(k, force):
             return
-        t0 = self.tracer.now()
+        t0 = tracer.now()
         try:
-            self.ckpts.save(k, self.board, force=force)
+            ckpts.save(k, self.parts.board, force=force)
         except Exception as e:
             raise PipelineError("checkpoint writer", e) from e
-        self.tracer.add("checkpoint/save", f"step {k}", t0, self.tracer.now())
+        tracer.add("checkpoint/save", f"step {k}", t0, tracer.now())
 
     def checkpoint_at_boundary(self, raise_errors: bool = False) -> None:
         """On a failure or a stop: save the last step boundary if the state is at one
         (not mid-way through a batch's mini-batch steps) and it is not saved yet."""
-        k = self.trained
-        if self.ckpts.ckpt is None or not self.at_boundary or k == 0 or k in self.ckpts.saved:
+        k, ckpts = self.trained, self.parts.ckpts
+        if ckpts.ckpt is None or not self.at_boundary or k == 0 or k in ckpts.saved:
             return
         try:
             self.checkpoint(k, force=True)
-            self.ckpts.close()
+            ckpts.close()
             logging.warning("saved checkpoint %d before stopping", k)
         except Exception as e:
             if raise_errors:

@@ -19,7 +19,7 @@
   Its state is saved with the run's checkpoints. In a multi-controller run the
   refresh runs on the training process, where the samples arrive, and
   `on_refresh` sends the new parameters to every generation process's dispatcher
-  (`pipeline/training_process.py`, `generation_process.py`).
+  (`pipeline/processes/`).
 * Elastic generation (`scheduling.elastic_reserved = R`): the last R instances of
   `mesh.instance_slots` are built at start (they hold the current weights, since
   every weight update goes to every engine, so the version contract is unchanged)
@@ -27,7 +27,7 @@
   delta') activates one, between two batches, without stopping the trainer. T_gen
   is the batch's generation span (first admission to last completion), T_train the
   trainer's busy seconds of the step. Across processes the units are generation
-  processes: the first training process runs the rule (`elastic_over_processes`) and
+  processes: the first training process runs the rule over `ElasticUnits` and
   activates a reserved process from a later batch through the roster
   (`pipeline/roster.py`); the generation processes' schedulers reserve nothing.
 
@@ -42,11 +42,12 @@ import json
 import math
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from absl import logging
 
+from streamrl_jax.config import SchedulingSection
 from streamrl_jax.generation.types import GenerationRequest
 from streamrl_jax.scheduling import balance, dispatch
 from streamrl_jax.scheduling.ranker import Ranker, RankerConfig
@@ -55,23 +56,52 @@ from streamrl_jax.scheduling.ranker_file import load_ranker
 DISPATCH = ("round_robin", "random", "skew_aware", "oracle")
 
 
+class ElasticUnits(Protocol):
+    """Units the elastic rule adds that are not this scheduler's own instances (a
+    multi-controller trainer's generation processes, `pipeline/processes/training.py`)."""
+
+    def counts(self) -> tuple[int, int]:
+        """(active units, reserved units neither lost nor active), read before each
+        decision (a loss may have activated one already)."""
+
+    def activate(self, step: int) -> bool:
+        """The rule added a unit at the end of `step`: activates the next reserved one
+        (False if none could be)."""
+
+
 class LiveScheduler:
     """Dispatch, ranker and elasticity of one run (see the module docstring)."""
 
     def __init__(
         self,
-        cfg: Any,
+        section: SchedulingSection,
         instance_slots: Sequence[int],
+        *,
         vocab_size: int,
-        reserved: int | None = None,
+        seed: int,
+        initial_length: float,
+        reserved: int,
+        refresh: bool = True,
+        on_refresh: Callable[[Ranker], None] | None = None,
+        units: ElasticUnits | None = None,
     ):
-        """`reserved`: instances of `instance_slots` held back (default
-        `scheduling.elastic_reserved`; a generation process of a multi-controller run
-        passes 0: there the reserved units are processes, `elastic_over_processes`)."""
-        s = cfg.scheduling
+        """Args:
+        section: the run's `scheduling` config.
+        instance_slots: slots of each generation instance this scheduler dispatches to.
+        vocab_size, seed: the ranker's (an untrained one is built from them).
+        initial_length: the dispatcher's output-length estimate before it has observed any.
+        reserved: instances of `instance_slots` held back for the elastic rule (0 where
+          the reserved units are processes: `units`).
+        refresh: whether this process refreshes the ranker online (with
+          `scheduling.ranker_online`); a multi-controller generation process only scores
+          with the refreshes its trainer sends.
+        on_refresh: after each refresh that trained, on the refresh thread (a
+          multi-controller trainer sends the new parameters to the generation processes).
+        units: the elastic rule's units when they are not this scheduler's instances.
+        """
+        s = section
         self.kind = s.dispatch
         self.slots = list(instance_slots)
-        reserved = s.elastic_reserved if reserved is None else reserved
         self.active = len(self.slots) - reserved
         self.decisions: list[dict[str, Any]] = []
         self._lock = threading.Lock()
@@ -81,12 +111,10 @@ class LiveScheduler:
                 load_ranker(s.ranker_path)
                 if s.ranker_path
                 else Ranker(
-                    RankerConfig(
-                        vocab_size=vocab_size, seed=cfg.seed, min_buffer=s.ranker_min_samples
-                    )
+                    RankerConfig(vocab_size=vocab_size, seed=seed, min_buffer=s.ranker_min_samples)
                 )
             )
-        self.online = s.ranker_online and self.ranker is not None
+        self.online = refresh and s.ranker_online and self.ranker is not None
         ptl = (
             dispatch.PTLProfile.from_json(s.ptl_profile)
             if s.ptl_profile
@@ -98,45 +126,34 @@ class LiveScheduler:
             dispatch.DispatchConfig(
                 objective=s.objective,
                 planner=s.planner,
-                initial_length=max(cfg.generation.max_new_tokens / 4, 1.0),
+                initial_length=initial_length,
                 # The engine decodes the batch bucket covering its running slots
                 # (generation/compact.py): a step costs PTL(active batch), as on GPUs.
                 static_batch=False,
             ),
         )
-        self.random = dispatch.RandomDispatcher(seed=cfg.seed)
-        self.elastic = (
-            balance.ElasticController(self.active, len(self.slots), saving=balance.ideal_saving)
-            if reserved
-            else None
-        )
-        # Across processes (the first training process): the rule counts generation
-        # processes and `on_add(step)` activates one (`elastic_over_processes`).
-        self.on_add: Callable[[int], bool] | None = None
-        self._counts: Callable[[], tuple[int, int]] | None = None
+        self.random = dispatch.RandomDispatcher(seed=seed)
+        self.elastic: balance.ElasticController | None = None
+        self._units = units
+        if units is not None:
+            active, left = units.counts()
+            self.elastic = balance.ElasticController(
+                active, active + left, saving=balance.ideal_saving
+            )
+        elif reserved:
+            self.elastic = balance.ElasticController(
+                self.active, len(self.slots), saving=balance.ideal_saving
+            )
         self._pending: list[tuple[tuple[int, ...], int]] = []
         self._refresh: threading.Thread | None = None
         self._written = 0  # decisions already written by `write_decisions`
         self.last_loss = float("nan")
-        # After each refresh that trained (multi-controller trainer: sends the params to
-        # the generation processes' dispatchers); runs on the refresh thread.
-        self.on_refresh: Callable[[Ranker], None] | None = None
+        self._on_refresh = on_refresh
 
     @property
     def lpt(self) -> bool:
         """Engines admit longest-predicted first."""
         return self.kind in ("skew_aware", "oracle")
-
-    def elastic_over_processes(
-        self, counts: Callable[[], tuple[int, int]], on_add: Callable[[int], bool]
-    ) -> None:
-        """A multi-controller trainer's rule over generation processes: `counts()` gives
-        (active processes, reserved ones left) from the roster before each decision
-        (a loss may have activated one already); when the rule adds one, `on_add(step)`
-        activates the next reserved process (False if none could be)."""
-        active, left = counts()
-        self.elastic = balance.ElasticController(active, active + left, saving=balance.ideal_saving)
-        self.on_add, self._counts = on_add, counts
 
     # ------------------------------------------------------------------ dispatch
     def plan(
@@ -212,8 +229,8 @@ class LiveScheduler:
             loss = self.ranker.update(batch)
             if loss is not None:
                 self.last_loss = loss
-                if self.on_refresh is not None:
-                    self.on_refresh(self.ranker)
+                if self._on_refresh is not None:
+                    self._on_refresh(self.ranker)
         except Exception as e:  # noqa: BLE001 - scheduling quality only; never fails the run
             logging.warning("ranker refresh failed (dispatch keeps the previous ranker): %r", e)
 
@@ -248,13 +265,13 @@ class LiveScheduler:
         if math.isfinite(self.last_loss):  # NaN until the first refresh: no row entry
             out["ranker_loss"] = self.last_loss
         if self.elastic is not None and t_gen > 0:
-            if self.on_add is not None:  # the roster's truth, losses included
-                active, left = self._counts()
+            if self._units is not None:  # the roster's truth, losses included
+                active, left = self._units.counts()
                 self.elastic.instances, self.elastic.max_instances = active, active + left
             d = self.elastic.observe(step, t_gen, t_train)
             record = {"batch": step, "kind": "elastic", **dataclasses.asdict(d)}
-            if d.add and self.on_add is not None:
-                record["activated"] = self.on_add(step)  # a generation process
+            if d.add and self._units is not None:
+                record["activated"] = self._units.activate(step)  # a generation process
             elif d.add:
                 with self._lock:
                     self.active = self.elastic.instances
@@ -263,6 +280,6 @@ class LiveScheduler:
                 )
             self.decisions.append(record)
             out |= {"elastic_delta": d.delta, "elastic_delta_prime": d.delta_prime}
-            if self.on_add is not None:
-                out["active_generation_processes"] = float(self._counts()[0])
+            if self._units is not None:
+                out["active_generation_processes"] = float(self._units.counts()[0])
         return out

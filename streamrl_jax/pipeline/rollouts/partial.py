@@ -1,7 +1,8 @@
 """Partial rollout: generation in rounds of a bounded token budget, unfinished samples
 carried into the next round (docs/pipeline.md, "Partial rollout").
 
-With `pipeline.partial_budget_tokens = T > 0` (stream_async), round r is the
+With `pipeline.rollout="partial"` and `pipeline.partial_budget_tokens = T`
+(stream_async), round r is the
 generation behind training step r: the new prompts of batch r plus the
 continuations of the samples paused in round r - 1, every segment at most T new
 tokens (`GenerationRequest.segment_tokens`). A segment that reaches T unfinished
@@ -21,10 +22,18 @@ finish reason "paused", and `micro_batches.pack_groups` drops its group, counted
 (counted in `regenerated`).
 
 `PartialRollout` is the bookkeeping, shared by the driver thread (`open`), the
-collector thread (`returned`) and the trainer (`wait_round`), under one lock;
-`snapshot(k)` / `restore` carry the work in flight across a checkpoint at step
-boundary k: the samples paused into round k and the finished members of groups
-still incomplete when round k - 1 closed.
+collector thread (`returned`) and the trainer (`micro_batches`, which waits for the
+round to close), under one lock; `state(k)` / `restore` carry the work in flight
+across a checkpoint at step boundary k: the samples paused into round k and the
+finished members of groups still incomplete when round k - 1 closed.
+
+**Across processes** (one generation and one training process, `config/rules.py`):
+the generation process runs the `PartialRollout` (its driver's half: rounds, paused
+samples, continuations) and reports each round's closure to the trainer
+(`RoundClosed`, sent by `processes/generation.py`); the training process runs
+`RemoteRounds`, the trainer's half: step r trains the groups the reports say round r
+completed. The paused samples a checkpoint must hold live in the generation process,
+so such a run is not checkpointed (refused at start-up) and cannot resume.
 """
 
 from __future__ import annotations
@@ -32,12 +41,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from streamrl_jax.config import PipelineSection
+from streamrl_jax.data import Prompt
+from streamrl_jax.distributed.channel import TransportError
+from streamrl_jax.distributed.messages import RoundClosed
 from streamrl_jax.generation.types import (
     Continuation,
     GenerationRequest,
@@ -46,7 +58,13 @@ from streamrl_jax.generation.types import (
     SamplingParams,
     Timings,
 )
-from streamrl_jax.pipeline.schedules import Schedule
+from streamrl_jax.pipeline.micro_batches import Group, GroupTaker, Scored
+from streamrl_jax.pipeline.rollouts.protocol import (
+    Returned,
+    RolloutContext,
+    StepOutcome,
+    Submit,
+)
 from streamrl_jax.stream.sample_stream import StreamError
 
 Key = tuple[int, int]  # (batch, group): a GRPO group
@@ -64,12 +82,62 @@ class _Round:
     carried: list[Sample] = dataclasses.field(default_factory=list)  # paused into it
 
 
+NO_RESUME = (
+    "a partial-rollout run across processes cannot be checkpointed or resumed: the "
+    "paused samples a checkpoint must hold live in the generation process "
+    "(docs/multicontroller.md); run one process, or another pipeline.rollout"
+)
+
+
+def make(ctx: RolloutContext) -> PartialRollout | RemoteRounds:
+    """The registry's entry: the trainer's half across processes, else the rounds here."""
+    if ctx.where == "trainer":
+        return RemoteRounds(ctx)
+    return PartialRollout(ctx)
+
+
+def _round_micro_batches(
+    taker: GroupTaker, p: PipelineSection, want: list[Key]
+) -> Iterator[list[Group]]:
+    """The groups round r completed (`want`, sorted), as micro-batches: deterministic: in
+    (batch, group) order, members in member order; otherwise whichever are ready first
+    (scored), at least `min_groups` of them."""
+    i = 0
+    while i < len(want):
+        if p.deterministic:
+            keys = want[i : i + p.micro_batch_groups]
+        else:
+            keys = taker.ready(want[i:], min(p.min_groups, len(want) - i))
+            keys = keys[: p.micro_batch_groups]
+            want[i:] = keys + [k for k in want[i:] if k not in keys]
+        i += len(keys)
+        yield [taker.key(k) for k in keys]
+
+
+def _step_metrics(counts: dict[str, int], regenerated: int, dropped: int) -> StepOutcome:
+    return StepOutcome(
+        metrics={
+            "carried_paused": float(counts["paused"]),
+            "carried_members": float(counts["waiting_members"]),
+            "regenerated": float(regenerated),
+            "dropped_lag": float(dropped),
+        }
+    )
+
+
 class PartialRollout:
     """Rounds, paused samples and round closure of one run (module docstring)."""
 
-    def __init__(self, p: PipelineSection, schedule: Schedule):
+    def __init__(self, ctx: RolloutContext):
+        p = ctx.pipeline
+        self.ctx, self.p = ctx, p
+        self.taker = GroupTaker(ctx.stream, p.timeout_s)
         self.budget = p.partial_budget_tokens
-        self.group_size, self.max_lag, self.policy = p.group_size, schedule.max_lag, p.lag_policy
+        self.group_size, self.max_lag, self.policy = (
+            p.group_size,
+            ctx.schedule.max_lag,
+            p.lag_policy,
+        )
         self._cv = threading.Condition()
         self._rounds: dict[int, _Round] = collections.defaultdict(_Round)
         self._waiting: dict[int, list[GenerationRequest]] = collections.defaultdict(list)
@@ -88,6 +156,12 @@ class PartialRollout:
         self.dropped = 0  # paused samples handed on to be dropped (lag_policy="drop")
 
     # ------------------------------------------------------------------ driver
+    def draw(self, batch: int) -> list[Prompt]:
+        return self.ctx.prompts.draw(batch, self.p.prompts_per_step)
+
+    def settle(self, batch: int, submit: Submit, stopped: Callable[[], bool]) -> None:
+        del batch, submit, stopped
+
     def open(self, r: int, new: list[GenerationRequest]) -> list[GenerationRequest]:
         """Round r's requests: the batch's new ones and the continuations paused into r,
         each a segment of at most `budget` tokens, counted before they are submitted."""
@@ -106,7 +180,7 @@ class PartialRollout:
         return dataclasses.replace(request, tag=tag, segment_tokens=self.budget)
 
     # ------------------------------------------------------------------ collector
-    def returned(self, sample: Sample) -> tuple[Sample | None, list[GenerationRequest]]:
+    def returned(self, sample: Sample) -> Returned:
         """A segment came back. Returns the sample to hand on (finished, or paused past the
         bound under "drop"; None when it continues) and continuation requests to submit
         now (their round is already open)."""
@@ -132,7 +206,7 @@ class PartialRollout:
                     self._done_in[key] = r
                     self._rounds[r].completed.append(key)
             self._close_ready()
-            return out, now
+            return Returned(out, now)
 
     def _continue(self, s: Sample, r: int) -> tuple[Sample | None, GenerationRequest | None]:
         """What becomes of a sample paused before round r (its earliest training step)."""
@@ -181,7 +255,32 @@ class PartialRollout:
             self._next_close = r + 1
             self._cv.notify_all()
 
+    # ------------------------------------------------------------------ ingest
+    def scored(self, scored: Scored) -> None:
+        self.ctx.stream.put(scored, timeout=self.p.timeout_s)
+
+    def report(self, report: RoundClosed) -> None:
+        raise TransportError(
+            f"generation-{report.process} reported round {report.round}, but this process "
+            "runs the rounds itself"
+        )
+
     # ------------------------------------------------------------------ trainer
+    def micro_batches(self, batch: int, mini: int) -> Iterator[list[Group]]:
+        """The groups round b completed (of any batch), once it closed."""
+        del mini  # one mini-batch (config/rules.py)
+        yield from _round_micro_batches(
+            self.taker, self.p, self.wait_round(batch, self.p.timeout_s)
+        )
+
+    def finish(self, batch: int) -> StepOutcome:
+        del batch
+        return _step_metrics(self.in_flight(), self.regenerated, self.dropped)
+
+    def plannable(self, start: int, steps: int) -> range | None:
+        """A round trains groups of batches up to `staleness` ahead of the last step."""
+        return range(start, steps + self.ctx.schedule.staleness)
+
     def wait_round(self, r: int, timeout: float) -> list[Key]:
         """The groups completed in round r, sorted, once it closed.
 
@@ -206,7 +305,7 @@ class PartialRollout:
             self._cv.notify_all()
 
     # ------------------------------------------------------------------ checkpoints
-    def snapshot(self, k: int) -> dict[str, Any]:
+    def state(self, k: int) -> dict[str, Any]:
         """JSON of the work carried into round k (k = 0: none); frees older snapshots."""
         with self._cv:
             snap = self._snapshots.get(k, {"paused": [], "finished": []}) if k else None
@@ -216,6 +315,7 @@ class PartialRollout:
         return {name: [to_json(s, q) for s, q in pairs] for name, pairs in snap.items()}
 
     def restore(self, k: int, saved: dict[str, Any]) -> list[Sample]:
+        # (k = 0, {}: a fresh run, nothing carried.)
         """Round k starts with the saved work: paused samples continue in it; returns
         the finished members of incomplete groups, to hand on again (ingest)."""
         finished = [from_json(x)[0] for x in saved.get("finished", [])]
@@ -240,6 +340,129 @@ class PartialRollout:
                     len(m) for k, m in self._finished.items() if k not in self._done_in
                 ),
             }
+
+
+class RemoteRounds:
+    """The trainer's half of partial rollout across processes: the generation
+    processes' round closures, as the trainer's steps wait for them (module docstring).
+
+    A report (`report`, a sample channel's reader thread) is validated: the next round
+    of a known process, groups of batches the round can hold. `micro_batches(r)` takes
+    the groups round r completed once every generation process reported it; the step's
+    counts (paused samples, waiting members, regenerated, dropped) are the sums of the
+    processes' last reports.
+    """
+
+    def __init__(self, ctx: RolloutContext):
+        self.ctx, self.p = ctx, ctx.pipeline
+        self.taker = GroupTaker(ctx.stream, self.p.timeout_s)
+        self._cv = threading.Condition()
+        self._next = dict.fromkeys(ctx.generation_processes, 0)  # process -> next round
+        self._groups: dict[int, set[Key]] = {}  # round -> groups reported so far
+        self._counts: dict[int, RoundClosed] = {}  # process -> its last report
+        self._closed: dict[int, list[Key]] = {}
+        self._error: BaseException | None = None
+
+    # ------------------------------------------------------------------ generation side
+    def draw(self, batch: int) -> list[Prompt]:
+        raise RuntimeError(f"partial rollout: batch {batch} is drawn by the generation process")
+
+    def open(self, batch: int, requests: list[GenerationRequest]) -> list[GenerationRequest]:
+        raise RuntimeError(f"partial rollout: round {batch} runs in the generation process")
+
+    def settle(self, batch: int, submit: Submit, stopped: Callable[[], bool]) -> None:
+        del batch, submit, stopped
+
+    def returned(self, sample: Sample) -> Returned:
+        raise RuntimeError(
+            f"partial rollout: sample {sample.request_id} returned to the trainer's half"
+        )
+
+    # ------------------------------------------------------------------ ingest
+    def scored(self, scored: Scored) -> None:
+        self.ctx.stream.put(scored, timeout=self.p.timeout_s)
+
+    def report(self, report: RoundClosed) -> None:
+        """A generation process's round closure.
+
+        Raises:
+          TransportError: naming the process and what is wrong (an unknown process, a
+            round out of order, a group no batch of the round can hold).
+        """
+        who, r = f"generation-{report.process}", report.round
+        n = self.p.prompts_per_step
+        with self._cv:
+            expected = self._next.get(report.process)
+            if expected is None:
+                raise TransportError(f"round report from {who}, which is not generating")
+            if r != expected:
+                raise TransportError(f"{who} reported round {r}; expected round {expected}")
+            for batch, group in report.groups:
+                if not (0 <= batch <= r and 0 <= group < n):
+                    raise TransportError(
+                        f"{who} reported group ({batch}, {group}) complete in round {r}: "
+                        f"round {r} holds batches 0..{r}, groups 0..{n - 1}"
+                    )
+            self._next[report.process] = r + 1
+            self._counts[report.process] = report
+            self._groups.setdefault(r, set()).update(report.groups)
+            if all(k > r for k in self._next.values()):
+                self._closed[r] = sorted(self._groups.pop(r))
+                self._cv.notify_all()
+
+    # ------------------------------------------------------------------ trainer side
+    def micro_batches(self, batch: int, mini: int) -> Iterator[list[Group]]:
+        del mini
+        yield from _round_micro_batches(self.taker, self.p, self.wait_round(batch))
+
+    def wait_round(self, r: int) -> list[Key]:
+        """The groups completed in round r, sorted, once every generation process
+        reported it.
+
+        Raises:
+          TimeoutError: naming the round and the processes that did not report it.
+          StreamError: the run failed or was stopped (`fail`).
+        """
+        timeout = self.p.timeout_s
+
+        def stalled() -> str:
+            late = sorted(k for k, n in self._next.items() if n <= r)
+            return (
+                f"partial rollout: round {r} not reported closed after {timeout:.0f} s by "
+                f"generation processes {late}; generation stalled"
+            )
+
+        return wait_closed(self._cv, self._closed, lambda: self._error, r, timeout, stalled)
+
+    def finish(self, batch: int) -> StepOutcome:
+        del batch
+        with self._cv:
+            reports = list(self._counts.values())
+        counts = {
+            "paused": sum(x.paused for x in reports),
+            "waiting_members": sum(x.waiting_members for x in reports),
+        }
+        return _step_metrics(
+            counts, sum(x.regenerated for x in reports), sum(x.dropped for x in reports)
+        )
+
+    def plannable(self, start: int, steps: int) -> range | None:
+        return range(start, steps + self.ctx.schedule.staleness)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state(self, k: int) -> dict[str, Any]:
+        raise RuntimeError(f"checkpoint {k}: {NO_RESUME}")
+
+    def restore(self, k: int, state: dict[str, Any]) -> list[Sample]:
+        """The first round every process reports: 0 (a resumed run is refused)."""
+        if k > 0 or state:
+            raise ValueError(f"resume from checkpoint {k}: {NO_RESUME}")
+        return []
+
+    def fail(self, exc: BaseException) -> None:
+        with self._cv:
+            self._error = self._error or exc
+            self._cv.notify_all()
 
 
 def wait_closed(

@@ -12,10 +12,10 @@ from __future__ import annotations
 from streamrl_jax import metrics
 from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.distributed import roles
-from streamrl_jax.pipeline.generation_process import run_generation
-from streamrl_jax.pipeline.process_plan import check_supported
+from streamrl_jax.pipeline.processes.generation import run_generation
+from streamrl_jax.pipeline.processes.plan import check_supported
+from streamrl_jax.pipeline.processes.training import run_training
 from streamrl_jax.pipeline.step_metrics import RunResult
-from streamrl_jax.pipeline.training_process import run_training
 
 
 def run_process(

@@ -1,16 +1,16 @@
 """DAPO's dynamic sampling: groups without reward variance never reach the trainer.
 
-`pipeline.dynamic_sampling=True` (DAPO, arXiv 2503.14476 §3.2): a GRPO group
+`pipeline.rollout="dynamic_sampling"` (DAPO, arXiv 2503.14476 §3.2): a GRPO group
 whose rewards are all equal has zero advantage everywhere and only dilutes the
 step, so it is skipped, and replacement prompts are drawn until the step holds
 `pipeline.prompts_per_step` informative groups, or `pipeline.dynamic_sampling_max_draws`
 extra prompts were drawn for it (then the step trains the informative groups it has;
 `dynamic_short` in its metrics says so).
 
-Where each part runs (one process; `config/rules.py` and `run_components` refuse
-the rest):
+Where each part runs (one process: `config/rules.py` refuses it across processes,
+where the generation processes cannot see the rewards that decide the refills):
 
-* **judge** (`add`, the reward pool's callback threads): the scored members of
+* **judge** (`scored`, the reward pool's callback threads): the scored members of
   each group are held until the group is complete; its rewards (the outcome
   score plus the overlong penalty: what the advantages see) either vary, and
   the members go into the sample stream, or are all equal, and the group is
@@ -25,7 +25,7 @@ the rest):
   draws (originals, then its refill rounds) come before the next batch's
   from the prompt iterator, and a round's size depends only on the samples, so
   a resumed run draws and regenerates the same prompts (`resume.py`).
-* **take** (`target`, `outcome`, the trainer): a step trains the informative
+* **take** (`micro_batches`, `finish`, the trainer): a step trains the informative
   groups of its batch: all of them once the batch is settled (at most
   `prompts_per_step`, since each round draws only the missing number); a skipped
   group's prompt is still consumed (`consumed.jsonl` lists trained and skipped
@@ -42,15 +42,22 @@ import collections
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
-from streamrl_jax.algorithms.overlong import OverlongPenalty
-from streamrl_jax.config import PipelineSection
-from streamrl_jax.mailbox import FailureLatch
-from streamrl_jax.pipeline.micro_batches import Scored, shaped_rewards
-from streamrl_jax.stream.sample_stream import SampleStream
+from streamrl_jax.data import Prompt
+from streamrl_jax.distributed.channel import TransportError
+from streamrl_jax.distributed.messages import RoundClosed
+from streamrl_jax.generation.types import GenerationRequest, Sample
+from streamrl_jax.pipeline.micro_batches import Group, GroupTaker, Scored, shaped_rewards
+from streamrl_jax.pipeline.rollouts.protocol import (
+    Returned,
+    RolloutContext,
+    StepOutcome,
+    Submit,
+)
 
 _SLICE_S = 0.5  # waits poll the failure latch and the driver's stop at this period
 
@@ -74,46 +81,45 @@ class Outcome:
         return [self.prompt_ids[g] for g in sorted(self.skipped)]
 
 
-class DynamicSampler:
+class DynamicSampling:
     """Judges complete groups, refills batches, tells the trainer what to take
     (module docstring). Thread-safe."""
 
-    def __init__(
-        self,
-        p: PipelineSection,
-        stream: SampleStream[Scored],
-        latch: FailureLatch,
-        *,
-        overlong: OverlongPenalty | None,
-        timeout: float,
-    ):
+    def __init__(self, ctx: RolloutContext):
+        p = ctx.pipeline
+        self.ctx, self.p = ctx, p
         self.need, self.group_size = p.prompts_per_step, p.group_size
-        self.max_draws = p.dynamic_sampling_max_draws
-        self.stream, self.latch, self.overlong, self.timeout = stream, latch, overlong, timeout
+        self.max_draws, self.timeout = p.dynamic_sampling_max_draws, p.timeout_s
+        self.taker = GroupTaker(ctx.stream, p.timeout_s)
         self._cv = threading.Condition()
         self._members: dict[tuple[int, int], list[Scored]] = collections.defaultdict(list)
         self._batches: dict[int, Outcome] = collections.defaultdict(Outcome)
-        latch.add_listener(lambda component, exc: self._wake())
+        ctx.latch.add_listener(lambda component, exc: self._wake())
 
     def _wake(self) -> None:
         with self._cv:
             self._cv.notify_all()
 
-    # ------------------------------------------------------------------ driver side
-    def expect(self, batch: int, groups: dict[int, str]) -> None:
-        """Groups (index -> prompt id) of `batch` about to be submitted."""
+    # ------------------------------------------------------------------ generation side
+    def draw(self, batch: int) -> list[Prompt]:
+        prompts = self.ctx.prompts.draw(batch, self.need)
+        self._expect(batch, prompts, 0)
+        return prompts
+
+    def _expect(self, batch: int, prompts: list[Prompt], first: int) -> None:
+        """Groups first.. of `batch` (their prompts) about to be submitted."""
         with self._cv:
             out = self._batches[batch]
-            out.submitted += len(groups)
-            out.prompt_ids.update(groups)
+            out.submitted += len(prompts)
+            out.prompt_ids.update((first + i, q.problem.prompt_id) for i, q in enumerate(prompts))
 
-    def settle(
-        self, batch: int, refill: Callable[[int, int], None], stopped: Callable[[], bool]
-    ) -> None:
+    def open(self, batch: int, requests: list[GenerationRequest]) -> list[GenerationRequest]:
+        del batch
+        return requests
+
+    def settle(self, batch: int, submit: Submit, stopped: Callable[[], bool]) -> None:
         """Refill rounds for `batch` until it holds `prompts_per_step` informative groups
-        or its draws are spent; `refill(first_group, n)` draws and submits n prompts
-        as groups first_group.. (and calls `expect` first). Returns early once
-        `stopped()`.
+        or its draws are spent. Returns early once `stopped()` or the run failed.
 
         Raises:
           TimeoutError: a round's groups were not all judged within the timeout.
@@ -122,7 +128,7 @@ class DynamicSampler:
             with self._cv:
                 out = self._batches[batch]
                 self._wait(batch, out, lambda o: o.judged >= o.submitted, stopped)
-                if stopped() or self.latch.failed:
+                if stopped() or self.ctx.latch.failed:
                     return
                 missing = self.need - len(out.informative)
                 n = min(missing, self.max_draws - out.draws)
@@ -132,7 +138,9 @@ class DynamicSampler:
                     return
                 out.draws += n
                 first = out.submitted
-            refill(first, n)
+            prompts = self.ctx.prompts.draw(batch, n)
+            self._expect(batch, prompts, first)
+            submit(prompts, first)
 
     def _wait(
         self,
@@ -143,7 +151,7 @@ class DynamicSampler:
     ) -> None:
         """Waits (holding `_cv`) until `ready(out)`, a failure or `stopped()`."""
         deadline = time.monotonic() + self.timeout
-        while not (ready(out) or stopped() or self.latch.failed):
+        while not (ready(out) or stopped() or self.ctx.latch.failed):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(
@@ -152,8 +160,11 @@ class DynamicSampler:
                 )
             self._cv.wait(min(left, _SLICE_S))
 
-    # ------------------------------------------------------------------ reward side
-    def add(self, scored: Scored) -> None:
+    def returned(self, sample: Sample) -> Returned:
+        return Returned(sample, [])
+
+    # ------------------------------------------------------------------ ingest
+    def scored(self, scored: Scored) -> None:
         """A scored training sample; its complete group goes into the stream unless its
         rewards are all equal (then it is recorded as skipped)."""
         tag = scored.sample.tag
@@ -164,25 +175,31 @@ class DynamicSampler:
             if len(members) < self.group_size:
                 return
             del self._members[key]
-        rewards = shaped_rewards(members, self.overlong)
+        rewards = shaped_rewards(members, self.ctx.overlong)
         informative = bool(np.ptp(rewards) > 0)
         if informative:
             for s in members:
-                self.stream.put(s, timeout=self.timeout)
+                self.ctx.stream.put(s, timeout=self.timeout)
         with self._cv:
             out = self._batches[tag.batch]
             (out.informative if informative else out.skipped).append(tag.group)
             out.prompt_ids.setdefault(tag.group, tag.prompt_id)
             self._cv.notify_all()
 
+    def report(self, report: RoundClosed) -> None:
+        raise TransportError(
+            f"generation-{report.process} reported round {report.round}: dynamic sampling "
+            "has no rounds"
+        )
+
     # ------------------------------------------------------------------ trainer side
-    def target(self, batch: int) -> int | None:
+    def _target(self, batch: int) -> int | None:
         """The number of groups batch `batch` trains, once it is settled (else None)."""
         with self._cv:
             out = self._batches[batch]
             return len(out.informative) if out.settled else None
 
-    def outcome(self, batch: int, stopped: Callable[[], bool] = lambda: False) -> Outcome:
+    def outcome(self, batch: int) -> Outcome:
         """Blocks until `batch` is settled; its outcome (a copy).
 
         Raises:
@@ -190,7 +207,7 @@ class DynamicSampler:
         """
         with self._cv:
             out = self._batches[batch]
-            self._wait(batch, out, lambda o: o.settled, stopped)
+            self._wait(batch, out, lambda o: o.settled, lambda: False)
             return dataclasses.replace(
                 out,
                 informative=sorted(out.informative),
@@ -198,7 +215,65 @@ class DynamicSampler:
                 prompt_ids=dict(out.prompt_ids),
             )
 
-    def forget(self, batch: int) -> None:
-        """The trainer is done with `batch`."""
+    def micro_batches(self, batch: int, mini: int) -> Iterator[list[Group]]:
+        """The informative groups of batch b (skipped ones never enter the stream), as
+        many as the settled batch holds. Deterministic and batch modes wait for the batch
+        to settle and take its groups in index order; streaming takes them as they come,
+        at least `min_groups` at a time while more may come."""
+        del mini  # one mini-batch (config/rules.py)
+        p, taken = self.p, 0
+        order = None
+        if p.deterministic or not self.ctx.schedule.streaming:
+            order = self.outcome(batch).informative
+        while True:
+            target = len(order) if order is not None else self._target(batch)
+            remaining = (p.prompts_per_step if target is None else target) - taken
+            if remaining <= 0:
+                return
+            count = min(p.micro_batch_groups, remaining)
+            if p.deterministic:
+                groups = self.taker.take_indexed(batch, order[taken : taken + count])
+            elif target is not None:
+                groups = self.taker.take(batch, count, count)
+            else:
+                min_groups = self.ctx.schedule.min_groups(p, remaining)
+                groups = self.taker.take_until(
+                    batch, min_groups, count, lambda: self._target(batch) is not None
+                )
+                if not groups:
+                    continue  # settled meanwhile: the target is known now
+            taken += len(groups)
+            yield groups
+
+    def finish(self, batch: int) -> StepOutcome:
+        """Batch b's skipped prompts (consumed too) and its metrics."""
+        out = self.outcome(batch)
         with self._cv:
             self._batches.pop(batch, None)
+        return StepOutcome(
+            metrics={
+                "groups_skipped": float(len(out.skipped)),
+                "dynamic_draws": float(out.draws),  # replacement prompts drawn
+                # 1: the draws ran out before prompts_per_step informative groups
+                "dynamic_short": float(len(out.informative) < self.need),
+            },
+            consumed=out.skipped_prompts(),
+        )
+
+    def plannable(self, start: int, steps: int) -> range | None:
+        del start, steps
+        return None  # the refills depend on the rewards
+
+    # ------------------------------------------------------------------ checkpoints
+    def state(self, k: int) -> dict[str, Any]:
+        """Nothing: a batch's draws (originals and refills) are in the prompt source's
+        record, and a resumed run regenerates and judges them again alike."""
+        del k
+        return {}
+
+    def restore(self, k: int, state: dict[str, Any]) -> list[Sample]:
+        del k, state
+        return []
+
+    def fail(self, exc: BaseException) -> None:
+        del exc  # the latch's listener wakes every wait here

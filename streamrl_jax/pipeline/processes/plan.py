@@ -29,18 +29,14 @@ under `START_KEY`.
 from __future__ import annotations
 
 from streamrl_jax.config import ExperimentConfig
-from streamrl_jax.pipeline.shards import Ownership
+from streamrl_jax.pipeline.rollouts.partial import NO_RESUME
+from streamrl_jax.pipeline.shards import ownership
 
 SAMPLES_KEY, WEIGHTS_KEY, RUN_END_KEY = "samples", "weights", "run_end"
 START_KEY = "start"  # JSON: the first batch; a resumed run's prompt state and in-flight ids
 RANKER_KEY = "ranker"  # the trainer's ranker channel (online refresh -> dispatchers)
 IN_FLIGHT = 8  # samples being scored or waiting for stream room, over all producers
 CLOSE_TIMEOUT_S = 10.0
-NO_RESUME = (
-    "a partial-rollout run across processes cannot be checkpointed or resumed: the "
-    "paused samples a checkpoint must hold live in the generation process "
-    "(docs/multicontroller.md); run one process, or set pipeline.partial_budget_tokens=0"
-)
 
 
 def check_supported(
@@ -76,7 +72,7 @@ def check_supported(
         )
     if num_processes is not None and num_processes - generation_processes > 1:
         try:
-            ownership(cfg, num_processes - generation_processes)
+            ownership(cfg.pipeline, num_processes - generation_processes)
         except ValueError as e:
             raise ValueError(
                 f"STREAMRL_NUM_PROCESSES={num_processes}, STREAMRL_GENERATION_PROCESSES="
@@ -96,10 +92,3 @@ def ranker_online(cfg: ExperimentConfig) -> bool:
     trainer refreshes it and sends its parameters to the generation processes."""
     s = cfg.scheduling
     return s.ranker_online and (s.dispatch == "skew_aware" or bool(s.ranker_path))
-
-
-def ownership(cfg: ExperimentConfig, training_processes: int) -> Ownership:
-    """Which training process trains which group (`shards.py`); ValueError if the
-    processes cannot split every micro-batch equally."""
-    p = cfg.pipeline
-    return Ownership(training_processes, p.prompts_per_step // p.mini_batches, p.micro_batch_groups)

@@ -47,13 +47,14 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import jax
 import msgspec
 from absl import logging
 
+from streamrl_jax.algorithms.overlong import OverlongPenalty
 from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.distributed import roles
 from streamrl_jax.distributed.channel import (
@@ -62,32 +63,39 @@ from streamrl_jax.distributed.channel import (
     TransportError,
     TransportTimeout,
 )
-from streamrl_jax.distributed.messages import ChunkReport, GenerationFailed, SpanReport
+from streamrl_jax.distributed.messages import ChunkReport, GenerationFailed, RoundClosed, SpanReport
 from streamrl_jax.distributed.shard_receiver import ShardReceiver
-from streamrl_jax.distributed.shard_wire import need_of
+from streamrl_jax.distributed.shard_wire import ShardStats, need_of
 from streamrl_jax.distributed.transport import SampleClient
 from streamrl_jax.distributed.weights import WeightReceiver
 from streamrl_jax.distributed.xla_pull import pull_server
 from streamrl_jax.generation.types import Sample
 from streamrl_jax.mailbox import FailureLatch
 from streamrl_jax.pipeline import components as components_lib
-from streamrl_jax.pipeline import roster_reader
-from streamrl_jax.pipeline.driver import GenerationDriver
-from streamrl_jax.pipeline.process_plan import (
+from streamrl_jax.pipeline.driver import DriverPlan, GenerationDriver
+from streamrl_jax.pipeline.hooks import generation_hooks
+from streamrl_jax.pipeline.micro_batches import Scored, group_key
+from streamrl_jax.pipeline.processes import roster_share
+from streamrl_jax.pipeline.processes.plan import (
     CLOSE_TIMEOUT_S,
     RANKER_KEY,
     RUN_END_KEY,
     SAMPLES_KEY,
     START_KEY,
     WEIGHTS_KEY,
-    ownership,
     ranker_online,
 )
-from streamrl_jax.pipeline.rollout import PartialRollout
-from streamrl_jax.pipeline.roster import RosterUpdate, reserved_processes
-from streamrl_jax.pipeline.round_reports import start_reporter
+from streamrl_jax.pipeline.processes.roster import RosterUpdate, reserved_processes
+from streamrl_jax.pipeline.processes.roster_share import RosterShare
+from streamrl_jax.pipeline.prompts import PromptSource
+from streamrl_jax.pipeline.requests import Requests
+from streamrl_jax.pipeline.rollouts import Rollout, RolloutContext, make_rollout
+from streamrl_jax.pipeline.rollouts.partial import PartialRollout
 from streamrl_jax.pipeline.schedules import Schedule
+from streamrl_jax.pipeline.shards import Alone, ownership
 from streamrl_jax.scheduling.live import LiveScheduler
+from streamrl_jax.stream.sample_stream import SampleStream, StreamError
+from streamrl_jax.weight_sync import Params
 
 
 class _Stopped(Exception):
@@ -116,14 +124,17 @@ class _GenerationProcess:
         self.timeout = cfg.pipeline.timeout_s
         self.pid = r.process_id
         self.share = (r.generation_processes.index(self.pid), len(r.generation_processes))
-        self.side = components_lib.build_generation(cfg, jax.local_devices())
+        self.parts, pipeline, self.held_out = components_lib.build_generation(
+            cfg, jax.local_devices()
+        )
+        self.prompts = PromptSource(pipeline)
         name = f"generation-{self.pid}"
         # A restarted process: the roster so far; the update taking it back comes after.
-        self.epoch0 = roster_reader.last_epoch() if r.rejoined else 0
+        self.epoch0 = roster_share.last_epoch() if r.rejoined else 0
         # One sample channel per training process: each group goes to its owner
         # (shards.py); held-out samples and reports go to the first.
         t = len(r.training_processes)
-        self.own = ownership(cfg, t) if t > 1 else None
+        self.own = ownership(cfg.pipeline, t)
         self.clients = [
             self._dial(
                 lambda dial_s, address=address: SampleClient(
@@ -141,10 +152,10 @@ class _GenerationProcess:
         # Dials every training process; its need (the boxes its first instance's devices
         # hold of every leaf) is what each sender plans against and what every piece is
         # checked against before anything is allocated.
-        parts = self.side.parts
+        parts = self.parts
         weights = [roles.lookup(f"{WEIGHTS_KEY}-{i}", self.timeout) for i in range(t)]
         need = need_of(parts.param_shardings[0], parts.abstract_params, self.pid)
-        xla = pull_server(cfg, roles.advertised_host(dcfg))
+        xla = pull_server(cfg.pipeline, roles.advertised_host(dcfg))
         self.receiver = self._dial(
             lambda dial_s: ShardReceiver(
                 weights,
@@ -157,8 +168,8 @@ class _GenerationProcess:
             ),
             "weights",
         )
-        self.driver: GenerationDriver | None = None
-        self._placed: dict[int, list[Any]] = {}  # recent versions, for groups made again
+        self._placed: dict[int, list[Params]] = {}  # recent versions, for groups made again
+        self.schedule = Schedule.from_config(cfg.pipeline)
         self.latch = FailureLatch(name)
         self.latch.add_listener(
             lambda component, exc: logging.error("%s failed: %r", component, exc)
@@ -188,20 +199,23 @@ class _GenerationProcess:
                     ) from e
 
     # ------------------------------------------------------------------ hooks
-    def _send(self, msg: Any) -> None:
+    def _send(self, msg: Sample | ChunkReport | SpanReport | RoundClosed) -> None:
         client = self.client
-        if self.own is not None and isinstance(msg, Sample) and not msg.tag.is_eval:
+        if isinstance(msg, Sample) and not msg.tag.is_eval:
             client = self.clients[self.own.owner(msg.tag.group)]
         client.send(msg, timeout=self.timeout)  # back-pressure waits up to the stall bound
 
     def _channel_error(self) -> BaseException | None:
         return next((c.error for c in self.clients if c.error is not None), None)
 
-    def _receive(self, version: int) -> list[Any]:
-        """W_version placed on every instance; earlier versions the driver skips are dropped."""
-        shardings = self.side.parts.param_shardings
+    # ------------------------------------------------------------------ the driver's Weights
+    def wait(self, version: int, idle: Callable[[], None]) -> list[Params]:
+        """W_version placed on every instance; earlier versions the driver skips are
+        dropped; `idle()` runs while it waits (the driver generates a lost process's
+        groups again: the trainer may be waiting for them before it makes W_version)."""
+        shardings = self.parts.param_shardings
         while True:
-            params, got, stats = self._next_weights(shardings[0])
+            params, got, stats = self._next_weights(shardings[0], idle)
             t1 = time.time()
             self._send(
                 SpanReport(
@@ -222,14 +236,17 @@ class _GenerationProcess:
             del self._placed[v]
         return placed
 
-    def _next_weights(self, shardings: Any) -> tuple[Any, int, Any]:
-        """The next weight version (bounded by the stall timeout); meanwhile the groups
-        of a lost generation process that this one owns now are generated again (the
-        trainer may be waiting for them before it can make the next version)."""
+    def kept(self, version: int) -> list[Params] | None:
+        return self._placed.get(version)
+
+    def _next_weights(
+        self, shardings: Params, idle: Callable[[], None]
+    ) -> tuple[Params, int, ShardStats]:
+        """The next weight version (bounded by the stall timeout), running `idle()`
+        between attempts."""
         deadline = time.monotonic() + self.timeout
         while True:
-            if self.driver is not None:
-                self.driver.regenerate()
+            idle()
             try:
                 return self.receiver.receive(shardings, min(0.5, self.timeout))
             except TransportTimeout:
@@ -248,7 +265,6 @@ class _GenerationProcess:
         process only scores with it; a thread places each refresh into `live.ranker`."""
         if not ranker_online(self.cfg):
             return None
-        live.online = False  # no local buffer or refresh
         ranker = live.ranker
         self.ranker_receiver = WeightReceiver(
             roles.lookup(RANKER_KEY, self.timeout),
@@ -289,11 +305,9 @@ class _GenerationProcess:
         thread.start()
         return thread
 
-    def _round_reporter(self, rollout: PartialRollout | None, first: int):
+    def _round_reporter(self, rollout: PartialRollout, first: int) -> threading.Thread:
         """Partial rollout: the thread that reports this process's rounds to the trainer
-        (`round_reports.start_reporter`); None without partial rollout."""
-        if rollout is None:
-            return None
+        (`start_reporter`)."""
         return start_reporter(
             rollout,
             range(first, self.cfg.pipeline.steps),
@@ -304,9 +318,11 @@ class _GenerationProcess:
         )
 
     # ------------------------------------------------------------------ run
-    def run(self) -> None:
-        # Where the trainer starts: batch 0, or a restored checkpoint's batch with the
-        # prompt iterator's state there and the prompt ids the batch must draw again.
+    def _start(self) -> tuple[int, int, RosterUpdate]:
+        """Where this process starts: (first batch, the version its service must hold
+        first, the roster in force); the prompt source is set there."""
+        # Batch 0, or a restored checkpoint's batch with the prompt iterator's state there
+        # and the prompt ids the batches drawn before it must draw again.
         try:
             start = json.loads(roles.lookup(START_KEY, self.timeout))
         except TimeoutError as e:
@@ -316,63 +332,107 @@ class _GenerationProcess:
                 "checkpoint or building, or gone)"
             ) from e
         batch = int(start["batch"])
-        if batch > 0:
-            self.side.prompts.set_state(start["prompts"])
         expected = {int(b): ids for b, ids in start.get("expected_ids", {}).items()}
-        loaded = 0
+        if batch > 0:
+            self.prompts.restore(start["prompts"], expected)
         g = len(self.r.generation_processes)
         reserved = reserved_processes(g, self.cfg.scheduling.elastic_reserved)
         roster = RosterUpdate(0, (), 0, {}, (), {}, reserved=reserved)
+        # A resumed run's service holds the build's W_0: load W_g(batch) first (-1).
+        loaded = 0 if batch == 0 else -1
         if self.r.rejoined:
             # Restarted into the run: start where the trainer's roster says, with
             # that batch's weights; the prompt iterator is moved there by drawing.
-            roster = update = roster_reader.rejoin(self.pid, self.epoch0, self.timeout)
-            for _ in range(batch, update.floor):
-                self.side.prompts.next_prompts(self.cfg.pipeline.prompts_per_step)
-            batch, expected = update.floor, {}
-            loaded = Schedule.from_config(self.cfg.pipeline).generation_version(batch)
-        params = self._receive(loaded)
-        service = self.side.parts.service(
-            params, loaded, on_chunk=self._on_chunk, pipeline=self.cfg.pipeline
-        )
-        # Every instance of this process dispatches; the reserved units are processes.
-        live = LiveScheduler(self.cfg, self.cfg.mesh.instance_slots, self.side.vocab_size, 0)
-        ranker_thread = self._ranker_channel(live)
-        # Partial rollout: this process's rounds (the trainer learns of each closure).
+            roster = roster_share.rejoin(self.pid, self.epoch0, self.timeout)
+            self.prompts.skip_to(roster.floor, self.cfg.pipeline.prompts_per_step, batch)
+            batch = roster.floor
+            loaded = self.schedule.generation_version(batch)
+        return batch, loaded, roster
+
+    def _rollout(self) -> PartialRollout | Rollout:
+        """The generation half of the run's rollout."""
         p = self.cfg.pipeline
-        rollout = PartialRollout(p, Schedule.from_config(p)) if p.partial_budget_tokens else None
-        if rollout is not None:
-            self.latch.add_listener(lambda component, exc: rollout.fail(exc))
-        driver = GenerationDriver(
-            self.cfg,
-            service,
-            live,
-            self.side.eval_prompts,
-            weights=self._receive,
-            draw=lambda batch, n: self.side.prompts.next_prompts(n),
-            emit=self._send,
-            latch=self.latch,
-            share=self.share,
-            weights_at=self._placed.get,
-            emit_component="sample channel",
-            start=batch,
-            # A resumed run's service holds the build's W_0: load W_g(batch) first.
-            loaded_version=loaded if batch == 0 or self.r.rejoined else -1,
-            expected_ids=expected,
-            rollout=rollout,
+        # Nothing here trains: the rollout's stream (its trainer half) stays empty.
+        unused: SampleStream[Scored] = SampleStream(
+            group_size=p.group_size, group_key=group_key, capacity=p.group_size
         )
-        reader = roster_reader.RosterReader(self.pid, driver, roster)
-        self.driver = driver
+        rollout = make_rollout(
+            p.rollout,
+            RolloutContext(
+                pipeline=p,
+                schedule=self.schedule,
+                stream=unused,
+                prompts=self.prompts,
+                latch=self.latch,
+                overlong=OverlongPenalty.from_config(self.cfg),
+                trainers=Alone(ownership(p, 1)),
+                seed=self.cfg.seed,
+                where="generator",
+            ),
+        )
+        self.latch.add_listener(lambda component, exc: rollout.fail(exc))
+        return rollout
+
+    def run(self) -> None:
+        batch, loaded, roster = self._start()
+        p = self.cfg.pipeline
+        params = self.wait(max(loaded, 0), idle=lambda: None)
+        service = self.parts.service(
+            params,
+            max(loaded, 0),
+            on_chunk=self._on_chunk,
+            precompile=p.precompile,
+            continuations=p.partial_budget_tokens > 0,
+        )
+        # Every instance of this process dispatches; the reserved units are processes,
+        # and an online ranker is refreshed by the trainer (`_ranker_channel`).
+        live = LiveScheduler(
+            self.cfg.scheduling,
+            self.cfg.mesh.instance_slots,
+            vocab_size=self.parts.model_cfg.vocab_size,
+            seed=self.cfg.seed,
+            initial_length=max(self.cfg.generation.max_new_tokens / 4, 1.0),
+            reserved=0,
+            refresh=False,
+        )
+        ranker_thread = self._ranker_channel(live)
+        rollout = self._rollout()
+        share = RosterShare(
+            self.pid, self.share, roster, self.schedule.generation_version, p.staleness + 2
+        )
+        driver = GenerationDriver(
+            service,
+            rollout,
+            live,
+            self,
+            share,
+            Requests.from_config(self.cfg),
+            self._send,
+            self.latch,
+            DriverPlan(
+                schedule=self.schedule,
+                start=batch,
+                steps=p.steps,
+                loaded_version=loaded,
+                held_out=self.held_out if self.cfg.eval.num_problems else (),
+                timeout=self.timeout,
+                emit_component="sample channel",
+            ),
+        )
+        hooks = generation_hooks(self.cfg, driver.evaluate)
+        # No checkpoint is taken here: the prompt records of batches well behind go.
+        hooks.add("prompt records", 1, lambda b: self.prompts.forget_below(b - p.staleness - 2))
         ok = False
-        roster_thread = reader.start_watcher(
+        roster_thread = share.start_watcher(
             self._stopping, lambda e: self.latch.fail("roster watcher", e)
         )
-        reporter = None
+        reporters: list[threading.Thread] = []
         try:
-            driver.start_threads()
-            reporter = self._round_reporter(rollout, batch)
-            self._wait(driver, reporter)
-            outcome = self._drain()
+            driver.start_threads(hooks)
+            if isinstance(rollout, PartialRollout):  # its rounds' closures to the trainer
+                reporters.append(self._round_reporter(rollout, batch))
+            self._wait(driver, reporters)
+            outcome = self._drain(driver)
             ok = True
         except _Stopped:
             outcome, ok = "stopped", True
@@ -392,7 +452,7 @@ class _GenerationProcess:
             self._stopping.set()
             if self.ranker_receiver is not None:
                 self.ranker_receiver.close(CLOSE_TIMEOUT_S)
-            extra = [roster_thread, *(t for t in (ranker_thread, reporter) if t is not None)]
+            extra = [roster_thread, *reporters, *([ranker_thread] if ranker_thread else [])]
             for th in [*driver.threads, *extra]:
                 th.join(CLOSE_TIMEOUT_S)
             service.close(CLOSE_TIMEOUT_S)
@@ -406,11 +466,11 @@ class _GenerationProcess:
     def _reason(self) -> BaseException | str:
         return self.latch.error if self.latch.failed else "interrupted"
 
-    def _wait(self, driver: GenerationDriver, reporter: threading.Thread | None) -> None:
+    def _wait(self, driver: GenerationDriver, reporters: list[threading.Thread]) -> None:
         """Until every batch (and the final eval) is generated and sent (and, with partial
         rollout, every round reported), watching the sample channel so a lost trainer
         ends this process at once."""
-        reporting = lambda: reporter is not None and reporter.is_alive()  # noqa: E731
+        reporting = lambda: any(r.is_alive() for r in reporters)  # noqa: E731
         while driver.driving or driver.pending() > 0 or reporting():
             if not driver.driving:
                 driver.regenerate()  # the driver thread has ended: this thread does it
@@ -438,14 +498,14 @@ class _GenerationProcess:
         except TimeoutError:
             return None
 
-    def _drain(self) -> str:
+    def _drain(self, driver: GenerationDriver) -> str:
         """Takes the weight sets nobody needs any more until the trainer closes the
         channel, then reads the run's outcome."""
-        shardings = self.side.parts.param_shardings[0]
+        shardings = self.parts.param_shardings[0]
         while True:
             try:
-                self._next_weights(shardings)
-                self.driver.wait_idle()  # what it generated again is sent
+                self._next_weights(shardings, driver.regenerate)
+                driver.wait_idle()  # what it generated again is sent
             except ChannelClosed:
                 break
             except TransportError as e:
@@ -475,3 +535,51 @@ def run_generation(cfg: ExperimentConfig, dcfg: roles.DistributedConfig, r: role
         )
         return
     process.run()
+
+
+def start_reporter(
+    rollout: PartialRollout,
+    rounds: Iterable[int],
+    process: int,
+    send: Callable[[RoundClosed], None],
+    stopping: threading.Event,
+    fail: Callable[[BaseException], None],
+) -> threading.Thread:
+    """Partial rollout across processes: a thread that sends a `RoundClosed` per round of
+    `rounds`, in order, once this process's `rollout` closed it (every segment of the
+    round returned); the trainer's half (`rollouts/partial.RemoteRounds`) trains each
+    step on it. It ends when `stopping` is set (checked twice a second) or the rollout
+    fails (the run's failure is already known); a send that raises fails the run
+    through `fail` (a lost channel, or a bug, named as the round reporter's)."""
+
+    def report() -> None:
+        for r in rounds:
+            while True:
+                if stopping.is_set():
+                    return
+                try:
+                    groups = rollout.wait_round(r, 0.5)
+                    break
+                except TimeoutError:
+                    continue
+                except StreamError:
+                    return
+            counts = rollout.in_flight()
+            closed = RoundClosed(
+                process,
+                r,
+                tuple(groups),
+                counts["paused"],
+                counts["waiting_members"],
+                rollout.regenerated,
+                rollout.dropped,
+            )
+            try:
+                send(closed)
+            except Exception as e:
+                fail(e)
+                return
+
+    thread = threading.Thread(target=report, name="round-reporter", daemon=True)
+    thread.start()
+    return thread

@@ -43,8 +43,10 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
+import jax.numpy as jnp
 from absl import logging
 
 from streamrl_jax.config import ExperimentConfig
@@ -63,7 +65,9 @@ from streamrl_jax.distributed.xla_pull import pull_server
 from streamrl_jax.generation.types import Sample
 from streamrl_jax.pipeline import components as components_lib
 from streamrl_jax.pipeline.lifecycle import run_components
-from streamrl_jax.pipeline.process_plan import (
+from streamrl_jax.pipeline.micro_batches import Group
+from streamrl_jax.pipeline.parts import RunParts, Trainers
+from streamrl_jax.pipeline.processes.plan import (
     CLOSE_TIMEOUT_S,
     IN_FLIGHT,
     RANKER_KEY,
@@ -71,15 +75,17 @@ from streamrl_jax.pipeline.process_plan import (
     SAMPLES_KEY,
     START_KEY,
     WEIGHTS_KEY,
-    ownership,
     ranker_online,
 )
-from streamrl_jax.pipeline.roster import ROSTER_KEY, Roster, reserved_processes
-from streamrl_jax.pipeline.round_reports import RoundReports
+from streamrl_jax.pipeline.processes.roster import ROSTER_KEY, Roster, reserved_processes
+from streamrl_jax.pipeline.resume import ResumePoint
+from streamrl_jax.pipeline.rollouts import Where
 from streamrl_jax.pipeline.schedules import Schedule
-from streamrl_jax.pipeline.shards import TrainingGroup
+from streamrl_jax.pipeline.shards import Alone, TrainingGroup, ownership
 from streamrl_jax.pipeline.step_metrics import RunResult
-from streamrl_jax.weight_sync import Mover, Published, WeightSync
+from streamrl_jax.scheduling.live import LiveScheduler
+from streamrl_jax.scheduling.ranker import Ranker
+from streamrl_jax.weight_sync import Mover, Params, Published, WeightSync
 
 
 def send_to_generation(sender: ShardSender, timeout_s: float) -> Mover:
@@ -129,39 +135,38 @@ class ProblemTable:
 
 
 class TrainingLink:
-    """The training process's `GenerationLink` (pipeline/driver.py): samples in, weights out."""
+    """The training process's `Generation` (pipeline/generation.py) and, once started, its
+    `Running`: samples in, weights out."""
+
+    where: Where = "trainer"  # the trainer's half of the rollout runs here
+    threads: list[threading.Thread] = []  # the channels own their threads
 
     def __init__(self, cfg: ExperimentConfig, dcfg: roles.DistributedConfig, r: roles.Roles):
         g = len(r.generation_processes)
         p = cfg.pipeline
+        self.cfg = cfg
         # Several training processes: this one's index; the first sends the weights,
         # writes the metrics and scores the held-out prompts.
         self.index = r.training_processes.index(r.process_id)
-        self.group: TrainingGroup | None = None  # set once the training mesh exists
         self.timeout = p.timeout_s
         self.num_instances = g * len(cfg.mesh.instance_slots)
+        self.generation_processes = tuple(r.generation_processes)
         self._attached = threading.Event()
         self._closed = False
-        self._hooks: tuple[Any, ...] = ()
-        self._early: list[tuple[str, BaseException]] = []  # failures before attach
+        self._run: RunParts | None = None  # the run, once it started
+        self._early: list[tuple[str, BaseException]] = []  # failures before the start
         self._inflight = threading.BoundedSemaphore(IN_FLIGHT)
-        self.problems: ProblemTable | None = None  # set once the datasets exist
-        # The run's one checkpoint directory and orbax's active set (resume.py).
-        self.checkpoints: tuple[str, tuple[int, ...]] | None = None
+        self._drawn: dict[int, list[str]] = {}  # batch -> its prompt ids (`verify`)
         # Lost generation processes and the samples received (first copies only).
         t = len(r.training_processes)
-        per_batch = range(p.prompts_per_step)
-        own = ownership(cfg, t) if t > 1 else None
-        groups = [i for i in per_batch if own is None or own.owner(i) == self.index]
+        own = ownership(p, t)
+        groups = [i for i in range(p.prompts_per_step) if own.owner(i) == self.index]
         # The reserved (elastic) generation processes own nothing until activated.
         reserved = reserved_processes(g, cfg.scheduling.elastic_reserved)
         self.roster = Roster(g, groups, p.group_size, num_evals=0, reserved=reserved)
         self.steps = p.steps
         self.versions = Schedule.from_config(p)  # g(b): the version batch b needs
         self.duplicates = 0
-        # Partial rollout: the generation processes' round closures (round_reports.py),
-        # what the trainer loop waits on instead of a local PartialRollout.
-        self.rollout = RoundReports(p, r.generation_processes) if p.partial_budget_tokens else None
         address = roles.advertised_host(dcfg)
         self.server = SampleServer(
             f"{address}:0",
@@ -184,7 +189,7 @@ class TrainingLink:
             timeout_s=dcfg.peer_timeout_s,
             name=f"training-{self.index}",
             checksum=p.weight_checksum,
-            xla=pull_server(cfg, address),
+            xla=pull_server(p, address),
             on_lost=lambda k, exc: self._lost(f"generation-{k}", exc),
             on_rejoin=self._rejoined,
             keep=p.staleness + 2,  # what a restarted generation process may still need
@@ -192,7 +197,7 @@ class TrainingLink:
         roles.publish(f"{WEIGHTS_KEY}-{self.index}", "{}:{}".format(*self.sender.address))
         # The online ranker refresh runs here, where the samples arrive; its parameters
         # go to every generation process's dispatcher (version = the ranker's steps).
-        self.live: Any = None
+        self.live: LiveScheduler | None = None  # made by `scheduler`
         self.ranker_sender = None
         if self.index == 0 and ranker_online(cfg):
             self.ranker_sender = WeightSender(
@@ -270,28 +275,76 @@ class TrainingLink:
         """A roster change on the trace's `roster` track (the run's record of it)."""
         if self._attached.is_set():
             now = time.time()
-            self._hooks[2]("roster", what, now, now + 1e-3)
+            self._run.tracer.add_wall("roster", what, now, now + 1e-3)
 
     def _failed(self, component: str, exc: BaseException) -> None:
         if isinstance(exc, PeerLost):
             logging.error("lost peer: %s", exc)
         if self._attached.is_set():
-            self._hooks[3](component, exc)
+            self._run.supervisor.fail(component, exc)
         else:
             self._early.append((component, exc))
 
-    def attach(self, on_sample, on_chunk, on_span, on_error) -> None:
-        self._hooks = (on_sample, on_chunk, on_span, on_error)
+    # ------------------------------------------------------------------ Generation
+    def scheduler(self, vocab_size: int) -> LiveScheduler:
+        """The run's scheduler here: the online ranker refresh (the samples arrive here),
+        each refresh sent to the generation processes' dispatchers; on the first training
+        process the elastic rule over reserved generation processes."""
+        cfg = self.cfg
+        units = _Processes(self.roster, self._activate)
+        self.live = LiveScheduler(
+            cfg.scheduling,
+            cfg.mesh.instance_slots,
+            vocab_size=vocab_size,
+            seed=cfg.seed,
+            initial_length=max(cfg.generation.max_new_tokens / 4, 1.0),
+            reserved=0,  # the reserved units are generation processes
+            on_refresh=self._send_ranker if self.ranker_sender is not None else None,
+            units=units if self.index == 0 and self.roster.reserved else None,
+        )
+        return self.live
+
+    def start(self, run: RunParts, resume: ResumePoint) -> TrainingLink:
+        """Samples to the run's ingest (checked against this process's own problems),
+        reports to its meter, trace and rollout, failures to its supervisor."""
+        del resume  # `begin` told the generation processes where the run starts
+        self.problems = ProblemTable(run.components, self.cfg)
+        self.roster.num_evals = len(run.components.eval_prompts)
+        self._run = run
         self._attached.set()
         for component, exc in self._early:
-            on_error(component, exc)
+            run.supervisor.fail(component, exc)
+        return self
 
-    def schedule(self, live: Any) -> None:
-        self.live = live
-        if self.ranker_sender is not None:
-            live.on_refresh = self._send_ranker
-        if self.index == 0 and self.roster.reserved:
-            live.elastic_over_processes(self.roster.counts, self._activate)
+    def step_started(self, batch: int) -> None:
+        """The generation processes draw every batch from the same seeded pipeline: this
+        process draws it too (the checkpoints record its iterator, `verify` its ids)."""
+        p = self.cfg.pipeline
+        drawn = self._run.prompts.draw(batch, p.prompts_per_step)
+        self._drawn[batch] = [q.problem.prompt_id for q in drawn]
+        # Partial rollout trains groups of batches up to max_lag - s steps back.
+        for old in [j for j in self._drawn if j < batch - self._run.schedule.max_lag - 1]:
+            del self._drawn[old]
+
+    def verify(self, groups: list[Group]) -> None:
+        """Every group's prompt is the one this process drew for its batch and index, so
+        the seeded prompt pipelines of all processes stay in step."""
+        for g in groups:
+            tag = g[0].sample.tag
+            ids = self._drawn.get(tag.batch)
+            if ids is None or tag.prompt_id != ids[tag.group]:
+                want = "a batch it no longer keeps" if ids is None else ids[tag.group]
+                raise RuntimeError(
+                    f"batch {tag.batch} group {tag.group}: generated for prompt "
+                    f"{tag.prompt_id}, the trainer drew {want} (prompt pipelines out of step)"
+                )
+
+    # ------------------------------------------------------------------ Running
+    def pending(self) -> int:
+        return 0  # the generation processes watch their own work
+
+    def stop(self) -> None:
+        pass  # `close` ends the channels
 
     def _activate(self, step: int) -> bool:
         """The elastic rule added a generation instance at the end of `step`: the next
@@ -321,7 +374,7 @@ class TrainingLink:
         )
         return True
 
-    def _send_ranker(self, ranker: Any, live_only: bool = True) -> None:
+    def _send_ranker(self, ranker: Ranker, live_only: bool = True) -> None:
         """The refresh thread: the new ranker parameters to every generation process.
         `live_only` (refreshes): to the generation processes connected now, a lost one
         skipped, a restarted one (its ranker receiver dialed in again) served from the
@@ -333,28 +386,26 @@ class TrainingLink:
         except ChannelClosed:  # the run ended while the refresh ran: nobody dispatches
             logging.info("ranker v%d: the run ended before it was sent", ranker.steps)
 
-    def begin(self, resume: Any, weights: dict[int, list[Any]]) -> None:
+    def begin(self, resume: ResumePoint, restored: dict[int, list[Published]]) -> None:
         """Publishes where generation starts (`START_KEY`: batch 0, or a restored run's
         batch, prompt-iterator state and in-flight prompt ids), then sends the restored
         generation weights in version order. Publish first: a generation process reads
         it before it takes W_0, and the sender waits for room at the receivers."""
         start: dict[str, Any] = {"batch": 0}
-        if resume is not None:
+        if resume.resumed:
             start = {
                 "batch": resume.batch,
                 "prompts": resume.prompts,
                 "expected_ids": {str(b): ids for b, ids in resume.expected_ids.items()},
             }
         self.roster.start(start["batch"])
-        if self.rollout is not None:
-            self.rollout.start(start["batch"])
         if self.index == 0:
             roles.publish(START_KEY, json.dumps(start))
-        if resume is not None:
+        if resume.resumed:
             # Every training process sends its own shards of each restored version.
-            for v in sorted(weights):
-                self.sender.send(weights[v][0].params, v, timeout=self.timeout)
-            ranker = getattr(self.live, "ranker", None)
+            for v in sorted(restored):
+                self.sender.send(restored[v][0].params, v, timeout=self.timeout)
+            ranker = self.live.ranker
             if self.ranker_sender is not None and ranker is not None and ranker.steps > 0:
                 logging.info("restored ranker v%d to the generation processes", ranker.steps)
                 self._send_ranker(ranker, live_only=False)
@@ -372,29 +423,29 @@ class TrainingLink:
         """A sample channel's reader thread: one message from a generation process
         (`peer`: its name, e.g. "generation-0")."""
         self._wait(self._attached.wait, "the run did not start")
-        on_sample, on_chunk, on_span, _ = self._hooks
+        run = self._run
         if isinstance(msg, Sample):
             msg = self.problems.attach(msg, "a generation process")
             if not self.roster.first(msg.tag):
                 self.duplicates += 1  # generated again after a loss: the first copy counts
                 return
-            if self.live is not None and not msg.tag.is_eval and msg.finish_reason != "paused":
-                self.live.observe(msg.prompt, msg.num_tokens)  # the ranker refresh's data
+            if not msg.tag.is_eval and msg.finish_reason != "paused":
+                run.live.observe(msg.prompt, msg.num_tokens)  # the ranker refresh's data
             # Back-pressure: the reader (and so the producer's credit) waits here while
             # IN_FLIGHT samples are still being scored or waiting for stream room.
             self._wait(
                 self._inflight.acquire,
                 "no room for samples (reward pool / sample stream / trainer stalled)",
             )
-            on_sample(msg, self._inflight.release)
+            run.ingest.on_sample(msg, self._inflight.release)
         elif isinstance(msg, ChunkReport):
-            on_chunk(msg)
+            run.meter.chunk(msg)
         elif isinstance(msg, SpanReport):
-            on_span(msg.track, msg.name, msg.t0, msg.t1, **msg.args)
-        elif isinstance(msg, RoundClosed) and self.rollout is not None:
+            run.tracer.add_wall(msg.track, msg.name, msg.t0, msg.t1, **msg.args)
+        elif isinstance(msg, RoundClosed):
             if peer != f"generation-{msg.process}":  # a report speaks for its sender only
                 raise TransportError(f"{peer} sent a round report for generation-{msg.process}")
-            self.rollout.closed(msg)
+            run.rollout.report(msg)
         elif isinstance(msg, GenerationFailed):
             self._failed(
                 f"generation process {msg.process}",
@@ -437,11 +488,24 @@ class TrainingLink:
             self.server.close(CLOSE_TIMEOUT_S)
 
 
+class _Processes:
+    """The elastic rule's units on the first training process: reserved generation
+    processes, activated through the roster (`scheduling.live.ElasticUnits`)."""
+
+    def __init__(self, roster: Roster, activate: Callable[[int], bool]):
+        self.roster, self._activate = roster, activate
+
+    def counts(self) -> tuple[int, int]:
+        return self.roster.counts()
+
+    def activate(self, step: int) -> bool:
+        return self._activate(step)
+
+
 def run_training(
     cfg: ExperimentConfig, workdir: str, dcfg: roles.DistributedConfig, r: roles.Roles
 ) -> RunResult:
     link = TrainingLink(cfg, dcfg, r)
-    link.checkpoints = (os.path.join(workdir, "checkpoints"), tuple(r.training_processes))
     # The training mesh: the first mesh.train_devices devices of every training process.
     per = cfg.mesh.train_devices
     devices = [
@@ -450,28 +514,29 @@ def run_training(
         for d in [d for d in r.training_devices if d.process_index == pid][:per]
     ]
 
-    def weight_sync(params: Any, dtype: Any) -> WeightSync:
+    def weight_sync(params: Params, dtype: jnp.dtype) -> WeightSync:
         # The cast keeps the training sharding: each process sends its own shards.
         return WeightSync(dtype, send_to_generation(link.sender, cfg.pipeline.timeout_s))
 
+    t = len(r.training_processes)
     try:
+        # The first training process scores the held-out prompts and writes the metrics;
+        # another keeps its own trace and sample logs apart.
         components = components_lib.build_training(
-            cfg, devices, weight_sync, processes=len(r.training_processes)
+            cfg, devices, weight_sync, processes=t, held_out=link.index == 0
         )
-        link.problems = ProblemTable(components, cfg)
-        if len(r.training_processes) > 1:
-            link.group = TrainingGroup(
-                components.trainer.mesh, ownership(cfg, len(r.training_processes)), link.index
-            )
+        own = ownership(cfg.pipeline, t)
+        share = Alone(own) if t == 1 else TrainingGroup(components.trainer.mesh, own, link.index)
+        trainers = Trainers(
+            share=share,
+            checkpoint_dir=os.path.join(workdir, "checkpoints"),  # the run's one directory
+            checkpoint_processes=tuple(r.training_processes),  # orbax's active set
+        )
         if link.index > 0:
-            # The first training process scores the held-out prompts and writes the
-            # metrics; this one keeps its own trace and sample logs apart.
-            components.eval_prompts = []
             workdir = os.path.join(workdir, f"training-{link.index}")
-        link.roster.num_evals = len(components.eval_prompts)
-        return run_components(cfg, components, workdir, link=link)
+        return run_components(cfg, components, workdir, generation=link, trainers=trainers)
     except BaseException as e:
-        if len(r.training_processes) > 1 and "gloo" in str(e).lower():
+        if t > 1 and "gloo" in str(e).lower():
             # A collective of the training mesh broke: another training process is gone.
             others = [p for p in r.training_processes if p != r.process_id]
             logging.error("lost peer: a collective over the training processes %s failed", others)

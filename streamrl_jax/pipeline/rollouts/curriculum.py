@@ -1,0 +1,262 @@
+"""An online difficulty curriculum over any rollout: prompts that taught nothing are drawn less.
+
+`pipeline.rollout="curriculum+<kind>"` (e.g. `curriculum+dynamic_sampling`) wraps the
+rollout `<kind>`: every prompt that kind draws comes through the curriculum, and
+everything else is the inner kind's.
+
+**Signal.** A group whose samples were all right or all wrong gives GRPO no
+gradient (its advantages are zero); a group with both teaches. Each prompt keeps a
+weight w in [floor, 1], 1 to start: a trained group whose `correct` values vary
+sets it back to 1; a group that was all right or all wrong (trained, or skipped by
+dynamic sampling for want of reward variance) multiplies it by
+`pipeline.curriculum_decay`, never below `pipeline.curriculum_floor`.
+
+**Draws.** The prompt pipeline still deals each epoch's prompts once, in its seeded
+order. The curriculum takes them one at a time: a prompt is drawn with probability
+w, else it is *passed over* for this epoch (the uniform number is a hash of the run
+seed, the prompt id and its position in the pipeline, so it is the same in every
+process and after a resume). The floor keeps every prompt drawn with probability at
+least `floor` per epoch: nothing starves.
+
+**Accounting, exactly once per epoch.** Every prompt the pipeline deals appears in
+`consumed.jsonl` exactly once per epoch: at the step of the batch that trained its
+group, or (skipped by the inner kind, or passed over here) at the step of the batch
+that drew it (`StepOutcome.consumed`). `consumed.jsonl` therefore still lists each
+epoch's prompts once however often a run was killed and resumed
+(`tools/fault_drill.py`).
+
+**Determinism.** The draws of batch b use the weights updated from the groups of
+the steps before g(b) only (the steps whose W_{g(b)} generation had to wait for), in
+step order, so they do not depend on timing: a run draws the same prompts in every
+mode's schedule, and a resumed run (its state is the weights as of the checkpoint's
+step) draws what the first run drew. One process only (`config/rules.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from streamrl_jax.data import Prompt
+from streamrl_jax.distributed.messages import RoundClosed
+from streamrl_jax.generation.types import GenerationRequest, Sample
+from streamrl_jax.pipeline.micro_batches import Group, Scored
+from streamrl_jax.pipeline.prompts import Prompts
+from streamrl_jax.pipeline.rollouts.protocol import (
+    Returned,
+    Rollout,
+    RolloutContext,
+    StepOutcome,
+    Submit,
+)
+
+
+def accept_draw(seed: int, prompt_id: str, position: int) -> float:
+    """The uniform number in [0, 1) that decides a prompt's draw at `position` (its index
+    among the prompts the pipeline dealt): the same in every process and every resume."""
+    digest = hashlib.blake2b(f"{seed}/{prompt_id}/{position}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") / 2.0**64
+
+
+class Weights:
+    """Per-prompt draw probabilities as of a step (module docstring). Thread-safe.
+
+    `observe(step, outcomes)` records the groups of a step; `upto(step)` moves the view
+    the draws read to "every step below `step` applied", in step order. A checkpoint at
+    boundary k keeps the weights as of g(k) (the oldest a resumed run draws with) and
+    the outcomes of the steps after it (`state`), so a resumed run's draws see exactly
+    what the first run's did.
+    """
+
+    def __init__(self, decay: float, floor: float):
+        self.decay, self.floor = decay, floor
+        self._lock = threading.Lock()
+        self._base: dict[str, float] = {}  # every step below `_base_step` applied
+        self._base_step = 0
+        self._log: dict[int, list[tuple[str, bool]]] = {}  # step >= _base_step -> outcomes
+        self._view: dict[str, float] = {}  # every step below `_view_step` applied
+        self._view_step = 0
+
+    def _apply(self, w: dict[str, float], step: int) -> None:
+        for prompt_id, informative in self._log.get(step, []):
+            old = w.get(prompt_id, 1.0)
+            w[prompt_id] = 1.0 if informative else max(self.floor, old * self.decay)
+
+    def observe(self, step: int, outcomes: list[tuple[str, bool]]) -> None:
+        with self._lock:
+            self._log.setdefault(step, []).extend(outcomes)
+
+    def upto(self, step: int) -> None:
+        """The draws from now on read the weights with every step below `step` applied."""
+        with self._lock:
+            if step < self._view_step:  # never in a run (g(b) only grows): rebuild
+                self._view, self._view_step = dict(self._base), self._base_step
+            while self._view_step < step:
+                self._apply(self._view, self._view_step)
+                self._view_step += 1
+
+    def get(self, prompt_id: str) -> float:
+        with self._lock:
+            return self._view.get(prompt_id, 1.0)
+
+    def stats(self) -> dict[str, float]:
+        """Of the prompts the draws have seen outcomes of: how many are below 1, and the
+        mean weight."""
+        with self._lock:
+            w = np.asarray(list(self._view.values()) or [1.0])
+        return {"curriculum_down": float((w < 1.0).sum()), "curriculum_weight": float(w.mean())}
+
+    def state(self, oldest: int) -> dict[str, Any]:
+        """JSON: the weights as of step `oldest` (no draw asks for older ones any more)
+        and the outcomes of the steps from it on."""
+        with self._lock:
+            while self._base_step < oldest:
+                self._apply(self._base, self._base_step)
+                self._log.pop(self._base_step, None)
+                self._base_step += 1
+            return {
+                "base_step": self._base_step,
+                "base": dict(self._base),
+                "log": {str(k): [list(o) for o in v] for k, v in sorted(self._log.items())},
+            }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        with self._lock:
+            self._base = {str(k): float(v) for k, v in state.get("base", {}).items()}
+            self._base_step = int(state.get("base_step", 0))
+            self._log = {
+                int(k): [(str(pid), bool(ok)) for pid, ok in v]
+                for k, v in state.get("log", {}).items()
+            }
+            self._view, self._view_step = dict(self._base), self._base_step
+
+
+class CurriculumPrompts:
+    """The inner rollout's `Prompts`: each prompt the pipeline deals is drawn with its
+    weight's probability, else passed over (recorded against the batch that dealt it)."""
+
+    def __init__(self, source: Prompts, weights: Weights, seed: int, version: Callable[[int], int]):
+        self.source, self.weights, self.seed, self.version = source, weights, seed, version
+        self._lock = threading.Lock()
+        self._position = 0  # prompts dealt by the pipeline through this object
+        self._first: dict[int, int] = {}  # batch -> position at its first draw
+        self._passed: dict[int, list[str]] = {}  # batch -> prompt ids passed over
+
+    def draw(self, batch: int, n: int) -> list[Prompt]:
+        self.weights.upto(self.version(batch))  # the steps W_g(b) waited for
+        out: list[Prompt] = []
+        while len(out) < n:
+            (prompt,) = self.source.draw(batch, 1)
+            pid = prompt.problem.prompt_id
+            with self._lock:
+                position = self._position
+                self._first.setdefault(batch, position)
+                self._position += 1
+            if accept_draw(self.seed, pid, position) < self.weights.get(pid):
+                out.append(prompt)
+            else:
+                with self._lock:
+                    self._passed.setdefault(batch, []).append(pid)
+        return out
+
+    def take_passed(self, batch: int) -> list[str]:
+        """The prompts batch `batch` passed over (once: they are consumed at its step)."""
+        with self._lock:
+            return self._passed.pop(batch, [])
+
+    def state(self, k: int) -> dict[str, Any]:
+        """The pipeline position at the start of batch k."""
+        with self._lock:
+            for b in [b for b in self._first if b < k]:
+                del self._first[b]
+            return {"position": self._first.get(k, self._position)}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        with self._lock:
+            self._position = int(state.get("position", 0))
+
+
+class Curriculum:
+    """The curriculum around an inner rollout (module docstring)."""
+
+    def __init__(self, ctx: RolloutContext, inner: Callable[[RolloutContext], Rollout]):
+        p = ctx.pipeline
+        self.weights = Weights(p.curriculum_decay, p.curriculum_floor)
+        self.prompts = CurriculumPrompts(
+            ctx.prompts, self.weights, ctx.seed, ctx.schedule.generation_version
+        )
+        self.inner = inner(dataclasses.replace(ctx, prompts=self.prompts))
+        self.version = ctx.schedule.generation_version
+        self._lock = threading.Lock()
+        self._seen: dict[int, list[tuple[str, bool]]] = {}  # step -> its trained groups
+
+    # ------------------------------------------------------------------ generation side
+    def draw(self, batch: int) -> list[Prompt]:
+        return self.inner.draw(batch)
+
+    def open(self, batch: int, requests: list[GenerationRequest]) -> list[GenerationRequest]:
+        return self.inner.open(batch, requests)
+
+    def settle(self, batch: int, submit: Submit, stopped: Callable[[], bool]) -> None:
+        self.inner.settle(batch, submit, stopped)
+
+    def returned(self, sample: Sample) -> Returned:
+        return self.inner.returned(sample)
+
+    # ------------------------------------------------------------------ ingest
+    def scored(self, scored: Scored) -> None:
+        self.inner.scored(scored)
+
+    def report(self, report: RoundClosed) -> None:
+        self.inner.report(report)
+
+    # ------------------------------------------------------------------ trainer side
+    def micro_batches(self, batch: int, mini: int) -> Iterator[list[Group]]:
+        for groups in self.inner.micro_batches(batch, mini):
+            outcomes = [
+                (g[0].sample.tag.prompt_id, len({s.reward.correct for s in g}) > 1) for g in groups
+            ]
+            with self._lock:
+                self._seen.setdefault(batch, []).extend(outcomes)
+            yield groups
+
+    def finish(self, batch: int) -> StepOutcome:
+        out = self.inner.finish(batch)
+        with self._lock:
+            trained = self._seen.pop(batch, [])
+        # Consumed without training: skipped by the inner kind (no reward variance).
+        self.weights.observe(batch, trained + [(pid, False) for pid in out.consumed])
+        passed = self.prompts.take_passed(batch)
+        metrics = out.metrics | self.weights.stats() | {"curriculum_passed": float(len(passed))}
+        return StepOutcome(metrics=metrics, consumed=out.consumed + passed)
+
+    def plannable(self, start: int, steps: int) -> range | None:
+        del start, steps
+        return None  # the draws depend on the rewards
+
+    # ------------------------------------------------------------------ checkpoints
+    def state(self, k: int) -> dict[str, Any]:
+        return {
+            "inner": self.inner.state(k),
+            "weights": self.weights.state(self.version(k)),
+            "prompts": self.prompts.state(k),
+        }
+
+    def restore(self, k: int, state: dict[str, Any]) -> list[Sample]:
+        self.weights.restore(state.get("weights", {}))
+        self.prompts.restore(state.get("prompts", {}))
+        return self.inner.restore(k, state.get("inner", {}))
+
+    def fail(self, exc: BaseException) -> None:
+        self.inner.fail(exc)
+
+
+def wrap(ctx: RolloutContext, inner: Callable[[RolloutContext], Rollout]) -> Curriculum:
+    """The registry's entry: the curriculum around `inner` (built from the same context,
+    drawing through the curriculum)."""
+    return Curriculum(ctx, inner)

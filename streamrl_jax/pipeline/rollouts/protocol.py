@@ -1,0 +1,143 @@
+"""The Rollout seam: what a step trains (DESIGN.md §8).
+
+A rollout kind decides, for one run:
+
+* **which requests batch b gets** (`draw`, then `open`) **and refills** (`settle`,
+  on the generation driver's thread right after the batch is submitted);
+* **what happens to a returned sample** (`returned`, the collector thread): handed
+  on (finished), or kept and continued (paused);
+* **where a scored sample goes** (`scored`, the reward pool's threads): into the
+  grouping sample stream, or held until its group can be judged;
+* **which groups step b trains** (`micro_batches`, the trainer thread), and what the
+  step adds to its metrics row and to the prompts it consumed (`finish`);
+* **its checkpoint state** at a step boundary (`state`) and the restore (`restore`).
+
+The core (driver, ingest, trainer loop, resume, lifecycle) calls these and never
+branches on which kind runs. Each kind is one module beside this one, chosen from
+`pipeline.rollout` through the registry in `rollouts/__init__.py`; a kind imports
+this protocol and lower layers only (`tests/layering_test.py`).
+
+Threads: `draw`/`open`/`settle` run on the generation driver's thread, `returned`
+on the collector's, `scored` on reward threads, `micro_batches`/`finish`/`state` on
+the trainer's, `fail` on whichever thread failed first. A kind keeps its own state
+thread-safe.
+
+Across processes a rollout has two halves: a generation process's driver calls the
+generation side (`where="generator"`), a training process the trainer side
+(`where="trainer"`); a kind that cannot run split is refused at start-up
+(`config/rules.py`). `report` is the one message from a generation process's half
+to the trainer's (partial rollout's round closures).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, NamedTuple, Protocol
+
+from streamrl_jax.algorithms.overlong import OverlongPenalty
+from streamrl_jax.config import PipelineSection
+from streamrl_jax.data import Prompt
+from streamrl_jax.distributed.messages import RoundClosed
+from streamrl_jax.generation.types import GenerationRequest, Sample
+from streamrl_jax.mailbox import FailureLatch
+from streamrl_jax.pipeline.micro_batches import Group, Scored
+from streamrl_jax.pipeline.prompts import Prompts
+from streamrl_jax.pipeline.schedules import Schedule
+from streamrl_jax.pipeline.shards import TrainerShare
+from streamrl_jax.stream.sample_stream import SampleStream
+
+# "here": one process runs both halves; "trainer" / "generator": a training /
+# generation process of a multi-controller run runs its half.
+Where = Literal["here", "trainer", "generator"]
+
+# The driver's `submit(prompts, first_group)`: a batch's further prompts, as its
+# groups first_group.., made into requests, shared out, planned and submitted.
+Submit = Callable[[list[Prompt], int], None]
+
+
+class Returned(NamedTuple):
+    """What becomes of a sample the service returned."""
+
+    sample: Sample | None  # to hand on (scored, trained); None: the rollout keeps it
+    now: list[GenerationRequest]  # requests to submit at once (continuations)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutcome:
+    """What a rollout adds to step b once its groups are trained."""
+
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    # Prompt ids consumed at this step without a trained group (skipped, passed over):
+    # with the trained groups' prompts they are the step's row of consumed.jsonl.
+    consumed: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutContext:
+    """What every rollout kind is built from."""
+
+    pipeline: PipelineSection
+    schedule: Schedule
+    stream: SampleStream[Scored]  # complete groups, to the trainer
+    prompts: Prompts  # the batches' prompts
+    latch: FailureLatch  # the run's failures (every wait gives up once it is failed)
+    overlong: OverlongPenalty | None  # DAPO's soft overlong punishment (None: off)
+    trainers: TrainerShare  # this process's share of every micro-batch
+    seed: int  # the run seed
+    where: Where = "here"
+    generation_processes: tuple[int, ...] = ()  # where="trainer": the reporting processes
+
+
+class Rollout(Protocol):
+    """What a step trains (module docstring)."""
+
+    # ------------------------------------------------------------------ generation side
+    def draw(self, batch: int) -> list[Prompt]:
+        """Batch b's prompts, its groups 0.. (the driver makes the requests)."""
+
+    def open(self, batch: int, requests: list[GenerationRequest]) -> list[GenerationRequest]:
+        """The requests to submit for batch b, given its new ones (this process's share)."""
+
+    def settle(self, batch: int, submit: Submit, stopped: Callable[[], bool]) -> None:
+        """After batch b is submitted, before the next batch is drawn or other weights
+        load: the batch's refills, if any, through `submit`. Returns early once
+        `stopped()`."""
+
+    def returned(self, sample: Sample) -> Returned:
+        """A training sample the service returned (the collector thread)."""
+
+    # ------------------------------------------------------------------ ingest
+    def scored(self, scored: Scored) -> None:
+        """A scored training sample: where it goes (the sample stream, or held)."""
+
+    def report(self, report: RoundClosed) -> None:
+        """A generation process's report on this rollout (across processes).
+
+        Raises:
+          TransportError: a kind that takes no reports, or a report that cannot be right.
+        """
+
+    # ------------------------------------------------------------------ trainer side
+    def micro_batches(self, batch: int, mini: int) -> Iterator[list[Group]]:
+        """The groups of each micro-batch of mini-batch `mini` of step b, each taken once
+        the previous one is accumulated."""
+
+    def finish(self, batch: int) -> StepOutcome:
+        """Step b's groups are trained: its metrics and consumed prompts."""
+
+    def plannable(self, start: int, steps: int) -> range | None:
+        """The batches whose prompts the trainer steps start.. steps-1 can train, when
+        known before anything is generated (`pipeline.precompile` plans their shapes);
+        None when they depend on what is sampled."""
+
+    # ------------------------------------------------------------------ checkpoints
+    def state(self, k: int) -> dict[str, Any]:
+        """JSON of the work a checkpoint at step boundary k carries."""
+
+    def restore(self, k: int, state: dict[str, Any]) -> list[Sample]:
+        """A run (resumed at k, or starting at k = 0 with `{}`) takes `state` back;
+        returns finished samples to hand to ingest again."""
+
+    def fail(self, exc: BaseException) -> None:
+        """The run failed or stops: every wait of the rollout ends (raising)."""
