@@ -21,8 +21,7 @@ from typing import Any
 from absl import logging
 
 from streamrl_jax import checkpoint as ckpt_lib
-from streamrl_jax.config import ExperimentConfig, check_one_process, validate
-from streamrl_jax.errors import UserError
+from streamrl_jax.config import ExperimentConfig, Processes, check
 from streamrl_jax.metrics import Progress
 from streamrl_jax.pipeline.components import Components, build
 from streamrl_jax.pipeline.driver import GenerationDriver, GenerationLink
@@ -206,8 +205,7 @@ def run(
     """Builds the components (on `devices`, default all) and runs the schedule of
     `cfg.pipeline.mode`; metrics, trace and checkpoints go to `workdir`; `reward_fn`
     replaces the task's reward (tests, custom rewards)."""
-    validate(cfg)  # a config made in code, too, fails here before any model load
-    check_one_process(cfg)
+    check(cfg, Processes.one())  # a config made in code, too, fails here before any model load
     return run_components(cfg, build(cfg, devices), workdir, reward_fn=reward_fn)
 
 
@@ -221,13 +219,6 @@ def run_components(
 ) -> RunResult:
     """Runs built components; with `link`, generation runs in other processes and
     samples arrive through it."""
-    if link is not None and cfg.pipeline.dynamic_sampling:
-        raise UserError(
-            "pipeline.dynamic_sampling runs in one process only: a multi-controller run's "
-            "generation processes cannot see the rewards that decide the refills"
-        )
-    if link is None:
-        check_one_process(cfg)
     if reward_fn is not None:  # the caller's own function: inline unless asked otherwise
         components.reward_fn = reward_fn
         if cfg.data.reward_sandbox != "process":

@@ -19,7 +19,7 @@ reports' counts (as of each process's last report), `fail` wakes the wait.
 
 Checkpoints: the paused samples a checkpoint must hold (docs/checkpoint.md) live in
 the generation process, so a checkpoint of this run could not be resumed losslessly;
-`process_plan.check_supported` refuses `checkpoint.every > 0` with partial rollout
+`config.check` refuses `checkpoint.every > 0` with partial rollout
 across processes, and `snapshot` / `restore` raise naming the reason should a
 checkpoint directory exist anyway.
 """
