@@ -40,17 +40,204 @@ def test_every_config_and_variant_builds(path):
 
 def test_one_process_needs_an_active_instance():
     # In one process scheduling.elastic_reserved counts instances (across processes,
-    # generation processes: process_plan.check_supported, multicontroller_test).
+    # generation processes: test_every_combination_rule_names_its_fields).
     cfg = config_lib.from_config_dict(_with(scheduling__elastic_reserved=1))
     with pytest.raises(config_lib.ConfigError, match="elastic_reserved=1 must leave at least one"):
-        config_lib.check_one_process(cfg)
-    config_lib.check_one_process(
+        config_lib.check(cfg, config_lib.Processes.one())
+    config_lib.check(
         config_lib.from_config_dict(
-            _with(scheduling__elastic_reserved=1, mesh__instance_slots=(4, 4))
-        )
+            _with(
+                scheduling__elastic_reserved=1,
+                mesh__instance_slots=(4, 4),
+                mesh__generate_devices=2,
+            )
+        ),
+        config_lib.Processes.one(),
     )
     with pytest.raises(config_lib.ConfigError, match="elastic_reserved=1 must leave"):
         run_lib.run(cfg, "/nonexistent")  # before any model load
+
+
+_PARTIAL = {
+    "pipeline__mode": "stream_async",
+    "pipeline__partial_budget_tokens": 8,
+    "pipeline__max_lag": 2,
+}
+_ONE = (1, 0)
+# Every rule on which settings combine (config/rules.py `validate` and `check`): a refused
+# combination, the process counts (total, generation) it is checked with, and what its
+# one-line message must name: the fields and, across processes, the counts.
+COMBINATIONS = {
+    "dynamic sampling, groups of one": (
+        {"pipeline__dynamic_sampling": True, "pipeline__group_size": 1},
+        _ONE,
+        ["pipeline.dynamic_sampling", "pipeline.group_size"],
+    ),
+    "dynamic sampling, mini-batches": (
+        {"pipeline__dynamic_sampling": True, "pipeline__mini_batches": 2},
+        _ONE,
+        ["pipeline.dynamic_sampling", "pipeline.mini_batches"],
+    ),
+    "dynamic sampling, in-flight updates": (
+        {
+            "pipeline__dynamic_sampling": True,
+            "pipeline__mode": "stream_async",
+            "pipeline__weight_update": "inflight",
+        },
+        _ONE,
+        ["pipeline.dynamic_sampling", "pipeline.weight_update"],
+    ),
+    "dynamic sampling, partial rollout": (
+        {"pipeline__dynamic_sampling": True, **_PARTIAL},
+        _ONE,
+        ["pipeline.dynamic_sampling", "pipeline.partial_budget_tokens"],
+    ),
+    "overlong buffer": (
+        {"algorithm__overlong_buffer": 999},
+        _ONE,
+        ["algorithm.overlong_buffer", "generation.max_new_tokens"],
+    ),
+    "group whitening, groups of one": (
+        {"algorithm__advantage": "gae", "pipeline__group_size": 1},
+        _ONE,
+        ["critic.whiten", "pipeline.group_size"],
+    ),
+    "oracle dispatch": (
+        {"scheduling__dispatch": "oracle"},
+        _ONE,
+        ["scheduling.dispatch", "generation.length_replay"],
+    ),
+    "no instance": ({"mesh__instance_slots": ()}, _ONE, ["mesh.instance_slots"]),
+    "colocated instances": (
+        {"pipeline__mode": "colocated", "mesh__instance_slots": (4, 4, 4)},
+        _ONE,
+        ["pipeline.mode", "mesh.generate_devices", "mesh.train_devices", "mesh.instance_slots"],
+    ),
+    "colocated train_tp": (
+        {"pipeline__mode": "colocated", "mesh__train_tp": 3},
+        _ONE,
+        ["pipeline.mode", "mesh.train_tp", "mesh.generate_devices", "mesh.train_devices"],
+    ),
+    "train_tp": ({"mesh__train_tp": 2}, _ONE, ["mesh.train_tp", "mesh.train_devices"]),
+    "instance_tp": (
+        {"mesh__instance_tp": 2},
+        _ONE,
+        ["mesh.instance_tp", "mesh.generate_devices"],
+    ),
+    "instances of the generation devices": (
+        {"mesh__instance_slots": (4, 4)},
+        _ONE,
+        ["mesh.instance_slots", "mesh.generate_devices", "mesh.instance_tp"],
+    ),
+    "elastic, one process": (
+        {"scheduling__elastic_reserved": 1},
+        _ONE,
+        ["scheduling.elastic_reserved", "mesh.instance_slots"],
+    ),
+    "colocated across processes": (
+        {"pipeline__mode": "colocated"},
+        (2, 1),
+        ["pipeline.mode", "2 processes, 1 generating and 1 training"],
+    ),
+    "dynamic sampling across processes": (
+        {"pipeline__dynamic_sampling": True},
+        (2, 1),
+        ["pipeline.dynamic_sampling", "2 processes, 1 generating and 1 training"],
+    ),
+    "partial rollout, 2 training processes": (
+        _PARTIAL,
+        (3, 1),
+        ["pipeline.partial_budget_tokens", "3 processes, 1 generating and 2 training"],
+    ),
+    "partial rollout, 2 generation processes": (
+        _PARTIAL,
+        (None, 2),
+        ["pipeline.partial_budget_tokens", "several processes, 2 generating"],
+    ),
+    "partial rollout with checkpoints": (
+        {**_PARTIAL, "checkpoint__every": 2},
+        (2, 1),
+        ["pipeline.partial_budget_tokens", "checkpoint.every", "2 processes"],
+    ),
+    "training processes that do not split micro-batches": (
+        {},
+        (5, 2),
+        [
+            "pipeline.micro_batch_groups",
+            "pipeline.prompts_per_step",
+            "pipeline.mini_batches",
+            "5 processes, 2 generating and 3 training",
+        ],
+    ),
+    "elastic, no generation process left": (
+        {"scheduling__elastic_reserved": 2},
+        (4, 2),
+        ["scheduling.elastic_reserved", "4 processes, 2 generating and 2 training"],
+    ),
+    "elastic, before joining": (
+        {"scheduling__elastic_reserved": 1},
+        (None, 1),
+        ["scheduling.elastic_reserved", "several processes, 1 generating"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMBINATIONS))
+def test_every_combination_rule_names_its_fields(case):
+    overrides, (total, generation), names = COMBINATIONS[case]
+    processes = config_lib.Processes(total=total, generation=generation)
+    with pytest.raises(config_lib.ConfigError) as refused:
+        config_lib.check(config_lib.from_config_dict(_with(**overrides)), processes)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert all(name in message for name in names), message
+
+
+@pytest.mark.parametrize(
+    "overrides,total,generation",
+    [
+        ({}, 1, 0),
+        ({"pipeline__mode": "colocated", "mesh__instance_slots": (4, 4)}, 1, 0),
+        ({"pipeline__mode": "colocated", "mesh__train_tp": 2}, 1, 0),
+        ({"mesh__train_devices": 2, "mesh__train_tp": 2}, 1, 0),
+        ({"mesh__generate_devices": 2, "mesh__instance_tp": 2}, 1, 0),
+        ({"pipeline__dynamic_sampling": True}, 1, 0),
+        ({**_PARTIAL, "checkpoint__every": 2}, 1, 0),  # one process checkpoints them
+        (_PARTIAL, 2, 1),
+        (_PARTIAL, None, 1),  # the total is checked once the processes have joined
+        ({}, 4, 2),  # 2 training processes split micro-batches of 4 groups
+        ({"scheduling__elastic_reserved": 1}, 3, 2),
+        ({"scheduling__elastic_reserved": 1}, None, 2),
+        ({"pipeline__mode": "stream_async", "pipeline__weight_update": "inflight"}, 2, 1),
+        ({"checkpoint__every": 2}, 2, 1),
+    ],
+)
+def test_combinations_that_work_pass_the_check(overrides, total, generation):
+    cfg = config_lib.from_config_dict(_with(**overrides))
+    processes = config_lib.Processes(total=total, generation=generation)
+    assert config_lib.check(cfg, processes) is cfg
+
+
+def test_training_split_is_the_ownership_rule():
+    from streamrl_jax.pipeline.shards import Ownership
+
+    for count, per_mini, micro in ((2, 8, 4), (2, 6, 4), (4, 8, 4), (1, 3, 2)):
+        config_lib.check_training_split(count, per_mini, micro)
+        Ownership(count, per_mini, micro)
+    for count, per_mini, micro in ((3, 4, 2), (2, 3, 2), (2, 4, 3), (0, 4, 4)):
+        with pytest.raises(config_lib.ConfigError, match="pipeline.micro_batch_groups"):
+            config_lib.check_training_split(count, per_mini, micro)
+        with pytest.raises(config_lib.ConfigError, match="pipeline.micro_batch_groups"):
+            Ownership(count, per_mini, micro)
+
+
+def test_process_counts_are_consistent():
+    assert not config_lib.Processes.one().several
+    assert config_lib.Processes(total=5, generation=2).training == 3
+    assert config_lib.Processes(total=None, generation=2).training is None
+    for total, generation in ((1, 1), (2, 2), (2, 0), (None, 0), (0, 0)):
+        with pytest.raises(ValueError):
+            config_lib.Processes(total=total, generation=generation)
 
 
 def test_unknown_variant_is_an_error():
@@ -156,6 +343,7 @@ def test_int_accepted_for_float_and_tuple_from_list():
     cd = config_lib.defaults().to_dict()
     cd["optimizer"]["learning_rate"] = 1
     cd["mesh"]["instance_slots"] = [4, 8]
+    cd["mesh"]["generate_devices"] = 2  # one device an instance
     cfg = config_lib.from_config_dict(cd)
     assert cfg.optimizer.learning_rate == 1.0 and cfg.mesh.instance_slots == (4, 8)
 

@@ -2,16 +2,22 @@
 
 Each case runs the real entry point in a subprocess (flags are parsed there, at
 import) and checks the whole of stderr: no traceback, one `error:` line that
-names the field, flag or file.
+names the field, flag or file. Settings that do not run across processes are
+refused the same way on every process of a multi-controller program, before it
+joins (`config.check`), so none waits for a coordinator.
 """
 
 import os
+import re
+import signal
 import subprocess
 import sys
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "launch"))
+import local  # noqa: E402  (launch/local.py: the children's environment)
 
 CASES = {
     "unknown field": (["--config.pipeline.foo=1"], "no config field pipeline.foo (pipeline has:"),
@@ -47,7 +53,9 @@ ENV_CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES) + sorted(ENV_CASES))
 def test_a_user_mistake_is_one_line_and_exit_status_2(case, tmp_path):
-    args, message = CASES.get(case, ([], None))
+    # The environment cases run a config that works across processes (the quickstart's
+    # dynamic sampling runs in one process only, refused before the run key is read).
+    args, message = CASES.get(case, (["--config=configs/quickstart.py:tiny"], None))
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("STREAMRL_AUTHKEY", None)
     env.pop("STREAMRL_AUTHKEY_FILE", None)
@@ -83,3 +91,115 @@ def test_launch_restarts_itself_with_malloc_hugepages_once():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert out.stdout.split() == ["None"], out.stderr[-2000:]
+
+
+_PARTIAL = ["--config.pipeline.partial_budget_tokens=8", "--config.pipeline.max_lag=2"]
+# A refused multi-process setting (on quickstart:tiny, 4 prompts a step, micro-batches of
+# 2 groups): (processes, generation processes, flags, what the one line names).
+PROCESS_CASES = {
+    "colocated": (2, 1, ["--config.pipeline.mode=colocated"], "pipeline.mode='colocated'"),
+    "dynamic sampling": (
+        2,
+        1,
+        ["--config.pipeline.dynamic_sampling=True"],
+        "pipeline.dynamic_sampling runs in one process only",
+    ),
+    "partial rollout, 3 processes": (
+        3,
+        1,
+        _PARTIAL,
+        "pipeline.partial_budget_tokens=8 across processes runs with one generation",
+    ),
+    "partial rollout with checkpoints": (
+        2,
+        1,
+        [*_PARTIAL, "--config.checkpoint.every=2"],
+        "pipeline.partial_budget_tokens=8 with checkpoint.every=2",
+    ),
+    "3 training processes": (4, 1, [], "3 training processes must divide pipeline.micro_batch"),
+    "elastic, no generation process left": (
+        2,
+        1,
+        ["--config.scheduling.elastic_reserved=1"],
+        "scheduling.elastic_reserved=1: across processes",
+    ),
+}
+_DEFAULT_CASES = {"elastic, no generation process left"}  # the others: -m extended
+
+
+def _launch_command(workdir, flags: list[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "streamrl_jax.launch",
+        "--config=configs/quickstart.py:tiny",
+        f"--workdir={workdir}",
+        *flags,
+    ]
+
+
+def _clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STREAMRL_", "SLURM_"))}
+    return dict(env, JAX_PLATFORMS="cpu")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        c if c in _DEFAULT_CASES else pytest.param(c, marks=pytest.mark.extended)
+        for c in PROCESS_CASES
+    ],
+)
+def test_a_setting_refused_across_processes_is_one_line_on_every_process(case, tmp_path):
+    n, g, flags, message = PROCESS_CASES[case]
+    coordinator, authkey = f"127.0.0.1:{local.free_port()}", "ab" * 32
+    procs = []
+    for i in range(n):  # the environment launch/local.py gives each child
+        child = local.child_env(i, n, g, coordinator, authkey)
+        env = _clean_env() | {k: v for k, v in child.items() if os.environ.get(k) != v}
+        procs.append(
+            subprocess.Popen(
+                _launch_command(tmp_path, flags),
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=240)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:  # a process that did not refuse: stop it and its children
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+    for i, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+        errors = [line for line in out.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2, f"process {i}: {out[-3000:]}"
+        assert "Traceback" not in out, f"process {i}: {out[-3000:]}"
+        assert len(errors) == 1 and message in errors[0], f"process {i}: {out[-3000:]}"
+
+
+def test_launch_local_ends_a_refused_setting_with_status_2(tmp_path):
+    # Through the launcher: it stops the others at the first child's exit, so a slower
+    # child may be stopped before it prints its own (identical) line.
+    n, g, flags, message = PROCESS_CASES["colocated"]
+    run = subprocess.run(
+        [sys.executable, "launch/local.py", "-n", str(n), "-g", str(g), "--timeout_s", "240"]
+        + ["--", *_launch_command(tmp_path, flags)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=_clean_env(),
+    )
+    assert run.returncode == 2, run.stdout[-3000:]
+    assert "Traceback" not in run.stdout, run.stdout[-3000:]
+    errors = [line for line in run.stdout.splitlines() if re.match(r"\[p\d+ \w+\] error:", line)]
+    assert errors and all(message in line for line in errors), run.stdout[-3000:]
+    children = [line.split("]")[0] for line in errors]
+    assert len(set(children)) == len(children) and set(children) <= {"[p0 gen", "[p1 train"}

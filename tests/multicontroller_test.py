@@ -45,7 +45,6 @@ import pytest
 from streamrl_jax import config as config_lib
 from streamrl_jax import pipeline as run_lib
 from streamrl_jax.metrics import read_jsonl
-from streamrl_jax.pipeline import process_plan
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "launch"))
@@ -907,34 +906,41 @@ def test_elastic_activation_across_processes_keeps_the_version_contract(tmp_path
     )
 
 
+def _check(cfg, total, generation):
+    config_lib.check(cfg, config_lib.Processes(total=total, generation=generation))
+
+
 def test_settings_that_need_one_process_are_refused():
-    with pytest.raises(ValueError, match="colocated.*one process"):
-        process_plan.check_supported(_config(**{"pipeline.mode": "colocated"}), 2, 1)
+    # Every rule is config.check's (config_test has one case a rule); here the
+    # combinations across processes that run and those that are refused.
+    with pytest.raises(config_lib.ConfigError, match="colocated.*one process"):
+        _check(_config(**{"pipeline.mode": "colocated"}), 2, 1)
     inflight = {
         "pipeline.mode": "stream_async",
         "pipeline.weight_update": "inflight",
         "pipeline.deterministic": False,
     }
-    process_plan.check_supported(_config(**inflight), 2, 1)  # in-flight weight updates
+    _check(_config(**inflight), 2, 1)  # in-flight weight updates
     partial = {
         "pipeline.mode": "stream_async",
         "pipeline.partial_budget_tokens": 8,
         "pipeline.max_lag": 3,
     }
-    process_plan.check_supported(_config(**partial), 2, 1)  # 1 generation + 1 training
-    for n, g in ((3, 2), (3, 1), (None, 1)):
-        with pytest.raises(ValueError, match="one generation and one training process"):
-            process_plan.check_supported(_config(**partial), n, g)
-    with pytest.raises(ValueError, match="cannot be checkpointed or resumed"):
-        process_plan.check_supported(_config(**partial, **{"checkpoint.every": 2}), 2, 1)
-    process_plan.check_supported(_config(**{"checkpoint.every": 2}), 2, 1)  # checkpoints
-    process_plan.check_supported(_config(), 3, 2)  # 2 generation + 1 training
-    process_plan.check_supported(_config(), 4, 2)  # 2 generation + 2 training
-    with pytest.raises(ValueError, match=r"3 training processes must divide.*micro_batch_groups"):
-        process_plan.check_supported(_config(), 5, 2)
+    _check(_config(**partial), 2, 1)  # 1 generation + 1 training
+    _check(_config(**partial), None, 1)  # before joining: the total is checked after
+    for n, g in ((3, 2), (3, 1), (None, 2)):
+        with pytest.raises(config_lib.ConfigError, match="one generation and one training"):
+            _check(_config(**partial), n, g)
+    with pytest.raises(config_lib.ConfigError, match="cannot be checkpointed or resumed"):
+        _check(_config(**partial, **{"checkpoint.every": 2}), 2, 1)
+    _check(_config(**{"checkpoint.every": 2}), 2, 1)  # checkpoints
+    _check(_config(), 3, 2)  # 2 generation + 1 training
+    _check(_config(), 4, 2)  # 2 generation + 2 training
+    with pytest.raises(config_lib.ConfigError, match=r"3 training processes must divide"):
+        _check(_config(), 5, 2)
     # Elastic: the reserved units are generation processes, one at least left active.
     reserve = {"scheduling.elastic_reserved": 1}
-    process_plan.check_supported(_config(**reserve), 3, 2)
-    for n, g, r in ((2, 1, 1), (4, 2, 2)):
-        with pytest.raises(ValueError, match=f"elastic_reserved={r}: across processes"):
-            process_plan.check_supported(_config(**{"scheduling.elastic_reserved": r}), n, g)
+    _check(_config(**reserve), 3, 2)
+    for n, g, r in ((2, 1, 1), (4, 2, 2), (None, 1, 1)):
+        with pytest.raises(config_lib.ConfigError, match=f"elastic_reserved={r}: across"):
+            _check(_config(**{"scheduling.elastic_reserved": r}), n, g)

@@ -8,15 +8,19 @@ before any model loads, with a message naming the field
 dataclasses, never a ConfigDict or flags.
 
 * `sections`: the sections and the registry names each field may take.
-* `rules`: what every field accepts (`RULES`) and the cross-field checks (`validate`).
+* `rules`: what every field accepts (`RULES`) and every rule on which settings combine:
+  `validate` (the config alone) and `check` (with the process counts, `Processes`).
 * `parse`: ConfigDict -> `ExperimentConfig` (`from_config_dict`), and back.
 """
 
 from streamrl_jax.config.parse import defaults, from_config_dict, to_config_dict
 from streamrl_jax.config.rules import (
+    NO_RESUME_ACROSS_PROCESSES,
     RULES,
-    check_one_process,
+    Processes,
+    check,
     check_section,
+    check_training_split,
     task_configs,
     task_names,
     validate,
@@ -98,12 +102,15 @@ __all__ = [
     "CheckpointSection",
     "ExperimentConfig",
     "RULES",
+    "NO_RESUME_ACROSS_PROCESSES",
+    "Processes",
+    "check",
     "check_section",
+    "check_training_split",
     "defaults",
     "from_config_dict",
     "task_configs",
     "task_names",
     "to_config_dict",
     "validate",
-    "check_one_process",
 ]

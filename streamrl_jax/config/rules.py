@@ -1,8 +1,24 @@
-"""What every config field accepts, and the cross-field checks: `validate`.
+"""What every config field accepts, and which settings combine: `validate` and `check`.
 
 One `_Rule` per registry or numeric field of every section (`RULES`; a test
-fails if a field has none); each failure is a `ValueError` naming the field as
+fails if a field has none); each failure is a `ConfigError` naming the field as
 the user wrote it (`algorithm.advantage='bogus'; expected one of (...)`).
+
+Every "X needs Y" rule lives here, in one of two functions:
+
+* `validate(cfg)`: each field, then the combinations the config alone decides
+  (partial rollout needs stream_async, the mesh's tensor-parallel sizes divide its
+  devices, ...). `from_config_dict` runs it.
+* `check(cfg, processes)`: `validate`, then the combinations that depend on how many
+  processes run the program (`Processes`): what runs in one process only, what
+  partial rollout needs across processes, how training processes split a batch,
+  what elastic generation counts. Every entry point runs it at start-up before
+  anything is built: `pipeline.run` with `Processes.one()`, and a multi-controller
+  process (`pipeline/processes.py`) with the counts from its environment before it
+  joins the program, then again with the joined program's.
+
+A refusal is one line naming the fields and the process counts; `launch` prints
+it as `error: ...` and exits with status 2, on every process alike.
 """
 
 from __future__ import annotations
@@ -234,22 +250,6 @@ def _check_tasks(data: DataSection) -> None:
         )
 
 
-def check_one_process(cfg: ExperimentConfig) -> None:
-    """The rules of a one-process run (a multi-controller run has its own,
-    `pipeline/process_plan.check_supported`): its elastic units are instances.
-
-    Raises:
-      ConfigError: naming the field.
-    """
-    sc, m = cfg.scheduling, cfg.mesh
-    _require(
-        sc.elastic_reserved < len(m.instance_slots),
-        f"scheduling.elastic_reserved={sc.elastic_reserved} must leave at least one of the "
-        f"{len(m.instance_slots)} instances in mesh.instance_slots active (in one process "
-        "it counts instances; across processes, generation processes)",
-    )
-
-
 def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     """Every field's registry name and range, then cross-field checks; raises naming the field."""
     check_section("", cfg)
@@ -257,7 +257,7 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         section = getattr(cfg, field.name)
         if dataclasses.is_dataclass(section):
             check_section(field.name, section)
-    p, g, m = cfg.pipeline, cfg.generation, cfg.mesh
+    p, g = cfg.pipeline, cfg.generation
     _require(
         p.min_groups <= p.prompts_per_step,
         f"pipeline.min_groups ({p.min_groups}) exceeds pipeline.prompts_per_step "
@@ -356,8 +356,7 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         sc.dispatch != "oracle" or g.length_replay,
         "scheduling.dispatch='oracle' needs generation.length_replay=True (true lengths)",
     )
-    _require(len(m.instance_slots) >= 1, "mesh.instance_slots must name at least one instance")
-    _require(all(s >= 1 for s in m.instance_slots), "mesh.instance_slots must all be >= 1")
+    _check_mesh(p.mode, cfg.mesh)
     _require(
         g.max_prompt_len + g.max_new_tokens <= cfg.model.max_context,
         f"generation.max_prompt_len + max_new_tokens ({g.max_prompt_len + g.max_new_tokens}) "
@@ -375,6 +374,48 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     _check_tasks(cfg.data)
     task_configs(cfg.data)  # parses, or raises naming data.task_config
     return cfg
+
+
+def _check_mesh(mode: str, m: MeshSection) -> None:
+    """How the devices split into instances and tensor-parallel groups (`mesh.py`).
+
+    The rule is the same in one process and across processes: there each generation
+    process holds `generate_devices` (its instances) and each training process
+    `train_devices`, whole `train_tp` groups of a training mesh over all of them.
+    Colocated mode (one process) puts both roles on all the devices.
+    """
+    slots = len(m.instance_slots)
+    _require(slots >= 1, "mesh.instance_slots must name at least one instance")
+    _require(all(s >= 1 for s in m.instance_slots), "mesh.instance_slots must all be >= 1")
+    if mode == "colocated":
+        need = m.generate_devices + m.train_devices
+        _require(
+            need % slots == 0,
+            f"pipeline.mode='colocated' splits mesh.generate_devices + mesh.train_devices = "
+            f"{need} devices into the {slots} instances of mesh.instance_slots, which must "
+            "divide them",
+        )
+        _require(
+            need % m.train_tp == 0,
+            f"mesh.train_tp ({m.train_tp}) must divide the {need} devices of "
+            "pipeline.mode='colocated' (mesh.generate_devices + mesh.train_devices)",
+        )
+        return
+    _require(
+        m.train_devices % m.train_tp == 0,
+        f"mesh.train_tp ({m.train_tp}) must divide mesh.train_devices ({m.train_devices})",
+    )
+    _require(
+        m.generate_devices % m.instance_tp == 0,
+        f"mesh.instance_tp ({m.instance_tp}) must divide mesh.generate_devices "
+        f"({m.generate_devices})",
+    )
+    _require(
+        m.generate_devices // m.instance_tp == slots,
+        f"mesh.instance_slots names {slots} instances but mesh.generate_devices / "
+        f"mesh.instance_tp = {m.generate_devices} / {m.instance_tp} makes "
+        f"{m.generate_devices // m.instance_tp}",
+    )
 
 
 def _check_dynamic_sampling(p: PipelineSection) -> None:
@@ -395,6 +436,155 @@ def _check_dynamic_sampling(p: PipelineSection) -> None:
         "pipeline.rollout='dynamic_sampling' needs pipeline.weight_update='boundary': "
         "replacement prompts are generated with the batch's own weights W_g(b), which "
         "in-flight updates would swap mid-batch",
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Processes:
+    """How many processes run the program, as far as start-up knows.
+
+    Attributes:
+      total: processes in the program; 1 = one process runs both stages; None = several
+        whose number is known only once they join (`jax.distributed` auto-detection).
+      generation: processes 0 .. G-1 generate, the others train (`distributed/roles.py`);
+        0 in one process.
+    """
+
+    total: int | None
+    generation: int
+
+    def __post_init__(self):
+        if self.total == 1 and self.generation != 0:
+            raise ValueError(f"one process has no generation processes, got {self.generation}")
+        if self.total != 1 and not (
+            self.generation >= 1 and (self.total is None or self.generation < self.total)
+        ):
+            raise ValueError(
+                f"{self.total} processes need 1 <= generation < total, got {self.generation}"
+            )
+
+    @classmethod
+    def one(cls) -> Processes:
+        """A one-process run (`pipeline.run`)."""
+        return cls(total=1, generation=0)
+
+    @property
+    def several(self) -> bool:
+        return self.total != 1
+
+    @property
+    def training(self) -> int | None:
+        """Training processes; None while the total is not known."""
+        return None if self.total is None else self.total - self.generation
+
+    def __str__(self) -> str:
+        if not self.several:
+            return "1 process"
+        where = "(STREAMRL_NUM_PROCESSES, STREAMRL_GENERATION_PROCESSES)"
+        if self.total is None:
+            return f"several processes, {self.generation} generating {where}"
+        return (
+            f"{self.total} processes, {self.generation} generating and {self.training} "
+            f"training {where}"
+        )
+
+
+NO_RESUME_ACROSS_PROCESSES = (
+    "a partial-rollout run across processes cannot be checkpointed or resumed: the "
+    "paused samples a checkpoint must hold live in the generation process "
+    "(docs/multicontroller.md); run one process, or another pipeline.rollout"
+)
+
+
+def check(cfg: ExperimentConfig, processes: Processes) -> ExperimentConfig:
+    """Every rule on the config: `validate`, then those that depend on the process counts.
+
+    Run at start-up on every process before anything is built (module docstring). With
+    `processes.total` None (before joining) the rules that need the total wait for the
+    check after joining.
+
+    Args:
+      cfg: the experiment config.
+      processes: how many processes run the program (`Processes.one()` in one process).
+
+    Returns:
+      `cfg`.
+
+    Raises:
+      ConfigError: one line naming the fields and the process counts.
+    """
+    validate(cfg)
+    p, sc, n = cfg.pipeline, cfg.scheduling, processes
+    if not n.several:
+        slots = len(cfg.mesh.instance_slots)
+        _require(
+            sc.elastic_reserved < slots,
+            f"scheduling.elastic_reserved={sc.elastic_reserved} must leave at least one of the "
+            f"{slots} instances in mesh.instance_slots active (in one process it counts "
+            "instances; across processes, generation processes)",
+        )
+        return cfg
+    _require(
+        p.mode != "colocated",
+        f"pipeline.mode='colocated' shares one device set between generation and training, "
+        f"so it runs in one process; this run has {n}. Use disaggregated_batch, stream_sync "
+        "or stream_async, or run one process",
+    )
+    wrappers, kind = rollout_names(p.rollout)
+    _require(
+        kind != "dynamic_sampling",
+        f"pipeline.rollout={p.rollout!r}: dynamic sampling runs in one process only; this "
+        f"run has {n}: the generation processes cannot see the rewards that decide the "
+        "refills",
+    )
+    _require(
+        "curriculum" not in wrappers,
+        f"pipeline.rollout={p.rollout!r}: the curriculum runs in one process only; this run "
+        f"has {n}: the generation processes cannot see the outcomes that weigh the draws",
+    )
+    partial = kind == "partial"
+    _require(
+        not partial or (n.generation == 1 and n.total in (None, 2)),
+        f"pipeline.rollout='partial' across processes runs with one generation and one "
+        f"training process; this run has {n}: the paused samples live in their generation "
+        "process, which a lost one would take with it, and the round reports go to one "
+        "trainer. Use 2 processes (-n 2 -g 1), or another pipeline.rollout",
+    )
+    _require(
+        not partial or cfg.checkpoint.every == 0,
+        f"pipeline.rollout='partial' with checkpoint.every={cfg.checkpoint.every} on {n}: "
+        f"{NO_RESUME_ACROSS_PROCESSES}",
+    )
+    if n.training is not None and n.training > 1:
+        try:
+            check_training_split(
+                n.training, p.prompts_per_step // p.mini_batches, p.micro_batch_groups
+            )
+        except ConfigError as e:
+            raise ConfigError(f"this run has {n}: {e}") from None
+    _require(
+        sc.elastic_reserved < n.generation,
+        f"scheduling.elastic_reserved={sc.elastic_reserved}: across processes it counts "
+        f"reserved generation processes, and must leave at least one active; this run has {n}",
+    )
+    return cfg
+
+
+def check_training_split(training: int, per_mini: int, micro: int) -> None:
+    """Raises ConfigError unless `training` processes can each own an equal slice of every
+    micro-batch (`pipeline/shards.py`, "Ownership"): T | micro_batch_groups and T | the
+    groups per mini-batch, so every micro-batch (the last one too) splits evenly.
+
+    Args:
+      training: T, the training processes.
+      per_mini: groups per mini-batch (`pipeline.prompts_per_step / pipeline.mini_batches`).
+      micro: groups per micro-batch (`pipeline.micro_batch_groups`).
+    """
+    _require(
+        training >= 1 and per_mini % training == 0 and micro % training == 0,
+        f"{training} training processes must divide pipeline.micro_batch_groups ({micro}) "
+        f"and the groups per mini-batch (pipeline.prompts_per_step / pipeline.mini_batches "
+        f"= {per_mini}): each owns an equal slice of every micro-batch",
     )
 
 

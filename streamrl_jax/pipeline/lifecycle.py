@@ -23,7 +23,7 @@ import time
 from absl import logging
 
 from streamrl_jax import checkpoint as ckpt_lib
-from streamrl_jax.config import ExperimentConfig, validate
+from streamrl_jax.config import ExperimentConfig, Processes, check
 from streamrl_jax.metrics import Progress
 from streamrl_jax.pipeline.components import Components, build
 from streamrl_jax.pipeline.generation import Generation, LocalGeneration, Running
@@ -160,7 +160,7 @@ def run(
     """Builds the components (on `devices`, default all) and runs the schedule of
     `cfg.pipeline.mode`; metrics, trace and checkpoints go to `workdir`; `reward_fn`
     replaces the task's reward (tests, custom rewards)."""
-    validate(cfg)  # a config made in code, too, fails here before any model load
+    check(cfg, Processes.one())  # a config made in code, too, fails here before any model load
     c = build(cfg, devices, reward_fn=reward_fn)
     trainers = Trainers(
         share=Alone(ownership(cfg.pipeline, 1)), checkpoint_dir=os.path.join(workdir, "checkpoints")

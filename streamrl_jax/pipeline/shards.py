@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from streamrl_jax.config import PipelineSection
+from streamrl_jax.config import PipelineSection, check_training_split
 from streamrl_jax.trainer.batch import TrainBatch
 
 
@@ -48,12 +48,7 @@ class Ownership:
     micro: int  # groups per micro-batch (in one process)
 
     def __post_init__(self):
-        if self.count < 1 or self.per_mini % self.count or self.micro % self.count:
-            raise ValueError(
-                f"{self.count} training processes must divide pipeline.micro_batch_groups "
-                f"({self.micro}) and the groups per mini-batch (prompts_per_step / "
-                f"mini_batches = {self.per_mini}): each owns an equal slice of every micro-batch"
-            )
+        check_training_split(self.count, self.per_mini, self.micro)  # config.check's rule
 
     def _slot(self, group: int) -> tuple[int, int, int, int]:
         """(mini-batch, micro-batch, position, micro-batch size) of a group index."""

@@ -12,14 +12,15 @@ instances at once (they swap at the next chunk boundary), and every sample carri
 its per-token versions over the wire (`distributed/wire.py`) to the trainer's
 version gate. Partial rollout (`pipeline.partial_budget_tokens`) runs with one
 generation and one training process: the rounds run in the generation process, which
-reports each closure to the trainer (`round_reports.py`).
+reports each closure to the trainer (`rollouts/partial.py`, `generation.py`).
 
-Not supported across processes yet (an error at start-up, on every process):
-colocated mode; partial rollout with more than one generation or training process, or
-with checkpoints (the paused samples a checkpoint must hold live in the generation
-process); training processes that cannot split every micro-batch equally. Elastic
-generation (`scheduling.elastic_reserved`) counts reserved generation processes
-(`roster.py`); it must leave one active. A lost generation process is
+What does not run across processes yet (colocated mode, dynamic sampling, the
+curriculum; partial
+rollout with more than one generation or training process, or with checkpoints;
+training processes that cannot split every micro-batch equally; elastic generation
+that leaves no generation process active) is refused at start-up, on every process,
+by `config.check` (`config/rules.py`). Elastic generation (`scheduling.elastic_reserved`)
+counts reserved generation processes (`roster.py`). A lost generation process is
 left behind while another is alive, and a restarted one rejoins (`roster.py`).
 Checkpoints are written by the training processes (orbax's active set,
 `checkpoint/manager.py`); the generation processes learn where a resumed run starts
@@ -29,62 +30,12 @@ under `START_KEY`.
 from __future__ import annotations
 
 from streamrl_jax.config import ExperimentConfig
-from streamrl_jax.pipeline.rollouts.partial import NO_RESUME
-from streamrl_jax.pipeline.shards import ownership
 
 SAMPLES_KEY, WEIGHTS_KEY, RUN_END_KEY = "samples", "weights", "run_end"
 START_KEY = "start"  # JSON: the first batch; a resumed run's prompt state and in-flight ids
 RANKER_KEY = "ranker"  # the trainer's ranker channel (online refresh -> dispatchers)
 IN_FLIGHT = 8  # samples being scored or waiting for stream room, over all producers
 CLOSE_TIMEOUT_S = 10.0
-
-
-def check_supported(
-    cfg: ExperimentConfig, num_processes: int | None, generation_processes: int
-) -> None:
-    """Raises ValueError naming the setting that does not work across processes yet.
-
-    Runs before `jax.distributed.initialize`, on every process, so all of them fail
-    the same way at once.
-    """
-    n = "several processes" if num_processes is None else f"{num_processes} processes"
-    if cfg.pipeline.mode == "colocated":
-        raise ValueError(
-            f"pipeline.mode='colocated' shares one device set between generation and "
-            f"training, so it runs in one process; this program has {n} "
-            "(STREAMRL_NUM_PROCESSES). Use disaggregated_batch, stream_sync or stream_async, "
-            "or run one process."
-        )
-    partial = cfg.pipeline.partial_budget_tokens
-    if partial > 0 and (num_processes != 2 or generation_processes != 1):
-        raise ValueError(
-            f"pipeline.partial_budget_tokens={partial}: partial rollout across processes "
-            f"runs with one generation and one training process; this program has {n}, "
-            f"{generation_processes} generating (STREAMRL_NUM_PROCESSES, "
-            "STREAMRL_GENERATION_PROCESSES): the paused samples live in their generation "
-            "process, which a lost one would take with it, and the round reports go to "
-            "one trainer. Use 2 processes (-n 2 -g 1), or set pipeline.partial_budget_tokens=0."
-        )
-    if partial > 0 and cfg.checkpoint.every > 0:
-        raise ValueError(
-            f"pipeline.partial_budget_tokens={partial} with checkpoint.every="
-            f"{cfg.checkpoint.every}: {NO_RESUME}"
-        )
-    if num_processes is not None and num_processes - generation_processes > 1:
-        try:
-            ownership(cfg.pipeline, num_processes - generation_processes)
-        except ValueError as e:
-            raise ValueError(
-                f"STREAMRL_NUM_PROCESSES={num_processes}, STREAMRL_GENERATION_PROCESSES="
-                f"{generation_processes}: {e}"
-            ) from None
-    reserved = cfg.scheduling.elastic_reserved
-    if reserved > 0 and reserved >= generation_processes:
-        raise ValueError(
-            f"scheduling.elastic_reserved={reserved}: across processes it counts reserved "
-            f"generation processes, and must leave at least one of the "
-            f"{generation_processes} (STREAMRL_GENERATION_PROCESSES) active"
-        )
 
 
 def ranker_online(cfg: ExperimentConfig) -> bool:

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from streamrl_jax.config import PipelineSection
+from streamrl_jax.config import NO_RESUME_ACROSS_PROCESSES, PipelineSection
 from streamrl_jax.data import Prompt
 from streamrl_jax.distributed.channel import TransportError
 from streamrl_jax.distributed.messages import RoundClosed
@@ -82,11 +82,7 @@ class _Round:
     carried: list[Sample] = dataclasses.field(default_factory=list)  # paused into it
 
 
-NO_RESUME = (
-    "a partial-rollout run across processes cannot be checkpointed or resumed: the "
-    "paused samples a checkpoint must hold live in the generation process "
-    "(docs/multicontroller.md); run one process, or another pipeline.rollout"
-)
+NO_RESUME = NO_RESUME_ACROSS_PROCESSES  # what the trainer's half answers a checkpoint
 
 
 def make(ctx: RolloutContext) -> PartialRollout | RemoteRounds:
