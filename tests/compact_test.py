@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from engine_test import assert_same, by_id, make_engine, model, requests  # noqa: F401
+from support import assert_same, by_id, make_engine, requests
 
 from streamrl_jax.generation import compact
 from streamrl_jax.generation.types import Continuation, SamplingParams

@@ -35,3 +35,14 @@ _CACHE = os.environ.get(
 )
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The engine tests' tiny random models (`support.lively_model`, seeds 0 and 1):
+    (graphdef, params 0, params 1), built once per test module."""
+    from support import lively_model
+
+    return lively_model((0, 1))

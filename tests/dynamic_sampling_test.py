@@ -11,8 +11,13 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from lifecycle_test import _params, _pipeline_threads, _tiny, vowel_reward
-from resume_test import _consumed, _trainer_dies_on_call
+from support import (
+    consumed_log,
+    param_arrays,
+    pipeline_threads,
+    tiny_config,
+    trainer_dies_on_call,
+)
 
 from streamrl_jax import config as config_lib
 from streamrl_jax import pipeline as run_lib
@@ -20,6 +25,7 @@ from streamrl_jax.config import ConfigError
 from streamrl_jax.metrics import read_jsonl
 from streamrl_jax.pipeline import micro_batches
 from streamrl_jax.pipeline.resume import CONSUMED, read_consumed
+from streamrl_jax.rewards.vowels import vowel_reward
 
 
 def uniform(prompt_id: str) -> bool:
@@ -39,7 +45,7 @@ def _cfg(**overrides):
         pipeline__dynamic_sampling=True,
         eval__num_problems=0,
     )
-    return _tiny(**(base | overrides))
+    return tiny_config(**(base | overrides))
 
 
 def _trained_groups():
@@ -69,7 +75,7 @@ def test_uniform_groups_are_skipped_counted_and_replaced(mode, tmp_path):
     seen, patch = _trained_groups()
     with patch:
         result = run_lib.run(cfg, str(tmp_path), reward_fn=some_uniform_reward)
-    assert not _pipeline_threads()
+    assert not pipeline_threads()
     rows = [r for r in read_jsonl(os.path.join(tmp_path, "metrics.jsonl")) if "reward" in r]
     consumed = [r["prompt_ids"] for r in read_consumed(os.path.join(tmp_path, CONSUMED))]
     assert len(rows) == len(consumed) == p.steps
@@ -136,15 +142,15 @@ def test_resume_is_exact_and_consumes_each_prompt_once(tmp_path):
     ref_dir, workdir = str(tmp_path / "reference"), str(tmp_path / "resumed")
     ref = run_lib.run(cfg, ref_dir, reward_fn=some_uniform_reward)
     # Micro-batches of 2 groups: calls 1-2 are batch 0, 3-4 batch 1, 5 is batch 2's first.
-    with _trainer_dies_on_call(5), pytest.raises(RuntimeError, match="trainer died"):
+    with trainer_dies_on_call(5), pytest.raises(RuntimeError, match="trainer died"):
         run_lib.run(cfg, workdir, reward_fn=some_uniform_reward)
-    assert not _pipeline_threads()
+    assert not pipeline_threads()
     result = run_lib.run(cfg, workdir, reward_fn=some_uniform_reward)
     assert result.start_batch == 2
-    for a, b in zip(_params(result), _params(ref), strict=True):
+    for a, b in zip(param_arrays(result), param_arrays(ref), strict=True):
         np.testing.assert_array_equal(a, b)
-    steps, counts = _consumed(workdir)
-    ref_steps, ref_counts = _consumed(ref_dir)
+    steps, counts = consumed_log(workdir)
+    ref_steps, ref_counts = consumed_log(ref_dir)
     assert steps == ref_steps == list(range(4))
     assert counts == ref_counts and set(counts.values()) == {1}
     skipped = sum(r["groups_skipped"] for r in ref.steps)

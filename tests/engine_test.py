@@ -10,73 +10,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import Mesh
+from support import CFG, ENGINE, SAMPLED, assert_same, by_id, make_engine, requests
 
 from streamrl_jax import mesh as mesh_lib
 from streamrl_jax.generation import engine_config
-from streamrl_jax.generation.engine import Engine, EngineConfig
+from streamrl_jax.generation.engine import Engine
 from streamrl_jax.generation.types import (
     Continuation,
     GenerationRequest,
     RequestTag,
     SamplingParams,
 )
-from streamrl_jax.model import config, llama
-
-CFG = config.tiny()
-ENGINE = EngineConfig(
-    num_slots=4, max_prompt_length=16, max_total_length=48, chunk_steps=4, prefill_batch=2
-)
-SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.95)
-
-
-def lively_model(seeds):
-    """Tiny random models with weights scaled x4: at the default init scale the
-    residual stream is dominated by the input embedding and greedy decoding just
-    repeats the last prompt token, which would make these tests too weak."""
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: llama.create(CFG)))
-
-    @jax.jit
-    def init(key):
-        params = nnx.state(llama.Llama(CFG, rngs=nnx.Rngs(params=key)))
-        return jax.tree.map(lambda x: 4.0 * x, params)
-
-    return graphdef, *(init(jax.random.key(s)) for s in seeds)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return lively_model((0, 1))
-
-
-def make_engine(model, on_chunk=None, **overrides) -> Engine:
-    graphdef, params, _ = model
-    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
-    cfg = dataclasses.replace(ENGINE, **overrides)
-    return Engine(graphdef, params, CFG, cfg, mesh, on_chunk=on_chunk)
-
-
-def requests(n: int, sampling=SAMPLED, seed: int = 0, **kw) -> list[GenerationRequest]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        prompt = rng.integers(0, CFG.vocab_size, size=int(rng.integers(1, 17))).tolist()
-        fields = dict(max_new_tokens=int(rng.integers(1, 25)), sampling=sampling, seed=100 + i)
-        fields.update(kw)
-        out.append(GenerationRequest(request_id=i, prompt=prompt, **fields))
-    return out
-
-
-def by_id(samples):
-    return {s.request_id: s for s in samples}
-
-
-def assert_same(a, b):
-    assert a.keys() == b.keys()
-    for rid in a:
-        np.testing.assert_array_equal(a[rid].response, b[rid].response, err_msg=f"request {rid}")
-        np.testing.assert_allclose(a[rid].logprobs, b[rid].logprobs, atol=1e-5, rtol=1e-5)
-        assert a[rid].finish_reason == b[rid].finish_reason
 
 
 def test_greedy_matches_full_forward_reference(model):

@@ -203,7 +203,7 @@ def test_bad_arguments_raise(tmp_path):
 def test_run_config_selects_jsonl_files(tmp_path):
     # data.jsonl_path / eval_jsonl_path replace the reasoning-gym tasks in a built run;
     # a malformed training row is an early error naming file and line (data.bad_rows).
-    from lifecycle_test import _tiny
+    from support import tiny_config
 
     from streamrl_jax.pipeline import components as build_lib
 
@@ -211,12 +211,12 @@ def test_run_config_selects_jsonl_files(tmp_path):
         tmp_path, [json.dumps({"question": f"{i}+1?", "answer": i + 1}) for i in range(6)]
     )
     evals = _write(tmp_path, [json.dumps({"question": "9+9?", "answer": 18})], name="ev.jsonl")
-    c = build_lib.build(_tiny(data__jsonl_path=str(train), data__eval_jsonl_path=str(evals)))
+    c = build_lib.build(tiny_config(data__jsonl_path=str(train), data__eval_jsonl_path=str(evals)))
     assert len(c.prompts.dataset) == 6 and len(c.eval_prompts) == 1
     assert c.eval_prompts[0].problem.prompt_id == "ev/1"
     bad = _write(tmp_path, ['{"question": "1+1?", "answer": 2}', "{oops"], name="bad.jsonl")
     with pytest.raises(ValueError, match=re.escape(f"{bad}:2")):
-        build_lib.build(_tiny(data__jsonl_path=str(bad), data__eval_jsonl_path=str(evals)))
+        build_lib.build(tiny_config(data__jsonl_path=str(bad), data__eval_jsonl_path=str(evals)))
 
 
 HOSTILE_ROWS = {

@@ -9,7 +9,9 @@ modules, and checks:
 * no cycle between packages (a package is a top-level module or subpackage),
   and none between modules;
 * the live code never imports `simulation/` (only tools/ and tests/ do), and
-  `algorithms/` never imports `model/` (RL maths work on arrays).
+  `algorithms/` never imports `model/` (RL maths work on arrays);
+* no file of `tests/` imports a test module (`*_test`): shared test code lives in
+  `tests/support.py` or a `conftest.py` fixture (STYLE.md "Tests mirror modules").
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import os
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "streamrl_jax")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(os.path.dirname(TESTS), "streamrl_jax")
 
 # Lowest first. A package may import its own layer and the ones before it.
 LAYERS = (
@@ -178,3 +181,27 @@ def test_no_cycle_between_packages():
 
 def test_no_cycle_between_modules():
     assert _cycles(GRAPH) == []
+
+
+def _test_modules_imported(source: str, filename: str) -> set[str]:
+    """The `*_test` modules `source` imports (function-level imports too)."""
+    found = set()
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+    return {name for name in found if name.split(".")[0].endswith("_test")}
+
+
+def test_no_test_file_imports_another_test_file():
+    # A guard on the parser: both import forms are seen, inside functions too.
+    probe = "from a_test import x\nimport os\ndef f():\n    import b_test\n"
+    assert _test_modules_imported(probe, "probe") == {"a_test", "b_test"}
+    bad = []
+    for name in sorted(os.listdir(TESTS)):
+        if name.endswith(".py"):
+            with open(os.path.join(TESTS, name), encoding="utf-8") as f:
+                imported = _test_modules_imported(f.read(), name)
+            bad += [f"tests/{name} imports {m}" for m in sorted(imported)]
+    assert not bad, f"shared test code belongs in tests/support.py or conftest.py: {bad}"

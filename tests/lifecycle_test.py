@@ -7,7 +7,6 @@ parameter updates are non-zero.
 """
 
 import dataclasses
-import importlib.util
 import os
 import threading
 import time
@@ -16,44 +15,15 @@ from unittest import mock
 import jax
 import numpy as np
 import pytest
+from support import batch_prompt_ids, param_arrays, pipeline_threads, tiny_config
 
 from streamrl_jax import config as config_lib
 from streamrl_jax import pipeline as run_lib
 from streamrl_jax.generation.engine import Engine
 from streamrl_jax.metrics import read_jsonl
 from streamrl_jax.rewards.base import RewardResult
+from streamrl_jax.rewards.vowels import vowel_reward
 from streamrl_jax.trainer.step import NonFiniteError, Trainer
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _tiny(**overrides):
-    spec = importlib.util.spec_from_file_location("qs", os.path.join(ROOT, "configs/quickstart.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cd = module.get_config("tiny").to_dict()
-    for dotted, value in overrides.items():
-        section, key = dotted.split("__")
-        cd[section][key] = value
-    return config_lib.from_config_dict(cd)
-
-
-def batch_prompt_ids(cfg, batch):
-    """The prompt ids batch `batch` of a run of `cfg` draws (the seeded prompt pipeline,
-    replayed): what a reward function can tell its samples' batch by."""
-    from streamrl_jax.pipeline import components, datasets
-
-    tokenizer = components.describe_model(cfg).tokenizer
-    eval_set, train_set = datasets.datasets(cfg)
-    prompts, _ = datasets.prompts(cfg, tokenizer, train_set, eval_set)
-    n = cfg.pipeline.prompts_per_step
-    return [p.problem.prompt_id for p in prompts.next_prompts(n * (batch + 1))[n * batch :]]
-
-
-def vowel_reward(text, metadata):
-    score = sum(ch in "aeiouAEIOU" for ch in text) / max(len(text), 1)
-    return RewardResult(score=score, correct=score > 0.5, extracted_answer=None, format_ok=True)
-
 
 _RESULTS = {}
 
@@ -61,25 +31,16 @@ _RESULTS = {}
 def _run(mode, tmp_path_factory, **overrides):
     key = (mode, tuple(sorted(overrides.items())))
     if key not in _RESULTS:
-        cfg = _tiny(pipeline__mode=mode, **overrides)
+        cfg = tiny_config(pipeline__mode=mode, **overrides)
         workdir = str(tmp_path_factory.mktemp(mode))
         _RESULTS[key] = (run_lib.run(cfg, workdir, reward_fn=vowel_reward), workdir)
     return _RESULTS[key]
 
 
-def _params(result):
-    return [np.asarray(x) for x in jax.device_get(jax.tree.leaves(result.state.params))]
-
-
-def _pipeline_threads():
-    names = ("generation-driver", "collector", "sgs-instance", "reward")
-    return [t.name for t in threading.enumerate() if t.name.startswith(names)]
-
-
 @pytest.mark.parametrize("mode", config_lib.MODES)
 def test_each_mode_runs_two_steps(mode, tmp_path_factory):
     result, workdir = _run(mode, tmp_path_factory)
-    cfg = _tiny()
+    cfg = tiny_config()
     assert len(result.steps) == 2
     assert result.samples == 2 * cfg.pipeline.prompts_per_step * cfg.pipeline.group_size
     assert all(np.isfinite(row["loss"]) for row in result.steps)
@@ -96,7 +57,7 @@ def test_each_mode_runs_two_steps(mode, tmp_path_factory):
     step0 = next(r for r in rows if r.get("step") == 0 and "reward" in r)
     assert step0["compile_s"] > 0  # its first micro-batch compiled the trainer's step
     assert os.path.exists(os.path.join(workdir, "trace.json"))
-    assert not _pipeline_threads()
+    assert not pipeline_threads()
 
 
 def test_training_changes_the_parameters(tmp_path_factory):
@@ -114,10 +75,13 @@ def test_stream_sync_equals_disaggregated_batch(tmp_path_factory):
     stream, _ = _run("stream_sync", tmp_path_factory)
     batch, _ = _run("disaggregated_batch", tmp_path_factory)
     diff = np.concatenate(
-        [np.abs(a - b).ravel() for a, b in zip(_params(stream), _params(batch), strict=True)]
+        [
+            np.abs(a - b).ravel()
+            for a, b in zip(param_arrays(stream), param_arrays(batch), strict=True)
+        ]
     )
     assert np.count_nonzero(diff > 1e-5) <= 1e-5 * diff.size, np.sort(diff)[-20:]
-    assert diff.max() <= 2 * _tiny().optimizer.learning_rate
+    assert diff.max() <= 2 * tiny_config().optimizer.learning_rate
     assert [r["reward"] for r in stream.steps] == [r["reward"] for r in batch.steps]
 
 
@@ -153,7 +117,7 @@ def _run_recording(cfg, tmp_path):
 def test_inflight_records_per_token_versions_within_the_bound(tmp_path):
     # In-flight weight updates: batch b+1 starts as soon as W_b is published, without
     # draining batch b; every token records its version; nothing beyond max_lag trains.
-    cfg = _tiny(
+    cfg = tiny_config(
         pipeline__mode="stream_async",
         pipeline__weight_update="inflight",
         pipeline__steps=3,
@@ -172,7 +136,7 @@ def test_inflight_records_per_token_versions_within_the_bound(tmp_path):
         assert v[0] == max(0, b - 1) and v[-1] <= b
     assert all(r["lag_max"] <= 1.0 and r["dropped_stale"] == 0.0 for r in result.steps)
     assert min(r["mixed_versions"] for r in result.steps) >= 0.0
-    assert not _pipeline_threads()
+    assert not pipeline_threads()
 
 
 @pytest.mark.parametrize(
@@ -181,7 +145,7 @@ def test_inflight_records_per_token_versions_within_the_bound(tmp_path):
 def test_partial_rollout_trains_every_group_once_within_the_bound(weight_update, tmp_path):
     # Rounds of 6 tokens: the tiny model's 16-token samples take 3 rounds (lag 3 =
     # max_lag), so steps 0 and 1 train nothing and later steps train carried groups.
-    cfg = _tiny(
+    cfg = tiny_config(
         pipeline__mode="stream_async",
         pipeline__weight_update=weight_update,
         pipeline__partial_budget_tokens=6,
@@ -203,7 +167,7 @@ def test_partial_rollout_trains_every_group_once_within_the_bound(weight_update,
     assert trained_lag and max(trained_lag) <= 3.0
     assert all(r["dropped_stale"] == 0.0 for r in result.steps)
     assert max(r["mixed_versions"] for r in result.steps if r["optimizer_steps"]) > 0
-    assert not _pipeline_threads()
+    assert not pipeline_threads()
 
 
 def _assert_fails_fast(cfg, tmp_path, component, patch=None, reward=vowel_reward):
@@ -215,7 +179,7 @@ def _assert_fails_fast(cfg, tmp_path, component, patch=None, reward=vowel_reward
             with patch:
                 run_lib.run(cfg, str(tmp_path), reward_fn=reward)
     assert time.monotonic() - start < cfg.pipeline.timeout_s
-    assert not _pipeline_threads()
+    assert not pipeline_threads()
     return info.value
 
 
@@ -223,21 +187,21 @@ def test_reward_failure_ends_the_run_naming_it(tmp_path):
     def broken(text, metadata):
         raise ValueError("reward exploded")
 
-    err = _assert_fails_fast(_tiny(eval__num_problems=0), tmp_path, "reward", reward=broken)
+    err = _assert_fails_fast(tiny_config(eval__num_problems=0), tmp_path, "reward", reward=broken)
     assert isinstance(err, run_lib.PipelineError) and err.component == "reward function"
     assert "reward exploded" in str(err)
 
 
 def test_engine_failure_ends_the_run_naming_it(tmp_path):
     patch = mock.patch.object(Engine, "step", side_effect=RuntimeError("engine exploded"))
-    err = _assert_fails_fast(_tiny(eval__num_problems=0), tmp_path, "engine", patch=patch)
+    err = _assert_fails_fast(tiny_config(eval__num_problems=0), tmp_path, "engine", patch=patch)
     assert isinstance(err, run_lib.PipelineError) and err.component == "generation service"
     assert "engine exploded" in str(err)
 
 
 def test_trainer_failure_ends_the_run(tmp_path):
     patch = mock.patch.object(Trainer, "accumulate", side_effect=RuntimeError("trainer exploded"))
-    err = _assert_fails_fast(_tiny(eval__num_problems=0), tmp_path, "trainer", patch=patch)
+    err = _assert_fails_fast(tiny_config(eval__num_problems=0), tmp_path, "trainer", patch=patch)
     assert "trainer exploded" in str(err)
 
 
@@ -245,7 +209,7 @@ def test_nonfinite_skip_counts_and_watchdog_reports_a_stall(tmp_path):
     # Batch 0's rewards are NaN: its update is skipped and counted, batch 1 trains.
     # One reward call sleeps past pipeline.watchdog_s: the watchdog names the stage.
     slept = threading.Event()
-    cfg = _tiny(eval__num_problems=0, pipeline__watchdog_s=0.5, pipeline__nonfinite="skip")
+    cfg = tiny_config(eval__num_problems=0, pipeline__watchdog_s=0.5, pipeline__nonfinite="skip")
     batch0 = set(batch_prompt_ids(cfg, 0))
 
     def reward(text, metadata):
@@ -273,14 +237,14 @@ def test_nonfinite_stop_ends_the_run_naming_the_step(tmp_path):
             score=float("nan"), correct=False, extracted_answer=None, format_ok=True
         )
 
-    cfg = _tiny(eval__num_problems=0, pipeline__nonfinite="stop")
+    cfg = tiny_config(eval__num_problems=0, pipeline__nonfinite="stop")
     err = _assert_fails_fast(cfg, tmp_path, "trainer", reward=nan_reward)
     assert isinstance(err, NonFiniteError) and "step 0" in str(err)
 
 
 def test_a_bad_registry_name_fails_before_anything_is_built(tmp_path):
     # A config made in code (not through from_config_dict) is validated by run() too.
-    cfg = _tiny()
+    cfg = tiny_config()
     cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, advantage="gea"))
     built = mock.patch("streamrl_jax.pipeline.lifecycle.build", side_effect=AssertionError)
     with built, pytest.raises(ValueError, match="algorithm.advantage='gea'; expected one of"):

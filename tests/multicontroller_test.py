@@ -798,7 +798,7 @@ def test_partial_rollout_across_processes_trains_every_group_once(tmp_path):
     # process (lifecycle_test): steps 0 and 1 train nothing, later steps train carried
     # groups, every prompt trained at most once and only prompts the run drew, nothing
     # paused or beyond max_lag handed to training.
-    from lifecycle_test import batch_prompt_ids
+    from support import batch_prompt_ids
 
     workdir = tmp_path / "run"
     partial = {

@@ -4,7 +4,7 @@ import collections
 
 import numpy as np
 import pytest
-from micro_batches_test import _pack, _scored, _sync_gate
+from support import pack_small, scored_sample, sync_gate
 
 from streamrl_jax import config as config_lib
 from streamrl_jax.algorithms.overlong import OverlongPenalty, soft_overlong_penalty
@@ -32,17 +32,22 @@ def test_the_penalty_reaches_the_advantages_and_the_stats():
     # One group, equal scores: without the penalty every advantage is 0; with it the
     # shorter response is ahead (advantage > 0) and the truncated one behind.
     def group():
-        return [[_scored(0, 0, 1.0, version=2, length=3), _scored(0, 1, 1.0, version=2, length=8)]]
+        return [
+            [
+                scored_sample(0, 0, 1.0, version=2, length=3),
+                scored_sample(0, 1, 1.0, version=2, length=8),
+            ]
+        ]
 
     def adv(batch):
         rows = batch.loss_mask.sum(axis=1) > 0
         return [batch.advantages[r][batch.loss_mask[r]] for r in np.flatnonzero(rows)]
 
-    plain = _pack(group(), _sync_gate(), collections.defaultdict(list))
+    plain = pack_small(group(), sync_gate(), collections.defaultdict(list))
     assert all(np.all(a == 0) for a in adv(plain))
     stats = collections.defaultdict(list)
     overlong = OverlongPenalty(max_len=8, buffer=4, penalty=1.0)
-    shaped = _pack(group(), _sync_gate(), stats, overlong=overlong)
+    shaped = pack_small(group(), sync_gate(), stats, overlong=overlong)
     short, long = adv(shaped)
     assert np.all(short > 0) and np.all(long < 0)
     np.testing.assert_allclose(short[0], -long[0], rtol=1e-5)  # GRPO over (1, 0)

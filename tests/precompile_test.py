@@ -7,12 +7,13 @@ import types
 
 import numpy as np
 import pytest
-from lifecycle_test import _tiny, vowel_reward
+from support import tiny_config
 
 from streamrl_jax import pipeline as run_lib
 from streamrl_jax.pipeline import precompile
 from streamrl_jax.pipeline.schedules import Schedule
 from streamrl_jax.pipeline.shards import Ownership, TrainingGroup
+from streamrl_jax.rewards.vowels import vowel_reward
 from streamrl_jax.trainer.batch import make_batch
 from streamrl_jax.trainer.config import trainer_config
 
@@ -20,7 +21,7 @@ from streamrl_jax.trainer.config import trainer_config
 def _replay(**overrides):
     """quickstart:tiny with forced response lengths (so the trainer's shapes are known in
     advance): 4 prompts x 2 samples, micro-batches of 1-2 groups, responses of 4-16 tokens."""
-    return _tiny(
+    return tiny_config(
         generation__length_replay=True,
         pipeline__steps=3,
         eval__num_problems=0,

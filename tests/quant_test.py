@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from engine_test import CFG, ENGINE, lively_model, requests
 from jax.sharding import Mesh
+from support import CFG, ENGINE, requests
 
 from streamrl_jax import mesh as mesh_lib
 from streamrl_jax.generation import decoder, quant
@@ -18,11 +18,6 @@ from streamrl_jax.generation.types import SamplingParams
 
 SAMPLED = SamplingParams(temperature=1.0)
 INT8 = dataclasses.replace(ENGINE, weight_dtype="int8")
-
-
-@pytest.fixture(scope="module")
-def model():
-    return lively_model((0, 1))
 
 
 def _one_device():
@@ -158,12 +153,13 @@ def test_int8_rollout_trains_with_tis_against_recomputed_pi_old(tmp_path):
     float rounding) no token's weight pi_old / mu passes 1.001, while with the int8
     sampler, whose recorded log-probs are the int8 model's, many do. (Before pi_old
     was recomputed it was the recorded log-prob itself and every weight was 1.)"""
-    from lifecycle_test import _tiny, vowel_reward
+    from support import tiny_config
 
     from streamrl_jax import pipeline
+    from streamrl_jax.rewards.vowels import vowel_reward
 
     def capped(weight_dtype):
-        cfg = _tiny(
+        cfg = tiny_config(
             generation__weight_dtype=weight_dtype, algorithm__tis_cap=1.001, pipeline__steps=1
         )
         result = pipeline.run(cfg, str(tmp_path / weight_dtype), reward_fn=vowel_reward)

@@ -16,7 +16,6 @@ and regenerated samples are bit-identical) and have trained every drawn prompt
 exactly once.
 """
 
-import collections
 import dataclasses
 import os
 import re
@@ -28,12 +27,19 @@ from unittest import mock
 import jax
 import numpy as np
 import pytest
-from lifecycle_test import _params, _pipeline_threads, _tiny, batch_prompt_ids, vowel_reward
+from support import (
+    batch_prompt_ids,
+    consumed_log,
+    param_arrays,
+    pipeline_threads,
+    tiny_config,
+    trainer_dies_on_call,
+)
 
 from streamrl_jax import checkpoint as ckpt_lib
 from streamrl_jax import pipeline as run_lib
 from streamrl_jax.pipeline.resume import CONSUMED, read_consumed
-from streamrl_jax.trainer.step import Trainer
+from streamrl_jax.rewards.vowels import vowel_reward
 from streamrl_jax.weight_sync import WeightSync
 
 STEPS = 5
@@ -48,43 +54,13 @@ def _cfg(**overrides):
         checkpoint__keep=10,
         eval__num_problems=0,
     )
-    return _tiny(**(base | overrides))
+    return tiny_config(**(base | overrides))
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("reference"))
     return run_lib.run(_cfg(), workdir, reward_fn=vowel_reward), workdir
-
-
-def _consumed(workdir):
-    rows = read_consumed(os.path.join(workdir, CONSUMED))
-    return [r["step"] for r in rows], collections.Counter(p for r in rows for p in r["prompt_ids"])
-
-
-def _fail_on_call(n, exc):
-    """A side effect that raises on its n-th call (1-based), thread-safely."""
-    calls, lock = [0], threading.Lock()
-
-    def effect(*args, **kwargs):
-        with lock:
-            calls[0] += 1
-            if calls[0] == n:
-                raise exc
-        return None
-
-    return effect
-
-
-def _trainer_dies_on_call(n):
-    """Patches `Trainer.accumulate` to raise "trainer died" on its n-th call."""
-    real, boom = Trainer.accumulate, _fail_on_call(n, RuntimeError("trainer died"))
-
-    def accumulate(self, *args, **kwargs):
-        boom()
-        return real(self, *args, **kwargs)
-
-    return mock.patch.object(Trainer, "accumulate", accumulate)
 
 
 @pytest.mark.extended  # the default suite's ~10 min budget; `-m extended` runs it
@@ -105,15 +81,15 @@ def test_resume_after_three_stops_gives_the_reference_parameters(reference, tmp_
     with pytest.raises(run_lib.PipelineError, match="reward died") as info:
         run_lib.run(cfg, workdir, reward_fn=flaky_reward)
     assert info.value.component == "reward function"
-    assert not _pipeline_threads()
-    steps, _ = _consumed(workdir)
+    assert not pipeline_threads()
+    steps, _ = consumed_log(workdir)
     assert steps == list(range(len(steps))) and len(steps) <= 2  # batch 2 never trained
 
     # 2. mid-accumulation: the 3rd micro-batch after resuming (batch 2's first) raises.
-    with _trainer_dies_on_call(3), pytest.raises(RuntimeError, match="trainer died"):
+    with trainer_dies_on_call(3), pytest.raises(RuntimeError, match="trainer died"):
         run_lib.run(cfg, workdir, reward_fn=vowel_reward)
-    assert not _pipeline_threads()
-    steps, _ = _consumed(workdir)
+    assert not pipeline_threads()
+    steps, _ = consumed_log(workdir)
     assert steps == list(range(len(steps))) and len(steps) <= 4
 
     # 3. right after an optimizer step: the background sync of W_4 (after batch 3's
@@ -131,17 +107,17 @@ def test_resume_after_three_stops_gives_the_reference_parameters(reference, tmp_
     ):
         run_lib.run(cfg, workdir, reward_fn=vowel_reward)
     assert info.value.component == "weight sync"
-    assert not _pipeline_threads()
+    assert not pipeline_threads()
 
     # Resume to the end.
     result = run_lib.run(cfg, workdir, reward_fn=vowel_reward)
     assert result.start_batch == 3
     assert len(result.steps) == STEPS - 3
 
-    for a, b in zip(_params(result), _params(ref), strict=True):
+    for a, b in zip(param_arrays(result), param_arrays(ref), strict=True):
         np.testing.assert_array_equal(a, b)
-    steps, counts = _consumed(workdir)
-    ref_steps, ref_counts = _consumed(ref_dir)
+    steps, counts = consumed_log(workdir)
+    ref_steps, ref_counts = consumed_log(ref_dir)
     assert steps == ref_steps == list(range(STEPS))
     assert counts == ref_counts  # the same prompts, each as often as uninterrupted
     assert sum(counts.values()) == STEPS * cfg.pipeline.prompts_per_step
@@ -160,7 +136,7 @@ def test_resume_onto_another_training_mesh(reference, tmp_path):
     src.close()
     result = run_lib.run(_cfg(mesh__train_devices=2), workdir, reward_fn=vowel_reward)
     assert result.start_batch == 3
-    for a, b in zip(_params(result), _params(ref), strict=True):
+    for a, b in zip(param_arrays(result), param_arrays(ref), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
@@ -172,7 +148,7 @@ def test_init_from_takes_another_runs_weights(reference, tmp_path):
 
     c = build_lib.build(cfg)
     got = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(c.state.params))]
-    for a, b in zip(got, _params(ref), strict=True):
+    for a, b in zip(got, param_arrays(ref), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -199,12 +175,12 @@ def test_sigterm_saves_the_last_boundary_and_the_resume_is_exact(reference, tmp_
     killer.start()
     stopped = run_lib.run(_cfg(), workdir, reward_fn=vowel_reward)
     killer.join(5)
-    assert stopped.stopped and not _pipeline_threads()
+    assert stopped.stopped and not pipeline_threads()
     assert 2 <= len(stopped.steps) < STEPS and stopped.checkpoints[-1] == len(stopped.steps)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler uninstalled
     result = run_lib.run(_cfg(), workdir, reward_fn=vowel_reward)
     assert result.start_batch == len(stopped.steps) and not result.stopped
-    for a, b in zip(_params(result), _params(ref), strict=True):
+    for a, b in zip(param_arrays(result), param_arrays(ref), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -215,7 +191,7 @@ def test_checkpoint_write_failure_names_the_writer(tmp_path):
     ):
         run_lib.run(_cfg(pipeline__steps=2), str(tmp_path), reward_fn=vowel_reward)
     assert info.value.component == "checkpoint writer"
-    assert not _pipeline_threads()
+    assert not pipeline_threads()
 
 
 @pytest.mark.extended  # the default suite's ~10 min budget; `-m extended` runs it
@@ -257,9 +233,9 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(reference, t
     assert result.start_batch == 2
     warned = [r.getMessage() for r in caplog.records if "does not read back" in r.getMessage()]
     assert warned and "checkpoints/3" in warned[0] and "checkpoints/2" in warned[0]
-    for a, b in zip(_params(result), _params(ref), strict=True):
+    for a, b in zip(param_arrays(result), param_arrays(ref), strict=True):
         np.testing.assert_array_equal(a, b)
-    assert _consumed(workdir) == _consumed(ref_dir)
+    assert consumed_log(workdir) == consumed_log(ref_dir)
 
 
 @pytest.mark.parametrize(
@@ -302,15 +278,15 @@ def test_resume_with_partial_samples_in_flight_is_exact(tmp_path):
     assert all(len(x["versions"]) == len(x["logprobs"]) for x in carried["paused"])
 
     # 2. the trainer dies on its 2nd micro-batch after the resume (step 2 or 3).
-    with _trainer_dies_on_call(2), pytest.raises(RuntimeError, match="trainer died"):
+    with trainer_dies_on_call(2), pytest.raises(RuntimeError, match="trainer died"):
         run_lib.run(_cfg(**PARTIAL), workdir, reward_fn=vowel_reward)
-    assert not _pipeline_threads()
+    assert not pipeline_threads()
 
     result = run_lib.run(_cfg(**PARTIAL), workdir, reward_fn=vowel_reward)
     assert result.start_batch >= 2
-    for a, b in zip(_params(result), _params(ref), strict=True):
+    for a, b in zip(param_arrays(result), param_arrays(ref), strict=True):
         np.testing.assert_array_equal(a, b)
-    steps, counts = _consumed(workdir)
-    ref_steps, ref_counts = _consumed(ref_dir)
+    steps, counts = consumed_log(workdir)
+    ref_steps, ref_counts = consumed_log(ref_dir)
     assert steps == ref_steps == list(range(STEPS))
     assert counts == ref_counts and set(counts.values()) == {1}

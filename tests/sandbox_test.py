@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 import reasoning_gym
-from lifecycle_test import _pipeline_threads, _tiny, vowel_reward
+from support import pipeline_threads, tiny_config
 
 from streamrl_jax import pipeline
 from streamrl_jax.rewards import sandbox
@@ -19,6 +19,7 @@ from streamrl_jax.rewards.base import RewardResult
 from streamrl_jax.rewards.pool import RewardPool
 from streamrl_jax.rewards.sandbox import Limits, RewardTimeout, RewardWorkerDied, SandboxPool
 from streamrl_jax.rewards.tasks import TaskReward
+from streamrl_jax.rewards.vowels import vowel_reward
 
 LIMITS = Limits(timeout_s=3.0, memory_mb=1024)
 
@@ -161,14 +162,14 @@ def slow_vowels(text: str, metadata: dict) -> RewardResult:
 
 
 def test_the_run_goes_on_past_hung_scorers(tmp_path):
-    cfg = _tiny(
+    cfg = tiny_config(
         eval__num_problems=0,
         data__reward_sandbox="process",
         data__reward_timeout_s=2.0,
         data__reward_errors="zero",
     )
     result = pipeline.run(cfg, str(tmp_path), reward_fn=slow_vowels)
-    assert len(result.steps) == 2 and not _pipeline_threads()
+    assert len(result.steps) == 2 and not pipeline_threads()
     assert not multiprocessing.active_children()  # the workers, hung or not, are gone
     timeouts = result.steps[-1]["reward_timeouts"]
     assert timeouts >= 1 and result.steps[-1]["reward_errors"] == timeouts

@@ -7,10 +7,11 @@ import os
 from unittest import mock
 
 import pytest
-from lifecycle_test import _pipeline_threads, _tiny, vowel_reward
+from support import pipeline_threads, tiny_config
 
 from streamrl_jax import checkpoint as ckpt_lib
 from streamrl_jax import pipeline as run_lib
+from streamrl_jax.rewards.vowels import vowel_reward
 from streamrl_jax.scheduling.live import LiveScheduler
 
 
@@ -28,7 +29,7 @@ def test_elastic_activation_keeps_the_version_contract(tmp_path):
     def slow_generation(self, step, t_gen, t_train):
         return orig(self, step, t_gen + 100.0, t_train)
 
-    cfg = _tiny(
+    cfg = tiny_config(
         pipeline__mode="stream_async",
         pipeline__steps=4,
         mesh__generate_devices=2,
@@ -40,7 +41,7 @@ def test_elastic_activation_keeps_the_version_contract(tmp_path):
     )
     with mock.patch.object(LiveScheduler, "end_of_step", slow_generation):
         result = run_lib.run(cfg, str(tmp_path), reward_fn=vowel_reward)
-    assert not _pipeline_threads()
+    assert not pipeline_threads()
     # The version contract across the activation: g(b) = max(0, b - 1).
     assert [sorted(set(v)) for v in result.trained_versions] == [[0], [0], [1], [2]]
     decisions = _decisions(str(tmp_path))
@@ -63,12 +64,16 @@ def test_ranker_is_saved_and_restored_with_checkpoints(tmp_path):
         checkpoint__every=1,
         eval__num_problems=0,
     )
-    first = run_lib.run(_tiny(pipeline__steps=2, **common), str(tmp_path), reward_fn=vowel_reward)
+    first = run_lib.run(
+        tiny_config(pipeline__steps=2, **common), str(tmp_path), reward_fn=vowel_reward
+    )
     ckpt = ckpt_lib.Checkpointer(os.path.join(str(tmp_path), "checkpoints"))
     saved = int(ckpt.restore(2, abstract_state=first.state, abstract_ranker=None).ranker["steps"])
     ckpt.close()
     assert saved > 0
-    resumed = run_lib.run(_tiny(pipeline__steps=3, **common), str(tmp_path), reward_fn=vowel_reward)
+    resumed = run_lib.run(
+        tiny_config(pipeline__steps=3, **common), str(tmp_path), reward_fn=vowel_reward
+    )
     assert resumed.start_batch == 2
     # The resumed ranker continues from the saved one (online steps add to it).
     assert resumed.steps[0]["ranker_steps"] >= saved
@@ -76,4 +81,4 @@ def test_ranker_is_saved_and_restored_with_checkpoints(tmp_path):
 
 def test_oracle_dispatch_needs_forced_lengths():
     with pytest.raises(ValueError, match="oracle' needs generation.length_replay"):
-        _tiny(scheduling__dispatch="oracle")
+        tiny_config(scheduling__dispatch="oracle")

@@ -5,14 +5,12 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import jax
 import numpy as np
 import pytest
-from flax import nnx
 from jax.sharding import Mesh
+from support import CFG, ENGINE
 
 from streamrl_jax import mesh as mesh_lib
-from streamrl_jax.generation.engine import EngineConfig
 from streamrl_jax.generation.service import (
     GenerationService,
     InstanceError,
@@ -20,27 +18,8 @@ from streamrl_jax.generation.service import (
     sample_queue,
 )
 from streamrl_jax.generation.types import GenerationRequest, SamplingParams
-from streamrl_jax.model import config, llama
 
-CFG = config.tiny()
-# Same statics as tests/engine_test.py, so instance 0 reuses its compiled functions.
-ENGINE = EngineConfig(
-    num_slots=4, max_prompt_length=16, max_total_length=48, chunk_steps=4, prefill_batch=2
-)
 TIMEOUT = 120.0
-
-
-@pytest.fixture(scope="module")
-def model():
-    """Tiny random models (seeds 0 and 1), weights x4 as in engine_test.py."""
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: llama.create(CFG)))
-
-    @jax.jit
-    def init(key):
-        params = nnx.state(llama.Llama(CFG, rngs=nnx.Rngs(params=key)))
-        return jax.tree.map(lambda x: 4.0 * x, params)
-
-    return graphdef, init(jax.random.key(0)), init(jax.random.key(1))
 
 
 def instance_meshes(n: int) -> list[Mesh]:

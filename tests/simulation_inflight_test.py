@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from simulation_pipeline_test import G_STEP, L, N, _costs, _run
+from support import G_STEP, L, N, run_sim_schedule, sim_costs
 
 from streamrl_jax.simulation.inflight import run_inflight
 
@@ -10,7 +10,7 @@ from streamrl_jax.simulation.inflight import run_inflight
 def _inflight(resp, budget, iterations=4, warmup=1, group_size=1):
     prompt = np.zeros(len(resp), dtype=np.int64)
     return run_inflight(
-        costs=_costs(), batches=[(prompt, resp)] * iterations, gen_devices=1,
+        costs=sim_costs(), batches=[(prompt, resp)] * iterations, gen_devices=1,
         train_devices=1, tp=1, budget=budget, warmup=warmup, group_size=group_size,
     )  # fmt: skip
 
@@ -18,7 +18,7 @@ def _inflight(resp, budget, iterations=4, warmup=1, group_size=1):
 def test_without_a_tail_or_a_pause_it_is_stream_async():
     # Equal lengths within the budget: nothing pauses, nothing runs past its batch, so the
     # schedule is stream_async's (same steady-state iteration).
-    want = _run("stream_async", iterations=9, warmup=3).iteration_s
+    want = run_sim_schedule("stream_async", iterations=9, warmup=3).iteration_s
     assert _inflight(np.full(N, L), budget=L, iterations=9, warmup=3).iteration_s == (
         pytest.approx(want)
     )
@@ -30,7 +30,7 @@ def test_a_long_tail_no_longer_gates_the_step(group_size):
     # in flight it is paused at the budget and carried, and the next batch fills the slots.
     resp = np.full(N, L // 4)
     resp[0] = 2 * L
-    base = _run("stream_async", resp=resp, iterations=8, warmup=3)
+    base = run_sim_schedule("stream_async", resp=resp, iterations=8, warmup=3)
     fast = _inflight(resp, budget=L // 2, iterations=8, warmup=3, group_size=group_size)
     assert fast.samples_per_s > 1.2 * base.samples_per_s
     assert fast.iteration_s < base.iteration_s

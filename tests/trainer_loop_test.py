@@ -9,10 +9,11 @@ with the dense vowel reward, as in lifecycle_test.py.
 import jax
 import numpy as np
 import pytest
-from lifecycle_test import _params, _pipeline_threads, _tiny, vowel_reward
+from support import param_arrays, pipeline_threads, tiny_config
 
 from streamrl_jax import config as config_lib
 from streamrl_jax import pipeline
+from streamrl_jax.rewards.vowels import vowel_reward
 
 _RESULTS = {}
 
@@ -20,7 +21,7 @@ _RESULTS = {}
 def _gae_run(mode, tmp_path_factory, **overrides):
     key = (mode, tuple(sorted(overrides.items())))
     if key not in _RESULTS:
-        cfg = _tiny(pipeline__mode=mode, algorithm__advantage="gae", **overrides)
+        cfg = tiny_config(pipeline__mode=mode, algorithm__advantage="gae", **overrides)
         workdir = str(tmp_path_factory.mktemp(f"gae_{mode}"))
         _RESULTS[key] = pipeline.run(cfg, workdir, reward_fn=vowel_reward)
     return _RESULTS[key]
@@ -33,7 +34,7 @@ def _critic_params(result):
 @pytest.mark.parametrize("mode", config_lib.MODES)
 def test_the_critic_trains_beside_the_policy_in_every_mode(mode, tmp_path_factory):
     result = _gae_run(mode, tmp_path_factory)
-    assert len(result.steps) == 2 and not _pipeline_threads()
+    assert len(result.steps) == 2 and not pipeline_threads()
     assert int(jax.device_get(result.critic_state.step)) == 2  # one critic step per batch
     for row in result.steps:
         assert np.isfinite(row["critic_loss"]) and row["critic_grad_norm"] > 0
@@ -53,7 +54,7 @@ def test_gae_stream_sync_equals_disaggregated_batch(tmp_path_factory):
     # by 1.1e-5), the critic within 1e-5 (measured 1.9e-9).
     stream = _gae_run("stream_sync", tmp_path_factory)
     batch = _gae_run("disaggregated_batch", tmp_path_factory)
-    policy = list(zip(_params(stream), _params(batch), strict=True))
+    policy = list(zip(param_arrays(stream), param_arrays(batch), strict=True))
     for a, b in policy:
         np.testing.assert_allclose(a, b, atol=5e-5, rtol=0)
     off = sum(int((np.abs(a - b) > 1e-6).sum()) for a, b in policy)
@@ -69,7 +70,7 @@ def test_ppo_with_the_critic_learns_the_tiny_task(tmp_path):
     # tokens (a random 49k-way softmax is flat: nothing would be re-sampled to learn
     # from). PPO with the critic's group-whitened GAE advantages (lam = 1): measured
     # 0.33 over the first 2 steps -> 0.48 over the last 3 of 10.
-    cfg = _tiny(
+    cfg = tiny_config(
         pipeline__mode="stream_sync",
         pipeline__steps=10,
         pipeline__deterministic=True,

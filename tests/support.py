@@ -1,0 +1,278 @@
+"""Test support shared by several test files: builders, fakes and assertions.
+
+Test files import what they share from here (or take a fixture from
+`conftest.py`), never from another test file; `tests/layering_test.py` checks
+that. Sections, in order: pipeline runs on `quickstart:tiny`, the tiny
+generation engine, trainer micro-batches, and the simulator's one-instance
+schedule.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib.util
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+from unittest import mock
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from streamrl_jax import config as config_lib
+from streamrl_jax.config import ExperimentConfig, PipelineSection
+from streamrl_jax.generation.engine import Engine, EngineConfig
+from streamrl_jax.generation.types import (
+    GenerationRequest,
+    RequestTag,
+    Sample,
+    SamplingParams,
+    Timings,
+)
+from streamrl_jax.model import config as model_config
+from streamrl_jax.model import llama
+from streamrl_jax.pipeline import RunResult
+from streamrl_jax.pipeline.micro_batches import Scored, pack_groups
+from streamrl_jax.pipeline.schedules import Schedule, VersionGate
+from streamrl_jax.rewards.base import RewardResult
+from streamrl_jax.simulation import pipeline as sim_pipeline
+from streamrl_jax.simulation.profiles import MeasuredCosts, TableDecode
+from streamrl_jax.trainer.batch import TrainBatch
+from streamrl_jax.trainer.step import Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# ------------------------------------------------------------- pipeline runs
+
+
+def tiny_config(**overrides: Any) -> ExperimentConfig:
+    """`configs/quickstart.py:tiny` as a typed config, with overrides.
+
+    Args:
+      **overrides: `section__field=value`, e.g. `pipeline__mode="stream_sync"`.
+
+    Returns:
+      The validated experiment config.
+    """
+    spec = importlib.util.spec_from_file_location("qs", os.path.join(ROOT, "configs/quickstart.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cd = module.get_config("tiny").to_dict()
+    for dotted, value in overrides.items():
+        section, key = dotted.split("__")
+        cd[section][key] = value
+    return config_lib.from_config_dict(cd)
+
+
+def batch_prompt_ids(cfg: ExperimentConfig, batch: int) -> list[int]:
+    """The prompt ids batch `batch` of a run of `cfg` draws (the seeded prompt pipeline,
+    replayed): what a reward function can tell its samples' batch by."""
+    from streamrl_jax.pipeline import components, datasets
+
+    tokenizer = components.describe_model(cfg).tokenizer
+    eval_set, train_set = datasets.datasets(cfg)
+    prompts, _ = datasets.prompts(cfg, tokenizer, train_set, eval_set)
+    n = cfg.pipeline.prompts_per_step
+    return [p.problem.prompt_id for p in prompts.next_prompts(n * (batch + 1))[n * batch :]]
+
+
+def param_arrays(result: RunResult) -> list[np.ndarray]:
+    """The policy parameters a run ended with, as host arrays (leaf order)."""
+    return [np.asarray(x) for x in jax.device_get(jax.tree.leaves(result.state.params))]
+
+
+def pipeline_threads() -> list[str]:
+    """Names of the pipeline's threads still alive: empty once a run has ended."""
+    names = ("generation-driver", "collector", "sgs-instance", "reward")
+    return [t.name for t in threading.enumerate() if t.name.startswith(names)]
+
+
+def consumed_log(workdir: str) -> tuple[list[int], collections.Counter]:
+    """A run's consumed-prompt log: the steps it recorded, in order, and how many
+    times each prompt id was trained."""
+    from streamrl_jax.pipeline.resume import CONSUMED, read_consumed
+
+    rows = read_consumed(os.path.join(workdir, CONSUMED))
+    return [r["step"] for r in rows], collections.Counter(p for r in rows for p in r["prompt_ids"])
+
+
+def _fail_on_call(n: int, exc: Exception) -> Callable[..., None]:
+    """A side effect that raises on its n-th call (1-based), thread-safely."""
+    calls, lock = [0], threading.Lock()
+
+    def effect(*args, **kwargs):
+        with lock:
+            calls[0] += 1
+            if calls[0] == n:
+                raise exc
+
+    return effect
+
+
+def trainer_dies_on_call(n: int) -> Any:
+    """A patch (a context manager) making `Trainer.accumulate` raise "trainer died" on
+    its n-th call."""
+    real, boom = Trainer.accumulate, _fail_on_call(n, RuntimeError("trainer died"))
+
+    def accumulate(self, *args, **kwargs):
+        boom()
+        return real(self, *args, **kwargs)
+
+    return mock.patch.object(Trainer, "accumulate", accumulate)
+
+
+# --------------------------------------------------------------- tiny engine
+
+CFG = model_config.tiny()
+# service_test.py uses the same statics, so its instance 0 reuses these compiled functions.
+ENGINE = EngineConfig(
+    num_slots=4, max_prompt_length=16, max_total_length=48, chunk_steps=4, prefill_batch=2
+)
+SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.95)
+
+
+def lively_model(seeds: tuple[int, ...]) -> tuple[Any, ...]:
+    """Tiny random models with weights scaled x4: at the default init scale the
+    residual stream is dominated by the input embedding and greedy decoding just
+    repeats the last prompt token, which would make the engine's tests too weak.
+
+    Returns:
+      (graphdef, then one params state per seed).
+    """
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: llama.create(CFG)))
+
+    @jax.jit
+    def init(key):
+        params = nnx.state(llama.Llama(CFG, rngs=nnx.Rngs(params=key)))
+        return jax.tree.map(lambda x: 4.0 * x, params)
+
+    return graphdef, *(init(jax.random.key(s)) for s in seeds)
+
+
+def make_engine(model: tuple[Any, ...], on_chunk: Any = None, **overrides: Any) -> Engine:
+    """An engine on one device with the first weights of `model` (`conftest.model`),
+    configured as `ENGINE` with `overrides`."""
+    graphdef, params, _ = model
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+    cfg = dataclasses.replace(ENGINE, **overrides)
+    return Engine(graphdef, params, CFG, cfg, mesh, on_chunk=on_chunk)
+
+
+def requests(n: int, sampling=SAMPLED, seed: int = 0, **kw: Any) -> list[GenerationRequest]:
+    """`n` requests with random prompts (1-16 tokens) and budgets (1-24 new tokens),
+    request ids 0..n-1, sampling seeds 100+i; `kw` overrides request fields."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        prompt = rng.integers(0, CFG.vocab_size, size=int(rng.integers(1, 17))).tolist()
+        fields = dict(max_new_tokens=int(rng.integers(1, 25)), sampling=sampling, seed=100 + i)
+        fields.update(kw)
+        out.append(GenerationRequest(request_id=i, prompt=prompt, **fields))
+    return out
+
+
+def by_id(samples: list[Sample]) -> dict[Any, Sample]:
+    """Samples keyed by request id."""
+    return {s.request_id: s for s in samples}
+
+
+def assert_same(a: dict[Any, Sample], b: dict[Any, Sample]) -> None:
+    """Same requests, same tokens and finish reasons, log-probs within 1e-5."""
+    assert a.keys() == b.keys()
+    for rid in a:
+        np.testing.assert_array_equal(a[rid].response, b[rid].response, err_msg=f"request {rid}")
+        np.testing.assert_allclose(a[rid].logprobs, b[rid].logprobs, atol=1e-5, rtol=1e-5)
+        assert a[rid].finish_reason == b[rid].finish_reason
+
+
+# ------------------------------------------------------------- micro-batches
+
+
+def scored_sample(group: int, member: int, score: float, version: int = 0, length: int = 3):
+    """A scored sample of batch 0: a 4-token prompt, `length` response tokens at
+    log-prob -0.5, generated under W_`version`; correct when score >= 1."""
+    sample = Sample(
+        request_id=f"{group}/{member}",
+        prompt=np.arange(1, 5, dtype=np.int32),
+        response=np.full(length, 7, np.int32),
+        logprobs=np.full(length, -0.5, np.float32),
+        sampling_logprobs=np.full(length, -0.5, np.float32),
+        finish_reason="stop",
+        policy_version=version,
+        last_policy_version=version,
+        instance_id=0,
+        timings=Timings(enqueue=0.0, admit=0.0, finish=0.0),
+        tag=RequestTag(batch=0, group=group, member=member),
+    )
+    reward = RewardResult(score=score, correct=score >= 1, extracted_answer=None, format_ok=True)
+    return Scored(sample, "text", reward)
+
+
+def pack_small(
+    groups: list[list[Scored]],
+    gate: VersionGate,
+    stats: dict[str, list],
+    shared_prompt: bool = False,
+    pack: bool = False,
+    seq_buckets: tuple[int, ...] = (16,),
+    **kwargs: Any,
+) -> TrainBatch | None:
+    """`pack_groups` for step 2 with small buckets (batch 1 or 8), GRPO advantages."""
+    return pack_groups(
+        2,
+        groups,
+        gate=gate,
+        advantage="grpo",
+        seq_buckets=seq_buckets,
+        batch_buckets=(1, 8),
+        shared_prompt=shared_prompt,
+        pack=pack,
+        loss_chunk=128,
+        pad_id=0,
+        stats=stats,
+        **kwargs,
+    )
+
+
+def sync_gate() -> VersionGate:
+    """The version gate of stream_sync, counting (not raising on) stale samples."""
+    return VersionGate(Schedule.from_config(PipelineSection(mode="stream_sync")), strict=False)
+
+
+# ------------------------------------------------------ simulated schedules
+
+G_STEP, L, N = 0.01, 100, 8  # one instance, N samples of L tokens: generation takes L * G_STEP
+TRAIN_PER_TOKEN, OPT, SYNC, SWITCH = 1e-3, 0.05, 0.2, (0.1, 0.3)
+
+
+def sim_costs() -> MeasuredCosts:
+    """Costs of one simulated instance with N slots at G_STEP s a decode step, and the
+    trainer's, sync's and role switch's constants above."""
+    return MeasuredCosts(
+        decode=TableDecode(batch_sizes=np.array([1.0]), per_token_s=np.array([G_STEP])),
+        slots=N,
+        train_s_per_token=TRAIN_PER_TOKEN,
+        optimizer_s=OPT,
+        min_tokens=0,
+        sync_s=SYNC,
+        switch=SWITCH,
+    )
+
+
+def run_sim_schedule(
+    mode: str, resp: np.ndarray | None = None, iterations: int = 4, warmup: int = 1
+) -> sim_pipeline.SimResult:
+    """Simulates `mode` on one generation and one training device, `iterations`
+    batches of the response lengths `resp` (default N samples of L tokens), one plan."""
+    resp = np.full(N, L) if resp is None else resp
+    prompt = np.zeros(len(resp), dtype=np.int64)
+    batches = [(prompt, resp)] * iterations
+    plans = [[list(range(len(resp)))]] * iterations
+    return sim_pipeline.run_schedule(
+        mode=mode, costs=sim_costs(), batches=batches, plans=plans, gen_devices=1,
+        train_devices=1, tp=1, warmup=warmup,
+    )  # fmt: skip
