@@ -60,37 +60,40 @@ def test_one_process_needs_an_active_instance():
 
 _PARTIAL = {
     "pipeline__mode": "stream_async",
+    "pipeline__rollout": "partial",
     "pipeline__partial_budget_tokens": 8,
     "pipeline__max_lag": 2,
 }
+_DYNAMIC = {"pipeline__rollout": "dynamic_sampling"}
 _ONE = (1, 0)
 # Every rule on which settings combine (config/rules.py `validate` and `check`): a refused
 # combination, the process counts (total, generation) it is checked with, and what its
 # one-line message must name: the fields and, across processes, the counts.
 COMBINATIONS = {
     "dynamic sampling, groups of one": (
-        {"pipeline__dynamic_sampling": True, "pipeline__group_size": 1},
+        {**_DYNAMIC, "pipeline__group_size": 1},
         _ONE,
-        ["pipeline.dynamic_sampling", "pipeline.group_size"],
+        ["pipeline.rollout='dynamic_sampling'", "pipeline.group_size"],
     ),
     "dynamic sampling, mini-batches": (
-        {"pipeline__dynamic_sampling": True, "pipeline__mini_batches": 2},
+        {**_DYNAMIC, "pipeline__mini_batches": 2},
         _ONE,
-        ["pipeline.dynamic_sampling", "pipeline.mini_batches"],
+        ["pipeline.rollout='dynamic_sampling'", "pipeline.mini_batches"],
     ),
     "dynamic sampling, in-flight updates": (
-        {
-            "pipeline__dynamic_sampling": True,
-            "pipeline__mode": "stream_async",
-            "pipeline__weight_update": "inflight",
-        },
+        {**_DYNAMIC, "pipeline__mode": "stream_async", "pipeline__weight_update": "inflight"},
         _ONE,
-        ["pipeline.dynamic_sampling", "pipeline.weight_update"],
+        ["pipeline.rollout='dynamic_sampling'", "pipeline.weight_update"],
     ),
-    "dynamic sampling, partial rollout": (
-        {"pipeline__dynamic_sampling": True, **_PARTIAL},
+    "a partial budget without partial rollout": (
+        {"pipeline__partial_budget_tokens": 8},
         _ONE,
-        ["pipeline.dynamic_sampling", "pipeline.partial_budget_tokens"],
+        ["pipeline.partial_budget_tokens", "pipeline.rollout"],
+    ),
+    "partial rollout without a budget": (
+        {**_PARTIAL, "pipeline__partial_budget_tokens": 0},
+        _ONE,
+        ["pipeline.partial_budget_tokens", "pipeline.rollout"],
     ),
     "overlong buffer": (
         {"algorithm__overlong_buffer": 999},
@@ -140,24 +143,29 @@ COMBINATIONS = {
         ["pipeline.mode", "2 processes, 1 generating and 1 training"],
     ),
     "dynamic sampling across processes": (
-        {"pipeline__dynamic_sampling": True},
+        _DYNAMIC,
         (2, 1),
-        ["pipeline.dynamic_sampling", "2 processes, 1 generating and 1 training"],
+        ["pipeline.rollout='dynamic_sampling'", "2 processes, 1 generating and 1 training"],
+    ),
+    "the curriculum across processes": (
+        {"pipeline__rollout": "curriculum+full"},
+        (2, 1),
+        ["pipeline.rollout='curriculum+full'", "2 processes, 1 generating and 1 training"],
     ),
     "partial rollout, 2 training processes": (
         _PARTIAL,
         (3, 1),
-        ["pipeline.partial_budget_tokens", "3 processes, 1 generating and 2 training"],
+        ["pipeline.rollout='partial'", "3 processes, 1 generating and 2 training"],
     ),
     "partial rollout, 2 generation processes": (
         _PARTIAL,
         (None, 2),
-        ["pipeline.partial_budget_tokens", "several processes, 2 generating"],
+        ["pipeline.rollout='partial'", "several processes, 2 generating"],
     ),
     "partial rollout with checkpoints": (
         {**_PARTIAL, "checkpoint__every": 2},
         (2, 1),
-        ["pipeline.partial_budget_tokens", "checkpoint.every", "2 processes"],
+        ["pipeline.rollout='partial'", "checkpoint.every", "2 processes"],
     ),
     "training processes that do not split micro-batches": (
         {},
@@ -201,7 +209,8 @@ def test_every_combination_rule_names_its_fields(case):
         ({"pipeline__mode": "colocated", "mesh__train_tp": 2}, 1, 0),
         ({"mesh__train_devices": 2, "mesh__train_tp": 2}, 1, 0),
         ({"mesh__generate_devices": 2, "mesh__instance_tp": 2}, 1, 0),
-        ({"pipeline__dynamic_sampling": True}, 1, 0),
+        (_DYNAMIC, 1, 0),
+        ({"pipeline__rollout": "curriculum+dynamic_sampling"}, 1, 0),
         ({**_PARTIAL, "checkpoint__every": 2}, 1, 0),  # one process checkpoints them
         (_PARTIAL, 2, 1),
         (_PARTIAL, None, 1),  # the total is checked once the processes have joined
@@ -291,31 +300,33 @@ def _with(**sections):
         ({"pipeline__max_lag": -1}, "pipeline.max_lag must be >= 0"),
         ({"pipeline__max_lag": 2}, r"pipeline.max_lag \(2\) must be 0 \(= staleness\) or, in"),
         (
-            {"pipeline__partial_budget_tokens": 8},
+            {"pipeline__rollout": "partial", "pipeline__partial_budget_tokens": 8},
             "pipeline.partial_budget_tokens needs pipeline.mode='stream_async'",
         ),
         (
-            {"pipeline__mode": "stream_async", "pipeline__partial_budget_tokens": 8},
+            {
+                "pipeline__mode": "stream_async",
+                "pipeline__rollout": "partial",
+                "pipeline__partial_budget_tokens": 8,
+            },
             r"needs pipeline.max_lag \(0\) > pipeline.staleness \(1\)",
         ),
         (
-            {
-                "pipeline__mode": "stream_async",
-                "pipeline__partial_budget_tokens": 8,
-                "pipeline__max_lag": 2,
-                "pipeline__mini_batches": 2,
-            },
+            {**_PARTIAL, "pipeline__mini_batches": 2},
             "partial_budget_tokens needs pipeline.mini_batches=1",
         ),
         (
-            {
-                "pipeline__mode": "stream_async",
-                "pipeline__partial_budget_tokens": 4,
-                "pipeline__max_lag": 2,
-                "pipeline__lag_policy": "regenerate",
-            },
+            {**_PARTIAL, "pipeline__partial_budget_tokens": 4, "pipeline__lag_policy": "regenerate"},
             r"lag_policy='regenerate' needs .* = 8 >= generation.max_new_tokens",
         ),
+        ({"pipeline__rollout": "replay"}, "pipeline.rollout='replay'; expected a kind of"),
+        ({"pipeline__rollout": "full+curriculum"}, "pipeline.rollout='full.curriculum'; expected"),
+        (
+            {"pipeline__rollout": "curriculum+curriculum+full"},
+            "pipeline.rollout='curriculum.curriculum.full'; expected",
+        ),
+        ({"pipeline__curriculum_floor": 0.0}, r"pipeline.curriculum_floor must be in \(0, 1\]"),
+        ({"pipeline__curriculum_decay": 1.0}, r"pipeline.curriculum_decay must be in \(0, 1\)"),
         ({"pipeline__lag_policy": "keep"}, "pipeline.lag_policy='keep'; expected one of"),
         (
             {"pipeline__mode": "stream_async", "pipeline__staleness": 3, "pipeline__max_lag": 2},

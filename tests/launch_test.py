@@ -93,7 +93,11 @@ def test_launch_restarts_itself_with_malloc_hugepages_once():
     assert out.stdout.split() == ["None"], out.stderr[-2000:]
 
 
-_PARTIAL = ["--config.pipeline.partial_budget_tokens=8", "--config.pipeline.max_lag=2"]
+_PARTIAL = [
+    "--config.pipeline.rollout=partial",
+    "--config.pipeline.partial_budget_tokens=8",
+    "--config.pipeline.max_lag=2",
+]
 # A refused multi-process setting (on quickstart:tiny, 4 prompts a step, micro-batches of
 # 2 groups): (processes, generation processes, flags, what the one line names).
 PROCESS_CASES = {
@@ -101,20 +105,20 @@ PROCESS_CASES = {
     "dynamic sampling": (
         2,
         1,
-        ["--config.pipeline.dynamic_sampling=True"],
-        "pipeline.dynamic_sampling runs in one process only",
+        ["--config.pipeline.rollout=dynamic_sampling"],
+        "dynamic sampling runs in one process only",
     ),
     "partial rollout, 3 processes": (
         3,
         1,
         _PARTIAL,
-        "pipeline.partial_budget_tokens=8 across processes runs with one generation",
+        "pipeline.rollout='partial' across processes runs with one generation",
     ),
     "partial rollout with checkpoints": (
         2,
         1,
         [*_PARTIAL, "--config.checkpoint.every=2"],
-        "pipeline.partial_budget_tokens=8 with checkpoint.every=2",
+        "pipeline.rollout='partial' with checkpoint.every=2",
     ),
     "3 training processes": (4, 1, [], "3 training processes must divide pipeline.micro_batch"),
     "elastic, no generation process left": (

@@ -1,8 +1,10 @@
-"""Who generates what across generation processes, and what a lost one leaves (roster.py).
+"""Who generates what across generation processes, and what a lost one leaves
+(processes/roster.py, processes/roster_share.py).
 
 Pure host logic: the ownership rule every process computes alike, the trainer's
 record (first copies only, the floor of complete batches, the update it publishes),
-and the generation driver's share of a lost process's groups (`GenerationDriver.lose`).
+a generation process's share of a lost process's groups (`RosterShare.lose`), and the
+driver generating them again under their own version.
 """
 
 import queue
@@ -12,11 +14,13 @@ import types
 import numpy as np
 import pytest
 
-from streamrl_jax import config as config_lib
 from streamrl_jax.generation.types import GenerationRequest, RequestTag, SamplingParams
 from streamrl_jax.mailbox import FailureLatch
-from streamrl_jax.pipeline.driver import GenerationDriver
-from streamrl_jax.pipeline.roster import Roster, RosterUpdate, owner, regenerate
+from streamrl_jax.pipeline.driver import DriverPlan, GenerationDriver, Whole
+from streamrl_jax.pipeline.processes.roster import Roster, RosterUpdate, owner, regenerate
+from streamrl_jax.pipeline.processes.roster_share import RosterShare
+from streamrl_jax.pipeline.requests import Requests
+from streamrl_jax.pipeline.schedules import Schedule
 
 
 def test_owner_moves_only_the_lost_processes_indices():
@@ -57,21 +61,13 @@ def test_roster_keeps_first_copies_and_publishes_what_it_has():
         roster.lose(0)  # the last generation process: the run cannot go on
 
 
-def _driver(share, staleness=1, service=None, live=None, weights=lambda v: []):
-    cd = config_lib.defaults()
-    cd.pipeline.mode, cd.pipeline.staleness = "stream_async", staleness
-    cd.eval.num_problems = 0
-    return GenerationDriver(
-        config_lib.from_config_dict(cd),
-        service=service,
-        live=live,
-        eval_prompts=[],
-        weights=weights,
-        draw=lambda b, n: [],
-        emit=lambda s: None,
-        latch=FailureLatch("test"),
-        share=share,
-    )
+ASYNC = Schedule(mode="stream_async", staleness=1, streaming=True, colocated=False, max_lag=1)
+
+
+def _share(share, roster=None):
+    """Generation process `share` = (k, G) in stream_async (batch b needs W_{b-1})."""
+    roster = roster or RosterUpdate(0, (), 0, {}, (), {})
+    return RosterShare(share[0], share, roster, ASYNC.generation_version, keep=1 + 2)
 
 
 def _requests(batch, groups, members):
@@ -88,22 +84,23 @@ def _requests(batch, groups, members):
     ]
 
 
-def test_driver_takes_over_the_lost_processes_drawn_groups():
+def test_a_share_takes_over_the_lost_processes_drawn_groups():
     # Generation process 1 of 2 (stream_async, staleness 1: batch b needs W_{b-1}).
-    driver = _driver(share=(1, 2))
+    share = _share((1, 2))
 
     def requests(batch):
         return _requests(batch, groups=4, members=2)
 
     for b in range(5):
-        mine = driver._record(b, requests(b))
+        mine = share.keep(b, requests(b))
         assert sorted({r.tag.group for r in mine}) == [1, 3]
-    assert sorted(driver._drawn) == [1, 2, 3, 4]  # staleness + 2 batches back
+    assert sorted(share._drawn) == [1, 2, 3, 4]  # staleness + 2 batches back
     update = RosterUpdate(1, (0,), floor=3, complete={3: (0,)}, evals_done=(), evals={})
-    assert driver.lose(update) == 2 + 4  # batch 3: group 2 (0 is whole); batch 4: 0, 2
-    again = {v: sorted((r.tag.batch, r.tag.group) for r in rs) for v, rs in driver._again.items()}
+    assert share.lose(update) == 2 + 4  # batch 3: group 2 (0 is whole); batch 4: 0, 2
+    again = {v: sorted((r.tag.batch, r.tag.group) for r in rs) for v, rs in share.again().items()}
     assert again == {2: [(3, 2), (3, 2)], 3: [(4, 0), (4, 0), (4, 2), (4, 2)]}  # W_{b-1}
-    later = driver._record(5, requests(5))
+    assert share.again() == {}  # taken once
+    later = share.keep(5, requests(5))
     assert sorted({r.tag.group for r in later}) == [0, 1, 2, 3]  # the only one left
 
 
@@ -134,24 +131,23 @@ def test_losing_the_last_active_process_activates_a_reserved_one_at_the_floor():
         roster.lose(1)
 
 
-def test_driver_splits_each_batch_under_the_roster_of_its_draw():
+def test_a_share_splits_each_batch_under_the_roster_of_its_draw():
     # Generation process 2 of 3 is reserved; activated from batch 3 while batches 1-2
     # are drawn: it generates nothing of them (no regeneration), then its share.
-    driver = _driver(share=(2, 3))
-    driver.roster = RosterUpdate(0, (), 0, {}, (), {}, reserved=(2,))
+    share = _share((2, 3), RosterUpdate(0, (), 0, {}, (), {}, reserved=(2,)))
 
     def requests(batch):
         return _requests(batch, groups=6, members=1)
 
-    assert driver._record(1, requests(1)) == [] and driver._record(2, requests(2)) == []
+    assert share.keep(1, requests(1)) == [] and share.keep(2, requests(2)) == []
     update = RosterUpdate(1, (), 1, {}, (), {}, reserved=(2,), active_from={2: 3})
-    assert driver.lose(update) == 0  # batches 1 and 2 keep their owners
-    assert [r.tag.group for r in driver._record(3, requests(3))] == [2, 5]
+    assert share.lose(update) == 0  # batches 1 and 2 keep their owners
+    assert [r.tag.group for r in share.keep(3, requests(3))] == [2, 5]
     # Then process 0 is lost: 2 takes its groups of batch 3 (those not already whole)
     # but not of batches 1-2, where it was not active (1 takes them all there).
     lost = RosterUpdate(2, (0,), 1, {3: (0,)}, (), {}, reserved=(2,), active_from={2: 3})
-    assert driver.lose(lost) == 1
-    again = {v: [r.tag.group for r in rs] for v, rs in driver._again.items() if rs}
+    assert share.lose(lost) == 1
+    again = {v: [r.tag.group for r in rs] for v, rs in share.again().items() if rs}
     assert again == {2: [3]}  # W_{b-1}
 
 
@@ -181,21 +177,43 @@ class _SlowService:
         self.swaps.append((version, self.driver.pending()))
 
 
-def test_groups_generated_again_while_waiting_for_weights_finish_before_the_swap():
-    # A generation process waiting for W_{v+1} generates a lost process's groups again
-    # meanwhile (its `weights` hook calls `regenerate`); those under the loaded W_v must
-    # all be collected before W_{v+1} replaces it, or their tokens would span versions.
-    service = _SlowService()
-    live = types.SimpleNamespace(observe=lambda prompt, tokens: None)
+class _Again(Whole):
+    """A share that hands back `requests` (under `version`) once."""
 
-    def weights(version):
-        driver.regenerate()
+    def __init__(self, version, requests):
+        self.pending = {version: requests}
+
+    def again(self):
+        pending, self.pending = self.pending, {}
+        return pending
+
+
+class _WaitingWeights:
+    """Weights whose `wait` runs the driver's idle work once before it returns."""
+
+    def wait(self, version, idle):
+        idle()
         return []
 
-    driver = _driver(share=(0, 2), service=service, live=live, weights=weights)
+    def kept(self, version):
+        return []
+
+
+def test_groups_generated_again_while_waiting_for_weights_finish_before_the_swap():
+    # A generation process waiting for W_{v+1} generates a lost process's groups again
+    # meanwhile (its weights' `wait` runs the driver's `regenerate`); those under the
+    # loaded W_v must all be collected before W_{v+1} replaces it, or their tokens would
+    # span versions.
+    service = _SlowService()
+    live = types.SimpleNamespace(observe=lambda prompt, tokens: None)
+    rollout = types.SimpleNamespace(returned=lambda s: (s, []))
+    plan = DriverPlan(schedule=ASYNC, start=0, steps=3, loaded_version=1, held_out=(), timeout=30)
+    share = _Again(1, _requests(2, groups=1, members=2))
+    driver = GenerationDriver(
+        service, rollout, live, _WaitingWeights(), share, Requests(2, 4, None, 0, False),
+        lambda s: None, FailureLatch("test"), plan,
+    )  # fmt: skip
     service.driver = driver
-    driver.version = 1
-    driver._again = {1: _requests(2, groups=1, members=2)}
     collector = threading.Thread(target=driver._collect, daemon=True)
     collector.start()
     try:

@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 
 from streamrl_jax import config as config_lib
 from streamrl_jax.config import ExperimentConfig, PipelineSection
+from streamrl_jax.data import Prompt
 from streamrl_jax.generation.engine import Engine, EngineConfig
 from streamrl_jax.generation.types import (
     GenerationRequest,
@@ -33,14 +34,19 @@ from streamrl_jax.generation.types import (
     SamplingParams,
     Timings,
 )
+from streamrl_jax.mailbox import FailureLatch
 from streamrl_jax.model import config as model_config
 from streamrl_jax.model import llama
 from streamrl_jax.pipeline import RunResult
-from streamrl_jax.pipeline.micro_batches import Scored, pack_groups
+from streamrl_jax.pipeline.micro_batches import Scored, group_key, pack_groups
+from streamrl_jax.pipeline.rollouts import RolloutContext
 from streamrl_jax.pipeline.schedules import Schedule, VersionGate
+from streamrl_jax.pipeline.shards import Alone, ownership
 from streamrl_jax.rewards.base import RewardResult
+from streamrl_jax.rewards.tasks import Problem
 from streamrl_jax.simulation import pipeline as sim_pipeline
 from streamrl_jax.simulation.profiles import MeasuredCosts, TableDecode
+from streamrl_jax.stream.sample_stream import SampleStream
 from streamrl_jax.trainer.batch import TrainBatch
 from streamrl_jax.trainer.step import Trainer
 
@@ -192,8 +198,16 @@ def assert_same(a: dict[Any, Sample], b: dict[Any, Sample]) -> None:
 # ------------------------------------------------------------- micro-batches
 
 
-def scored_sample(group: int, member: int, score: float, version: int = 0, length: int = 3):
-    """A scored sample of batch 0: a 4-token prompt, `length` response tokens at
+def scored_sample(
+    group: int,
+    member: int,
+    score: float,
+    version: int = 0,
+    length: int = 3,
+    batch: int = 0,
+    prompt_id: str = "",
+):
+    """A scored sample of `batch`: a 4-token prompt, `length` response tokens at
     log-prob -0.5, generated under W_`version`; correct when score >= 1."""
     sample = Sample(
         request_id=f"{group}/{member}",
@@ -206,7 +220,7 @@ def scored_sample(group: int, member: int, score: float, version: int = 0, lengt
         last_policy_version=version,
         instance_id=0,
         timings=Timings(enqueue=0.0, admit=0.0, finish=0.0),
-        tag=RequestTag(batch=0, group=group, member=member),
+        tag=RequestTag(batch=batch, group=group, member=member, prompt_id=prompt_id),
     )
     reward = RewardResult(score=score, correct=score >= 1, extracted_answer=None, format_ok=True)
     return Scored(sample, "text", reward)
@@ -241,6 +255,57 @@ def pack_small(
 def sync_gate() -> VersionGate:
     """The version gate of stream_sync, counting (not raising on) stale samples."""
     return VersionGate(Schedule.from_config(PipelineSection(mode="stream_sync")), strict=False)
+
+
+# ------------------------------------------------------------------ rollouts
+
+
+class ListPrompts:
+    """A `Prompts` over the prompt ids p0, p1, ... in order (`draw` records them by batch)."""
+
+    def __init__(self, ids: list[str] | None = None, size: int = 1000):
+        self.ids = ids or [f"p{i}" for i in range(size)]
+        self.next = 0
+        self.drawn: dict[int, list[str]] = collections.defaultdict(list)
+
+    def draw(self, batch: int, n: int) -> list[Prompt]:
+        out = []
+        for _ in range(n):
+            pid = self.ids[self.next % len(self.ids)]
+            self.next += 1
+            problem = Problem(prompt_id=pid, question=pid, answer="", task="t", metadata={})
+            out.append(Prompt(problem=problem, tokens=(1, 2, 3)))
+            self.drawn[batch].append(pid)
+        return out
+
+
+def rollout_context(
+    prompts: Any = None, timeout_s: float = 5.0, seed: int = 0, **pipeline: Any
+) -> RolloutContext:
+    """A rollout's context on a real sample stream and failure latch, one training
+    process, over `ListPrompts` (or `prompts`); `pipeline` overrides `PipelineSection`."""
+    p = PipelineSection(timeout_s=timeout_s, **pipeline)
+    stream = SampleStream(group_size=p.group_size, group_key=group_key, capacity=1 << 12)
+    return RolloutContext(
+        pipeline=p,
+        schedule=Schedule.from_config(p),
+        stream=stream,
+        prompts=prompts if prompts is not None else ListPrompts(),
+        latch=FailureLatch("test"),
+        overlong=None,
+        trainers=Alone(ownership(p, 1)),
+        seed=seed,
+    )
+
+
+def group_of_scores(
+    batch: int, group: int, scores: list[float], prompt_id: str = ""
+) -> list[Scored]:
+    """The scored members of one group (`scored_sample`), one score each."""
+    return [
+        scored_sample(group, m, s, batch=batch, prompt_id=prompt_id or f"b{batch}g{group}")
+        for m, s in enumerate(scores)
+    ]
 
 
 # ------------------------------------------------------ simulated schedules

@@ -324,7 +324,7 @@ def _problem(**changes) -> Callable[[str], str]:
     def drive(root: str) -> str:
         import types
 
-        from streamrl_jax.pipeline.training_process import ProblemTable
+        from streamrl_jax.pipeline.processes.training import ProblemTable
         from streamrl_jax.rewards.tasks import Problem
 
         problem = Problem(

@@ -104,8 +104,10 @@ def rollout_names(value: str) -> tuple[list[str], str]:
 
 def _is_rollout(value: str) -> bool:
     wrappers, kind = rollout_names(value)
-    return kind in ROLLOUTS and all(w in ROLLOUT_WRAPPERS for w in wrappers) and (
-        len(set(wrappers)) == len(wrappers)
+    return (
+        kind in ROLLOUTS
+        and all(w in ROLLOUT_WRAPPERS for w in wrappers)
+        and (len(set(wrappers)) == len(wrappers))
     )
 
 

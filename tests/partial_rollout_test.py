@@ -1,12 +1,18 @@
-"""Partial rollout bookkeeping (pipeline/rollout.py), host only: rounds, continuations,
-round closure, the lag policies and the checkpoint's JSON of the work in flight."""
+"""Partial rollout (pipeline/rollouts/partial.py), host only, on a fake stream: rounds,
+continuations, round closure, the lag policies, the checkpoint's JSON of the work in
+flight, the trainer's micro-batches of a round, and the trainer's half across processes
+(`RemoteRounds`: the generation processes' round reports)."""
 
+import dataclasses
 import json
+import threading
 
 import numpy as np
 import pytest
+from support import group_of_scores, rollout_context
 
-from streamrl_jax.config import PipelineSection
+from streamrl_jax.distributed.channel import TransportError
+from streamrl_jax.distributed.messages import RoundClosed
 from streamrl_jax.generation.types import (
     GenerationRequest,
     RequestTag,
@@ -14,14 +20,23 @@ from streamrl_jax.generation.types import (
     SamplingParams,
     Timings,
 )
-from streamrl_jax.pipeline.rollout import PartialRollout, from_json, to_json
-from streamrl_jax.pipeline.schedules import Schedule
+from streamrl_jax.pipeline.rollouts import make_rollout
+from streamrl_jax.pipeline.rollouts.partial import (
+    PartialRollout,
+    RemoteRounds,
+    from_json,
+    make,
+    to_json,
+)
 from streamrl_jax.stream.sample_stream import StreamError
+
+PARTIAL = dict(
+    mode="stream_async", rollout="partial", group_size=2, partial_budget_tokens=4, max_lag=2
+)
 
 
 def _rollout(**kw):
-    p = PipelineSection(mode="stream_async", group_size=2, partial_budget_tokens=4, max_lag=2, **kw)
-    return PartialRollout(p, Schedule.from_config(p))
+    return PartialRollout(rollout_context(**PARTIAL, **kw))
 
 
 def _requests(batch, groups=1):
@@ -120,7 +135,7 @@ def test_the_work_in_flight_round_trips_through_json():
     ro.returned(_back(c, 4, 0, "paused"))
     ro.returned(_back(d, 4, 0, "paused"))
     assert ro.wait_round(0, timeout=1) == []
-    saved = json.loads(json.dumps(ro.snapshot(1)))  # what the checkpoint's metadata holds
+    saved = json.loads(json.dumps(ro.state(1)))  # what the checkpoint's metadata holds
     assert len(saved["paused"]) == 3 and len(saved["finished"]) == 1
     fresh = _rollout()
     (member,) = fresh.restore(1, saved)
@@ -144,6 +159,30 @@ def test_the_work_in_flight_round_trips_through_json():
     assert fresh.wait_round(1, timeout=1) == [(0, 0), (0, 1)]
 
 
+def test_the_trainer_takes_the_rounds_groups_in_micro_batches():
+    # Round 0 completed groups (0, 0) and (0, 1); the trainer takes them once scored,
+    # deterministic: in (batch, group) order, members in member order.
+    ro = _rollout(deterministic=True, micro_batch_groups=1)
+    a, b, c, d = ro.open(0, _requests(0, groups=2))
+    for q in (a, b, c, d):
+        ro.returned(_back(q, 3, 0, "stop"))
+    for g in (1, 0):
+        for s in reversed(group_of_scores(0, g, [0.0, 1.0])):
+            ro.scored(s)
+    batches = list(ro.micro_batches(0, 0))
+    assert [[(x.sample.tag.group, x.sample.tag.member) for x in g] for [g] in batches] == [
+        [(0, 0), (0, 1)],
+        [(1, 0), (1, 1)],
+    ]
+    assert ro.finish(0).metrics == {
+        "carried_paused": 0.0,
+        "carried_members": 0.0,
+        "regenerated": 0.0,
+        "dropped_lag": 0.0,
+    }
+    assert ro.plannable(3, 10) == range(3, 11)  # up to staleness (1) batches ahead
+
+
 def test_a_failure_wakes_the_trainer_waiting_for_a_round():
     ro = _rollout()
     ro.open(0, _requests(0))
@@ -165,7 +204,7 @@ def test_the_snapshot_is_the_state_at_the_rounds_close_even_when_later_rounds_ra
     ro.returned(_back(c, 3, 0, "stop"))
     (d1,) = ro.returned(_back(d, 4, 0, "paused"))[1]
     assert ro.wait_round(0, timeout=1) == []
-    saved = json.loads(json.dumps(ro.snapshot(1)))
+    saved = json.loads(json.dumps(ro.state(1)))
     assert sorted(x["request_id"] for x in saved["paused"]) == [b.request_id, d.request_id]
     assert sorted(x["request_id"] for x in saved["finished"]) == [a.request_id, c.request_id]
     ro.returned(_back(d1, 5, 1, "stop"))
@@ -177,3 +216,85 @@ def test_the_snapshot_is_the_state_at_the_rounds_close_even_when_later_rounds_ra
         fresh.returned(_back(q, 6, 1, "stop"))
     assert fresh.wait_round(1, timeout=1) == [(0, 0), (0, 1)]
     assert fresh.in_flight() == {"paused": 0, "waiting_members": 0}
+
+
+# ------------------------------------------------------------------ RemoteRounds
+
+
+def _report(process, r, groups=(), **counts):
+    fields = dict(paused=0, waiting_members=0, regenerated=0, dropped=0) | counts
+    return RoundClosed(process, r, tuple(groups), **fields)
+
+
+def _remote(processes=(0, 1)):
+    ctx = rollout_context(**PARTIAL, prompts_per_step=4)
+    return make(dataclasses.replace(ctx, where="trainer", generation_processes=processes))
+
+
+def test_the_registry_gives_the_trainer_its_half_across_processes():
+    assert isinstance(_remote(), RemoteRounds)
+    assert isinstance(make(rollout_context(**PARTIAL)), PartialRollout)
+
+
+def test_a_round_closes_once_every_process_reported_it():
+    rr = _remote()
+    rr.restore(0, {})
+    rr.report(_report(0, 0, [(0, 1)], paused=2))
+    with pytest.raises(TimeoutError, match=r"round 0 not reported closed .* processes \[1\]"):
+        rr.wait_round(0)  # one process missing
+    rr.report(_report(1, 0, [(0, 0)], paused=1, regenerated=3))
+    assert rr.wait_round(0) == [(0, 0), (0, 1)]
+    assert rr.finish(0).metrics == {
+        "carried_paused": 3.0,
+        "carried_members": 0.0,
+        "regenerated": 3.0,
+        "dropped_lag": 0.0,
+    }
+
+
+def test_a_waiting_trainer_wakes_on_the_last_report_and_on_failure():
+    rr = _remote(processes=(0,))
+    got = []
+    thread = threading.Thread(target=lambda: got.append(rr.wait_round(0)))
+    thread.start()
+    rr.report(_report(0, 0, [(0, 2)]))
+    thread.join(5)
+    assert got == [[(0, 2)]]
+    rr.fail(RuntimeError("generation-0 lost"))
+    with pytest.raises(StreamError, match="generation-0 lost"):
+        rr.wait_round(1)
+
+
+@pytest.mark.parametrize(
+    ("report", "message"),
+    [
+        (_report(7, 0), "generation-7, which is not generating"),
+        (_report(0, 1), "reported round 1; expected round 0"),
+        (_report(0, 0, [(1, 0)]), r"group \(1, 0\) complete in round 0"),
+        (_report(0, 0, [(0, 4)]), r"groups 0..3"),
+    ],
+)
+def test_a_report_that_cannot_be_right_is_refused_naming_the_process(report, message):
+    with pytest.raises(TransportError, match=message):
+        _remote().report(report)
+
+
+def test_a_report_repeated_is_refused():
+    rr = _remote()
+    rr.report(_report(0, 0))
+    with pytest.raises(TransportError, match="reported round 0; expected round 1"):
+        rr.report(_report(0, 0))
+
+
+def test_checkpoints_across_processes_are_refused_by_name():
+    rr = _remote()
+    with pytest.raises(RuntimeError, match="cannot be checkpointed or resumed"):
+        rr.state(2)
+    with pytest.raises(ValueError, match="cannot be checkpointed or resumed"):
+        rr.restore(2, {})
+
+
+def test_kinds_without_rounds_refuse_a_round_report():
+    full = make_rollout("full", rollout_context())
+    with pytest.raises(TransportError, match="has no rounds"):
+        full.report(_report(0, 0))
