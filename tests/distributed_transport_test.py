@@ -24,12 +24,10 @@ import time
 import types
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import zmq
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import SingleDeviceSharding
 
 from streamrl_jax.distributed import channel as channel_lib
 from streamrl_jax.distributed import (
@@ -40,14 +38,12 @@ from streamrl_jax.distributed import (
     shard_sync,
     shard_wire,
     sockets,
-    weights,
     wire,
 )
 from streamrl_jax.distributed.channel import (
     AuthenticationFailed,
     ChannelClosed,
     PeerLost,
-    TransportError,
     TransportTimeout,
 )
 from streamrl_jax.distributed.messages import SpanReport
@@ -60,7 +56,7 @@ sys.path.insert(0, str(REPO / "tools"))
 from bad_frames import Evil, TamperingProxy, raw_peer, wait_for  # noqa: E402
 
 KEY = b"test-key-0123456789abcdef"
-# Children import this module (for make_samples / make_params) and the package.
+# Children import this module (for make_samples) and the package.
 _PRELUDE = f"""
 import sys
 sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
@@ -91,18 +87,6 @@ def make_samples(n: int) -> list[Sample]:
 def note(text: str) -> SpanReport:
     """A small wire message carrying `text` (what the tests send besides samples)."""
     return SpanReport(track="test", name=text, t0=0.0, t1=0.0, args={})
-
-
-def make_params() -> dict:
-    rng = np.random.default_rng(1)
-    return {
-        "embed": rng.standard_normal((64, 16)).astype(jnp.bfloat16),
-        "layers": [
-            {"w": rng.standard_normal((16, 8)).astype(np.float32), "b": np.float32(np.nan)},
-            {"w": rng.standard_normal((16, 8)).astype(np.float32), "b": np.float32(-0.0)},
-        ],
-        "step": np.int32(7),
-    }
 
 
 def _addr(server) -> str:
@@ -359,116 +343,6 @@ def test_lost_consumer_is_reported_by_name(children):
             client.send(note("x"), timeout=1)
             time.sleep(0.05)
     client.close(timeout=1)
-
-
-_WEIGHT_SENDER = """
-import jax
-from distributed_transport_test import make_params
-from streamrl_jax.distributed.weights import WeightSender
-sender = WeightSender("127.0.0.1:0", authkey=b"test-key-0123456789abcdef", timeout_s=20)
-print("%s:%d" % sender.address, flush=True)
-params = jax.tree.map(jax.numpy.asarray, make_params())
-stats = sender.send(params, version=3, wait_ack=True)
-print(stats.bytes, flush=True)
-sender.close()
-"""
-
-
-def test_weights_round_trip_bit_exactly_into_target_shardings(children):
-    children.append(_spawn(_WEIGHT_SENDER))
-    receiver = weights.WeightReceiver(_readline(children[0], 60), authkey=KEY, timeout_s=20)
-    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "tp"))
-    replicated = NamedSharding(mesh, P())
-    shardings = jax.tree.map(lambda _: replicated, make_params())
-    shardings["embed"] = NamedSharding(mesh, P("data", "tp"))  # resharded on arrival
-    params, version, stats = receiver.receive(shardings, timeout=60)
-    assert version == 3 and stats.bytes == int(_readline(children[0], 30))
-    expected = make_params()
-    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(expected), strict=True):
-        assert got.dtype == want.dtype and got.shape == want.shape
-        assert np.asarray(got).tobytes() == np.asarray(want).tobytes()  # NaN and -0.0 too
-    assert params["embed"].sharding == shardings["embed"]
-    _finish(children[0])
-    with pytest.raises(ChannelClosed):
-        receiver.receive(shardings, timeout=10)
-    receiver.close(timeout=1)
-
-
-@pytest.mark.parametrize("checksum", [False, True])
-def test_weights_in_one_process_with_and_without_checksums(checksum):
-    sender = weights.WeightSender("127.0.0.1:0", authkey=KEY, timeout_s=10, checksum=checksum)
-    receiver = weights.WeightReceiver(sender.address, authkey=KEY, timeout_s=10)
-    try:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(lambda _: sharding, make_params())
-        sent = threading.Thread(target=sender.send, args=(make_params(), 4))
-        sent.start()
-        params, version, _ = receiver.receive(shardings, timeout=20)
-        sent.join(20)
-        assert version == 4
-        for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(make_params()), strict=True):
-            assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
-    finally:
-        receiver.close(timeout=1)
-        sender.close(timeout=1)
-
-
-def test_weight_checksum_detects_corruption():
-    header, arrays = weights.pack(make_params(), version=5)
-    weights.verify(header, arrays)
-    arrays[2] = arrays[2].copy()
-    arrays[2].reshape(-1).view(np.uint8)[3] ^= 1  # one flipped bit
-    with pytest.raises(weights.ChecksumError, match=r"version 5: leaf \['layers'\]\[0\]\['w'\]"):
-        weights.verify(header, arrays)
-
-
-def test_weight_tree_mismatch_names_the_leaf():
-    header, arrays = weights.pack(make_params(), version=1)
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    wrong = jax.tree.map(lambda _: sharding, make_params())
-    wrong["embedding"] = wrong.pop("embed")
-    with pytest.raises(ValueError, match=r"tree mismatch at leaf 0: target \['embedding'\]"):
-        weights.place(header, arrays, wrong)
-    params = weights.place(header, arrays, sharding)  # one sharding: the sender's structure
-    assert jax.tree.structure(params) == jax.tree.structure(make_params())
-    received = wire.decode_header(wire.encode_header(header), source="peer")
-    with pytest.raises(ValueError, match="carry no tree structure"):
-        weights.place(received, arrays, sharding)  # the structure does not travel
-
-
-def test_a_weight_header_that_declares_the_wrong_tree_is_refused_before_allocation(
-    children, monkeypatch
-):
-    # The receiver knows the tree it expects; a sender declaring another shape (here: the
-    # real one, against a receiver expecting a larger embedding) allocates nothing.
-    allocated = []
-    real = weights.empty_aligned
-    monkeypatch.setattr(weights, "empty_aligned", lambda *a: allocated.append(a) or real(*a))
-    children.append(_spawn(_WEIGHT_SENDER))
-    expected = jax.eval_shape(make_params)
-    expected["embed"] = jax.ShapeDtypeStruct((10**6, 64), expected["embed"].dtype)
-    receiver = weights.WeightReceiver(
-        _readline(children[0], 60), authkey=KEY, timeout_s=20, expected=expected
-    )
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    refused = r"version 3: leaf 0: declared .*embed.*\(64, 16\).*expected .*\(1000000, 64\)"
-    with pytest.raises(TransportError, match=refused):
-        receiver.receive(jax.tree.map(lambda _: sharding, make_params()), timeout=60)
-    assert not allocated
-    receiver.close(timeout=1)
-
-
-def test_check_header_names_a_tampered_leaf():
-    header, _ = weights.pack(make_params(), version=2)
-    expected = weights.expected_leaves(jax.eval_shape(make_params))
-    weights.check_header(header, expected, "peer")
-    huge = dataclasses.replace(header.leaves[1], shape=(10**12,))
-    tampered = dataclasses.replace(header, leaves=(header.leaves[0], huge, *header.leaves[2:]))
-    with pytest.raises(TransportError, match=r"version 2: leaf 1: declared .*1000000000000"):
-        weights.check_header(tampered, expected, "peer")
-    short = dataclasses.replace(header, leaves=header.leaves[:1])
-    with pytest.raises(TransportError, match="1 leaves declared"):
-        weights.check_header(short, expected, "peer")
 
 
 @pytest.mark.parametrize(

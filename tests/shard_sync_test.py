@@ -2,30 +2,47 @@
 
 In one process: two senders playing training processes 0 and 1 (each holding
 half the rows of every matrix) and two receivers with different layouts, over
-real CURVE channels on loopback. Across real processes: `launch/local.py` with
-2 generation + 2 training processes (gloo), the training params FSDP-sharded
-over a mesh spanning both training processes.
+real CURVE channels on loopback; a host tree (the online ranker's parameters)
+from one sender, with live-only sends to receivers that come, are killed and
+restart; hostile needs and headers. Across real processes: `launch/local.py`
+with 2 generation + 2 training processes (gloo), the training params
+FSDP-sharded over a mesh spanning both training processes.
 """
 
 import contextlib
 import json
 import os
 import pathlib
+import pickle
 import subprocess
 import sys
 import textwrap
+import time
+import tracemalloc
+import types
+import zlib
 
 import jax
 import jax.numpy as jnp
+import msgspec
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from streamrl_jax.distributed import reshard, shard_receiver, shard_sync, shard_wire, xla_pull
-from streamrl_jax.distributed.channel import PeerLost, TransportError
+from streamrl_jax.distributed.channel import (
+    ChannelClosed,
+    PeerLost,
+    TransportError,
+    TransportTimeout,
+)
+from streamrl_jax.distributed.wire import WireError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+from bad_frames import Evil  # noqa: E402
+
 KEY = b"test-key-0123456789abcdef"
 
 
@@ -166,9 +183,13 @@ def test_a_receiver_that_needs_other_weights_is_refused_naming_the_leaf():
         ([((0, 2), (0, 6))], "covered 12 of the 24 elements"),  # a gap
     ],
 )
-def test_a_header_outside_the_need_fails_naming_the_sender(boxes, match):
+def test_a_header_outside_the_need_fails_naming_the_sender(boxes, match, monkeypatch):
     """A key holder that announces pieces the receiver did not ask for: refused before
-    any allocation (outside, overlapping), or when the version would be incomplete."""
+    any allocation (outside, overlapping), or when the version would be incomplete; it
+    never makes the receiver allocate more than its own need."""
+    allocated = []
+    real = shard_receiver.empty_aligned
+    monkeypatch.setattr(shard_receiver, "empty_aligned", lambda *a: allocated.append(a) or real(*a))
     x = np.arange(48, dtype=np.float32).reshape(8, 6)
     leaf = reshard.LeafLayout("['w']", (8, 6), "float32", 4)
     need = shard_wire.Need(0, (leaf,), ((((0, 4), (0, 6)),),))
@@ -189,6 +210,12 @@ def test_a_header_outside_the_need_fails_naming_the_sender(boxes, match):
             sender.send_shards(plan, {(0, source): x}, 1)
         with pytest.raises(TransportError, match=match):
             receiver.receive(SingleDeviceSharding(jax.devices()[0]), timeout=10)
+        need_bytes = 4 * 6 * 4  # rows 0-4 of a float32 [8, 6]
+        assert sum(int(np.prod(shape)) * jnp.dtype(dt).itemsize for shape, dt in allocated) <= (
+            need_bytes
+        )
+        if match == "outside box":
+            assert not allocated
     finally:
         receiver.close(1)
         sender.close(1)
@@ -201,6 +228,251 @@ def test_the_report_is_flat_and_bounded():
     assert report["gbps"] == pytest.approx(40 / 0.5 / 1e9) and report["checksum"] == 1.0
     many = shard_wire.ShardStats(3, 1.0, {f"training-{i}": i + 1 for i in range(100)}, False)
     assert len(many.report()) <= 64 and many.report()["bytes_max"] == 100
+
+
+def _single(device: jax.Device, tree) -> dict:
+    return jax.tree.map(lambda _: SingleDeviceSharding(device), tree)
+
+
+def _until(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_a_host_tree_arrives_bitwise_in_the_receivers_own_layout():
+    """Host (numpy) leaves, as the online ranker's parameters are, are whole boxes of the
+    sending process; the receiver places them into its own sharding (here: `embed` split
+    over a 2x2 mesh, the rest replicated)."""
+    params = make_params()
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "tp"))
+    shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), params)
+    shardings["embed"] = NamedSharding(mesh, P("data", "tp"))
+    sender = shard_sync.ShardSender(
+        "127.0.0.1:0", authkey=KEY, process=3, num_receivers=1, timeout_s=10, name="ranker"
+    )
+    receiver = shard_receiver.ShardReceiver(
+        [sender.address], shard_wire.need_of(shardings, params, 0), authkey=KEY, timeout_s=10
+    )
+    try:
+        sent = sender.send(params, 3)
+        got, version, stats = receiver.receive(shardings, timeout=10)
+        assert version == 3 and _bitwise(got, params)
+        assert got["embed"].sharding == shardings["embed"]
+        total = sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))
+        assert stats.bytes == {"ranker": total} and sent.bytes == {"generation-0": total}
+        sender.send(params, 4)
+        with pytest.raises(ValueError, match="not the one the need declared"):
+            receiver.receive(dict(shardings, extra=shardings["step"]), timeout=10)
+        sender.close(2)
+        with pytest.raises(ChannelClosed):
+            receiver.receive(shardings, timeout=10)
+    finally:
+        receiver.close(1)
+        sender.close(1)
+
+
+def test_a_corrupt_piece_is_refused_naming_it(monkeypatch):
+    # The sender's crc32s are off by one bit, as if the bytes changed after they were
+    # checksummed: the receiver names the version, the sender and the leaf.
+    monkeypatch.setattr(
+        shard_sync, "zlib", types.SimpleNamespace(crc32=lambda b: zlib.crc32(b) ^ 1)
+    )
+    params = make_params()
+    shardings = _single(jax.devices()[0], params)
+    sender = shard_sync.ShardSender(
+        "127.0.0.1:0", authkey=KEY, process=0, num_receivers=1, timeout_s=10, checksum=True
+    )
+    receiver = shard_receiver.ShardReceiver(
+        [sender.address], shard_wire.need_of(shardings, params, 0), authkey=KEY, timeout_s=10
+    )
+    try:
+        sender.send(params, 5)
+        corrupt = r"weights v5 from training .*\['embed'\] is corrupt \(crc32"
+        with pytest.raises(shard_receiver.ChecksumError, match=corrupt):
+            receiver.receive(shardings, timeout=10)
+    finally:
+        receiver.close(1)
+        sender.close(1)
+
+
+# A generation process's ranker receiver: `python -c _RECEIVER REPO TESTS ADDRESS OUT`;
+# writes "<version> <bitwise>" to OUT for every version it places.
+_RECEIVER = """
+import pathlib, sys
+sys.path[:0] = sys.argv[1:3]
+import jax
+from shard_sync_test import KEY, _bitwise, _single, make_params
+from streamrl_jax.distributed import shard_receiver, shard_wire
+
+shardings = _single(jax.devices()[0], make_params())
+need = shard_wire.need_of(shardings, make_params(), 1)
+receiver = shard_receiver.ShardReceiver(
+    [sys.argv[3]], need, authkey=KEY, timeout_s=10, name="generation-1-ranker")
+while True:
+    got, version, _ = receiver.receive(shardings, timeout=120)
+    pathlib.Path(sys.argv[4]).write_text(f"{version} {_bitwise(got, make_params(version))}")
+"""
+
+
+def test_live_only_sends_skip_the_lost_and_serve_a_restarted_receiver_again(tmp_path):
+    """The online ranker's channel: one sender of a host tree, two receivers. A resumed
+    run's restored tree waits for every receiver; a refresh (`live_only`) goes to the
+    receivers there now, skips one without room, skips and drops one that was killed,
+    and reaches its restarted process again."""
+    sender = shard_sync.ShardSender(
+        "127.0.0.1:0", authkey=KEY, process=2, num_receivers=2, timeout_s=10,
+        name="training-ranker",
+    )  # fmt: skip
+    shardings = _single(jax.devices()[0], make_params())
+
+    def receiver(process: int) -> shard_receiver.ShardReceiver:
+        need = shard_wire.need_of(shardings, make_params(), process)
+        return shard_receiver.ShardReceiver(
+            [sender.address], need, authkey=KEY, timeout_s=10,
+            name=f"generation-{process}-ranker",
+        )  # fmt: skip
+
+    def takes(r: shard_receiver.ShardReceiver, version: int) -> None:
+        got, got_version, _ = r.receive(shardings, timeout=10)
+        assert got_version == version and _bitwise(got, make_params(float(version)))
+
+    receivers = [receiver(0)]
+    child = None
+    try:
+        _until(lambda: sender.receivers() == [0])
+        with pytest.raises(TransportTimeout, match="1/2 weights peers connected within"):
+            sender.send(make_params(1.0), 1, timeout=1)
+        stats = sender.send(make_params(1.0), 1, live_only=True)
+        assert set(stats.bytes) == {"generation-0"}  # not waiting for the other
+        takes(receivers[0], 1)
+        # Receiver 0 has not taken v2: v3 skips it after the timeout instead of failing.
+        sender.send(make_params(2.0), 2, live_only=True)
+        assert sender.send(make_params(3.0), 3, live_only=True, timeout=0.5).bytes == {}
+        takes(receivers[0], 2)
+        # Generation process 1, a process of its own, joins: the next refresh reaches it.
+        env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+        placed, log = tmp_path / "placed", tmp_path / "receiver.log"
+        address = "{}:{}".format(*sender.address)
+        with log.open("w") as stderr:
+            child = subprocess.Popen(
+                [sys.executable, "-c", _RECEIVER, str(REPO), str(REPO / "tests"), address, placed],
+                stderr=stderr, env=env,
+            )  # fmt: skip
+        _until(lambda: sender.receivers() == [0, 1] or child.poll() is not None, 120)
+        assert child.poll() is None, log.read_text()
+        stats = sender.send(make_params(4.0), 4, live_only=True)
+        assert set(stats.bytes) == {"generation-0", "generation-1"}
+        takes(receivers[0], 4)
+        _until(lambda: placed.exists() and placed.read_text() == "4 True")
+        # Killed: the refreshes go on to receiver 0 and drop the lost one.
+        child.kill()
+        child.wait(10)
+        version = 5
+        while 1 in sender.receivers():
+            assert version < 50, "the killed receiver was never dropped"
+            sender.send(make_params(float(version)), version, live_only=True)
+            takes(receivers[0], version)
+            version += 1
+        # Restarted (the same process id): admitted again, served from the next refresh.
+        receivers.append(receiver(1))
+        _until(lambda: sender.receivers() == [0, 1])
+        stats = sender.send(make_params(float(version)), version, live_only=True)
+        assert set(stats.bytes) == {"generation-0", "generation-1"}
+        for r in receivers:
+            takes(r, version)
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
+        for x in (*receivers, sender):
+            x.close(2)
+
+
+def test_the_dtype_names_are_what_jax_calls_them():
+    for dtype in (jnp.bfloat16, jnp.float32, jnp.float16, jnp.int32, jnp.int8, jnp.uint8):
+        assert jnp.dtype(dtype).name in shard_wire.DTYPES
+
+
+SOURCE = "generation-3"
+
+
+def _need_with(**leaf) -> bytes:
+    leaves = (reshard.LeafLayout("['w']", (8, 6), "float32", 4),) * 2
+    frame = msgspec.msgpack.decode(shard_wire.Need(0, leaves, ((((0, 8), (0, 6)),),) * 2).encode())
+    frame["leaves"][1].update(leaf)
+    return msgspec.msgpack.encode(frame)
+
+
+@pytest.mark.parametrize(
+    "leaf, expect",
+    [
+        (dict(dtype="object"), "Invalid enum value 'object' - at `$.leaves[1].dtype`"),
+        (dict(dtype=7), "at `$.leaves[1].dtype`"),
+        (dict(shape=[4, -1]), "Expected `int` >= 0 - at `$.leaves[1].shape[1]`"),
+        (dict(shape=[1] * 9), "length <= 8 - at `$.leaves[1].shape`"),
+        (dict(shape=[2**41]), "at `$.leaves[1].shape[0]`"),
+        (dict(shape=[2.0]), "at `$.leaves[1].shape[0]`"),
+        (dict(path="p" * 4097), "at `$.leaves[1].path`"),
+        (dict(path=None), "at `$.leaves[1].path`"),
+        (dict(boxes=[]), "at `$.leaves[1].boxes`"),
+        (dict(boxes=[[[0, 9], [0, 6]]]), "box ((0, 9), (0, 6)) is not inside leaf ['w']"),
+        (dict(treedef=b"\x80\x04"), "unknown field `treedef`"),
+    ],
+)
+def test_a_tampered_need_is_refused_naming_the_field(leaf, expect):
+    with pytest.raises(WireError, match=f"from {SOURCE}") as info:
+        shard_wire.Need.decode(_need_with(**leaf), SOURCE)
+    assert expect in str(info.value)
+
+
+def test_a_tampered_shards_header_is_refused_naming_the_field():
+    good = shard_wire.ShardsHeader(1, 0, (shard_wire.PieceSpec(0, 0, ((0, 8), (0, 6)), 7),))
+    for field, value, expect in [
+        ("crc32", -1, "at `$.pieces[0].crc32`"),
+        ("crc32", 2**32, "at `$.pieces[0].crc32`"),
+        ("box", [[0, 1]] * 9, "length <= 8 - at `$.pieces[0].box`"),
+        ("leaf", -1, "at `$.pieces[0].leaf`"),
+    ]:
+        frame = msgspec.msgpack.decode(shard_wire.ENCODER.encode(good))
+        frame["pieces"][0][field] = value
+        with pytest.raises(WireError, match=f"malformed weight shards from {SOURCE}") as info:
+            shard_wire.decode_shards(msgspec.msgpack.encode(frame), SOURCE)
+        assert expect in str(info.value)
+
+
+def test_need_decoding_bounds_the_leaf_count_before_allocating():
+    leaf = {"path": "", "shape": [], "dtype": "int8", "boxes": [[]]}
+    frame = {"type": "need", "process": 0, "leaves": [leaf] * (shard_wire.MAX_LEAVES + 1)}
+    with pytest.raises(WireError, match=r"length <= 100000 - at `\$.leaves`"):
+        shard_wire.Need.decode(msgspec.msgpack.encode(frame), SOURCE)
+    frame["leaves"] = frame["leaves"][:-1]
+    need = shard_wire.Need.decode(msgspec.msgpack.encode(frame), SOURCE)
+    assert len(need.leaves) == shard_wire.MAX_LEAVES
+    # 2**32 - 1 leaves declared (over the bound) or 100,000 (within it), none present.
+    head = msgspec.msgpack.encode({"type": "need", "process": 0})[1:]
+    declared = b"\x83" + head + b"\xa6leaves\xdd"
+    tracemalloc.start()
+    try:
+        for count, expect in [(2**32 - 1, "length <= 100000"), (100_000, "truncated")]:
+            with pytest.raises(WireError, match=expect):
+                shard_wire.Need.decode(declared + count.to_bytes(4, "big"), SOURCE)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+
+
+def test_a_pickle_is_refused_and_never_run(tmp_path):
+    marker = tmp_path / "pwned"
+    for protocol in (0, pickle.HIGHEST_PROTOCOL):
+        payload = pickle.dumps(Evil(marker), protocol=protocol)
+        for decode in (shard_wire.Need.decode, shard_wire.decode_shards):
+            with pytest.raises(WireError, match=f"from {SOURCE}"):
+                decode(payload, SOURCE)
+    assert not marker.exists()
+    pickle.loads(payload)  # the guard: this payload is live
+    assert marker.exists()
 
 
 def test_device_to_device_pull_in_one_process_bitwise_with_checksums():

@@ -17,7 +17,6 @@ import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
-import jax.numpy as jnp
 import msgspec
 import numpy as np
 import pytest
@@ -59,15 +58,6 @@ def make_sample(
     )
 
 
-def make_header(n: int = 300) -> wire.WeightHeader:
-    dtypes = ["bfloat16", "float32", "int32", "float16"]
-    leaves = tuple(
-        wire.LeafSpec(f"['layers'][{i}]['w']", (i % 5, 64, 3)[: i % 4], dtypes[i % 4], i * 7919)
-        for i in range(n)
-    )
-    return wire.WeightHeader(version=12, leaves=leaves, treedef="not sent")
-
-
 def _plain(payload: bytes) -> dict:
     """A frame as plain msgpack values (dicts, bytes, ...), to be tampered with."""
     return msgspec.msgpack.decode(payload)
@@ -79,9 +69,9 @@ def _tampered(msg: Any, change: Callable[[dict], None]) -> bytes:
     return msgspec.msgpack.encode(frame)
 
 
-def _refused(payload: bytes | memoryview, *, header: bool = False) -> str:
+def _refused(payload: bytes | memoryview) -> str:
     with pytest.raises(wire.WireError) as info:
-        (wire.decode_header if header else wire.decode)(payload, source=SOURCE)
+        wire.decode(payload, source=SOURCE)
     message = str(info.value)
     assert f"from {SOURCE}" in message
     return message
@@ -162,20 +152,6 @@ def test_numpy_scalars_and_int_span_args_encode():
     assert span.args == {"bytes": 10.0} and isinstance(span.args["bytes"], float)
 
 
-def test_weight_header_round_trip():
-    sent = make_header(300)
-    got = wire.decode_header(wire.encode_header(sent), source=SOURCE)
-    assert got.treedef is None and got.version == sent.version
-    assert got.leaves == sent.leaves
-    assert got.nbytes == sent.nbytes > 0
-    assert all(isinstance(leaf.shape, tuple) for leaf in got.leaves)
-
-
-def test_header_dtype_names_are_what_jax_calls_them():
-    for dtype in (jnp.bfloat16, jnp.float32, jnp.float16, jnp.int32, jnp.int8, jnp.uint8):
-        assert jnp.dtype(dtype).name in wire.DTYPES
-
-
 # ---------------------------------------------------------------- encode refuses
 @pytest.mark.parametrize(
     "change, match",
@@ -203,21 +179,9 @@ def test_encode_refuses_a_sample_the_wire_cannot_carry(change, match):
 
 
 def test_encode_refuses_other_types():
-    for msg in ({"type": "sample"}, "text", make_header(1)):
+    for msg in ({"type": "sample"}, "text", np.zeros(3, np.int32)):
         with pytest.raises(TypeError, match="cannot encode"):
             wire.encode(msg)
-
-
-@pytest.mark.parametrize(
-    "leaf, match",
-    [
-        (wire.LeafSpec("['ok']", (2,), "bool", 0), "bool"),
-        (wire.LeafSpec("['deep']", (1,) * 9, "float32", 0), "rank <= 8"),
-    ],
-)
-def test_encode_header_refuses_what_the_wire_cannot_carry(leaf, match):
-    with pytest.raises(ValueError, match=match):
-        wire.encode_header(wire.WeightHeader(1, (leaf,)))
 
 
 # ---------------------------------------------------------------- decode refuses
@@ -235,7 +199,7 @@ def _set(path: str, value: Any) -> Callable[[dict], None]:
 HOSTILE_SAMPLES = {
     # name: (change to a good frame, text the error must contain)
     "unknown tag": (_set("type", "evil"), "Invalid value 'evil' - at `$.type`"),
-    "header tag": (_set("type", "weights"), "`$.type`"),
+    "weight-sync tag": (_set("type", "shards"), "`$.type`"),
     "unknown field": (_set("treedef", b"\x80\x04"), "unknown field `treedef`"),
     "missing field": (lambda f: f.pop("timings"), "missing required field `timings`"),
     "odd byte count": (_set("response", b"\0" * 7), "$.response has 7 bytes"),
@@ -330,7 +294,6 @@ def test_decode_refuses_a_pickle_without_running_it(tmp_path):
 
     for payload in (pickle.dumps(Exploit()), pickle.dumps(Exploit(), protocol=0)):
         _refused(payload)
-        _refused(payload, header=True)
     assert not marker.exists()
     pickle.loads(pickle.dumps(Exploit()))  # the guard: this payload is live
     assert marker.exists()
@@ -345,7 +308,6 @@ def test_decode_survives_deep_nesting():
     span = wire.encode(SpanReport("t", "n", 0, 1, {"@@MARK@@": 1.0}))
     assert "`$.args`" in _refused(span.replace(marker, deep))
     assert "Expected `object`, got `array`" in _refused(deep)
-    assert "Expected `object`, got `array`" in _refused(deep, header=True)
 
 
 def test_a_huge_declared_length_allocates_nothing():
@@ -354,65 +316,14 @@ def test_a_huge_declared_length_allocates_nothing():
     frame = msgspec.msgpack.encode({**_plain(wire.encode(make_sample())), "response": b"@@MARK@@"})
     over = frame.replace(marker, b"\xc6\xff\xff\xff\xf0abcd")
     within = frame.replace(marker, b"\xc6\x00\x40\x00\x00abcd")
-    # A weight header declaring 2**32 - 1 leaves (over the bound) or 100,000 (within it).
-    leaves = b"\x83\xa4type\xa7weights\xa7version\x01\xa6leaves\xdd"
     tracemalloc.start()  # sees msgspec's allocations (a 8 MiB bytes field peaks at 8 MiB)
     try:
         assert "length <= 4194304 - at `$.response`" in _refused(over)
         assert "truncated" in _refused(within)
-        assert "length <= 100000" in _refused(leaves + b"\xff\xff\xff\xff", header=True)
-        assert "truncated" in _refused(leaves + (100_000).to_bytes(4, "big"), header=True)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20, peak
-
-
-def test_decode_refuses_a_header_and_decode_header_a_sample():
-    assert "$.type" in _refused(wire.encode_header(make_header(2)))
-    assert "$.type" in _refused(wire.encode(make_sample()), header=True)
-
-
-def _header_with(**leaf: Any) -> bytes:
-    frame = _plain(wire.encode_header(make_header(3)))
-    frame["leaves"][1].update(leaf)
-    return msgspec.msgpack.encode(frame)
-
-
-@pytest.mark.parametrize(
-    "leaf, expect",
-    [
-        (dict(dtype="object"), "Invalid enum value 'object' - at `$.leaves[1].dtype`"),
-        (dict(dtype="float128"), "at `$.leaves[1].dtype`"),
-        (dict(dtype=7), "at `$.leaves[1].dtype`"),
-        (dict(shape=[4, -1]), "Expected `int` >= 0 - at `$.leaves[1].shape[1]`"),
-        (dict(shape=[1] * 9), "length <= 8 - at `$.leaves[1].shape`"),
-        (dict(shape=[2**41]), "at `$.leaves[1].shape[0]`"),
-        (
-            dict(shape=[2**40, 2**40]),
-            "leaf 1 (['layers'][1]['w']) declares float32[",
-        ),
-        (dict(shape=[2.0]), "at `$.leaves[1].shape[0]`"),
-        (dict(crc32=-1), "at `$.leaves[1].crc32`"),
-        (dict(crc32=2**32), "at `$.leaves[1].crc32`"),
-        (dict(path="p" * 4097), "at `$.leaves[1].path`"),
-        (dict(path=None), "at `$.leaves[1].path`"),
-        (dict(treedef=b"\x80\x04"), "unknown field `treedef`"),
-    ],
-)
-def test_decode_header_refuses_a_tampered_leaf(leaf, expect):
-    assert expect in _refused(_header_with(**leaf), header=True)
-
-
-def test_decode_header_bounds_the_leaf_count():
-    leaf = {"path": "", "shape": [], "dtype": "int8", "crc32": 0}
-    frame = {"type": "weights", "version": 1, "leaves": [leaf] * (wire.MAX_LEAVES + 1)}
-    payload = msgspec.msgpack.encode(frame)
-    assert "length <= 100000 - at `$.leaves`" in _refused(payload, header=True)
-    frame["leaves"] = frame["leaves"][:-1]
-    assert len(wire.decode_header(msgspec.msgpack.encode(frame), source=SOURCE).leaves) == (
-        wire.MAX_LEAVES
-    )
 
 
 def test_wire_error_is_a_transport_error():
@@ -425,16 +336,11 @@ def _time(fn: Callable[[], Any], n: int) -> float:
 
 
 if __name__ == "__main__":
-    sample, header = make_sample(), make_header(300)
-    payload, header_payload = wire.encode(sample), wire.encode_header(header)
+    sample = make_sample()
+    payload = wire.encode(sample)
     enc = _time(lambda: wire.encode(sample), 20_000)
     dec = _time(lambda: wire.decode(payload, source=SOURCE), 20_000)
     print(f"sample (P=64, R=256, {len(payload)} B): encode {enc:.2f} us + decode {dec:.2f} us")
-    enc = _time(lambda: wire.encode_header(header), 500)
-    dec = _time(lambda: wire.decode_header(header_payload, source=SOURCE), 500)
-    print(
-        f"header (300 leaves, {len(header_payload)} B): encode {enc:.1f} us + decode {dec:.1f} us"
-    )
     pickled = pickle.dumps(sample, protocol=pickle.HIGHEST_PROTOCOL)
     pkl = _time(lambda: pickle.loads(pickle.dumps(sample, protocol=5)), 20_000)
     print(f"for comparison, pickle round trip of the sample ({len(pickled)} B): {pkl:.2f} us")

@@ -1,6 +1,6 @@
 """Network cases of the bad-input corpus: hostile or broken peers of the cross-process channels.
 
-Each case starts a real `SampleServer` (or `WeightSender` / `WeightReceiver`)
+Each case starts a real `SampleServer` (or a weight `ShardReceiver`)
 on loopback in this process, drives a peer (an outsider without the run key,
 or a buggy process holding it), and reports the named error it got. The
 runner then closes everything and checks that nothing leaked: the thread
@@ -261,25 +261,28 @@ def _tampered(root: str) -> str:
         proxy.close()
 
 
-def _weights(header: Callable[[], bytes], expected_embed: tuple[int, int] = (4, 2)):
-    """A weight sender holding the key sends `header()`; the receiver's named refusal."""
+def _weights(header: Callable[[], bytes]):
+    """A weight sender holding the key sends `header()` to a `ShardReceiver` that needs a
+    float32[4, 2]; the receiver's named refusal."""
 
     def drive(root: str) -> str:
         import jax
 
-        from streamrl_jax.distributed.weights import WeightReceiver
+        from streamrl_jax.distributed import reshard, shard_receiver, shard_wire
 
         hub_server = _weights_server()
         try:
-            expected = {"embed": jax.ShapeDtypeStruct(expected_embed, np.float32)}
-            receiver = WeightReceiver(
-                hub_server.address, authkey=KEY, timeout_s=5.0, expected=expected
+            leaf = reshard.LeafLayout("['embed']", (4, 2), "float32", 4)
+            need = shard_wire.Need(0, (leaf,), ((((0, 4), (0, 2)),),))
+            receiver = shard_receiver.ShardReceiver(
+                [hub_server.address], need, authkey=KEY, timeout_s=5.0
             )
             try:
                 channel = hub_server.channels[0]
                 channel.send(header(), timeout=5.0)
+                device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
                 try:
-                    receiver.receive({"embed": None}, timeout=8.0)
+                    receiver.receive({"embed": device}, timeout=8.0)
                     return "placed"
                 except Exception as e:  # noqa: BLE001 - the named error is the outcome
                     return f"{type(e).__name__}: {e}"
@@ -292,16 +295,22 @@ def _weights(header: Callable[[], bytes], expected_embed: tuple[int, int] = (4, 
 
 
 def _weights_server():
+    """A training side that takes the receiver's need and sends what a case says."""
     from streamrl_jax.distributed.peers import Endpoint, Hub
 
-    return Hub(Endpoint("weights", "trainer", "127.0.0.1:0", KEY, 5.0), max_peers=1)
+    return Hub(
+        Endpoint("weights", "trainer", "127.0.0.1:0", KEY, 5.0),
+        max_peers=1,
+        on_data=lambda channel, payload: None,
+        grant=1,  # room for the need
+    )
 
 
-def _huge_header() -> bytes:
-    from streamrl_jax.distributed import wire
+def _huge_piece() -> bytes:
+    from streamrl_jax.distributed import shard_wire
 
-    leaf = wire.LeafSpec("['embed']", (2**17, 2**17), "float32", 0)  # 64 GiB
-    return wire.encode_header(wire.WeightHeader(1, (leaf,)))
+    piece = shard_wire.PieceSpec(0, 0, ((0, 2**17), (0, 2**17)), None)  # 64 GiB of float32
+    return shard_wire.ENCODER.encode(shard_wire.ShardsHeader(1, 0, (piece,)))
 
 
 def _key_file(root: str) -> str:
@@ -398,8 +407,9 @@ def cases() -> list[NetCase]:
         NetCase("net: request id a list", "WireError: .*request_id",
                 _authenticated([[b"D", _edited(request_id=[1, 2, 3])]])),
         NetCase("net: tampered frame", "a frame failed authentication", _tampered),
-        NetCase("net: weight header declares 64 GiB", "declared", _weights(_huge_header)),
-        NetCase("net: weight header not the schema", "malformed weight header",
+        NetCase("net: weight piece of 64 GiB outside the need", "outside box",
+                _weights(_huge_piece)),
+        NetCase("net: weight header not the schema", "malformed weight shards",
                 _weights(lambda: b"\x92\x01\x02")),
         NetCase("net: sample of an unknown prompt", "which is in neither dataset",
                 _problem(tag=sample().tag.__class__(batch=0, prompt_id="other/9/9"))),

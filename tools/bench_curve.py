@@ -4,7 +4,7 @@
 
 Two processes on localhost, a DEALER (this process) pushing `--mb` MB in 8 MiB
 messages to a ROUTER in a child that copies each into a preallocated buffer
-(what `weights.WeightReceiver` does), once in clear (ZeroMQ's NULL mechanism)
+(what `shard_receiver.ShardReceiver` does), once in clear (ZeroMQ's NULL mechanism)
 and once under CURVE (encrypted and authenticated, as the channels run).
 Nothing of streamrl_jax's own code is on the path, so the ratio is what CURVE
 itself costs here. Medians over `--reps`; the last line is JSON.

@@ -6,10 +6,11 @@ Measures, with random arrays of the SmolLM2-135M shapes (30 layers, width
 576, 9 heads / 3 KV heads of 64, MLP 1536, vocabulary 49152, tied embeddings;
 134.5 M parameters) in float32 and bfloat16:
 
-* `streamrl_jax.distributed.weights` between this process (sender) and a
-  child (receiver, placing into one CPU device): sender end-to-end time
-  (device_get + crc32 + wire + receiver crc32 + device_put + acknowledgement)
-  and the receiver's split (wire / verify / place);
+* one `shard_sync.ShardSender` (this process, holding the whole tree on one
+  CPU device, as one training process does) to a `ShardReceiver` in a child
+  (placing into one CPU device): sender end-to-end time (device_get + wire +
+  device_put on the receiver + acknowledgement; no crc32: CURVE authenticates
+  every byte) and the receiver's split (wire / place);
 * the in-process baseline: `jax.device_put` of the same tree from CPU device
   0 to CPU device 1 (what `weight_sync.WeightSync` does inside one process);
 * with `--xla_transfer`: a `jax.experimental.transfer` pull of the same tree
@@ -39,7 +40,6 @@ The last line of output is JSON.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -54,6 +54,7 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 2)
 
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -68,7 +69,6 @@ from streamrl_jax.distributed import (  # noqa: E402
 )
 from streamrl_jax.distributed.messages import SpanReport  # noqa: E402
 from streamrl_jax.distributed.transport import SampleClient, SampleServer  # noqa: E402
-from streamrl_jax.distributed.weights import WeightReceiver, WeightSender  # noqa: E402
 from streamrl_jax.generation.types import RequestTag, Sample, Timings  # noqa: E402
 from streamrl_jax.stream.sample_stream import SampleStream  # noqa: E402
 
@@ -76,12 +76,15 @@ DTYPES = ("float32", "bfloat16")
 TIMEOUT_S = 300.0
 
 
-def smollm2_params(dtype: str, seed: int = 0) -> dict:
-    """Random params with SmolLM2-135M's shapes (tied embeddings: no separate LM head)."""
+def smollm2_params(dtype: str, seed: int = 0, abstract: bool = False) -> dict:
+    """Random params with SmolLM2-135M's shapes (tied embeddings: no separate LM head);
+    `abstract`: their shapes and dtype only (what a receiver declares it needs)."""
     vocab, width, layers, heads, kv_heads, head_dim, mlp = 49152, 576, 30, 9, 3, 64, 1536
     rng = np.random.default_rng(seed)
 
     def w(*shape):
+        if abstract:
+            return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
         return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(dtype)
 
     layer = lambda: {  # noqa: E731
@@ -170,7 +173,6 @@ def _report(kind: str, **figures: float) -> SpanReport:
 # ---------------------------------------------------------------------- child (receiver)
 def child(args: argparse.Namespace) -> None:
     key = os.environ["STREAMRL_AUTHKEY"].encode()
-    receiver = WeightReceiver(args.weights, authkey=key, timeout_s=TIMEOUT_S, name="bench-gen")
     report = SampleClient(args.samples, authkey=key, timeout_s=TIMEOUT_S, name="bench-gen")
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = smollm2_shardings(sharding)
@@ -182,10 +184,14 @@ def child(args: argparse.Namespace) -> None:
             jax.devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"]
         )
         xla = xla_server.connect(args.xla)
-    for d, _ in enumerate(DTYPES):
+    for d, (dtype, address) in enumerate(zip(DTYPES, args.weights.split(","), strict=True)):
+        need = shard_wire.need_of(shardings, smollm2_params(dtype, abstract=True), 0)
+        receiver = shard_receiver.ShardReceiver(
+            [address], need, authkey=key, timeout_s=TIMEOUT_S, name=f"bench-gen-{dtype}"
+        )
         for _ in range(args.reps + 1):
             params, version, stats = receiver.receive(shardings, TIMEOUT_S)
-            report.send(_report("weights", **dataclasses.asdict(stats)))
+            report.send(_report("weights", **stats.report()))
         if xla is not None:
             specs = jax.tree.map(
                 lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), params
@@ -206,12 +212,12 @@ def child(args: argparse.Namespace) -> None:
                 del pulled
                 report.send(_report("xla", seconds=seconds, exact=float(bool(exact))))
         del params
+        receiver.close(TIMEOUT_S)
     samples = make_samples(args.num_samples)
     report.send(_report("samples_start"))
     for s in samples:
         report.send(s)
     report.close(TIMEOUT_S)
-    receiver.close(TIMEOUT_S)
 
 
 def shard_child(args: argparse.Namespace) -> None:
@@ -407,15 +413,20 @@ def main() -> None:
     if args.pin:
         os.sched_setaffinity(0, {cpus[0]})
     dev0, dev1 = jax.devices()[:2]
-    sender = WeightSender(
-        "127.0.0.1:0", authkey=key.encode(), timeout_s=TIMEOUT_S, name="bench-train"
-    )
+    # One sender per dtype: a receiver declares the tree (dtypes included) it needs.
+    senders = [
+        shard_sync.ShardSender(
+            "127.0.0.1:0", authkey=key.encode(), process=0, num_receivers=1,
+            timeout_s=TIMEOUT_S, name="bench-train",
+        )
+        for _ in DTYPES
+    ]  # fmt: skip
     server = SampleServer(
         "127.0.0.1:0", authkey=key.encode(), capacity=256, timeout_s=TIMEOUT_S, name="bench-train"
     )
     cmd = [
         sys.executable, os.path.abspath(__file__), "--child",
-        "--weights", f"127.0.0.1:{sender.address[1]}",
+        "--weights", ",".join(f"127.0.0.1:{s.address[1]}" for s in senders),
         "--samples", f"127.0.0.1:{server.address[1]}",
         "--reps", str(args.reps), "--num_samples", str(args.num_samples),
     ]  # fmt: skip
@@ -430,9 +441,10 @@ def main() -> None:
     env = dict(os.environ, STREAMRL_AUTHKEY=key, TF_CPP_MIN_LOG_LEVEL="3")
     child_proc = subprocess.Popen(cmd, env=env)
     try:
-        result = run_parent(args, sender, server, xla_server, dev0, dev1)
+        result = run_parent(args, senders, server, xla_server, dev0, dev1)
     finally:
-        sender.close()
+        for sender in senders:
+            sender.close()
         server.close()
         try:
             child_proc.wait(60)
@@ -443,8 +455,7 @@ def main() -> None:
     print(json.dumps(result))
 
 
-def run_parent(args, sender, server, xla_server, dev0, dev1) -> dict:
-    sender.wait_for_receivers(TIMEOUT_S)
+def run_parent(args, senders, server, xla_server, dev0, dev1) -> dict:
     out: dict = {"weights": {}, "params": None}
     version = 0
     for d, dtype in enumerate(DTYPES):
@@ -456,7 +467,7 @@ def run_parent(args, sender, server, xla_server, dev0, dev1) -> dict:
                 xla_server.await_pull(100 * d + rep, jax.tree.leaves(params))
         sends = []
         for _ in range(args.reps + 1):
-            sends.append(sender.send(params, version, wait_ack=True))
+            sends.append(senders[d].send(params, version, wait_ack=True))
             version += 1
         received = [server.get(TIMEOUT_S) for _ in range(args.reps + 1)]
         xla = [server.get(TIMEOUT_S) for _ in range(args.reps + 1)] if xla_server else []
@@ -466,13 +477,12 @@ def run_parent(args, sender, server, xla_server, dev0, dev1) -> dict:
             moved = jax.block_until_ready(jax.device_put(params, dev1))
             local.append(time.perf_counter() - t0)
             del moved
-        nbytes = sends[0].bytes
+        nbytes = sends[0].total_bytes
         row = {
             "bytes": nbytes,
             "cross_process_s": median([s.seconds for s in sends[1:]]),
             "sender_pack_s": median([s.pack_s for s in sends[1:]]),
             "receiver_wire_s": median([r.args["wire_s"] for r in received[1:]]),
-            "receiver_verify_s": median([r.args["verify_s"] for r in received[1:]]),
             "receiver_place_s": median([r.args["place_s"] for r in received[1:]]),
             "in_process_device_put_s": median(local[1:]),
         }

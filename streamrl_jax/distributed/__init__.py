@@ -2,8 +2,9 @@
 
 `roles` (needs JAX) starts the program and assigns roles; `peers` (open and
 authenticate a connection), `channel` (run it) and `transport` (generation →
-training samples) are host code that never imports JAX; `weights` moves a
-params pytree training → generation. See docs/multicontroller.md.
+training samples) are host code that never imports JAX; `shard_sync` /
+`shard_receiver` move params pytrees training → generation (the policy, shard to
+shard, and the online ranker's parameters). See docs/multicontroller.md.
 """
 
 from streamrl_jax.distributed.channel import (

@@ -1,7 +1,7 @@
 """One authenticated peer over a ZeroMQ socket: credits, heartbeats, bulk bytes, failure, close.
 
 The base of the cross-process transports (`transport.py` for samples,
-`weights.py` for parameters). `peers.py` owns the sockets (CURVE-encrypted,
+`shard_sync.py` for parameters). `peers.py` owns the sockets (CURVE-encrypted,
 every frame authenticated: see `keys.py`) and their I/O thread; a `Channel`
 is one peer on such a socket. Every message is a multipart ZeroMQ message
 whose first frame is one kind byte:
@@ -9,7 +9,7 @@ whose first frame is one kind byte:
 * `P` ping (heartbeat, sent when a side has sent nothing for `heartbeat_s`);
 * `C` credit grant: count and the version acknowledged, if any (`!iq`);
 * `D` data, then one frame of payload (the owner's: a `wire`-encoded sample,
-  a weight header);
+  a weight need or shards header);
 * `R` raw, then one chunk (at most `CHUNK_BYTES`) of the bulk bytes that
   follow a `D` (array data: written from the sender's buffer, copied once
   into the receiver's preallocated buffer);

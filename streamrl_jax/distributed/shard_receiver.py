@@ -37,9 +37,26 @@ from streamrl_jax.distributed.shard_wire import (
     ShardStats,
     decode_shards,
 )
-from streamrl_jax.distributed.weights import ChecksumError, empty_aligned
 from streamrl_jax.distributed.xla_pull import PullServer, check_agreement
 from streamrl_jax.mailbox import Mailbox
+
+
+class ChecksumError(TransportError):
+    """A received piece's bytes do not match the sender's checksum."""
+
+
+def empty_aligned(shape: tuple[int, ...], dtype: jnp.dtype, align: int = 64) -> np.ndarray:
+    """An uninitialised array whose data starts on an `align`-byte boundary.
+
+    XLA:CPU then adopts it in `device_put` without a copy instead of copying it
+    again; safe because each received version gets fresh buffers that nothing
+    else writes.
+    """
+    dtype = jnp.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 @dataclasses.dataclass
@@ -285,7 +302,9 @@ class ShardReceiver:
         Raises:
           TransportError: the senders' pieces do not cover a needed box (named).
           ChecksumError: a piece arrived corrupt (named).
-          TransportTimeout / PeerLost / ChannelClosed: as `WeightReceiver.receive`.
+          TransportTimeout: no version arrived in time (names the senders).
+          PeerLost: a sender is gone (even if a version had arrived: fail fast).
+          ChannelClosed: every sender closed its channel and nothing is left.
         """
         a = self._pending.get(
             timeout=self.timeout_s if timeout is None else timeout,

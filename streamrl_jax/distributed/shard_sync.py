@@ -1,9 +1,11 @@
 """Shard-to-shard weight sync: each training process sends only its own shards.
 
-`weights.py` moves a whole tree from one process; here every training process
-runs a `ShardSender` (here) and every generation process a `ShardReceiver`
-(`shard_receiver.py`) that dials all of them (T senders x G receivers, each pair
-one CURVE `Channel`; the messages are `shard_wire.py`'s):
+Every training process runs a `ShardSender` (here) and every generation process
+a `ShardReceiver` (`shard_receiver.py`) that dials all of them (T senders x G
+receivers, each pair one CURVE `Channel`; the messages are `shard_wire.py`'s).
+It carries every tree that goes training -> generation: the policy (one sender
+per training process) and the online ranker's parameters (one more sender, on
+the first training process: a host tree, so its shards are whole leaves).
 
 1. On connecting, a receiver sends each sender its *need* (`Need`): for every
    leaf its key path, shape, dtype and the index boxes its own devices hold in
@@ -34,10 +36,25 @@ none on the device-to-device path); a receiver allocates only its own boxes. A
 process holds the whole model only when its own sharding holds it
 (`reshard.Plan.full_copies`, logged with the plan).
 
-Flow control is `weights.py`'s: each receiver grants every sender one credit
-per version, returned (with the version acknowledged) once `receive` took it.
+Host trees: a leaf that is not a `jax.Array` (a numpy array: the ranker's
+parameters, `Ranker.params()`) is one whole box held by the sending process,
+sent as bytes.
 
-Security: the channel is `weights.py`'s (CURVE with the run key, the `weights`
+Flow control: each receiver grants every sender one credit per version,
+returned (with the version acknowledged) once `receive` took it; a sender whose
+receiver has not taken the previous version waits, up to its timeout, and then
+raises `TransportTimeout` naming it.
+
+Live-only sends (`send(..., live_only=True)`, the ranker's refreshes: scheduling
+quality, never a reason to stop the run): to the receivers that have declared
+their need by now, without waiting for the others; a receiver that is lost (or
+whose channel failed) is skipped and dropped (logged; its restarted process is
+admitted again when it dials in and gets the next send), one that has not taken
+the previous version within the timeout, or closed its channel, is skipped.
+Each sender plans for the receivers it sees, so live-only sends suit one sender
+per tree.
+
+Security: every channel is CURVE with the run key (`peers.py`, the `weights`
 channel kind); both messages are fixed msgspec schemas with bounds, never a
 pickle. The device-to-device path is not authenticated (`xla_pull.py`).
 """
@@ -58,6 +75,7 @@ from absl import logging
 from streamrl_jax.distributed import reshard
 from streamrl_jax.distributed.channel import (
     Channel,
+    ChannelClosed,
     PeerLost,
     TransportError,
     TransportTimeout,
@@ -166,10 +184,22 @@ class ShardSender:
             return {p: need for p, (_, need) in self._needs.items()}
 
     def plan(
-        self, leaves: tuple[reshard.LeafLayout, ...], sources: dict[int, list], timeout: float
+        self,
+        leaves: tuple[reshard.LeafLayout, ...],
+        sources: dict[int, list],
+        timeout: float,
+        *,
+        live_only: bool = False,
     ) -> reshard.Plan:
-        """The plan for these leaves and sources and the receivers' needs (cached)."""
-        needs = self.wait_for_receivers(timeout)
+        """The plan for these leaves and sources and the receivers' needs (cached).
+
+        `live_only`: for the receivers that have declared their need so far, without
+        waiting for the others (`send(live_only=True)`)."""
+        if live_only:
+            with self._cv:
+                needs = {p: need for p, (_, need) in self._needs.items()}
+        else:
+            needs = self.wait_for_receivers(timeout)
         for p, need in needs.items():
             if need.leaves != leaves:
                 pairs = zip(need.leaves, leaves, strict=False)
@@ -182,7 +212,11 @@ class ShardSender:
                 raise TransportError(
                     f"{self.name}: generation process {p} needs other weights: {detail}"
                 )
-        key = (leaves, tuple((p, tuple(map(tuple, b))) for p, b in sorted(sources.items())))
+        key = (
+            leaves,
+            tuple((p, tuple(map(tuple, b))) for p, b in sorted(sources.items())),
+            tuple(sorted(needs)),  # a live-only send plans for the receivers it has
+        )
         if key not in self._plans:
             per_source = {p: [sources[p][i] for i in range(len(leaves))] for p in sources}
             self._plans[key] = plan = reshard.make_plan(
@@ -200,16 +234,34 @@ class ShardSender:
         return self._plans[key]
 
     def send(
-        self, params: Any, version: int, *, timeout: float | None = None, wait_ack: bool = False
+        self,
+        params: Any,
+        version: int,
+        *,
+        timeout: float | None = None,
+        wait_ack: bool = False,
+        live_only: bool = False,
     ) -> ShardStats:
-        """Sends this process's pieces of `params` (jax Arrays, possibly over a mesh spanning
-        several processes) to every receiver; keeps the last `keep` versions for a
-        receiver that rejoins (`catch_up`)."""
+        """Sends this process's pieces of `params` to every receiver; keeps the last `keep`
+        versions for a receiver that rejoins (`catch_up`).
+
+        Args:
+          params: jax Arrays (possibly over a mesh spanning several processes) or host
+            arrays (whole leaves of this process, sent as bytes).
+          live_only: to the receivers connected now (module docstring): a lost one is
+            skipped and dropped, one without room within `timeout` skipped this time.
+
+        Raises:
+          TransportTimeout: a receiver has not declared its need or taken the previous
+            version within `timeout` (not with `live_only`).
+          PeerLost: a receiver is lost and `on_lost` does not go on without it (not with
+            `live_only`).
+        """
         with self._sending:
             self._kept[version] = params
             for v in sorted(self._kept)[: -self.keep]:
                 del self._kept[v]
-            return self._send(params, version, timeout, wait_ack)
+            return self._send(params, version, timeout, wait_ack, live_only)
 
     def catch_up(self, process: int, first: int, timeout: float | None = None) -> list[int]:
         """Sends a receiver that rejoined every kept version from `first` on, in order,
@@ -226,31 +278,52 @@ class ShardSender:
             self._only = process
             try:
                 for v in versions:
-                    self._send(self._kept[v], v, timeout, False)
+                    self._send(self._kept[v], v, timeout, wait_ack=False)
             finally:
                 self._only = None
             return versions
 
-    def _send(self, params: Any, version: int, timeout: float | None, wait_ack: bool):
+    def _send(
+        self,
+        params: Any,
+        version: int,
+        timeout: float | None,
+        wait_ack: bool,
+        live_only: bool = False,
+    ) -> ShardStats:
         t0 = time.perf_counter()
         leaves = layouts(params)
         flat = jax.tree.leaves(params)
         sources: dict[int, list] = {}
         for i, x in enumerate(flat):
-            for p, boxes in boxes_by_process(x.sharding, tuple(x.shape)).items():
+            if isinstance(x, jax.Array):
+                by_process = boxes_by_process(x.sharding, tuple(x.shape))
+            elif self._xla is not None:
+                raise ValueError(
+                    f"{self.name}: leaf {leaves[i]} is a host array; the device-to-device "
+                    "path offers device arrays only"
+                )
+            else:  # a host array: one whole box, held by this process
+                by_process = {self.process: [tuple((0, d) for d in np.shape(x))]}
+            for p, boxes in by_process.items():
                 sources.setdefault(p, [[] for _ in flat])[i] = boxes
         timeout = self.timeout_s if timeout is None else timeout
-        plan = self.plan(leaves, sources, timeout)
+        plan = self.plan(leaves, sources, timeout, live_only=live_only)
         # Only the shards this process sends from (one per box: replicas skipped).
         used = {(p.leaf, p.source) for p in plan.pieces if p.sender == self.process}
         shards = {}
         for i, x in enumerate(flat):
+            if not isinstance(x, jax.Array):
+                key = (i, sources[self.process][i][0])
+                if key in used:
+                    shards[key] = np.asarray(x)
+                continue
             for s in x.addressable_shards:
                 key = (i, reshard.box_of(s.index, x.shape))
                 if key in used and key not in shards:
                     shards[key] = s.data
         return self.send_device_shards(
-            plan, shards, version, t0=t0, timeout=timeout, wait_ack=wait_ack
+            plan, shards, version, t0=t0, timeout=timeout, wait_ack=wait_ack, live_only=live_only
         )
 
     def send_device_shards(
@@ -262,24 +335,27 @@ class ShardSender:
         t0: float | None = None,
         timeout: float | None = None,
         wait_ack: bool = False,
+        live_only: bool = False,
     ) -> ShardStats:
         """`send_shards` from device arrays: offered device to device with `xla`, else
         copied to host (one `device_get` for all of them) and sent as bytes."""
         t0 = time.perf_counter() if t0 is None else t0
         timeout = self.timeout_s if timeout is None else timeout
         if self._xla is not None:
-            return self._offer(plan, shards, version, t0, timeout, wait_ack)
+            return self._offer(plan, shards, version, t0, timeout, wait_ack, live_only)
         keys = list(shards)
         host = dict(zip(keys, jax.device_get([shards[k] for k in keys]), strict=True))
-        return self.send_shards(plan, host, version, t0=t0, timeout=timeout, wait_ack=wait_ack)
+        return self.send_shards(
+            plan, host, version, t0=t0, timeout=timeout, wait_ack=wait_ack, live_only=live_only
+        )
 
-    def _offer(self, plan, shards, version, t0, timeout, wait_ack) -> ShardStats:
+    def _offer(self, plan, shards, version, t0, timeout, wait_ack, live_only) -> ShardStats:
         """The device-to-device path: each receiver's pieces offered as device arrays on
         this process's transfer server; the header names them."""
         assert self._xla is not None
         messages = {}
         cuts: dict[tuple, tuple[jax.Array, int | None]] = {}  # a box several receivers need
-        for r in self._receivers():
+        for r in self._receivers(plan):
             pieces, arrays = [], []
             for piece in plan.between(self.process, r):
                 key = (piece.leaf, piece.source, piece.box)
@@ -304,16 +380,19 @@ class ShardSender:
             offer = XlaOffer(self._xla.address, uuid, offered)
             header = ShardsHeader(version, self.process, tuple(pieces), offer)
             messages[r] = (ENCODER.encode(header), [])
-        return self._deliver(plan, messages, version, t0, timeout, wait_ack)
+        return self._deliver(plan, messages, version, t0, timeout, wait_ack, live_only)
 
-    def _receivers(self) -> list[int]:
-        """The receivers in this sender's order: rotated by its process id, so that the
-        senders start on different receivers and every receiver is busy from the start
-        (each socket sends its receivers one after another)."""
+    def receivers(self) -> list[int]:
+        """The generation processes a send reaches now: declared their need, not dropped."""
         with self._cv:
-            order = sorted(p for p in self._needs if p not in self._lost)
-            if self._only is not None:
-                order = [p for p in order if p == self._only]
+            return sorted(p for p in self._needs if p not in self._lost)
+
+    def _receivers(self, plan: reshard.Plan) -> list[int]:
+        """The receivers of `plan` in this sender's order: rotated by its process id, so
+        that the senders start on different receivers and every receiver is busy from the
+        start (each socket sends its receivers one after another)."""
+        only = self._only  # a catch-up: its one receiver
+        order = [p for p in self.receivers() if p in plan.targets and only in (None, p)]
         k = self.process % len(order) if order else 0
         return order[k:] + order[:k]
 
@@ -326,14 +405,15 @@ class ShardSender:
         t0: float | None = None,
         timeout: float | None = None,
         wait_ack: bool = False,
+        live_only: bool = False,
     ) -> ShardStats:
         """Sends this process's pieces of `plan`, cut from `shards` ((leaf, source box) ->
-        the host array of that shard), to every receiver."""
+        the host array of that shard), to every receiver of `plan`."""
         t0 = time.perf_counter() if t0 is None else t0
         timeout = self.timeout_s if timeout is None else timeout
         messages = {}
         cuts: dict[tuple, tuple[memoryview, int | None]] = {}  # a box several receivers need
-        for r in self._receivers():
+        for r in self._receivers(plan):
             pieces, raw = [], []
             for piece in plan.between(self.process, r):
                 key = (piece.leaf, piece.source, piece.box)
@@ -347,9 +427,9 @@ class ShardSender:
                 pieces.append(PieceSpec(piece.leaf, piece.target, piece.box, crc))
                 raw.append(data)
             messages[r] = (ENCODER.encode(ShardsHeader(version, self.process, tuple(pieces))), raw)
-        return self._deliver(plan, messages, version, t0, timeout, wait_ack)
+        return self._deliver(plan, messages, version, t0, timeout, wait_ack, live_only)
 
-    def _deliver(self, plan, messages, version, t0, timeout, wait_ack) -> ShardStats:
+    def _deliver(self, plan, messages, version, t0, timeout, wait_ack, live_only) -> ShardStats:
         """Sends each receiver its header (and bytes), then reports."""
         pack_s = time.perf_counter() - t0
         with self._cv:
@@ -357,8 +437,13 @@ class ShardSender:
         for r, (payload, raw) in list(messages.items()):
             try:
                 channels[r].send(payload, raw=raw, timeout=timeout)
-            except PeerLost as e:
-                self._drop(r, e)
+            except TransportError as e:
+                if live_only:
+                    self._skip(r, version, e)
+                elif isinstance(e, PeerLost):
+                    self._drop(r, e)
+                else:
+                    raise
                 del messages[r]
         if wait_ack:
             for r in messages:
@@ -391,6 +476,17 @@ class ShardSender:
             channel = self._needs[process][0]
         # A send waiting for its credit wakes now instead of at the channel's timeout.
         channel.fail(PeerLost(f"{self.name}: generation process {process} is lost"))
+
+    def _skip(self, process: int, version: int, exc: TransportError) -> None:
+        """A live-only send skips a receiver: one without room (or closed) gets the next
+        version; a lost or failed one is dropped (admitted again when its restarted process
+        dials in)."""
+        if not isinstance(exc, TransportTimeout | ChannelClosed):
+            with self._cv:
+                self._lost.add(process)
+        logging.warning(
+            "%s: v%d not sent to generation process %d: %s", self.name, version, process, exc
+        )
 
     def _drop(self, process: int, exc: PeerLost) -> None:
         """A receiver lost mid-send: dropped when the owner goes on without it."""

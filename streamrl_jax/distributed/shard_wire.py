@@ -19,8 +19,22 @@ import msgspec
 
 from streamrl_jax.distributed import reshard
 from streamrl_jax.distributed.messages import Str, WireStruct
-from streamrl_jax.distributed.wire import DTYPES, ITEMSIZE, MAX_LEAVES, MAX_RANK, WireError
+from streamrl_jax.distributed.wire import WireError
 
+MAX_RANK = 8
+MAX_LEAVES = 100_000
+# Dtype names a need may declare (`jnp.dtype(x).name`), with their sizes.
+ITEMSIZE = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float64": 8,
+    "int8": 1,
+    "uint8": 1,
+    "int32": 4,
+    "int64": 8,
+}
+DTYPES = tuple(ITEMSIZE)
 MAX_BOXES = 4096  # boxes of one leaf a receiver may declare (its devices)
 MAX_PIECES = 1 << 20
 MAX_PEERS_REPORTED = 48  # per-peer byte counts in a report (a span carries at most 64 figures)

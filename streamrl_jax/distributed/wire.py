@@ -1,9 +1,9 @@
 """The pickle-free wire format of the cross-process channels.
 
 Every message a generation process sends its training process (`Sample`,
-`ChunkReport`, `SpanReport`, `RoundClosed`, `GenerationFailed`) and the weight header the
-training process sends back is msgpack with a fixed, typed schema (msgspec
-`Struct`s, one tag per message type). Arrays travel as raw little-endian bytes
+`ChunkReport`, `SpanReport`, `RoundClosed`, `GenerationFailed`) is msgpack with a
+fixed, typed schema (msgspec `Struct`s, one tag per message type; the weight
+sync's messages are `shard_wire.py`'s). Arrays travel as raw little-endian bytes
 with a fixed dtype per field (int32 tokens and per-token versions, float32
 log-probs), so a frame never names a type to build and nothing is unpickled.
 Every response token carries the policy version that sampled it (in-flight
@@ -18,22 +18,14 @@ sender and the field (msgspec's path, e.g. `$.tag.prompt_id`). msgspec checks
 every declared length against the bytes actually present before it allocates,
 so a hostile frame costs at most its own (bounded) size.
 
-What does not cross the wire:
-
-* `Sample.metadata`: the training process looks the problem up in its own
-  dataset by `tag.prompt_id`; `decode` returns `metadata={}`.
-* `WeightHeader.treedef`: `decode_header` returns `treedef=None`; the receiver
-  rebuilds the tree from its own target shardings.
-
-`LeafSpec` and `WeightHeader` live here, not in `weights.py`, so that
-`weights.py` can import this module without an import cycle.
+What does not cross the wire: `Sample.metadata` (the training process looks
+the problem up in its own dataset by `tag.prompt_id`; `decode` returns
+`metadata={}`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -50,21 +42,6 @@ from streamrl_jax.distributed.messages import (
 from streamrl_jax.generation.types import FinishReason, RequestTag, Sample, Timings
 
 MAX_TOKENS = 1 << 20  # elements of one token / log-prob array
-MAX_RANK = 8
-MAX_LEAVES = 100_000
-MAX_LEAF_BYTES = 1 << 40  # a sanity bound; the receiver checks the tree it expects
-# Dtype names a weight header may declare (`jnp.dtype(x).name`).
-ITEMSIZE = {
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "float64": 8,
-    "int8": 1,
-    "uint8": 1,
-    "int32": 4,
-    "int64": 8,
-}
-DTYPES = tuple(ITEMSIZE)
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
@@ -74,38 +51,9 @@ class WireError(TransportError):
     """A received frame is not a well-formed message; names the sender and the problem."""
 
 
-# ---------------------------------------------------------------- weight header
-@dataclasses.dataclass(frozen=True)
-class LeafSpec:
-    """One leaf as described in the header; its raw bytes follow in leaf order."""
-
-    path: str  # jax.tree_util.keystr of the leaf's key path
-    shape: tuple[int, ...]
-    dtype: str  # dtype name, one of `DTYPES`
-    crc32: int | None  # zlib.crc32 of the C-contiguous bytes; None: not checksummed
-
-    @property
-    def nbytes(self) -> int:
-        # The whitelist's sizes (numpy has no bfloat16); numpy for a name `pack` made.
-        itemsize = ITEMSIZE.get(self.dtype) or np.dtype(self.dtype).itemsize
-        return math.prod(self.shape) * itemsize
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightHeader:
-    version: int
-    leaves: tuple[LeafSpec, ...]
-    treedef: Any = None  # the sender's PyTreeDef; never on the wire
-
-    @property
-    def nbytes(self) -> int:
-        return sum(leaf.nbytes for leaf in self.leaves)
-
-
 # ---------------------------------------------------------------- schema
 # Raw little-endian bytes of a 1-D array; the 4-byte dtype is fixed per field.
 _Raw4 = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_TOKENS)]
-_Dim = Annotated[int, msgspec.Meta(ge=0, le=MAX_LEAF_BYTES)]
 
 
 class _Tag(WireStruct):
@@ -137,18 +85,6 @@ class _Sample(WireStruct, tag="sample"):
     tag: _Tag
 
 
-class _Leaf(WireStruct):
-    path: Str
-    shape: Annotated[tuple[_Dim, ...], msgspec.Meta(max_length=MAX_RANK)]
-    dtype: Literal[DTYPES]
-    crc32: Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)] | None
-
-
-class _Header(WireStruct, tag="weights"):
-    version: int
-    leaves: Annotated[tuple[_Leaf, ...], msgspec.Meta(max_length=MAX_LEAVES)]
-
-
 def _enc_hook(obj: Any) -> Any:
     # numpy scalars (an np.int64 version, an np.float32 time) as Python numbers.
     if isinstance(obj, np.integer | np.floating):
@@ -160,7 +96,6 @@ _ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _DECODER = msgspec.msgpack.Decoder(
     _Sample | ChunkReport | SpanReport | RoundClosed | GenerationFailed
 )
-_HEADER_DECODER = msgspec.msgpack.Decoder(_Header)
 
 
 # ---------------------------------------------------------------- messages
@@ -309,49 +244,3 @@ def decode(payload: bytes | memoryview, *, source: str) -> Message:
         return _decode_sample(wire) if type(wire) is _Sample else wire
     except (msgspec.MsgspecError, ValueError, RecursionError) as e:
         raise WireError(f"malformed message from {source}: {e}") from None
-
-
-# ---------------------------------------------------------------- weight header
-def encode_header(header: WeightHeader) -> bytes:
-    """A weight header (without its treedef) as a frame payload for `decode_header`.
-
-    Raises:
-      ValueError: a leaf whose dtype is not in `DTYPES`, whose rank is over
-        `MAX_RANK`, or too many leaves; the message names the leaf.
-    """
-    if len(header.leaves) > MAX_LEAVES:
-        raise ValueError(f"wire: {len(header.leaves)} weight leaves; at most {MAX_LEAVES}")
-    leaves = []
-    for leaf in header.leaves:
-        if leaf.dtype not in DTYPES or len(leaf.shape) > MAX_RANK:
-            raise ValueError(
-                f"wire: weight leaf {leaf.path} is {leaf.dtype}{list(leaf.shape)}; "
-                f"the wire takes rank <= {MAX_RANK} and dtypes {DTYPES}"
-            )
-        leaves.append(_Leaf(leaf.path, tuple(leaf.shape), leaf.dtype, leaf.crc32))
-    return _ENCODER.encode(_Header(header.version, tuple(leaves)))
-
-
-def decode_header(payload: bytes | memoryview, *, source: str) -> WeightHeader:
-    """The weight header in a frame payload from `source`; its `treedef` is None.
-
-    Only the header's form is checked here (dtypes, ranks, dimensions >= 0, each
-    leaf under `MAX_LEAF_BYTES`); the receiver must still compare it with the
-    tree it expects (`weights.check_header`) before allocating any leaf.
-
-    Raises:
-      WireError: the payload is not a well-formed header; the message names
-        `source` and the field or leaf.
-    """
-    try:
-        wire = _HEADER_DECODER.decode(payload)
-    except (msgspec.MsgspecError, RecursionError) as e:
-        raise WireError(f"malformed weight header from {source}: {e}") from None
-    leaves = tuple(LeafSpec(w.path, w.shape, w.dtype, w.crc32) for w in wire.leaves)
-    for i, leaf in enumerate(leaves):
-        if leaf.nbytes > MAX_LEAF_BYTES:
-            raise WireError(
-                f"malformed weight header from {source}: leaf {i} ({leaf.path}) declares "
-                f"{leaf.dtype}{list(leaf.shape)}, over {MAX_LEAF_BYTES} bytes"
-            )
-    return WeightHeader(wire.version, leaves)

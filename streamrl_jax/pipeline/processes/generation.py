@@ -67,7 +67,6 @@ from streamrl_jax.distributed.messages import ChunkReport, GenerationFailed, Rou
 from streamrl_jax.distributed.shard_receiver import ShardReceiver
 from streamrl_jax.distributed.shard_wire import ShardStats, need_of
 from streamrl_jax.distributed.transport import SampleClient
-from streamrl_jax.distributed.weights import WeightReceiver
 from streamrl_jax.distributed.xla_pull import pull_server
 from streamrl_jax.generation.types import Sample
 from streamrl_jax.mailbox import FailureLatch
@@ -119,7 +118,7 @@ class _GenerationProcess:
 
     def __init__(self, cfg: ExperimentConfig, dcfg: roles.DistributedConfig, r: roles.Roles):
         self.cfg, self.r, self.dcfg = cfg, r, dcfg
-        self.ranker_receiver: WeightReceiver | None = None
+        self.ranker_receiver: ShardReceiver | None = None
         self._stopping = threading.Event()
         self.timeout = cfg.pipeline.timeout_s
         self.pid = r.process_id
@@ -266,15 +265,18 @@ class _GenerationProcess:
         if not ranker_online(self.cfg):
             return None
         ranker = live.ranker
-        self.ranker_receiver = WeightReceiver(
-            roles.lookup(RANKER_KEY, self.timeout),
+        # The ranker's parameters, whole on one device: the need (every piece is checked
+        # against it before anything is allocated) is its whole tree.
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        abstract = ranker.params()
+        shardings = jax.tree.map(lambda _: device, abstract)
+        self.ranker_receiver = ShardReceiver(
+            [roles.lookup(RANKER_KEY, self.timeout)],
+            need_of(shardings, abstract, self.pid),
             authkey=self.dcfg.authkey,
             timeout_s=self.dcfg.peer_timeout_s,
             name=f"generation-{self.pid}-ranker",
-            expected=ranker.params(),
         )
-        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        shardings = jax.tree.map(lambda _: device, ranker.params())
 
         def take() -> None:
             while not self._stopping.is_set():
@@ -297,7 +299,7 @@ class _GenerationProcess:
                             f"R{version}",
                             t1 - stats.seconds,
                             t1,
-                            {"bytes": stats.bytes},
+                            stats.report(),  # version, seconds, bytes
                         )
                     )
 

@@ -19,7 +19,7 @@ run's one `<workdir>/checkpoints` (orbax's active set, `TrainingLink.checkpoints
 `TrainingLink.begin` then tells the generation processes where the run starts and
 sends a restored run's generation weights. The online ranker refresh runs here,
 where the samples arrive; each refresh goes to the generation processes' dispatchers
-over a second weight channel (`TrainingLink.schedule`).
+through a second `ShardSender` (`TrainingLink.schedule`).
 
 Several training processes: each sends only the shards it addresses (a shard
 replicated over processes by one of them: `distributed/reshard.py`); nothing is
@@ -60,7 +60,6 @@ from streamrl_jax.distributed.messages import (
 )
 from streamrl_jax.distributed.shard_sync import ShardSender
 from streamrl_jax.distributed.transport import SampleServer
-from streamrl_jax.distributed.weights import WeightSender
 from streamrl_jax.distributed.xla_pull import pull_server
 from streamrl_jax.generation.types import Sample
 from streamrl_jax.pipeline import components as components_lib
@@ -196,13 +195,15 @@ class TrainingLink:
         )
         roles.publish(f"{WEIGHTS_KEY}-{self.index}", "{}:{}".format(*self.sender.address))
         # The online ranker refresh runs here, where the samples arrive; its parameters
-        # go to every generation process's dispatcher (version = the ranker's steps).
+        # (a host tree: whole leaves of this process) go through the shard sync to every
+        # generation process's dispatcher (version = the ranker's steps).
         self.live: LiveScheduler | None = None  # made by `scheduler`
-        self.ranker_sender = None
+        self.ranker_sender: ShardSender | None = None
         if self.index == 0 and ranker_online(cfg):
-            self.ranker_sender = WeightSender(
+            self.ranker_sender = ShardSender(
                 f"{address}:0",
                 authkey=dcfg.authkey,
+                process=r.process_id,
                 num_receivers=g,
                 timeout_s=dcfg.peer_timeout_s,
                 name="training-ranker",
@@ -226,6 +227,8 @@ class TrainingLink:
         if update is None:
             return True  # already known (its other channel)
         self.sender.drop(k)
+        if self.ranker_sender is not None:  # its restarted process is admitted again
+            self.ranker_sender.drop(k)
         logging.error(
             "lost peer: %s; going on with generation processes %s, which generate its "
             "groups again (roster epoch %d)",
@@ -377,8 +380,9 @@ class TrainingLink:
     def _send_ranker(self, ranker: Ranker, live_only: bool = True) -> None:
         """The refresh thread: the new ranker parameters to every generation process.
         `live_only` (refreshes): to the generation processes connected now, a lost one
-        skipped, a restarted one (its ranker receiver dialed in again) served from the
-        next refresh; a resumed run's restored ranker waits for every receiver."""
+        skipped (and dropped), a restarted one (its ranker receiver dialed in again)
+        served from the next refresh; a resumed run's restored ranker waits for every
+        receiver."""
         try:
             self.ranker_sender.send(
                 ranker.params(), ranker.steps, timeout=self.timeout, live_only=live_only
