@@ -316,7 +316,11 @@ def _with(**sections):
             "partial_budget_tokens needs pipeline.mini_batches=1",
         ),
         (
-            {**_PARTIAL, "pipeline__partial_budget_tokens": 4, "pipeline__lag_policy": "regenerate"},
+            {
+                **_PARTIAL,
+                "pipeline__partial_budget_tokens": 4,
+                "pipeline__lag_policy": "regenerate",
+            },
             r"lag_policy='regenerate' needs .* = 8 >= generation.max_new_tokens",
         ),
         ({"pipeline__rollout": "replay"}, "pipeline.rollout='replay'; expected a kind of"),

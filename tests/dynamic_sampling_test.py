@@ -1,11 +1,14 @@
-"""DAPO dynamic sampling on `quickstart:tiny`: uniform groups are skipped, counted and
-replaced, every mode keeps the version contract, and resume stays exact.
+"""DAPO dynamic sampling (pipeline/rollouts/dynamic_sampling.py): as a unit on a fake
+stream (judge, refill, take, finish), then end to end on `quickstart:tiny`: uniform
+groups are skipped, counted and replaced, the version contract holds, and resume stays
+exact.
 
-The reward gives every sample of a third of the prompts (by a hash of the prompt id)
-the same score (a group without variance) and the vowel fraction to the rest.
+The end-to-end reward gives every sample of a third of the prompts (by a hash of the
+prompt id) the same score (a group without variance) and the vowel fraction to the rest.
 """
 
 import os
+import threading
 import zlib
 from unittest import mock
 
@@ -13,18 +16,20 @@ import numpy as np
 import pytest
 from support import (
     consumed_log,
+    group_of_scores,
     param_arrays,
     pipeline_threads,
+    rollout_context,
     tiny_config,
     trainer_dies_on_call,
 )
 
 from streamrl_jax import config as config_lib
 from streamrl_jax import pipeline as run_lib
-from streamrl_jax.config import ConfigError
 from streamrl_jax.metrics import read_jsonl
 from streamrl_jax.pipeline import micro_batches
 from streamrl_jax.pipeline.resume import CONSUMED, read_consumed
+from streamrl_jax.pipeline.rollouts.dynamic_sampling import DynamicSampling
 from streamrl_jax.rewards.vowels import vowel_reward
 
 
@@ -42,7 +47,7 @@ def some_uniform_reward(text, metadata):
 def _cfg(**overrides):
     base = dict(
         pipeline__steps=3,
-        pipeline__dynamic_sampling=True,
+        pipeline__rollout="dynamic_sampling",
         eval__num_problems=0,
     )
     return tiny_config(**(base | overrides))
@@ -59,6 +64,83 @@ def _trained_groups():
         return real(step, groups, **kwargs)
 
     return seen, mock.patch.object(micro_batches, "pack_groups", pack)
+
+
+# ------------------------------------------------------------------ on a fake stream
+
+
+def _unit(**pipeline):
+    ctx = rollout_context(
+        **{
+            "rollout": "dynamic_sampling",
+            "group_size": 2,
+            "prompts_per_step": 3,
+            "min_groups": 1,
+            "micro_batch_groups": 2,
+            "dynamic_sampling_max_draws": 4,
+        }
+        | pipeline
+    )
+    return ctx, DynamicSampling(ctx)
+
+
+def _score(ro, batch, group, scores, prompt_id):
+    for s in group_of_scores(batch, group, scores, prompt_id):
+        ro.scored(s)
+
+
+def test_uniform_groups_are_judged_refilled_and_skipped():
+    ctx, ro = _unit()
+    prompts = ro.draw(0)  # groups 0..2: p0, p1, p2
+    assert [q.problem.prompt_id for q in prompts] == ["p0", "p1", "p2"]
+    submitted = []
+
+    def submit(more, first):
+        submitted.append((first, [q.problem.prompt_id for q in more]))
+        # The refills are judged as they come: p3 uniform again, p4 informative.
+        for i, q in enumerate(more):
+            scores = [0.0, 1.0] if q.problem.prompt_id == "p4" else [1.0, 1.0]
+            _score(ro, 0, first + i, scores, q.problem.prompt_id)
+
+    _score(ro, 0, 0, [0.0, 1.0], "p0")  # informative: into the stream
+    _score(ro, 0, 1, [1.0, 1.0], "p1")  # all right: skipped
+    _score(ro, 0, 2, [0.0, 0.0], "p2")  # all wrong: skipped
+    assert ctx.stream.depth()["ready_groups"] == 1
+    ro.settle(0, submit, lambda: False)
+    # Two missing -> two drawn (p3, p4: groups 3, 4); one still missing -> p5, then p6,
+    # the last of the 4 draws.
+    assert submitted == [(3, ["p3", "p4"]), (5, ["p5"]), (6, ["p6"])]
+    out = ro.outcome(0)
+    assert out.informative == [0, 4] and out.skipped == [1, 2, 3, 5, 6] and out.draws == 4
+    taken = [g[0].sample.tag.group for groups in ro.micro_batches(0, 0) for g in groups]
+    assert sorted(taken) == [0, 4]
+    finished = ro.finish(0)
+    assert finished.metrics == {"groups_skipped": 5.0, "dynamic_draws": 4.0, "dynamic_short": 1.0}
+    assert finished.consumed == ["p1", "p2", "p3", "p5", "p6"]  # skipped: consumed too
+    assert ro.plannable(0, 3) is None and ro.state(1) == {}
+
+
+def test_the_trainer_streams_informative_groups_before_the_batch_settles():
+    ctx, ro = _unit(dynamic_sampling_max_draws=0)
+    ro.draw(0)
+    got = []
+    thread = threading.Thread(target=lambda: got.extend(ro.micro_batches(0, 0)))
+    thread.start()
+    _score(ro, 0, 1, [0.0, 1.0], "p1")  # streamed at once (min_groups = 1)
+    _score(ro, 0, 0, [1.0, 1.0], "p0")
+    _score(ro, 0, 2, [0.0, 0.0], "p2")
+    ro.settle(0, lambda more, first: pytest.fail("no draws left"), lambda: False)
+    thread.join(5)
+    assert [[g[0].sample.tag.group for g in groups] for groups in got] == [[1]]
+
+
+def test_a_failure_ends_the_refill_wait_and_a_stall_is_named():
+    ctx, ro = _unit(timeout_s=0.3)
+    ro.draw(0)
+    with pytest.raises(TimeoutError, match=r"batch 0: 0 of 3 groups judged"):
+        ro.settle(0, lambda more, first: None, lambda: False)
+    ctx.latch.fail("reward function", RuntimeError("boom"))
+    ro.settle(0, lambda more, first: None, lambda: False)  # returns: the run failed
 
 
 # The batch modes take 1-2 min each on a loaded 2-core machine: extended (`-m extended`).
@@ -115,18 +197,6 @@ def test_draws_run_out_the_step_trains_what_it_has(tmp_path):
         assert row["dynamic_short"] == float(trained < n)
         assert row["samples"] == trained * cfg.pipeline.group_size
     assert any(row["dynamic_short"] for row in result.steps)
-
-
-def test_refused_combinations_are_named():
-    for overrides, field in [
-        ({"group_size": 1, "min_groups": 1}, "group_size"),
-        ({"mini_batches": 2}, "mini_batches"),
-        ({"mode": "stream_async", "weight_update": "inflight"}, "weight_update"),
-    ]:
-        cd = config_lib.defaults().to_dict()
-        cd["pipeline"] |= {"dynamic_sampling": True} | overrides
-        with pytest.raises(ConfigError, match=f"dynamic_sampling needs pipeline.{field}"):
-            config_lib.from_config_dict(cd)
 
 
 def test_resume_is_exact_and_consumes_each_prompt_once(tmp_path):

@@ -36,6 +36,16 @@ LAYERS = (
     ("launch",),
 )
 FORBIDDEN = {("algorithms", "model")}  # (importer, imported) within a layer
+# pipeline/'s own modules a rollout kind may import: what lies below the seams.
+PIPELINE_BELOW_SEAMS = {
+    "streamrl_jax.pipeline.micro_batches",
+    "streamrl_jax.pipeline.prompts",
+    "streamrl_jax.pipeline.schedules",
+    "streamrl_jax.pipeline.shards",
+    "streamrl_jax.pipeline.rollouts.protocol",
+}
+ROLLOUTS = "streamrl_jax.pipeline.rollouts"
+PROCESSES = "streamrl_jax.pipeline.processes"
 ONLY_FROM_OUTSIDE = {"simulation"}  # imported by tools/ and tests/, never by the package
 
 
@@ -181,6 +191,49 @@ def test_no_cycle_between_packages():
 
 def test_no_cycle_between_modules():
     assert _cycles(GRAPH) == []
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def seam_violations(graph: dict[str, set[str]]) -> list[str]:
+    """The imports that break the pipeline's seam rules (module docstring)."""
+    bad = []
+    for module, targets in sorted(graph.items()):
+        if not _within(module, "streamrl_jax.pipeline"):
+            continue
+        for target in sorted(targets):
+            if not _within(module, PROCESSES) and _within(target, PROCESSES):
+                bad.append(f"{module} imports {target}: the core never imports the processes")
+            kind = _within(target, ROLLOUTS) and target not in (ROLLOUTS, f"{ROLLOUTS}.protocol")
+            outside = not _within(module, ROLLOUTS) and not _within(module, PROCESSES)
+            if kind and outside:
+                bad.append(f"{module} imports the kind {target}: use the registry or protocol")
+            in_kind = _within(module, ROLLOUTS) and module not in (ROLLOUTS, f"{ROLLOUTS}.protocol")
+            pipeline = _within(target, "streamrl_jax.pipeline")
+            if in_kind and pipeline and target not in PIPELINE_BELOW_SEAMS:
+                bad.append(f"{module} imports {target}: a kind imports the protocol and below")
+    return bad
+
+
+def test_the_pipelines_seams_hold():
+    assert seam_violations(GRAPH) == []
+
+
+@pytest.mark.parametrize(
+    ("importer", "imported"),
+    [
+        ("streamrl_jax.pipeline.lifecycle", "streamrl_jax.pipeline.processes.training"),
+        ("streamrl_jax.pipeline.trainer_loop", "streamrl_jax.pipeline.rollouts.partial"),
+        ("streamrl_jax.pipeline.rollouts.curriculum", "streamrl_jax.pipeline.trainer_loop"),
+        ("streamrl_jax.pipeline.rollouts.curriculum", "streamrl_jax.pipeline.rollouts.full"),
+    ],
+)
+def test_the_seam_rules_fail_on_an_injected_violation(importer, imported):
+    injected = {m: set(t) for m, t in GRAPH.items()}
+    injected[importer].add(imported)
+    assert len(seam_violations(injected)) == 1
 
 
 def _test_modules_imported(source: str, filename: str) -> set[str]:

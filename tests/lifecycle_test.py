@@ -148,6 +148,7 @@ def test_partial_rollout_trains_every_group_once_within_the_bound(weight_update,
     cfg = tiny_config(
         pipeline__mode="stream_async",
         pipeline__weight_update=weight_update,
+        pipeline__rollout="partial",
         pipeline__partial_budget_tokens=6,
         pipeline__max_lag=3,
         pipeline__steps=4,

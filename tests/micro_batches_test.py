@@ -8,8 +8,7 @@ import pytest
 from support import pack_small, scored_sample, sync_gate
 
 from streamrl_jax.config import PipelineSection
-from streamrl_jax.generation.types import RequestTag
-from streamrl_jax.pipeline.micro_batches import Scored, check_prompts
+from streamrl_jax.pipeline.micro_batches import Scored
 from streamrl_jax.pipeline.schedules import Schedule, StaleSampleError, VersionGate
 
 
@@ -97,20 +96,3 @@ def test_lag_is_counted_from_the_oldest_token_and_bounded_by_max_lag():
     message = r"versions -1\.\.2; step 2 .* accepts versions 0\.\.2"
     with pytest.raises(StaleSampleError, match=message):
         pack_small([too_old], VersionGate(Schedule.from_config(p), strict=True), stats)
-
-
-def _of(batch, group, prompt_id):
-    s = scored_sample(group, 0, 0.0)
-    tag = RequestTag(batch=batch, group=group, member=0, prompt_id=prompt_id)
-    return [Scored(dataclasses.replace(s.sample, tag=tag), s.text, s.reward)]
-
-
-def test_check_prompts_checks_each_group_against_its_own_batch():
-    # Several processes: the trainer's own draw of each batch. Partial rollout trains
-    # groups of earlier batches at a step, so each is checked against its batch's draw.
-    drawn = {2: ["a", "b"], 3: ["c", "d"]}
-    check_prompts([_of(3, 1, "d"), _of(2, 0, "a"), _of(2, 1, "b")], drawn)
-    with pytest.raises(RuntimeError, match=r"batch 2 group 1: generated for prompt d, .* drew b"):
-        check_prompts([_of(2, 1, "d")], drawn)
-    with pytest.raises(RuntimeError, match="batch 0 group 0: .* drew a batch it no longer keeps"):
-        check_prompts([_of(0, 0, "a")], drawn)

@@ -641,7 +641,8 @@ import json, os, runpy, sys, time
 import numpy as np
 from streamrl_jax.distributed import wire
 from streamrl_jax.generation.types import Sample
-from streamrl_jax.pipeline import generation_process, micro_batches
+from streamrl_jax.pipeline import micro_batches
+from streamrl_jax.pipeline.processes import generation as generation_process
 
 CHUNK_SLEEP_S = 0.05
 
@@ -803,6 +804,7 @@ def test_partial_rollout_across_processes_trains_every_group_once(tmp_path):
     workdir = tmp_path / "run"
     partial = {
         "pipeline.mode": "stream_async",
+        "pipeline.rollout": "partial",
         "pipeline.partial_budget_tokens": 6,
         "pipeline.max_lag": 3,
         "pipeline.steps": 5,
@@ -923,6 +925,7 @@ def test_settings_that_need_one_process_are_refused():
     _check(_config(**inflight), 2, 1)  # in-flight weight updates
     partial = {
         "pipeline.mode": "stream_async",
+        "pipeline.rollout": "partial",
         "pipeline.partial_budget_tokens": 8,
         "pipeline.max_lag": 3,
     }

@@ -254,7 +254,7 @@ def test_resume_refuses_another_schedule_or_data_naming_old_and_new(
         run_lib.run(_cfg(**override), ref_dir, reward_fn=vowel_reward)
 
 
-PARTIAL = dict(pipeline__partial_budget_tokens=6, pipeline__max_lag=3)
+PARTIAL = dict(pipeline__rollout="partial", pipeline__partial_budget_tokens=6, pipeline__max_lag=3)
 
 
 def test_resume_with_partial_samples_in_flight_is_exact(tmp_path):

@@ -1,18 +1,10 @@
 """Partial rollout across processes, the reporting between the halves (host only): a
-generation process's round reporter (`processes/generation.start_reporter`) and the
-training link's routing of round reports (`processes/training.TrainingLink`)."""
+generation process's round reporter (`processes/generation.start_reporter`)."""
 
-import dataclasses
 import threading
-import types
 
-import pytest
-from support import rollout_context
-
-from streamrl_jax.distributed.channel import TransportError
 from streamrl_jax.distributed.messages import RoundClosed
 from streamrl_jax.pipeline.processes.generation import start_reporter
-from streamrl_jax.pipeline.rollouts.partial import RemoteRounds
 
 
 def closed(process, r, groups, paused=0, waiting=0, regenerated=0, dropped=0):
@@ -64,24 +56,3 @@ def test_the_reporter_fails_the_run_when_a_send_fails_and_stops_when_asked():
     stopping.set()
     thread.join(5)
     assert not thread.is_alive() and len(failed) == 1
-
-
-def test_a_round_report_speaks_for_its_sender_only():
-    # The training process takes a RoundClosed only from the process it names.
-    from streamrl_jax.pipeline.processes.training import TrainingLink
-
-    ctx = rollout_context(
-        mode="stream_async", rollout="partial", partial_budget_tokens=6, max_lag=3,
-        prompts_per_step=4, group_size=2,
-    )  # fmt: skip
-    rounds = RemoteRounds(dataclasses.replace(ctx, where="trainer", generation_processes=(0, 1)))
-    link = types.SimpleNamespace(
-        _wait=lambda *args: None,
-        _attached=threading.Event(),
-        _run=types.SimpleNamespace(rollout=rounds),
-    )
-    with pytest.raises(TransportError, match="generation-1 sent a round report for generation-0"):
-        TrainingLink._on_message(link, closed(0, 0, [(0, 1)]), "generation-1")
-    TrainingLink._on_message(link, closed(0, 0, [(0, 1)]), "generation-0")
-    TrainingLink._on_message(link, closed(1, 0, [(0, 2)]), "generation-1")
-    assert rounds.wait_round(0) == [(0, 1), (0, 2)]

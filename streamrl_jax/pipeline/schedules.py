@@ -22,10 +22,10 @@ generation driver waits for it, with a timeout that names the stalled side.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from streamrl_jax.config import PipelineSection
 from streamrl_jax.mailbox import Mailbox
+from streamrl_jax.weight_sync import Published
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +73,7 @@ class VersionGate:
         self.strict = strict
         self.dropped = 0
 
-    def admit(self, step: int, version: int, sample_id: Any, newest: int | None = None) -> bool:
+    def admit(self, step: int, version: int, sample_id: str, newest: int | None = None) -> bool:
         """True if a sample whose tokens span versions `version` (the oldest) ..
         `newest` (default: `version`) may be trained at `step`; counts drops."""
         oldest = step - self.schedule.max_lag
@@ -89,7 +89,7 @@ class VersionGate:
         )
         return self._drop(message)
 
-    def refuse(self, step: int, version: int, sample_id: Any, what: str) -> bool:
+    def refuse(self, step: int, version: int, sample_id: str, what: str) -> bool:
         """Drops (counts, or raises in strict mode) a sample that may never be trained:
         partial rollout's paused sample past `max_lag` (lag_policy="drop"). False."""
         return self._drop(
@@ -118,16 +118,16 @@ class WeightBoard:
         self.name = name
         self._box: Mailbox[None] = Mailbox(name, failed=RuntimeError, timeout_error=TimeoutError)
         self._latest = -1  # both guarded by the mailbox's lock
-        self._weights: dict[int, Any] = {}
+        self._weights: dict[int, list[Published]] = {}
 
-    def publish(self, version: int, weights: Any) -> None:
+    def publish(self, version: int, weights: list[Published]) -> None:
         with self._box.locked():
             if version <= self._latest:
                 raise ValueError(f"{self.name}: version {version} after {self._latest}")
             self._latest = version
             self._weights[version] = weights
 
-    def get(self, version: int) -> Any:
+    def get(self, version: int) -> list[Published] | None:
         """The weights published as `version`, or None if never published or discarded."""
         with self._box.locked():
             return self._weights.get(version)
@@ -147,7 +147,7 @@ class WeightBoard:
         with self._box.locked():
             return self._latest
 
-    def wait_for(self, version: int, timeout: float) -> Any:
+    def wait_for(self, version: int, timeout: float) -> list[Published]:
         """Blocks until W_version is published and returns it.
 
         Raises:

@@ -26,7 +26,6 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import numpy as np
@@ -35,6 +34,7 @@ from streamrl_jax.generation.types import ChunkReport, Sample
 from streamrl_jax.metrics import MetricsWriter, Tracer, compile_seconds
 from streamrl_jax.pipeline.shards import TrainerShare, host
 from streamrl_jax.stream.sample_stream import StreamMetrics
+from streamrl_jax.trainer.state import TrainState
 
 # metric -> the per-sample list in a step's `stats` it is the mean of
 SAMPLE_MEANS = {
@@ -224,7 +224,7 @@ class StepMeter:
 class RunResult:
     """What a finished run hands back (tests and benchmarks read it)."""
 
-    state: Any  # final TrainState (on the training mesh)
+    state: TrainState  # final TrainState (on the training mesh)
     steps: list[dict[str, float]]  # per-step host metrics
     evals: dict[int, dict[str, float]]  # policy version -> eval metrics
     trained_versions: list[list[int]]  # per step, the policy version of every trained sample
@@ -233,4 +233,4 @@ class RunResult:
     start_batch: int = 0  # first batch of this process (> 0 when resumed from a checkpoint)
     stopped: bool = False  # ended early by SIGINT/SIGTERM (after checkpointing)
     checkpoints: list[int] = dataclasses.field(default_factory=list)  # steps saved
-    critic_state: Any = None  # the critic's final TrainState (advantage="gae"), else None
+    critic_state: TrainState | None = None  # the critic's final state (advantage="gae")

@@ -4,8 +4,14 @@
 names several (`distributed/roles.py`): it checks every rule on the settings with
 the process counts (`config.check`; on every process, before joining, so all fail
 alike and none waits for a coordinator), joins with `roles.initialize`, checks again
-with the joined program's counts, and runs `generation_process.run_generation` or
-`training_process.run_training`.
+with the joined program's counts, and runs `generation.run_generation` or
+`training.run_training`.
+
+The sub-package: `plan` (the layout's keys and constants), `training` (a training
+process: its link to the generation processes), `generation` (a generation process),
+`roster` (who generates what, and what a lost process leaves), `roster_share` (a
+generation process's share under the roster). The core of `pipeline/` never imports
+it (`tests/layering_test.py`).
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
 """A generation process of a multi-controller run (docs/multicontroller.md).
 
 It builds only the generation side (`components.build_generation`: its
-instances on its own devices, the tokenizer, the same seeded prompt pipeline),
+instances on its own devices, the same seeded prompt pipeline, the held-out prompts),
 takes W_0 from the trainer and runs the same `GenerationDriver` as one process
-does, with its hooks pointed across processes: `weights(v)` takes W_v from a
-`ShardReceiver` (`distributed/shard_receiver.py`: its slices of every leaf, from the
-training processes that hold them; versions arrive in order; one the driver
-does not need is dropped), every process draws every batch's prompts and keeps the
-groups it owns (index k mod G while none is lost, `roster.py`; held-out prompts
-likewise), and `emit` sends each finished sample to the training process that owns
-its group over a `SampleClient`.
+does, with the generation half of the run's rollout (`rollouts/`, `where="generator"`)
+and its collaborators pointed across processes: its `Weights` (this object) take W_v
+from a `ShardReceiver` (`distributed/shard_receiver.py`: its slices of every leaf,
+from the training processes that hold them; versions arrive in order; one the driver
+does not need is dropped), every process draws every batch's prompts and its `Share`
+(`roster_share.RosterShare`) keeps the groups it owns (index k mod G while none is
+lost, `roster.py`; held-out prompts likewise), and `emit` sends each finished sample to
+the training process that owns its group over a `SampleClient`.
 Decode-chunk and weight-arrival reports travel the same way. It starts at the
 batch the trainer publishes under `START_KEY` (0, or a restored checkpoint's, with
 the prompt iterator's state there), and with an online ranker it scores with the
@@ -21,8 +22,8 @@ sample carries its per-token versions over the wire. **Partial rollout**
 (`pipeline.partial_budget_tokens`, one generation and one training process) runs this
 process's rounds in the same `PartialRollout` as one process: paused samples stay here
 and continue in the next round under the weights this process holds by then, and a
-`round-reporter` thread sends the trainer a `RoundClosed` per round
-(`round_reports.py`), which is what its steps wait for.
+`round-reporter` thread (`start_reporter`) sends the trainer a `RoundClosed` per round,
+which is what its steps wait for (`rollouts/partial.RemoteRounds`).
 
 **End of a run.** Having taken every weight set, it reads the trainer's outcome,
 closes its sample channels in order and returns (raising for a failure). A
@@ -30,15 +31,15 @@ generation process that fails tells the trainer why (`GenerationFailed`) before
 it exits; a lost trainer ends it at once.
 
 **Another generation process lost, or a reserved one activated.** A `roster-watcher`
-thread reads the trainer's roster updates (`roster_reader.py`, `roster/<epoch>`), and so does
-the driver before it draws each batch (an elastic activation names the batch it starts
-from; the trainer publishes it before the weights that batch needs); the driver then
-generates the lost process's groups of the batches already drawn that this process
-owns now, under their own version (the last `staleness + 2` placed versions are kept
-for it), and owns its share of every later batch. **Restarted** (the same command and id,
-`roles.Roles.rejoined`): it waits for the roster update that takes it back, moves its
-prompt iterator to that update's batch by drawing, takes that batch's weights (the
-trainer's `ShardSender.catch_up`) and generates its share from there.
+thread reads the trainer's roster updates (`roster_share.py`, `roster/<epoch>`), and so
+does the driver before it draws each batch (an elastic activation names the batch it
+starts from; the trainer publishes it before the weights that batch needs); the share
+then hands the driver the lost process's groups of the batches already drawn that this
+process owns now, generated under their own version (the last `staleness + 2` placed
+versions are kept for it), and owns its share of every later batch. **Restarted** (the
+same command and id, `roles.Roles.rejoined`): it waits for the roster update that takes
+it back, moves its prompt iterator to that update's batch by drawing, takes that batch's
+weights (the trainer's `ShardSender.catch_up`) and generates its share from there.
 """
 
 from __future__ import annotations

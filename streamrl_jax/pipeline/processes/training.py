@@ -1,7 +1,9 @@
 """A training process of a multi-controller run (docs/multicontroller.md).
 
-`run_training` opens a `SampleServer` whose `on_sample` hands each sample to
-the run's ingest (decode, reward, into the `SampleStream`). A sample from the
+`run_training` makes a `TrainingLink`, the run's `Generation` (pipeline/generation.py):
+its `SampleServer` hands each sample to the run's ingest (decode, reward, to the
+rollout), each decode-chunk report to its meter and each round report to its rollout
+(the trainer's half of partial rollout). A sample from the
 wire carries no task metadata: the training process scores it against its own
 copy of the problem, looked up by `tag.prompt_id` (`ProblemTable`), after
 checking its token ids and lengths against the run's limits. The channel's
@@ -15,11 +17,13 @@ thread, overlapping the next step). Then
 bookkeeping, metrics and trace as one process.
 
 Checkpoints: every training process saves and restores its own shards into the
-run's one `<workdir>/checkpoints` (orbax's active set, `TrainingLink.checkpoints`);
+run's one `<workdir>/checkpoints` (orbax's active set, `parts.Trainers`);
 `TrainingLink.begin` then tells the generation processes where the run starts and
-sends a restored run's generation weights. The online ranker refresh runs here,
-where the samples arrive; each refresh goes to the generation processes' dispatchers
-through a second `ShardSender` (`TrainingLink.schedule`).
+sends a restored run's generation weights. Each step the link draws the batch's prompts
+as the generation processes do (`step_started`: the checkpoints record the prompt
+iterator) and checks every group against them (`verify`). The online ranker refresh
+runs here, where the samples arrive; each refresh goes to the generation processes'
+dispatchers through a second `ShardSender` (`TrainingLink.scheduler`).
 
 Several training processes: each sends only the shards it addresses (a shard
 replicated over processes by one of them: `distributed/reshard.py`); nothing is
@@ -60,6 +64,7 @@ from streamrl_jax.distributed.messages import (
 )
 from streamrl_jax.distributed.shard_sync import ShardSender
 from streamrl_jax.distributed.transport import SampleServer
+from streamrl_jax.distributed.wire import Message
 from streamrl_jax.distributed.xla_pull import pull_server
 from streamrl_jax.generation.types import Sample
 from streamrl_jax.pipeline import components as components_lib
@@ -95,7 +100,7 @@ def send_to_generation(sender: ShardSender, timeout_s: float) -> Mover:
     placement (each reports a `weight_receive/generation-<k>` span); its report (bytes
     to each receiver, GB/s, checksum) goes on the `weight_sync/transfer` span."""
 
-    def move(cast: Any, version: int) -> tuple[list[Published], int, dict[str, float]]:
+    def move(cast: Params, version: int) -> tuple[list[Published], int, dict[str, float]]:
         stats = sender.send(cast, version, timeout=timeout_s)
         return [Published(cast, version)], sender.num_receivers, stats.report()
 
@@ -414,7 +419,7 @@ class TrainingLink:
                 logging.info("restored ranker v%d to the generation processes", ranker.steps)
                 self._send_ranker(ranker, live_only=False)
 
-    def _wait(self, wait: Any, what: str) -> None:
+    def _wait(self, wait: Callable[..., bool], what: str) -> None:
         """`wait(timeout=...)` in short slices, so a closing link never waits long."""
         deadline = time.monotonic() + self.timeout
         while not wait(timeout=0.5):
@@ -423,7 +428,7 @@ class TrainingLink:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"training: {what} for {self.timeout:.0f} s")
 
-    def _on_message(self, msg: Any, peer: str) -> None:
+    def _on_message(self, msg: Message, peer: str) -> None:
         """A sample channel's reader thread: one message from a generation process
         (`peer`: its name, e.g. "generation-0")."""
         self._wait(self._attached.wait, "the run did not start")
