@@ -61,11 +61,11 @@ def test_config_fields_and_their_checks():
     cd = config_lib.defaults().to_dict()
     cd["algorithm"] |= {"overlong_buffer": 16, "overlong_penalty": 0.5}
     cfg = config_lib.from_config_dict(cd)
-    assert OverlongPenalty.from_config(cfg) == OverlongPenalty(128, 16, 0.5)
-    assert (
-        OverlongPenalty.from_config(config_lib.from_config_dict(config_lib.defaults().to_dict()))
-        is None
-    )
+    assert OverlongPenalty.from_config(
+        cfg.algorithm, cfg.generation.max_new_tokens
+    ) == OverlongPenalty(128, 16, 0.5)
+    default = config_lib.from_config_dict(config_lib.defaults().to_dict())
+    assert OverlongPenalty.from_config(default.algorithm, 128) is None
     cd["algorithm"]["overlong_buffer"] = 129
     with pytest.raises(ConfigError, match="algorithm.overlong_buffer"):
         config_lib.from_config_dict(cd)

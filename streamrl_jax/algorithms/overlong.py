@@ -20,6 +20,8 @@ import dataclasses
 
 import numpy as np
 
+from streamrl_jax.config import AlgorithmSection
+
 
 def soft_overlong_penalty(
     lengths_B: np.ndarray, truncated_B: np.ndarray, *, max_len: int, buffer: int, penalty: float
@@ -55,9 +57,9 @@ class OverlongPenalty:
         )
 
     @classmethod
-    def from_config(cls, cfg) -> OverlongPenalty | None:
-        """The run's penalty (`algorithm.overlong_buffer` > 0), else None."""
-        a = cfg.algorithm
+    def from_config(cls, a: AlgorithmSection, max_new_tokens: int) -> OverlongPenalty | None:
+        """The run's penalty (`algorithm.overlong_buffer` > 0; responses capped at
+        `generation.max_new_tokens`), else None."""
         if a.overlong_buffer == 0:
             return None
-        return cls(cfg.generation.max_new_tokens, a.overlong_buffer, a.overlong_penalty)
+        return cls(max_new_tokens, a.overlong_buffer, a.overlong_penalty)

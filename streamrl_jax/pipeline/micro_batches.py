@@ -246,18 +246,3 @@ class GroupTaker:
 def by_member(group: Group) -> Group:
     """A group's members in member order (a fixed summation order)."""
     return sorted(group, key=lambda s: s.sample.tag.member)
-
-
-def check_prompts(groups: list[Group], drawn: dict[int, list[str]]) -> None:
-    """Several processes: every group's prompt is the one this process drew for its batch
-    and index (`drawn`: batch -> prompt ids; partial rollout trains groups of earlier
-    batches too), so the seeded prompt pipelines of all processes stay in step."""
-    for g in groups:
-        tag = g[0].sample.tag
-        ids = drawn.get(tag.batch)
-        if ids is None or tag.prompt_id != ids[tag.group]:
-            want = "a batch it no longer keeps" if ids is None else ids[tag.group]
-            raise RuntimeError(
-                f"batch {tag.batch} group {tag.group}: generated for prompt {tag.prompt_id}, "
-                f"the trainer drew {want} (prompt pipelines out of step)"
-            )

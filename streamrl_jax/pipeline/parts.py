@@ -107,7 +107,7 @@ def wire(
             stream=stream,
             prompts=prompts,
             latch=sup.latch,
-            overlong=OverlongPenalty.from_config(cfg),
+            overlong=OverlongPenalty.from_config(cfg.algorithm, cfg.generation.max_new_tokens),
             trainers=trainers.share,
             seed=cfg.seed,
             where=where,

@@ -66,7 +66,9 @@ class TrainerLoop:
         p = self.cfg.pipeline
         self.timeout = p.timeout_s
         self.gate = VersionGate(parts.schedule, strict=p.strict_versions)
-        self.overlong = OverlongPenalty.from_config(self.cfg)
+        self.overlong = OverlongPenalty.from_config(
+            self.cfg.algorithm, self.cfg.generation.max_new_tokens
+        )
         self._one = self.c.trainer.scalar(1.0)  # the micro-batch normaliser, on the training mesh
         # pipeline.precompile: seconds before the first step, until a row reports them
         self.precompile_s: float | None = None

@@ -367,7 +367,9 @@ class _GenerationProcess:
                 stream=unused,
                 prompts=self.prompts,
                 latch=self.latch,
-                overlong=OverlongPenalty.from_config(self.cfg),
+                overlong=OverlongPenalty.from_config(
+                    self.cfg.algorithm, self.cfg.generation.max_new_tokens
+                ),
                 trainers=Alone(ownership(p, 1)),
                 seed=self.cfg.seed,
                 where="generator",

@@ -143,7 +143,6 @@ class TrainingLink:
     `Running`: samples in, weights out."""
 
     where: Where = "trainer"  # the trainer's half of the rollout runs here
-    threads: list[threading.Thread] = []  # the channels own their threads
 
     def __init__(self, cfg: ExperimentConfig, dcfg: roles.DistributedConfig, r: roles.Roles):
         g = len(r.generation_processes)
@@ -155,6 +154,7 @@ class TrainingLink:
         self.timeout = p.timeout_s
         self.num_instances = g * len(cfg.mesh.instance_slots)
         self.generation_processes = tuple(r.generation_processes)
+        self.threads: list[threading.Thread] = []  # the channels own their threads
         self._attached = threading.Event()
         self._closed = False
         self._run: RunParts | None = None  # the run, once it started
