@@ -100,7 +100,7 @@ def policy_features(examples: list[Example], path: str) -> tuple[np.ndarray, np.
             last_BxE = jnp.take_along_axis(h_BxTxE, last_B[:, None, None], axis=1)[:, 0]
             return x_BxTxE, (mean_BxE, last_BxE)
 
-        x0 = model._embed(tokens_BxT)
+        x0 = model.embed_tokens(tokens_BxT)
         _, (mean_LxBxE, last_LxBxE) = jax.lax.scan(body, x0, model.layers.arrays())
         scale_E = model.final_norm[...].astype(jnp.float32)
         return mean_LxBxE.at[-1].multiply(scale_E), last_LxBxE.at[-1].multiply(scale_E)

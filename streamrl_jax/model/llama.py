@@ -100,7 +100,8 @@ class Llama(nnx.Module):
             self.lm_head = nnx.Param(_init("n", rngs, (e, v), pd), axes=("embed", "vocab"))
 
     # ---------------------------------------------------------------- shared pieces
-    def _embed(self, tokens: jax.Array) -> jax.Array:
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """Input embeddings of `tokens` (any shape): [..., E] in the compute dtype."""
         return jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.jnp_dtype)
 
     def logits(self, hidden_BxTxE: jax.Array) -> jax.Array:
@@ -157,7 +158,7 @@ class Llama(nnx.Module):
         else:
             positions = segments.positions
             attn_mask = segments.attention_mask() & mask[:, None, :]
-        x = self._run_blocks(self._embed(tokens_BxT), positions, attn_mask)
+        x = self._run_blocks(self.embed_tokens(tokens_BxT), positions, attn_mask)
         return x
 
     def token_logprobs(
