@@ -81,7 +81,6 @@ class FailureLatch:
         self._failed = threading.Event()
         self._first: tuple[str, BaseException] | None = None
         self._listeners: list[Listener] = []
-        self.ignored = 0  # failures after the first
 
     def fail(self, component: str, exc: BaseException) -> bool:
         """Records a failure of `component`.
@@ -102,8 +101,6 @@ class FailureLatch:
             if first:
                 self._first = (component, exc)
                 listeners = list(self._listeners)
-            else:
-                self.ignored += 1
         if not first:  # usually a consequence of the first: kept out of the warnings
             _log.info(
                 "%s: %s also failed (after %s): %r",
@@ -381,10 +378,6 @@ class Mailbox(Generic[T]):
             self._raise_if_failed()
             if self._closed_reason is not None:
                 raise self._closed(self._put_after_close())
-
-    def drain(self) -> list[T]:
-        """Removes and returns every queued item, oldest first (failed or not)."""
-        return self.remove(lambda item: True)
 
     def remove(self, predicate: Callable[[T], bool]) -> list[T]:
         """Removes and returns the queued items for which `predicate` holds, oldest first."""

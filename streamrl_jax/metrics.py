@@ -7,13 +7,15 @@
   micro-batch, optimizer step, weight sync) written as a Chrome / Perfetto
   trace (`trace.json`, open in ui.perfetto.dev or chrome://tracing), so the
   overlap of stages and the bubbles between them can be seen. The simulator
-  writes the same format.
+  writes the same format. `read_trace` reads such a file back as `Span`s: the
+  one reader for tools and tests.
 * `Progress`: a tqdm bar with step, reward, accuracy and samples/s.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -190,14 +192,6 @@ class Tracer:
         finally:
             self.add(track, name, start, time.perf_counter(), **args)
 
-    def spans(self) -> list[dict[str, Any]]:
-        """The complete ("X") events recorded so far, with their track names."""
-        with self._lock:
-            names = {v: k for k, v in self._ids.items()}
-            return [
-                dict(e, track=names[(e["pid"], e["tid"])]) for e in self._events if e["ph"] == "X"
-            ]
-
     def save(self, path: str) -> None:
         if not self.enabled or not _is_writer():
             return
@@ -208,28 +202,70 @@ class Tracer:
             json.dump(data, f)
 
 
-def busy_fraction(
-    spans: list[dict[str, Any]], track_prefix: str, t_start: float, t_end: float
-) -> float:
-    """Fraction of [t_start, t_end] (µs) covered by the union of spans on matching tracks."""
-    intervals = sorted(
-        (max(e["ts"], t_start), min(e["ts"] + e["dur"], t_end))
-        for e in spans
-        if e["track"].startswith(track_prefix)
-    )
-    covered, cur_s, cur_e = 0.0, None, None
-    for s, e in intervals:
-        if e <= s:
-            continue
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                covered += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        covered += cur_e - cur_s
-    return covered / max(t_end - t_start, 1e-9)
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """One span of a trace file (`Tracer.save`'s, or the simulator's: the same format).
+
+    Attributes:
+      track: "group/name" as recorded, e.g. "generation/instance 0".
+      name: what the span was, e.g. "accumulate", "step 3".
+      start: seconds from the trace's origin.
+      dur: seconds.
+      args: the span's recorded arguments, e.g. {"tokens": 5}.
+    """
+
+    track: str
+    name: str
+    start: float
+    dur: float
+    args: dict[str, Any]
+
+    @property
+    def group(self) -> str:
+        """The track's group ("generation", "trainer", "weight_sync", ...)."""
+        return self.track.partition("/")[0]
+
+    @property
+    def end(self) -> float:
+        return self.start + self.dur
+
+
+def read_trace(path: str) -> list[Span]:
+    """The spans of a Chrome trace written by `Tracer.save`, in the order recorded.
+
+    Raises:
+      FileNotFoundError: no file at `path`.
+      ValueError: the file is not such a trace (names the file and what is wrong).
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a JSON trace file ({e})") from None
+    events = data.get("traceEvents") if isinstance(data, dict) else None
+    if not isinstance(events, list):
+        raise ValueError(f"{path}: no 'traceEvents' list (not a Chrome trace file)")
+    try:
+        meta = [e for e in events if e.get("ph") == "M"]
+        groups = {e["pid"]: e["args"]["name"] for e in meta if e["name"] == "process_name"}
+        threads = {
+            (e["pid"], e["tid"]): e["args"]["name"] for e in meta if e["name"] == "thread_name"
+        }
+        spans = []
+        for e in (e for e in events if e.get("ph") == "X"):
+            key = (e["pid"], e["tid"])
+            if e["pid"] not in groups or key not in threads:
+                raise ValueError(
+                    f"{path}: span {e['name']!r} is on a track without a name "
+                    f"(pid {e['pid']}, tid {e['tid']})"
+                )
+            thread = threads[key]
+            track = f"{groups[e['pid']]}/{thread}" if thread else groups[e["pid"]]
+            start, dur = e["ts"] / 1e6, e["dur"] / 1e6
+            spans.append(Span(track, e["name"], start, dur, dict(e.get("args", {}))))
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: a malformed trace event ({type(e).__name__}: {e})") from None
+    return spans
 
 
 class Progress:

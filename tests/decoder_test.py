@@ -1,4 +1,5 @@
-"""The engine's generation layout computes the training model's prefill and decode."""
+"""The engine's decoder (`generation/decoder.py`) computes the training model's function:
+its prefill and decode give the logits of `Llama`'s full-sequence forward."""
 
 from __future__ import annotations
 
@@ -9,42 +10,72 @@ import pytest
 from flax import nnx
 
 from streamrl_jax.generation import decoder
-from streamrl_jax.model import config, kv_cache, llama
+from streamrl_jax.model import config, llama
 
 
 @pytest.mark.parametrize("attention", decoder.ATTENTION)
 @pytest.mark.parametrize("overrides", [{}, {"qkv_bias": True, "tie_embeddings": False}])
-def test_generation_layout_matches_training_layout(overrides, attention):
-    """Same logits (f32, atol 1e-5) after a prefill and three decode steps, and the
-    same greedy tokens, as `Llama.prefill`/`Llama.decode` on the stacked weights, with
-    either decode attention form."""
+def test_prefill_then_decode_equals_the_full_forward(overrides, attention):
+    """A prefill and six greedy decode steps of `GenModel`, with either decode attention
+    form, give at every position the logits of the training model's full-sequence
+    forward of the same tokens (f32, atol 1e-5, rtol 1e-5) and so its greedy tokens.
+    Prefill rows land in their slots in any order, a row for a slot >= B is dropped, and
+    inactive slots compute but do not advance."""
     cfg = config.tiny(**overrides)
-    model = llama.Llama(cfg, rngs=nnx.Rngs(params=0))
-    graphdef, params = nnx.split(model)
-    params = jax.tree.map(lambda x: 4.0 * x, params)  # lively: tokens vary
+    graphdef, params = nnx.split(llama.create(cfg, seed=0))
+    # Lively (x4: greedy tokens vary), and random norm scales and biases, so that every
+    # parameter matters in the comparison.
+    rng = np.random.default_rng(1)
+    params = jax.tree.map(lambda x: 4.0 * x + 0.05 * rng.standard_normal(x.shape), params)
     weights = jax.jit(lambda p: decoder.from_training_layout(graphdef, p, cfg))(params)
-    b, s = 3, 32
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 8)), jnp.int32)
-    lengths, slots = jnp.array([8, 5], jnp.int32), jnp.array([2, 0], jnp.int32)
+    b, s, steps = 4, 32, 6
+    prompts = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, 8)), jnp.int32)
+    lengths = jnp.array([3, 5, 3], jnp.int32)
+    slots = jnp.array([2, 0, 9], jnp.int32)  # row 0 -> slot 2, row 1 -> slot 0, row 2 dropped
+    active = jnp.array([True, False, True, False])
 
-    def run(model, cache):
-        """Prefill, then three greedy decode steps; every step's logits."""
-        logits, cache = model.prefill(tokens, lengths, cache, slots)
-        out, tok = [logits], jnp.zeros((b,), jnp.int32).at[slots].set(jnp.argmax(logits, -1))
-        for _ in range(3):
-            logits, cache = model.decode(tok, cache, jnp.array([True, False, True]))
-            out.append(logits)
+    @jax.jit
+    def generate(weights):
+        """Prefill, then greedy decode steps; every step's logits and tokens."""
+        model = decoder.GenModel(weights, cfg, attention)
+        logits, cache = model.prefill(prompts, lengths, decoder.init_cache(cfg, b, s), slots)
+        tok = jnp.zeros((b,), jnp.int32).at[slots].set(jnp.argmax(logits, -1), mode="drop")
+        out_logits, out_tokens = [logits], [tok]
+        for _ in range(steps):
+            logits, cache = model.decode(tok, cache, active)
             tok = jnp.argmax(logits, -1).astype(jnp.int32)
-        return out
+            out_logits.append(logits)
+            out_tokens.append(tok)
+        return out_logits, out_tokens, cache.lengths
 
-    run_old = jax.jit(lambda p: run(nnx.merge(graphdef, p), kv_cache.init_cache(cfg, b, s)))
-    run_new = jax.jit(
-        lambda w: run(decoder.GenModel(w, cfg, attention), decoder.init_cache(cfg, b, s))
-    )
-    old, new = run_old(params), run_new(weights)
-    for o, n in zip(old, new, strict=True):
-        np.testing.assert_allclose(n, o, atol=1e-5, rtol=1e-5)
-        np.testing.assert_array_equal(jnp.argmax(n, -1), jnp.argmax(o, -1))
+    logits, tokens, cache_lengths = jax.device_get(generate(weights))
+    assert cache_lengths.tolist() == [5 + steps, 0, 3 + steps, 0]
+
+    # The full forward of each row's prompt and the tokens it was fed, right-padded.
+    rows = {0: 2, 1: 0}  # prompt row -> slot
+    t = 5 + steps
+    full_tokens, mask = np.zeros((2, t), np.int32), np.zeros((2, t), bool)
+    for row, slot in rows.items():
+        n = int(lengths[row])
+        fed = [int(tokens[i][slot]) for i in range(steps)]
+        full_tokens[row, : n + steps] = np.concatenate([np.asarray(prompts[row, :n]), fed])
+        mask[row, : n + steps] = True
+
+    @jax.jit
+    def forward(params, tokens_BxT, mask_BxT):
+        model = nnx.merge(graphdef, params)
+        return model.logits(model.hidden_states(tokens_BxT, mask_BxT))
+
+    full = np.asarray(forward(params, jnp.asarray(full_tokens), jnp.asarray(mask)))
+    for row, slot in rows.items():
+        n = int(lengths[row])
+        want = full[row, n - 1 : n + steps]  # after the prompt, then after each fed token
+        got = np.stack([logits[0][row]] + [logits[i][slot] for i in range(1, steps + 1)])
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+        np.testing.assert_array_equal(
+            [tokens[i][slot] for i in range(steps + 1)], np.argmax(want, -1)
+        )
+    assert len({int(tokens[i][2]) for i in range(steps + 1)}) > 1  # lively: tokens vary
 
 
 def test_unknown_attention_form_is_named():

@@ -1,5 +1,6 @@
-"""Model properties: prefill+decode == full forward, causality, padding side, bf16, remat,
-packed shared-prompt rows == separate sequences, response-only log-probs == full."""
+"""Model properties: causality, padding side, bf16, remat, packed shared-prompt rows ==
+separate sequences, response-only log-probs == full. (The engine's prefill+decode ==
+this full forward: tests/decoder_test.py.)"""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,6 @@ import pytest
 from flax import nnx
 
 from streamrl_jax.model import config, layers, llama
-from streamrl_jax.model.kv_cache import init_cache
 from streamrl_jax.model.segments import Segments
 
 _CFG = config.tiny(qkv_bias=True)  # biases on, so every parameter kind is exercised
@@ -36,41 +36,6 @@ def _forward(graphdef, params, tokens_BxT, mask_BxT):
 
 def _tokens(b, t, seed=0):
     return jnp.asarray(np.random.default_rng(seed).integers(0, _CFG.vocab_size, (b, t)), jnp.int32)
-
-
-def test_prefill_then_decode_equals_full_forward(split):
-    graphdef, params = split
-    tokens = _tokens(2, 12)
-    full = np.asarray(_forward(graphdef, params, tokens, jnp.ones_like(tokens)))
-    lengths = jnp.asarray([3, 5], jnp.int32)
-    prompt = jnp.where(jnp.arange(8)[None, :] < lengths[:, None], tokens[:, :8], 0)
-
-    @jax.jit
-    def prefill(params, prompt, lengths):
-        model = nnx.merge(graphdef, params)
-        # Slot order reversed and one dropped row (slot 9 >= 4 slots) exercise the scatter.
-        cache = init_cache(_CFG, 4, 16)
-        p3 = jnp.concatenate([prompt, prompt[:1]], axis=0)
-        l3 = jnp.concatenate([lengths, lengths[:1]], axis=0)
-        return model.prefill(p3, l3, cache, jnp.asarray([2, 0, 9], jnp.int32))
-
-    @jax.jit
-    def decode(params, tok_B, cache):
-        model = nnx.merge(graphdef, params)
-        return model.decode(tok_B, cache, jnp.asarray([True, False, True, False]))
-
-    logits, cache = prefill(params, prompt, lengths)
-    np.testing.assert_allclose(logits[0], full[0, 2], atol=1e-5)
-    np.testing.assert_allclose(logits[1], full[1, 4], atol=1e-5)
-    assert cache.lengths.tolist() == [5, 0, 3, 0]
-    pos = {2: 3, 0: 5}  # slot -> position of the next token (row 0 -> slot 2, row 1 -> slot 0)
-    for _ in range(6):
-        tok = jnp.zeros((4,), jnp.int32).at[2].set(tokens[0, pos[2]]).at[0].set(tokens[1, pos[0]])
-        step, cache = decode(params, tok, cache)
-        np.testing.assert_allclose(step[2], full[0, pos[2]], atol=1e-5)
-        np.testing.assert_allclose(step[0], full[1, pos[0]], atol=1e-5)
-        pos = {s: p + 1 for s, p in pos.items()}
-    assert cache.lengths.tolist() == [11, 0, 9, 0]  # inactive slots did not advance
 
 
 def test_future_tokens_do_not_change_past_logits(split):

@@ -16,6 +16,15 @@ from streamrl_jax.model import gguf_loader
 from streamrl_jax.model.defaults import smollm2_gguf_path
 from streamrl_jax.model.loader import load_pretrained
 
+
+def _permute_qk(w_RxC: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation (`convert_hf_to_gguf.py`), to write GGUF files as
+    its converter does; `gguf_loader.unpermute_qk` is its inverse."""
+    rows = w_RxC.shape[0]
+    w = w_RxC.reshape(n_head, 2, rows // n_head // 2, *w_RxC.shape[1:])
+    return w.swapaxes(1, 2).reshape(w_RxC.shape)
+
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
@@ -174,9 +183,9 @@ def _write_gguf(path: str, model, *, permute: bool = True, arch: str = "llama") 
         for g, h in names.items():
             t = sd[f"model.layers.{i}.{h}.weight"]
             if permute and g == "attn_q":
-                t = gguf_loader.permute_qk(t, c.num_attention_heads)
+                t = _permute_qk(t, c.num_attention_heads)
             if permute and g == "attn_k":
-                t = gguf_loader.permute_qk(t, c.num_key_value_heads)
+                t = _permute_qk(t, c.num_key_value_heads)
             w.add_tensor(f"blk.{i}.{g}.weight", np.ascontiguousarray(t))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -194,7 +203,7 @@ def tiny_gguf(tmp_path_factory):
 
 def test_permute_roundtrip():
     w = np.arange(8 * 3 * 2 * 5, dtype=np.float32).reshape(48, 5)
-    p = gguf_loader.permute_qk(w, 3)
+    p = _permute_qk(w, 3)
     assert not np.array_equal(p, w)
     np.testing.assert_array_equal(gguf_loader.unpermute_qk(p, 3), w)
 

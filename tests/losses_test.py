@@ -213,13 +213,6 @@ def test_value_loss_matches_numpy():
     assert 0 < metrics["vf_clip_frac_sum"] < mask.sum()
 
 
-def test_token_entropy_matches_numpy():
-    logits = np.random.default_rng(7).normal(size=(2, 3, 5)).astype(np.float32)
-    p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
-    got = _run(losses.token_entropy, logits)
-    np.testing.assert_allclose(got, -(p * np.log(p)).sum(-1), rtol=1e-5)
-
-
 def test_bad_arguments_raise():
     logp, old, adv, mask = jax.device_put(_batch(8)[:4])
     with pytest.raises(ValueError, match="aggregation"):

@@ -1,8 +1,10 @@
-"""Metrics writer, trace recorder and busy-fraction arithmetic."""
+"""Metrics writer, and the trace: recorder and reader."""
 
-import json
+import time
 
-from streamrl_jax.metrics import MetricsWriter, Tracer, busy_fraction, read_jsonl
+import pytest
+
+from streamrl_jax.metrics import MetricsWriter, Tracer, read_jsonl, read_trace
 
 
 def test_jsonl_and_tensorboard(tmp_path):
@@ -17,42 +19,49 @@ def test_jsonl_and_tensorboard(tmp_path):
     assert list((tmp_path / "tensorboard").iterdir())
 
 
-def test_trace_tracks_and_chrome_format(tmp_path):
+def test_trace_round_trips_through_the_chrome_format(tmp_path):
     t = Tracer()
-    t.add("generation/instance 0", "decode", t.now(), t.now() + 0.01, tokens=5)
+    t0 = t.now()
+    t.add("generation/instance 0", "decode", t0, t0 + 0.01, tokens=5)
     t.add("generation/instance 1", "decode", t.now(), t.now() + 0.01)
     with t.span("trainer/micro-batch", "accumulate"):
         pass
-    import time
-
+    t.add("reward", "score", t.now(), t.now())  # a track without a group/name split
     t.add_wall("generation/instance 0", "chunk", time.time() - 0.5, time.time() - 0.25)
-    spans = t.spans()
+    t.save(str(tmp_path / "trace.json"))
+    spans = read_trace(str(tmp_path / "trace.json"))  # a group is a process, a track its thread
     wall = spans.pop()
-    assert (
-        0.2e6 < wall["dur"] < 0.3e6 and wall["ts"] < spans[0]["ts"]
-    )  # converted to the perf clock
-    assert [s["track"] for s in spans] == [
+    assert 0.2 < wall.dur < 0.3 and wall.start < spans[0].start  # converted to the perf clock
+    assert [s.track for s in spans] == [
         "generation/instance 0",
         "generation/instance 1",
         "trainer/micro-batch",
+        "reward",
     ]
-    assert spans[0]["pid"] == spans[1]["pid"] != spans[2]["pid"]
-    assert spans[0]["tid"] != spans[1]["tid"]
-    t.save(str(tmp_path / "trace.json"))
-    data = json.loads((tmp_path / "trace.json").read_text())
-    names = {e["args"]["name"] for e in data["traceEvents"] if e["name"] == "process_name"}
-    assert names == {"generation", "trainer"}
-    assert all(e["dur"] >= 0 for e in data["traceEvents"] if e["ph"] == "X")
+    assert [s.group for s in spans] == ["generation", "generation", "trainer", "reward"]
+    assert spans[0].name == "decode" and spans[0].args == {"tokens": 5}
+    assert spans[0].dur == pytest.approx(0.01) and spans[0].end == spans[0].start + spans[0].dur
+    assert all(s.dur >= 0 for s in spans)
 
 
-def test_busy_fraction_unions_overlapping_spans():
-    spans = [
-        {"track": "gen/a", "ts": 0.0, "dur": 40.0},
-        {"track": "gen/b", "ts": 20.0, "dur": 40.0},  # overlaps a: union [0, 60]
-        {"track": "gen/a", "ts": 80.0, "dur": 40.0},  # clipped to [80, 100]
-        {"track": "train/x", "ts": 0.0, "dur": 100.0},  # other prefix, ignored
-    ]
-    assert busy_fraction(spans, "gen", 0.0, 100.0) == 0.8
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ("{", "not a JSON trace file"),
+        ('{"events": []}', "no 'traceEvents' list"),
+        ('{"traceEvents": [{"ph": "X", "name": "a", "pid": 1, "tid": 1, "ts": 0, "dur": 1}]}',
+         "span 'a' is on a track without a name"),
+        ('{"traceEvents": [{"ph": "M", "name": "process_name", "pid": 1}]}',
+         "a malformed trace event"),
+    ],
+)  # fmt: skip
+def test_read_trace_names_the_file_and_the_fault(tmp_path, text, error):
+    path = tmp_path / "trace.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=f"{path}: {error}"):
+        read_trace(str(path))
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        read_trace(str(tmp_path / "missing.json"))
 
 
 def test_generation_busy_counts_only_the_window():

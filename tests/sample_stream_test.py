@@ -95,11 +95,3 @@ def test_bad_sizes_rejected():
         SampleStream(group_size=4, group_key=lambda x: x, capacity=2)
     with pytest.raises(ValueError, match="min_groups"):
         s.get_groups(min_groups=0, timeout=1)
-
-
-def test_drain_partial_returns_incomplete_samples():
-    s = _stream(group_size=3)
-    s.put(("a", 0), timeout=1)
-    s.put(("a", 1), timeout=1)
-    assert s.drain_partial() == [("a", 0), ("a", 1)]
-    assert s.depth()["partial_samples"] == 0

@@ -1,9 +1,8 @@
 """Tests for simulation/trace.py: Chrome trace format, same conventions as metrics.Tracer."""
 
-import json
-
 import numpy as np
 
+from streamrl_jax.metrics import read_trace
 from streamrl_jax.scheduling import lengths
 from streamrl_jax.simulation import hardware, simulator, trace
 from streamrl_jax.simulation.scenario import Scenario
@@ -24,26 +23,20 @@ def _result(mode="stream_sync"):
     return simulator.simulate(sc)
 
 
-def test_trace_events_are_complete_events_with_metadata(tmp_path):
+def test_the_pipelines_trace_reader_reads_it(tmp_path):
+    # `metrics.read_trace` refuses a span whose process or thread has no name event.
     res = _result()
     path = tmp_path / "t" / "trace.json"
     trace.save(res, str(path), per_sample=True)
-    data = json.loads(path.read_text())
-    events = data["traceEvents"]
-    xs = [e for e in events if e["ph"] == "X"]
-    meta = [e for e in events if e["ph"] == "M"]
-    assert xs and meta
-    for e in xs:
-        assert {"name", "ph", "ts", "dur", "pid", "tid"} <= set(e)
-        assert e["dur"] >= 0 and e["ts"] >= 0
-    procs = {e["args"]["name"] for e in meta if e["name"] == "process_name"}
-    assert {"generation", "trainer", "weight_sync"} <= procs
-    # Every pid used by an X event has a process_name.
-    named = {e["pid"] for e in meta if e["name"] == "process_name"}
-    assert {e["pid"] for e in xs} <= named
+    spans = read_trace(str(path))
+    assert spans and all(s.dur >= 0 and s.start >= 0 for s in spans)
+    assert {"generation", "trainer", "weight_sync"} <= {s.group for s in spans}
     # One span per sample per batch on the slot lanes.
     n_samples = sum(len(gr.done) for _, gr in res.batches)
-    assert sum(e["name"].startswith("sample ") for e in xs) == n_samples
+    assert sum(s.name.startswith("sample ") for s in spans) == n_samples
+    assert sum(s.track.startswith("generation/") for s in spans) == sum(
+        s.lane.startswith("gen/") for s in res.spans
+    )
 
 
 def test_trace_spans_match_result_in_microseconds():

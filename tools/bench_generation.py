@@ -335,7 +335,7 @@ def bench_model(name: str, quick: bool) -> dict:
     step_s = decode_step_time(continuous, ecfg, cfg.vocab_size, chunks=step_chunks)
 
     param_bytes = nbytes(params)
-    cache = continuous._state.cache
+    cache = continuous.cache
     # The step reads its length bucket of every layer's cache (attention is masked inside
     # it); `decode_step_time`'s requests fill at most max_prompt + their response length.
     filled = max_prompt + step_response_length(ecfg, step_chunks)
@@ -693,12 +693,12 @@ def step_figures(engine: Engine, vocab: int, batch: int) -> dict:
     alone at `batch`, and the bytes a step reads: what `add_roofline` needs."""
     step_s = decode_step_time(engine, engine.cfg, vocab, chunks=1, greedy=True)
     sampled_s = decode_step_time(engine, engine.cfg, vocab, chunks=1)
-    cache = engine._state.cache
+    cache = engine.cache
     return {
         "decode_step_ms": round(step_s * 1e3, 3),
         "sampled_step_ms": round(sampled_s * 1e3, 3),
-        "dot_floor_ms": round(dot_floor_s(engine._params, batch, engine.decode_options) * 1e3, 3),
-        "param_bytes": nbytes(engine._params),
+        "dot_floor_ms": round(dot_floor_s(engine.weights, batch, engine.decode_options) * 1e3, 3),
+        "param_bytes": nbytes(engine.weights),
         "kv_bytes": nbytes((cache.k, cache.v)),
         "load_avg": round(os.getloadavg()[0], 2),
     }

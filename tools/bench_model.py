@@ -15,8 +15,10 @@
   does (`STREAMRL_MALLOC_HUGEPAGES=0` to compare without).
 * Matmul floor: the headline shape's GEMMs alone (`matmul_floor_time`): the fraction of
   peak they reach is the ceiling for the train step's fraction on this backend.
-* Decode: one jitted `Llama.decode` step (cache donated) for batch 1 and 8
-  after a 64-token prefill into a 512-long KV cache.
+* Decode: one jitted decode step of the engine's decoder (`generation/decoder.py`:
+  its weight layout, KV cache, decode attention form and XLA options as a default
+  `EngineConfig` picks them on this platform; cache donated) for batch 1 and 8 after a
+  64-token prefill into a 512-long KV cache.
 
 The last line printed is JSON (`train_flops_fraction_of_peak`, `decode_step_ms`, ...).
 """
@@ -33,8 +35,9 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax import nnx
 
+from streamrl_jax.generation import decoder
+from streamrl_jax.generation.engine_config import EngineConfig
 from streamrl_jax.model.defaults import smollm2_gguf_path
-from streamrl_jax.model.kv_cache import init_cache
 from streamrl_jax.model.loader import load_pretrained
 
 _MODEL = flags.DEFINE_string("model", None, "HF directory or .gguf (default: SmolLM2-135M).")
@@ -138,28 +141,35 @@ def matmul_floor_time(cfg, batch: int, length: int, repeats: int) -> float:
 
 
 def decode_step_time(pre, batch: int, steps: int, prompt: int = 64, cache_len: int = 512):
+    """Seconds of one greedy decode step of the engine's decoder at `batch` (every slot
+    active), after a `prompt`-token prefill into a `cache_len`-long cache."""
     cfg = pre.cfg
+    platform = jax.devices()[0].platform
+    engine_cfg = EngineConfig()
+    attention = engine_cfg.attention(platform)
+    options = dict(engine_cfg.decode_compiler_options(platform, cfg.hidden_size)) or None
+    weights = jax.jit(lambda p: decoder.from_training_layout(pre.graphdef, p, cfg))(pre.params)
 
     @jax.jit
-    def prefill(params, tokens):
-        model = nnx.merge(pre.graphdef, params)
-        cache = init_cache(cfg, batch, cache_len)
+    def prefill(weights, tokens):
+        cache = decoder.init_cache(cfg, batch, cache_len)
         lengths = jnp.full((batch,), prompt, jnp.int32)
-        return model.prefill(tokens, lengths, cache, jnp.arange(batch))
+        return decoder.GenModel(weights, cfg).prefill(tokens, lengths, cache, jnp.arange(batch))
 
-    @jax.jit(donate_argnums=2)
-    def step(params, tok_B, cache):
-        logits, cache = nnx.merge(pre.graphdef, params).decode(tok_B, cache, jnp.ones_like(tok_B))
+    @jax.jit(donate_argnums=2, compiler_options=options)
+    def step(weights, tok_B, cache):
+        model = decoder.GenModel(weights, cfg, attention)
+        logits, cache = model.decode(tok_B, cache, jnp.ones(tok_B.shape, bool))
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
     tokens = jax.random.randint(jax.random.key(3), (batch, prompt), 0, cfg.vocab_size)
-    logits, cache = prefill(pre.params, tokens)
+    logits, cache = prefill(weights, tokens)
     tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    tok, cache = step(pre.params, tok, cache)  # compile
+    tok, cache = step(weights, tok, cache)  # compile
     jax.block_until_ready(tok)
     t0 = time.perf_counter()
     for _ in range(steps):  # each step depends on the last: a true sequential decode
-        tok, cache = step(pre.params, tok, cache)
+        tok, cache = step(weights, tok, cache)
     jax.block_until_ready(tok)  # deliberate sync: end of the timed region
     return (time.perf_counter() - t0) / steps
 

@@ -101,8 +101,12 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from absl import app, flags
+
+if TYPE_CHECKING:  # this tool imports streamrl_jax inside its functions
+    from streamrl_jax.metrics import Span
 
 _CPU = flags.DEFINE_integer("cpu_devices", 2, "Host CPU devices (generation 1 + training 1).")
 _QUICK = flags.DEFINE_bool(
@@ -211,13 +215,13 @@ def _idle_slots(trace_path: str, slots: int, instances: int) -> dict[str, float]
     """Idle generation slot-seconds after the first step: every instance's slots times
     the window, minus the running slots of each decode chunk times its duration."""
     sp = _spans(trace_path)
-    opt = [e for e in sp.get("trainer", []) if e["name"].startswith("step ")]
+    opt = [s for s in sp.get("trainer", []) if s.name.startswith("step ")]
     chunks = sp.get("generation", [])
     if not opt or not chunks:
         return {}
-    t0 = min(min(e["ts"] for e in chunks), min(e["ts"] for e in opt))
-    window = (max(e["ts"] + e["dur"] for e in opt) - t0) / 1e6
-    used = sum(e["args"].get("running", 0) * e["dur"] for e in chunks) / 1e6
+    t0 = min(min(s.start for s in chunks), min(s.start for s in opt))
+    window = max(s.end for s in opt) - t0
+    used = sum(s.args.get("running", 0) * s.dur for s in chunks)
     idle = max(instances * slots * window - used, 0.0)
     return {
         "idle_slot_s": round(idle, 2),
@@ -240,49 +244,42 @@ def _stage_times(trace_path: str, steps: int) -> tuple[float, float]:
     (first chunk to last chunk of the instance tracks in that window); its training
     is its micro-batches, its optimizer step and the transfer of W_{b+1}.
     """
-    with open(trace_path, encoding="utf-8") as f:
-        events = json.load(f)["traceEvents"]
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
-    spans = [e for e in events if e["ph"] == "X"]
-    by = lambda pid_name: [e for e in spans if names[e["pid"]] == pid_name]  # noqa: E731
-    gen = sorted((e["ts"], e["ts"] + e["dur"]) for e in by("generation"))
-    opt = {int(e["name"].split()[1]): e for e in by("trainer") if e["name"].startswith("step ")}
-    sync = {int(e["name"][1:]): e for e in by("weight_sync")}
-    micro = [e for e in by("trainer") if e["name"] == "accumulate"]
+    from streamrl_jax.metrics import read_trace
+
+    spans = read_trace(trace_path)
+    by = lambda group: [s for s in spans if s.group == group]  # noqa: E731
+    gen = sorted((s.start, s.end) for s in by("generation"))
+    opt = {int(s.name.split()[1]): s for s in by("trainer") if s.name.startswith("step ")}
+    sync = {int(s.name[1:]): s for s in by("weight_sync")}
+    micro = [s for s in by("trainer") if s.name == "accumulate"]
     t_gen, t_train = [], []
     for b in range(1, steps):
         if b not in opt or b not in sync or b + 1 not in sync:
             continue
-        lo, hi = sync[b]["ts"] + sync[b]["dur"], opt[b]["ts"] + opt[b]["dur"]
-        prev_opt_end = opt[b - 1]["ts"] + opt[b - 1]["dur"]
-        mine = [e for e in micro if prev_opt_end < e["ts"] < hi]
-        first = min((e["ts"] for e in mine), default=hi)
-        g = [(s, e) for s, e in gen if lo <= s < first]
+        lo, hi = sync[b].end, opt[b].end
+        mine = [s for s in micro if opt[b - 1].end < s.start < hi]
+        first = min((s.start for s in mine), default=hi)
+        g = [(start, end) for start, end in gen if lo <= start < first]
         if g:
-            t_gen.append(max(e for _, e in g) - min(s for s, _ in g))
-        t_train.append(sum(e["dur"] for e in mine) + opt[b]["dur"] + sync[b + 1]["dur"])
-    mean = lambda xs: sum(xs) / len(xs) / 1e6 if xs else float("nan")  # noqa: E731
+            t_gen.append(max(end for _, end in g) - min(start for start, _ in g))
+        t_train.append(sum(s.dur for s in mine) + opt[b].dur + sync[b + 1].dur)
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
     return mean(t_gen), mean(t_train)
 
 
-def _spans(trace_path: str, after_step: int = 1) -> dict[str, list[dict]]:
-    """X spans by process name ("generation", "trainer", "weight_sync", ...), keeping
-    only those that start after the optimizer span of step `after_step - 1` (the first
-    step includes compilation)."""
-    with open(trace_path, encoding="utf-8") as f:
-        events = json.load(f)["traceEvents"]
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
-    spans = [e for e in events if e["ph"] == "X"]
-    opt = sorted(
-        e["ts"] + e["dur"]
-        for e in spans
-        if names[e["pid"]] == "trainer" and e["name"].startswith("step ")
-    )
+def _spans(trace_path: str, after_step: int = 1) -> dict[str, list[Span]]:
+    """Spans by track group ("generation", "trainer", "weight_sync", ...), keeping only
+    those that start after the optimizer span of step `after_step - 1` (the first step
+    includes compilation)."""
+    from streamrl_jax.metrics import read_trace
+
+    spans = read_trace(trace_path)
+    opt = sorted(s.end for s in spans if s.group == "trainer" and s.name.startswith("step "))
     t0 = opt[after_step - 1] if after_step and len(opt) >= after_step else 0.0
-    out: dict[str, list[dict]] = {}
-    for e in spans:
-        if e["ts"] >= t0:
-            out.setdefault(names[e["pid"]], []).append(e)
+    out: dict[str, list[Span]] = {}
+    for s in spans:
+        if s.start >= t0:
+            out.setdefault(s.group, []).append(s)
     return out
 
 
@@ -291,25 +288,24 @@ def _stage_costs(trace_path: str) -> dict[str, float]:
     import numpy as np
 
     sp = _spans(trace_path)
-    chunks = [e for e in sp.get("generation", []) if e["args"].get("steps", 0) > 0]
-    steps = np.array([e["args"]["steps"] for e in chunks], dtype=np.float64)
-    pre = np.array([e["args"]["prefilled"] for e in chunks], dtype=np.float64)
-    dur = np.array([e["dur"] for e in chunks], dtype=np.float64) / 1e6
+    chunks = [s for s in sp.get("generation", []) if s.args.get("steps", 0) > 0]
+    steps = np.array([s.args["steps"] for s in chunks], dtype=np.float64)
+    pre = np.array([s.args["prefilled"] for s in chunks], dtype=np.float64)
+    dur = np.array([s.dur for s in chunks], dtype=np.float64)
     # dur = per_step * steps + per_prefill * prefilled (host overhead folds into per_step).
     coef = np.linalg.lstsq(np.stack([steps, pre], axis=1), dur, rcond=None)[0]
     per_prefill = max(float(coef[1]), 0.0)
     per_step = float((dur.sum() - per_prefill * pre.sum()) / steps.sum())
-    micro = [e for e in sp.get("trainer", []) if e["name"] == "accumulate"]
-    opt = [e for e in sp.get("trainer", []) if e["name"].startswith("step ")]
+    micro = [s for s in sp.get("trainer", []) if s.name == "accumulate"]
+    opt = [s for s in sp.get("trainer", []) if s.name.startswith("step ")]
     sync = sp.get("weight_sync", [])
     return {
         "per_step_s": per_step,
         "per_prefill_s": per_prefill,
-        "train_s_per_token": sum(e["dur"] for e in micro)
-        / 1e6
-        / max(sum(e["args"]["tokens"] for e in micro), 1),
-        "optimizer_s": sum(e["dur"] for e in opt) / 1e6 / max(len(opt), 1),
-        "weight_sync_s": sum(e["dur"] for e in sync) / 1e6 / max(len(sync), 1),
+        "train_s_per_token": sum(s.dur for s in micro)
+        / max(sum(s.args["tokens"] for s in micro), 1),
+        "optimizer_s": sum(s.dur for s in opt) / max(len(opt), 1),
+        "weight_sync_s": sum(s.dur for s in sync) / max(len(sync), 1),
     }
 
 
@@ -478,7 +474,7 @@ def _launch(mode: str, steps: int, workdir: str, overrides: list[str]) -> None:
 def _weight_receive_s(trace_path: str) -> float:
     """Mean generation-side weight arrival (wire + checksum + placement), steps >= 1."""
     spans = _spans(trace_path).get("weight_receive", [])
-    return sum(e["dur"] for e in spans) / 1e6 / max(len(spans), 1)
+    return sum(s.dur for s in spans) / max(len(spans), 1)
 
 
 def _simulate(out: dict, cfg, per_mode: dict) -> None:

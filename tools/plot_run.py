@@ -24,7 +24,7 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from streamrl_jax.metrics import read_jsonl  # noqa: E402
+from streamrl_jax.metrics import read_jsonl, read_trace  # noqa: E402
 
 _WORKDIRS = flags.DEFINE_multi_string("workdir", None, "Run directories (metrics.jsonl).")
 _LABELS = flags.DEFINE_multi_string("label", None, "Legend labels, one per --workdir.")
@@ -57,23 +57,22 @@ def plot_curves(workdirs: list[str], labels: list[str], path: str) -> None:
 
 
 def plot_timeline(trace_path: str, path: str, max_seconds: float = 0.0) -> None:
-    with open(trace_path, encoding="utf-8") as f:
-        events = json.load(f)["traceEvents"]
-    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
-    threads = {
-        (e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"
-    }
-    spans = [e for e in events if e["ph"] == "X"]
+    spans = read_trace(trace_path)
+    # One row per track, grouped like the trace's processes: groups in the order first
+    # recorded, then their tracks; one colour per group (pid order, as before).
+    group = {s.track: s.group for s in spans}
+    rank = {g: i for i, g in enumerate(dict.fromkeys(group.values()))}
+    first = {t: i for i, t in enumerate(group)}
     if max_seconds > 0:
-        spans = [e for e in spans if e["ts"] < max_seconds * 1e6]
-    tracks = sorted({(e["pid"], e["tid"]) for e in spans})
+        spans = [s for s in spans if s.start < max_seconds]
+    tracks = sorted({s.track for s in spans}, key=lambda t: (rank[group[t]], first[t]))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     fig, ax = plt.subplots(figsize=(14, 0.5 * len(tracks) + 1.5))
     for row, track in enumerate(tracks):
-        bars = [(e["ts"] / 1e6, e["dur"] / 1e6) for e in spans if (e["pid"], e["tid"]) == track]
-        ax.broken_barh(bars, (row - 0.4, 0.8), color=colors[track[0] % len(colors)])
+        bars = [(s.start, s.dur) for s in spans if s.track == track]
+        ax.broken_barh(bars, (row - 0.4, 0.8), color=colors[(rank[group[track]] + 1) % len(colors)])
     ax.set_yticks(range(len(tracks)))
-    ax.set_yticklabels([f"{procs.get(p, p)}/{threads.get((p, t), t)}" for p, t in tracks])
+    ax.set_yticklabels(tracks)
     ax.set_xlabel("seconds since start")
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()

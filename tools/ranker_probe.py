@@ -94,13 +94,13 @@ def policy_features(examples: list[Example], path: str) -> tuple[np.ndarray, np.
         last_B = mask_BxT.sum(1) - 1  # right padding: the last real token
 
         def body(x_BxTxE, p):
-            x_BxTxE, _, _ = layers.block(x_BxTxE, p, cfg, cos, sin, attn_mask)
+            x_BxTxE = layers.block(x_BxTxE, p, cfg, cos, sin, attn_mask)
             h_BxTxE = layers.rms_norm(x_BxTxE, jnp.ones((cfg.hidden_size,)), cfg.rms_norm_eps)
             mean_BxE = (h_BxTxE * m_BxTx1).sum(1) / jnp.maximum(m_BxTx1.sum(1), 1.0)
             last_BxE = jnp.take_along_axis(h_BxTxE, last_B[:, None, None], axis=1)[:, 0]
             return x_BxTxE, (mean_BxE, last_BxE)
 
-        x0 = model._embed(tokens_BxT)
+        x0 = model.embed_tokens(tokens_BxT)
         _, (mean_LxBxE, last_LxBxE) = jax.lax.scan(body, x0, model.layers.arrays())
         scale_E = model.final_norm[...].astype(jnp.float32)
         return mean_LxBxE.at[-1].multiply(scale_E), last_LxBxE.at[-1].multiply(scale_E)

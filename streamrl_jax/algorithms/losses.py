@@ -291,12 +291,6 @@ def kl_loss(
     return loss, {"kl_loss": jax.lax.stop_gradient(loss)}
 
 
-def token_entropy(logits_BxTxV: jax.Array) -> jax.Array:
-    """H_it = -sum_v p_v log p_v of the next-token distribution, f32[B, T]."""
-    logp_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(_F32), axis=-1)
-    return -jnp.sum(jnp.exp(logp_BxTxV) * logp_BxTxV, axis=-1)
-
-
 def entropy_bonus(
     entropy_BxT: jax.Array,
     mask_BxT: jax.Array,

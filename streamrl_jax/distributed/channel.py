@@ -159,7 +159,6 @@ class Channel:
         self._ended = False  # the peer sent `E`
         self._sink: RawSink | None = None
         self._last_recv = self._last_send = time.monotonic()
-        self.bytes_sent = self.bytes_received = 0
 
     # ------------------------------------------------------------------ sending
     def send(self, payload: bytes, *, raw: Sequence[memoryview] = (), timeout: float) -> None:
@@ -190,7 +189,6 @@ class Channel:
     def _send(self, frames: list, copy: bool) -> None:
         self._raise_if_down()
         self._post(frames, copy)
-        self.bytes_sent += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
         self._last_send = time.monotonic()
 
     def _take_credit(self) -> bool:
@@ -249,7 +247,6 @@ class Channel:
     def _handle(self, frames: list) -> None:
         kind = frames[0].bytes
         body = frames[1].buffer if len(frames) == 2 else None
-        self.bytes_received += sum(len(f.buffer) for f in frames)
         if len(frames) > 2 or (body is None) != (kind in (PING, END)):
             raise TransportError(
                 f"{self.local}: malformed message from {self.peer} (kind {kind[:8]!r}, "

@@ -19,6 +19,10 @@ file readable by its owner only (what the pod launchers write), else
 `STREAMRL_AUTHKEY` in the environment (what `launch/local.py` sets for its
 children). Neither ever appears on a command line (`ps` shows those to every
 user); another user cannot read a process's environment or an owner-only file.
+The launchers make the secret themselves (`secrets.token_hex(32)`) without
+importing this package: `streamrl_jax.distributed` imports JAX (through the
+engine's sample types), which a launcher does not need, and `launch/tpu_pod.sh`
+runs on a workstation that may not have the package installed.
 A multi-process run without a key refuses to start.
 """
 
@@ -28,7 +32,6 @@ import dataclasses
 import functools
 import hashlib
 import os
-import secrets
 import stat
 from collections.abc import Mapping
 
@@ -84,18 +87,6 @@ def run_key(secret: bytes) -> RunKey:
     server_public, server_secret = pair(b"server")
     client_public, client_secret = pair(b"client")
     return RunKey(server_public, server_secret, client_public, client_secret)
-
-
-def new_secret() -> str:
-    """A fresh run secret (64 hex characters), as the launchers generate one per run."""
-    return secrets.token_hex(32)
-
-
-def write_key_file(path: str, secret: str) -> None:
-    """Writes `secret` to `path`, readable by its owner only (created with mode 0600)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret)
 
 
 def read_key_file(path: str) -> bytes:

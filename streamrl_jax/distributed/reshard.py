@@ -79,11 +79,6 @@ class Plan:
             p.nbytes for p in self.pieces if p.sender == sender and receiver in (None, p.receiver)
         )
 
-    def bytes_received(self, receiver: int, sender: int | None = None) -> int:
-        return sum(
-            p.nbytes for p in self.pieces if p.receiver == receiver and sender in (None, p.sender)
-        )
-
     def full_copies(self) -> list[int]:
         """Receivers whose own sharding gives them every element of every leaf (the
         generation layout forces a full copy on that process)."""

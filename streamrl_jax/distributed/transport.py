@@ -187,10 +187,6 @@ class SampleServer:
                 self._queue.close(f"all producers closed ({self._hub.names()})")
 
     # ------------------------------------------------------------------ consumer
-    def wait_for_producers(self, timeout: float) -> list[str]:
-        """Blocks until all `num_producers` have connected; returns their names."""
-        return self._hub.wait_for_peers(timeout)
-
     def get(self, timeout: float) -> Any:
         """Next sample in arrival order.
 

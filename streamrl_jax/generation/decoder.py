@@ -32,9 +32,10 @@ the instance), so the engine keeps its own layout:
 * with `weight_dtype="int8"` every matrix a `quant.QArray` (per-channel int8 +
   f32 scales) and every matmul `quant.einsum` (W8A8), `generation/quant.py`.
 
-`GenModel(weights, cfg)` has `prefill` / `decode` with the signatures of
-`Llama.prefill` / `Llama.decode`, and computes the same function (tests
-compare logits with the training model's within float32 rounding).
+`GenModel(weights, cfg)` has `prefill` (prompts into KV-cache slots) and
+`decode` (one token for every slot), and computes the training model's function:
+tests compare its prefill and decode logits with `Llama`'s full-sequence forward
+within float32 rounding (`tests/decoder_test.py`).
 """
 
 from __future__ import annotations
@@ -222,7 +223,7 @@ def _columns(head_ExV: jax.Array | quant.QArray, tokens: jax.Array, dtype) -> ja
 
 
 class GenModel:
-    """`prefill` / `decode` over generation weights, with `Llama`'s signatures."""
+    """The engine's forward over generation weights: `prefill` and `decode`."""
 
     def __init__(self, weights: dict, cfg: ModelConfig, attention: str = "dot"):
         if attention not in ATTENTION:
@@ -268,8 +269,18 @@ class GenModel:
     def prefill(
         self, tokens_NxP: jax.Array, lengths_N: jax.Array, cache: LayerCache, slots_N: jax.Array
     ) -> tuple[jax.Array, LayerCache]:
-        """As `Llama.prefill`: N right-padded prompts into their slots (slot >= B drops
-        the row); returns (f32[N, V] logits at each prompt's last token, cache)."""
+        """Writes N right-padded prompts into cache slots; returns next-token logits.
+
+        Args:
+          tokens_NxP: i32 prompts, right-padded to a bucket length P <= cache length.
+          lengths_N: i32 true prompt lengths (>= 1).
+          cache: the engine's cache; slots not in `slots_N` are untouched.
+          slots_N: i32 destination slots. An index >= num_slots drops that row
+            (used to pad the prefill batch to a fixed size).
+
+        Returns:
+          (f32[N, V] logits at each prompt's last token, updated cache).
+        """
         n, p = tokens_NxP.shape
         valid = jnp.arange(p)[None, :] < lengths_N[:, None]
         positions = jnp.broadcast_to(jnp.arange(p)[None, :], (n, p))
@@ -290,8 +301,16 @@ class GenModel:
     def decode(
         self, tokens_B: jax.Array, cache: LayerCache, active_B: jax.Array
     ) -> tuple[jax.Array, LayerCache]:
-        """As `Llama.decode`: appends one token to every slot (inactive slots compute
-        but do not advance); returns (f32[B, V] next-token logits, cache)."""
+        """Appends one token to every slot and returns the logits after it.
+
+        Args:
+          tokens_B: i32 the last sampled token of each slot.
+          cache: cache whose `lengths[b]` is the position of `tokens_B[b]`.
+          active_B: bool; inactive slots compute but do not advance `lengths`.
+
+        Returns:
+          (f32[B, V] next-token logits, cache with the token's k/v written).
+        """
         b, s = tokens_B.shape[0], cache.max_length
         pos_B = jnp.minimum(cache.lengths, s - 1)
         cos, sin = layers.rope_tables(pos_B[:, None], layers.rope_inv_freq(self.cfg))

@@ -284,6 +284,17 @@ class Engine:
         """The NamedShardings (an nnx.State) this instance keeps its weights in."""
         return self._param_shardings
 
+    @property
+    def weights(self) -> dict:
+        """The weights this instance decodes with, in the decoder's layout on its mesh
+        (`decoder.from_training_layout`; int8 matrices with `weight_dtype="int8"`)."""
+        return self._params
+
+    @property
+    def cache(self) -> decoder.LayerCache:
+        """The slots' KV cache: `num_slots` rows of `max_total_length` positions."""
+        return self._state.cache
+
     def compile_count(self) -> int:
         """Compiled executables of prefill (one per bucket; with `share_prefill` the
         logits-keeping prefill, and one fork) and decode chunk (one per (batch, length)
@@ -294,15 +305,22 @@ class Engine:
 
     def compile_decode_shapes(self) -> None:
         """Compiles every decode shape now (e.g. before timing) by running each once with
-        no slot active (the loop exits at once). Only while no slot is running."""
+        no slot active (`idle_chunk`). Only while no slot is running."""
+        for rows, seq in self._shapes.all():
+            self.idle_chunk(rows, seq)
+
+    def idle_chunk(self, rows: int, seq: int) -> None:
+        """Runs one decode chunk on `rows` slots and `seq` cache positions with no slot
+        active, and waits for it: the loop exits at once, so this is the chunk's gather,
+        scatter and dispatch alone (compiling the shape on first use). Only while idle."""
         if self.num_running:
             raise RuntimeError(
-                f"instance {self.instance_id}: compile_decode_shapes needs an idle engine "
+                f"instance {self.instance_id}: idle_chunk needs an idle engine "
                 f"({self.num_running} slots running)"
             )
-        for rows, seq in self._shapes.all():
-            idx = jax.device_put(np.arange(rows, dtype=np.int32), self._repl)
-            self._state, _ = self._chunk(self._params, self._state, idx, seq=seq)
+        idx = jax.device_put(np.arange(rows, dtype=np.int32), self._repl)
+        self._state, out = self._chunk(self._params, self._state, idx, seq=seq)
+        jax.block_until_ready(out)  # deliberate sync: callers time or precompile the call
 
     def compile_shapes(self, continuations: bool = False) -> int:
         """Compiles every executable this engine can run (`pipeline.precompile`): the

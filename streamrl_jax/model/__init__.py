@@ -1,1 +1,1 @@
-"""Llama-family decoder, KV cache, checkpoint loaders and tokenizer."""
+"""Llama-family decoder (the training forward), checkpoint loaders and tokenizer."""

@@ -74,13 +74,6 @@ def unpermute_qk(w_RxC: np.ndarray, n_head: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(w_RxC.shape)
 
 
-def permute_qk(w_RxC: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's permutation (used by tests to write GGUF files like its converter)."""
-    rows = w_RxC.shape[0]
-    w = w_RxC.reshape(n_head, 2, rows // n_head // 2, *w_RxC.shape[1:])
-    return w.swapaxes(1, 2).reshape(w_RxC.shape)
-
-
 def open_gguf(path: str) -> Any:
     """A `gguf.GGUFReader`; FileNotFoundError / ValueError naming `path`."""
     import gguf  # deferred: only GGUF users pay for the import
@@ -91,11 +84,6 @@ def open_gguf(path: str) -> Any:
         return gguf.GGUFReader(path, "r")
     except Exception as e:  # the reader raises ValueError/IndexError/struct errors alike
         raise UserError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from e
-
-
-def _field(reader: Any, key: str) -> Any:
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
 
 
 def read_metadata(reader: Any) -> dict[str, Any]:

@@ -241,9 +241,8 @@ def block(
     cos: jax.Array,
     sin: jax.Array,
     mask_BxTxT: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One decoder block over a full sequence (`mask` within the causal triangle);
-    also returns this block's k and v."""
+) -> jax.Array:
+    """One decoder block over a full sequence (`mask` within the causal triangle)."""
     q, k, v = qkv(x_BxTxE, p, cfg, cos, sin)
     attn = attention(q, k, v, mask_BxTxT, causal_block=cfg.causal_block)
-    return attn_out_and_mlp(x_BxTxE, attn, p, cfg), k, v
+    return attn_out_and_mlp(x_BxTxE, attn, p, cfg)

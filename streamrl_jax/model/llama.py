@@ -1,14 +1,14 @@
-"""Llama-family decoder in Flax NNX: one set of layers, two entry points.
+"""Llama-family decoder in Flax NNX: the training model's full-sequence forward.
 
-* Training: `token_logprobs(tokens, targets, mask)` runs the full sequence and
-  returns per-token log-probs of the targets and the entropy, computed over
-  sequence chunks under `jax.checkpoint` so the full-vocabulary logits are never
-  held twice (nor kept for the backward pass); given the trained positions
-  (`columns_BxL`) it projects only those. Packed rows (several sequences, a
-  prompt shared by several responses) pass `segments` (`model.segments`):
-  explicit positions and the shared-prefix attention rule.
-* Generation: `prefill` writes prompts into KV-cache slots and returns the
-  next-token logits; `decode` advances every slot by one token.
+`token_logprobs(tokens, targets, mask)` runs the full sequence and returns
+per-token log-probs of the targets and the entropy, computed over sequence
+chunks under `jax.checkpoint` so the full-vocabulary logits are never held twice
+(nor kept for the backward pass); given the trained positions (`columns_BxL`)
+it projects only those. Packed rows (several sequences, a prompt shared by
+several responses) pass `segments` (`model.segments`): explicit positions and
+the shared-prefix attention rule. Generation (prefill and decode against a KV
+cache) runs on the engine's own layout of these weights
+(`generation/decoder.py`), tested against this forward.
 
 The decoder blocks' parameters are stacked along a leading `layers` axis and
 applied with one `jax.lax.scan`, so compile time does not grow with depth.
@@ -29,7 +29,6 @@ from flax import nnx
 
 from streamrl_jax.model import layers, vocab_head
 from streamrl_jax.model.config import ModelConfig
-from streamrl_jax.model.kv_cache import KVCache
 from streamrl_jax.model.segments import Segments
 
 # name -> (shape given (L, E, H, K, D, M), logical axes, initialiser kind)
@@ -101,7 +100,8 @@ class Llama(nnx.Module):
             self.lm_head = nnx.Param(_init("n", rngs, (e, v), pd), axes=("embed", "vocab"))
 
     # ---------------------------------------------------------------- shared pieces
-    def _embed(self, tokens: jax.Array) -> jax.Array:
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """Input embeddings of `tokens` (any shape): [..., E] in the compute dtype."""
         return jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.jnp_dtype)
 
     def logits(self, hidden_BxTxE: jax.Array) -> jax.Array:
@@ -114,16 +114,13 @@ class Llama(nnx.Module):
             out = jnp.einsum("bte,ev->btv", h, self.lm_head[...].astype(h.dtype))
         return out.astype(jnp.float32)
 
-    def _run_blocks(
-        self, x: jax.Array, positions: jax.Array, mask: jax.Array
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """All blocks over full sequences; returns hidden and stacked k, v [L, B, T, K, D]."""
+    def _run_blocks(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+        """All blocks over full sequences; returns the last block's hidden states."""
         cfg = self.cfg
         cos, sin = layers.rope_tables(positions, layers.rope_inv_freq(cfg))
 
         def body(x, p):
-            x, k, v = layers.block(x, p, cfg, cos, sin, mask)
-            return x, (k, v)
+            return layers.block(x, p, cfg, cos, sin, mask), None
 
         # The backward keeps the matmuls' outputs and recomputes the elementwise work
         # from them (`dots_saveable`: 10% faster than saving everything on XLA:CPU, fewer
@@ -134,8 +131,8 @@ class Llama(nnx.Module):
         )
         policy = policies.nothing_saveable if cfg.remat else keep
         body = jax.checkpoint(body, policy=policy)
-        x, (ks, vs) = jax.lax.scan(body, x, self.layers.arrays())
-        return x, ks, vs
+        x, _ = jax.lax.scan(body, x, self.layers.arrays())
+        return x
 
     # ---------------------------------------------------------------- training
     def hidden_states(
@@ -161,7 +158,7 @@ class Llama(nnx.Module):
         else:
             positions = segments.positions
             attn_mask = segments.attention_mask() & mask[:, None, :]
-        x, _, _ = self._run_blocks(self._embed(tokens_BxT), positions, attn_mask)
+        x = self._run_blocks(self.embed_tokens(tokens_BxT), positions, attn_mask)
         return x
 
     def token_logprobs(
@@ -264,74 +261,6 @@ class Llama(nnx.Module):
             h.reshape(b * t, e), w_VxE, targets_BxT.reshape(b * t), chunk=chunk
         )
         return logp.reshape(b, t), ent.reshape(b, t)
-
-    # ---------------------------------------------------------------- generation
-    def prefill(
-        self,
-        tokens_NxP: jax.Array,
-        lengths_N: jax.Array,
-        cache: KVCache,
-        slots_N: jax.Array,
-    ) -> tuple[jax.Array, KVCache]:
-        """Writes N right-padded prompts into cache slots; returns next-token logits.
-
-        Args:
-          tokens_NxP: i32 prompts, right-padded to a bucket length P <= cache length.
-          lengths_N: i32 true prompt lengths (>= 1).
-          cache: the engine's cache; slots not in `slots_N` are untouched.
-          slots_N: i32 destination slots. An index >= num_slots drops that row
-            (used to pad the prefill batch to a fixed size).
-
-        Returns:
-          (f32[N, V] logits at each prompt's last token, updated cache).
-        """
-        n, p = tokens_NxP.shape
-        valid = jnp.arange(p)[None, :] < lengths_N[:, None]
-        positions = jnp.broadcast_to(jnp.arange(p)[None, :], (n, p))
-        attn_mask = jnp.tril(jnp.ones((p, p), bool))[None] & valid[:, None, :]
-        x, ks, vs = self._run_blocks(self._embed(tokens_NxP), positions, attn_mask)
-        last = jnp.take_along_axis(x, (lengths_N - 1)[:, None, None], axis=1)  # [N, 1, E]
-        logits = self.logits(last)[:, 0]
-        k = cache.k.at[:, slots_N, :p].set(ks.astype(cache.k.dtype), mode="drop")
-        v = cache.v.at[:, slots_N, :p].set(vs.astype(cache.v.dtype), mode="drop")
-        lengths = cache.lengths.at[slots_N].set(lengths_N, mode="drop")
-        return logits, KVCache(k=k, v=v, lengths=lengths)
-
-    def decode(
-        self, tokens_B: jax.Array, cache: KVCache, active_B: jax.Array
-    ) -> tuple[jax.Array, KVCache]:
-        """Appends one token to every slot and returns the logits after it.
-
-        Args:
-          tokens_B: i32 the last sampled token of each slot.
-          cache: cache whose `lengths[b]` is the position of `tokens_B[b]`.
-          active_B: bool; inactive slots compute but do not advance `lengths`.
-
-        Returns:
-          (f32[B, V] next-token logits, cache with the token's k/v written).
-        """
-        cfg = self.cfg
-        b = tokens_B.shape[0]
-        s = cache.max_length
-        pos_B = jnp.minimum(cache.lengths, s - 1)
-        cos, sin = layers.rope_tables(pos_B[:, None], layers.rope_inv_freq(cfg))
-        attn_mask = (jnp.arange(s)[None, :] <= pos_B[:, None])[:, None, :]  # [B, 1, S]
-        rows = jnp.arange(b)
-
-        def body(carry, xs):
-            x, ck, cv = carry
-            p, layer = xs
-            q, k, v = layers.qkv(x, p, cfg, cos, sin)
-            ck = ck.at[layer, rows, pos_B].set(k[:, 0].astype(ck.dtype))
-            cv = cv.at[layer, rows, pos_B].set(v[:, 0].astype(cv.dtype))
-            attn = layers.attention(q, ck[layer], cv[layer], attn_mask)
-            return (layers.attn_out_and_mlp(x, attn, p, cfg), ck, cv), None
-
-        x = self._embed(tokens_B[:, None])
-        xs = (self.layers.arrays(), jnp.arange(cfg.num_layers))
-        (x, k, v), _ = jax.lax.scan(body, (x, cache.k, cache.v), xs)
-        lengths = jnp.where(active_B, jnp.minimum(cache.lengths + 1, s), cache.lengths)
-        return self.logits(x)[:, 0], KVCache(k=k, v=v, lengths=lengths)
 
 
 def create(cfg: ModelConfig, seed: int = 0) -> Llama:

@@ -77,10 +77,6 @@ class RewardPool:
         self._num_submitted = 0
 
     @property
-    def sandboxed(self) -> bool:
-        return self._sandbox is not None
-
-    @property
     def num_timeouts(self) -> int:
         """Calls that ran past the sandbox's deadline (their worker was replaced)."""
         with self._lock:
@@ -91,12 +87,6 @@ class RewardPool:
         """Calls that raised (scored 0 under `on_error="zero"`, re-raised otherwise)."""
         with self._lock:
             return self._num_errors
-
-    @property
-    def num_scored(self) -> int:
-        """Calls that finished, with or without error."""
-        with self._lock:
-            return self._num_scored
 
     def pending(self) -> int:
         """Calls submitted and not finished yet."""

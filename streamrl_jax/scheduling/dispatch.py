@@ -64,8 +64,6 @@ import numpy as np
 OBJECTIVES = ("max", "sum")
 PLANNERS = ("groups", "lpt")
 PTL = Callable[[int, float], float]  # (batch size, mean context tokens) -> seconds per step
-# The paper's measured 7B decode curve (H800), ms per token at batch size BS.
-PAPER_PTL_7B = {1: 8.3, 2: 8.7, 4: 8.9, 8: 9.0, 16: 9.4, 32: 10.2, 64: 11.7, 128: 15.2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,11 +110,6 @@ class PTLProfile:
             tuple(float(t) for t in d["per_token_s"]),
             float(d.get("per_context_token_s", 0.0)),
         )
-
-    @classmethod
-    def paper_7b(cls) -> PTLProfile:
-        """PAPER.md's 7B curve (flat to ~32, then about linear)."""
-        return cls(tuple(PAPER_PTL_7B), tuple(v / 1e3 for v in PAPER_PTL_7B.values()))
 
 
 def kv_bytes_per_token(model_cfg) -> int:

@@ -121,15 +121,3 @@ def sample_lengths(
     prompt = np.exp(np.log(trace.prompt_median) + 0.6 * rng.standard_normal(n))
     prompt = np.clip(np.round(prompt), min(32, trace.prompt_max), trace.prompt_max).astype(np.int64)
     return prompt, resp
-
-
-def summarize(lengths: np.ndarray) -> dict[str, float]:
-    """Median, mean, P90, P99 and max of a length array."""
-    x = np.asarray(lengths, dtype=np.float64)
-    return {
-        "median": float(np.median(x)),
-        "mean": float(x.mean()),
-        "p90": float(np.quantile(x, 0.9)),
-        "p99": float(np.quantile(x, 0.99)),
-        "max": float(x.max()),
-    }

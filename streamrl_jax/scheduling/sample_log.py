@@ -91,7 +91,6 @@ class SampleLog:
         self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._lock = threading.Lock()
         self._flush_every, self._pending = flush_every, 0
-        self.written = 0
 
     def write(self, sample: Sample, step: int) -> None:
         """Appends one line for a completed sample of training step `step`."""
@@ -100,7 +99,6 @@ class SampleLog:
             if self._f.closed:
                 raise ValueError(f"SampleLog {self.path}: write after close")
             self._f.write(line + "\n")
-            self.written += 1
             self._pending += 1
             if self._pending >= self._flush_every:
                 self._f.flush()

@@ -12,7 +12,8 @@ measured trace open side by side in ui.perfetto.dev:
 * colocated/switch        colocated stage switches
 * instance k/slot j       (optional, per_sample=True) one span per sample, per KV slot
 
-This module is pure JSON building; it does not import the device-side metrics module.
+This module is pure JSON building; it does not import the device-side metrics module,
+whose `read_trace` reads either trace back (tests/simulation_trace_test.py).
 """
 
 from __future__ import annotations

@@ -165,13 +165,6 @@ class SampleStream(Generic[T]):
                 "partial_samples": sum(len(g) for g in self._partial.values()),
             }
 
-    def drain_partial(self) -> list[T]:
-        """Removes and returns samples of incomplete groups (for checkpoints / shutdown)."""
-        with self._ready.locked():
-            out = [s for group in self._partial.values() for s in group]
-            self._partial.clear()
-            return out
-
     @property
     def metrics(self) -> StreamMetrics:
         with self._ready.locked():
