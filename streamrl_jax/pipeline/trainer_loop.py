@@ -132,10 +132,7 @@ class TrainerLoop:
         t0, done = time.perf_counter(), 0
         for b in range(self.steps.start, self.cfg.pipeline.steps):
             done += self._train_step(b, t0, done)
-            row = self.steps.rows[-1]
-            progress.update(
-                b + 1, reward=row["reward"], acc=row["accuracy"], sps=row["samples_per_s"]
-            )
+            progress.update(b + 1, self.steps.rows[-1], self.steps.writer.last("eval/"))
             # Several training processes stop together through the stream's failure.
             if self.group is None and self.supervisor.shutdown_requested.is_set():
                 return True
