@@ -9,10 +9,10 @@ after a header line; so do the summary and the config, one `section.field=value`
 line, the same spelling as a `--config.section.field=value` override.
 
 `start` routes absl's handler (which carries every Python logger's records, JAX's and
-orbax's included) to the file and adds a console handler at WARNING, or at INFO when
-the user asks (`launch --verbosity`). Console lines are written through `tqdm.write`,
-so a warning never breaks the progress bar. Python warnings (`warnings.warn`) are
-captured into the same two places.
+orbax's included) to the file and adds a console handler at WARNING, or one that
+shows what the file gets when the user asks (`launch --verbosity`). Console lines are
+written through `tqdm.write`, so a warning never breaks the progress bar. Python
+warnings (`warnings.warn`) are captured into the same two places.
 """
 
 from __future__ import annotations

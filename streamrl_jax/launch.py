@@ -237,9 +237,12 @@ def main(argv: list[str]) -> None:
     place = _place(dcfg)
     # Logging goes to its places first: checking the config imports the task libraries,
     # and they log. --verbosity given: the console shows what the file gets.
-    out = console.start(
-        _WORKDIR.value, process=place.name, verbose=flags.FLAGS["verbosity"].present
-    )
+    try:
+        out = console.start(
+            _WORKDIR.value, process=place.name, verbose=flags.FLAGS["verbosity"].present
+        )
+    except OSError as e:
+        _user_error(f"--workdir={_WORKDIR.value}: cannot write its log file ({e.strerror})")
     try:
         cfg = config_lib.from_config_dict(value)
     except UserError as e:

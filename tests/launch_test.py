@@ -28,6 +28,7 @@ CASES = {
     "cross-field": (["--config.data.eval_seed=1"], "data.train_seed must differ"),
     "missing model file": (["--config.model.source=/nonexistent.gguf"], "/nonexistent.gguf"),
     "compile cache": (["--compile_cache=/proc/none/jax"], "--compile_cache=/proc/none/jax: cannot"),
+    "workdir": (["--workdir=/proc/none/run"], "--workdir=/proc/none/run: cannot write"),
 }
 # A multi-process start (the STREAMRL_* environment) with a bad run key or environment.
 _PROCESS = {
