@@ -4,6 +4,12 @@ Only parses flags; `streamrl_jax.pipeline` builds and runs the experiment. With 
 flags it runs the quickstart (configs/quickstart.py) in ./workdir/quickstart.
 Override any field: `--config.pipeline.mode=stream_sync --config.pipeline.steps=5`.
 
+The console shows a start-up summary, the progress line, warnings and errors; the
+config and every INFO line go to `<workdir>/log.txt` (`streamrl_jax/console.py`;
+`--verbosity=0` shows INFO on the console too). JAX's persistent compilation cache
+is on for one-process runs (`--compile_cache`), so a second run of the same config
+loads its compiled programs instead of compiling them again.
+
 Several processes (docs/multicontroller.md): the same command on every process
 of a `jax.distributed` program, e.g.
 `python launch/local.py -n 2 -g 1 -- python -m streamrl_jax.launch --config=...`;
@@ -12,12 +18,20 @@ processes 0 .. G-1 generate, the others train (`pipeline/processes.py`).
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import socket
 import sys
-from typing import NoReturn
+from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+if TYPE_CHECKING:
+    from streamrl_jax.config import ExperimentConfig
+    from streamrl_jax.console import Console
+    from streamrl_jax.distributed.roles import DistributedConfig
+    from streamrl_jax.pipeline import RunResult
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,6 +81,27 @@ _DEVICES = flags.DEFINE_integer(
     "needs (mesh.generate_devices + mesh.train_devices; with several processes, the "
     "process's own role's count), 0 = JAX's default.",
 )
+
+
+def _default_compile_cache() -> str:
+    """`$XDG_CACHE_HOME/streamrl_jax/jax`, or `~/.cache/streamrl_jax/jax` (the XDG base
+    directory rule: an unset or relative XDG_CACHE_HOME is ignored)."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "streamrl_jax", "jax")
+
+
+_COMPILE_CACHE = flags.DEFINE_string(
+    "compile_cache",
+    _default_compile_cache(),
+    "JAX's persistent compilation cache: a second run of the same config loads its "
+    "compiled programs from here instead of compiling them. Safe to delete at any time "
+    "(it only costs the next run its compile time). Empty (--compile_cache=) turns it off. "
+    "On by default for one-process runs; a multi-controller process uses it only when "
+    "this flag is given (JAX writes entries from process 0 only). A JAX_COMPILATION_"
+    "CACHE_DIR in the environment replaces the default.",
+)
 _DISTRIBUTED = flags.DEFINE_enum(
     "distributed",
     "auto",
@@ -77,7 +112,7 @@ _DISTRIBUTED = flags.DEFINE_enum(
 )
 
 
-def _distributed_config():
+def _distributed_config() -> DistributedConfig | None:
     """The multi-controller settings from the environment, or None for one process."""
     if _DISTRIBUTED.value == "off":
         return None
@@ -87,6 +122,51 @@ def _distributed_config():
     if _DISTRIBUTED.value == "auto" and not (count.isdigit() and int(count) > 1):
         return None
     return roles.DistributedConfig.from_env()
+
+
+# The cache's settings (docs/first_run.md, "The compile cache"); a JAX_* variable of the
+# same name in the environment wins.
+_CACHE_SETTINGS = {
+    # Every program, however fast it compiled: with JAX's default (1 s), or 0.1 s, a warm
+    # run compiles the small programs again, and keeping them costs little disk.
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    # A bound makes JAX evict least-recently-used entries, and it is what turns on JAX's
+    # file lock around every read and write (JAX writes in place): two runs at once
+    # never read an entry half written. Needs `filelock` (set only where it imports).
+    "jax_compilation_cache_max_size": 1 << 30,
+}
+
+
+def _compile_cache(several_processes: bool) -> str | None:
+    """Turns JAX's persistent compilation cache on (`--compile_cache`); its directory,
+    or None when it is off."""
+    import jax
+
+    flag = _COMPILE_CACHE
+    if not flag.present and (several_processes or jax.config.jax_compilation_cache_dir):
+        return jax.config.jax_compilation_cache_dir or None  # the environment's, or off
+    if not flag.value:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    path = os.path.abspath(os.path.expanduser(flag.value))
+    try:
+        os.makedirs(path, exist_ok=True)
+        writable = os.access(path, os.W_OK | os.X_OK)
+    except OSError as e:
+        writable, why = False, e.strerror
+    else:
+        why = "not writable"
+    if not writable:
+        if flag.present:
+            _user_error(f"--compile_cache={flag.value}: cannot use the directory ({why})")
+        logging.warning("compile cache off: %s: %s (--compile_cache=DIR names another)", path, why)
+        return None
+    jax.config.update("jax_compilation_cache_dir", path)
+    lock = importlib.util.find_spec("filelock") is not None
+    for name, value in _CACHE_SETTINGS.items():
+        if name.upper() not in os.environ and (lock or name != "jax_compilation_cache_max_size"):
+            jax.config.update(name, value)
+    return path
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
@@ -99,43 +179,105 @@ def _parse_flags(argv: list[str]) -> list[str]:
         _bad_override(argv, e)
 
 
+class _Place(NamedTuple):
+    """Where this process sits in the run, and what it shows."""
+
+    name: str | None  # names its log file (None: the one process of a run)
+    role: str | None  # "generation" | "training" (None: both, or not known yet)
+    layout: str | None  # the processes, in words, for the summary (None: one process)
+    speaks: bool  # shows the summary and the closing lines (one process of a program)
+
+
+def _place(dcfg: DistributedConfig | None) -> _Place:
+    """This process's place: the one process, or one of a multi-controller program's,
+    where the first training process (it writes the metrics) speaks."""
+    if dcfg is None:
+        return _Place(None, None, None, True)
+    if dcfg.process_id is None:  # JAX finds the processes itself (Cloud TPU): each speaks
+        return _Place(f"{socket.gethostname()}-{os.getpid()}", None, None, True)
+    role, g, n = dcfg.role_of(dcfg.process_id), dcfg.generation_processes, dcfg.num_processes
+    layout = f"{n} processes ({g} generation, {n - g} training), a log file each"
+    return _Place(f"p{dcfg.process_id}-{role}", role, layout, dcfg.process_id == g)
+
+
+def _run(cfg: ExperimentConfig, dcfg: DistributedConfig | None, out: Console) -> RunResult | None:
+    """The experiment, in this process or as one process of several; the run's result
+    (None on a generation process)."""
+    from streamrl_jax.errors import UserError
+
+    try:
+        if dcfg is None:
+            from streamrl_jax import pipeline
+
+            return pipeline.run(cfg, _WORKDIR.value)
+        from streamrl_jax.pipeline import processes
+
+        return processes.run_process(cfg, _WORKDIR.value, dcfg)
+    except (UserError, FileNotFoundError) as e:  # a field or a file of the user's, named
+        _user_error(str(e))
+    except Exception:
+        out.failed()  # the traceback into the log file too
+        raise
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from streamrl_jax import config as config_lib
+    from streamrl_jax import console
     from streamrl_jax.errors import UserError
 
     value = _CONFIG.value
     if (failure := getattr(value, "_error", None)) is not None:  # the file did not load
         _user_error(f"--config: {failure}")
     try:
+        dcfg = _distributed_config()
+    except ValueError as e:  # the STREAMRL_* / SLURM_* environment, or the run key, named
+        _user_error(str(e))
+    place = _place(dcfg)
+    # Logging goes to its places first: checking the config imports the task libraries,
+    # and they log. --verbosity given: the console shows what the file gets.
+    try:
+        out = console.start(
+            _WORKDIR.value, process=place.name, verbose=flags.FLAGS["verbosity"].present
+        )
+    except OSError as e:
+        _user_error(f"--workdir={_WORKDIR.value}: cannot write its log file ({e.strerror})")
+    try:
         cfg = config_lib.from_config_dict(value)
     except UserError as e:
         _user_error(str(e))
     import jax  # after flag parsing: the CPU device count must be set before the backend starts
 
-    try:
-        dcfg = _distributed_config()
-    except ValueError as e:  # the STREAMRL_* / SLURM_* environment, or the run key, named
-        _user_error(str(e))
-    wanted = cfg.mesh.generate_devices + cfg.mesh.train_devices
-    if dcfg is not None and dcfg.process_id is not None:
-        generation = dcfg.role_of(dcfg.process_id) == "generation"
-        wanted = cfg.mesh.generate_devices if generation else cfg.mesh.train_devices
+    mesh = cfg.mesh
+    per_role = {"generation": mesh.generate_devices, "training": mesh.train_devices}
+    wanted = per_role.get(place.role, mesh.generate_devices + mesh.train_devices)
     if _DEVICES.value:
         jax.config.update("jax_num_cpu_devices", wanted if _DEVICES.value < 0 else _DEVICES.value)
-    logging.info("config:\n%s", cfg)
-    try:
-        if dcfg is None:
-            from streamrl_jax import pipeline
-
-            pipeline.run(cfg, _WORKDIR.value)
-            return
-        from streamrl_jax.pipeline import processes
-
-        processes.run_process(cfg, _WORKDIR.value, dcfg)
-    except (UserError, FileNotFoundError) as e:  # a field or a file of the user's, named
-        _user_error(str(e))
+    cache = _compile_cache(several_processes=dcfg is not None)
+    if place.speaks:
+        out.say(
+            console.summary(
+                cfg,
+                _WORKDIR.value,
+                log_file=out.log_file,
+                compile_cache=cache,
+                processes=place.layout,
+            )
+        )
+    logging.info("config:\n%s", "\n".join(console.config_lines(cfg)))
+    result = _run(cfg, dcfg, out)
+    if place.speaks and result is not None:
+        out.say(
+            console.closing(
+                start=result.start_batch,
+                end=result.start_batch + len(result.steps),
+                wall_s=result.wall_s,
+                samples=result.samples,
+                evals=result.evals,
+                stopped=result.stopped,
+            )
+        )
     from streamrl_jax.distributed import roles
 
     # Every process leaves within seconds of the others; the first training process,

@@ -9,7 +9,8 @@
   overlap of stages and the bubbles between them can be seen. The simulator
   writes the same format. `read_trace` reads such a file back as `Span`s: the
   one reader for tools and tests.
-* `Progress`: a tqdm bar with step, reward, accuracy and samples/s.
+* `Progress`: the progress line: step/total, reward, accuracy, samples/s, step
+  time and the last held-out accuracy.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, TextIO
 
 import jax
 from tqdm import tqdm
@@ -268,24 +270,77 @@ def read_trace(path: str) -> list[Span]:
     return spans
 
 
-class Progress:
-    """A progress bar over training steps (quiet on processes other than 0)."""
+def progress_figures(row: Mapping[str, float], last_eval: Mapping[str, float] | None) -> str:
+    """A step's key figures in words: reward, accuracy, samples/s, step time, and the
+    last held-out accuracy when there is one (`last_eval`: its `step` and `accuracy`)."""
+    out = []
+    if "reward" in row:
+        out.append(f"reward {row['reward']:.3f}")
+    if "accuracy" in row:
+        out.append(f"acc {row['accuracy']:.3f}")
+    if "samples_per_s" in row:
+        out.append(f"{row['samples_per_s']:.2f} samples/s")
+    if "step_s" in row:
+        out.append(f"{row['step_s']:.1f} s/step")
+    if last_eval and "accuracy" in last_eval:
+        out.append(f"eval acc {last_eval['accuracy']:.3f} (step {int(last_eval['step'])})")
+    return "  ".join(out)
 
-    def __init__(self, total: int, *, enabled: bool = True, initial: int = 0):
+
+def _terminal(stream: TextIO) -> bool:
+    """A terminal with a width, where a bar redrawn in place shows (a pseudo-terminal of
+    zero columns, as `script` or some CI runners open, shows an empty bar)."""
+    if not stream.isatty():
+        return False
+    try:
+        return os.get_terminal_size(stream.fileno()).columns > 0
+    except (OSError, ValueError):  # no file descriptor: believe isatty
+        return True
+
+
+class Progress:
+    """The run's progress line, on the writer process only: step/total and the step's
+    key figures (`progress_figures`). On a terminal, one line redrawn in place (a tqdm
+    bar); otherwise (a pipe, a file, `launch/local.py`'s children) one line per step."""
+
+    def __init__(
+        self, total: int, *, enabled: bool = True, initial: int = 0, stream: TextIO | None = None
+    ):
+        """Args:
+        total: the run's last step.
+        enabled: False: nothing is shown (`log.progress`).
+        initial: the step the run starts at (a resumed run's checkpoint step).
+        stream: where the line goes (default standard error).
+        """
+        self.total = total
+        self._stream = stream or sys.stderr
+        self._enabled = enabled and _is_writer()
+        self._t0 = time.perf_counter()
         self._bar = tqdm(
             total=total,
             initial=initial,
-            disable=not (enabled and _is_writer()),
+            file=self._stream,
+            disable=not (self._enabled and _terminal(self._stream)),
             unit="step",
+            bar_format="step {n_fmt}/{total_fmt} |{bar:12}| {elapsed}<{remaining}{postfix}",
             dynamic_ncols=True,
         )
 
-    def update(self, step: int, row: Mapping[str, float]) -> None:
-        """Step `step` done; its metrics `row` supplies the figures shown."""
-        fields = {"reward": "reward", "acc": "accuracy", "sps": "samples_per_s"}
-        shown = {k: f"{row[name]:.3g}" for k, name in fields.items() if name in row}
-        self._bar.set_postfix(shown, refresh=False)
-        self._bar.update(step - self._bar.n)
+    def update(
+        self, step: int, row: Mapping[str, float], last_eval: Mapping[str, float] | None = None
+    ) -> None:
+        """Step `step` (1-based) is done; `row` is its metrics row, `last_eval` the
+        newest held-out evaluation (its metrics and `step`; None: none yet)."""
+        if not self._enabled:
+            return
+        figures = progress_figures(row, last_eval)
+        if not self._bar.disable:
+            self._bar.set_postfix_str(figures, refresh=False)
+            self._bar.update(step - self._bar.n)
+            return
+        elapsed = tqdm.format_interval(time.perf_counter() - self._t0)
+        self._stream.write(f"step {step}/{self.total}  {figures}  [{elapsed}]\n")
+        self._stream.flush()
 
     def close(self) -> None:
         self._bar.close()

@@ -135,7 +135,10 @@ class WeightSync:
             report=report[0] if report else {},
         )
         self.history.append(stats)
-        logging.info(
+        # Every step transfers: the first at INFO (the size, the path), the rest at DEBUG;
+        # their seconds are each step's `weight_sync_s` in metrics.jsonl and the trace.
+        logging.log(
+            logging.INFO if len(self.history) == 1 else logging.DEBUG,
             "%s: version %d, %.1f MB x %d in %.3f s (%.2f GB/s)",
             self.name,
             version,

@@ -1,10 +1,13 @@
-"""`python -m streamrl_jax.launch`: a user's mistake is one line naming it, exit status 2.
+"""`python -m streamrl_jax.launch`: a user's mistake is one line naming it, exit status 2;
+a run's console is the summary, the progress line and the closing lines.
 
 Each case runs the real entry point in a subprocess (flags are parsed there, at
 import) and checks the whole of stderr: no traceback, one `error:` line that
 names the field, flag or file. Settings that do not run across processes are
 refused the same way on every process of a multi-controller program, before it
-joins (`config.check`), so none waits for a coordinator.
+joins (`config.check`), so none waits for a coordinator. The entry run
+(the `:tiny` config, two steps) checks what the console holds and what the log
+file keeps.
 """
 
 import os
@@ -30,6 +33,8 @@ CASES = {
     "numeric range": (["--config.eval.num_problems=-3"], "eval.num_problems must be >= 0"),
     "cross-field": (["--config.data.eval_seed=1"], "data.train_seed must differ"),
     "missing model file": (["--config.model.source=/nonexistent.gguf"], "/nonexistent.gguf"),
+    "compile cache": (["--compile_cache=/proc/none/jax"], "--compile_cache=/proc/none/jax: cannot"),
+    "workdir": (["--workdir=/proc/none/run"], "--workdir=/proc/none/run: cannot write"),
 }
 # A multi-process start (the STREAMRL_* environment) with a bad run key or environment.
 _PROCESS = {
@@ -56,7 +61,7 @@ def test_a_user_mistake_is_one_line_and_exit_status_2(case, tmp_path):
     # The environment cases run a config that works across processes (the quickstart's
     # dynamic sampling runs in one process only, refused before the run key is read).
     args, message = CASES.get(case, (["--config=configs/quickstart.py:tiny"], None))
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XDG_CACHE_HOME=str(tmp_path / "cache"))
     env.pop("STREAMRL_AUTHKEY", None)
     env.pop("STREAMRL_AUTHKEY_FILE", None)
     if case in ENV_CASES:
@@ -207,3 +212,44 @@ def test_launch_local_ends_a_refused_setting_with_status_2(tmp_path):
     assert errors and all(message in line for line in errors), run.stdout[-3000:]
     children = [line.split("]")[0] for line in errors]
     assert len(set(children)) == len(children) and set(children) <= {"[p0 gen", "[p1 train"}
+
+
+def test_the_console_is_a_summary_and_a_progress_line_the_log_file_keeps_the_rest(tmp_path):
+    workdir, cache = tmp_path / "run", tmp_path / "jax"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "streamrl_jax.launch",
+            "--config=configs/quickstart.py:tiny",
+            f"--workdir={workdir}",
+            "--config.log.progress=True",  # :tiny turns it off
+            f"--compile_cache={cache}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    console = run.stdout + run.stderr
+    lines = console.splitlines()
+    assert lines[0].startswith("streamrl_jax: model tiny, grpo, stream_async"), console
+    for output in ("log.txt", "metrics.jsonl", "tensorboard", "trace.json"):
+        assert str(workdir / output) in console, console
+    assert str(cache) in console, console
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split()[1] for line in steps] == ["1/2", "2/2"], console
+    assert all("reward " in line and " s/step" in line for line in steps), console
+    assert any(line.startswith("done: step 2,") for line in lines), console
+    assert "held-out accuracy: 0.000 (step 0)" in console  # the tiny model never answers
+    # No INFO line (absl's "I1127 ..." or the console's "INFO ..."), no config dump.
+    assert not [line for line in lines if re.match(r"I\d{4} |INFO ", line)], console
+    assert "pipeline.mode" not in console and "ExperimentConfig" not in console
+    log = (workdir / "log.txt").read_text()
+    assert log.startswith("==== ") and "] config:" in log
+    assert "pipeline.mode='stream_async'" in log and "data.train_size=200" in log
+    assert re.search(r"^I\d{4} .*weight_sync: version 0,", log, re.M), log[-3000:]
+    assert "step 1/2" not in log  # the progress line is the console's
+    assert os.listdir(cache)  # JAX wrote compiled programs to the cache

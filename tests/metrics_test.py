@@ -1,10 +1,13 @@
-"""Metrics writer, and the trace: recorder and reader."""
+"""Metrics writer, the trace (recorder and reader) and the progress line."""
 
+import io
 import time
 
 import pytest
 
-from streamrl_jax.metrics import MetricsWriter, Tracer, read_jsonl, read_trace
+from streamrl_jax.metrics import MetricsWriter, Progress, Tracer, read_jsonl, read_trace
+
+ROW = {"reward": 0.5, "accuracy": 0.25, "samples_per_s": 2.0, "step_s": 4.0, "loss": 0.1}
 
 
 def test_jsonl_and_tensorboard(tmp_path):
@@ -74,3 +77,32 @@ def test_generation_busy_counts_only_the_window():
     # window [8, 12.5]: 2 s of the first chunk, all 2 of the second, 0.5 of the third
     assert meter.busy_between(8.0, 12.5) == 4.5
     assert meter.busy_between(11.5, 20.0) == 1.0  # older chunks dropped, not counted
+
+
+def test_progress_off_a_terminal_is_one_line_per_step():
+    out = io.StringIO()
+    progress = Progress(3, stream=out)
+    progress.update(1, ROW)
+    progress.update(2, ROW | {"reward": -0.125}, {"step": 0, "accuracy": 0.125})
+    progress.close()
+    first, second = out.getvalue().splitlines()
+    assert first.startswith("step 1/3  reward 0.500  acc 0.250  2.00 samples/s  4.0 s/step  [")
+    assert "eval" not in first and "loss" not in first
+    assert second.startswith("step 2/3  reward -0.125") and "eval acc 0.125 (step 0)" in second
+    quiet = io.StringIO()
+    Progress(3, enabled=False, stream=quiet).update(1, ROW)
+    assert quiet.getvalue() == ""
+
+
+def test_progress_on_a_terminal_redraws_one_bar():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Terminal()
+    progress = Progress(4, initial=1, stream=out)  # resumed at step 1
+    progress.update(2, ROW, {"step": 0, "accuracy": 0.75})
+    progress.close()
+    last = out.getvalue().split("\r")[-1]
+    assert last.startswith("step 2/4 ") and "acc 0.250" in last and "eval acc 0.750" in last
+    assert "\n" not in out.getvalue().rstrip("\n")  # redrawn in place, never a new line

@@ -91,6 +91,7 @@ def _launch_cmd(workdir, **overrides) -> list[str]:
         "streamrl_jax.launch",
         f"--config={REPO / 'configs' / 'quickstart.py'}:tiny",
         f"--workdir={workdir}",
+        "--verbosity=0",  # every process's INFO lines on its console: the tests read them
         *_flags(**overrides),
     ]
 

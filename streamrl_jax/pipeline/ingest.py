@@ -75,6 +75,14 @@ class Evaluations:
         self.writer.write(version, m, prefix="eval/")
         logging.info("eval at policy version %d: %s", version, m)
 
+    def latest(self) -> dict[str, float] | None:
+        """The newest complete evaluation's metrics and its version (`step`), or None."""
+        with self._cv:
+            if not self.metrics:
+                return None
+            version = max(self.metrics)
+            return self.metrics[version] | {"step": float(version)}
+
     def wait(self, version: int, timeout: float) -> None:
         """Blocks until the evaluation of `version` is complete (or the run failed).
 

@@ -92,7 +92,7 @@ class TrainerLoop:
         for b in range(self.steps.start, self.cfg.pipeline.steps):
             done += self._train_step(b, t0, done)
             hooks.run(self.trained)
-            progress.update(b + 1, self.steps.rows[-1])
+            progress.update(b + 1, self.steps.rows[-1], self.parts.evals.latest())
             if alone and self.parts.supervisor.shutdown_requested.is_set():
                 return True
         self.steps.flush()
