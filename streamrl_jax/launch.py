@@ -13,7 +13,7 @@ loads its compiled programs instead of compiling them again.
 Several processes (docs/multicontroller.md): the same command on every process
 of a `jax.distributed` program, e.g.
 `python launch/local.py -n 2 -g 1 -- python -m streamrl_jax.launch --config=...`;
-processes 0 .. G-1 generate, the others train (`pipeline/processes.py`).
+processes 0 .. G-1 generate, the others train (`pipeline/processes/`).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ _WRITER_PROCESS = 0  # the process that writes metrics, the trace and the progre
 
 def set_writer_process(process_index: int) -> None:
     """Several processes: the training process writes, whatever its index
-    (pipeline/processes.py)."""
+    (pipeline/processes/)."""
     global _WRITER_PROCESS
     _WRITER_PROCESS = process_index
 

@@ -11,7 +11,7 @@ the second later (DESIGN.md §5):
    onto each generation instance's shardings (between disjoint meshes a
    cross-mesh copy; in colocated mode only a layout change). A multi-controller
    run hands in a mover that sends the cast weights to other processes
-   (`pipeline/training_process.py`).
+   (`pipeline/processes/training.py`).
 
 `WeightSync.transfer` is synchronous and returns timing; `start` runs the
 same transfer on a background thread (async mode overlaps it with generation

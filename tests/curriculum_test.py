@@ -5,13 +5,17 @@ accounting per epoch, and draws that depend only on the steps before g(b), so a
 resumed run draws what the first one drew."""
 
 import collections
+import os
 
 import numpy as np
 import pytest
-from support import ListPrompts, group_of_scores, rollout_context
+from support import ListPrompts, group_of_scores, pipeline_threads, rollout_context, tiny_config
 
+from streamrl_jax import pipeline as run_lib
+from streamrl_jax.pipeline.resume import CONSUMED, read_consumed
 from streamrl_jax.pipeline.rollouts import make_rollout
 from streamrl_jax.pipeline.rollouts.curriculum import Curriculum, Weights, accept_draw
+from streamrl_jax.rewards.vowels import vowel_reward
 
 
 def test_weights_decay_to_the_floor_reset_on_signal_and_apply_in_step_order():
@@ -134,3 +138,27 @@ def test_the_curriculum_wraps_any_kind(inner):
         == {"full": "FullRollout", "dynamic_sampling": "DynamicSampling"}[inner]
     )
     assert ro.plannable(0, 4) is None
+
+
+def test_a_curriculum_run_consumes_each_prompt_once_per_epoch(tmp_path):
+    # End to end on quickstart:tiny: 8 problems, 6 steps of 4 prompts. The vowel reward
+    # never marks a sample correct, so every group is all wrong: after the first epoch
+    # the curriculum passes prompts over, and consumed.jsonl still lists every prompt
+    # the pipeline dealt once per epoch.
+    cfg = tiny_config(
+        pipeline__rollout="curriculum+full",
+        pipeline__steps=6,
+        data__train_size=8,
+        eval__num_problems=0,
+    )
+    result = run_lib.run(cfg, str(tmp_path), reward_fn=vowel_reward)
+    assert not pipeline_threads()
+    rows = read_consumed(os.path.join(tmp_path, CONSUMED))
+    assert [r["step"] for r in rows] == list(range(6))
+    counts = collections.Counter(p for r in rows for p in r["prompt_ids"])
+    epochs = sum(counts.values()) // 8
+    assert epochs >= 3 and len(counts) == 8
+    assert all(epochs <= n <= epochs + 1 for n in counts.values())
+    passed = [row["curriculum_passed"] for row in result.steps]
+    assert passed[0] == 0.0 and sum(passed) > 0  # all drawn at first, then passed over
+    assert result.steps[-1]["curriculum_down"] > 0

@@ -632,7 +632,7 @@ def test_launch_local_restarts_a_failed_generation_process(tmp_path):
 
 
 def _dialer(rejoined: bool, peer_timeout_s: float):
-    from streamrl_jax.pipeline import generation_process
+    from streamrl_jax.pipeline.processes import generation as generation_process
 
     me = types.SimpleNamespace(
         r=types.SimpleNamespace(rejoined=rejoined),
@@ -648,7 +648,7 @@ def test_a_restarted_generation_process_that_finds_the_run_ended_while_dialing_s
     # The run may end while a restarted generation process starts (its trainer's sample
     # server then closes): the process dials in short attempts and, between them, reads
     # the run's outcome; finding one ends it cleanly (`_RunEnded`), not with a timeout.
-    from streamrl_jax.pipeline import generation_process
+    from streamrl_jax.pipeline.processes import generation as generation_process
 
     outcomes = iter([None, None, "ok"])
     monkeypatch.setattr(roles, "try_lookup", lambda key: next(outcomes))
@@ -666,7 +666,7 @@ def test_a_restarted_generation_process_that_finds_the_run_ended_while_dialing_s
 
 
 def test_a_restarted_generation_process_not_admitted_names_the_whole_wait(monkeypatch):
-    from streamrl_jax.pipeline import generation_process
+    from streamrl_jax.pipeline.processes import generation as generation_process
 
     monkeypatch.setattr(roles, "try_lookup", lambda key: None)  # the run goes on
     monkeypatch.setattr(generation_process, "REJOIN_DIAL_S", 0.2)

@@ -143,8 +143,9 @@ def test_a_failure_ends_the_refill_wait_and_a_stall_is_named():
     ro.settle(0, lambda more, first: None, lambda: False)  # returns: the run failed
 
 
-# The batch modes take 1-2 min each on a loaded 2-core machine: extended (`-m extended`).
-_SLOW = {"colocated", "disaggregated_batch"}
+# One end-to-end mode by default (the policy's parts run as units above); the others are
+# extended (`-m extended`: the suite's 8-minute budget).
+_SLOW = {"colocated", "disaggregated_batch", "stream_sync"}
 
 
 @pytest.mark.parametrize(
@@ -185,6 +186,7 @@ def test_uniform_groups_are_skipped_counted_and_replaced(mode, tmp_path):
         assert set(versions) == {max(0, b - s)}, (b, versions)
 
 
+@pytest.mark.extended  # the unit test above covers a batch whose draws run out
 def test_draws_run_out_the_step_trains_what_it_has(tmp_path):
     cfg = _cfg(pipeline__mode="stream_sync", pipeline__dynamic_sampling_max_draws=0)
     seen, patch = _trained_groups()

@@ -68,12 +68,14 @@ def test_read_trace_names_the_file_and_the_fault(tmp_path, text, error):
 
 
 def test_generation_busy_counts_only_the_window():
+    from streamrl_jax.generation.types import ChunkReport
     from streamrl_jax.pipeline.step_metrics import GenerationMeter
 
     meter = GenerationMeter(Tracer(enabled=False), tick=lambda name: None)
-    meter.chunk(0, 0.0, 10.0, tokens=1, running=1)  # e.g. a chunk that compiled a shape
-    meter.chunk(1, 9.0, 11.0, tokens=1, running=1)
-    meter.chunk(0, 12.0, 13.0, tokens=1, running=1)
+    chunk = lambda i, t0, t1: ChunkReport(instance=str(i), t0=t0, t1=t1, tokens=1, running=1)
+    meter.chunk(chunk(0, 0.0, 10.0))  # e.g. a chunk that compiled a shape
+    meter.chunk(chunk(1, 9.0, 11.0))
+    meter.chunk(chunk(0, 12.0, 13.0))
     # window [8, 12.5]: 2 s of the first chunk, all 2 of the second, 0.5 of the third
     assert meter.busy_between(8.0, 12.5) == 4.5
     assert meter.busy_between(11.5, 20.0) == 1.0  # older chunks dropped, not counted

@@ -1,4 +1,4 @@
-"""The pipeline across processes (pipeline/processes.py): real processes on localhost.
+"""The pipeline across processes (pipeline/processes/): real processes on localhost.
 
 Each run starts `python -m streamrl_jax.launch` in N processes as one
 `jax.distributed` program (gloo, localhost), the first G generating and the
@@ -713,6 +713,9 @@ def _in_row_order(behaviour, samples) -> list:
     return order
 
 
+# Extended: in-flight updates' main case runs in one process (lifecycle_test.py); the
+# suite's 8-minute budget keeps the further multi-process cases out of the default run.
+@pytest.mark.extended
 def test_inflight_weight_updates_across_processes(tmp_path):
     # stream_async (s = 1) with in-flight weight updates, one generation and one training
     # process, 4 steps. Every response runs to max_new_tokens (a random tiny model does
@@ -767,6 +770,8 @@ def test_inflight_weight_updates_across_processes(tmp_path):
     assert max(r["mixed_versions"] for r in rows) > 0
 
 
+# Extended: precompile's main case runs in one process (precompile_test.py).
+@pytest.mark.extended
 def test_precompiled_processes_compile_nothing_after_the_first_step(tmp_path):
     # pipeline.precompile across processes (tools/bench_pipeline.py --processes): the
     # generation process compiles its engine's shapes, the training process every
@@ -861,6 +866,8 @@ runpy.run_module("streamrl_jax.launch", run_name="__main__", alter_sys=True)
 """
 
 
+# Extended: the elastic rule's main case runs in one process (scheduling_run_test.py).
+@pytest.mark.extended
 def test_elastic_activation_across_processes_keeps_the_version_contract(tmp_path, tmp_path_factory):
     # 2 generation processes, the second reserved (scheduling.elastic_reserved=1), one
     # training process, stream_async, 4 steps. The probe inflates the measured T_gen by

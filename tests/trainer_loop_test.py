@@ -31,7 +31,17 @@ def _critic_params(result):
     return [np.asarray(x) for x in jax.device_get(jax.tree.leaves(result.critic_state.params))]
 
 
-@pytest.mark.parametrize("mode", config_lib.MODES)
+# stream_sync and disaggregated_batch run by default (the equality test below reuses
+# their runs); the other modes are extended (the suite's 8-minute budget).
+@pytest.mark.parametrize(
+    "mode",
+    [
+        m
+        if m in ("stream_sync", "disaggregated_batch")
+        else pytest.param(m, marks=pytest.mark.extended)
+        for m in config_lib.MODES
+    ],
+)
 def test_the_critic_trains_beside_the_policy_in_every_mode(mode, tmp_path_factory):
     result = _gae_run(mode, tmp_path_factory)
     assert len(result.steps) == 2 and not pipeline_threads()

@@ -14,7 +14,7 @@ Every "X needs Y" rule lives here, in one of two functions:
   partial rollout needs across processes, how training processes split a batch,
   what elastic generation counts. Every entry point runs it at start-up before
   anything is built: `pipeline.run` with `Processes.one()`, and a multi-controller
-  process (`pipeline/processes.py`) with the counts from its environment before it
+  process (`pipeline/processes/`) with the counts from its environment before it
   joins the program, then again with the joined program's.
 
 A refusal is one line naming the fields and the process counts; `launch` prints

@@ -3,7 +3,7 @@
 Decode-chunk (`generation.types.ChunkReport`, the engine's own report, relabelled
 with its process) and span reports let the trainer's trace and `gen_busy` see every
 instance of every process; `RoundClosed` tells it that a partial-rollout round
-closed (`pipeline/round_reports.py`); `GenerationFailed` is a generation process's
+closed (`pipeline/rollouts/partial.py`); `GenerationFailed` is a generation process's
 last word before it exits with an error, so the trainer fails naming it.
 
 Each is a msgspec `Struct` that is its own wire schema (`wire.py` encodes and

@@ -318,7 +318,8 @@ def initialize(cfg: DistributedConfig) -> Roles:
     return roles
 
 
-RUN_STARTED_KEY = "start"  # published by the first training process (process_plan.START_KEY)
+# Published by the first training process (pipeline/processes/plan.START_KEY).
+RUN_STARTED_KEY = "start"
 # XLA:CPU's topology, written once by process 0 (jax 0.10.2, `xla_bridge`'s CPU client).
 _CPU_TOPOLOGY_KEY = "cpu:global_topology/cpu"
 

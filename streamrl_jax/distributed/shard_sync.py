@@ -117,7 +117,7 @@ class ShardSender:
     ):
         """`checksum`: crc32 of every piece, checked on arrival (off by default: CURVE
         authenticates every byte). `on_lost(process, error)`: a receiver lost while
-        sending; True drops it (the run goes on without it: `pipeline/roster.py`),
+        sending; True drops it (the run goes on without it: `pipeline/processes/roster.py`),
         else the error is raised. A dropped receiver that connects again (a restarted
         process) is admitted: `on_rejoin(process)` (on the I/O thread) is told, and
         `catch_up` sends it the kept versions (the last `keep`). `xla`: offer the

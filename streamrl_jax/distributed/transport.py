@@ -23,7 +23,7 @@ next `get` raise `PeerLost` naming it, even if other producers' samples are
 queued (fail fast, as `SampleStream` does); `on_error` is told at once. A
 lost server makes the producer's `send` raise `PeerLost`. With `on_lost`, the owner
 may decide to go on without a lost producer (`on_lost(name, error)` returns True:
-the trainer's roster, `pipeline/roster.py`): its loss then counts as its end and
+the trainer's roster, `pipeline/processes/roster.py`): its loss then counts as its end and
 fails nothing. An orderly
 `close()` is not a failure: once every producer has closed and the queue is
 drained, `get` raises `ChannelClosed`.

@@ -174,7 +174,7 @@ class LocalGeneration:
                 timeout=cfg.pipeline.timeout_s,
             ),
         )
-        threads = driver.start_threads(generation_hooks(cfg, driver.evaluate))
+        threads = driver.start_threads(generation_hooks(cfg, driver.evaluate, run.prompts))
         return LocalRunning(driver, threads)
 
     def step_started(self, batch: int) -> None:

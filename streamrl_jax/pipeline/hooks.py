@@ -8,7 +8,8 @@ Every periodic action of a run is registered here, once, at the top of the run
   refresh and the scheduling-decision log every step;
 * the generation driver runs its own after each batch it submits: the held-out
   evaluation every `eval.every` batches (and at batch 0; `eval.every = 0`: at the
-  start only, and the final evaluation after the last batch).
+  start only, and the final evaluation after the last batch), and every batch the
+  prompt source forgets the records of batches no checkpoint can still need.
 
 A hook is never a branch inside a loop.
 """
@@ -20,6 +21,7 @@ import os
 from collections.abc import Callable
 
 from streamrl_jax.config import ExperimentConfig
+from streamrl_jax.pipeline.prompts import PromptSource
 from streamrl_jax.scheduling.live import LiveScheduler
 
 
@@ -75,10 +77,16 @@ def trainer_hooks(
     return hooks
 
 
-def generation_hooks(cfg: ExperimentConfig, evaluate: Callable[[int], None]) -> Hooks:
+def generation_hooks(
+    cfg: ExperimentConfig, evaluate: Callable[[int], None], prompts: PromptSource
+) -> Hooks:
     """The generation driver's periodic work: `evaluate(b)` (the held-out prompts under
-    the loaded weights) every `eval.every` batches and at batch 0."""
+    the loaded weights) every `eval.every` batches and at batch 0; the prompt records of
+    batches before b - s - 2 dropped every batch (the trainer, at most s + 1 batches
+    behind the driver, checkpoints at its own boundary or later)."""
     hooks = Hooks()
     if cfg.eval.num_problems > 0:
         hooks.add("eval", cfg.eval.every or cfg.pipeline.steps, evaluate)
+    keep = cfg.pipeline.staleness + 2
+    hooks.add("prompt records", 1, lambda b: prompts.forget_below(b - keep))
     return hooks

@@ -107,6 +107,8 @@ def run_identity(cfg: ExperimentConfig) -> dict[str, Any]:
         # Before pipeline.rollout, dynamic sampling had a switch of its own.
         "dynamic_sampling": p.rollout.endswith("dynamic_sampling"),
         "dynamic_sampling_max_draws": p.dynamic_sampling_max_draws,
+        "curriculum_decay": p.curriculum_decay,
+        "curriculum_floor": p.curriculum_floor,
         "data.tasks": d.tasks,
         "data.task_config": d.task_config,
         "data.train_seed": d.train_seed,
@@ -194,7 +196,8 @@ class RunCheckpoints:
             "gen_versions": sorted(int(v) for v in gen),
             "prompts": prompts,
             "in_flight": in_flight,
-            "consumed": k * self.cfg.pipeline.prompts_per_step,
+            # Prompts the pipeline dealt before batch k: trained, skipped or passed over.
+            "consumed": prompts.get("consumed", 0),
             # The rollout's work carried across boundary k (partial rollout: paused
             # samples, finished members of incomplete groups), continued by the resumed run.
             "rollout": self.rollout.state(k),

@@ -29,7 +29,7 @@
   trainer's busy seconds of the step. Across processes the units are generation
   processes: the first training process runs the rule over `ElasticUnits` and
   activates a reserved process from a later batch through the roster
-  (`pipeline/roster.py`); the generation processes' schedulers reserve nothing.
+  (`pipeline/processes/roster.py`); the generation processes' schedulers reserve nothing.
 
 Every plan and elastic decision is logged (`decisions`), and the step metrics carry
 `active_instances`, `plan_long_instances` and the ranker's refresh loss.

@@ -424,9 +424,7 @@ class _GenerationProcess:
                 emit_component="sample channel",
             ),
         )
-        hooks = generation_hooks(self.cfg, driver.evaluate)
-        # No checkpoint is taken here: the prompt records of batches well behind go.
-        hooks.add("prompt records", 1, lambda b: self.prompts.forget_below(b - p.staleness - 2))
+        hooks = generation_hooks(self.cfg, driver.evaluate, self.prompts)
         ok = False
         roster_thread = share.start_watcher(
             self._stopping, lambda e: self.latch.fail("roster watcher", e)

@@ -27,9 +27,10 @@ epoch's prompts once however often a run was killed and resumed
 
 **Determinism.** The draws of batch b use the weights updated from the groups of
 the steps before g(b) only (the steps whose W_{g(b)} generation had to wait for), in
-step order, so they do not depend on timing: a run draws the same prompts in every
-mode's schedule, and a resumed run (its state is the weights as of the checkpoint's
-step) draws what the first run drew. One process only (`config/rules.py`).
+step order, so they do not depend on timing: a run of one seed and mode draws the same
+prompts every time, and a resumed run (its state is the weights as of g(k) for a
+checkpoint at step k, and the groups of the steps after) draws what the first run drew.
+One process only (`config/rules.py`).
 """
 
 from __future__ import annotations
