@@ -2,9 +2,9 @@
 
 Run (from the repository root):
   python -m streamrl_jax.launch --config=configs/quickstart.py --workdir=/tmp/quickstart
-The default is the 30-minute recipe (240 steps, 23-29 min on a quiet 2-core CPU;
-BENCHMARKS.md "The main job"). Variants:
-  configs/quickstart.py:short  the same recipe for 20 steps (about 4 min; a first look)
+The default is the 30-minute recipe (240 steps; its wall time and accuracy on a quiet
+2-core CPU: BENCHMARKS.md "The main job"). Variants:
+  configs/quickstart.py:short  the same recipe for 20 steps (a first look, minutes)
   configs/quickstart.py:sync   the recipe in stream_sync mode
   configs/quickstart.py:tiny   tiny random model, a few seconds a step (tests, smoke runs)
 Any field can be overridden: --config.pipeline.steps=40 --config.pipeline.mode=stream_sync
@@ -25,8 +25,8 @@ def get_config(arg: str | None = None):
     c.mesh.instance_slots = (16,)  # one instance with 16 slots
     c.generation.max_prompt_len = 128
     c.generation.max_new_tokens = 48  # the answer fits; rambling past it is truncated
-    # 0.7: a 135M model at temperature 1 rarely solves anything, which leaves GRPO
-    # groups without signal; the trainer's ratio is still against temperature-1 log-probs.
+    # 0.7: sampling at 1.0 ended lower (docs/benchmarks/quickstart.md, "Sampling at
+    # temperature 1.0"); the trainer's ratio is still against temperature-1 log-probs.
     c.generation.temperature = 0.7
     c.generation.decode_chunk = 8
     # StreamRL-Async, one step stale, 4 prompts x 8 samples per step (8 per group so
@@ -51,8 +51,8 @@ def get_config(arg: str | None = None):
     # a correct answer: a correct truncated answer (0.5) stays above a wrong short one.
     c.algorithm.overlong_buffer = 16
     c.algorithm.overlong_penalty = 0.5
-    # 2e-5 decaying to 2e-6 at the last step: 4e-5 was unstable (BENCHMARKS.md), and the
-    # decay holds the end of the curve.
+    # 2e-5 decaying to 2e-6 at the last step: 4e-5 was unstable, and the decay holds the
+    # end of the curve (docs/benchmarks/quickstart.md, "Levers").
     c.optimizer.learning_rate = 2e-5
     c.optimizer.warmup_steps = 2
     c.optimizer.schedule = "cosine"

@@ -544,8 +544,9 @@ def _hf_child(spec_path: str) -> None:
     """`--hf_child`: HF `generate` on the prompts in `spec_path`, best of repeats, as JSON.
 
     A process of its own at torch's default thread count: in the benchmark's process,
-    straight after JAX work, torch at 2 threads ran 4-20x slower than alone (XLA's
-    pool and torch's contend), so an in-process baseline would flatter the engine.
+    straight after JAX work, torch at 2 threads ran several times slower than alone
+    (XLA's pool and torch's contend; docs/benchmarks/generation.md), so an in-process
+    baseline would flatter the engine.
     """
     import torch
     import transformers
@@ -745,8 +746,8 @@ def main(argv):
     elif FLAGS.roofline_batches:
         versus_hf = roofline_sweep(FLAGS.models[-1], [int(b) for b in FLAGS.roofline_batches])
     # The roofline's denominator: the best of a probe before and one after the timed work
-    # (the machine's bandwidth drifts by ~20 % between runs; the higher reading is the
-    # stricter roofline).
+    # (the machine's bandwidth drifts between runs, docs/benchmarks/generation.md "The
+    # bandwidth probe bracketed"; the higher reading is the stricter roofline).
     probes.append(measure_bandwidth(FLAGS.bandwidth_mib))
     bandwidth = max(probes)
     print(

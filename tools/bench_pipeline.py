@@ -44,15 +44,15 @@ ratio to `colocated`.
 
 Steady state (`--warm`, on by default in process). New micro-batch shapes compile
 mid-run (the trainer's (rows, columns, loss width) buckets and the engine's decode
-buckets: 3-8 s each for the tiny model on 2 loaded cores, against 0.2-0.4 s for a warm
-micro-batch), and in a few steps a run never stops meeting new ones: before this flag,
-10 of stream_async's 13 measured seconds were the trainer compiling. So each mode first
-runs once unmeasured with JAX's persistent compilation cache under
-`--workdir/jax_cache` (every executable kept), then again measured: the measured run
-reads its executables from the cache. Each mode still reports its steps' `compile_s`
+buckets: each costs many warm micro-batches), and in a few steps a run never stops
+meeting new ones: before this flag, most of stream_async's measured seconds were the
+trainer compiling (docs/benchmarks/pipeline.md, "Session 9: the trainer's compile time
+shown"). So each mode first runs once unmeasured with JAX's persistent compilation cache
+under `--workdir/jax_cache` (every executable kept), then again measured: the measured
+run reads its executables from the cache. Each mode still reports its steps' `compile_s`
 (the trainer thread's tracing, lowering and any compile that missed the cache:
-`metrics.compile_seconds`; ~0.2-0.5 s a step warm, as every run builds new jitted
-functions), `samples_per_s_ex_compile` (that taken out of the wall time) and
+`metrics.compile_seconds`; not zero warm, as every run builds new jitted functions),
+`samples_per_s_ex_compile` (that taken out of the wall time) and
 `inflight_over_stream_async_ex_compile`; `run_s` and `warm_run_s` are the two runs'
 wall times.
 
@@ -125,15 +125,15 @@ _PROMPTS = flags.DEFINE_integer(
     0,
     "Prompts per step (0 = the config's 8; 4 with --processes --quick). Fewer shrink both "
     "stages; at 2 the trainer still dominates (its fixed cost per micro-batch stays; "
-    "BENCHMARKS.md).",
+    'docs/benchmarks/pipeline.md, "Session 10: steady state in process").',
 )
 _SLOTS = flags.DEFINE_integer(
     "instance_slots",
     0,
     "Slots of the generation instance (0 = the config's 16; QUICK_SLOTS = 4 with "
     "--processes --quick), to move the stages' balance (decode cost follows the active "
-    "batch: 4 slots decode the quick batch in 0.23-0.31 s against 0.24 s on 16; "
-    "BENCHMARKS.md).",
+    "batch: 4 slots decode the quick batch about as fast as 16; "
+    'BENCHMARKS.md "Pipeline modes, process per stage").',
 )
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/bench_pipeline", "Traces and metrics per mode.")
 _SKIP = flags.DEFINE_integer(
@@ -166,7 +166,8 @@ QUICK_STEPS = 16
 # --processes --quick: slots of the generation instance. A batch of 16 samples is then
 # 4x what the instance holds at once, as in the paper's regime (a batch far larger than
 # the instances' concurrency), so groups complete throughout the generation window
-# instead of all near its end (16 slots: one wave; BENCHMARKS.md has both).
+# instead of all near its end (16 slots: one wave; BENCHMARKS.md "Pipeline modes, process
+# per stage").
 QUICK_SLOTS = 4
 
 
@@ -402,8 +403,9 @@ def _core_bounds(out: dict, n: int, rows: list[dict], receive_s: float) -> None:
 def _compile_figures(rows: list[dict]) -> dict:
     """The measured steps' compilation (`compile_s`: the trainer thread's tracing and
     compiling, inside the step's wall time) and samples/s with it taken out of the wall
-    time: new micro-batch shapes compile mid-run (3-8 s each here), which is not steady
-    state. Generation's own compiles are not taken out."""
+    time: new micro-batch shapes compile mid-run (seconds each here:
+    docs/benchmarks/pipeline.md), which is not steady state. Generation's own compiles
+    are not taken out."""
     compile_s = [r.get("compile_s", 0.0) for r in rows]
     wall = sum(r["step_s"] for r in rows) - sum(compile_s)
     samples = sum(r.get("samples", 0.0) for r in rows)
@@ -518,8 +520,9 @@ def main_processes() -> None:
     from streamrl_jax.pipeline.schedules import Schedule
 
     steps = _STEPS.value or (QUICK_STEPS if _QUICK.value else 0)
-    # Quick: every run also pays 15-30 s of process start-up and 20-60 s of precompiling,
-    # so a batch is 4 prompts x 4 samples instead of 8 x 4 with responses up to 128 tokens
+    # Quick: every run also pays process start-up and precompiling
+    # (docs/benchmarks/pipeline.md, "Session 13: steady state by construction"), so a
+    # batch is 4 prompts x 4 samples instead of 8 x 4 with responses up to 128 tokens
     # instead of 256 (the same length distribution: lengths are fractions of
     # max_new_tokens) to stay within 5 minutes.
     # prompts_per_step, max_new_tokens (0: the config's)
@@ -543,8 +546,8 @@ def main_processes() -> None:
     t_start = time.time()
     modes = _MODES.value
     if _QUICK.value and not flags.FLAGS["modes"].present:
-        # Quick: the four modes' ratios over more steps (inflight adds ~80 s: name it in
-        # --modes to run it too).
+        # Quick: the four modes' ratios over more steps (inflight adds a fifth run with
+        # the longest precompile: name it in --modes to run it too).
         modes = [m for m in modes if m != "inflight"]
     for mode in modes:
         cfg = _config(mode, steps, *shape)
@@ -627,7 +630,7 @@ def main(argv: list[str]) -> None:
         return RewardResult(score=0.0, correct=False, extracted_answer=None, format_ok=False)
 
     # Quick: 5 steps (4 measured) a mode; warm (every executable from the cache), all five
-    # modes ran in ~4 min quiet.
+    # modes within the --quick budget (BENCHMARKS.md "Pipeline modes, one process").
     steps = _STEPS.value or (5 if _QUICK.value else 0)
     out: dict = {"bench": "pipeline", "variant": _VARIANT.value, "quick": _QUICK.value}
     per_mode = {}

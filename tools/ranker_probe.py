@@ -19,12 +19,8 @@ line. Features are cached (`--cache`), so changing the heads does not re-run the
 
     nice -n 19 python tools/ranker_probe.py --samples=/tmp/smollm2_varied.jsonl
 
-Result on /tmp/smollm2_varied.jsonl (231 prompts x 2 samples, 2-core CPU, ~7 min of
-which ~3 min features): a negative result. The best heads reach recall@20 0.42-0.46 and
-Kendall tau 0.36-0.38 (task mean 0.35 / 0.32, prompt length 0.26 / 0.16, chance 0.19),
-a gain of about one standard error of recall@20 on 46 top prompts; the layer chosen on
-the validation split does worse (0.26). Of the 46 top-20 % slots, 44 are prompts whose
-two samples both hit the 128-token cap, so the target there is a noisy censored event.
+Result on /tmp/smollm2_varied.jsonl: a negative result (docs/benchmarks/scheduling.md,
+"Frozen-policy features").
 """
 
 from __future__ import annotations

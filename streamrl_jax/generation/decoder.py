@@ -27,7 +27,7 @@ the instance), so the engine keeps its own layout:
 * attention (`attention="elementwise"`, the default on CPU) as broadcast
   products and sums, which XLA fuses into loops: XLA:CPU runs a batched
   `dot_general` of (slot, kv head) pairs of [G, D] x [D, S] as that many tiny
-  matmuls, 2.2x slower for SmolLM2 at batch 16 (docs/generation.md). "dot" keeps
+  matmuls (BENCHMARKS.md "Decode step vs roofline"). "dot" keeps
   the two `einsum`s (what a TPU or GPU wants);
 * with `weight_dtype="int8"` every matrix a `quant.QArray` (per-channel int8 +
   f32 scales) and every matmul `quant.einsum` (W8A8), `generation/quant.py`.
@@ -183,7 +183,8 @@ def from_training_layout(
     }
     if cfg.tie_embeddings:
         # One copy, [E, V]: the vocabulary projection reads it in place (a [V, E]
-        # operand made XLA:CPU's dot 1.2-1.9x slower), the embedding takes columns.
+        # operand measured slower in XLA:CPU's dot: docs/generation.md, "Second pass
+        # (issue 16)"), the embedding takes columns.
         weights["lm_head"] = model.embed[...].T.astype(dt)
     else:
         weights["embed"] = model.embed[...].astype(dt)

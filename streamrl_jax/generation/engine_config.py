@@ -7,8 +7,9 @@ import dataclasses
 from streamrl_jax.generation import compact, quant
 
 CPU_DOTS = ("auto", "eigen", "ynnpack")
-# "auto" picks Eigen for the decode chunk of models at least this wide: measured faster
-# for SmolLM2 (width 576) at 8-16 rows, slower for the tiny model (width 64).
+# "auto" picks Eigen for the decode chunk of models at least this wide: faster for
+# SmolLM2 (width 576), slower for the tiny model (width 64); BENCHMARKS.md "Decode step
+# vs roofline".
 EIGEN_MIN_WIDTH = 512
 DECODE_ATTENTION = ("auto", "elementwise", "dot")
 
@@ -53,7 +54,7 @@ class EngineConfig:
       decode_attention: how a decode step attends (`decoder.GenModel`): "elementwise"
         (broadcast products and sums, fused loops), "dot" (two batched einsums) or
         "auto" (elementwise on CPU, where XLA runs the batched dot as one tiny matmul
-        per (slot, kv head): 2.2x slower for SmolLM2 at batch 16; dot elsewhere).
+        per (slot, kv head): BENCHMARKS.md "Decode step vs roofline"; dot elsewhere).
     """
 
     num_slots: int = 8

@@ -13,10 +13,10 @@ over the contracted features), and multiplies in int8 with an int32
 accumulator (W8A8), then rescales. Why not weight-only (`x @ q.astype(f32) *
 scale`): on XLA:CPU the convert is never fused into the dot; the optimised HLO
 materialises an f32 copy of every weight (`wrapped_convert`) before an f32
-dot, which measured 15-20x slower than the f32 weights on SmolLM2's MLP
-shapes (docs/generation.md, "int8 rollout"). An int8 x int8 -> int32 dot is
-emitted as a YNNPACK fusion that reads the int8 weight directly, except with
-a single row, where XLA converts the weight to s32 first: a one-row matmul is
+dot, which measured far slower than the f32 weights on SmolLM2's MLP shapes
+(BENCHMARKS.md "int8 rollout"; docs/benchmarks/generation.md). An int8 x int8 ->
+int32 dot is emitted as a YNNPACK fusion that reads the int8 weight directly, except
+with a single row, where XLA converts the weight to s32 first: a one-row matmul is
 therefore padded to two rows.
 
 The behaviour log-probs the engine records come from these logits, so they

@@ -9,9 +9,9 @@ time of admission.
 The draw is an inverse-CDF lookup with one uniform per row (two levels, blocks
 of `_BLOCK` entries, so each float32 prefix sum adds at most a few hundred
 terms). The Gumbel-max `jax.random.categorical` it replaced drew one threefry
-number per vocabulary entry: at 49k entries that cost 15-28 ms of a batch-8/16
-decode step on this CPU against about 1-2 ms here (docs/generation.md,
-"Decode step"). Same distribution, different tokens for a given seed.
+number per vocabulary entry, a large share of a decode step at a 49k vocabulary on
+CPU (measured: docs/generation.md, "Second pass (issue 16)"). Same distribution,
+different tokens for a given seed.
 
 Two log-probs are returned per token:
 
@@ -44,7 +44,8 @@ _BLOCK = 256
 
 def argmax(x_BxV: jax.Array) -> jax.Array:
     """First index of each row's maximum (as `jnp.argmax`; XLA:CPU's variadic-reduce
-    argmax was 8x slower than this max + min over matching indices at 49k entries)."""
+    argmax measured slower than this max + min over matching indices at 49k entries:
+    docs/generation.md, "Second pass (issue 16)")."""
     v = x_BxV.shape[-1]
     is_max = x_BxV == jnp.max(x_BxV, axis=-1, keepdims=True)
     return jnp.min(jnp.where(is_max, jnp.arange(v, dtype=jnp.int32), v - 1), axis=-1)

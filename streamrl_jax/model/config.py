@@ -41,16 +41,14 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
-# Widest model whose trainer head runs blocked by default (`ModelConfig.blocked_head`).
-# Measured on 2 CPU cores: width 64 with a 49,152 vocabulary, the head's fwd + bwd 198 ->
-# 97 ms and the trainer's micro-batch 244 -> 175 ms on one core; width 576 (SmolLM2)
-# the head alone is faster (940 -> 772 ms at 1,024 positions) but the whole training
-# step 3-5% slower, so wide models keep the dense head.
+# Widest model whose trainer head runs blocked by default (`ModelConfig.blocked_head`):
+# the blocked head made the tiny model's (width 64) micro-batch faster, but SmolLM2's
+# (width 576) whole training step slower although its head alone gained, so wide models
+# keep the dense head (docs/trainer.md, "Vocabulary head").
 BLOCKED_HEAD_MAX_WIDTH = 128
-# Query rows per block of a full sequence's causal attention (`ModelConfig.causal_block`).
-# SmolLM2's training step at B=2, T=512 on 2 CPU cores: 3.41-3.52 s with the whole
-# masked square, 2.91-2.97 s with blocks of 128 (64: the same; 256: 3.11 s); at T=128 the
-# same either way.
+# Query rows per block of a full sequence's causal attention (`ModelConfig.causal_block`):
+# 128 beat the whole masked square and blocks of 256, and 64 did no better
+# (BENCHMARKS.md "Trainer fraction of peak"; the A/B: docs/benchmarks/model.md).
 CAUSAL_BLOCK = 128
 
 

@@ -194,10 +194,10 @@ def swiglu(h_NxE: jax.Array, gate_ExM: jax.Array, up_ExM: jax.Array, down_MxE: j
 
     Autodiff's backward fused the silu derivative and the gate-times-up product into
     the transposes that feed the weight-gradient matmuls (h^T dg, a^T dy): XLA:CPU wrote
-    those [M, N] operands element by element from strided reads, 14% of a SmolLM2 train
-    step (docs/trainer.md, "Where the step goes"). Here the elementwise results are
-    materialised row-major first, so the transposes are plain copies. Residuals: h and
-    the two projections (a is recomputed).
+    those [M, N] operands element by element from strided reads (their share of a
+    SmolLM2 train step: docs/trainer.md, "Where the step goes"). Here the elementwise
+    results are materialised row-major first, so the transposes are plain copies.
+    Residuals: h and the two projections (a is recomputed).
     """
     return _swiglu_fwd(h_NxE, gate_ExM, up_ExM, down_MxE)[0]
 

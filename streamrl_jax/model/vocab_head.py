@@ -11,10 +11,9 @@ idea (Wijmans et al., 2024) in plain JAX.
 
 Why: with the whole [C, V] logits of a sequence chunk materialised, the log-softmax,
 the entropy and their backward are passes over a buffer far larger than the caches
-(C = 128, V = 49,152: 25 MB), so a narrow model's head is memory-bound. On one core
-of the 2-core CPU this repository is measured on, fwd + bwd of 384 positions over
-SmolLM2's vocabulary: 198 -> 97 ms at width 64 (the `tiny` model), 748 -> 470 ms at
-width 576 (SmolLM2) (docs/trainer.md, "Vocabulary head").
+(C = 128, V = 49,152: 25 MB), so a narrow model's head is memory-bound. Blocked, the
+head's fwd + bwd is faster at both the `tiny` model's width and SmolLM2's; measured in
+docs/trainer.md, "Vocabulary head".
 
 Gradients, with p = softmax(l), E = sum_j p_j l_j, for cotangents g (log-prob) and
 k (entropy) of one position: d logp / d l_j = [j = target] - p_j and
@@ -29,7 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-BLOCK = 2048  # vocabulary entries per tile: [128, 2048] f32 = 1 MB (measured 1024-8192)
+BLOCK = 2048  # vocabulary entries per tile: [128, 2048] f32 = 1 MB (1024-8192 tried)
 _PAD_LOGIT = -1e30  # padded vocabulary entries: exp() underflows to 0, finite products
 
 

@@ -121,7 +121,7 @@ class TaskDataset(Sequence[Problem]):
             ]
 
     def _entry(self, index: int) -> dict[str, Any] | None:
-        """reasoning-gym regenerates an item on every access (countdown: ~0.1 s); memoise.
+        """reasoning-gym regenerates an item on every access (slow for countdown); memoise.
 
         Some generators raise for some seeds (basic_arithmetic: ZeroDivisionError
         inside its own expression evaluator); such an item is None, logged and counted.

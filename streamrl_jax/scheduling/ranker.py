@@ -23,9 +23,9 @@ some loss of resolution).
 
 Online refresh: `update(samples)` appends (prompt, length) pairs of finished samples to a
 bounded buffer of the most recent ones and takes `steps_per_update` small optimizer steps
-on it (~60 ms each with the SmolLM2 vocabulary on the 2-core CPU, dominated by AdamW
-over the embedding), so the caller's thread is never held for long and the ranker
-follows the length distribution as the policy drifts. No thread is started here (only
+on it (each dominated by AdamW over the embedding; its cost: docs/scheduling.md), so
+the caller's thread is never held for long and the ranker follows the length
+distribution as the policy drifts. No thread is started here (only
 scheduling/live.py starts threads); `score` and `update` may be called from different threads.
 """
 
