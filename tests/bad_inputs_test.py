@@ -27,7 +27,34 @@ def test_the_corpus_is_broad():
     assert len({case.name for case in corpus.CASES}) == len(corpus.CASES)
 
 
-@pytest.mark.parametrize("case", corpus.CASES, ids=lambda case: case.name)
+# The config-value cases all take launch's one config-error path, and every rule's message
+# is checked in-process by tests/config_test.py: a sample of them runs by default, the
+# rest under `-m extended` (the suite's 8-minute budget). Files, datasets, checkpoints,
+# model files, model output and network peers all run.
+_DEFAULT_CONFIG_CASES = {
+    "unknown field",
+    "unknown flag",
+    "missing config file",
+    "config file with a syntax error",
+    "advantage",
+    "staleness 0",
+    "min groups > prompts",
+    "all instances reserved",
+}
+
+
+def _marks(case):
+    config_only = case.kind == "launch" and case.files is None
+    if config_only and case.name not in _DEFAULT_CONFIG_CASES:
+        return pytest.param(case, marks=pytest.mark.extended, id=case.name)
+    return pytest.param(case, id=case.name)
+
+
+def test_the_default_sample_names_real_cases():
+    assert {case.name for case in corpus.CASES} >= _DEFAULT_CONFIG_CASES
+
+
+@pytest.mark.parametrize("case", [_marks(case) for case in corpus.CASES])
 def test_a_bad_input_is_a_clear_error(case):
     outcome, detail = corpus.run_case(case, timeout_s=120.0)
     assert outcome == "clear", detail
