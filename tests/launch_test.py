@@ -217,7 +217,7 @@ def test_launch_local_ends_a_refused_setting_with_status_2(tmp_path):
 
 def test_the_console_is_a_summary_and_a_progress_line_the_log_file_keeps_the_rest(tmp_path):
     # The suite's compile cache (conftest.py): the tiny model's programs are the in-process
-    # runs' (the cache's file lock keeps concurrent writers apart).
+    # runs'.
     workdir, cache = tmp_path / "run", jax.config.jax_compilation_cache_dir
     run = subprocess.run(
         [

@@ -48,7 +48,6 @@ class _Run:
         self.cfg, self.c, self.sup = parts.cfg, parts.components, parts.supervisor
         self.outcome = "failed"  # how the run ended, told to the generation side
         self.running: list[Running] = []  # the generation side, once started
-        self.loop: TrainerLoop | None = None
 
     def _busy(self) -> dict[str, bool]:
         return {
@@ -70,7 +69,7 @@ class _Run:
             weights[resume.batch] = c.weight_sync.transfer(c.state.params, resume.batch)[0]
         for v in sorted(weights):
             board.publish(v, weights[v])
-        self.loop = loop = TrainerLoop(parts, self.generation, start=resume.batch)
+        loop = TrainerLoop(parts, self.generation, start=resume.batch)
         threads = [
             self.sup.watchdog(self._busy, lambda: str(parts.stream.depth()), parts.interrupt)
         ]
