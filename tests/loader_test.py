@@ -264,6 +264,27 @@ def test_truncated_gguf(tmp_path, tiny_gguf):
         load_pretrained(str(path))
 
 
+def test_the_gguf_header_reads_as_the_gguf_library_reads_it(tmp_path):
+    # `read_header` (the tokenizer's and the config's path) against gguf.GGUFReader on the
+    # shipped SmolLM2 file: every metadata value and tensor name the same.
+    path = smollm2_gguf_path()
+    meta, names = gguf_loader.read_header(path)
+    reader = gguf_loader.open_gguf(path)
+    assert meta == gguf_loader.read_metadata(reader)
+    assert names == [t.name for t in reader.tensors]
+    with open(path, "rb") as f:
+        head = f.read(1 << 20)  # the header (~2 MB of vocabulary) cut short
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(head)
+    with pytest.raises(ValueError, match=r"cut.gguf: not a readable GGUF file \(truncated"):
+        gguf_loader.read_header(str(cut))
+    claim = bytearray(head[:24])
+    claim[16:24] = (1 << 62).to_bytes(8, "little")  # a metadata count no file holds
+    cut.write_bytes(bytes(claim) + b"\x05" * 64)
+    with pytest.raises(ValueError, match="cut.gguf"):
+        gguf_loader.read_header(str(cut))
+
+
 def test_unknown_architecture(tmp_path, llama_dir, tiny_gguf):
     shutil.copytree(llama_dir[0], tmp_path / "m")
     cfg_path = tmp_path / "m" / "config.json"

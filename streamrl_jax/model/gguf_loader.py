@@ -91,6 +91,95 @@ def read_metadata(reader: Any) -> dict[str, Any]:
     return {key: field.contents() for key, field in reader.fields.items()}
 
 
+# GGUF value types (llama.cpp's gguf.md): numpy dtypes of the fixed-size ones.
+_SCALARS = {
+    0: np.uint8,
+    1: np.int8,
+    2: np.uint16,
+    3: np.int16,
+    4: np.uint32,
+    5: np.int32,
+    6: np.float32,
+    7: np.bool_,
+    10: np.uint64,
+    11: np.int64,
+    12: np.float64,
+}
+_STRING, _ARRAY = 8, 9
+
+
+def read_header(path: str) -> tuple[dict[str, Any], list[str]]:
+    """(metadata, tensor names) of a GGUF file (v2/v3), read straight from its header.
+
+    The same values as `read_metadata` (strings as `str`, arrays as lists), without
+    `gguf.GGUFReader`'s element-by-element parse, which takes seconds for a vocabulary of
+    strings (the tokenizer and the config are all that most runs read). The file is
+    untrusted: every length is checked against the file before it is read.
+
+    Raises:
+      FileNotFoundError: `path` does not exist.
+      UserError: not a GGUF file, or truncated or corrupt (naming where).
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f:
+        buf = np.memmap(f, dtype=np.uint8, mode="r") if os.path.getsize(path) else b""
+    data = memoryview(buf)
+    at = 0
+
+    def take(n: int, what: str) -> memoryview:
+        nonlocal at
+        if n < 0 or at + n > len(data):
+            raise UserError(f"{path}: not a readable GGUF file (truncated or corrupt? {what})")
+        out, at = data[at : at + n], at + n
+        return out
+
+    def scalar(dtype: Any, what: str) -> Any:
+        return np.frombuffer(take(np.dtype(dtype).itemsize, what), dtype, 1)[0].item()
+
+    def string(what: str) -> str:
+        raw = take(scalar(np.uint64, what), what)
+        try:
+            return bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{path}: {what} is not UTF-8 ({e})") from None
+
+    def value(kind: int, what: str) -> Any:
+        if kind in _SCALARS:
+            return scalar(_SCALARS[kind], what)
+        if kind == _STRING:
+            return string(what)
+        if kind != _ARRAY:
+            raise UserError(f"{path}: {what} has an unknown GGUF value type {kind}")
+        item, count = scalar(np.uint32, what), scalar(np.uint64, what)
+        if item in _SCALARS:
+            dtype = np.dtype(_SCALARS[item])
+            return np.frombuffer(take(count * dtype.itemsize, what), dtype).tolist()
+        if count > len(data):  # each element takes at least a byte
+            raise UserError(f"{path}: {what} claims {count} elements")
+        return [value(item, what) for _ in range(count)]
+
+    if bytes(take(4, "magic")) != b"GGUF":
+        raise UserError(f"{path}: not a GGUF file (no GGUF magic)")
+    version = scalar(np.uint32, "version")
+    if version not in (2, 3):
+        raise UserError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+    n_tensors, n_kv = scalar(np.uint64, "tensor count"), scalar(np.uint64, "metadata count")
+    # The header's own fields, as `gguf.GGUFReader` lists them too.
+    meta: dict[str, Any] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors}
+    meta["GGUF.kv_count"] = n_kv
+    for i in range(n_kv):
+        key = string(f"metadata key {i}")
+        meta[key] = value(scalar(np.uint32, key), key)
+    names = []
+    for i in range(n_tensors):
+        name = string(f"tensor {i}'s name")
+        dims = scalar(np.uint32, name)
+        take(8 * dims + 4 + 8, name)  # its dims, type and offset
+        names.append(name)
+    return meta, names
+
+
 def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], path: str) -> ModelConfig:
     """ModelConfig from GGUF metadata.
 
@@ -141,10 +230,13 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], path: str
 
 
 def describe_gguf(path: str, reader: Any = None) -> tuple[ModelConfig, dict[str, Any]]:
-    """(config, metadata) of a GGUF file; no tensor data is read."""
-    reader = open_gguf(path) if reader is None else reader
-    meta = read_metadata(reader)
-    return config_from_metadata(meta, {t.name for t in reader.tensors}, path), meta
+    """(config, metadata) of a GGUF file; no tensor data is read (`reader`: an open
+    `gguf.GGUFReader` to take them from, else the header is read directly)."""
+    if reader is None:
+        meta, names = read_header(path)
+    else:
+        meta, names = read_metadata(reader), [t.name for t in reader.tensors]
+    return config_from_metadata(meta, set(names), path), meta
 
 
 def read_gguf(path: str) -> GGUFContents:

@@ -147,7 +147,7 @@ class Tokenizer:
         """From a GGUF file's metadata (no weights are read)."""
         from streamrl_jax.model import gguf_loader
 
-        return cls.from_gguf_metadata(gguf_loader.read_metadata(gguf_loader.open_gguf(path)), path)
+        return cls.from_gguf_metadata(gguf_loader.read_header(path)[0], path)
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], source: str = "GGUF") -> Tokenizer:
