@@ -108,3 +108,22 @@ def test_progress_on_a_terminal_redraws_one_bar():
     last = out.getvalue().split("\r")[-1]
     assert last.startswith("step 2/4 ") and "acc 0.250" in last and "eval acc 0.750" in last
     assert "\n" not in out.getvalue().rstrip("\n")  # redrawn in place, never a new line
+
+
+def test_every_step_has_a_row_with_or_without_an_update(tmp_path):
+    # A step that applied no update (dynamic sampling skipped every group, a partial
+    # rollout round completed none) has no device metrics; its row is written anyway.
+    import jax.numpy as jnp
+
+    from streamrl_jax.pipeline.step_metrics import StepMeter
+
+    writer = MetricsWriter(str(tmp_path), tensorboard=False)
+    meter = StepMeter(writer, start=3)
+    meter.add({"reward": 0.5}, [2], [{"loss": jnp.float32(1.0)}])
+    meter.add({"reward": 0.0}, [], [])  # no update
+    meter.add({"reward": 0.25}, [4], [{"loss": jnp.float32(2.0)}])
+    meter.flush()
+    writer.close()
+    rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [3, 4, 5]
+    assert [r.get("loss") for r in rows] == [1.0, None, 2.0]

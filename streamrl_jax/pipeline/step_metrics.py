@@ -199,20 +199,24 @@ class StepMeter:
         self.rows: list[dict[str, float]] = []  # per trained step (from `start`)
         self.versions: list[list[int]] = []  # per step, every trained sample's version
         self._pending: list[dict[str, jax.Array]] = []
+        self._unwritten = False  # the last row waits for its device metrics
 
     def add(self, row: dict[str, float], versions: list[int], device: list[dict]) -> None:
         """Records a step; its `device` metrics are fetched when the next step is added
-        (or at `flush`), after that step's work is dispatched."""
+        (or at `flush`), after that step's work is dispatched. A step that applied no
+        update (nothing accumulated) has none: its row is written all the same."""
         self.flush()
         self.rows.append(row)
         self.versions.append(versions)
-        self._pending = device
+        self._pending, self._unwritten = device, True
 
     def flush(self) -> None:
         """Fetches the pending device metrics and writes the last row."""
-        if self._pending and self.rows:
-            self.rows[-1].update(fetch(self._pending))
+        if self._unwritten:
+            if self._pending:
+                self.rows[-1].update(fetch(self._pending))
             self.writer.write(self.start + len(self.rows) - 1, self.rows[-1])
+            self._unwritten = False
         self._pending = []
 
     @property
