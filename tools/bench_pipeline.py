@@ -207,6 +207,7 @@ def _inflight(max_new_tokens: int, pipeline: dict) -> dict:
     return {
         "mode": "stream_async",
         "weight_update": "inflight",
+        "rollout": "partial",
         "partial_budget_tokens": -(-max_new_tokens // INFLIGHT_ROUNDS),
         "max_lag": pipeline.get("staleness", 1) + INFLIGHT_ROUNDS - 1,
     }
