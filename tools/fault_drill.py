@@ -63,7 +63,7 @@ from absl import app, flags
 
 _KILLS = flags.DEFINE_integer("kills", 10, "SIGKILLs before the run may finish.")
 _STEPS = flags.DEFINE_integer(
-    "steps", 60, "Training steps of the drilled run (enough that K kills land before the end)."
+    "steps", 120, "Training steps of the drilled run (enough that K kills land before the end)."
 )
 _MAX = flags.DEFINE_float(
     "max_delay", 5.0, "A running leg is killed uniformly within this many seconds (s)."
