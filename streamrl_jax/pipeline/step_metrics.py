@@ -198,8 +198,9 @@ class StepMeter:
         self.writer, self.start = writer, start
         self.rows: list[dict[str, float]] = []  # per trained step (from `start`)
         self.versions: list[list[int]] = []  # per step, every trained sample's version
-        self._pending: list[dict[str, jax.Array]] = []
-        self._unwritten = False  # the last row waits for its device metrics
+        # The last row's device metrics, fetched and the row written at the next `add`
+        # or `flush`; None: no row waits ([]: a row without any, e.g. no update).
+        self._pending: list[dict[str, jax.Array]] | None = None
 
     def add(self, row: dict[str, float], versions: list[int], device: list[dict]) -> None:
         """Records a step; its `device` metrics are fetched when the next step is added
@@ -208,16 +209,16 @@ class StepMeter:
         self.flush()
         self.rows.append(row)
         self.versions.append(versions)
-        self._pending, self._unwritten = device, True
+        self._pending = device
 
     def flush(self) -> None:
         """Fetches the pending device metrics and writes the last row."""
-        if self._unwritten:
-            if self._pending:
-                self.rows[-1].update(fetch(self._pending))
-            self.writer.write(self.start + len(self.rows) - 1, self.rows[-1])
-            self._unwritten = False
-        self._pending = []
+        if self._pending is None:
+            return
+        if self._pending:
+            self.rows[-1].update(fetch(self._pending))
+        self.writer.write(self.start + len(self.rows) - 1, self.rows[-1])
+        self._pending = None
 
     @property
     def samples(self) -> int:
