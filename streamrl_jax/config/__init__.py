@@ -8,21 +8,19 @@ before any model loads, with a message naming the field
 dataclasses, never a ConfigDict or flags.
 
 * `sections`: the sections and the registry names each field may take.
-* `rules`: what every field accepts (`RULES`) and every rule on which settings combine:
-  `validate` (the config alone) and `check` (with the process counts, `Processes`).
+* `fields`: what every field accepts (`RULES`, `check_section`).
+* `rules`: every rule on which settings combine: `validate` (the config alone) and
+  `check` (with the process counts, `Processes`).
 * `parse`: ConfigDict -> `ExperimentConfig` (`from_config_dict`), and back.
 """
 
+from streamrl_jax.config.fields import RULES, check_section, task_configs, task_names
 from streamrl_jax.config.parse import defaults, from_config_dict, to_config_dict
 from streamrl_jax.config.rules import (
     NO_RESUME_ACROSS_PROCESSES,
-    RULES,
     Processes,
     check,
-    check_section,
     check_training_split,
-    task_configs,
-    task_names,
     validate,
 )
 from streamrl_jax.config.sections import (

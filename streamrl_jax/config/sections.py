@@ -1,7 +1,7 @@
 """The experiment config's sections: frozen, keyword-only dataclasses, a comment a field.
 
 Every registry name a field may take is a tuple here, as the user writes it;
-`rules.py` checks them (and every numeric range), `parse.py` builds these from
+`fields.py` checks them (and every numeric range), `parse.py` builds these from
 a ConfigDict.
 """
 
