@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grain
@@ -42,10 +42,22 @@ class Prompt:
     tokens: tuple[int, ...]
 
 
-def tokenize(problem: Problem, tokenizer: Tokenizer, system_prompt: str = "") -> Prompt:
-    """The chat-templated prompt; "" uses the default system prompt of `rewards.tasks`."""
-    messages = chat_messages(problem.question, *([system_prompt] if system_prompt else []))
-    text = tokenizer.apply_chat_template(messages)
+Messages = Callable[[Problem], list[dict[str, str]]]
+
+
+def tokenize(
+    problem: Problem,
+    tokenizer: Tokenizer,
+    system_prompt: str = "",
+    messages: Messages | None = None,
+) -> Prompt:
+    """The chat-templated prompt: `messages(problem)` (an environment's first messages),
+    else the question after `system_prompt` ("" uses `rewards.tasks`' default)."""
+    if messages is not None:
+        convo = messages(problem)
+    else:
+        convo = chat_messages(problem.question, *([system_prompt] if system_prompt else []))
+    text = tokenizer.apply_chat_template(convo)
     return Prompt(problem=problem, tokens=tuple(tokenizer.encode(text)))
 
 
@@ -61,6 +73,7 @@ class PromptPipeline:
         seed: int,
         overlong: str = "error",
         system_prompt: str = "",
+        messages: Messages | None = None,
     ):
         if overlong not in ("error", "drop", "truncate"):
             raise ValueError(f"overlong={overlong!r}; expected 'error', 'drop' or 'truncate'")
@@ -72,7 +85,7 @@ class PromptPipeline:
         self.dropped_overlong = 0
         self.truncated_overlong = 0
         self.consumed = 0
-        length = lambda p: len(tokenize(p, tokenizer, system_prompt).tokens)  # noqa: E731
+        length = lambda p: len(tokenize(p, tokenizer, system_prompt, messages).tokens)  # noqa: E731
         if overlong == "drop" and not any(length(p) <= max_prompt_len for p in dataset):
             # Drawing would spin for ever: fail at start-up (the scan stops at the first
             # prompt that fits, so a usable dataset costs one tokenisation here).
@@ -82,7 +95,7 @@ class PromptPipeline:
                 "data.overlong_prompts='drop' every one would be dropped"
             )
         ds = grain.MapDataset.range(len(dataset)).shuffle(seed=seed).repeat()
-        ds = ds.map(lambda i: tokenize(dataset[int(i)], tokenizer, system_prompt))
+        ds = ds.map(lambda i: tokenize(dataset[int(i)], tokenizer, system_prompt, messages))
         self._iter = ds.to_iter_dataset().__iter__()
 
     def next_prompts(self, n: int) -> list[Prompt]:
@@ -158,6 +171,7 @@ def make_requests(
     id_prefix: str = "train",
     length_replay: bool = False,
     first_group: int = 0,
+    keep_kv: bool = False,
 ) -> list[GenerationRequest]:
     """`group_size` requests per prompt of global batch `batch`.
 
@@ -168,7 +182,8 @@ def make_requests(
     Each request's tag: `batch`, `group` (index of the prompt in the batch),
     `member`, `prompt_id`; its metadata: the problem's (`task`, `entry`: what the
     reward function scores against). Groups are numbered from `first_group` (dynamic
-    sampling's replacement prompts continue a batch's numbering).
+    sampling's replacement prompts continue a batch's numbering). `keep_kv`: each
+    request is an episode's first turn (`GenerationRequest.keep_kv`).
     """
     forced = [None] * (len(prompts) * group_size)
     if length_replay:
@@ -189,6 +204,7 @@ def make_requests(
                         batch=batch, group=g, member=m, prompt_id=prompt.problem.prompt_id
                     ),
                     metadata=prompt.problem.metadata,
+                    keep_kv=keep_kv,
                 )
             )
     return out

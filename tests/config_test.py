@@ -381,6 +381,11 @@ def test_registry_names_equal_the_registries():
     assert set(config_lib.BAD_ROWS) == set(jsonl.ON_BAD_ROW)
     assert config_lib.WEIGHT_DTYPES == quant.WEIGHT_DTYPES
     assert config_lib.CPU_DOTS == engine_config.CPU_DOTS
+    from streamrl_jax import environments
+    from streamrl_jax.environments import tool_calls
+
+    assert ("", *environments.ENVIRONMENTS) == config_lib.ENVIRONMENTS
+    assert config_lib.TOOL_FORMATS == tool_calls.TOOL_FORMATS
 
 
 REGISTRY_FIELDS = [
@@ -406,6 +411,8 @@ REGISTRY_FIELDS = [
     "scheduling.dispatch",
     "scheduling.objective",
     "scheduling.planner",
+    "environment.name",
+    "environment.tool_format",
 ]
 
 
@@ -455,7 +462,7 @@ def test_every_numeric_and_registry_field_has_a_rule():
             ruled = name in config_lib.RULES[cls] or path in FREE_TEXT
             if hint in (int, float, str) and not ruled:
                 missing.append(path)
-    assert len(sections) == 14 and not missing, missing
+    assert len(sections) == 16 and not missing, missing
 
 
 @pytest.mark.parametrize(

@@ -470,3 +470,96 @@ def test_shared_prefill_never_forks_across_a_weight_update(model):
         out.append(by_id(got + engine.run()))
     assert_bitwise(*out)
     assert any(s.policy_version == 1 for s in out[1].values())
+
+
+def next_turn(req: GenerationRequest, sample, env_tokens: list[int], per_turn: int):
+    """An episode's next turn: the sample's response, then the environment's tokens
+    (policy mask False), the policy's budget `per_turn` more tokens."""
+    c = Continuation.of(sample)
+    k = len(env_tokens)
+    mask = np.ones(sample.num_tokens, bool) if c.policy_mask is None else c.policy_mask
+    cont = Continuation(
+        tokens=np.concatenate([c.tokens, np.asarray(env_tokens, np.int32)]),
+        logprobs=np.concatenate([c.logprobs, np.zeros(k, np.float32)]),
+        sampling_logprobs=np.concatenate([c.sampling_logprobs, np.zeros(k, np.float32)]),
+        versions=np.concatenate([c.versions, np.zeros(k, np.int32)]),
+        admit=c.admit,
+        policy_mask=np.concatenate([mask, np.zeros(k, bool)]),
+    )
+    return dataclasses.replace(req, continuation=cont, max_new_tokens=cont.policy_tokens + per_turn)
+
+
+def test_an_episode_turn_extends_the_kept_kv_as_a_re_prefill_would(model):
+    # Multi-turn episodes: a `keep_kv` request's slot stays reserved once it ends; its
+    # next turn (the response plus environment tokens, policy mask False) is appended
+    # to that KV in place. It must draw what re-prefilling the whole history draws:
+    # the same tokens, log-probs within 1e-4 (prefill vs extend float order).
+    reqs = requests(4, seed=5, max_new_tokens=6, keep_kv=True)
+    rng = np.random.default_rng(1)
+    env = [rng.integers(0, CFG.vocab_size, size=n).tolist() for n in (3, 9, 1, 5)]
+    kept = make_engine(model)
+    fresh = make_engine(model)  # no slot kept: every continuation re-prefills
+    samples = by_id(kept.run(reqs))
+    assert kept.num_held == 4 and kept.num_running == 0
+    assert all(kept.holding(r.request_id) for r in reqs)
+    turns = [next_turn(r, samples[r.request_id], env[i], 5) for i, r in enumerate(reqs)]
+    extended = by_id(kept.run(turns))
+    reprefilled = by_id(fresh.run([dataclasses.replace(t, keep_kv=False) for t in turns]))
+    m, f = kept.metrics(), fresh.metrics()
+    assert (m["extended"], m["reprefilled"], f["extended"]) == (4, 0, 0)
+    assert m["extended_tokens"] == sum(len(e) + 1 for e in env)  # + each last policy token
+    for rid, s in extended.items():
+        ref = reprefilled[rid]
+        np.testing.assert_array_equal(s.response, ref.response)
+        np.testing.assert_allclose(s.logprobs, ref.logprobs, atol=1e-4)
+        first, k = samples[rid].num_tokens, len(env[rid])
+        np.testing.assert_array_equal(s.response[:first], samples[rid].response)
+        policy = np.ones(s.num_tokens, bool)
+        policy[first : first + k] = False
+        want_mask = policy
+        np.testing.assert_array_equal(s.policy_mask, want_mask)
+        np.testing.assert_array_equal(s.logprobs[first : first + k], 0.0)
+        assert s.num_tokens - first - k <= 5  # the turn's own budget
+    # A continuation that does not extend what the slot holds re-prefills (counted).
+    kept.release(1)
+    assert not kept.holding(1) and kept.num_held == 3
+    tampered = next_turn(reqs[0], extended[0], [1, 2], 3)
+    tampered.continuation.tokens[0] = (tampered.continuation.tokens[0] + 1) % CFG.vocab_size
+    kept.run([tampered])
+    assert kept.metrics()["reprefilled"] == 1
+
+
+def test_kept_slots_are_reserved_and_overdue_ones_given_up(model):
+    engine = make_engine(model, kv_hold_s=0.0)
+    held = requests(4, seed=2, max_new_tokens=3, keep_kv=True)
+    engine.run(held)
+    assert engine.num_held == 4
+    # Four new requests need slots: every kept slot is overdue (kv_hold_s=0) and given up.
+    engine.run(requests(4, seed=3, max_new_tokens=2))
+    assert engine.num_held == 0
+    patient = make_engine(model)  # kv_hold_s=120: two kept, the others wait for two slots
+    patient.run(held[:2])
+    patient.submit(requests(3, seed=4, max_new_tokens=20, sampling=SamplingParams.greedy()))
+    patient.step()
+    assert patient.num_running == 2 and patient.queue_length == 1 and patient.num_held == 2
+
+
+def test_an_episode_whose_next_turn_runs_on_new_weights_keeps_each_tokens_version(model):
+    # In-flight updates: the weights change while an episode waits for its environment.
+    # Its next turn is sampled by W_1 (version 1; the kept KV of its first turn stays
+    # W_0's, as a running sample's does at an in-flight update); its first turn keeps
+    # W_0's tokens and log-probs, version 0.
+    _, _, params1 = model
+    engine = make_engine(model)
+    (req,) = requests(1, seed=9, max_new_tokens=5, keep_kv=True)
+    (first,) = engine.run([req])
+    engine.update_weights(params1, 1)
+    turn = next_turn(req, first, [3, 4, 5], 6)
+    (second,) = engine.run([turn])
+    k = first.num_tokens
+    np.testing.assert_array_equal(second.response[:k], first.response)
+    np.testing.assert_array_equal(second.logprobs[:k], first.logprobs)
+    v = second.versions()
+    assert v[:k].tolist() == [0] * k and v[k + 3 :].tolist() == [1] * (second.num_tokens - k - 3)
+    assert (second.oldest_version, second.newest_version) == (0, 1)
+    assert engine.metrics()["extended"] == 1

@@ -34,6 +34,7 @@ LAYERS = (
         "stream",
         "scheduling",
         "rewards",
+        "environments",
         "data",
         "checkpoint",
         "metrics",

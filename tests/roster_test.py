@@ -20,6 +20,7 @@ from streamrl_jax.pipeline.driver import DriverPlan, GenerationDriver, Whole
 from streamrl_jax.pipeline.processes.roster import Roster, RosterUpdate, owner, regenerate
 from streamrl_jax.pipeline.processes.roster_share import RosterShare
 from streamrl_jax.pipeline.requests import Requests
+from streamrl_jax.pipeline.rollouts import Returned
 from streamrl_jax.pipeline.schedules import Schedule
 
 
@@ -163,7 +164,11 @@ class _SlowService:
     def submit(self, requests, instances=None):
         for r in requests:
             sample = types.SimpleNamespace(
-                tag=r.tag, finish_reason="length", prompt=r.prompt, num_tokens=4
+                request_id=r.request_id,
+                tag=r.tag,
+                finish_reason="length",
+                prompt=r.prompt,
+                num_tokens=4,
             )
             threading.Timer(0.2, self.out.put, (sample,)).start()
 
@@ -175,6 +180,9 @@ class _SlowService:
 
     def update_weights(self, weights, version):
         self.swaps.append((version, self.driver.pending()))
+
+    def release(self, request_id):
+        del request_id  # no slot is kept here
 
 
 class _Again(Whole):
@@ -206,7 +214,7 @@ def test_groups_generated_again_while_waiting_for_weights_finish_before_the_swap
     # span versions.
     service = _SlowService()
     live = types.SimpleNamespace(observe=lambda prompt, tokens: None)
-    rollout = types.SimpleNamespace(returned=lambda s: (s, []))
+    rollout = types.SimpleNamespace(returned=lambda s: Returned(s, []))
     plan = DriverPlan(schedule=ASYNC, start=0, steps=3, loaded_version=1, held_out=(), timeout=30)
     share = _Again(1, _requests(2, groups=1, members=2))
     driver = GenerationDriver(

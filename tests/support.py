@@ -64,10 +64,20 @@ def tiny_config(**overrides: Any) -> ExperimentConfig:
     Returns:
       The validated experiment config.
     """
-    spec = importlib.util.spec_from_file_location("qs", os.path.join(ROOT, "configs/quickstart.py"))
+    return config_file("configs/quickstart.py", "tiny", **overrides)
+
+
+def agent_config(**overrides: Any) -> ExperimentConfig:
+    """`configs/agent.py:tiny` (episodes with the calculator) with overrides."""
+    return config_file("configs/agent.py", "tiny", **overrides)
+
+
+def config_file(path: str, arg: str, **overrides: Any) -> ExperimentConfig:
+    """`path:arg` as a typed config, with `section__field=value` overrides."""
+    spec = importlib.util.spec_from_file_location("cfg", os.path.join(ROOT, path))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    cd = module.get_config("tiny").to_dict()
+    cd = module.get_config(arg).to_dict()
     for dotted, value in overrides.items():
         section, key = dotted.split("__")
         cd[section][key] = value
@@ -93,7 +103,7 @@ def param_arrays(result: RunResult) -> list[np.ndarray]:
 
 def pipeline_threads() -> list[str]:
     """Names of the pipeline's threads still alive: empty once a run has ended."""
-    names = ("generation-driver", "collector", "sgs-instance", "reward")
+    names = ("generation-driver", "collector", "sgs-instance", "reward", "episode-env", "tool")
     return [t.name for t in threading.enumerate() if t.name.startswith(names)]
 
 

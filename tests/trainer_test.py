@@ -529,3 +529,45 @@ def test_a_packed_micro_batch_trains_its_groups_and_nothing_else(single):
     parts = [grads(idx)[0] for idx in ([0, 1, 4, 5], [2, 3, 6, 7])]
     summed = jax.tree.map(np.add, *parts)
     assert _max_diff(together, summed) <= 2e-6 * _max_abs(together)
+
+
+def test_environment_tokens_are_never_trained(single):
+    """Episodes: the tokens an environment appended (policy mask False) get loss mask 0.
+    A one-turn episode (mask all True) is today's single-turn sample, bitwise; whatever
+    the masked tokens' log-probs and advantages are, the gradient is the same; with every
+    token masked it is exactly zero."""
+    state, one = single.init_state(0), single.scalar(1.0)
+    kw = dict(seq_buckets=CFG.seq_buckets, batch_buckets=CFG.batch_buckets)
+    samples = _samples(seed=3)
+    rng = np.random.default_rng(4)
+    samples["advantages"] = [
+        rng.normal(size=len(r)).astype(np.float32) for r in samples["responses"]
+    ]
+
+    def grads(fields, masks):
+        host = make_batch(**fields, policy_masks=masks, **kw)
+        acc, _ = single.accumulate(state, single.init_accumulator(), single.place_batch(host), one)
+        return _host(acc.grads), host
+
+    plain, plain_host = grads(samples, None)
+    one_turn, one_turn_host = grads(samples, [np.ones(len(r), bool) for r in samples["responses"]])
+    jax.tree.map(np.testing.assert_array_equal, plain_host, one_turn_host)
+    assert _max_diff(plain, one_turn) == 0.0
+
+    masks = []
+    for r in samples["responses"]:  # the middle third of each response: environment tokens
+        m = np.ones(len(r), bool)
+        m[len(r) // 3 : 2 * len(r) // 3] = False
+        masks.append(m)
+    masked, host = grads(samples, masks)
+    assert host.loss_mask.sum() == sum(int(m.sum()) for m in masks)
+    garbage = {k: v for k, v in samples.items()}
+    for name in ("behaviour_logp", "old_logp", "ref_logp", "advantages"):
+        garbage[name] = [
+            np.where(m, x, rng.normal(-3.0, 5.0, len(x))).astype(np.float32)
+            for x, m in zip(samples[name], masks, strict=True)
+        ]
+    assert _max_diff(masked, grads(garbage, masks)[0]) == 0.0
+    assert _max_diff(masked, plain) > 0.0  # the masked tokens were trained before
+    none = [np.zeros(len(r), bool) for r in samples["responses"]]
+    assert _max_abs(grads(samples, none)[0]) == 0.0

@@ -81,6 +81,11 @@ def _c(name: str, flag: str, expect: str) -> Case:
     return Case(name, "launch", expect, (flag,))
 
 
+def _agent(name: str, flag: str, expect: str) -> Case:
+    """A case of the episodes job (`configs/agent.py:tiny`)."""
+    return Case(name, "launch", expect, ("--config=configs/agent.py:tiny", flag))
+
+
 ROW = '{"question": "1+1?", "answer": 2}\n'
 EVAL = _write("eval.jsonl", '{"question": "2+2?", "answer": 4}\n')
 
@@ -296,6 +301,35 @@ CASES: list[Case] = [
         "reward",
         "score",
         answer="<answer>__import__('pathlib').Path('{root}/pwned').touch()</answer>",
+    ),
+    # ---- episodes (configs/agent.py)
+    _agent(
+        "unknown environment", "--config.environment.name=weather", "environment.name='weather'"
+    ),
+    _agent(
+        "tool format without a parser",
+        "--config.environment.tool_format=hermes",
+        "environment.tool_format='hermes': this model's vocabulary has no <tool_call>",
+    ),
+    _agent(
+        "turn limits past the context",
+        "--config.environment.max_episode_tokens=500",
+        "exceeds model.max_context",
+    ),
+    _agent(
+        "turn cap leaving no second turn",
+        "--config.generation.max_new_tokens=96",
+        "or a second turn never fits",
+    ),
+    _agent(
+        "episodes without an environment",
+        "--config.environment.name=",
+        "needs the 'episodes' wrapper",
+    ),
+    _agent(
+        "an environment with GAE",
+        "--config.algorithm.advantage=gae",
+        "algorithm.advantage='gae' with an environment",
     ),
     Case(
         "answer that runs a shell",

@@ -23,6 +23,7 @@ from streamrl_jax.config.sections import (
     CPU_DOTS,
     DISPATCHES,
     DTYPES,
+    ENVIRONMENTS,
     KL_ESTIMATORS,
     LAG_POLICIES,
     LR_SCHEDULES,
@@ -37,6 +38,7 @@ from streamrl_jax.config.sections import (
     REWARDS,
     ROLLOUT_WRAPPERS,
     ROLLOUTS,
+    TOOL_FORMATS,
     WEIGHT_DTYPES,
     WEIGHT_TRANSPORTS,
     WEIGHT_UPDATES,
@@ -46,6 +48,7 @@ from streamrl_jax.config.sections import (
     ConfigError,
     CriticSection,
     DataSection,
+    EnvironmentSection,
     EvalSection,
     ExperimentConfig,
     GenerationSection,
@@ -56,6 +59,7 @@ from streamrl_jax.config.sections import (
     PipelineSection,
     SchedulingSection,
     TrainerSection,
+    WarmupSection,
 )
 
 
@@ -194,7 +198,17 @@ RULES: dict[type, dict[str, _Rule]] = {
         "reward_memory_mb": _at_least(64),
     },
     EvalSection: {"every": _NONNEG, "num_problems": _NONNEG},
+    EnvironmentSection: {
+        "name": _one_of(ENVIRONMENTS),
+        "tool_format": _one_of(TOOL_FORMATS),
+        **dict.fromkeys(("max_turns", "max_attempts", "workers", "tool_output_chars"), _COUNT),
+        "max_episode_tokens": _NONNEG,
+        "attempt_discount": _unit(open_low=True),
+        "tool_timeout_s": _POSITIVE,
+        "tool_memory_mb": _at_least(64),
+    },
     LogSection: {},
+    WarmupSection: {"steps": _NONNEG, "batch": _COUNT, "learning_rate": _POSITIVE},
     SchedulingSection: {
         "dispatch": _one_of(DISPATCHES),
         "objective": _one_of(OBJECTIVES),

@@ -105,6 +105,7 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         )
     if kind == "dynamic_sampling":
         _check_dynamic_sampling(p)
+    _check_environment(cfg)
     a = cfg.algorithm
     require(
         g.weight_dtype != "int8" or a.tis_cap > 0,
@@ -201,6 +202,73 @@ def _check_mesh(mode: str, m: MeshSection) -> None:
         f"mesh.instance_slots names {slots} instances but mesh.generate_devices / "
         f"mesh.instance_tp = {m.generate_devices} / {m.instance_tp} makes "
         f"{m.generate_devices // m.instance_tp}",
+    )
+
+
+def episode_tokens(cfg: ExperimentConfig) -> int:
+    """An episode's token budget after its prompt (`environment.max_episode_tokens`, or
+    what `model.max_context` leaves after the longest prompt)."""
+    e = cfg.environment
+    return e.max_episode_tokens or cfg.model.max_context - cfg.generation.max_prompt_len
+
+
+def _check_environment(cfg: ExperimentConfig) -> None:
+    """Episodes (docs/episodes.md): the rollout wrapper, the limits, what they refuse."""
+    e, p, g = cfg.environment, cfg.pipeline, cfg.generation
+    wrappers, kind = rollout_names(p.rollout)
+    require(
+        bool(e.name) == ("episodes" in wrappers),
+        f"environment.name={e.name!r} and pipeline.rollout={p.rollout!r}: an environment "
+        "needs the 'episodes' wrapper (e.g. pipeline.rollout='episodes+full') and the "
+        "wrapper an environment",
+    )
+    require(
+        cfg.warmup.steps == 0 or bool(e.name),
+        f"warmup.steps={cfg.warmup.steps}: the warm-up trains on an environment's "
+        "demonstrations; set environment.name",
+    )
+    if not e.name:
+        return
+    require(
+        wrappers[-1] == "episodes",
+        f"pipeline.rollout={p.rollout!r}: 'episodes' must wrap the kind directly (the "
+        "last wrapper before it)",
+    )
+    require(
+        kind != "partial",
+        "pipeline.rollout='episodes+partial': partial rollout of episodes is not built yet "
+        "(issue 36); use 'episodes+full' or 'episodes+dynamic_sampling'",
+    )
+    budget = episode_tokens(cfg)
+    require(
+        g.max_prompt_len + budget <= cfg.model.max_context,
+        f"environment.max_episode_tokens ({e.max_episode_tokens}) + generation.max_prompt_len "
+        f"({g.max_prompt_len}) exceeds model.max_context ({cfg.model.max_context})",
+    )
+    require(
+        g.max_new_tokens < budget,
+        f"generation.max_new_tokens ({g.max_new_tokens}, each turn's cap) must be below the "
+        f"episode's token budget ({budget}: environment.max_episode_tokens, or "
+        "model.max_context - generation.max_prompt_len), or a second turn never fits",
+    )
+    require(
+        e.max_turns >= 2 or e.name == "retry",
+        f"environment.max_turns={e.max_turns}: a tool environment needs >= 2 turns (a call, "
+        "then the answer)",
+    )
+    require(
+        cfg.algorithm.advantage != "gae",
+        "algorithm.advantage='gae' with an environment: the critic's GAE would run over the "
+        "environment's tokens; use an outcome estimator (grpo, rloo, ...)",
+    )
+    require(
+        cfg.algorithm.overlong_buffer == 0,
+        "algorithm.overlong_buffer > 0 with an environment: an episode's length holds the "
+        "environment's tokens; the per-turn and per-episode limits bound it instead",
+    )
+    require(
+        not g.length_replay,
+        "generation.length_replay with an environment: forced lengths replay single-turn samples",
     )
 
 
@@ -327,6 +395,11 @@ def check(cfg: ExperimentConfig, processes: Processes) -> ExperimentConfig:
         "curriculum" not in wrappers,
         f"pipeline.rollout={p.rollout!r}: the curriculum runs in one process only; this run "
         f"has {n}: the generation processes cannot see the outcomes that weigh the draws",
+    )
+    require(
+        "episodes" not in wrappers,
+        f"pipeline.rollout={p.rollout!r}: episodes across processes are not built yet "
+        f"(issue 36); this run has {n}",
     )
     partial = kind == "partial"
     require(

@@ -32,7 +32,11 @@ WEIGHT_UPDATES = ("boundary", "inflight")
 LAG_POLICIES = ("drop", "regenerate")
 # pipeline.rollout: a kind, after optional wrappers joined with "+" (pipeline/rollouts/).
 ROLLOUTS = ("full", "dynamic_sampling", "partial")
-ROLLOUT_WRAPPERS = ("curriculum",)
+ROLLOUT_WRAPPERS = ("curriculum", "episodes")
+# environment.name (streamrl_jax/environments/): "" = single-turn samples, no environment.
+ENVIRONMENTS = ("", "calculator", "retry")
+# environment.tool_format (environments/tool_calls.py): "auto" = the model's convention.
+TOOL_FORMATS = ("auto", "hermes", "simple")
 # The generation copy's matrices (generation/quant.py): "auto" = model.generate_dtype,
 # "int8" = per-channel int8 weights with W8A8 matmuls (needs algorithm.tis_cap > 0).
 WEIGHT_DTYPES = ("auto", "int8")
@@ -260,6 +264,36 @@ class EvalSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class EnvironmentSection:
+    """Multi-turn episodes (docs/episodes.md): with a name, `pipeline.rollout` starts with
+    "episodes+" and every sample (held-out ones too) is an episode of this environment."""
+
+    name: str = ""  # "" (single-turn) | "calculator" | "retry"
+    tool_format: str = "auto"  # auto (the model's convention) | hermes | simple
+    max_turns: int = 4  # policy turns per episode (the episode ends after the last)
+    # Tokens after the prompt (policy + environment) per episode; 0 = up to model.max_context.
+    # Each turn's policy tokens are capped by generation.max_new_tokens.
+    max_episode_tokens: int = 0
+    max_attempts: int = 3  # retry: answers per episode
+    attempt_discount: float = 0.5  # retry: reward x discount^(attempt - 1)
+    tool_sandbox: bool = True  # run tools in confined worker processes (False: threads)
+    tool_timeout_s: float = 5.0  # deadline of one tool call
+    tool_memory_mb: int = 1024  # address-space limit of a tool worker
+    tool_output_chars: int = 256  # a longer tool result is cut (and counted as a failure)
+    workers: int = 2  # environment steps (and tool workers) run at once
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WarmupSection:
+    """Supervised warm-up on the environment's demonstrations before RL (a fresh run only;
+    pipeline/warmup.py)."""
+
+    steps: int = 0  # optimizer steps (0 = off)
+    batch: int = 16  # demonstrations per step
+    learning_rate: float = 1e-4  # constant; RL then starts with a fresh optimizer
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LogSection:
     tensorboard: bool = True
     trace: bool = True  # write trace.json
@@ -306,6 +340,8 @@ class ExperimentConfig:
     trainer: TrainerSection = TrainerSection()
     data: DataSection = DataSection()
     eval: EvalSection = EvalSection()
+    environment: EnvironmentSection = EnvironmentSection()
+    warmup: WarmupSection = WarmupSection()
     log: LogSection = LogSection()
     checkpoint: CheckpointSection = CheckpointSection()
     scheduling: SchedulingSection = SchedulingSection()

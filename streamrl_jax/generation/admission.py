@@ -41,11 +41,20 @@ Fork = tuple[int, GenerationRequest, int]  # (destination slot, request, source 
 
 
 def build_admission(
-    rows: Sequence[Row], p: int, *, n: int, num_slots: int, max_stop_ids: int, stop_ids=()
+    rows: Sequence[Row],
+    p: int,
+    *,
+    n: int,
+    num_slots: int,
+    max_stop_ids: int,
+    stop_ids=(),
+    starts: Sequence[int] | None = None,
 ) -> slots_lib.Admission:
     """Host arrays of `rows` padded to `n` rows (padding goes to slot `num_slots`, dropped).
 
-    `p` is the prefill length (the rows' bucket).
+    `p` is the prefill length (the rows' bucket). `starts`: per row, the tokens of
+    prompt + continuation its slot's KV already holds (an episode's next turn, extended
+    in place: `tokens` holds only the rest); None: prefill everything.
     """
     tokens = np.zeros((n, p), np.int32)
     lengths = np.ones((n,), np.int32)
@@ -58,14 +67,19 @@ def build_admission(
     stops = np.full((n, max_stop_ids), -1, np.int32)
     generated = np.zeros((n,), np.int32)
     pause_at = np.full((n,), np.iinfo(np.int32).max, np.int32)
+    start = np.zeros((n,), np.int32)
     for i, (slot, r) in enumerate(rows):
-        tokens[i, : len(r.prompt)] = r.prompt
+        held = 0 if starts is None else starts[i]
+        full = list(r.prompt)
         if r.continuation is not None:
-            tokens[i, len(r.prompt) : len(r.prompt) + r.generated] = r.continuation.tokens
+            full += r.continuation.tokens.tolist()
+        new = full[held:]
+        tokens[i, : len(new)] = new
+        start[i] = held
         generated[i] = r.generated
         if r.segment_tokens is not None:
             pause_at[i] = r.generated + r.segment_tokens
-        lengths[i], slot_ids[i] = len(r.prompt) + r.generated, slot
+        lengths[i], slot_ids[i] = len(full), slot
         forced[i] = r.forced_length is not None
         limit[i] = r.forced_length if forced[i] else r.max_new_tokens
         keys[i] = request_key_data(r.seed)
@@ -86,6 +100,7 @@ def build_admission(
         stop_ids=stops,
         generated=generated,
         pause_at=pause_at,
+        start=start,
     )
 
 

@@ -299,6 +299,61 @@ class GenModel:
         lengths = cache.lengths.at[slots_N].set(lengths_N, mode="drop")
         return self._logits(last), LayerCache(k=tuple(ks), v=tuple(vs), lengths=lengths)
 
+    def extend(
+        self,
+        tokens_NxP: jax.Array,
+        counts_N: jax.Array,
+        starts_N: jax.Array,
+        cache: LayerCache,
+        slots_N: jax.Array,
+    ) -> tuple[jax.Array, LayerCache]:
+        """Appends N right-padded token runs to the KV their slots already hold (an
+        episode's next turn: prefill in place); returns next-token logits.
+
+        Row n's tokens take positions starts_N[n] .. starts_N[n] + counts_N[n] - 1 of
+        slot slots_N[n] and attend to everything before them in that slot (its earlier
+        turns) and causally to each other: the function of `prefill` over the whole
+        sequence, without recomputing the prefix.
+
+        Args:
+          tokens_NxP: i32 new tokens, right-padded to a bucket length P.
+          counts_N: i32 how many of each row's tokens are real (>= 1).
+          starts_N: i32 the slot's filled positions (= its `lengths`) before the row.
+          cache: the engine's cache; slots not in `slots_N` are untouched.
+          slots_N: i32 destination slots; an index >= num_slots drops the row (padding).
+
+        Returns:
+          (f32[N, V] logits after each row's last token, updated cache).
+        """
+        n, p = tokens_NxP.shape
+        b, s = cache.num_slots, cache.max_length
+        positions_NxP = starts_N[:, None] + jnp.arange(p)[None, :]
+        valid_NxP = jnp.arange(p)[None, :] < counts_N[:, None]
+        # Padding columns write nowhere (position s: dropped); padding rows read a real
+        # slot (clipped) and write nowhere either (their slot index is dropped).
+        write_NxP = jnp.where(valid_NxP, positions_NxP, s)
+        rows_N = jnp.minimum(slots_N, b - 1)
+        visible_NxPxS = jnp.arange(s)[None, None, :] <= positions_NxP[:, :, None]
+        cos, sin = layers.rope_tables(positions_NxP, layers.rope_inv_freq(self.cfg))
+        x = self._embed(tokens_NxP)
+        n_idx = jnp.arange(n)[:, None]
+        f32, root_d = jnp.float32, math.sqrt(self.cfg.head_dim)
+        ks, vs = [], []
+        for w, ck, cv in zip(self.w["layers"], cache.k, cache.v, strict=True):
+            q, k, v = self._qkv(x, w, cos, sin)  # q [N, P, K, G, D]; k, v [N, P, K, D]
+            k_NxKxDxS = ck[rows_N].at[n_idx, :, :, write_NxP].set(k, mode="drop")
+            v_NxKxSxD = cv[rows_N].at[n_idx, :, write_NxP].set(v, mode="drop")
+            scores = jnp.einsum("npkgd,nkds->nkgps", q, k_NxKxDxS).astype(f32) / root_d
+            scores = jnp.where(visible_NxPxS[:, None, None], scores, _MASK_VALUE)
+            probs = jax.nn.softmax(scores, axis=-1).astype(v_NxKxSxD.dtype)
+            attn = jnp.einsum("nkgps,nksd->npkgd", probs, v_NxKxSxD)
+            x = self._out_and_mlp(x, attn, w)
+            ks.append(ck.at[slots_N].set(k_NxKxDxS, mode="drop"))
+            vs.append(cv.at[slots_N].set(v_NxKxSxD, mode="drop"))
+        last = jnp.take_along_axis(x, (counts_N - 1)[:, None, None], axis=1)[:, 0]
+        lengths = cache.lengths.at[slots_N].set(starts_N + counts_N, mode="drop")
+        return self._logits(last), LayerCache(k=tuple(ks), v=tuple(vs), lengths=lengths)
+
     def decode(
         self, tokens_B: jax.Array, cache: LayerCache, active_B: jax.Array
     ) -> tuple[jax.Array, LayerCache]:

@@ -75,6 +75,16 @@ class _Running:
     logp: list[float] = dataclasses.field(default_factory=list)
     slogp: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)  # per response token
+    mask: list[bool] = dataclasses.field(default_factory=list)  # per token: the policy's
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hold:
+    """A finished `keep_kv` request's slot, kept for its continuation."""
+
+    slot: int
+    tokens: list[int]  # what the slot's KV holds: prompt + response[:-1]
+    since: float  # time.monotonic() it finished
 
 
 class Engine:
@@ -137,13 +147,15 @@ class Engine:
         platform = mesh.devices.flat[0].platform
         self.decode_options = cfg.decode_compiler_options(platform, model_cfg.hidden_size)
         self.decode_attention = cfg.attention(platform)
-        self._prefill, self._chunk, self._prefill_keep, self._fork = executables.jitted(
-            model_cfg,
-            cfg.chunk_steps,
-            state_sh,
-            self._repl,
-            self.decode_options,
-            self.decode_attention,
+        self._prefill, self._chunk, self._prefill_keep, self._fork, self._extend = (
+            executables.jitted(
+                model_cfg,
+                cfg.chunk_steps,
+                state_sh,
+                self._repl,
+                self.decode_options,
+                self.decode_attention,
+            )
         )
         # Shared-prompt prefill: per-slot prompt logits and which slot holds which prompt.
         self._sources = admission.PromptSources(cfg.num_slots)
@@ -157,6 +169,10 @@ class Engine:
         self._slots: list[_Running | None] = [None] * cfg.num_slots
         self._metrics: dict[str, Any] = {"tokens": 0, "busy_s": 0.0, "chunks": 0, "timeline": []}
         self._metrics.update(prefill_calls=0, prefill_rows=0, forked=0)
+        # Continuations: appended to a kept slot's KV, or re-prefilled (no slot was kept).
+        self._metrics.update(extended=0, extended_tokens=0, reprefilled=0, reprefilled_tokens=0)
+        self._holds: dict[Any, _Hold] = {}  # request id -> its kept slot
+        self._held: dict[int, Any] = {}  # kept slot -> request id
         self._on_chunk = on_chunk
 
     def _running(self, req: GenerationRequest, enq: float, now: float) -> _Running:
@@ -167,6 +183,8 @@ class Engine:
             run.admit, run.version = c.admit, int(c.versions[0])
             run.tokens, run.logp = c.tokens.tolist(), c.logprobs.tolist()
             run.slogp, run.versions = c.sampling_logprobs.tolist(), c.versions.tolist()
+            mask = c.policy_mask
+            run.mask = [True] * len(run.tokens) if mask is None else np.asarray(mask).tolist()
         return run
 
     def _init_state(self) -> slots_lib.SlotState:
@@ -217,15 +235,19 @@ class Engine:
         if c is not None:
             k = len(c.tokens)
             limit = req.forced_length if req.forced_length is not None else req.max_new_tokens
-            if k < 1 or any(len(a) != k for a in (c.logprobs, c.sampling_logprobs, c.versions)):
+            arrays = (c.logprobs, c.sampling_logprobs, c.versions)
+            if c.policy_mask is not None:
+                arrays += (c.policy_mask,)
+            if k < 1 or any(len(a) != k for a in arrays):
                 raise ValueError(
                     f"request {req.request_id!r}: continuation needs >= 1 token and one "
-                    "log-prob, sampling log-prob and version per token"
+                    "log-prob, sampling log-prob, version (and policy mask entry) per token"
                 )
-            if k >= limit or n + k >= cfg.max_total_length:
+            if c.policy_tokens >= limit or n + k >= cfg.max_total_length:
                 raise ValueError(
-                    f"request {req.request_id!r}: continuation of {k} tokens leaves nothing "
-                    f"to generate (limit {limit}, prompt {n}, context {cfg.max_total_length})"
+                    f"request {req.request_id!r}: continuation of {k} tokens "
+                    f"({c.policy_tokens} the policy's) leaves nothing to generate (limit "
+                    f"{limit}, prompt {n}, context {cfg.max_total_length})"
                 )
             tokens = np.asarray(c.tokens)
             if tokens.min() < 0 or tokens.max() >= vocab:
@@ -254,6 +276,23 @@ class Engine:
     @property
     def num_running(self) -> int:
         return sum(s is not None for s in self._slots)
+
+    @property
+    def num_held(self) -> int:
+        """Slots kept for a continuation (`GenerationRequest.keep_kv`)."""
+        return len(self._holds)
+
+    def holding(self, request_id: Any) -> bool:
+        """Whether a slot is kept for a continuation of `request_id`."""
+        return request_id in self._holds
+
+    def release(self, request_id: Any) -> bool:
+        """Gives up the slot kept for `request_id` (its episode ended); False if none."""
+        hold = self._holds.pop(request_id, None)
+        if hold is None:
+            return False
+        del self._held[hold.slot]
+        return True
 
     def has_work(self) -> bool:
         return bool(self._queue) or self.num_running > 0
@@ -348,10 +387,72 @@ class Engine:
         return self.compile_count() - before
 
     # ------------------------------------------------------------------ host loop
+    def _continue_held(self) -> list[tuple[int, GenerationRequest, float, int]]:
+        """Queued continuations whose slot is kept (slot, request, enqueue, tokens kept),
+        taken off the queue. A kept slot whose tokens are not the continuation's prefix
+        is given up (the continuation then re-prefills)."""
+        out, left = [], []
+        for entry in self._queue:
+            _, req, enq = entry
+            hold = self._holds.get(req.request_id) if req.continuation is not None else None
+            if hold is None:
+                left.append(entry)
+                continue
+            self.release(req.request_id)
+            full = [*req.prompt, *req.continuation.tokens.tolist()]
+            kept = len(hold.tokens)
+            if kept < len(full) and full[:kept] == hold.tokens:
+                out.append((hold.slot, req, enq, kept))
+            else:
+                left.append(entry)
+        if out:
+            self._queue = left
+            heapq.heapify(self._queue)
+        return out
+
+    def _free_slots(self) -> list[int]:
+        """Free slots; when the queue wants more, kept slots older than `kv_hold_s`
+        too (oldest first: their continuation is overdue)."""
+        free = [i for i, s in enumerate(self._slots) if s is None and i not in self._held]
+        if len(free) < len(self._queue) and self._holds:
+            overdue = time.monotonic() - self.cfg.kv_hold_s
+            for rid, hold in sorted(self._holds.items(), key=lambda kv: kv[1].since):
+                if len(free) >= len(self._queue) or hold.since > overdue:
+                    break
+                logging.warning(
+                    "instance %d: slot kept for %r given up after %.0f s without its "
+                    "continuation", self.instance_id, rid, self.cfg.kv_hold_s,
+                )  # fmt: skip
+                self.release(rid)
+                free.append(hold.slot)
+        return free
+
     def _admit(self) -> list[tuple[list[int], slots_lib.PrefillOut]]:
-        free = [i for i, s in enumerate(self._slots) if s is None]
+        nb, m = self.cfg.prefill_batch, self._metrics
+        outs = []
+        extend = self._continue_held()
+        now = time.time()
+        for slot, req, enq, _ in extend:
+            self._slots[slot] = self._running(req, enq, now)
+        # Continuations into their kept slots first: their slots are theirs already.
+        by_bucket: dict[int, list[tuple[int, GenerationRequest, int]]] = {}
+        for slot, req, _, kept in extend:
+            new = len(req.prompt) + req.history - kept
+            by_bucket.setdefault(self.cfg.bucket(new), []).append((slot, req, kept))
+            m["extended"] += 1
+            m["extended_tokens"] += new
+        for bucket, rows in sorted(by_bucket.items()):
+            for i in range(0, len(rows), nb):
+                group = rows[i : i + nb]
+                rows_kept = [(slot, req) for slot, req, _ in group]
+                adm = self._admission(rows_kept, bucket, [kept for _, _, kept in group])
+                self._state, out = self._extend(
+                    self._params, self._state, jax.device_put(adm, self._repl)
+                )
+                outs.append(([slot for slot, _, _ in group], out))
+        free = self._free_slots()
         if not self.cfg.refill and len(free) < self.cfg.num_slots:
-            return []
+            return outs
         take = []
         while self._queue and len(take) < len(free):
             _, req, enq = heapq.heappop(self._queue)
@@ -359,16 +460,17 @@ class Engine:
         now = time.time()
         for slot, req, enq in take:
             self._slots[slot] = self._running(req, enq, now)
+            if req.keep_kv and req.continuation is not None:
+                m["reprefilled"] += 1  # its kept slot was given up, or never kept here
+                m["reprefilled_tokens"] += len(req.prompt) + req.history
         rows = [(slot, req) for slot, req, _ in take]
         forks = []
         if self.cfg.share_prefill:
             rows, forks = self._sources.plan(rows)
         by_bucket: dict[int, list[tuple[int, GenerationRequest]]] = {}
         for slot, req in rows:
-            bucket = self.cfg.bucket(len(req.prompt) + req.generated)
+            bucket = self.cfg.bucket(len(req.prompt) + req.history)
             by_bucket.setdefault(bucket, []).append((slot, req))
-        outs = []
-        nb, m = self.cfg.prefill_batch, self._metrics
         for bucket, rows in sorted(by_bucket.items()):
             for i in range(0, len(rows), nb):
                 group = rows[i : i + nb]
@@ -396,7 +498,9 @@ class Engine:
             m["forked"] += len(group)
         return outs
 
-    def _admission(self, rows: list[tuple[int, GenerationRequest]], p: int) -> slots_lib.Admission:
+    def _admission(
+        self, rows: list[tuple[int, GenerationRequest]], p: int, starts: list[int] | None = None
+    ) -> slots_lib.Admission:
         return admission.build_admission(
             rows,
             p,
@@ -404,13 +508,14 @@ class Engine:
             num_slots=self.cfg.num_slots,
             max_stop_ids=self.cfg.max_stop_ids,
             stop_ids=self.cfg.stop_ids,
+            starts=starts,
         )
 
     def step(self) -> list[Sample]:
         """One host round trip: admit, one decode chunk, return the finished samples."""
         t0 = time.time()
         self._apply_pending_weights()
-        rows_before = self._metrics["prefill_rows"]
+        before = {k: self._metrics[k] for k in ("prefill_rows", "extended", "reprefilled")}
         prefills = self._admit()
         if self.num_running == 0:
             return []
@@ -432,6 +537,7 @@ class Engine:
                 run.logp.append(float(out.logp[i]))
                 run.slogp.append(float(out.sampling_logp[i]))
                 run.versions.append(self.version)
+                run.mask.append(True)
                 emitted += 1
                 if out.reason[i]:
                     done.append(self._finish(slot, int(out.reason[i])))
@@ -445,6 +551,7 @@ class Engine:
             run.slogp.extend(chunk_h.sampling_logp[i, :e].tolist())
             # Weights change only between round trips: this chunk ran on one version.
             run.versions.extend([self.version] * e)
+            run.mask.extend([True] * e)
             emitted += e
             if chunk_h.reason[i]:
                 done.append(self._finish(slot, int(chunk_h.reason[i])))
@@ -463,7 +570,9 @@ class Engine:
                     tokens=emitted,
                     running=self.num_running + len(done),
                     steps=int(chunk_h.emitted.max(initial=0)),
-                    prefilled=m["prefill_rows"] - rows_before,
+                    prefilled=m["prefill_rows"] - before["prefill_rows"],
+                    extended=m["extended"] - before["extended"],
+                    reprefilled=m["reprefilled"] - before["reprefilled"],
                 )
             )
         return done
@@ -472,6 +581,12 @@ class Engine:
         run = self._slots[slot]
         self._slots[slot] = None
         r = run.request
+        if r.keep_kv and code in (slots_lib.STOP, slots_lib.LENGTH, slots_lib.FORCED):
+            # The KV holds every token but the last sampled one (never fed back).
+            self.release(r.request_id)
+            tokens = [*map(int, r.prompt), *run.tokens[:-1]]
+            self._holds[r.request_id] = _Hold(slot, tokens, time.monotonic())
+            self._held[slot] = r.request_id
         return Sample(
             request_id=r.request_id,
             prompt=np.asarray(r.prompt, np.int32),
@@ -486,6 +601,9 @@ class Engine:
             tag=r.tag,
             metadata=dict(r.metadata),
             token_versions=np.asarray(run.versions, np.int32),
+            policy_mask=None if all(run.mask) else np.asarray(run.mask, bool),
+            sampling=r.sampling,
+            seed=int(r.seed),
         )
 
     def run(self, requests: Sequence[GenerationRequest] = ()) -> list[Sample]:

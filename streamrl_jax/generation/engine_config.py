@@ -55,6 +55,10 @@ class EngineConfig:
         (broadcast products and sums, fused loops), "dot" (two batched einsums) or
         "auto" (elementwise on CPU, where XLA runs the batched dot as one tiny matmul
         per (slot, kv head): BENCHMARKS.md "Decode step vs roofline"; dot elsewhere).
+      kv_hold_s: a slot kept for a continuation (`GenerationRequest.keep_kv`: an
+        episode waiting for its environment) is given up after this many seconds
+        without one, once another request needs a slot; its continuation then
+        re-prefills (counted: `Engine.metrics()["reprefilled"]`).
     """
 
     num_slots: int = 8
@@ -73,6 +77,7 @@ class EngineConfig:
     min_decode_length: int = 64
     cpu_dots: str = "auto"
     decode_attention: str = "auto"
+    kv_hold_s: float = 120.0
 
     def __post_init__(self) -> None:
         counts = ("num_slots", "max_prompt_length", "chunk_steps", "prefill_batch")

@@ -1,6 +1,7 @@
 """The engine's jitted executables, and the keys by which engines share them.
 
-`jitted`: prefill, the decode chunk, the logits-keeping prefill and the fork, one set
+`jitted`: prefill, the decode chunk, the logits-keeping prefill, the fork and the
+in-place extension of an episode's next turn, one set
 per (model config, chunk length, placement), so engines of equal statics share one
 executable cache (`Engine.compile_count`, `Engine.compile_shapes`). `relayout_fn`:
 training layout -> the decoder's layout on an instance's mesh. `signature`: the
@@ -31,7 +32,8 @@ def jitted(
     decode_options: tuple[tuple[str, str], ...] = (),
     attention: str = "dot",
 ):
-    """The jitted prefill and decode chunk, shared by engines with equal statics.
+    """The jitted prefill, decode chunk, logits-keeping prefill, fork and extension,
+    shared by engines with equal statics.
 
     Engines of the same model config, chunk length, decode compiler options
     (`EngineConfig.decode_compiler_options`), decode attention form
@@ -59,6 +61,9 @@ def jitted(
     def fork(state, store, adm, src):
         return admission.fork_into_slots(state, store, adm, src)
 
+    def extend(weights, state, adm):
+        return slots_lib.extend_into_slots(decoder.GenModel(weights, model_cfg), state, adm)
+
     out_sh, out3 = (state_sh, repl), (state_sh, repl, repl)
     return (
         jax.jit(prefill, donate_argnums=1, out_shardings=out_sh),
@@ -71,6 +76,7 @@ def jitted(
         ),
         jax.jit(prefill_keep, donate_argnums=(1, 2), out_shardings=out3),
         jax.jit(fork, donate_argnums=(0, 1), out_shardings=out3),
+        jax.jit(extend, donate_argnums=1, out_shardings=out_sh),
     )
 
 

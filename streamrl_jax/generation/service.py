@@ -4,7 +4,9 @@ Each instance is an `Engine` on its own ("tp",) mesh cut from the generation
 mesh, with its own `EngineConfig` (so a long-tail instance can run a small
 batch). `submit(requests, instances)` sends each request to its target
 instance (round-robin by default; the skew-aware dispatcher chooses later);
-the instance admits its queue in its own order (FIFO or LPT). Every finished
+the instance admits its queue in its own order (FIFO or LPT); a continuation of a
+request whose slot an instance keeps (`GenerationRequest.keep_kv`: an episode's next
+turn) goes to that instance, and `release` gives such a slot up. Every finished
 sample goes into one bounded `sample_queue` (the package's `Mailbox`) in
 completion order, the moment its instance's chunk returns.
 
@@ -22,6 +24,7 @@ depend on it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import threading
 import time
@@ -36,6 +39,13 @@ from streamrl_jax.generation.engine import Engine, EngineConfig
 from streamrl_jax.generation.types import ChunkReport, GenerationRequest, Sample
 from streamrl_jax.mailbox import Mailbox
 from streamrl_jax.model.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class _Release:
+    """An instance inbox's order to give up the slot kept for `request_id`."""
+
+    request_id: Any
 
 
 class InstanceError(RuntimeError):
@@ -133,6 +143,7 @@ class GenerationService:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._round_robin = itertools.cycle(range(len(self.engines)))
+        self._kept: dict[Any, int] = {}  # request id -> the instance keeping its slot
         self._submitted = self._delivered = 0
         self._threads = [
             threading.Thread(target=self._loop, args=(i,), name=f"{name}-instance-{i}", daemon=True)
@@ -171,6 +182,11 @@ class GenerationService:
             raise ValueError(
                 f"{self.name}: instances has {len(instances)} entries for {len(requests)} requests"
             )
+        with self._lock:  # a continuation goes where its slot is kept (an episode's turn)
+            instances = [
+                self._kept.pop(r.request_id, i) if r.continuation is not None else i
+                for r, i in zip(requests, instances, strict=True)
+            ]
         for r, i in zip(requests, instances, strict=True):
             if not isinstance(i, int) or not 0 <= i < len(self.engines):
                 raise ValueError(
@@ -184,6 +200,16 @@ class GenerationService:
             for r, i in zip(requests, instances, strict=True):
                 self._inboxes[i].append((r, now))
         for i in set(instances):
+            self._wake[i].set()
+
+    def release(self, request_id: Any) -> None:
+        """The episode of `request_id` ended: the slot kept for its continuation (if any)
+        is given up, on its instance's thread."""
+        with self._lock:
+            i = self._kept.pop(request_id, None)
+            if i is not None:
+                self._inboxes[i].append((_Release(request_id), 0.0))
+        if i is not None:
             self._wake[i].set()
 
     def get(self, timeout: float) -> Sample:
@@ -270,12 +296,18 @@ class GenerationService:
                     batch = list(inbox)
                     inbox.clear()
                 for r, t in batch:
-                    engine.submit([r], enqueue_time=t)
+                    if isinstance(r, _Release):
+                        engine.release(r.request_id)
+                    else:
+                        engine.submit([r], enqueue_time=t)
                 if not engine.has_work():
                     wake.wait(self.poll_s)
                     wake.clear()
                     continue
                 for sample in engine.step():
+                    if engine.holding(sample.request_id):
+                        with self._lock:
+                            self._kept[sample.request_id] = i
                     while not self.queue.offer(sample, timeout=self.poll_s):
                         # Full: wait for the consumer; closed or failed: nobody will take it.
                         if self._stop.is_set() or self.queue.closed or self.queue.error is not None:

@@ -8,6 +8,8 @@ argument and the slot state donated:
 * `prefill_into_slots(model, state, admission)`: runs N right-padded prompts,
   writes them into their slots, samples each first response token
   (`start_rows`, which a shared-prompt fork reuses: `admission.py`).
+* `extend_into_slots(model, state, admission)`: appends N rows of new tokens to
+  the KV their slots already hold (an episode's next turn) and samples on;
 * `decode_chunk(model, state, steps)`: advances every active slot up to
   `steps` tokens inside one `lax.while_loop` (exits early once no slot is
   active); a slot that finishes stops there and keeps its tokens. The engine
@@ -67,6 +69,9 @@ class Admission:
         jax.Array
     )  # i32[N] response tokens already there (a continuation's), after the prompt
     pause_at: jax.Array  # i32[N] response-token count at which the row pauses
+    # i32[N] positions the slot's KV already holds (an episode's next turn: `tokens` are
+    # appended there, `extend_into_slots`); 0 for a prefill. `lengths` is the total.
+    start: jax.Array
 
 
 @struct.dataclass
@@ -141,6 +146,18 @@ def prefill_into_slots(
     slots and samples each row's next token: token number `generated`, drawn with that
     counter, as the uninterrupted decode would."""
     logits_NxV, cache = model.prefill(adm.tokens, adm.lengths, state.cache, adm.slots)
+    return start_rows(state.replace(cache=cache), adm, logits_NxV)
+
+
+def extend_into_slots(
+    model: GenModel, state: SlotState, adm: Admission
+) -> tuple[SlotState, PrefillOut]:
+    """Appends each row's new tokens (`adm.tokens[:, :lengths - start]`) to the KV its
+    slot already holds (positions [0, start): the episode's turns so far) and samples
+    the row's next token, as `prefill_into_slots` would after re-prefilling it all."""
+    logits_NxV, cache = model.extend(
+        adm.tokens, adm.lengths - adm.start, adm.start, state.cache, adm.slots
+    )
     return start_rows(state.replace(cache=cache), adm, logits_NxV)
 
 

@@ -107,8 +107,13 @@ class Continuation:
       tokens: i32[K] response tokens so far (K >= 1).
       logprobs: f32[K] their behaviour log-probs.
       sampling_logprobs: f32[K].
-      versions: i32[K] the version that sampled each.
+      versions: i32[K] the version that sampled each (an environment token: the
+        version its KV was computed under).
       admit: wall time the sample was first admitted.
+      policy_mask: bool[K] True on tokens the policy sampled, False on tokens an
+        environment appended (an episode's tool results and chat scaffolding: never
+        trained, their log-probs 0); None: every token is the policy's. Sampling goes
+        on with counter = the number of policy tokens.
     """
 
     tokens: np.ndarray
@@ -116,6 +121,7 @@ class Continuation:
     sampling_logprobs: np.ndarray
     versions: np.ndarray
     admit: float = 0.0
+    policy_mask: np.ndarray | None = None
 
     @classmethod
     def of(cls, sample: Sample) -> Continuation:
@@ -126,7 +132,15 @@ class Continuation:
             sampling_logprobs=np.asarray(sample.sampling_logprobs, np.float32),
             versions=sample.versions(),
             admit=sample.timings.admit,
+            policy_mask=sample.policy_mask,
         )
+
+    @property
+    def policy_tokens(self) -> int:
+        """How many of `tokens` the policy sampled (the next token's sampling counter)."""
+        if self.policy_mask is None:
+            return len(self.tokens)
+        return int(np.count_nonzero(self.policy_mask))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -150,8 +164,15 @@ class GenerationRequest:
         name, ...), echoed; opaque to the engine and the pipeline.
       segment_tokens: partial rollout: pause after this many new tokens (finish
         reason "paused") unless the sample finishes first; None = never pause.
-      continuation: the response of a paused sample to continue (re-prefilled);
-        the sample returned holds the whole response, continuation first.
+      continuation: the response of a paused sample to continue (re-prefilled), or an
+        episode's turns so far with the environment's tokens appended; the sample
+        returned holds the whole response, continuation first. `max_new_tokens` (and
+        `segment_tokens`) count the policy tokens of the whole response.
+      keep_kv: keep the slot's KV once the sample ends (a stop, the length cap or a
+        forced length), for
+        a continuation with the same `request_id` (an episode's next turn): the engine
+        appends the continuation's new tokens to the KV in place instead of
+        re-prefilling, and the slot stays reserved until then or until `release`.
     """
 
     request_id: Any
@@ -165,10 +186,17 @@ class GenerationRequest:
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     segment_tokens: int | None = None
     continuation: Continuation | None = None
+    keep_kv: bool = False
 
     @property
     def generated(self) -> int:
-        """Response tokens the request already has (its continuation's)."""
+        """Policy tokens the request already has (its continuation's): the counter the
+        next token is sampled with."""
+        return 0 if self.continuation is None else self.continuation.policy_tokens
+
+    @property
+    def history(self) -> int:
+        """Tokens after the prompt the request already has (its continuation's)."""
         return 0 if self.continuation is None else len(self.continuation.tokens)
 
 
@@ -207,6 +235,11 @@ class Sample:
       timings: enqueue / admit / finish wall times.
       tag: from the request.
       metadata: from the request.
+      policy_mask: bool[R] True on the tokens the policy sampled, False on the tokens
+        an environment appended (an episode's tool results and scaffolding: never
+        trained; their log-probs are 0); None: all are the policy's.
+      sampling, seed: the request's (echoed: an episode's next turn is drawn the same
+        way, its tokens keyed on from the policy-token count).
     """
 
     request_id: Any
@@ -222,10 +255,19 @@ class Sample:
     tag: RequestTag = RequestTag()
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     token_versions: np.ndarray | None = None
+    policy_mask: np.ndarray | None = None
+    sampling: SamplingParams = SamplingParams()
+    seed: int = 0
 
     @property
     def num_tokens(self) -> int:
         return int(self.response.shape[0])
+
+    def policy_versions(self) -> np.ndarray:
+        """i32[N]: the version of every policy token (an environment token's KV version
+        says nothing of the policy that sampled the episode)."""
+        v = self.versions()
+        return v if self.policy_mask is None else v[np.asarray(self.policy_mask, bool)]
 
     def versions(self) -> np.ndarray:
         """i32[R]: the version of every response token (`token_versions`, or
@@ -236,13 +278,13 @@ class Sample:
 
     @property
     def oldest_version(self) -> int:
-        """The oldest token's version: a sample's lag at step b is b - oldest_version."""
-        v = self.versions()
+        """The oldest policy token's version: a sample's lag at step b is b - this."""
+        v = self.policy_versions()
         return int(v.min()) if v.size else self.policy_version
 
     @property
     def newest_version(self) -> int:
-        v = self.versions()
+        v = self.policy_versions()
         return int(v.max()) if v.size else self.last_policy_version
 
 
@@ -261,3 +303,7 @@ class ChunkReport(msgspec.Struct, forbid_unknown_fields=True, frozen=True, tag="
     running: int  # slots running during the chunk (finished ones included)
     steps: int = 0  # decode steps of the chunk (the most any slot emitted)
     prefilled: int = 0  # prompt rows prefilled before it (forked group members not counted)
+    # Episodes' next turns admitted before it: appended to their kept slot's KV in place,
+    # or re-prefilled whole (their slot was given up).
+    extended: int = 0
+    reprefilled: int = 0

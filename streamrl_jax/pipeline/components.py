@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 
 from streamrl_jax import mesh as mesh_lib
 from streamrl_jax import sharding
-from streamrl_jax.config import ExperimentConfig
+from streamrl_jax.config import ExperimentConfig, episode_tokens
 from streamrl_jax.data import Prompt, PromptPipeline
 from streamrl_jax.errors import UserError
 from streamrl_jax.generation.engine import EngineConfig
@@ -40,7 +40,7 @@ from streamrl_jax.model import llama
 from streamrl_jax.model.defaults import smollm2_gguf_path
 from streamrl_jax.model.loader import Description, describe, load_weights
 from streamrl_jax.model.tokenizer import Tokenizer
-from streamrl_jax.pipeline import datasets
+from streamrl_jax.pipeline import datasets, warmup
 from streamrl_jax.pipeline.meshes import make_meshes, role_meshes
 from streamrl_jax.rewards.base import RewardFn
 from streamrl_jax.rewards.sandbox import Limits
@@ -113,6 +113,7 @@ class Components:
     reward_sandbox: Limits | None  # worker limits when scoring runs sandboxed, else None
     prompts: PromptPipeline
     eval_prompts: list[Prompt]
+    warmup: dict[str, float] = dataclasses.field(default_factory=dict)  # its figures, if run
 
 
 def describe_model(cfg: ExperimentConfig) -> Description:
@@ -180,7 +181,9 @@ def engine_config(cfg: ExperimentConfig, tokenizer: Tokenizer, slots: int) -> En
     return EngineConfig(
         num_slots=slots,
         max_prompt_length=g.max_prompt_len,
-        max_total_length=g.max_prompt_len + g.max_new_tokens,
+        # An episode's turns share one slot: its whole budget (config.episode_tokens).
+        max_total_length=g.max_prompt_len
+        + (episode_tokens(cfg) if cfg.environment.name else g.max_new_tokens),
         chunk_steps=g.decode_chunk,
         prefill_batch=g.prefill_batch,
         stop_ids=tuple(tokenizer.stop_ids),
@@ -224,9 +227,11 @@ def build(
     devices: list[jax.Device] | None = None,
     *,
     reward_fn: RewardFn | None = None,
+    warm: bool = True,
 ) -> Components:
     """Creates every component of a one-process run. `reward_fn` replaces the task's
-    reward (tests, custom rewards): it runs inline unless `data.reward_sandbox="process"`."""
+    reward (tests, custom rewards): it runs inline unless `data.reward_sandbox="process"`.
+    `warm`: run the supervised warm-up (`warmup.steps`; False for a run that resumes)."""
     # Datasets first: a bad file fails before any device memory or thread exists.
     eval_set, train_set = datasets.datasets(cfg)
     meshes = make_meshes(cfg, devices)
@@ -237,7 +242,7 @@ def build(
         dict(meshes.generate.shape),
         [d.id for d in meshes.generate.devices.flat],
     )
-    return _components(cfg, meshes, train_set, eval_set, reward_fn=reward_fn)
+    return _components(cfg, meshes, train_set, eval_set, reward_fn=reward_fn, warm=warm)
 
 
 def build_training(
@@ -275,12 +280,19 @@ def _components(
     make_weight_sync: MakeWeightSync | None = None,
     reward_fn: RewardFn | None = None,
     held_out: bool = True,
+    warm: bool = False,
 ) -> Components:
     """Trainers, prompts and W_0 through the weight sync; the generation service on
     `meshes.generate` unless `make_weight_sync` sends the weights to other processes."""
     d = describe_model(cfg)
     model_cfg, tokenizer = d.cfg, d.tokenizer
     trainer, state = _training(cfg, d, meshes.train)
+    warmed: dict[str, float] = {}
+    if warm and cfg.warmup.steps > 0:  # before W_0 leaves: generation starts from its result
+        params, warmed = warmup.warm_up(
+            cfg, model_cfg, meshes.train, state.params, tokenizer, train_set
+        )
+        state = trainer.state_from_params(params, cfg.seed)
     ref_params = trainer.copy_params(state.params) if cfg.algorithm.kl_coef > 0 else None
     critic = critic_state = None
     if cfg.algorithm.advantage == "gae":
@@ -313,10 +325,11 @@ def _components(
         generation=parts,
         weight_sync=weight_sync,
         initial_weights=published,
-        reward_fn=reward_fn or datasets.reward_fn(cfg, train_set),
+        reward_fn=datasets.episode_reward(cfg, reward_fn or datasets.reward_fn(cfg, train_set)),
         reward_sandbox=sandbox,
         prompts=prompts,
         eval_prompts=eval_prompts if held_out else [],
+        warmup=warmed,
     )
 
 

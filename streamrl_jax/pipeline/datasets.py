@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Protocol
 
+from streamrl_jax import environments
 from streamrl_jax.config import ExperimentConfig, task_configs, task_names
 from streamrl_jax.data import Prompt, PromptPipeline, tokenize
 from streamrl_jax.errors import UserError
@@ -68,6 +69,9 @@ def prompts(
 ) -> tuple[PromptPipeline, list[Prompt]]:
     """The seeded training prompt pipeline and the held-out eval prompts."""
     d, g = cfg.data, cfg.generation
+    messages = None
+    if cfg.environment.name:  # an episode starts with its environment's messages
+        messages = environments.first_messages(cfg.environment, tokenizer)
     prompts = PromptPipeline(
         train_set,
         tokenizer,
@@ -75,9 +79,10 @@ def prompts(
         seed=cfg.seed,
         overlong=cfg.data.overlong_prompts,
         system_prompt=d.system_prompt,
+        messages=messages,
     )
     eval_prompts = [
-        tokenize(p, tokenizer, d.system_prompt)
+        tokenize(p, tokenizer, d.system_prompt, messages)
         for p in list(eval_set)[: cfg.eval.num_problems or len(eval_set)]
     ]
     too_long = [p.problem.prompt_id for p in eval_prompts if len(p.tokens) > g.max_prompt_len]
@@ -95,6 +100,12 @@ def reward_fn(cfg: ExperimentConfig, train_set: ProblemSet) -> RewardFn:
 
         return vowel_reward
     return train_set.reward_fn(format_bonus=cfg.data.format_reward)
+
+
+def episode_reward(cfg: ExperimentConfig, task: RewardFn) -> RewardFn:
+    """The run's reward function: `task`, or with an environment the episodes' outcome
+    (and `task` for the answers an environment scores)."""
+    return environments.EpisodeReward(task) if cfg.environment.name else task
 
 
 def reward_sandbox(cfg: ExperimentConfig) -> Limits | None:

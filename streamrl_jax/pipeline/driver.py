@@ -20,9 +20,11 @@ thread draining it (DESIGN.md §4).
   under their batch's version W_{g(b)} (`Weights.kept`), swapping it in and back only
   when the service holds another.
 * **collector**: each finished sample, the moment it completes, goes to the rollout
-  (`Rollout.returned`: handed on, or kept and continued) and then to `emit`: in one
-  process the run scores it (`ingest.py`); in a generation process it is sent to the
-  training process (`processes/generation.py`).
+  (`Rollout.returned`: handed on, or kept and continued; an episode's environment step
+  runs off this thread and comes back as the rollout's `Returned.later`, counted as a
+  request still out meanwhile) and then to `emit`: in one process the run scores it
+  (`ingest.py`); in a generation process it is sent to the training process
+  (`processes/generation.py`). A sample handed on gives up the slot its episode kept.
 
 The same class runs in both places; what differs is passed in (`weights`, `share`,
 `emit`). Failures: an exception in either thread fails the owner's `FailureLatch`
@@ -35,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Protocol
 
 from streamrl_jax.data import Prompt
@@ -43,7 +46,7 @@ from streamrl_jax.generation.types import GenerationRequest, Sample
 from streamrl_jax.mailbox import FailureLatch
 from streamrl_jax.pipeline.hooks import Hooks
 from streamrl_jax.pipeline.requests import Requests
-from streamrl_jax.pipeline.rollouts import Rollout
+from streamrl_jax.pipeline.rollouts import Returned, Rollout
 from streamrl_jax.pipeline.schedules import Schedule
 from streamrl_jax.scheduling.live import LiveScheduler
 from streamrl_jax.weight_sync import Params
@@ -308,27 +311,41 @@ class GenerationDriver:
 
     # ------------------------------------------------------------------ collector
     def _collect(self) -> None:
-        component = "generation service"
+        later: list[Future[Returned]] = []  # the rollout's work off this thread, in order
         try:
             while not self._stop.is_set():
-                try:
-                    sample = self.service.get(timeout=0.1)
+                try:  # poll briefly while the rollout finishes work (environment steps)
+                    sample = self.service.get(timeout=0.005 if later else 0.1)
                 except TimeoutError:
-                    continue
+                    sample = None
                 except StreamClosed:
                     return
-                out: Sample | None = sample
-                if not sample.tag.is_eval:
-                    out, now = self.rollout.returned(sample)
-                    self._submit(now)  # continuations whose round is already open
-                    if out is not None and out.finish_reason != "paused":
-                        self.live.observe(out.prompt, out.num_tokens)
-                if out is not None:
-                    component = self.plan.emit_component
-                    self.emit(out)
-                    component = "generation service"
-                with self._cv:
-                    self._collected += 1
-                    self._cv.notify_all()
+                if sample is not None:
+                    self._settle(self.rollout.returned(sample), later)
+                for f in [f for f in later if f.done()]:  # an episode has one out at a time
+                    later.remove(f)
+                    self._settle(f.result(), later)
         except BaseException as e:  # noqa: BLE001 - reported to the owner
-            self._fail(component, e)
+            self._fail(self._component, e)
+
+    _component = "generation service"  # what the collector was doing when it failed
+
+    def _settle(self, returned: Returned, later: list[Future[Returned]]) -> None:
+        """One returned sample's outcome: continuations submitted, work off this thread
+        kept as a request still out, the sample handed on (its kept KV given up)."""
+        out, now, pending = returned
+        self._submit(now)  # continuations whose round is already open
+        if pending is not None:
+            with self._cv:
+                self._submitted += 1  # settled by the future's own `Returned`
+            later.append(pending)
+        if out is not None:
+            if not out.tag.is_eval and out.finish_reason != "paused":
+                self.live.observe(out.prompt, out.num_tokens)
+            self.service.release(out.request_id)  # an episode ended: its slot is free
+            self._component = self.plan.emit_component
+            self.emit(out)
+            self._component = "generation service"
+        with self._cv:
+            self._collected += 1
+            self._cv.notify_all()

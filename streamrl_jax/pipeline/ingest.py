@@ -70,6 +70,11 @@ class Evaluations:
                 "response_len": float(np.mean([len(s.sample.response) for s in group])),
                 "num_problems": float(len(group)),
             }
+            episodes = [s.sample.metadata.get("episode") for s in group]
+            if all(e is not None for e in episodes):  # an episodes run: how they went
+                m["tool_call_rate"] = float(np.mean([e["tool_calls"] > 0 for e in episodes]))
+                m["turns"] = float(np.mean([e["turns"] for e in episodes]))
+                m["truncated"] = float(np.mean([e["outcome"] != "done" for e in episodes]))
             self.metrics[version] = m
             self._cv.notify_all()
         self.writer.write(version, m, prefix="eval/")

@@ -69,6 +69,8 @@ class _Run:
             weights[resume.batch] = c.weight_sync.transfer(c.state.params, resume.batch)[0]
         for v in sorted(weights):
             board.publish(v, weights[v])
+        if c.warmup and not resume.resumed:
+            parts.writer.write(0, c.warmup, prefix="warmup/")
         loop = TrainerLoop(parts, self.generation, start=resume.batch)
         threads = [
             self.sup.watchdog(self._busy, lambda: str(parts.stream.depth()), parts.interrupt)
@@ -130,6 +132,7 @@ class _Run:
                     for r in self.running
                 ],
                 ("reward pool", parts.ingest.close),
+                *([("environment", parts.episodes.close)] if parts.episodes else []),
                 ("ranker refresh", lambda: parts.live.close(timeout)),
                 ("checkpoint writer", parts.ckpts.close),
             ]
@@ -160,7 +163,9 @@ def run(
     `cfg.pipeline.mode`; metrics, trace and checkpoints go to `workdir`; `reward_fn`
     replaces the task's reward (tests, custom rewards)."""
     check(cfg, Processes.one())  # a config made in code, too, fails here before any model load
-    c = build(cfg, devices, reward_fn=reward_fn)
+    ckpt_dir = os.path.join(workdir, "checkpoints")
+    resuming = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
+    c = build(cfg, devices, reward_fn=reward_fn, warm=not resuming)
     trainers = Trainers(
         share=Alone(ownership(cfg.pipeline, 1)), checkpoint_dir=os.path.join(workdir, "checkpoints")
     )

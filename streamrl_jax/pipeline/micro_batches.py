@@ -137,6 +137,7 @@ def pack_groups(
         advantages=adv,
         rewards=rewards,
         group_ids=_group_ids(kept),
+        policy_masks=[s.sample.policy_mask for s in samples],
         seq_buckets=seq_buckets,
         batch_buckets=batch_buckets,
         shared_prompt=shared_prompt,

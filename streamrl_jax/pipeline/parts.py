@@ -3,8 +3,9 @@
 `wire(cfg, components, workdir, ...)` creates them in dependency order: the
 supervisor (failure latch, watchdog), the schedule, the weight board, the grouping
 sample stream, the trace and metrics writers, the generation meter, the
-evaluations, the prompt source, the rollout (`pipeline.rollout`, from the registry
-in `rollouts/`), ingest (reward pool, sample log) and the run's checkpoints (which
+evaluations, the prompt source, the reward pool, the environment of an episodes run
+(which scores its answers on that pool), the rollout (`pipeline.rollout`, from the
+registry in `rollouts/`), ingest (reward pool, sample log) and the run's checkpoints (which
 save the rollout's state, the prompt source's record and the scheduler's ranker).
 The first failure reported to the supervisor fails the stream, the board and the
 rollout, so every wait on them wakes at once.
@@ -14,9 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 from streamrl_jax.algorithms.overlong import OverlongPenalty
-from streamrl_jax.config import ExperimentConfig
+from streamrl_jax.config import ExperimentConfig, episode_tokens
+from streamrl_jax.environments import EpisodeKit, EpisodeLimits, make_kit
 from streamrl_jax.metrics import MetricsWriter, Tracer
 from streamrl_jax.pipeline.components import Components
 from streamrl_jax.pipeline.ingest import Evaluations, Ingest
@@ -28,6 +31,7 @@ from streamrl_jax.pipeline.schedules import Schedule, WeightBoard
 from streamrl_jax.pipeline.shards import TrainerShare
 from streamrl_jax.pipeline.step_metrics import GenerationMeter
 from streamrl_jax.pipeline.supervisor import Shutdown, Supervisor
+from streamrl_jax.rewards.base import RewardResult
 from streamrl_jax.rewards.pool import RewardPool
 from streamrl_jax.scheduling.live import LiveScheduler
 from streamrl_jax.scheduling.sample_log import SampleLog
@@ -64,6 +68,7 @@ class RunParts:
     ingest: Ingest
     ckpts: RunCheckpoints
     live: LiveScheduler
+    episodes: EpisodeKit | None = None  # the environment (environment.name), closed last
 
     def interrupt(self) -> None:
         """SIGINT/SIGTERM (the watchdog's stop): end the trainer's and driver's waits
@@ -99,6 +104,10 @@ def wire(
     meter = GenerationMeter(tracer, sup.tick)
     evals = Evaluations(len(c.eval_prompts), writer, sup)
     prompts = PromptSource(c.prompts)
+    pool = RewardPool(
+        c.reward_fn, num_workers=2, on_error=cfg.data.reward_errors, sandbox=c.reward_sandbox
+    )
+    kit = episode_kit(cfg, c, pool) if cfg.environment.name else None
     rollout = make_rollout(
         p.rollout,
         RolloutContext(
@@ -112,13 +121,12 @@ def wire(
             seed=cfg.seed,
             where=where,
             generation_processes=generation_processes,
+            episodes=kit,
         ),
     )
     ingest = Ingest(
         c.tokenizer,
-        RewardPool(
-            c.reward_fn, num_workers=2, on_error=cfg.data.reward_errors, sandbox=c.reward_sandbox
-        ),
+        pool,
         rollout.scored,
         evals,
         supervisor=sup,
@@ -163,4 +171,22 @@ def wire(
         ingest=ingest,
         ckpts=ckpts,
         live=live,
+        episodes=kit,
     )
+
+
+def episode_kit(cfg: ExperimentConfig, c: Components, pool: RewardPool) -> EpisodeKit:
+    """The run's environment; its answers are scored on the run's reward pool (sandboxed
+    where the task needs it), each within the reward deadline."""
+    wait = cfg.data.reward_timeout_s + 30.0  # the pool's own deadline fires first
+
+    def score(text: str, metadata: dict[str, Any]) -> RewardResult:
+        return pool.submit(text, metadata).result(timeout=wait)
+
+    g = cfg.generation
+    limits = EpisodeLimits(
+        max_turns=cfg.environment.max_turns,
+        turn_tokens=g.max_new_tokens,
+        episode_tokens=episode_tokens(cfg),
+    )
+    return make_kit(cfg.environment, c.tokenizer, score, limits)

@@ -30,6 +30,7 @@ class Requests:
     sampling: SamplingParams
     run_seed: int
     length_replay: bool
+    episodes: bool = False  # each request is an episode's first turn (it keeps its KV)
 
     @classmethod
     def from_config(cls, cfg: ExperimentConfig) -> Requests:
@@ -40,6 +41,7 @@ class Requests:
             sampling=SamplingParams(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p),
             run_seed=cfg.seed,
             length_replay=g.length_replay,
+            episodes=bool(cfg.environment.name),
         )
 
     def train(
@@ -55,6 +57,7 @@ class Requests:
             run_seed=self.run_seed,
             length_replay=self.length_replay,
             first_group=first_group,
+            keep_kv=self.episodes,
         )
 
     def held_out(self, version: int, prompts: Sequence[Prompt]) -> list[GenerationRequest]:
@@ -67,6 +70,7 @@ class Requests:
                 sampling=SamplingParams.greedy(),
                 tag=RequestTag(group=i, prompt_id=p.problem.prompt_id, eval_version=version),
                 metadata=p.problem.metadata,
+                keep_kv=self.episodes,
             )
             for i, p in enumerate(prompts)
         ]

@@ -57,11 +57,14 @@ class GenerationMeter:
         # (t0, t1) wall intervals of recent chunks, all instances, for `busy_between`
         self._intervals: collections.deque[tuple[float, float]] = collections.deque(maxlen=1 << 18)
         self._spans: dict[int, list[float]] = {}  # batch -> [first admit, last finish]
+        self._kv = [0, 0]  # episodes' turns since `pop_kv`: extended in place, re-prefilled
 
     def chunk(self, r: ChunkReport) -> None:
         """One decode chunk of an instance (the engines' `on_chunk`; wall times)."""
         with self._lock:
             self._intervals.append((r.t0, r.t1))
+            self._kv[0] += r.extended
+            self._kv[1] += r.reprefilled
         self._tick("generation")
         self._tracer.add_wall(
             f"generation/instance {r.instance}",
@@ -90,6 +93,13 @@ class GenerationMeter:
             while self._intervals and self._intervals[0][1] < start:
                 self._intervals.popleft()
             return sum(max(0.0, min(t1, end) - max(t0, start)) for t0, t1 in self._intervals)
+
+    def pop_kv(self) -> dict[str, float]:
+        """Episodes' next turns since the last call: appended to their kept KV in place
+        (`kv_extended`) or re-prefilled whole (`kv_reprefilled`: their slot was given up)."""
+        with self._lock:
+            (extended, reprefilled), self._kv = self._kv, [0, 0]
+        return {"kv_extended": float(extended), "kv_reprefilled": float(reprefilled)}
 
     def pop_span(self, batch: int) -> float:
         """The batch's generation span in seconds (0 if none was seen)."""

@@ -159,7 +159,7 @@ class TrainerLoop:
         if self.precompile_s is not None and work.device:  # the first row written
             row["precompile_s"] = self.precompile_s  # before the first step, in no step_s
             self.precompile_s = None
-        row |= outcome.metrics
+        row |= outcome.metrics | p.meter.pop_kv()
         return row | p.live.end_of_step(b, p.meter.pop_span(b), work.busy_s)
 
     def _gen_busy(self, w_start: float) -> float:

@@ -134,7 +134,9 @@ class RewardPool:
         with self._lock:
             self._num_submitted += 1
         if self._sandbox is not None:
-            inner = self._sandbox.submit(text, metadata)
+            inner = self._sandbox.submit(
+                text, metadata, label=f"prompt {metadata.get('prompt_id', '?')}"
+            )
         else:
             inner = self._executor.submit(self._reward_fn, text, metadata)
         outer: concurrent.futures.Future = concurrent.futures.Future()

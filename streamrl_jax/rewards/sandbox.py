@@ -41,11 +41,12 @@ import resource
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 from absl import logging
 
-from streamrl_jax.rewards.base import RewardFn, RewardResult
+from streamrl_jax.rewards.base import RewardFn
 
 # The environment a worker keeps (no secrets: keys, tokens and addresses stay out).
 _ENV_KEPT = ("PATH", "LANG", "LC_ALL", "PYTHONHASHSEED", "TZ")
@@ -253,45 +254,54 @@ def confine(limits: Limits, root: str) -> str:
     return scratch
 
 
-_REWARD_FN: RewardFn | None = None  # the worker's scorer, unpickled once at start-up
+_WORKER_FN: Callable[..., Any] | None = None  # the worker's function, unpickled at start-up
 
 
-def _init_worker(limits: Limits, root: str, reward_fn: RewardFn) -> None:
-    global _REWARD_FN
-    _REWARD_FN = reward_fn  # unpickled (its imports done) before the first deadline runs
+def _init_worker(limits: Limits, root: str, fn: Callable[..., Any]) -> None:
+    global _WORKER_FN
+    _WORKER_FN = fn  # unpickled (its imports done) before the first deadline runs
     confine(limits, root)
 
 
-def _call(text: str, metadata: dict[str, Any]) -> RewardResult:
-    return _REWARD_FN(text, metadata)
+def _call(*args: Any) -> Any:
+    return _WORKER_FN(*args)
 
 
 # ---------------------------------------------------------------------- the pool
 class SandboxPool:
-    """Scores with a picklable `RewardFn` in confined worker processes (module docstring)."""
+    """Calls one picklable function (a `RewardFn`, an episode's tools) in confined worker
+    processes (module docstring)."""
 
-    def __init__(self, reward_fn: RewardFn, *, workers: int, limits: Limits, name: str = "reward"):
+    def __init__(
+        self,
+        fn: RewardFn | Callable[..., Any],
+        *,
+        workers: int,
+        limits: Limits,
+        name: str = "reward",
+    ):
         import pebble  # deferred: only sandboxed runs start processes
 
-        self.reward_fn, self.limits, self.name = reward_fn, limits, name
-        self.root = tempfile.mkdtemp(prefix="streamrl-reward-")  # the workers' scratch dirs
+        self.fn, self.limits, self.name = fn, limits, name
+        self.root = tempfile.mkdtemp(prefix=f"streamrl-{name}-")  # the workers' scratch dirs
         self._pool = pebble.ProcessPool(
             max_workers=workers,
             max_tasks=limits.max_tasks,
             initializer=_init_worker,
-            initargs=(limits, self.root, reward_fn),
+            initargs=(limits, self.root, fn),
             # Spawned, not forked: no copy of the trainer's memory (keys, weights) inside.
             context=multiprocessing.get_context("spawn"),
         )
         self._expired = pebble.ProcessExpired
 
-    def submit(self, text: str, metadata: dict[str, Any]) -> concurrent.futures.Future:
-        """Schedules one call; the future holds its `RewardResult`, or `RewardTimeout` /
-        `RewardWorkerDied` / the scorer's own exception."""
-        inner = self._pool.schedule(_call, args=(text, metadata), timeout=self.limits.timeout_s)
+    def submit(self, *args: Any, label: str = "") -> concurrent.futures.Future:
+        """Schedules one call `fn(*args)`; the future holds its result, or `RewardTimeout`
+        / `RewardWorkerDied` / the function's own exception. `label` names the call in
+        those errors (a prompt id)."""
+        inner = self._pool.schedule(_call, args=args, timeout=self.limits.timeout_s)
         outer: concurrent.futures.Future = concurrent.futures.Future()
-        scorer = getattr(self.reward_fn, "__name__", type(self.reward_fn).__name__)
-        where = f"{self.name} ({scorer}, prompt {metadata.get('prompt_id', '?')})"
+        scorer = getattr(self.fn, "__name__", type(self.fn).__name__)
+        where = f"{self.name} ({scorer}, {label or 'call'})"
 
         def done(f: concurrent.futures.Future) -> None:
             try:

@@ -70,7 +70,7 @@ class TrainBatch:
       group_ids: i32[B, T] the column's GRPO group, an id unique within its global
         batch (-1 on padding); the critic's group whitening reads it.
       loss_mask: bool[B, T] True at column t when tokens[t + 1] is a trained
-        response token.
+        response token (a policy token: an episode's environment tokens are not).
       loss_columns: i32[B, L] the columns where `loss_mask` is True, in order,
         padded with T (module docstring).
       advantages: f32[B, T] advantage A_bt at loss positions (0 elsewhere).
@@ -165,6 +165,7 @@ def make_batch(
     ref_logp: Sequence[ArrayLike] | None = None,
     old_values: Sequence[ArrayLike] | None = None,
     returns: Sequence[ArrayLike] | None = None,
+    policy_masks: Sequence[ArrayLike | None] | None = None,
     seq_buckets: Sequence[int],
     batch_buckets: Sequence[int],
     pad_id: int = 0,
@@ -188,6 +189,9 @@ def make_batch(
       ref_logp: per-token reference log-probs; zeros if None.
       old_values: per-token critic values; zeros if None.
       returns: per-token returns; zeros if None.
+      policy_masks: per sample, None or bool[response length]: False on the tokens an
+        environment appended to an episode (tool results, chat scaffolding), which get
+        loss mask 0 and are never trained; None: every response token is trained.
       seq_buckets: allowed T (ascending), e.g. `TrainerConfig.seq_buckets`.
       batch_buckets: allowed B (ascending), e.g. `TrainerConfig.batch_buckets`.
       pad_id: token id written into padding.
@@ -226,6 +230,7 @@ def make_batch(
         "old_values": _per_token(old_values, resp_lens, "old_values"),
         "returns": _per_token(returns, resp_lens, "returns"),
     }
+    trained = _policy_masks(policy_masks, resp_lens)
     reward_N = _per_sample(rewards, n, np.float32, 0.0, "rewards")
     group_N = _per_sample(group_ids, n, np.int32, None, "group_ids")
 
@@ -270,17 +275,32 @@ def make_batch(
                 out["positions"][r, seg] = np.arange(lp - 1, lp + lr)
                 out["segment_ids"][r, seg] = segment
                 out["group_ids"][r, seg] = group_N[i]
-                out["loss_mask"][r, col : col + lr] = True
+                out["loss_mask"][r, col : col + lr] = trained[i]
                 for k, v in fields.items():
                     if v is not None:
                         out[k][r, col : col + lr] = v[i]
-                if lr:
-                    out["rewards"][r, col + lr - 1] = reward_N[i]
+                if trained[i].any():  # the outcome reward at the last trained column
+                    out["rewards"][r, col + int(np.flatnonzero(trained[i])[-1])] = reward_N[i]
                 col += lr + 1
             # The prompt's columns belong to the unit's group (its first sample's).
             out["group_ids"][r, span.start : span.start + lp - 1] = group_N[unit.samples[0]]
     out["loss_columns"] = loss_columns(out["loss_mask"], loss_chunk)
     return TrainBatch(**out)
+
+
+def _policy_masks(masks: Sequence[ArrayLike | None] | None, lengths: list[int]) -> list:
+    """Per sample, bool[response length]: which response tokens are trained."""
+    if masks is None:
+        return [np.ones((n,), bool) for n in lengths]
+    if len(masks) != len(lengths):
+        raise ValueError(f"policy_masks: {len(masks)} entries for {len(lengths)} samples")
+    out = []
+    for i, (m, n) in enumerate(zip(masks, lengths, strict=True)):
+        m = np.ones((n,), bool) if m is None else np.asarray(m, bool).reshape(-1)
+        if m.shape != (n,):
+            raise ValueError(f"policy_masks[{i}]: shape {m.shape}, expected ({n},)")
+        out.append(m)
+    return out
 
 
 def loss_columns(loss_mask_BxT: np.ndarray, chunk: int) -> np.ndarray:

@@ -10,6 +10,8 @@ first): `"full"`, `"dynamic_sampling"`, `"partial"`, `"curriculum+dynamic_sampli
   into the next round (here, or across processes: the trainer's half).
 * `curriculum` (`curriculum.py`, a wrapper): prompts whose recent groups were all right
   or all wrong are drawn less.
+* `episodes` (`episodes.py`, a wrapper, the last before the kind): every sample is a
+  multi-turn episode with the run's environment (`environment.name`).
 
 A new kind is one module beside these, one line below and its config fields (its name
 in `config.sections.ROLLOUTS` or `ROLLOUT_WRAPPERS`, which a test holds equal to these).
@@ -20,7 +22,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from streamrl_jax.pipeline.rollouts import curriculum, dynamic_sampling, full, partial
+from streamrl_jax.pipeline.rollouts import curriculum, dynamic_sampling, episodes, full, partial
 from streamrl_jax.pipeline.rollouts.protocol import (
     Returned,
     Rollout,
@@ -39,6 +41,7 @@ KINDS: dict[str, Factory] = {
 }
 WRAPPERS: dict[str, Callable[[RolloutContext, Factory], Rollout]] = {
     "curriculum": curriculum.wrap,
+    "episodes": episodes.Episodes,
 }
 
 

@@ -180,6 +180,8 @@ class PartialRollout:
         """A segment came back. Returns the sample to hand on (finished, or paused past the
         bound under "drop"; None when it continues) and continuation requests to submit
         now (their round is already open)."""
+        if sample.tag.is_eval:
+            return Returned(sample, [])
         with self._cv:
             r = sample.tag.round
             self._rounds[r].pending -= 1

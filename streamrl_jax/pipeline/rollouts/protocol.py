@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any, Literal, NamedTuple, Protocol
 
 from streamrl_jax.algorithms.overlong import OverlongPenalty
 from streamrl_jax.config import PipelineSection
 from streamrl_jax.data import Prompt
 from streamrl_jax.distributed.messages import RoundClosed
+from streamrl_jax.environments import EpisodeKit
 from streamrl_jax.generation.types import GenerationRequest, Sample
 from streamrl_jax.mailbox import FailureLatch
 from streamrl_jax.pipeline.micro_batches import Group, Scored
@@ -61,6 +63,10 @@ class Returned(NamedTuple):
 
     sample: Sample | None  # to hand on (scored, trained); None: the rollout keeps it
     now: list[GenerationRequest]  # requests to submit at once (continuations)
+    # Work the rollout finishes off this thread (an episode's environment step): the
+    # collector takes its `Returned` once done, as if the sample returned then, and
+    # counts it as a request still out (a swap of weights waits for it).
+    later: Future[Returned] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +93,7 @@ class RolloutContext:
     seed: int  # the run seed
     where: Where = "here"
     generation_processes: tuple[int, ...] = ()  # where="trainer": the reporting processes
+    episodes: EpisodeKit | None = None  # the environment of an "episodes" rollout
 
 
 class Rollout(Protocol):
@@ -105,7 +112,9 @@ class Rollout(Protocol):
         `stopped()`."""
 
     def returned(self, sample: Sample) -> Returned:
-        """A training sample the service returned (the collector thread)."""
+        """A sample the service returned (the collector thread): a training sample, or a
+        held-out evaluation's (`sample.tag.is_eval`; a kind without episodes hands those
+        on as they are)."""
 
     # ------------------------------------------------------------------ ingest
     def scored(self, scored: Scored) -> None:

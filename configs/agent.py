@@ -1,0 +1,86 @@
+"""Agent: SmolLM2-135M-Instruct learns the quickstart's arithmetic with a calculator tool.
+
+Run (from the repository root):
+  python -m streamrl_jax.launch --config=configs/agent.py --workdir=/tmp/agent
+Every sample is an episode (docs/episodes.md): the model may call the calculator,
+`<tool_call>calculator: 12 - 7</tool_call>`, any number of times (the result comes back
+as a tool message) before answering in <answer></answer> tags. Variants:
+  configs/agent.py:short  20 steps (a first look)
+  configs/agent.py:tiny   tiny random model, a few seconds a step (tests, smoke runs)
+Any field can be overridden: --config.environment.max_turns=3
+"""
+
+from streamrl_jax import config as config_lib
+
+
+def get_config(arg: str | None = None):
+    c = config_lib.defaults()
+    c.seed = 0
+    c.model.source = "smollm2"
+    # The first prompt (system prompt with the tool, question) fits 128 tokens; the
+    # episode's turns and tool results after it share 96 more.
+    c.model.max_context = 224
+    c.mesh.generate_devices = 1
+    c.mesh.train_devices = 1
+    c.mesh.instance_slots = (16,)
+    c.generation.max_prompt_len = 128
+    c.generation.max_new_tokens = 32  # each turn's cap: a call or an answer fits
+    c.generation.temperature = 0.7
+    c.generation.decode_chunk = 8
+    c.pipeline.mode = "stream_async"
+    c.pipeline.staleness = 1
+    c.pipeline.steps = 240
+    c.pipeline.prompts_per_step = 4
+    c.pipeline.group_size = 8
+    c.pipeline.min_groups = 1
+    c.pipeline.micro_batch_groups = 2
+    c.pipeline.rollout = "episodes+full"
+    # The calculator environment: at most 4 turns (calls, then the answer) and 96 tokens
+    # after the first prompt; tools run in the sandbox.
+    c.environment.name = "calculator"
+    c.environment.max_turns = 4
+    c.environment.max_episode_tokens = 96
+    c.algorithm.advantage = "grpo"
+    c.algorithm.policy_loss = "dapo"
+    c.algorithm.aggregation = "token_mean"
+    c.optimizer.learning_rate = 2e-5
+    c.optimizer.warmup_steps = 2
+    c.optimizer.schedule = "cosine"
+    c.data.tasks = "basic_arithmetic"
+    c.data.task_config = (
+        '{"basic_arithmetic": {"min_terms": 2, "max_terms": 2, "min_digits": 1, '
+        '"max_digits": 2, "operators": ["+", "-"], "allow_parentheses": false, '
+        '"allow_negation": false}}'
+    )
+    c.data.train_seed = 1
+    c.data.eval_seed = 2
+    c.eval.every = 40
+    c.eval.num_problems = 64
+    c.checkpoint.every = c.pipeline.steps
+
+    if arg in (None, ""):
+        pass
+    elif arg == "short":
+        c.pipeline.steps = 20
+        c.eval.every = 10
+        c.checkpoint.every = 0
+    elif arg == "tiny":
+        c.model.source = "tiny"
+        c.generation.max_new_tokens = 16
+        c.mesh.instance_slots = (8,)
+        c.pipeline.steps = 2
+        c.pipeline.prompts_per_step = 4
+        c.pipeline.group_size = 2
+        c.pipeline.timeout_s = 300.0
+        c.data.train_size = 200
+        c.optimizer.learning_rate = 1e-3
+        c.optimizer.schedule = "constant"
+        c.eval.every = 0
+        c.eval.num_problems = 4
+        c.checkpoint.every = 0
+        c.algorithm.policy_loss = "ppo_clip"
+        c.environment.tool_sandbox = False  # no worker processes in smoke runs
+        c.log.progress = False
+    else:
+        raise ValueError(f"configs/agent.py: unknown variant {arg!r} (short | tiny)")
+    return c

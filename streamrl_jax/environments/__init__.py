@@ -1,0 +1,202 @@
+"""Multi-turn environments: the protocol, tool calls, tools, the shipped environments.
+
+* `protocol.py`: `Environment` (start -> first messages; step on a policy message ->
+  observation, reward, done), its JSON state and `Services` (sandboxed tools, the task
+  score).
+* `tool_calls.py`: tool-call formats in the model's text (`hermes`, `simple`).
+* `tools.py`: the tools (`calculator`) and `ToolRunner`, which runs them in the sandbox.
+* `render.py`: an environment turn as the tokens appended to the episode.
+* `calculator.py`, `retry.py`: the environments shipped, chosen by `environment.name`.
+
+`make_kit` builds what the episodes rollout (`pipeline/rollouts/episodes.py`) needs;
+`EpisodeReward` is the run's reward function when episodes run: an episode's outcome,
+which its environment already scored, or the task's score for an answer an environment
+asks about.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from streamrl_jax.config import EnvironmentSection
+from streamrl_jax.environments.calculator import CalculatorEnvironment
+from streamrl_jax.environments.protocol import (
+    Environment,
+    Message,
+    Services,
+    Start,
+    State,
+    StepResult,
+    TurnInfo,
+)
+from streamrl_jax.environments.render import TurnRenderer
+from streamrl_jax.environments.retry import RetryEnvironment
+from streamrl_jax.environments.tool_calls import ToolFormat, resolve_format
+from streamrl_jax.environments.tools import TOOLS, ToolRunner
+from streamrl_jax.model.tokenizer import Tokenizer
+from streamrl_jax.rewards.base import RewardFn, RewardResult
+from streamrl_jax.rewards.sandbox import Limits
+
+T = TypeVar("T")
+# The names `config.sections.ENVIRONMENTS` lists (a test holds them equal), and the
+# tools each one offers.
+ENVIRONMENTS = ("calculator", "retry")
+_TOOLS = {"calculator": ("calculator",), "retry": ()}
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeLimits:
+    """What ends an episode besides its environment (docs/episodes.md, "Limits")."""
+
+    max_turns: int  # policy turns
+    turn_tokens: int  # policy tokens per turn (generation.max_new_tokens)
+    episode_tokens: int  # tokens after the prompt, policy + environment
+
+
+class EpisodeKit:
+    """An environment with what runs it: the turn renderer, the limits, the tools, and
+    the `episode-env` threads its steps run on (owned here, ended by `close`)."""
+
+    def __init__(
+        self,
+        environment: Environment,
+        renderer: TurnRenderer,
+        limits: EpisodeLimits,
+        workers: int,
+        tools: ToolRunner | None,
+    ):
+        self.environment, self.renderer, self.limits = environment, renderer, limits
+        self.tools = tools
+        self._threads = concurrent.futures.ThreadPoolExecutor(
+            workers, thread_name_prefix="episode-env"
+        )
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        """Runs `fn(*args)` on an environment thread."""
+        return self._threads.submit(fn, *args)
+
+    def cancel(self) -> None:
+        """Drops environment steps not started yet (the run failed or stops)."""
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    def close(self) -> None:
+        """Ends the environment threads (a running step is not waited for) and the tools."""
+        self.cancel()
+        if self.tools is not None:
+            self.tools.close()
+
+
+def make_kit(
+    section: EnvironmentSection,
+    tokenizer: Tokenizer,
+    score: Callable[[str, dict[str, Any]], RewardResult],
+    limits: EpisodeLimits,
+) -> EpisodeKit:
+    """The environment `section.name` for a model with `tokenizer`.
+
+    Raises:
+      UserError: a tool format this model has no parser for (naming the field).
+    """
+    vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+    fmt = resolve_format(section.tool_format, vocab)
+    names = _TOOLS[section.name]
+    runner = None
+    if names:
+        sandbox = None
+        if section.tool_sandbox:
+            sandbox = Limits(timeout_s=section.tool_timeout_s, memory_mb=section.tool_memory_mb)
+        runner = ToolRunner(
+            {n: TOOLS[n] for n in names},
+            sandbox=sandbox,
+            timeout_s=section.tool_timeout_s,
+            workers=section.workers,
+            max_output_chars=section.tool_output_chars,
+        )
+    services = Services(tools=runner if runner is not None else _no_tools, score=score)
+    env = make_environment(section, fmt, services)
+    return EpisodeKit(env, TurnRenderer(tokenizer), limits, section.workers, runner)
+
+
+def make_environment(
+    section: EnvironmentSection, fmt: ToolFormat, services: Services
+) -> Environment:
+    """The environment `section.name` with tool format `fmt`, calling `services`."""
+    if section.name == "calculator":
+        return CalculatorEnvironment(fmt, services)
+    if section.name == "retry":
+        return RetryEnvironment(
+            services, max_attempts=section.max_attempts, discount=section.attempt_discount
+        )
+    raise ValueError(f"environment.name={section.name!r}; expected one of {ENVIRONMENTS}")
+
+
+def first_messages(
+    section: EnvironmentSection, tokenizer: Tokenizer
+) -> Callable[[Any], list[Message]]:
+    """`problem -> messages`: an episode's first messages (`Environment.start`), which the
+    prompt pipeline renders and tokenises (`data.tokenize`). Starting calls no service.
+
+    Raises:
+      UserError: a tool format this model has no parser for.
+    """
+    env = demonstrator(section, tokenizer)
+    return lambda problem: env.start(problem.question, problem.metadata).messages
+
+
+def demonstrator(section: EnvironmentSection, tokenizer: Tokenizer) -> Environment:
+    """The environment `section.name` for demonstrations only (`Environment.demonstration`;
+    it calls no service)."""
+    vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+    fmt = resolve_format(section.tool_format, vocab)
+    return make_environment(section, fmt, Services(tools=_no_tools, score=_no_score))
+
+
+def _no_tools(name: str, arguments: dict[str, Any]) -> Any:
+    raise RuntimeError(f"this environment offers no tools (asked for {name!r})")
+
+
+def _no_score(text: str, metadata: dict[str, Any]) -> RewardResult:
+    raise RuntimeError("an environment scored while starting an episode")
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeReward:
+    """The run's `RewardFn` with episodes: a sample whose metadata holds its episode's
+    outcome (`metadata["episode"]`, written by the episodes rollout) scores that outcome;
+    any other text (an answer an environment asks about) the task's reward."""
+
+    task: RewardFn
+
+    def __call__(self, sample_text: str, metadata: dict[str, Any]) -> RewardResult:
+        episode = metadata.get("episode")
+        if episode is None:
+            return self.task(sample_text, metadata)
+        return RewardResult(
+            score=float(episode["return"]),
+            correct=bool(episode["correct"]),
+            extracted_answer=episode["answer"],
+            format_ok=bool(episode["format_ok"]),
+            task_score=float(episode["return"]),
+        )
+
+
+__all__ = [
+    "ENVIRONMENTS",
+    "Environment",
+    "EpisodeKit",
+    "EpisodeLimits",
+    "EpisodeReward",
+    "Message",
+    "Services",
+    "Start",
+    "State",
+    "StepResult",
+    "TurnInfo",
+    "demonstrator",
+    "first_messages",
+    "make_environment",
+    "make_kit",
+]

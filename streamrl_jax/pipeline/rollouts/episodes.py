@@ -1,0 +1,269 @@
+"""Episodes: every sample is a multi-turn episode with an environment (DESIGN.md §9).
+
+`pipeline.rollout="episodes+KIND"` with `environment.name` set. The kind decides what
+a step trains exactly as for single-turn samples (`full`: every group of batch b;
+`dynamic_sampling`: groups with reward variance); this wrapper turns each request into
+an episode, held-out evaluations included:
+
+* a request's sample ends a **turn** (the policy's end-of-turn token). The turn's
+  message goes to the environment (`Environment.step`) on the kit's threads
+  (`episode-env`, `environment.workers` of them: a tool call waits on the sandbox, not
+  on the collector): the collector takes the outcome later (`Returned.later`), counting
+  the episode as a request still out, so a weight swap between batches waits for it.
+* not done: the environment's tokens (`render.TurnRenderer`) are appended and the next
+  turn is a continuation of the same request id with `keep_kv`: the engine extends
+  the slot's KV in place (or re-prefills, counted, when the slot was given up). The
+  sampling counter goes on from the policy-token count, so an episode depends only on
+  (weights, prompt, seed, environment).
+* done, or a limit hit: the episode is handed on as **one sample**: the prompt, then
+  every token after it (the policy's with their behaviour log-probs and versions; the
+  environment's with policy mask False, never trained), ending with the last policy
+  token, and its outcome in `metadata["episode"]` (return, correct, turns, tool calls,
+  failures, how it ended), which `environments.EpisodeReward` scores.
+
+Limits (`environments.EpisodeLimits`) and how an episode ends (`outcome`):
+"done" (the environment), "turn_limit" (`environment.max_turns` turns), "context"
+(the model's context), "episode_tokens" (the next turn would not fit
+`environment.max_episode_tokens`). Every outcome but "done" counts as truncated; the
+return is the sum of the turn rewards so far. A turn that reaches
+`generation.max_new_tokens` without its end-of-turn token is cut there and still goes
+to the environment (the chat template's closing is appended with the observation);
+such turns are counted (`cut_turns`).
+
+Advantage: the episode's return is the sample's reward, so the kind's group-relative
+estimator compares the G episodes of a task and every policy token of an episode gets
+its episode's advantage (no per-turn credit; docs/episodes.md). Shared-prompt rows and
+packing work unchanged: a group's episodes share their first prompt.
+
+Versions: every policy token keeps the version that sampled it; an environment token
+records the version its KV was computed under and is ignored by the lag
+(`Sample.oldest_version` reads policy tokens only). Checkpoints: an episode lives
+within its batch, which a resumed run regenerates from its start (the same seeds,
+the restored W_g(b), a deterministic environment), so nothing in flight is lost or
+duplicated and the checkpoint holds no episode state.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from streamrl_jax.data import Prompt
+from streamrl_jax.distributed.messages import RoundClosed
+from streamrl_jax.environments import EpisodeKit, TurnInfo
+from streamrl_jax.generation.types import Continuation, GenerationRequest, Sample
+from streamrl_jax.pipeline.micro_batches import Group, Scored
+from streamrl_jax.pipeline.rollouts.protocol import (
+    Returned,
+    Rollout,
+    RolloutContext,
+    StepOutcome,
+    Submit,
+)
+
+OUTCOMES = ("done", "turn_limit", "context", "episode_tokens")
+
+
+@dataclasses.dataclass
+class _Episode:
+    """One episode in flight (touched by one thread at a time: the collector, then the
+    environment thread stepping it)."""
+
+    state: dict[str, Any]
+    turn_start: int = 0  # where the current turn's policy tokens begin in the response
+    turns: int = 0
+    ret: float = 0.0
+    tool_calls: int = 0
+    tool_failures: int = 0
+    malformed_calls: int = 0
+    cut_turns: int = 0  # turns that reached generation.max_new_tokens without ending
+    last: TurnInfo = TurnInfo()
+
+    def add(self, info: TurnInfo, reward: float) -> None:
+        self.ret += reward
+        self.tool_calls += info.tool_calls
+        self.tool_failures += info.tool_failures
+        self.malformed_calls += info.malformed_calls
+        if info.answered:
+            self.last = info
+
+
+def question_of(metadata: dict[str, Any]) -> str:
+    """The task's question text (a reasoning-gym or JSONL entry's)."""
+    entry = metadata.get("entry")
+    if not isinstance(entry, dict) or not isinstance(entry.get("question"), str):
+        raise ValueError(f"prompt {metadata.get('prompt_id', '?')}: no question in its metadata")
+    return entry["question"]
+
+
+class Episodes:
+    """Episodes over the rollout kind `inner` (module docstring)."""
+
+    def __init__(self, ctx: RolloutContext, inner: Callable[[RolloutContext], Rollout]):
+        if ctx.episodes is None:
+            raise ValueError("pipeline.rollout 'episodes' needs an environment (environment.name)")
+        self.kit: EpisodeKit = ctx.episodes
+        self.env, self.limits = self.kit.environment, self.kit.limits
+        self.tokenizer = self.kit.renderer.tokenizer
+        self.inner = inner(ctx)
+        self._lock = threading.Lock()
+        self._live: dict[Any, _Episode] = {}
+        self._stats: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
+
+    # ------------------------------------------------------------------ generation side
+    def draw(self, batch: int) -> list[Prompt]:
+        return self.inner.draw(batch)
+
+    def open(self, batch: int, requests: list[GenerationRequest]) -> list[GenerationRequest]:
+        return self.inner.open(batch, requests)
+
+    def settle(self, batch: int, submit: Submit, stopped: Callable[[], bool]) -> None:
+        self.inner.settle(batch, submit, stopped)
+
+    def returned(self, sample: Sample) -> Returned:
+        """A turn ended: its episode goes on (the environment's step, off this thread)
+        or is handed on whole."""
+        with self._lock:
+            ep = self._live.get(sample.request_id)
+            if ep is None:
+                start = self.env.start(question_of(sample.metadata), sample.metadata)
+                ep = self._live[sample.request_id] = _Episode(state=start.state)
+        ep.turns += 1
+        if sample.finish_reason not in ("stop", "length"):
+            return self._end(sample, ep, "context")
+        ep.cut_turns += sample.finish_reason == "length"
+        return Returned(None, [], later=self.kit.submit(self._step, sample, ep))
+
+    def _step(self, sample: Sample, ep: _Episode) -> Returned:
+        """The environment's answer to the turn (an `episode-env` thread)."""
+        message = self.tokenizer.decode(sample.response[ep.turn_start :])
+        try:
+            result = self.env.step(ep.state, message, sample.metadata)
+        except Exception as e:
+            raise RuntimeError(
+                f"environment {self.env.name!r}: episode {sample.request_id!r}, turn "
+                f"{ep.turns}: {e!r}"
+            ) from e
+        ep.state = result.state
+        ep.add(result.info, result.reward)
+        if result.done:
+            return self._end(sample, ep, "done")
+        if ep.turns >= self.limits.max_turns:
+            return self._end(sample, ep, "turn_limit")
+        ended = int(sample.response[-1]) if sample.finish_reason == "stop" else None
+        env_tokens = self.kit.renderer.observation(result.observation, ended)
+        used = sample.num_tokens + len(env_tokens)
+        left = self.limits.episode_tokens - used
+        if left < 1:
+            return self._end(sample, ep, "episode_tokens")
+        ep.turn_start = used
+        return Returned(
+            None, [self._next_turn(sample, env_tokens, min(left, self.limits.turn_tokens))]
+        )
+
+    def _next_turn(self, sample: Sample, env_tokens: list[int], budget: int) -> GenerationRequest:
+        """The episode's next turn: its tokens so far, then the environment's."""
+        k = len(env_tokens)
+        mask = sample.policy_mask
+        mask = np.ones(sample.num_tokens, bool) if mask is None else mask
+        zeros = np.zeros(k, np.float32)
+        cont = Continuation(
+            tokens=np.concatenate([sample.response, np.asarray(env_tokens, np.int32)]),
+            logprobs=np.concatenate([sample.logprobs, zeros]),
+            sampling_logprobs=np.concatenate([sample.sampling_logprobs, zeros]),
+            versions=np.concatenate(
+                [sample.versions(), np.full(k, sample.last_policy_version, np.int32)]
+            ),
+            admit=sample.timings.admit,
+            policy_mask=np.concatenate([mask, np.zeros(k, bool)]),
+        )
+        return GenerationRequest(
+            request_id=sample.request_id,
+            prompt=sample.prompt.tolist(),
+            max_new_tokens=cont.policy_tokens + budget,
+            sampling=sample.sampling,
+            seed=sample.seed,
+            tag=sample.tag,
+            metadata=sample.metadata,
+            continuation=cont,
+            keep_kv=True,
+        )
+
+    def _end(self, sample: Sample, ep: _Episode, outcome: str) -> Returned:
+        """The episode, whole, with its outcome in its metadata."""
+        with self._lock:
+            self._live.pop(sample.request_id, None)
+        env_tokens = 0 if sample.policy_mask is None else int((~sample.policy_mask).sum())
+        episode = {
+            "return": ep.ret,
+            "correct": ep.last.correct,
+            "format_ok": ep.last.format_ok,
+            "answer": ep.last.answer,
+            "turns": ep.turns,
+            "tool_calls": ep.tool_calls,
+            "tool_failures": ep.tool_failures,
+            "malformed_calls": ep.malformed_calls,
+            "cut_turns": ep.cut_turns,
+            "env_tokens": env_tokens,
+            "outcome": outcome,
+        }
+        if not sample.tag.is_eval:
+            with self._lock:
+                self._stats[sample.tag.batch].append(episode)
+        whole = dataclasses.replace(sample, metadata={**sample.metadata, "episode": episode})
+        if sample.tag.is_eval:
+            return Returned(whole, [])
+        return self.inner.returned(whole)
+
+    # ------------------------------------------------------------------ ingest
+    def scored(self, scored: Scored) -> None:
+        self.inner.scored(scored)
+
+    def report(self, report: RoundClosed) -> None:
+        self.inner.report(report)
+
+    # ------------------------------------------------------------------ trainer side
+    def micro_batches(self, batch: int, mini: int) -> Iterator[list[Group]]:
+        return self.inner.micro_batches(batch, mini)
+
+    def finish(self, batch: int) -> StepOutcome:
+        out = self.inner.finish(batch)
+        with self._lock:
+            episodes = self._stats.pop(batch, [])
+        return dataclasses.replace(out, metrics={**out.metrics, **episode_metrics(episodes)})
+
+    def plannable(self, start: int, steps: int) -> range | None:
+        return None  # an episode's length depends on what is sampled and answered
+
+    # ------------------------------------------------------------------ checkpoints
+    def state(self, k: int) -> dict[str, Any]:
+        return self.inner.state(k)
+
+    def restore(self, k: int, state: dict[str, Any]) -> list[Sample]:
+        return self.inner.restore(k, state)
+
+    def fail(self, exc: BaseException) -> None:
+        self.kit.cancel()  # the kit closes with the run
+        self.inner.fail(exc)
+
+
+def episode_metrics(episodes: list[dict[str, Any]]) -> dict[str, float]:
+    """A step's episode figures: means per episode, rates over episodes."""
+    if not episodes:
+        return {}
+    mean = lambda key: float(np.mean([e[key] for e in episodes]))  # noqa: E731
+    return {
+        "episode_turns": mean("turns"),
+        "episode_tool_calls": mean("tool_calls"),
+        "episode_tool_call_rate": float(np.mean([e["tool_calls"] > 0 for e in episodes])),
+        "episode_tool_failures": float(sum(e["tool_failures"] for e in episodes)),
+        "episode_malformed_calls": float(sum(e["malformed_calls"] for e in episodes)),
+        "episode_env_tokens": mean("env_tokens"),
+        "episode_cut_turns": mean("cut_turns"),
+        "episode_truncated": float(np.mean([e["outcome"] != "done" for e in episodes])),
+    }

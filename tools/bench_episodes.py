@@ -1,0 +1,204 @@
+"""Episode throughput: KV continuation vs re-prefill per turn, stream_async vs stream_sync.
+
+    python tools/bench_episodes.py --quick     # <= 5 minutes
+    python tools/bench_episodes.py             # more episodes, the pipeline on SmolLM2
+
+1. **Engine** (SmolLM2-135M, one CPU device, the agent config's engine): `--episodes`
+   episodes of `--turns` policy turns of `--turn_tokens` tokens each (forced lengths:
+   every run does the same work), `--env_tokens` environment tokens appended after
+   every turn but the last, on one engine with `--slots` slots, driven turn by turn
+   as the episodes rollout does. `kv`: each next turn extends its kept slot's KV in
+   place (`GenerationRequest.keep_kv`); `reprefill`: each next turn re-prefills the
+   whole history (the baseline). Same-run ratio: kv / reprefill throughput. Every
+   shape is compiled by an untimed pass first.
+2. **Pipeline** (`configs/agent.py` with the retry environment, 3 attempts: every
+   episode has 3 turns whatever the model; `--quick`: the tiny model): the same run
+   in `stream_sync` and `stream_async`, steady-state seconds per step (the first
+   `--skip` steps, which compile, left out), episodes and turns per second. Same-run
+   ratio: async / sync.
+
+Last line: JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+from absl import app, flags
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+
+_QUICK = flags.DEFINE_bool("quick", False, "A <= 5 minute run.")
+_EPISODES = flags.DEFINE_integer("episodes", 0, "Engine: episodes (0: 16 quick, 32 full).")
+_TURNS = flags.DEFINE_integer("turns", 4, "Engine: policy turns per episode.")
+_TURN_TOKENS = flags.DEFINE_integer("turn_tokens", 16, "Engine: policy tokens per turn.")
+_ENV_TOKENS = flags.DEFINE_integer("env_tokens", 24, "Engine: environment tokens per turn.")
+_PROMPT = flags.DEFINE_integer("prompt", 110, "Engine: first prompt tokens.")
+_SLOTS = flags.DEFINE_integer("slots", 16, "Engine: slots.")
+_STEPS = flags.DEFINE_integer("steps", 0, "Pipeline: steps per mode (0: 5 quick, 8 full).")
+_SKIP = flags.DEFINE_integer("skip", 2, "Pipeline: first steps left out (compiles).")
+_PIPELINE = flags.DEFINE_bool("pipeline", True, "Run the pipeline part.")
+
+
+def _episode_requests(n: int, prompt_len: int, keep_kv: bool, vocab: int):
+    from streamrl_jax.generation.types import GenerationRequest, SamplingParams
+
+    rng = np.random.default_rng(0)
+    return [
+        GenerationRequest(
+            request_id=f"e{i}",
+            prompt=rng.integers(100, vocab, prompt_len).tolist(),
+            max_new_tokens=_TURN_TOKENS.value,
+            forced_length=_TURN_TOKENS.value,
+            sampling=SamplingParams(temperature=0.7),
+            seed=i,
+            keep_kv=keep_kv,
+        )
+        for i in range(n)
+    ]
+
+
+def _next_turn(req, sample, env_tokens):
+    from streamrl_jax.generation.types import Continuation
+
+    k = len(env_tokens)
+    mask = np.ones(sample.num_tokens, bool) if sample.policy_mask is None else sample.policy_mask
+    cont = Continuation(
+        tokens=np.concatenate([sample.response, np.asarray(env_tokens, np.int32)]),
+        logprobs=np.concatenate([sample.logprobs, np.zeros(k, np.float32)]),
+        sampling_logprobs=np.concatenate([sample.sampling_logprobs, np.zeros(k, np.float32)]),
+        versions=np.concatenate([sample.versions(), np.zeros(k, np.int32)]),
+        policy_mask=np.concatenate([mask, np.zeros(k, bool)]),
+    )
+    n = cont.policy_tokens + _TURN_TOKENS.value
+    return dataclasses.replace(req, continuation=cont, max_new_tokens=n, forced_length=n)
+
+
+def run_episodes(engine, requests) -> dict[str, float]:
+    """Drives `requests`' episodes to `--turns` turns each; wall time and counts."""
+    rng = np.random.default_rng(1)
+    env = rng.integers(100, 1000, _ENV_TOKENS.value).tolist()
+    by_id = {r.request_id: r for r in requests}
+    turns = dict.fromkeys(by_id, 0)
+    policy_tokens = 0
+    t0 = time.perf_counter()
+    engine.submit(requests)
+    while engine.has_work():
+        for s in engine.step():
+            turns[s.request_id] += 1
+            policy_tokens += _TURN_TOKENS.value
+            if turns[s.request_id] < _TURNS.value:
+                engine.submit([_next_turn(by_id[s.request_id], s, env)])
+            else:
+                engine.release(s.request_id)
+    wall = time.perf_counter() - t0
+    total = sum(turns.values())
+    return {"wall_s": wall, "turns": total, "policy_tokens": policy_tokens}
+
+
+def engine_part() -> dict:
+    import jax
+    from jax.sharding import AxisType, Mesh
+
+    from streamrl_jax.generation.engine import Engine
+    from streamrl_jax.generation.engine_config import EngineConfig
+    from streamrl_jax.model.defaults import smollm2_gguf_path
+    from streamrl_jax.model.loader import load_pretrained
+
+    n = _EPISODES.value or (16 if _QUICK.value else 32)
+    mesh = Mesh(np.asarray(jax.devices()[:1], dtype=object), ("tp",), axis_types=(AxisType.Auto,))
+    pre = load_pretrained(smollm2_gguf_path(), mesh=mesh)
+    total = _PROMPT.value + _TURNS.value * (_TURN_TOKENS.value + _ENV_TOKENS.value) + 8
+    ecfg = EngineConfig(
+        num_slots=_SLOTS.value,
+        max_prompt_length=128,
+        max_total_length=max(total, 160),
+        chunk_steps=8,
+        prefill_batch=4,
+        stop_ids=tuple(pre.tokenizer.stop_ids),
+    )
+    out = {}
+    for mode, keep in (("reprefill", False), ("kv", True)):
+        engine = Engine(pre.graphdef, pre.params, pre.cfg, ecfg, mesh)
+        run_episodes(engine, _episode_requests(n, _PROMPT.value, keep, pre.cfg.vocab_size))
+        engine = Engine(pre.graphdef, pre.params, pre.cfg, ecfg, mesh)  # shapes compiled
+        r = run_episodes(engine, _episode_requests(n, _PROMPT.value, keep, pre.cfg.vocab_size))
+        m = engine.metrics()
+        r.update(
+            extended=m["extended"],
+            reprefilled=m["reprefilled"],
+            reprefilled_tokens=m["reprefilled_tokens"],
+        )
+        r["tokens_per_s"] = r["policy_tokens"] / r["wall_s"]
+        r["turns_per_s"] = r["turns"] / r["wall_s"]
+        out[mode] = {k: round(float(v), 3) for k, v in r.items()}
+        print(f"engine {mode}: {out[mode]}", file=sys.stderr, flush=True)
+    out["kv_over_reprefill"] = round(
+        out["kv"]["tokens_per_s"] / out["reprefill"]["tokens_per_s"], 3
+    )
+    out.update(episodes=n, turns=_TURNS.value, turn_tokens=_TURN_TOKENS.value)
+    out.update(env_tokens=_ENV_TOKENS.value, prompt=_PROMPT.value, slots=_SLOTS.value)
+    return out
+
+
+def pipeline_part() -> dict:
+    import importlib.util
+
+    from streamrl_jax import pipeline as run_lib
+    from streamrl_jax.config import from_config_dict
+
+    spec = importlib.util.spec_from_file_location("agent", os.path.join(_ROOT, "configs/agent.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    steps = _STEPS.value or (5 if _QUICK.value else 8)
+    out = {"model": "tiny" if _QUICK.value else "smollm2", "steps": steps}
+    for mode in ("stream_sync", "stream_async"):
+        c = module.get_config("tiny" if _QUICK.value else "short")
+        c.pipeline.mode = mode
+        c.pipeline.steps = steps
+        c.environment.name = "retry"
+        c.environment.max_attempts = 3
+        c.eval.num_problems = 0
+        c.eval.every = 0
+        c.checkpoint.every = 0
+        c.log.progress = False
+        c.log.tensorboard = False
+        c.optimizer.warmup_steps = 0
+        cfg = from_config_dict(c.to_dict())
+        with tempfile.TemporaryDirectory() as workdir:
+            result = run_lib.run(cfg, workdir)
+        rows = result.steps[_SKIP.value :]
+        step_s = float(np.mean([r["step_s"] for r in rows]))
+        samples = float(np.mean([r["samples"] for r in rows]))
+        turns = float(np.mean([r["samples"] * r["episode_turns"] for r in rows]))
+        out[mode] = {
+            "step_s": round(step_s, 3),
+            "episodes_per_s": round(samples / step_s, 3),
+            "turns_per_s": round(turns / step_s, 3),
+            "kv_extended": float(sum(r["kv_extended"] for r in result.steps)),
+            "kv_reprefilled": float(sum(r["kv_reprefilled"] for r in result.steps)),
+        }
+        print(f"pipeline {mode}: {out[mode]}", file=sys.stderr, flush=True)
+    out["async_over_sync"] = round(out["stream_sync"]["step_s"] / out["stream_async"]["step_s"], 3)
+    return out
+
+
+def main(argv) -> None:
+    del argv
+    t0 = time.perf_counter()
+    out = {"bench": "episodes", "quick": _QUICK.value, "engine": engine_part()}
+    if _PIPELINE.value:
+        out["pipeline"] = pipeline_part()
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    app.run(main)
