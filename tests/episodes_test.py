@@ -29,6 +29,7 @@ from streamrl_jax.rewards.vowels import vowel_reward
 TOKENIZER = components.describe_model(tiny_config()).tokenizer
 END = TOKENIZER.token_to_id("<|im_end|>")
 SAMPLING = SamplingParams(temperature=0.7)
+_REWARD = RewardResult(score=1.0, correct=True, extracted_answer="42", format_ok=True)
 
 
 class _Start:
@@ -153,6 +154,7 @@ def test_an_episode_runs_turn_by_turn_and_is_handed_on_whole():
     assert ep["env_tokens"] == int((~whole.policy_mask).sum()) > 0
     assert whole.policy_mask[-1] and whole.response[-1] == END  # ends on the policy's turn
     assert whole.num_tokens == len(third.response)
+    rollout.scored(Scored(whole, "t", _REWARD))  # counted where it is trained
     metrics = rollout.finish(0).metrics
     assert metrics["episode_turns"] == 3.0 and metrics["episode_tool_call_rate"] == 1.0
     assert metrics["episode_truncated"] == 0.0
@@ -174,6 +176,7 @@ def test_a_limit_ends_the_episode_with_its_outcome(limits, reason, outcome, turn
         out = rollout.returned(_engine_turn(out.now[0], [103]))
     ep = out.sample.metadata["episode"]
     assert (ep["outcome"], ep["turns"]) == (outcome, turns)
+    rollout.scored(Scored(out.sample, "t", _REWARD))
     assert rollout.finish(0).metrics["episode_truncated"] == 1.0
 
 

@@ -959,3 +959,45 @@ def test_settings_that_need_one_process_are_refused():
     for n, g, r in ((2, 1, 1), (4, 2, 2), (None, 1, 1)):
         with pytest.raises(config_lib.ConfigError, match=f"elastic_reserved={r}: across"):
             _check(_config(**{"scheduling.elastic_reserved": r}), n, g)
+
+
+@_EXT  # ~45 s of the default suite's 8-minute budget; run with -m extended
+def test_episodes_across_processes_give_the_one_process_parameters(tmp_path):
+    # Multi-turn episodes (configs/agent.py:tiny, the retry environment: 3 turns an
+    # episode, vowel-scored attempts so the returns differ) in one generation and one
+    # training process: the environment steps in the generation process, each episode
+    # crosses the wire with its policy mask and outcome, and the trainer ends with the
+    # one-process run's parameters bit for bit (stream_async, deterministic).
+    episodes = {
+        "environment.name": "retry",
+        "pipeline.mode": "stream_async",
+        "eval.num_problems": 2,
+    }
+
+    def cmd(workdir):
+        return [
+            sys.executable,
+            "-m",
+            "streamrl_jax.launch",
+            f"--config={REPO / 'configs' / 'agent.py'}:tiny",
+            f"--workdir={workdir}",
+            "--verbosity=0",
+            *_flags(**episodes),
+        ]
+
+    one = tmp_path / "one"
+    run = _run(cmd(one))
+    assert run.returncode == 0, run.stderr[-6000:]
+    two = tmp_path / "two"
+    launcher = [sys.executable, str(REPO / "launch" / "local.py"), "-n", "2", "-g", "1"]
+    run = _run([*launcher, "--timeout_s", "240", "--", *cmd(two)])
+    assert run.returncode == 0, run.stdout[-6000:]
+    want, got = np.load(one / run_lib.FINAL_PARAMS), np.load(two / run_lib.FINAL_PARAMS)
+    _assert_params_match(got, want, exact=True)
+    rows = [r for r in read_jsonl(str(two / "metrics.jsonl")) if "reward" in r]
+    ref = [r for r in read_jsonl(str(one / "metrics.jsonl")) if "reward" in r]
+    assert [r["episode_turns"] for r in rows] == [3.0, 3.0]  # counted on the trainer
+    for key in ("reward", "response_len", "episode_env_tokens"):
+        assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref]), key
+    evals = [r for r in read_jsonl(str(two / "metrics.jsonl")) if "eval/turns" in r]
+    assert evals and all(r["eval/turns"] == 3.0 for r in evals)  # held-out episodes too

@@ -344,3 +344,59 @@ if __name__ == "__main__":
     pickled = pickle.dumps(sample, protocol=pickle.HIGHEST_PROTOCOL)
     pkl = _time(lambda: pickle.loads(pickle.dumps(sample, protocol=5)), 20_000)
     print(f"for comparison, pickle round trip of the sample ({len(pickled)} B): {pkl:.2f} us")
+
+
+# ---------------------------------------------------------------- episodes
+def make_episode() -> Sample:
+    """A multi-turn episode: 256 tokens, the environment's at 100..139 (version 7, as the
+    turn before them), its outcome in the metadata."""
+    s = make_sample()
+    mask = np.ones(s.num_tokens, bool)
+    mask[100:140] = False
+    versions = np.repeat(np.int32([7, 8]), [140, s.num_tokens - 140])
+    episode = {"return": 0.75, "correct": True, "format_ok": True, "answer": "42",
+               "turns": 2, "tool_calls": 1, "tool_failures": 0, "malformed_calls": 0,
+               "cut_turns": 0, "env_tokens": 40, "outcome": "done"}  # fmt: skip
+    return dataclasses.replace(
+        s,
+        policy_mask=mask,
+        token_versions=versions,
+        logprobs=np.where(mask, s.logprobs, 0.0).astype(np.float32),
+        metadata={**s.metadata, "episode": episode},
+    )
+
+
+def test_an_episode_crosses_the_wire_with_its_mask_and_outcome():
+    sent = make_episode()
+    got = wire.decode(wire.encode(sent), source=SOURCE)
+    np.testing.assert_array_equal(got.policy_mask, sent.policy_mask)
+    assert got.policy_mask.dtype == np.bool_
+    assert got.metadata == {"episode": sent.metadata["episode"]}  # the problem's: looked up
+    np.testing.assert_array_equal(got.versions(), sent.versions())
+    assert (got.oldest_version, got.newest_version) == (7, 8)
+    plain = wire.decode(wire.encode(make_sample()), source=SOURCE)
+    assert plain.policy_mask is None and plain.metadata == {}
+
+
+HOSTILE_EPISODES = {
+    "mask values": (_set("policy_mask", bytes([1] * 255 + [2])), "one 0/1 per response token"),
+    "mask short": (_set("policy_mask", bytes([1] * 255)), "one 0/1 per response token"),
+    "mask ends on the environment": (
+        _set("policy_mask", bytes([1] * 255 + [0])),
+        "end on a policy token",
+    ),
+    "outcome without mask": (_set("policy_mask", None), "$.episode without $.policy_mask"),
+    "env tokens disagree": (_set("episode.env_tokens", 3), "$.episode.env_tokens is 3"),
+    "return not finite": (_set("episode.ret", float("nan")), "a non-finite return"),
+    "negative count": (_set("episode.tool_calls", -1), "a negative count"),
+    "no turn": (_set("episode.turns", 0), "no turn"),
+    "unknown outcome": (_set("episode.outcome", "won"), "at `$.episode.outcome`"),
+    "answer too long": (_set("episode.answer", "x" * 4097), "at `$.episode.answer`"),
+    "unknown field": (_set("episode.secret", 1), "unknown field `secret`"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_EPISODES))
+def test_decode_refuses_a_tampered_episode(name):
+    change, expect = HOSTILE_EPISODES[name]
+    assert expect in _refused(_tampered(make_episode(), change))

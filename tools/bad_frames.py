@@ -345,7 +345,8 @@ def _problem(**changes) -> Callable[[str], str]:
             model_cfg=types.SimpleNamespace(vocab_size=100),
         )
         cfg = types.SimpleNamespace(
-            generation=types.SimpleNamespace(max_prompt_len=16, max_new_tokens=8)
+            generation=types.SimpleNamespace(max_prompt_len=16, max_new_tokens=8),
+            environment=types.SimpleNamespace(name=""),  # single-turn samples
         )
         try:
             ProblemTable(components, cfg).attach(sample(**changes), "generation-0 (127.0.0.1)")
@@ -419,6 +420,9 @@ def cases() -> list[NetCase]:
                          sampling_logprobs=np.zeros(3, np.float32))),
         NetCase("net: prompt over max_prompt_len", r"17-token prompt \(max 16\)",
                 _problem(prompt=np.ones(17, np.int32))),
+        NetCase("net: an episode in a run without an environment",
+                "is an episode, but this run has no environment",
+                _problem(metadata={"episode": {"return": 1.0}})),
     ]  # fmt: skip
 
 

@@ -192,6 +192,9 @@ def pipeline_part() -> dict:
 
 def main(argv) -> None:
     del argv
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 2)  # the pipeline's two roles
     t0 = time.perf_counter()
     out = {"bench": "episodes", "quick": _QUICK.value, "engine": engine_part()}
     if _PIPELINE.value:

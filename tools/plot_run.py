@@ -3,7 +3,8 @@
   python tools/plot_run.py --workdir=/tmp/quickstart [--workdir=/tmp/other ...] --out=docs/img/run
 
 Writes `<out>_curves.png` (train reward and accuracy per step, held-out
-accuracy per policy version, response length; one line per workdir) and
+accuracy per policy version, response length, and for an episodes run the tool-call
+rate, truncation and turns per episode; one line per workdir) and
 `<out>_timeline.png` (the trace.json spans of the first workdir: one row per
 track — generation instances, reward, trainer micro-batches, optimizer,
 weight sync — so the overlap and the bubbles are visible).
@@ -33,9 +34,10 @@ _MAX_SECONDS = flags.DEFINE_float("timeline_seconds", 0.0, "Only draw the first 
 
 
 def plot_curves(workdirs: list[str], labels: list[str], path: str) -> None:
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for workdir, label in zip(workdirs, labels, strict=True):
-        rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    runs = [read_jsonl(os.path.join(w, "metrics.jsonl")) for w in workdirs]
+    episodes = any("episode_turns" in r for rows in runs for r in rows)
+    fig, axes = plt.subplots(1, 4 if episodes else 3, figsize=(20 if episodes else 15, 4))
+    for rows, label in zip(runs, labels, strict=True):
         train = [r for r in rows if "reward" in r]
         evals = [r for r in rows if "eval/accuracy" in r]
         steps = [r["step"] for r in train]
@@ -45,6 +47,14 @@ def plot_curves(workdirs: list[str], labels: list[str], path: str) -> None:
             [r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label=label
         )
         axes[2].plot(steps, [r["response_len"] for r in train], label=label)
+        if episodes:  # an episodes run: how its episodes went (docs/episodes.md)
+            ep = [r for r in train if "episode_turns" in r]
+            x = [r["step"] for r in ep]
+            axes[3].plot(x, [r["episode_tool_call_rate"] for r in ep], label=f"{label} tool calls")
+            axes[3].plot(x, [r["episode_truncated"] for r in ep], ":", label=f"{label} truncated")
+            axes[3].plot(x, [r["episode_turns"] / 4 for r in ep], "--", label=f"{label} turns / 4")
+    if episodes:
+        axes[3].set(title="episodes (rates; turns / 4)", xlabel="step", ylim=(0, 1.05))
     axes[0].set(title="training batch", xlabel="step")
     axes[1].set(title="held-out accuracy (greedy)", xlabel="policy version", ylim=(0, 1))
     axes[2].set(title="mean response length", xlabel="step", ylabel="tokens")

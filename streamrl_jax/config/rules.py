@@ -396,11 +396,6 @@ def check(cfg: ExperimentConfig, processes: Processes) -> ExperimentConfig:
         f"pipeline.rollout={p.rollout!r}: the curriculum runs in one process only; this run "
         f"has {n}: the generation processes cannot see the outcomes that weigh the draws",
     )
-    require(
-        "episodes" not in wrappers,
-        f"pipeline.rollout={p.rollout!r}: episodes across processes are not built yet "
-        f"(issue 36); this run has {n}",
-    )
     partial = kind == "partial"
     require(
         not partial or (n.generation == 1 and n.total in (None, 2)),

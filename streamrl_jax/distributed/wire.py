@@ -19,13 +19,16 @@ every declared length against the bytes actually present before it allocates,
 so a hostile frame costs at most its own (bounded) size.
 
 What does not cross the wire: `Sample.metadata` (the training process looks
-the problem up in its own dataset by `tag.prompt_id`; `decode` returns
-`metadata={}`).
+the problem up in its own dataset by `tag.prompt_id`), except an episode's outcome
+(`metadata["episode"]`, with the sample's policy mask: a multi-turn episode,
+docs/episodes.md), checked on receipt (a finite return, counts >= 0, its environment
+tokens those of the mask, the mask ending on a policy token; the version checks then
+read the policy's tokens). `decode` returns `metadata={}` or `{"episode": ...}`.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
@@ -54,6 +57,7 @@ class WireError(TransportError):
 # ---------------------------------------------------------------- schema
 # Raw little-endian bytes of a 1-D array; the 4-byte dtype is fixed per field.
 _Raw4 = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_TOKENS)]
+_Raw1 = Annotated[bytes, msgspec.Meta(max_length=MAX_TOKENS)]
 
 
 class _Tag(WireStruct):
@@ -70,6 +74,25 @@ class _Timings(WireStruct):
     finish: float
 
 
+class _Episode(WireStruct):
+    """An episode's outcome (`Sample.metadata["episode"]`, pipeline/rollouts/episodes.py)."""
+
+    ret: float  # the return (finite)
+    correct: bool
+    format_ok: bool
+    answer: Str | None
+    turns: int  # >= 1
+    tool_calls: int  # the counts: >= 0
+    tool_failures: int
+    malformed_calls: int
+    cut_turns: int
+    env_tokens: int  # = the policy mask's False entries
+    outcome: Literal["done", "turn_limit", "context", "episode_tokens"]
+
+
+_EPISODE_COUNTS = ("tool_calls", "tool_failures", "malformed_calls", "cut_turns", "env_tokens")
+
+
 class _Sample(WireStruct, tag="sample"):
     request_id: Str | int
     prompt: _Raw4  # i32[P], P >= 1
@@ -83,6 +106,10 @@ class _Sample(WireStruct, tag="sample"):
     instance_id: int
     timings: _Timings
     tag: _Tag
+    # An episode's: u8[R] 1 on the policy's tokens, 0 on the environment's (None: all
+    # the policy's), and its outcome.
+    policy_mask: _Raw1 | None = None
+    episode: _Episode | None = None
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -135,6 +162,13 @@ def _encode_sample(s: Sample) -> _Sample:
     problem = _versions_problem(token_versions, s.policy_version, s.last_policy_version)
     if problem is not None:
         raise ValueError(f"wire: Sample.token_versions {problem}")
+    mask = None
+    if s.policy_mask is not None:
+        m = np.asarray(s.policy_mask)
+        if m.dtype != np.bool_ or m.shape != (len(response) // 4,):
+            raise ValueError("wire: Sample.policy_mask must be a bool array, one per token")
+        mask = m.astype(np.uint8).tobytes()
+    episode = s.metadata.get("episode")
     t, tag = s.timings, s.tag
     return _Sample(
         rid,
@@ -149,6 +183,12 @@ def _encode_sample(s: Sample) -> _Sample:
         s.instance_id,
         _Timings(t.enqueue, t.admit, t.finish),
         _Tag(tag.batch, tag.group, tag.member, tag.prompt_id, tag.eval_version),
+        mask,
+        None
+        if episode is None
+        else _Episode(
+            **{"ret": episode["return"]} | {k: v for k, v in episode.items() if k != "return"}
+        ),
     )
 
 
@@ -179,9 +219,22 @@ def _decode_sample(w: _Sample) -> Sample:
         if size != sizes[1]:
             raise ValueError(f"$.{field} has {size // 4} elements, $.response {sizes[1] // 4}")
     versions = np.frombuffer(w.versions, _I32)
-    problem = _versions_problem(versions, w.policy_version, w.last_policy_version)
+    mask = None
+    if w.policy_mask is not None:
+        raw = np.frombuffer(w.policy_mask, np.uint8)
+        if raw.size != sizes[1] // 4 or raw.max(initial=0) > 1 or not raw[-1]:
+            raise ValueError(
+                "$.policy_mask must hold one 0/1 per response token and end on a policy token"
+            )
+        mask = raw.astype(bool)
+    problem = _versions_problem(
+        versions if mask is None else versions[mask], w.policy_version, w.last_policy_version
+    )
     if problem is not None:
         raise ValueError(f"$.versions {problem}")
+    metadata = {}
+    if w.episode is not None:
+        metadata["episode"] = _episode(w.episode, mask)
     t, tag = w.timings, w.tag
     return Sample(
         request_id=w.request_id,
@@ -195,6 +248,8 @@ def _decode_sample(w: _Sample) -> Sample:
         instance_id=w.instance_id,
         timings=Timings(enqueue=t.enqueue, admit=t.admit, finish=t.finish),
         token_versions=versions,
+        policy_mask=mask,
+        metadata=metadata,
         tag=RequestTag(
             batch=tag.batch,
             group=tag.group,
@@ -203,6 +258,21 @@ def _decode_sample(w: _Sample) -> Sample:
             eval_version=tag.eval_version,
         ),
     )
+
+
+def _episode(e: _Episode, mask: np.ndarray | None) -> dict[str, Any]:
+    """A received episode outcome as `metadata["episode"]`, its bounds checked."""
+    if mask is None:
+        raise ValueError("$.episode without $.policy_mask")
+    if not np.isfinite(e.ret) or e.turns < 1 or min(getattr(e, k) for k in _EPISODE_COUNTS) < 0:
+        raise ValueError("$.episode: a non-finite return, no turn or a negative count")
+    if e.env_tokens != int((~mask).sum()):
+        raise ValueError(
+            f"$.episode.env_tokens is {e.env_tokens}, the policy mask has "
+            f"{int((~mask).sum())} environment tokens"
+        )
+    out = {f: getattr(e, f) for f in e.__struct_fields__ if f != "ret"}
+    return {"return": e.ret, **out}
 
 
 # The reports are their own schema (messages.py); a Sample maps to and from `_Sample`.

@@ -222,6 +222,11 @@ def _generation_parts(
     )
 
 
+def has_checkpoint(directory: str) -> bool:
+    """Whether a run's checkpoint directory holds a step (the run resumes: no warm-up)."""
+    return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
+
+
 def build(
     cfg: ExperimentConfig,
     devices: list[jax.Device] | None = None,
@@ -252,6 +257,7 @@ def build_training(
     *,
     processes: int = 1,
     held_out: bool = True,
+    warm: bool = True,
 ) -> Components:
     """The components of a training process: no generation service; W_0 goes out
     through `make_weight_sync(params, generate_dtype)` (it sends to the generation
@@ -267,7 +273,13 @@ def build_training(
         [d.id for d in meshes.train.devices.flat],
     )
     return _components(
-        cfg, meshes, train_set, eval_set, make_weight_sync=make_weight_sync, held_out=held_out
+        cfg,
+        meshes,
+        train_set,
+        eval_set,
+        make_weight_sync=make_weight_sync,
+        held_out=held_out,
+        warm=warm,
     )
 
 
@@ -333,13 +345,23 @@ def _components(
     )
 
 
-def build_generation(
-    cfg: ExperimentConfig, devices: Sequence[jax.Device]
-) -> tuple[GenerationParts, PromptPipeline, list[Prompt]]:
-    """The generation side of a generation process: its instances (the service is made
-    once W_0 has arrived, `GenerationParts.service`), the seeded prompt pipeline and the
-    held-out prompts. Reads the model's config and tokenizer only: the weights come
-    from the trainer."""
+@dataclasses.dataclass(frozen=True)
+class GenerationSide:
+    """What a generation process builds (`build_generation`)."""
+
+    parts: GenerationParts  # its instances (the service is made once W_0 has arrived)
+    prompts: PromptPipeline  # the seeded prompt pipeline
+    eval_prompts: list[Prompt]  # the held-out prompts
+    tokenizer: Tokenizer
+    reward_fn: RewardFn  # what an episodes run's environment scores answers with
+    reward_sandbox: Limits | None
+
+
+def build_generation(cfg: ExperimentConfig, devices: Sequence[jax.Device]) -> GenerationSide:
+    """The generation side of a generation process: its instances, the seeded prompt
+    pipeline, the held-out prompts, and for an episodes run what its environment needs
+    (the tokenizer, the task's reward). Reads the model's config and tokenizer only: the
+    weights come from the trainer."""
     eval_set, train_set = datasets.datasets(cfg)
     meshes = role_meshes(cfg, devices, "generation")
     logging.info(
@@ -350,4 +372,11 @@ def build_generation(
     d = describe_model(cfg)
     parts = _generation_parts(cfg, d.cfg, d.tokenizer, meshes.generate)
     prompts, eval_prompts = datasets.prompts(cfg, d.tokenizer, train_set, eval_set)
-    return parts, prompts, eval_prompts
+    return GenerationSide(
+        parts=parts,
+        prompts=prompts,
+        eval_prompts=eval_prompts,
+        tokenizer=d.tokenizer,
+        reward_fn=datasets.reward_fn(cfg, train_set),
+        reward_sandbox=datasets.reward_sandbox(cfg),
+    )

@@ -25,7 +25,7 @@ from absl import logging
 from streamrl_jax import checkpoint as ckpt_lib
 from streamrl_jax.config import ExperimentConfig, Processes, check
 from streamrl_jax.metrics import Progress
-from streamrl_jax.pipeline.components import Components, build
+from streamrl_jax.pipeline.components import Components, build, has_checkpoint
 from streamrl_jax.pipeline.generation import Generation, LocalGeneration, Running
 from streamrl_jax.pipeline.hooks import trainer_hooks
 from streamrl_jax.pipeline.parts import RunParts, Trainers, wire
@@ -163,9 +163,8 @@ def run(
     `cfg.pipeline.mode`; metrics, trace and checkpoints go to `workdir`; `reward_fn`
     replaces the task's reward (tests, custom rewards)."""
     check(cfg, Processes.one())  # a config made in code, too, fails here before any model load
-    ckpt_dir = os.path.join(workdir, "checkpoints")
-    resuming = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
-    c = build(cfg, devices, reward_fn=reward_fn, warm=not resuming)
+    warm = not has_checkpoint(os.path.join(workdir, "checkpoints"))  # a resume skips it
+    c = build(cfg, devices, reward_fn=reward_fn, warm=warm)
     trainers = Trainers(
         share=Alone(ownership(cfg.pipeline, 1)), checkpoint_dir=os.path.join(workdir, "checkpoints")
     )

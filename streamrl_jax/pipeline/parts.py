@@ -21,6 +21,7 @@ from streamrl_jax.algorithms.overlong import OverlongPenalty
 from streamrl_jax.config import ExperimentConfig, episode_tokens
 from streamrl_jax.environments import EpisodeKit, EpisodeLimits, make_kit
 from streamrl_jax.metrics import MetricsWriter, Tracer
+from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.pipeline.components import Components
 from streamrl_jax.pipeline.ingest import Evaluations, Ingest
 from streamrl_jax.pipeline.micro_batches import Scored, group_key
@@ -107,7 +108,9 @@ def wire(
     pool = RewardPool(
         c.reward_fn, num_workers=2, on_error=cfg.data.reward_errors, sandbox=c.reward_sandbox
     )
-    kit = episode_kit(cfg, c, pool) if cfg.environment.name else None
+    # Episodes step where they are generated: here, unless generation processes do it.
+    episodes = cfg.environment.name and where != "trainer"
+    kit = episode_kit(cfg, c.tokenizer, pool) if episodes else None
     rollout = make_rollout(
         p.rollout,
         RolloutContext(
@@ -175,9 +178,9 @@ def wire(
     )
 
 
-def episode_kit(cfg: ExperimentConfig, c: Components, pool: RewardPool) -> EpisodeKit:
-    """The run's environment; its answers are scored on the run's reward pool (sandboxed
-    where the task needs it), each within the reward deadline."""
+def episode_kit(cfg: ExperimentConfig, tokenizer: Tokenizer, pool: RewardPool) -> EpisodeKit:
+    """The run's environment; its answers are scored on `pool` (the run's reward pool,
+    sandboxed where the task needs it), each within the reward deadline."""
     wait = cfg.data.reward_timeout_s + 30.0  # the pool's own deadline fires first
 
     def score(text: str, metadata: dict[str, Any]) -> RewardResult:
@@ -189,4 +192,4 @@ def episode_kit(cfg: ExperimentConfig, c: Components, pool: RewardPool) -> Episo
         turn_tokens=g.max_new_tokens,
         episode_tokens=episode_tokens(cfg),
     )
-    return make_kit(cfg.environment, c.tokenizer, score, limits)
+    return make_kit(cfg.environment, tokenizer, score, limits)

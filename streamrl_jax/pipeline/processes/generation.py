@@ -69,12 +69,14 @@ from streamrl_jax.distributed.shard_receiver import ShardReceiver
 from streamrl_jax.distributed.shard_wire import ShardStats, need_of
 from streamrl_jax.distributed.transport import SampleClient
 from streamrl_jax.distributed.xla_pull import pull_server
+from streamrl_jax.environments import EpisodeKit
 from streamrl_jax.generation.types import Sample
 from streamrl_jax.mailbox import FailureLatch
 from streamrl_jax.pipeline import components as components_lib
 from streamrl_jax.pipeline.driver import DriverPlan, GenerationDriver
 from streamrl_jax.pipeline.hooks import generation_hooks
 from streamrl_jax.pipeline.micro_batches import Scored, group_key
+from streamrl_jax.pipeline.parts import episode_kit
 from streamrl_jax.pipeline.processes import roster_share
 from streamrl_jax.pipeline.processes.plan import (
     CLOSE_TIMEOUT_S,
@@ -93,6 +95,7 @@ from streamrl_jax.pipeline.rollouts import Rollout, RolloutContext, make_rollout
 from streamrl_jax.pipeline.rollouts.partial import PartialRollout
 from streamrl_jax.pipeline.schedules import Schedule
 from streamrl_jax.pipeline.shards import Alone, ownership
+from streamrl_jax.rewards.pool import RewardPool
 from streamrl_jax.scheduling.live import LiveScheduler
 from streamrl_jax.stream.sample_stream import SampleStream, StreamError
 from streamrl_jax.weight_sync import Params
@@ -124,10 +127,21 @@ class _GenerationProcess:
         self.timeout = cfg.pipeline.timeout_s
         self.pid = r.process_id
         self.share = (r.generation_processes.index(self.pid), len(r.generation_processes))
-        self.parts, pipeline, self.held_out = components_lib.build_generation(
-            cfg, jax.local_devices()
-        )
-        self.prompts = PromptSource(pipeline)
+        side = components_lib.build_generation(cfg, jax.local_devices())
+        self.parts, self.held_out = side.parts, side.eval_prompts
+        self.prompts = PromptSource(side.prompts)
+        # An episodes run: the environment steps here; its answers are scored on a reward
+        # pool of this process (the trainer scores the episodes by their outcome).
+        self.pool: RewardPool | None = None
+        self.kit: EpisodeKit | None = None
+        if cfg.environment.name:
+            self.pool = RewardPool(
+                side.reward_fn,
+                num_workers=2,
+                on_error=cfg.data.reward_errors,
+                sandbox=side.reward_sandbox,
+            )
+            self.kit = episode_kit(cfg, side.tokenizer, self.pool)
         name = f"generation-{self.pid}"
         # A restarted process: the roster so far; the update taking it back comes after.
         self.epoch0 = roster_share.last_epoch() if r.rejoined else 0
@@ -373,6 +387,7 @@ class _GenerationProcess:
                 trainers=Alone(ownership(p, 1)),
                 seed=self.cfg.seed,
                 where="generator",
+                episodes=self.kit,
             ),
         )
         self.latch.add_listener(lambda component, exc: rollout.fail(exc))
@@ -459,6 +474,9 @@ class _GenerationProcess:
             for th in [*driver.threads, *extra]:
                 th.join(CLOSE_TIMEOUT_S)
             service.close(CLOSE_TIMEOUT_S)
+            if self.kit is not None:
+                self.kit.close()
+                self.pool.close(cancel_pending=True)
         if outcome == "stopped":
             logging.warning("generation-%d: the training process stopped the run", self.pid)
         elif outcome != "ok":

@@ -53,7 +53,7 @@ from typing import Any
 import jax.numpy as jnp
 from absl import logging
 
-from streamrl_jax.config import ExperimentConfig
+from streamrl_jax.config import ExperimentConfig, episode_tokens
 from streamrl_jax.distributed import roles
 from streamrl_jax.distributed.channel import ChannelClosed, PeerLost, TransportError
 from streamrl_jax.distributed.messages import (
@@ -115,7 +115,9 @@ class ProblemTable:
         self._metadata = {p.prompt_id: p.metadata for p in problems}
         self._vocab = components.model_cfg.vocab_size
         self._max_prompt = cfg.generation.max_prompt_len
-        self._max_new = cfg.generation.max_new_tokens
+        # An episodes run's samples are whole episodes (docs/episodes.md): their budget.
+        self._episodes = bool(cfg.environment.name)
+        self._max_new = episode_tokens(cfg) if self._episodes else cfg.generation.max_new_tokens
 
     def attach(self, sample: Sample, source: str) -> Sample:
         """`sample` with its problem's metadata; TransportError if it is not one of ours."""
@@ -128,6 +130,12 @@ class ProblemTable:
             problem = f"has a {sample.prompt.shape[0]}-token prompt (max {self._max_prompt})"
         elif sample.num_tokens > self._max_new:
             problem = f"has {sample.num_tokens} response tokens (max {self._max_new})"
+        elif ("episode" in sample.metadata) != self._episodes:
+            problem = (
+                "is an episode, but this run has no environment"
+                if not self._episodes
+                else "is not an episode, but this run's samples are (environment.name)"
+            )
         else:
             for name in ("prompt", "response"):
                 ids = getattr(sample, name)
@@ -135,7 +143,7 @@ class ProblemTable:
                     problem = f"has {name} token ids outside [0, {self._vocab})"
         if problem is not None:
             raise TransportError(f"sample {sample.request_id!r} from {source} {problem}")
-        return dataclasses.replace(sample, metadata=metadata)
+        return dataclasses.replace(sample, metadata={**metadata, **sample.metadata})
 
 
 class TrainingLink:
@@ -532,7 +540,12 @@ def run_training(
         # The first training process scores the held-out prompts and writes the metrics;
         # another keeps its own trace and sample logs apart.
         components = components_lib.build_training(
-            cfg, devices, weight_sync, processes=t, held_out=link.index == 0
+            cfg,
+            devices,
+            weight_sync,
+            processes=t,
+            held_out=link.index == 0,
+            warm=not components_lib.has_checkpoint(os.path.join(workdir, "checkpoints")),
         )
         own = ownership(cfg.pipeline, t)
         share = Alone(own) if t == 1 else TrainingGroup(components.trainer.mesh, own, link.index)

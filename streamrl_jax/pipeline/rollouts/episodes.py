@@ -105,11 +105,11 @@ class Episodes:
     """Episodes over the rollout kind `inner` (module docstring)."""
 
     def __init__(self, ctx: RolloutContext, inner: Callable[[RolloutContext], Rollout]):
-        if ctx.episodes is None:
+        # A training process of a multi-controller run holds the trainer's half only:
+        # the episodes arrive whole, and no environment runs there.
+        if ctx.episodes is None and ctx.where != "trainer":
             raise ValueError("pipeline.rollout 'episodes' needs an environment (environment.name)")
-        self.kit: EpisodeKit = ctx.episodes
-        self.env, self.limits = self.kit.environment, self.kit.limits
-        self.tokenizer = self.kit.renderer.tokenizer
+        self.kit: EpisodeKit | None = ctx.episodes
         self.inner = inner(ctx)
         self._lock = threading.Lock()
         self._live: dict[Any, _Episode] = {}
@@ -128,10 +128,11 @@ class Episodes:
     def returned(self, sample: Sample) -> Returned:
         """A turn ended: its episode goes on (the environment's step, off this thread)
         or is handed on whole."""
+        assert self.kit is not None, "a trainer's half never gets a sample back"
         with self._lock:
             ep = self._live.get(sample.request_id)
             if ep is None:
-                start = self.env.start(question_of(sample.metadata), sample.metadata)
+                start = self.kit.environment.start(question_of(sample.metadata), sample.metadata)
                 ep = self._live[sample.request_id] = _Episode(state=start.state)
         ep.turns += 1
         if sample.finish_reason not in ("stop", "length"):
@@ -141,30 +142,30 @@ class Episodes:
 
     def _step(self, sample: Sample, ep: _Episode) -> Returned:
         """The environment's answer to the turn (an `episode-env` thread)."""
-        message = self.tokenizer.decode(sample.response[ep.turn_start :])
+        kit = self.kit
+        env, limits = kit.environment, kit.limits
+        message = kit.renderer.tokenizer.decode(sample.response[ep.turn_start :])
         try:
-            result = self.env.step(ep.state, message, sample.metadata)
+            result = env.step(ep.state, message, sample.metadata)
         except Exception as e:
             raise RuntimeError(
-                f"environment {self.env.name!r}: episode {sample.request_id!r}, turn "
-                f"{ep.turns}: {e!r}"
+                f"environment {env.name!r}: episode {sample.request_id!r}, turn {ep.turns}: {e!r}"
             ) from e
         ep.state = result.state
         ep.add(result.info, result.reward)
         if result.done:
             return self._end(sample, ep, "done")
-        if ep.turns >= self.limits.max_turns:
+        if ep.turns >= limits.max_turns:
             return self._end(sample, ep, "turn_limit")
         ended = int(sample.response[-1]) if sample.finish_reason == "stop" else None
-        env_tokens = self.kit.renderer.observation(result.observation, ended)
+        env_tokens = kit.renderer.observation(result.observation, ended)
         used = sample.num_tokens + len(env_tokens)
-        left = self.limits.episode_tokens - used
+        left = limits.episode_tokens - used
         if left < 1:
             return self._end(sample, ep, "episode_tokens")
         ep.turn_start = used
-        return Returned(
-            None, [self._next_turn(sample, env_tokens, min(left, self.limits.turn_tokens))]
-        )
+        budget = min(left, limits.turn_tokens)
+        return Returned(None, [self._next_turn(sample, env_tokens, budget)])
 
     def _next_turn(self, sample: Sample, env_tokens: list[int], budget: int) -> GenerationRequest:
         """The episode's next turn: its tokens so far, then the environment's."""
@@ -212,9 +213,6 @@ class Episodes:
             "env_tokens": env_tokens,
             "outcome": outcome,
         }
-        if not sample.tag.is_eval:
-            with self._lock:
-                self._stats[sample.tag.batch].append(episode)
         whole = dataclasses.replace(sample, metadata={**sample.metadata, "episode": episode})
         if sample.tag.is_eval:
             return Returned(whole, [])
@@ -222,6 +220,11 @@ class Episodes:
 
     # ------------------------------------------------------------------ ingest
     def scored(self, scored: Scored) -> None:
+        """A scored episode: counted for its step's metrics (here, where it is trained),
+        then where the kind puts it."""
+        tag = scored.sample.tag
+        with self._lock:
+            self._stats[tag.batch].append(scored.sample.metadata["episode"])
         self.inner.scored(scored)
 
     def report(self, report: RoundClosed) -> None:
@@ -248,7 +251,8 @@ class Episodes:
         return self.inner.restore(k, state)
 
     def fail(self, exc: BaseException) -> None:
-        self.kit.cancel()  # the kit closes with the run
+        if self.kit is not None:
+            self.kit.cancel()  # the kit closes with the run
         self.inner.fail(exc)
 
 
