@@ -108,7 +108,7 @@ class Continuation:
       logprobs: f32[K] their behaviour log-probs.
       sampling_logprobs: f32[K].
       versions: i32[K] the version that sampled each (an environment token: the
-        version its KV was computed under).
+        version of the policy token before it; never read as a lag).
       admit: wall time the sample was first admitted.
       policy_mask: bool[K] True on tokens the policy sampled, False on tokens an
         environment appended (an episode's tool results and chat scaffolding: never

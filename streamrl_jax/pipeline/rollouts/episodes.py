@@ -36,8 +36,9 @@ its episode's advantage (no per-turn credit; docs/episodes.md). Shared-prompt ro
 packing work unchanged: a group's episodes share their first prompt.
 
 Versions: every policy token keeps the version that sampled it; an environment token
-records the version its KV was computed under and is ignored by the lag
-(`Sample.oldest_version` reads policy tokens only). Checkpoints: an episode lives
+records the version of the policy turn before it (its KV is computed at the next
+turn's admission, under whatever weights the engine holds then) and is ignored by the
+lag (`Sample.oldest_version` reads policy tokens only). Checkpoints: an episode lives
 within its batch, which a resumed run regenerates from its start (the same seeds,
 the restored W_g(b), a deterministic environment), so nothing in flight is lost or
 duplicated and the checkpoint holds no episode state.
