@@ -342,3 +342,25 @@ def test_a_kill_with_episodes_in_flight_resumes_exactly(tmp_path):
     ref_steps, ref_counts = consumed_log(str(ref_dir))
     assert steps == ref_steps == list(range(4))
     assert counts == ref_counts and set(counts.values()) == {1}
+
+
+def test_episodes_wrap_dynamic_sampling_which_judges_whole_episodes():
+    # episodes+dynamic_sampling: the kind sees each episode whole; a group whose
+    # episodes all scored the same is skipped (no reward variance), as for single turns.
+    from streamrl_jax.pipeline.rollouts.dynamic_sampling import DynamicSampling
+
+    ctx = rollout_context(group_size=2, rollout="dynamic_sampling")
+    rollout = make_rollout(
+        "episodes+dynamic_sampling", dataclasses.replace(ctx, episodes=_kit(ScriptedEnv()))
+    )
+    assert isinstance(rollout.inner, DynamicSampling)
+    wrong = dataclasses.replace(_REWARD, score=0.0, correct=False)
+    for group, rewards in ((0, (_REWARD, _REWARD)), (1, (_REWARD, wrong))):
+        for member, reward in enumerate(rewards):
+            first = _first(member=member, reason="context")  # the episode ends at once
+            first = dataclasses.replace(first, tag=dataclasses.replace(first.tag, group=group))
+            out = rollout.returned(first)
+            assert out.sample is not None and out.sample.metadata["episode"]["turns"] == 1
+            rollout.scored(Scored(out.sample, "t", reward))
+    # Group 0 (equal returns) is skipped; group 1 reaches the trainer.
+    assert ctx.stream.depth()["ready_groups"] == 1
