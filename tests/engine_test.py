@@ -475,17 +475,7 @@ def test_shared_prefill_never_forks_across_a_weight_update(model):
 def next_turn(req: GenerationRequest, sample, env_tokens: list[int], per_turn: int):
     """An episode's next turn: the sample's response, then the environment's tokens
     (policy mask False), the policy's budget `per_turn` more tokens."""
-    c = Continuation.of(sample)
-    k = len(env_tokens)
-    mask = np.ones(sample.num_tokens, bool) if c.policy_mask is None else c.policy_mask
-    cont = Continuation(
-        tokens=np.concatenate([c.tokens, np.asarray(env_tokens, np.int32)]),
-        logprobs=np.concatenate([c.logprobs, np.zeros(k, np.float32)]),
-        sampling_logprobs=np.concatenate([c.sampling_logprobs, np.zeros(k, np.float32)]),
-        versions=np.concatenate([c.versions, np.zeros(k, np.int32)]),
-        admit=c.admit,
-        policy_mask=np.concatenate([mask, np.zeros(k, bool)]),
-    )
+    cont = Continuation.after(sample, env_tokens)
     return dataclasses.replace(req, continuation=cont, max_new_tokens=cont.policy_tokens + per_turn)
 
 

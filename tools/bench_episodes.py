@@ -68,15 +68,7 @@ def _episode_requests(n: int, prompt_len: int, keep_kv: bool, vocab: int):
 def _next_turn(req, sample, env_tokens):
     from streamrl_jax.generation.types import Continuation
 
-    k = len(env_tokens)
-    mask = np.ones(sample.num_tokens, bool) if sample.policy_mask is None else sample.policy_mask
-    cont = Continuation(
-        tokens=np.concatenate([sample.response, np.asarray(env_tokens, np.int32)]),
-        logprobs=np.concatenate([sample.logprobs, np.zeros(k, np.float32)]),
-        sampling_logprobs=np.concatenate([sample.sampling_logprobs, np.zeros(k, np.float32)]),
-        versions=np.concatenate([sample.versions(), np.zeros(k, np.int32)]),
-        policy_mask=np.concatenate([mask, np.zeros(k, bool)]),
-    )
+    cont = Continuation.after(sample, env_tokens)
     n = cont.policy_tokens + _TURN_TOKENS.value
     return dataclasses.replace(req, continuation=cont, max_new_tokens=n, forced_length=n)
 

@@ -186,9 +186,7 @@ def _encode_sample(s: Sample) -> _Sample:
         mask,
         None
         if episode is None
-        else _Episode(
-            **{"ret": episode["return"]} | {k: v for k, v in episode.items() if k != "return"}
-        ),
+        else _Episode(ret=episode["return"], **{k: v for k, v in episode.items() if k != "return"}),
     )
 
 

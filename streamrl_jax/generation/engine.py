@@ -10,7 +10,8 @@ instance mesh. Each `step()` is one host round trip:
    sample's continuation re-prefills prompt + its response so far and samples
    on from there; `segment_tokens` pauses a request after that many new tokens;
    with `share_prefill` a request whose prompt a slot already holds forks that
-   slot's KV and logits instead of prefilling: `admission.py`);
+   slot's KV and logits instead of prefilling: `admission.py`; an episode's next turn
+   extends the slot its last turn kept: `kept_slots.py`);
 3. dispatch one decode chunk (up to `chunk_steps` tokens for every active
    slot, sampling inside the loop, finished slots stop) on the smallest
    decode shape covering the running slots: a batch bucket of rows and a
@@ -51,7 +52,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from streamrl_jax.generation import admission, decoder, executables
+from streamrl_jax.generation import admission, decoder, executables, kept_slots
 from streamrl_jax.generation import slots as slots_lib
 from streamrl_jax.generation.engine_config import EngineConfig
 from streamrl_jax.generation.types import (
@@ -75,16 +76,9 @@ class _Running:
     logp: list[float] = dataclasses.field(default_factory=list)
     slogp: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)  # per response token
-    mask: list[bool] = dataclasses.field(default_factory=list)  # per token: the policy's
-
-
-@dataclasses.dataclass(frozen=True)
-class _Hold:
-    """A finished `keep_kv` request's slot, kept for its continuation."""
-
-    slot: int
-    tokens: list[int]  # what the slot's KV holds: prompt + response[:-1]
-    since: float  # time.monotonic() it finished
+    # The continuation's policy mask when it holds an environment's tokens (None: every
+    # token is the policy's); tokens sampled here are the policy's.
+    mask: np.ndarray | None = None
 
 
 class Engine:
@@ -171,8 +165,7 @@ class Engine:
         self._metrics.update(prefill_calls=0, prefill_rows=0, forked=0)
         # Continuations: appended to a kept slot's KV, or re-prefilled (no slot was kept).
         self._metrics.update(extended=0, extended_tokens=0, reprefilled=0, reprefilled_tokens=0)
-        self._holds: dict[Any, _Hold] = {}  # request id -> its kept slot
-        self._held: dict[int, Any] = {}  # kept slot -> request id
+        self._kept = kept_slots.KeptSlots()  # slots kept for an episode's next turn
         self._on_chunk = on_chunk
 
     def _running(self, req: GenerationRequest, enq: float, now: float) -> _Running:
@@ -183,8 +176,8 @@ class Engine:
             run.admit, run.version = c.admit, int(c.versions[0])
             run.tokens, run.logp = c.tokens.tolist(), c.logprobs.tolist()
             run.slogp, run.versions = c.sampling_logprobs.tolist(), c.versions.tolist()
-            mask = c.policy_mask
-            run.mask = [True] * len(run.tokens) if mask is None else np.asarray(mask).tolist()
+            if c.policy_mask is not None and not np.all(c.policy_mask):
+                run.mask = np.asarray(c.policy_mask, bool)
         return run
 
     def _init_state(self) -> slots_lib.SlotState:
@@ -280,19 +273,15 @@ class Engine:
     @property
     def num_held(self) -> int:
         """Slots kept for a continuation (`GenerationRequest.keep_kv`)."""
-        return len(self._holds)
+        return len(self._kept)
 
     def holding(self, request_id: Any) -> bool:
         """Whether a slot is kept for a continuation of `request_id`."""
-        return request_id in self._holds
+        return request_id in self._kept
 
     def release(self, request_id: Any) -> bool:
         """Gives up the slot kept for `request_id` (its episode ended); False if none."""
-        hold = self._holds.pop(request_id, None)
-        if hold is None:
-            return False
-        del self._held[hold.slot]
-        return True
+        return self._kept.release(request_id)
 
     def has_work(self) -> bool:
         return bool(self._queue) or self.num_running > 0
@@ -387,24 +376,19 @@ class Engine:
         return self.compile_count() - before
 
     # ------------------------------------------------------------------ host loop
-    def _continue_held(self) -> list[tuple[int, GenerationRequest, float, int]]:
-        """Queued continuations whose slot is kept (slot, request, enqueue, tokens kept),
-        taken off the queue. A kept slot whose tokens are not the continuation's prefix
-        is given up (the continuation then re-prefills)."""
+    def _continue_kept(self) -> list[tuple[int, GenerationRequest, float, int]]:
+        """Queued continuations of a kept slot (slot, request, enqueue, tokens kept),
+        taken off the queue (`KeptSlots.take`)."""
+        if not len(self._kept):
+            return []
         out, left = [], []
         for entry in self._queue:
             _, req, enq = entry
-            hold = self._holds.get(req.request_id) if req.continuation is not None else None
-            if hold is None:
+            kept = self._kept.take(req)
+            if kept is None:
                 left.append(entry)
-                continue
-            self.release(req.request_id)
-            full = [*req.prompt, *req.continuation.tokens.tolist()]
-            kept = len(hold.tokens)
-            if kept < len(full) and full[:kept] == hold.tokens:
-                out.append((hold.slot, req, enq, kept))
             else:
-                left.append(entry)
+                out.append((kept[0], req, enq, kept[1]))
         if out:
             self._queue = left
             heapq.heapify(self._queue)
@@ -413,24 +397,24 @@ class Engine:
     def _free_slots(self) -> list[int]:
         """Free slots; when the queue wants more, kept slots older than `kv_hold_s`
         too (oldest first: their continuation is overdue)."""
-        free = [i for i, s in enumerate(self._slots) if s is None and i not in self._held]
-        if len(free) < len(self._queue) and self._holds:
-            overdue = time.monotonic() - self.cfg.kv_hold_s
-            for rid, hold in sorted(self._holds.items(), key=lambda kv: kv[1].since):
-                if len(free) >= len(self._queue) or hold.since > overdue:
+        kept = self._kept.slots()
+        free = [i for i, s in enumerate(self._slots) if s is None and i not in kept]
+        if len(free) < len(self._queue) and kept:
+            for rid, slot in self._kept.overdue(self.cfg.kv_hold_s):
+                if len(free) >= len(self._queue):
                     break
                 logging.warning(
                     "instance %d: slot kept for %r given up after %.0f s without its "
                     "continuation", self.instance_id, rid, self.cfg.kv_hold_s,
                 )  # fmt: skip
-                self.release(rid)
-                free.append(hold.slot)
+                self._kept.release(rid)
+                free.append(slot)
         return free
 
     def _admit(self) -> list[tuple[list[int], slots_lib.PrefillOut]]:
         nb, m = self.cfg.prefill_batch, self._metrics
         outs = []
-        extend = self._continue_held()
+        extend = self._continue_kept()
         now = time.time()
         for slot, req, enq, _ in extend:
             self._slots[slot] = self._running(req, enq, now)
@@ -537,7 +521,6 @@ class Engine:
                 run.logp.append(float(out.logp[i]))
                 run.slogp.append(float(out.sampling_logp[i]))
                 run.versions.append(self.version)
-                run.mask.append(True)
                 emitted += 1
                 if out.reason[i]:
                     done.append(self._finish(slot, int(out.reason[i])))
@@ -551,7 +534,6 @@ class Engine:
             run.slogp.extend(chunk_h.sampling_logp[i, :e].tolist())
             # Weights change only between round trips: this chunk ran on one version.
             run.versions.extend([self.version] * e)
-            run.mask.extend([True] * e)
             emitted += e
             if chunk_h.reason[i]:
                 done.append(self._finish(slot, int(chunk_h.reason[i])))
@@ -583,10 +565,10 @@ class Engine:
         r = run.request
         if r.keep_kv and code in (slots_lib.STOP, slots_lib.LENGTH, slots_lib.FORCED):
             # The KV holds every token but the last sampled one (never fed back).
-            self.release(r.request_id)
-            tokens = [*map(int, r.prompt), *run.tokens[:-1]]
-            self._holds[r.request_id] = _Hold(slot, tokens, time.monotonic())
-            self._held[slot] = r.request_id
+            self._kept.keep(r.request_id, slot, [*map(int, r.prompt), *run.tokens[:-1]])
+        mask = run.mask
+        if mask is not None:  # then the policy's tokens sampled here
+            mask = np.concatenate([mask, np.ones(len(run.tokens) - len(mask), bool)])
         return Sample(
             request_id=r.request_id,
             prompt=np.asarray(r.prompt, np.int32),
@@ -601,7 +583,7 @@ class Engine:
             tag=r.tag,
             metadata=dict(r.metadata),
             token_versions=np.asarray(run.versions, np.int32),
-            policy_mask=None if all(run.mask) else np.asarray(run.mask, bool),
+            policy_mask=mask,
             sampling=r.sampling,
             seed=int(r.seed),
         )

@@ -135,6 +135,27 @@ class Continuation:
             policy_mask=sample.policy_mask,
         )
 
+    @classmethod
+    def after(cls, sample: Sample, env_tokens: Sequence[int]) -> Continuation:
+        """An episode's turns so far: `sample`'s response, then `env_tokens` an
+        environment appended (policy mask False, log-probs 0, the version of the policy
+        token before them)."""
+        k = len(env_tokens)
+        mask = (
+            np.ones(sample.num_tokens, bool) if sample.policy_mask is None else sample.policy_mask
+        )
+        zeros = np.zeros(k, np.float32)
+        return cls(
+            tokens=np.concatenate([sample.response, np.asarray(env_tokens, np.int32)]),
+            logprobs=np.concatenate([sample.logprobs, zeros]),
+            sampling_logprobs=np.concatenate([sample.sampling_logprobs, zeros]),
+            versions=np.concatenate(
+                [sample.versions(), np.full(k, sample.last_policy_version, np.int32)]
+            ),
+            admit=sample.timings.admit,
+            policy_mask=np.concatenate([mask, np.zeros(k, bool)]),
+        )
+
     @property
     def policy_tokens(self) -> int:
         """How many of `tokens` the policy sampled (the next token's sampling counter)."""

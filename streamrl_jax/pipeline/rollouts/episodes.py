@@ -170,20 +170,7 @@ class Episodes:
 
     def _next_turn(self, sample: Sample, env_tokens: list[int], budget: int) -> GenerationRequest:
         """The episode's next turn: its tokens so far, then the environment's."""
-        k = len(env_tokens)
-        mask = sample.policy_mask
-        mask = np.ones(sample.num_tokens, bool) if mask is None else mask
-        zeros = np.zeros(k, np.float32)
-        cont = Continuation(
-            tokens=np.concatenate([sample.response, np.asarray(env_tokens, np.int32)]),
-            logprobs=np.concatenate([sample.logprobs, zeros]),
-            sampling_logprobs=np.concatenate([sample.sampling_logprobs, zeros]),
-            versions=np.concatenate(
-                [sample.versions(), np.full(k, sample.last_policy_version, np.int32)]
-            ),
-            admit=sample.timings.admit,
-            policy_mask=np.concatenate([mask, np.zeros(k, bool)]),
-        )
+        cont = Continuation.after(sample, env_tokens)
         return GenerationRequest(
             request_id=sample.request_id,
             prompt=sample.prompt.tolist(),
