@@ -13,6 +13,7 @@ from streamrl_jax.config import PipelineSection
 from streamrl_jax.environments import EpisodeKit, EpisodeLimits, StepResult, TurnInfo
 from streamrl_jax.environments.render import TurnRenderer
 from streamrl_jax.generation.types import (
+    Continuation,
     GenerationRequest,
     RequestTag,
     Sample,
@@ -94,10 +95,21 @@ def _first(member=0, tokens=(101, 102), reason="stop", eval_version=None, versio
 
 
 def _engine_turn(req: GenerationRequest, new_tokens, reason="stop", version=0) -> Sample:
-    """What the engine returns for a turn request: its continuation, then `new_tokens`."""
+    """What the engine returns for a turn request: its continuation (if any), then
+    `new_tokens` (and the end of turn when it stopped)."""
     c = req.continuation
+    if c is None:
+        none = np.zeros(0, np.float32)
+        c = Continuation(
+            tokens=np.zeros(0, np.int32),
+            logprobs=none,
+            sampling_logprobs=none,
+            versions=np.zeros(0, np.int32),
+            policy_mask=np.zeros(0, bool),
+        )
     new = [*new_tokens, END] if reason == "stop" else list(new_tokens)
     k = len(new)
+    versions = np.concatenate([c.versions, np.full(k, version, np.int32)]).astype(np.int32)
     return Sample(
         request_id=req.request_id,
         prompt=np.asarray(req.prompt, np.int32),
@@ -105,13 +117,13 @@ def _engine_turn(req: GenerationRequest, new_tokens, reason="stop", version=0) -
         logprobs=np.concatenate([c.logprobs, np.full(k, -0.3, np.float32)]),
         sampling_logprobs=np.concatenate([c.sampling_logprobs, np.full(k, -0.2, np.float32)]),
         finish_reason=reason,
-        policy_version=int(c.versions[0]),
+        policy_version=int(versions[0]),
         last_policy_version=version,
         instance_id=0,
         timings=Timings(enqueue=0.0, admit=c.admit, finish=3.0),
         tag=req.tag,
         metadata=req.metadata,
-        token_versions=np.concatenate([c.versions, np.full(k, version, np.int32)]),
+        token_versions=versions,
         policy_mask=np.concatenate([c.policy_mask, np.ones(k, bool)]),
         sampling=req.sampling,
         seed=req.seed,
@@ -233,6 +245,190 @@ def test_an_episode_trains_its_policy_tokens_with_their_recorded_logprobs_and_ve
     assert stats["versions"] == [0, 0] and stats["spans"] == [1.0, 1.0]
 
 
+# ------------------------------------------------------- partial rollout of episodes
+def _partial(env, **pipeline):
+    """episodes+partial: rounds of 4 policy tokens per episode, groups of 2."""
+    p = dict(mode="stream_async", partial_budget_tokens=4, max_lag=2) | pipeline
+    ctx = rollout_context(group_size=2, rollout="partial", **p)
+    return make_rollout("episodes+partial", dataclasses.replace(ctx, episodes=_kit(env)))
+
+
+def _first_turns(rollout, max_new_tokens=8):
+    """Round 0 opened with one group's two first turns."""
+    requests = [
+        GenerationRequest(
+            request_id=f"train/0/0/{m}",
+            prompt=[1, 2, 3],
+            max_new_tokens=max_new_tokens,
+            sampling=SAMPLING,
+            seed=77 + m,
+            tag=RequestTag(batch=0, group=0, member=m, prompt_id="p"),
+            metadata={"entry": {"question": "q"}, "prompt_id": "p"},
+            keep_kv=True,
+        )
+        for m in range(2)
+    ]
+    return rollout.open(0, requests)
+
+
+def _settled(rollout, sample):
+    """The rollout's answer to a returned sample, its environment step awaited."""
+    out = rollout.returned(sample)
+    return out.later.result(timeout=10) if out.later is not None else out
+
+
+def _by_member(requests):
+    return sorted(requests, key=lambda q: q.tag.member)
+
+
+def test_an_episodes_turns_share_its_round_budget_and_the_rest_is_carried():
+    # Budget 4 policy tokens an episode a round. Member 0's first turn (2 tokens) leaves
+    # 2: its next turn joins round 0 with a segment of 2; that one leaves none, so the
+    # turn after is carried into round 1 (its kept slot given up: it re-prefills there,
+    # under that round's weights). Member 1's first turn pauses mid-way at 4 tokens and
+    # goes on in round 1. Round 0 closes once both are carried, completing nothing.
+    rollout = _partial(ScriptedEnv())
+    a, b = _first_turns(rollout)
+    assert (a.segment_tokens, a.tag.round, a.keep_kv) == (4, 0, True)
+    out = _settled(rollout, _engine_turn(a, [101]))
+    (a2,) = out.now
+    assert out.release is None and (a2.segment_tokens, a2.tag.round, a2.keep_kv) == (2, 0, True)
+    out = _settled(rollout, _engine_turn(a2, [102]))
+    assert out.now == [] and out.sample is None and out.release == a.request_id
+    out = _settled(rollout, _engine_turn(b, [201, 202, 203, 204], reason="paused"))
+    assert out.now == [] and out.sample is None and out.release is None
+    assert rollout.inner.wait_round(0, timeout=1) == []
+    a3, b2 = _by_member(rollout.open(1, []))
+    assert (a3.segment_tokens, a3.tag.round, b2.segment_tokens, b2.tag.round) == (4, 1, 4, 1)
+    c = a3.continuation  # member 0's turns so far and the environment's answer
+    assert c.policy_tokens == 4 and not c.policy_mask[-1] and a3.max_new_tokens == 4 + 8
+    assert a3.keep_kv and b2.keep_kv and b2.max_new_tokens == 8  # b's first turn goes on
+    np.testing.assert_array_equal(b2.continuation.tokens, [201, 202, 203, 204])
+    whole_a = _settled(rollout, _engine_turn(a3, [103])).sample
+    assert whole_a.metadata["episode"]["turns"] == 3
+    assert whole_a.metadata["episode"]["outcome"] == "done"
+    (b3,) = _settled(rollout, _engine_turn(b2, [205])).now  # b's first turn ends
+    assert (b3.tag.round, b3.segment_tokens) == (1, 2)  # 4 - (6 - 4) left in round 1
+    out = _settled(rollout, _engine_turn(b3, [206]))
+    assert out.release == b.request_id and out.now == []  # carried into round 2
+    assert rollout.inner.wait_round(1, timeout=1) == []
+    (b4,) = rollout.open(2, [])
+    whole_b = _settled(rollout, _engine_turn(b4, [207])).sample
+    ep = whole_b.metadata["episode"]
+    assert (ep["turns"], ep["return"], ep["tool_calls"], ep["outcome"]) == (3, 1.5, 2, "done")
+    assert rollout.inner.wait_round(2, timeout=1) == [(0, 0)]  # the group completes
+    for whole in (whole_a, whole_b):
+        rollout.scored(Scored(whole, "t", _REWARD))
+    metrics = rollout.finish(2).metrics  # counted by the rounds they ended in (1 and 2)
+    assert metrics["episode_turns"] == 3.0 and metrics["episode_tool_calls"] == 2.0
+
+
+def _to_round_two(rollout):
+    """Member 0 finishes in round 1; member 1 is carried into round 2 mid-way through
+    its second turn. Returns (member 0 whole, member 1's round-1 segment)."""
+    a, b = _first_turns(rollout)
+    (a2,) = _settled(rollout, _engine_turn(a, [101])).now
+    _settled(rollout, _engine_turn(b, [201, 202, 203, 204], reason="paused"))
+    _settled(rollout, _engine_turn(a2, [102]))  # carried between turns
+    a3, b2 = _by_member(rollout.open(1, []))
+    whole_a = _settled(rollout, _engine_turn(a3, [103])).sample
+    (b3,) = _settled(rollout, _engine_turn(b2, [205])).now
+    _settled(rollout, _engine_turn(b3, [206, 207], reason="paused"))
+    assert rollout.inner.wait_round(1, timeout=1) == []
+    return whole_a, b3
+
+
+def _finish_member_one(rollout):
+    (b4,) = rollout.open(2, [])
+    (b5,) = _settled(rollout, _engine_turn(b4, [208])).now  # the environment's 2nd answer
+    return b4, _settled(rollout, _engine_turn(b5, [209])).sample
+
+
+def test_episodes_in_flight_round_trip_through_a_checkpoint():
+    # The checkpoint at 2 holds member 0 whole (its group incomplete) and member 1
+    # carried mid-turn with its environment's state and counters as of then. A fresh
+    # rollout restored from its JSON continues member 1 in round 2, the new environment
+    # answers from the restored state, and the episode ends as the uninterrupted one.
+    import json
+
+    env = ScriptedEnv()
+    rollout = _partial(env)
+    whole_a, b3 = _to_round_two(rollout)
+    state = json.loads(json.dumps(rollout.state(2)))
+    assert [x["request_id"] for x in state["finished"]] == [whole_a.request_id]
+    ((rid, record),) = state["episodes"]
+    assert rid == b3.request_id and record["turns"] == 1 and record["state"] == {"n": 1}
+    b4, ref = _finish_member_one(rollout)
+
+    fresh, env2 = None, ScriptedEnv()
+    fresh = _partial(env2)
+    (again,) = fresh.restore(2, state)
+    np.testing.assert_array_equal(again.response, whole_a.response)
+    np.testing.assert_array_equal(again.policy_mask, whole_a.policy_mask)
+    assert again.metadata["episode"] == whole_a.metadata["episode"]
+    b4_again, whole_b = _finish_member_one(fresh)
+    assert (b4_again.max_new_tokens, b4_again.keep_kv) == (b4.max_new_tokens, True)
+    assert b4_again.metadata == b4.metadata  # the task's (an environment scores with it)
+    assert b4_again.continuation.policy_mask.tolist() == b4.continuation.policy_mask.tolist()
+    assert env2.messages == env.messages[-2:]  # the restored state's turns only
+    for field in ("response", "logprobs", "policy_mask", "token_versions"):
+        np.testing.assert_array_equal(getattr(whole_b, field), getattr(ref, field))
+    assert whole_b.metadata["episode"] == ref.metadata["episode"]
+    assert ref.metadata["episode"]["turns"] == 3 and ref.metadata["episode"]["return"] == 1.5
+    assert fresh.inner.wait_round(2, timeout=1) == [(0, 0)]
+
+
+def test_an_episode_past_the_lag_bound_is_handed_on_to_be_dropped_with_its_outcome():
+    # max_lag 2: member 1 (version 0) pauses in rounds 0 and 1, ends its turn in round 2
+    # with the round's budget spent: round 3 would train it at lag 3, so it is handed on
+    # as its turn ended (finish reason "paused": pack_groups drops its group, counted),
+    # its outcome "lag", and its group completes in round 2.
+    from streamrl_jax.distributed import wire
+
+    rollout = _partial(ScriptedEnv())
+    a, b = _first_turns(rollout, max_new_tokens=16)
+    assert _settled(rollout, _engine_turn(a, [101, 102], reason="context")).sample is not None
+    _settled(rollout, _engine_turn(b, [201, 202, 203, 204], reason="paused"))
+    (b2,) = rollout.open(1, [])
+    _settled(rollout, _engine_turn(b2, [205, 206, 207, 208], reason="paused"))
+    (b3,) = rollout.open(2, [])
+    out = _settled(rollout, _engine_turn(b3, [209, 210, 211]))
+    dropped = out.sample
+    assert out.release == b.request_id and dropped.finish_reason == "paused"
+    ep = dropped.metadata["episode"]
+    assert (ep["outcome"], ep["turns"], ep["return"]) == ("lag", 1, 0.25)
+    assert dropped.response[-1] == END and ep["env_tokens"] == 0  # as the turn ended
+    assert rollout.inner.wait_round(2, timeout=1) == [(0, 0)] and rollout.inner.dropped == 1
+    back = wire.decode(wire.encode(dropped), source="generation-0")
+    assert back.metadata["episode"] == ep
+
+
+class _SetState(ScriptedEnv):
+    def start(self, question, metadata):
+        return _Start({"n": 0, "seen": {1, 2}})
+
+
+def test_an_environment_state_that_is_not_json_fails_naming_it_when_carried():
+    rollout = _partial(_SetState())
+    _, b = _first_turns(rollout)
+    with pytest.raises(ValueError, match=r"environment 'scripted': episode 'train/0/0/1'"):
+        rollout.returned(_engine_turn(b, [201, 202, 203, 204], reason="paused"))
+
+
+def test_episodes_with_partial_rollout_drop_past_the_lag_bound_never_regenerate():
+    from streamrl_jax.errors import UserError
+
+    partial = dict(
+        pipeline__rollout="episodes+partial",
+        pipeline__mode="stream_async",
+        pipeline__partial_budget_tokens=16,
+        pipeline__max_lag=3,
+    )
+    agent_config(**partial, pipeline__lag_policy="drop")  # valid
+    with pytest.raises(UserError, match="needs pipeline.lag_policy='drop'"):
+        agent_config(**partial, pipeline__lag_policy="regenerate")
+
+
 # ---------------------------------------------------------------------- whole runs
 def _run_recording(cfg, workdir, **kw):
     """Runs `cfg`; returns the result and every sample handed to ingest."""
@@ -316,10 +512,6 @@ def test_a_kill_with_episodes_in_flight_resumes_exactly(tmp_path):
     # their slots); the resumed run regenerates them from their first turn (same seeds,
     # the restored weights, a deterministic environment) and ends with the
     # uninterrupted run's parameters bit for bit, every prompt trained once.
-    from support import consumed_log, param_arrays, trainer_dies_on_call
-
-    from streamrl_jax import pipeline as run_lib
-
     cfg = _retry(
         pipeline__mode="stream_async",
         pipeline__steps=4,
@@ -328,20 +520,88 @@ def test_a_kill_with_episodes_in_flight_resumes_exactly(tmp_path):
         checkpoint__keep=10,
         eval__num_problems=0,
     )
+    ref = _killed_and_resumed_equals_uninterrupted(cfg, tmp_path, dies_on=3, resumed_at=1)
+    assert any(r["grad_norm"] > 0 for r in ref.steps)  # the episodes' rewards differ
+
+
+def _killed_and_resumed_equals_uninterrupted(cfg, tmp_path, dies_on, resumed_at):
+    """Runs `cfg` through; runs it again with the trainer dying on its `dies_on`-th
+    micro-batch, then resumed: the same parameters bit for bit, every prompt trained
+    once. Returns the uninterrupted run's result."""
+    from support import consumed_log, param_arrays, trainer_dies_on_call
+
+    from streamrl_jax import pipeline as run_lib
+
     ref_dir, workdir = tmp_path / "ref", tmp_path / "run"
     ref = run_lib.run(cfg, str(ref_dir), reward_fn=vowel_reward)
-    assert any(r["grad_norm"] > 0 for r in ref.steps)  # the episodes' rewards differ
-    with trainer_dies_on_call(3), pytest.raises(RuntimeError, match="trainer died"):
+    with trainer_dies_on_call(dies_on), pytest.raises(RuntimeError, match="trainer died"):
         run_lib.run(cfg, str(workdir), reward_fn=vowel_reward)
     assert not pipeline_threads()
     result = run_lib.run(cfg, str(workdir), reward_fn=vowel_reward)
-    assert result.start_batch >= 1
+    assert result.start_batch >= resumed_at
     for a, b in zip(param_arrays(result), param_arrays(ref), strict=True):
         np.testing.assert_array_equal(a, b)
     steps, counts = consumed_log(str(workdir))
     ref_steps, ref_counts = consumed_log(str(ref_dir))
-    assert steps == ref_steps == list(range(4))
+    assert steps == ref_steps == list(range(cfg.pipeline.steps))
     assert counts == ref_counts and set(counts.values()) == {1}
+    return ref
+
+
+def _partial_run(budget, max_lag, steps, **overrides):
+    """The retry environment (3 turns of 16 tokens an episode) in rounds of `budget`."""
+    return _retry(
+        pipeline__mode="stream_async",
+        pipeline__rollout="episodes+partial",
+        pipeline__partial_budget_tokens=budget,
+        pipeline__max_lag=max_lag,
+        pipeline__steps=steps,
+        eval__num_problems=0,
+        **overrides,
+    )
+
+
+def test_episodes_in_rounds_pause_mid_turn_extend_within_a_round_and_train_once(tmp_path):
+    # Rounds of 12 policy tokens, turns of 16: an episode's first turn pauses at 12 and
+    # ends in the next round, whose budget its second turn continues in place (KV
+    # extended) until it pauses too; the episode ends in its 4th round (lag 4 = max_lag),
+    # so steps 0-2 train nothing and every later step trains one batch's episodes whole.
+    cfg = _partial_run(12, 4, 5)
+    result, seen = _run_recording(cfg, tmp_path)
+    from support import consumed_log
+
+    for s in seen:
+        ep = s.metadata["episode"]
+        assert s.finish_reason != "paused" and (ep["turns"], ep["outcome"]) == (3, "done")
+        assert [b - a for a, b in _turn_spans(s.policy_mask)] == [16, 16, 16]
+        v = s.policy_versions()
+        assert np.all(np.diff(v) >= 0) and v[-1] - v[0] >= 1  # the rounds' weights
+    rows = result.steps
+    assert [r["optimizer_steps"] > 0 for r in rows] == [False] * 3 + [True] * 2
+    assert sum(r["kv_extended"] for r in rows) > 0 and sum(r["kv_reprefilled"] for r in rows) > 0
+    assert max(r["carried_paused"] for r in rows) > 0 and sum(r["dropped_lag"] for r in rows) == 0
+    assert max(r["lag_max"] for r in rows if r["optimizer_steps"]) <= 4.0
+    steps, counts = consumed_log(str(tmp_path))
+    assert set(counts.values()) == {1} and len(counts) == 2 * cfg.pipeline.prompts_per_step
+    assert not pipeline_threads()
+
+
+@pytest.mark.extended  # ~1 min
+def test_a_kill_with_episodes_carried_between_rounds_resumes_exactly(tmp_path):
+    # Rounds of 16 tokens, turns of 16: every turn ends with its round's budget spent, so
+    # each next turn is carried into the next round (its kept slot given up; it
+    # re-prefills there) with its environment's state. Deterministic, a checkpoint each
+    # step; the trainer dies on its 2nd micro-batch with episodes carried: the resumed
+    # run takes them (tokens, log-probs, versions, environment state, counters) from the
+    # checkpoint and ends with the uninterrupted run's parameters bit for bit, every
+    # prompt trained once.
+
+    cfg = _partial_run(
+        16, 3, 5, pipeline__deterministic=True, checkpoint__every=1, checkpoint__keep=10
+    )
+    ref = _killed_and_resumed_equals_uninterrupted(cfg, tmp_path, dies_on=2, resumed_at=2)
+    assert sum(r["optimizer_steps"] for r in ref.steps) >= 2
+    assert sum(r["kv_reprefilled"] for r in ref.steps) > 0
 
 
 def test_episodes_wrap_dynamic_sampling_which_judges_whole_episodes():

@@ -839,6 +839,49 @@ def test_partial_rollout_across_processes_trains_every_group_once(tmp_path):
     assert len(ids) * cfg.pipeline.group_size == sum(r["samples"] for r in rows) > 0
 
 
+def _agent_cmd(workdir, flags):
+    """The launch command of `configs/agent.py:tiny` with `flags`."""
+    return [
+        sys.executable,
+        "-m",
+        "streamrl_jax.launch",
+        f"--config={REPO / 'configs' / 'agent.py'}:tiny",
+        f"--workdir={workdir}",
+        "--verbosity=0",
+        *_flags(**flags),
+    ]
+
+
+@_EXT  # ~1 min
+def test_episodes_in_rounds_across_processes_train_each_episode_once_whole(tmp_path):
+    # episodes+partial with one generation and one training process: the retry
+    # environment's episodes (3 turns of 16 tokens) in rounds of 12 policy tokens take 4
+    # rounds; the episodes in flight stay in the generation process (environment state,
+    # paused turns), the trainer learns of each round's closure from its report and
+    # trains every episode whole, once: steps 0-2 nothing, steps 3 and 4 a batch each.
+    workdir = tmp_path / "run"
+    flags = {
+        "environment.name": "retry",
+        "pipeline.mode": "stream_async",
+        "pipeline.rollout": "episodes+partial",
+        "pipeline.partial_budget_tokens": 12,
+        "pipeline.max_lag": 4,
+        "pipeline.steps": 5,
+        "eval.num_problems": 0,
+    }
+    launcher = [sys.executable, str(REPO / "launch" / "local.py"), "-n", "2", "-g", "1"]
+    run = _run([*launcher, "--timeout_s", "240", "--", *_agent_cmd(workdir, flags)])
+    assert run.returncode == 0, run.stdout[-6000:]
+    rows = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "reward" in r]
+    assert [r["optimizer_steps"] > 0 for r in rows] == [False] * 3 + [True] * 2
+    assert [r["episode_turns"] for r in rows[3:]] == [3.0, 3.0]  # counted on the trainer
+    assert max(r["carried_paused"] for r in rows) > 0
+    assert sum(r["kv_extended"] for r in rows) > 0 and sum(r["kv_reprefilled"] for r in rows) > 0
+    consumed = read_jsonl(str(workdir / "consumed.jsonl"))
+    ids = [i for r in consumed for i in r["prompt_ids"]]
+    assert len(ids) == len(set(ids)) == 2 * 4  # batches 0 and 1 (4 prompts), each once
+
+
 _ELASTIC_PROBE = """
 import json, os, runpy, sys
 from streamrl_jax.distributed import wire
@@ -975,15 +1018,7 @@ def test_episodes_across_processes_give_the_one_process_parameters(tmp_path):
     }
 
     def cmd(workdir):
-        return [
-            sys.executable,
-            "-m",
-            "streamrl_jax.launch",
-            f"--config={REPO / 'configs' / 'agent.py'}:tiny",
-            f"--workdir={workdir}",
-            "--verbosity=0",
-            *_flags(**episodes),
-        ]
+        return _agent_cmd(workdir, episodes)
 
     one = tmp_path / "one"
     run = _run(cmd(one))

@@ -81,9 +81,9 @@ def test_a_paused_sample_continues_next_round_and_its_group_trains_when_complete
     ro = _rollout()
     a, b = ro.open(0, _requests(0))
     assert a.segment_tokens == 4 and a.tag.round == 0
-    out, now, _ = ro.returned(_back(a, 3, 0, "stop"))  # finished within the budget
+    out, now, *_ = ro.returned(_back(a, 3, 0, "stop"))  # finished within the budget
     assert out is not None and now == []
-    out, now, _ = ro.returned(_back(b, 4, 0, "paused"))  # round 1 not open: it waits
+    out, now, *_ = ro.returned(_back(b, 4, 0, "paused"))  # round 1 not open: it waits
     assert out is None and now == []
     assert ro.wait_round(0, timeout=1) == []  # round 0 closed, nothing completed in it
     (c,) = ro.open(1, [])  # round 1 holds the continuation, same request otherwise
@@ -91,7 +91,7 @@ def test_a_paused_sample_continues_next_round_and_its_group_trains_when_complete
     assert (c.seed, c.sampling, c.tag.round, c.segment_tokens) == (b.seed, b.sampling, 1, 4)
     with pytest.raises(TimeoutError, match=r"round 1 not closed .* \{1: 1\}"):
         ro.wait_round(1, timeout=0.01)
-    out, _, _ = ro.returned(_back(c, 7, 1, "stop"))
+    out, _, *_ = ro.returned(_back(c, 7, 1, "stop"))
     np.testing.assert_array_equal(out.versions(), [0] * 4 + [1] * 3)
     assert ro.wait_round(1, timeout=1) == [(0, 0)]  # the group completed in round 1
 
@@ -100,7 +100,7 @@ def test_a_continuation_joins_an_open_round_at_once():
     ro = _rollout()
     (a, b), _ = ro.open(0, _requests(0)), ro.open(1, [])
     ro.returned(_back(a, 2, 0, "stop"))
-    out, (c,), _ = ro.returned(_back(b, 4, 0, "paused"))
+    out, (c,), *_ = ro.returned(_back(b, 4, 0, "paused"))
     assert out is None and c.tag.round == 1 and c.continuation is not None
     assert ro.wait_round(0, timeout=1) == []
     ro.returned(_back(c, 6, 1, "stop"))
@@ -117,7 +117,7 @@ def test_a_sample_that_would_pass_max_lag_is_dropped_or_regenerated(policy):
     (b1,) = ro.returned(_back(b, 4, 0, "paused"))[1] or ro.open(1, [])
     (b2,) = ro.returned(_back(b1, 8, 0, "paused"))[1] or ro.open(2, [])
     assert ro.regenerated == ro.dropped == 0 and len(b2.continuation.tokens) == 8
-    out, now, _ = ro.returned(_back(b2, 12 - 1, 1, "paused"))
+    out, now, *_ = ro.returned(_back(b2, 12 - 1, 1, "paused"))
     if policy == "drop":  # handed on as it is: pack_groups drops its group (counted)
         assert out.finish_reason == "paused" and now == [] and ro.dropped == 1
         assert ro.wait_round(2, timeout=1) == [(0, 0)]  # the group completes (to be dropped)

@@ -50,7 +50,12 @@ def make_sample(
         instance_id=2,
         timings=Timings(enqueue=1.7e9, admit=1.7e9 + 0.25, finish=1.7e9 + 3.5),
         tag=RequestTag(
-            batch=3, group=5, member=1, prompt_id="mixture/0/17", eval_version=eval_version
+            batch=3,
+            group=5,
+            member=1,
+            prompt_id="mixture/0/17",
+            eval_version=eval_version,
+            round=4,
         ),
         metadata={"answer": "42", "prompt_id": "mixture/0/17"},
         # In-flight weight update: W_8 reached the slot half way through the response.
@@ -226,6 +231,8 @@ HOSTILE_SAMPLES = {
     "time as str": (_set("timings.finish", "soon"), "at `$.timings.finish`"),
     "version as float": (_set("policy_version", 7.0), "got `float` - at `$.policy_version`"),
     "tag unknown field": (_set("tag.metadata", {"a": 1}), "unknown field `metadata`"),
+    "round before its batch": (_set("tag.round", 2), "$.tag.round is 2: a round holds"),
+    "round as str": (_set("tag.round", "4"), "at `$.tag.round`"),
     # Per-token versions (in-flight weight updates): one per token, never decreasing,
     # from policy_version (7) to last_policy_version (8).
     "versions missing": (lambda f: f.pop("versions"), "missing required field `versions`"),

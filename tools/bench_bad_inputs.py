@@ -81,9 +81,9 @@ def _c(name: str, flag: str, expect: str) -> Case:
     return Case(name, "launch", expect, (flag,))
 
 
-def _agent(name: str, flag: str, expect: str) -> Case:
+def _agent(name: str, flag: str, expect: str, *more: str) -> Case:
     """A case of the episodes job (`configs/agent.py:tiny`)."""
-    return Case(name, "launch", expect, ("--config=configs/agent.py:tiny", flag))
+    return Case(name, "launch", expect, ("--config=configs/agent.py:tiny", flag, *more))
 
 
 ROW = '{"question": "1+1?", "answer": 2}\n'
@@ -330,6 +330,15 @@ CASES: list[Case] = [
         "an environment with GAE",
         "--config.algorithm.advantage=gae",
         "algorithm.advantage='gae' with an environment",
+    ),
+    _agent(
+        "episodes in rounds regenerated past the lag bound",
+        "--config.pipeline.rollout=episodes+partial",
+        "pipeline.rollout='episodes+partial' needs pipeline.lag_policy='drop'",
+        "--config.pipeline.mode=stream_async",
+        "--config.pipeline.partial_budget_tokens=16",
+        "--config.pipeline.max_lag=3",
+        "--config.pipeline.lag_policy=regenerate",
     ),
     Case(
         "answer that runs a shell",

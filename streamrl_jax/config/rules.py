@@ -235,9 +235,9 @@ def _check_environment(cfg: ExperimentConfig) -> None:
         "last wrapper before it)",
     )
     require(
-        kind != "partial",
-        "pipeline.rollout='episodes+partial': partial rollout of episodes is not built yet "
-        "(issue 36); use 'episodes+full' or 'episodes+dynamic_sampling'",
+        kind != "partial" or p.lag_policy == "drop",
+        "pipeline.rollout='episodes+partial' needs pipeline.lag_policy='drop' (an episode "
+        "regenerated from its prompt would have to rewind its environment)",
     )
     budget = episode_tokens(cfg)
     require(

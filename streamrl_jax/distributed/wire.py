@@ -66,6 +66,7 @@ class _Tag(WireStruct):
     member: int
     prompt_id: Str
     eval_version: int | None
+    round: int = -1  # partial rollout: the round the sample ended in (>= batch), or -1
 
 
 class _Timings(WireStruct):
@@ -87,7 +88,7 @@ class _Episode(WireStruct):
     malformed_calls: int
     cut_turns: int
     env_tokens: int  # = the policy mask's False entries
-    outcome: Literal["done", "turn_limit", "context", "episode_tokens"]
+    outcome: Literal["done", "turn_limit", "context", "episode_tokens", "lag"]
 
 
 _EPISODE_COUNTS = ("tool_calls", "tool_failures", "malformed_calls", "cut_turns", "env_tokens")
@@ -182,7 +183,7 @@ def _encode_sample(s: Sample) -> _Sample:
         s.last_policy_version,
         s.instance_id,
         _Timings(t.enqueue, t.admit, t.finish),
-        _Tag(tag.batch, tag.group, tag.member, tag.prompt_id, tag.eval_version),
+        _Tag(tag.batch, tag.group, tag.member, tag.prompt_id, tag.eval_version, tag.round),
         mask,
         None
         if episode is None
@@ -234,6 +235,8 @@ def _decode_sample(w: _Sample) -> Sample:
     if w.episode is not None:
         metadata["episode"] = _episode(w.episode, mask)
     t, tag = w.timings, w.tag
+    if tag.round != -1 and tag.round < tag.batch:
+        raise ValueError(f"$.tag.round is {tag.round}: a round holds batches up to its own")
     return Sample(
         request_id=w.request_id,
         prompt=np.frombuffer(w.prompt, _I32),
@@ -254,6 +257,7 @@ def _decode_sample(w: _Sample) -> Sample:
             member=tag.member,
             prompt_id=tag.prompt_id,
             eval_version=tag.eval_version,
+            round=tag.round,
         ),
     )
 

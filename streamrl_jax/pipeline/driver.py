@@ -333,7 +333,9 @@ class GenerationDriver:
     def _settle(self, returned: Returned, later: list[Future[Returned]]) -> None:
         """One returned sample's outcome: continuations submitted, work off this thread
         kept as a request still out, the sample handed on (its kept KV given up)."""
-        out, now, pending = returned
+        out, now, pending = returned.sample, returned.now, returned.later
+        if returned.release is not None:
+            self.service.release(returned.release)  # re-prefilled in a later round
         self._submit(now)  # continuations whose round is already open
         if pending is not None:
             with self._cv:

@@ -447,8 +447,11 @@ class _GenerationProcess:
         reporters: list[threading.Thread] = []
         try:
             driver.start_threads(hooks)
-            if isinstance(rollout, PartialRollout):  # its rounds' closures to the trainer
-                reporters.append(self._round_reporter(rollout, batch))
+            rounds = rollout
+            while not isinstance(rounds, PartialRollout) and hasattr(rounds, "inner"):
+                rounds = rounds.inner  # the kind under its wrappers
+            if isinstance(rounds, PartialRollout):  # its rounds' closures to the trainer
+                reporters.append(self._round_reporter(rounds, batch))
             self._wait(driver, reporters)
             outcome = self._drain(driver)
             ok = True

@@ -11,7 +11,8 @@ first): `"full"`, `"dynamic_sampling"`, `"partial"`, `"curriculum+dynamic_sampli
 * `curriculum` (`curriculum.py`, a wrapper): prompts whose recent groups were all right
   or all wrong are drawn less.
 * `episodes` (`episodes.py`, a wrapper, the last before the kind): every sample is a
-  multi-turn episode with the run's environment (`environment.name`).
+  multi-turn episode with the run's environment (`environment.name`); over `partial`,
+  the rounds place its turns (`protocol.Rounds`).
 
 A new kind is one module beside these, one line below and its config fields (its name
 in `config.sections.ROLLOUTS` or `ROLLOUT_WRAPPERS`, which a test holds equal to these).
@@ -27,6 +28,7 @@ from streamrl_jax.pipeline.rollouts.protocol import (
     Returned,
     Rollout,
     RolloutContext,
+    Rounds,
     StepOutcome,
     Submit,
     Where,
@@ -60,6 +62,7 @@ __all__ = [
     "Returned",
     "Rollout",
     "RolloutContext",
+    "Rounds",
     "StepOutcome",
     "Submit",
     "Where",

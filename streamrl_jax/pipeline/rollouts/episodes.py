@@ -24,8 +24,9 @@ an episode, held-out evaluations included:
 Limits (`environments.EpisodeLimits`) and how an episode ends (`outcome`):
 "done" (the environment), "turn_limit" (`environment.max_turns` turns), "context"
 (the model's context), "episode_tokens" (the next turn would not fit
-`environment.max_episode_tokens`). Every outcome but "done" counts as truncated; the
-return is the sum of the turn rewards so far. A turn that reaches
+`environment.max_episode_tokens`), "lag" (partial rollout: dropped past `max_lag`).
+Every outcome but "done" counts as truncated; the return is the sum of the turn
+rewards so far. A turn that reaches
 `generation.max_new_tokens` without its end-of-turn token is cut there and still goes
 to the environment (the chat template's closing is appended with the observation);
 such turns are counted (`cut_turns`).
@@ -38,16 +39,25 @@ packing work unchanged: a group's episodes share their first prompt.
 Versions: every policy token keeps the version that sampled it; an environment token
 records the version of the policy turn before it (its KV is computed at the next
 turn's admission, under whatever weights the engine holds then) and is ignored by the
-lag (`Sample.oldest_version` reads policy tokens only). Checkpoints: an episode lives
-within its batch, which a resumed run regenerates from its start (the same seeds,
-the restored W_g(b), a deterministic environment), so nothing in flight is lost or
-duplicated and the checkpoint holds no episode state.
+lag (`Sample.oldest_version` reads policy tokens only). Checkpoints: over `full` or
+`dynamic_sampling` an episode lives within its batch, which a resumed run regenerates
+from its start (the same seeds, the restored W_g(b), a deterministic environment), so
+the checkpoint holds no episode state.
+
+Over `partial` (`protocol.Rounds`; docs/episodes.md "Partial rollout of episodes") the
+round budget is the episode's: a turn pauses at what is left of it; a turn's next turn
+joins the open round with the rest (`Rounds.next_turn`) or is carried into the next
+round, its kept slot given up (it re-prefills there under that round's weights). A
+paused episode is handed to the rounds with its record kept for the round it is
+carried into (`state(k)` puts those of round k in the checkpoint; `restore` takes
+them back) and with the outcome it ends with should `max_lag` drop it ("lag").
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -63,11 +73,12 @@ from streamrl_jax.pipeline.rollouts.protocol import (
     Returned,
     Rollout,
     RolloutContext,
+    Rounds,
     StepOutcome,
     Submit,
 )
 
-OUTCOMES = ("done", "turn_limit", "context", "episode_tokens")
+OUTCOMES = ("done", "turn_limit", "context", "episode_tokens", "lag")
 
 
 @dataclasses.dataclass
@@ -84,6 +95,15 @@ class _Episode:
     malformed_calls: int = 0
     cut_turns: int = 0  # turns that reached generation.max_new_tokens without ending
     last: TurnInfo = TurnInfo()
+
+    def to_json(self) -> dict[str, Any]:
+        """A copy as JSON (the environment's state is JSON by contract: TypeError or
+        ValueError when it is not)."""
+        return json.loads(json.dumps(dataclasses.asdict(self), allow_nan=False))
+
+    @classmethod
+    def from_json(cls, x: dict[str, Any]) -> _Episode:
+        return cls(**{**x, "last": TurnInfo(**x["last"])})
 
     def add(self, info: TurnInfo, reward: float) -> None:
         self.ret += reward
@@ -115,6 +135,10 @@ class Episodes:
         self._lock = threading.Lock()
         self._live: dict[Any, _Episode] = {}
         self._stats: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
+        # Partial rollout: round -> {request id: the record of an episode carried into
+        # it, as it was then} (what a checkpoint at that round holds).
+        self._rounds = isinstance(self.inner, Rounds)
+        self._records: dict[int, dict[Any, dict[str, Any]]] = collections.defaultdict(dict)
 
     # ------------------------------------------------------------------ generation side
     def draw(self, batch: int) -> list[Prompt]:
@@ -135,6 +159,8 @@ class Episodes:
             if ep is None:
                 start = self.kit.environment.start(question_of(sample.metadata), sample.metadata)
                 ep = self._live[sample.request_id] = _Episode(state=start.state)
+        if sample.finish_reason == "paused":  # partial rollout: on in a later round
+            return self._carried(self.inner.returned(self._as_paused(sample, ep, 1)), ep)
         ep.turns += 1
         if sample.finish_reason not in ("stop", "length"):
             return self._end(sample, ep, "context")
@@ -165,8 +191,35 @@ class Episodes:
         if left < 1:
             return self._end(sample, ep, "episode_tokens")
         ep.turn_start = used
-        budget = min(left, limits.turn_tokens)
-        return Returned(None, [self._next_turn(sample, env_tokens, budget)])
+        request = self._next_turn(sample, env_tokens, min(left, limits.turn_tokens))
+        if not self._rounds or sample.tag.is_eval:
+            return Returned(None, [request])
+        turn = dataclasses.replace(sample, finish_reason="paused")
+        return self._carried(self.inner.next_turn(self._as_paused(turn, ep, 0), request), ep)
+
+    def _as_paused(self, paused: Sample, ep: _Episode, in_turn: int) -> Sample:
+        """Partial rollout: a paused episode (`in_turn` = 1 mid-turn, 0 between turns),
+        its record kept for the round it may be carried into, its metadata what it is
+        handed on with should the lag bound drop it."""
+        try:
+            record = ep.to_json()
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"environment {self.kit.environment.name!r}: episode {paused.request_id!r}'s "
+                f"state is not JSON, so a checkpoint cannot hold it: {e}"
+            ) from e
+        with self._lock:
+            self._records[paused.tag.round + 1][paused.request_id] = record
+        metadata = {**paused.metadata, "episode": self._outcome(paused, ep, "lag", in_turn)}
+        return dataclasses.replace(paused, metadata=metadata)
+
+    def _carried(self, placed: Returned, ep: _Episode) -> Returned:
+        """The rounds' answer for a paused episode: it goes on, or (past the lag bound) is
+        handed on as it is, to be dropped with its group."""
+        if placed.sample is not None:
+            with self._lock:
+                self._live.pop(placed.sample.request_id, None)
+        return placed
 
     def _next_turn(self, sample: Sample, env_tokens: list[int], budget: int) -> GenerationRequest:
         """The episode's next turn: its tokens so far, then the environment's."""
@@ -187,13 +240,23 @@ class Episodes:
         """The episode, whole, with its outcome in its metadata."""
         with self._lock:
             self._live.pop(sample.request_id, None)
+        episode = self._outcome(sample, ep, outcome, 0)
+        whole = dataclasses.replace(sample, metadata={**sample.metadata, "episode": episode})
+        if sample.tag.is_eval:
+            return Returned(whole, [])
+        return self.inner.returned(whole)
+
+    @staticmethod
+    def _outcome(sample: Sample, ep: _Episode, outcome: str, in_turn: int) -> dict[str, Any]:
+        """`metadata["episode"]` of `sample`, ending now with `outcome` (`in_turn`: a turn
+        under way counts)."""
         env_tokens = 0 if sample.policy_mask is None else int((~sample.policy_mask).sum())
-        episode = {
+        return {
             "return": ep.ret,
             "correct": ep.last.correct,
             "format_ok": ep.last.format_ok,
             "answer": ep.last.answer,
-            "turns": ep.turns,
+            "turns": ep.turns + in_turn,
             "tool_calls": ep.tool_calls,
             "tool_failures": ep.tool_failures,
             "malformed_calls": ep.malformed_calls,
@@ -201,18 +264,14 @@ class Episodes:
             "env_tokens": env_tokens,
             "outcome": outcome,
         }
-        whole = dataclasses.replace(sample, metadata={**sample.metadata, "episode": episode})
-        if sample.tag.is_eval:
-            return Returned(whole, [])
-        return self.inner.returned(whole)
 
     # ------------------------------------------------------------------ ingest
     def scored(self, scored: Scored) -> None:
         """A scored episode: counted for its step's metrics (here, where it is trained),
         then where the kind puts it."""
         tag = scored.sample.tag
-        with self._lock:
-            self._stats[tag.batch].append(scored.sample.metadata["episode"])
+        with self._lock:  # (partial rollout: by the round it ended in)
+            self._stats[max(tag.round, tag.batch)].append(scored.sample.metadata["episode"])
         self.inner.scored(scored)
 
     def report(self, report: RoundClosed) -> None:
@@ -224,8 +283,10 @@ class Episodes:
 
     def finish(self, batch: int) -> StepOutcome:
         out = self.inner.finish(batch)
-        with self._lock:
-            episodes = self._stats.pop(batch, [])
+        with self._lock:  # every episode scored since the last step, of rounds up to b
+            episodes = [e for q in sorted(self._stats) if q <= batch for e in self._stats.pop(q)]
+            for q in [q for q in self._records if q < batch]:
+                del self._records[q]
         return dataclasses.replace(out, metrics={**out.metrics, **episode_metrics(episodes)})
 
     def plannable(self, start: int, steps: int) -> range | None:
@@ -233,10 +294,23 @@ class Episodes:
 
     # ------------------------------------------------------------------ checkpoints
     def state(self, k: int) -> dict[str, Any]:
-        return self.inner.state(k)
+        """The kind's state, and (partial rollout) the records of the episodes carried
+        into round k, as they were when carried."""
+        out = self.inner.state(k)
+        if self._rounds and out.get("paused"):
+            with self._lock:
+                records = self._records.get(k, {})
+                ids = [x["request_id"] for x in out["paused"]]
+                out["episodes"] = [[rid, records[rid]] for rid in ids]
+        return out
 
     def restore(self, k: int, state: dict[str, Any]) -> list[Sample]:
-        return self.inner.restore(k, state)
+        finished = self.inner.restore(k, state)
+        with self._lock:
+            for rid, record in state.get("episodes", []):
+                self._live[rid] = _Episode.from_json(record)
+                self._records[k][rid] = record
+        return finished
 
     def fail(self, exc: BaseException) -> None:
         if self.kit is not None:

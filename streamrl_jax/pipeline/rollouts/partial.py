@@ -21,6 +21,12 @@ finish reason "paused", and `micro_batches.pack_groups` drops its group, counted
 `dropped_lag`) or regenerates it from its prompt under the current weights
 (counted in `regenerated`).
 
+Episodes (`episodes+partial`): the budget is an episode's per round; its next turn
+comes through `next_turn` (`protocol.Rounds`): in the open round with what is left of
+the budget (the episode stays one segment of the round while its environment steps),
+else carried into the next round as a paused sample holding the environment's tokens.
+`_origin` then holds the turn's request, which the episode's continuations repeat.
+
 `PartialRollout` is the bookkeeping, shared by the driver thread (`open`), the
 collector thread (`returned`) and the trainer (`micro_batches`, which waits for the
 round to close), under one lock; `state(k)` / `restore` carry the work in flight
@@ -144,6 +150,8 @@ class PartialRollout:
         self._finished: dict[Key, list[Sample]] = {}
         self._done_in: dict[Key, int] = {}
         self._origin: dict[Any, GenerationRequest] = {}  # request id -> its first request
+        # request id -> its policy tokens when its segment in the current round began
+        self._begun: dict[Any, int] = {}
         self._closed: dict[int, list[Key]] = {}  # round -> groups completed in it
         self._snapshots: dict[int, dict[str, Any]] = {}  # round -> the work carried into it
         self._next_close = 0
@@ -164,6 +172,7 @@ class PartialRollout:
         with self._cv:
             tagged = [self._segment(q, r) for q in new]
             self._origin.update((q.request_id, q) for q in tagged)
+            self._begun.update((q.request_id, 0) for q in tagged)
             tagged += self._waiting.pop(r, [])
             rnd = self._rounds[r]
             rnd.pending += len(tagged)
@@ -188,23 +197,53 @@ class PartialRollout:
             out: Sample | None = sample
             now: list[GenerationRequest] = []
             if sample.finish_reason == "paused":
-                out, follow = self._continue(sample, r + 1)
-                if follow is not None:
-                    if self._rounds[r + 1].opened:
-                        self._rounds[r + 1].pending += 1
-                        now.append(follow)
-                    else:
-                        self._waiting[r + 1].append(follow)
-                    self._rounds[r + 1].carried.append(sample)
+                out, now = self._carry(sample, r)
             if out is not None:
-                key = group_of(out)
-                members = self._finished.setdefault(key, [])
-                members.append(out)
-                if len(members) == self.group_size:
-                    self._done_in[key] = r
-                    self._rounds[r].completed.append(key)
+                self._member(out, r)
             self._close_ready()
             return Returned(out, now)
+
+    def _member(self, out: Sample, r: int) -> None:
+        """`out`, handed on in round r, is a member of its group (complete: in round r).
+        Under the lock."""
+        key = group_of(out)
+        members = self._finished.setdefault(key, [])
+        members.append(out)
+        if len(members) == self.group_size:
+            self._done_in[key] = r
+            self._rounds[r].completed.append(key)
+
+    def next_turn(self, turn: Sample, request: GenerationRequest) -> Returned:
+        """An episode's next turn (`protocol.Rounds`): in round r while the episode has
+        policy tokens of the round's budget left (its segment there goes on: the round's
+        count of segments out is unchanged), else carried into round r + 1 (the episode
+        so far, the environment's tokens included, as a paused sample)."""
+        with self._cv:
+            r, rid, cont = turn.tag.round, turn.request_id, request.continuation
+            self._origin[rid] = request  # what the turn's continuations repeat
+            left = self.budget - (cont.policy_tokens - self._begun[rid])
+            if left >= 1:
+                return Returned(None, [dataclasses.replace(request, segment_tokens=left)])
+            self._rounds[r].pending -= 1
+            out, now = self._carry(_paused(turn, cont), r)
+            if out is not None:  # past the bound: the turn as it ended, to be dropped
+                out = turn
+                self._member(out, r)
+            self._close_ready()
+            return Returned(out, now, release=rid)
+
+    def _carry(self, sample: Sample, r: int) -> tuple[Sample | None, list[GenerationRequest]]:
+        """A sample paused in round r: continued in round r + 1 (at once when that round
+        is open), or handed on past the lag bound (`_continue`). Under the lock."""
+        out, follow = self._continue(sample, r + 1)
+        if follow is None:
+            return out, []
+        self._rounds[r + 1].carried.append(sample)
+        if self._rounds[r + 1].opened:
+            self._rounds[r + 1].pending += 1
+            return out, [follow]
+        self._waiting[r + 1].append(follow)
+        return out, []
 
     def _continue(self, s: Sample, r: int) -> tuple[Sample | None, GenerationRequest | None]:
         """What becomes of a sample paused before round r (its earliest training step)."""
@@ -217,9 +256,13 @@ class PartialRollout:
         return None, self._request(s, r, None)
 
     def _request(self, s: Sample, r: int, cont: Continuation | None) -> GenerationRequest:
-        first = self._origin[s.request_id]
+        """A segment of `s` in round r: its request (an episode's: its turn's) again."""
+        self._begun[s.request_id] = 0 if cont is None else cont.policy_tokens
         return dataclasses.replace(
-            first, tag=dataclasses.replace(s.tag, round=r), continuation=cont
+            self._origin[s.request_id],
+            tag=dataclasses.replace(s.tag, round=r),
+            continuation=cont,
+            segment_tokens=self.budget,
         )
 
     def _close_ready(self) -> None:
@@ -248,6 +291,7 @@ class PartialRollout:
             for key in [k for k, q in self._done_in.items() if q <= r]:
                 for s in self._finished.pop(key):
                     self._origin.pop(s.request_id, None)
+                    self._begun.pop(s.request_id, None)
                 del self._done_in[key]
             del self._rounds[r]
             self._next_close = r + 1
@@ -487,6 +531,20 @@ def wait_closed(
         return closed.pop(r)
 
 
+def _paused(turn: Sample, cont: Continuation) -> Sample:
+    """An episode's `turn` as a paused sample holding `cont` (its turns so far and the
+    environment's tokens: where its next turn starts)."""
+    return dataclasses.replace(
+        turn,
+        response=cont.tokens,
+        logprobs=cont.logprobs,
+        sampling_logprobs=cont.sampling_logprobs,
+        token_versions=cont.versions,
+        policy_mask=cont.policy_mask,
+        finish_reason="paused",
+    )
+
+
 def to_json(s: Sample, first: GenerationRequest | None) -> dict[str, Any]:
     """A sample (and the first request of a paused one) as JSON for the checkpoint's
     metadata: every field a continuation or the trainer reads; floats round-trip exactly
@@ -505,6 +563,7 @@ def to_json(s: Sample, first: GenerationRequest | None) -> dict[str, Any]:
         "timings": dataclasses.asdict(s.timings),
         "tag": dataclasses.asdict(s.tag),
         "metadata": s.metadata,
+        "policy_mask": None if s.policy_mask is None else s.policy_mask.tolist(),
     }
     if first is not None:
         out["request"] = {
@@ -514,6 +573,10 @@ def to_json(s: Sample, first: GenerationRequest | None) -> dict[str, Any]:
             "forced_length": first.forced_length,
             "priority": first.priority,
             "segment_tokens": first.segment_tokens,
+            "keep_kv": first.keep_kv,
+            # (an episode's paused sample carries its outcome should it be dropped;
+            # its request, the task's metadata only)
+            "metadata": first.metadata,
         }
     return out
 
@@ -533,6 +596,7 @@ def from_json(x: dict[str, Any]) -> tuple[Sample, GenerationRequest | None]:
         tag=RequestTag(**x["tag"]),
         metadata=x["metadata"],
         token_versions=np.asarray(x["versions"], np.int32),
+        policy_mask=None if x.get("policy_mask") is None else np.asarray(x["policy_mask"], bool),
     )
     q = x.get("request")
     if q is None:
@@ -547,7 +611,8 @@ def from_json(x: dict[str, Any]) -> tuple[Sample, GenerationRequest | None]:
         forced_length=q["forced_length"],
         priority=q["priority"],
         tag=sample.tag,
-        metadata=sample.metadata,
+        metadata=q.get("metadata", sample.metadata),
         segment_tokens=q["segment_tokens"],
+        keep_kv=q.get("keep_kv", False),
     )
     return sample, first

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 from streamrl_jax.algorithms.overlong import OverlongPenalty
 from streamrl_jax.config import PipelineSection
@@ -67,6 +67,9 @@ class Returned(NamedTuple):
     # collector takes its `Returned` once done, as if the sample returned then, and
     # counts it as a request still out (a swap of weights waits for it).
     later: Future[Returned] | None = None
+    # A request id whose kept KV slot is given up now (an episode carried into a later
+    # round, which re-prefills it there under that round's weights).
+    release: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,3 +153,17 @@ class Rollout(Protocol):
 
     def fail(self, exc: BaseException) -> None:
         """The run failed or stops: every wait of the rollout ends (raising)."""
+
+
+@runtime_checkable
+class Rounds(Protocol):
+    """A kind that generates in rounds of a token budget (partial rollout) also places
+    an episode's turns in them (the `episodes` wrapper asks)."""
+
+    def next_turn(self, turn: Sample, request: GenerationRequest) -> Returned:
+        """An episode's `turn` ended in round r and its environment answered; `request`
+        is its next turn (a continuation holding the turns so far and the environment's
+        tokens). The turn joins round r with what is left of the episode's budget
+        there, or, with none left, is carried into round r + 1 as a paused sample is
+        (or, past `max_lag`, `turn` is handed on as `Returned.sample`, finish reason
+        "paused", to be dropped with its group)."""
