@@ -4,7 +4,8 @@ Configs, datasets, checkpoints and model files go through the real entry point
 and must end with exit status 2 and one `error:` line naming the field or file,
 without a traceback or a hang; hostile model output through the sandboxed
 scorer must come back scored (or as a named timeout) and write nothing; hostile
-or broken network peers must end in their named error and leak nothing.
+or broken network peers must end in their named error and leak nothing; hostile or
+broken HTTP clients of the endpoint get a clear 4xx and leave it serving.
 """
 
 import importlib.util
@@ -23,7 +24,7 @@ _SPEC.loader.exec_module(corpus)
 
 def test_the_corpus_is_broad():
     kinds = {case.kind for case in corpus.CASES}
-    assert len(corpus.CASES) >= 50 and kinds == {"launch", "reward", "network"}
+    assert len(corpus.CASES) >= 50 and kinds == {"launch", "reward", "network", "endpoint"}
     assert len({case.name for case in corpus.CASES}) == len(corpus.CASES)
 
 
@@ -45,7 +46,8 @@ _DEFAULT_CONFIG_CASES = {
 
 def _marks(case):
     config_only = case.kind == "launch" and case.files is None
-    if config_only and case.name not in _DEFAULT_CONFIG_CASES:
+    # The endpoint's cases: tests/endpoint_test.py drives the same requests in-process.
+    if case.kind == "endpoint" or (config_only and case.name not in _DEFAULT_CONFIG_CASES):
         return pytest.param(case, marks=pytest.mark.extended, id=case.name)
     return pytest.param(case, id=case.name)
 

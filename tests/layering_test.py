@@ -35,6 +35,7 @@ LAYERS = (
         "scheduling",
         "rewards",
         "environments",
+        "endpoint",
         "data",
         "checkpoint",
         "metrics",

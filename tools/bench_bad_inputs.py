@@ -3,7 +3,7 @@
   python tools/bench_bad_inputs.py            # every case (about 1-2 min on 2 cores)
   python tools/bench_bad_inputs.py --quick    # the same corpus (it is already quick)
 
-Three kinds of case:
+Four kinds of case:
 
 * **launch** — configs, datasets, checkpoints and model files: a real
   `python -m streamrl_jax.launch` with the bad input (files written to a
@@ -18,6 +18,12 @@ Three kinds of case:
   sending malformed, oversized, pickled or tampered frames, weight headers
   that declare the wrong tree, samples of unknown prompts: each must end in
   its named error, with no thread, file descriptor or file left behind.
+* **endpoint** — hostile or broken HTTP clients of the OpenAI-compatible endpoint
+  (`tools/bad_requests.py`): malformed JSON, an oversized body, too many messages, a
+  missing or wrong token, an unknown model, `max_tokens` past the limit, an unknown,
+  missing or closed episode id, an unsupported parameter, a client that leaves
+  mid-stream, one that never reads, one that never finishes its body: each a clear
+  4xx (or its turn kept), the endpoint serving afterwards.
 
 Last line: JSON with `cases`, `clear_errors`, `hangs`, `tracebacks`, `wrong`
 (the names of cases whose error was not the expected one).
@@ -39,12 +45,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tools")]
 
 import bad_frames  # noqa: E402
+import bad_requests  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
-    kind: str  # "launch" | "reward" | "network"
+    kind: str  # "launch" | "reward" | "network" | "endpoint"
     expect: str  # text the one error line (launch) or the outcome (reward) must contain
     flags: tuple[str, ...] = ()
     files: Callable[[str], None] | None = None  # writes the bad input under a directory
@@ -365,6 +372,15 @@ _NETWORK = {c.name: c for c in bad_frames.cases()}
 CASES += [Case(c.name, "network", c.expect) for c in _NETWORK.values()]
 
 
+_ENDPOINT = {c.name: c for c in bad_requests.cases()}
+CASES += [Case(c.name, "endpoint", c.expect) for c in _ENDPOINT.values()]
+
+
+def run_endpoint(case: Case, root: str, timeout_s: float) -> tuple[str, str]:
+    """Against one endpoint on loopback, built on first use (tools/bad_requests.py)."""
+    return bad_requests.run(_ENDPOINT[case.name])
+
+
 def run_network(case: Case, root: str, timeout_s: float) -> tuple[str, str]:
     """In this process, bounded by each case's own timeouts (seconds)."""
     return bad_frames.run(_NETWORK[case.name])
@@ -422,7 +438,12 @@ def run_reward(case: Case, root: str, timeout_s: float) -> tuple[str, str]:
 def run_case(case: Case, timeout_s: float = 120.0) -> tuple[str, str]:
     root = tempfile.mkdtemp(prefix="bad-input-")
     try:
-        runner = {"launch": run_launch, "reward": run_reward, "network": run_network}[case.kind]
+        runner = {
+            "launch": run_launch,
+            "reward": run_reward,
+            "network": run_network,
+            "endpoint": run_endpoint,
+        }[case.kind]
         return runner(case, root, timeout_s)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -443,6 +464,7 @@ def main() -> None:
         if outcome != "clear":
             wrong.append(case.name)
         print(f"{outcome:9s} {case.kind:6s} {case.name}: {detail[:160]}", flush=True)
+    bad_requests.close()
     print(
         json.dumps(
             {

@@ -17,6 +17,14 @@
    `--skip` steps, which compile, left out), episodes and turns per second. Same-run
    ratio: async / sync.
 
+3. **Endpoint** (SmolLM2-135M, one instance, `--slots` slots): `--clients` concurrent
+   official `openai` clients on loopback, each running `--rounds` chat episodes of
+   `--turns` turns of `--turn_tokens` tokens (`ignore_eos`: the same work every run),
+   a fixed user message between turns, vs the same episodes driven in-process (the
+   endpoint's `Turns` and backend, no HTTP) by as many threads: tokens/s, p50/p99 turn
+   latency, a request's round trip without generation, and the median turn overhead.
+   Same-run ratio: endpoint / in-process tokens/s. A first pass of each compiles.
+
 Last line: JSON.
 """
 
@@ -45,6 +53,9 @@ _SLOTS = flags.DEFINE_integer("slots", 16, "Engine: slots.")
 _STEPS = flags.DEFINE_integer("steps", 0, "Pipeline: steps per mode (0: 5 quick, 8 full).")
 _SKIP = flags.DEFINE_integer("skip", 2, "Pipeline: first steps left out (compiles).")
 _PIPELINE = flags.DEFINE_bool("pipeline", True, "Run the pipeline part.")
+_ENDPOINT = flags.DEFINE_bool("endpoint", True, "Run the endpoint part.")
+_CLIENTS = flags.DEFINE_integer("clients", 8, "Endpoint: concurrent clients (one episode each).")
+_ROUNDS = flags.DEFINE_integer("rounds", 0, "Endpoint: episodes per client (0: 2 quick, 4 full).")
 
 
 def _episode_requests(n: int, prompt_len: int, keep_kv: bool, vocab: int):
@@ -182,6 +193,142 @@ def pipeline_part() -> dict:
     return out
 
 
+def endpoint_part() -> dict:
+    """N concurrent official `openai` clients on loopback vs the same episodes driven
+    in-process (the endpoint's turns and backend without HTTP), on one SmolLM2 engine."""
+    import concurrent.futures
+    import contextlib
+    import logging as std_logging
+    import threading
+
+    import openai
+
+    from streamrl_jax import mesh as mesh_lib
+    from streamrl_jax.endpoint import api
+    from streamrl_jax.endpoint.backend import ServiceBackend
+    from streamrl_jax.endpoint.client import EndpointClient
+    from streamrl_jax.endpoint.server import Endpoint, EndpointServer, endpoint_token
+    from streamrl_jax.endpoint.turns import Context, Turns
+    from streamrl_jax.generation.engine_config import EngineConfig
+    from streamrl_jax.generation.service import GenerationService
+    from streamrl_jax.model.defaults import smollm2_gguf_path
+    from streamrl_jax.model.loader import load_pretrained
+
+    std_logging.getLogger("httpx").setLevel(std_logging.WARNING)
+    meshes = mesh_lib.instance_meshes(
+        mesh_lib.make_meshes(mesh_lib.MeshConfig(generate_devices=1, train_devices=1)).generate
+    )
+    pre = load_pretrained(smollm2_gguf_path(), mesh=meshes[0])
+    n, rounds = _CLIENTS.value, _ROUNDS.value or (2 if _QUICK.value else 4)
+    turns_n, k = _TURNS.value, _TURN_TOKENS.value
+    ecfg = EngineConfig(
+        num_slots=_SLOTS.value,
+        max_prompt_length=128,
+        max_total_length=512,
+        chunk_steps=8,
+        prefill_batch=4,
+        stop_ids=tuple(pre.tokenizer.stop_ids),
+    )
+    service = GenerationService(pre.graphdef, pre.params, pre.cfg, meshes, ecfg)
+    backend = ServiceBackend(service)
+    turns = Turns(Context(pre.tokenizer, ecfg.max_prompt_length, ecfg.max_total_length))
+    token = endpoint_token(b"bench")
+    endpoint = Endpoint(turns, backend, token, limits=api.Limits(max_tokens=k, max_inflight=4 * n))
+    server = EndpointServer(endpoint)
+    client = EndpointClient(server.start(), token)
+    task = "What is {} + {}? Think step by step, then answer."
+    feedback = {"role": "user", "content": "Not yet. Check your work and answer again."}
+    sampling = api.Sampling(k, 0.7, 1.0, (), None, False, False, True, ignore_eos=True)
+
+    def over_http(i: int) -> list[float]:
+        lat = []
+        with client.episode() as (oc, _):
+            messages = [{"role": "user", "content": task.format(i, 2 * i + 1)}]
+            for _ in range(turns_n):
+                t0 = time.perf_counter()
+                r = oc.chat.completions.create(
+                    model="policy", messages=messages, max_tokens=k, temperature=0.7,
+                    logprobs=True, extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                lat.append(time.perf_counter() - t0)
+                messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                             feedback]  # fmt: skip
+        return lat
+
+    def in_process(i: int) -> list[float]:
+        lat = []
+        eid = endpoint.book.open()
+        messages = [{"role": "user", "content": task.format(i, 2 * i + 1)}]
+        for _ in range(turns_n):
+            t0 = time.perf_counter()
+            rec = endpoint.book.take(eid)
+            request = turns.chat(rec, messages, sampling)
+            sample = backend.submit(request).result(timeout=600)
+            turn = turns.commit(rec, request, sample, messages)
+            endpoint.book.give_back(rec)
+            lat.append(time.perf_counter() - t0)
+            messages = [*rec.messages, feedback]
+            del turn
+        endpoint.book.close(eid)
+        backend.release(eid)
+        return lat
+
+    out: dict = {"clients": n, "episodes_per_client": rounds, "turns": turns_n, "turn_tokens": k}
+
+    def run(fn, episodes: int) -> tuple[float, list[float]]:
+        lat: list[float] = []
+        lock = threading.Lock()
+
+        def client_loop(c: int) -> None:
+            for r in range(episodes):
+                got = fn(c * 100 + r)
+                with lock:
+                    lat.extend(got)
+
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            list(pool.map(client_loop, range(n)))
+        return time.perf_counter() - t0, lat
+
+    paths = {"in_process": in_process, "endpoint": over_http}
+    for fn in paths.values():  # every shape compiled before anything is timed
+        run(fn, 1)
+    timed: dict[str, list] = {name: [] for name in paths}
+    for _ in range(2):  # alternated, twice: the better of each (a shared machine)
+        for name, fn in paths.items():
+            timed[name].append(run(fn, rounds))
+    for name, runs in timed.items():
+        wall, lat = min(runs, key=lambda x: x[0])
+        tokens = len(lat) * k
+        out[name] = {
+            "wall_s": round(wall, 3),
+            "tokens_per_s": round(tokens / wall, 2),
+            "turns_per_s": round(len(lat) / wall, 3),
+            "turn_p50_s": round(float(np.percentile(lat, 50)), 4),
+            "turn_p99_s": round(float(np.percentile(lat, 99)), 4),
+        }
+        print(f"endpoint part {name}: {out[name]}", file=sys.stderr, flush=True)
+    # The server's own cost per request without generation: a refused request's (404)
+    # round trip through the official client; and the difference of the median turns.
+    oc = client.openai("ep-unknown")
+    t = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        with contextlib.suppress(openai.NotFoundError):  # the 404 is the point
+            oc.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+        t.append(time.perf_counter() - t0)
+    out["round_trip_no_generation_ms"] = round(1e3 * float(np.median(t)), 3)
+    out["endpoint_over_in_process"] = round(
+        out["endpoint"]["tokens_per_s"] / out["in_process"]["tokens_per_s"], 3
+    )
+    out["median_turn_overhead_ms"] = round(
+        1e3 * (out["endpoint"]["turn_p50_s"] - out["in_process"]["turn_p50_s"]), 2
+    )
+    server.stop()
+    backend.close()
+    return out
+
+
 def main(argv) -> None:
     del argv
     import jax
@@ -189,6 +336,8 @@ def main(argv) -> None:
     jax.config.update("jax_num_cpu_devices", 2)  # the pipeline's two roles
     t0 = time.perf_counter()
     out = {"bench": "episodes", "quick": _QUICK.value, "engine": engine_part()}
+    if _ENDPOINT.value:
+        out["endpoint"] = endpoint_part()
     if _PIPELINE.value:
         out["pipeline"] = pipeline_part()
     out["wall_s"] = round(time.perf_counter() - t0, 1)

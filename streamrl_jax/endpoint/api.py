@@ -1,0 +1,240 @@
+"""The OpenAI request bodies the endpoint takes, decoded strictly, and its errors.
+
+Bodies are decoded with msgspec into the structs below (unknown fields are refused by
+name, types checked), then `check_*` applies the endpoint's limits and refuses, by
+name, every parameter it does not honour. What is honoured: `model` (the one served),
+`messages` / `prompt`, `max_tokens` (`max_completion_tokens`), `temperature`, `top_p`,
+`stop` (strings that are one token each: the engine stops on token ids), `seed` (the
+episode's, fixed by its first request), `stream`, `logprobs` (the sampled tokens'
+log-probs; `top_logprobs` > 0 and completions' `logprobs` > 0 are refused: the engine
+does not keep the top-k alternatives), `n` = 1 (an episode is one conversation: a
+GRPO group is G episodes), `user`, and vLLM's `ignore_eos` (exactly `max_tokens`
+tokens: for benchmarks). Refused when set: `tools`, `tool_choice`,
+`functions`, `response_format`, `logit_bias`, non-zero `frequency_penalty` /
+`presence_penalty`, `echo`, `suffix`, `best_of` > 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+import msgspec
+
+
+class ApiError(Exception):
+    """A refused request: HTTP `status`, OpenAI's error `type`, the message, the param."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
+
+    @property
+    def type(self) -> str:
+        return {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+            self.status, "invalid_request_error" if self.status < 500 else "server_error"
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {"message": str(self), "type": self.type, "param": self.param, "code": None}
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one request may ask for."""
+
+    max_body_bytes: int = 1 << 20
+    max_messages: int = 64
+    max_tokens: int = 256  # per completion (the run's generation.max_new_tokens)
+    max_stop: int = 4
+    timeout_s: float = 120.0  # per completion: its generation
+    body_timeout_s: float = 30.0  # per request: its body received
+    max_inflight: int = 64  # requests generating at once; more are refused (429)
+
+
+class _Part(msgspec.Struct, forbid_unknown_fields=True):
+    type: str
+    text: str | None = None
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_Part] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[Any] | None = None
+    refusal: str | None = None
+
+
+class _Common(msgspec.Struct, forbid_unknown_fields=True):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
+    seed: int | None = None
+    user: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    ignore_eos: bool | None = None  # vLLM's extension: exactly max_tokens (benchmarks)
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = []
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: Any = None
+    parallel_tool_calls: bool | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] = ""
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """The body as `kind`, or a 400 naming the field (msgspec's path)."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        raise ApiError(400, f"invalid request: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ApiError(400, f"malformed JSON body: {e}") from None
+
+
+def _refuse_set(req: Any, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(req, name, None)
+        if value not in (None, False, 0, 0.0, {}, []):
+            raise ApiError(400, f"{name!r} is not supported by this endpoint", name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """What a checked request asks the engine for."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stop: tuple[str, ...]
+    seed: int | None
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    ignore_eos: bool = False
+
+
+def check_common(req: _Common, limits: Limits, served: str, max_tokens: int | None) -> Sampling:
+    """The parameters both APIs share, checked (module docstring)."""
+    if req.model != served:
+        raise ApiError(
+            404, f"model {req.model[:100]!r} is not served here; it serves {served!r}", "model"
+        )
+    _refuse_set(req, ("logit_bias", "frequency_penalty", "presence_penalty"))
+    if req.n not in (None, 1):
+        raise ApiError(
+            400, f"n={req.n}: one completion per request (an episode is one conversation)", "n"
+        )
+    if max_tokens is not None and not 1 <= max_tokens <= limits.max_tokens:
+        raise ApiError(
+            400, f"max_tokens={max_tokens} must be in [1, {limits.max_tokens}]", "max_tokens"
+        )
+    t = 1.0 if req.temperature is None else req.temperature
+    if not (math.isfinite(t) and 0.0 <= t <= 2.0):
+        raise ApiError(400, f"temperature={t} must be in [0, 2]", "temperature")
+    p = 1.0 if req.top_p is None else req.top_p
+    if not (math.isfinite(p) and 0.0 < p <= 1.0):
+        raise ApiError(400, f"top_p={p} must be in (0, 1]", "top_p")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if len(stop) > limits.max_stop or any(not s or len(s) > 64 for s in stop):
+        raise ApiError(400, f"stop: at most {limits.max_stop} strings of 1-64 characters", "stop")
+    options = req.stream_options or {}
+    if set(options) - {"include_usage"}:
+        raise ApiError(
+            400, f"stream_options: only include_usage is supported, got {sorted(options)}"
+        )
+    return Sampling(
+        max_tokens=max_tokens or limits.max_tokens,
+        temperature=float(t),
+        top_p=float(p),
+        stop=stop,
+        seed=req.seed,
+        stream=bool(req.stream),
+        include_usage=bool(options.get("include_usage")),
+        logprobs=False,
+        ignore_eos=bool(req.ignore_eos),
+    )
+
+
+def check_chat(
+    req: ChatRequest, limits: Limits, served: str
+) -> tuple[list[dict[str, str]], Sampling]:
+    """The conversation as {"role", "content"} dicts and the sampling, checked."""
+    _refuse_set(req, ("tools", "tool_choice", "functions", "function_call", "response_format"))
+    if not req.messages:
+        raise ApiError(400, "messages: at least one message is needed", "messages")
+    if len(req.messages) > limits.max_messages:
+        n = len(req.messages)
+        raise ApiError(400, f"messages: {n} messages; at most {limits.max_messages}", "messages")
+    if req.top_logprobs:
+        raise ApiError(
+            400,
+            "top_logprobs > 0 is not supported: only the sampled tokens' log-probs are kept",
+            "top_logprobs",
+        )
+    if req.max_tokens is not None and req.max_completion_tokens is not None:
+        raise ApiError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
+    sampling = check_common(req, limits, served, req.max_completion_tokens or req.max_tokens)
+    messages = []
+    for i, m in enumerate(req.messages):
+        if m.tool_calls:
+            raise ApiError(
+                400, f"messages[{i}].tool_calls: tool calls are not supported", "messages"
+            )
+        if isinstance(m.content, list):
+            if any(p.type != "text" or p.text is None for p in m.content):
+                raise ApiError(
+                    400, f"messages[{i}].content: only text parts are supported", "messages"
+                )
+            content = "".join(p.text for p in m.content)
+        else:
+            content = m.content or ""
+        messages.append({"role": m.role, "content": content})
+    return messages, dataclasses.replace(sampling, logprobs=bool(req.logprobs))
+
+
+def check_completion(req: CompletionRequest, limits: Limits, served: str) -> tuple[str, Sampling]:
+    """The prompt text and the sampling, checked."""
+    _refuse_set(req, ("echo", "suffix"))
+    if req.best_of not in (None, 1):
+        raise ApiError(400, f"best_of={req.best_of}: not supported", "best_of")
+    prompt = req.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise ApiError(400, "prompt: one prompt per request", "prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise ApiError(400, "prompt: a non-empty string is needed", "prompt")
+    if req.logprobs not in (None, 0):
+        raise ApiError(
+            400,
+            f"logprobs={req.logprobs}: only 0 (the sampled tokens' log-probs) is supported",
+            "logprobs",
+        )
+    sampling = check_common(req, limits, served, req.max_tokens)
+    return prompt, dataclasses.replace(sampling, logprobs=req.logprobs == 0)

@@ -1,0 +1,452 @@
+"""The OpenAI-compatible HTTP endpoint: FastAPI on uvicorn, in a thread of its own.
+
+Routes (every one needs `Authorization: Bearer <token>`):
+
+* `GET /v1/models`: the one model served.
+* `POST /v1/episodes`: a new episode's id (`{"id": "ep-…"}`); a scaffold sends it as
+  the `X-Episode-Id` header of every request of that episode (`client.py`).
+* `POST /v1/episodes/{id}/close`: ends the episode; returns its counts. (A training
+  run closes its episodes itself and trains the recorded tokens.)
+* `POST /v1/chat/completions`, `POST /v1/completions`: one completion of the episode
+  (api.py: what is honoured and what is refused by name; turns.py: how the request
+  becomes the episode's next turn). `stream: true` sends the completion as server-sent
+  events, one chunk per token, once its turn has finished generating. Each choice
+  carries, beside OpenAI's fields, `token_ids` and `versions`: the tokens as sampled
+  and the weights version of each.
+
+The trust boundary (docs/endpoint.md): loopback unless `allow_remote`; the bearer
+token compared in constant time; a body over `Limits.max_body_bytes` refused (413)
+before it is read, and read within the request deadline; at most
+`Limits.max_inflight` requests generating (more: 429, not a queue) and uvicorn's
+`limit_concurrency` connections (more: 503); a body must arrive within
+`Limits.body_timeout_s` (408) and each completion waits at most `Limits.timeout_s`
+(504; the episode is then closed, its late sample dropped). A streamed completion is
+recorded before its first event is sent, so a client that leaves mid-stream or never
+reads loses nothing and holds no episode (only its connection, until it closes); an
+episode id the book did not issue (404) or one closed (409) is refused. Errors are
+OpenAI's JSON error body with a message naming what is wrong; a handler bug is a 500
+with its repr, logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+from absl import logging
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
+
+from streamrl_jax.endpoint import api
+from streamrl_jax.endpoint.backend import Backend
+from streamrl_jax.endpoint.book import BookError, EpisodeBook, policy_tokens
+from streamrl_jax.endpoint.turns import Turn, Turns
+
+EPISODE_HEADER = "x-episode-id"
+
+
+def endpoint_token(secret: bytes) -> str:
+    """The bearer token of a run whose secret is `secret`."""
+    return hmac.new(secret, b"streamrl-jax endpoint token", hashlib.sha256).hexdigest()
+
+
+class Endpoint:
+    """The endpoint's state: the book, the turns, the backend, the limits."""
+
+    def __init__(
+        self,
+        turns: Turns,
+        backend: Backend,
+        token: str,
+        *,
+        served: str = "policy",
+        limits: api.Limits = api.Limits(),
+        book: EpisodeBook | None = None,
+    ):
+        if len(token) < 16:
+            raise ValueError("endpoint: the bearer token must be at least 16 characters")
+        self.turns, self.backend, self.served, self.limits = turns, backend, served, limits
+        self.book = book or EpisodeBook()
+        self._token = token.encode()
+        self._inflight = 0
+        self.counts = {"requests": 0, "refused": 0, "deadline": 0, "errors": 0}
+
+    # ------------------------------------------------------------------ checks
+    def authorize(self, header: str | None) -> None:
+        scheme, _, given = (header or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self._token):
+            raise api.ApiError(401, "missing or wrong bearer token (Authorization: Bearer …)")
+
+    async def body(self, request: Any) -> bytes:
+        """The request body, refused (413) past the limit, read within the deadline."""
+        limit = self.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            raise api.ApiError(413, f"request body of {declared} bytes; at most {limit}")
+
+        async def read() -> bytes:
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise api.ApiError(413, f"request body over {limit} bytes")
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+        wait = self.limits.body_timeout_s
+        try:
+            return await asyncio.wait_for(read(), wait)
+        except TimeoutError:
+            raise api.ApiError(408, f"request body not received in {wait:.0f} s") from None
+        except ClientDisconnect:
+            raise api.ApiError(400, "the client left before sending its whole body") from None
+
+    # ------------------------------------------------------------------ a completion
+    async def complete(self, eid: str | None, kind: str, said: Any, s: api.Sampling) -> Turn:
+        """One completion of episode `eid` (`said`: chat messages or prompt text)."""
+        if self._inflight >= self.limits.max_inflight:
+            raise api.ApiError(
+                429, f"{self._inflight} requests are generating (the endpoint's limit); retry"
+            )
+        self.turns.sampling(s)  # the request's own checks first: then the episode's
+        self._inflight += 1
+        try:
+            rec = self.book.take(eid)
+            try:
+                prepare = self.turns.chat if kind == "chat" else self.turns.completion
+                request = prepare(rec, said, s)
+                try:
+                    self.backend.validate(request)
+                    future = self.backend.submit(request)
+                except ValueError as e:
+                    raise api.ApiError(400, str(e)) from None
+                try:
+                    sample = await asyncio.wait_for(
+                        asyncio.wrap_future(future), self.limits.timeout_s
+                    )
+                except TimeoutError:
+                    future.cancel()
+                    self.backend.release(rec.id)
+                    self.book.fail(rec, "a completion passed its deadline")
+                    self.counts["deadline"] += 1
+                    raise api.ApiError(
+                        504,
+                        f"episode {rec.id}: generation did not finish in "
+                        f"{self.limits.timeout_s:.0f} s; the episode is closed",
+                    ) from None
+                return self.turns.commit(rec, request, sample, said)
+            finally:
+                self.book.give_back(rec)
+        finally:
+            self._inflight -= 1
+
+
+# ---------------------------------------------------------------------- responses
+def _token_text(turns: Turns, ids: np.ndarray) -> list[str]:
+    """Each token's text, cut so that the pieces join to the whole decode."""
+    tok = turns.ctx.tokenizer
+    out, before = [], ""
+    for i in range(len(ids)):
+        now = tok.decode(ids[: i + 1])
+        out.append(now[len(before) :] if now.startswith(before) else now)
+        before = now
+    return out
+
+
+def _logprob_entries(turns: Turns, turn: Turn) -> list[dict[str, Any]]:
+    tok = turns.ctx.tokenizer
+    entries = []
+    for t, lp in zip(turn.token_ids.tolist(), turn.logprobs.tolist(), strict=True):
+        text = tok.decode([t], skip_special_tokens=False)
+        entries.append(
+            {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
+        )
+    return entries
+
+
+def _usage(turn: Turn) -> dict[str, int]:
+    n = len(turn.token_ids)
+    return {
+        "prompt_tokens": turn.prompt_tokens,
+        "completion_tokens": n,
+        "total_tokens": turn.prompt_tokens + n,
+    }
+
+
+def _extras(turn: Turn) -> dict[str, Any]:
+    return {"token_ids": turn.token_ids.tolist(), "versions": turn.versions.tolist()}
+
+
+def chat_body(ep: Endpoint, eid: str, turn: Turn, s: api.Sampling) -> dict[str, Any]:
+    logprobs = {"content": _logprob_entries(ep.turns, turn)} if s.logprobs else None
+    return {
+        "id": f"chatcmpl-{eid}-{int(time.time() * 1e6)}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": ep.served,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": turn.text},
+                "logprobs": logprobs,
+                "finish_reason": turn.finish_reason,
+                **_extras(turn),
+            }
+        ],
+        "usage": _usage(turn),
+    }
+
+
+def completion_body(ep: Endpoint, eid: str, turn: Turn, s: api.Sampling) -> dict[str, Any]:
+    logprobs = None
+    if s.logprobs:
+        pieces = _token_text(ep.turns, turn.token_ids)
+        offsets = np.cumsum([0, *map(len, pieces)])[:-1].tolist()
+        logprobs = {
+            "tokens": pieces,
+            "token_logprobs": turn.logprobs.tolist(),
+            "top_logprobs": None,
+            "text_offset": offsets,
+        }
+    return {
+        "id": f"cmpl-{eid}-{int(time.time() * 1e6)}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": ep.served,
+        "choices": [
+            {
+                "index": 0,
+                "text": turn.text,
+                "logprobs": logprobs,
+                "finish_reason": turn.finish_reason,
+                **_extras(turn),
+            }
+        ],
+        "usage": _usage(turn),
+    }
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+async def chat_events(ep: Endpoint, eid: str, turn: Turn, s: api.Sampling) -> AsyncIterator[bytes]:
+    """The completion as chat.completion.chunk events, one token each."""
+    base = {
+        "id": f"chatcmpl-{eid}-{int(time.time() * 1e6)}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": ep.served,
+    }
+
+    def event(choices: list, **more: Any) -> bytes:
+        return _event({**base, "choices": choices, **more})
+
+    yield event(
+        [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ]
+    )
+    pieces = _token_text(ep.turns, turn.token_ids)
+    entries = _logprob_entries(ep.turns, turn) if s.logprobs else None
+    shown = len(turn.text)
+    at = 0
+    for i, piece in enumerate(pieces):
+        piece = piece[: max(0, shown - at)]  # a stop string is not shown
+        at += len(piece)
+        logprobs = {"content": [entries[i]]} if entries is not None else None
+        choice = {
+            "index": 0,
+            "delta": {"content": piece},
+            "logprobs": logprobs,
+            "finish_reason": None,
+            "token_ids": [int(turn.token_ids[i])],
+            "versions": [int(turn.versions[i])],
+        }
+        yield event([choice])
+    yield event([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": turn.finish_reason}])
+    if s.include_usage:
+        yield event([], usage=_usage(turn))
+    yield b"data: [DONE]\n\n"
+
+
+async def completion_events(
+    ep: Endpoint, eid: str, turn: Turn, s: api.Sampling
+) -> AsyncIterator[bytes]:
+    """The completion as text_completion events, one token each."""
+    base = {
+        "id": f"cmpl-{eid}-{int(time.time() * 1e6)}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": ep.served,
+    }
+    pieces = _token_text(ep.turns, turn.token_ids)
+    shown, at = len(turn.text), 0
+    for i, piece in enumerate(pieces):
+        piece = piece[: max(0, shown - at)]
+        at += len(piece)
+        logprobs = None
+        if s.logprobs:
+            logprobs = {
+                "tokens": [piece],
+                "token_logprobs": [float(turn.logprobs[i])],
+                "top_logprobs": None,
+                "text_offset": [at - len(piece)],
+            }
+        last = i == len(pieces) - 1
+        choice = {
+            "index": 0,
+            "text": piece,
+            "logprobs": logprobs,
+            "finish_reason": turn.finish_reason if last else None,
+            "token_ids": [int(turn.token_ids[i])],
+            "versions": [int(turn.versions[i])],
+        }
+        yield _event({**base, "choices": [choice]})
+    if s.include_usage:
+        yield (
+            b"data: "
+            + json.dumps({**base, "choices": [], "usage": _usage(turn)}).encode()
+            + b"\n\n"
+        )
+    yield b"data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------- the app
+def make_app(ep: Endpoint):
+    """The FastAPI application of `ep`."""
+    app = FastAPI(title="streamrl_jax endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def error(status: int, message: str, param: str | None = None) -> JSONResponse:
+        ep.counts["refused"] += 1
+        return JSONResponse(api.ApiError(status, message, param).body(), status_code=status)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        ep.counts["requests"] += 1
+        try:
+            ep.authorize(request.headers.get("authorization"))
+            return await call_next(request)
+        except api.ApiError as e:
+            return error(e.status, str(e), e.param)
+        except BookError as e:
+            return error(e.status, str(e))
+        except Exception as e:  # noqa: BLE001 - a bug: named, logged, a 500
+            ep.counts["errors"] += 1
+            logging.exception("endpoint: %s %s failed", request.method, request.url.path)
+            return error(500, f"endpoint error: {e!r}")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {"id": ep.served, "object": "model", "created": 0, "owned_by": "streamrl_jax"}
+            ],
+        }
+
+    @app.post("/v1/episodes")
+    async def open_episode() -> dict[str, Any]:
+        return {"id": ep.book.open(), "object": "episode"}
+
+    @app.post("/v1/episodes/{eid}/close")
+    async def close_episode(eid: str) -> dict[str, Any]:
+        rec = ep.book.close(eid)
+        ep.backend.release(eid)
+        policy = 0 if rec.sample is None else len(policy_tokens(rec.sample))
+        return {"id": eid, "object": "episode", "turns": rec.turns, "policy_tokens": policy}
+
+    async def handle(request: Request, kind: str):
+        body = await ep.body(request)
+        eid = request.headers.get(EPISODE_HEADER)
+        if kind == "chat":
+            said, s = api.check_chat(api.decode(body, api.ChatRequest), ep.limits, ep.served)
+        else:
+            said, s = api.check_completion(
+                api.decode(body, api.CompletionRequest), ep.limits, ep.served
+            )
+        turn = await ep.complete(eid, kind, said, s)
+        if s.stream:
+            events = chat_events if kind == "chat" else completion_events
+            return StreamingResponse(events(ep, eid, turn, s), media_type="text/event-stream")
+        make = chat_body if kind == "chat" else completion_body
+        return JSONResponse(make(ep, eid, turn, s))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await handle(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, "completion")
+
+    return app
+
+
+class EndpointServer:
+    """uvicorn serving `make_app(endpoint)` on a thread of its own (`start` / `stop`)."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        allow_remote: bool = False,
+        max_connections: int = 256,
+    ):
+        import ipaddress
+
+        import uvicorn
+
+        if not allow_remote and not ipaddress.ip_address(host).is_loopback:
+            raise ValueError(f"endpoint: host {host} is not loopback; pass allow_remote=True")
+        self.endpoint = endpoint
+        config = uvicorn.Config(
+            make_app(endpoint),
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            limit_concurrency=max_connections,
+            timeout_keep_alive=5,
+            lifespan="off",
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="endpoint", daemon=True)
+        self.url = ""
+
+    def start(self, timeout: float = 30.0) -> str:
+        """Serves; returns the base URL (http://host:port) once listening.
+
+        Raises:
+          TimeoutError: uvicorn did not start listening within `timeout` seconds.
+        """
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise TimeoutError(f"endpoint: not listening after {timeout:.0f} s")
+            time.sleep(0.01)
+        host, port = self._server.servers[0].sockets[0].getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        return self.url
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"endpoint: the server did not stop in {timeout:.0f} s")

@@ -1,0 +1,207 @@
+"""An endpoint request as a generation request of its episode, and the turn it made.
+
+Template boundaries (docs/endpoint.md): the first chat request is rendered whole with
+the checkpoint's chat template (`Tokenizer.encode_chat`, ending in the assistant
+header). A later request must repeat the episode's recorded conversation (the
+assistant turns as the endpoint returned them); only its new messages are tokenised,
+as the chat template frames them after an assistant turn (`TurnRenderer.observation`:
+the closing the policy did not sample, the messages, the next assistant header), and
+appended to the recorded tokens with policy mask False. The engine continues the
+episode's slot with them (KV extended in place when the slot is still kept). A
+completions episode works the same on text: a later prompt must extend the recorded
+text (prompt and completions so far), and only the extension is tokenised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import numpy as np
+
+from streamrl_jax.endpoint.api import ApiError, Sampling
+from streamrl_jax.endpoint.book import Record
+from streamrl_jax.environments.render import TurnRenderer
+from streamrl_jax.generation.types import (
+    Continuation,
+    GenerationRequest,
+    Sample,
+    SamplingParams,
+)
+from streamrl_jax.model.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """What one completion sampled (the response's tokens, as recorded)."""
+
+    token_ids: np.ndarray  # i32[K] the policy's new tokens
+    logprobs: np.ndarray  # f32[K] their behaviour log-probs
+    versions: np.ndarray  # i32[K] the weights version that sampled each
+    text: str  # the completion text (stop tokens not included)
+    finish_reason: str  # "stop" or "length"
+    prompt_tokens: int  # tokens the model read before this completion
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """The engine's bounds and the tokenizer."""
+
+    tokenizer: Tokenizer
+    max_prompt_length: int
+    max_total_length: int
+
+
+class Turns:
+    """Requests of episodes -> generation requests; samples -> recorded turns."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.renderer = TurnRenderer(ctx.tokenizer)
+        self._stops = tuple(ctx.tokenizer.stop_ids)
+
+    # ------------------------------------------------------------------ requests
+    def chat(self, rec: Record, messages: list[dict[str, str]], s: Sampling) -> GenerationRequest:
+        """The generation request of a chat completion of episode `rec`."""
+        self._kind(rec, "chat")
+        if rec.sample is None:
+            prompt = self.ctx.tokenizer.encode_chat(messages)
+            return self._first(rec, prompt, s)
+        n = len(rec.messages)
+        if len(messages) <= n or messages[:n] != rec.messages:
+            pairs = enumerate(zip(messages, rec.messages, strict=False))
+            i = next((i for i, (a, b) in pairs if a != b), min(len(messages), n))
+            raise ApiError(
+                400,
+                f"messages: the history does not repeat episode {rec.id}'s recorded "
+                f"conversation ({n} messages; first difference at messages[{i}]): send it "
+                "as returned, then the new messages",
+                "messages",
+            )
+        new = messages[n:]
+        for i, m in enumerate(new, start=n):
+            if m["role"] == "assistant":
+                why = f"messages[{i}]: an assistant turn this endpoint did not sample"
+                raise ApiError(400, why, "messages")
+        last = rec.sample
+        ended = int(last.response[-1]) if last.finish_reason == "stop" else None
+        return self._next(rec, self.renderer.observation(new, ended), s)
+
+    def completion(self, rec: Record, prompt: str, s: Sampling) -> GenerationRequest:
+        """The generation request of a text completion of episode `rec`."""
+        self._kind(rec, "completion")
+        if rec.sample is None:
+            return self._first(rec, self.ctx.tokenizer.encode(prompt), s)
+        if not prompt.startswith(rec.text) or len(prompt) == len(rec.text):
+            raise ApiError(
+                400,
+                f"prompt: episode {rec.id}'s next prompt must extend its recorded text (the "
+                "prompt and completions so far) with new text",
+                "prompt",
+            )
+        return self._next(rec, self.ctx.tokenizer.encode(prompt[len(rec.text) :]), s)
+
+    def _kind(self, rec: Record, kind: str) -> None:
+        if rec.kind and rec.kind != kind:
+            raise ApiError(400, f"episode {rec.id} is a {rec.kind} episode, not a {kind} one")
+        rec.kind = kind
+
+    def _first(self, rec: Record, prompt: list[int], s: Sampling) -> GenerationRequest:
+        if not 1 <= len(prompt) <= self.ctx.max_prompt_length:
+            raise ApiError(
+                400,
+                f"the prompt is {len(prompt)} tokens; at most {self.ctx.max_prompt_length}",
+                "messages",
+            )
+        rec.seed = s.seed if s.seed is not None else _seed_of(rec.id)
+        rec.prompt = prompt
+        return GenerationRequest(
+            request_id=rec.id,
+            prompt=prompt,
+            max_new_tokens=s.max_tokens,
+            forced_length=s.max_tokens if s.ignore_eos else None,
+            sampling=self.sampling(s),
+            seed=rec.seed,
+            metadata=rec.metadata,
+            keep_kv=True,
+        )
+
+    def _next(self, rec: Record, env_tokens: list[int], s: Sampling) -> GenerationRequest:
+        if s.seed is not None and s.seed != rec.seed:
+            raise ApiError(
+                400, f"seed={s.seed}: episode {rec.id} samples with its first seed", "seed"
+            )
+        if not env_tokens:
+            raise ApiError(400, "the request adds nothing after the recorded turn")
+        cont = Continuation.after(rec.sample, env_tokens)
+        used = len(rec.prompt) + len(cont.tokens)
+        if used + 1 > self.ctx.max_total_length:
+            raise ApiError(
+                400,
+                f"episode {rec.id} has used {used} of its {self.ctx.max_total_length} tokens "
+                "of context; start a new episode",
+            )
+        return GenerationRequest(
+            request_id=rec.id,
+            prompt=rec.prompt,
+            max_new_tokens=cont.policy_tokens + s.max_tokens,
+            forced_length=cont.policy_tokens + s.max_tokens if s.ignore_eos else None,
+            sampling=self.sampling(s),
+            seed=rec.seed,
+            metadata=rec.metadata,
+            continuation=cont,
+            keep_kv=True,
+        )
+
+    def sampling(self, s: Sampling) -> SamplingParams:
+        """The engine's sampling of `s` (stop strings as token ids).
+
+        Raises:
+          ApiError: a stop string that is not one token.
+        """
+        extra = []
+        for text in s.stop:
+            ids = self.ctx.tokenizer.encode(text)
+            if len(ids) != 1:
+                raise ApiError(
+                    400,
+                    f"stop: {text[:64]!r} is {len(ids)} tokens; only single-token stop strings "
+                    "are supported (the engine stops on token ids)",
+                    "stop",
+                )
+            extra.append(ids[0])
+        stops = tuple(dict.fromkeys([*self._stops, *extra]))
+        return SamplingParams(temperature=s.temperature, top_p=s.top_p, stop_ids=stops)
+
+    # ------------------------------------------------------------------ samples
+    def commit(
+        self, rec: Record, request: GenerationRequest, sample: Sample, said: list | str
+    ) -> Turn:
+        """Records `sample` as the episode's latest turn (`said`: the chat messages or the
+        prompt text of the request) and returns what it sampled."""
+        start = request.history
+        new = sample.response[start:]
+        finish = "stop" if sample.finish_reason == "stop" else "length"
+        shown = new
+        if finish == "stop" and int(new[-1]) not in self._stops:
+            shown = new[:-1]  # a stop string ends the completion and is not part of it
+        text = self.ctx.tokenizer.decode(shown)
+        rec.sample = sample
+        rec.turns += 1
+        if rec.kind == "chat":
+            rec.messages = [*said, {"role": "assistant", "content": text}]
+        else:
+            rec.text = said + text
+        return Turn(
+            token_ids=np.asarray(new, np.int32),
+            logprobs=np.asarray(sample.logprobs[start:], np.float32),
+            versions=sample.versions()[start:],
+            text=text,
+            finish_reason=finish,
+            prompt_tokens=len(request.prompt) + start,
+        )
+
+
+def _seed_of(eid: str) -> int:
+    """An episode's default sampling seed: from its id (31 bits)."""
+    return int.from_bytes(hashlib.sha256(eid.encode()).digest()[:4], "little") >> 1

@@ -1,0 +1,333 @@
+"""The OpenAI-compatible endpoint (streamrl_jax/endpoint), driven by the official
+`openai` client on loopback: chat and completions, streaming and not, the recorded
+tokens equal to those returned (across a weight update between turns, the next turn
+extending the kept KV), and the trust boundary: every bad request a clear 4xx with
+nothing lost or hung, a deadline, back-pressure, a client that leaves mid-stream or
+never finishes its body, and a bounded load."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import socket
+import threading
+import time
+from concurrent.futures import Future
+
+import jax
+import numpy as np
+import openai
+import pytest
+from support import agent_config
+
+from streamrl_jax.endpoint import api
+from streamrl_jax.endpoint.backend import ServiceBackend
+from streamrl_jax.endpoint.book import policy_tokens
+from streamrl_jax.endpoint.client import EndpointClient, EndpointError
+from streamrl_jax.endpoint.server import Endpoint, EndpointServer, endpoint_token
+from streamrl_jax.endpoint.turns import Context, Turns
+from streamrl_jax.pipeline import components
+
+TOKEN = endpoint_token(b"a run secret for the tests")
+USER = [{"role": "user", "content": "What is 17 + 25?"}]
+
+
+@dataclasses.dataclass
+class Served:
+    endpoint: Endpoint
+    server: EndpointServer
+    backend: ServiceBackend
+    client: EndpointClient
+    params: list
+
+
+@pytest.fixture(scope="module")
+def served():
+    """The tiny agent model's engine behind the endpoint on loopback."""
+    cfg = agent_config()
+    c = components.build(cfg, warm=False)
+    params = [p.params for p in c.initial_weights]
+    service = c.generation.service(
+        params, 0, on_chunk=lambda r: None, precompile=False, continuations=False
+    )
+    backend = ServiceBackend(service)
+    e = c.generation.engine_cfgs[0]
+    turns = Turns(Context(c.tokenizer, e.max_prompt_length, e.max_total_length))
+    limits = api.Limits(max_tokens=cfg.generation.max_new_tokens, max_messages=8)
+    endpoint = Endpoint(turns, backend, TOKEN, limits=limits)
+    server = EndpointServer(endpoint)
+    client = EndpointClient(server.start(), TOKEN)
+    yield Served(endpoint, server, backend, client, params)
+    server.stop()
+    backend.close()
+
+
+def _chat(oc, messages, **kw):
+    return oc.chat.completions.create(model="policy", messages=messages, **kw)
+
+
+def _extras(choice):
+    return np.asarray(choice.model_extra["token_ids"]), choice.model_extra["versions"]
+
+
+def test_a_chat_episode_is_recorded_as_returned_and_continues_in_place(served):
+    # Two turns of one episode, the second streamed: the record holds exactly the
+    # returned tokens and log-probs (float32, bitwise) with the chat template's tokens
+    # around the client's new message between them (policy mask False), and the second
+    # turn extends the kept KV instead of re-prefilling the history.
+    extended = served.backend.service.engines[0].metrics()["extended"]
+    eid = served.client.open()
+    oc = served.client.openai(eid)
+    r1 = _chat(oc, USER, max_tokens=6, logprobs=True, temperature=0.8)
+    c1 = r1.choices[0]
+    ids1, v1 = _extras(c1)
+    lp1 = np.float32([e.logprob for e in c1.logprobs.content])
+    assert len(ids1) == r1.usage.completion_tokens and v1 == [0] * len(ids1)
+    history = [*USER, {"role": "assistant", "content": c1.message.content},
+               {"role": "user", "content": "Check it with a calculator."}]  # fmt: skip
+    stream = _chat(oc, history, max_tokens=5, logprobs=True, stream=True, temperature=0.8)
+    chunks = [ch for ch in stream if ch.choices]
+    ids2 = np.asarray([i for ch in chunks for i in ch.choices[0].model_extra.get("token_ids", [])])
+    lp2 = np.float32([e.logprob for ch in chunks if ch.choices[0].logprobs
+                      for e in ch.choices[0].logprobs.content])  # fmt: skip
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length") and len(ids2) == len(lp2)
+    rec = served.endpoint.book.close(eid)
+    s = rec.sample
+    np.testing.assert_array_equal(policy_tokens(s), np.r_[ids1, ids2])
+    np.testing.assert_array_equal(s.logprobs[s.policy_mask], np.r_[lp1, lp2])
+    env = ~s.policy_mask
+    assert env.sum() > 0 and np.all(s.logprobs[env] == 0)
+    text = served.endpoint.turns.ctx.tokenizer.decode(s.response[env], skip_special_tokens=False)
+    assert "Check it with a calculator." in text and text.endswith("<|im_start|>assistant\n")
+    assert served.backend.service.engines[0].metrics()["extended"] == extended + 1
+    oc.close()
+
+
+def test_a_weight_update_between_turns_keeps_each_tokens_version_and_logprob(served):
+    eid = served.client.open()
+    oc = served.client.openai(eid)
+    r1 = _chat(oc, USER, max_tokens=4, logprobs=True, extra_body={"ignore_eos": True})
+    assert r1.choices[0].finish_reason == "length" and r1.usage.completion_tokens == 4
+    newer = [jax.tree.map(lambda x: x * 1.01, p) for p in served.params]
+    served.backend.update_weights(newer, 1)
+    try:
+        history = [*USER, {"role": "assistant", "content": r1.choices[0].message.content},
+                   {"role": "user", "content": "Again."}]  # fmt: skip
+        r2 = _chat(oc, history, max_tokens=3, logprobs=True, extra_body={"ignore_eos": True})
+    finally:
+        served.backend.update_weights(served.params, 0)
+    (ids1, v1), (ids2, v2) = _extras(r1.choices[0]), _extras(r2.choices[0])
+    assert v1 == [0] * 4 and v2 == [1] * 3
+    s = served.endpoint.book.close(eid).sample
+    np.testing.assert_array_equal(s.versions()[s.policy_mask], [0] * 4 + [1] * 3)
+    lps = [np.float32([e.logprob for e in r.choices[0].logprobs.content]) for r in (r1, r2)]
+    np.testing.assert_array_equal(s.logprobs[s.policy_mask], np.r_[lps[0], lps[1]])
+    np.testing.assert_array_equal(policy_tokens(s), np.r_[ids1, ids2])
+    oc.close()
+
+
+def test_completions_stream_and_not_extend_the_recorded_text(served):
+    with served.client.episode() as (oc, eid):
+        r1 = oc.completions.create(model="policy", prompt="Once upon a time", max_tokens=5,
+                                   logprobs=0, extra_body={"ignore_eos": True})  # fmt: skip
+        text = "Once upon a time" + r1.choices[0].text + " The end."
+        stream = oc.completions.create(
+            model="policy", prompt=text, max_tokens=4, stream=True, extra_body={"ignore_eos": True}
+        )
+        pieces = list(stream)
+        assert len(pieces) == 4 and pieces[-1].choices[0].finish_reason == "length"
+        rec = served.endpoint.book._open[eid]
+        assert rec.turns == 2 and len(policy_tokens(rec.sample)) == 9
+        with pytest.raises(openai.BadRequestError, match="must extend its recorded text"):
+            oc.completions.create(model="policy", prompt="Once upon a different time")
+
+
+# ---------------------------------------------------------------------- bad input
+def _raw(served, path, body, headers=None, token=TOKEN):
+    """One HTTP request as bytes on a socket: (status, JSON body)."""
+    import httpx
+
+    h = {"Authorization": f"Bearer {token}"} if token else {}
+    h.update(headers or {})
+    r = httpx.post(served.server.url + path, content=body, headers=h, timeout=30)
+    return r.status_code, r.json()
+
+
+@pytest.mark.parametrize(
+    "body,headers,token,status,message",
+    [
+        (b'{"model": "policy", "messages": [', {}, TOKEN, 400, "malformed JSON body"),
+        (b"{}", {}, None, 401, "missing or wrong bearer token"),
+        (b"{}", {}, "x" * 64, 401, "missing or wrong bearer token"),
+        (json.dumps({"model": "gpt-4", "messages": USER}), {}, TOKEN, 404, "'gpt-4' is not served"),
+        (json.dumps({"model": "policy", "messages": USER * 9}), {}, TOKEN, 400, "at most 8"),
+        (json.dumps({"model": "policy", "messages": USER, "max_tokens": 10**6}), {}, TOKEN, 400,
+         "max_tokens=1000000 must be in"),
+        (json.dumps({"model": "policy", "messages": USER, "tools": [{"type": "function"}]}), {},
+         TOKEN, 400, "'tools' is not supported"),
+        (json.dumps({"model": "policy", "messages": USER, "n": 2}), {}, TOKEN, 400, "n=2"),
+        (json.dumps({"model": "policy", "messages": USER, "top_logprobs": 3}), {}, TOKEN, 400,
+         "top_logprobs > 0"),
+        (json.dumps({"model": "policy", "messages": USER, "stop": ["never ever"]}), {}, TOKEN, 400,
+         "only single-token stop strings"),
+        (json.dumps({"model": "policy", "messages": USER, "temperature": "hot"}), {}, TOKEN, 400,
+         "$.temperature"),
+        (json.dumps({"model": "policy", "messages": USER, "secret": 1}), {}, TOKEN, 400,
+         "unknown field `secret`"),
+        (json.dumps({"model": "policy", "messages": USER}), {}, TOKEN, 400, "no episode id"),
+        (json.dumps({"model": "policy", "messages": USER}), {"X-Episode-Id": "ep-forged"}, TOKEN,
+         404, "was not issued"),
+        (b"x" * (2 << 20), {}, TOKEN, 413, "at most 1048576"),
+    ],
+)  # fmt: skip
+def test_a_bad_request_is_a_clear_4xx(served, body, headers, token, status, message):
+    before = served.endpoint.book.num_open
+    got, payload = _raw(served, "/v1/chat/completions", body, headers, token)
+    assert got == status and message in payload["error"]["message"], payload
+    assert served.endpoint.book.num_open == before
+
+
+def test_a_closed_episode_and_a_diverging_history_are_refused(served):
+    eid = served.client.open()
+    oc = served.client.openai(eid)
+    r = _chat(oc, USER, max_tokens=3)
+    with pytest.raises(openai.BadRequestError, match=r"first difference at messages\[1\]"):
+        _chat(oc, [*USER, {"role": "assistant", "content": "edited"},
+                   {"role": "user", "content": "next"}])  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="an assistant turn this endpoint did not"):
+        _chat(oc, [*USER, {"role": "assistant", "content": r.choices[0].message.content},
+                   {"role": "assistant", "content": "mine"}])  # fmt: skip
+    served.client.close(eid)
+    with pytest.raises(openai.ConflictError, match="is closed"):
+        _chat(oc, USER)
+    with pytest.raises(EndpointError, match="409 episode .* is closed"):
+        served.client.close(eid)
+    oc.close()
+
+
+# ---------------------------------------------------------------------- slow and failing parts
+class _StuckBackend:
+    """A backend whose generation never finishes (or finishes when told)."""
+
+    version = 0
+
+    def __init__(self):
+        self.futures: list[Future] = []
+        self.released: list[str] = []
+
+    def validate(self, request):
+        pass
+
+    def submit(self, request):
+        f: Future = Future()
+        self.futures.append(f)
+        return f
+
+    def release(self, request_id):
+        self.released.append(request_id)
+
+
+def _stuck_server(served, **limits):
+    backend = _StuckBackend()
+    ep = Endpoint(served.endpoint.turns, backend, TOKEN, limits=api.Limits(**limits))
+    server = EndpointServer(ep)
+    return ep, backend, server, EndpointClient(server.start(), TOKEN)
+
+
+def test_a_completion_past_its_deadline_is_a_504_and_closes_its_episode(served):
+    ep, backend, server, client = _stuck_server(served, timeout_s=0.5)
+    try:
+        eid = client.open()
+        start = time.monotonic()
+        with pytest.raises(openai.APIStatusError, match="did not finish in 0 s") as e:
+            _chat(client.openai(eid), USER)
+        assert e.value.status_code == 504 and time.monotonic() - start < 10
+        assert backend.futures[0].cancelled() and backend.released == [eid]
+        with pytest.raises(openai.ConflictError, match="passed its deadline"):
+            _chat(client.openai(eid), USER)
+        assert ep.counts["deadline"] == 1
+    finally:
+        server.stop()
+
+
+def test_requests_past_the_inflight_limit_are_refused_not_queued(served):
+    ep, backend, server, client = _stuck_server(served, max_inflight=1, timeout_s=20)
+    try:
+        first = client.openai(client.open())
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(_chat, first, USER, max_tokens=2)
+            while not backend.futures:
+                time.sleep(0.01)
+            with pytest.raises(openai.RateLimitError, match="1 requests are generating"):
+                _chat(client.openai(client.open()), USER)
+            backend.futures[0].cancel()  # the first one ends (as an error): nothing hangs
+            with pytest.raises(openai.APIError):
+                pending.result(timeout=30)
+    finally:
+        server.stop()
+
+
+def test_a_client_that_leaves_mid_stream_loses_nothing(served):
+    # The raw HTTP client reads the stream's first bytes and hangs up; the turn is
+    # recorded (it finished before streaming), the server goes on serving, and the
+    # episode continues from the recorded turn.
+    eid = served.client.open()
+    body = json.dumps({"model": "policy", "messages": USER, "max_tokens": 6, "stream": True,
+                       "extra": None}).replace(', "extra": null', "")  # fmt: skip
+    host, port = served.server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+            f"X-Episode-Id: {eid}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
+        assert sock.recv(64).startswith(b"HTTP/1.1 200")
+    deadline = time.monotonic() + 30
+    while served.endpoint.book._open[eid].busy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    rec = served.endpoint.book._open[eid]
+    assert rec.turns == 1
+    history = [*rec.messages, {"role": "user", "content": "go on"}]
+    oc = served.client.openai(eid)
+    assert _chat(oc, history, max_tokens=2).choices[0].finish_reason in ("stop", "length")
+    served.client.close(eid)
+    oc.close()
+
+
+def test_a_client_that_never_finishes_its_body_is_timed_out(served):
+    ep, _, server, client = _stuck_server(served, body_timeout_s=0.5)
+    try:
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                f'{TOKEN}\r\nContent-Length: 1000\r\n\r\n{{"model"'.encode()
+            )
+            reply = sock.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 408") and b"not received in" in reply
+        assert client.open().startswith("ep-")  # still serving
+    finally:
+        server.stop()
+
+
+def test_a_bounded_load_loses_no_request_and_leaves_nothing_open(served):
+    # 24 episodes of two turns from 8 threads, each its own official client: every
+    # request answered (200, or 429 when the in-flight limit is reached: retried), every
+    # episode closed with both turns recorded, the book empty again.
+    before = served.endpoint.book.num_open
+
+    def one(i: int) -> int:
+        with served.client.episode() as (oc, eid):
+            r = _chat(oc, [{"role": "user", "content": f"Task {i}"}], max_tokens=3)
+            history = [{"role": "user", "content": f"Task {i}"},
+                       {"role": "assistant", "content": r.choices[0].message.content},
+                       {"role": "user", "content": "more"}]  # fmt: skip
+            _chat(oc, history, max_tokens=3)
+            return served.endpoint.book._open[eid].turns
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        turns = list(pool.map(one, range(24), timeout=300))
+    assert turns == [2] * 24
+    assert served.endpoint.book.num_open == before
+    assert threading.active_count() < 200
