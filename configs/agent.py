@@ -5,6 +5,8 @@ Run (from the repository root):
 Every sample is an episode (docs/episodes.md): the model may call the calculator,
 `<tool_call>calculator: 12 - 7</tool_call>`, any number of times (the result comes back
 as a tool message) before answering in <answer></answer> tags. Variants:
+  configs/agent.py:endpoint  training episodes played by a scaffold through the run's
+                            OpenAI-compatible endpoint (docs/endpoint.md)
   configs/agent.py:short  10 steps (a first look)
   configs/agent.py:tiny   tiny random model, a few seconds a step (tests, smoke runs)
 Any field can be overridden: --config.environment.max_turns=3
@@ -67,6 +69,11 @@ def get_config(arg: str | None = None):
 
     if arg in (None, ""):
         pass
+    elif arg == "endpoint":
+        # The same job, every training episode played by a scaffold through the run's
+        # OpenAI-compatible endpoint (docs/endpoint.md): the calculator environment
+        # driven with the official openai client; held-out episodes run in-process.
+        c.pipeline.rollout = "agents+full"
     elif arg == "short":
         c.pipeline.steps = 10
         c.eval.every = 5
@@ -90,5 +97,5 @@ def get_config(arg: str | None = None):
         c.warmup.steps = 0
         c.log.progress = False
     else:
-        raise ValueError(f"configs/agent.py: unknown variant {arg!r} (short | tiny)")
+        raise ValueError(f"configs/agent.py: unknown variant {arg!r} (endpoint | short | tiny)")
     return c

@@ -7,7 +7,14 @@ import dataclasses
 
 import numpy as np
 import pytest
-from support import agent_config, pack_small, pipeline_threads, rollout_context, tiny_config
+from support import (
+    agent_config,
+    pack_small,
+    pipeline_threads,
+    rollout_context,
+    run_recording,
+    tiny_config,
+)
 
 from streamrl_jax.config import PipelineSection
 from streamrl_jax.environments import EpisodeKit, EpisodeLimits, StepResult, TurnInfo
@@ -430,23 +437,6 @@ def test_episodes_with_partial_rollout_drop_past_the_lag_bound_never_regenerate(
 
 
 # ---------------------------------------------------------------------- whole runs
-def _run_recording(cfg, workdir, **kw):
-    """Runs `cfg`; returns the result and every sample handed to ingest."""
-    from unittest import mock
-
-    from streamrl_jax import pipeline as run_lib
-    from streamrl_jax.pipeline.ingest import Ingest
-
-    seen, on_sample = [], Ingest.on_sample
-
-    def record(self, sample, *args, **kwargs):
-        seen.append(sample)
-        return on_sample(self, sample, *args, **kwargs)
-
-    with mock.patch.object(Ingest, "on_sample", record):
-        return run_lib.run(cfg, str(workdir), reward_fn=vowel_reward, **kw), seen
-
-
 def _retry(**overrides):
     base = dict(environment__name="retry", environment__max_attempts=3, eval__num_problems=2)
     return agent_config(**(base | overrides))
@@ -463,7 +453,7 @@ def test_an_episodes_run_trains_multi_turn_episodes_and_continues_slots_in_place
     # model, whose turns are cut at 16 tokens: every episode has 3 policy turns, 2
     # environment turns between them; each next turn extends its slot's KV in place.
     cfg = _retry(pipeline__mode="stream_sync")
-    result, seen = _run_recording(cfg, tmp_path)
+    result, seen = run_recording(cfg, tmp_path)
     train = [s for s in seen if not s.tag.is_eval]
     held_out = [s for s in seen if s.tag.is_eval]
     p = cfg.pipeline
@@ -495,7 +485,7 @@ def test_episodes_span_weight_versions_in_flight_within_the_bound(tmp_path):
         pipeline__steps=3,
         eval__num_problems=0,
     )
-    result, seen = _run_recording(cfg, tmp_path)
+    result, seen = run_recording(cfg, tmp_path)
     for s in seen:
         v = s.policy_versions()
         assert np.all(np.diff(v) >= 0) and v[0] == max(0, s.tag.batch - 1)
@@ -567,7 +557,7 @@ def test_episodes_in_rounds_pause_mid_turn_extend_within_a_round_and_train_once(
     # extended) until it pauses too; the episode ends in its 4th round (lag 4 = max_lag),
     # so steps 0-2 train nothing and every later step trains one batch's episodes whole.
     cfg = _partial_run(12, 4, 5)
-    result, seen = _run_recording(cfg, tmp_path)
+    result, seen = run_recording(cfg, tmp_path)
     from support import consumed_log
 
     for s in seen:

@@ -54,6 +54,9 @@ PIPELINE_BELOW_SEAMS = {
     "streamrl_jax.pipeline.schedules",
     "streamrl_jax.pipeline.shards",
     "streamrl_jax.pipeline.rollouts.protocol",
+    # An episode played by a scaffold through the endpoint is an episode: `agents`
+    # builds on the episodes wrapper (its held-out episodes, counts and metrics).
+    "streamrl_jax.pipeline.rollouts.episodes",
 }
 ROLLOUTS = "streamrl_jax.pipeline.rollouts"
 PROCESSES = "streamrl_jax.pipeline.processes"

@@ -15,7 +15,7 @@ from unittest import mock
 import jax
 import numpy as np
 import pytest
-from support import batch_prompt_ids, param_arrays, pipeline_threads, tiny_config
+from support import batch_prompt_ids, param_arrays, pipeline_threads, run_recording, tiny_config
 
 from streamrl_jax import config as config_lib
 from streamrl_jax import pipeline as run_lib
@@ -100,20 +100,6 @@ def test_stream_async_trains_exactly_s_versions_behind(tmp_path_factory):
     assert all(e["num_problems"] == 4 for e in result.evals.values())
 
 
-def _run_recording(cfg, tmp_path):
-    """Runs `cfg` and returns the result and every sample handed to training (ingest)."""
-    from streamrl_jax.pipeline.ingest import Ingest
-
-    seen, on_sample = [], Ingest.on_sample
-
-    def record(self, sample, *args, **kwargs):
-        seen.append(sample)
-        return on_sample(self, sample, *args, **kwargs)
-
-    with mock.patch.object(Ingest, "on_sample", record):
-        return run_lib.run(cfg, str(tmp_path), reward_fn=vowel_reward), seen
-
-
 def test_inflight_records_per_token_versions_within_the_bound(tmp_path):
     # In-flight weight updates: batch b+1 starts as soon as W_b is published, without
     # draining batch b; every token records its version; nothing beyond max_lag trains.
@@ -123,7 +109,7 @@ def test_inflight_records_per_token_versions_within_the_bound(tmp_path):
         pipeline__steps=3,
         eval__num_problems=0,
     )
-    result, seen = _run_recording(cfg, tmp_path)
+    result, seen = run_recording(cfg, tmp_path)
     p = cfg.pipeline
     assert result.samples == 3 * p.prompts_per_step * p.group_size
     assert len(seen) == result.samples
@@ -154,7 +140,7 @@ def test_partial_rollout_trains_every_group_once_within_the_bound(weight_update,
         pipeline__steps=4,
         eval__num_problems=0,
     )
-    result, seen = _run_recording(cfg, tmp_path)
+    result, seen = run_recording(cfg, tmp_path)
     consumed = read_jsonl(os.path.join(str(tmp_path), "consumed.jsonl"))
     ids = [i for r in consumed for i in r["prompt_ids"]]
     drawn = {i for b in range(4) for i in batch_prompt_ids(cfg, b)}

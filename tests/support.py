@@ -351,3 +351,22 @@ def run_sim_schedule(
         mode=mode, costs=sim_costs(), batches=batches, plans=plans, gen_devices=1,
         train_devices=1, tp=1, warmup=warmup,
     )  # fmt: skip
+
+
+def run_recording(cfg: ExperimentConfig, workdir: Any, reward_fn: Any = None) -> tuple[Any, list]:
+    """Runs `cfg` in `workdir` (reward: `vowel_reward` unless given); returns the result
+    and every sample handed to training (ingest), in order."""
+    from unittest import mock
+
+    from streamrl_jax import pipeline as run_lib
+    from streamrl_jax.pipeline.ingest import Ingest
+    from streamrl_jax.rewards.vowels import vowel_reward
+
+    seen, on_sample = [], Ingest.on_sample
+
+    def record(self, sample, *args, **kwargs):
+        seen.append(sample)
+        return on_sample(self, sample, *args, **kwargs)
+
+    with mock.patch.object(Ingest, "on_sample", record):
+        return run_lib.run(cfg, str(workdir), reward_fn=reward_fn or vowel_reward), seen

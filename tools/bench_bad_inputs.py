@@ -347,6 +347,15 @@ CASES: list[Case] = [
         "--config.pipeline.max_lag=3",
         "--config.pipeline.lag_policy=regenerate",
     ),
+    _agent(
+        "scaffolds' episodes in rounds",
+        "--config.pipeline.rollout=agents+partial",
+        "scaffolds' episodes ('agents') run with 'full' or 'dynamic_sampling'",
+        "--config.pipeline.mode=stream_async",
+        "--config.pipeline.partial_budget_tokens=16",
+        "--config.pipeline.max_lag=3",
+        "--config.pipeline.lag_policy=drop",
+    ),
     Case(
         "answer that runs a shell",
         "reward",

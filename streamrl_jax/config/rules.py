@@ -216,11 +216,17 @@ def _check_environment(cfg: ExperimentConfig) -> None:
     """Episodes (docs/episodes.md): the rollout wrapper, the limits, what they refuse."""
     e, p, g = cfg.environment, cfg.pipeline, cfg.generation
     wrappers, kind = rollout_names(p.rollout)
+    drivers = [w for w in wrappers if w in ("episodes", "agents")]
     require(
-        bool(e.name) == ("episodes" in wrappers),
+        bool(e.name) == bool(drivers),
         f"environment.name={e.name!r} and pipeline.rollout={p.rollout!r}: an environment "
-        "needs the 'episodes' wrapper (e.g. pipeline.rollout='episodes+full') and the "
-        "wrapper an environment",
+        "needs the 'episodes' wrapper (e.g. pipeline.rollout='episodes+full') or the "
+        "'agents' one, and the wrapper an environment",
+    )
+    require(
+        len(drivers) <= 1,
+        f"pipeline.rollout={p.rollout!r}: 'episodes' (in-process) or 'agents' (scaffolds "
+        "through the endpoint), not both",
     )
     require(
         cfg.warmup.steps == 0 or bool(e.name),
@@ -230,9 +236,14 @@ def _check_environment(cfg: ExperimentConfig) -> None:
     if not e.name:
         return
     require(
-        wrappers[-1] == "episodes",
-        f"pipeline.rollout={p.rollout!r}: 'episodes' must wrap the kind directly (the "
+        wrappers[-1] == drivers[0],
+        f"pipeline.rollout={p.rollout!r}: {drivers[0]!r} must wrap the kind directly (the "
         "last wrapper before it)",
+    )
+    require(
+        drivers[0] != "agents" or kind in ("full", "dynamic_sampling"),
+        f"pipeline.rollout={p.rollout!r}: scaffolds' episodes ('agents') run with 'full' or "
+        "'dynamic_sampling' (partial rollout of them is not built)",
     )
     require(
         kind != "partial" or p.lag_policy == "drop",
@@ -395,6 +406,11 @@ def check(cfg: ExperimentConfig, processes: Processes) -> ExperimentConfig:
         "curriculum" not in wrappers,
         f"pipeline.rollout={p.rollout!r}: the curriculum runs in one process only; this run "
         f"has {n}: the generation processes cannot see the outcomes that weigh the draws",
+    )
+    require(
+        "agents" not in wrappers,
+        f"pipeline.rollout={p.rollout!r}: scaffolds through the endpoint run in one process "
+        f"only (a generation process holding the endpoint is not built); this run has {n}",
     )
     partial = kind == "partial"
     require(

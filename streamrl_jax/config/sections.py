@@ -32,7 +32,7 @@ WEIGHT_UPDATES = ("boundary", "inflight")
 LAG_POLICIES = ("drop", "regenerate")
 # pipeline.rollout: a kind, after optional wrappers joined with "+" (pipeline/rollouts/).
 ROLLOUTS = ("full", "dynamic_sampling", "partial")
-ROLLOUT_WRAPPERS = ("curriculum", "episodes")
+ROLLOUT_WRAPPERS = ("curriculum", "episodes", "agents")
 # environment.name (streamrl_jax/environments/): "" = single-turn samples, no environment.
 ENVIRONMENTS = ("", "calculator", "retry")
 # environment.tool_format (environments/tool_calls.py): "auto" = the model's convention.

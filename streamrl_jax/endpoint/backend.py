@@ -10,6 +10,7 @@ and nothing waits on it.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from concurrent.futures import Future
 from typing import Any, Protocol
@@ -108,3 +109,114 @@ class ServiceBackend:
         for f in waiting.values():
             f.cancel()
         self.service.close(timeout)
+
+
+class PipelineBackend:
+    """Generation through a training run's driver, for the endpoint's episodes that the
+    run started (`pipeline/rollouts/agents.py`).
+
+    The run registers each episode with the request it stands for (`expect`: its id,
+    tag, seed and sampling, which every turn keeps). An episode's first request is
+    taken by the rollout (`first`) and submitted with its batch; each later one
+    becomes the outcome of the previous turn (`returned` hands the driver a future that
+    the next request, or the episode's end through `finish`, settles), so the driver
+    counts every turn as a request out and a weight swap waits for whole episodes.
+    """
+
+    version = 0  # (the driver's weights decide; the samples carry the versions)
+
+    def __init__(self, validate: Any, follow: Any):
+        """`validate(request)` raises ValueError for a request the engine cannot serve;
+        `follow(request)` is the rollout's outcome that submits `request` (a `Returned`)."""
+        self._validate, self._follow = validate, follow
+        self._lock = threading.Lock()
+        self._placeholder: dict[str, GenerationRequest] = {}  # episode id -> its request
+        self._first: dict[str, Future[GenerationRequest]] = {}
+        self._next: dict[str, Future[Any]] = {}  # episode id -> its pending `Returned`
+        self._waiting: dict[Any, tuple[str, Future[Sample]]] = {}  # request id -> turn
+        self._failed: dict[str, BaseException] = {}  # scaffolds that failed with a turn out
+
+    def expect(self, eid: str, placeholder: GenerationRequest) -> None:
+        with self._lock:
+            self._placeholder[eid] = placeholder
+            self._first[eid] = Future()
+
+    def validate(self, request: GenerationRequest) -> None:
+        self._validate(request)
+
+    def submit(self, request: GenerationRequest) -> Future[Sample]:
+        """The episode's next turn: `request` under its run identity, to the driver."""
+        eid = request.request_id
+        with self._lock:
+            p = self._placeholder.get(eid)
+            if p is None:
+                raise ValueError(f"episode {eid} is not one of the run's")
+            sampling = dataclasses.replace(p.sampling, stop_ids=request.sampling.stop_ids)
+            q = dataclasses.replace(
+                request, request_id=p.request_id, tag=p.tag, metadata=p.metadata, seed=p.seed,
+                sampling=sampling,
+            )  # fmt: skip
+            turn: Future[Sample] = Future()
+            self._waiting[p.request_id] = (eid, turn)
+            first = self._first[eid]
+            later = None if not first.done() else self._next.pop(eid)
+        if later is None:
+            first.set_result(q)
+        else:
+            later.set_result(self._follow(q))
+        return turn
+
+    def first(self, eid: str, timeout: float) -> GenerationRequest:
+        """The episode's first request, once its scaffold sent it.
+
+        Raises:
+          TimeoutError: naming the episode, when the scaffold sent nothing in time.
+          Exception: the scaffold's own failure before its first request.
+        """
+        try:
+            return self._first[eid].result(timeout)
+        except TimeoutError:
+            raise TimeoutError(
+                f"episode {eid}: its scaffold sent no request within {timeout:.0f} s"
+            ) from None
+
+    def returned(self, sample: Sample) -> Future[Any]:
+        """A turn of an episode finished (the collector): its HTTP request is answered;
+        the returned future settles with the episode's next `Returned`."""
+        with self._lock:
+            eid, turn = self._waiting.pop(sample.request_id)
+            nxt: Future[Any] = Future()
+            error = self._failed.pop(eid, None)
+            if error is None:
+                self._next[eid] = nxt
+        if error is not None:  # its scaffold is gone: the episode fails the run
+            nxt.set_exception(error)
+        turn.set_result(sample)
+        return nxt
+
+    def finish(self, eid: str, outcome: Any = None, error: BaseException | None = None) -> None:
+        """The episode's scaffold ended: its last turn's future settles with `outcome` (a
+        `Returned`), or `error`; the episode is forgotten."""
+        with self._lock:
+            pending = self._next.pop(eid, None) or self._first.get(eid)
+            self._placeholder.pop(eid, None)
+            self._first.pop(eid, None)
+            if (pending is None or pending.done()) and error is not None:
+                self._failed[eid] = error  # a turn is still out: its return fails the run
+        if pending is None or pending.done():
+            return
+        if error is not None:
+            pending.set_exception(error)
+        else:
+            pending.set_result(outcome)
+
+    def release(self, request_id: Any) -> None:
+        del request_id  # the driver gives the slot up when the episode is handed on
+
+    def fail(self, exc: BaseException) -> None:
+        """The run failed: every turn waiting is failed with it."""
+        with self._lock:
+            waiting, self._waiting = self._waiting, {}
+        for _, turn in waiting.values():
+            if not turn.done():
+                turn.set_exception(RuntimeError(f"the run failed: {exc!r}"))

@@ -50,6 +50,7 @@ class Record:
     prompt: list[int] = dataclasses.field(default_factory=list)
     seed: int | None = None
     turns: int = 0
+    cut: int = 0  # turns that ended at max_tokens
     busy: bool = False
     closed: str = ""  # why it was closed ("" while open)
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -65,7 +66,7 @@ class EpisodeBook:
         self._closed: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._remember = remember_closed
 
-    def open(self, metadata: dict[str, Any] | None = None) -> str:
+    def open(self, metadata: dict[str, Any] | None = None, seed: int | None = None) -> str:
         """A new episode's id.
 
         Raises:
@@ -77,7 +78,7 @@ class EpisodeBook:
                     429, f"{len(self._open)} episodes are open (the endpoint's limit); close one"
                 )
             eid = "ep-" + secrets.token_hex(16)
-            self._open[eid] = Record(eid, metadata=dict(metadata or {}))
+            self._open[eid] = Record(eid, metadata=dict(metadata or {}), seed=seed)
             return eid
 
     def take(self, eid: Any) -> Record:

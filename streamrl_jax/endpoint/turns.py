@@ -113,7 +113,10 @@ class Turns:
                 f"the prompt is {len(prompt)} tokens; at most {self.ctx.max_prompt_length}",
                 "messages",
             )
-        rec.seed = s.seed if s.seed is not None else _seed_of(rec.id)
+        if rec.seed is None:
+            rec.seed = s.seed if s.seed is not None else _seed_of(rec.id)
+        elif s.seed is not None and s.seed != rec.seed:
+            raise ApiError(400, f"seed={s.seed}: episode {rec.id} samples with its own", "seed")
         rec.prompt = prompt
         return GenerationRequest(
             request_id=rec.id,
@@ -188,6 +191,7 @@ class Turns:
         text = self.ctx.tokenizer.decode(shown)
         rec.sample = sample
         rec.turns += 1
+        rec.cut += finish == "length"
         if rec.kind == "chat":
             rec.messages = [*said, {"role": "assistant", "content": text}]
         else:

@@ -187,70 +187,7 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def validate(self, req: GenerationRequest) -> None:
         """Raises ValueError naming the field of a request this engine cannot serve."""
-        cfg, vocab = self.cfg, self.model_cfg.vocab_size
-        n = len(req.prompt)
-        if n == 0:
-            raise ValueError(f"request {req.request_id!r}: prompt is empty")
-        if n > cfg.max_prompt_length:
-            raise ValueError(
-                f"request {req.request_id!r}: prompt length {n} exceeds "
-                f"max_prompt_length {cfg.max_prompt_length}"
-            )
-        ids = np.asarray(req.prompt)
-        if not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= vocab:
-            raise ValueError(f"request {req.request_id!r}: prompt has ids outside [0, {vocab})")
-        if not isinstance(req.max_new_tokens, int | np.integer) or req.max_new_tokens < 1:
-            raise ValueError(
-                f"request {req.request_id!r}: max_new_tokens must be an int >= 1, "
-                f"got {req.max_new_tokens!r}"
-            )
-        if req.forced_length is not None and (
-            not isinstance(req.forced_length, int | np.integer)
-            or req.forced_length < 1
-            or n + req.forced_length > cfg.max_total_length
-        ):
-            raise ValueError(
-                f"request {req.request_id!r}: forced_length {req.forced_length!r} must be >= 1 "
-                f"with prompt + forced_length <= max_total_length {cfg.max_total_length}"
-            )
-        if not isinstance(req.seed, int | np.integer):
-            raise ValueError(f"request {req.request_id!r}: seed must be an int")
-        if not math.isfinite(req.priority):
-            raise ValueError(f"request {req.request_id!r}: priority must be finite")
-        if req.segment_tokens is not None and (
-            not isinstance(req.segment_tokens, int | np.integer) or req.segment_tokens < 1
-        ):
-            raise ValueError(
-                f"request {req.request_id!r}: segment_tokens must be None or an int >= 1, "
-                f"got {req.segment_tokens!r}"
-            )
-        c = req.continuation
-        if c is not None:
-            k = len(c.tokens)
-            limit = req.forced_length if req.forced_length is not None else req.max_new_tokens
-            arrays = (c.logprobs, c.sampling_logprobs, c.versions)
-            if c.policy_mask is not None:
-                arrays += (c.policy_mask,)
-            if k < 1 or any(len(a) != k for a in arrays):
-                raise ValueError(
-                    f"request {req.request_id!r}: continuation needs >= 1 token and one "
-                    "log-prob, sampling log-prob, version (and policy mask entry) per token"
-                )
-            if c.policy_tokens >= limit or n + k >= cfg.max_total_length:
-                raise ValueError(
-                    f"request {req.request_id!r}: continuation of {k} tokens "
-                    f"({c.policy_tokens} the policy's) leaves nothing to generate (limit "
-                    f"{limit}, prompt {n}, context {cfg.max_total_length})"
-                )
-            tokens = np.asarray(c.tokens)
-            if tokens.min() < 0 or tokens.max() >= vocab:
-                raise ValueError(
-                    f"request {req.request_id!r}: continuation has ids outside [0, {vocab})"
-                )
-        try:
-            req.sampling.validate(vocab, cfg.max_stop_ids)
-        except ValueError as e:
-            raise ValueError(f"request {req.request_id!r}: {e}") from None
+        validate_request(self.cfg, self.model_cfg.vocab_size, req)
 
     def submit(self, requests: Sequence[GenerationRequest], enqueue_time: float | None = None):
         """Validates every request (all or none are queued), then queues them."""
@@ -604,3 +541,71 @@ class Engine:
         occ = [row[1] for row in m["timeline"]]
         m["mean_occupancy"] = float(np.mean(occ)) / self.cfg.num_slots if occ else 0.0
         return m
+
+
+def validate_request(cfg: EngineConfig, vocab: int, req: GenerationRequest) -> None:
+    """Raises ValueError naming the field of `req` that an engine with `cfg` and a
+    vocabulary of `vocab` tokens cannot serve."""
+    n = len(req.prompt)
+    if n == 0:
+        raise ValueError(f"request {req.request_id!r}: prompt is empty")
+    if n > cfg.max_prompt_length:
+        raise ValueError(
+            f"request {req.request_id!r}: prompt length {n} exceeds "
+            f"max_prompt_length {cfg.max_prompt_length}"
+        )
+    ids = np.asarray(req.prompt)
+    if not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"request {req.request_id!r}: prompt has ids outside [0, {vocab})")
+    if not isinstance(req.max_new_tokens, int | np.integer) or req.max_new_tokens < 1:
+        raise ValueError(
+            f"request {req.request_id!r}: max_new_tokens must be an int >= 1, "
+            f"got {req.max_new_tokens!r}"
+        )
+    if req.forced_length is not None and (
+        not isinstance(req.forced_length, int | np.integer)
+        or req.forced_length < 1
+        or n + req.forced_length > cfg.max_total_length
+    ):
+        raise ValueError(
+            f"request {req.request_id!r}: forced_length {req.forced_length!r} must be >= 1 "
+            f"with prompt + forced_length <= max_total_length {cfg.max_total_length}"
+        )
+    if not isinstance(req.seed, int | np.integer):
+        raise ValueError(f"request {req.request_id!r}: seed must be an int")
+    if not math.isfinite(req.priority):
+        raise ValueError(f"request {req.request_id!r}: priority must be finite")
+    if req.segment_tokens is not None and (
+        not isinstance(req.segment_tokens, int | np.integer) or req.segment_tokens < 1
+    ):
+        raise ValueError(
+            f"request {req.request_id!r}: segment_tokens must be None or an int >= 1, "
+            f"got {req.segment_tokens!r}"
+        )
+    c = req.continuation
+    if c is not None:
+        k = len(c.tokens)
+        limit = req.forced_length if req.forced_length is not None else req.max_new_tokens
+        arrays = (c.logprobs, c.sampling_logprobs, c.versions)
+        if c.policy_mask is not None:
+            arrays += (c.policy_mask,)
+        if k < 1 or any(len(a) != k for a in arrays):
+            raise ValueError(
+                f"request {req.request_id!r}: continuation needs >= 1 token and one "
+                "log-prob, sampling log-prob, version (and policy mask entry) per token"
+            )
+        if c.policy_tokens >= limit or n + k >= cfg.max_total_length:
+            raise ValueError(
+                f"request {req.request_id!r}: continuation of {k} tokens "
+                f"({c.policy_tokens} the policy's) leaves nothing to generate (limit "
+                f"{limit}, prompt {n}, context {cfg.max_total_length})"
+            )
+        tokens = np.asarray(c.tokens)
+        if tokens.min() < 0 or tokens.max() >= vocab:
+            raise ValueError(
+                f"request {req.request_id!r}: continuation has ids outside [0, {vocab})"
+            )
+    try:
+        req.sampling.validate(vocab, cfg.max_stop_ids)
+    except ValueError as e:
+        raise ValueError(f"request {req.request_id!r}: {e}") from None

@@ -131,6 +131,7 @@ class _Run:
                     ("generation", lambda r=r: r.close(self._outcome(), timeout))
                     for r in self.running
                 ],
+                *([("endpoint", parts.agents.close)] if parts.agents else []),
                 ("reward pool", parts.ingest.close),
                 *([("environment", parts.episodes.close)] if parts.episodes else []),
                 ("ranker refresh", lambda: parts.live.close(timeout)),

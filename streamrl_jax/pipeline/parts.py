@@ -14,12 +14,18 @@ rollout, so every wait on them wakes at once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any
 
 from streamrl_jax.algorithms.overlong import OverlongPenalty
 from streamrl_jax.config import ExperimentConfig, episode_tokens
+from streamrl_jax.endpoint import api
+from streamrl_jax.endpoint.kit import AgentKit, make_agent_kit
+from streamrl_jax.endpoint.scaffolds import environment_scaffold
+from streamrl_jax.endpoint.turns import Context
 from streamrl_jax.environments import EpisodeKit, EpisodeLimits, make_kit
+from streamrl_jax.generation.engine import validate_request
 from streamrl_jax.metrics import MetricsWriter, Tracer
 from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.pipeline.components import Components
@@ -27,7 +33,13 @@ from streamrl_jax.pipeline.ingest import Evaluations, Ingest
 from streamrl_jax.pipeline.micro_batches import Scored, group_key
 from streamrl_jax.pipeline.prompts import PromptSource
 from streamrl_jax.pipeline.resume import RunCheckpoints
-from streamrl_jax.pipeline.rollouts import Rollout, RolloutContext, Where, make_rollout
+from streamrl_jax.pipeline.rollouts import (
+    Returned,
+    Rollout,
+    RolloutContext,
+    Where,
+    make_rollout,
+)
 from streamrl_jax.pipeline.schedules import Schedule, WeightBoard
 from streamrl_jax.pipeline.shards import TrainerShare
 from streamrl_jax.pipeline.step_metrics import GenerationMeter
@@ -70,6 +82,7 @@ class RunParts:
     ckpts: RunCheckpoints
     live: LiveScheduler
     episodes: EpisodeKit | None = None  # the environment (environment.name), closed last
+    agents: AgentKit | None = None  # the endpoint and its scaffolds ("agents" rollout)
 
     def interrupt(self) -> None:
         """SIGINT/SIGTERM (the watchdog's stop): end the trainer's and driver's waits
@@ -111,6 +124,9 @@ def wire(
     # Episodes step where they are generated: here, unless generation processes do it.
     episodes = cfg.environment.name and where != "trainer"
     kit = episode_kit(cfg, c.tokenizer, pool) if episodes else None
+    agents = None
+    if kit is not None and "agents" in p.rollout.split("+"):
+        agents = agent_kit(cfg, c, kit)
     rollout = make_rollout(
         p.rollout,
         RolloutContext(
@@ -125,6 +141,7 @@ def wire(
             where=where,
             generation_processes=generation_processes,
             episodes=kit,
+            agents=agents,
         ),
     )
     ingest = Ingest(
@@ -175,6 +192,31 @@ def wire(
         ckpts=ckpts,
         live=live,
         episodes=kit,
+        agents=agents,
+    )
+
+
+def agent_kit(cfg: ExperimentConfig, c: Components, kit: EpisodeKit) -> AgentKit:
+    """The run's endpoint on loopback and its scaffold: the run's environment played
+    through the OpenAI API (`endpoint/scaffolds.environment_scaffold`)."""
+    assert c.generation is not None, "scaffolds run where the engine is"
+    p, g, e = cfg.pipeline, cfg.generation, cfg.environment
+    ecfg = c.generation.engine_cfgs[0]
+    scaffold = environment_scaffold(kit.environment, "policy", e.max_turns, g.max_new_tokens)
+    per_batch = p.prompts_per_step * p.group_size
+    limits = api.Limits(
+        max_messages=2 * e.max_turns + 8,
+        max_tokens=g.max_new_tokens,
+        timeout_s=p.timeout_s,
+        max_inflight=4 * per_batch,
+    )
+    return make_agent_kit(
+        Context(c.tokenizer, ecfg.max_prompt_length, ecfg.max_total_length),
+        functools.partial(validate_request, ecfg, c.model_cfg.vocab_size),
+        lambda request: Returned(None, [request]),  # an episode's later turn, submitted
+        scaffold,
+        workers=per_batch * (p.staleness + 2),  # every episode in flight has its thread
+        limits=limits,
     )
 
 

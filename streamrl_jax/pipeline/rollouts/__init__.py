@@ -13,6 +13,8 @@ first): `"full"`, `"dynamic_sampling"`, `"partial"`, `"curriculum+dynamic_sampli
 * `episodes` (`episodes.py`, a wrapper, the last before the kind): every sample is a
   multi-turn episode with the run's environment (`environment.name`); over `partial`,
   the rounds place its turns (`protocol.Rounds`).
+* `agents` (`agents.py`, a wrapper, the last before the kind): every training episode
+  is played by a scaffold through the run's OpenAI-compatible endpoint.
 
 A new kind is one module beside these, one line below and its config fields (its name
 in `config.sections.ROLLOUTS` or `ROLLOUT_WRAPPERS`, which a test holds equal to these).
@@ -23,7 +25,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from streamrl_jax.pipeline.rollouts import curriculum, dynamic_sampling, episodes, full, partial
+from streamrl_jax.pipeline.rollouts import (
+    agents,
+    curriculum,
+    dynamic_sampling,
+    episodes,
+    full,
+    partial,
+)
 from streamrl_jax.pipeline.rollouts.protocol import (
     Returned,
     Rollout,
@@ -44,6 +53,7 @@ KINDS: dict[str, Factory] = {
 WRAPPERS: dict[str, Callable[[RolloutContext, Factory], Rollout]] = {
     "curriculum": curriculum.wrap,
     "episodes": episodes.Episodes,
+    "agents": agents.Agents,
 }
 
 

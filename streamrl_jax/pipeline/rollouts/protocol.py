@@ -40,6 +40,7 @@ from streamrl_jax.algorithms.overlong import OverlongPenalty
 from streamrl_jax.config import PipelineSection
 from streamrl_jax.data import Prompt
 from streamrl_jax.distributed.messages import RoundClosed
+from streamrl_jax.endpoint.kit import AgentKit
 from streamrl_jax.environments import EpisodeKit
 from streamrl_jax.generation.types import GenerationRequest, Sample
 from streamrl_jax.mailbox import FailureLatch
@@ -97,6 +98,7 @@ class RolloutContext:
     where: Where = "here"
     generation_processes: tuple[int, ...] = ()  # where="trainer": the reporting processes
     episodes: EpisodeKit | None = None  # the environment of an "episodes" rollout
+    agents: AgentKit | None = None  # the endpoint and scaffold of an "agents" rollout
 
 
 class Rollout(Protocol):

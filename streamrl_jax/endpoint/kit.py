@@ -1,0 +1,65 @@
+"""A training run's endpoint: the server its scaffolds talk to, and their threads.
+
+`AgentKit` is what the `agents` rollout (pipeline/rollouts/agents.py) drives: an
+`Endpoint` on loopback over a `PipelineBackend` (so every turn goes through the run's
+driver), a bearer token from a fresh per-run secret, an `EndpointClient`, the
+scaffold, and `workers` threads that each play one episode at a time.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+from streamrl_jax.endpoint import api
+from streamrl_jax.endpoint.backend import PipelineBackend
+from streamrl_jax.endpoint.client import EndpointClient
+from streamrl_jax.endpoint.scaffolds import Scaffold
+from streamrl_jax.endpoint.server import Endpoint, EndpointServer, endpoint_token
+from streamrl_jax.endpoint.turns import Context, Turns
+from streamrl_jax.generation.types import GenerationRequest
+
+
+@dataclasses.dataclass
+class AgentKit:
+    endpoint: Endpoint
+    server: EndpointServer
+    backend: PipelineBackend
+    client: EndpointClient
+    scaffold: Scaffold
+    workers: concurrent.futures.ThreadPoolExecutor
+    timeout_s: float  # a scaffold's first request must come within it
+
+    def cancel(self) -> None:
+        """Drops episodes not started yet (the run failed or stops)."""
+        self.workers.shutdown(wait=False, cancel_futures=True)
+
+    def close(self) -> None:
+        """Stops the server and the scaffolds' threads (a running one is not waited for)."""
+        self.cancel()
+        self.client.close_client()
+        self.server.stop()
+
+
+def make_agent_kit(
+    ctx: Context,
+    validate: Callable[[GenerationRequest], None],
+    follow: Callable[[GenerationRequest], Any],
+    scaffold: Scaffold,
+    *,
+    workers: int,
+    limits: api.Limits,
+    served: str = "policy",
+) -> AgentKit:
+    """The kit of a run whose engine takes requests `validate` accepts; `follow(request)`
+    is the rollout's outcome that submits a later turn."""
+    backend = PipelineBackend(validate, follow)
+    token = endpoint_token(os.urandom(32))
+    endpoint = Endpoint(Turns(ctx), backend, token, served=served, limits=limits)
+    server = EndpointServer(endpoint)
+    client = EndpointClient(server.start(), token, timeout=limits.timeout_s + 30.0)
+    pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="agent")
+    return AgentKit(endpoint, server, backend, client, scaffold, pool, limits.timeout_s)

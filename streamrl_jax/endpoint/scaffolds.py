@@ -1,0 +1,92 @@
+"""Agent scaffolds: programs that play a task through the OpenAI API.
+
+A scaffold is `fn(task, client) -> AgentResult`: `task` holds the problem (`question`,
+`metadata`), `client` an `openai.OpenAI` whose requests belong to one episode of the
+endpoint. Whatever the scaffold does between requests (tools, environments, other
+programs) is its own; the endpoint records what the policy sampled, and the scaffold's
+`AgentResult.reward` is the episode's return.
+
+`environment_scaffold(env, model, max_turns)`: any `environments.Environment` of this
+package (the calculator, answer-with-retry) driven through the API as a scaffold would
+drive it: the environment's first messages, then for each completion the
+environment's step on its text, the observation appended as messages, until done or
+`max_turns`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from streamrl_jax.environments.protocol import Environment, TurnInfo
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentTask:
+    question: str
+    metadata: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentResult:
+    """How a scaffold's episode went (its return and what the run's metrics count)."""
+
+    reward: float
+    correct: bool = False
+    format_ok: bool = False
+    answer: str | None = None
+    tool_calls: int = 0
+    tool_failures: int = 0
+    malformed_calls: int = 0
+    done: bool = True  # False: the scaffold stopped at its own turn limit
+
+
+Scaffold = Callable[[AgentTask, Any], AgentResult]
+
+
+def environment_scaffold(
+    env: Environment, model: str, max_turns: int, max_tokens: int | None = None
+) -> Scaffold:
+    """The scaffold that plays `env` through the OpenAI chat API (module docstring)."""
+
+    def play(task: AgentTask, client: Any) -> AgentResult:
+        start = env.start(task.question, task.metadata)
+        messages, state = list(start.messages), start.state
+        total, counts, last = 0.0, TurnInfo(), TurnInfo()
+        for _ in range(max_turns):
+            r = client.chat.completions.create(
+                model=model, messages=messages, max_tokens=max_tokens
+            )
+            text = r.choices[0].message.content or ""
+            step = env.step(state, text, task.metadata)
+            total += step.reward
+            state, info = step.state, step.info
+            counts = TurnInfo(
+                tool_calls=counts.tool_calls + info.tool_calls,
+                tool_failures=counts.tool_failures + info.tool_failures,
+                malformed_calls=counts.malformed_calls + info.malformed_calls,
+            )
+            if info.answered:
+                last = info
+            if step.done:
+                break
+            messages += [{"role": "assistant", "content": text}, *step.observation]
+        else:
+            return _result(total, last, counts, done=False)
+        return _result(total, last, counts, done=True)
+
+    return play
+
+
+def _result(total: float, last: TurnInfo, counts: TurnInfo, done: bool) -> AgentResult:
+    return AgentResult(
+        reward=total,
+        correct=last.correct,
+        format_ok=last.format_ok,
+        answer=last.answer,
+        tool_calls=counts.tool_calls,
+        tool_failures=counts.tool_failures,
+        malformed_calls=counts.malformed_calls,
+        done=done,
+    )

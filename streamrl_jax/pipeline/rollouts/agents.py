@@ -1,0 +1,106 @@
+"""Agents: every training episode played by a scaffold through the run's OpenAI-compatible
+endpoint (docs/endpoint.md "Training through the endpoint").
+
+`pipeline.rollout="agents+KIND"` (KIND: `full` or `dynamic_sampling`) with
+`environment.name` set. For each request of batch b the rollout opens an episode of
+the run's endpoint (`endpoint/kit.py`) and starts the scaffold on an `agent` thread;
+the scaffold talks to the policy with the official `openai` client, and the endpoint
+records what the policy sampled. Its requests reach the engine through the run's
+driver (`endpoint.backend.PipelineBackend`): an episode's first request is submitted
+with its batch (`open` waits for them, each within `Limits.timeout_s`); each later one
+is the outcome of the turn before it (`Returned.later`), so the driver counts the
+episode as a request out and a weight swap waits for whole episodes. Each turn keeps
+its run identity (the request id, tag, seed and the run's sampling settings; the
+request's own temperature and top_p are not used in training).
+
+When the scaffold returns (`scaffolds.AgentResult`), the episode is closed and handed
+on whole, as an `episodes` episode is: the recorded tokens (the policy's with their
+behaviour log-probs and versions, the chat template's around the scaffold's messages
+with policy mask False) and `metadata["episode"]` with the scaffold's reward as the
+return; the kind's group-relative advantage goes to every policy token. A scaffold
+that raises fails the run naming the episode.
+
+Held-out evaluations are the `episodes` rollout's: the run's environment in-process,
+greedy. Checkpoints: as `episodes+full`, a batch's episodes are replayed from their
+start by a resumed run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from streamrl_jax.endpoint.kit import AgentKit
+from streamrl_jax.endpoint.scaffolds import AgentTask
+from streamrl_jax.generation.types import GenerationRequest, Sample
+from streamrl_jax.pipeline.rollouts.episodes import Episodes, question_of
+from streamrl_jax.pipeline.rollouts.protocol import Returned, Rollout, RolloutContext
+
+
+class Agents(Episodes):
+    """Episodes played by scaffolds through the endpoint (module docstring)."""
+
+    def __init__(self, ctx: RolloutContext, inner: Callable[[RolloutContext], Rollout]):
+        super().__init__(ctx, inner)
+        if ctx.agents is None and ctx.where != "trainer":
+            raise ValueError("pipeline.rollout 'agents' needs the run's endpoint kit")
+        self.agents: AgentKit | None = ctx.agents
+
+    def open(self, batch: int, requests: list[GenerationRequest]) -> list[GenerationRequest]:
+        """Starts a scaffold per request; the batch's requests are their first ones."""
+        kit = self.agents
+        assert kit is not None, "a trainer's half opens no batch"
+        eids = []
+        for q in requests:
+            eid = kit.endpoint.book.open(q.metadata, seed=q.seed)
+            kit.backend.expect(eid, q)
+            kit.workers.submit(self._play, eid, q)
+            eids.append(eid)
+        firsts = [kit.backend.first(eid, kit.timeout_s) for eid in eids]
+        return self.inner.open(batch, firsts)
+
+    def returned(self, sample: Sample) -> Returned:
+        if sample.tag.is_eval:  # held-out episodes run in-process
+            return super().returned(sample)
+        assert self.agents is not None
+        return Returned(None, [], later=self.agents.backend.returned(sample))
+
+    def _play(self, eid: str, q: GenerationRequest) -> None:
+        """One episode, on an `agent` thread: the scaffold, then the episode handed on."""
+        kit = self.agents
+        client = kit.client.openai(eid)
+        try:
+            result = kit.scaffold(AgentTask(question_of(q.metadata), q.metadata), client)
+            rec = kit.endpoint.book.close(eid, "its scaffold ended")
+            if rec.sample is None:
+                raise RuntimeError("the scaffold ended without a completion")
+            episode = {
+                "return": float(result.reward),
+                "correct": bool(result.correct),
+                "format_ok": bool(result.format_ok),
+                "answer": result.answer,
+                "turns": rec.turns,
+                "tool_calls": result.tool_calls,
+                "tool_failures": result.tool_failures,
+                "malformed_calls": result.malformed_calls,
+                "cut_turns": rec.cut,
+                "env_tokens": _env_tokens(rec.sample),
+                "outcome": "done" if result.done else "turn_limit",
+            }
+            whole = dataclasses.replace(rec.sample, metadata={**q.metadata, "episode": episode})
+            kit.backend.finish(eid, self.inner.returned(whole))
+        except BaseException as e:  # noqa: BLE001 - the run fails with it, named
+            error = RuntimeError(f"agent scaffold: episode {q.request_id} ({eid}): {e!r}")
+            kit.backend.finish(eid, error=error)
+        finally:
+            client.close()
+
+    def fail(self, exc: BaseException) -> None:
+        if self.agents is not None:
+            self.agents.cancel()
+            self.agents.backend.fail(exc)
+        super().fail(exc)
+
+
+def _env_tokens(sample: Sample) -> int:
+    return 0 if sample.policy_mask is None else int((~sample.policy_mask).sum())

@@ -1,0 +1,110 @@
+"""The agents rollout (pipeline/rollouts/agents.py): training episodes played by a
+scaffold through the run's OpenAI-compatible endpoint, with the official `openai`
+client, trained on the tokens the endpoint recorded."""
+
+from unittest import mock
+
+import numpy as np
+import pytest
+from support import agent_config, pipeline_threads, run_recording
+
+from streamrl_jax import pipeline as run_lib
+from streamrl_jax.endpoint import scaffolds
+from streamrl_jax.rewards.vowels import vowel_reward
+
+
+def _retry(**overrides):
+    base = dict(
+        environment__name="retry",
+        environment__max_attempts=3,
+        pipeline__rollout="agents+full",
+        eval__num_problems=2,
+    )
+    return agent_config(**(base | overrides))
+
+
+def _spans(mask):
+    edges = np.flatnonzero(np.diff(np.r_[0, mask.astype(int), 0]))
+    return [b - a for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+
+def test_an_agents_run_trains_the_episodes_its_scaffolds_played_through_the_endpoint(tmp_path):
+    # The retry environment (3 attempts) played through the endpoint by its scaffold:
+    # every trained episode is the endpoint's record (3 policy turns of 16 tokens, the
+    # template's tokens around the scaffold's messages never trained), each next turn
+    # extends its slot's KV in place; held-out episodes run in-process.
+    cfg = _retry(pipeline__mode="stream_sync")
+    played = []
+    real = scaffolds.environment_scaffold
+
+    def counting(*args, **kwargs):
+        play = real(*args, **kwargs)
+
+        def counted(task, client):
+            played.append(client.default_headers["x-episode-id"])
+            return play(task, client)
+
+        return counted
+
+    with mock.patch("streamrl_jax.pipeline.parts.environment_scaffold", counting):
+        result, seen = run_recording(cfg, tmp_path)
+    p = cfg.pipeline
+    train = [s for s in seen if not s.tag.is_eval]
+    assert len(train) == len(played) == p.steps * p.prompts_per_step * p.group_size
+    assert len(set(played)) == len(played)  # an endpoint episode each
+    for s in seen:
+        ep = s.metadata["episode"]
+        assert (ep["turns"], ep["outcome"]) == (3, "done"), ep
+        assert _spans(s.policy_mask) == [16, 16, 16]
+        assert ep["env_tokens"] == int((~s.policy_mask).sum()) > 0
+        np.testing.assert_array_equal(s.logprobs[~s.policy_mask], 0.0)
+    rows = result.steps
+    assert sum(r["kv_extended"] for r in rows) >= 2 * len(train)
+    assert sum(r["kv_reprefilled"] for r in rows) == 0
+    assert all(r["episode_turns"] == 3.0 for r in rows)
+    assert any(r["grad_norm"] > 0 for r in rows)
+    assert not pipeline_threads()
+
+
+def test_a_scaffold_that_raises_fails_the_run_naming_the_episode(tmp_path):
+    def broken(*args, **kwargs):
+        def play(task, client):
+            client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+            raise KeyError("scaffold bug")
+
+        return play
+
+    cfg = _retry(pipeline__mode="stream_sync", eval__num_problems=0)
+    with (
+        mock.patch("streamrl_jax.pipeline.parts.environment_scaffold", broken),
+        pytest.raises(Exception, match=r"agent scaffold: episode train/0/\d+/\d+ .*scaffold bug"),
+    ):
+        run_lib.run(cfg, str(tmp_path), reward_fn=vowel_reward)
+    assert not pipeline_threads()
+
+
+@pytest.mark.parametrize(
+    "rollout,extra,message",
+    [
+        ("agents+partial", dict(pipeline__mode="stream_async", pipeline__partial_budget_tokens=8,
+                                pipeline__max_lag=3, pipeline__lag_policy="drop"),
+         "run with 'full' or 'dynamic_sampling'"),
+        ("episodes+agents+full", {}, "through the endpoint.. not both"),
+    ],
+)  # fmt: skip
+def test_what_scaffolds_episodes_cannot_run_with_is_refused_by_name(rollout, extra, message):
+    from streamrl_jax.errors import UserError
+
+    with pytest.raises(UserError, match=message):
+        agent_config(pipeline__rollout=rollout, **extra)
+
+
+def test_scaffolds_across_processes_are_refused_by_name():
+    from streamrl_jax import config as config_lib
+    from streamrl_jax.config.rules import Processes
+
+    cfg = _retry(pipeline__mode="stream_async")
+    with pytest.raises(config_lib.ConfigError, match="run in one process only"):
+        config_lib.check(cfg, Processes(total=2, generation=1))
