@@ -108,3 +108,49 @@ def test_scaffolds_across_processes_are_refused_by_name():
     cfg = _retry(pipeline__mode="stream_async")
     with pytest.raises(config_lib.ConfigError, match="run in one process only"):
         config_lib.check(cfg, Processes(total=2, generation=1))
+
+
+@pytest.mark.extended  # ~20 s: the default suite keeps the stream_sync run above
+def test_what_trains_is_bitwise_what_the_scaffold_was_returned(tmp_path):
+    # stream_async with in-flight weight updates: each scaffold asks for log-probs and
+    # keeps every completion it is returned (token ids, log-probs, versions); every
+    # trained episode's policy tokens, behaviour log-probs and versions are exactly
+    # those, turn after turn, whatever weights each turn ran on.
+    cfg = _retry(
+        pipeline__mode="stream_async", pipeline__weight_update="inflight", eval__num_problems=0
+    )
+    got: dict[str, list] = {}
+    real = scaffolds.environment_scaffold
+
+    def spying(*args, **kwargs):
+        play = real(*args, **kwargs)
+
+        def spied(task, client):
+            create, turns = client.chat.completions.create, []
+            got[client.default_headers["x-episode-id"]] = turns
+
+            def spy(**kw):
+                r = create(**{**kw, "logprobs": True})
+                c = r.choices[0]
+                turns.append((c.model_extra["token_ids"], [e.logprob for e in c.logprobs.content],
+                              c.model_extra["versions"]))  # fmt: skip
+                return r
+
+            client.chat.completions.create = spy
+            return play(task, client)
+
+        return spied
+
+    with mock.patch("streamrl_jax.pipeline.parts.environment_scaffold", spying):
+        result, seen = run_recording(cfg, tmp_path)
+    returned = {tuple(i for ids, _, _ in turns for i in ids): turns for turns in got.values()}
+    assert len(seen) == len(got) == len(returned)
+    for s in seen:
+        mask = s.policy_mask
+        turns = returned[tuple(s.response[mask].tolist())]
+        np.testing.assert_array_equal(
+            s.logprobs[mask], np.float32([lp for _, lps, _ in turns for lp in lps])
+        )
+        assert s.versions()[mask].tolist() == [v for _, _, vs in turns for v in vs]
+    bound = cfg.pipeline.max_lag or cfg.pipeline.staleness  # (0: the staleness)
+    assert all(r["lag_max"] <= bound and r["dropped_stale"] == 0 for r in result.steps)

@@ -127,6 +127,17 @@ def test_a_weight_update_between_turns_keeps_each_tokens_version_and_logprob(ser
     oc.close()
 
 
+def test_a_turn_past_the_episodes_context_is_refused_with_openais_code(served):
+    with served.client.episode() as (oc, eid):
+        r = _chat(oc, USER, max_tokens=2)
+        history = [*USER, {"role": "assistant", "content": r.choices[0].message.content},
+                   {"role": "user", "content": "seven " * 2000}]  # fmt: skip
+        with pytest.raises(openai.BadRequestError, match="tokens of context") as e:
+            _chat(oc, history, max_tokens=2)
+        assert e.value.code == "context_length_exceeded"
+        assert served.endpoint.book._open[eid].turns == 1  # the episode is as it was
+
+
 def test_completions_stream_and_not_extend_the_recorded_text(served):
     with served.client.episode() as (oc, eid):
         r1 = oc.completions.create(model="policy", prompt="Once upon a time", max_tokens=5,

@@ -461,6 +461,10 @@ def run_case(case: Case, timeout_s: float = 120.0) -> tuple[str, str]:
 def main() -> None:
     import argparse
 
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 2)  # the endpoint cases' tiny job, set first
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the same corpus (already quick)")
     parser.add_argument("--timeout_s", type=float, default=120.0)

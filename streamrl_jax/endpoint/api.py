@@ -26,9 +26,11 @@ import msgspec
 class ApiError(Exception):
     """A refused request: HTTP `status`, OpenAI's error `type`, the message, the param."""
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ):
         super().__init__(message)
-        self.status, self.param = status, param
+        self.status, self.param, self.code = status, param, code
 
     @property
     def type(self) -> str:
@@ -38,7 +40,12 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {
-            "error": {"message": str(self), "type": self.type, "param": self.param, "code": None}
+            "error": {
+                "message": str(self),
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
         }
 
 

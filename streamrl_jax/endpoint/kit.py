@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -56,6 +57,8 @@ def make_agent_kit(
 ) -> AgentKit:
     """The kit of a run whose engine takes requests `validate` accepts; `follow(request)`
     is the rollout's outcome that submits a later turn."""
+    for name in ("httpx", "httpcore", "openai"):  # a line per request is not the run's log
+        logging.getLogger(name).setLevel(logging.WARNING)
     backend = PipelineBackend(validate, follow)
     token = endpoint_token(os.urandom(32))
     endpoint = Endpoint(Turns(ctx), backend, token, served=served, limits=limits)

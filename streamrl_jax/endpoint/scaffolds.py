@@ -9,8 +9,9 @@ programs) is its own; the endpoint records what the policy sampled, and the scaf
 `environment_scaffold(env, model, max_turns)`: any `environments.Environment` of this
 package (the calculator, answer-with-retry) driven through the API as a scaffold would
 drive it: the environment's first messages, then for each completion the
-environment's step on its text, the observation appended as messages, until done or
-`max_turns`.
+environment's step on its text, the observation appended as messages, until done,
+`max_turns`, or the endpoint refusing a turn past the episode's context (OpenAI's
+`context_length_exceeded`: the episode ends truncated, as in-process).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from streamrl_jax.endpoint.turns import CONTEXT_EXCEEDED
 from streamrl_jax.environments.protocol import Environment, TurnInfo
 
 
@@ -39,7 +41,9 @@ class AgentResult:
     tool_calls: int = 0
     tool_failures: int = 0
     malformed_calls: int = 0
-    done: bool = True  # False: the scaffold stopped at its own turn limit
+    # "done" (the task ended it), "turn_limit" (the scaffold's own turn limit) or
+    # "episode_tokens" (the endpoint refused a turn past the episode's context)
+    outcome: str = "done"
 
 
 Scaffold = Callable[[AgentTask, Any], AgentResult]
@@ -50,14 +54,21 @@ def environment_scaffold(
 ) -> Scaffold:
     """The scaffold that plays `env` through the OpenAI chat API (module docstring)."""
 
+    import openai
+
     def play(task: AgentTask, client: Any) -> AgentResult:
         start = env.start(task.question, task.metadata)
         messages, state = list(start.messages), start.state
         total, counts, last = 0.0, TurnInfo(), TurnInfo()
-        for _ in range(max_turns):
-            r = client.chat.completions.create(
-                model=model, messages=messages, max_tokens=max_tokens
-            )
+        for turn in range(max_turns):
+            try:
+                r = client.chat.completions.create(
+                    model=model, messages=messages, max_tokens=max_tokens
+                )
+            except openai.BadRequestError as e:
+                if turn == 0 or e.code != CONTEXT_EXCEEDED:
+                    raise
+                return _result(total, last, counts, "episode_tokens")
             text = r.choices[0].message.content or ""
             step = env.step(state, text, task.metadata)
             total += step.reward
@@ -73,13 +84,13 @@ def environment_scaffold(
                 break
             messages += [{"role": "assistant", "content": text}, *step.observation]
         else:
-            return _result(total, last, counts, done=False)
-        return _result(total, last, counts, done=True)
+            return _result(total, last, counts, "turn_limit")
+        return _result(total, last, counts, "done")
 
     return play
 
 
-def _result(total: float, last: TurnInfo, counts: TurnInfo, done: bool) -> AgentResult:
+def _result(total: float, last: TurnInfo, counts: TurnInfo, outcome: str) -> AgentResult:
     return AgentResult(
         reward=total,
         correct=last.correct,
@@ -88,5 +99,5 @@ def _result(total: float, last: TurnInfo, counts: TurnInfo, done: bool) -> Agent
         tool_calls=counts.tool_calls,
         tool_failures=counts.tool_failures,
         malformed_calls=counts.malformed_calls,
-        done=done,
+        outcome=outcome,
     )

@@ -330,9 +330,10 @@ def make_app(ep: Endpoint):
     """The FastAPI application of `ep`."""
     app = FastAPI(title="streamrl_jax endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 
-    def error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    def error(status: int, message: str, param: str | None = None, code: str | None = None):
         ep.counts["refused"] += 1
-        return JSONResponse(api.ApiError(status, message, param).body(), status_code=status)
+        body = api.ApiError(status, message, param, code).body()
+        return JSONResponse(body, status_code=status)
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
@@ -341,7 +342,7 @@ def make_app(ep: Endpoint):
             ep.authorize(request.headers.get("authorization"))
             return await call_next(request)
         except api.ApiError as e:
-            return error(e.status, str(e), e.param)
+            return error(e.status, str(e), e.param, e.code)
         except BookError as e:
             return error(e.status, str(e))
         except Exception as e:  # noqa: BLE001 - a bug: named, logged, a 500

@@ -30,6 +30,10 @@ from streamrl_jax.generation.types import (
 )
 from streamrl_jax.model.tokenizer import Tokenizer
 
+# OpenAI's error code for a conversation past the model's context (scaffolds end the
+# episode on it: `scaffolds.environment_scaffold`).
+CONTEXT_EXCEEDED = "context_length_exceeded"
+
 
 @dataclasses.dataclass(frozen=True)
 class Turn:
@@ -143,6 +147,7 @@ class Turns:
                 400,
                 f"episode {rec.id} has used {used} of its {self.ctx.max_total_length} tokens "
                 "of context; start a new episode",
+                code=CONTEXT_EXCEEDED,
             )
         return GenerationRequest(
             request_id=rec.id,

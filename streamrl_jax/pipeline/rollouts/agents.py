@@ -71,6 +71,9 @@ class Agents(Episodes):
         client = kit.client.openai(eid)
         try:
             result = kit.scaffold(AgentTask(question_of(q.metadata), q.metadata), client)
+            if result.outcome not in ("done", "turn_limit", "episode_tokens"):
+                raise ValueError(f"the scaffold's outcome {result.outcome!r} is not one of "
+                                 "done, turn_limit, episode_tokens")  # fmt: skip
             rec = kit.endpoint.book.close(eid, "its scaffold ended")
             if rec.sample is None:
                 raise RuntimeError("the scaffold ended without a completion")
@@ -85,7 +88,7 @@ class Agents(Episodes):
                 "malformed_calls": result.malformed_calls,
                 "cut_turns": rec.cut,
                 "env_tokens": _env_tokens(rec.sample),
-                "outcome": "done" if result.done else "turn_limit",
+                "outcome": result.outcome,
             }
             whole = dataclasses.replace(rec.sample, metadata={**q.metadata, "episode": episode})
             kit.backend.finish(eid, self.inner.returned(whole))
