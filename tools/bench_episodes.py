@@ -290,14 +290,27 @@ def endpoint_part() -> dict:
             list(pool.map(client_loop, range(n)))
         return time.perf_counter() - t0, lat
 
+    def rss_mb() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
     paths = {"in_process": in_process, "endpoint": over_http}
     for _ in range(2):  # every shape compiled before anything is timed (both orders)
         for fn in paths.values():
             run(fn, 1)
+    rss0, served0 = rss_mb(), endpoint.counts["requests"]
     timed: dict[str, list] = {name: [] for name in paths}
     for _ in range(3):  # alternated, three times: the best of each (a shared machine)
         for name, fn in paths.items():
             timed[name].append(run(fn, rounds))
+    # The load: every request answered (none refused or lost), nothing left open, and
+    # the process's resident memory across the timed runs.
+    out["load"] = {
+        "http_requests": endpoint.counts["requests"] - served0,
+        "refused": endpoint.counts["refused"],
+        "open_episodes_after": endpoint.book.num_open,
+        "rss_growth_mb": round(rss_mb() - rss0, 1),
+    }
     for name, runs in timed.items():
         wall, lat = min(runs, key=lambda x: x[0])
         tokens = len(lat) * k
