@@ -246,6 +246,34 @@ def _stuck_server(served, **limits):
     return ep, backend, server, EndpointClient(server.start(), TOKEN)
 
 
+def test_starting_a_server_leaves_the_processes_logging_alone(served):
+    # (uvicorn's default logging config runs dictConfig, which closes every handler, and
+    # absl's handler closes its file with it: a run's log went silent once its endpoint
+    # started.)
+    import io
+    import logging
+
+    class Owning(logging.StreamHandler):  # closes its stream with itself, as absl's does
+        def close(self):
+            self.stream.close()
+            super().close()
+
+    stream = io.StringIO()
+    handler = Owning(stream)
+    log = logging.getLogger("streamrl-test-log")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    _, _, server, _ = _stuck_server(served)
+    try:
+        log.info("logged after the endpoint started")
+        assert not stream.closed
+        assert "logged after the endpoint started" in stream.getvalue()
+    finally:
+        server.stop()
+        log.removeHandler(handler)
+        handler.close()
+
+
 def test_a_completion_past_its_deadline_is_a_504_and_closes_its_episode(served):
     ep, backend, server, client = _stuck_server(served, timeout_s=0.5)
     try:

@@ -422,6 +422,9 @@ class EndpointServer:
             port=port,
             log_level="warning",
             access_log=False,
+            # uvicorn's own logging config would run dictConfig, which closes every
+            # handler the process has (the run's log file and console among them).
+            log_config=None,
             limit_concurrency=max_connections,
             timeout_keep_alive=5,
             lifespan="off",
