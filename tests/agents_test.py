@@ -6,7 +6,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from support import agent_config, pipeline_threads, run_recording
+from support import agent_config, assert_whole_episodes, pipeline_threads, run_recording
 
 from streamrl_jax import pipeline as run_lib
 from streamrl_jax.endpoint import scaffolds
@@ -21,11 +21,6 @@ def _retry(**overrides):
         eval__num_problems=2,
     )
     return agent_config(**(base | overrides))
-
-
-def _spans(mask):
-    edges = np.flatnonzero(np.diff(np.r_[0, mask.astype(int), 0]))
-    return [b - a for a, b in zip(edges[::2], edges[1::2], strict=True)]
 
 
 def test_an_agents_run_trains_the_episodes_its_scaffolds_played_through_the_endpoint(tmp_path):
@@ -52,12 +47,7 @@ def test_an_agents_run_trains_the_episodes_its_scaffolds_played_through_the_endp
     train = [s for s in seen if not s.tag.is_eval]
     assert len(train) == len(played) == p.steps * p.prompts_per_step * p.group_size
     assert len(set(played)) == len(played)  # an endpoint episode each
-    for s in seen:
-        ep = s.metadata["episode"]
-        assert (ep["turns"], ep["outcome"]) == (3, "done"), ep
-        assert _spans(s.policy_mask) == [16, 16, 16]
-        assert ep["env_tokens"] == int((~s.policy_mask).sum()) > 0
-        np.testing.assert_array_equal(s.logprobs[~s.policy_mask], 0.0)
+    assert_whole_episodes(seen, turns=3, turn_tokens=16)
     rows = result.steps
     assert sum(r["kv_extended"] for r in rows) >= 2 * len(train)
     assert sum(r["kv_reprefilled"] for r in rows) == 0

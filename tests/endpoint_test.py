@@ -23,10 +23,9 @@ from support import agent_config
 
 from streamrl_jax.endpoint import api
 from streamrl_jax.endpoint.backend import ServiceBackend
-from streamrl_jax.endpoint.book import policy_tokens
 from streamrl_jax.endpoint.client import EndpointClient, EndpointError
+from streamrl_jax.endpoint.kit import serve
 from streamrl_jax.endpoint.server import Endpoint, EndpointServer, endpoint_token
-from streamrl_jax.endpoint.turns import Context, Turns
 from streamrl_jax.pipeline import components
 
 TOKEN = endpoint_token(b"a run secret for the tests")
@@ -51,16 +50,11 @@ def served():
     service = c.generation.service(
         params, 0, on_chunk=lambda r: None, precompile=False, continuations=False
     )
-    backend = ServiceBackend(service)
-    e = c.generation.engine_cfgs[0]
-    turns = Turns(Context(c.tokenizer, e.max_prompt_length, e.max_total_length))
     limits = api.Limits(max_tokens=cfg.generation.max_new_tokens, max_messages=8)
-    endpoint = Endpoint(turns, backend, TOKEN, limits=limits)
-    server = EndpointServer(endpoint)
-    client = EndpointClient(server.start(), TOKEN)
-    yield Served(endpoint, server, backend, client, params)
+    endpoint, server = serve(service, c.tokenizer, TOKEN, limits)
+    yield Served(endpoint, server, endpoint.backend, EndpointClient(server.url, TOKEN), params)
     server.stop()
-    backend.close()
+    endpoint.backend.close()
 
 
 def _chat(oc, messages, **kw):
@@ -94,7 +88,7 @@ def test_a_chat_episode_is_recorded_as_returned_and_continues_in_place(served):
     assert chunks[-1].choices[0].finish_reason in ("stop", "length") and len(ids2) == len(lp2)
     rec = served.endpoint.book.close(eid)
     s = rec.sample
-    np.testing.assert_array_equal(policy_tokens(s), np.r_[ids1, ids2])
+    np.testing.assert_array_equal(s.policy_token_ids(), np.r_[ids1, ids2])
     np.testing.assert_array_equal(s.logprobs[s.policy_mask], np.r_[lp1, lp2])
     env = ~s.policy_mask
     assert env.sum() > 0 and np.all(s.logprobs[env] == 0)
@@ -123,7 +117,7 @@ def test_a_weight_update_between_turns_keeps_each_tokens_version_and_logprob(ser
     np.testing.assert_array_equal(s.versions()[s.policy_mask], [0] * 4 + [1] * 3)
     lps = [np.float32([e.logprob for e in r.choices[0].logprobs.content]) for r in (r1, r2)]
     np.testing.assert_array_equal(s.logprobs[s.policy_mask], np.r_[lps[0], lps[1]])
-    np.testing.assert_array_equal(policy_tokens(s), np.r_[ids1, ids2])
+    np.testing.assert_array_equal(s.policy_token_ids(), np.r_[ids1, ids2])
     oc.close()
 
 
@@ -149,7 +143,7 @@ def test_completions_stream_and_not_extend_the_recorded_text(served):
         pieces = list(stream)
         assert len(pieces) == 4 and pieces[-1].choices[0].finish_reason == "length"
         rec = served.endpoint.book._open[eid]
-        assert rec.turns == 2 and len(policy_tokens(rec.sample)) == 9
+        assert rec.turns == 2 and len(rec.sample.policy_token_ids()) == 9
         with pytest.raises(openai.BadRequestError, match="must extend its recorded text"):
             oc.completions.create(model="policy", prompt="Once upon a different time")
 
@@ -226,9 +220,6 @@ class _StuckBackend:
     def __init__(self):
         self.futures: list[Future] = []
         self.released: list[str] = []
-
-    def validate(self, request):
-        pass
 
     def submit(self, request):
         f: Future = Future()

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from support import (
     agent_config,
+    assert_whole_episodes,
     pack_small,
     pipeline_threads,
+    policy_run_lengths,
     rollout_context,
     run_recording,
     tiny_config,
@@ -442,12 +444,6 @@ def _retry(**overrides):
     return agent_config(**(base | overrides))
 
 
-def _turn_spans(mask):
-    """[(start, end)] of the policy's runs of tokens."""
-    edges = np.flatnonzero(np.diff(np.r_[0, mask.astype(int), 0]))
-    return list(zip(edges[::2], edges[1::2], strict=True))
-
-
 def test_an_episodes_run_trains_multi_turn_episodes_and_continues_slots_in_place(tmp_path):
     # The retry environment (3 attempts; the tiny model is never right) with the tiny
     # model, whose turns are cut at 16 tokens: every episode has 3 policy turns, 2
@@ -459,13 +455,7 @@ def test_an_episodes_run_trains_multi_turn_episodes_and_continues_slots_in_place
     p = cfg.pipeline
     assert len(train) == p.steps * p.prompts_per_step * p.group_size
     assert len(held_out) == 2 * 2  # two evaluations of two problems, episodes too
-    for s in train + held_out:
-        ep = s.metadata["episode"]
-        assert ep["turns"] == 3 and ep["outcome"] == "done", ep
-        spans = _turn_spans(s.policy_mask)
-        assert len(spans) == 3 and all(b - a == 16 for a, b in spans)
-        assert ep["env_tokens"] == int((~s.policy_mask).sum()) > 0
-        np.testing.assert_array_equal(s.logprobs[~s.policy_mask], 0.0)
+    assert_whole_episodes(train + held_out, turns=3, turn_tokens=16)
     rows = result.steps
     assert sum(r["kv_extended"] for r in rows) >= 2 * len(train)
     assert sum(r["kv_reprefilled"] for r in rows) == 0
@@ -563,7 +553,7 @@ def test_episodes_in_rounds_pause_mid_turn_extend_within_a_round_and_train_once(
     for s in seen:
         ep = s.metadata["episode"]
         assert s.finish_reason != "paused" and (ep["turns"], ep["outcome"]) == (3, "done")
-        assert [b - a for a, b in _turn_spans(s.policy_mask)] == [16, 16, 16]
+        assert policy_run_lengths(s.policy_mask) == [16, 16, 16]
         v = s.policy_versions()
         assert np.all(np.diff(v) >= 0) and v[-1] - v[0] >= 1  # the rounds' weights
     rows = result.steps

@@ -370,3 +370,24 @@ def run_recording(cfg: ExperimentConfig, workdir: Any, reward_fn: Any = None) ->
 
     with mock.patch.object(Ingest, "on_sample", record):
         return run_lib.run(cfg, str(workdir), reward_fn=reward_fn or vowel_reward), seen
+
+
+def policy_run_lengths(mask: Any) -> list[int]:
+    """The lengths of an episode's runs of policy tokens (its turns), in order."""
+    import numpy as np
+
+    edges = np.flatnonzero(np.diff(np.r_[0, np.asarray(mask, int), 0]))
+    return [int(b - a) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+
+def assert_whole_episodes(samples: list, turns: int, turn_tokens: int) -> None:
+    """Every sample an episode ended by its environment after `turns` policy turns of
+    `turn_tokens` tokens, its environment tokens counted and never given a log-prob."""
+    import numpy as np
+
+    for s in samples:
+        ep = s.metadata["episode"]
+        assert (ep["turns"], ep["outcome"]) == (turns, "done"), ep
+        assert policy_run_lengths(s.policy_mask) == [turn_tokens] * turns
+        assert ep["env_tokens"] == int((~s.policy_mask).sum()) > 0
+        np.testing.assert_array_equal(s.logprobs[~s.policy_mask], 0.0)

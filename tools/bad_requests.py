@@ -47,10 +47,8 @@ def _serve() -> dict:
 
     from streamrl_jax.config import from_config_dict
     from streamrl_jax.endpoint import api
-    from streamrl_jax.endpoint.backend import ServiceBackend
     from streamrl_jax.endpoint.client import EndpointClient
-    from streamrl_jax.endpoint.server import Endpoint, EndpointServer
-    from streamrl_jax.endpoint.turns import Context, Turns
+    from streamrl_jax.endpoint.kit import serve
     from streamrl_jax.pipeline import components
 
     spec = importlib.util.spec_from_file_location("agent", os.path.join(REPO, "configs/agent.py"))
@@ -64,17 +62,12 @@ def _serve() -> dict:
         [p.params for p in parts.initial_weights], 0, on_chunk=lambda r: None,
         precompile=False, continuations=False,
     )  # fmt: skip
-    backend = ServiceBackend(service)
-    e = parts.generation.engine_cfgs[0]
-    turns = Turns(Context(parts.tokenizer, e.max_prompt_length, e.max_total_length))
     limits = api.Limits(
         max_tokens=cfg.generation.max_new_tokens, max_messages=8, body_timeout_s=2.0
     )
-    endpoint = Endpoint(turns, backend, TOKEN, limits=limits)
-    server = EndpointServer(endpoint)
-    url = server.start()
-    _SERVED.update(endpoint=endpoint, server=server, backend=backend, url=url,
-                   client=EndpointClient(url, TOKEN))  # fmt: skip
+    endpoint, server = serve(service, parts.tokenizer, TOKEN, limits)
+    _SERVED.update(endpoint=endpoint, server=server, backend=endpoint.backend, url=server.url,
+                   client=EndpointClient(server.url, TOKEN))  # fmt: skip
     for n in (2, 6):  # compiles what the cases run
         with _SERVED["client"].episode() as (oc, _):
             oc.chat.completions.create(model="policy", messages=USER, max_tokens=n)

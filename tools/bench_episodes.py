@@ -205,10 +205,9 @@ def endpoint_part() -> dict:
 
     from streamrl_jax import mesh as mesh_lib
     from streamrl_jax.endpoint import api
-    from streamrl_jax.endpoint.backend import ServiceBackend
     from streamrl_jax.endpoint.client import EndpointClient
-    from streamrl_jax.endpoint.server import Endpoint, EndpointServer, endpoint_token
-    from streamrl_jax.endpoint.turns import Context, Turns
+    from streamrl_jax.endpoint.kit import serve
+    from streamrl_jax.endpoint.server import endpoint_token
     from streamrl_jax.generation.engine_config import EngineConfig
     from streamrl_jax.generation.service import GenerationService
     from streamrl_jax.model.defaults import smollm2_gguf_path
@@ -230,15 +229,15 @@ def endpoint_part() -> dict:
         stop_ids=tuple(pre.tokenizer.stop_ids),
     )
     service = GenerationService(pre.graphdef, pre.params, pre.cfg, meshes, ecfg)
-    backend = ServiceBackend(service)
-    turns = Turns(Context(pre.tokenizer, ecfg.max_prompt_length, ecfg.max_total_length))
     token = endpoint_token(b"bench")
-    endpoint = Endpoint(turns, backend, token, limits=api.Limits(max_tokens=k, max_inflight=4 * n))
-    server = EndpointServer(endpoint)
-    client = EndpointClient(server.start(), token)
+    limits = api.Limits(max_tokens=k, max_inflight=4 * n)
+    endpoint, server = serve(service, pre.tokenizer, token, limits)
+    backend, turns = endpoint.backend, endpoint.turns
+    client = EndpointClient(server.url, token)
     task = "What is {} + {}? Think step by step, then answer."
     feedback = {"role": "user", "content": "Not yet. Check your work and answer again."}
     sampling = api.Sampling(k, 0.7, 1.0, (), None, False, False, True, ignore_eos=True)
+    params = turns.sampling(sampling)
 
     def over_http(i: int) -> list[float]:
         lat = []
@@ -262,7 +261,7 @@ def endpoint_part() -> dict:
         for _ in range(turns_n):
             t0 = time.perf_counter()
             rec = endpoint.book.take(eid)
-            request = turns.chat(rec, messages, sampling)
+            request = turns.chat(rec, messages, sampling, params)
             sample = backend.submit(request).result(timeout=600)
             turn = turns.commit(rec, request, sample, messages)
             endpoint.book.give_back(rec)

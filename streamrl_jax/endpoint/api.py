@@ -146,7 +146,9 @@ class Sampling:
     ignore_eos: bool = False
 
 
-def check_common(req: _Common, limits: Limits, served: str, max_tokens: int | None) -> Sampling:
+def check_common(
+    req: _Common, limits: Limits, served: str, max_tokens: int | None, logprobs: bool
+) -> Sampling:
     """The parameters both APIs share, checked (module docstring)."""
     if req.model != served:
         raise ApiError(
@@ -183,7 +185,7 @@ def check_common(req: _Common, limits: Limits, served: str, max_tokens: int | No
         seed=req.seed,
         stream=bool(req.stream),
         include_usage=bool(options.get("include_usage")),
-        logprobs=False,
+        logprobs=logprobs,
         ignore_eos=bool(req.ignore_eos),
     )
 
@@ -206,7 +208,8 @@ def check_chat(
         )
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise ApiError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
-    sampling = check_common(req, limits, served, req.max_completion_tokens or req.max_tokens)
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    sampling = check_common(req, limits, served, max_tokens, bool(req.logprobs))
     messages = []
     for i, m in enumerate(req.messages):
         if m.tool_calls:
@@ -222,7 +225,7 @@ def check_chat(
         else:
             content = m.content or ""
         messages.append({"role": m.role, "content": content})
-    return messages, dataclasses.replace(sampling, logprobs=bool(req.logprobs))
+    return messages, sampling
 
 
 def check_completion(req: CompletionRequest, limits: Limits, served: str) -> tuple[str, Sampling]:
@@ -243,5 +246,4 @@ def check_completion(req: CompletionRequest, limits: Limits, served: str) -> tup
             f"logprobs={req.logprobs}: only 0 (the sampled tokens' log-probs) is supported",
             "logprobs",
         )
-    sampling = check_common(req, limits, served, req.max_tokens)
-    return prompt, dataclasses.replace(sampling, logprobs=req.logprobs == 0)
+    return prompt, check_common(req, limits, served, req.max_tokens, req.logprobs == 0)

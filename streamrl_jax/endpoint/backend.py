@@ -27,13 +27,14 @@ class Backend(Protocol):
     version: int  # the policy version new tokens are sampled with
 
     def submit(self, request: GenerationRequest) -> Future[Sample]:
-        """Queues `request`; the future resolves to its sample (or its failure)."""
+        """Queues `request`; the future resolves to its sample (or its failure).
+
+        Raises:
+          ValueError: naming what is wrong with `request` for this engine (nothing queued).
+        """
 
     def release(self, request_id: Any) -> None:
         """The episode of `request_id` ended: its kept slot is given up."""
-
-    def validate(self, request: GenerationRequest) -> None:
-        """Raises ValueError naming what is wrong with `request` for this engine."""
 
 
 class ServiceBackend:
@@ -49,9 +50,6 @@ class ServiceBackend:
             target=self._dispatch, name="endpoint-dispatch", daemon=True
         )
         self._thread.start()
-
-    def validate(self, request: GenerationRequest) -> None:
-        self.service.engines[0].validate(request)
 
     def submit(self, request: GenerationRequest) -> Future[Sample]:
         future: Future[Sample] = Future()
@@ -141,11 +139,9 @@ class PipelineBackend:
             self._placeholder[eid] = placeholder
             self._first[eid] = Future()
 
-    def validate(self, request: GenerationRequest) -> None:
-        self._validate(request)
-
     def submit(self, request: GenerationRequest) -> Future[Sample]:
-        """The episode's next turn: `request` under its run identity, to the driver."""
+        """The episode's next turn: `request` under its run identity, to the driver
+        (validated here: the driver's thread must not meet a request it cannot serve)."""
         eid = request.request_id
         with self._lock:
             p = self._placeholder.get(eid)
@@ -156,6 +152,7 @@ class PipelineBackend:
                 request, request_id=p.request_id, tag=p.tag, metadata=p.metadata, seed=p.seed,
                 sampling=sampling,
             )  # fmt: skip
+            self._validate(q)
             turn: Future[Sample] = Future()
             self._waiting[p.request_id] = (eid, turn)
             first = self._first[eid]

@@ -24,8 +24,6 @@ import secrets
 import threading
 from typing import Any
 
-import numpy as np
-
 from streamrl_jax.generation.types import Sample
 
 
@@ -136,10 +134,3 @@ class EpisodeBook:
     def num_open(self) -> int:
         with self._lock:
             return len(self._open)
-
-
-def policy_tokens(sample: Sample) -> np.ndarray:
-    """The tokens of `sample` the policy sampled."""
-    if sample.policy_mask is None:
-        return sample.response
-    return sample.response[sample.policy_mask]

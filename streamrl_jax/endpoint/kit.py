@@ -1,9 +1,12 @@
-"""A training run's endpoint: the server its scaffolds talk to, and their threads.
+"""An endpoint assembled: over a generation service (`serve`), or for a training run's
+scaffolds (`AgentKit`).
 
-`AgentKit` is what the `agents` rollout (pipeline/rollouts/agents.py) drives: an
-`Endpoint` on loopback over a `PipelineBackend` (so every turn goes through the run's
-driver), a bearer token from a fresh per-run secret, an `EndpointClient`, the
-scaffold, and `workers` threads that each play one episode at a time.
+`serve` puts an `Endpoint` over a `GenerationService` (a `ServiceBackend`) and starts
+it on loopback: serving, tests, benchmarks. `AgentKit` is what the `agents` rollout
+(pipeline/rollouts/agents.py) drives: an `Endpoint` on loopback over a
+`PipelineBackend` (so every turn goes through the run's driver), a bearer token from a
+fresh per-run secret, an `EndpointClient`, the scaffold, and `workers` threads that
+each play one episode at a time.
 """
 
 from __future__ import annotations
@@ -16,12 +19,26 @@ from collections.abc import Callable
 from typing import Any
 
 from streamrl_jax.endpoint import api
-from streamrl_jax.endpoint.backend import PipelineBackend
+from streamrl_jax.endpoint.backend import PipelineBackend, ServiceBackend
 from streamrl_jax.endpoint.client import EndpointClient
 from streamrl_jax.endpoint.scaffolds import Scaffold
 from streamrl_jax.endpoint.server import Endpoint, EndpointServer, endpoint_token
 from streamrl_jax.endpoint.turns import Context, Turns
+from streamrl_jax.generation.service import GenerationService
 from streamrl_jax.generation.types import GenerationRequest
+from streamrl_jax.model.tokenizer import Tokenizer
+
+
+def serve(
+    service: GenerationService, tokenizer: Tokenizer, token: str, limits: api.Limits
+) -> tuple[Endpoint, EndpointServer]:
+    """An endpoint over `service`, listening on loopback (`server.url`); stop the server,
+    then close `endpoint.backend` (which closes the service)."""
+    turns = Turns(Context.of(tokenizer, service.engines[0].cfg))
+    endpoint = Endpoint(turns, ServiceBackend(service), token, limits=limits)
+    server = EndpointServer(endpoint)
+    server.start()
+    return endpoint, server
 
 
 @dataclasses.dataclass

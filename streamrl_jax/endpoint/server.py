@@ -47,7 +47,7 @@ from starlette.requests import ClientDisconnect
 
 from streamrl_jax.endpoint import api
 from streamrl_jax.endpoint.backend import Backend
-from streamrl_jax.endpoint.book import BookError, EpisodeBook, policy_tokens
+from streamrl_jax.endpoint.book import BookError, EpisodeBook
 from streamrl_jax.endpoint.turns import Turn, Turns
 
 EPISODE_HEADER = "x-episode-id"
@@ -116,15 +116,14 @@ class Endpoint:
             raise api.ApiError(
                 429, f"{self._inflight} requests are generating (the endpoint's limit); retry"
             )
-        self.turns.sampling(s)  # the request's own checks first: then the episode's
+        params = self.turns.sampling(s)  # the request's own checks first, then the episode's
         self._inflight += 1
         try:
             rec = self.book.take(eid)
             try:
                 prepare = self.turns.chat if kind == "chat" else self.turns.completion
-                request = prepare(rec, said, s)
+                request = prepare(rec, said, s, params)
                 try:
-                    self.backend.validate(request)
                     future = self.backend.submit(request)
                 except ValueError as e:
                     raise api.ApiError(400, str(e)) from None
@@ -185,13 +184,20 @@ def _extras(turn: Turn) -> dict[str, Any]:
     return {"token_ids": turn.token_ids.tolist(), "versions": turn.versions.tolist()}
 
 
+def _header(ep: Endpoint, eid: str, prefix: str, kind: str) -> dict[str, Any]:
+    """A response's (or each event's) id, object kind, time and model."""
+    return {
+        "id": f"{prefix}-{eid}-{int(time.time() * 1e6)}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": ep.served,
+    }
+
+
 def chat_body(ep: Endpoint, eid: str, turn: Turn, s: api.Sampling) -> dict[str, Any]:
     logprobs = {"content": _logprob_entries(ep.turns, turn)} if s.logprobs else None
     return {
-        "id": f"chatcmpl-{eid}-{int(time.time() * 1e6)}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": ep.served,
+        **_header(ep, eid, "chatcmpl", "chat.completion"),
         "choices": [
             {
                 "index": 0,
@@ -217,10 +223,7 @@ def completion_body(ep: Endpoint, eid: str, turn: Turn, s: api.Sampling) -> dict
             "text_offset": offsets,
         }
     return {
-        "id": f"cmpl-{eid}-{int(time.time() * 1e6)}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": ep.served,
+        **_header(ep, eid, "cmpl", "text_completion"),
         "choices": [
             {
                 "index": 0,
@@ -234,18 +237,24 @@ def completion_body(ep: Endpoint, eid: str, turn: Turn, s: api.Sampling) -> dict
     }
 
 
+def _shown_pieces(ep: Endpoint, turn: Turn) -> list[tuple[str, int]]:
+    """Each token's text and its offset in the completion, a stop string cut away (it
+    is not part of the completion)."""
+    out, at = [], 0
+    for piece in _token_text(ep.turns, turn.token_ids):
+        piece = piece[: max(0, len(turn.text) - at)]
+        out.append((piece, at))
+        at += len(piece)
+    return out
+
+
 def _event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
 async def chat_events(ep: Endpoint, eid: str, turn: Turn, s: api.Sampling) -> AsyncIterator[bytes]:
     """The completion as chat.completion.chunk events, one token each."""
-    base = {
-        "id": f"chatcmpl-{eid}-{int(time.time() * 1e6)}",
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": ep.served,
-    }
+    base = _header(ep, eid, "chatcmpl", "chat.completion.chunk")
 
     def event(choices: list, **more: Any) -> bytes:
         return _event({**base, "choices": choices, **more})
@@ -260,13 +269,8 @@ async def chat_events(ep: Endpoint, eid: str, turn: Turn, s: api.Sampling) -> As
             }
         ]
     )
-    pieces = _token_text(ep.turns, turn.token_ids)
     entries = _logprob_entries(ep.turns, turn) if s.logprobs else None
-    shown = len(turn.text)
-    at = 0
-    for i, piece in enumerate(pieces):
-        piece = piece[: max(0, shown - at)]  # a stop string is not shown
-        at += len(piece)
+    for i, (piece, _) in enumerate(_shown_pieces(ep, turn)):
         logprobs = {"content": [entries[i]]} if entries is not None else None
         choice = {
             "index": 0,
@@ -287,24 +291,16 @@ async def completion_events(
     ep: Endpoint, eid: str, turn: Turn, s: api.Sampling
 ) -> AsyncIterator[bytes]:
     """The completion as text_completion events, one token each."""
-    base = {
-        "id": f"cmpl-{eid}-{int(time.time() * 1e6)}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": ep.served,
-    }
-    pieces = _token_text(ep.turns, turn.token_ids)
-    shown, at = len(turn.text), 0
-    for i, piece in enumerate(pieces):
-        piece = piece[: max(0, shown - at)]
-        at += len(piece)
+    base = _header(ep, eid, "cmpl", "text_completion")
+    pieces = _shown_pieces(ep, turn)
+    for i, (piece, at) in enumerate(pieces):
         logprobs = None
         if s.logprobs:
             logprobs = {
                 "tokens": [piece],
                 "token_logprobs": [float(turn.logprobs[i])],
                 "top_logprobs": None,
-                "text_offset": [at - len(piece)],
+                "text_offset": [at],
             }
         last = i == len(pieces) - 1
         choice = {
@@ -317,11 +313,7 @@ async def completion_events(
         }
         yield _event({**base, "choices": [choice]})
     if s.include_usage:
-        yield (
-            b"data: "
-            + json.dumps({**base, "choices": [], "usage": _usage(turn)}).encode()
-            + b"\n\n"
-        )
+        yield _event({**base, "choices": [], "usage": _usage(turn)})
     yield b"data: [DONE]\n\n"
 
 
@@ -367,7 +359,7 @@ def make_app(ep: Endpoint):
     async def close_episode(eid: str) -> dict[str, Any]:
         rec = ep.book.close(eid)
         ep.backend.release(eid)
-        policy = 0 if rec.sample is None else len(policy_tokens(rec.sample))
+        policy = 0 if rec.sample is None else len(rec.sample.policy_token_ids())
         return {"id": eid, "object": "episode", "turns": rec.turns, "policy_tokens": policy}
 
     async def handle(request: Request, kind: str):

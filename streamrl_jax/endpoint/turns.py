@@ -22,6 +22,7 @@ import numpy as np
 from streamrl_jax.endpoint.api import ApiError, Sampling
 from streamrl_jax.endpoint.book import Record
 from streamrl_jax.environments.render import TurnRenderer
+from streamrl_jax.generation.engine_config import EngineConfig
 from streamrl_jax.generation.types import (
     Continuation,
     GenerationRequest,
@@ -55,6 +56,10 @@ class Context:
     max_prompt_length: int
     max_total_length: int
 
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, engine: EngineConfig) -> Context:
+        return cls(tokenizer, engine.max_prompt_length, engine.max_total_length)
+
 
 class Turns:
     """Requests of episodes -> generation requests; samples -> recorded turns."""
@@ -65,12 +70,15 @@ class Turns:
         self._stops = tuple(ctx.tokenizer.stop_ids)
 
     # ------------------------------------------------------------------ requests
-    def chat(self, rec: Record, messages: list[dict[str, str]], s: Sampling) -> GenerationRequest:
-        """The generation request of a chat completion of episode `rec`."""
+    def chat(
+        self, rec: Record, messages: list[dict[str, str]], s: Sampling, params: SamplingParams
+    ) -> GenerationRequest:
+        """The generation request of a chat completion of episode `rec` (`params`:
+        `sampling(s)`)."""
         self._kind(rec, "chat")
         if rec.sample is None:
             prompt = self.ctx.tokenizer.encode_chat(messages)
-            return self._first(rec, prompt, s)
+            return self._first(rec, prompt, s, params)
         n = len(rec.messages)
         if len(messages) <= n or messages[:n] != rec.messages:
             pairs = enumerate(zip(messages, rec.messages, strict=False))
@@ -89,13 +97,15 @@ class Turns:
                 raise ApiError(400, why, "messages")
         last = rec.sample
         ended = int(last.response[-1]) if last.finish_reason == "stop" else None
-        return self._next(rec, self.renderer.observation(new, ended), s)
+        return self._next(rec, self.renderer.observation(new, ended), s, params)
 
-    def completion(self, rec: Record, prompt: str, s: Sampling) -> GenerationRequest:
+    def completion(
+        self, rec: Record, prompt: str, s: Sampling, params: SamplingParams
+    ) -> GenerationRequest:
         """The generation request of a text completion of episode `rec`."""
         self._kind(rec, "completion")
         if rec.sample is None:
-            return self._first(rec, self.ctx.tokenizer.encode(prompt), s)
+            return self._first(rec, self.ctx.tokenizer.encode(prompt), s, params)
         if not prompt.startswith(rec.text) or len(prompt) == len(rec.text):
             raise ApiError(
                 400,
@@ -103,14 +113,17 @@ class Turns:
                 "prompt and completions so far) with new text",
                 "prompt",
             )
-        return self._next(rec, self.ctx.tokenizer.encode(prompt[len(rec.text) :]), s)
+        suffix = self.ctx.tokenizer.encode(prompt[len(rec.text) :])
+        return self._next(rec, suffix, s, params)
 
     def _kind(self, rec: Record, kind: str) -> None:
         if rec.kind and rec.kind != kind:
             raise ApiError(400, f"episode {rec.id} is a {rec.kind} episode, not a {kind} one")
         rec.kind = kind
 
-    def _first(self, rec: Record, prompt: list[int], s: Sampling) -> GenerationRequest:
+    def _first(
+        self, rec: Record, prompt: list[int], s: Sampling, params: SamplingParams
+    ) -> GenerationRequest:
         if not 1 <= len(prompt) <= self.ctx.max_prompt_length:
             raise ApiError(
                 400,
@@ -127,13 +140,15 @@ class Turns:
             prompt=prompt,
             max_new_tokens=s.max_tokens,
             forced_length=s.max_tokens if s.ignore_eos else None,
-            sampling=self.sampling(s),
+            sampling=params,
             seed=rec.seed,
             metadata=rec.metadata,
             keep_kv=True,
         )
 
-    def _next(self, rec: Record, env_tokens: list[int], s: Sampling) -> GenerationRequest:
+    def _next(
+        self, rec: Record, env_tokens: list[int], s: Sampling, params: SamplingParams
+    ) -> GenerationRequest:
         if s.seed is not None and s.seed != rec.seed:
             raise ApiError(
                 400, f"seed={s.seed}: episode {rec.id} samples with its first seed", "seed"
@@ -154,7 +169,7 @@ class Turns:
             prompt=rec.prompt,
             max_new_tokens=cont.policy_tokens + s.max_tokens,
             forced_length=cont.policy_tokens + s.max_tokens if s.ignore_eos else None,
-            sampling=self.sampling(s),
+            sampling=params,
             seed=rec.seed,
             metadata=rec.metadata,
             continuation=cont,

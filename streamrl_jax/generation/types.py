@@ -284,6 +284,11 @@ class Sample:
     def num_tokens(self) -> int:
         return int(self.response.shape[0])
 
+    def policy_token_ids(self) -> np.ndarray:
+        """i32[N]: the tokens the policy sampled (the response without the environment's)."""
+        r = self.response
+        return r if self.policy_mask is None else r[np.asarray(self.policy_mask, bool)]
+
     def policy_versions(self) -> np.ndarray:
         """i32[N]: the version of every policy token (an environment token's KV version
         says nothing of the policy that sampled the episode)."""

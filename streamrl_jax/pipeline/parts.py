@@ -211,7 +211,7 @@ def agent_kit(cfg: ExperimentConfig, c: Components, kit: EpisodeKit) -> AgentKit
         max_inflight=4 * per_batch,
     )
     return make_agent_kit(
-        Context(c.tokenizer, ecfg.max_prompt_length, ecfg.max_total_length),
+        Context.of(c.tokenizer, ecfg),
         functools.partial(validate_request, ecfg, c.model_cfg.vocab_size),
         lambda request: Returned(None, [request]),  # an episode's later turn, submitted
         scaffold,

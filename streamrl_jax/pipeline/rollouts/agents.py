@@ -32,8 +32,9 @@ from collections.abc import Callable
 
 from streamrl_jax.endpoint.kit import AgentKit
 from streamrl_jax.endpoint.scaffolds import AgentTask
+from streamrl_jax.environments import TurnInfo
 from streamrl_jax.generation.types import GenerationRequest, Sample
-from streamrl_jax.pipeline.rollouts.episodes import Episodes, question_of
+from streamrl_jax.pipeline.rollouts.episodes import EpisodeRecord, Episodes, question_of
 from streamrl_jax.pipeline.rollouts.protocol import Returned, Rollout, RolloutContext
 
 
@@ -77,19 +78,18 @@ class Agents(Episodes):
             rec = kit.endpoint.book.close(eid, "its scaffold ended")
             if rec.sample is None:
                 raise RuntimeError("the scaffold ended without a completion")
-            episode = {
-                "return": float(result.reward),
-                "correct": bool(result.correct),
-                "format_ok": bool(result.format_ok),
-                "answer": result.answer,
-                "turns": rec.turns,
-                "tool_calls": result.tool_calls,
-                "tool_failures": result.tool_failures,
-                "malformed_calls": result.malformed_calls,
-                "cut_turns": rec.cut,
-                "env_tokens": _env_tokens(rec.sample),
-                "outcome": result.outcome,
-            }
+            ep = EpisodeRecord(
+                state={},
+                turns=rec.turns,
+                ret=float(result.reward),
+                tool_calls=result.tool_calls,
+                tool_failures=result.tool_failures,
+                malformed_calls=result.malformed_calls,
+                cut_turns=rec.cut,
+                last=TurnInfo(correct=result.correct, format_ok=result.format_ok,
+                              answer=result.answer),
+            )  # fmt: skip
+            episode = self._outcome(rec.sample, ep, result.outcome, 0)
             whole = dataclasses.replace(rec.sample, metadata={**q.metadata, "episode": episode})
             kit.backend.finish(eid, self.inner.returned(whole))
         except BaseException as e:  # noqa: BLE001 - the run fails with it, named
@@ -103,7 +103,3 @@ class Agents(Episodes):
             self.agents.cancel()
             self.agents.backend.fail(exc)
         super().fail(exc)
-
-
-def _env_tokens(sample: Sample) -> int:
-    return 0 if sample.policy_mask is None else int((~sample.policy_mask).sum())

@@ -82,7 +82,7 @@ OUTCOMES = ("done", "turn_limit", "context", "episode_tokens", "lag")
 
 
 @dataclasses.dataclass
-class _Episode:
+class EpisodeRecord:
     """One episode in flight (touched by one thread at a time: the collector, then the
     environment thread stepping it)."""
 
@@ -102,7 +102,7 @@ class _Episode:
         return json.loads(json.dumps(dataclasses.asdict(self), allow_nan=False))
 
     @classmethod
-    def from_json(cls, x: dict[str, Any]) -> _Episode:
+    def from_json(cls, x: dict[str, Any]) -> EpisodeRecord:
         return cls(**{**x, "last": TurnInfo(**x["last"])})
 
     def add(self, info: TurnInfo, reward: float) -> None:
@@ -133,7 +133,7 @@ class Episodes:
         self.kit: EpisodeKit | None = ctx.episodes
         self.inner = inner(ctx)
         self._lock = threading.Lock()
-        self._live: dict[Any, _Episode] = {}
+        self._live: dict[Any, EpisodeRecord] = {}
         self._stats: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
         # Partial rollout: round -> {request id: the record of an episode carried into
         # it, as it was then} (what a checkpoint at that round holds).
@@ -158,7 +158,7 @@ class Episodes:
             ep = self._live.get(sample.request_id)
             if ep is None:
                 start = self.kit.environment.start(question_of(sample.metadata), sample.metadata)
-                ep = self._live[sample.request_id] = _Episode(state=start.state)
+                ep = self._live[sample.request_id] = EpisodeRecord(state=start.state)
         if sample.finish_reason == "paused":  # partial rollout: on in a later round
             return self._carried(self.inner.returned(self._as_paused(sample, ep, 1)), ep)
         ep.turns += 1
@@ -167,7 +167,7 @@ class Episodes:
         ep.cut_turns += sample.finish_reason == "length"
         return Returned(None, [], later=self.kit.submit(self._step, sample, ep))
 
-    def _step(self, sample: Sample, ep: _Episode) -> Returned:
+    def _step(self, sample: Sample, ep: EpisodeRecord) -> Returned:
         """The environment's answer to the turn (an `episode-env` thread)."""
         kit = self.kit
         env, limits = kit.environment, kit.limits
@@ -197,7 +197,7 @@ class Episodes:
         turn = dataclasses.replace(sample, finish_reason="paused")
         return self._carried(self.inner.next_turn(self._as_paused(turn, ep, 0), request), ep)
 
-    def _as_paused(self, paused: Sample, ep: _Episode, in_turn: int) -> Sample:
+    def _as_paused(self, paused: Sample, ep: EpisodeRecord, in_turn: int) -> Sample:
         """Partial rollout: a paused episode (`in_turn` = 1 mid-turn, 0 between turns),
         its record kept for the round it may be carried into, its metadata what it is
         handed on with should the lag bound drop it."""
@@ -213,7 +213,7 @@ class Episodes:
         metadata = {**paused.metadata, "episode": self._outcome(paused, ep, "lag", in_turn)}
         return dataclasses.replace(paused, metadata=metadata)
 
-    def _carried(self, placed: Returned, ep: _Episode) -> Returned:
+    def _carried(self, placed: Returned, ep: EpisodeRecord) -> Returned:
         """The rounds' answer for a paused episode: it goes on, or (past the lag bound) is
         handed on as it is, to be dropped with its group."""
         if placed.sample is not None:
@@ -236,7 +236,7 @@ class Episodes:
             keep_kv=True,
         )
 
-    def _end(self, sample: Sample, ep: _Episode, outcome: str) -> Returned:
+    def _end(self, sample: Sample, ep: EpisodeRecord, outcome: str) -> Returned:
         """The episode, whole, with its outcome in its metadata."""
         with self._lock:
             self._live.pop(sample.request_id, None)
@@ -247,7 +247,7 @@ class Episodes:
         return self.inner.returned(whole)
 
     @staticmethod
-    def _outcome(sample: Sample, ep: _Episode, outcome: str, in_turn: int) -> dict[str, Any]:
+    def _outcome(sample: Sample, ep: EpisodeRecord, outcome: str, in_turn: int) -> dict[str, Any]:
         """`metadata["episode"]` of `sample`, ending now with `outcome` (`in_turn`: a turn
         under way counts)."""
         env_tokens = 0 if sample.policy_mask is None else int((~sample.policy_mask).sum())
@@ -308,7 +308,7 @@ class Episodes:
         finished = self.inner.restore(k, state)
         with self._lock:
             for rid, record in state.get("episodes", []):
-                self._live[rid] = _Episode.from_json(record)
+                self._live[rid] = EpisodeRecord.from_json(record)
                 self._records[k][rid] = record
         return finished
 
