@@ -7,6 +7,8 @@ Every sample is an episode (docs/episodes.md): the model may call the calculator
 as a tool message) before answering in <answer></answer> tags. Variants:
   configs/agent.py:endpoint  training episodes played by a scaffold through the run's
                             OpenAI-compatible endpoint (docs/endpoint.md)
+  configs/agent.py:openenv  the same through the endpoint with a third-party (OpenEnv)
+                            environment: environments/openenv_arithmetic.py
   configs/agent.py:short  10 steps (a first look)
   configs/agent.py:tiny   tiny random model, a few seconds a step (tests, smoke runs)
 Any field can be overridden: --config.environment.max_turns=3
@@ -74,6 +76,22 @@ def get_config(arg: str | None = None):
         # OpenAI-compatible endpoint (docs/endpoint.md): the calculator environment
         # driven with the official openai client; held-out episodes run in-process.
         c.pipeline.rollout = "agents+full"
+    elif arg in ("openenv", "openenv_short"):
+        # A third-party environment through the endpoint: an OpenEnv (openenv-core) MCP
+        # environment, unchanged (environments/openenv_arithmetic.py: reasoning-gym tasks,
+        # a calculator tool, answers scored by its submit_answer tool), played by
+        # scaffolds with the official openai client; no demonstrations (OpenEnv gives
+        # none), so RL starts from the instruct model.
+        c.pipeline.rollout = "agents+full"
+        c.environment.name = "openenv"
+        c.environment.openenv = (
+            "streamrl_jax.environments.openenv_arithmetic:ArithmeticToolsEnvironment"
+        )
+        c.warmup.steps = 0
+        if arg == "openenv_short":
+            c.pipeline.steps = 10
+            c.eval.every = 5
+            c.checkpoint.every = 0
     elif arg == "short":
         c.pipeline.steps = 10
         c.eval.every = 5
@@ -97,5 +115,8 @@ def get_config(arg: str | None = None):
         c.warmup.steps = 0
         c.log.progress = False
     else:
-        raise ValueError(f"configs/agent.py: unknown variant {arg!r} (endpoint | short | tiny)")
+        raise ValueError(
+            f"configs/agent.py: unknown variant {arg!r} "
+            "(endpoint | openenv | openenv_short | short | tiny)"
+        )
     return c

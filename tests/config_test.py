@@ -448,6 +448,10 @@ FREE_TEXT = {
     "data.eval_jsonl_path",
     "scheduling.ranker_path",
     "scheduling.ptl_profile",
+    # checked where the environment is built (environments/openenv.py), naming the field
+    "environment.openenv",
+    "environment.openenv_kwargs",
+    "environment.openenv_answer_tool",
 }
 
 

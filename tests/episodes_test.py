@@ -54,6 +54,7 @@ class ScriptedEnv:
 
     def __init__(self, raise_at: int = -1):
         self.messages: list[str] = []
+        self.ended: list[dict] = []  # states of episodes ended by a limit
         self.raise_at = raise_at
 
     def start(self, question, metadata):
@@ -69,6 +70,9 @@ class ScriptedEnv:
             return StepResult(obs, 0.25, False, {"n": n + 1}, TurnInfo(tool_calls=1))
         info = TurnInfo(answered=True, correct=True, format_ok=True, answer="42")
         return StepResult([], 1.0, True, {"n": n + 1}, info)
+
+    def end(self, state):
+        self.ended.append(state)
 
 
 def _kit(env, **limits):
@@ -187,7 +191,9 @@ def test_an_episode_runs_turn_by_turn_and_is_handed_on_whole():
       "episode_tokens", 1), ({}, "context", "context", 1)],
 )  # fmt: skip
 def test_a_limit_ends_the_episode_with_its_outcome(limits, reason, outcome, turns):
-    rollout = _rollout(ScriptedEnv(), **limits)
+    # ... and tells the environment (`end`: an OpenEnv session is released)
+    env = ScriptedEnv()
+    rollout = _rollout(env, **limits)
     sample = _first(reason=reason)
     out = rollout.returned(sample)
     while out.later is not None or out.now:
@@ -197,6 +203,7 @@ def test_a_limit_ends_the_episode_with_its_outcome(limits, reason, outcome, turn
         out = rollout.returned(_engine_turn(out.now[0], [103]))
     ep = out.sample.metadata["episode"]
     assert (ep["outcome"], ep["turns"]) == (outcome, turns)
+    assert env.ended == [{"n": turns - (reason == "context")}]
     rollout.scored(Scored(out.sample, "t", _REWARD))
     assert rollout.finish(0).metrics["episode_truncated"] == 1.0
 

@@ -97,6 +97,9 @@ ROW = '{"question": "1+1?", "answer": 2}\n'
 EVAL = _write("eval.jsonl", '{"question": "2+2?", "answer": 4}\n')
 
 
+_OPENENV = "streamrl_jax.environments.openenv_arithmetic:ArithmeticToolsEnvironment"
+
+
 def _jsonl(name: str, body: str | bytes, expect: str, *extra: str) -> Case:
     return Case(
         name,
@@ -346,6 +349,26 @@ CASES: list[Case] = [
         "--config.pipeline.partial_budget_tokens=16",
         "--config.pipeline.max_lag=3",
         "--config.pipeline.lag_policy=regenerate",
+    ),
+    _agent(
+        "OpenEnv class that is not there",
+        "--config.environment.name=openenv",
+        "environment.openenv='streamrl_jax.environments.openenv_arithmetic:Nope'",
+        f"--config.environment.openenv={_OPENENV.split(':')[0]}:Nope",
+    ),
+    _agent(
+        "OpenEnv arguments that are not JSON",
+        "--config.environment.name=openenv",
+        "environment.openenv_kwargs is not valid JSON",
+        f"--config.environment.openenv={_OPENENV}",
+        "--config.environment.openenv_kwargs={task:",
+    ),
+    _agent(
+        "OpenEnv answer tool it does not offer",
+        "--config.environment.name=openenv",
+        "environment.openenv_answer_tool='answer': ",
+        f"--config.environment.openenv={_OPENENV}",
+        "--config.environment.openenv_answer_tool=answer",
     ),
     _agent(
         "scaffolds' episodes in rounds",

@@ -246,6 +246,21 @@ def _check_environment(cfg: ExperimentConfig) -> None:
         "'dynamic_sampling' (partial rollout of them is not built)",
     )
     require(
+        (e.name == "openenv") == bool(e.openenv),
+        f"environment.name={e.name!r}, environment.openenv={e.openenv!r}: name 'openenv' "
+        "runs the OpenEnv environment class environment.openenv ('module:Class'), and only it",
+    )
+    require(
+        e.name != "openenv" or kind != "partial",
+        "environment.name='openenv' with pipeline.rollout='episodes+partial': an OpenEnv "
+        "session is state a checkpoint cannot hold, and partial rollout carries episodes "
+        "in checkpoints; use 'episodes+full' or 'episodes+dynamic_sampling'",
+    )
+    require(
+        e.name != "openenv" or cfg.warmup.steps == 0,
+        f"warmup.steps={cfg.warmup.steps}: an OpenEnv environment gives no demonstrations",
+    )
+    require(
         kind != "partial" or p.lag_policy == "drop",
         "pipeline.rollout='episodes+partial' needs pipeline.lag_policy='drop' (an episode "
         "regenerated from its prompt would have to rewind its environment)",

@@ -34,7 +34,7 @@ LAG_POLICIES = ("drop", "regenerate")
 ROLLOUTS = ("full", "dynamic_sampling", "partial")
 ROLLOUT_WRAPPERS = ("curriculum", "episodes", "agents")
 # environment.name (streamrl_jax/environments/): "" = single-turn samples, no environment.
-ENVIRONMENTS = ("", "calculator", "retry")
+ENVIRONMENTS = ("", "calculator", "retry", "openenv")
 # environment.tool_format (environments/tool_calls.py): "auto" = the model's convention.
 TOOL_FORMATS = ("auto", "hermes", "simple")
 # The generation copy's matrices (generation/quant.py): "auto" = model.generate_dtype,
@@ -268,7 +268,7 @@ class EnvironmentSection:
     """Multi-turn episodes (docs/episodes.md): with a name, `pipeline.rollout` starts with
     "episodes+" and every sample (held-out ones too) is an episode of this environment."""
 
-    name: str = ""  # "" (single-turn) | "calculator" | "retry"
+    name: str = ""  # "" (single-turn) | "calculator" | "retry" | "openenv"
     tool_format: str = "auto"  # auto (the model's convention) | hermes | simple
     max_turns: int = 4  # policy turns per episode (the episode ends after the last)
     # Tokens after the prompt (policy + environment) per episode; 0 = up to model.max_context.
@@ -281,6 +281,12 @@ class EnvironmentSection:
     tool_memory_mb: int = 1024  # address-space limit of a tool worker
     tool_output_chars: int = 256  # a longer tool result is cut (and counted as a failure)
     workers: int = 2  # environment steps (and tool workers) run at once
+    # name="openenv" (environments/openenv.py): an OpenEnv MCP environment class,
+    # "module:Class", built per episode with the JSON object `openenv_kwargs`; the policy's
+    # final answer goes to its tool `openenv_answer_tool`.
+    openenv: str = ""
+    openenv_kwargs: str = "{}"
+    openenv_answer_tool: str = "submit_answer"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -68,6 +68,7 @@ def environment_scaffold(
             except openai.BadRequestError as e:
                 if turn == 0 or e.code != CONTEXT_EXCEEDED:
                     raise
+                env.end(state)
                 return _result(total, last, counts, "episode_tokens")
             text = r.choices[0].message.content or ""
             step = env.step(state, text, task.metadata)
@@ -84,6 +85,7 @@ def environment_scaffold(
                 break
             messages += [{"role": "assistant", "content": text}, *step.observation]
         else:
+            env.end(state)
             return _result(total, last, counts, "turn_limit")
         return _result(total, last, counts, "done")
 

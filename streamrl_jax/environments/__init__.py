@@ -7,6 +7,9 @@
 * `tools.py`: the tools (`calculator`) and `ToolRunner`, which runs them in the sandbox.
 * `render.py`: an environment turn as the tokens appended to the episode.
 * `calculator.py`, `retry.py`: the environments shipped, chosen by `environment.name`.
+* `openenv.py`: an OpenEnv (openenv-core) MCP environment, unchanged, as one of them
+  (`environment.name="openenv"`); `openenv_arithmetic.py` is one, built from offline
+  reasoning-gym data.
 
 `make_kit` builds what the episodes rollout (`pipeline/rollouts/episodes.py`) needs;
 `EpisodeReward` is the run's reward function when episodes run: an episode's outcome,
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -36,6 +40,7 @@ from streamrl_jax.environments.render import TurnRenderer
 from streamrl_jax.environments.retry import RetryEnvironment
 from streamrl_jax.environments.tool_calls import ToolFormat, resolve_format
 from streamrl_jax.environments.tools import TOOLS, ToolRunner
+from streamrl_jax.errors import UserError
 from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.rewards.base import RewardFn, RewardResult
 from streamrl_jax.rewards.sandbox import Limits
@@ -43,8 +48,8 @@ from streamrl_jax.rewards.sandbox import Limits
 T = TypeVar("T")
 # The names `config.sections.ENVIRONMENTS` lists (a test holds them equal), and the
 # tools each one offers.
-ENVIRONMENTS = ("calculator", "retry")
-_TOOLS = {"calculator": ("calculator",), "retry": ()}
+ENVIRONMENTS = ("calculator", "retry", "openenv")
+_TOOLS = {"calculator": ("calculator",), "retry": (), "openenv": ()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,10 +88,14 @@ class EpisodeKit:
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
-        """Ends the environment threads (a running step is not waited for) and the tools."""
+        """Ends the environment threads (a running step is not waited for), the tools and
+        the environment's own sessions (an OpenEnv one's)."""
         self.cancel()
         if self.tools is not None:
             self.tools.close()
+        close = getattr(self.environment, "close", None)
+        if callable(close):
+            close()
 
 
 def make_kit(
@@ -130,7 +139,34 @@ def make_environment(
         return RetryEnvironment(
             services, max_attempts=section.max_attempts, discount=section.attempt_discount
         )
+    if section.name == "openenv":
+        from streamrl_jax.environments.openenv import OpenEnvEnvironment
+
+        return OpenEnvEnvironment(
+            section.openenv,
+            openenv_kwargs(section),
+            fmt,
+            services,
+            answer_tool=section.openenv_answer_tool,
+            timeout_s=section.tool_timeout_s,
+            max_output_chars=section.tool_output_chars,
+        )
     raise ValueError(f"environment.name={section.name!r}; expected one of {ENVIRONMENTS}")
+
+
+def openenv_kwargs(section: EnvironmentSection) -> dict[str, Any]:
+    """`environment.openenv_kwargs` parsed.
+
+    Raises:
+      UserError: not a JSON object (naming the field).
+    """
+    try:
+        kwargs = json.loads(section.openenv_kwargs)
+    except json.JSONDecodeError as e:
+        raise UserError(f"environment.openenv_kwargs is not valid JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise UserError("environment.openenv_kwargs must be a JSON object {argument: value}")
+    return kwargs
 
 
 def first_messages(

@@ -91,3 +91,6 @@ class CalculatorEnvironment:
             self.fmt.result(call, result),
             {"role": "assistant", "content": f"<answer>{entry['answer']}</answer>"},
         ]
+
+    def end(self, state: State) -> None:
+        del state  # the state is pure JSON: nothing to release

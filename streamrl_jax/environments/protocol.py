@@ -97,3 +97,7 @@ class Environment(Protocol):
         """A correct episode's turns after the first messages (assistant messages, and
         the environment's answers between them), for a supervised warm-up
         (`pipeline/warmup.py`); None where this task has none."""
+
+    def end(self, state: State) -> None:
+        """The episode ended before a step said done (a turn, token or context limit):
+        release what its state holds (an OpenEnv session); a no-op for a pure one."""

@@ -58,3 +58,6 @@ class RetryEnvironment:
         if "answer" not in entry:
             return None
         return [{"role": "assistant", "content": f"<answer>{entry['answer']}</answer>"}]
+
+    def end(self, state: State) -> None:
+        del state  # the state is pure JSON: nothing to release

@@ -240,6 +240,8 @@ class Episodes:
         """The episode, whole, with its outcome in its metadata."""
         with self._lock:
             self._live.pop(sample.request_id, None)
+        if outcome != "done":
+            self.kit.environment.end(ep.state)
         episode = self._outcome(sample, ep, outcome, 0)
         whole = dataclasses.replace(sample, metadata={**sample.metadata, "episode": episode})
         if sample.tag.is_eval:
