@@ -56,6 +56,9 @@ _PIPELINE = flags.DEFINE_bool("pipeline", True, "Run the pipeline part.")
 _ENDPOINT = flags.DEFINE_bool("endpoint", True, "Run the endpoint part.")
 _CLIENTS = flags.DEFINE_integer("clients", 8, "Endpoint: concurrent clients (one episode each).")
 _ROUNDS = flags.DEFINE_integer("rounds", 0, "Endpoint: episodes per client (0: 1 quick, 3 full).")
+_MEMORY_ROUNDS = flags.DEFINE_integer(
+    "memory_rounds", 0, "Endpoint: rounds of the load afterwards, resident memory after each."
+)
 
 
 def _episode_requests(n: int, prompt_len: int, keep_kv: bool, vocab: int):
@@ -337,6 +340,24 @@ def endpoint_part() -> dict:
     out["median_turn_overhead_ms"] = round(
         1e3 * (out["endpoint"]["turn_p50_s"] - out["in_process"]["turn_p50_s"]), 2
     )
+    if _MEMORY_ROUNDS.value:
+        # Bounded memory: the same load again and again (each round every client plays
+        # one episode through the endpoint), the process's resident memory after each.
+        # Growth that stops is allocation reaching its working set; growth that goes on
+        # is a leak.
+        import gc
+
+        trace = []
+        for _ in range(_MEMORY_ROUNDS.value):
+            run(over_http, 1)
+            gc.collect()
+            trace.append(round(rss_mb() - rss0, 1))
+        out["memory_rounds"] = {
+            "requests_per_round": n * turns_n,
+            "rss_growth_mb": trace,
+            "open_episodes_after": endpoint.book.num_open,
+        }
+        print(f"endpoint memory rounds: {out['memory_rounds']}", file=sys.stderr, flush=True)
     server.stop()
     backend.close()
     return out
