@@ -553,3 +553,17 @@ def test_an_episode_whose_next_turn_runs_on_new_weights_keeps_each_tokens_versio
     assert v[:k].tolist() == [0] * k and v[k + 3 :].tolist() == [1] * (second.num_tokens - k - 3)
     assert (second.oldest_version, second.newest_version) == (0, 1)
     assert engine.metrics()["extended"] == 1
+
+
+def test_the_metrics_timeline_keeps_the_newest_chunks_and_counts_them_all(model):
+    # A serving engine runs for days: its timeline is bounded, `chunks` counts them all.
+    from unittest import mock
+
+    from streamrl_jax.generation import engine as engine_mod
+
+    with mock.patch.object(engine_mod, "TIMELINE_CHUNKS", 3):
+        engine = make_engine(model)
+    engine.run(requests(4))
+    m = engine.metrics()
+    assert m["chunks"] > 3 and len(m["timeline"]) == 3
+    assert m["timeline"][-1][0] >= m["timeline"][0][0]

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from support import HF_TINY, randomize_hf
 
 from streamrl_jax import mesh as mesh_lib
 from streamrl_jax.generation import complete
@@ -28,16 +29,7 @@ def _permute_qk(w_RxC: np.ndarray, n_head: int) -> np.ndarray:
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-_TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=112,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-5,
-)
+_TINY = HF_TINY
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -49,22 +41,12 @@ _LLAMA3_ROPE = {
 }
 
 
-def _randomize(model, seed: int = 0):
-    """Weights large enough that attention is far from uniform (so RoPE errors show)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.15 * noise)
-    return model.eval()
-
-
 def _hf_model(kind: str, **overrides):
     if kind == "llama":
         cfg = transformers.LlamaConfig(**dict(_TINY, tie_word_embeddings=False, **overrides))
-        return _randomize(transformers.LlamaForCausalLM(cfg))
+        return randomize_hf(transformers.LlamaForCausalLM(cfg))
     cfg = transformers.Qwen2Config(**dict(_TINY, tie_word_embeddings=True, **overrides))
-    return _randomize(transformers.Qwen2ForCausalLM(cfg))
+    return randomize_hf(transformers.Qwen2ForCausalLM(cfg))
 
 
 def _hf_logits(model, tokens_BxT: np.ndarray) -> np.ndarray:

@@ -391,3 +391,29 @@ def assert_whole_episodes(samples: list, turns: int, turn_tokens: int) -> None:
         assert policy_run_lengths(s.policy_mask) == [turn_tokens] * turns
         assert ep["env_tokens"] == int((~s.policy_mask).sum()) > 0
         np.testing.assert_array_equal(s.logprobs[~s.policy_mask], 0.0)
+
+
+# A tiny `transformers` config (its fields) for parity tests of the checkpoint families.
+HF_TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+)
+
+
+def randomize_hf(model: Any, seed: int = 0) -> Any:
+    """A `transformers` model's weights made large enough that attention is far from
+    uniform (so RoPE, norm and mask errors show): norms near 1, matrices at 0.15."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.15 * noise)
+    return model.eval()

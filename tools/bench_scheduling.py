@@ -254,11 +254,12 @@ def _time_plans(engines, slots, ptl, reqs, plans, true, acc) -> None:
             ]
             best = np.inf
             for _ in range(FLAGS.repeats):
-                chunks0 = len(engine.metrics()["timeline"])
+                chunks0 = engine.metrics()["chunks"]
                 t0 = time.perf_counter()
                 engine.run(mine)
                 best = min(best, time.perf_counter() - t0)
-                timeline = engine.metrics()["timeline"][chunks0:]
+                m = engine.metrics()
+                timeline = m["timeline"][len(m["timeline"]) - (m["chunks"] - chunks0) :]
             span = max(span, best)
             # The engine's own schedule (admissions, chunks) timed with the measured PTL
             # at each chunk's decode batch: the batch bucket covering the slots running

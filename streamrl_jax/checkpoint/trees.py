@@ -21,7 +21,7 @@ from streamrl_jax.model.config import SHAPE_FIELDS
 
 # Architecture fields of `model.config.ModelConfig` that decide parameter shapes
 # or meaning; a checkpoint restores only into a model with the same values.
-FINGERPRINT_FIELDS = (*SHAPE_FIELDS, "tie_embeddings", "qkv_bias", "param_dtype")
+FINGERPRINT_FIELDS = (*SHAPE_FIELDS, "tie_embeddings", "qkv_bias", "qk_norm", "param_dtype")
 MAX_LISTED = 5  # mismatching leaves named in an error message
 
 

@@ -59,6 +59,10 @@ _LAYER_AXES = {
     "attn_norm": ("norm",),
     "qkv": ("embed", "kv_heads", "parts", "head_dim"),
     "qkv_bias": ("kv_heads", "parts", "head_dim"),
+    "q_norm": ("norm",),
+    "k_norm": ("norm",),
+    "post_attn_norm": ("norm",),
+    "post_mlp_norm": ("norm",),
     "o": ("kv_heads", "parts", "head_dim", "embed"),
     "mlp_norm": ("norm",),
     "gate_up": ("embed", "parts", "mlp"),
@@ -175,6 +179,10 @@ def from_training_layout(
         if cfg.qkv_bias:
             bias = [p["q_bias"].reshape(k, g, d), p["k_bias"][:, None], p["v_bias"][:, None]]
             out["qkv_bias"] = jnp.concatenate(bias, axis=1).astype(dt)
+        if cfg.qk_norm:
+            out["q_norm"], out["k_norm"] = p["q_norm"], p["k_norm"]
+        if cfg.sandwich_norms:
+            out["post_attn_norm"], out["post_mlp_norm"] = p["post_attn_norm"], p["post_mlp_norm"]
         return out
 
     weights = {
@@ -232,6 +240,12 @@ class GenModel:
         self.w, self.cfg, self.attention = weights, cfg, attention
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
+        x = self._embed_rows(tokens)
+        if self.cfg.embed_scale:  # Gemma: times sqrt(E)
+            x = x * jnp.asarray(self.cfg.hidden_size**0.5, x.dtype)
+        return x
+
+    def _embed_rows(self, tokens: jax.Array) -> jax.Array:
         if "embed" not in self.w:  # tied: columns of the [E, V] head
             return _columns(self.w["lm_head"], tokens, self.cfg.jnp_dtype)
         e = self.w["embed"]
@@ -239,6 +253,18 @@ class GenModel:
             rows = jnp.take(e.q, tokens, axis=0).astype(jnp.float32)
             return (rows * jnp.take(e.scale, tokens)[..., None]).astype(self.cfg.jnp_dtype)
         return jnp.take(e, tokens, axis=0)
+
+    def _windows(self) -> tuple[int, ...]:
+        """Each layer's sliding window (0: global)."""
+        return self.cfg.layer_windows or (0,) * self.cfg.num_layers
+
+    def _ropes(self, positions: jax.Array) -> dict[bool, tuple[jax.Array, jax.Array]]:
+        """{local: (cos, sin)} at `positions`: the global layers' and, when there are
+        sliding-window layers, theirs."""
+        out = {False: layers.rope_tables(positions, layers.rope_inv_freq(self.cfg))}
+        if any(self._windows()):
+            out[True] = layers.rope_tables(positions, layers.rope_inv_freq(self.cfg, True))
+        return out
 
     def _logits(self, x_NxE: jax.Array) -> jax.Array:
         h = layers.rms_norm(x_NxE, self.w["final_norm"], self.cfg.rms_norm_eps)
@@ -253,8 +279,13 @@ class GenModel:
         qkv = quant.einsum("nte,ekpd->ntkpd", h, p["qkv"])
         if "qkv_bias" in p:
             qkv = qkv + p["qkv_bias"][None, None]
-        q = layers.apply_rope(qkv[:, :, :, :g].reshape(n, t, k_heads * g, d), cos, sin)
-        k = layers.apply_rope(qkv[:, :, :, g], cos, sin)
+        q, k = qkv[:, :, :, :g].reshape(n, t, k_heads * g, d), qkv[:, :, :, g]
+        if "q_norm" in p:  # Qwen3: each head's query and key normalised before RoPE
+            q = layers.rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+            k = layers.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+        q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
+        if cfg.q_prescale is not None:  # attention scale other than 1/sqrt(D) (Gemma 3)
+            q = q * jnp.asarray(cfg.q_prescale, q.dtype)
         return q.reshape(n, t, k_heads, g, d), k, qkv[:, :, :, g + 1]
 
     def _out_and_mlp(self, x_NxTxE, attn_NxTxKxGxD, p):
@@ -262,10 +293,21 @@ class GenModel:
         # made XLA:CPU transpose and copy `o` every layer, every step (docs/generation.md).
         n, t, e = x_NxTxE.shape
         attn_NxTxF = attn_NxTxKxGxD.reshape(n, t, -1)
-        x = x_NxTxE + quant.einsum("ntf,fe->nte", attn_NxTxF, quant.reshape_rows(p["o"], e))
-        h = layers.rms_norm(x, p["mlp_norm"], self.cfg.rms_norm_eps)
+        eps = self.cfg.rms_norm_eps
+        a = quant.einsum("ntf,fe->nte", attn_NxTxF, quant.reshape_rows(p["o"], e))
+        if "post_attn_norm" in p:  # Gemma 3's norms after attention and the MLP
+            a = layers.rms_norm(a, p["post_attn_norm"], eps)
+        x = x_NxTxE + a
+        h = layers.rms_norm(x, p["mlp_norm"], eps)
         gu = quant.einsum("nte,epm->ntpm", h, p["gate_up"])
-        return x + quant.einsum("ntm,me->nte", jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], p["down"])
+        if self.cfg.mlp_act == "silu":
+            act = jax.nn.silu(gu[:, :, 0])
+        else:
+            act = jax.nn.gelu(gu[:, :, 0], approximate=True)
+        y = quant.einsum("ntm,me->nte", act * gu[:, :, 1], p["down"])
+        if "post_mlp_norm" in p:
+            y = layers.rms_norm(y, p["post_mlp_norm"], eps)
+        return x + y
 
     def prefill(
         self, tokens_NxP: jax.Array, lengths_N: jax.Array, cache: LayerCache, slots_N: jax.Array
@@ -286,12 +328,14 @@ class GenModel:
         valid = jnp.arange(p)[None, :] < lengths_N[:, None]
         positions = jnp.broadcast_to(jnp.arange(p)[None, :], (n, p))
         mask = jnp.tril(jnp.ones((p, p), bool))[None] & valid[:, None, :]
-        cos, sin = layers.rope_tables(positions, layers.rope_inv_freq(self.cfg))
+        behind = jnp.arange(p)[:, None] - jnp.arange(p)[None, :]  # query - key position
+        ropes = self._ropes(positions)
         x = self._embed(tokens_NxP)
         ks, vs = [], []
-        for w, ck, cv in zip(self.w["layers"], cache.k, cache.v, strict=True):
-            q, k, v = self._qkv(x, w, cos, sin)
-            attn = layers.attention(q.reshape(n, p, -1, q.shape[-1]), k, v, mask)
+        for w, ck, cv, win in zip(self.w["layers"], cache.k, cache.v, self._windows(), strict=True):
+            q, k, v = self._qkv(x, w, *ropes[win > 0])
+            m = mask & (behind < win)[None] if win else mask
+            attn = layers.attention(q.reshape(n, p, -1, q.shape[-1]), k, v, m)
             x = self._out_and_mlp(x, attn.reshape(q.shape), w)
             ks.append(set_cache_prefix(ck, slots_N, k.transpose(0, 2, 3, 1), True, mode="drop"))
             vs.append(set_cache_prefix(cv, slots_N, v.transpose(0, 2, 1, 3), False, mode="drop"))
@@ -333,18 +377,20 @@ class GenModel:
         # slot (clipped) and write nowhere either (their slot index is dropped).
         write_NxP = jnp.where(valid_NxP, positions_NxP, s)
         rows_N = jnp.minimum(slots_N, b - 1)
-        visible_NxPxS = jnp.arange(s)[None, None, :] <= positions_NxP[:, :, None]
-        cos, sin = layers.rope_tables(positions_NxP, layers.rope_inv_freq(self.cfg))
+        behind_NxPxS = positions_NxP[:, :, None] - jnp.arange(s)[None, None, :]
+        visible_NxPxS = behind_NxPxS >= 0
+        ropes = self._ropes(positions_NxP)
         x = self._embed(tokens_NxP)
         n_idx = jnp.arange(n)[:, None]
         f32, root_d = jnp.float32, math.sqrt(self.cfg.head_dim)
         ks, vs = [], []
-        for w, ck, cv in zip(self.w["layers"], cache.k, cache.v, strict=True):
-            q, k, v = self._qkv(x, w, cos, sin)  # q [N, P, K, G, D]; k, v [N, P, K, D]
+        for w, ck, cv, win in zip(self.w["layers"], cache.k, cache.v, self._windows(), strict=True):
+            q, k, v = self._qkv(x, w, *ropes[win > 0])  # q [N, P, K, G, D]; k, v [N, P, K, D]
             k_NxKxDxS = ck[rows_N].at[n_idx, :, :, write_NxP].set(k, mode="drop")
             v_NxKxSxD = cv[rows_N].at[n_idx, :, write_NxP].set(v, mode="drop")
+            seen = visible_NxPxS & (behind_NxPxS < win) if win else visible_NxPxS
             scores = jnp.einsum("npkgd,nkds->nkgps", q, k_NxKxDxS).astype(f32) / root_d
-            scores = jnp.where(visible_NxPxS[:, None, None], scores, _MASK_VALUE)
+            scores = jnp.where(seen[:, None, None], scores, _MASK_VALUE)
             probs = jax.nn.softmax(scores, axis=-1).astype(v_NxKxSxD.dtype)
             attn = jnp.einsum("nkgps,nksd->npkgd", probs, v_NxKxSxD)
             x = self._out_and_mlp(x, attn, w)
@@ -369,16 +415,18 @@ class GenModel:
         """
         b, s = tokens_B.shape[0], cache.max_length
         pos_B = jnp.minimum(cache.lengths, s - 1)
-        cos, sin = layers.rope_tables(pos_B[:, None], layers.rope_inv_freq(self.cfg))
-        visible_Bx1x1xS = (jnp.arange(s)[None, :] <= pos_B[:, None])[:, None, None, :]
+        ropes = self._ropes(pos_B[:, None])
+        behind_Bx1x1xS = (pos_B[:, None] - jnp.arange(s)[None, :])[:, None, None, :]
+        visible_Bx1x1xS = behind_Bx1x1xS >= 0
         rows = jnp.arange(b)
         x = self._embed(tokens_B[:, None])
         ks, vs = [], []
-        for w, ck, cv in zip(self.w["layers"], cache.k, cache.v, strict=True):
-            q, k, v = self._qkv(x, w, cos, sin)
+        for w, ck, cv, win in zip(self.w["layers"], cache.k, cache.v, self._windows(), strict=True):
+            q, k, v = self._qkv(x, w, *ropes[win > 0])
             ck = ck.at[rows, :, :, pos_B].set(k[:, 0])
             cv = cv.at[rows, :, pos_B].set(v[:, 0])
-            attn = self._attend(q[:, 0], ck, cv, visible_Bx1x1xS)
+            seen = visible_Bx1x1xS & (behind_Bx1x1xS < win) if win else visible_Bx1x1xS
+            attn = self._attend(q[:, 0], ck, cv, seen)
             x = self._out_and_mlp(x, attn[:, None], w)
             ks.append(ck)
             vs.append(cv)

@@ -36,6 +36,7 @@ Weights are a jit argument; `update_weights` swaps the reference (after a
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import heapq
@@ -64,6 +65,9 @@ from streamrl_jax.generation.types import (
 )
 from streamrl_jax.model.config import ModelConfig
 from streamrl_jax.sharding import GENERATE_RULES, state_shardings
+
+# Chunks an engine's metrics timeline keeps (the newest; `chunks` counts them all)
+TIMELINE_CHUNKS = 1 << 16
 
 
 @dataclasses.dataclass
@@ -161,7 +165,14 @@ class Engine:
         self._seq = itertools.count()
         self._queue: list[tuple[tuple[float, int], GenerationRequest, float]] = []
         self._slots: list[_Running | None] = [None] * cfg.num_slots
-        self._metrics: dict[str, Any] = {"tokens": 0, "busy_s": 0.0, "chunks": 0, "timeline": []}
+        # the timeline keeps the last TIMELINE_CHUNKS chunks: a serving engine runs for days
+        timeline: collections.deque = collections.deque(maxlen=TIMELINE_CHUNKS)
+        self._metrics: dict[str, Any] = {
+            "tokens": 0,
+            "busy_s": 0.0,
+            "chunks": 0,
+            "timeline": timeline,
+        }
         self._metrics.update(prefill_calls=0, prefill_rows=0, forked=0)
         # Continuations: appended to a kept slot's KV, or re-prefilled (no slot was kept).
         self._metrics.update(extended=0, extended_tokens=0, reprefilled=0, reprefilled_tokens=0)
@@ -534,7 +545,8 @@ class Engine:
         return out
 
     def metrics(self) -> dict[str, Any]:
-        """Tokens, busy time, tokens/s and the (time, running, queued, tokens) timeline."""
+        """Tokens, busy time, tokens/s and the (time, running, queued, tokens) timeline of
+        the last `TIMELINE_CHUNKS` chunks (`chunks` counts them all)."""
         m = dict(self._metrics)
         m["timeline"] = list(m["timeline"])
         m["tokens_per_s"] = m["tokens"] / m["busy_s"] if m["busy_s"] else 0.0

@@ -1,8 +1,16 @@
-"""Architecture description of a Llama-family decoder (Llama, Llama-3, Qwen2, SmolLM2).
+"""Architecture description of a Llama-family decoder (Llama, Llama-3, Qwen2, Qwen3,
+SmolLM2).
 
-One frozen dataclass covers the three families; they differ only in
+One frozen dataclass covers the families; they differ only in
 
 * Qwen2: biases on the q/k/v projections (`qkv_bias=True`);
+* Qwen3: an RMSNorm over each head's query and key before RoPE (`qk_norm=True`);
+* Gemma 3: q/k norms too, embeddings scaled by sqrt(E) (`embed_scale`), GeGLU
+  (`mlp_act="gelu_tanh"`), norms after attention and after the MLP as well
+  (`sandwich_norms`), the attention scale `query_pre_attn_scalar ** -0.5`
+  (`attn_scale`), and local sliding-window layers between global ones
+  (`layer_windows`, with their own RoPE base `rope_local_theta`); its `(1 + w)`
+  RMSNorm weights are stored as `1 + w` (the loader adds the 1);
 * SmolLM2 (and Llama-3.2 small models): tied input/output embeddings;
 * Llama-3.1+: the "llama3" RoPE frequency scaling (`rope_scaling`).
 
@@ -13,12 +21,21 @@ lives with the GGUF loader.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax.numpy as jnp
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+    "Gemma3ForCausalLM",
+)
+_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
+MLP_ACTS = ("silu", "gelu_tanh")
 # The integer dimensions of `ModelConfig` that fix parameter shapes.
 SHAPE_FIELDS = (
     "vocab_size",
@@ -33,8 +50,10 @@ SHAPE_FIELDS = (
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeScaling:
-    """Llama-3 style RoPE frequency scaling (`rope_type="llama3"` in HF configs)."""
+    """RoPE frequency scaling: Llama-3's (`rope_type="llama3"` in HF configs) or linear
+    (every frequency divided by `factor`: Gemma 3's global layers)."""
 
+    rope_type: str = "llama3"  # "llama3" | "linear"
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -71,6 +90,19 @@ class ModelConfig:
         plus responses longer than this are rejected.
       tie_embeddings: output projection is the transposed input embedding.
       qkv_bias: q/k/v projections have biases (Qwen2).
+      qk_norm: each head's query and key RMS-normalised (weights [D], shared by the
+        heads of a layer) after the projection, before RoPE (Qwen3, Gemma 3).
+      embed_scale: input embeddings multiplied by sqrt(E) (Gemma).
+      mlp_act: the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma).
+      sandwich_norms: the attention output and the MLP output are RMS-normalised too
+        before their residual adds (Gemma 3's post-attention / post-feedforward norms).
+      attn_scale: the attention logits' scale; None = 1 / sqrt(head_dim).
+      layer_windows: per layer, the sliding window of its attention (a query sees the
+        keys less than W positions before it), 0 = global; () = every layer global.
+      rope_local_theta: RoPE base of the sliding-window layers (None = rope_theta);
+        `rope_scaling` applies to the global layers only.
+      norm_weight_offset: a checkpoint's RMSNorm weights w scale by w + offset (Gemma:
+        1); the loader stores w + offset, so the model's norms are plain.
       param_dtype: storage dtype of the parameters ("float32" | "bfloat16").
       dtype: compute dtype of activations and matmuls ("float32" | "bfloat16");
         log-softmax and RMSNorm statistics are always computed in float32.
@@ -98,6 +130,14 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False
+    embed_scale: bool = False
+    mlp_act: str = "silu"
+    sandwich_norms: bool = False
+    attn_scale: float | None = None
+    layer_windows: tuple[int, ...] = ()
+    rope_local_theta: float | None = None
+    norm_weight_offset: float = 0.0
     param_dtype: str = "float32"
     dtype: str = "float32"
     remat: bool = False
@@ -123,6 +163,15 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.mlp_act not in MLP_ACTS:
+            raise ValueError(f"ModelConfig.mlp_act={self.mlp_act!r}; expected one of {MLP_ACTS}")
+        if self.layer_windows and (
+            len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0
+        ):
+            raise ValueError(
+                f"ModelConfig.layer_windows: {self.num_layers} windows >= 0 (0 = global), "
+                f"got {self.layer_windows!r}"
+            )
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(
@@ -135,6 +184,11 @@ class ModelConfig:
         if self.blocked_head is None:
             return self.hidden_size <= BLOCKED_HEAD_MAX_WIDTH
         return self.blocked_head
+
+    @property
+    def q_prescale(self) -> float | None:
+        """The factor queries take so that the attention's 1/sqrt(D) makes `attn_scale`."""
+        return None if self.attn_scale is None else self.attn_scale * math.sqrt(self.head_dim)
 
     @property
     def jnp_param_dtype(self) -> Any:
@@ -157,7 +211,8 @@ class ModelConfig:
             self.head_dim,
         )
         attn = e * h * d * 2 + e * k * d * 2 + (h * d + 2 * k * d if self.qkv_bias else 0)
-        block = attn + 3 * e * m + 2 * e
+        norms = (4 if self.sandwich_norms else 2) * e + (2 * d if self.qk_norm else 0)
+        block = attn + 3 * e * m + norms
         head = 0 if self.tie_embeddings else self.vocab_size * e
         return self.vocab_size * e + self.num_layers * block + e + head
 
@@ -196,7 +251,7 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     archs = hf.get("architectures") or [hf.get("model_type", "?")]
     arch = archs[0]
     model_type = hf.get("model_type", "")
-    if arch not in SUPPORTED_ARCHITECTURES and model_type not in ("llama", "qwen2", "mistral"):
+    if arch not in SUPPORTED_ARCHITECTURES and model_type not in _MODEL_TYPES:
         raise ValueError(
             f"config.json: unknown architecture {arch!r} (model_type={model_type!r}); "
             f"supported: {SUPPORTED_ARCHITECTURES}"
@@ -208,17 +263,22 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         # transformers >= 5 writes `rope_parameters` (theta inside it); older
         # versions write `rope_scaling` and a top-level `rope_theta`.
         rs = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        local_rs = {}
+        if "full_attention" in rs:  # per layer type (Gemma 3, transformers >= 5)
+            rs, local_rs = rs["full_attention"] or {}, rs.get("sliding_attention") or {}
         rope_theta = hf.get("rope_theta", rs.get("rope_theta", 10000.0))
         kind = rs.get("rope_type", rs.get("type", "default"))
-        if kind not in ("default", None):
-            if kind != "llama3":
-                raise ValueError(f"config.json: unsupported rope_scaling type {kind!r}")
+        if kind == "llama3":
             rope_scaling = RopeScaling(
                 factor=float(rs["factor"]),
                 low_freq_factor=float(rs["low_freq_factor"]),
                 high_freq_factor=float(rs["high_freq_factor"]),
                 original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
             )
+        elif kind == "linear":
+            rope_scaling = RopeScaling(rope_type="linear", factor=float(rs["factor"]))
+        elif kind not in ("default", None):
+            raise ValueError(f"config.json: unsupported rope_scaling type {kind!r}")
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         cfg = dict(
@@ -235,10 +295,51 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3" or arch == "Qwen3ForCausalLM",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+        if model_type == "gemma3_text" or arch == "Gemma3ForCausalLM":
+            cfg.update(_gemma3(hf, local_rs))
     except KeyError as e:
         raise ValueError(f"config.json: missing required field {e.args[0]!r}") from None
     cfg.update(overrides)
     return ModelConfig(**cfg)
+
+
+def _gemma3(hf: dict[str, Any], local_rope: dict[str, Any]) -> dict[str, Any]:
+    """The Gemma 3 (text) fields of a `config.json` beyond the Llama ones.
+
+    Raises:
+      ValueError: logit soft-capping (Gemma 2's; not built), or layer types this
+        decoder does not know.
+    """
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(name) is not None:
+            raise ValueError(f"config.json: {name}={hf[name]} is not supported")
+    n = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types")
+    if types is None:  # transformers < 4.53: every `sliding_window_pattern`-th layer global
+        pattern = int(hf.get("sliding_window_pattern", 6))
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(n)]  # fmt: skip
+    unknown = set(types) - {"full_attention", "sliding_attention"}
+    if unknown or len(types) != n:
+        raise ValueError(f"config.json: layer_types {types!r} (expected {n} of full/sliding)")
+    window = int(hf["sliding_window"])
+    local_theta = local_rope.get("rope_theta", hf.get("rope_local_base_freq", 10000.0))
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"config.json: hidden_activation {act!r} is not supported")
+    return dict(
+        qk_norm=True,
+        qkv_bias=bool(hf.get("attention_bias", False)),
+        embed_scale=True,
+        mlp_act="gelu_tanh",
+        sandwich_norms=True,
+        attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+        layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+        rope_local_theta=float(local_theta),
+        norm_weight_offset=1.0,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+    )

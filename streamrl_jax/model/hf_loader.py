@@ -13,7 +13,7 @@ Layout conversion (`to_model_layout`), HF [out, in] -> ours, L stacked:
     q_proj [H*D, E] -> q [E, H, D]       o_proj [E, H*D] -> o [H, D, E]
     k/v_proj [K*D, E] -> k/v [E, K, D]   gate/up_proj [M, E] -> [E, M]
     down_proj [E, M] -> down [M, E]      lm_head [V, E] -> [E, V]
-    q/k/v_proj.bias [N*D] -> [N, D]      embeddings and norms unchanged
+    q/k/v_proj.bias [N*D] -> [N, D]      embeddings and norms (q/k_norm [D]) unchanged
 """
 
 from __future__ import annotations
@@ -56,7 +56,29 @@ _HF_BLOCK = {
     "q_bias": "self_attn.q_proj.bias",
     "k_bias": "self_attn.k_proj.bias",
     "v_bias": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
 }
+
+
+# Gemma 3's block: norms before and after attention and the MLP
+_HF_GEMMA_NORMS = {
+    "attn_norm": "input_layernorm.weight",
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "mlp_norm": "pre_feedforward_layernorm.weight",
+    "post_mlp_norm": "post_feedforward_layernorm.weight",
+}
+
+
+def _hf_block(cfg: ModelConfig) -> dict[str, str]:
+    """Our block param name -> HF per-layer tensor suffix, for the params `cfg` has."""
+    table = dict(_HF_BLOCK, **(_HF_GEMMA_NORMS if cfg.sandwich_norms else {}))
+    drop = set()
+    if not cfg.qkv_bias:
+        drop |= {"q_bias", "k_bias", "v_bias"}
+    if not cfg.qk_norm:
+        drop |= {"q_norm", "k_norm"}
+    return {k: v for k, v in table.items() if k not in drop}
 
 
 def read_json(path: str) -> dict[str, Any]:
@@ -153,6 +175,10 @@ def _expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if cfg.qkv_bias:
         shapes.update(q_bias=(qd,), k_bias=(kd,), v_bias=(kd,))
+    if cfg.qk_norm:
+        shapes.update(q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,))
+    if cfg.sandwich_norms:
+        shapes.update(post_attn_norm=(e,), post_mlp_norm=(e,))
     if not cfg.tie_embeddings:
         shapes["lm_head"] = (v, e)
     return shapes
@@ -176,9 +202,7 @@ def stack_hf_weights(tensors: dict[str, np.ndarray], cfg: ModelConfig, source: s
     out = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight")}
     if not cfg.tie_embeddings:
         out["lm_head"] = get("lm_head.weight")
-    for ours, suffix in _HF_BLOCK.items():
-        if ours.endswith("_bias") and not cfg.qkv_bias:
-            continue
+    for ours, suffix in _hf_block(cfg).items():
         layers = [get(f"model.layers.{i}.{suffix}") for i in range(cfg.num_layers)]
         shapes = {a.shape for a in layers}
         if len(shapes) != 1:
@@ -232,6 +256,17 @@ def to_model_layout(hf: dict[str, np.ndarray], cfg: ModelConfig, source: str) ->
         out["layers/q_bias"] = hf["q_bias"].reshape(L, H, D)
         out["layers/k_bias"] = hf["k_bias"].reshape(L, K, D)
         out["layers/v_bias"] = hf["v_bias"].reshape(L, K, D)
+    if cfg.qk_norm:
+        out["layers/q_norm"] = hf["q_norm"]
+        out["layers/k_norm"] = hf["k_norm"]
+    if cfg.sandwich_norms:
+        out["layers/post_attn_norm"] = hf["post_attn_norm"]
+        out["layers/post_mlp_norm"] = hf["post_mlp_norm"]
+    if cfg.norm_weight_offset:  # Gemma's (1 + w) norms, stored as 1 + w, in f32 (a bf16
+        # 1 + w would round w to 2^-8)
+        for name in out:
+            if name.endswith("norm"):
+                out[name] = out[name].astype(np.float32) + np.float32(cfg.norm_weight_offset)
     if not cfg.tie_embeddings:
         out["lm_head"] = np.ascontiguousarray(hf["lm_head"].T)
     return out

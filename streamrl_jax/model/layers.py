@@ -30,13 +30,19 @@ def rms_norm(x_BxTxE: jax.Array, scale_E: jax.Array, eps: float) -> jax.Array:
     return (y * scale).astype(x_BxTxE.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
-    """Inverse frequencies theta^(-2i/D), with Llama-3 scaling when configured."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> jax.Array:
+    """Inverse frequencies theta^(-2i/D), with the configured scaling; `local`: those of
+    the sliding-window layers (`rope_local_theta`, unscaled)."""
     d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    exponents = jnp.arange(0, d, 2, dtype=jnp.float32) / d
+    if local and cfg.rope_local_theta is not None:
+        return 1.0 / (cfg.rope_local_theta**exponents)
+    inv_freq = 1.0 / (cfg.rope_theta**exponents)
     rs = cfg.rope_scaling
     if rs is None:
         return inv_freq
+    if rs.rope_type == "linear":
+        return inv_freq / rs.factor
     # Llama-3.1: long wavelengths are divided by `factor`, short ones kept, and the
     # band between them is interpolated smoothly (transformers' _compute_llama3_parameters).
     old_ctx = rs.original_max_position_embeddings
@@ -184,7 +190,13 @@ def qkv(
         q = q + p["q_bias"].astype(q.dtype)[None, None]
         k = k + p["k_bias"].astype(k.dtype)[None, None]
         v = v + p["v_bias"].astype(v.dtype)[None, None]
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    q = apply_rope(q, cos, sin)
+    if cfg.q_prescale is not None:  # attention scale other than 1/sqrt(D) (Gemma 3)
+        q = q * jnp.asarray(cfg.q_prescale, q.dtype)
+    return q, apply_rope(k, cos, sin), v
 
 
 @jax.custom_vjp
@@ -225,13 +237,28 @@ swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 def attn_out_and_mlp(
     x_BxTxE: jax.Array, attn_BxTxHxD: jax.Array, p: dict[str, jax.Array], cfg: ModelConfig
 ) -> jax.Array:
-    """Residual output projection, then the pre-norm SwiGLU MLP residual."""
+    """Residual output projection, then the pre-norm gated MLP residual (SwiGLU, or
+    GeGLU; with `sandwich_norms` each branch's output normalised before its add)."""
     dt = x_BxTxE.dtype
-    x = x_BxTxE + jnp.einsum("bthd,hde->bte", attn_BxTxHxD, p["o"].astype(dt))
+    a = jnp.einsum("bthd,hde->bte", attn_BxTxHxD, p["o"].astype(dt))
+    if cfg.sandwich_norms:
+        a = rms_norm(a, p["post_attn_norm"], cfg.rms_norm_eps)
+    x = x_BxTxE + a
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     b, t, e = h.shape
     w = [p[name].astype(dt) for name in ("gate", "up", "down")]
-    return x + swiglu(h.reshape(b * t, e), *w).reshape(b, t, e)
+    y = gated_mlp(h.reshape(b * t, e), *w, cfg.mlp_act).reshape(b, t, e)
+    if cfg.sandwich_norms:
+        y = rms_norm(y, p["post_mlp_norm"], cfg.rms_norm_eps)
+    return x + y
+
+
+def gated_mlp(h_NxE, gate_ExM, up_ExM, down_MxE, act: str) -> jax.Array:
+    """act(h gate) * (h up) down: SwiGLU (`swiglu`, its own backward) or GeGLU (tanh
+    GELU, autodiff)."""
+    if act == "silu":
+        return swiglu(h_NxE, gate_ExM, up_ExM, down_MxE)
+    return (jax.nn.gelu(h_NxE @ gate_ExM, approximate=True) * (h_NxE @ up_ExM)) @ down_MxE
 
 
 def block(

@@ -49,6 +49,27 @@ _BIAS_PARAMS = {
     "v_bias": (lambda L, E, H, K, D, M: (L, K, D), ("layers", "kv_heads", "head_dim"), "zeros"),
 }
 
+_QK_NORM_PARAMS = {
+    "q_norm": (lambda L, E, H, K, D, M: (L, D), ("layers", "norm"), "ones"),
+    "k_norm": (lambda L, E, H, K, D, M: (L, D), ("layers", "norm"), "ones"),
+}
+
+_SANDWICH_PARAMS = {
+    "post_attn_norm": (lambda L, E, H, K, D, M: (L, E), ("layers", "norm"), "ones"),
+    "post_mlp_norm": (lambda L, E, H, K, D, M: (L, E), ("layers", "norm"), "ones"),
+}
+
+
+def _block_table(cfg: ModelConfig) -> dict:
+    """The block parameters `cfg` has: the common ones, biases (Qwen2), q/k norms (Qwen3,
+    Gemma 3), norms after attention and the MLP (Gemma 3)."""
+    return dict(
+        _BLOCK_PARAMS,
+        **(_BIAS_PARAMS if cfg.qkv_bias else {}),
+        **(_QK_NORM_PARAMS if cfg.qk_norm else {}),
+        **(_SANDWICH_PARAMS if cfg.sandwich_norms else {}),
+    )
+
 
 def block_param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
     """Shapes and logical axes of the stacked block parameters (used by loaders)."""
@@ -60,7 +81,7 @@ def block_param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tupl
         cfg.head_dim,
         cfg.intermediate_size,
     )
-    table = dict(_BLOCK_PARAMS, **(_BIAS_PARAMS if cfg.qkv_bias else {}))
+    table = _block_table(cfg)
     return {name: (shape_fn(*dims), axes) for name, (shape_fn, axes, _) in table.items()}
 
 
@@ -76,7 +97,7 @@ class DecoderStack(nnx.Module):
     """The L decoder blocks, each parameter stacked along a leading `layers` axis."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        table = dict(_BLOCK_PARAMS, **(_BIAS_PARAMS if cfg.qkv_bias else {}))
+        table = _block_table(cfg)
         for name, (shape, axes) in block_param_specs(cfg).items():
             value = _init(table[name][2], rngs, shape, cfg.jnp_param_dtype)
             setattr(self, name, nnx.Param(value, axes=axes))
@@ -101,8 +122,12 @@ class Llama(nnx.Module):
 
     # ---------------------------------------------------------------- shared pieces
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        """Input embeddings of `tokens` (any shape): [..., E] in the compute dtype."""
-        return jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.jnp_dtype)
+        """Input embeddings of `tokens` (any shape): [..., E] in the compute dtype (times
+        sqrt(E) with `embed_scale`, the factor in the embedding's dtype, as Gemma's)."""
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        if self.cfg.embed_scale:
+            x = x * jnp.asarray(self.cfg.hidden_size**0.5, x.dtype)
+        return x.astype(self.cfg.jnp_dtype)
 
     def logits(self, hidden_BxTxE: jax.Array) -> jax.Array:
         """Final norm and output projection; float32 logits [B, T, V]."""
@@ -118,9 +143,22 @@ class Llama(nnx.Module):
         """All blocks over full sequences; returns the last block's hidden states."""
         cfg = self.cfg
         cos, sin = layers.rope_tables(positions, layers.rope_inv_freq(cfg))
+        xs = self.layers.arrays()
+        if cfg.layer_windows:  # sliding-window layers (Gemma 3): their own mask and RoPE
+            cos_l, sin_l = layers.rope_tables(positions, layers.rope_inv_freq(cfg, local=True))
+            behind = positions[:, :, None] - positions[:, None, :]  # [B, T, T] query - key
+            xs = (xs, jnp.asarray(cfg.layer_windows, jnp.int32))
 
-        def body(x, p):
-            return layers.block(x, p, cfg, cos, sin, mask), None
+            def body(x, p_w):
+                p, w = p_w
+                local = w > 0
+                m = mask & (~local | (behind < w))
+                c, s = jnp.where(local, cos_l, cos), jnp.where(local, sin_l, sin)
+                return layers.block(x, p, cfg, c, s, m), None
+        else:
+
+            def body(x, p):
+                return layers.block(x, p, cfg, cos, sin, mask), None
 
         # The backward keeps the matmuls' outputs and recomputes the elementwise work
         # from them (`dots_saveable`: faster than saving everything on XLA:CPU, fewer
@@ -132,7 +170,7 @@ class Llama(nnx.Module):
         )
         policy = policies.nothing_saveable if cfg.remat else keep
         body = jax.checkpoint(body, policy=policy)
-        x, _ = jax.lax.scan(body, x, self.layers.arrays())
+        x, _ = jax.lax.scan(body, x, xs)
         return x
 
     # ---------------------------------------------------------------- training

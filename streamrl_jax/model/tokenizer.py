@@ -38,7 +38,14 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end_of_text|>")
+_END_OF_TURN = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<end_of_turn>",  # Gemma
+)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -98,6 +105,8 @@ class Tokenizer:
         vocab = backend.get_vocab(with_added_tokens=True)
         if "<|start_header_id|>" in vocab:
             self.template_style = "llama3"
+        elif "<start_of_turn>" in vocab:
+            self.template_style = "gemma"
         elif "<|im_start|>" in vocab:
             self.template_style = "chatml"
         else:
@@ -260,6 +269,8 @@ class Tokenizer:
             )
             gen = "<|start_header_id|>assistant<|end_header_id|>\n\n"
             return text + (gen if add_generation_prompt else "")
+        if self.template_style == "gemma":
+            return _gemma_chat(messages, add_generation_prompt)
         raise ValueError(
             "tokenizer has no chat template and no ChatML / Llama-3 special tokens; "
             "format the prompt yourself"
@@ -295,3 +306,18 @@ class Tokenizer:
         return self.encode(
             self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         )
+
+
+def _gemma_chat(messages: Sequence[dict[str, str]], add_generation_prompt: bool) -> str:
+    """Gemma's chat format: `<start_of_turn>{user|model}\n...<end_of_turn>\n` after
+    `<bos>`; a system message opens the first user turn (Gemma has no system role) and
+    any other role (a tool's result) is a user turn."""
+    system = ""
+    if messages and messages[0]["role"] == "system":
+        system, messages = messages[0]["content"] + "\n\n", messages[1:]
+    text = "<bos>"
+    for i, m in enumerate(messages):
+        role = "model" if m["role"] == "assistant" else "user"
+        prefix = system if i == 0 and role == "user" else ""
+        text += f"<start_of_turn>{role}\n{prefix}{m['content']}<end_of_turn>\n"
+    return text + ("<start_of_turn>model\n" if add_generation_prompt else "")

@@ -1,0 +1,221 @@
+"""The checkpoint families the decoder loads (docs/model.md "Families"): each built by
+`transformers` from its config with random weights and saved as safetensors, loaded
+as `model.source=<dir>` is: logits within 1e-4 (f32) of transformers' at every
+position; the engine's greedy tokens are the training forward's argmax and its
+log-probs the training forward's."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+from support import HF_TINY, randomize_hf
+
+from streamrl_jax.generation.engine import Engine
+from streamrl_jax.generation.engine_config import EngineConfig
+from streamrl_jax.generation.types import GenerationRequest, SamplingParams
+from streamrl_jax.model.config import SUPPORTED_ARCHITECTURES, from_hf_config
+from streamrl_jax.model.loader import load_pretrained
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+_TINY = HF_TINY
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,  # all three frequency bands at head_dim 16
+    "rope_theta": 500000.0,
+}
+# family -> (config class, model class, config fields beyond _TINY)
+FAMILIES = {
+    # Qwen3: q/k norms; head_dim set apart from hidden / heads, as Qwen3's checkpoints do
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True)),
+    "qwen3_untied": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(head_dim=16, tie_word_embeddings=False, rope_theta=1e6),
+    ),
+    # Gemma 3: sliding-window layers (window 4: the test's prompts are longer) between
+    # global ones with their own RoPE base and linear scaling, q/k norms, (1 + w) norms
+    # before and after attention and the MLP, GeGLU, sqrt(E)-scaled embeddings, an
+    # attention scale apart from 1/sqrt(head_dim)
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            head_dim=16,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            sliding_window=4,
+            query_pre_attn_scalar=24,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            },
+        ),
+    ),
+    # Llama 3.2 (1B/3B): tied embeddings and llama3 RoPE scaling
+    "llama3.2": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(tie_word_embeddings=True, rope_scaling=_LLAMA3_ROPE),
+    ),
+}
+_TOKENS = np.random.default_rng(0).integers(0, 128, size=(2, 12)).astype(np.int32)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    cfg_cls, model_cls, extra = FAMILIES[request.param]
+    cfg = getattr(transformers, cfg_cls)(**(_TINY | extra))
+    model = randomize_hf(getattr(transformers, model_cls)(cfg))
+    d = tmp_path_factory.mktemp(request.param.replace(".", "_"))
+    model.save_pretrained(d)
+    return request.param, str(d), model
+
+
+def test_logits_match_transformers_at_every_position(family):
+    name, d, model = family
+    pre = load_pretrained(d)
+    assert pre.cfg.qk_norm == name.startswith(("qwen3", "gemma3"))
+    assert bool(pre.cfg.layer_windows) == (name == "gemma3")
+    with torch.no_grad():
+        ref = model(torch.from_numpy(_TOKENS).long()).logits.float().numpy()
+    assert np.abs(ref).max() > 1.0  # the comparison is not between near-zero logits
+
+    @jax.jit
+    def logits(params, tokens):
+        m = nnx.merge(pre.graphdef, params)
+        return m.logits(m.hidden_states(tokens, jnp.ones_like(tokens)))
+
+    got = np.asarray(logits(pre.params, jnp.asarray(_TOKENS)))
+    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+
+
+def test_the_engine_decodes_the_training_forwards_argmax_and_logprobs(family):
+    name, d, _ = family
+    pre = load_pretrained(d)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+    ecfg = EngineConfig(num_slots=2, max_prompt_length=8, max_total_length=24, chunk_steps=4)
+    engine = Engine(pre.graphdef, pre.params, pre.cfg, ecfg, mesh)
+    prompts = [_TOKENS[0, :8].tolist(), _TOKENS[1, :5].tolist()]
+    reqs = [
+        GenerationRequest(
+            request_id=i, prompt=p, max_new_tokens=12, sampling=SamplingParams.greedy()
+        )
+        for i, p in enumerate(prompts)
+    ]
+    model = nnx.merge(pre.graphdef, pre.params)
+    for s in sorted(engine.run(reqs), key=lambda s: s.request_id):
+        seq = np.concatenate([s.prompt, s.response])[None].astype(np.int32)
+        inputs, targets = jnp.asarray(seq[:, :-1]), jnp.asarray(seq[:, 1:])
+        logits = np.asarray(model.logits(model.hidden_states(inputs, jnp.ones_like(inputs))))
+        start = len(s.prompt) - 1
+        np.testing.assert_array_equal(s.response, logits[0, start:].argmax(-1))
+        logp, _ = model.token_logprobs(inputs, targets, jnp.ones_like(inputs, jnp.float32))
+        np.testing.assert_allclose(s.logprobs, np.asarray(logp)[0, start:], atol=1e-4)
+
+
+def test_an_unsupported_architecture_is_one_line_naming_it_and_the_supported_list():
+    with pytest.raises(ValueError, match=r"unknown architecture 'Gemma2ForCausalLM'.*supported"):
+        from_hf_config({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"})
+    assert {"Qwen3ForCausalLM", "Gemma3ForCausalLM"} <= set(SUPPORTED_ARCHITECTURES)
+
+
+def _run_dir(kind: str, root) -> str:
+    """A tiny random checkpoint of `kind` with SmolLM2's tokenizer (its vocabulary
+    size), laid out as a user's directory is: config, safetensors, tokenizer files."""
+    import json
+
+    from streamrl_jax.model.defaults import smollm2_gguf_path
+    from streamrl_jax.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(smollm2_gguf_path())
+    cfg_cls, model_cls, extra = FAMILIES[kind]
+    fields = _TINY | extra | dict(vocab_size=tok.vocab_size, max_position_embeddings=256)
+    cfg = getattr(transformers, cfg_cls)(**fields)
+    d = root / kind
+    randomize_hf(getattr(transformers, model_cls)(cfg)).save_pretrained(d)
+    tok.backend.save(str(d / "tokenizer.json"))
+    eos = tok.backend.id_to_token(tok.eos_ids[0])
+    with open(d / "tokenizer_config.json", "w") as f:
+        json.dump({"eos_token": eos, "chat_template": tok.chat_template}, f)
+    return str(d)
+
+
+@pytest.mark.parametrize(
+    "kind,mode", [("qwen3", "stream_async"), ("qwen3", "colocated"), ("gemma3", "stream_async")]
+)
+def test_a_checkpoint_of_each_new_family_trains_through_the_pipeline(kind, mode, tmp_path):
+    from support import tiny_config
+
+    from streamrl_jax import pipeline as run_lib
+    from streamrl_jax.rewards.vowels import vowel_reward
+
+    source = _run_dir(kind, tmp_path)
+    cfg = tiny_config(model__source=source, pipeline__mode=mode, pipeline__steps=2)
+    result = run_lib.run(cfg, str(tmp_path / "run"), reward_fn=vowel_reward)
+    assert len(result.steps) == 2
+    assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in result.steps)
+
+
+def test_gemmas_builtin_chat_format_and_its_end_of_turn_stop():
+    import tokenizers
+
+    from streamrl_jax.model.defaults import smollm2_gguf_path
+    from streamrl_jax.model.tokenizer import Tokenizer
+
+    base = Tokenizer.from_gguf(smollm2_gguf_path())
+    backend = tokenizers.Tokenizer.from_str(base.backend.to_str())  # a copy, then Gemma's
+    backend.add_special_tokens(["<start_of_turn>", "<end_of_turn>"])
+    tok = Tokenizer(backend, eos_ids=base.eos_ids, bos_id=base.bos_id)
+    assert tok.template_style == "gemma"
+    assert backend.token_to_id("<end_of_turn>") in tok.stop_ids
+    text = tok.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"},
+         {"role": "assistant", "content": "5"}, {"role": "tool", "content": "ok"}]
+    )  # fmt: skip
+    assert text == (
+        "<bos><start_of_turn>user\nBe brief.\n\n2+3?<end_of_turn>\n"
+        "<start_of_turn>model\n5<end_of_turn>\n<start_of_turn>user\nok<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
+
+
+def test_an_episode_turn_extended_in_place_draws_what_a_re_prefill_draws(family):
+    # Multi-turn episodes on every family (sliding windows included): the next turn
+    # appended to the kept KV samples what re-prefilling the whole history samples.
+    import dataclasses
+
+    from streamrl_jax.generation.types import Continuation
+
+    name, d, _ = family
+    pre = load_pretrained(d)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+    ecfg = EngineConfig(num_slots=2, max_prompt_length=8, max_total_length=32, chunk_steps=4)
+    kept = Engine(pre.graphdef, pre.params, pre.cfg, ecfg, mesh)
+    fresh = Engine(pre.graphdef, pre.params, pre.cfg, ecfg, mesh)
+    sampled = SamplingParams(temperature=0.9)
+    reqs = [
+        GenerationRequest(request_id=i, prompt=_TOKENS[i, :8].tolist(), max_new_tokens=6,
+                          sampling=sampled, seed=7 + i, keep_kv=True)
+        for i in range(2)
+    ]  # fmt: skip
+    first = {s.request_id: s for s in kept.run(reqs)}
+    env = [[5, 6, 7], [9]]
+    turns = []
+    for r in reqs:
+        cont = Continuation.after(first[r.request_id], env[r.request_id])
+        turns.append(
+            dataclasses.replace(r, continuation=cont, max_new_tokens=cont.policy_tokens + 6)
+        )
+    extended = {s.request_id: s for s in kept.run(turns)}
+    again = fresh.run([dataclasses.replace(t, keep_kv=False) for t in turns])
+    assert kept.metrics()["extended"] == 2 and fresh.metrics()["extended"] == 0
+    for s in again:
+        np.testing.assert_array_equal(extended[s.request_id].response, s.response)
+        np.testing.assert_allclose(extended[s.request_id].logprobs, s.logprobs, atol=1e-4)
