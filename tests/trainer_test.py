@@ -576,3 +576,52 @@ def test_environment_tokens_are_never_trained(single):
     assert _max_diff(masked, plain) > 0.0  # the masked tokens were trained before
     none = [np.zeros(len(r), bool) for r in samples["responses"]]
     assert _max_abs(grads(samples, none)[0]) == 0.0
+
+
+MOE = model_config.tiny(num_experts=4, experts_per_token=2, moe_intermediate_size=32)
+
+
+def test_a_moe_trains_shared_prompt_and_packed_rows_as_one_sample_per_row():
+    """Mixture of experts: routing is per token, so shared-prompt and packed rows give the
+    per-sample loss and gradients (the router's and the experts' included)."""
+    mesh = mesh_lib.make_meshes(mesh_lib.MeshConfig(colocated=True), jax.devices()[:1]).train
+    cfg = CFG.replace(seq_buckets=(32, 64, 128), batch_buckets=(1, 2, 4, 8, 16))
+    policy = make_policy_trainer(MOE, cfg, mesh)
+    state = policy.init_state(0)
+    samples = _groups()
+    ones = jax.device_put(np.ones((len(samples["rewards"]), 1), np.float32))
+    adv = algorithms.ADVANTAGES["grpo"](
+        jax.device_put(samples["rewards"]), ones, jax.device_put(samples["group_ids"])
+    )
+    adv = np.asarray(jax.device_get(adv))[:, 0]
+    out = {}
+    for name, (shared, pack) in {"plain": (False, False), **LAYOUTS}.items():
+        host = make_batch(
+            **(samples | {"advantages": adv}), seq_buckets=cfg.seq_buckets,
+            batch_buckets=cfg.batch_buckets, shared_prompt=shared, pack=pack,
+            loss_chunk=128 if name == "plain" else 8,
+        )  # fmt: skip
+        acc, m = policy.accumulate(
+            state, policy.init_accumulator(), policy.place_batch(host), policy.scalar(1.0)
+        )
+        out[name] = jax.device_get(acc), jax.device_get(m)
+    want_acc, want_m = out.pop("plain")
+    assert _max_abs(want_acc.grads["layers"]["experts_gate"]) > 0
+    assert _max_abs(want_acc.grads["layers"]["router"]) > 0
+    for acc, m in out.values():
+        _assert_same_gradients(acc, m, want_acc, want_m)
+
+
+def test_a_moe_on_an_expert_parallel_mesh_matches_one_device(single):
+    mesh8 = _mesh8()
+    sharded = make_policy_trainer(MOE, CFG, mesh8)
+    one = make_policy_trainer(MOE, CFG, single.mesh)
+    state = sharded.init_state(0)
+    # the experts split over fsdp (expert parallelism), their width over tp
+    assert state.params["layers"]["experts_gate"].value.sharding.spec == P(None, "fsdp", None, "tp")
+    samples = _samples()
+    whole = [list(range(N_SAMPLES))]
+    g1, p1, m1 = _one_step(one, samples, whole, steps=2)
+    g8, p8, m8 = _one_step(sharded, samples, whole, steps=2)
+    assert _max_diff(g8, g1) <= 4e-6 * _max_abs(g1)
+    np.testing.assert_allclose(m8["loss"], m1["loss"], rtol=1e-5)

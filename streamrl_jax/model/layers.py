@@ -246,8 +246,11 @@ def attn_out_and_mlp(
     x = x_BxTxE + a
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     b, t, e = h.shape
-    w = [p[name].astype(dt) for name in ("gate", "up", "down")]
-    y = gated_mlp(h.reshape(b * t, e), *w, cfg.mlp_act).reshape(b, t, e)
+    if cfg.num_experts:
+        y = moe_mlp(h.reshape(b * t, e), p, cfg).reshape(b, t, e)
+    else:
+        w = [p[name].astype(dt) for name in ("gate", "up", "down")]
+        y = gated_mlp(h.reshape(b * t, e), *w, cfg.mlp_act).reshape(b, t, e)
     if cfg.sandwich_norms:
         y = rms_norm(y, p["post_mlp_norm"], cfg.rms_norm_eps)
     return x + y
@@ -273,3 +276,37 @@ def block(
     q, k, v = qkv(x_BxTxE, p, cfg, cos, sin)
     attn = attention(q, k, v, mask_BxTxT, causal_block=cfg.causal_block)
     return attn_out_and_mlp(x_BxTxE, attn, p, cfg)
+
+
+def route(h_NxE: jax.Array, router_ExX: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """The experts each token goes to and their weights: softmax over the router's
+    logits (f32), the top `experts_per_token`, renormalised when `norm_topk_prob`.
+
+    Returns:
+      (i32[N, k] expert ids, f32[N, k] weights).
+    """
+    logits = (h_NxE @ router_ExX.astype(h_NxE.dtype)).astype(jnp.float32)
+    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.experts_per_token)
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return experts.astype(jnp.int32), weights
+
+
+def moe_mlp(h_NxE: jax.Array, p: dict[str, Any], cfg: ModelConfig) -> jax.Array:
+    """The mixture-of-experts MLP, dropless: every token's k (token, expert) pairs are
+    sorted by expert and each expert's SwiGLU runs on its rows as one grouped matmul
+    (`jax.lax.ragged_dot`: no capacity, no token dropped, no padding to a capacity);
+    the outputs are weighted by the routing weights and summed back per token."""
+    n, e = h_NxE.shape
+    k, dt = cfg.experts_per_token, h_NxE.dtype
+    experts_NxK, weights_NxK = route(h_NxE, p["router"], cfg)
+    flat = experts_NxK.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k  # the token of each sorted (token, expert) pair
+    rows = jnp.take(h_NxE, token, axis=0)
+    sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
+    gate = jax.lax.ragged_dot(rows, p["experts_gate"].astype(dt), sizes)
+    up = jax.lax.ragged_dot(rows, p["experts_up"].astype(dt), sizes)
+    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, p["experts_down"].astype(dt), sizes)
+    w = jnp.take(weights_NxK.reshape(-1), order).astype(dt)
+    return jnp.zeros((n, e), dt).at[token].add(out * w[:, None])

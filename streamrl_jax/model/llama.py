@@ -63,12 +63,35 @@ _SANDWICH_PARAMS = {
 def _block_table(cfg: ModelConfig) -> dict:
     """The block parameters `cfg` has: the common ones, biases (Qwen2), q/k norms (Qwen3,
     Gemma 3), norms after attention and the MLP (Gemma 3)."""
-    return dict(
+    table = dict(
         _BLOCK_PARAMS,
         **(_BIAS_PARAMS if cfg.qkv_bias else {}),
         **(_QK_NORM_PARAMS if cfg.qk_norm else {}),
         **(_SANDWICH_PARAMS if cfg.sandwich_norms else {}),
     )
+    if cfg.num_experts:  # the MLP is experts behind a router (Qwen3-MoE, Mixtral)
+        for name in ("gate", "up", "down"):
+            del table[name]
+        x, i = cfg.num_experts, cfg.moe_intermediate_size
+        table.update(
+            router=(lambda L, E, H, K, D, M: (L, E, x), ("layers", "embed", "expert"), "n"),
+            experts_gate=(
+                lambda L, E, H, K, D, M: (L, x, E, i),
+                ("layers", "expert", "embed", "mlp"),
+                "n",
+            ),
+            experts_up=(
+                lambda L, E, H, K, D, M: (L, x, E, i),
+                ("layers", "expert", "embed", "mlp"),
+                "n",
+            ),
+            experts_down=(
+                lambda L, E, H, K, D, M: (L, x, i, E),
+                ("layers", "expert", "mlp", "embed"),
+                "n",
+            ),
+        )
+    return table
 
 
 def block_param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
