@@ -625,3 +625,28 @@ def test_a_moe_on_an_expert_parallel_mesh_matches_one_device(single):
     g8, p8, m8 = _one_step(sharded, samples, whole, steps=2)
     assert _max_diff(g8, g1) <= 4e-6 * _max_abs(g1)
     np.testing.assert_allclose(m8["loss"], m1["loss"], rtol=1e-5)
+
+
+def test_the_routers_load_balancing_loss_is_added_with_its_coefficient(single):
+    from streamrl_jax.errors import UserError
+    from streamrl_jax.model import layers
+
+    # balanced: every expert gets N k / X assignments and mean probability 1/X -> k
+    n, k, x = 12.0, 2, 4
+    stats = jnp.stack([jnp.full((x,), n * k / x), jnp.full((x,), n / x)])
+    np.testing.assert_allclose(layers.router_aux_loss(stats, jnp.float32(n)), k, rtol=1e-6)
+    coef = 0.5
+    with_aux = CFG.replace(algorithm=dataclasses.replace(CFG.algorithm, router_aux_coef=coef))
+    plain, aux = (make_policy_trainer(MOE, c, single.mesh) for c in (CFG, with_aux))
+    state = plain.init_state(0)
+    host = make_batch(**_samples(), seq_buckets=CFG.seq_buckets, batch_buckets=CFG.batch_buckets)
+    out = {}
+    for name, tr in (("plain", plain), ("aux", aux)):
+        acc, m = tr.accumulate(state, tr.init_accumulator(), tr.place_batch(host), tr.scalar(1.0))
+        out[name] = jax.device_get(acc), jax.device_get(m)
+    (acc0, m0), (acc1, m1) = out["plain"], out["aux"]
+    assert "router_aux" in m1 and float(m1["router_aux"]) >= k * 0.99  # >= k: balance is its floor
+    np.testing.assert_allclose(m1["loss"], m0["loss"] + coef * m1["router_aux"], rtol=1e-5)
+    assert _max_diff(acc1.grads["layers"]["router"], acc0.grads["layers"]["router"]) > 0
+    with pytest.raises(UserError, match="router_aux_coef=0.5: the model has no experts"):
+        make_policy_trainer(model_config.tiny(), with_aux, single.mesh)
