@@ -38,9 +38,18 @@ _TENSOR_PARALLEL: Rules = {
     "layers": None,
 }
 
-TRAIN_RULES: Rules = {**_TENSOR_PARALLEL, "embed": "fsdp", "value_head": None}
+# Experts (MoE): expert parallelism over "fsdp" in training (the expert dimension takes
+# the axis `embed` would: one mesh axis shards one dimension), over "tp" inside a
+# generation instance.
+TRAIN_RULES: Rules = {**_TENSOR_PARALLEL, "embed": "fsdp", "value_head": None, "expert": "fsdp"}
 
-GENERATE_RULES: Rules = {**_TENSOR_PARALLEL, "embed": None, "cache_batch": None, "cache_seq": None}
+GENERATE_RULES: Rules = {
+    **_TENSOR_PARALLEL,
+    "embed": None,
+    "cache_batch": None,
+    "cache_seq": None,
+    "expert": "tp",
+}
 
 RULES: dict[str, Rules] = {"train": TRAIN_RULES, "generate": GENERATE_RULES}
 

@@ -328,3 +328,25 @@ def test_shutdown_handler_sets_flag_then_second_signal_passes_through():
         assert signal.getsignal(signal.SIGUSR1) is not before or before is None
     finally:
         signal.signal(signal.SIGUSR1, before)
+
+
+def test_a_checkpoint_from_before_the_newer_fingerprint_fields_restores(tmp_path, fsdp8, trained):
+    # Written before q/k norms and experts were fingerprinted: its model was dense.
+    fp = ckpt_lib.model_fingerprint(MODEL)
+    old = {k: v for k, v in fp.items() if k not in ckpt_lib.trees.FINGERPRINT_DEFAULTS}
+    with _ckpt(tmp_path, fingerprint=old) as ckpt:
+        ckpt.save(1, trained)
+    with _ckpt(tmp_path, fingerprint=fp) as ckpt:
+        assert (
+            ckpt.restore(
+                abstract_state=_abstract(fsdp8), state_shardings=fsdp8.state_shardings
+            ).step
+            == 1
+        )
+    moe = ckpt_lib.model_fingerprint(MODEL.replace(num_experts=4, experts_per_token=2,
+                                                   moe_intermediate_size=32))  # fmt: skip
+    with (
+        _ckpt(tmp_path, fingerprint=moe) as ckpt,
+        pytest.raises(ValueError, match="num_experts: checkpoint 0 vs this run 4"),
+    ):
+        ckpt.restore(abstract_state=_abstract(fsdp8), state_shardings=fsdp8.state_shardings)

@@ -58,6 +58,25 @@ FAMILIES = {
             },
         ),
     ),
+    # Mixture of experts: Qwen3-MoE (q/k norms, top-k renormalised here) and Mixtral
+    # (always renormalised), 4 experts, 2 a token; saved per expert, as the hub's are
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+    ),  # fmt: skip
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+    ),
     # Llama 3.2 (1B/3B): tied embeddings and llama3 RoPE scaling
     "llama3.2": (
         "LlamaConfig",
@@ -82,6 +101,7 @@ def test_logits_match_transformers_at_every_position(family):
     name, d, model = family
     pre = load_pretrained(d)
     assert pre.cfg.qk_norm == name.startswith(("qwen3", "gemma3"))
+    assert bool(pre.cfg.num_experts) == (name in ("qwen3_moe", "mixtral"))
     assert bool(pre.cfg.layer_windows) == (name == "gemma3")
     with torch.no_grad():
         ref = model(torch.from_numpy(_TOKENS).long()).logits.float().numpy()
@@ -148,7 +168,13 @@ def _run_dir(kind: str, root) -> str:
 
 
 @pytest.mark.parametrize(
-    "kind,mode", [("qwen3", "stream_async"), ("qwen3", "colocated"), ("gemma3", "stream_async")]
+    "kind,mode",
+    [
+        ("qwen3", "stream_async"),
+        ("qwen3", "colocated"),
+        ("gemma3", "stream_async"),
+        ("qwen3_moe", "stream_async"),
+    ],  # fmt: skip
 )
 def test_a_checkpoint_of_each_new_family_trains_through_the_pipeline(kind, mode, tmp_path):
     from support import tiny_config

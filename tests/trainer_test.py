@@ -576,3 +576,77 @@ def test_environment_tokens_are_never_trained(single):
     assert _max_diff(masked, plain) > 0.0  # the masked tokens were trained before
     none = [np.zeros(len(r), bool) for r in samples["responses"]]
     assert _max_abs(grads(samples, none)[0]) == 0.0
+
+
+MOE = model_config.tiny(num_experts=4, experts_per_token=2, moe_intermediate_size=32)
+
+
+def test_a_moe_trains_shared_prompt_and_packed_rows_as_one_sample_per_row():
+    """Mixture of experts: routing is per token, so shared-prompt and packed rows give the
+    per-sample loss and gradients (the router's and the experts' included)."""
+    mesh = mesh_lib.make_meshes(mesh_lib.MeshConfig(colocated=True), jax.devices()[:1]).train
+    cfg = CFG.replace(seq_buckets=(32, 64, 128), batch_buckets=(1, 2, 4, 8, 16))
+    policy = make_policy_trainer(MOE, cfg, mesh)
+    state = policy.init_state(0)
+    samples = _groups()
+    ones = jax.device_put(np.ones((len(samples["rewards"]), 1), np.float32))
+    adv = algorithms.ADVANTAGES["grpo"](
+        jax.device_put(samples["rewards"]), ones, jax.device_put(samples["group_ids"])
+    )
+    adv = np.asarray(jax.device_get(adv))[:, 0]
+    out = {}
+    for name, (shared, pack) in {"plain": (False, False), **LAYOUTS}.items():
+        host = make_batch(
+            **(samples | {"advantages": adv}), seq_buckets=cfg.seq_buckets,
+            batch_buckets=cfg.batch_buckets, shared_prompt=shared, pack=pack,
+            loss_chunk=128 if name == "plain" else 8,
+        )  # fmt: skip
+        acc, m = policy.accumulate(
+            state, policy.init_accumulator(), policy.place_batch(host), policy.scalar(1.0)
+        )
+        out[name] = jax.device_get(acc), jax.device_get(m)
+    want_acc, want_m = out.pop("plain")
+    assert _max_abs(want_acc.grads["layers"]["experts_gate"]) > 0
+    assert _max_abs(want_acc.grads["layers"]["router"]) > 0
+    for acc, m in out.values():
+        _assert_same_gradients(acc, m, want_acc, want_m)
+
+
+def test_a_moe_on_an_expert_parallel_mesh_matches_one_device(single):
+    mesh8 = _mesh8()
+    sharded = make_policy_trainer(MOE, CFG, mesh8)
+    one = make_policy_trainer(MOE, CFG, single.mesh)
+    state = sharded.init_state(0)
+    # the experts split over fsdp (expert parallelism), their width over tp
+    assert state.params["layers"]["experts_gate"].value.sharding.spec == P(None, "fsdp", None, "tp")
+    samples = _samples()
+    whole = [list(range(N_SAMPLES))]
+    g1, p1, m1 = _one_step(one, samples, whole, steps=2)
+    g8, p8, m8 = _one_step(sharded, samples, whole, steps=2)
+    assert _max_diff(g8, g1) <= 4e-6 * _max_abs(g1)
+    np.testing.assert_allclose(m8["loss"], m1["loss"], rtol=1e-5)
+
+
+def test_the_routers_load_balancing_loss_is_added_with_its_coefficient(single):
+    from streamrl_jax.errors import UserError
+    from streamrl_jax.model import layers
+
+    # balanced: every expert gets N k / X assignments and mean probability 1/X -> k
+    n, k, x = 12.0, 2, 4
+    stats = jnp.stack([jnp.full((x,), n * k / x), jnp.full((x,), n / x)])
+    np.testing.assert_allclose(layers.router_aux_loss(stats, jnp.float32(n)), k, rtol=1e-6)
+    coef = 0.5
+    with_aux = CFG.replace(algorithm=dataclasses.replace(CFG.algorithm, router_aux_coef=coef))
+    plain, aux = (make_policy_trainer(MOE, c, single.mesh) for c in (CFG, with_aux))
+    state = plain.init_state(0)
+    host = make_batch(**_samples(), seq_buckets=CFG.seq_buckets, batch_buckets=CFG.batch_buckets)
+    out = {}
+    for name, tr in (("plain", plain), ("aux", aux)):
+        acc, m = tr.accumulate(state, tr.init_accumulator(), tr.place_batch(host), tr.scalar(1.0))
+        out[name] = jax.device_get(acc), jax.device_get(m)
+    (acc0, m0), (acc1, m1) = out["plain"], out["aux"]
+    assert "router_aux" in m1 and float(m1["router_aux"]) >= k * 0.99  # >= k: balance is its floor
+    np.testing.assert_allclose(m1["loss"], m0["loss"] + coef * m1["router_aux"], rtol=1e-5)
+    assert _max_diff(acc1.grads["layers"]["router"], acc0.grads["layers"]["router"]) > 0
+    with pytest.raises(UserError, match="router_aux_coef=0.5: the model has no experts"):
+        make_policy_trainer(model_config.tiny(), with_aux, single.mesh)

@@ -41,6 +41,7 @@ from etils import epath
 
 from streamrl_jax.checkpoint import active_set
 from streamrl_jax.checkpoint.trees import (
+    FINGERPRINT_DEFAULTS,
     abstract_key_data,
     abstract_tree,
     check_json,
@@ -59,7 +60,10 @@ def _check_fingerprint(
     where: str, saved: Mapping[str, Any] | None, mine: Mapping[str, Any] | None
 ) -> None:
     """Raises ValueError naming every architecture field that differs (both values)."""
-    if saved is None or mine is None or dict(saved) == dict(mine):
+    if saved is None or mine is None:
+        return
+    saved = {**{k: v for k, v in FINGERPRINT_DEFAULTS.items() if k in mine}, **saved}
+    if dict(saved) == dict(mine):
         return
     diff = [
         f"{k}: checkpoint {saved.get(k)} vs this run {mine.get(k)}"

@@ -21,7 +21,26 @@ from streamrl_jax.model.config import SHAPE_FIELDS
 
 # Architecture fields of `model.config.ModelConfig` that decide parameter shapes
 # or meaning; a checkpoint restores only into a model with the same values.
-FINGERPRINT_FIELDS = (*SHAPE_FIELDS, "tie_embeddings", "qkv_bias", "qk_norm", "param_dtype")
+FINGERPRINT_FIELDS = (
+    *SHAPE_FIELDS,
+    "tie_embeddings",
+    "qkv_bias",
+    "qk_norm",
+    "sandwich_norms",
+    "num_experts",
+    "experts_per_token",
+    "moe_intermediate_size",
+    "param_dtype",
+)
+# Fields added to the fingerprint after checkpoints were written without them: such a
+# checkpoint's model had the default (a dense Llama-family model).
+FINGERPRINT_DEFAULTS = {
+    "qk_norm": False,
+    "sandwich_norms": False,
+    "num_experts": 0,
+    "experts_per_token": 0,
+    "moe_intermediate_size": 0,
+}
 MAX_LISTED = 5  # mismatching leaves named in an error message
 
 

@@ -169,7 +169,7 @@ RULES: dict[type, dict[str, _Rule]] = {
         "kl_estimator": _one_of(KL_ESTIMATORS),
         **dict.fromkeys(("clip_eps", "clip_eps_high"), _POSITIVE),
         "dual_clip": _Rule(lambda v: v == 0 or v > 1, "0 (off) or > 1"),
-        **dict.fromkeys(("kl_coef", "entropy_coef", "tis_cap"), _NONNEG),
+        **dict.fromkeys(("kl_coef", "entropy_coef", "tis_cap", "router_aux_coef"), _NONNEG),
         **dict.fromkeys(("overlong_buffer", "overlong_penalty"), _NONNEG),
     },
     OptimizerSection: {

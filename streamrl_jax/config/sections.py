@@ -169,6 +169,9 @@ class AlgorithmSection:
     kl_coef: float = 0.0  # KL-to-reference coefficient (0 = no reference model)
     kl_estimator: str = "k3"  # k1 | k2 | k3
     entropy_coef: float = 0.0  # entropy bonus
+    # Mixture-of-experts models: the router's load-balancing loss (Switch Transformer's,
+    # as transformers computes it) times this (0 = off; Qwen3-MoE pretrained with 0.001)
+    router_aux_coef: float = 0.0
     tis_cap: float = 0.0  # truncated importance-sampling cap vs behaviour log-probs (0 = off)
     # DAPO soft overlong punishment (algorithms/overlong.py): responses longer than
     # generation.max_new_tokens - overlong_buffer lose up to overlong_penalty reward,

@@ -63,6 +63,10 @@ _LAYER_AXES = {
     "k_norm": ("norm",),
     "post_attn_norm": ("norm",),
     "post_mlp_norm": ("norm",),
+    "router": ("embed", "expert"),
+    "experts_gate": ("expert", "embed", "mlp"),
+    "experts_up": ("expert", "embed", "mlp"),
+    "experts_down": ("expert", "mlp", "embed"),
     "o": ("kv_heads", "parts", "head_dim", "embed"),
     "mlp_norm": ("norm",),
     "gate_up": ("embed", "parts", "mlp"),
@@ -173,9 +177,13 @@ def from_training_layout(
             "qkv": jnp.concatenate(qkv, axis=2).astype(dt),
             "o": p["o"].reshape(k, g, d, e).astype(dt),
             "mlp_norm": p["mlp_norm"],
-            "gate_up": jnp.stack([p["gate"], p["up"]], axis=1).astype(dt),
-            "down": p["down"].astype(dt),
         }
+        if cfg.num_experts:  # the experts stacked, each token's k run as grouped matmuls
+            for name in ("router", "experts_gate", "experts_up", "experts_down"):
+                out[name] = p[name].astype(dt)
+        else:
+            out["gate_up"] = jnp.stack([p["gate"], p["up"]], axis=1).astype(dt)
+            out["down"] = p["down"].astype(dt)
         if cfg.qkv_bias:
             bias = [p["q_bias"].reshape(k, g, d), p["k_bias"][:, None], p["v_bias"][:, None]]
             out["qkv_bias"] = jnp.concatenate(bias, axis=1).astype(dt)
@@ -299,12 +307,15 @@ class GenModel:
             a = layers.rms_norm(a, p["post_attn_norm"], eps)
         x = x_NxTxE + a
         h = layers.rms_norm(x, p["mlp_norm"], eps)
-        gu = quant.einsum("nte,epm->ntpm", h, p["gate_up"])
-        if self.cfg.mlp_act == "silu":
-            act = jax.nn.silu(gu[:, :, 0])
+        if "router" in p:  # mixture of experts (Qwen3-MoE, Mixtral)
+            y = layers.moe_mlp(h.reshape(n * t, e), p, self.cfg).reshape(n, t, e)
         else:
-            act = jax.nn.gelu(gu[:, :, 0], approximate=True)
-        y = quant.einsum("ntm,me->nte", act * gu[:, :, 1], p["down"])
+            gu = quant.einsum("nte,epm->ntpm", h, p["gate_up"])
+            if self.cfg.mlp_act == "silu":
+                act = jax.nn.silu(gu[:, :, 0])
+            else:
+                act = jax.nn.gelu(gu[:, :, 0], approximate=True)
+            y = quant.einsum("ntm,me->nte", act * gu[:, :, 1], p["down"])
         if "post_mlp_norm" in p:
             y = layers.rms_norm(y, p["post_mlp_norm"], eps)
         return x + y

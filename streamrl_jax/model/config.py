@@ -11,6 +11,10 @@ One frozen dataclass covers the families; they differ only in
   (`attn_scale`), and local sliding-window layers between global ones
   (`layer_windows`, with their own RoPE base `rope_local_theta`); its `(1 + w)`
   RMSNorm weights are stored as `1 + w` (the loader adds the 1);
+* Qwen3-MoE and Mixtral: the MLP is `num_experts` SwiGLU experts of width
+  `moe_intermediate_size`, each token sent to its top `experts_per_token` by a linear
+  router (softmax over all experts, then the top k, renormalised when
+  `norm_topk_prob`; Mixtral always renormalises);
 * SmolLM2 (and Llama-3.2 small models): tied input/output embeddings;
 * Llama-3.1+: the "llama3" RoPE frequency scaling (`rope_scaling`).
 
@@ -33,8 +37,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
     "Gemma3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
-_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
+_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_moe", "mixtral")
 MLP_ACTS = ("silu", "gelu_tanh")
 # The integer dimensions of `ModelConfig` that fix parameter shapes.
 SHAPE_FIELDS = (
@@ -103,6 +109,10 @@ class ModelConfig:
         `rope_scaling` applies to the global layers only.
       norm_weight_offset: a checkpoint's RMSNorm weights w scale by w + offset (Gemma:
         1); the loader stores w + offset, so the model's norms are plain.
+      num_experts: experts of every layer's MLP (0 = a dense MLP of intermediate_size).
+      experts_per_token: experts each token is routed to (top k of the router).
+      moe_intermediate_size: each expert's SwiGLU width.
+      norm_topk_prob: the top k routing probabilities renormalised to sum to 1.
       param_dtype: storage dtype of the parameters ("float32" | "bfloat16").
       dtype: compute dtype of activations and matmuls ("float32" | "bfloat16");
         log-softmax and RMSNorm statistics are always computed in float32.
@@ -138,6 +148,10 @@ class ModelConfig:
     layer_windows: tuple[int, ...] = ()
     rope_local_theta: float | None = None
     norm_weight_offset: float = 0.0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
     param_dtype: str = "float32"
     dtype: str = "float32"
     remat: bool = False
@@ -163,6 +177,13 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.num_experts and not (
+            0 < self.experts_per_token <= self.num_experts and self.moe_intermediate_size > 0
+        ):
+            raise ValueError(
+                f"ModelConfig: {self.num_experts} experts need 0 < experts_per_token "
+                f"({self.experts_per_token}) <= num_experts and moe_intermediate_size > 0"
+            )
         if self.mlp_act not in MLP_ACTS:
             raise ValueError(f"ModelConfig.mlp_act={self.mlp_act!r}; expected one of {MLP_ACTS}")
         if self.layer_windows and (
@@ -212,14 +233,20 @@ class ModelConfig:
         )
         attn = e * h * d * 2 + e * k * d * 2 + (h * d + 2 * k * d if self.qkv_bias else 0)
         norms = (4 if self.sandwich_norms else 2) * e + (2 * d if self.qk_norm else 0)
-        block = attn + 3 * e * m + norms
+        mlp = 3 * e * m
+        if self.num_experts:
+            mlp = self.num_experts * (3 * e * self.moe_intermediate_size + e)
+        block = attn + mlp + norms
         head = 0 if self.tie_embeddings else self.vocab_size * e
         return self.vocab_size * e + self.num_layers * block + e + head
 
     def flops_per_token(self, context: int) -> float:
         """Forward matmul FLOPs per token (2 per MAC) at a given attention context."""
         e, h, k, d = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
-        proj = 2 * (e * h * d * 2 + e * k * d * 2 + 3 * e * self.intermediate_size)
+        width = self.intermediate_size
+        if self.num_experts:  # the experts a token is routed to, and the router
+            width = self.experts_per_token * self.moe_intermediate_size + self.num_experts / 3
+        proj = 2 * (e * h * d * 2 + e * k * d * 2 + 3 * e * width)
         attn = 2 * 2 * h * d * context
         return self.num_layers * (proj + attn) + 2 * e * self.vocab_size
 
@@ -301,6 +328,11 @@ def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         )
         if model_type == "gemma3_text" or arch == "Gemma3ForCausalLM":
             cfg.update(_gemma3(hf, local_rs))
+        if model_type in ("qwen3_moe", "mixtral") or arch in (
+            "Qwen3MoeForCausalLM",
+            "MixtralForCausalLM",
+        ):
+            cfg.update(_moe(hf, mixtral=model_type == "mixtral" or arch == "MixtralForCausalLM"))
     except KeyError as e:
         raise ValueError(f"config.json: missing required field {e.args[0]!r}") from None
     cfg.update(overrides)
@@ -342,4 +374,30 @@ def _gemma3(hf: dict[str, Any], local_rope: dict[str, Any]) -> dict[str, Any]:
         rope_local_theta=float(local_theta),
         norm_weight_offset=1.0,
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+    )
+
+
+def _moe(hf: dict[str, Any], mixtral: bool) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Qwen3-MoE or Mixtral `config.json`.
+
+    Raises:
+      ValueError: dense layers among sparse ones (`mlp_only_layers`,
+        `decoder_sparse_step` > 1; not built) or Qwen2-MoE's shared expert.
+    """
+    if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
+        raise ValueError(
+            "config.json: dense layers among the experts' (mlp_only_layers / "
+            "decoder_sparse_step) are not supported"
+        )
+    if hf.get("shared_expert_intermediate_size"):
+        raise ValueError("config.json: a shared expert (Qwen2-MoE) is not supported")
+    # transformers 5 writes `num_local_experts` for both; Qwen's own configs `num_experts`
+    n = int(hf["num_local_experts"] if "num_local_experts" in hf else hf["num_experts"])
+    width = int(hf["intermediate_size"] if mixtral else hf["moe_intermediate_size"])
+    return dict(
+        num_experts=n,
+        experts_per_token=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=width,
+        norm_topk_prob=True if mixtral else bool(hf.get("norm_topk_prob", False)),
+        qk_norm=not mixtral,
     )

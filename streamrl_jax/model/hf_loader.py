@@ -78,7 +78,30 @@ def _hf_block(cfg: ModelConfig) -> dict[str, str]:
         drop |= {"q_bias", "k_bias", "v_bias"}
     if not cfg.qk_norm:
         drop |= {"q_norm", "k_norm"}
+    if cfg.num_experts:  # the experts are read by _moe_layer
+        drop |= {"gate", "up", "down"}
     return {k: v for k, v in table.items() if k not in drop}
+
+
+def _moe_layer(get, has, i: int, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Layer i's router [X, E] and experts (gate, up [X, I, E]; down [X, E, I]) in HF's
+    orientation, from any of the three layouts checkpoints use: per expert under
+    `mlp.experts.{j}.{gate,up,down}_proj` (Qwen3-MoE) or `block_sparse_moe.experts.{j}.
+    w{1,3,2}` (Mixtral), or fused `mlp.experts.gate_up_proj` / `down_proj` (transformers 5)."""
+    pre, x, m = f"model.layers.{i}.", cfg.num_experts, cfg.moe_intermediate_size
+    if has(pre + "block_sparse_moe.gate.weight"):
+        base, names = pre + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        base, names = pre + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    out = {"router": get(base + "gate.weight")}
+    if has(base + "experts.gate_up_proj"):
+        gate_up = get(base + "experts.gate_up_proj")
+        out["experts_gate"], out["experts_up"] = gate_up[:, :m], gate_up[:, m:]
+        out["experts_down"] = get(base + "experts.down_proj")
+        return out
+    for ours, theirs in zip(("experts_gate", "experts_up", "experts_down"), names, strict=True):
+        out[ours] = np.stack([get(f"{base}experts.{j}.{theirs}.weight") for j in range(x)])
+    return out
 
 
 def read_json(path: str) -> dict[str, Any]:
@@ -179,6 +202,13 @@ def _expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update(q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,))
     if cfg.sandwich_norms:
         shapes.update(post_attn_norm=(e,), post_mlp_norm=(e,))
+    if cfg.num_experts:
+        x, mi = cfg.num_experts, cfg.moe_intermediate_size
+        for name in ("gate", "up", "down"):
+            del shapes[name]
+        shapes.update(
+            router=(x, e), experts_gate=(x, mi, e), experts_up=(x, mi, e), experts_down=(x, e, mi)
+        )
     if not cfg.tie_embeddings:
         shapes["lm_head"] = (v, e)
     return shapes
@@ -208,6 +238,11 @@ def stack_hf_weights(tensors: dict[str, np.ndarray], cfg: ModelConfig, source: s
         if len(shapes) != 1:
             raise UserError(f"{source}: {suffix} has different shapes across layers: {shapes}")
         out[ours] = np.stack(layers)
+    if cfg.num_experts:
+        has = tensors.__contains__
+        per_layer = [_moe_layer(get, has, i, cfg) for i in range(cfg.num_layers)]
+        for name in per_layer[0]:
+            out[name] = np.stack([layer[name] for layer in per_layer])
     # A tensor we do not consume (mlp biases, q/k norms, ...) means an architecture
     # variant this model does not implement: refuse rather than silently drop it.
     unused = sorted(n for n in set(tensors) - used if not n.endswith("rotary_emb.inv_freq"))
@@ -248,10 +283,12 @@ def to_model_layout(hf: dict[str, np.ndarray], cfg: ModelConfig, source: str) ->
         "layers/v": t(hf["v"]).reshape(L, E, K, D),
         "layers/o": t(hf["o"]).reshape(L, H, D, E),
         "layers/mlp_norm": hf["mlp_norm"],
-        "layers/gate": t(hf["gate"]),
-        "layers/up": t(hf["up"]),
-        "layers/down": t(hf["down"]),
     }
+    if cfg.num_experts:  # [L, X, out, in] -> [L, X, in, out]; the router [L, X, E] -> [L, E, X]
+        for name in ("router", "experts_gate", "experts_up", "experts_down"):
+            out[f"layers/{name}"] = t(hf[name])
+    else:
+        out.update({f"layers/{name}": t(hf[name]) for name in ("gate", "up", "down")})
     if cfg.qkv_bias:
         out["layers/q_bias"] = hf["q_bias"].reshape(L, H, D)
         out["layers/k_bias"] = hf["k_bias"].reshape(L, K, D)

@@ -235,8 +235,12 @@ swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 def attn_out_and_mlp(
-    x_BxTxE: jax.Array, attn_BxTxHxD: jax.Array, p: dict[str, jax.Array], cfg: ModelConfig
-) -> jax.Array:
+    x_BxTxE: jax.Array,
+    attn_BxTxHxD: jax.Array,
+    p: dict[str, jax.Array],
+    cfg: ModelConfig,
+    valid_BxT: jax.Array | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Residual output projection, then the pre-norm gated MLP residual (SwiGLU, or
     GeGLU; with `sandwich_norms` each branch's output normalised before its add)."""
     dt = x_BxTxE.dtype
@@ -246,11 +250,18 @@ def attn_out_and_mlp(
     x = x_BxTxE + a
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     b, t, e = h.shape
-    w = [p[name].astype(dt) for name in ("gate", "up", "down")]
-    y = gated_mlp(h.reshape(b * t, e), *w, cfg.mlp_act).reshape(b, t, e)
+    stats = None
+    if cfg.num_experts and valid_BxT is not None:  # the router's statistics too
+        y, stats = moe_mlp(h.reshape(b * t, e), p, cfg, valid_BxT.reshape(-1))
+        y = y.reshape(b, t, e)
+    elif cfg.num_experts:
+        y = moe_mlp(h.reshape(b * t, e), p, cfg).reshape(b, t, e)
+    else:
+        w = [p[name].astype(dt) for name in ("gate", "up", "down")]
+        y = gated_mlp(h.reshape(b * t, e), *w, cfg.mlp_act).reshape(b, t, e)
     if cfg.sandwich_norms:
         y = rms_norm(y, p["post_mlp_norm"], cfg.rms_norm_eps)
-    return x + y
+    return x + y if stats is None else (x + y, stats)
 
 
 def gated_mlp(h_NxE, gate_ExM, up_ExM, down_MxE, act: str) -> jax.Array:
@@ -268,8 +279,77 @@ def block(
     cos: jax.Array,
     sin: jax.Array,
     mask_BxTxT: jax.Array,
-) -> jax.Array:
-    """One decoder block over a full sequence (`mask` within the causal triangle)."""
+    valid_BxT: jax.Array | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """One decoder block over a full sequence (`mask` within the causal triangle); with
+    `valid_BxT` (a MoE's real tokens) also the router's statistics."""
     q, k, v = qkv(x_BxTxE, p, cfg, cos, sin)
     attn = attention(q, k, v, mask_BxTxT, causal_block=cfg.causal_block)
-    return attn_out_and_mlp(x_BxTxE, attn, p, cfg)
+    return attn_out_and_mlp(x_BxTxE, attn, p, cfg, valid_BxT)
+
+
+def route(h_NxE: jax.Array, router_ExX: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """The experts each token goes to and their weights: softmax over the router's
+    logits (f32), the top `experts_per_token`, renormalised when `norm_topk_prob`.
+
+    Returns:
+      (i32[N, k] expert ids, f32[N, k] weights).
+    """
+    logits = (h_NxE @ router_ExX.astype(h_NxE.dtype)).astype(jnp.float32)
+    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.experts_per_token)
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return experts.astype(jnp.int32), weights
+
+
+def route_with_stats(
+    h_NxE: jax.Array, router_ExX: jax.Array, cfg: ModelConfig, valid_N: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`route`, and the load-balancing statistics over the valid tokens: f32[2, X], the
+    (token, expert) assignments per expert and the routing probabilities summed."""
+    logits = (h_NxE @ router_ExX.astype(h_NxE.dtype)).astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, cfg.experts_per_token)
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    valid = valid_N.astype(jnp.float32)[:, None]
+    hits = jax.nn.one_hot(experts, cfg.num_experts, dtype=jnp.float32).sum(axis=1)
+    stats = jnp.stack([jnp.sum(hits * valid, axis=0), jnp.sum(probs * valid, axis=0)])
+    return experts.astype(jnp.int32), weights, stats
+
+
+def router_aux_loss(stats_2xX: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Switch Transformer's load-balancing loss as transformers computes it over all
+    layers' tokens at once: X * sum_x f_x P_x, f_x the share of (token, expert)
+    assignments to x and P_x its mean routing probability, per routed token (`tokens`:
+    valid tokens times layers). k for a perfectly balanced router."""
+    counts, probs = stats_2xX[0], stats_2xX[1]
+    n = jnp.maximum(tokens, 1.0)
+    return counts.shape[0] * jnp.sum((counts / n) * (probs / n))
+
+
+def moe_mlp(
+    h_NxE: jax.Array, p: dict[str, Any], cfg: ModelConfig, valid_N: jax.Array | None = None
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The mixture-of-experts MLP, dropless: every token's k (token, expert) pairs are
+    sorted by expert and each expert's SwiGLU runs on its rows as one grouped matmul
+    (`jax.lax.ragged_dot`: no capacity, no token dropped, no padding to a capacity);
+    the outputs are weighted by the routing weights and summed back per token. With
+    `valid_N` (the real tokens) it also returns `route_with_stats`'s statistics."""
+    n, e = h_NxE.shape
+    k, dt = cfg.experts_per_token, h_NxE.dtype
+    if valid_N is None:
+        experts_NxK, weights_NxK = route(h_NxE, p["router"], cfg)
+    else:
+        experts_NxK, weights_NxK, stats = route_with_stats(h_NxE, p["router"], cfg, valid_N)
+    flat = experts_NxK.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k  # the token of each sorted (token, expert) pair
+    rows = jnp.take(h_NxE, token, axis=0)
+    sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
+    gate = jax.lax.ragged_dot(rows, p["experts_gate"].astype(dt), sizes)
+    up = jax.lax.ragged_dot(rows, p["experts_up"].astype(dt), sizes)
+    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, p["experts_down"].astype(dt), sizes)
+    w = jnp.take(weights_NxK.reshape(-1), order).astype(dt)
+    y = jnp.zeros((n, e), dt).at[token].add(out * w[:, None])
+    return y if valid_N is None else (y, stats)

@@ -63,12 +63,35 @@ _SANDWICH_PARAMS = {
 def _block_table(cfg: ModelConfig) -> dict:
     """The block parameters `cfg` has: the common ones, biases (Qwen2), q/k norms (Qwen3,
     Gemma 3), norms after attention and the MLP (Gemma 3)."""
-    return dict(
+    table = dict(
         _BLOCK_PARAMS,
         **(_BIAS_PARAMS if cfg.qkv_bias else {}),
         **(_QK_NORM_PARAMS if cfg.qk_norm else {}),
         **(_SANDWICH_PARAMS if cfg.sandwich_norms else {}),
     )
+    if cfg.num_experts:  # the MLP is experts behind a router (Qwen3-MoE, Mixtral)
+        for name in ("gate", "up", "down"):
+            del table[name]
+        x, i = cfg.num_experts, cfg.moe_intermediate_size
+        table.update(
+            router=(lambda L, E, H, K, D, M: (L, E, x), ("layers", "embed", "expert"), "n"),
+            experts_gate=(
+                lambda L, E, H, K, D, M: (L, x, E, i),
+                ("layers", "expert", "embed", "mlp"),
+                "n",
+            ),
+            experts_up=(
+                lambda L, E, H, K, D, M: (L, x, E, i),
+                ("layers", "expert", "embed", "mlp"),
+                "n",
+            ),
+            experts_down=(
+                lambda L, E, H, K, D, M: (L, x, i, E),
+                ("layers", "expert", "mlp", "embed"),
+                "n",
+            ),
+        )
+    return table
 
 
 def block_param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -139,26 +162,32 @@ class Llama(nnx.Module):
             out = jnp.einsum("bte,ev->btv", h, self.lm_head[...].astype(h.dtype))
         return out.astype(jnp.float32)
 
-    def _run_blocks(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
-        """All blocks over full sequences; returns the last block's hidden states."""
+    def _run_blocks(
+        self, x: jax.Array, positions: jax.Array, mask: jax.Array, router_stats: bool = False
+    ) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
+        """All blocks over full sequences; returns the last block's hidden states (with
+        `router_stats`, a MoE's also its routers' statistics summed over the layers,
+        f32[2, X], and the routed tokens: `layers.router_aux_loss`'s arguments)."""
         cfg = self.cfg
+        if router_stats and not cfg.num_experts:
+            raise ValueError("router statistics of a model without experts")
         cos, sin = layers.rope_tables(positions, layers.rope_inv_freq(cfg))
-        xs = self.layers.arrays()
+        valid = jnp.diagonal(mask, axis1=1, axis2=2) if router_stats else None  # real tokens
+        windows = jnp.asarray(cfg.layer_windows or (0,) * cfg.num_layers, jnp.int32)
         if cfg.layer_windows:  # sliding-window layers (Gemma 3): their own mask and RoPE
             cos_l, sin_l = layers.rope_tables(positions, layers.rope_inv_freq(cfg, local=True))
             behind = positions[:, :, None] - positions[:, None, :]  # [B, T, T] query - key
-            xs = (xs, jnp.asarray(cfg.layer_windows, jnp.int32))
 
-            def body(x, p_w):
-                p, w = p_w
+        def body(x, p_w):
+            p, w = p_w
+            if cfg.layer_windows:
                 local = w > 0
                 m = mask & (~local | (behind < w))
                 c, s = jnp.where(local, cos_l, cos), jnp.where(local, sin_l, sin)
-                return layers.block(x, p, cfg, c, s, m), None
-        else:
-
-            def body(x, p):
-                return layers.block(x, p, cfg, cos, sin, mask), None
+            else:
+                m, c, s = mask, cos, sin
+            out = layers.block(x, p, cfg, c, s, m, valid)
+            return out if router_stats else (out, None)
 
         # The backward keeps the matmuls' outputs and recomputes the elementwise work
         # from them (`dots_saveable`: faster than saving everything on XLA:CPU, fewer
@@ -170,13 +199,20 @@ class Llama(nnx.Module):
         )
         policy = policies.nothing_saveable if cfg.remat else keep
         body = jax.checkpoint(body, policy=policy)
-        x, _ = jax.lax.scan(body, x, xs)
-        return x
+        x, stats = jax.lax.scan(body, x, (self.layers.arrays(), windows))
+        if not router_stats:
+            return x
+        return x, jnp.sum(stats, axis=0), cfg.num_layers * jnp.sum(valid.astype(jnp.float32))
 
     # ---------------------------------------------------------------- training
     def hidden_states(
-        self, tokens_BxT: jax.Array, mask_BxT: jax.Array, *, segments: Segments | None = None
-    ) -> jax.Array:
+        self,
+        tokens_BxT: jax.Array,
+        mask_BxT: jax.Array,
+        *,
+        segments: Segments | None = None,
+        router_stats: bool = False,
+    ) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
         """Last-layer hidden states (before the final norm) of a padded batch.
 
         Args:
@@ -187,6 +223,7 @@ class Llama(nnx.Module):
           segments: packed rows (several sequences, shared prefixes): explicit
             positions and the attention rule of `model.segments`; None = one
             sequence per row.
+          router_stats: a MoE's routers' statistics too (`_run_blocks`).
         """
         mask = mask_BxT.astype(bool)
         if segments is None:
@@ -197,8 +234,7 @@ class Llama(nnx.Module):
         else:
             positions = segments.positions
             attn_mask = segments.attention_mask() & mask[:, None, :]
-        x = self._run_blocks(self.embed_tokens(tokens_BxT), positions, attn_mask)
-        return x
+        return self._run_blocks(self.embed_tokens(tokens_BxT), positions, attn_mask, router_stats)
 
     def token_logprobs(
         self,
@@ -209,7 +245,8 @@ class Llama(nnx.Module):
         chunk: int = 128,
         segments: Segments | None = None,
         columns_BxL: jax.Array | None = None,
-    ) -> tuple[jax.Array, jax.Array]:
+        router_stats: bool = False,
+    ) -> tuple[jax.Array, ...]:
         """log p(targets[b, t] | the columns column t sees) and the entropy at each position.
 
         The vocabulary projection runs over `chunk`-long slices of the sequence,
@@ -237,9 +274,26 @@ class Llama(nnx.Module):
         Returns:
           (logp f32[B, T], entropy f32[B, T]); values at positions outside
           `mask_BxT` (or `columns_BxL`) are meaningless (0 with `columns_BxL`) and
-          must be masked by the caller.
+          must be masked by the caller. With `router_stats` (a MoE), also the
+          routers' statistics and routed tokens (`layers.router_aux_loss`).
         """
+        if router_stats:
+            hidden, stats, routed = self.hidden_states(
+                tokens_BxT, mask_BxT, segments=segments, router_stats=True
+            )
+            out = self.token_logprobs_of(hidden, targets_BxT, chunk, columns_BxL)
+            return (*out, stats, routed)
         hidden_BxTxE = self.hidden_states(tokens_BxT, mask_BxT, segments=segments)
+        return self.token_logprobs_of(hidden_BxTxE, targets_BxT, chunk, columns_BxL)
+
+    def token_logprobs_of(
+        self,
+        hidden_BxTxE: jax.Array,
+        targets_BxT: jax.Array,
+        chunk: int,
+        columns_BxL: jax.Array | None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """`token_logprobs` from the last hidden states."""
         if columns_BxL is None:
             return self._chunked_logprobs(hidden_BxTxE, targets_BxT, chunk)
         b, t = targets_BxT.shape

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from streamrl_jax import algorithms
-from streamrl_jax.model import llama
+from streamrl_jax.model import layers, llama
 from streamrl_jax.trainer.batch import TrainBatch
 from streamrl_jax.trainer.config import TrainerConfig
 from streamrl_jax.trainer.state import LossOutput
@@ -23,9 +23,10 @@ def shifted_targets(tokens_BxT: jax.Array) -> jax.Array:
 
 
 def policy_logprobs(
-    model: llama.Llama, batch: TrainBatch, chunk: int
-) -> tuple[jax.Array, jax.Array]:
-    """(logp f32[B, T], entropy f32[B, T]) of the shifted targets under `model`.
+    model: llama.Llama, batch: TrainBatch, chunk: int, router_stats: bool = False
+) -> tuple[jax.Array, ...]:
+    """(logp f32[B, T], entropy f32[B, T]) of the shifted targets under `model` (with
+    `router_stats`, a MoE's routers' statistics and routed tokens too).
 
     Computed at the loss positions only (the vocabulary projection skips prompt
     and padding columns); 0 elsewhere.
@@ -37,6 +38,7 @@ def policy_logprobs(
         chunk=chunk,
         segments=batch.segments(),
         columns_BxL=batch.loss_columns,
+        router_stats=router_stats,
     )
 
 
@@ -50,8 +52,9 @@ def policy_loss(
       and the per-token statistics the step reports as masked sums
       (`entropy` -> `entropy_sum`).
     """
-    logp_BxT, ent_BxT = policy_logprobs(model, batch, cfg.logprob_chunk)
     a = cfg.algorithm
+    aux = a.router_aux_coef > 0
+    logp_BxT, ent_BxT, *router = policy_logprobs(model, batch, cfg.logprob_chunk, aux)
     loss, metrics = algorithms.actor_loss(
         logp_BxT,
         batch.old_logp,
@@ -70,6 +73,13 @@ def policy_loss(
         entropy_coef=a.entropy_coef,
         segment_ids_BxT=batch.segment_ids,
     )
+    if aux:
+        # The router's load-balancing loss of this micro-batch, weighted by its share of
+        # the batch's normaliser: summed over the micro-batches, the units' mean.
+        part = algorithms.normalizer_part(batch.loss_mask, a.aggregation, batch.segment_ids)
+        weighted = layers.router_aux_loss(*router) * part / normalizer
+        loss = loss + a.router_aux_coef * weighted
+        metrics = metrics | {"router_aux": weighted}
     return loss, metrics, {"entropy": ent_BxT}
 
 

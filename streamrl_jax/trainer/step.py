@@ -66,6 +66,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from streamrl_jax import algorithms
+from streamrl_jax.errors import UserError
 from streamrl_jax.model import llama
 from streamrl_jax.model.config import ModelConfig
 from streamrl_jax.trainer import state as state_lib
@@ -474,6 +475,11 @@ def make_policy_trainer(
       mesh: training mesh, axes ("fsdp", "tp").
       model_seed: parameter-initialisation seed of `init_state`.
     """
+    if cfg.algorithm.router_aux_coef and not model_cfg.num_experts:
+        raise UserError(
+            f"algorithm.router_aux_coef={cfg.algorithm.router_aux_coef}: the model has no "
+            "experts (a load-balancing loss is for mixture-of-experts models)"
+        )
     return build_trainer(
         "policy",
         llama.create,
