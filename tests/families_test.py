@@ -169,11 +169,12 @@ def _run_dir(kind: str, root) -> str:
 
 @pytest.mark.parametrize(
     "kind,mode",
+    # two by default (the suite's budget), the rest with -m extended
     [
         ("qwen3", "stream_async"),
-        ("qwen3", "colocated"),
-        ("gemma3", "stream_async"),
         ("qwen3_moe", "stream_async"),
+        pytest.param("qwen3", "colocated", marks=pytest.mark.extended),
+        pytest.param("gemma3", "stream_async", marks=pytest.mark.extended),
     ],  # fmt: skip
 )
 def test_a_checkpoint_of_each_new_family_trains_through_the_pipeline(kind, mode, tmp_path):
