@@ -612,6 +612,7 @@ def test_a_moe_trains_shared_prompt_and_packed_rows_as_one_sample_per_row():
         _assert_same_gradients(acc, m, want_acc, want_m)
 
 
+@pytest.mark.extended  # the suite's budget (ragged_dot is dense on XLA:CPU)
 def test_a_moe_on_an_expert_parallel_mesh_matches_one_device(single):
     mesh8 = _mesh8()
     sharded = make_policy_trainer(MOE, CFG, mesh8)
