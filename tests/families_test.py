@@ -21,7 +21,6 @@ from streamrl_jax.model.loader import load_pretrained
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-_TINY = HF_TINY
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 32.0,
@@ -30,7 +29,7 @@ _LLAMA3_ROPE = {
     "original_max_position_embeddings": 16,  # all three frequency bands at head_dim 16
     "rope_theta": 500000.0,
 }
-# family -> (config class, model class, config fields beyond _TINY)
+# family -> (config class, model class, config fields beyond HF_TINY)
 FAMILIES = {
     # Qwen3: q/k norms; head_dim set apart from hidden / heads, as Qwen3's checkpoints do
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True)),
@@ -99,11 +98,18 @@ ENGINE_FAMILIES = [
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
     cfg_cls, model_cls, extra = FAMILIES[request.param]
-    cfg = getattr(transformers, cfg_cls)(**(_TINY | extra))
+    cfg = getattr(transformers, cfg_cls)(**(HF_TINY | extra))
     model = randomize_hf(getattr(transformers, model_cls)(cfg))
     d = tmp_path_factory.mktemp(request.param.replace(".", "_"))
     model.save_pretrained(d)
     return request.param, str(d), model
+
+
+def _engine(pre, max_total: int) -> Engine:
+    """An engine of 2 slots on one device for `pre` (prompts of up to 8 tokens)."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+    ecfg = EngineConfig(num_slots=2, max_prompt_length=8, max_total_length=max_total, chunk_steps=4)
+    return Engine(pre.graphdef, pre.params, pre.cfg, ecfg, mesh)
 
 
 def test_logits_match_transformers_at_every_position(family):
@@ -129,9 +135,7 @@ def test_logits_match_transformers_at_every_position(family):
 def test_the_engine_decodes_the_training_forwards_argmax_and_logprobs(family):
     name, d, _ = family
     pre = load_pretrained(d)
-    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
-    ecfg = EngineConfig(num_slots=2, max_prompt_length=8, max_total_length=24, chunk_steps=4)
-    engine = Engine(pre.graphdef, pre.params, pre.cfg, ecfg, mesh)
+    engine = _engine(pre, max_total=24)
     prompts = [_TOKENS[0, :8].tolist(), _TOKENS[1, :5].tolist()]
     reqs = [
         GenerationRequest(
@@ -166,7 +170,7 @@ def _run_dir(kind: str, root) -> str:
 
     tok = Tokenizer.from_gguf(smollm2_gguf_path())
     cfg_cls, model_cls, extra = FAMILIES[kind]
-    fields = _TINY | extra | dict(vocab_size=tok.vocab_size, max_position_embeddings=256)
+    fields = HF_TINY | extra | dict(vocab_size=tok.vocab_size, max_position_embeddings=256)
     cfg = getattr(transformers, cfg_cls)(**fields)
     d = root / kind
     randomize_hf(getattr(transformers, model_cls)(cfg)).save_pretrained(d)
@@ -234,10 +238,7 @@ def test_an_episode_turn_extended_in_place_draws_what_a_re_prefill_draws(family)
 
     name, d, _ = family
     pre = load_pretrained(d)
-    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
-    ecfg = EngineConfig(num_slots=2, max_prompt_length=8, max_total_length=32, chunk_steps=4)
-    kept = Engine(pre.graphdef, pre.params, pre.cfg, ecfg, mesh)
-    fresh = Engine(pre.graphdef, pre.params, pre.cfg, ecfg, mesh)
+    kept, fresh = _engine(pre, max_total=32), _engine(pre, max_total=32)
     sampled = SamplingParams(temperature=0.9)
     reqs = [
         GenerationRequest(request_id=i, prompt=_TOKENS[i, :8].tolist(), max_new_tokens=6,

@@ -29,7 +29,6 @@ def _permute_qk(w_RxC: np.ndarray, n_head: int) -> np.ndarray:
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-_TINY = HF_TINY
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -43,9 +42,9 @@ _LLAMA3_ROPE = {
 
 def _hf_model(kind: str, **overrides):
     if kind == "llama":
-        cfg = transformers.LlamaConfig(**dict(_TINY, tie_word_embeddings=False, **overrides))
+        cfg = transformers.LlamaConfig(**dict(HF_TINY, tie_word_embeddings=False, **overrides))
         return randomize_hf(transformers.LlamaForCausalLM(cfg))
-    cfg = transformers.Qwen2Config(**dict(_TINY, tie_word_embeddings=True, **overrides))
+    cfg = transformers.Qwen2Config(**dict(HF_TINY, tie_word_embeddings=True, **overrides))
     return randomize_hf(transformers.Qwen2ForCausalLM(cfg))
 
 

@@ -64,12 +64,10 @@ def _routes(cfg, params, tokens_1xT) -> np.ndarray:
         p = {k: v[i] for k, v in stacked.items()}
         q, k, v = layers.qkv(x, p, cfg, cos, sin)
         attn = layers.attention(q, k, v, mask)
-        dt = x.dtype
-        a = jnp.einsum("bthd,hde->bte", attn, p["o"].astype(dt))
+        a = jnp.einsum("bthd,hde->bte", attn, p["o"].astype(x.dtype))
         h = layers.rms_norm(x + a, p["mlp_norm"], cfg.rms_norm_eps)
-        experts, _ = layers.route(h[0], p["router"], cfg)
-        out.append(np.asarray(experts))
-        x = layers.block(x, p, cfg, cos, sin, mask)
+        out.append(np.asarray(layers.route(h[0], p["router"], cfg)[0]))
+        x = layers.attn_out_and_mlp(x, attn, p, cfg)  # the block, its attention reused
     return np.stack(out)
 
 

@@ -9,6 +9,7 @@ any array: a mismatch names each differing leaf with both shapes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -17,7 +18,7 @@ import jax
 import numpy as np
 
 from streamrl_jax.errors import UserError
-from streamrl_jax.model.config import SHAPE_FIELDS
+from streamrl_jax.model.config import SHAPE_FIELDS, ModelConfig
 
 # Architecture fields of `model.config.ModelConfig` that decide parameter shapes
 # or meaning; a checkpoint restores only into a model with the same values.
@@ -33,14 +34,13 @@ FINGERPRINT_FIELDS = (
     "param_dtype",
 )
 # Fields added to the fingerprint after checkpoints were written without them: such a
-# checkpoint's model had the default (a dense Llama-family model).
+# checkpoint's model had the field's default (a dense Llama-family model).
 FINGERPRINT_DEFAULTS = {
-    "qk_norm": False,
-    "sandwich_norms": False,
-    "num_experts": 0,
-    "experts_per_token": 0,
-    "moe_intermediate_size": 0,
-}
+    f.name: f.default
+    for f in dataclasses.fields(ModelConfig)
+    if f.name in ("qk_norm", "sandwich_norms", "num_experts", "experts_per_token",
+                  "moe_intermediate_size")
+}  # fmt: skip
 MAX_LISTED = 5  # mismatching leaves named in an error message
 
 

@@ -239,6 +239,12 @@ def _columns(head_ExV: jax.Array | quant.QArray, tokens: jax.Array, dtype) -> ja
     return jnp.moveaxis(cols, 0, -1).astype(dtype)
 
 
+def _in_window(visible: jax.Array, behind: jax.Array, window: int) -> jax.Array:
+    """`visible` narrowed to the keys less than `window` positions behind the query
+    (`behind`: query position - key position); a global layer's (0) unchanged."""
+    return visible & (behind < window) if window else visible
+
+
 class GenModel:
     """The engine's forward over generation weights: `prefill` and `decode`."""
 
@@ -311,10 +317,7 @@ class GenModel:
             y = layers.moe_mlp(h.reshape(n * t, e), p, self.cfg).reshape(n, t, e)
         else:
             gu = quant.einsum("nte,epm->ntpm", h, p["gate_up"])
-            if self.cfg.mlp_act == "silu":
-                act = jax.nn.silu(gu[:, :, 0])
-            else:
-                act = jax.nn.gelu(gu[:, :, 0], approximate=True)
+            act = layers.gate_activation(gu[:, :, 0], self.cfg.mlp_act)
             y = quant.einsum("ntm,me->nte", act * gu[:, :, 1], p["down"])
         if "post_mlp_norm" in p:
             y = layers.rms_norm(y, p["post_mlp_norm"], eps)
@@ -345,7 +348,7 @@ class GenModel:
         ks, vs = [], []
         for w, ck, cv, win in zip(self.w["layers"], cache.k, cache.v, self._windows(), strict=True):
             q, k, v = self._qkv(x, w, *ropes[win > 0])
-            m = mask & (behind < win)[None] if win else mask
+            m = _in_window(mask, behind[None], win)
             attn = layers.attention(q.reshape(n, p, -1, q.shape[-1]), k, v, m)
             x = self._out_and_mlp(x, attn.reshape(q.shape), w)
             ks.append(set_cache_prefix(ck, slots_N, k.transpose(0, 2, 3, 1), True, mode="drop"))
@@ -399,7 +402,7 @@ class GenModel:
             q, k, v = self._qkv(x, w, *ropes[win > 0])  # q [N, P, K, G, D]; k, v [N, P, K, D]
             k_NxKxDxS = ck[rows_N].at[n_idx, :, :, write_NxP].set(k, mode="drop")
             v_NxKxSxD = cv[rows_N].at[n_idx, :, write_NxP].set(v, mode="drop")
-            seen = visible_NxPxS & (behind_NxPxS < win) if win else visible_NxPxS
+            seen = _in_window(visible_NxPxS, behind_NxPxS, win)
             scores = jnp.einsum("npkgd,nkds->nkgps", q, k_NxKxDxS).astype(f32) / root_d
             scores = jnp.where(seen[:, None, None], scores, _MASK_VALUE)
             probs = jax.nn.softmax(scores, axis=-1).astype(v_NxKxSxD.dtype)
@@ -436,7 +439,7 @@ class GenModel:
             q, k, v = self._qkv(x, w, *ropes[win > 0])
             ck = ck.at[rows, :, :, pos_B].set(k[:, 0])
             cv = cv.at[rows, :, pos_B].set(v[:, 0])
-            seen = visible_Bx1x1xS & (behind_Bx1x1xS < win) if win else visible_Bx1x1xS
+            seen = _in_window(visible_Bx1x1xS, behind_Bx1x1xS, win)
             attn = self._attend(q[:, 0], ck, cv, seen)
             x = self._out_and_mlp(x, attn[:, None], w)
             ks.append(ck)

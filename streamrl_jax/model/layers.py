@@ -251,11 +251,12 @@ def attn_out_and_mlp(
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     b, t, e = h.shape
     stats = None
-    if cfg.num_experts and valid_BxT is not None:  # the router's statistics too
-        y, stats = moe_mlp(h.reshape(b * t, e), p, cfg, valid_BxT.reshape(-1))
+    if cfg.num_experts:  # with `valid_BxT`, the router's statistics too
+        valid = None if valid_BxT is None else valid_BxT.reshape(-1)
+        y = moe_mlp(h.reshape(b * t, e), p, cfg, valid)
+        if valid is not None:
+            y, stats = y
         y = y.reshape(b, t, e)
-    elif cfg.num_experts:
-        y = moe_mlp(h.reshape(b * t, e), p, cfg).reshape(b, t, e)
     else:
         w = [p[name].astype(dt) for name in ("gate", "up", "down")]
         y = gated_mlp(h.reshape(b * t, e), *w, cfg.mlp_act).reshape(b, t, e)
@@ -264,12 +265,17 @@ def attn_out_and_mlp(
     return x + y if stats is None else (x + y, stats)
 
 
+def gate_activation(x: jax.Array, act: str) -> jax.Array:
+    """The gated MLP's activation `ModelConfig.mlp_act`: silu (SwiGLU) or tanh GELU (GeGLU)."""
+    return jax.nn.silu(x) if act == "silu" else jax.nn.gelu(x, approximate=True)
+
+
 def gated_mlp(h_NxE, gate_ExM, up_ExM, down_MxE, act: str) -> jax.Array:
     """act(h gate) * (h up) down: SwiGLU (`swiglu`, its own backward) or GeGLU (tanh
     GELU, autodiff)."""
     if act == "silu":
         return swiglu(h_NxE, gate_ExM, up_ExM, down_MxE)
-    return (jax.nn.gelu(h_NxE @ gate_ExM, approximate=True) * (h_NxE @ up_ExM)) @ down_MxE
+    return (gate_activation(h_NxE @ gate_ExM, act) * (h_NxE @ up_ExM)) @ down_MxE
 
 
 def block(
@@ -288,34 +294,29 @@ def block(
     return attn_out_and_mlp(x_BxTxE, attn, p, cfg, valid_BxT)
 
 
-def route(h_NxE: jax.Array, router_ExX: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+def route(
+    h_NxE: jax.Array, router_ExX: jax.Array, cfg: ModelConfig
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The experts each token goes to and their weights: softmax over the router's
     logits (f32), the top `experts_per_token`, renormalised when `norm_topk_prob`.
 
     Returns:
-      (i32[N, k] expert ids, f32[N, k] weights).
+      (i32[N, k] expert ids, f32[N, k] weights, f32[N, X] the routing probabilities).
     """
-    logits = (h_NxE @ router_ExX.astype(h_NxE.dtype)).astype(jnp.float32)
-    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.experts_per_token)
-    if cfg.norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return experts.astype(jnp.int32), weights
-
-
-def route_with_stats(
-    h_NxE: jax.Array, router_ExX: jax.Array, cfg: ModelConfig, valid_N: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`route`, and the load-balancing statistics over the valid tokens: f32[2, X], the
-    (token, expert) assignments per expert and the routing probabilities summed."""
     logits = (h_NxE @ router_ExX.astype(h_NxE.dtype)).astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, cfg.experts_per_token)
     if cfg.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return experts.astype(jnp.int32), weights, probs
+
+
+def router_stats(experts_NxK: jax.Array, probs_NxX: jax.Array, valid_N: jax.Array) -> jax.Array:
+    """The load-balancing statistics of `route`'s choices over the valid tokens:
+    f32[2, X], the (token, expert) assignments per expert and the probabilities summed."""
     valid = valid_N.astype(jnp.float32)[:, None]
-    hits = jax.nn.one_hot(experts, cfg.num_experts, dtype=jnp.float32).sum(axis=1)
-    stats = jnp.stack([jnp.sum(hits * valid, axis=0), jnp.sum(probs * valid, axis=0)])
-    return experts.astype(jnp.int32), weights, stats
+    hits = jax.nn.one_hot(experts_NxK, probs_NxX.shape[-1], dtype=jnp.float32).sum(axis=1)
+    return jnp.stack([jnp.sum(hits * valid, axis=0), jnp.sum(probs_NxX * valid, axis=0)])
 
 
 def router_aux_loss(stats_2xX: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -335,13 +336,10 @@ def moe_mlp(
     sorted by expert and each expert's SwiGLU runs on its rows as one grouped matmul
     (`jax.lax.ragged_dot`: no capacity, no token dropped, no padding to a capacity);
     the outputs are weighted by the routing weights and summed back per token. With
-    `valid_N` (the real tokens) it also returns `route_with_stats`'s statistics."""
+    `valid_N` (the real tokens) it also returns their `router_stats`."""
     n, e = h_NxE.shape
     k, dt = cfg.experts_per_token, h_NxE.dtype
-    if valid_N is None:
-        experts_NxK, weights_NxK = route(h_NxE, p["router"], cfg)
-    else:
-        experts_NxK, weights_NxK, stats = route_with_stats(h_NxE, p["router"], cfg, valid_N)
+    experts_NxK, weights_NxK, probs_NxX = route(h_NxE, p["router"], cfg)
     flat = experts_NxK.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token = order // k  # the token of each sorted (token, expert) pair
@@ -352,4 +350,4 @@ def moe_mlp(
     out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, p["experts_down"].astype(dt), sizes)
     w = jnp.take(weights_NxK.reshape(-1), order).astype(dt)
     y = jnp.zeros((n, e), dt).at[token].add(out * w[:, None])
-    return y if valid_N is None else (y, stats)
+    return y if valid_N is None else (y, router_stats(experts_NxK, probs_NxX, valid_N))

@@ -73,18 +73,11 @@ def _block_table(cfg: ModelConfig) -> dict:
         for name in ("gate", "up", "down"):
             del table[name]
         x, i = cfg.num_experts, cfg.moe_intermediate_size
+        gate_up = (lambda L, E, H, K, D, M: (L, x, E, i), ("layers", "expert", "embed", "mlp"), "n")
         table.update(
             router=(lambda L, E, H, K, D, M: (L, E, x), ("layers", "embed", "expert"), "n"),
-            experts_gate=(
-                lambda L, E, H, K, D, M: (L, x, E, i),
-                ("layers", "expert", "embed", "mlp"),
-                "n",
-            ),
-            experts_up=(
-                lambda L, E, H, K, D, M: (L, x, E, i),
-                ("layers", "expert", "embed", "mlp"),
-                "n",
-            ),
+            experts_gate=gate_up,
+            experts_up=gate_up,
             experts_down=(
                 lambda L, E, H, K, D, M: (L, x, i, E),
                 ("layers", "expert", "mlp", "embed"),
@@ -277,16 +270,11 @@ class Llama(nnx.Module):
           must be masked by the caller. With `router_stats` (a MoE), also the
           routers' statistics and routed tokens (`layers.router_aux_loss`).
         """
-        if router_stats:
-            hidden, stats, routed = self.hidden_states(
-                tokens_BxT, mask_BxT, segments=segments, router_stats=True
-            )
-            out = self.token_logprobs_of(hidden, targets_BxT, chunk, columns_BxL)
-            return (*out, stats, routed)
-        hidden_BxTxE = self.hidden_states(tokens_BxT, mask_BxT, segments=segments)
-        return self.token_logprobs_of(hidden_BxTxE, targets_BxT, chunk, columns_BxL)
+        out = self.hidden_states(tokens_BxT, mask_BxT, segments=segments, router_stats=router_stats)
+        hidden_BxTxE, *router = out if router_stats else (out,)
+        return (*self._logprobs_at(hidden_BxTxE, targets_BxT, chunk, columns_BxL), *router)
 
-    def token_logprobs_of(
+    def _logprobs_at(
         self,
         hidden_BxTxE: jax.Array,
         targets_BxT: jax.Array,
