@@ -38,11 +38,11 @@ def test_prefill_then_decode_equals_the_full_forward(overrides, attention):
     def generate(weights):
         """Prefill, then greedy decode steps; every step's logits and tokens."""
         model = decoder.GenModel(weights, cfg, attention)
-        logits, cache = model.prefill(prompts, lengths, decoder.init_cache(cfg, b, s), slots)
+        logits, cache, _ = model.prefill(prompts, lengths, decoder.init_cache(cfg, b, s), slots)
         tok = jnp.zeros((b,), jnp.int32).at[slots].set(jnp.argmax(logits, -1), mode="drop")
         out_logits, out_tokens = [logits], [tok]
         for _ in range(steps):
-            logits, cache = model.decode(tok, cache, active)
+            logits, cache, _ = model.decode(tok, cache, active)
             tok = jnp.argmax(logits, -1).astype(jnp.int32)
             out_logits.append(logits)
             out_tokens.append(tok)

@@ -161,24 +161,10 @@ def test_an_unsupported_architecture_is_one_line_naming_it_and_the_supported_lis
 
 
 def _run_dir(kind: str, root) -> str:
-    """A tiny random checkpoint of `kind` with SmolLM2's tokenizer (its vocabulary
-    size), laid out as a user's directory is: config, safetensors, tokenizer files."""
-    import json
+    """A tiny random checkpoint of `kind` with SmolLM2's tokenizer (`support.hf_run_dir`)."""
+    from support import hf_run_dir
 
-    from streamrl_jax.model.defaults import smollm2_gguf_path
-    from streamrl_jax.model.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_gguf(smollm2_gguf_path())
-    cfg_cls, model_cls, extra = FAMILIES[kind]
-    fields = HF_TINY | extra | dict(vocab_size=tok.vocab_size, max_position_embeddings=256)
-    cfg = getattr(transformers, cfg_cls)(**fields)
-    d = root / kind
-    randomize_hf(getattr(transformers, model_cls)(cfg)).save_pretrained(d)
-    tok.backend.save(str(d / "tokenizer.json"))
-    eos = tok.backend.id_to_token(tok.eos_ids[0])
-    with open(d / "tokenizer_config.json", "w") as f:
-        json.dump({"eos_token": eos, "chat_template": tok.chat_template}, f)
-    return str(d)
+    return hf_run_dir(root / kind, *FAMILIES[kind])
 
 
 @pytest.mark.parametrize(

@@ -1036,3 +1036,38 @@ def test_episodes_across_processes_give_the_one_process_parameters(tmp_path):
         assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref]), key
     evals = [r for r in read_jsonl(str(two / "metrics.jsonl")) if "eval/turns" in r]
     assert evals and all(r["eval/turns"] == 3.0 for r in evals)  # held-out episodes too
+
+
+@_EXT  # ~45 s: the in-process tests (routing_replay_test.py) hold the wire round trip
+def test_routing_replay_across_processes_gives_the_one_process_parameters(tmp_path):
+    # A tiny Qwen3-MoE generating in bfloat16 and training in float32, routes replayed
+    # (model.routing_replay): the generation process records every token's experts, they
+    # cross the wire with the sample, and the trainer ends with the one-process run's
+    # parameters bit for bit (stream_async, deterministic). The replay matters here:
+    # some of the (token, layer) choices the trainer would make differ from the recorded
+    # ones (`route_flips`: measured 0.4% at step 0, bf16 against f32 under the same
+    # weights, and 12% at step 1, one update later), so a run that lost the routes on
+    # the way would train other experts and end elsewhere.
+    from support import hf_run_dir
+
+    moe = dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+               norm_topk_prob=True, tie_word_embeddings=False)  # fmt: skip
+    source = hf_run_dir(tmp_path / "moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", moe)
+    replay = {
+        "model.source": source,
+        "model.routing_replay": True,
+        "model.generate_dtype": "bfloat16",
+        "pipeline.mode": "stream_async",
+    }
+    one, two = tmp_path / "one", tmp_path / "two"
+    run = _run(_launch_cmd(one, **replay))
+    assert run.returncode == 0, run.stderr[-6000:]
+    launcher = [sys.executable, str(REPO / "launch" / "local.py"), "-n", "2", "-g", "1"]
+    run = _run([*launcher, "--timeout_s", "240", "--", *_launch_cmd(two, **replay)])
+    assert run.returncode == 0, run.stdout[-6000:]
+    want, got = np.load(one / run_lib.FINAL_PARAMS), np.load(two / run_lib.FINAL_PARAMS)
+    _assert_params_match(got, want, exact=True)
+    rows = [r for r in read_jsonl(str(two / "metrics.jsonl")) if "reward" in r]
+    ref = [r for r in read_jsonl(str(one / "metrics.jsonl")) if "reward" in r]
+    assert [r["route_flips"] for r in rows] == [r["route_flips"] for r in ref]
+    assert all(r["route_flips"] > 0 for r in rows) and rows[-1]["route_flips"] > 0.05

@@ -86,7 +86,7 @@ def test_int8_engine_records_the_int8_models_logprobs_not_the_f32_models(model):
     def last_logp(w, tokens, lengths):
         cache = decoder.init_cache(CFG, tokens.shape[0], ENGINE.max_total_length)
         slots = jnp.arange(tokens.shape[0])
-        logits, _ = decoder.GenModel(w, CFG).prefill(tokens, lengths, cache, slots)
+        logits, _, _ = decoder.GenModel(w, CFG).prefill(tokens, lengths, cache, slots)
         return jax.nn.log_softmax(logits, axis=-1)
 
     gap = 0.0

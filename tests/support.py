@@ -406,6 +406,28 @@ HF_TINY = dict(
 )
 
 
+def hf_run_dir(d: Any, cfg_cls: str, model_cls: str, extra: dict[str, Any]) -> str:
+    """A tiny random `transformers` checkpoint (`HF_TINY | extra`, `randomize_hf`) with
+    SmolLM2's tokenizer and its vocabulary size, laid out in `d` as a user's directory
+    is: config, safetensors, tokenizer files (what `model.source=<dir>` reads)."""
+    import json
+
+    import transformers
+
+    from streamrl_jax.model.defaults import smollm2_gguf_path
+    from streamrl_jax.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(smollm2_gguf_path())
+    fields = HF_TINY | extra | dict(vocab_size=tok.vocab_size, max_position_embeddings=256)
+    cfg = getattr(transformers, cfg_cls)(**fields)
+    randomize_hf(getattr(transformers, model_cls)(cfg)).save_pretrained(d)
+    tok.backend.save(os.path.join(d, "tokenizer.json"))
+    eos = tok.backend.id_to_token(tok.eos_ids[0])
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": eos, "chat_template": tok.chat_template}, f)
+    return str(d)
+
+
 def randomize_hf(model: Any, seed: int = 0) -> Any:
     """A `transformers` model's weights made large enough that attention is far from
     uniform (so RoPE, norm and mask errors show): norms near 1, matrices at 0.15."""

@@ -364,6 +364,7 @@ def test_trainer_config_holds_the_users_sections():
         "shared_prompt": False,
         "pack": False,
         "loss_chunk": tc.logprob_chunk,
+        "routing_replay": None,
     }
     # Shared-prompt rows (the default): rows up to the longest group,
     # max_prompt_len - 1 + group_size * (max_new_tokens + 1) = 127 + 4 * 129 = 643, in

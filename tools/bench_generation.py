@@ -47,6 +47,8 @@ import numpy as np
 from absl import app, flags, logging
 from flax import nnx
 from jax.sharding import Mesh
+from model_shapes import SHAPES  # tools/, beside this file
+from model_shapes import model_config as shape_config
 
 from streamrl_jax.generation.engine import Engine, EngineConfig
 from streamrl_jax.generation.engine_config import CPU_DOTS, DECODE_ATTENTION
@@ -92,6 +94,12 @@ flags.DEFINE_enum(
     list(DECODE_ATTENTION),
     "EngineConfig.decode_attention of every engine (elementwise on CPU by default).",
 )
+flags.DEFINE_bool(
+    "makespan",
+    True,
+    "The continuous-vs-static makespan of each model; False: only the "
+    "roofline sweep (--roofline_batches) of the last one.",
+)
 flags.DEFINE_integer("group", 0, "Run only the shared-prefill benchmark with this group size.")
 flags.DEFINE_integer("groups", 8, "--group: prompts per batch.")
 flags.DEFINE_integer("group_slots", 16, "--group: engine slots.")
@@ -130,15 +138,9 @@ _SIZES = {
     ("smollm2", True): Size(48, 8, 64, 8, 4, 4),
     ("smollm2", False): Size(96, 16, 256, 32, 8, 4),
 }
-# Random weights in a real model's shapes (Llama architecture, vocabulary 49,152, tied).
-_SHAPES = {
-    "smollm2_shape": dict(hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                          num_kv_heads=3),
-    "smollm2_1.7b_shape": dict(hidden_size=2048, intermediate_size=8192, num_layers=24,
-                               num_heads=32, num_kv_heads=32),
-}  # fmt: skip
-_SIZES.update({(m, q): _SIZES[("smollm2", q)] for m in _SHAPES for q in (True, False)})
-_MODELS = ("tiny", "smollm2", *_SHAPES)
+# Random weights in a real model's shapes (tools/model_shapes.py).
+_SIZES.update({(m, q): _SIZES[("smollm2", q)] for m in SHAPES for q in (True, False)})
+_MODELS = ("tiny", "smollm2", *SHAPES)
 
 
 def long_tail_lengths(n: int, max_len: int, seed: int) -> np.ndarray:
@@ -236,13 +238,38 @@ def nbytes(tree) -> int:
 
 
 def add_roofline(result: dict, bandwidth: float) -> None:
-    """Adds the roofline of `result`'s decode step: (its weight bytes + the KV bytes the
-    step attends) / `bandwidth`, and the step (and matmul floor, where measured) over it."""
-    roofline_s = (result["param_bytes"] + result["kv_bytes"]) / bandwidth
+    """Adds the roofline of `result`'s decode step: (the weight bytes a step must read + the
+    KV bytes it attends) / `bandwidth`, and the step (and matmul floor, where measured)
+    over it. A mixture of experts' step must read only the experts its tokens were routed
+    to (`read_bytes`: `moe_read_bytes`), not all of `param_bytes`."""
+    weights = result.get("read_bytes", result["param_bytes"])
+    roofline_s = (weights + result["kv_bytes"]) / bandwidth
     result["roofline_step_ms"] = round(roofline_s * 1e3, 3)
     result["decode_vs_roofline"] = round(result["decode_step_ms"] / 1e3 / roofline_s, 2)
     if "dot_floor_ms" in result:
         result["dot_floor_vs_roofline"] = round(result["dot_floor_ms"] / 1e3 / roofline_s, 2)
+
+
+def moe_read_bytes(engine: Engine, samples) -> dict:
+    """The weight bytes a mixture of experts' decode step must read: everything but the
+    experts, plus in each layer the experts at least one of the step's tokens went to
+    (counted from the samples' recorded routes at the decode positions, where every slot
+    decodes in lockstep), averaged over the steps."""
+    cfg, layers = engine.model_cfg, engine.weights["layers"]
+    experts = ("experts_gate", "experts_up", "experts_down")
+    expert_bytes = sum(nbytes([w[name] for name in experts]) for w in layers)
+    per_expert = expert_bytes / (cfg.num_layers * cfg.num_experts)
+    start = min(len(s.prompt) for s in samples)  # the first decode step's fed position
+    stop = min(len(s.prompt) + s.num_tokens - 1 for s in samples)
+    routes = np.stack([s.routes[start:stop] for s in samples])  # [B, steps, L, k]
+    b, steps, num_layers, k = routes.shape
+    per_step = routes.transpose(1, 2, 0, 3).reshape(steps, num_layers, b * k)
+    used = np.mean([[len(np.unique(x)) for x in step] for step in per_step])  # per layer
+    return {
+        "read_bytes": int(nbytes(engine.weights) - expert_bytes + used * per_expert * num_layers),
+        "experts_read_per_layer": round(float(used), 2),
+        "num_experts": cfg.num_experts,
+    }
 
 
 def makespan(engine: Engine, requests) -> tuple[float, int]:
@@ -268,9 +295,11 @@ def decode_step_time(
     chunks: int = 4,
     greedy: bool = False,
     running: int | None = None,
+    samples: list | None = None,
 ) -> float:
     """Seconds per decode step with `running` slots active (default every slot; steady
-    state, after warm-up), sampling at `--temperature` (or greedy)."""
+    state, after warm-up), sampling at `--temperature` (or greedy); the requests'
+    samples appended to `samples` when given."""
     n = step_response_length(cfg, chunks)
     if n > cfg.max_total_length - cfg.max_prompt_length:
         raise ValueError(f"decode_step_time: {n} steps do not fit the engine's context")
@@ -282,7 +311,9 @@ def decode_step_time(
     for _ in range(chunks):
         engine.step()
     elapsed = time.perf_counter() - t
-    engine.run()  # drain
+    drained = engine.run()  # every request outlasts the timed chunks
+    if samples is not None:
+        samples.extend(drained)
     return elapsed / (chunks * cfg.chunk_steps)
 
 
@@ -386,11 +417,12 @@ def bench_model(name: str, quick: bool) -> dict:
 
 def load_model(name: str, mesh: Mesh, max_total: int):
     """(model config, graphdef, params, stop ids): tiny random, SmolLM2 from its GGUF, or
-    SmolLM2's shapes with random weights."""
-    if name == "tiny" or name in _SHAPES:
-        cfg = model_config.tiny(max_position_embeddings=max_total)
-        if name in _SHAPES:
-            cfg = dataclasses.replace(cfg, vocab_size=49152, head_dim=64, **_SHAPES[name])
+    a real model's shapes with random weights (tools/model_shapes.py)."""
+    if name == "tiny" or name in SHAPES:
+        if name in SHAPES:
+            cfg = shape_config(name, max_position_embeddings=max_total)
+        else:
+            cfg = model_config.tiny(max_position_embeddings=max_total)
         graphdef = nnx.graphdef(nnx.eval_shape(lambda: llama.create(cfg)))
         return cfg, graphdef, jax.jit(lambda: nnx.state(llama.create(cfg, seed=0)))(), ()
     from streamrl_jax.model.defaults import smollm2_gguf_path
@@ -693,16 +725,22 @@ def step_figures(engine: Engine, vocab: int, batch: int) -> dict:
     """The decode step of `engine` (every slot active; greedy and sampled), the matmuls
     alone at `batch`, and the bytes a step reads: what `add_roofline` needs."""
     step_s = decode_step_time(engine, engine.cfg, vocab, chunks=1, greedy=True)
-    sampled_s = decode_step_time(engine, engine.cfg, vocab, chunks=1)
+    samples: list = []
+    sampled_s = decode_step_time(engine, engine.cfg, vocab, chunks=1, samples=samples)
     cache = engine.cache
-    return {
+    out = {
         "decode_step_ms": round(step_s * 1e3, 3),
         "sampled_step_ms": round(sampled_s * 1e3, 3),
-        "dot_floor_ms": round(dot_floor_s(engine.weights, batch, engine.decode_options) * 1e3, 3),
         "param_bytes": nbytes(engine.weights),
         "kv_bytes": nbytes((cache.k, cache.v)),
         "load_avg": round(os.getloadavg()[0], 2),
     }
+    if engine.model_cfg.num_experts:  # the roofline of the experts the tokens chose
+        out.update(moe_read_bytes(engine, samples))
+    else:  # the dense matmuls alone (`dot_floor_s` chains the dense layout's weights)
+        floor = dot_floor_s(engine.weights, batch, engine.decode_options)
+        out["dot_floor_ms"] = round(floor * 1e3, 3)
+    return out
 
 
 def roofline_sweep(name: str, batches: list[int]) -> dict:
@@ -713,7 +751,10 @@ def roofline_sweep(name: str, batches: list[int]) -> dict:
     model_cfg, graphdef, params, _ = load_model(name, mesh, _HF_PROMPT + _HF_NEW)
     out = {}
     for b in batches:
-        engine = Engine(graphdef, params, model_cfg, _batch_engine_config(b), mesh)
+        ecfg = dataclasses.replace(
+            _batch_engine_config(b), record_routes=bool(model_cfg.num_experts)
+        )
+        engine = Engine(graphdef, params, model_cfg, ecfg, mesh)
         out[b] = step_figures(engine, model_cfg.vocab_size, b)
     return out
 
@@ -736,6 +777,8 @@ def main(argv):
     for name in FLAGS.models:
         if name not in _MODELS:
             raise ValueError(f"--models: unknown model {name!r} ({', '.join(_MODELS)})")
+        if not FLAGS.makespan:
+            continue
         try:
             results[name] = bench_model(name, FLAGS.quick)
         except FileNotFoundError as e:  # SmolLM2 GGUF not installed
@@ -759,22 +802,26 @@ def main(argv):
     for r in [*results.values(), *versus_hf.values()]:
         add_roofline(r, bandwidth)
     for b, r in versus_hf.items():
+        floor = r.get("dot_floor_vs_roofline")
+        experts = r.get("experts_read_per_layer")
         print(
             f"batch {b:3d}: step {r['decode_step_ms']:.1f} ms vs roofline "
-            f"{r['roofline_step_ms']:.1f} ms ({r['decode_vs_roofline']:.2f}x; matmuls alone "
-            f"{r['dot_floor_vs_roofline']:.2f}x)",
+            f"{r['roofline_step_ms']:.1f} ms ({r['decode_vs_roofline']:.2f}x"
+            + (f"; matmuls alone {floor:.2f}x" if floor is not None else "")
+            + (f"; {experts:.1f} of {r['num_experts']} experts a layer" if experts else "")
+            + ")",
             flush=True,
         )
-    head = next(results[m] for m in reversed(_MODELS) if m in results)
+    head = next((results[m] for m in reversed(_MODELS) if m in results), {})
     out = {
         "bench": "generation",
         "quick": FLAGS.quick,
-        "headline_model": head["model"],
+        "headline_model": head.get("model", FLAGS.models[-1]),
         "cpu_dots": FLAGS.cpu_dots,
         "decode_attention": FLAGS.decode_attention,
-        "continuous_over_static": head["continuous_over_static"],
-        "bucket_cost_bound": head["bucket_cost_bound"],
-        "decode_vs_roofline": head["decode_vs_roofline"],
+        "continuous_over_static": head.get("continuous_over_static"),
+        "bucket_cost_bound": head.get("bucket_cost_bound"),
+        "decode_vs_roofline": head.get("decode_vs_roofline"),
         **{
             f"engine_over_hf_b{b}": r["engine_over_hf"]
             for b, r in versus_hf.items()

@@ -2,6 +2,13 @@
 
     python tools/bench_model.py --quick     # <= 5 min on 2 CPU cores
     python tools/bench_model.py             # longer sequences, more repeats
+    PYTHONPATH=. python tools/bench_model.py --quick --model=moe_1b_a400m_shape  # a shape
+
+`--model` takes a checkpoint or one of tools/model_shapes.py's real shapes with random
+weights (Qwen3, Llama 3.2, Gemma 3, a 32-expert MoE). For a mixture of experts the
+credited FLOPs are the selected experts' (`ModelConfig.flops_per_token`), so the fraction
+of peak counts what a grouped kernel must compute, not what XLA:CPU's dense `ragged_dot`
+computes (every expert: docs/model.md).
 
 * Peak: a jitted float32 [N, N] @ [N, N] matmul, 2 N^3 FLOPs, best of several.
 * Train: `jax.grad` of the mean token log-prob (the training forward, chunked
@@ -34,14 +41,28 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 from flax import nnx
+from model_shapes import SHAPES  # tools/, beside this file
+from model_shapes import model_config as shape_config
 
 from streamrl_jax.generation import decoder
 from streamrl_jax.generation.engine_config import EngineConfig
+from streamrl_jax.model import llama
 from streamrl_jax.model.defaults import smollm2_gguf_path
 from streamrl_jax.model.loader import load_pretrained
 
-_MODEL = flags.DEFINE_string("model", None, "HF directory or .gguf (default: SmolLM2-135M).")
+_MODEL = flags.DEFINE_string(
+    "model",
+    None,
+    "HF directory, .gguf, or a real model's shape with random weights (tools/model_shapes.py: "
+    f"{', '.join(SHAPES)}); default: SmolLM2-135M.",
+)
 _QUICK = flags.DEFINE_bool("quick", False, "Short run (<= 5 min on 2 CPU cores).")
+_TRAIN_SHAPES = flags.DEFINE_list(
+    "train_shapes",
+    None,
+    "Training shapes BxT, the first the headline (default 2x512,2x128; without --quick also "
+    "4x256), e.g. 1x128 for a model of a billion parameters on this CPU.",
+)
 _CAUSAL_BLOCK = flags.DEFINE_integer(
     "causal_block",
     None,
@@ -59,6 +80,16 @@ def _best_time(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return min(times)
+
+
+def _shape_model(name: str, overrides: dict):
+    """A real model's shape with random weights, as `load_pretrained` returns a model."""
+    import types
+
+    cfg = shape_config(name, max_position_embeddings=1024, **overrides)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: llama.create(cfg)))
+    params = jax.jit(lambda: nnx.state(llama.create(cfg, seed=0)))()
+    return types.SimpleNamespace(cfg=cfg, graphdef=graphdef, params=params)
 
 
 def matmul_peak(n: int, repeats: int) -> float:
@@ -96,9 +127,13 @@ def matmul_floor_time(cfg, batch: int, length: int, repeats: int) -> float:
     the vocabulary projection and its two. Distinct weights for all layers, as in the
     model. Its credited FLOPs over this time, over the peak, is the fraction of peak a
     trainer made of nothing but these GEMMs would reach: the ceiling for
-    `train_flops_fraction_of_peak` on this backend.
+    `train_flops_fraction_of_peak` on this backend. A mixture of experts' MLP counts as
+    one [M, E] x [E, k I] projection per matrix: the FLOPs of the k selected experts'
+    rows, as a grouped kernel would run them (the router's [E, X] is left out).
     """
     e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    if cfg.num_experts:  # the experts a token goes to as one matmul (an ideal grouped one)
+        f = cfg.experts_per_token * cfg.moe_intermediate_size
     h, k, v, n = cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size, cfg.num_layers
     m = batch * length
     keys = iter(jax.random.split(jax.random.key(4), 16 * cfg.num_layers + 16))
@@ -154,12 +189,13 @@ def decode_step_time(pre, batch: int, steps: int, prompt: int = 64, cache_len: i
     def prefill(weights, tokens):
         cache = decoder.init_cache(cfg, batch, cache_len)
         lengths = jnp.full((batch,), prompt, jnp.int32)
-        return decoder.GenModel(weights, cfg).prefill(tokens, lengths, cache, jnp.arange(batch))
+        model = decoder.GenModel(weights, cfg)
+        return model.prefill(tokens, lengths, cache, jnp.arange(batch))[:2]
 
     @jax.jit(donate_argnums=2, compiler_options=options)
     def step(weights, tok_B, cache):
         model = decoder.GenModel(weights, cfg, attention)
-        logits, cache = model.decode(tok_B, cache, jnp.ones(tok_B.shape, bool))
+        logits, cache, _ = model.decode(tok_B, cache, jnp.ones(tok_B.shape, bool))
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
 
     tokens = jax.random.randint(jax.random.key(3), (batch, prompt), 0, cfg.vocab_size)
@@ -180,7 +216,7 @@ def main(argv) -> None:
     path = _MODEL.value or smollm2_gguf_path()
     t0 = time.perf_counter()
     overrides = {} if _CAUSAL_BLOCK.value is None else {"causal_block": _CAUSAL_BLOCK.value}
-    pre = load_pretrained(path, **overrides)
+    pre = _shape_model(path, overrides) if path in SHAPES else load_pretrained(path, **overrides)
     load_s = time.perf_counter() - t0
     cfg = pre.cfg
     n = 2048
@@ -191,6 +227,8 @@ def main(argv) -> None:
     # prompt group each (127 + 8 x 49 = 519 tokens, bucketed to 512 here), and the
     # short rows this bench measured before packing (B=2, T=128) for comparison.
     shapes = [(2, 512), (2, 128)] if quick else [(2, 512), (4, 256), (2, 128)]
+    if _TRAIN_SHAPES.value:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in _TRAIN_SHAPES.value]
     train = {}
     for batch, length in shapes:
         train_s = train_step_time(pre, batch, length, repeats=2 if quick else 5)

@@ -6,15 +6,18 @@ scaled x4 (so routing and attention are far from uniform); each generates in bfl
 (`Llama.token_logprobs`, what the trainer computes), as a bf16 rollout with an f32
 trainer does. Per sampled token: |log pi_train - log pi_behaviour|, and the importance
 ratio exp(log pi_train - log pi_behaviour) (its spread, and the share outside PPO's
-clip range [0.8, 1.2]). The routers' choices under the two precisions are compared per
-(token, layer): a flipped expert is the mismatch routing replay removes (the replay
-column is not built yet: docs/model.md).
+clip range [0.8, 1.2]). The MoE's engine records its routes (`EngineConfig.record_routes`)
+and the same figures are measured again with them replayed in the f32 forward
+(`model.routing_replay`); the routers' choices are compared per (fed position, layer),
+the f32 trainer's own against the bf16 engine's record: a flipped expert is the
+mismatch routing replay removes (docs/model.md, "Routing replay").
 
     PYTHONPATH=. python tools/bench_moe_mismatch.py            # 64 prompts x 48 tokens
     PYTHONPATH=. python tools/bench_moe_mismatch.py --quick    # 16 prompts
 
 The last line of stdout is JSON: per model, the |dlogp| mean / p99 / max, the ratio's
-std and out-of-clip share, and (MoE) the share of routing decisions that differ.
+std and out-of-clip share, and (MoE) the share of routing decisions that differ and the
+same figures with the routes replayed (`replay`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from jax.sharding import Mesh
 from streamrl_jax.generation.engine import Engine, EngineConfig
 from streamrl_jax.generation.types import GenerationRequest, SamplingParams
 from streamrl_jax.model import config as model_config
-from streamrl_jax.model import layers, llama
+from streamrl_jax.model import llama
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("prompts", 64, "Prompts (one sample each).")
@@ -50,25 +53,17 @@ MODELS = {
 }  # fmt: skip
 
 
-def _routes(cfg, params, tokens_1xT) -> np.ndarray:
-    """Each layer's top-k experts at every position: i32[L, T, k] (the training forward
-    of `cfg`'s dtype, layer by layer)."""
-    model = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: llama.create(cfg))), params)
-    x = model.embed_tokens(tokens_1xT)
-    t = tokens_1xT.shape[1]
-    positions = jnp.arange(t)[None]
-    cos, sin = layers.rope_tables(positions, layers.rope_inv_freq(cfg))
-    mask = jnp.tril(jnp.ones((t, t), bool))[None]
-    out, stacked = [], model.layers.arrays()
-    for i in range(cfg.num_layers):
-        p = {k: v[i] for k, v in stacked.items()}
-        q, k, v = layers.qkv(x, p, cfg, cos, sin)
-        attn = layers.attention(q, k, v, mask)
-        a = jnp.einsum("bthd,hde->bte", attn, p["o"].astype(x.dtype))
-        h = layers.rms_norm(x + a, p["mlp_norm"], cfg.rms_norm_eps)
-        out.append(np.asarray(layers.route(h[0], p["router"], cfg)[0]))
-        x = layers.attn_out_and_mlp(x, attn, p, cfg)  # the block, its attention reused
-    return np.stack(out)
+def _stats(d: np.ndarray) -> dict:
+    """|log pi_train - log pi_behaviour| and the importance ratio's spread over tokens."""
+    ratio = np.exp(d)
+    return {
+        "tokens": int(d.size),
+        "abs_dlogp_mean": round(float(np.abs(d).mean()), 5),
+        "abs_dlogp_p99": round(float(np.percentile(np.abs(d), 99)), 5),
+        "abs_dlogp_max": round(float(np.abs(d).max()), 5),
+        "ratio_std": round(float(ratio.std()), 5),
+        "ratio_outside_clip": round(float(((ratio < 0.8) | (ratio > 1.2)).mean()), 5),
+    }
 
 
 def measure(name: str, cfg, n: int) -> dict:
@@ -80,7 +75,9 @@ def measure(name: str, cfg, n: int) -> dict:
     bf16 = dataclasses.replace(cfg, dtype="bfloat16")
     mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
     total = FLAGS.prompt + FLAGS.new
-    ecfg = EngineConfig(num_slots=16, max_prompt_length=FLAGS.prompt, max_total_length=total)
+    moe = bool(cfg.num_experts)
+    ecfg = EngineConfig(num_slots=16, max_prompt_length=FLAGS.prompt, max_total_length=total,
+                        record_routes=moe)  # fmt: skip
     engine = Engine(graphdef, params, bf16, ecfg, mesh)
     rng = np.random.default_rng(FLAGS.seed)
     prompts = rng.integers(0, cfg.vocab_size, (n, FLAGS.prompt))
@@ -95,35 +92,34 @@ def measure(name: str, cfg, n: int) -> dict:
     model = nnx.merge(graphdef, params)
 
     @jax.jit
-    def train_logp(seq):
+    def train_logp(seq, routes):
         inputs, targets = seq[:, :-1], seq[:, 1:]
-        return model.token_logprobs(inputs, targets, jnp.ones_like(inputs, jnp.float32))[0]
+        mask = jnp.ones_like(inputs, jnp.float32)
+        return model.token_logprobs(inputs, targets, mask, routes=routes)[0]
 
-    gaps, flips, decisions = [], 0, 0
+    @jax.jit
+    def own_routes(seq):
+        inputs = seq[:, :-1]
+        return model.expert_choices(inputs, jnp.ones_like(inputs))[0]
+
+    gaps, replayed, flips, decisions = [], [], 0, 0
     for s in samples:
-        seq = np.concatenate([s.prompt, s.response])[None].astype(np.int32)
-        logp = np.asarray(train_logp(jnp.asarray(seq)))[0, len(s.prompt) - 1 :]
-        gaps.append(logp - s.logprobs)
-        if cfg.num_experts:
-            # routing on the first T-1 positions (the last token predicts nothing trained)
-            r32 = _routes(cfg, params, jnp.asarray(seq[:, :-1]))
-            r16 = _routes(bf16, params, jnp.asarray(seq[:, :-1]))
-            same = np.sort(r32, -1) == np.sort(r16, -1)
+        seq = jnp.asarray(np.concatenate([s.prompt, s.response])[None].astype(np.int32))
+        start = len(s.prompt) - 1
+        gaps.append(np.asarray(train_logp(seq, None))[0, start:] - s.logprobs)
+        if moe:
+            routes = jnp.asarray(s.routes)[None]
+            replayed.append(np.asarray(train_logp(seq, routes))[0, start:] - s.logprobs)
+            # the f32 trainer's own choice against the bf16 engine's record, every
+            # (fed position, layer)
+            same = np.sort(np.asarray(own_routes(seq)), -1) == np.sort(s.routes, -1)
             flips += int((~same.all(-1)).sum())
             decisions += same.shape[0] * same.shape[1]
-    d = np.concatenate(gaps)
-    ratio = np.exp(d)
-    out = {
-        "tokens": int(d.size),
-        "abs_dlogp_mean": round(float(np.abs(d).mean()), 5),
-        "abs_dlogp_p99": round(float(np.percentile(np.abs(d), 99)), 5),
-        "abs_dlogp_max": round(float(np.abs(d).max()), 5),
-        "ratio_std": round(float(ratio.std()), 5),
-        "ratio_outside_clip": round(float(((ratio < 0.8) | (ratio > 1.2)).mean()), 5),
-        "wall_s": round(time.perf_counter() - t0, 1),
-    }
-    if cfg.num_experts:
+    out = _stats(np.concatenate(gaps))
+    if moe:
         out["routing_flipped"] = round(flips / max(decisions, 1), 5)
+        out["replay"] = _stats(np.concatenate(replayed))
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
     print(f"{name}: {out}", flush=True)
     return out
 

@@ -90,7 +90,7 @@ def policy_features(examples: list[Example], path: str) -> tuple[np.ndarray, np.
         last_B = mask_BxT.sum(1) - 1  # right padding: the last real token
 
         def body(x_BxTxE, p):
-            x_BxTxE = layers.block(x_BxTxE, p, cfg, cos, sin, attn_mask)
+            x_BxTxE, _ = layers.block(x_BxTxE, p, cfg, cos, sin, attn_mask)
             h_BxTxE = layers.rms_norm(x_BxTxE, jnp.ones((cfg.hidden_size,)), cfg.rms_norm_eps)
             mean_BxE = (h_BxTxE * m_BxTx1).sum(1) / jnp.maximum(m_BxTx1.sum(1), 1.0)
             last_BxE = jnp.take_along_axis(h_BxTxE, last_B[:, None, None], axis=1)[:, 0]

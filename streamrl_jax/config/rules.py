@@ -155,6 +155,11 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         f"model.max_context ({cfg.model.max_context}): every sample must fit one row",
     )
     require(
+        not cfg.model.routing_replay or cfg.model.source not in ("smollm2", "tiny"),
+        f"model.routing_replay: model.source={cfg.model.source!r} is a dense model (routing "
+        "replay is for mixture-of-experts models: a Qwen3-MoE or Mixtral checkpoint)",
+    )
+    require(
         cfg.data.train_seed != cfg.data.eval_seed,
         "data.train_seed must differ from data.eval_seed (held-out problems)",
     )

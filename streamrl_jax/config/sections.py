@@ -71,6 +71,9 @@ class ModelSection:
     generate_dtype: str = "float32"  # generation weights / KV cache dtype
     remat: bool = False  # rematerialise blocks in the backward pass
     max_context: int = 512  # cap on prompt + response length used by this run
+    # a mixture of experts: generation records each token's experts, training replays
+    # them instead of routing again (model/routes.py)
+    routing_replay: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -18,6 +18,10 @@ sender and the field (msgspec's path, e.g. `$.tag.prompt_id`). msgspec checks
 every declared length against the bytes actually present before it allocates,
 so a hostile frame costs at most its own (bounded) size.
 
+A mixture of experts' route record (`Sample.routes`, routing replay) travels as raw
+u8/u16 ids with its layer and expert counts, its size checked against the sample's
+fed positions on receipt (the ids against the model where the trainer packs them).
+
 What does not cross the wire: `Sample.metadata` (the training process looks
 the problem up in its own dataset by `tag.prompt_id`), except an episode's outcome
 (`metadata["episode"]`, with the sample's policy mask: a multi-turn episode,
@@ -58,6 +62,19 @@ class WireError(TransportError):
 # Raw little-endian bytes of a 1-D array; the 4-byte dtype is fixed per field.
 _Raw4 = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_TOKENS)]
 _Raw1 = Annotated[bytes, msgspec.Meta(max_length=MAX_TOKENS)]
+MAX_ROUTE_BYTES = 1 << 28  # a sample's route record (positions x layers x k ids)
+_RawRoutes = Annotated[bytes, msgspec.Meta(max_length=MAX_ROUTE_BYTES)]
+
+
+class _Routes(WireStruct):
+    """A mixture of experts' route record (`Sample.routes`): u8 or u16 ids, row-major
+    [prompt + response - 1, layers, k]; the ids are checked against the model where the
+    trainer packs them (`routes.Spec.check`)."""
+
+    ids: _RawRoutes
+    layers: Annotated[int, msgspec.Meta(ge=1, le=4096)]
+    k: Annotated[int, msgspec.Meta(ge=1, le=1024)]
+    wide: bool  # u16 (more than 254 experts), else u8
 
 
 class _Tag(WireStruct):
@@ -111,6 +128,7 @@ class _Sample(WireStruct, tag="sample"):
     # the policy's), and its outcome.
     policy_mask: _Raw1 | None = None
     episode: _Episode | None = None
+    routes: _Routes | None = None  # routing replay (`model.routing_replay`)
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -171,6 +189,18 @@ def _encode_sample(s: Sample) -> _Sample:
         mask = m.astype(np.uint8).tobytes()
     episode = s.metadata.get("episode")
     t, tag = s.timings, s.tag
+    routes = None
+    if s.routes is not None:
+        r = s.routes
+        fed = len(prompt) // 4 + len(response) // 4 - 1
+        if r.dtype not in (np.uint8, np.uint16) or r.ndim != 3 or r.shape[0] != fed:
+            raise ValueError(
+                f"wire: Sample.routes must be u8/u16 [{fed}, layers, k], got "
+                f"{r.dtype}{list(r.shape)}"
+            )
+        wide = r.dtype == np.uint16
+        ids = np.ascontiguousarray(r.astype("<u2") if wide else r).tobytes()
+        routes = _Routes(ids, r.shape[1], r.shape[2], wide)
     return _Sample(
         rid,
         prompt,
@@ -188,6 +218,7 @@ def _encode_sample(s: Sample) -> _Sample:
         None
         if episode is None
         else _Episode(ret=episode["return"], **{k: v for k, v in episode.items() if k != "return"}),
+        routes,
     )
 
 
@@ -235,6 +266,7 @@ def _decode_sample(w: _Sample) -> Sample:
     if w.episode is not None:
         metadata["episode"] = _episode(w.episode, mask)
     t, tag = w.timings, w.tag
+    routes = None if w.routes is None else _routes(w.routes, sizes[0] // 4 + sizes[1] // 4 - 1)
     if tag.round != -1 and tag.round < tag.batch:
         raise ValueError(f"$.tag.round is {tag.round}: a round holds batches up to its own")
     return Sample(
@@ -251,6 +283,7 @@ def _decode_sample(w: _Sample) -> Sample:
         token_versions=versions,
         policy_mask=mask,
         metadata=metadata,
+        routes=routes,
         tag=RequestTag(
             batch=tag.batch,
             group=tag.group,
@@ -260,6 +293,18 @@ def _decode_sample(w: _Sample) -> Sample:
             round=tag.round,
         ),
     )
+
+
+def _routes(r: _Routes, fed: int) -> np.ndarray:
+    """A received route record as u8/u16[fed, layers, k], its size checked."""
+    dtype = np.dtype("<u2") if r.wide else np.dtype(np.uint8)
+    want = fed * r.layers * r.k * dtype.itemsize
+    if len(r.ids) != want:
+        raise ValueError(
+            f"$.routes.ids has {len(r.ids)} bytes; {fed} fed positions x {r.layers} layers "
+            f"x {r.k} ids need {want}"
+        )
+    return np.frombuffer(r.ids, dtype).reshape(fed, r.layers, r.k)
 
 
 def _episode(e: _Episode, mask: np.ndarray | None) -> dict[str, Any]:

@@ -166,10 +166,10 @@ def prefill_keep(
     model: GenModel, state: slots_lib.SlotState, store: jax.Array, adm: slots_lib.Admission
 ) -> tuple[slots_lib.SlotState, jax.Array, slots_lib.PrefillOut]:
     """`slots.prefill_into_slots`, also keeping each row's logits in its slot's store row."""
-    logits_NxV, cache = model.prefill(adm.tokens, adm.lengths, state.cache, adm.slots)
+    logits_NxV, cache, routes = model.prefill(adm.tokens, adm.lengths, state.cache, adm.slots)
     store = store.at[adm.slots].set(logits_NxV, mode="drop")
     state, out = slots_lib.start_rows(state.replace(cache=cache), adm, logits_NxV)
-    return state, store, out
+    return state, store, out.replace(routes=routes)
 
 
 def fork_into_slots(

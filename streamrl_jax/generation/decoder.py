@@ -50,6 +50,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from streamrl_jax.generation import quant
 from streamrl_jax.model import layers
+from streamrl_jax.model import routes as routes_lib
 from streamrl_jax.model.config import ModelConfig
 from streamrl_jax.sharding import GENERATE_RULES, logical_to_spec
 
@@ -246,12 +247,27 @@ def _in_window(visible: jax.Array, behind: jax.Array, window: int) -> jax.Array:
 
 
 class GenModel:
-    """The engine's forward over generation weights: `prefill` and `decode`."""
+    """The engine's forward over generation weights: `prefill`, `extend` and `decode`.
 
-    def __init__(self, weights: dict, cfg: ModelConfig, attention: str = "dot"):
+    Each returns the logits, the updated cache and, with `record_routes` (a mixture of
+    experts), the experts every fed token went to in every layer (`model/routes.py`):
+    [N, P, L, k] from `prefill` and `extend`, [B, L, k] from `decode`; None otherwise.
+    """
+
+    def __init__(
+        self, weights: dict, cfg: ModelConfig, attention: str = "dot", record_routes: bool = False
+    ):
         if attention not in ATTENTION:
             raise ValueError(f"attention={attention!r}; expected one of {ATTENTION}")
-        self.w, self.cfg, self.attention = weights, cfg, attention
+        if record_routes and not cfg.num_experts:
+            raise ValueError("record_routes: the model has no experts")
+        self.w, self.cfg, self.attention, self.record = weights, cfg, attention, record_routes
+
+    def _routes(self, per_layer: list[jax.Array]) -> jax.Array | None:
+        """The layers' expert choices [..., k] stacked as [..., L, k] (None: not recorded)."""
+        if not self.record:
+            return None
+        return jnp.stack(per_layer, axis=-2).astype(routes_lib.Spec.of(self.cfg).dtype)
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
         x = self._embed_rows(tokens)
@@ -313,19 +329,21 @@ class GenModel:
             a = layers.rms_norm(a, p["post_attn_norm"], eps)
         x = x_NxTxE + a
         h = layers.rms_norm(x, p["mlp_norm"], eps)
+        experts = None
         if "router" in p:  # mixture of experts (Qwen3-MoE, Mixtral)
-            y = layers.moe_mlp(h.reshape(n * t, e), p, self.cfg).reshape(n, t, e)
+            y, routing = layers.moe_mlp(h.reshape(n * t, e), p, self.cfg)
+            y, experts = y.reshape(n, t, e), routing.experts.reshape(n, t, -1)
         else:
             gu = quant.einsum("nte,epm->ntpm", h, p["gate_up"])
             act = layers.gate_activation(gu[:, :, 0], self.cfg.mlp_act)
             y = quant.einsum("ntm,me->nte", act * gu[:, :, 1], p["down"])
         if "post_mlp_norm" in p:
             y = layers.rms_norm(y, p["post_mlp_norm"], eps)
-        return x + y
+        return x + y, experts
 
     def prefill(
         self, tokens_NxP: jax.Array, lengths_N: jax.Array, cache: LayerCache, slots_N: jax.Array
-    ) -> tuple[jax.Array, LayerCache]:
+    ) -> tuple[jax.Array, LayerCache, jax.Array | None]:
         """Writes N right-padded prompts into cache slots; returns next-token logits.
 
         Args:
@@ -336,7 +354,8 @@ class GenModel:
             (used to pad the prefill batch to a fixed size).
 
         Returns:
-          (f32[N, V] logits at each prompt's last token, updated cache).
+          (f32[N, V] logits at each prompt's last token, updated cache, the routes of
+          every position [N, P, L, k] or None: `GenModel`).
         """
         n, p = tokens_NxP.shape
         valid = jnp.arange(p)[None, :] < lengths_N[:, None]
@@ -345,17 +364,19 @@ class GenModel:
         behind = jnp.arange(p)[:, None] - jnp.arange(p)[None, :]  # query - key position
         ropes = self._ropes(positions)
         x = self._embed(tokens_NxP)
-        ks, vs = [], []
+        ks, vs, routes = [], [], []
         for w, ck, cv, win in zip(self.w["layers"], cache.k, cache.v, self._windows(), strict=True):
             q, k, v = self._qkv(x, w, *ropes[win > 0])
             m = _in_window(mask, behind[None], win)
             attn = layers.attention(q.reshape(n, p, -1, q.shape[-1]), k, v, m)
-            x = self._out_and_mlp(x, attn.reshape(q.shape), w)
+            x, experts = self._out_and_mlp(x, attn.reshape(q.shape), w)
+            routes.append(experts)
             ks.append(set_cache_prefix(ck, slots_N, k.transpose(0, 2, 3, 1), True, mode="drop"))
             vs.append(set_cache_prefix(cv, slots_N, v.transpose(0, 2, 1, 3), False, mode="drop"))
         last = jnp.take_along_axis(x, (lengths_N - 1)[:, None, None], axis=1)[:, 0]
         lengths = cache.lengths.at[slots_N].set(lengths_N, mode="drop")
-        return self._logits(last), LayerCache(k=tuple(ks), v=tuple(vs), lengths=lengths)
+        cache = LayerCache(k=tuple(ks), v=tuple(vs), lengths=lengths)
+        return self._logits(last), cache, self._routes(routes)
 
     def extend(
         self,
@@ -364,7 +385,7 @@ class GenModel:
         starts_N: jax.Array,
         cache: LayerCache,
         slots_N: jax.Array,
-    ) -> tuple[jax.Array, LayerCache]:
+    ) -> tuple[jax.Array, LayerCache, jax.Array | None]:
         """Appends N right-padded token runs to the KV their slots already hold (an
         episode's next turn: prefill in place); returns next-token logits.
 
@@ -381,7 +402,8 @@ class GenModel:
           slots_N: i32 destination slots; an index >= num_slots drops the row (padding).
 
         Returns:
-          (f32[N, V] logits after each row's last token, updated cache).
+          (f32[N, V] logits after each row's last token, updated cache, the routes of
+          the new tokens [N, P, L, k] or None: `GenModel`).
         """
         n, p = tokens_NxP.shape
         b, s = cache.num_slots, cache.max_length
@@ -397,7 +419,7 @@ class GenModel:
         x = self._embed(tokens_NxP)
         n_idx = jnp.arange(n)[:, None]
         f32, root_d = jnp.float32, math.sqrt(self.cfg.head_dim)
-        ks, vs = [], []
+        ks, vs, routes = [], [], []
         for w, ck, cv, win in zip(self.w["layers"], cache.k, cache.v, self._windows(), strict=True):
             q, k, v = self._qkv(x, w, *ropes[win > 0])  # q [N, P, K, G, D]; k, v [N, P, K, D]
             k_NxKxDxS = ck[rows_N].at[n_idx, :, :, write_NxP].set(k, mode="drop")
@@ -407,16 +429,18 @@ class GenModel:
             scores = jnp.where(seen[:, None, None], scores, _MASK_VALUE)
             probs = jax.nn.softmax(scores, axis=-1).astype(v_NxKxSxD.dtype)
             attn = jnp.einsum("nkgps,nksd->npkgd", probs, v_NxKxSxD)
-            x = self._out_and_mlp(x, attn, w)
+            x, experts = self._out_and_mlp(x, attn, w)
+            routes.append(experts)
             ks.append(ck.at[slots_N].set(k_NxKxDxS, mode="drop"))
             vs.append(cv.at[slots_N].set(v_NxKxSxD, mode="drop"))
         last = jnp.take_along_axis(x, (counts_N - 1)[:, None, None], axis=1)[:, 0]
         lengths = cache.lengths.at[slots_N].set(starts_N + counts_N, mode="drop")
-        return self._logits(last), LayerCache(k=tuple(ks), v=tuple(vs), lengths=lengths)
+        cache = LayerCache(k=tuple(ks), v=tuple(vs), lengths=lengths)
+        return self._logits(last), cache, self._routes(routes)
 
     def decode(
         self, tokens_B: jax.Array, cache: LayerCache, active_B: jax.Array
-    ) -> tuple[jax.Array, LayerCache]:
+    ) -> tuple[jax.Array, LayerCache, jax.Array | None]:
         """Appends one token to every slot and returns the logits after it.
 
         Args:
@@ -425,7 +449,8 @@ class GenModel:
           active_B: bool; inactive slots compute but do not advance `lengths`.
 
         Returns:
-          (f32[B, V] next-token logits, cache with the token's k/v written).
+          (f32[B, V] next-token logits, cache with the token's k/v written, the token's
+          routes [B, L, k] or None: `GenModel`).
         """
         b, s = tokens_B.shape[0], cache.max_length
         pos_B = jnp.minimum(cache.lengths, s - 1)
@@ -434,18 +459,20 @@ class GenModel:
         visible_Bx1x1xS = behind_Bx1x1xS >= 0
         rows = jnp.arange(b)
         x = self._embed(tokens_B[:, None])
-        ks, vs = [], []
+        ks, vs, routes = [], [], []
         for w, ck, cv, win in zip(self.w["layers"], cache.k, cache.v, self._windows(), strict=True):
             q, k, v = self._qkv(x, w, *ropes[win > 0])
             ck = ck.at[rows, :, :, pos_B].set(k[:, 0])
             cv = cv.at[rows, :, pos_B].set(v[:, 0])
             seen = _in_window(visible_Bx1x1xS, behind_Bx1x1xS, win)
             attn = self._attend(q[:, 0], ck, cv, seen)
-            x = self._out_and_mlp(x, attn[:, None], w)
+            x, experts = self._out_and_mlp(x, attn[:, None], w)
+            routes.append(None if experts is None else experts[:, 0])
             ks.append(ck)
             vs.append(cv)
         lengths = jnp.where(active_B, jnp.minimum(cache.lengths + 1, s), cache.lengths)
-        return self._logits(x[:, 0]), LayerCache(k=tuple(ks), v=tuple(vs), lengths=lengths)
+        cache = LayerCache(k=tuple(ks), v=tuple(vs), lengths=lengths)
+        return self._logits(x[:, 0]), cache, self._routes(routes)
 
     def _attend(self, q_BxKxGxD, k_BxKxDxS, v_BxKxSxD, visible_Bx1x1xS):
         """One query per slot against its cache: [B, K, G, D]."""

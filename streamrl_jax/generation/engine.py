@@ -63,8 +63,22 @@ from streamrl_jax.generation.types import (
     Sample,
     Timings,
 )
+from streamrl_jax.model import routes as routes_lib
 from streamrl_jax.model.config import ModelConfig
 from streamrl_jax.sharding import GENERATE_RULES, state_shardings
+
+
+@dataclasses.dataclass
+class _Admitted:
+    """One admission call's rows: their slots and device output, and per row the
+    positions its slot already held (an extension's `starts`) or its source slot (a
+    fork's `sources`); neither for a prefill."""
+
+    slots: list[int]
+    out: slots_lib.PrefillOut
+    starts: list[int] | None = None
+    sources: list[int] | None = None
+
 
 # Chunks an engine's metrics timeline keeps (the newest; `chunks` counts them all)
 TIMELINE_CHUNKS = 1 << 16
@@ -83,6 +97,8 @@ class _Running:
     # The continuation's policy mask when it holds an environment's tokens (None: every
     # token is the policy's); tokens sampled here are the policy's.
     mask: np.ndarray | None = None
+    # `EngineConfig.record_routes`: the routes of the fed positions, in order (pieces)
+    routes: list[np.ndarray] = dataclasses.field(default_factory=list)
 
 
 class Engine:
@@ -120,6 +136,11 @@ class Engine:
                 f"EngineConfig.max_total_length ({cfg.max_total_length}) exceeds the model "
                 f"context ({model_cfg.max_position_embeddings})"
             )
+        if cfg.record_routes and not model_cfg.num_experts:
+            raise ValueError(
+                "EngineConfig.record_routes: the model has no experts (routing replay is "
+                "for mixture-of-experts models)"
+            )
         self.cfg, self.model_cfg, self.mesh, self.instance_id = cfg, model_cfg, mesh, instance_id
         self._repl = NamedSharding(mesh, PartitionSpec())
         self._param_shardings = state_shardings(params, mesh, GENERATE_RULES)
@@ -153,8 +174,12 @@ class Engine:
                 self._repl,
                 self.decode_options,
                 self.decode_attention,
+                cfg.record_routes,
             )
         )
+        # Each slot's prompt routes from its last prefill or fork (a fork copies its
+        # source's KV, so its record too).
+        self._prompt_routes: list[np.ndarray | None] = [None] * cfg.num_slots
         # Shared-prompt prefill: per-slot prompt logits and which slot holds which prompt.
         self._sources = admission.PromptSources(cfg.num_slots)
         if cfg.share_prefill:
@@ -359,7 +384,7 @@ class Engine:
                 free.append(slot)
         return free
 
-    def _admit(self) -> list[tuple[list[int], slots_lib.PrefillOut]]:
+    def _admit(self) -> list[_Admitted]:
         nb, m = self.cfg.prefill_batch, self._metrics
         outs = []
         extend = self._continue_kept()
@@ -381,7 +406,8 @@ class Engine:
                 self._state, out = self._extend(
                     self._params, self._state, jax.device_put(adm, self._repl)
                 )
-                outs.append(([slot for slot, _, _ in group], out))
+                slots = [slot for slot, _, _ in group]
+                outs.append(_Admitted(slots, out, starts=[kept for _, _, kept in group]))
         free = self._free_slots()
         if not self.cfg.refill and len(free) < self.cfg.num_slots:
             return outs
@@ -413,7 +439,7 @@ class Engine:
                     )
                 else:
                     self._state, out = self._prefill(self._params, self._state, adm)
-                outs.append(([slot for slot, _ in group], out))
+                outs.append(_Admitted([slot for slot, _ in group], out))
                 m["prefill_calls"] += 1
                 m["prefill_rows"] += len(group)
         # Forks after every prefill: a fork may copy from a slot prefilled just above.
@@ -426,7 +452,8 @@ class Engine:
             adm = self._admission(rows, self.cfg.max_prompt_length)
             adm, src = jax.device_put((adm, src), self._repl)
             self._state, self._store, out = self._fork(self._state, self._store, adm, src)
-            outs.append(([slot for slot, _, _ in group], out))
+            sources = [source for _, _, source in group]
+            outs.append(_Admitted([slot for slot, _, _ in group], out, sources=sources))
             m["forked"] += len(group)
         return outs
 
@@ -459,12 +486,14 @@ class Engine:
         idx = jax.device_put(rows, self._repl)
         self._state, chunk = self._chunk(self._params, self._state, idx, seq=seq)
         # The one deliberate sync point per chunk: the host needs the done flags.
-        prefills_h, chunk_h = jax.device_get(([o for _, o in prefills], chunk))
+        prefills_h, chunk_h = jax.device_get(([a.out for a in prefills], chunk))
         done: list[Sample] = []
         emitted = 0
-        for (slot_ids, _), out in zip(prefills, prefills_h, strict=True):
-            for i, slot in enumerate(slot_ids):
+        for admitted, out in zip(prefills, prefills_h, strict=True):
+            for i, slot in enumerate(admitted.slots):
                 run = self._slots[slot]
+                if self.cfg.record_routes:
+                    self._admitted_routes(slot, run, admitted, out.routes, i)
                 run.tokens.append(int(out.tokens[i]))
                 run.logp.append(float(out.logp[i]))
                 run.slogp.append(float(out.sampling_logp[i]))
@@ -480,6 +509,8 @@ class Engine:
             run.tokens.extend(chunk_h.tokens[i, :e].tolist())
             run.logp.extend(chunk_h.logp[i, :e].tolist())
             run.slogp.extend(chunk_h.sampling_logp[i, :e].tolist())
+            if chunk_h.routes is not None:
+                run.routes.append(chunk_h.routes[i, :e])
             # Weights change only between round trips: this chunk ran on one version.
             run.versions.extend([self.version] * e)
             emitted += e
@@ -507,6 +538,28 @@ class Engine:
             )
         return done
 
+    def _admitted_routes(
+        self, slot: int, run: _Running, admitted: _Admitted, routes: np.ndarray | None, i: int
+    ) -> None:
+        """The routes of the positions an admission fed, as `run`'s record so far: a
+        prefill's from its output, an extension's the continuation's kept ones then its
+        output's, a fork's its source's prompt record."""
+        req = run.request
+        fed = len(req.prompt) + req.history  # positions the slot's KV holds now
+        if admitted.sources is not None:
+            record = self._prompt_routes[admitted.sources[i]]
+        elif admitted.starts is not None:
+            start = admitted.starts[i]
+            kept = req.continuation.routes
+            if kept is None or len(kept) < start:  # none recorded for the kept positions
+                kept = routes_lib.Spec.of(self.model_cfg).empty(start)
+            record = np.concatenate([kept[:start], routes[i, : fed - start]])
+        else:
+            record = routes[i, :fed]
+        if req.continuation is None:
+            self._prompt_routes[slot] = record
+        run.routes = [record]
+
     def _finish(self, slot: int, code: int) -> Sample:
         run = self._slots[slot]
         self._slots[slot] = None
@@ -517,6 +570,7 @@ class Engine:
         mask = run.mask
         if mask is not None:  # then the policy's tokens sampled here
             mask = np.concatenate([mask, np.ones(len(run.tokens) - len(mask), bool)])
+        routes = np.concatenate(run.routes) if run.routes else None
         return Sample(
             request_id=r.request_id,
             prompt=np.asarray(r.prompt, np.int32),
@@ -534,6 +588,7 @@ class Engine:
             policy_mask=mask,
             sampling=r.sampling,
             seed=int(r.seed),
+            routes=routes,
         )
 
     def run(self, requests: Sequence[GenerationRequest] = ()) -> list[Sample]:

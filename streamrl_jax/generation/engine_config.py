@@ -59,6 +59,9 @@ class EngineConfig:
         episode waiting for its environment) is given up after this many seconds
         without one, once another request needs a slot; its continuation then
         re-prefills (counted: `Engine.metrics()["reprefilled"]`).
+      record_routes: a mixture of experts records the experts every fed token went to
+        in every layer and returns them with its sample (`Sample.routes`: routing
+        replay, `model/routes.py`); refused for a dense model by the engine.
     """
 
     num_slots: int = 8
@@ -78,6 +81,7 @@ class EngineConfig:
     cpu_dots: str = "auto"
     decode_attention: str = "auto"
     kv_hold_s: float = 120.0
+    record_routes: bool = False
 
     def __post_init__(self) -> None:
         counts = ("num_slots", "max_prompt_length", "chunk_steps", "prefill_batch")

@@ -31,13 +31,15 @@ def jitted(
     repl: NamedSharding,
     decode_options: tuple[tuple[str, str], ...] = (),
     attention: str = "dot",
+    record_routes: bool = False,
 ):
     """The jitted prefill, decode chunk, logits-keeping prefill, fork and extension,
     shared by engines with equal statics.
 
     Engines of the same model config, chunk length, decode compiler options
     (`EngineConfig.decode_compiler_options`), decode attention form
-    (`EngineConfig.attention`) and placement (the slot
+    (`EngineConfig.attention`), route recording (`EngineConfig.record_routes`) and
+    placement (the slot
     state's shardings: its mesh and cache partitioning, not its shapes) get the
     same two jit objects and so one executable cache, which holds one executable
     per input shape: a static-batch baseline engine next to a continuous one, a
@@ -48,21 +50,23 @@ def jitted(
     stops being shared with later engines, those holding it keep working.
     """
 
+    def model(weights, form="dot"):
+        return decoder.GenModel(weights, model_cfg, form, record_routes)
+
     def prefill(weights, state, adm):
-        return slots_lib.prefill_into_slots(decoder.GenModel(weights, model_cfg), state, adm)
+        return slots_lib.prefill_into_slots(model(weights), state, adm)
 
     def chunk(weights, state, rows, seq):
-        model = decoder.GenModel(weights, model_cfg, attention)
-        return compact.decode_compact(model, state, rows, steps, seq)
+        return compact.decode_compact(model(weights, attention), state, rows, steps, seq)
 
     def prefill_keep(weights, state, store, adm):
-        return admission.prefill_keep(decoder.GenModel(weights, model_cfg), state, store, adm)
+        return admission.prefill_keep(model(weights), state, store, adm)
 
     def fork(state, store, adm, src):
         return admission.fork_into_slots(state, store, adm, src)
 
     def extend(weights, state, adm):
-        return slots_lib.extend_into_slots(decoder.GenModel(weights, model_cfg), state, adm)
+        return slots_lib.extend_into_slots(model(weights), state, adm)
 
     out_sh, out3 = (state_sh, repl), (state_sh, repl, repl)
     return (

@@ -25,6 +25,7 @@ from flax import struct
 
 from streamrl_jax.generation.decoder import GenModel, LayerCache
 from streamrl_jax.generation.sampling import sample_tokens
+from streamrl_jax.model import routes as routes_lib
 
 # Finish codes on the device: 0 = running (or free), 1 + FINISH_REASONS index.
 STOP, LENGTH, CONTEXT, FORCED, PAUSED = 1, 2, 3, 4, 5
@@ -83,6 +84,9 @@ class ChunkOut:
     sampling_logp: jax.Array  # f32[B, C]
     emitted: jax.Array  # i32[B]
     reason: jax.Array  # i32[B] finish code after the chunk
+    # u8/u16[B, C, L, k] with `record_routes`: the experts of the token each step fed
+    # (column c: the token before tokens[:, c]); None otherwise
+    routes: jax.Array | None = None
 
 
 @struct.dataclass
@@ -93,6 +97,9 @@ class PrefillOut:
     logp: jax.Array  # f32[N]
     sampling_logp: jax.Array  # f32[N]
     reason: jax.Array  # i32[N]
+    # u8/u16[N, P, L, k] with `record_routes`: the experts of every row's fed tokens
+    # (a fork's come from its source's record, on the host); None otherwise
+    routes: jax.Array | None = None
 
 
 def init_slot_state(cache: LayerCache, max_stop_ids: int) -> SlotState:
@@ -145,8 +152,9 @@ def prefill_into_slots(
     """Prefills the admitted prompts (and a continuation's response so far) into their
     slots and samples each row's next token: token number `generated`, drawn with that
     counter, as the uninterrupted decode would."""
-    logits_NxV, cache = model.prefill(adm.tokens, adm.lengths, state.cache, adm.slots)
-    return start_rows(state.replace(cache=cache), adm, logits_NxV)
+    logits_NxV, cache, routes = model.prefill(adm.tokens, adm.lengths, state.cache, adm.slots)
+    state, out = start_rows(state.replace(cache=cache), adm, logits_NxV)
+    return state, out.replace(routes=routes)
 
 
 def extend_into_slots(
@@ -155,10 +163,11 @@ def extend_into_slots(
     """Appends each row's new tokens (`adm.tokens[:, :lengths - start]`) to the KV its
     slot already holds (positions [0, start): the episode's turns so far) and samples
     the row's next token, as `prefill_into_slots` would after re-prefilling it all."""
-    logits_NxV, cache = model.extend(
+    logits_NxV, cache, routes = model.extend(
         adm.tokens, adm.lengths - adm.start, adm.start, state.cache, adm.slots
     )
-    return start_rows(state.replace(cache=cache), adm, logits_NxV)
+    state, out = start_rows(state.replace(cache=cache), adm, logits_NxV)
+    return state, out.replace(routes=routes)
 
 
 def start_rows(
@@ -215,14 +224,18 @@ def decode_chunk(
     max_total = state.cache.max_length if max_total is None else max_total
     buf_i = jnp.zeros((b, steps), jnp.int32)
     buf_f = jnp.zeros((b, steps), jnp.float32)
+    buf_r = None
+    if model.record:
+        spec = routes_lib.Spec.of(model.cfg)
+        buf_r = jnp.zeros((b, steps, spec.layers, spec.k), spec.dtype)
 
     def cond(carry):
         step, st, _ = carry
         return (step < steps) & jnp.any(st.active)
 
     def body(carry):
-        step, st, (tok_buf, logp_buf, slogp_buf) = carry
-        logits_BxV, cache = model.decode(st.last_token, st.cache, st.active)
+        step, st, (tok_buf, logp_buf, slogp_buf, route_buf) = carry
+        logits_BxV, cache, routes = model.decode(st.last_token, st.cache, st.active)
         tok, logp, slogp = sample_tokens(
             logits_BxV, st.key_data, st.num_generated, st.temperature, st.top_k, st.top_p
         )
@@ -234,6 +247,8 @@ def decode_chunk(
         tok_buf = tok_buf.at[:, step].set(jnp.where(act, tok, 0))
         logp_buf = logp_buf.at[:, step].set(jnp.where(act, logp, 0.0))
         slogp_buf = slogp_buf.at[:, step].set(jnp.where(act, slogp, 0.0))
+        if route_buf is not None:  # an inactive row's entry is never read
+            route_buf = route_buf.at[:, step].set(routes)
         st = st.replace(
             cache=cache,
             last_token=jnp.where(act, tok, st.last_token),
@@ -241,15 +256,16 @@ def decode_chunk(
             reason=jnp.where(act, code, st.reason),
             active=act & (code == 0),
         )
-        return step + 1, st, (tok_buf, logp_buf, slogp_buf)
+        return step + 1, st, (tok_buf, logp_buf, slogp_buf, route_buf)
 
-    init = (jnp.zeros((), jnp.int32), state, (buf_i, buf_f, buf_f))
-    _, new, (tok_buf, logp_buf, slogp_buf) = jax.lax.while_loop(cond, body, init)
+    init = (jnp.zeros((), jnp.int32), state, (buf_i, buf_f, buf_f, buf_r))
+    _, new, (tok_buf, logp_buf, slogp_buf, route_buf) = jax.lax.while_loop(cond, body, init)
     out = ChunkOut(
         tokens=tok_buf,
         logp=logp_buf,
         sampling_logp=slogp_buf,
         emitted=new.num_generated - state.num_generated,
         reason=new.reason,
+        routes=route_buf,
     )
     return new, out

@@ -114,6 +114,9 @@ class Continuation:
         environment appended (an episode's tool results and chat scaffolding: never
         trained, their log-probs 0); None: every token is the policy's. Sampling goes
         on with counter = the number of policy tokens.
+      routes: the routes of the positions the sample's slot held (`Sample.routes`); an
+        extension in place (an episode's kept slot) keeps them, a re-prefill routes
+        every position again.
     """
 
     tokens: np.ndarray
@@ -122,6 +125,7 @@ class Continuation:
     versions: np.ndarray
     admit: float = 0.0
     policy_mask: np.ndarray | None = None
+    routes: np.ndarray | None = None
 
     @classmethod
     def of(cls, sample: Sample) -> Continuation:
@@ -133,6 +137,7 @@ class Continuation:
             versions=sample.versions(),
             admit=sample.timings.admit,
             policy_mask=sample.policy_mask,
+            routes=sample.routes,
         )
 
     @classmethod
@@ -154,6 +159,7 @@ class Continuation:
             ),
             admit=sample.timings.admit,
             policy_mask=np.concatenate([mask, np.zeros(k, bool)]),
+            routes=sample.routes,
         )
 
     @property
@@ -261,6 +267,9 @@ class Sample:
         trained; their log-probs are 0); None: all are the policy's.
       sampling, seed: the request's (echoed: an episode's next turn is drawn the same
         way, its tokens keyed on from the policy-token count).
+      routes: u8/u16[P + R - 1, L, k] a mixture of experts' routes of every fed
+        position (prompt, then the response but its last token), recorded with
+        `EngineConfig.record_routes` for routing replay (`model/routes.py`); else None.
     """
 
     request_id: Any
@@ -279,6 +288,7 @@ class Sample:
     policy_mask: np.ndarray | None = None
     sampling: SamplingParams = SamplingParams()
     seed: int = 0
+    routes: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -234,15 +234,29 @@ def _swiglu_bwd(res, dy_NxE):
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
+class Routing(NamedTuple):
+    """A mixture-of-experts layer's routing of its tokens: the experts each went to,
+    i32[..., k], the router's probabilities over all experts, f32[..., X], and with
+    routing replay whether a token's replayed experts differ from this router's own top
+    k, bool[...] (None without replay)."""
+
+    experts: jax.Array
+    probs: jax.Array
+    flipped: jax.Array | None = None
+
+
 def attn_out_and_mlp(
     x_BxTxE: jax.Array,
     attn_BxTxHxD: jax.Array,
     p: dict[str, jax.Array],
     cfg: ModelConfig,
-    valid_BxT: jax.Array | None = None,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+    replay_BxTxK: jax.Array | None = None,
+) -> tuple[jax.Array, Routing | None]:
     """Residual output projection, then the pre-norm gated MLP residual (SwiGLU, or
-    GeGLU; with `sandwich_norms` each branch's output normalised before its add)."""
+    GeGLU; with `sandwich_norms` each branch's output normalised before its add).
+
+    Returns the block's output and, for a mixture of experts, its `Routing` (None for a
+    dense MLP); `replay_BxTxK`: recorded experts to use instead of routing (`route`)."""
     dt = x_BxTxE.dtype
     a = jnp.einsum("bthd,hde->bte", attn_BxTxHxD, p["o"].astype(dt))
     if cfg.sandwich_norms:
@@ -250,19 +264,22 @@ def attn_out_and_mlp(
     x = x_BxTxE + a
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     b, t, e = h.shape
-    stats = None
-    if cfg.num_experts:  # with `valid_BxT`, the router's statistics too
-        valid = None if valid_BxT is None else valid_BxT.reshape(-1)
-        y = moe_mlp(h.reshape(b * t, e), p, cfg, valid)
-        if valid is not None:
-            y, stats = y
+    routing = None
+    if cfg.num_experts:
+        replay = None if replay_BxTxK is None else replay_BxTxK.reshape(b * t, -1)
+        y, routing = moe_mlp(h.reshape(b * t, e), p, cfg, replay)
         y = y.reshape(b, t, e)
+        routing = Routing(
+            routing.experts.reshape(b, t, -1),
+            routing.probs.reshape(b, t, -1),
+            None if routing.flipped is None else routing.flipped.reshape(b, t),
+        )
     else:
         w = [p[name].astype(dt) for name in ("gate", "up", "down")]
         y = gated_mlp(h.reshape(b * t, e), *w, cfg.mlp_act).reshape(b, t, e)
     if cfg.sandwich_norms:
         y = rms_norm(y, p["post_mlp_norm"], cfg.rms_norm_eps)
-    return x + y if stats is None else (x + y, stats)
+    return x + y, routing
 
 
 def gate_activation(x: jax.Array, act: str) -> jax.Array:
@@ -285,38 +302,53 @@ def block(
     cos: jax.Array,
     sin: jax.Array,
     mask_BxTxT: jax.Array,
-    valid_BxT: jax.Array | None = None,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """One decoder block over a full sequence (`mask` within the causal triangle); with
-    `valid_BxT` (a MoE's real tokens) also the router's statistics."""
+    replay_BxTxK: jax.Array | None = None,
+) -> tuple[jax.Array, Routing | None]:
+    """One decoder block over a full sequence (`mask` within the causal triangle): its
+    output and a MoE's `Routing` (`attn_out_and_mlp`)."""
     q, k, v = qkv(x_BxTxE, p, cfg, cos, sin)
     attn = attention(q, k, v, mask_BxTxT, causal_block=cfg.causal_block)
-    return attn_out_and_mlp(x_BxTxE, attn, p, cfg, valid_BxT)
+    return attn_out_and_mlp(x_BxTxE, attn, p, cfg, replay_BxTxK)
 
 
 def route(
-    h_NxE: jax.Array, router_ExX: jax.Array, cfg: ModelConfig
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    h_NxE: jax.Array, router_ExX: jax.Array, cfg: ModelConfig, replay_NxK: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, Routing]:
     """The experts each token goes to and their weights: softmax over the router's
     logits (f32), the top `experts_per_token`, renormalised when `norm_topk_prob`.
 
+    `replay_NxK` (routing replay): experts recorded where the tokens were generated,
+    used instead of the top k on every row whose ids are all < num_experts (a row of
+    `routes.Spec.no_route` is routed here); the weights are this router's probabilities of
+    the experts used, so the router still gets its gradient.
+
     Returns:
-      (i32[N, k] expert ids, f32[N, k] weights, f32[N, X] the routing probabilities).
+      (i32[N, k] expert ids, f32[N, k] weights, the `Routing`).
     """
     logits = (h_NxE @ router_ExX.astype(h_NxE.dtype)).astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, cfg.experts_per_token)
+    experts, flipped = experts.astype(jnp.int32), None
+    if replay_NxK is not None:
+        replay = replay_NxK.astype(jnp.int32)
+        recorded = jnp.all(replay < cfg.num_experts, axis=-1, keepdims=True)
+        differ = jnp.any(jnp.sort(replay, axis=-1) != jnp.sort(experts, axis=-1), axis=-1)
+        flipped = differ & recorded[:, 0]
+        experts = jnp.where(recorded, replay, experts)
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
     if cfg.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return experts.astype(jnp.int32), weights, probs
+    return experts, weights, Routing(experts, probs, flipped)
 
 
-def router_stats(experts_NxK: jax.Array, probs_NxX: jax.Array, valid_N: jax.Array) -> jax.Array:
-    """The load-balancing statistics of `route`'s choices over the valid tokens:
-    f32[2, X], the (token, expert) assignments per expert and the probabilities summed."""
-    valid = valid_N.astype(jnp.float32)[:, None]
-    hits = jax.nn.one_hot(experts_NxK, probs_NxX.shape[-1], dtype=jnp.float32).sum(axis=1)
-    return jnp.stack([jnp.sum(hits * valid, axis=0), jnp.sum(probs_NxX * valid, axis=0)])
+def router_stats(experts_xK: jax.Array, probs_xX: jax.Array, valid_x: jax.Array) -> jax.Array:
+    """The load-balancing statistics of `route`'s choices over the valid tokens (any
+    leading axes x): f32[2, X], the (token, expert) assignments per expert and the
+    probabilities summed."""
+    valid = valid_x.astype(jnp.float32)[..., None]
+    hits = jax.nn.one_hot(experts_xK, probs_xX.shape[-1], dtype=jnp.float32).sum(axis=-2)
+    tokens = tuple(range(valid.ndim - 1))
+    return jnp.stack([jnp.sum(hits * valid, axis=tokens), jnp.sum(probs_xX * valid, axis=tokens)])
 
 
 def router_aux_loss(stats_2xX: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -330,16 +362,17 @@ def router_aux_loss(stats_2xX: jax.Array, tokens: jax.Array) -> jax.Array:
 
 
 def moe_mlp(
-    h_NxE: jax.Array, p: dict[str, Any], cfg: ModelConfig, valid_N: jax.Array | None = None
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+    h_NxE: jax.Array, p: dict[str, Any], cfg: ModelConfig, replay_NxK: jax.Array | None = None
+) -> tuple[jax.Array, Routing]:
     """The mixture-of-experts MLP, dropless: every token's k (token, expert) pairs are
     sorted by expert and each expert's SwiGLU runs on its rows as one grouped matmul
     (`jax.lax.ragged_dot`: no capacity, no token dropped, no padding to a capacity);
-    the outputs are weighted by the routing weights and summed back per token. With
-    `valid_N` (the real tokens) it also returns their `router_stats`."""
+    the outputs are weighted by the routing weights and summed back per token.
+
+    Returns the output and the tokens' `Routing` (`replay_NxK`: as in `route`)."""
     n, e = h_NxE.shape
     k, dt = cfg.experts_per_token, h_NxE.dtype
-    experts_NxK, weights_NxK, probs_NxX = route(h_NxE, p["router"], cfg)
+    experts_NxK, weights_NxK, routing = route(h_NxE, p["router"], cfg, replay_NxK)
     flat = experts_NxK.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token = order // k  # the token of each sorted (token, expert) pair
@@ -350,4 +383,4 @@ def moe_mlp(
     out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, p["experts_down"].astype(dt), sizes)
     w = jnp.take(weights_NxK.reshape(-1), order).astype(dt)
     y = jnp.zeros((n, e), dt).at[token].add(out * w[:, None])
-    return y if valid_N is None else (y, router_stats(experts_NxK, probs_NxX, valid_N))
+    return y, routing

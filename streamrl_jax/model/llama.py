@@ -22,6 +22,7 @@ a (graphdef, params) split; params are jit arguments, never closed over.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -123,6 +124,21 @@ class DecoderStack(nnx.Module):
         return {name: getattr(self, name)[...] for name in self.names}
 
 
+class RouterReport(NamedTuple):
+    """A mixture of experts' routing over a batch, summed over the layers.
+
+    Attributes:
+      load: f32[2, X] `layers.router_stats` (the load-balancing loss's statistics).
+      routed: f32[] the routed tokens: real tokens times layers.
+      flips: f32[B, T] with routing replay, the share of layers whose replayed experts
+        differ from the trainer's own top k at each column; None without replay.
+    """
+
+    load: jax.Array
+    routed: jax.Array
+    flips: jax.Array | None
+
+
 class Llama(nnx.Module):
     """Llama / Qwen2 / SmolLM2 decoder-only language model."""
 
@@ -156,31 +172,42 @@ class Llama(nnx.Module):
         return out.astype(jnp.float32)
 
     def _run_blocks(
-        self, x: jax.Array, positions: jax.Array, mask: jax.Array, router_stats: bool = False
-    ) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
-        """All blocks over full sequences; returns the last block's hidden states (with
-        `router_stats`, a MoE's also its routers' statistics summed over the layers,
-        f32[2, X], and the routed tokens: `layers.router_aux_loss`'s arguments)."""
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        mask: jax.Array,
+        *,
+        collect: Callable[[layers.Routing], Any] | None = None,
+        routes: jax.Array | None = None,
+    ) -> jax.Array | tuple[jax.Array, Any]:
+        """All blocks over full sequences; returns the last block's hidden states.
+
+        Args:
+          collect: a MoE's per-layer output of each layer's `layers.Routing`, stacked
+            along a leading layers axis and returned after the hidden states.
+          routes: routing replay: i32/u8[B, T, L, k] the experts each column's token
+            went to in each layer where it was generated (`layers.route`).
+        """
         cfg = self.cfg
-        if router_stats and not cfg.num_experts:
-            raise ValueError("router statistics of a model without experts")
+        if (collect is not None or routes is not None) and not cfg.num_experts:
+            raise ValueError("router outputs or routing replay of a model without experts")
         cos, sin = layers.rope_tables(positions, layers.rope_inv_freq(cfg))
-        valid = jnp.diagonal(mask, axis1=1, axis2=2) if router_stats else None  # real tokens
         windows = jnp.asarray(cfg.layer_windows or (0,) * cfg.num_layers, jnp.int32)
         if cfg.layer_windows:  # sliding-window layers (Gemma 3): their own mask and RoPE
             cos_l, sin_l = layers.rope_tables(positions, layers.rope_inv_freq(cfg, local=True))
             behind = positions[:, :, None] - positions[:, None, :]  # [B, T, T] query - key
+        replay = None if routes is None else jnp.moveaxis(routes, 2, 0)  # [L, B, T, k]
 
-        def body(x, p_w):
-            p, w = p_w
+        def body(x, per_layer):
+            p, w, r = per_layer
             if cfg.layer_windows:
                 local = w > 0
                 m = mask & (~local | (behind < w))
                 c, s = jnp.where(local, cos_l, cos), jnp.where(local, sin_l, sin)
             else:
                 m, c, s = mask, cos, sin
-            out = layers.block(x, p, cfg, c, s, m, valid)
-            return out if router_stats else (out, None)
+            out, routing = layers.block(x, p, cfg, c, s, m, r)
+            return out, (None if collect is None else collect(routing))
 
         # The backward keeps the matmuls' outputs and recomputes the elementwise work
         # from them (`dots_saveable`: faster than saving everything on XLA:CPU, fewer
@@ -192,10 +219,8 @@ class Llama(nnx.Module):
         )
         policy = policies.nothing_saveable if cfg.remat else keep
         body = jax.checkpoint(body, policy=policy)
-        x, stats = jax.lax.scan(body, x, (self.layers.arrays(), windows))
-        if not router_stats:
-            return x
-        return x, jnp.sum(stats, axis=0), cfg.num_layers * jnp.sum(valid.astype(jnp.float32))
+        x, collected = jax.lax.scan(body, x, (self.layers.arrays(), windows, replay))
+        return x if collect is None else (x, collected)
 
     # ---------------------------------------------------------------- training
     def hidden_states(
@@ -205,7 +230,8 @@ class Llama(nnx.Module):
         *,
         segments: Segments | None = None,
         router_stats: bool = False,
-    ) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
+        routes: jax.Array | None = None,
+    ) -> jax.Array | tuple[jax.Array, RouterReport]:
         """Last-layer hidden states (before the final norm) of a padded batch.
 
         Args:
@@ -216,18 +242,53 @@ class Llama(nnx.Module):
           segments: packed rows (several sequences, shared prefixes): explicit
             positions and the attention rule of `model.segments`; None = one
             sequence per row.
-          router_stats: a MoE's routers' statistics too (`_run_blocks`).
+          router_stats: a MoE's `RouterReport` too.
+          routes: routing replay, u8/i32[B, T, L, k] (`_run_blocks`; `model/routes.py`).
         """
+        positions, attn_mask = self._structure(tokens_BxT, mask_BxT, segments)
+        x = self.embed_tokens(tokens_BxT)
+        if not router_stats:
+            return self._run_blocks(x, positions, attn_mask, routes=routes)
+        valid = jnp.diagonal(attn_mask, axis1=1, axis2=2)  # the real tokens
+
+        def collect(r: layers.Routing):
+            return layers.router_stats(r.experts, r.probs, valid), r.flipped
+
+        h, (load, flipped) = self._run_blocks(
+            x, positions, attn_mask, collect=collect, routes=routes
+        )
+        routed = self.cfg.num_layers * jnp.sum(valid.astype(jnp.float32))
+        flips = None if flipped is None else jnp.mean(flipped.astype(jnp.float32), axis=0)
+        return h, RouterReport(jnp.sum(load, axis=0), routed, flips)
+
+    def expert_choices(
+        self,
+        tokens_BxT: jax.Array,
+        mask_BxT: jax.Array,
+        *,
+        segments: Segments | None = None,
+        routes: jax.Array | None = None,
+    ) -> jax.Array:
+        """The experts a MoE routes each column's token to in every layer (the training
+        forward's own choice, or `routes` where replayed): i32[B, T, L, k]."""
+        positions, attn_mask = self._structure(tokens_BxT, mask_BxT, segments)
+        x = self.embed_tokens(tokens_BxT)
+        collect = lambda r: r.experts
+        _, experts = self._run_blocks(x, positions, attn_mask, collect=collect, routes=routes)
+        return jnp.moveaxis(experts, 0, 2)
+
+    @staticmethod
+    def _structure(
+        tokens_BxT: jax.Array, mask_BxT: jax.Array, segments: Segments | None
+    ) -> tuple[jax.Array, jax.Array]:
+        """(positions i32[B, T], attention mask bool[B, T, T]) of `hidden_states`' rows."""
         mask = mask_BxT.astype(bool)
         if segments is None:
             positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
             t = tokens_BxT.shape[1]
             causal = jnp.tril(jnp.ones((t, t), bool))
-            attn_mask = causal[None] & mask[:, None, :]
-        else:
-            positions = segments.positions
-            attn_mask = segments.attention_mask() & mask[:, None, :]
-        return self._run_blocks(self.embed_tokens(tokens_BxT), positions, attn_mask, router_stats)
+            return positions, causal[None] & mask[:, None, :]
+        return segments.positions, segments.attention_mask() & mask[:, None, :]
 
     def token_logprobs(
         self,
@@ -239,6 +300,7 @@ class Llama(nnx.Module):
         segments: Segments | None = None,
         columns_BxL: jax.Array | None = None,
         router_stats: bool = False,
+        routes: jax.Array | None = None,
     ) -> tuple[jax.Array, ...]:
         """log p(targets[b, t] | the columns column t sees) and the entropy at each position.
 
@@ -258,7 +320,7 @@ class Llama(nnx.Module):
         collectives can deadlock on).
 
         Args:
-          tokens_BxT, mask_BxT, segments: as in `hidden_states`.
+          tokens_BxT, mask_BxT, segments, routes: as in `hidden_states`.
           targets_BxT: i32 the token whose log-prob column t reports.
           chunk: positions per tile of the vocabulary projection.
           columns_BxL: i32 the columns wanted in each row; entries >= T are
@@ -267,12 +329,14 @@ class Llama(nnx.Module):
         Returns:
           (logp f32[B, T], entropy f32[B, T]); values at positions outside
           `mask_BxT` (or `columns_BxL`) are meaningless (0 with `columns_BxL`) and
-          must be masked by the caller. With `router_stats` (a MoE), also the
-          routers' statistics and routed tokens (`layers.router_aux_loss`).
+          must be masked by the caller. With `router_stats` (a MoE), also its
+          `RouterReport`.
         """
-        out = self.hidden_states(tokens_BxT, mask_BxT, segments=segments, router_stats=router_stats)
-        hidden_BxTxE, *router = out if router_stats else (out,)
-        return (*self._logprobs_at(hidden_BxTxE, targets_BxT, chunk, columns_BxL), *router)
+        out = self.hidden_states(
+            tokens_BxT, mask_BxT, segments=segments, router_stats=router_stats, routes=routes
+        )
+        hidden_BxTxE, *report = out if router_stats else (out,)
+        return (*self._logprobs_at(hidden_BxTxE, targets_BxT, chunk, columns_BxL), *report)
 
     def _logprobs_at(
         self,

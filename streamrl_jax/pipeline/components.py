@@ -37,6 +37,7 @@ from streamrl_jax.generation.service import GenerationService
 from streamrl_jax.generation.types import ChunkReport
 from streamrl_jax.model import config as model_config
 from streamrl_jax.model import llama
+from streamrl_jax.model import routes as routes_lib
 from streamrl_jax.model.defaults import smollm2_gguf_path
 from streamrl_jax.model.loader import Description, describe, load_weights
 from streamrl_jax.model.tokenizer import Tokenizer
@@ -140,6 +141,11 @@ def describe_model(cfg: ExperimentConfig) -> Description:
             f"model.max_context ({m.max_context}) exceeds the model's context "
             f"({d.cfg.max_position_embeddings})"
         )
+    if m.routing_replay and not d.cfg.num_experts:
+        raise UserError(
+            f"model.routing_replay: {path} is a dense model (routing replay is for "
+            "mixture-of-experts models)"
+        )
     return d
 
 
@@ -153,9 +159,10 @@ def _training(
     """The policy trainer and its state, the model straight into the training sharding."""
     model_cfg = d.cfg
     fsdp = train_mesh.shape["fsdp"]
-    trainer = make_policy_trainer(
-        model_cfg, trainer_config(cfg, fsdp=fsdp), train_mesh, model_seed=cfg.seed
-    )
+    tcfg = trainer_config(cfg, fsdp=fsdp)
+    if cfg.model.routing_replay:
+        tcfg = tcfg.replace(routing_replay=routes_lib.Spec.of(model_cfg))
+    trainer = make_policy_trainer(model_cfg, tcfg, train_mesh, model_seed=cfg.seed)
     if cfg.model.source == "tiny":
         state = trainer.init_state(cfg.seed)
     else:  # described once: only the weights are read here
@@ -197,6 +204,7 @@ def engine_config(cfg: ExperimentConfig, tokenizer: Tokenizer, slots: int) -> En
         # deterministic run keeps one decode shape, so its samples are bitwise the same
         # whatever the schedule (resume, mode and topology parity).
         decode_buckets=not cfg.pipeline.deterministic,
+        record_routes=cfg.model.routing_replay,
     )
 
 

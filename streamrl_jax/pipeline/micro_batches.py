@@ -28,6 +28,7 @@ import numpy as np
 from streamrl_jax import algorithms
 from streamrl_jax.algorithms.overlong import OverlongPenalty
 from streamrl_jax.generation.types import Sample
+from streamrl_jax.model import routes as routes_lib
 from streamrl_jax.pipeline.schedules import VersionGate
 from streamrl_jax.rewards.base import RewardResult
 from streamrl_jax.stream.sample_stream import SampleStream, StreamTimeout
@@ -90,10 +91,12 @@ def pack_groups(
     pad_id: int,
     stats: dict[str, list],
     overlong: OverlongPenalty | None = None,
+    routing_replay: routes_lib.Spec | None = None,
 ) -> TrainBatch | None:
     """Host TrainBatch of the admitted groups (None if the gate dropped them all).
 
-    The buckets, `shared_prompt`, `pack` and `loss_chunk` are the trainer's
+    The buckets, `shared_prompt`, `pack`, `loss_chunk` and `routing_replay` (the
+    samples' routes go into the batch, checked) are the trainer's
     (`TrainerConfig.layout`).
     Appends to `stats` lists: reward, correct, format_ok, length, truncated, versions (each
     sample's oldest token version) and spans (1 for a sample whose tokens span versions).
@@ -138,6 +141,8 @@ def pack_groups(
         rewards=rewards,
         group_ids=_group_ids(kept),
         policy_masks=[s.sample.policy_mask for s in samples],
+        routes=None if routing_replay is None else [s.sample.routes for s in samples],
+        routing_replay=routing_replay,
         seq_buckets=seq_buckets,
         batch_buckets=batch_buckets,
         shared_prompt=shared_prompt,

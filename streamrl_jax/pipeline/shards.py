@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from streamrl_jax.config import PipelineSection, check_training_split
+from streamrl_jax.model import routes as routes_lib
 from streamrl_jax.trainer.batch import TrainBatch
 
 
@@ -92,9 +93,14 @@ class TrainerShare(Protocol):
         `mini` (the deterministic split)."""
 
     def agree(
-        self, batch: TrainBatch | None, pad_id: int, buckets: Sequence[int]
+        self,
+        batch: TrainBatch | None,
+        pad_id: int,
+        buckets: Sequence[int],
+        routing_replay: routes_lib.Spec | None = None,
     ) -> TrainBatch | None:
-        """This process's rows of a micro-batch in the shape all processes agreed on."""
+        """This process's rows of a micro-batch in the shape all processes agreed on
+        (with routes of `routing_replay`'s size when routes are replayed)."""
 
     def sum(self, values: Sequence[float]) -> list[float]:
         """Element-wise sums over the training processes."""
@@ -115,9 +121,13 @@ class Alone:
         return self.own.local_groups(mini, j, 0)
 
     def agree(
-        self, batch: TrainBatch | None, pad_id: int, buckets: Sequence[int]
+        self,
+        batch: TrainBatch | None,
+        pad_id: int,
+        buckets: Sequence[int],
+        routing_replay: routes_lib.Spec | None = None,
     ) -> TrainBatch | None:
-        del pad_id, buckets
+        del pad_id, buckets, routing_replay
         return batch
 
     def sum(self, values: Sequence[float]) -> list[float]:
@@ -165,7 +175,13 @@ class TrainingGroup:
         local[0] = values
         return [float(v) for v in host(self._sum(self._global(local)))]
 
-    def agree(self, batch: TrainBatch | None, pad_id: int, buckets: Sequence[int]):
+    def agree(
+        self,
+        batch: TrainBatch | None,
+        pad_id: int,
+        buckets: Sequence[int],
+        routing_replay: routes_lib.Spec | None = None,
+    ):
         """This process's rows of a micro-batch, padded to the shape all processes agreed
         on (rows, columns and `loss_columns` width); None when every process's groups
         were dropped (all skip the micro-batch).
@@ -183,16 +199,24 @@ class TrainingGroup:
         if not fits:
             raise ValueError(f"micro-batch of {need} rows exceeds the batch buckets {buckets}")
         local_rows = fits[0] // self.count
-        return pad_batch(batch, local_rows, max_seq, pad_id, width=max_width)
+        return pad_batch(
+            batch, local_rows, max_seq, pad_id, width=max_width, routing_replay=routing_replay
+        )
 
 
 def pad_batch(
-    batch: TrainBatch | None, rows: int, seq: int, pad_id: int, width: int | None = None
+    batch: TrainBatch | None,
+    rows: int,
+    seq: int,
+    pad_id: int,
+    width: int | None = None,
+    routing_replay: routes_lib.Spec | None = None,
 ) -> TrainBatch:
     """`batch` padded (or cut: its real rows come first) to [rows, seq], its
     `loss_columns` to [rows, width] (None: its own width; 1 for None); an all-padding
-    batch for None. Padding rows and columns are masked out of every loss term, and
-    every padding `loss_columns` entry is `seq` (out of range)."""
+    batch for None (with routes of `routing_replay`'s size when given). Padding rows and
+    columns are masked out of every loss term, every padding `loss_columns` entry is
+    `seq` (out of range), and padding routes are `no_route`."""
 
     def fit(x: np.ndarray | None, fill: Any, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
         out = np.full(shape, fill, dtype)
@@ -222,6 +246,12 @@ def pad_batch(
             fields[name] = fit(f(name), pad_id, np.int32, (rows, seq))
         elif name in ("attention_mask", "loss_mask"):
             fields[name] = fit(f(name), False, bool, (rows, seq))
+        elif name == "routes":
+            spec = routing_replay
+            if spec is not None or f(name) is not None:
+                tail = (spec.layers, spec.k) if spec else f(name).shape[2:]
+                dtype = spec.dtype if spec else f(name).dtype
+                fields[name] = fit(f(name), np.iinfo(dtype).max, dtype, (rows, seq, *tail))
         else:
             fields[name] = fit(f(name), 0, np.float32, (rows, seq))
     return TrainBatch(**fields)

@@ -213,7 +213,9 @@ class TrainerLoop:
             overlong=self.overlong,
         )
         # Every training process feeds the same global shape (one process: as it is).
-        batch = self.trainers.agree(batch, c.tokenizer.pad_id, t.cfg.batch_buckets)
+        batch = self.trainers.agree(
+            batch, c.tokenizer.pad_id, t.cfg.batch_buckets, t.cfg.routing_replay
+        )
         if batch is None:
             return None
         return self._on_device(batch), batch.shape
@@ -285,7 +287,10 @@ class TrainerLoop:
         acc = c.trainer.init_accumulator()
         critic_acc = c.critic.init_accumulator() if c.critic is not None else None
         for rows, columns, width in shapes:
-            dev = self._on_device(pad_batch(None, rows, columns, c.tokenizer.pad_id, width))
+            empty = pad_batch(
+                None, rows, columns, c.tokenizer.pad_id, width, c.trainer.cfg.routing_replay
+            )
+            dev = self._on_device(empty)
             acc, critic_acc = self._grads(dev, acc, critic_acc)
         logging.info("pipeline.precompile: trainer shapes (rows, columns, loss width): %s", shapes)
         return len(shapes)

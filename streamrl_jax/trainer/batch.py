@@ -48,6 +48,7 @@ import flax.struct
 import jax
 import numpy as np
 
+from streamrl_jax.model import routes as routes_lib
 from streamrl_jax.model.segments import Segments
 from streamrl_jax.trainer import packing
 
@@ -84,6 +85,11 @@ class TrainBatch:
       returns: f32[B, T] GAE returns, the critic's regression targets (PPO).
       rewards: f32[B, T] each sequence's outcome reward at its last loss column
         (0 elsewhere).
+      routes: routing replay (`model/routes.py`): u8/u16[B, T, L, k] the experts the
+        token at column t went to in each layer where it was generated; `no_route` on
+        padding, on a segment's last column (its token was never fed to the engine)
+        and where a sample came without a record (the trainer routes those itself).
+        None: no replay.
     """
 
     tokens: ArrayLike
@@ -101,6 +107,7 @@ class TrainBatch:
     old_values: ArrayLike
     returns: ArrayLike
     rewards: ArrayLike
+    routes: ArrayLike | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -114,11 +121,16 @@ class TrainBatch:
         )
 
 
-def abstract_batch(b: int, t: int) -> TrainBatch:
-    """A TrainBatch of ShapeDtypeStructs, B = b rows of T = t columns (and L = T) (for
-    `eval_shape`)."""
+def abstract_batch(b: int, t: int, routing_replay: routes_lib.Spec | None = None) -> TrainBatch:
+    """A TrainBatch of ShapeDtypeStructs, B = b rows of T = t columns (and L = T), with
+    routes of `routing_replay`'s size when given (for `eval_shape`)."""
     bt = lambda dtype: jax.ShapeDtypeStruct((b, t), dtype)
+    routes = None
+    if routing_replay is not None:
+        spec = routing_replay
+        routes = jax.ShapeDtypeStruct((b, t, spec.layers, spec.k), spec.dtype)
     return TrainBatch(
+        routes=routes,
         tokens=bt(np.int32),
         loss_columns=bt(np.int32),
         attention_mask=bt(np.bool_),
@@ -166,6 +178,8 @@ def make_batch(
     old_values: Sequence[ArrayLike] | None = None,
     returns: Sequence[ArrayLike] | None = None,
     policy_masks: Sequence[ArrayLike | None] | None = None,
+    routes: Sequence[ArrayLike | None] | None = None,
+    routing_replay: routes_lib.Spec | None = None,
     seq_buckets: Sequence[int],
     batch_buckets: Sequence[int],
     pad_id: int = 0,
@@ -192,6 +206,10 @@ def make_batch(
       policy_masks: per sample, None or bool[response length]: False on the tokens an
         environment appended to an episode (tool results, chat scaffolding), which get
         loss mask 0 and are never trained; None: every response token is trained.
+      routes: per sample, its `Sample.routes` (u8/u16[prompt + response - 1, L, k],
+        checked against `routing_replay`) or None (no record: routed by the trainer).
+      routing_replay: the model's route size when routes are replayed (the batch then
+        has `routes`); None: no replay, `routes` must be None.
       seq_buckets: allowed T (ascending), e.g. `TrainerConfig.seq_buckets`.
       batch_buckets: allowed B (ascending), e.g. `TrainerConfig.batch_buckets`.
       pad_id: token id written into padding.
@@ -231,6 +249,7 @@ def make_batch(
         "returns": _per_token(returns, resp_lens, "returns"),
     }
     trained = _policy_masks(policy_masks, resp_lens)
+    records = _route_records(routes, routing_replay, prompts, resp_lens)
     reward_N = _per_sample(rewards, n, np.float32, 0.0, "rewards")
     group_N = _per_sample(group_ids, n, np.int32, None, "group_ids")
 
@@ -255,6 +274,9 @@ def make_batch(
         "group_ids": np.full((b, t), -1, np.int32),
         **{k: np.zeros((b, t), np.float32) for k in fields},
     }
+    if routing_replay is not None:
+        spec = routing_replay
+        out["routes"] = spec.empty(b * t).reshape(b, t, spec.layers, spec.k)
     for r, row in enumerate(rows):
         col, segment = 0, 0
         for u_index, unit in enumerate(row):
@@ -265,6 +287,8 @@ def make_batch(
             out["prefix_ids"][r, span] = u_index
             out["tokens"][r, col : col + lp - 1] = prompt[:-1]
             out["positions"][r, col : col + lp - 1] = np.arange(lp - 1)
+            if records is not None:  # the prompt's, from the unit's first sample
+                out["routes"][r, col : col + lp - 1] = records[unit.samples[0]][: lp - 1]
             col += lp - 1
             for i in unit.samples:
                 segment += 1
@@ -276,6 +300,8 @@ def make_batch(
                 out["segment_ids"][r, seg] = segment
                 out["group_ids"][r, seg] = group_N[i]
                 out["loss_mask"][r, col : col + lr] = trained[i]
+                if records is not None:  # prompt[-1] and the response but its last token
+                    out["routes"][r, col : col + lr] = records[i][lp - 1 :]
                 for k, v in fields.items():
                     if v is not None:
                         out[k][r, col : col + lr] = v[i]
@@ -286,6 +312,28 @@ def make_batch(
             out["group_ids"][r, span.start : span.start + lp - 1] = group_N[unit.samples[0]]
     out["loss_columns"] = loss_columns(out["loss_mask"], loss_chunk)
     return TrainBatch(**out)
+
+
+def _route_records(
+    routes: Sequence[ArrayLike | None] | None,
+    spec: routes_lib.Spec | None,
+    prompts: list[np.ndarray],
+    resp_lens: list[int],
+) -> list[np.ndarray] | None:
+    """Per sample, its checked route record (`spec.empty` for a sample without one)."""
+    if spec is None:
+        if routes is not None:
+            raise ValueError("routes given without routing_replay (the model's route size)")
+        return None
+    if routes is None:
+        routes = [None] * len(prompts)
+    if len(routes) != len(prompts):
+        raise ValueError(f"routes: {len(routes)} entries for {len(prompts)} samples")
+    out = []
+    for i, (r, p, n) in enumerate(zip(routes, prompts, resp_lens, strict=True)):
+        positions = p.size + n - 1  # every token but the response's last was fed
+        out.append(spec.empty(positions) if r is None else spec.check(r, positions, f"routes[{i}]"))
+    return out
 
 
 def _policy_masks(masks: Sequence[ArrayLike | None] | None, lengths: list[int]) -> list:

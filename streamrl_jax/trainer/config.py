@@ -33,6 +33,7 @@ from streamrl_jax.config import (
     OptimizerSection,
     TrainerSection,
 )
+from streamrl_jax.model import routes as routes_lib
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,6 +60,9 @@ class TrainerConfig:
       logprob_chunk: sequence chunk of the vocabulary projection
         (`Llama.token_logprobs`); bounds peak logits memory to [B, chunk, V]. The
         batch's `loss_columns` width is a multiple of it (`make_batch(loss_chunk=)`).
+      routing_replay: the model's route size when the policy replays the experts its
+        tokens went to in generation (`model.routing_replay`; batches then carry
+        `routes`); None: the trainer routes every token itself.
       nonfinite: the user's `pipeline.nonfinite`. Either way `apply` leaves the
         whole TrainState unchanged on device for a step whose loss or gradient
         norm is NaN/Inf and reports metric `nonfinite` = 1. "skip": training
@@ -75,6 +79,7 @@ class TrainerConfig:
     batch_buckets: tuple[int, ...] = (8, 16, 32, 64)
     logprob_chunk: int = 128
     nonfinite: str = "skip"
+    routing_replay: routes_lib.Spec | None = None
 
     def __post_init__(self) -> None:
         for name in ("algorithm", "optimizer", "critic", "trainer"):
@@ -136,9 +141,10 @@ class TrainerConfig:
 
     @property
     def layout(self) -> dict[str, Any]:
-        """`make_batch`'s layout keywords: the buckets, `shared_prompt`, `pack` and the
-        response-only projection's chunk (`loss_chunk`)."""
+        """`make_batch`'s layout keywords: the buckets, `shared_prompt`, `pack`, the
+        response-only projection's chunk (`loss_chunk`) and the route size replayed."""
         return {
+            "routing_replay": self.routing_replay,
             "seq_buckets": self.seq_buckets,
             "batch_buckets": self.batch_buckets,
             "shared_prompt": self.trainer.shared_prompt,

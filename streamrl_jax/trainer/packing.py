@@ -166,6 +166,7 @@ def shape(
     group_ids: Sequence[int],
     *,
     loss_chunk: int,
+    routing_replay: Any = None,
     **kw: Any,
 ) -> tuple[int, int, int, int]:
     """(B, T, L, rows) of the micro-batch `batch.make_batch` packs from these lengths,
@@ -173,7 +174,8 @@ def shape(
     rows that hold a unit. `kw`: `layout`'s buckets, `shared_prompt` and `pack`. Samples
     with one group id must share one prompt (a GRPO group), as `make_batch`'s
     shared-prompt units require. `pipeline.precompile` plans the trainer's executables
-    from it; a test holds it to `make_batch`."""
+    from it; a test holds it to `make_batch`. Routes (`routing_replay`) add no shape."""
+    del routing_replay
     prompts = [np.zeros((n,), np.int32) for n in prompt_lens]
     t, b, rows = layout(prompts, response_lens, group_ids, **kw)
     most = max(sum(response_lens[i] for u in row for i in u.samples) for row in rows)

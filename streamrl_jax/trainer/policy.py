@@ -26,7 +26,8 @@ def policy_logprobs(
     model: llama.Llama, batch: TrainBatch, chunk: int, router_stats: bool = False
 ) -> tuple[jax.Array, ...]:
     """(logp f32[B, T], entropy f32[B, T]) of the shifted targets under `model` (with
-    `router_stats`, a MoE's routers' statistics and routed tokens too).
+    `router_stats`, a MoE's `llama.RouterReport` too), the experts of `batch.routes`
+    replayed when it has them.
 
     Computed at the loss positions only (the vocabulary projection skips prompt
     and padding columns); 0 elsewhere.
@@ -39,6 +40,7 @@ def policy_logprobs(
         segments=batch.segments(),
         columns_BxL=batch.loss_columns,
         router_stats=router_stats,
+        routes=batch.routes,
     )
 
 
@@ -50,11 +52,12 @@ def policy_loss(
     Returns:
       `(loss, metrics, per_token)`: S_micro / normalizer, its additive metrics,
       and the per-token statistics the step reports as masked sums
-      (`entropy` -> `entropy_sum`).
+      (`entropy` -> `entropy_sum`; with routing replay `route_flips`, the share of
+      layers whose replayed experts differ from the trainer's own choice).
     """
     a = cfg.algorithm
-    aux = a.router_aux_coef > 0
-    logp_BxT, ent_BxT, *router = policy_logprobs(model, batch, cfg.logprob_chunk, aux)
+    aux, replay = a.router_aux_coef > 0, batch.routes is not None
+    logp_BxT, ent_BxT, *report = policy_logprobs(model, batch, cfg.logprob_chunk, aux or replay)
     loss, metrics = algorithms.actor_loss(
         logp_BxT,
         batch.old_logp,
@@ -77,10 +80,13 @@ def policy_loss(
         # The router's load-balancing loss of this micro-batch, weighted by its share of
         # the batch's normaliser: summed over the micro-batches, the units' mean.
         part = algorithms.normalizer_part(batch.loss_mask, a.aggregation, batch.segment_ids)
-        weighted = layers.router_aux_loss(*router) * part / normalizer
+        weighted = layers.router_aux_loss(report[0].load, report[0].routed) * part / normalizer
         loss = loss + a.router_aux_coef * weighted
         metrics = metrics | {"router_aux": weighted}
-    return loss, metrics, {"entropy": ent_BxT}
+    per_token = {"entropy": ent_BxT}
+    if replay:
+        per_token["route_flips"] = report[0].flips
+    return loss, metrics, per_token
 
 
 def policy_forward(model: llama.Llama, cfg: TrainerConfig, batch: TrainBatch) -> jax.Array:

@@ -438,7 +438,7 @@ def build_trainer(
     _, abstract_metrics = jax.eval_shape(
         functools.partial(loss_and_metrics, spec),
         abstract_params,
-        abstract_batch(cfg.batch_buckets[0], cfg.seq_buckets[0]),
+        abstract_batch(cfg.batch_buckets[0], cfg.seq_buckets[0], cfg.routing_replay),
         jax.ShapeDtypeStruct((), _F32),
     )
     spec = dataclasses.replace(spec, metric_keys=tuple(sorted(abstract_metrics)))
