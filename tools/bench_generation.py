@@ -556,7 +556,8 @@ def dot_floor_s(weights: dict, batch: int, options: tuple = (), repeats: int = 5
     def chain(w, x):
         for p in w["layers"]:
             qkv = x @ p["qkv"].reshape(e, -1)
-            x = x + qkv[:, :e] @ p["o"].reshape(-1, e)
+            o = p["o"].reshape(-1, e)  # the heads' width H D (Qwen3, Gemma 3: not E)
+            x = x + qkv[:, : o.shape[0]] @ o
             gu = x @ p["gate_up"].reshape(e, -1)
             x = x + gu[:, : gu.shape[1] // 2] @ p["down"]
         return x @ w["lm_head"]
