@@ -91,7 +91,9 @@ def test_bf16_compute_close_to_fp32(split):
     assert 0 < err < 0.05 * np.abs(ref).max() + 1e-2
 
 
-def test_remat_gives_same_gradients(split):
+@pytest.mark.parametrize("policy", ["minimal", "full", "none"])
+def test_every_remat_policy_gives_the_defaults_gradients(split, policy):
+    # what the backward keeps moves memory and time, never a gradient (beyond rounding)
     graphdef, params = split
     tokens = _tokens(2, 8)
     targets = jnp.roll(tokens, -1, axis=1)
@@ -103,8 +105,9 @@ def test_remat_gives_same_gradients(split):
 
         return jax.jit(jax.grad(loss))(params)
 
+    assert _CFG.remat == "dots_attention"
     plain = grads(graphdef)
-    remat = grads(_graphdef(_CFG.replace(remat=True)))
+    remat = grads(_graphdef(_CFG.replace(remat=policy)))
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(remat), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(plain)) > 0
@@ -327,3 +330,19 @@ def test_causal_blocks_need_a_square():
     mask = jnp.ones((1, 4, 6), bool)
     with pytest.raises(ValueError, match="as many keys as queries, got 6 and 4"):
         layers.attention(q, kv, kv, mask, causal_block=2)
+
+
+def test_remat_is_a_named_policy_and_the_old_switch_reads_as_one():
+    from support import tiny_config
+
+    from streamrl_jax import config as config_lib
+    from streamrl_jax.model import config as model_config
+
+    assert config_lib.REMAT_POLICIES == model_config.REMAT_POLICIES  # two layers, one list
+    assert _CFG.replace(remat=True).remat == "full"
+    assert _CFG.replace(remat=False).remat == "dots_attention"
+    with pytest.raises(ValueError, match=r"ModelConfig.remat='some'; expected one of"):
+        _CFG.replace(remat="some")
+    with pytest.raises(config_lib.ConfigError, match=r"model.remat"):
+        tiny_config(model__remat="some")
+    assert tiny_config(model__remat="minimal").model.remat == "minimal"

@@ -33,6 +33,7 @@ from streamrl_jax.config.sections import (
     OVERLONG_PROMPTS,
     PLANNERS,
     POLICY_LOSSES,
+    REMAT_POLICIES,
     REWARD_ERRORS,
     REWARD_SANDBOXES,
     REWARDS,
@@ -124,6 +125,7 @@ _COUNT, _NONNEG, _POSITIVE = _at_least(1), _at_least(0), _above(0)
 RULES: dict[type, dict[str, _Rule]] = {
     ModelSection: {
         **dict.fromkeys(("param_dtype", "dtype", "generate_dtype"), _one_of(DTYPES)),
+        "remat": _one_of(REMAT_POLICIES),
         "max_context": _COUNT,
     },
     MeshSection: dict.fromkeys(

@@ -50,6 +50,7 @@ AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LR_SCHEDULES = ("constant", "cosine")
 DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("dots_attention", "minimal", "full", "none")  # = model.config's
 BAD_ROWS = ("error", "skip")
 OVERLONG_PROMPTS = ("drop", "error", "truncate")
 REWARD_ERRORS = ("raise", "zero")
@@ -69,7 +70,8 @@ class ModelSection:
     param_dtype: str = "float32"  # trainer master weights
     dtype: str = "float32"  # trainer compute dtype
     generate_dtype: str = "float32"  # generation weights / KV cache dtype
-    remat: bool = False  # rematerialise blocks in the backward pass
+    # what the backward keeps of each block: one of REMAT_POLICIES (ModelConfig.remat)
+    remat: str = "dots_attention"
     max_context: int = 512  # cap on prompt + response length used by this run
     # a mixture of experts: generation records each token's experts, training replays
     # them instead of routing again (model/routes.py)

@@ -31,6 +31,8 @@ from typing import Any
 import jax.numpy as jnp
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# What the backward keeps of a decoder block (`ModelConfig.remat`, `Llama._run_blocks`).
+REMAT_POLICIES = ("dots_attention", "minimal", "full", "none")
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
@@ -116,7 +118,13 @@ class ModelConfig:
       param_dtype: storage dtype of the parameters ("float32" | "bfloat16").
       dtype: compute dtype of activations and matmuls ("float32" | "bfloat16");
         log-softmax and RMSNorm statistics are always computed in float32.
-      remat: rematerialise each decoder block in the backward pass.
+      remat: what the backward pass keeps of each decoder block's forward, by name
+        (`REMAT_POLICIES`): "dots_attention" (the default: every matmul's output and
+        the attention probabilities; the elementwise work is recomputed), "minimal"
+        (the matmuls without a batch dimension: the projections, not attention's
+        batched products), "full" (nothing: the whole block is recomputed, the least
+        memory) or "none" (everything, no recomputation). True and False, the old
+        boolean, read as "full" and "dots_attention".
       blocked_head: the trainer's log-probs through `model.vocab_head` (vocabulary
         tiles with a streamed log-sum-exp, no row of logits held) instead of whole
         [chunk, V] logits; None = when `hidden_size` <= BLOCKED_HEAD_MAX_WIDTH, where
@@ -154,7 +162,7 @@ class ModelConfig:
     norm_topk_prob: bool = False
     param_dtype: str = "float32"
     dtype: str = "float32"
-    remat: bool = False
+    remat: str = "dots_attention"
     blocked_head: bool | None = None
     causal_block: int = CAUSAL_BLOCK
     bos_token_id: int | None = None
@@ -193,6 +201,10 @@ class ModelConfig:
                 f"ModelConfig.layer_windows: {self.num_layers} windows >= 0 (0 = global), "
                 f"got {self.layer_windows!r}"
             )
+        if isinstance(self.remat, bool):  # the old switch: on = keep nothing
+            object.__setattr__(self, "remat", "full" if self.remat else "dots_attention")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"ModelConfig.remat={self.remat!r}; expected one of {REMAT_POLICIES}")
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(

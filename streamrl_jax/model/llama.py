@@ -124,6 +124,22 @@ class DecoderStack(nnx.Module):
         return {name: getattr(self, name)[...] for name in self.names}
 
 
+def remat_policy(name: str) -> Callable[..., bool]:
+    """The `jax.checkpoint` policy of `ModelConfig.remat`. The default keeps the matmuls'
+    outputs and the attention probabilities and recomputes the elementwise work from
+    them (`dots_saveable`: faster than saving everything on XLA:CPU, fewer per-layer
+    buffers to allocate; docs/trainer.md, "Where the step goes")."""
+    policies = jax.checkpoint_policies
+    return {
+        "dots_attention": policies.save_from_both_policies(
+            policies.dots_saveable, policies.save_only_these_names("attention_probs")
+        ),
+        "minimal": policies.dots_with_no_batch_dims_saveable,
+        "full": policies.nothing_saveable,
+        "none": policies.everything_saveable,
+    }[name]
+
+
 class RouterReport(NamedTuple):
     """A mixture of experts' routing over a batch, summed over the layers.
 
@@ -209,16 +225,7 @@ class Llama(nnx.Module):
             out, routing = layers.block(x, p, cfg, c, s, m, r)
             return out, (None if collect is None else collect(routing))
 
-        # The backward keeps the matmuls' outputs and recomputes the elementwise work
-        # from them (`dots_saveable`: faster than saving everything on XLA:CPU, fewer
-        # per-layer buffers to allocate; docs/trainer.md, "Where the step goes"); `remat`
-        # keeps nothing.
-        policies = jax.checkpoint_policies
-        keep = policies.save_from_both_policies(
-            policies.dots_saveable, policies.save_only_these_names("attention_probs")
-        )
-        policy = policies.nothing_saveable if cfg.remat else keep
-        body = jax.checkpoint(body, policy=policy)
+        body = jax.checkpoint(body, policy=remat_policy(cfg.remat))
         x, collected = jax.lax.scan(body, x, (self.layers.arrays(), windows, replay))
         return x if collect is None else (x, collected)
 

@@ -138,7 +138,7 @@ def load_pretrained(
       role: which rule table shards the params ("generate" or "train").
       param_dtype: storage dtype of the parameters.
       dtype: compute dtype.
-      **cfg_overrides: other ModelConfig fields (e.g. `remat=True`).
+      **cfg_overrides: other ModelConfig fields (e.g. `remat="full"`).
 
     Raises:
       FileNotFoundError: `path` or a file the checkpoint needs is missing.

@@ -216,7 +216,7 @@ def _generation_parts(
 ) -> GenerationParts:
     """Instance meshes, engine configs and weight shardings of the generation side."""
     gen_dtype = cfg.model.generate_dtype
-    gen_cfg = model_cfg.replace(param_dtype=gen_dtype, dtype=gen_dtype, remat=False)
+    gen_cfg = model_cfg.replace(param_dtype=gen_dtype, dtype=gen_dtype, remat="dots_attention")
     gen_graphdef, abstract = nnx.split(nnx.eval_shape(lambda: llama.create(gen_cfg)))
     instances = mesh_lib.instance_meshes(generate_mesh)
     engine_cfgs = [engine_config(cfg, tokenizer, slots) for slots in cfg.mesh.instance_slots]
