@@ -153,14 +153,11 @@ class Engine:
         self._pending_weights: tuple[Any, int] | None = None
         self._lock = threading.Lock()
 
-        k_sh, v_sh = decoder.cache_sharding(model_cfg, cfg.num_slots, cfg.max_total_length, mesh)
-        abstract = jax.eval_shape(self._init_state)
-        state_sh = jax.tree.map(lambda _: self._repl, abstract)
-        layers = model_cfg.num_layers
-        state_sh = state_sh.replace(
-            cache=state_sh.cache.replace(k=(k_sh,) * layers, v=(v_sh,) * layers)
+        init, place = executables.slot_state(
+            model_cfg, cfg.num_slots, cfg.max_total_length, cfg.max_stop_ids
         )
-        self._state = jax.jit(self._init_state, out_shardings=state_sh)()
+        state_sh, _ = place(mesh)
+        self._state = jax.jit(init, out_shardings=state_sh)()
 
         # The decode chunk's XLA options (its matmul library on CPU: `EngineConfig.cpu_dots`).
         platform = mesh.devices.flat[0].platform
@@ -215,10 +212,6 @@ class Engine:
             if c.policy_mask is not None and not np.all(c.policy_mask):
                 run.mask = np.asarray(c.policy_mask, bool)
         return run
-
-    def _init_state(self) -> slots_lib.SlotState:
-        cache = decoder.init_cache(self.model_cfg, self.cfg.num_slots, self.cfg.max_total_length)
-        return slots_lib.init_slot_state(cache, self.cfg.max_stop_ids)
 
     # ------------------------------------------------------------------ requests
     def validate(self, req: GenerationRequest) -> None:

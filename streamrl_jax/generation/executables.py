@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from streamrl_jax.generation import admission, compact, decoder
 from streamrl_jax.generation import slots as slots_lib
@@ -82,6 +82,27 @@ def jitted(
         jax.jit(fork, donate_argnums=(0, 1), out_shardings=out3),
         jax.jit(extend, donate_argnums=1, out_shardings=out_sh),
     )
+
+
+def slot_state(model_cfg: ModelConfig, num_slots: int, max_length: int, max_stop_ids: int):
+    """(init, shardings, replicated) of an instance's slot state on `mesh` (bound below):
+    `init()` builds the all-free `slots.SlotState` (jit it with `out_shardings`), its KV
+    cache's keys and values sharded by `decoder.cache_sharding`, everything else
+    replicated."""
+
+    def init() -> slots_lib.SlotState:
+        cache = decoder.init_cache(model_cfg, num_slots, max_length)
+        return slots_lib.init_slot_state(cache, max_stop_ids)
+
+    def place(mesh: Mesh) -> tuple[Any, NamedSharding]:
+        repl = NamedSharding(mesh, PartitionSpec())
+        k_sh, v_sh = decoder.cache_sharding(model_cfg, num_slots, max_length, mesh)
+        state_sh = jax.tree.map(lambda _: repl, jax.eval_shape(init))
+        layers = model_cfg.num_layers
+        cache = state_sh.cache.replace(k=(k_sh,) * layers, v=(v_sh,) * layers)
+        return state_sh.replace(cache=cache), repl
+
+    return init, place
 
 
 def relayout_fn(
