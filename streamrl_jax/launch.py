@@ -144,7 +144,10 @@ def _compile_cache(several_processes: bool) -> str | None:
 
     flag = _COMPILE_CACHE
     if not flag.present and (several_processes or jax.config.jax_compilation_cache_dir):
-        return jax.config.jax_compilation_cache_dir or None  # the environment's, or off
+        path = jax.config.jax_compilation_cache_dir or None  # the environment's, or off
+        if path:  # processes may share it (a multi-process run): JAX's lock, at least
+            _set_cache_settings(("jax_compilation_cache_max_size",))
+        return path
     if not flag.value:
         jax.config.update("jax_enable_compilation_cache", False)
         return None
@@ -162,11 +165,19 @@ def _compile_cache(several_processes: bool) -> str | None:
         logging.warning("compile cache off: %s: %s (--compile_cache=DIR names another)", path, why)
         return None
     jax.config.update("jax_compilation_cache_dir", path)
-    lock = importlib.util.find_spec("filelock") is not None
-    for name, value in _CACHE_SETTINGS.items():
-        if name.upper() not in os.environ and (lock or name != "jax_compilation_cache_max_size"):
-            jax.config.update(name, value)
+    _set_cache_settings(tuple(_CACHE_SETTINGS))
     return path
+
+
+def _set_cache_settings(names: tuple[str, ...]) -> None:
+    """`_CACHE_SETTINGS` of `names`, each unless the environment sets it (the size bound,
+    which turns on JAX's file lock, only where `filelock` imports)."""
+    import jax
+
+    lock = importlib.util.find_spec("filelock") is not None
+    for name in names:
+        if name.upper() not in os.environ and (lock or name != "jax_compilation_cache_max_size"):
+            jax.config.update(name, _CACHE_SETTINGS[name])
 
 
 def _parse_flags(argv: list[str]) -> list[str]:

@@ -256,3 +256,22 @@ def test_the_console_is_a_summary_and_a_progress_line_the_log_file_keeps_the_res
     assert re.search(r"^I\d{4} .*weight_sync: version 0,", log, re.M), log[-3000:]
     assert "step 1/2" not in log  # the progress line is the console's
     assert os.listdir(cache)  # the cache holds compiled programs
+
+
+def test_a_compile_cache_from_the_environment_gets_jaxs_file_lock(tmp_path):
+    # Processes that share JAX_COMPILATION_CACHE_DIR (a multi-process run, the suite's
+    # workers and the processes they launch) read each other's entries: JAX writes them in
+    # place, so its file lock (on with a size bound) must be on there too.
+    code = (
+        "import jax; from absl import flags; from streamrl_jax import launch; "
+        "flags.FLAGS(['launch']); "
+        "print(launch._compile_cache(True), jax.config.jax_compilation_cache_max_size)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_MAX_SIZE"}
+    env.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu")
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+        cwd=REPO,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-2:] == [str(tmp_path), str(1 << 30)]
