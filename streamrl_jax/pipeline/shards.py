@@ -246,12 +246,11 @@ def pad_batch(
             fields[name] = fit(f(name), pad_id, np.int32, (rows, seq))
         elif name in ("attention_mask", "loss_mask"):
             fields[name] = fit(f(name), False, bool, (rows, seq))
-        elif name == "routes":
+        elif name == "routes":  # a replayed run's batches all carry them (None: absent)
             spec = routing_replay
-            if spec is not None or f(name) is not None:
-                tail = (spec.layers, spec.k) if spec else f(name).shape[2:]
-                dtype = spec.dtype if spec else f(name).dtype
-                fields[name] = fit(f(name), np.iinfo(dtype).max, dtype, (rows, seq, *tail))
+            if spec is not None:
+                shape = (rows, seq, spec.layers, spec.k)
+                fields[name] = fit(f(name), spec.no_route, spec.dtype, shape)
         else:
             fields[name] = fit(f(name), 0, np.float32, (rows, seq))
     return TrainBatch(**fields)
