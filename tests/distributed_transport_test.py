@@ -26,7 +26,6 @@ import types
 import jax
 import numpy as np
 import pytest
-import zmq
 from jax.sharding import SingleDeviceSharding
 
 from streamrl_jax.distributed import channel as channel_lib
@@ -37,7 +36,6 @@ from streamrl_jax.distributed import (
     shard_receiver,
     shard_sync,
     shard_wire,
-    sockets,
     wire,
 )
 from streamrl_jax.distributed.channel import (
@@ -53,6 +51,7 @@ from streamrl_jax.stream.sample_stream import SampleStream
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
+import bad_frames  # noqa: E402
 from bad_frames import Evil, TamperingProxy, raw_peer, wait_for  # noqa: E402
 
 KEY = b"test-key-0123456789abcdef"
@@ -402,24 +401,10 @@ def test_unauthenticated_local_processes_are_rejected_and_nothing_runs(tmp_path)
         with socket.create_connection((host, port)) as raw:
             raw.sendall(struct.pack("!i", len(payload)) + payload)  # the old framing
             time.sleep(0.2)
-        ctx = sockets.context()
-        plain = ctx.socket(zmq.DEALER)
-        outsider = ctx.socket(zmq.DEALER)
-        outsider.curve_serverkey = keys.run_key(KEY).server_public
-        outsider.curve_publickey, outsider.curve_secretkey = zmq.curve_keypair()
-        for sock in (plain, outsider):
-            sock.linger = 0
-            # The handshake fails, so the peer may never attach: a send can find no pipe
-            # and must not block the test (what is not sent cannot be delivered either).
-            sock.sndtimeo = 1000
-            sock.connect(f"tcp://{host}:{port}")
-            with contextlib.suppress(zmq.Again):
-                sock.send_multipart([b"H", b'{"channel": "samples", "name": "intruder"}'])
-                sock.send_multipart([b"D", payload])
+        # Outsiders are other processes (bad_frames.outsider): no hello comes back.
+        assert bad_frames.outsider(server.address, "null", payload, listen_s=0.2) == "silent"
+        assert bad_frames.outsider(server.address, "curve", payload, listen_s=0.2) == "silent"
         assert wait_for(lambda: len(server.rejected) >= 2)
-        assert not plain.poll(200) and not outsider.poll(200)  # no hello back
-        plain.close()
-        outsider.close()
         with SampleClient(server.address, authkey=KEY, timeout_s=5) as client:
             client.send(note("legit"))
             assert server.get(timeout=5).name == "legit"  # nothing else was delivered

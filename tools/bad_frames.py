@@ -176,14 +176,64 @@ def _authenticated(frames: list[list[bytes]]) -> Callable[[str], str]:
     return drive
 
 
+# An outsider is another process with its own ZeroMQ context: it learnt the server's
+# address (and, for "curve", its public key) but holds no client key of the run. Run in
+# a child so that the outsider's own libzmq (whose handshake fails under it mid-send)
+# shares nothing with the server under test.
+_OUTSIDER = """
+import sys, zmq
+host, port, how, server_public = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+payload = sys.stdin.buffer.read()
+ctx = zmq.Context()
+sock = ctx.socket(zmq.DEALER)
+sock.linger = 0
+sock.sndtimeo = 1000
+if how == "curve":
+    sock.curve_serverkey = bytes.fromhex(server_public)
+    sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+sock.connect(f"tcp://{host}:{port}")
+try:
+    sock.send_multipart([b"H", b'{"channel": "samples", "name": "x"}'])
+    sock.send_multipart([b"D", payload])
+except zmq.Again:
+    pass
+print("answered" if sock.poll(float(sys.argv[5]) * 1000) else "silent", flush=True)
+sock.close()
+ctx.term()
+"""
+
+
+def outsider(address, how: str, payload: bytes, listen_s: float = 3.0) -> str:
+    """A ZeroMQ outsider process ("null": no CURVE; "curve": CURVE with the server's
+    public key and a key pair of its own) says hello and sends `payload` as data, then
+    listens `listen_s` for any answer: "answered", "silent", or how the process ended."""
+    import subprocess
+    import sys
+
+    from streamrl_jax.distributed import keys
+
+    host, port = address
+    argv = [host, str(port), how, keys.run_key(KEY).server_public.hex(), str(listen_s)]
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", _OUTSIDER, *argv],
+            input=payload,
+            capture_output=True,
+            timeout=30 + listen_s,
+        )
+    except subprocess.TimeoutExpired:
+        return "the outsider's process did not end within 30 s"
+    said = run.stdout.decode(errors="replace").strip()
+    if run.returncode != 0 or said not in ("answered", "silent"):
+        tail = run.stderr.decode(errors="replace").strip().splitlines()[-1:]
+        return f"the outsider's process ended with status {run.returncode}: {tail}"
+    return said
+
+
 def _outsider(how: str) -> Callable[[str], str]:
     """A local process without the run key tries to deliver a pickle that writes a file."""
 
     def drive(root: str) -> str:
-        import zmq
-
-        from streamrl_jax.distributed import keys, sockets
-
         payload = pickle.dumps(Evil(os.path.join(root, "pwned")))
         server, _ = _server(timeout_s=3.0)
         try:
@@ -200,20 +250,10 @@ def _outsider(how: str) -> Callable[[str], str]:
                     except OSError as e:
                         return f"no close: {e!r}"
                 return f"the server closed the connection after {len(reply)} bytes of greeting"
-            else:
-                sock = sockets.context().socket(zmq.DEALER)
-                sock.linger = 0
-                if how == "curve":  # knows the server's public key, not the client secret
-                    sock.curve_serverkey = keys.run_key(KEY).server_public
-                    sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
-                sock.connect(f"tcp://{host}:{port}")
-                sock.send_multipart([b"H", b'{"channel": "samples", "name": "x"}'])
-                sock.send_multipart([b"D", payload])
-                wait_for(lambda: server.rejected, 5.0)
-                answered = sock.poll(200)
-                sock.close()
-                if answered:
-                    return "the server answered an outsider"
+            said = outsider(server.address, how, payload, listen_s=0.5)
+            if said != "silent":
+                return f"the outsider: {said}"
+            wait_for(lambda: server.rejected, 5.0)
             return "; ".join(server.rejected) or "not rejected"
         finally:
             server.close(1.0)
