@@ -91,6 +91,16 @@ def test_bf16_compute_close_to_fp32(split):
     assert 0 < err < 0.05 * np.abs(ref).max() + 1e-2
 
 
+def test_unrolled_blocks_give_the_scanned_blocks_logits(split):
+    # scan_layers=False is for cost analysis (tools/plan_pod.py); it computes the same model
+    graphdef, params = split
+    tokens = _tokens(2, 9)
+    ones = jnp.ones_like(tokens)
+    scanned = np.asarray(_forward(graphdef, params, tokens, ones))
+    unrolled = _forward(_graphdef(_CFG.replace(scan_layers=False)), params, tokens, ones)
+    np.testing.assert_allclose(np.asarray(unrolled), scanned, atol=1e-5)
+
+
 @pytest.mark.parametrize("policy", ["minimal", "full", "none"])
 def test_every_remat_policy_gives_the_defaults_gradients(split, policy):
     # what the backward keeps moves memory and time, never a gradient (beyond rounding)

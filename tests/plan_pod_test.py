@@ -4,11 +4,15 @@ executable of both roles compiles from abstract inputs placed by the roles' shar
 and reports its memory. (What a remat policy saves shows on a TPU compile, not in
 XLA:CPU's memory analysis of these tiny programs: BENCHMARKS.md "Pod plans".)"""
 
+import dataclasses
+import functools
 import pathlib
+import re
 import sys
 
 import jax
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
 import plan_pod  # noqa: E402
@@ -26,3 +30,66 @@ def test_both_roles_compile_and_report_their_memory_per_device():
     ]  # fmt: skip
     for r in training + generation:
         assert r["fits"] and 0 < r["arguments_bytes"] <= r["peak_bytes"] < 1 << 30, r
+
+
+# The same planners for a TPU topology that is not attached (libtpu, a test dependency:
+# pyproject's `test` extra). Dimensions of `plan_pod.TINY` are multiples of 128, so a
+# TPU's tile padding does not blur the hand counts below.
+TPU_KNOBS = plan_pod.Knobs(model="tiny", rows=4, seq=128, slots=8, max_prompt=128, max_len=256,
+                           chunk_steps=4, prefill_batch=2, dtype="float32")  # fmt: skip
+
+
+@functools.cache
+def _v5p_2x2x1():
+    from jax.experimental import topologies
+
+    topo = topologies.get_topology_desc(
+        topology_name="v5p:2x2x1", platform="tpu", chip_config_name="megacore"
+    )
+    return np.array(topo.devices)
+
+
+def test_a_tpu_plan_reports_what_a_hand_count_of_its_arguments_says():
+    devices = _v5p_2x2x1()
+    cfg = plan_pod._model_cfg(TPU_KNOBS)
+    n, f32, bf16 = cfg.num_params(), 4, 2
+    # Training: FSDP over 2 chips; f32 master weights, two Adam moments, the accumulator.
+    accumulate, apply = plan_pod.plan_training(TPU_KNOBS, devices[:2], hbm=95)
+    batch = accumulate["arguments_bytes"] - (n * f32 + n * f32) // 2  # weights + accumulator
+    assert 0 < batch < 64 * 1024, accumulate  # the micro-batch's 4 x 128 tokens and masks
+    # accumulate does not read the moments (jit prunes them), but they stay on the chip
+    assert accumulate["unread_bytes"] == pytest.approx(2 * n * f32 / 2, rel=1e-3)
+    assert accumulate["peak_bytes"] >= accumulate["arguments_bytes"]
+    assert accumulate["need_bytes"] == accumulate["peak_bytes"] + accumulate["unread_bytes"]
+    assert apply["arguments_bytes"] == pytest.approx(4 * n * f32 / 2, rel=2e-3)
+    # Generation: one chip, bf16 weights and KV cache.
+    k = TPU_KNOBS
+    kv = 2 * cfg.num_layers * k.slots * k.max_len * cfg.num_kv_heads * cfg.head_dim * bf16
+    prefill, chunk = plan_pod.plan_generation(k, devices[2:3], hbm=95)
+    for r in (prefill, chunk):
+        assert r["arguments_bytes"] == pytest.approx(n * bf16 + kv, rel=5e-3), r
+        assert r["fits"] and r["peak_bytes"] >= r["arguments_bytes"], r
+    assert plan_pod.verdict("generation", [prefill, chunk]).startswith("generation: fits")
+
+
+def test_an_oversized_plan_is_reported_as_not_fitting_with_its_role_and_amount():
+    # 2,048 slots x 65,536 positions of the tiny model's KV cache: 128 GiB on a 95 GiB chip.
+    k = dataclasses.replace(TPU_KNOBS, slots=2048, max_len=1 << 16, chunk_steps=2)
+    reports = plan_pod.plan_generation(k, _v5p_2x2x1()[:1], hbm=95)
+    line = plan_pod.verdict("generation", reports)
+    assert line.startswith("generation: DOES NOT FIT: "), line
+    over = float(re.search(r"\((?:at least )?([\d.]+) GiB over\)", line).group(1))
+    assert over >= 128 - 95, line
+
+
+def test_the_trainer_cost_is_carried_to_full_depth_from_unrolled_shallow_compiles():
+    # XLA counts a loop body once: the scanned trainer's FLOPs miss all blocks but one.
+    k = dataclasses.replace(KNOBS, layers=6)
+    devices = np.array(jax.devices()[:2])
+    flops, bytes_ = plan_pod.training_cost(k, devices, hbm=1.0)
+    unrolled = dataclasses.replace(k, scan_layers=False)
+    whole = plan_pod.plan_training(unrolled, devices, hbm=1.0, apply=False)[0]
+    scanned = plan_pod.plan_training(k, devices, hbm=1.0, apply=False)[0]
+    assert flops == pytest.approx(whole["flops"], rel=0.01)
+    assert bytes_ == pytest.approx(whole["bytes_accessed"], rel=0.05)
+    assert scanned["flops"] < 0.6 * whole["flops"]

@@ -45,6 +45,16 @@ SHAPES: dict[str, dict[str, Any]] = {
                                num_layers=24, num_heads=16, num_kv_heads=8, head_dim=64,
                                num_experts=32, experts_per_token=8,
                                moe_intermediate_size=512, norm_topk_prob=True),
+    # PAPER.md's policies: Qwen2.5-7B / 32B / 72B (q/k/v biases, untied, GQA)
+    "qwen2.5_7b_shape": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                             num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+                             qkv_bias=True, tie_embeddings=False, rope_theta=1e6),
+    "qwen2.5_32b_shape": dict(vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                              num_layers=64, num_heads=40, num_kv_heads=8, head_dim=128,
+                              qkv_bias=True, tie_embeddings=False, rope_theta=1e6),
+    "qwen2.5_72b_shape": dict(vocab_size=152064, hidden_size=8192, intermediate_size=29568,
+                              num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
+                              qkv_bias=True, tie_embeddings=False, rope_theta=1e6),
 }  # fmt: skip
 
 

@@ -31,6 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import pathlib
+import re
 import sys
 import time
 from typing import Any
@@ -51,14 +54,29 @@ from streamrl_jax.generation.admission import build_admission
 from streamrl_jax.generation.engine_config import EngineConfig
 from streamrl_jax.model import config as model_config
 from streamrl_jax.model import llama
+from streamrl_jax.scheduling import lengths
+from streamrl_jax.simulation import compiled, hardware, simulator, stages
+from streamrl_jax.simulation.cost_model import CostParams
+from streamrl_jax.simulation.scenario import Scenario
 from streamrl_jax.trainer import TrainerConfig, make_policy_trainer
 from streamrl_jax.trainer.batch import abstract_batch
 
 FLAGS = flags.FLAGS
+# Compile-only: no chip is claimed, so processes need not queue on libtpu's lock file.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 GIB = 1 << 30
 # HBM per chip (per device as JAX sees it: v5p and v4 megacore = one device per chip).
-HBM_GIB = {"v4": 32, "v5p": 95, "v5e": 16, "v5litepod": 16, "v6e": 32}
+# H100 SXM: the 84,942,979,072 bytes its spec declares. XLA:GPU neither refuses a program
+# too big for it nor analyses cost: the verdict is the peak against this figure, and the
+# search keeps the roofline's own costs (scales of 1).
+HBM_GIB = {"v4": 32, "v5p": 95, "v5e": 16, "v5litepod": 16, "v6e": 32, "h100": 79.1}
+
+
+# "tiny": the tests' two-layer model at TPU tile sizes (every dimension a multiple of 128,
+# so that tile padding does not blur a hand count of its bytes).
+TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_heads=2,
+            num_kv_heads=1, head_dim=128)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +97,14 @@ class Knobs:
     max_len: int = 4096
     chunk_steps: int = 16
     prefill_batch: int = 8
+    layers: int = 0  # 0: the model's depth; else a shallower copy (the cost probe)
+    scan_layers: bool = True
 
     @classmethod
     def from_flags(cls) -> Knobs:
-        return cls(**{f.name: FLAGS[f.name].value for f in dataclasses.fields(cls)})
+        probe = ("layers", "scan_layers")  # set by `training_cost`, not by flags
+        fields = [f.name for f in dataclasses.fields(cls) if f.name not in probe]
+        return cls(**{name: FLAGS[name].value for name in fields})
 
 
 def _abstract(tree: Any, shardings: Any) -> Any:
@@ -98,8 +120,26 @@ def _abstract(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(place, shardings, tree, is_leaf=is_sharding)
 
 
-def _report(name: str, lowered: Any, hbm: float, t0: float) -> dict:
-    """Compiles `lowered` and reads its memory and cost per device."""
+def bytes_per_device(tree: Any) -> int:
+    """Bytes one device holds of `tree`'s ShapeDtypeStructs (each by its sharding)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        total += int(np.prod(shape)) * x.dtype.itemsize  # a PRNG key type has one too
+    return total
+
+
+_NEEDS = re.compile(r"required for [^(]*\((\d+(?:\.\d+)?)([GMK])\)")
+_UNIT = {"G": GIB, "M": 1 << 20, "K": 1 << 10}
+
+
+def _report(role: str, name: str, lowered: Any, hbm: float, t0: float, inputs: int) -> dict:
+    """Compiles `lowered` and reads its memory and cost per device.
+
+    `inputs`: bytes per device of everything passed in. Inputs the program does not read
+    are pruned by jit, so they are not among its arguments, yet they occupy the chip all
+    the same (the optimizer moments during `accumulate`): `need` counts them on top of the
+    compiler's peak, and the verdict is `need` against the HBM."""
     try:
         compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001  (the compiler's verdict on a program that cannot fit)
@@ -107,49 +147,135 @@ def _report(name: str, lowered: Any, hbm: float, t0: float) -> dict:
         if "RESOURCE_EXHAUSTED" not in text:
             raise
         first = text.splitlines()[0][:400]
-        print(f"{name:>16s}: DOES NOT FIT ({first})", flush=True)
-        return {"executable": name, "fits": False, "error": first}
+        m = _NEEDS.search(first)
+        need = float(m.group(1)) * _UNIT[m.group(2)] if m else float("nan")
+        print(f"{role:>10s} {name:>12s}: DOES NOT FIT ({first})", flush=True)
+        return {"role": role, "executable": name, "fits": False, "error": first,
+                "need_gib": round(need / GIB, 3), "hbm_gib": hbm,
+                "compile_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
     m = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     cost = cost[0] if isinstance(cost, list) else cost
     peak = m.peak_memory_in_bytes
+    unread = max(0, inputs - m.argument_size_in_bytes)
+    need = peak + unread
     out = {
+        "role": role,
         "executable": name,
         "compile_s": round(time.perf_counter() - t0, 1),
         "peak_bytes": int(peak),
         "arguments_bytes": int(m.argument_size_in_bytes),
+        "unread_bytes": int(unread),
+        "need_bytes": int(need),
         "peak_gib": round(peak / GIB, 3),
         "arguments_gib": round(m.argument_size_in_bytes / GIB, 3),
+        "unread_inputs_gib": round(unread / GIB, 3),
         "outputs_gib": round(m.output_size_in_bytes / GIB, 3),
         "temporaries_gib": round(m.temp_size_in_bytes / GIB, 3),
         "aliased_gib": round(m.alias_size_in_bytes / GIB, 3),
+        "need_gib": round(need / GIB, 3),
+        "flops": float(cost.get("flops", 0.0)),
+        "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
         "tflops": round(float(cost.get("flops", 0.0)) / 1e12, 3),
         "bytes_accessed_gib": round(float(cost.get("bytes accessed", 0.0)) / GIB, 3),
         "hbm_gib": hbm,
-        "fits": peak <= hbm * GIB,
-        "headroom_gib": round(hbm - peak / GIB, 3),
+        "fits": need <= hbm * GIB,
+        "headroom_gib": round(hbm - need / GIB, 3),
     }
     print(
-        f"{name:>16s}: peak {out['peak_gib']:8.2f} GiB of {hbm} (args {out['arguments_gib']:.2f}, "
-        f"temps {out['temporaries_gib']:.2f}), {out['tflops']:.2f} TFLOP, "
-        f"compiled in {out['compile_s']} s: {'fits' if out['fits'] else 'DOES NOT FIT'}",
+        f"{role:>10s} {name:>12s}: needs {out['need_gib']:8.2f} GiB of {hbm} (peak "
+        f"{out['peak_gib']:.2f}: args {out['arguments_gib']:.2f}, temps "
+        f"{out['temporaries_gib']:.2f}; unread inputs {out['unread_inputs_gib']:.2f}), "
+        f"{out['tflops']:.2f} TFLOP, compiled in {out['compile_s']} s: "
+        f"{'fits' if out['fits'] else 'DOES NOT FIT'}",
         flush=True,
     )
     return out
 
 
+def verdict(role: str, reports: list[dict]) -> str:
+    """One line per role: fits, or which executable needs how much more than the chip has."""
+    worst = max(reports, key=lambda r: (not r["fits"], r["need_gib"]))
+    need, hbm = worst["need_gib"], worst["hbm_gib"]
+    if worst["fits"]:
+        return f"{role}: fits ({worst['executable']} needs {need:.2f} GiB of {hbm} GiB)"
+    at_least = "at least " if "error" in worst else ""
+    return (
+        f"{role}: DOES NOT FIT: {worst['executable']} needs {at_least}{need:.2f} GiB of "
+        f"{hbm} GiB per device ({at_least}{need - hbm:.2f} GiB over)"
+    )
+
+
 def _model_cfg(k: Knobs, **overrides: Any) -> model_config.ModelConfig:
-    """A shape of tools/model_shapes.py, "tiny" (the tests' model) or an HF config.json."""
+    """A shape of tools/model_shapes.py, "tiny" (the tests' model) or an HF config.json;
+    `k.layers` deep when set, its blocks scanned or not by `k.scan_layers`."""
+    overrides = {**overrides, "scan_layers": k.scan_layers}
     if k.model == "tiny":
-        return model_config.tiny(**overrides)
-    if k.model in SHAPES:
-        return shape_config(k.model, **overrides)
-    with open(k.model) as f:
-        return model_config.from_hf_config(json.load(f), **overrides)
+        cfg = model_config.tiny(**{**TINY, **overrides})
+    elif k.model in SHAPES:
+        cfg = shape_config(k.model, **overrides)
+    else:
+        with open(k.model) as f:
+            cfg = model_config.from_hf_config(json.load(f), **overrides)
+    if k.layers:
+        windows = cfg.layer_windows[: k.layers] if cfg.layer_windows else ()
+        cfg = dataclasses.replace(cfg, num_layers=k.layers, layer_windows=windows)
+    return cfg
 
 
-def plan_training(k: Knobs, devices: np.ndarray, hbm: float) -> list[dict]:
-    """The policy trainer's accumulate and apply on a ("fsdp", "tp") mesh of `devices`."""
+def training_cost(k: Knobs, devices: np.ndarray, hbm: float) -> tuple[float, float]:
+    """(FLOPs, bytes accessed) per device of `accumulate` at the model's full depth.
+
+    XLA's cost analysis counts a loop body once, and the trainer scans its blocks: so it
+    is read off two shallow compiles with the blocks unrolled (2 and 4 deep; one block
+    alone fuses differently at its ends) and carried linearly to the model's depth (every
+    block costs the same; the rest is the ends)."""
+    depth = _model_cfg(k).num_layers
+    cost = []
+    for layers in (2, 4):
+        probe = dataclasses.replace(k, layers=layers, scan_layers=False)
+        acc = plan_training(probe, devices, hbm, apply=False)[0]
+        cost.append((acc["flops"], acc["bytes_accessed"]))
+    (f2, b2), (f4, b4) = cost
+    return f2 + (f4 - f2) / 2 * (depth - 2), b2 + (b4 - b2) / 2 * (depth - 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One executable to compile: `fn` (a jit) on abstract `args` (and static `kwargs`);
+    `inputs`: bytes per device of everything passed in."""
+
+    role: str
+    name: str
+    fn: Any
+    args: tuple
+    kwargs: dict
+    inputs: int
+
+
+def _plan(programs: list[Program], hbm: float) -> list[dict]:
+    out = []
+    for p in programs:
+        t0 = time.perf_counter()
+        lowered = p.fn.lower(*p.args, **p.kwargs)
+        out.append(_report(p.role, p.name, lowered, hbm, t0, p.inputs))
+    return out
+
+
+def plan_training(k: Knobs, devices: np.ndarray, hbm: float, apply: bool = True) -> list[dict]:
+    """The policy trainer's accumulate and apply (unless not `apply`) on a ("fsdp", "tp")
+    mesh of `devices`, compiled and reported."""
+    return _plan(training_programs(k, devices, apply), hbm)
+
+
+def plan_generation(k: Knobs, devices: np.ndarray, hbm: float) -> list[dict]:
+    """One generation instance's prefill and decode chunk on a ("tp",) mesh of `devices`,
+    jitted as `Engine` jits them, compiled and reported."""
+    return _plan(generation_programs(k, devices), hbm)
+
+
+def training_programs(k: Knobs, devices: np.ndarray, apply: bool = True) -> list[Program]:
+    """The policy trainer's `accumulate` (and `apply`): its own jits, shardings, donation."""
     tp = k.tp
     mesh = Mesh(devices.reshape(len(devices) // tp, tp), ("fsdp", "tp"))
     cfg = _model_cfg(
@@ -172,17 +298,18 @@ def plan_training(k: Knobs, devices: np.ndarray, hbm: float) -> list[dict]:
     )
     scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=trainer.scalar_sharding)
     print(f"training: {cfg.num_params() / 1e9:.2f}B parameters on {dict(mesh.shape)}", flush=True)
-    out = []
-    t0 = time.perf_counter()
-    out.append(_report("accumulate", trainer._accumulate.lower(state, acc, batch, scalar), hbm, t0))
-    t0 = time.perf_counter()
-    out.append(_report("apply", trainer._apply.lower(state, acc, scalar), hbm, t0))
+    resident = bytes_per_device((state, acc))
+    inputs = resident + bytes_per_device((batch, scalar))
+    out = [Program("training", "accumulate", trainer._accumulate, (state, acc, batch, scalar),
+                   {}, inputs)]  # fmt: skip
+    if apply:
+        out.append(Program("training", "apply", trainer._apply, (state, acc, scalar), {},
+                           resident + 4))  # fmt: skip
     return out
 
 
-def plan_generation(k: Knobs, devices: np.ndarray, hbm: float) -> list[dict]:
-    """One generation instance's prefill and decode chunk on a ("tp",) mesh of `devices`,
-    jitted as `Engine` jits them."""
+def generation_programs(k: Knobs, devices: np.ndarray) -> list[Program]:
+    """One generation instance's prefill and decode chunk, as `Engine` jits them."""
     mesh = Mesh(devices, ("tp",))
     dt = k.generate_dtype
     cfg = _model_cfg(k, max_position_embeddings=k.max_len, dtype=dt, param_dtype=dt)
@@ -228,52 +355,200 @@ def plan_generation(k: Knobs, devices: np.ndarray, hbm: float) -> list[dict]:
         f"{ecfg.max_total_length} positions ({kv * jnp.dtype(dt).itemsize / GIB:.2f} GiB KV)",
         flush=True,
     )
-    out = []
-    t0 = time.perf_counter()
-    out.append(_report("prefill", prefill.lower(weights, state, adm), hbm, t0))
-    t0 = time.perf_counter()
-    lowered = chunk.lower(weights, state, rows, seq=ecfg.max_total_length)
-    out.append(_report("decode_chunk", lowered, hbm, t0))
-    return out
+    resident = bytes_per_device((weights, state))
+    return [
+        Program("generation", "prefill", prefill, (weights, state, adm), {},
+                resident + bytes_per_device(adm)),
+        Program("generation", "decode_chunk", chunk, (weights, state, rows),
+                {"seq": ecfg.max_total_length}, resident + bytes_per_device(rows)),
+    ]  # fmt: skip
+
+
+# The simulator's hardware presets for the chips plan_pod compiles for.
+SIM_HARDWARE = {"v5p": "tpu_v5p", "v5e": "tpu_v5e", "v5litepod": "tpu_v5e", "v6e": "tpu_v6e"}
+
+
+def sim_model(cfg: model_config.ModelConfig, name: str) -> hardware.Model:
+    """The simulator's description of `cfg` (dense shapes)."""
+    return hardware.Model(
+        name=name, layers=cfg.num_layers, d_model=cfg.hidden_size, n_heads=cfg.num_heads,
+        n_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, d_ff=cfg.intermediate_size,
+        vocab=cfg.vocab_size, tied_embeddings=cfg.tie_embeddings, qkv_bias=cfg.qkv_bias,
+    )  # fmt: skip
+
+
+def _first_fit(candidates, plan) -> tuple[Any, list[dict]] | None:
+    """The first of `candidates` whose `plan(candidate)` reports fit in every executable."""
+    for c in candidates:
+        reports = plan(c)
+        if all(r["fits"] for r in reports):
+            return c, reports
+    return None
+
+
+def search(base: Knobs, devices: np.ndarray, hbm: float, hw_name: str, s: dict) -> dict:
+    """The knob search: for each training TP the cheapest remat policy that fits, for each
+    instance TP the most KV slots that fit, on the compiled split; then every fitting pair
+    simulated (stream_async and colocated, `s["algorithm"]`, the paper's length trace) with the
+    compiled costs (`simulation.compiled`); the plan with the shortest predicted step."""
+    n = len(devices)
+    n_train = s["train_devices"]
+    train_dev, gen_dev = devices[:n_train], devices[n_train:]
+    trains = []
+    for tp in s["tps"]:
+        if n_train % tp:
+            continue
+        rows = (n_train // tp) * s["rows_per_replica"]
+        knobs = [dataclasses.replace(base, tp=tp, rows=rows, remat=r) for r in s["remats"]]
+        got = _first_fit(knobs, lambda k: plan_training(k, train_dev, hbm))
+        if got:
+            analysed = train_dev.flat[0].platform == "tpu"  # XLA:GPU gives no cost analysis
+            cost = training_cost(got[0], train_dev, hbm) if analysed else (0.0, 0.0)
+            trains.append((*got, cost))
+    gens = []
+    for itp in s["instance_tps"]:
+        if itp > len(gen_dev):
+            continue
+        knobs = [dataclasses.replace(base, instance_tp=itp, slots=x) for x in s["slots"]]
+        got = _first_fit(knobs, lambda k: plan_generation(k, gen_dev[: k.instance_tp], hbm))
+        if got:
+            gens.append(got)
+    cfg = _model_cfg(base)
+    model = sim_model(cfg, base.model)
+    hw = hardware.get_hardware(hw_name)
+    trace = lengths.paper_trace(base.max_len - base.max_prompt)
+    plans = []
+    for tk, treports, (train_flops, train_bytes) in trains:
+        _, app_ = treports
+        for gk, greports in gens:
+            pre, chunk = greports
+            compiled_ = compiled.Compiled(
+                decode_flops=chunk["flops"], decode_bytes=chunk["bytes_accessed"],
+                prefill_flops=pre["flops"], prefill_bytes=pre["bytes_accessed"],
+                train_flops=train_flops, train_bytes=train_bytes,
+                apply_bytes=app_["bytes_accessed"], instance_tp=gk.instance_tp,
+                slots=gk.slots, max_len=gk.max_len, prefill_batch=gk.prefill_batch,
+                max_prompt=gk.max_prompt, train_devices=n_train, rows=tk.rows, seq=tk.seq,
+            )  # fmt: skip
+            params = CostParams()
+            base_costs = stages.RooflineCosts(
+                model=model, hw=hw, tp=gk.instance_tp, slots=gk.slots, algorithm=s["algorithm"],
+                params=params,
+            )  # fmt: skip
+            if train_flops and chunk["flops"]:
+                costs = compiled.CompiledCosts.from_compiled(base_costs, compiled_)
+                scales = {"decode": round(costs.decode_scale, 2),
+                          "prefill": round(costs.prefill_scale, 2),
+                          "train": round(costs.train_scale, 2)}  # fmt: skip
+            else:  # no cost analysis (XLA:GPU): the roofline's own costs
+                costs, scales = base_costs, None
+            scenario = Scenario(
+                mode="stream_async", model=model, hw=hw, devices=n, trace=trace,
+                global_batch=s["global_batch"], algorithm=s["algorithm"], gen_tp=gk.instance_tp,
+                max_batch=gk.slots, split_granularity=s["granularity"], iterations=4,
+                warmup=1, params=dataclasses.replace(params, kv_memory_fraction=1.0),
+            )  # fmt: skip
+            runs = simulator.simulate_modes(scenario, ("stream_async", "colocated"), costs)
+            a, c = runs["stream_async"], runs["colocated"]
+            plans.append({
+                "train": {"tp": tk.tp, "remat": tk.remat, "rows": tk.rows,
+                          "need_gib": max(r["need_gib"] for r in treports)},
+                "generation": {"instance_tp": gk.instance_tp, "slots": gk.slots,
+                               "need_gib": max(r["need_gib"] for r in greports)},
+                "scales": scales,
+                "gen_devices": a.gen_devices, "train_devices": a.train_devices,
+                "step_s": round(a.iteration_s, 1), "colocated_step_s": round(c.iteration_s, 1),
+                "async_over_colocated": round(a.samples_per_s / c.samples_per_s, 2),
+            })  # fmt: skip
+    best = min(plans, key=lambda p: p["step_s"]) if plans else None
+    return {"plans": plans, "chosen": best, "fits": best is not None,
+            "training_fits": bool(trains), "generation_fits": bool(gens)}  # fmt: skip
+
+
+def _topology(name: str, chip_config: str | None) -> tuple[np.ndarray, float, str]:
+    """(devices, HBM GiB per device, the simulator's hardware) of a topology name: a TPU
+    slice ("v5p:4x4x2", "v6e:8x8") or H100 nodes ("h100:4x8": 4 nodes of 8, compiled
+    against `specs/h100_sxm.txtpb` by jax-cuda12-plugin, no GPU needed)."""
+    family, _, shape = name.partition(":")
+    if family == "h100":
+        nodes, _, per_node = shape.partition("x")
+        spec = (pathlib.Path(__file__).parent / "specs" / "h100_sxm.txtpb").read_text()
+        try:
+            topo = topologies.get_topology_desc(
+                platform="cuda", target_config=spec, topology=f"1x{int(nodes)}x{int(per_node)}"
+            )
+        except Exception as e:  # noqa: BLE001  (no CUDA plugin, or a shape it refuses)
+            sys.exit(
+                f"tools/plan_pod.py: no GPU compiler for --topology={name!r} (pip install "
+                f"jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2): {str(e).splitlines()[0]}"
+            )
+        return np.array(topo.devices), HBM_GIB["h100"], "h100"
+    chip = chip_config or ("megacore" if family in ("v5p", "v4") else "default")
+    try:
+        topo = topologies.get_topology_desc(
+            topology_name=name, platform="tpu", chip_config_name=chip
+        )
+    except Exception as e:  # noqa: BLE001  (no libtpu, or a topology it does not know)
+        sys.exit(
+            f"tools/plan_pod.py: no TPU compiler for --topology={name!r} "
+            f"(pip install 'jax[tpu]==0.10.2' brings libtpu): {str(e).splitlines()[0]}"
+        )
+    return np.array(topo.devices), HBM_GIB.get(family, 0), SIM_HARDWARE.get(family, "tpu_v5p")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
 
 
 def main(argv) -> None:
     del argv
-    family = FLAGS.topology.split(":")[0]
-    chip = FLAGS.chip_config or ("megacore" if family in ("v5p", "v4") else "default")
     t0 = time.perf_counter()
-    try:
-        topo = topologies.get_topology_desc(
-            topology_name=FLAGS.topology, platform="tpu", chip_config_name=chip
-        )
-    except Exception as e:  # noqa: BLE001  (no libtpu, or a topology it does not know)
-        sys.exit(
-            f"tools/plan_pod.py: no TPU compiler for --topology={FLAGS.topology!r} "
-            f"(pip install 'jax[tpu]==0.10.2' brings libtpu): {str(e).splitlines()[0]}"
-        )
-    devices = np.array(topo.devices)
-    hbm = HBM_GIB.get(family, 0)
-    n_train = FLAGS.train_devices or len(devices) // 2
-    if not 0 < n_train < len(devices) or n_train % FLAGS.tp:
-        sys.exit(f"--train_devices={n_train}: 1 .. {len(devices) - 1}, a multiple of --tp")
-    print(f"{FLAGS.topology}: {len(devices)} devices ({time.perf_counter() - t0:.1f} s)")
-    knobs = Knobs.from_flags()
-    training = plan_training(knobs, devices[:n_train], hbm)
-    rest = devices[n_train:]
-    generation = plan_generation(knobs, rest[: FLAGS.instance_tp], hbm)
-    result = {
-        "tool": "plan_pod",
-        "model": FLAGS.model,
-        "topology": FLAGS.topology,
-        "devices": len(devices),
-        "train_devices": n_train,
-        "instances": len(rest) // FLAGS.instance_tp,
-        "knobs": dataclasses.asdict(knobs),
-        "training": training,
-        "generation": generation,
-        "fits": all(r["fits"] for r in training + generation),
-    }  # fmt: skip
-    print(json.dumps(result))
+    settings = QUICK if FLAGS.quick else [(FLAGS.model, FLAGS.topology, {})]
+    results = []
+    for model, topology, overrides in settings:
+        devices, hbm, hw_name = _topology(topology, FLAGS.chip_config)
+        n_train = FLAGS.train_devices or len(devices) // 2
+        if not 0 < n_train < len(devices) or n_train % FLAGS.tp:
+            sys.exit(f"--train_devices={n_train}: 1 .. {len(devices) - 1}, a multiple of --tp")
+        knobs = dataclasses.replace(Knobs.from_flags(), model=model, **overrides.get("knobs", {}))
+        print(f"== {model} on {topology}: {len(devices)} devices, {n_train} training", flush=True)
+        result = {"model": model, "topology": topology, "devices": len(devices),
+                  "train_devices": n_train}  # fmt: skip
+        if FLAGS.search or FLAGS.quick:
+            space = {
+                "train_devices": n_train, "tps": _ints(FLAGS.tps), "remats": FLAGS.remats,
+                "rows_per_replica": FLAGS.rows_per_replica,
+                "instance_tps": _ints(FLAGS.instance_tps),
+                "slots": _ints(FLAGS.slot_options), "global_batch": FLAGS.global_batch,
+                "granularity": FLAGS.granularity, "algorithm": FLAGS.algorithm,
+                **overrides.get("space", {}),
+            }  # fmt: skip
+            result.update(search(knobs, devices, hbm, hw_name, space))
+            chosen = result["chosen"]
+            print(f"chosen: {json.dumps(chosen)}" if chosen else "chosen: nothing fits", flush=True)
+        else:
+            training = plan_training(knobs, devices[:n_train], hbm)
+            rest = devices[n_train:]
+            generation = plan_generation(knobs, rest[: FLAGS.instance_tp], hbm)
+            for line in (verdict("training", training), verdict("generation", generation)):
+                print(line, flush=True)
+            result.update({
+                "instances": len(rest) // FLAGS.instance_tp, "knobs": dataclasses.asdict(knobs),
+                "training": training, "generation": generation,
+                "verdicts": [verdict("training", training), verdict("generation", generation)],
+                "fits": all(r["fits"] for r in training + generation),
+            })  # fmt: skip
+        results.append(result)
+    print(json.dumps({"tool": "plan_pod", "wall_s": round(time.perf_counter() - t0, 1),
+                      "settings": results}))  # fmt: skip
+
+
+# --quick: one small search that compiles in minutes on a 2-core machine.
+QUICK = [("smollm2_shape", "v5p:2x2x1", {
+    "knobs": {"seq": 1024, "max_len": 2048, "max_prompt": 256, "chunk_steps": 8},
+    "space": {"tps": [1], "remats": ["dots_attention", "full"], "instance_tps": [1],
+              "slots": [64], "global_batch": 128, "granularity": 1},
+})]  # fmt: skip
 
 
 def _define_flags() -> None:
@@ -303,6 +578,29 @@ def _define_flags() -> None:
     flags.DEFINE_integer("max_len", 4096, "KV cache length (prompt + response).")
     flags.DEFINE_integer("chunk_steps", 16, "Decode steps per chunk.")
     flags.DEFINE_integer("prefill_batch", 8, "Prompts per prefill call.")
+    flags.DEFINE_bool("search", False, "Search the knobs below instead of one configuration.")
+    flags.DEFINE_bool("quick", False, "A small search of a small shape (minutes).")
+    flags.DEFINE_string("tps", "1,4", "--search: training TP degrees to try.")
+    flags.DEFINE_list(
+        "remats",
+        ["dots_attention", "minimal", "full"],
+        "--search: remat policies, cheapest first (the first that fits wins).",
+    )
+    flags.DEFINE_integer("rows_per_replica", 1, "--search: micro-batch rows per data replica.")
+    flags.DEFINE_string("instance_tps", "1,2,4", "--search: devices per generation instance.")
+    flags.DEFINE_string(
+        "slot_options",
+        "256,128,64,32",
+        "--search: KV slots per instance, most first (the first that fits wins).",
+    )
+    flags.DEFINE_integer("global_batch", 512, "--search: samples per training step (simulated).")
+    flags.DEFINE_integer("granularity", None, "--search: device-split step (default: a host).")
+    flags.DEFINE_enum(
+        "algorithm",
+        "grpo",
+        ["grpo", "ppo"],
+        "--search: the simulated algorithm (PPO: a critic trained as well).",
+    )
 
 
 if __name__ == "__main__":

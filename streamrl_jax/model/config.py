@@ -133,6 +133,10 @@ class ModelConfig:
         (training, prefill): each block runs against the keys up to its last row, so
         the masked upper triangle is skipped; 0 = the whole [T, T] square, masked.
       bos_token_id / eos_token_ids: from the checkpoint, informational.
+      scan_layers: the blocks are applied by one `jax.lax.scan` (compile time independent
+        of depth); False unrolls it. XLA's cost analysis counts a loop body once, so
+        `tools/plan_pod.py` reads the trainer's FLOPs and bytes off unrolled shallow
+        compiles.
     """
 
     vocab_size: int
@@ -167,6 +171,7 @@ class ModelConfig:
     causal_block: int = CAUSAL_BLOCK
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    scan_layers: bool = True
 
     def __post_init__(self) -> None:
         for name in (*SHAPE_FIELDS, "max_position_embeddings"):

@@ -226,7 +226,8 @@ class Llama(nnx.Module):
             return out, (None if collect is None else collect(routing))
 
         body = jax.checkpoint(body, policy=remat_policy(cfg.remat))
-        x, collected = jax.lax.scan(body, x, (self.layers.arrays(), windows, replay))
+        xs = (self.layers.arrays(), windows, replay)
+        x, collected = jax.lax.scan(body, x, xs, unroll=not cfg.scan_layers)
         return x if collect is None else (x, collected)
 
     # ---------------------------------------------------------------- training

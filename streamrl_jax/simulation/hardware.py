@@ -100,6 +100,16 @@ HARDWARE: dict[str, Hardware] = {
         net_bw=600 * GB,
         devices_per_node=4,
     ),
+    # TPU v6e (Trillium): 918 TFLOP/s, 32 GB at 1640 GB/s, ICI 3584 Gb/s per chip.
+    "tpu_v6e": Hardware(
+        name="tpu_v6e",
+        peak_flops=918e12,
+        hbm_bytes=32 * GB,
+        hbm_bw=1640 * GB,
+        link_bw=448 * GB,
+        net_bw=448 * GB,
+        devices_per_node=4,
+    ),
 }
 
 
