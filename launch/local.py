@@ -48,20 +48,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def process_env(
+    i: int, n: int, generation: int, coordinator: str, host: str = "127.0.0.1"
+) -> dict[str, str]:
+    """The variables that make a child process `i` of the program, on top of its own
+    environment (`streamrl_jax.distributed.roles` reads them); `launch/ray_cluster.py`
+    gives its children the same."""
+    return {
+        "STREAMRL_COORDINATOR": coordinator,
+        "STREAMRL_NUM_PROCESSES": str(n),
+        "STREAMRL_PROCESS_ID": str(i),
+        "STREAMRL_GENERATION_PROCESSES": str(generation),
+        "STREAMRL_HOST": host,
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def run_secret() -> str | None:
+    """A fresh run secret, or None where the user set one (`STREAMRL_AUTHKEY` or
+    `STREAMRL_AUTHKEY_FILE`), which the children then inherit."""
+    if os.environ.get("STREAMRL_AUTHKEY") or os.environ.get("STREAMRL_AUTHKEY_FILE"):
+        return None
+    return secrets.token_hex(32)
+
+
 def child_env(
     i: int, n: int, generation: int, coordinator: str, authkey: str | None
 ) -> dict[str, str]:
     env = dict(os.environ)
     if authkey is not None:
         env["STREAMRL_AUTHKEY"] = authkey
-    env.update(
-        STREAMRL_COORDINATOR=coordinator,
-        STREAMRL_NUM_PROCESSES=str(n),
-        STREAMRL_PROCESS_ID=str(i),
-        STREAMRL_GENERATION_PROCESSES=str(generation),
-        STREAMRL_HOST="127.0.0.1",
-        PYTHONUNBUFFERED="1",
-    )
+    env.update(process_env(i, n, generation, coordinator))
     return env
 
 
@@ -72,7 +89,8 @@ def _pump(proc: subprocess.Popen, prefix: str, lock: threading.Lock) -> None:
             sys.stdout.flush()
 
 
-def _exit_code(rc: int) -> int:
+def exit_code(rc: int) -> int:
+    """A child's exit status as a shell reports it (128 + signal for a signal)."""
     return 128 - rc if rc < 0 else rc
 
 
@@ -88,27 +106,36 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
             time.sleep(0.05)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def program_parser(doc: str, pids: str) -> argparse.ArgumentParser:
+    """The flags every launcher of the program takes (the process counts, the coordinator
+    port, stopping, restarts, the pids file, the command after `--`); `doc`: the
+    launcher's module docstring, `pids`: what its pids file holds for each process."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("-n", "--num_processes", type=int, required=True)
     parser.add_argument("-g", "--generation_processes", type=int, default=1)
     parser.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
-    parser.add_argument("--pin", action="store_true", help="taskset each child to one core")
     parser.add_argument("--grace_s", type=float, default=3.0)
     parser.add_argument("--timeout_s", type=float, default=0.0, help="0: no limit")
     parser.add_argument(
         "--pids_file",
         default="",
-        help="write {process id: [pid, role]} of the children here as JSON (drills, supervisors)",
+        help=f"write {{process id: {pids}}} here as JSON (drills, supervisors)",
     )
     parser.add_argument(
         "--restart_generation",
         type=int,
         default=0,
-        help="restart a failed generation child (it rejoins the run), at most this many times",
+        help="restart a failed generation process (it rejoins the run), at most this many times",
     )
     parser.add_argument("--restart_delay_s", type=float, default=2.0)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- command and arguments")
+    return parser
+
+
+def parse_program(
+    parser: argparse.ArgumentParser, argv: list[str] | None
+) -> tuple[argparse.Namespace, list[str]]:
+    """The flags and the command; a usage error (exit status 2) for impossible counts."""
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
@@ -116,13 +143,19 @@ def main(argv: list[str] | None = None) -> int:
     n, g = args.num_processes, args.generation_processes
     if n < 2 or not 1 <= g <= n - 1:
         parser.error(f"need num_processes >= 2 and 1 <= generation_processes <= {n - 1}")
+    return args, command
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = program_parser(__doc__, "[pid, role]")
+    parser.add_argument("--pin", action="store_true", help="taskset each child to one core")
+    args, command = parse_program(parser, argv)
+    n, g = args.num_processes, args.generation_processes
     if args.pin and shutil.which("taskset") is None:
         parser.error("--pin needs taskset (util-linux)")
 
     coordinator = f"127.0.0.1:{args.port or free_port()}"
-    authkey = None  # children inherit a key the user set (a variable or a key file)
-    if not (os.environ.get("STREAMRL_AUTHKEY") or os.environ.get("STREAMRL_AUTHKEY_FILE")):
-        authkey = secrets.token_hex(32)
+    authkey = run_secret()  # None: children inherit the key the user set
     cpus = sorted(os.sched_getaffinity(0))
     lock = threading.Lock()
     pumps: list[threading.Thread] = []
@@ -180,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             if failed:
                 i, rc = failed[0]
                 print(f"[launch] process {i} failed (rc {rc}); stopping the others", flush=True)
-                code = _exit_code(rc)
+                code = exit_code(rc)
                 break
             if deadline is not None and time.monotonic() > deadline:
                 print(f"[launch] timeout after {args.timeout_s:.0f} s; stopping", flush=True)
@@ -189,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.1)
         else:
             failed = [p.returncode for p in procs if p.returncode]
-            code = _exit_code(failed[0]) if failed else 0
+            code = exit_code(failed[0]) if failed else 0
     except KeyboardInterrupt:
         print("[launch] interrupted; stopping", flush=True)
         code = 130

@@ -41,6 +41,7 @@ import time
 
 import numpy as np
 import pytest
+from support import launched_env
 
 from streamrl_jax import config as config_lib
 from streamrl_jax import pipeline as run_lib
@@ -72,18 +73,6 @@ def _flags(**overrides) -> list[str]:
     return [f"--config.{k}={v}" for k, v in {**_OVERRIDES, **overrides}.items()]
 
 
-def _env() -> dict[str, str]:
-    cache = os.environ.get("STREAMRL_TEST_JAX_CACHE", str(REPO / ".pytest_cache" / "jax"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("STREAMRL_", "SLURM_"))}
-    return dict(
-        env,
-        JAX_PLATFORMS="cpu",
-        TF_CPP_MIN_LOG_LEVEL="3",
-        JAX_COMPILATION_CACHE_DIR=cache,  # the same programs as the in-process tests
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
-    )
-
-
 def _launch_cmd(workdir, **overrides) -> list[str]:
     return [
         sys.executable,
@@ -97,7 +86,9 @@ def _launch_cmd(workdir, **overrides) -> list[str]:
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO)
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env=launched_env(), cwd=REPO
+    )
 
 
 _ONE_PROCESS, _ONE_PROCESS_DIR = {}, {}
@@ -292,7 +283,7 @@ def _start(child_env, workdir, log, **overrides) -> subprocess.Popen:
     with open(log, "w") as out:
         return subprocess.Popen(
             _launch_cmd(workdir, **overrides),
-            env=dict(_env(), **child_env),
+            env=dict(launched_env(), **child_env),
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=REPO,
