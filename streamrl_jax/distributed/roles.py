@@ -284,9 +284,10 @@ def initialize(cfg: DistributedConfig) -> Roles:
     if cfg.process_id is not None and cfg.process_id == cfg.generation_processes:
         _serve_coordination(bind, cfg)  # the first training process
     if cfg.process_id == 0 and cfg.num_processes is not None:
-        # JAX starts a service on process 0 regardless; the program's is elsewhere.
-        host = parse_address(cfg.coordinator_address)[0]
-        bind = f"{'127.0.0.1' if is_loopback(host) else host}:0"
+        # JAX starts a service on process 0 regardless; the program's is elsewhere. Bound
+        # to loopback: process 0 may run on another node than the coordinator's host,
+        # whose address it could not bind.
+        bind = "127.0.0.1:0"
     kwargs = {
         "coordinator_address": cfg.coordinator_address,
         "coordinator_bind_address": bind,
