@@ -582,6 +582,9 @@ def test_environment_tokens_are_never_trained(single):
 MOE = model_config.tiny(num_experts=4, experts_per_token=2, moe_intermediate_size=32)
 
 
+# -m extended (the suite's budget): tests/routing_replay_test.py's row-layout test gives
+# the same claim by default, its routes replayed; this one lets the trainer route.
+@pytest.mark.extended
 def test_a_moe_trains_shared_prompt_and_packed_rows_as_one_sample_per_row():
     """Mixture of experts: routing is per token, so shared-prompt and packed rows give the
     per-sample loss and gradients (the router's and the experts' included)."""
