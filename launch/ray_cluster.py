@@ -379,6 +379,10 @@ def _connect(address: str, resources: dict[str, float], n: int) -> bool:
         ray.init(address=address, log_to_driver=False, logging_level="WARNING")
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no reports from a local run
+    # Ray's memory monitor kills an actor when the machine as a whole is short of memory,
+    # whoever uses it; on one machine the program's processes are the user's to size (a
+    # process killed for another's memory would be a lost process for nothing).
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
     ray.init(
         address="local",
         num_cpus=max(1, int(-(-n * resources.get("CPU", 0) // 1))),
