@@ -9,6 +9,7 @@ import functools
 import pathlib
 import re
 import sys
+import types
 
 import jax
 import numpy as np
@@ -93,3 +94,44 @@ def test_the_trainer_cost_is_carried_to_full_depth_from_unrolled_shallow_compile
     assert flops == pytest.approx(whole["flops"], rel=0.01)
     assert bytes_ == pytest.approx(whole["bytes_accessed"], rel=0.05)
     assert scanned["flops"] < 0.6 * whole["flops"]
+
+
+def test_the_search_keeps_the_cheapest_fitting_knobs_and_the_fastest_plan(monkeypatch):
+    # The compiles stand in as reports: what is searched and chosen, not what compiles.
+    def report(name, need, flops, bytes_):
+        return {"executable": name, "fits": need <= 95, "need_gib": need, "flops": flops,
+                "bytes_accessed": bytes_}  # fmt: skip
+
+    tried = []
+
+    def training(k, devices, hbm, apply=True):
+        tried.append(("train", k.tp, k.remat))
+        need = {"dots_attention": 300, "minimal": 120, "full": 40}[k.remat]
+        return [report("accumulate", need, 1e12, 1e10), report("apply", 8, 0, 1e10)]
+
+    def generation(k, devices, hbm):
+        tried.append(("gen", k.instance_tp, k.slots))
+        need = 10 + k.slots * 1.5 / k.instance_tp
+        return [report("prefill", 20, 1e12, 1e10), report("decode_chunk", need, 1e10, 1e10)]
+
+    monkeypatch.setattr(plan_pod, "plan_training", training)
+    monkeypatch.setattr(plan_pod, "plan_generation", generation)
+    monkeypatch.setattr(plan_pod, "training_cost", lambda k, d, h: (1e13, 1e11))
+    space = {"train_devices": 4, "tps": [1, 2, 3], "remats": ["dots_attention", "minimal", "full"],
+             "rows_per_replica": 1, "instance_tps": [1, 2], "slots": [128, 64, 32],
+             "global_batch": 32, "granularity": 1, "algorithm": "grpo"}  # fmt: skip
+    base = dataclasses.replace(KNOBS, max_len=1024, max_prompt=128)
+    chips = np.array([types.SimpleNamespace(platform="tpu") for _ in range(8)])
+    got = plan_pod.search(base, chips, 95, "tpu_v5p", space)
+    # TP 3 does not divide 4 training devices; the remat ladder stops at the first fit;
+    # the slot ladder too (64 slots of TP 1 need 106 GiB, 32 need 58; TP 2: 128 need 106)
+    assert [t for t in tried if t[0] == "train"] == [
+        ("train", tp, r) for tp in (1, 2) for r in ("dots_attention", "minimal", "full")
+    ]  # fmt: skip
+    assert [t for t in tried if t[0] == "gen"] == [
+        ("gen", 1, 128), ("gen", 1, 64), ("gen", 1, 32), ("gen", 2, 128), ("gen", 2, 64)
+    ]  # fmt: skip
+    assert len(got["plans"]) == 4 and got["fits"]
+    assert {p["train"]["remat"] for p in got["plans"]} == {"full"}
+    assert got["chosen"]["step_s"] == min(p["step_s"] for p in got["plans"])
+    assert all(p["async_over_colocated"] > 0 and p["scales"] for p in got["plans"])
