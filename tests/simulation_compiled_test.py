@@ -91,3 +91,35 @@ def test_training_fits_from_the_compiled_mesh_up():
     assert costs.train_fits(TRAIN) and costs.train_fits(2 * TRAIN) and not costs.train_fits(8)
     assert costs.optimizer_seconds(2 * TRAIN) == pytest.approx(costs.optimizer_seconds(TRAIN) / 2)
     assert cost_model.FLOP_FACTORS["grpo"] == 5.0  # the 3-forward accumulate scales 5 forwards
+
+
+def test_simulate_cli_takes_a_plans_compiled_costs(tmp_path):
+    # tools/simulate.py --compiled=<plan_pod output>: the roofline's own costs predict the
+    # roofline's step; three times the decode bytes a slower one.
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+
+    def run(*flags):
+        cmd = [sys.executable, str(repo / "tools" / "simulate.py"), "--mode=stream_async",
+               "--model=qwen2.5-7b", "--hardware=tpu_v5p", "--devices=64", "--max_len=7680",
+               "--global_batch=256", "--iterations=3", "--warmup=1", "--algorithm=grpo",
+               *flags]  # fmt: skip
+        env = dict(os.environ, PYTHONPATH=str(repo))
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=repo, env=env)
+        return json.loads(out.stdout.strip().splitlines()[-1])["stream_async"]["iteration_s"]
+
+    def plan(point):
+        path = tmp_path / f"plan{point.decode_bytes}.json"
+        chosen = {"compiled": dataclasses.asdict(point)}
+        path.write_text("== a search\n" + json.dumps({"settings": [{"chosen": chosen}]}) + "\n")
+        return f"--compiled={path}"
+
+    point = _roofline_point()
+    roofline = run(f"--gen_tp={TP}", f"--max_batch={SLOTS}")
+    assert run(plan(point)) == pytest.approx(roofline, rel=1e-6)
+    assert run(plan(dataclasses.replace(point, decode_bytes=3 * point.decode_bytes))) > roofline

@@ -456,6 +456,7 @@ def search(base: Knobs, devices: np.ndarray, hbm: float, hw_name: str, s: dict) 
                 "generation": {"instance_tp": gk.instance_tp, "slots": gk.slots,
                                "need_gib": max(r["need_gib"] for r in greports)},
                 "scales": scales,
+                "compiled": dataclasses.asdict(compiled_) if scales else None,
                 "gen_devices": a.gen_devices, "train_devices": a.train_devices,
                 "step_s": round(a.iteration_s, 1), "colocated_step_s": round(c.iteration_s, 1),
                 "async_over_colocated": round(a.samples_per_s / c.samples_per_s, 2),

@@ -18,7 +18,7 @@ import json
 from absl import app, flags
 
 from streamrl_jax.scheduling import lengths
-from streamrl_jax.simulation import calibrate, hardware, profiles, simulator, trace
+from streamrl_jax.simulation import calibrate, compiled, hardware, profiles, simulator, trace
 from streamrl_jax.simulation.scenario import INFLIGHT, MODES, Scenario
 
 _MODE = flags.DEFINE_enum(
@@ -45,6 +45,11 @@ _TRACE_OUT = flags.DEFINE_string("trace_out", None, "Chrome/Perfetto trace path 
 _PER_SAMPLE = flags.DEFINE_bool("per_sample", False, "Trace one span per sample.")
 _CALIBRATE = flags.DEFINE_bool("calibrate", False, "Run the Fig. 8 calibration.")
 _PROFILE = flags.DEFINE_string("profile", None, "Measured-profile JSON (docs/simulator.md).")
+_COMPILED = flags.DEFINE_string(
+    "compiled", None,
+    "A `tools/plan_pod.py --search` output (its JSON line): every stage scaled to the chosen "
+    "plan's compiled costs (simulation/compiled.py); its instance TP and slots are used.",
+)  # fmt: skip
 
 
 def _scenario(mode: str) -> Scenario:
@@ -74,6 +79,24 @@ def _scenario(mode: str) -> Scenario:
     )
 
 
+def _compiled_costs(base: Scenario, path: str):
+    """(scenario with the plan's instance, `CompiledCosts`) from a plan_pod JSON line."""
+    with open(path) as f:
+        lines = [line for line in f if line.startswith("{")]
+    if not lines:
+        raise SystemExit(f"--compiled={path}: no JSON line (tools/plan_pod.py --search's last)")
+    settings = json.loads(lines[-1]).get("settings") or [{}]
+    chosen = settings[0].get("chosen") or {}
+    if not chosen.get("compiled"):
+        raise SystemExit(
+            f"--compiled={path}: its chosen plan has no compiled costs (nothing fits, or a "
+            "compiler without cost analysis: XLA:GPU)"
+        )
+    c = compiled.Compiled(**chosen["compiled"])
+    base = dataclasses.replace(base, gen_tp=c.instance_tp, max_batch=c.slots)
+    return base, compiled.CompiledCosts.from_compiled(simulator.roofline_costs(base), c)
+
+
 def _run_calibration() -> None:
     rows = calibrate.run(seed=_SEED.value)
     print(calibrate.table(rows))
@@ -92,8 +115,10 @@ def main(argv: list[str]) -> None:
         print(json.dumps(profiles.predict(profile, modes=modes, seed=_SEED.value)))
         return
     modes = (*MODES, INFLIGHT) if _MODE.value == "all" else (_MODE.value,)
-    base = _scenario(modes[0])
-    results = simulator.simulate_modes(base, modes)
+    base, costs = _scenario(modes[0]), None
+    if _COMPILED.value:
+        base, costs = _compiled_costs(base, _COMPILED.value)
+    results = simulator.simulate_modes(base, modes, costs)
     out = {}
     for mode, r in results.items():
         sc = dataclasses.replace(base, mode=mode)
