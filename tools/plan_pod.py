@@ -416,7 +416,12 @@ def search(base: Knobs, devices: np.ndarray, hbm: float, hw_name: str, s: dict) 
     cfg = _model_cfg(base)
     model = sim_model(cfg, base.model)
     hw = hardware.get_hardware(hw_name)
+    # The paper's response lengths, prompts no longer than the compiled ones: a sample
+    # (prompt + response) fits the compiled cache, as the simulator's slot check asks.
     trace = lengths.paper_trace(base.max_len - base.max_prompt)
+    trace = dataclasses.replace(
+        trace, prompt_max=base.max_prompt, prompt_median=min(trace.prompt_median, base.max_prompt)
+    )
     plans = []
     for tk, treports, (train_flops, train_bytes) in trains:
         _, app_ = treports
@@ -442,13 +447,18 @@ def search(base: Knobs, devices: np.ndarray, hbm: float, hw_name: str, s: dict) 
                           "train": round(costs.train_scale, 2)}  # fmt: skip
             else:  # no cost analysis (XLA:GPU): the roofline's own costs
                 costs, scales = base_costs, None
-            scenario = Scenario(
-                mode="stream_async", model=model, hw=hw, devices=n, trace=trace,
-                global_batch=s["global_batch"], algorithm=s["algorithm"], gen_tp=gk.instance_tp,
-                max_batch=gk.slots, split_granularity=s["granularity"], iterations=4,
-                warmup=1, params=dataclasses.replace(params, kv_memory_fraction=1.0),
-            )  # fmt: skip
-            runs = simulator.simulate_modes(scenario, ("stream_async", "colocated"), costs)
+            try:  # the compile says the slots fit; the simulator checks its own count
+                scenario = Scenario(
+                    mode="stream_async", model=model, hw=hw, devices=n, trace=trace,
+                    global_batch=s["global_batch"], algorithm=s["algorithm"],
+                    gen_tp=gk.instance_tp, max_batch=gk.slots,
+                    split_granularity=s["granularity"], iterations=4, warmup=1,
+                    params=dataclasses.replace(params, kv_memory_fraction=1.0),
+                )  # fmt: skip
+                runs = simulator.simulate_modes(scenario, ("stream_async", "colocated"), costs)
+            except ValueError as e:
+                print(f"not simulated (TP {gk.instance_tp} x {gk.slots} slots): {e}", flush=True)
+                continue
             a, c = runs["stream_async"], runs["colocated"]
             plans.append({
                 "train": {"tp": tk.tp, "remat": tk.remat, "rows": tk.rows,
