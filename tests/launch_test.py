@@ -22,6 +22,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "launch"))
 import local  # noqa: E402  (launch/local.py: the children's environment)
+from support import launch_command  # noqa: E402
 
 CASES = {
     "unknown field": (["--config.pipeline.foo=1"], "no config field pipeline.foo (pipeline has:"),
@@ -137,17 +138,6 @@ PROCESS_CASES = {
 _DEFAULT_CASES = {"elastic, no generation process left"}  # the others: -m extended
 
 
-def _launch_command(workdir, flags: list[str]) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "streamrl_jax.launch",
-        "--config=configs/quickstart.py:tiny",
-        f"--workdir={workdir}",
-        *flags,
-    ]
-
-
 def _clean_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STREAMRL_", "SLURM_"))}
     return dict(env, JAX_PLATFORMS="cpu")
@@ -169,7 +159,7 @@ def test_a_setting_refused_across_processes_is_one_line_on_every_process(case, t
         env = _clean_env() | {k: v for k, v in child.items() if os.environ.get(k) != v}
         procs.append(
             subprocess.Popen(
-                _launch_command(tmp_path, flags),
+                launch_command(tmp_path, flags),
                 cwd=REPO,
                 env=env,
                 stdout=subprocess.PIPE,
@@ -200,7 +190,7 @@ def test_launch_local_ends_a_refused_setting_with_status_2(tmp_path):
     n, g, flags, message = PROCESS_CASES["colocated"]
     run = subprocess.run(
         [sys.executable, "launch/local.py", "-n", str(n), "-g", str(g), "--timeout_s", "240"]
-        + ["--", *_launch_command(tmp_path, flags)],
+        + ["--", *launch_command(tmp_path, flags)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -26,7 +26,7 @@ import time
 import tomllib
 
 import pytest
-from support import launched_env
+from support import launch_command, launched_env
 
 pytest.importorskip("ray")
 
@@ -53,15 +53,10 @@ def _launch(flags: list[str], command: list[str]) -> subprocess.CompletedProcess
 
 def _pipeline(workdir, **overrides) -> list[str]:
     flags = {"data.reward": "vowels", "eval.num_problems": 0, **overrides}
-    return [
-        sys.executable,
-        "-m",
-        "streamrl_jax.launch",
-        "--config=configs/quickstart.py:tiny",
-        f"--workdir={workdir}",
-        "--verbosity=0",  # every process's INFO lines on its console: the tests read them
-        *[f"--config.{k}={v}" for k, v in flags.items()],
-    ]
+    # --verbosity=0: every process's INFO lines on its console, which the tests read
+    return launch_command(
+        workdir, ["--verbosity=0", *[f"--config.{k}={v}" for k, v in flags.items()]]
+    )
 
 
 def test_one_generation_and_one_training_process_run_end_to_end(tmp_path):

@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import importlib.util
 import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -114,6 +115,12 @@ def consumed_log(workdir: str) -> tuple[list[int], collections.Counter]:
 
     rows = read_consumed(os.path.join(workdir, CONSUMED))
     return [r["step"] for r in rows], collections.Counter(p for r in rows for p in r["prompt_ids"])
+
+
+def launch_command(workdir, flags: list[str] = ()) -> list[str]:
+    """`python -m streamrl_jax.launch` of the tiny quickstart into `workdir`, with `flags`."""
+    return [sys.executable, "-m", "streamrl_jax.launch", "--config=configs/quickstart.py:tiny",
+            f"--workdir={workdir}", *flags]  # fmt: skip
 
 
 def launched_env() -> dict[str, str]:

@@ -22,6 +22,8 @@ import pickle
 import socket
 import stat
 import struct
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -207,9 +209,6 @@ def outsider(address, how: str, payload: bytes, listen_s: float = 3.0) -> str:
     """A ZeroMQ outsider process ("null": no CURVE; "curve": CURVE with the server's
     public key and a key pair of its own) says hello and sends `payload` as data, then
     listens `listen_s` for any answer: "answered", "silent", or how the process ended."""
-    import subprocess
-    import sys
-
     from streamrl_jax.distributed import keys
 
     host, port = address

@@ -81,7 +81,7 @@ def _run_one(name: str) -> dict:
     )
     program = next(p for p in programs if p.name == name)
     hbm = (device.memory_stats() or {}).get("bytes_limit", 0) / plan_pod.GIB
-    predicted = plan_pod._plan([program], hbm or float("inf"))[0]
+    predicted = plan_pod.plan_programs([program], hbm or float("inf"))[0]
     args = _materialize(program.args)
     if not training:  # every slot decoding: the loop runs (an all-free state would not)
         state = args[1]

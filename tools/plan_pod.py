@@ -253,7 +253,8 @@ class Program:
     inputs: int
 
 
-def _plan(programs: list[Program], hbm: float) -> list[dict]:
+def plan_programs(programs: list[Program], hbm: float) -> list[dict]:
+    """Lowers and compiles each program; its report (`_report`) against `hbm` GiB."""
     out = []
     for p in programs:
         t0 = time.perf_counter()
@@ -265,13 +266,13 @@ def _plan(programs: list[Program], hbm: float) -> list[dict]:
 def plan_training(k: Knobs, devices: np.ndarray, hbm: float, apply: bool = True) -> list[dict]:
     """The policy trainer's accumulate and apply (unless not `apply`) on a ("fsdp", "tp")
     mesh of `devices`, compiled and reported."""
-    return _plan(training_programs(k, devices, apply), hbm)
+    return plan_programs(training_programs(k, devices, apply), hbm)
 
 
 def plan_generation(k: Knobs, devices: np.ndarray, hbm: float) -> list[dict]:
     """One generation instance's prefill and decode chunk on a ("tp",) mesh of `devices`,
     jitted as `Engine` jits them, compiled and reported."""
-    return _plan(generation_programs(k, devices), hbm)
+    return plan_programs(generation_programs(k, devices), hbm)
 
 
 def training_programs(k: Knobs, devices: np.ndarray, apply: bool = True) -> list[Program]:
