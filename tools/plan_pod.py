@@ -51,7 +51,7 @@ from model_shapes import model_config as shape_config
 from streamrl_jax.config import AlgorithmSection
 from streamrl_jax.generation import decoder, executables
 from streamrl_jax.generation.admission import build_admission
-from streamrl_jax.generation.engine_config import EngineConfig
+from streamrl_jax.generation.engine_config import KEY_LAYOUTS, EngineConfig
 from streamrl_jax.model import config as model_config
 from streamrl_jax.model import llama
 from streamrl_jax.scheduling import lengths
@@ -97,12 +97,14 @@ class Knobs:
     max_len: int = 4096
     chunk_steps: int = 16
     prefill_batch: int = 8
+    key_layout: str = "auto"
     layers: int = 0  # 0: the model's depth; else a shallower copy (the cost probe)
     scan_layers: bool = True
+    scan_unroll: int = 1
 
     @classmethod
     def from_flags(cls) -> Knobs:
-        probe = ("layers", "scan_layers")  # set by `training_cost`, not by flags
+        probe = ("layers", "scan_layers", "scan_unroll")  # set by `training_cost`, not by flags
         fields = [f.name for f in dataclasses.fields(cls) if f.name not in probe]
         return cls(**{name: FLAGS[name].value for name in fields})
 
@@ -208,8 +210,9 @@ def verdict(role: str, reports: list[dict]) -> str:
 
 def _model_cfg(k: Knobs, **overrides: Any) -> model_config.ModelConfig:
     """A shape of tools/model_shapes.py, "tiny" (the tests' model) or an HF config.json;
-    `k.layers` deep when set, its blocks scanned or not by `k.scan_layers`."""
-    overrides = {**overrides, "scan_layers": k.scan_layers}
+    `k.layers` deep when set, its blocks scanned (`k.scan_unroll` a step) or not by
+    `k.scan_layers`."""
+    overrides = {**overrides, "scan_layers": k.scan_layers, "scan_unroll": k.scan_unroll}
     if k.model == "tiny":
         cfg = model_config.tiny(**{**TINY, **overrides})
     elif k.model in SHAPES:
@@ -223,20 +226,26 @@ def _model_cfg(k: Knobs, **overrides: Any) -> model_config.ModelConfig:
     return cfg
 
 
-def training_cost(k: Knobs, devices: np.ndarray, hbm: float) -> tuple[float, float]:
+def training_cost(
+    k: Knobs, devices: np.ndarray, hbm: float, scanned: dict | None = None
+) -> tuple[float, float]:
     """(FLOPs, bytes accessed) per device of `accumulate` at the model's full depth.
 
-    XLA's cost analysis counts a loop body once, and the trainer scans its blocks: so it
-    is read off two shallow compiles with the blocks unrolled (2 and 4 deep; one block
-    alone fuses differently at its ends) and carried linearly to the model's depth (every
-    block costs the same; the rest is the ends)."""
+    XLA's cost analysis counts a loop body once, and the trainer scans its blocks. At an
+    even depth the body is read off two compiles of the whole model, scanned with one
+    block a step (`scanned`: its report, when the fit check has it) and with two: their
+    difference is a block (every block costs the same), carried to the depth. At an odd
+    depth, off two shallow compiles with the blocks unrolled (2 and 4 deep; one block
+    alone fuses differently at its ends), carried linearly."""
     depth = _model_cfg(k).num_layers
-    cost = []
-    for layers in (2, 4):
-        probe = dataclasses.replace(k, layers=layers, scan_layers=False)
-        acc = plan_training(probe, devices, hbm, apply=False)[0]
-        cost.append((acc["flops"], acc["bytes_accessed"]))
-    (f2, b2), (f4, b4) = cost
+    acc = lambda probe: plan_training(probe, devices, hbm, apply=False)[0]
+    cost = lambda r: (r["flops"], r["bytes_accessed"])
+    if depth % 2 == 0:
+        one = scanned or acc(dataclasses.replace(k, scan_layers=True, scan_unroll=1))
+        (f1, b1), (f2, b2) = cost(one), cost(acc(dataclasses.replace(k, scan_unroll=2)))
+        return f1 + (f2 - f1) * (depth - 1), b1 + (b2 - b1) * (depth - 1)
+    shallow = [acc(dataclasses.replace(k, layers=n, scan_layers=False)) for n in (2, 4)]
+    (f2, b2), (f4, b4) = map(cost, shallow)
     return f2 + (f4 - f2) / 2 * (depth - 2), b2 + (b4 - b2) / 2 * (depth - 2)
 
 
@@ -321,19 +330,21 @@ def generation_programs(k: Knobs, devices: np.ndarray) -> list[Program]:
         chunk_steps=k.chunk_steps,
         prefill_batch=k.prefill_batch,
         decode_buckets=False,
+        key_layout=k.key_layout,
     )
     graphdef, params = nnx.split(nnx.eval_shape(lambda: llama.create(cfg)))
     weights = jax.eval_shape(
         lambda p: decoder.from_training_layout(graphdef, p, cfg, ecfg.weight_dtype), params
     )
     weights = _abstract(weights, decoder.weight_shardings(weights, mesh))
+    platform = devices.flat[0].platform
     init, place = executables.slot_state(
-        cfg, ecfg.num_slots, ecfg.max_total_length, ecfg.max_stop_ids
-    )
+        cfg, ecfg.num_slots, ecfg.max_total_length, ecfg.max_stop_ids,
+        ecfg.keys_positions_minor(platform),
+    )  # fmt: skip
     state_sh, repl = place(mesh)
     abstract = jax.eval_shape(init)
     state = _abstract(abstract, state_sh)
-    platform = devices.flat[0].platform
     prefill, chunk, *_ = executables.jitted(
         cfg, ecfg.chunk_steps, state_sh, repl, (), ecfg.attention(platform)
     )
@@ -404,7 +415,7 @@ def search(base: Knobs, devices: np.ndarray, hbm: float, hw_name: str, s: dict) 
         got = _first_fit(knobs, lambda k: plan_training(k, train_dev, hbm))
         if got:
             analysed = train_dev.flat[0].platform == "tpu"  # XLA:GPU gives no cost analysis
-            cost = training_cost(got[0], train_dev, hbm) if analysed else (0.0, 0.0)
+            cost = training_cost(got[0], train_dev, hbm, got[1][0]) if analysed else (0.0, 0.0)
             trains.append((*got, cost))
     gens = []
     for itp in s["instance_tps"]:
@@ -590,6 +601,9 @@ def _define_flags() -> None:
     flags.DEFINE_integer("max_len", 4096, "KV cache length (prompt + response).")
     flags.DEFINE_integer("chunk_steps", 16, "Decode steps per chunk.")
     flags.DEFINE_integer("prefill_batch", 8, "Prompts per prefill call.")
+    flags.DEFINE_enum(
+        "key_layout", "auto", list(KEY_LAYOUTS), "EngineConfig.key_layout of the KV cache's keys."
+    )
     flags.DEFINE_bool("search", False, "Search the knobs below instead of one configuration.")
     flags.DEFINE_bool("quick", False, "A small search of a small shape (minutes).")
     flags.DEFINE_string("tps", "1,4", "--search: training TP degrees to try.")

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from streamrl_jax.generation import slots as slots_lib
-from streamrl_jax.generation.decoder import GenModel, LayerCache, cache_prefix, set_cache_prefix
+from streamrl_jax.generation.decoder import GenModel, cache_prefix, set_cache_prefix
 from streamrl_jax.generation.sampling import request_key_data
 from streamrl_jax.generation.types import GenerationRequest
 
@@ -184,17 +184,17 @@ def fork_into_slots(
     them (padding rows: slot >= B, dropped)."""
     c, prompt_span = state.cache, adm.tokens.shape[1]
 
-    def copy(layers, keys):
+    def copy(layers, seq_axis):
         return tuple(
             set_cache_prefix(
-                a, adm.slots, cache_prefix(a[src_N], keys, prompt_span), keys, mode="drop"
+                a, adm.slots, cache_prefix(a[src_N], seq_axis, prompt_span), seq_axis, mode="drop"
             )
             for a in layers
         )
 
-    cache = LayerCache(
-        k=copy(c.k, True),
-        v=copy(c.v, False),
+    cache = c.replace(
+        k=copy(c.k, c.k_seq_axis),
+        v=copy(c.v, 2),
         lengths=c.lengths.at[adm.slots].set(adm.lengths, mode="drop"),
     )
     logits_NxV = store[src_N]

@@ -125,8 +125,9 @@ def decode_compact(
     all_rows = rows.shape[0] == b  # ascending and distinct: rows == arange(b)
     if all_rows and seq == s:
         return slots_lib.decode_chunk(model, state, steps)
-    k = tuple(_take(cache_prefix(x, True, seq), rows, all_rows) for x in cache.k)
-    v = tuple(_take(cache_prefix(x, False, seq), rows, all_rows) for x in cache.v)
+    ka = cache.k_seq_axis
+    k = tuple(_take(cache_prefix(x, ka, seq), rows, all_rows) for x in cache.k)
+    v = tuple(_take(cache_prefix(x, 2, seq), rows, all_rows) for x in cache.v)
     per_row = state.replace(cache=None)
     small = jax.tree.map(lambda x: _take(x, rows, all_rows), per_row)
     small = small.replace(
@@ -134,16 +135,16 @@ def decode_compact(
     )
     small, out = slots_lib.decode_chunk(model, small, steps, max_total=s)
 
-    def back(full_x: jax.Array, small_x: jax.Array, keys: bool) -> jax.Array:  # k or v
+    def back(full_x: jax.Array, small_x: jax.Array, seq_axis: int) -> jax.Array:  # k or v
         if all_rows:
             return jax.lax.dynamic_update_slice(full_x, small_x, (0, 0, 0, 0))
         return set_cache_prefix(
-            full_x, rows, small_x, keys, unique_indices=True, indices_are_sorted=True
+            full_x, rows, small_x, seq_axis, unique_indices=True, indices_are_sorted=True
         )
 
     new_cache = cache.replace(
-        k=tuple(back(f, x, True) for f, x in zip(cache.k, small.cache.k, strict=True)),
-        v=tuple(back(f, x, False) for f, x in zip(cache.v, small.cache.v, strict=True)),
+        k=tuple(back(f, x, ka) for f, x in zip(cache.k, small.cache.k, strict=True)),
+        v=tuple(back(f, x, 2) for f, x in zip(cache.v, small.cache.v, strict=True)),
         lengths=_put(cache.lengths, rows, small.cache.lengths, all_rows),
     )
     rest = jax.tree.map(lambda f, x: _put(f, rows, x, all_rows), per_row, small.replace(cache=None))

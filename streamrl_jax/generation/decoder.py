@@ -74,8 +74,8 @@ _LAYER_AXES = {
     "down": ("mlp", "embed"),
 }
 _TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("norm",), "lm_head": ("embed", "vocab")}
-CACHE_AXES = ("cache_batch", "kv_heads", "cache_seq", "head_dim")  # values
-K_CACHE_AXES = ("cache_batch", "kv_heads", "head_dim", "cache_seq")  # keys
+CACHE_AXES = ("cache_batch", "kv_heads", "cache_seq", "head_dim")  # values (and keys)
+K_CACHE_AXES = ("cache_batch", "kv_heads", "head_dim", "cache_seq")  # keys, positions minor
 ATTENTION = ("elementwise", "dot")
 _MASK_VALUE = -1e30  # as model.layers: finite, so a fully masked row gives no NaN
 
@@ -85,15 +85,21 @@ class LayerCache:
     """Per-slot keys and values, one array per layer.
 
     Attributes:
-      k: L arrays [B, K, D, S] in the compute dtype (B slots, S max length): keys
-        with the positions minor (`K_CACHE_AXES`).
+      k: L arrays in the compute dtype (B slots, S max length): [B, K, D, S] keys with
+        the positions minor (`K_CACHE_AXES`) when `keys_positions_minor`, else
+        [B, K, S, D] as the values.
       v: L arrays [B, K, S, D] (`CACHE_AXES`).
       lengths: i32[B], tokens stored in each slot = position of its next token.
+      keys_positions_minor: the keys' layout (static), `EngineConfig.key_layout`:
+        positions minor for XLA:CPU's fused decode attention; head dims minor where a
+        decode step's one-position write must stay in place (XLA:TPU copies a cache
+        whose minor axis is scattered into: docs/generation.md, "Key layout on TPU").
     """
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
     lengths: jax.Array
+    keys_positions_minor: bool = struct.field(pytree_node=False, default=True)
 
     @property
     def num_slots(self) -> int:
@@ -103,49 +109,66 @@ class LayerCache:
     def max_length(self) -> int:
         return self.v[0].shape[2]
 
+    @property
+    def k_seq_axis(self) -> int:
+        """The position axis of a key array (a value array's is 2)."""
+        return 3 if self.keys_positions_minor else 2
 
-def _cache_shapes(cfg: ModelConfig, num_slots: int, max_length: int):
-    """A layer's key ([B, K, D, S]) and value ([B, K, S, D]) array shapes."""
+
+def _cache_shapes(cfg: ModelConfig, num_slots: int, max_length: int, positions_minor: bool):
+    """A layer's key ([B, K, D, S], or [B, K, S, D] if not `positions_minor`) and value
+    ([B, K, S, D]) array shapes."""
     k, d = cfg.num_kv_heads, cfg.head_dim
-    return (num_slots, k, d, max_length), (num_slots, k, max_length, d)
+    v_shape = (num_slots, k, max_length, d)
+    return ((num_slots, k, d, max_length) if positions_minor else v_shape), v_shape
 
 
-def init_cache(cfg: ModelConfig, num_slots: int, max_length: int) -> LayerCache:
+def init_cache(
+    cfg: ModelConfig, num_slots: int, max_length: int, keys_positions_minor: bool = True
+) -> LayerCache:
     """An all-zero cache; call under `jax.jit(..., out_shardings=...)` to place it."""
     if max_length > cfg.max_position_embeddings:
         raise ValueError(
             f"KV cache max_length {max_length} exceeds the model's context "
             f"(max_position_embeddings={cfg.max_position_embeddings})"
         )
-    k_shape, v_shape = _cache_shapes(cfg, num_slots, max_length)
+    k_shape, v_shape = _cache_shapes(cfg, num_slots, max_length, keys_positions_minor)
     # Distinct buffers: each is donated and updated in place on its own.
     zeros = lambda shape: tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.num_layers))
     return LayerCache(
-        k=zeros(k_shape), v=zeros(v_shape), lengths=jnp.zeros((num_slots,), jnp.int32)
+        k=zeros(k_shape),
+        v=zeros(v_shape),
+        lengths=jnp.zeros((num_slots,), jnp.int32),
+        keys_positions_minor=keys_positions_minor,
     )
 
 
 def cache_sharding(
-    cfg: ModelConfig, num_slots: int, max_length: int, mesh: Mesh
+    cfg: ModelConfig,
+    num_slots: int,
+    max_length: int,
+    mesh: Mesh,
+    keys_positions_minor: bool = True,
 ) -> tuple[NamedSharding, NamedSharding]:
     """NamedShardings of `init_cache`'s (k, v) arrays (kv heads over "tp")."""
-    k_shape, v_shape = _cache_shapes(cfg, num_slots, max_length)
+    k_shape, v_shape = _cache_shapes(cfg, num_slots, max_length, keys_positions_minor)
     spec = lambda axes, shape: logical_to_spec(axes, shape, _RULES, mesh, "kv_cache")
-    return (
-        NamedSharding(mesh, spec(K_CACHE_AXES, k_shape)),
-        NamedSharding(mesh, spec(CACHE_AXES, v_shape)),
+    k_axes = K_CACHE_AXES if keys_positions_minor else CACHE_AXES
+    return NamedSharding(mesh, spec(k_axes, k_shape)), NamedSharding(
+        mesh, spec(CACHE_AXES, v_shape)
     )
 
 
-def cache_prefix(x: jax.Array, keys: bool, n: int) -> jax.Array:
-    """The first `n` positions of a layer's key (`keys`) or value cache array."""
-    return x[..., :n] if keys else x[:, :, :n]
+def cache_prefix(x: jax.Array, seq_axis: int, n: int) -> jax.Array:
+    """The first `n` positions of a layer's key or value cache array whose positions are
+    axis `seq_axis` (`LayerCache.k_seq_axis`; 2 for values)."""
+    return x[..., :n] if seq_axis == 3 else x[:, :, :n]
 
 
-def set_cache_prefix(dst: jax.Array, rows: jax.Array, src: jax.Array, keys: bool, **kw):
+def set_cache_prefix(dst: jax.Array, rows: jax.Array, src: jax.Array, seq_axis: int, **kw):
     """`dst` with rows `rows`' first `src`-length positions set to `src` (a key or value
     cache array's rows, as `cache_prefix` takes them); `kw` go to `.set`."""
-    if keys:
+    if seq_axis == 3:
         return dst.at[rows, :, :, : src.shape[3]].set(src, **kw)
     return dst.at[rows, :, : src.shape[2]].set(src, **kw)
 
@@ -364,18 +387,19 @@ class GenModel:
         behind = jnp.arange(p)[:, None] - jnp.arange(p)[None, :]  # query - key position
         ropes = self._ropes(positions)
         x = self._embed(tokens_NxP)
-        ks, vs, routes = [], [], []
+        ks, vs, routes, ka = [], [], [], cache.k_seq_axis
         for w, ck, cv, win in zip(self.w["layers"], cache.k, cache.v, self._windows(), strict=True):
             q, k, v = self._qkv(x, w, *ropes[win > 0])
             m = _in_window(mask, behind[None], win)
             attn = layers.attention(q.reshape(n, p, -1, q.shape[-1]), k, v, m)
             x, experts = self._out_and_mlp(x, attn.reshape(q.shape), w)
             routes.append(experts)
-            ks.append(set_cache_prefix(ck, slots_N, k.transpose(0, 2, 3, 1), True, mode="drop"))
-            vs.append(set_cache_prefix(cv, slots_N, v.transpose(0, 2, 1, 3), False, mode="drop"))
+            k = k.transpose(0, 2, 3, 1) if ka == 3 else k.transpose(0, 2, 1, 3)
+            ks.append(set_cache_prefix(ck, slots_N, k, ka, mode="drop"))
+            vs.append(set_cache_prefix(cv, slots_N, v.transpose(0, 2, 1, 3), 2, mode="drop"))
         last = jnp.take_along_axis(x, (lengths_N - 1)[:, None, None], axis=1)[:, 0]
         lengths = cache.lengths.at[slots_N].set(lengths_N, mode="drop")
-        cache = LayerCache(k=tuple(ks), v=tuple(vs), lengths=lengths)
+        cache = cache.replace(k=tuple(ks), v=tuple(vs), lengths=lengths)
         return self._logits(last), cache, self._routes(routes)
 
     def extend(
@@ -420,22 +444,25 @@ class GenModel:
         n_idx = jnp.arange(n)[:, None]
         f32, root_d = jnp.float32, math.sqrt(self.cfg.head_dim)
         ks, vs, routes = [], [], []
+        k_at = (lambda a: a.at[n_idx, :, :, write_NxP]) if cache.keys_positions_minor else None
+        k_at = k_at or (lambda a: a.at[n_idx, :, write_NxP])
+        k_form = "nkds" if cache.keys_positions_minor else "nksd"
         for w, ck, cv, win in zip(self.w["layers"], cache.k, cache.v, self._windows(), strict=True):
             q, k, v = self._qkv(x, w, *ropes[win > 0])  # q [N, P, K, G, D]; k, v [N, P, K, D]
-            k_NxKxDxS = ck[rows_N].at[n_idx, :, :, write_NxP].set(k, mode="drop")
+            k_NxKx_ = k_at(ck[rows_N]).set(k, mode="drop")  # [N, K, D, S] or [N, K, S, D]
             v_NxKxSxD = cv[rows_N].at[n_idx, :, write_NxP].set(v, mode="drop")
             seen = _in_window(visible_NxPxS, behind_NxPxS, win)
-            scores = jnp.einsum("npkgd,nkds->nkgps", q, k_NxKxDxS).astype(f32) / root_d
+            scores = jnp.einsum(f"npkgd,{k_form}->nkgps", q, k_NxKx_).astype(f32) / root_d
             scores = jnp.where(seen[:, None, None], scores, _MASK_VALUE)
             probs = jax.nn.softmax(scores, axis=-1).astype(v_NxKxSxD.dtype)
             attn = jnp.einsum("nkgps,nksd->npkgd", probs, v_NxKxSxD)
             x, experts = self._out_and_mlp(x, attn, w)
             routes.append(experts)
-            ks.append(ck.at[slots_N].set(k_NxKxDxS, mode="drop"))
+            ks.append(ck.at[slots_N].set(k_NxKx_, mode="drop"))
             vs.append(cv.at[slots_N].set(v_NxKxSxD, mode="drop"))
         last = jnp.take_along_axis(x, (counts_N - 1)[:, None, None], axis=1)[:, 0]
         lengths = cache.lengths.at[slots_N].set(starts_N + counts_N, mode="drop")
-        cache = LayerCache(k=tuple(ks), v=tuple(vs), lengths=lengths)
+        cache = cache.replace(k=tuple(ks), v=tuple(vs), lengths=lengths)
         return self._logits(last), cache, self._routes(routes)
 
     def decode(
@@ -458,30 +485,40 @@ class GenModel:
         behind_Bx1x1xS = (pos_B[:, None] - jnp.arange(s)[None, :])[:, None, None, :]
         visible_Bx1x1xS = behind_Bx1x1xS >= 0
         rows = jnp.arange(b)
+        if cache.keys_positions_minor:  # XLA:CPU's layout, for its fused attention
+            k_idx, v_idx = (rows, slice(None), slice(None), pos_B), (rows, slice(None), pos_B)
+        else:  # every index explicit: XLA:TPU writes the rows in place (not with a sliced
+            # kv-head axis, nor into a minor position axis: it copies the cache then)
+            k_idx = v_idx = (rows[:, None], jnp.arange(self.cfg.num_kv_heads)[None], pos_B[:, None])
         x = self._embed(tokens_B[:, None])
         ks, vs, routes = [], [], []
         for w, ck, cv, win in zip(self.w["layers"], cache.k, cache.v, self._windows(), strict=True):
             q, k, v = self._qkv(x, w, *ropes[win > 0])
-            ck = ck.at[rows, :, :, pos_B].set(k[:, 0])
-            cv = cv.at[rows, :, pos_B].set(v[:, 0])
+            ck = ck.at[k_idx].set(k[:, 0])
+            cv = cv.at[v_idx].set(v[:, 0])
             seen = _in_window(visible_Bx1x1xS, behind_Bx1x1xS, win)
-            attn = self._attend(q[:, 0], ck, cv, seen)
+            attn = self._attend(q[:, 0], ck, cv, seen, cache.keys_positions_minor)
             x, experts = self._out_and_mlp(x, attn[:, None], w)
             routes.append(None if experts is None else experts[:, 0])
             ks.append(ck)
             vs.append(cv)
         lengths = jnp.where(active_B, jnp.minimum(cache.lengths + 1, s), cache.lengths)
-        cache = LayerCache(k=tuple(ks), v=tuple(vs), lengths=lengths)
+        cache = cache.replace(k=tuple(ks), v=tuple(vs), lengths=lengths)
         return self._logits(x[:, 0]), cache, self._routes(routes)
 
-    def _attend(self, q_BxKxGxD, k_BxKxDxS, v_BxKxSxD, visible_Bx1x1xS):
-        """One query per slot against its cache: [B, K, G, D]."""
+    def _attend(self, q_BxKxGxD, k_BxKx_, v_BxKxSxD, visible_Bx1x1xS, positions_minor):
+        """One query per slot against its cache (keys [B, K, D, S] if `positions_minor`,
+        else [B, K, S, D]): [B, K, G, D]."""
         dt, f32 = v_BxKxSxD.dtype, jnp.float32
         if self.attention == "dot":
-            scores = jnp.einsum("bkgd,bkds->bkgs", q_BxKxGxD, k_BxKxDxS).astype(f32)
-        else:  # products and sums in f32 (fused loops): over D, S the keys' minor axis
-            q, k = q_BxKxGxD.astype(f32), k_BxKxDxS.astype(f32)
+            form = "bkgd,bkds->bkgs" if positions_minor else "bkgd,bksd->bkgs"
+            scores = jnp.einsum(form, q_BxKxGxD, k_BxKx_).astype(f32)
+        elif positions_minor:  # products and sums in f32 (fused loops): over D, S minor
+            q, k = q_BxKxGxD.astype(f32), k_BxKx_.astype(f32)
             scores = jnp.sum(q[..., None] * k[:, :, None], axis=3)
+        else:
+            q, k = q_BxKxGxD.astype(f32), k_BxKx_.astype(f32)
+            scores = jnp.sum(q[:, :, :, None] * k[:, :, None], axis=4)
         scores = jnp.where(visible_Bx1x1xS, scores / math.sqrt(self.cfg.head_dim), _MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1)
         if self.attention == "dot":

@@ -153,14 +153,18 @@ class Engine:
         self._pending_weights: tuple[Any, int] | None = None
         self._lock = threading.Lock()
 
+        platform = mesh.devices.flat[0].platform
         init, place = executables.slot_state(
-            model_cfg, cfg.num_slots, cfg.max_total_length, cfg.max_stop_ids
+            model_cfg,
+            cfg.num_slots,
+            cfg.max_total_length,
+            cfg.max_stop_ids,
+            cfg.keys_positions_minor(platform),
         )
         state_sh, _ = place(mesh)
         self._state = jax.jit(init, out_shardings=state_sh)()
 
         # The decode chunk's XLA options (its matmul library on CPU: `EngineConfig.cpu_dots`).
-        platform = mesh.devices.flat[0].platform
         self.decode_options = cfg.decode_compiler_options(platform, model_cfg.hidden_size)
         self.decode_attention = cfg.attention(platform)
         self._prefill, self._chunk, self._prefill_keep, self._fork, self._extend = (

@@ -12,6 +12,7 @@ CPU_DOTS = ("auto", "eigen", "ynnpack")
 # vs roofline".
 EIGEN_MIN_WIDTH = 512
 DECODE_ATTENTION = ("auto", "elementwise", "dot")
+KEY_LAYOUTS = ("auto", "positions_minor", "head_dim_minor")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,6 +56,12 @@ class EngineConfig:
         (broadcast products and sums, fused loops), "dot" (two batched einsums) or
         "auto" (elementwise on CPU, where XLA runs the batched dot as one tiny matmul
         per (slot, kv head): BENCHMARKS.md "Decode step vs roofline"; dot elsewhere).
+      key_layout: the KV cache's keys (`decoder.LayerCache`): "positions_minor"
+        ([B, K, D, S], what the fused CPU attention reads best), "head_dim_minor"
+        ([B, K, S, D] as the values; a decode step's write stays in place on XLA:TPU,
+        which copies the whole cache to scatter into a minor position axis) or "auto"
+        (positions minor on CPU, head dims minor elsewhere: docs/generation.md,
+        "Key layout on TPU").
       kv_hold_s: a slot kept for a continuation (`GenerationRequest.keep_kv`: an
         episode waiting for its environment) is given up after this many seconds
         without one, once another request needs a slot; its continuation then
@@ -80,6 +87,7 @@ class EngineConfig:
     min_decode_length: int = 64
     cpu_dots: str = "auto"
     decode_attention: str = "auto"
+    key_layout: str = "auto"
     kv_hold_s: float = 120.0
     record_routes: bool = False
 
@@ -106,6 +114,10 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.cpu_dots must be one of {CPU_DOTS}, not {self.cpu_dots!r}"
             )
+        if self.key_layout not in KEY_LAYOUTS:
+            raise ValueError(
+                f"EngineConfig.key_layout must be one of {KEY_LAYOUTS}, not {self.key_layout!r}"
+            )
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(
                 f"EngineConfig.decode_attention must be one of {DECODE_ATTENTION}, "
@@ -122,6 +134,12 @@ class EngineConfig:
             return ()
         # YNNPACK for reductions only: its dot fusions are what the default adds.
         return (("xla_cpu_experimental_ynn_fusion_type", "LIBRARY_FUSION_TYPE_REDUCE"),)
+
+    def keys_positions_minor(self, platform: str) -> bool:
+        """The KV cache's key layout on `platform` (`decoder.LayerCache`)."""
+        if self.key_layout != "auto":
+            return self.key_layout == "positions_minor"
+        return platform == "cpu"
 
     def attention(self, platform: str) -> str:
         """The decode step's attention form on `platform` (`decoder.ATTENTION`)."""

@@ -84,19 +84,27 @@ def jitted(
     )
 
 
-def slot_state(model_cfg: ModelConfig, num_slots: int, max_length: int, max_stop_ids: int):
+def slot_state(
+    model_cfg: ModelConfig,
+    num_slots: int,
+    max_length: int,
+    max_stop_ids: int,
+    keys_positions_minor: bool = True,
+):
     """(init, shardings, replicated) of an instance's slot state on `mesh` (bound below):
     `init()` builds the all-free `slots.SlotState` (jit it with `out_shardings`), its KV
-    cache's keys and values sharded by `decoder.cache_sharding`, everything else
-    replicated."""
+    cache's keys (`decoder.LayerCache.keys_positions_minor`) and values sharded by
+    `decoder.cache_sharding`, everything else replicated."""
 
     def init() -> slots_lib.SlotState:
-        cache = decoder.init_cache(model_cfg, num_slots, max_length)
+        cache = decoder.init_cache(model_cfg, num_slots, max_length, keys_positions_minor)
         return slots_lib.init_slot_state(cache, max_stop_ids)
 
     def place(mesh: Mesh) -> tuple[Any, NamedSharding]:
         repl = NamedSharding(mesh, PartitionSpec())
-        k_sh, v_sh = decoder.cache_sharding(model_cfg, num_slots, max_length, mesh)
+        k_sh, v_sh = decoder.cache_sharding(
+            model_cfg, num_slots, max_length, mesh, keys_positions_minor
+        )
         state_sh = jax.tree.map(lambda _: repl, jax.eval_shape(init))
         layers = model_cfg.num_layers
         cache = state_sh.cache.replace(k=(k_sh,) * layers, v=(v_sh,) * layers)

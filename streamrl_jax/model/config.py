@@ -134,9 +134,10 @@ class ModelConfig:
         the masked upper triangle is skipped; 0 = the whole [T, T] square, masked.
       bos_token_id / eos_token_ids: from the checkpoint, informational.
       scan_layers: the blocks are applied by one `jax.lax.scan` (compile time independent
-        of depth); False unrolls it. XLA's cost analysis counts a loop body once, so
-        `tools/plan_pod.py` reads the trainer's FLOPs and bytes off unrolled shallow
-        compiles.
+        of depth); False unrolls it.
+      scan_unroll: blocks per step of that scan. XLA's cost analysis counts a loop body
+        once, so `tools/plan_pod.py` reads a block's FLOPs and bytes off the difference
+        of compiles with 2 and 1 blocks a step.
     """
 
     vocab_size: int
@@ -172,6 +173,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     scan_layers: bool = True
+    scan_unroll: int = 1
 
     def __post_init__(self) -> None:
         for name in (*SHAPE_FIELDS, "max_position_embeddings"):
@@ -187,6 +189,10 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.causal_block must be an int >= 0 (0: no blocks), got "
                 f"{self.causal_block!r}"
+            )
+        if not isinstance(self.scan_unroll, int) or self.scan_unroll < 1:
+            raise ValueError(
+                f"ModelConfig.scan_unroll must be an int >= 1, got {self.scan_unroll!r}"
             )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")

@@ -227,7 +227,8 @@ class Llama(nnx.Module):
 
         body = jax.checkpoint(body, policy=remat_policy(cfg.remat))
         xs = (self.layers.arrays(), windows, replay)
-        x, collected = jax.lax.scan(body, x, xs, unroll=not cfg.scan_layers)
+        unroll = cfg.scan_unroll if cfg.scan_layers else True
+        x, collected = jax.lax.scan(body, x, xs, unroll=unroll)
         return x if collect is None else (x, collected)
 
     # ---------------------------------------------------------------- training
