@@ -536,7 +536,8 @@ def main(argv) -> None:
         knobs = dataclasses.replace(Knobs.from_flags(), model=model, **overrides.get("knobs", {}))
         print(f"== {model} on {topology}: {len(devices)} devices, {n_train} training", flush=True)
         result = {"model": model, "topology": topology, "devices": len(devices),
-                  "train_devices": n_train}  # fmt: skip
+                  "train_devices": n_train, "hardware": hw_name,
+                  "knobs": dataclasses.asdict(knobs)}  # fmt: skip
         if FLAGS.search or FLAGS.quick:
             space = {
                 "train_devices": n_train, "tps": _ints(FLAGS.tps), "remats": FLAGS.remats,
@@ -556,7 +557,7 @@ def main(argv) -> None:
             for line in (verdict("training", training), verdict("generation", generation)):
                 print(line, flush=True)
             result.update({
-                "instances": len(rest) // FLAGS.instance_tp, "knobs": dataclasses.asdict(knobs),
+                "instances": len(rest) // FLAGS.instance_tp,
                 "training": training, "generation": generation,
                 "verdicts": [verdict("training", training), verdict("generation", generation)],
                 "fits": all(r["fits"] for r in training + generation),

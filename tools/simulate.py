@@ -48,7 +48,9 @@ _PROFILE = flags.DEFINE_string("profile", None, "Measured-profile JSON (docs/sim
 _COMPILED = flags.DEFINE_string(
     "compiled", None,
     "A `tools/plan_pod.py --search` output (its JSON line): every stage scaled to the chosen "
-    "plan's compiled costs (simulation/compiled.py); its instance TP and slots are used.",
+    "plan's compiled costs (simulation/compiled.py); its instance TP and slots are used. "
+    "With --calibrate: comma-separated outputs, one per model (its instance, and its "
+    "costs where compiled for a TPU).",
 )  # fmt: skip
 
 
@@ -81,12 +83,7 @@ def _scenario(mode: str) -> Scenario:
 
 def _compiled_costs(base: Scenario, path: str):
     """(scenario with the plan's instance, `CompiledCosts`) from a plan_pod JSON line."""
-    with open(path) as f:
-        lines = [line for line in f if line.startswith("{")]
-    if not lines:
-        raise SystemExit(f"--compiled={path}: no JSON line (tools/plan_pod.py --search's last)")
-    settings = json.loads(lines[-1]).get("settings") or [{}]
-    chosen = settings[0].get("chosen") or {}
+    chosen = _plan_settings(path)[0].get("chosen") or {}
     if not chosen.get("compiled"):
         raise SystemExit(
             f"--compiled={path}: its chosen plan has no compiled costs (nothing fits, or a "
@@ -97,8 +94,48 @@ def _compiled_costs(base: Scenario, path: str):
     return base, compiled.CompiledCosts.from_compiled(simulator.roofline_costs(base), c)
 
 
+# A plan's chip -> the calibration's hardware: an H100 compile stands for the paper's
+# H800 (the same 80 GB card; it is the memory the compile checked).
+_CALIBRATION_HW = {"h100": "h800"}
+
+
+def _instances(paths: str) -> dict[str, calibrate.Instance]:
+    """Each model's generation instance from `tools/plan_pod.py --search` outputs."""
+    out = {}
+    for path in paths.split(","):
+        for setting in _plan_settings(path):
+            chosen = setting.get("chosen")
+            if not chosen:
+                raise SystemExit(f"--compiled={path}: {setting.get('model')}: nothing fits")
+            c = chosen.get("compiled")
+            max_len = c["max_len"] if c else setting.get("knobs", {}).get("max_len")
+            if not max_len:
+                raise SystemExit(
+                    f"--compiled={path}: no max_len (plan_pod had not recorded its knobs)"
+                )
+            model = setting["model"].removesuffix("_shape").replace("_", "-")
+            hw = setting.get("hardware", "")
+            out[model] = calibrate.Instance(
+                hw=_CALIBRATION_HW.get(hw, hw),
+                instance_tp=chosen["generation"]["instance_tp"],
+                slots=chosen["generation"]["slots"],
+                max_len=max_len,
+                compiled=compiled.Compiled(**c) if c else None,
+            )
+    return out
+
+
+def _plan_settings(path: str) -> list[dict]:
+    with open(path) as f:
+        lines = [line for line in f if line.startswith("{")]
+    if not lines:
+        raise SystemExit(f"--compiled={path}: no JSON line (tools/plan_pod.py --search's last)")
+    return json.loads(lines[-1]).get("settings") or [{}]
+
+
 def _run_calibration() -> None:
-    rows = calibrate.run(seed=_SEED.value)
+    instances = _instances(_COMPILED.value) if _COMPILED.value else None
+    rows = calibrate.run(seed=_SEED.value, instances=instances)
     print(calibrate.table(rows))
     s = calibrate.summary(rows)
     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else int(v)) for k, v in s.items()}))

@@ -8,6 +8,11 @@ framework (kernel quality, launch overheads common to all modes).
 
 Every setting uses the same `CostParams` (no per-setting factor); the only per-setting inputs
 are the paper's: model, device count, length trace.
+
+`run(instances=...)` re-runs it with each model's generation instance as
+`tools/plan_pod.py --search` compiled it (`Instance`: its TP, the slots that fit, the chip
+it was compiled for, and, where the compiler analyses costs (TPU), every stage scaled to the
+compiled programs' FLOPs and bytes: `compiled.CompiledCosts`).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from streamrl_jax.scheduling import lengths
-from streamrl_jax.simulation import hardware, simulator
+from streamrl_jax.simulation import compiled, cost_model, hardware, simulator, stages
 from streamrl_jax.simulation.cost_model import CostParams
 from streamrl_jax.simulation.scenario import Scenario
 
@@ -45,6 +50,7 @@ class Row:
     gen_devices: int
     sim: dict[str, float]  # mode -> samples/s
     paper: tuple[float, float, float]
+    instance: str = ""  # "TP x slots" of a generation instance
 
     @property
     def ratios(self) -> dict[str, tuple[float, float]]:
@@ -57,13 +63,34 @@ class Row:
         }
 
 
+@dataclasses.dataclass(frozen=True)
+class Instance:
+    """A model's generation instance as `tools/plan_pod.py --search` chose and compiled it.
+
+    Attributes:
+      hw: the simulator's hardware preset of the chip compiled for ("h800" stands for an
+        H100 compile: the same 80 GB card).
+      instance_tp, slots, max_len: the instance, and the KV slots of `max_len` positions
+        that fit it. At another trace length the slots scale inversely (the cache is what
+        fills the chip), within the simulator's own KV capacity.
+      compiled: the plan's compiled figures; None where the compiler analyses no cost
+        (XLA:GPU): the roofline's costs.
+    """
+
+    hw: str
+    instance_tp: int
+    slots: int
+    max_len: int
+    compiled: compiled.Compiled | None = None
+
+
 def setting_scenario(
-    max_len: int, model: str, devices: int, params: CostParams, seed: int = 0
+    max_len: int, model: str, devices: int, params: CostParams, seed: int = 0, hw: str = "h800"
 ) -> Scenario:
     return Scenario(
         mode="colocated",
         model=hardware.get_model(model),
-        hw=hardware.get_hardware("h800"),
+        hw=hardware.get_hardware(hw),
         devices=devices,
         trace=lengths.paper_trace(max_len),
         global_batch=1024,
@@ -73,13 +100,44 @@ def setting_scenario(
     )
 
 
-def run(params: CostParams | None = None, seed: int = 0) -> list[Row]:
-    """Simulates the 9 settings (colocated, stream_sync, stream_async, disaggregated_batch)."""
+def with_instance(sc: Scenario, inst: Instance) -> tuple[Scenario, compiled.CompiledCosts | None]:
+    """`sc` with `inst`'s TP and slots (scaled to `sc`'s longest sequence, within the
+    simulator's KV capacity) and its compiled costs, if any."""
+    sc = dataclasses.replace(sc, gen_tp=inst.instance_tp)
+    cap = cost_model.max_slots(
+        sc.model, sc.hw, sc.tp, sc.trace.max_seq_len, sc.params, sc.resident_per_device
+    )
+    slots = min(cap, inst.slots * inst.max_len // sc.trace.max_seq_len)
+    if slots < 1:
+        raise ValueError(
+            f"Instance of {inst.instance_tp} x {sc.hw.name}: no {sc.trace.max_seq_len}-token "
+            f"sequence fits ({inst.slots} slots of {inst.max_len} compiled)"
+        )
+    sc = dataclasses.replace(sc, max_batch=slots)
+    if inst.compiled is None:
+        return sc, None
+    # The scales are read at the compiled point and carried to this setting's slots.
+    at_compiled = stages.RooflineCosts(
+        sc.model, sc.hw, inst.instance_tp, inst.slots, sc.algorithm, sc.params
+    )
+    costs = compiled.CompiledCosts.from_compiled(at_compiled, inst.compiled)
+    return sc, dataclasses.replace(costs, base=simulator.roofline_costs(sc))
+
+
+def run(
+    params: CostParams | None = None, seed: int = 0, instances: dict[str, Instance] | None = None
+) -> list[Row]:
+    """Simulates the 9 settings (colocated, stream_sync, stream_async, disaggregated_batch),
+    a model's generation instance and costs from `instances[model]` where given."""
     params = params or CostParams()
     rows = []
     for (max_len, model, devices), paper in PAPER_FIG8.items():
-        sc = setting_scenario(max_len, model, devices, params, seed)
-        res = simulator.simulate_modes(sc)
+        inst = (instances or {}).get(model)
+        sc = setting_scenario(max_len, model, devices, params, seed, inst.hw if inst else "h800")
+        costs = None
+        if inst is not None:
+            sc, costs = with_instance(sc, inst)
+        res = simulator.simulate_modes(sc, costs=costs)
         rows.append(
             Row(
                 max_len=max_len,
@@ -88,6 +146,7 @@ def run(params: CostParams | None = None, seed: int = 0) -> list[Row]:
                 gen_devices=res["stream_sync"].gen_devices,
                 sim={m: r.samples_per_s for m, r in res.items()},
                 paper=paper,
+                instance=f"{sc.tp} x {sc.slots}",
             )
         )
     return rows
@@ -107,15 +166,15 @@ def summary(rows: list[Row]) -> dict[str, float | int]:
 def table(rows: list[Row]) -> str:
     """Markdown table of predicted vs paper ratios (and absolute samples/s)."""
     out = [
-        "| setting | split gen/train | sim col | paper col | sync/col sim | paper | err "
-        "| async/col sim | paper | err |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| setting | instance TP x slots | split gen/train | sim col | paper col | sync/col sim "
+        "| paper | err | async/col sim | paper | err |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         (ps, rs), (pa, ra) = r.ratios["sync"], r.ratios["async"]
         name = f"{r.max_len // 1000}K, {r.model.split('-')[1].upper()}/{r.devices}"
         out.append(
-            f"| {name} | {r.gen_devices}/{r.devices - r.gen_devices} "
+            f"| {name} | {r.instance} | {r.gen_devices}/{r.devices - r.gen_devices} "
             f"| {r.sim['colocated']:.2f} | {r.paper[0]:.2f} "
             f"| {ps:.3f} | {rs:.3f} | {ps / rs - 1:+.1%} "
             f"| {pa:.3f} | {ra:.3f} | {pa / ra - 1:+.1%} |"
