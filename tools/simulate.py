@@ -95,8 +95,9 @@ def _compiled_costs(base: Scenario, path: str):
 
 
 # A plan's chip -> the calibration's hardware: an H100 compile stands for the paper's
-# H800 (the same 80 GB card; it is the memory the compile checked).
-_CALIBRATION_HW = {"h100": "h800"}
+# H800 (the same 80 GB card; it is the memory the compile checked). Outputs that did not
+# record their hardware name it by their topology's chip.
+_CALIBRATION_HW = {"h100": "h800", "v5p": "tpu_v5p", "v5e": "tpu_v5e", "v6e": "tpu_v6e"}
 
 
 def _instances(paths: str) -> dict[str, calibrate.Instance]:
@@ -114,7 +115,7 @@ def _instances(paths: str) -> dict[str, calibrate.Instance]:
                     f"--compiled={path}: no max_len (plan_pod had not recorded its knobs)"
                 )
             model = setting["model"].removesuffix("_shape").replace("_", "-")
-            hw = setting.get("hardware", "")
+            hw = setting.get("hardware") or setting.get("topology", "").split(":")[0]
             out[model] = calibrate.Instance(
                 hw=_CALIBRATION_HW.get(hw, hw),
                 instance_tp=chosen["generation"]["instance_tp"],
