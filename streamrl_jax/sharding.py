@@ -36,6 +36,7 @@ _TENSOR_PARALLEL: Rules = {
     "mlp": "tp",
     "norm": None,
     "layers": None,
+    "lora_rank": None,
 }
 
 # Experts (MoE): expert parallelism over "fsdp" in training (the expert dimension takes

@@ -34,6 +34,7 @@ from streamrl_jax.config.sections import (
     MeshSection,
     PipelineSection,
 )
+from streamrl_jax.model.lora import TARGETS as LORA_TARGETS
 
 
 def validate(cfg: ExperimentConfig) -> ExperimentConfig:
@@ -158,6 +159,14 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         not cfg.model.routing_replay or cfg.model.source not in ("smollm2", "tiny"),
         f"model.routing_replay: model.source={cfg.model.source!r} is a dense model (routing "
         "replay is for mixture-of-experts models: a Qwen3-MoE or Mixtral checkpoint)",
+    )
+    lora = cfg.trainer.lora
+    require(lora.rank >= 0, f"trainer.lora.rank must be >= 0 (0 = off), got {lora.rank}")
+    require(lora.alpha > 0, f"trainer.lora.alpha must be > 0, got {lora.alpha}")
+    require(
+        bool(lora.targets) and set(lora.targets) <= set(LORA_TARGETS),
+        f"trainer.lora.targets must be a non-empty subset of {LORA_TARGETS}, got "
+        f"{tuple(lora.targets)}",
     )
     require(
         cfg.data.train_seed != cfg.data.eval_seed,

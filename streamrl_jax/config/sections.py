@@ -218,6 +218,17 @@ class CriticSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraSection:
+    """LoRA: the policy trains adapters of rank `rank` on the `targets` matrices of every
+    block, the base stays frozen (model/lora.py; docs/model.md, "LoRA")."""
+
+    rank: int = 0  # 0 = full fine-tuning
+    alpha: float = 16.0  # the adapters' scale is alpha / rank
+    # of q, k, v, o, gate, up, down (a mixture of experts' gate/up/down: its experts')
+    targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainerSection:
     """How the trainer lays out a micro-batch (trainer/batch.py, trainer/packing.py).
 
@@ -232,6 +243,7 @@ class TrainerSection:
     # longest training row in tokens; a longer group is split over rows, each with the
     # prompt (0 = auto: max(model.max_context, min(the longest possible group, 1024)))
     row_tokens: int = 0
+    lora: LoraSection = LoraSection()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

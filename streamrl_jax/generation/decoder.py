@@ -189,7 +189,7 @@ def from_training_layout(
     if weight_dtype not in quant.WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype={weight_dtype!r}; expected one of {quant.WEIGHT_DTYPES}")
     model = nnx.merge(graphdef, params)
-    stacked = model.layers.arrays()
+    stacked = model.layers.merged_arrays(cfg.lora_scale)  # LoRA merged (else the weights)
     e, h, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     g, dt = h // k, cfg.jnp_dtype
 

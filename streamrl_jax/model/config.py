@@ -30,6 +30,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from streamrl_jax.model.lora import TARGETS as LORA_TARGETS
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # What the backward keeps of a decoder block (`ModelConfig.remat`, `Llama._run_blocks`).
 REMAT_POLICIES = ("dots_attention", "minimal", "full", "none")
@@ -135,6 +137,11 @@ class ModelConfig:
       bos_token_id / eos_token_ids: from the checkpoint, informational.
       scan_layers: the blocks are applied by one `jax.lax.scan` (compile time independent
         of depth); False unrolls it.
+      lora_rank: LoRA adapters of rank r on the `lora_targets` matrices of every block
+        (`model/lora.py`); 0 = none.
+      lora_alpha: the adapters' scale is lora_alpha / lora_rank.
+      lora_targets: the adapted matrices, of `lora.TARGETS` (q, k, v, o, gate, up,
+        down; a mixture of experts' gate/up/down are its experts').
       scan_unroll: blocks per step of that scan. XLA's cost analysis counts a loop body
         once, so `tools/plan_pod.py` reads a block's FLOPs and bytes off the difference
         of compiles with 2 and 1 blocks a step.
@@ -174,6 +181,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     scan_layers: bool = True
     scan_unroll: int = 1
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
 
     def __post_init__(self) -> None:
         for name in (*SHAPE_FIELDS, "max_position_embeddings"):
@@ -190,6 +200,17 @@ class ModelConfig:
                 f"ModelConfig.causal_block must be an int >= 0 (0: no blocks), got "
                 f"{self.causal_block!r}"
             )
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(f"ModelConfig.lora_rank must be an int >= 0, got {self.lora_rank!r}")
+        if self.lora_rank:
+            unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
+            if unknown or not self.lora_targets:
+                raise ValueError(
+                    f"ModelConfig.lora_targets must be a non-empty subset of {LORA_TARGETS}, "
+                    f"got {tuple(self.lora_targets)!r}"
+                )
+            if not self.lora_alpha > 0:
+                raise ValueError(f"ModelConfig.lora_alpha must be > 0, got {self.lora_alpha!r}")
         if not isinstance(self.scan_unroll, int) or self.scan_unroll < 1:
             raise ValueError(
                 f"ModelConfig.scan_unroll must be an int >= 1, got {self.scan_unroll!r}"
@@ -241,6 +262,11 @@ class ModelConfig:
     @property
     def jnp_dtype(self) -> Any:
         return _DTYPES[self.dtype]
+
+    @property
+    def lora_scale(self) -> float:
+        """The adapters' scale, lora_alpha / lora_rank."""
+        return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
 
     def replace(self, **kwargs: Any) -> ModelConfig:
         return dataclasses.replace(self, **kwargs)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from streamrl_jax.model import layers, vocab_head
+from streamrl_jax.model import layers, lora, vocab_head
 from streamrl_jax.model.config import ModelConfig
 from streamrl_jax.model.segments import Segments
 
@@ -111,17 +111,41 @@ def _init(kind: str, rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jax.Array
 
 
 class DecoderStack(nnx.Module):
-    """The L decoder blocks, each parameter stacked along a leading `layers` axis."""
+    """The L decoder blocks, each parameter stacked along a leading `layers` axis; with
+    `cfg.lora_rank`, LoRA adapters `<name>_lora_a` / `<name>_lora_b` (`nnx.LoRAParam`) of
+    the targeted matrices (`model/lora.py`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         table = _block_table(cfg)
-        for name, (shape, axes) in block_param_specs(cfg).items():
+        specs = block_param_specs(cfg)
+        for name, (shape, axes) in specs.items():
             value = _init(table[name][2], rngs, shape, cfg.jnp_param_dtype)
             setattr(self, name, nnx.Param(value, axes=axes))
         self.names = tuple(table)
+        adapters = {}
+        if cfg.lora_rank:
+            adapters = lora.adapter_specs(specs, cfg.lora_targets, cfg.lora_rank, cfg.num_experts)
+        for name, ((a_shape, a_axes), (b_shape, b_axes)) in adapters.items():
+            a = lora.init_a(rngs.params(), name, a_shape, cfg.jnp_param_dtype)
+            setattr(self, f"{name}_lora_a", nnx.LoRAParam(a, axes=a_axes))
+            b = jnp.zeros(b_shape, cfg.jnp_param_dtype)
+            setattr(self, f"{name}_lora_b", nnx.LoRAParam(b, axes=b_axes))
+        self.adapted = tuple(adapters)
 
     def arrays(self) -> dict[str, jax.Array]:
+        """The base weights, stacked (without the adapters: `merged_arrays`)."""
         return {name: getattr(self, name)[...] for name in self.names}
+
+    def adapters(self) -> dict[str, tuple[jax.Array, jax.Array]]:
+        """{adapted parameter: (A, B)}, stacked; empty without LoRA."""
+        return {
+            n: (getattr(self, f"{n}_lora_a")[...], getattr(self, f"{n}_lora_b")[...])
+            for n in self.adapted
+        }
+
+    def merged_arrays(self, scale: float) -> dict[str, jax.Array]:
+        """The weights the blocks compute with: each adapted W + scale * A B."""
+        return lora.merged(self.arrays(), self.adapters(), scale)
 
 
 def remat_policy(name: str) -> Callable[..., bool]:
@@ -215,7 +239,8 @@ class Llama(nnx.Module):
         replay = None if routes is None else jnp.moveaxis(routes, 2, 0)  # [L, B, T, k]
 
         def body(x, per_layer):
-            p, w, r = per_layer
+            p, ad, w, r = per_layer
+            p = lora.merge_layer(p, ad, cfg.lora_scale)  # each layer's own (no adapters: p)
             if cfg.layer_windows:
                 local = w > 0
                 m = mask & (~local | (behind < w))
@@ -226,7 +251,7 @@ class Llama(nnx.Module):
             return out, (None if collect is None else collect(routing))
 
         body = jax.checkpoint(body, policy=remat_policy(cfg.remat))
-        xs = (self.layers.arrays(), windows, replay)
+        xs = (self.layers.arrays(), self.layers.adapters(), windows, replay)
         unroll = cfg.scan_unroll if cfg.scan_layers else True
         x, collected = jax.lax.scan(body, x, xs, unroll=unroll)
         return x if collect is None else (x, collected)

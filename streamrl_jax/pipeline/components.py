@@ -46,6 +46,7 @@ from streamrl_jax.pipeline.meshes import make_meshes, role_meshes
 from streamrl_jax.rewards.base import RewardFn
 from streamrl_jax.rewards.sandbox import Limits
 from streamrl_jax.trainer import critic as critic_lib
+from streamrl_jax.trainer import state as state_lib
 from streamrl_jax.trainer.config import critic_trainer_config, trainer_config
 from streamrl_jax.trainer.state import TrainState
 from streamrl_jax.trainer.step import Trainer, make_policy_trainer
@@ -118,7 +119,19 @@ class Components:
 
 
 def describe_model(cfg: ExperimentConfig) -> Description:
-    """The model's config (in the training dtypes) and tokenizer; reads no weight."""
+    """The model's config (in the training dtypes, with the run's LoRA adapters:
+    `trainer.lora`) and tokenizer; reads no weight."""
+    d = _describe_model(cfg)
+    lora = cfg.trainer.lora
+    if not lora.rank:
+        return d
+    adapted = d.cfg.replace(
+        lora_rank=lora.rank, lora_alpha=lora.alpha, lora_targets=tuple(lora.targets)
+    )
+    return dataclasses.replace(d, cfg=adapted)
+
+
+def _describe_model(cfg: ExperimentConfig) -> Description:
     m = cfg.model
     if m.source == "tiny":
         tokenizer = Tokenizer.from_gguf(smollm2_gguf_path())
@@ -163,23 +176,43 @@ def _training(
     if cfg.model.routing_replay:
         tcfg = tcfg.replace(routing_replay=routes_lib.Spec.of(model_cfg))
     trainer = make_policy_trainer(model_cfg, tcfg, train_mesh, model_seed=cfg.seed)
+    lora = model_cfg.lora_rank > 0
     if cfg.model.source == "tiny":
         state = trainer.init_state(cfg.seed)
-    else:  # described once: only the weights are read here
-        pre = load_weights(d, mesh=train_mesh, role="train")
-        state = trainer.state_from_params(pre.params, cfg.seed)
+    else:  # described once: only the weights are read here (LoRA: the base's)
+        base = dataclasses.replace(d, cfg=model_cfg.replace(lora_rank=0)) if lora else d
+        pre = load_weights(base, mesh=train_mesh, role="train")
+        params = _with_adapters(pre.params, trainer, cfg.seed) if lora else pre.params
+        state = trainer.state_from_params(params, cfg.seed)
     if cfg.init_from:
         from streamrl_jax import checkpoint as ckpt_lib
 
+        # With LoRA the checkpoint gives the base (a full fine-tuning run's weights);
+        # the adapters start new.
+        target = state_lib.frozen(state.params) if lora else state.params
         params = ckpt_lib.restore_params_only(
             cfg.init_from,
-            ckpt_lib.abstract_tree(state.params),
+            ckpt_lib.abstract_tree(target),
             None,
             fingerprint=ckpt_lib.model_fingerprint(model_cfg),
         )
+        if lora:
+            params = _with_adapters(params, trainer, cfg.seed)
         state = trainer.state_from_params(params, cfg.seed)
         logging.info("initial weights from %s", cfg.init_from)
     return trainer, state
+
+
+def _with_adapters(base: Params, trainer: Trainer, seed: int) -> Params:
+    """`base` (a model's params without adapters) and new LoRA adapters (B = 0: the
+    model as it was), in the trainer's sharding."""
+    spec = trainer.spec
+    adapters_sh = state_lib.trainable(trainer.state_shardings.params, True)
+    fresh = jax.jit(
+        lambda: nnx.state(spec.create(spec.model_cfg, seed), nnx.LoRAParam),
+        out_shardings=adapters_sh,
+    )()  # the base's initialisers are dead code here: only the adapters are computed
+    return nnx.merge_state(base, fresh)
 
 
 def engine_config(cfg: ExperimentConfig, tokenizer: Tokenizer, slots: int) -> EngineConfig:

@@ -186,12 +186,13 @@ def make_critic_trainer(
 
     `forward(params, batch)` gives values, `fill_gae(params, batch)` the GAE
     targets; `accumulate`/`apply` train the value loss with the same
-    normaliser contract as the policy.
+    normaliser contract as the policy. The critic trains every parameter: a policy's
+    LoRA setting (`ModelConfig.lora_rank`) does not carry over to it.
     """
     return build_trainer(
         "critic",
         create,
-        model_cfg,
+        model_cfg.replace(lora_rank=0),
         cfg,
         mesh,
         model_seed=model_seed,

@@ -32,7 +32,8 @@ class TrainState:
 
     Attributes:
       params: nnx.State of the model's Params; float32 master weights, FSDP-sharded.
-      opt_state: optax state (AdamW moments sharded like `params`, counts replicated).
+      opt_state: optax state of the `trainable` params (AdamW moments sharded like
+        them, counts replicated): all params, or with LoRA the adapters only.
       step: i32[] optimizer steps taken so far (replicated).
       rng: key[] typed PRNG key, replicated (for stochastic losses; unused by the
         deterministic policy loss, carried so checkpoints are complete).
@@ -49,7 +50,7 @@ class GradAccumulator:
     """Sum of micro-batch gradients and metrics since the last optimizer step.
 
     Attributes:
-      grads: nnx.State, f32, same structure and shardings as `TrainState.params`:
+      grads: nnx.State, f32, the structure and shardings of the `trainable` params:
         sum over micro-batches of d(S_micro / normalizer)/d params.
       metrics: f32[] additive metrics summed over micro-batches (loss terms
         divided by the `normalizer` given to `accumulate`; `*_sum` token sums;
@@ -65,32 +66,48 @@ class GradAccumulator:
     num_micro_batches: jax.Array
 
 
+def trainable(params: nnx.State, lora: bool) -> nnx.State:
+    """The params the optimizer updates: all, or with LoRA the adapters (`nnx.LoRAParam`);
+    the rest (`frozen`) stay as they are."""
+    return params.filter(nnx.LoRAParam) if lora else params
+
+
+def frozen(params: nnx.State) -> nnx.State:
+    """The params LoRA training leaves unchanged: all but the adapters."""
+    return params.filter(nnx.Not(nnx.LoRAParam))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     """A sharding that puts a full copy on every device of `mesh`."""
     return NamedSharding(mesh, PartitionSpec())
 
 
 def train_state_shardings(
-    abstract_params: nnx.State, optimizer: optax.GradientTransformation, mesh: Mesh
+    abstract_params: nnx.State,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    lora: bool = False,
 ) -> TrainState:
-    """Shardings of a TrainState: params by the train rules, moments mirror params.
+    """Shardings of a TrainState: params by the train rules, moments mirror the
+    `trainable` params'.
 
     Args:
       abstract_params: nnx.State of ShapeDtypeStructs carrying `axes` metadata.
       optimizer: the optax transformation whose state is sharded.
       mesh: the training mesh, axes ("fsdp", "tp").
+      lora: only the adapters are trained (`trainable`).
 
     Returns:
       A TrainState whose leaves are NamedShardings.
     """
     param_sh = sharding_lib.state_shardings(abstract_params, mesh, "train")
-    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+    abstract_opt = jax.eval_shape(optimizer.init, trainable(abstract_params, lora))
     rep = replicated(mesh)
     opt_sh = optax.tree_map_params(
         optimizer,
         lambda _, sh: sh,
         abstract_opt,
-        param_sh,
+        trainable(param_sh, lora),
         transform_non_params=lambda _: rep,
         is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
@@ -98,13 +115,13 @@ def train_state_shardings(
 
 
 def new_state(
-    params: nnx.State, optimizer: optax.GradientTransformation, seed: jax.Array
+    params: nnx.State, optimizer: optax.GradientTransformation, seed: jax.Array, lora: bool = False
 ) -> TrainState:
     """A step-0 TrainState around `params` (call inside jit, `out_shardings` = the
     `train_state_shardings`, so each device materialises only its own shards)."""
     return TrainState(
         params=params,
-        opt_state=optimizer.init(params),
+        opt_state=optimizer.init(trainable(params, lora)),
         step=jnp.zeros((), jnp.int32),
         rng=jax.random.key(seed),
     )
@@ -120,12 +137,14 @@ def zero_accumulator(params: nnx.State, metric_keys: tuple[str, ...]) -> GradAcc
     )
 
 
-def accumulator_shardings(state_shardings: TrainState, mesh: Mesh) -> GradAccumulator:
-    """Accumulator shardings: grads exactly like params, scalars replicated.
+def accumulator_shardings(
+    state_shardings: TrainState, mesh: Mesh, lora: bool = False
+) -> GradAccumulator:
+    """Accumulator shardings: grads exactly like the `trainable` params, scalars
+    replicated.
 
     `metrics` is given as one replicated sharding (a pytree prefix of the dict).
     """
     rep = replicated(mesh)
-    return GradAccumulator(
-        grads=state_shardings.params, metrics=rep, normalizer_sum=rep, num_micro_batches=rep
-    )
+    grads = trainable(state_shardings.params, lora)
+    return GradAccumulator(grads=grads, metrics=rep, normalizer_sum=rep, num_micro_batches=rep)

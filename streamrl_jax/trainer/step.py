@@ -127,21 +127,27 @@ def _params(spec: StepSpec) -> nnx.State:
     return nnx.split(spec.create(spec.model_cfg, spec.model_seed))[1]
 
 
+def _lora(spec: StepSpec) -> bool:
+    """Only the LoRA adapters are trained (`ModelConfig.lora_rank`)."""
+    return spec.model_cfg.lora_rank > 0
+
+
 def init_state(spec: StepSpec, seed: jax.Array) -> TrainState:
     """A fresh TrainState, model params from the spec's own seed; `seed` seeds `rng`."""
-    return state_lib.new_state(_params(spec), make_optimizer(spec.cfg), seed)
+    return state_lib.new_state(_params(spec), make_optimizer(spec.cfg), seed, _lora(spec))
 
 
 def state_from_params(spec: StepSpec, params: nnx.State, seed: jax.Array) -> TrainState:
     """A TrainState around a copy of `params` (e.g. loaded weights)."""
     params = jax.tree.map(jnp.copy, params)
-    return state_lib.new_state(params, make_optimizer(spec.cfg), seed)
+    return state_lib.new_state(params, make_optimizer(spec.cfg), seed, _lora(spec))
 
 
 def init_accumulator(spec: StepSpec) -> GradAccumulator:
-    """An all-zero GradAccumulator."""
+    """An all-zero GradAccumulator (of the trainable params)."""
     abstract_params = jax.eval_shape(functools.partial(_params, spec))
-    return state_lib.zero_accumulator(abstract_params, spec.metric_keys)
+    trained = state_lib.trainable(abstract_params, _lora(spec))
+    return state_lib.zero_accumulator(trained, spec.metric_keys)
 
 
 def loss_and_metrics(
@@ -170,9 +176,16 @@ def accumulate(
     batch: TrainBatch,
     normalizer: jax.Array,
 ) -> tuple[GradAccumulator, Metrics]:
-    """`acc` plus one micro-batch's gradients of S_micro / normalizer, and its metrics."""
-    grad_fn = jax.value_and_grad(loss_and_metrics, argnums=1, has_aux=True)
-    (_, metrics), grads = grad_fn(spec, state.params, batch, normalizer)
+    """`acc` plus one micro-batch's gradients of S_micro / normalizer, and its metrics
+    (with LoRA of the adapters only: the base is not differentiated)."""
+    if _lora(spec):
+        fixed = state_lib.frozen(state.params)
+        of_adapters = lambda t, *a: loss_and_metrics(spec, nnx.merge_state(t, fixed), *a)
+        grad_fn = jax.value_and_grad(of_adapters, has_aux=True)
+        (_, metrics), grads = grad_fn(state_lib.trainable(state.params, True), batch, normalizer)
+    else:
+        grad_fn = jax.value_and_grad(loss_and_metrics, argnums=1, has_aux=True)
+        (_, metrics), grads = grad_fn(spec, state.params, batch, normalizer)
     part = algorithms.normalizer_part(
         batch.loss_mask, spec.cfg.algorithm.aggregation, batch.segment_ids
     )
@@ -197,8 +210,11 @@ def apply(
     """
     inv = 1.0 / normalizer_total
     grads = jax.tree.map(lambda g: g * inv, acc.grads)
-    updates, opt_state = make_optimizer(spec.cfg).update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    trained = state_lib.trainable(state.params, _lora(spec))
+    updates, opt_state = make_optimizer(spec.cfg).update(grads, state.opt_state, trained)
+    params = optax.apply_updates(trained, updates)
+    if _lora(spec):  # the adapters updated, the base as it was
+        params = nnx.merge_state(params, state_lib.frozen(state.params))
     metrics = algorithms.finalize_metrics(acc.metrics, normalizer_total)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics.get("loss", grad_norm))
@@ -443,8 +459,9 @@ def build_trainer(
     )
     spec = dataclasses.replace(spec, metric_keys=tuple(sorted(abstract_metrics)))
     optimizer = make_optimizer(cfg)
-    state_sh = state_lib.train_state_shardings(abstract_params, optimizer, mesh)
-    acc_sh = state_lib.accumulator_shardings(state_sh, mesh)
+    lora = model_cfg.lora_rank > 0
+    state_sh = state_lib.train_state_shardings(abstract_params, optimizer, mesh, lora)
+    acc_sh = state_lib.accumulator_shardings(state_sh, mesh, lora)
     batch_sh = NamedSharding(mesh, PartitionSpec("fsdp"))
     jitted = _compile(spec, state_sh, acc_sh, batch_sh)
     return Trainer(
