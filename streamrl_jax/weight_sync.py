@@ -17,6 +17,11 @@ the second later (DESIGN.md §5):
 same transfer on a background thread (async mode overlaps it with generation
 and training) and `result(timeout)` collects it. The version travels with the
 weights: a `Published` pair (params, version) is what an engine receives.
+
+With LoRA (`adapters_only`), the first transfer moves every parameter and each
+destination keeps the base it received; later transfers move the adapters
+(`nnx.LoRAParam`) alone, and each destination's `Published` params are those
+adapters with its own base (the engine merges them as it lays the weights out).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any, TypeAlias
 import jax
 import jax.numpy as jnp
 from absl import logging
+from flax import nnx
 
 # A model's parameter pytree (an `nnx.State` of arrays, in a role's sharding and dtype).
 Params: TypeAlias = Any
@@ -78,13 +84,21 @@ def place_on(destination_shardings: Sequence[Any]) -> Mover:
     destinations = list(destination_shardings)
 
     def move(cast: Any, version: int) -> tuple[list[Published], int]:
-        out = [Published(jax.device_put(cast, dst), version) for dst in destinations]
+        out = [Published(jax.device_put(cast, _like(dst, cast)), version) for dst in destinations]
         # Deliberate sync point: the timing must cover the copy, and an engine
         # must not start decoding on weights still in flight.
         jax.block_until_ready([p.params for p in out])
         return out, len(out)
 
     return move
+
+
+def _like(shardings: Any, tree: Any) -> Any:
+    """`shardings` (of every parameter) for `tree`: all of them, or the adapters' alone
+    when `tree` is a LoRA run's adapters (`WeightSync(adapters_only=True)`)."""
+    if jax.tree.structure(shardings) == jax.tree.structure(tree):
+        return shardings
+    return shardings.filter(nnx.LoRAParam)
 
 
 def cast_floats(params: Any, dtype: Any) -> Any:
@@ -100,7 +114,13 @@ class WeightSync:
     """Casts trainer params to the generation dtype and hands them to a `Mover`."""
 
     def __init__(
-        self, dtype: Any, move: Mover, *, cast_sharding: Any = None, name: str = "weight_sync"
+        self,
+        dtype: Any,
+        move: Mover,
+        *,
+        cast_sharding: Any = None,
+        name: str = "weight_sync",
+        adapters_only: bool = False,
     ):
         """Args:
         dtype: generation parameter dtype (floating leaves are cast to it).
@@ -108,10 +128,14 @@ class WeightSync:
         cast_sharding: output sharding of the cast (e.g. replicated, to gather a
           training mesh that spans processes before sending); None keeps the input's.
         name: used in logs and errors.
+        adapters_only: a LoRA run: after the first transfer only the adapters move
+          (module docstring).
         """
         self.dtype = jnp.dtype(dtype)
         self.name = name
         self._move_fn = move
+        self.adapters_only = adapters_only
+        self._bases: list[Any] | None = None  # each destination's base (adapters_only)
         # A collective when `cast_sharding` gathers a mesh spanning processes: every
         # training process runs it, in the same order, on its trainer thread.
         out = {} if cast_sharding is None else {"out_shardings": cast_sharding}
@@ -123,10 +147,30 @@ class WeightSync:
 
     def transfer(self, params: Any, version: int) -> tuple[list[Published], SyncStats]:
         """Casts and moves `params`; blocks until every destination holds them."""
-        return self._move(self._cast(params), version, time.perf_counter())
+        t0 = time.perf_counter()
+        return self._move(self._cast(self._what(params)), version, t0)
+
+    def _what(self, params: Any) -> Any:
+        """What moves: every parameter, or once the bases are in place the adapters."""
+        if self.adapters_only and self._bases is not None:
+            return params.filter(nnx.LoRAParam)
+        return params
 
     def _move(self, cast: Any, version: int, t0: float) -> tuple[list[Published], SyncStats]:
         out, destinations, *report = self._move_fn(cast, version)
+        if self.adapters_only:
+            if self._bases is None:  # the first transfer: every destination keeps its base
+                self._bases = [p.params.filter(nnx.Not(nnx.LoRAParam)) for p in out]
+            elif len(self._bases) != len(out):
+                raise RuntimeError(
+                    f"{self.name}: {len(out)} destinations, but bases were placed on "
+                    f"{len(self._bases)} (an adapter-only sync needs the same destinations)"
+                )
+            else:
+                out = [
+                    Published(nnx.merge_state(p.params, base), p.version)
+                    for p, base in zip(out, self._bases, strict=True)
+                ]
         stats = SyncStats(
             version=version,
             bytes=tree_bytes(cast),
@@ -167,7 +211,7 @@ class WeightSync:
             raise RuntimeError(f"{self.name}: a transfer is already in flight; call result()")
         self._result, self._error = None, None
         t0 = time.perf_counter()
-        cast = self._cast(params)
+        cast = self._cast(self._what(params))
 
         def run():
             try:

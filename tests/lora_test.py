@@ -223,3 +223,41 @@ def test_the_main_job_trains_a_lora_adapter_and_resumes_it_exactly(tmp_path):
         np.testing.assert_array_equal(x, y)
     with pytest.raises(ValueError, match="trainer.lora.targets must be a non-empty subset"):
         tiny_config(trainer__lora={"rank": 4, "targets": ("qkv",)})
+
+
+def test_an_adapter_only_sync_moves_the_adapters_and_publishes_the_whole_model():
+    # The first transfer places every parameter on each destination, which keeps its
+    # base; later ones move the adapters alone and publish them with that base: the
+    # same arrays a whole transfer would have placed, bitwise.
+    from streamrl_jax import sharding
+    from streamrl_jax.weight_sync import WeightSync, place_on, tree_bytes
+
+    model = _with_random_b(llama.create(LORA, seed=10), seed=11)
+    params = nnx.state(model)
+    dst = [
+        sharding.state_shardings(params, Mesh(np.array([d]), ("tp",)), "generate")
+        for d in jax.devices()[1:3]
+    ]
+    whole = WeightSync(jnp.bfloat16, place_on(dst))
+    lean = WeightSync(jnp.bfloat16, place_on(dst), adapters_only=True)
+    _, first = lean.transfer(params, 0)
+    assert first.bytes == tree_bytes(whole._cast(params))
+    later = jax.tree.map(lambda x: x * 1.5, params)  # a later version, every leaf moved
+    published, stats = lean.transfer(later, 1)
+    adapters = later.filter(nnx.LoRAParam)
+    assert stats.bytes == tree_bytes(whole._cast(adapters)) < first.bytes / 10
+    want, _ = whole.transfer(jax.tree.map(lambda x: x, params), 0)
+    want = [w.params.filter(nnx.Not(nnx.LoRAParam)) for w in want]  # the kept base
+    for p, base, d in zip(published, want, jax.devices()[1:3], strict=True):
+        assert p.version == 1
+        assert jax.tree.structure(p.params) == jax.tree.structure(params)
+        got_base = p.params.filter(nnx.Not(nnx.LoRAParam))
+        for x, y in zip(jax.tree.leaves(got_base), jax.tree.leaves(base), strict=True):
+            np.testing.assert_array_equal(x, y)
+        for x, y in zip(
+            jax.tree.leaves(p.params.filter(nnx.LoRAParam)),
+            jax.tree.leaves(whole._cast(adapters)),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(x, y)
+            assert x.devices() == {d}

@@ -358,7 +358,11 @@ def _components(
     parts = None
     if make_weight_sync is None:
         parts = _generation_parts(cfg, model_cfg, tokenizer, meshes.generate)
-        weight_sync = WeightSync(parts.model_cfg.jnp_param_dtype, place_on(parts.param_shardings))
+        weight_sync = WeightSync(
+            parts.model_cfg.jnp_param_dtype,
+            place_on(parts.param_shardings),
+            adapters_only=model_cfg.lora_rank > 0,
+        )
     else:
         dtype = model_cfg.replace(param_dtype=cfg.model.generate_dtype).jnp_param_dtype
         weight_sync = make_weight_sync(state.params, dtype)
