@@ -5,6 +5,9 @@ compute what the training forward computes (dense and mixture-of-experts)."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
-from support import CFG, ENGINE, make_engine, requests
+from support import CFG, ENGINE, ROOT, make_engine, requests
 
 from streamrl_jax import mesh as mesh_lib
 from streamrl_jax.config import OptimizerSection
@@ -20,6 +23,7 @@ from streamrl_jax.generation.engine import Engine
 from streamrl_jax.generation.types import SamplingParams
 from streamrl_jax.model import config as model_config
 from streamrl_jax.model import llama, lora
+from streamrl_jax.model.loader import load_pretrained
 from streamrl_jax.trainer import TrainerConfig, make_batch, make_policy_trainer
 
 LORA = CFG.replace(lora_rank=4, lora_alpha=8.0)
@@ -221,6 +225,23 @@ def test_the_main_job_trains_a_lora_adapter_and_resumes_it_exactly(tmp_path):
     assert resumed.start_batch == 1
     for x, y in zip(param_arrays(result), param_arrays(resumed), strict=True):
         np.testing.assert_array_equal(x, y)
+    # tools/export_hf.py: the trained policy, adapters merged, as an HF directory that
+    # the loader reads back with the adapted model's logits.
+    out = tmp_path / "hf"
+    cmd = [sys.executable, "tools/export_hf.py", "--config=configs/quickstart.py:tiny",
+           "--config.pipeline.steps=2", "--config.warmup.steps=0",
+           "--config.trainer.lora.rank=4", "--config.trainer.lora.alpha=8.0",
+           "--config.trainer.lora.targets=('q','v','down')",
+           f"--checkpoint={tmp_path / 'run' / 'checkpoints'}", f"--out={out}"]  # fmt: skip
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=300,
+                   env=dict(os.environ, JAX_PLATFORMS="cpu"))  # fmt: skip
+    trained = llama.create(model_cfg)
+    nnx.update(trained, end)
+    tokens, mask = _batch(model_cfg, seed=5)
+    back = load_pretrained(str(out), max_position_embeddings=model_cfg.max_position_embeddings)
+    np.testing.assert_allclose(
+        _logits(back.model(), tokens, mask), _logits(trained, tokens, mask), atol=1e-5
+    )
     with pytest.raises(ValueError, match="trainer.lora.targets must be a non-empty subset"):
         tiny_config(trainer__lora={"rank": 4, "targets": ("qkv",)})
 

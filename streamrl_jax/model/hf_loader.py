@@ -70,7 +70,7 @@ _HF_GEMMA_NORMS = {
 }
 
 
-def _hf_block(cfg: ModelConfig) -> dict[str, str]:
+def hf_block(cfg: ModelConfig) -> dict[str, str]:
     """Our block param name -> HF per-layer tensor suffix, for the params `cfg` has."""
     table = dict(_HF_BLOCK, **(_HF_GEMMA_NORMS if cfg.sandwich_norms else {}))
     drop = set()
@@ -232,7 +232,7 @@ def stack_hf_weights(tensors: dict[str, np.ndarray], cfg: ModelConfig, source: s
     out = {"embed": get("model.embed_tokens.weight"), "final_norm": get("model.norm.weight")}
     if not cfg.tie_embeddings:
         out["lm_head"] = get("lm_head.weight")
-    for ours, suffix in _hf_block(cfg).items():
+    for ours, suffix in hf_block(cfg).items():
         layers = [get(f"model.layers.{i}.{suffix}") for i in range(cfg.num_layers)]
         shapes = {a.shape for a in layers}
         if len(shapes) != 1:
