@@ -5,12 +5,11 @@ checkpoint's own config copied)."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from support import hf_run_dir
+from support import hf_run_dir, random_adapters
 
 from streamrl_jax.model import config as model_config
 from streamrl_jax.model import hf_export, llama
@@ -27,16 +26,6 @@ def _logits(model) -> np.ndarray:
     return np.asarray(model.logits(model.hidden_states(t, jnp.ones_like(t))))
 
 
-def _train_adapters(model, seed: int):
-    """Every adapter's B drawn (a new one is zero: the export would equal the base)."""
-    key = jax.random.key(seed)
-    for name in model.layers.adapted:
-        b = getattr(model.layers, f"{name}_lora_b")
-        key, sub = jax.random.split(key)
-        b[...] = 0.05 * jax.random.normal(sub, b[...].shape, b[...].dtype)
-    return model
-
-
 def _hf_logits(directory: str) -> np.ndarray:
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float32)
     with torch.no_grad():
@@ -45,7 +34,7 @@ def _hf_logits(directory: str) -> np.ndarray:
 
 def test_a_merged_lora_export_reads_back_with_the_adapted_logits(tmp_path):
     cfg = model_config.tiny(vocab_size=128, lora_rank=4, lora_alpha=8.0)
-    model = _train_adapters(llama.create(cfg, seed=1), seed=2)
+    model = random_adapters(llama.create(cfg, seed=1), seed=2)
     want = _logits(model)
     assert np.abs(want - _logits(llama.create(cfg, seed=1))).max() > 1e-3  # adapters matter
     out = hf_export.export(model, cfg, str(tmp_path / "export"))
@@ -63,7 +52,7 @@ def test_a_moe_checkpoint_exports_under_its_own_config(tmp_path):
     cfg = pre.cfg.replace(lora_rank=2, lora_alpha=4.0)
     model = llama.create(cfg, seed=3)
     nnx.update(model, pre.params)  # the checkpoint's base under new adapters
-    model = _train_adapters(model, seed=4)
+    model = random_adapters(model, seed=4)
     want = _logits(model)
     out = hf_export.export(model, cfg, str(tmp_path / "export"), source=source)
     np.testing.assert_allclose(_logits(load_pretrained(out).model()), want, atol=1e-5, rtol=1e-5)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
-from support import CFG, ENGINE, ROOT, make_engine, requests
+from support import CFG, ENGINE, ROOT, make_engine, random_adapters, requests
 
 from streamrl_jax import mesh as mesh_lib
 from streamrl_jax.config import OptimizerSection
@@ -41,16 +41,6 @@ def _batch(cfg, seed=0, b=2, t=12):
 
 def _logits(model, tokens, mask):
     return model.logits(model.hidden_states(tokens, mask))
-
-
-def _with_random_b(model: llama.Llama, seed: int) -> llama.Llama:
-    """`model` with every B drawn (a new adapter's B is zero: its gradient of A is too)."""
-    key = jax.random.key(seed)
-    for name in model.layers.adapted:
-        b = getattr(model.layers, f"{name}_lora_b")
-        key, sub = jax.random.split(key)
-        b[...] = 0.05 * jax.random.normal(sub, b[...].shape, b[...].dtype)
-    return model
 
 
 def _base_twin(model: llama.Llama, cfg) -> llama.Llama:
@@ -84,7 +74,7 @@ def test_the_adapter_gradient_is_the_full_gradient_through_the_adapter(cfg):
     tokens, mask = _batch(cfg, seed=1)
     weights = jax.random.normal(jax.random.key(9), (*tokens.shape, cfg.vocab_size))
     loss = lambda m: jnp.sum(_logits(m, tokens, mask) * weights * mask[..., None])
-    model = _with_random_b(llama.create(cfg, seed=4), seed=5)
+    model = random_adapters(llama.create(cfg, seed=4), seed=5)
     graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
     got = jax.grad(lambda a: loss(nnx.merge(graphdef, a, rest)))(adapters)
     twin = _base_twin(model, cfg)
@@ -111,7 +101,7 @@ def test_the_adapter_gradient_is_the_full_gradient_through_the_adapter(cfg):
 @pytest.mark.parametrize("cfg", [LORA, MOE], ids=["dense", "moe"])
 def test_merged_weights_compute_what_the_adapted_model_computes(cfg):
     tokens, mask = _batch(cfg, seed=2)
-    model = _with_random_b(llama.create(cfg, seed=6), seed=7)
+    model = random_adapters(llama.create(cfg, seed=6), seed=7)
     adapted = _logits(model, tokens, mask)
     merged = _logits(_base_twin(model, cfg), tokens, mask)
     np.testing.assert_allclose(adapted, merged, atol=1e-5, rtol=1e-5)
@@ -121,7 +111,7 @@ def test_merged_weights_compute_what_the_adapted_model_computes(cfg):
 def test_the_engine_decodes_the_merged_adapted_model():
     # The generation side merges the adapters when it lays out the weights: the engine
     # of an adapted model draws what the engine of its merged twin draws.
-    model = _with_random_b(llama.create(LORA, seed=8), seed=9)
+    model = random_adapters(llama.create(LORA, seed=8), seed=9)
     twin = _base_twin(model, LORA)
     g_def, params = nnx.split(model)
     t_def, t_params = nnx.split(twin)
@@ -253,7 +243,7 @@ def test_an_adapter_only_sync_moves_the_adapters_and_publishes_the_whole_model()
     from streamrl_jax import sharding
     from streamrl_jax.weight_sync import WeightSync, place_on, tree_bytes
 
-    model = _with_random_b(llama.create(LORA, seed=10), seed=11)
+    model = random_adapters(llama.create(LORA, seed=10), seed=11)
     params = nnx.state(model)
     dst = [
         sharding.state_shardings(params, Mesh(np.array([d]), ("tp",)), "generate")

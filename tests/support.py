@@ -462,3 +462,14 @@ def randomize_hf(model: Any, seed: int = 0) -> Any:
             noise = torch.randn(p.shape, generator=gen)
             p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.15 * noise)
     return model.eval()
+
+
+def random_adapters(model: Any, seed: int) -> Any:
+    """`model` (a LoRA-adapted `llama.Llama`) with every adapter's B drawn: a new adapter's
+    B is zero, which would leave the model as it was and A without a gradient."""
+    key = jax.random.key(seed)
+    for name in model.layers.adapted:
+        b = getattr(model.layers, f"{name}_lora_b")
+        key, sub = jax.random.split(key)
+        b[...] = 0.05 * jax.random.normal(sub, b[...].shape, b[...].dtype)
+    return model
