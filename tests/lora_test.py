@@ -15,7 +15,15 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
-from support import CFG, ENGINE, ROOT, make_engine, random_adapters, requests
+from support import (
+    CFG,
+    ENGINE,
+    ROOT,
+    make_engine,
+    policy_samples,
+    random_adapters,
+    requests,
+)
 
 from streamrl_jax import mesh as mesh_lib
 from streamrl_jax.config import OptimizerSection
@@ -133,20 +141,6 @@ def test_bad_lora_settings_are_named():
         CFG.replace(lora_rank=2, lora_alpha=0.0)
 
 
-def _samples(n=4, seed=0):
-    rng = np.random.default_rng(seed)
-    responses = [rng.integers(0, CFG.vocab_size, rng.integers(2, 10)) for _ in range(n)]
-    behaviour = [rng.normal(-4.0, 0.3, len(r)).astype(np.float32) for r in responses]
-    return dict(
-        prompts=[rng.integers(0, CFG.vocab_size, rng.integers(1, 8)) for _ in range(n)],
-        responses=responses,
-        behaviour_logp=behaviour,
-        old_logp=behaviour,
-        ref_logp=behaviour,
-        advantages=rng.normal(size=n).astype(np.float32),
-    )
-
-
 def test_lora_training_differentiates_and_optimizes_the_adapters_alone():
     # The accumulator and AdamW's moments hold the adapters only; after two steps the
     # base weights are bitwise what they were and every adapter B has moved off zero.
@@ -168,7 +162,9 @@ def test_lora_training_differentiates_and_optimizes_the_adapters_alone():
     assert jax.tree.structure(acc.grads) == jax.tree.structure(state.params.filter(nnx.LoRAParam))
     moments = [x.size for x in jax.tree.leaves(state.opt_state) if x.ndim]
     assert sum(moments) == 2 * n_adapter  # AdamW's mu and nu, of the adapters alone
-    batch = trainer.place_batch(make_batch(**_samples(), seq_buckets=(32,), batch_buckets=(4,)))
+    batch = trainer.place_batch(
+        make_batch(**policy_samples(vocab=CFG.vocab_size), seq_buckets=(32,), batch_buckets=(4,))
+    )
     for _ in range(2):
         acc, _ = trainer.accumulate(state, acc, batch, trainer.scalar(1.0))
         state, acc, metrics = trainer.apply(state, acc)

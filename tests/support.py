@@ -473,3 +473,20 @@ def random_adapters(model: Any, seed: int) -> Any:
         key, sub = jax.random.split(key)
         b[...] = 0.05 * jax.random.normal(sub, b[...].shape, b[...].dtype)
     return model
+
+
+def policy_samples(n: int = 4, seed: int = 0, vocab: int = 256, advantages=None) -> dict:
+    """`trainer.make_batch` inputs of `n` random samples: prompts of 1-7 tokens, responses
+    of 2-9, behaviour (= old = reference) log-probs near -4, the given per-sample
+    `advantages` (random normal when None)."""
+    rng = np.random.default_rng(seed)
+    responses = [rng.integers(0, vocab, rng.integers(2, 10)) for _ in range(n)]
+    behaviour = [rng.normal(-4.0, 0.3, len(r)).astype(np.float32) for r in responses]
+    return dict(
+        prompts=[rng.integers(0, vocab, rng.integers(1, 8)) for _ in range(n)],
+        responses=responses,
+        behaviour_logp=behaviour,
+        old_logp=behaviour,
+        ref_logp=behaviour,
+        advantages=rng.normal(size=n).astype(np.float32) if advantages is None else advantages,
+    )

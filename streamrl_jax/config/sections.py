@@ -183,6 +183,12 @@ class AlgorithmSection:
     # linearly in the buffer, all of it at the cap (truncated). 0 = off
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0  # the maximum penalty (reward units), >= 0
+    # On-policy distillation (algorithms/distill.py): a frozen teacher of the policy's
+    # architecture (a run's checkpoint, an HF directory or a GGUF file) scores the
+    # student's tokens; each token's advantage gains distill_coef * (log pi_teacher -
+    # log pi_student). "" = off
+    distill_teacher: str = ""
+    distill_coef: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -106,6 +106,8 @@ class Components:
     trainer: Trainer
     state: TrainState
     ref_params: Params | None  # frozen reference params (None when kl_coef == 0)
+    # the frozen distillation teacher (algorithm.distill_teacher), in the policy's structure
+    teacher_params: Params | None
     critic: Trainer | None  # the PPO value model's trainer (advantage="gae"), else None
     critic_state: TrainState | None
     generation: GenerationParts | None  # None in a training process (generation elsewhere)
@@ -201,6 +203,48 @@ def _training(
         state = trainer.state_from_params(params, cfg.seed)
         logging.info("initial weights from %s", cfg.init_from)
     return trainer, state
+
+
+def _teacher(
+    cfg: ExperimentConfig, d: Description, trainer: Trainer, state: TrainState
+) -> Params | None:
+    """The distillation teacher's params on the training mesh, in the policy's structure
+    (with LoRA, new adapters whose B = 0: the teacher exactly), or None.
+
+    `algorithm.distill_teacher`: an HF directory (config.json) or a GGUF file is loaded as
+    a model of the policy's architecture; any other directory is a run's checkpoint (root
+    or step) whose params are restored."""
+    from streamrl_jax import checkpoint as ckpt_lib
+
+    path = cfg.algorithm.distill_teacher
+    if not path:
+        return None
+    model_cfg = d.cfg
+    ckpt_fingerprint = ckpt_lib.model_fingerprint
+    lora = model_cfg.lora_rank > 0
+    if not os.path.exists(path):
+        raise UserError(f"algorithm.distill_teacher: {path} does not exist")
+    if os.path.isfile(path) or os.path.isfile(os.path.join(path, "config.json")):
+        m = cfg.model
+        teacher = describe(path, param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat)
+        want = ckpt_fingerprint(model_cfg)
+        if ckpt_fingerprint(teacher.cfg) != want:
+            raise UserError(
+                f"algorithm.distill_teacher: {path} is another architecture than the policy "
+                f"({ckpt_fingerprint(teacher.cfg)} against {want})"
+            )
+        params = load_weights(teacher, mesh=trainer.mesh, role="train").params
+    else:
+        target = state_lib.frozen(state.params) if lora else state.params
+        shardings = state_lib.frozen(trainer.state_shardings.params) if lora else None
+        params = ckpt_lib.restore_params_only(
+            path,
+            ckpt_lib.abstract_tree(target),
+            shardings,
+            fingerprint=ckpt_fingerprint(model_cfg),
+        )
+    logging.info("distillation teacher from %s", path)
+    return _with_adapters(params, trainer, cfg.seed) if lora else params
 
 
 def _with_adapters(base: Params, trainer: Trainer, seed: int) -> Params:
@@ -347,6 +391,7 @@ def _components(
         )
         state = trainer.state_from_params(params, cfg.seed)
     ref_params = trainer.copy_params(state.params) if cfg.algorithm.kl_coef > 0 else None
+    teacher_params = _teacher(cfg, d, trainer, state)
     critic = critic_state = None
     if cfg.algorithm.advantage == "gae":
         fsdp = meshes.train.shape["fsdp"]
@@ -377,6 +422,7 @@ def _components(
         trainer=trainer,
         state=state,
         ref_params=ref_params,
+        teacher_params=teacher_params,
         critic=critic,
         critic_state=critic_state,
         generation=parts,

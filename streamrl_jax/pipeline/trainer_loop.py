@@ -32,6 +32,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from streamrl_jax.algorithms import distill
 from streamrl_jax.algorithms.overlong import OverlongPenalty
 from streamrl_jax.metrics import Progress, compile_seconds
 from streamrl_jax.pipeline import micro_batches, precompile
@@ -244,6 +245,15 @@ class TrainerLoop:
             dev = dev.replace(old_logp=t.logprobs(c.state.params, dev))
         if c.ref_params is not None:
             dev = dev.replace(ref_logp=t.logprobs(c.ref_params, dev))
+        if c.teacher_params is not None:
+            # On-policy distillation (algorithms/distill.py): the student's log-probs under
+            # the weights that sampled (as pi_old), the teacher's of the same tokens.
+            student = dev.old_logp if t.cfg.tis_cap is not None else None
+            student = t.logprobs(c.state.params, dev) if student is None else student
+            teacher = t.logprobs(c.teacher_params, dev)
+            coef = t.scalar(self.cfg.algorithm.distill_coef)
+            advantages = distill.with_teacher(dev.advantages, dev.loss_mask, student, teacher, coef)
+            dev = dev.replace(advantages=advantages)
         if c.critic is not None:
             # GAE from the critic's values under its weights from before its update on
             # this batch (per sample: any split into micro-batches gives the same targets).
