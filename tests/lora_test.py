@@ -268,3 +268,34 @@ def test_an_adapter_only_sync_moves_the_adapters_and_publishes_the_whole_model()
         ):
             np.testing.assert_array_equal(x, y)
             assert x.devices() == {d}
+
+
+def test_a_bf16_base_trains_f32_adapters_without_rounding_them_away():
+    # model.param_dtype="bfloat16" with LoRA: the frozen base is stored in bf16 (half the
+    # memory), the adapters and their AdamW moments stay f32, and a layer merges in f32:
+    # an update far below bf16's spacing at the weight still reaches the forward.
+    cfg = LORA.replace(param_dtype="bfloat16")
+    tcfg = TrainerConfig(
+        optimizer=OptimizerSection(learning_rate=1e-3, max_grad_norm=0.0),
+        seq_buckets=(32,),
+        batch_buckets=(4,),
+    )
+    mesh = mesh_lib.make_meshes(mesh_lib.MeshConfig(colocated=True), jax.devices()[:1]).train
+    trainer = make_policy_trainer(cfg, tcfg, mesh)
+    state = trainer.init_state(0)
+    base = jax.tree.leaves(state.params.filter(nnx.Not(nnx.LoRAParam)))
+    adapters = jax.tree.leaves(state.params.filter(nnx.LoRAParam))
+    assert {x.dtype for x in base} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in adapters} == {jnp.dtype(jnp.float32)}
+    assert {x.dtype for x in jax.tree.leaves(state.opt_state) if x.ndim} == {jnp.dtype("float32")}
+    batch = trainer.place_batch(
+        make_batch(**policy_samples(vocab=CFG.vocab_size), seq_buckets=(32,), batch_buckets=(4,))
+    )
+    acc, _ = trainer.accumulate(state, trainer.init_accumulator(), batch, trainer.scalar(1.0))
+    state, _, metrics = trainer.apply(state, acc)
+    assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
+    w = jnp.full((4, 8), 0.02, jnp.bfloat16)  # bf16's spacing at 0.02 is 1.2e-4
+    a, b = jnp.full((4, 2), 1e-3, jnp.float32), jnp.full((2, 8), 1e-3, jnp.float32)
+    got = lora.merge_layer({"q": w}, {"q": (a, b)}, 2.0)["q"]
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, np.float32(w[0, 0]) + 2.0 * 2e-6, rtol=1e-7)

@@ -126,9 +126,11 @@ class DecoderStack(nnx.Module):
         if cfg.lora_rank:
             adapters = lora.adapter_specs(specs, cfg.lora_targets, cfg.lora_rank, cfg.num_experts)
         for name, ((a_shape, a_axes), (b_shape, b_axes)) in adapters.items():
-            a = lora.init_a(rngs.params(), name, a_shape, cfg.jnp_param_dtype)
+            # The adapters are what trains: float32 whatever the base's storage dtype
+            # (`param_dtype="bfloat16"`: a frozen bf16 base, QLoRA-style memory).
+            a = lora.init_a(rngs.params(), name, a_shape, jnp.float32)
             setattr(self, f"{name}_lora_a", nnx.LoRAParam(a, axes=a_axes))
-            b = jnp.zeros(b_shape, cfg.jnp_param_dtype)
+            b = jnp.zeros(b_shape, jnp.float32)
             setattr(self, f"{name}_lora_b", nnx.LoRAParam(b, axes=b_axes))
         self.adapted = tuple(adapters)
 

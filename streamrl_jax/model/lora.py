@@ -84,19 +84,22 @@ def delta(a: jax.Array, b: jax.Array, lead: int) -> jax.Array:
 def merge_layer(
     weights: dict[str, jax.Array], adapters: dict[str, tuple[jax.Array, jax.Array]], scale: float
 ) -> dict[str, jax.Array]:
-    """One layer's weights (no [L] axis) with each adapted matrix W + scale * A B (in W's
-    dtype; exactly W while B is zero)."""
+    """One layer's weights (no [L] axis) with each adapted matrix W + scale * A B, in the
+    wider of W's and the adapters' dtypes (a bf16 base with f32 adapters merges in f32: a
+    small update is not rounded away at the base's precision); exactly W while B is zero."""
     out = dict(weights)
     for name, (a, b) in adapters.items():
         w = weights[name]
-        out[name] = (w.astype(jnp.float32) + scale * delta(a, b, _lead(name))).astype(w.dtype)
+        dt = jnp.promote_types(w.dtype, a.dtype)
+        out[name] = (w.astype(jnp.float32) + scale * delta(a, b, _lead(name))).astype(dt)
     return out
 
 
 def merged(
     stacked: dict[str, jax.Array], adapters: dict[str, tuple[jax.Array, jax.Array]], scale: float
 ) -> dict[str, jax.Array]:
-    """`merge_layer` over the stacked [L, ...] weights (the generation side's weights)."""
+    """`merge_layer` over the stacked [L, ...] weights (the generation side's weights and
+    the export: in W's own dtype)."""
     out = dict(stacked)
     for name, (a, b) in adapters.items():
         w = stacked[name]
