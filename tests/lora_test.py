@@ -141,16 +141,21 @@ def test_bad_lora_settings_are_named():
         CFG.replace(lora_rank=2, lora_alpha=0.0)
 
 
-def test_lora_training_differentiates_and_optimizes_the_adapters_alone():
-    # The accumulator and AdamW's moments hold the adapters only; after two steps the
-    # base weights are bitwise what they were and every adapter B has moved off zero.
+def _trainer(cfg, learning_rate: float):
+    """A policy trainer of `cfg` on one device: micro-batches of 4 x 32, no clipping."""
     tcfg = TrainerConfig(
-        optimizer=OptimizerSection(learning_rate=1e-2, max_grad_norm=0.0),
+        optimizer=OptimizerSection(learning_rate=learning_rate, max_grad_norm=0.0),
         seq_buckets=(32,),
         batch_buckets=(4,),
     )
     mesh = mesh_lib.make_meshes(mesh_lib.MeshConfig(colocated=True), jax.devices()[:1]).train
-    trainer = make_policy_trainer(LORA, tcfg, mesh)
+    return make_policy_trainer(cfg, tcfg, mesh)
+
+
+def test_lora_training_differentiates_and_optimizes_the_adapters_alone():
+    # The accumulator and AdamW's moments hold the adapters only; after two steps the
+    # base weights are bitwise what they were and every adapter B has moved off zero.
+    trainer = _trainer(LORA, learning_rate=1e-2)
     state = trainer.init_state(0)
     host = lambda t: jax.tree.map(lambda x: np.array(x, copy=True), t)
     before = host(state.params)
@@ -275,13 +280,7 @@ def test_a_bf16_base_trains_f32_adapters_without_rounding_them_away():
     # memory), the adapters and their AdamW moments stay f32, and a layer merges in f32:
     # an update far below bf16's spacing at the weight still reaches the forward.
     cfg = LORA.replace(param_dtype="bfloat16")
-    tcfg = TrainerConfig(
-        optimizer=OptimizerSection(learning_rate=1e-3, max_grad_norm=0.0),
-        seq_buckets=(32,),
-        batch_buckets=(4,),
-    )
-    mesh = mesh_lib.make_meshes(mesh_lib.MeshConfig(colocated=True), jax.devices()[:1]).train
-    trainer = make_policy_trainer(cfg, tcfg, mesh)
+    trainer = _trainer(cfg, learning_rate=1e-3)
     state = trainer.init_state(0)
     base = jax.tree.leaves(state.params.filter(nnx.Not(nnx.LoRAParam)))
     adapters = jax.tree.leaves(state.params.filter(nnx.LoRAParam))
