@@ -29,12 +29,12 @@ from streamrl_jax.config.fields import (
     task_configs,
 )
 from streamrl_jax.config.sections import (
+    LORA_TARGETS,
     ConfigError,
     ExperimentConfig,
     MeshSection,
     PipelineSection,
 )
-from streamrl_jax.model.lora import TARGETS as LORA_TARGETS
 
 
 def validate(cfg: ExperimentConfig) -> ExperimentConfig:

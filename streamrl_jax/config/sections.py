@@ -223,6 +223,10 @@ class CriticSection:
     whiten: str = "group"
 
 
+# The matrices a LoRA adapter may target (model/lora.py), by the names users know.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoraSection:
     """LoRA: the policy trains adapters of rank `rank` on the `targets` matrices of every

@@ -24,8 +24,10 @@ import math
 import jax
 import jax.numpy as jnp
 
+from streamrl_jax.config.sections import LORA_TARGETS
+
 # The matrices an adapter may target, by the names users know (PEFT's q_proj ... as q ...).
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+TARGETS = LORA_TARGETS
 # Input dimensions of each target after its leading [L, (experts,)] axes; the rest are
 # output dimensions (o is [L, H, D, E]: two input dimensions).
 _IN_DIMS = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
