@@ -217,28 +217,31 @@ def test_decode_attention_forms_keep_the_samples(model):
         dataclasses.replace(ENGINE, decode_attention="flash")
 
 
-def test_key_layouts_keep_the_samples(model):
+# The elementwise form with [B, K, S, D] keys (no platform's default) runs with -m extended.
+@pytest.mark.parametrize(
+    "attention", ["dot", pytest.param("elementwise", marks=pytest.mark.extended)]
+)
+def test_key_layouts_keep_the_samples(model, attention):
     """Keys [B, K, S, D] (`key_layout="head_dim_minor"`, "auto" off CPU) draw what keys
     [B, K, D, S] draw, with either attention form, through every path of the cache:
     prefill, a shared prompt's fork, the compacted decode buckets, an episode's extension."""
     rng = np.random.default_rng(3)
-    for attention in ("dot", "elementwise"):
-        ds = make_engine(model, decode_attention=attention, key_layout="positions_minor")
-        sd = make_engine(model, decode_attention=attention, key_layout="head_dim_minor")
-        k = CFG.num_kv_heads, CFG.head_dim
-        s = ENGINE.max_total_length
-        assert sd._state.cache.k[0].shape == (ENGINE.num_slots, *k[:1], s, k[1])
-        assert ds._state.cache.k[0].shape == (ENGINE.num_slots, *k, s)
-        reqs = grouped_requests(4)
-        assert_same(by_id(ds.run(reqs)), by_id(sd.run(reqs)))
-        episodes = requests(3, seed=6, max_new_tokens=6, keep_kv=True)
-        first = by_id(ds.run(episodes))
-        assert_same(first, by_id(sd.run(episodes)))
-        env = [rng.integers(0, CFG.vocab_size, size=n).tolist() for n in (2, 5, 1)]
-        turns = [next_turn(r, first[r.request_id], env[i], 4) for i, r in enumerate(episodes)]
-        assert_same(by_id(ds.run(turns)), by_id(sd.run(turns)))
-        assert sd.metrics()["extended"] == ds.metrics()["extended"] == 3
-        assert sd.metrics()["forked"] > 0
+    ds = make_engine(model, decode_attention=attention, key_layout="positions_minor")
+    sd = make_engine(model, decode_attention=attention, key_layout="head_dim_minor")
+    k = CFG.num_kv_heads, CFG.head_dim
+    s = ENGINE.max_total_length
+    assert sd._state.cache.k[0].shape == (ENGINE.num_slots, *k[:1], s, k[1])
+    assert ds._state.cache.k[0].shape == (ENGINE.num_slots, *k, s)
+    reqs = grouped_requests(4)
+    assert_same(by_id(ds.run(reqs)), by_id(sd.run(reqs)))
+    episodes = requests(3, seed=6, max_new_tokens=6, keep_kv=True)
+    first = by_id(ds.run(episodes))
+    assert_same(first, by_id(sd.run(episodes)))
+    env = [rng.integers(0, CFG.vocab_size, size=n).tolist() for n in (2, 5, 1)]
+    turns = [next_turn(r, first[r.request_id], env[i], 4) for i, r in enumerate(episodes)]
+    assert_same(by_id(ds.run(turns)), by_id(sd.run(turns)))
+    assert sd.metrics()["extended"] == ds.metrics()["extended"] == 3
+    assert sd.metrics()["forked"] > 0
     assert ENGINE.keys_positions_minor("cpu")
     assert not ENGINE.keys_positions_minor("tpu") and not ENGINE.keys_positions_minor("gpu")
     with pytest.raises(ValueError, match="EngineConfig.key_layout must be one of"):

@@ -44,6 +44,7 @@ def test_a_merged_lora_export_reads_back_with_the_adapted_logits(tmp_path):
     np.testing.assert_allclose(_hf_logits(out), want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.extended  # the suite's budget: the dense export covers the writer
 def test_a_moe_checkpoint_exports_under_its_own_config(tmp_path):
     extra = dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                  norm_topk_prob=True)  # fmt: skip

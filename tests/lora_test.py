@@ -38,6 +38,12 @@ LORA = CFG.replace(lora_rank=4, lora_alpha=8.0)
 MOE = model_config.tiny(
     num_experts=4, experts_per_token=2, moe_intermediate_size=32, lora_rank=2, lora_alpha=4.0
 )
+# The mixture-of-experts cases run with -m extended (the suite's budget): the dense ones
+# cover the adapters' maths, the MoE ones their expert axis.
+FAMILIES = [
+    pytest.param(LORA, id="dense"),
+    pytest.param(MOE, id="moe", marks=pytest.mark.extended),
+]
 
 
 def _batch(cfg, seed=0, b=2, t=12):
@@ -60,7 +66,7 @@ def _base_twin(model: llama.Llama, cfg) -> llama.Llama:
     return twin
 
 
-@pytest.mark.parametrize("cfg", [LORA, MOE], ids=["dense", "moe"])
+@pytest.mark.parametrize("cfg", FAMILIES)
 def test_a_new_adapter_leaves_the_logits_bitwise_unchanged(cfg):
     tokens, mask = _batch(cfg)
     adapted = llama.create(cfg, seed=3)
@@ -75,7 +81,7 @@ def test_a_new_adapter_leaves_the_logits_bitwise_unchanged(cfg):
     assert float(jnp.abs(a).max()) > 0
 
 
-@pytest.mark.parametrize("cfg", [LORA, MOE], ids=["dense", "moe"])
+@pytest.mark.parametrize("cfg", FAMILIES)
 def test_the_adapter_gradient_is_the_full_gradient_through_the_adapter(cfg):
     # W' = W + s A B: dL/dA = s G B^T and dL/dB = s A^T G, G = dL/dW' of the model whose
     # weights are W' (no adapters). f32 throughout; tolerance 1e-5 relative to G's scale.
@@ -106,7 +112,7 @@ def test_the_adapter_gradient_is_the_full_gradient_through_the_adapter(cfg):
             np.testing.assert_allclose(got_x, want_x, atol=1e-5 * scale, err_msg=name)
 
 
-@pytest.mark.parametrize("cfg", [LORA, MOE], ids=["dense", "moe"])
+@pytest.mark.parametrize("cfg", FAMILIES)
 def test_merged_weights_compute_what_the_adapted_model_computes(cfg):
     tokens, mask = _batch(cfg, seed=2)
     model = random_adapters(llama.create(cfg, seed=6), seed=7)

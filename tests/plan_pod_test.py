@@ -83,7 +83,7 @@ def test_an_oversized_plan_is_reported_as_not_fitting_with_its_role_and_amount()
     assert over >= 128 - 95, line
 
 
-@pytest.mark.parametrize("depth", [6, 5])
+@pytest.mark.parametrize("depth", [6, pytest.param(5, marks=pytest.mark.extended)])
 def test_the_trainer_cost_is_carried_to_full_depth(depth):
     # XLA counts a loop body once: the scanned trainer's FLOPs miss all blocks but one.
     # An even depth reads a block off scanned compiles (1 and 2 blocks a step; on the TPU
