@@ -448,6 +448,7 @@ FREE_TEXT = {
     "data.eval_jsonl_path",
     "scheduling.ranker_path",
     "scheduling.ptl_profile",
+    "algorithm.distill_teacher",  # a checkpoint or model path, checked where it is loaded
     # checked where the environment is built (environments/openenv.py), naming the field
     "environment.openenv",
     "environment.openenv_kwargs",

@@ -54,6 +54,7 @@ from streamrl_jax.config.sections import (
     ExperimentConfig,
     GenerationSection,
     LogSection,
+    LoraSection,
     MeshSection,
     ModelSection,
     OptimizerSection,
@@ -173,6 +174,7 @@ RULES: dict[type, dict[str, _Rule]] = {
         "dual_clip": _Rule(lambda v: v == 0 or v > 1, "0 (off) or > 1"),
         **dict.fromkeys(("kl_coef", "entropy_coef", "tis_cap", "router_aux_coef"), _NONNEG),
         **dict.fromkeys(("overlong_buffer", "overlong_penalty"), _NONNEG),
+        "distill_coef": _POSITIVE,
     },
     OptimizerSection: {
         **dict.fromkeys(("learning_rate", "eps"), _POSITIVE),
@@ -188,6 +190,7 @@ RULES: dict[type, dict[str, _Rule]] = {
         "whiten": _one_of(WHITENING),
     },
     TrainerSection: {"row_tokens": _NONNEG},
+    LoraSection: {"rank": _NONNEG, "alpha": _POSITIVE},  # its targets: config/rules.py
     DataSection: {
         **dict.fromkeys(("train_seed", "eval_seed", "format_reward"), _NONNEG),
         "train_size": _COUNT,

@@ -160,13 +160,8 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         f"model.routing_replay: model.source={cfg.model.source!r} is a dense model (routing "
         "replay is for mixture-of-experts models: a Qwen3-MoE or Mixtral checkpoint)",
     )
-    require(
-        cfg.algorithm.distill_coef > 0,
-        f"algorithm.distill_coef must be > 0, got {cfg.algorithm.distill_coef}",
-    )
     lora = cfg.trainer.lora
-    require(lora.rank >= 0, f"trainer.lora.rank must be >= 0 (0 = off), got {lora.rank}")
-    require(lora.alpha > 0, f"trainer.lora.alpha must be > 0, got {lora.alpha}")
+    check_section("trainer.lora", lora)
     require(
         bool(lora.targets) and set(lora.targets) <= set(LORA_TARGETS),
         f"trainer.lora.targets must be a non-empty subset of {LORA_TARGETS}, got "
