@@ -124,8 +124,9 @@ def test_the_search_keeps_the_cheapest_fitting_knobs_and_the_fastest_plan(monkey
     tried = []
 
     def training(k, devices, hbm, apply=True):
-        tried.append(("train", k.tp, k.remat))
-        need = {"dots_attention": 300, "minimal": 120, "full": 40}[k.remat]
+        per_replica = k.rows // (4 // k.tp)  # 4 training devices
+        tried.append(("train", k.tp, per_replica, k.remat))
+        need = {"dots_attention": 300, "minimal": 120, "full": 40}[k.remat] * per_replica
         return [report("accumulate", need, 1e12, 1e10), report("apply", 8, 0, 1e10)]
 
     def generation(k, devices, hbm):
@@ -137,20 +138,23 @@ def test_the_search_keeps_the_cheapest_fitting_knobs_and_the_fastest_plan(monkey
     monkeypatch.setattr(plan_pod, "plan_generation", generation)
     monkeypatch.setattr(plan_pod, "training_cost", lambda k, d, h, scanned=None: (1e13, 1e11))
     space = {"train_devices": 4, "tps": [1, 2, 3], "remats": ["dots_attention", "minimal", "full"],
-             "rows_per_replica": 1, "instance_tps": [1, 2], "slots": [128, 64, 32],
+             "rows_per_replica": [1, 2], "instance_tps": [1, 2], "slots": [128, 64, 32],
              "global_batch": 32, "granularity": 1, "algorithm": "grpo"}  # fmt: skip
     base = dataclasses.replace(KNOBS, max_len=1024, max_prompt=128)
     chips = np.array([types.SimpleNamespace(platform="tpu") for _ in range(8)])
     got = plan_pod.search(base, chips, 95, "tpu_v5p", space)
-    # TP 3 does not divide 4 training devices; the remat ladder stops at the first fit;
-    # the slot ladder too (64 slots of TP 1 need 106 GiB, 32 need 58; TP 2: 128 need 106)
+    # TP 3 does not divide 4 training devices; the remat ladder stops at the first fit
+    # (each rows option its own: 2 rows a replica fit with `full` only, 80 GiB); the slot
+    # ladder too (64 slots of TP 1 need 106 GiB, 32 need 58; TP 2: 128 need 106)
     assert [t for t in tried if t[0] == "train"] == [
-        ("train", tp, r) for tp in (1, 2) for r in ("dots_attention", "minimal", "full")
+        ("train", tp, rpr, r) for tp in (1, 2) for rpr in (1, 2)
+        for r in ("dots_attention", "minimal", "full")
     ]  # fmt: skip
     assert [t for t in tried if t[0] == "gen"] == [
         ("gen", 1, 128), ("gen", 1, 64), ("gen", 1, 32), ("gen", 2, 128), ("gen", 2, 64)
     ]  # fmt: skip
-    assert len(got["plans"]) == 4 and got["fits"]
+    assert len(got["plans"]) == 8 and got["fits"]
+    assert {p["train"]["rows"] for p in got["plans"]} == {4, 8, 2}  # TP 1: 4, 8; TP 2: 2, 4
     assert {p["train"]["remat"] for p in got["plans"]} == {"full"}
     assert got["chosen"]["step_s"] == min(p["step_s"] for p in got["plans"])
     assert all(p["async_over_colocated"] > 0 and p["scales"] for p in got["plans"])

@@ -399,24 +399,28 @@ def _first_fit(candidates, plan) -> tuple[Any, list[dict]] | None:
 
 
 def search(base: Knobs, devices: np.ndarray, hbm: float, hw_name: str, s: dict) -> dict:
-    """The knob search: for each training TP the cheapest remat policy that fits, for each
-    instance TP the most KV slots that fit, on the compiled split; then every fitting pair
-    simulated (stream_async and colocated, `s["algorithm"]`, the paper's length trace) with the
-    compiled costs (`simulation.compiled`); the plan with the shortest predicted step."""
+    """The knob search: for each training TP and micro-batch rows per replica the cheapest
+    remat policy that fits, for each instance TP the most KV slots that fit, on the
+    compiled split; then every fitting pair simulated (stream_async and colocated,
+    `s["algorithm"]`, the paper's length trace) with the compiled costs
+    (`simulation.compiled`); the plan with the shortest predicted step."""
     n = len(devices)
     n_train = s["train_devices"]
     train_dev, gen_dev = devices[:n_train], devices[n_train:]
     trains = []
+    per_replica = s["rows_per_replica"]
+    per_replica = [per_replica] if isinstance(per_replica, int) else list(per_replica)
     for tp in s["tps"]:
         if n_train % tp:
             continue
-        rows = (n_train // tp) * s["rows_per_replica"]
-        knobs = [dataclasses.replace(base, tp=tp, rows=rows, remat=r) for r in s["remats"]]
-        got = _first_fit(knobs, lambda k: plan_training(k, train_dev, hbm))
-        if got:
-            analysed = train_dev.flat[0].platform == "tpu"  # XLA:GPU gives no cost analysis
-            cost = training_cost(got[0], train_dev, hbm, got[1][0]) if analysed else (0.0, 0.0)
-            trains.append((*got, cost))
+        for rpr in per_replica:  # micro-batch rows per data replica
+            rows = (n_train // tp) * rpr
+            knobs = [dataclasses.replace(base, tp=tp, rows=rows, remat=r) for r in s["remats"]]
+            got = _first_fit(knobs, lambda k: plan_training(k, train_dev, hbm))
+            if got:
+                analysed = train_dev.flat[0].platform == "tpu"  # XLA:GPU: no cost analysis
+                cost = training_cost(got[0], train_dev, hbm, got[1][0]) if analysed else (0, 0)
+                trains.append((*got, cost))
     gens = []
     for itp in s["instance_tps"]:
         if itp > len(gen_dev):
@@ -541,7 +545,7 @@ def main(argv) -> None:
         if FLAGS.search or FLAGS.quick:
             space = {
                 "train_devices": n_train, "tps": _ints(FLAGS.tps), "remats": FLAGS.remats,
-                "rows_per_replica": FLAGS.rows_per_replica,
+                "rows_per_replica": _ints(FLAGS.rows_per_replica),
                 "instance_tps": _ints(FLAGS.instance_tps),
                 "slots": _ints(FLAGS.slot_options), "global_batch": FLAGS.global_batch,
                 "granularity": FLAGS.granularity, "algorithm": FLAGS.algorithm,
@@ -613,7 +617,11 @@ def _define_flags() -> None:
         ["dots_attention", "minimal", "full"],
         "--search: remat policies, cheapest first (the first that fits wins).",
     )
-    flags.DEFINE_integer("rows_per_replica", 1, "--search: micro-batch rows per data replica.")
+    flags.DEFINE_string(
+        "rows_per_replica",
+        "1",
+        "--search: micro-batch rows per data replica to try (e.g. 1,2: each a training plan).",
+    )
     flags.DEFINE_string("instance_tps", "1,2,4", "--search: devices per generation instance.")
     flags.DEFINE_string(
         "slot_options",
