@@ -215,6 +215,12 @@ def test_the_main_job_trains_a_lora_adapter_and_resumes_it_exactly(tmp_path):
         np.testing.assert_array_equal(x, y)
     for name in ("q", "v", "down"):
         assert np.abs(end["layers"][f"{name}_lora_b"][...]).max() > 0, name
+    # The checkpoint holds the adapters (and their moments), not the base: a fraction of
+    # the model's bytes (the base is the model's source, loaded again on resume).
+    step_dir = tmp_path / "run" / "checkpoints" / "2"
+    on_disk = sum(f.stat().st_size for f in step_dir.rglob("*") if f.is_file())
+    base_bytes = sum(x.nbytes for x in base(end))
+    assert on_disk < base_bytes / 4, (on_disk, base_bytes)
     # Killed after step 1 and resumed from its checkpoint: bitwise the uninterrupted run.
     one = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, steps=1))
     run_lib.run(one, str(tmp_path / "parts"), reward_fn=vowel_reward)

@@ -33,6 +33,7 @@ def main(argv: list[str]) -> None:
 
     from streamrl_jax import checkpoint as ckpt_lib
     from streamrl_jax import config as config_lib
+    from streamrl_jax import mesh as mesh_lib
     from streamrl_jax.model import hf_export, llama
     from streamrl_jax.pipeline import components
 
@@ -41,14 +42,19 @@ def main(argv: list[str]) -> None:
     cfg = config_lib.from_config_dict(_CONFIG.value)
     d = components.describe_model(cfg)
     model_cfg = d.cfg
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
-        nnx.state(nnx.eval_shape(lambda: llama.create(model_cfg))),
-    )
+    # The run's policy as it started (a LoRA checkpoint holds the adapters alone: the
+    # base is the model's source, or init_from), then the checkpoint's params over it.
+    mesh = mesh_lib.make_meshes(mesh_lib.MeshConfig(colocated=True), jax.devices()[:1]).train
+    _, state = components.initial_policy(cfg, mesh)
+    lora = model_cfg.lora_rank > 0
+    saved = state.params.filter(nnx.LoRAParam) if lora else state.params
     params = ckpt_lib.restore_params_only(
-        _CHECKPOINT.value, abstract, fingerprint=ckpt_lib.model_fingerprint(model_cfg)
+        _CHECKPOINT.value,
+        ckpt_lib.abstract_tree(saved),
+        fingerprint=ckpt_lib.model_fingerprint(model_cfg),
     )
+    if lora:
+        params = nnx.merge_state(params, state.params.filter(nnx.Not(nnx.LoRAParam)))
     model = llama.create(model_cfg)
     nnx.update(model, jax.device_get(params))
     source = components.model_path(cfg) if cfg.model.source != "tiny" else None

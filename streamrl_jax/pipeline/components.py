@@ -168,6 +168,13 @@ def model_path(cfg: ExperimentConfig) -> str:
     return smollm2_gguf_path() if cfg.model.source == "smollm2" else cfg.model.source
 
 
+def initial_policy(cfg: ExperimentConfig, train_mesh: Mesh) -> tuple[Trainer, TrainState]:
+    """The policy trainer and its state as a run of `cfg` starts on `train_mesh` (before
+    any warm-up): the weights of `model.source` (or `init_from`), with LoRA new adapters
+    on that base, which is what a LoRA checkpoint's adapters go with."""
+    return _training(cfg, describe_model(cfg), train_mesh)
+
+
 def _training(
     cfg: ExperimentConfig, d: Description, train_mesh: Mesh
 ) -> tuple[Trainer, TrainState]:

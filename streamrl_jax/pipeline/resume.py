@@ -36,6 +36,7 @@ from typing import Any
 
 import jax
 from absl import logging
+from flax import nnx
 
 from streamrl_jax import checkpoint as ckpt_lib
 from streamrl_jax.config import ExperimentConfig
@@ -175,6 +176,7 @@ class RunCheckpoints:
         if not self.due(k, force):
             return False
         needed = range(self.sched.generation_version(k), k)
+        lora = self.c.model_cfg.lora_rank > 0
         gen = {}
         for v in needed:
             published = board.get(v)
@@ -182,7 +184,7 @@ class RunCheckpoints:
                 raise RuntimeError(
                     f"checkpoint {k}: generation weights W_{v} are no longer on the weight board"
                 )
-            gen[str(v)] = published[0].params
+            gen[str(v)] = _adapters(published[0].params) if lora else published[0].params
         prompts = self.prompts.state_at(k)
         in_flight = {str(b): ids for b, ids in self.prompts.drawn_from(k).items()}
         self.prompts.forget_below(k)
@@ -204,13 +206,19 @@ class RunCheckpoints:
             # The KL reference never changes: a pointer to where it is reloaded from.
             "ref": {"init_from": self.cfg.init_from, "model_source": self.cfg.model.source},
             "config": str(self.cfg),
+            # LoRA: the state's params are the adapters alone; the frozen base is the
+            # model's source (and init_from), loaded again when the run resumes.
+            "adapters_only": lora,
         }
         extra: dict[str, Any] = {"gen_weights": gen} if gen else {}
         if self.c.critic_state is not None:
             extra["critic"] = self.c.critic_state
+        state = self.c.state
+        if lora:
+            state = state.replace(params=_adapters(state.params))
         started = self.ckpt.save(
             k,
-            self.c.state,
+            state,
             extra_arrays=extra or None,
             ranker=self.ranker.state() if self.ranker is not None else None,
             metadata=metadata,
@@ -286,19 +294,28 @@ class RunCheckpoints:
                 "--workdir (init_from=... to start from its weights)"
             )
         versions = [int(v) for v in meta.get("gen_versions", [])]
+        lora = self.c.model_cfg.lora_rank > 0
+        saved_state = self.c.state
+        if lora:  # the adapters alone were saved (`save`); the base is loaded, not restored
+            saved_state = saved_state.replace(params=_adapters(saved_state.params))
         abstract_extra: dict[str, Any] = {}
         if versions:
-            gen_abstract = ckpt_lib.abstract_tree(self.c.initial_weights[0].params)
+            gen_params = self.c.initial_weights[0].params
+            gen_abstract = ckpt_lib.abstract_tree(_adapters(gen_params) if lora else gen_params)
             abstract_extra["gen_weights"] = {str(v): gen_abstract for v in versions}
         if self.c.critic_state is not None:
             abstract_extra["critic"] = ckpt_lib.abstract_tree(self.c.critic_state)
         r = self.ckpt.restore(
             step,
-            abstract_state=ckpt_lib.abstract_tree(self.c.state),
+            abstract_state=ckpt_lib.abstract_tree(saved_state),
             abstract_extra=abstract_extra or None,
             abstract_ranker=self.ranker.state() if self.ranker is not None else None,
         )
-        self.c.state = r.state
+        state = r.state
+        if lora:
+            base = self.c.state.params.filter(nnx.Not(nnx.LoRAParam))
+            state = state.replace(params=nnx.merge_state(state.params, base))
+        self.c.state = state
         if self.c.critic_state is not None:
             self.c.critic_state = r.extra["critic"]
         # Each generation instance's own placement of the weights (its shardings).
@@ -308,7 +325,19 @@ class RunCheckpoints:
         gen: dict[int, list[Published]] = {}
         for v in versions:
             tree = r.extra["gen_weights"][str(v)]
-            gen[v] = [Published(jax.device_put(tree, dst), v) for dst in dests]
+            if lora:  # each instance's adapters with the base it holds
+                gen[v] = [
+                    Published(
+                        nnx.merge_state(
+                            jax.device_put(tree, _adapters(dst)),
+                            p.params.filter(nnx.Not(nnx.LoRAParam)),
+                        ),
+                        v,
+                    )
+                    for dst, p in zip(dests, self.c.initial_weights, strict=True)
+                ]
+            else:
+                gen[v] = [Published(jax.device_put(tree, dst), v) for dst in dests]
         k = int(meta["next_batch"])
         expected = {int(b): ids for b, ids in meta.get("in_flight", {}).items()}
         self.prompts.restore(meta["prompts"], expected)
@@ -346,3 +375,8 @@ def read_consumed(path: str) -> list[dict[str, Any]]:
                 continue
             raise ValueError(f"{path}:{i + 1}: not a JSON line") from None
     return rows
+
+
+def _adapters(params: Any) -> Any:
+    """A LoRA run's adapters (`nnx.LoRAParam`): what its checkpoints hold of the policy."""
+    return params.filter(nnx.LoRAParam)
