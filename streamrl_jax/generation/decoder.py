@@ -444,9 +444,10 @@ class GenModel:
         n_idx = jnp.arange(n)[:, None]
         f32, root_d = jnp.float32, math.sqrt(self.cfg.head_dim)
         ks, vs, routes = [], [], []
-        k_at = (lambda a: a.at[n_idx, :, :, write_NxP]) if cache.keys_positions_minor else None
-        k_at = k_at or (lambda a: a.at[n_idx, :, write_NxP])
-        k_form = "nkds" if cache.keys_positions_minor else "nksd"
+        if cache.keys_positions_minor:  # [N, K, D, S]
+            k_at, k_form = (lambda a: a.at[n_idx, :, :, write_NxP]), "nkds"
+        else:  # [N, K, S, D], as the values
+            k_at, k_form = (lambda a: a.at[n_idx, :, write_NxP]), "nksd"
         for w, ck, cv, win in zip(self.w["layers"], cache.k, cache.v, self._windows(), strict=True):
             q, k, v = self._qkv(x, w, *ropes[win > 0])  # q [N, P, K, G, D]; k, v [N, P, K, D]
             k_NxKx_ = k_at(ck[rows_N]).set(k, mode="drop")  # [N, K, D, S] or [N, K, S, D]

@@ -83,18 +83,25 @@ def delta(a: jax.Array, b: jax.Array, lead: int) -> jax.Array:
     return jnp.matmul(a2, b2).reshape(*lead_shape, *ins, *outs)
 
 
+def _merge(weights, adapters, scale: float, stacked: bool, widen: bool) -> dict[str, jax.Array]:
+    """Each adapted W + scale * A B over `weights` ([L, ...] when `stacked`), in the wider
+    of W's and the adapters' dtypes when `widen`, else in W's own; exactly W while B = 0."""
+    out = dict(weights)
+    for name, (a, b) in adapters.items():
+        w = weights[name]
+        dt = jnp.promote_types(w.dtype, a.dtype) if widen else w.dtype
+        d = delta(a, b, int(stacked) + _lead(name))
+        out[name] = (w.astype(jnp.float32) + scale * d).astype(dt)
+    return out
+
+
 def merge_layer(
     weights: dict[str, jax.Array], adapters: dict[str, tuple[jax.Array, jax.Array]], scale: float
 ) -> dict[str, jax.Array]:
     """One layer's weights (no [L] axis) with each adapted matrix W + scale * A B, in the
     wider of W's and the adapters' dtypes (a bf16 base with f32 adapters merges in f32: a
     small update is not rounded away at the base's precision); exactly W while B is zero."""
-    out = dict(weights)
-    for name, (a, b) in adapters.items():
-        w = weights[name]
-        dt = jnp.promote_types(w.dtype, a.dtype)
-        out[name] = (w.astype(jnp.float32) + scale * delta(a, b, _lead(name))).astype(dt)
-    return out
+    return _merge(weights, adapters, scale, stacked=False, widen=True)
 
 
 def merged(
@@ -102,9 +109,4 @@ def merged(
 ) -> dict[str, jax.Array]:
     """`merge_layer` over the stacked [L, ...] weights (the generation side's weights and
     the export: in W's own dtype)."""
-    out = dict(stacked)
-    for name, (a, b) in adapters.items():
-        w = stacked[name]
-        d = delta(a, b, 1 + _lead(name))
-        out[name] = (w.astype(jnp.float32) + scale * d).astype(w.dtype)
-    return out
+    return _merge(stacked, adapters, scale, stacked=True, widen=False)
