@@ -212,6 +212,36 @@ def _check_sync_reports(events, generation: int, training: int) -> None:
                 assert sent[version][f"bytes/generation-{k}"] == r["bytes/training-0"]
 
 
+def test_lora_processes_send_the_adapters_alone_and_give_the_one_process_parameters(
+    tmp_path, tmp_path_factory
+):
+    # LoRA (trainer.lora.rank) in one generation and one training process: after the
+    # first version the trainer sends the adapters alone, as a delta the generation
+    # process completes with the base it kept (shard_sync.py, "Deltas"), and the run
+    # ends with the one-process run's parameters bit for bit.
+    lora = {"trainer.lora.rank": 4, "trainer.lora.alpha": 8.0}
+    workdir = tmp_path / "run"
+    launcher = [sys.executable, str(REPO / "launch" / "local.py"), "-n", "2", "-g", "1"]
+    cmd = _launch_cmd(workdir, **{"pipeline.mode": "stream_async"}, **lora)
+    run = _run([*launcher, "--timeout_s", "240", "--", *cmd])
+    assert run.returncode == 0, run.stdout[-6000:]
+    got = np.load(workdir / run_lib.FINAL_PARAMS)
+    want = _one_process("stream_async", tmp_path_factory, **lora)
+    _assert_params_match(got, want, exact=True)
+    events = json.loads((workdir / "trace.json").read_text())["traceEvents"]
+    sent = {
+        int(e["args"]["version"]): e["args"]["bytes/generation-0"]
+        for e in events
+        if e.get("ph") == "X" and "bytes/generation-0" in e.get("args", {})
+    }
+    # W_0 leaves before the trace starts: the whole model's bytes are the final params'.
+    whole = sum(got[k].size for k in got.files) * 4  # tiny: generate_dtype float32
+    assert sent and len(set(sent.values())) == 1, sent  # every version: the adapters alone
+    adapters = sum(got[k].size for k in got.files if "_lora_" in k) * 4
+    assert next(iter(sent.values())) == adapters and 5 * adapters < whole, (sent, whole)
+    _check_sync_reports(events, generation=1, training=1)
+
+
 @_EXT
 def test_device_to_device_weights_give_the_one_process_parameters(tmp_path, tmp_path_factory):
     # pipeline.weight_transport="xla": every piece pulled through jax.experimental.transfer

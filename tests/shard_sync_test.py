@@ -273,6 +273,74 @@ def test_a_host_tree_arrives_bitwise_in_the_receivers_own_layout():
         sender.close(1)
 
 
+def test_a_delta_sends_the_changed_leaves_and_keeps_the_rest_bitwise():
+    """LoRA's adapter-only sync across processes: after a whole version, a delta sends
+    only the changed leaves (their bytes alone); the receiver keeps the others from the
+    version before. A receiver that takes whole versions only, or has none yet, refuses
+    a delta naming it."""
+    params = make_params()
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), params)
+    shardings["layers"][0]["w"] = NamedSharding(mesh, P(None, "tp"))
+    device_params = jax.device_put(params, shardings)
+    need = shard_wire.need_of(shardings, params, 0)
+    sender = shard_sync.ShardSender(
+        "127.0.0.1:0", authkey=KEY, process=0, num_receivers=2, timeout_s=10, keep=2
+    )
+    delta = shard_receiver.ShardReceiver(
+        [sender.address], need, authkey=KEY, timeout_s=10, deltas=True, name="generation-0"
+    )
+    whole = shard_receiver.ShardReceiver(
+        [sender.address],
+        shard_wire.need_of(shardings, params, 1),
+        authkey=KEY,
+        timeout_s=10,
+        name="generation-1",
+    )
+    try:
+        sender.send(device_params, 0)
+        for r in (delta, whole):
+            got, version, _ = r.receive(shardings, timeout=10)
+            assert version == 0 and _bitwise(got, params)
+        # Version 1 changes layers[0]["w"] (and "step"); index 2 and 5 in leaf order.
+        new = jax.tree.map(lambda x: x, params)
+        new["layers"][0]["w"] = params["layers"][0]["w"] * 3
+        new["step"] = np.int32(8)
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(new)]
+        changed = frozenset(paths.index(k) for k in ("['layers'][0]['w']", "['step']"))
+        stats = sender.send(jax.device_put(new, shardings), 1, changed=changed)
+        got, version, rstats = delta.receive(shardings, timeout=10)
+        assert version == 1 and _bitwise(got, new)
+        assert (
+            got["embed"] is not None
+            and got["layers"][0]["w"].sharding == shardings["layers"][0]["w"]
+        )
+        want = new["layers"][0]["w"].nbytes + new["step"].nbytes
+        assert rstats.bytes == {"training": want} and stats.bytes["generation-0"] == want
+        with pytest.raises(TransportError, match="as a delta; this receiver takes whole"):
+            whole.receive(shardings, timeout=10)
+    finally:
+        delta.close(1)
+        whole.close(1)
+        sender.close(1)
+    # A delta to a receiver that holds no version yet.
+    sender = shard_sync.ShardSender(
+        "127.0.0.1:0", authkey=KEY, process=0, num_receivers=1, timeout_s=10
+    )
+    fresh = shard_receiver.ShardReceiver(
+        [sender.address], need, authkey=KEY, timeout_s=10, deltas=True
+    )
+    try:
+        sender.send(device_params, 4, changed=frozenset({0}))
+        with pytest.raises(TransportError, match="keep 5 leaves from a previous version, and"):
+            fresh.receive(shardings, timeout=10)
+        with pytest.raises(ValueError, match=r"changed leaves \[9\] outside \[0, 6\)"):
+            sender.send(device_params, 5, changed=frozenset({9}))
+    finally:
+        fresh.close(1)
+        sender.close(1)
+
+
 def test_a_corrupt_piece_is_refused_naming_it(monkeypatch):
     # The sender's crc32s are off by one bit, as if the bytes changed after they were
     # checksummed: the receiver names the version, the sender and the leaf.

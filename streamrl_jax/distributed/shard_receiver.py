@@ -70,6 +70,7 @@ class _Assembly:
     headers: dict[int, tuple[Any, ...]]  # sender index -> its pieces
     bytes: dict[str, int]
     remaining: int = 0  # pieces announced and not yet in place
+    kept: tuple[int, ...] | None = None  # leaves kept from the previous version (a delta)
     futures: list[concurrent.futures.Future] = dataclasses.field(default_factory=list)
 
 
@@ -87,11 +88,14 @@ class ShardReceiver:
         name: str = "generation",
         xla: PullServer | None = None,
         dial_timeout_s: float | None = None,
+        deltas: bool = False,
     ):
         """`need`: what this process holds of every leaf (`shard_wire.need_of`). `xla`:
         pull the pieces a sender offers device-to-device through this transfer server
         (`xla_pull.py`); without it such a header fails the channel. `dial_timeout_s`
-        bounds each handshake only (None: `timeout_s`, also the silence bound)."""
+        bounds each handshake only (None: `timeout_s`, also the silence bound). `deltas`:
+        take versions that keep leaves from the previous one (`ShardSender.send(changed=)`;
+        the previous version's arrays are then held until the next); refused otherwise."""
         self.name, self.timeout_s, self.need, self._xla = name, timeout_s, need, xla
         self._pending: Mailbox[_Assembly] = Mailbox(
             name, failed=None, closed=ChannelClosed, timeout_error=TransportTimeout
@@ -99,6 +103,8 @@ class ShardReceiver:
         self._lock = threading.Lock()
         self._current: _Assembly | None = None
         self._ended = 0
+        self._deltas = deltas
+        self._last: list[jax.Array] | None = None  # the previous version's leaves (deltas)
         # Copies non-contiguous pieces into place and checksums, off the I/O threads.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, f"{name}-place")
         self._volume = {
@@ -172,6 +178,24 @@ class ShardReceiver:
             raise TransportError(
                 f"{self.name}: {source} sent weights v{header.version} while v{a.version} is "
                 "being assembled"
+            )
+        kept = tuple(sorted(set(header.kept)))
+        if kept and not self._deltas:
+            raise TransportError(
+                f"{self.name}: {source} sent weights v{header.version} as a delta; this "
+                "receiver takes whole versions only"
+            )
+        if a.kept is None:
+            if any(i >= len(self.need.leaves) for i in kept):
+                raise TransportError(
+                    f"{self.name}: {source} keeps leaves {list(kept)} of weights "
+                    f"v{header.version}; this process holds {len(self.need.leaves)}"
+                )
+            a.kept = kept
+        elif kept != a.kept:
+            raise TransportError(
+                f"{self.name}: {source} keeps other leaves of weights v{header.version} than "
+                "the other senders"
             )
         return a
 
@@ -251,6 +275,8 @@ class ShardReceiver:
             raise TransportError(f"{where}: a piece names leaf {piece.leaf} / box {piece.target}, "
                                  "which this process does not hold")  # fmt: skip
         leaf = need.leaves[piece.leaf]
+        if piece.leaf in a.kept:
+            raise TransportError(f"{where}: a piece of {leaf.path}, which it declared kept")
         target = need.boxes[piece.leaf][piece.target]
         if len(box) != len(target) or reshard.intersect(box, target) != box:
             raise TransportError(f"{where}: piece {box} of {leaf.path} is outside box {target}")
@@ -313,7 +339,15 @@ class ShardReceiver:
         for f in a.futures:
             f.result()
         t1 = time.perf_counter()
+        kept = set(a.kept or ())
+        if kept and self._last is None:
+            raise TransportError(
+                f"{self.name}: weights v{a.version} keep {len(kept)} leaves from a previous "
+                "version, and this process has received none"
+            )
         for key, volume in self._volume.items():
+            if key[0] in kept:
+                continue
             got = sum(reshard.volume(b) for b in a.announced.get(key, []))
             if got != volume:
                 leaf = self.need.leaves[key[0]]
@@ -328,6 +362,9 @@ class ShardReceiver:
             raise ValueError(f"{self.name}: the shardings' tree is not the one the need declared")
         out = []
         for i, ((_, s), leaf) in enumerate(zip(flat, self.need.leaves, strict=True)):
+            if i in kept:
+                out.append(self._last[i])
+                continue
             index = {b: t for t, b in enumerate(self.need.boxes[i])}
 
             def piece(idx, i=i, index=index, shape=leaf.shape):
@@ -336,6 +373,7 @@ class ShardReceiver:
             out.append(jax.make_array_from_callback(leaf.shape, s, piece))
         # Deliberate sync point: the caller swaps these in for decoding at once.
         jax.block_until_ready(out)
+        self._last = out if self._deltas else None
         t2 = time.perf_counter()
         for channel in self._channels:
             channel.grant(1, a.version)

@@ -45,6 +45,11 @@ returned (with the version acknowledged) once `receive` took it; a sender whose
 receiver has not taken the previous version waits, up to its timeout, and then
 raises `TransportTimeout` naming it.
 
+Deltas (`send(..., changed=leaves)`, a LoRA run's adapter-only sync): only the changed
+leaves' pieces are sent; the header names the others as kept, and the receiver takes
+them from the version it received before (refusing a delta when it has none). A
+catch-up sends the kept versions whole, so a restarted receiver starts from a full copy.
+
 Live-only sends (`send(..., live_only=True)`, the ranker's refreshes: scheduling
 quality, never a reason to stop the run): to the receivers that have declared
 their need by now, without waiting for the others; a receiver that is lost (or
@@ -61,6 +66,7 @@ pickle. The device-to-device path is not authenticated (`xla_pull.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import zlib
@@ -241,6 +247,7 @@ class ShardSender:
         timeout: float | None = None,
         wait_ack: bool = False,
         live_only: bool = False,
+        changed: frozenset[int] | None = None,
     ) -> ShardStats:
         """Sends this process's pieces of `params` to every receiver; keeps the last `keep`
         versions for a receiver that rejoins (`catch_up`).
@@ -250,6 +257,9 @@ class ShardSender:
             arrays (whole leaves of this process, sent as bytes).
           live_only: to the receivers connected now (module docstring): a lost one is
             skipped and dropped, one without room within `timeout` skipped this time.
+          changed: a delta: the indices (in `jax.tree.leaves` order) of the leaves that
+            changed since the previous version, the only ones sent (module docstring);
+            None sends every leaf.
 
         Raises:
           TransportTimeout: a receiver has not declared its need or taken the previous
@@ -261,7 +271,7 @@ class ShardSender:
             self._kept[version] = params
             for v in sorted(self._kept)[: -self.keep]:
                 del self._kept[v]
-            return self._send(params, version, timeout, wait_ack, live_only)
+            return self._send(params, version, timeout, wait_ack, live_only, changed)
 
     def catch_up(self, process: int, first: int, timeout: float | None = None) -> list[int]:
         """Sends a receiver that rejoined every kept version from `first` on, in order,
@@ -290,6 +300,7 @@ class ShardSender:
         timeout: float | None,
         wait_ack: bool,
         live_only: bool = False,
+        changed: frozenset[int] | None = None,
     ) -> ShardStats:
         t0 = time.perf_counter()
         leaves = layouts(params)
@@ -309,6 +320,14 @@ class ShardSender:
                 sources.setdefault(p, [[] for _ in flat])[i] = boxes
         timeout = self.timeout_s if timeout is None else timeout
         plan = self.plan(leaves, sources, timeout, live_only=live_only)
+        kept: tuple[int, ...] = ()
+        if changed is not None:  # a delta: the changed leaves' pieces alone
+            bad = sorted(i for i in changed if not 0 <= i < len(leaves))
+            if bad:
+                raise ValueError(f"{self.name}: changed leaves {bad} outside [0, {len(leaves)})")
+            kept = tuple(i for i in range(len(leaves)) if i not in changed)
+            pieces = tuple(p for p in plan.pieces if p.leaf in changed)
+            plan = dataclasses.replace(plan, pieces=pieces)
         # Only the shards this process sends from (one per box: replicas skipped).
         used = {(p.leaf, p.source) for p in plan.pieces if p.sender == self.process}
         shards = {}
@@ -322,9 +341,8 @@ class ShardSender:
                 key = (i, reshard.box_of(s.index, x.shape))
                 if key in used and key not in shards:
                     shards[key] = s.data
-        return self.send_device_shards(
-            plan, shards, version, t0=t0, timeout=timeout, wait_ack=wait_ack, live_only=live_only
-        )
+        opts = dict(t0=t0, timeout=timeout, wait_ack=wait_ack, live_only=live_only, kept=kept)
+        return self.send_device_shards(plan, shards, version, **opts)
 
     def send_device_shards(
         self,
@@ -336,20 +354,20 @@ class ShardSender:
         timeout: float | None = None,
         wait_ack: bool = False,
         live_only: bool = False,
+        kept: tuple[int, ...] = (),
     ) -> ShardStats:
         """`send_shards` from device arrays: offered device to device with `xla`, else
         copied to host (one `device_get` for all of them) and sent as bytes."""
         t0 = time.perf_counter() if t0 is None else t0
         timeout = self.timeout_s if timeout is None else timeout
         if self._xla is not None:
-            return self._offer(plan, shards, version, t0, timeout, wait_ack, live_only)
+            return self._offer(plan, shards, version, t0, timeout, wait_ack, live_only, kept)
         keys = list(shards)
         host = dict(zip(keys, jax.device_get([shards[k] for k in keys]), strict=True))
-        return self.send_shards(
-            plan, host, version, t0=t0, timeout=timeout, wait_ack=wait_ack, live_only=live_only
-        )
+        opts = dict(t0=t0, timeout=timeout, wait_ack=wait_ack, live_only=live_only, kept=kept)
+        return self.send_shards(plan, host, version, **opts)
 
-    def _offer(self, plan, shards, version, t0, timeout, wait_ack, live_only) -> ShardStats:
+    def _offer(self, plan, shards, version, t0, timeout, wait_ack, live_only, kept) -> ShardStats:
         """The device-to-device path: each receiver's pieces offered as device arrays on
         this process's transfer server; the header names them."""
         assert self._xla is not None
@@ -378,7 +396,7 @@ class ShardSender:
             )  # fmt: skip
             uuid = self._xla.offer(arrays) if arrays else 0
             offer = XlaOffer(self._xla.address, uuid, offered)
-            header = ShardsHeader(version, self.process, tuple(pieces), offer)
+            header = ShardsHeader(version, self.process, tuple(pieces), offer, kept)
             messages[r] = (ENCODER.encode(header), [])
         return self._deliver(plan, messages, version, t0, timeout, wait_ack, live_only)
 
@@ -406,9 +424,11 @@ class ShardSender:
         timeout: float | None = None,
         wait_ack: bool = False,
         live_only: bool = False,
+        kept: tuple[int, ...] = (),
     ) -> ShardStats:
         """Sends this process's pieces of `plan`, cut from `shards` ((leaf, source box) ->
-        the host array of that shard), to every receiver of `plan`."""
+        the host array of that shard), to every receiver of `plan`; `kept`: the leaves
+        a delta keeps from the receivers' previous version (`send`)."""
         t0 = time.perf_counter() if t0 is None else t0
         timeout = self.timeout_s if timeout is None else timeout
         messages = {}
@@ -426,7 +446,8 @@ class ShardSender:
                 data, crc = cuts[key]
                 pieces.append(PieceSpec(piece.leaf, piece.target, piece.box, crc))
                 raw.append(data)
-            messages[r] = (ENCODER.encode(ShardsHeader(version, self.process, tuple(pieces))), raw)
+            header = ShardsHeader(version, self.process, tuple(pieces), kept=kept)
+            messages[r] = (ENCODER.encode(header), raw)
         return self._deliver(plan, messages, version, t0, timeout, wait_ack, live_only)
 
     def _deliver(self, plan, messages, version, t0, timeout, wait_ack, live_only) -> ShardStats:

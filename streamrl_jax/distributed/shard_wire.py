@@ -54,6 +54,9 @@ class _Need(WireStruct, tag="need"):
     leaves: Annotated[tuple[_NeedLeaf, ...], msgspec.Meta(max_length=MAX_LEAVES)]
 
 
+_Leaf = Annotated[int, msgspec.Meta(ge=0)]
+
+
 class PieceSpec(WireStruct):
     leaf: Annotated[int, msgspec.Meta(ge=0)]
     target: Annotated[int, msgspec.Meta(ge=0)]
@@ -82,6 +85,9 @@ class ShardsHeader(WireStruct, tag="shards"):
     sender: Annotated[int, msgspec.Meta(ge=0)]
     pieces: Annotated[tuple[PieceSpec, ...], msgspec.Meta(max_length=MAX_PIECES)]
     xla: XlaOffer | None = None  # None: the pieces' bytes follow on the channel
+    # Leaves this version keeps from the receiver's previous one (a delta: LoRA's base
+    # after the first sync); their pieces are not sent. Empty: every leaf is sent.
+    kept: Annotated[tuple[_Leaf, ...], msgspec.Meta(max_length=MAX_PIECES)] = ()
 
 
 ENCODER = msgspec.msgpack.Encoder()

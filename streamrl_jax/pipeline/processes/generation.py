@@ -179,6 +179,8 @@ class _GenerationProcess:
                 name=name,
                 xla=xla,
                 dial_timeout_s=dial_s,
+                # LoRA: after the first version the trainer sends the adapters alone.
+                deltas=cfg.trainer.lora.rank > 0,
             ),
             "weights",
         )

@@ -50,8 +50,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from absl import logging
+from flax import nnx
 
 from streamrl_jax.config import ExperimentConfig, episode_tokens
 from streamrl_jax.distributed import roles
@@ -92,16 +94,32 @@ from streamrl_jax.scheduling.ranker import Ranker
 from streamrl_jax.weight_sync import Mover, Params, Published, WeightSync
 
 
-def send_to_generation(sender: ShardSender, timeout_s: float) -> Mover:
+def send_to_generation(sender: ShardSender, timeout_s: float, adapters_only: bool = False) -> Mover:
     """The weight sync's mover in a training process: `ShardSender.send` of this
     process's shards of the cast weights to the generation processes that need them
     (the cast copy stays here: the weight board keeps it). Its seconds cover the cast,
     `device_get` of the shards sent, checksums and the wire, not the receivers'
     placement (each reports a `weight_receive/generation-<k>` span); its report (bytes
-    to each receiver, GB/s, checksum) goes on the `weight_sync/transfer` span."""
+    to each receiver, GB/s, checksum) goes on the `weight_sync/transfer` span.
+
+    `adapters_only` (LoRA, `WeightSync(adapters_only=True)`): the first version is sent
+    whole and its base kept; every later one arrives as the adapters alone and goes out
+    as a delta of their leaves (`ShardSender.send(changed=)`): the generation processes
+    keep the base they received, and a restarted one is caught up with whole versions."""
+    first: dict[str, Any] = {}
 
     def move(cast: Params, version: int) -> tuple[list[Published], int, dict[str, float]]:
-        stats = sender.send(cast, version, timeout=timeout_s)
+        tree, changed = cast, None
+        if adapters_only and not first:
+            first["base"] = cast.filter(nnx.Not(nnx.LoRAParam))
+        elif adapters_only:
+            tree = nnx.merge_state(cast, first["base"])
+            paths = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(cast)}
+            flat = jax.tree_util.tree_leaves_with_path(tree)
+            changed = frozenset(
+                i for i, (p, _) in enumerate(flat) if jax.tree_util.keystr(p) in paths
+            )
+        stats = sender.send(tree, version, timeout=timeout_s, changed=changed)
         return [Published(cast, version)], sender.num_receivers, stats.report()
 
     return move
@@ -533,7 +551,9 @@ def run_training(
 
     def weight_sync(params: Params, dtype: jnp.dtype) -> WeightSync:
         # The cast keeps the training sharding: each process sends its own shards.
-        return WeightSync(dtype, send_to_generation(link.sender, cfg.pipeline.timeout_s))
+        lora = cfg.trainer.lora.rank > 0  # adapters alone after the first version
+        move = send_to_generation(link.sender, cfg.pipeline.timeout_s, adapters_only=lora)
+        return WeightSync(dtype, move, adapters_only=lora)
 
     t = len(r.training_processes)
     try:
