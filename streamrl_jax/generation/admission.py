@@ -68,6 +68,7 @@ def build_admission(
     generated = np.zeros((n,), np.int32)
     pause_at = np.full((n,), np.iinfo(np.int32).max, np.int32)
     start = np.zeros((n,), np.int32)
+    adapter = np.full((n,), -1, np.int32)
     for i, (slot, r) in enumerate(rows):
         held = 0 if starts is None else starts[i]
         full = list(r.prompt)
@@ -79,7 +80,7 @@ def build_admission(
         generated[i] = r.generated
         if r.segment_tokens is not None:
             pause_at[i] = r.generated + r.segment_tokens
-        lengths[i], slot_ids[i] = len(full), slot
+        lengths[i], slot_ids[i], adapter[i] = len(full), slot, r.adapter
         forced[i] = r.forced_length is not None
         limit[i] = r.forced_length if forced[i] else r.max_new_tokens
         keys[i] = request_key_data(r.seed)
@@ -101,6 +102,7 @@ def build_admission(
         generated=generated,
         pause_at=pause_at,
         start=start,
+        adapter=adapter,
     )
 
 
@@ -108,7 +110,11 @@ def prompt_key(req: GenerationRequest) -> bytes | None:
     """What must match for two requests to share a prefill (None: never shared)."""
     if req.continuation is not None:
         return None
-    return np.asarray(req.prompt, np.int32).tobytes()
+    # The adapter decides the prompt's KV (its k and v projections may be adapted).
+    return (
+        int(req.adapter).to_bytes(4, "little", signed=True)
+        + np.asarray(req.prompt, np.int32).tobytes()
+    )
 
 
 class PromptSources:
@@ -166,7 +172,9 @@ def prefill_keep(
     model: GenModel, state: slots_lib.SlotState, store: jax.Array, adm: slots_lib.Admission
 ) -> tuple[slots_lib.SlotState, jax.Array, slots_lib.PrefillOut]:
     """`slots.prefill_into_slots`, also keeping each row's logits in its slot's store row."""
-    logits_NxV, cache, routes = model.prefill(adm.tokens, adm.lengths, state.cache, adm.slots)
+    logits_NxV, cache, routes = model.prefill(
+        adm.tokens, adm.lengths, state.cache, adm.slots, adm.adapter
+    )
     store = store.at[adm.slots].set(logits_NxV, mode="drop")
     state, out = slots_lib.start_rows(state.replace(cache=cache), adm, logits_NxV)
     return state, store, out.replace(routes=routes)

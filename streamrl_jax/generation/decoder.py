@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 
+from streamrl_jax.generation import adapters as adapters_lib
 from streamrl_jax.generation import quant
 from streamrl_jax.model import layers
 from streamrl_jax.model import routes as routes_lib
@@ -55,7 +56,7 @@ from streamrl_jax.model.config import ModelConfig
 from streamrl_jax.sharding import GENERATE_RULES, logical_to_spec
 
 # The generation layout's axes; `parts` (q heads + k + v, or gate + up) is never sharded.
-_RULES = {**GENERATE_RULES, "parts": None}
+_RULES = {**GENERATE_RULES, "parts": None, **adapters_lib.RULES}
 _LAYER_AXES = {
     "attn_norm": ("norm",),
     "qkv": ("embed", "kv_heads", "parts", "head_dim"),
@@ -72,6 +73,7 @@ _LAYER_AXES = {
     "mlp_norm": ("norm",),
     "gate_up": ("embed", "parts", "mlp"),
     "down": ("mlp", "embed"),
+    **adapters_lib.AXES,  # unmerged LoRA adapter slots (`EngineConfig.adapters`)
 }
 _TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("norm",), "lm_head": ("embed", "vocab")}
 CACHE_AXES = ("cache_batch", "kv_heads", "cache_seq", "head_dim")  # values (and keys)
@@ -174,13 +176,20 @@ def set_cache_prefix(dst: jax.Array, rows: jax.Array, src: jax.Array, seq_axis: 
 
 
 def from_training_layout(
-    graphdef: nnx.GraphDef, params: nnx.State, cfg: ModelConfig, weight_dtype: str = "auto"
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    cfg: ModelConfig,
+    weight_dtype: str = "auto",
+    adapter_slots: int = 0,
 ) -> dict:
     """The generation weights of a (graphdef, params) split of `Llama` (jit it).
 
     Args:
       weight_dtype: "auto" (matrices in the compute dtype) or "int8" (every matrix a
         `quant.QArray`, quantised per output channel: `generation/quant.py`).
+      adapter_slots: 0: a LoRA model's adapters merged into the matrices; N > 0: the base
+        unmerged and each layer's table of N adapter slots, the model's adapter in slot 0
+        (`generation/adapters.py`).
 
     Returns:
       {["embed"], "final_norm", "lm_head", "layers": tuple of L per-layer dicts}:
@@ -189,7 +198,10 @@ def from_training_layout(
     if weight_dtype not in quant.WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype={weight_dtype!r}; expected one of {quant.WEIGHT_DTYPES}")
     model = nnx.merge(graphdef, params)
-    stacked = model.layers.merged_arrays(cfg.lora_scale)  # LoRA merged (else the weights)
+    if adapter_slots:
+        stacked, trained = model.layers.arrays(), model.layers.adapters()
+    else:
+        stacked = model.layers.merged_arrays(cfg.lora_scale)  # LoRA merged (else the weights)
     e, h, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     g, dt = h // k, cfg.jnp_dtype
 
@@ -215,6 +227,9 @@ def from_training_layout(
             out["q_norm"], out["k_norm"] = p["q_norm"], p["k_norm"]
         if cfg.sandwich_norms:
             out["post_attn_norm"], out["post_mlp_norm"] = p["post_attn_norm"], p["post_mlp_norm"]
+        if adapter_slots:
+            one_adapter = adapters_lib.layer_entries(trained, cfg, i, dt)
+            out.update(adapters_lib.tables(one_adapter, adapter_slots))
         return out
 
     weights = {
@@ -323,13 +338,33 @@ class GenModel:
         h = layers.rms_norm(x_NxE, self.w["final_norm"], self.cfg.rms_norm_eps)
         return quant.einsum("ne,ev->nv", h, self.w["lm_head"]).astype(jnp.float32)
 
-    def _qkv(self, x_NxTxE, p, cos, sin):
+    def _selector(self, adapter_N: jax.Array | None) -> jax.Array | None:
+        """Rows' one-hot adapter selector [N, slots] when the weights hold adapter
+        slots (`generation/adapters.py`; None: no slots, or no row ids given: slot 0)."""
+        table = next((x for n, x in self.w["layers"][0].items() if n.endswith("_lora_a")), None)
+        if table is None:
+            return None
+        if adapter_N is None:
+            raise ValueError("GenModel: weights with adapter slots need each row's adapter")
+        return adapters_lib.selector(adapter_N, table.shape[0], self.cfg.jnp_dtype)
+
+    def _mm(self, spec: str, x, p, name: str, sel):
+        """x times fused matrix `name`, plus the rows' adapters when it has a table."""
+        w = p[name] if name != "o" else quant.reshape_rows(p["o"], self.cfg.hidden_size)
+        y = quant.einsum(spec, x, w)
+        if sel is not None:
+            d = adapters_lib.delta(x, p, name, sel)
+            if d is not None:
+                y = y + d.astype(y.dtype)
+        return y
+
+    def _qkv(self, x_NxTxE, p, cos, sin, sel=None):
         """q [N, T, K, G, D] and k, v [N, T, K, D], RoPE applied to q and k."""
         n, t, _ = x_NxTxE.shape
         cfg = self.cfg
         k_heads, g, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         h = layers.rms_norm(x_NxTxE, p["attn_norm"], self.cfg.rms_norm_eps)
-        qkv = quant.einsum("nte,ekpd->ntkpd", h, p["qkv"])
+        qkv = self._mm("nte,ekpd->ntkpd", h, p, "qkv", sel)
         if "qkv_bias" in p:
             qkv = qkv + p["qkv_bias"][None, None]
         q, k = qkv[:, :, :, :g].reshape(n, t, k_heads * g, d), qkv[:, :, :, g]
@@ -341,13 +376,13 @@ class GenModel:
             q = q * jnp.asarray(cfg.q_prescale, q.dtype)
         return q.reshape(n, t, k_heads, g, d), k, qkv[:, :, :, g + 1]
 
-    def _out_and_mlp(self, x_NxTxE, attn_NxTxKxGxD, p):
+    def _out_and_mlp(self, x_NxTxE, attn_NxTxKxGxD, p, sel=None):
         # [K, G, D, E] read as [K*G*D, E] (a bitcast): contracting the four-axis form
         # made XLA:CPU transpose and copy `o` every layer, every step (docs/generation.md).
         n, t, e = x_NxTxE.shape
         attn_NxTxF = attn_NxTxKxGxD.reshape(n, t, -1)
         eps = self.cfg.rms_norm_eps
-        a = quant.einsum("ntf,fe->nte", attn_NxTxF, quant.reshape_rows(p["o"], e))
+        a = self._mm("ntf,fe->nte", attn_NxTxF, p, "o", sel)
         if "post_attn_norm" in p:  # Gemma 3's norms after attention and the MLP
             a = layers.rms_norm(a, p["post_attn_norm"], eps)
         x = x_NxTxE + a
@@ -357,15 +392,20 @@ class GenModel:
             y, routing = layers.moe_mlp(h.reshape(n * t, e), p, self.cfg)
             y, experts = y.reshape(n, t, e), routing.experts.reshape(n, t, -1)
         else:
-            gu = quant.einsum("nte,epm->ntpm", h, p["gate_up"])
+            gu = self._mm("nte,epm->ntpm", h, p, "gate_up", sel)
             act = layers.gate_activation(gu[:, :, 0], self.cfg.mlp_act)
-            y = quant.einsum("ntm,me->nte", act * gu[:, :, 1], p["down"])
+            y = self._mm("ntm,me->nte", act * gu[:, :, 1], p, "down", sel)
         if "post_mlp_norm" in p:
             y = layers.rms_norm(y, p["post_mlp_norm"], eps)
         return x + y, experts
 
     def prefill(
-        self, tokens_NxP: jax.Array, lengths_N: jax.Array, cache: LayerCache, slots_N: jax.Array
+        self,
+        tokens_NxP: jax.Array,
+        lengths_N: jax.Array,
+        cache: LayerCache,
+        slots_N: jax.Array,
+        adapter_N: jax.Array | None = None,
     ) -> tuple[jax.Array, LayerCache, jax.Array | None]:
         """Writes N right-padded prompts into cache slots; returns next-token logits.
 
@@ -375,6 +415,8 @@ class GenModel:
           cache: the engine's cache; slots not in `slots_N` are untouched.
           slots_N: i32 destination slots. An index >= num_slots drops that row
             (used to pad the prefill batch to a fixed size).
+          adapter_N: i32 each row's adapter slot (-1: none), needed when the weights
+            hold adapter slots (`generation/adapters.py`).
 
         Returns:
           (f32[N, V] logits at each prompt's last token, updated cache, the routes of
@@ -387,12 +429,13 @@ class GenModel:
         behind = jnp.arange(p)[:, None] - jnp.arange(p)[None, :]  # query - key position
         ropes = self._ropes(positions)
         x = self._embed(tokens_NxP)
+        sel = self._selector(adapter_N)
         ks, vs, routes, ka = [], [], [], cache.k_seq_axis
         for w, ck, cv, win in zip(self.w["layers"], cache.k, cache.v, self._windows(), strict=True):
-            q, k, v = self._qkv(x, w, *ropes[win > 0])
+            q, k, v = self._qkv(x, w, *ropes[win > 0], sel)
             m = _in_window(mask, behind[None], win)
             attn = layers.attention(q.reshape(n, p, -1, q.shape[-1]), k, v, m)
-            x, experts = self._out_and_mlp(x, attn.reshape(q.shape), w)
+            x, experts = self._out_and_mlp(x, attn.reshape(q.shape), w, sel)
             routes.append(experts)
             k = k.transpose(0, 2, 3, 1) if ka == 3 else k.transpose(0, 2, 1, 3)
             ks.append(set_cache_prefix(ck, slots_N, k, ka, mode="drop"))
@@ -409,6 +452,7 @@ class GenModel:
         starts_N: jax.Array,
         cache: LayerCache,
         slots_N: jax.Array,
+        adapter_N: jax.Array | None = None,
     ) -> tuple[jax.Array, LayerCache, jax.Array | None]:
         """Appends N right-padded token runs to the KV their slots already hold (an
         episode's next turn: prefill in place); returns next-token logits.
@@ -424,6 +468,7 @@ class GenModel:
           starts_N: i32 the slot's filled positions (= its `lengths`) before the row.
           cache: the engine's cache; slots not in `slots_N` are untouched.
           slots_N: i32 destination slots; an index >= num_slots drops the row (padding).
+          adapter_N: i32 each row's adapter slot (as `prefill`).
 
         Returns:
           (f32[N, V] logits after each row's last token, updated cache, the routes of
@@ -441,6 +486,7 @@ class GenModel:
         visible_NxPxS = behind_NxPxS >= 0
         ropes = self._ropes(positions_NxP)
         x = self._embed(tokens_NxP)
+        sel = self._selector(adapter_N)
         n_idx = jnp.arange(n)[:, None]
         f32, root_d = jnp.float32, math.sqrt(self.cfg.head_dim)
         ks, vs, routes = [], [], []
@@ -449,7 +495,7 @@ class GenModel:
         else:  # [N, K, S, D], as the values
             k_at, k_form = (lambda a: a.at[n_idx, :, write_NxP]), "nksd"
         for w, ck, cv, win in zip(self.w["layers"], cache.k, cache.v, self._windows(), strict=True):
-            q, k, v = self._qkv(x, w, *ropes[win > 0])  # q [N, P, K, G, D]; k, v [N, P, K, D]
+            q, k, v = self._qkv(x, w, *ropes[win > 0], sel)  # q [N, P, K, G, D]; k, v [N, P, K, D]
             k_NxKx_ = k_at(ck[rows_N]).set(k, mode="drop")  # [N, K, D, S] or [N, K, S, D]
             v_NxKxSxD = cv[rows_N].at[n_idx, :, write_NxP].set(v, mode="drop")
             seen = _in_window(visible_NxPxS, behind_NxPxS, win)
@@ -457,7 +503,7 @@ class GenModel:
             scores = jnp.where(seen[:, None, None], scores, _MASK_VALUE)
             probs = jax.nn.softmax(scores, axis=-1).astype(v_NxKxSxD.dtype)
             attn = jnp.einsum("nkgps,nksd->npkgd", probs, v_NxKxSxD)
-            x, experts = self._out_and_mlp(x, attn, w)
+            x, experts = self._out_and_mlp(x, attn, w, sel)
             routes.append(experts)
             ks.append(ck.at[slots_N].set(k_NxKx_, mode="drop"))
             vs.append(cv.at[slots_N].set(v_NxKxSxD, mode="drop"))
@@ -467,7 +513,11 @@ class GenModel:
         return self._logits(last), cache, self._routes(routes)
 
     def decode(
-        self, tokens_B: jax.Array, cache: LayerCache, active_B: jax.Array
+        self,
+        tokens_B: jax.Array,
+        cache: LayerCache,
+        active_B: jax.Array,
+        adapter_B: jax.Array | None = None,
     ) -> tuple[jax.Array, LayerCache, jax.Array | None]:
         """Appends one token to every slot and returns the logits after it.
 
@@ -475,6 +525,7 @@ class GenModel:
           tokens_B: i32 the last sampled token of each slot.
           cache: cache whose `lengths[b]` is the position of `tokens_B[b]`.
           active_B: bool; inactive slots compute but do not advance `lengths`.
+          adapter_B: i32 each slot's adapter slot (as `prefill`).
 
         Returns:
           (f32[B, V] next-token logits, cache with the token's k/v written, the token's
@@ -492,14 +543,15 @@ class GenModel:
             # kv-head axis, nor into a minor position axis: it copies the cache then)
             k_idx = v_idx = (rows[:, None], jnp.arange(self.cfg.num_kv_heads)[None], pos_B[:, None])
         x = self._embed(tokens_B[:, None])
+        sel = self._selector(adapter_B)
         ks, vs, routes = [], [], []
         for w, ck, cv, win in zip(self.w["layers"], cache.k, cache.v, self._windows(), strict=True):
-            q, k, v = self._qkv(x, w, *ropes[win > 0])
+            q, k, v = self._qkv(x, w, *ropes[win > 0], sel)
             ck = ck.at[k_idx].set(k[:, 0])
             cv = cv.at[v_idx].set(v[:, 0])
             seen = _in_window(visible_Bx1x1xS, behind_Bx1x1xS, win)
             attn = self._attend(q[:, 0], ck, cv, seen, cache.keys_positions_minor)
-            x, experts = self._out_and_mlp(x, attn[:, None], w)
+            x, experts = self._out_and_mlp(x, attn[:, None], w, sel)
             routes.append(None if experts is None else experts[:, 0])
             ks.append(ck)
             vs.append(cv)

@@ -31,7 +31,9 @@ shape (the batch bucket, the length bucket, or another engine's slot count
 changes matmul and reduction shapes; tests hold log-probs to 1e-5).
 
 Weights are a jit argument; `update_weights` swaps the reference (after a
-`device_put` onto this instance's sharding), never recompiling.
+`device_put` onto this instance's sharding), never recompiling. With adapter slots
+(`EngineConfig.adapters`) the base is kept once and `update_adapter` rewrites one slot's
+LoRA adapter; each slot has its own policy version, which that slot's samples carry.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from streamrl_jax.generation import adapters as adapters_lib
 from streamrl_jax.generation import admission, decoder, executables, kept_slots
 from streamrl_jax.generation import slots as slots_lib
 from streamrl_jax.generation.engine_config import EngineConfig
@@ -141,16 +144,25 @@ class Engine:
                 "EngineConfig.record_routes: the model has no experts (routing replay is "
                 "for mixture-of-experts models)"
             )
+        adapters_lib.check(model_cfg, cfg.adapters)
         self.cfg, self.model_cfg, self.mesh, self.instance_id = cfg, model_cfg, mesh, instance_id
         self._repl = NamedSharding(mesh, PartitionSpec())
         self._param_shardings = state_shardings(params, mesh, GENERATE_RULES)
         self._param_sig = executables.signature(params)
         self._relayout = executables.relayout_fn(
-            graphdef, model_cfg, mesh, params, cfg.weight_dtype
+            graphdef, model_cfg, mesh, params, cfg.weight_dtype, cfg.adapters
         )
         self._params = self._relayout(jax.device_put(params, self._param_shardings))
         self.version = version
         self._pending_weights: tuple[Any, int] | None = None
+        # Adapter slots (`EngineConfig.adapters`): each slot's policy version, and the
+        # adapter writes queued for the next step (slot, layout, version).
+        self.adapter_versions = [version] * cfg.adapters
+        self._pending_adapters: list[tuple[int, Any, int]] = []
+        if cfg.adapters:
+            self._adapter_fns = executables.adapter_fns(
+                model_cfg, mesh, params, cfg.weight_dtype, cfg.adapters
+            )
         self._lock = threading.Lock()
 
         platform = mesh.devices.flat[0].platform
@@ -205,9 +217,16 @@ class Engine:
         self._kept = kept_slots.KeptSlots()  # slots kept for an episode's next turn
         self._on_chunk = on_chunk
 
+    def version_of(self, adapter: int) -> int:
+        """The policy version a request of `adapter` decodes with: its adapter slot's, or
+        (no slots, or -1: the base alone) the weights'."""
+        return (
+            self.adapter_versions[adapter] if self.cfg.adapters and adapter >= 0 else self.version
+        )
+
     def _running(self, req: GenerationRequest, enq: float, now: float) -> _Running:
         """A slot's host record; a continuation starts with the response it already has."""
-        run = _Running(req, enq, now, self.version)
+        run = _Running(req, enq, now, self.version_of(req.adapter))
         c = req.continuation
         if c is not None:
             run.admit, run.version = c.admit, int(c.versions[0])
@@ -258,7 +277,9 @@ class Engine:
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, params: nnx.State, version: int) -> None:
-        """Queues new weights (same structure, shapes, dtypes); applied before the next chunk."""
+        """Queues new weights (same structure, shapes, dtypes); applied before the next
+        chunk. With adapter slots: the base, and `params`' adapter in slot 0, every other
+        slot reset to the base alone (`update_adapter` writes one slot)."""
         if executables.signature(params) != self._param_sig:
             raise ValueError(
                 f"instance {self.instance_id}: update_weights params differ in structure, "
@@ -269,13 +290,49 @@ class Engine:
         with self._lock:
             self._pending_weights = (placed, int(version))
 
+    def update_adapter(self, slot: int, params: nnx.State, version: int) -> None:
+        """Queues LoRA adapter `params` (a model state, or its adapters alone:
+        `state.filter(nnx.LoRAParam)`, what an adapter-only sync sends) for adapter slot
+        `slot` at policy `version`; written before the next chunk, the base untouched.
+        Any thread."""
+        if not self.cfg.adapters:
+            raise ValueError(
+                f"instance {self.instance_id}: update_adapter needs adapter slots "
+                "(EngineConfig.adapters is 0: adapters are merged by update_weights)"
+            )
+        if not isinstance(slot, int | np.integer) or not 0 <= slot < self.cfg.adapters:
+            raise ValueError(
+                f"instance {self.instance_id}: adapter slot {slot!r} outside "
+                f"[0, {self.cfg.adapters})"
+            )
+        layout, _ = self._adapter_fns
+        try:
+            entries = layout(params.filter(nnx.LoRAParam))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(
+                f"instance {self.instance_id}: update_adapter params are not this model's "
+                f"LoRA adapters ({type(e).__name__}: {e})"
+            ) from None
+        with self._lock:
+            self._pending_adapters.append((int(slot), entries, int(version)))
+
     def _apply_pending_weights(self) -> None:
         with self._lock:
             pending, self._pending_weights = self._pending_weights, None
+            writes, self._pending_adapters = self._pending_adapters, []
         if pending is not None:
             self._params, self.version = pending
+            self.adapter_versions = [self.version] * self.cfg.adapters
             self._sources.clear()
             logging.info("instance %d: weights version %d", self.instance_id, self.version)
+        for slot, entries, version in writes:
+            _, write = self._adapter_fns
+            self._params = adapters_lib.with_tables(
+                self._params, write(adapters_lib.tables_of(self._params), entries, slot)
+            )
+            self.adapter_versions[slot] = version
+            self._sources.clear()
+            logging.info("instance %d: adapter %d version %d", self.instance_id, slot, version)
 
     @property
     def param_shardings(self) -> Any:
@@ -494,7 +551,7 @@ class Engine:
                 run.tokens.append(int(out.tokens[i]))
                 run.logp.append(float(out.logp[i]))
                 run.slogp.append(float(out.sampling_logp[i]))
-                run.versions.append(self.version)
+                run.versions.append(self.version_of(run.request.adapter))
                 emitted += 1
                 if out.reason[i]:
                     done.append(self._finish(slot, int(out.reason[i])))
@@ -509,7 +566,7 @@ class Engine:
             if chunk_h.routes is not None:
                 run.routes.append(chunk_h.routes[i, :e])
             # Weights change only between round trips: this chunk ran on one version.
-            run.versions.extend([self.version] * e)
+            run.versions.extend([self.version_of(run.request.adapter)] * e)
             emitted += e
             if chunk_h.reason[i]:
                 done.append(self._finish(slot, int(chunk_h.reason[i])))
@@ -576,7 +633,7 @@ class Engine:
             sampling_logprobs=np.asarray(run.slogp, np.float32),
             finish_reason=FINISH_REASONS[code - 1],
             policy_version=run.version,
-            last_policy_version=self.version,
+            last_policy_version=self.version_of(r.adapter),
             instance_id=self.instance_id,
             timings=Timings(enqueue=run.enqueue, admit=run.admit, finish=time.time()),
             tag=r.tag,
@@ -669,6 +726,11 @@ def validate_request(cfg: EngineConfig, vocab: int, req: GenerationRequest) -> N
             raise ValueError(
                 f"request {req.request_id!r}: continuation has ids outside [0, {vocab})"
             )
+    if not isinstance(req.adapter, int | np.integer) or not (
+        -1 <= req.adapter < cfg.adapters if cfg.adapters else req.adapter == 0
+    ):
+        held = f"[-1, {cfg.adapters})" if cfg.adapters else "0 (the engine has no adapter slots)"
+        raise ValueError(f"request {req.request_id!r}: adapter {req.adapter!r}; expected {held}")
     try:
         req.sampling.validate(vocab, cfg.max_stop_ids)
     except ValueError as e:

@@ -69,6 +69,11 @@ class EngineConfig:
       record_routes: a mixture of experts records the experts every fed token went to
         in every layer and returns them with its sample (`Sample.routes`: routing
         replay, `model/routes.py`); refused for a dense model by the engine.
+      adapters: LoRA adapter slots kept unmerged beside the base weights (a request
+        names its slot: `GenerationRequest.adapter`; rows of different adapters decode
+        in one batch: `adapters.py`); 0 (the default) merges a LoRA model's one adapter
+        into the weights at each update, the fastest decode for one adapter
+        (BENCHMARKS.md, "LoRA").
     """
 
     num_slots: int = 8
@@ -90,6 +95,7 @@ class EngineConfig:
     key_layout: str = "auto"
     kv_hold_s: float = 120.0
     record_routes: bool = False
+    adapters: int = 0
 
     def __post_init__(self) -> None:
         counts = ("num_slots", "max_prompt_length", "chunk_steps", "prefill_batch")
@@ -123,6 +129,8 @@ class EngineConfig:
                 f"EngineConfig.decode_attention must be one of {DECODE_ATTENTION}, "
                 f"not {self.decode_attention!r}"
             )
+        if not isinstance(self.adapters, int) or self.adapters < 0:
+            raise ValueError(f"EngineConfig.adapters must be an int >= 0, got {self.adapters!r}")
         if len(self.stop_ids) > self.max_stop_ids:
             raise ValueError("EngineConfig.stop_ids has more ids than max_stop_ids")
 

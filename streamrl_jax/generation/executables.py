@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from streamrl_jax.generation import adapters as adapters_lib
 from streamrl_jax.generation import admission, compact, decoder
 from streamrl_jax.generation import slots as slots_lib
 from streamrl_jax.model.config import ModelConfig
@@ -114,14 +115,49 @@ def slot_state(
 
 
 def relayout_fn(
-    graphdef: nnx.GraphDef, model_cfg: ModelConfig, mesh: Mesh, params: Any, weight_dtype: str
+    graphdef: nnx.GraphDef,
+    model_cfg: ModelConfig,
+    mesh: Mesh,
+    params: Any,
+    weight_dtype: str,
+    adapter_slots: int = 0,
 ):
-    """Jitted training layout -> `decoder` layout (quantised with "int8"), placed on the
-    instance's mesh."""
+    """Jitted training layout -> `decoder` layout (quantised with "int8"; with
+    `adapter_slots`, LoRA unmerged in a table of slots), placed on the instance's mesh."""
     fn = functools.partial(
-        decoder.from_training_layout, graphdef, cfg=model_cfg, weight_dtype=weight_dtype
+        decoder.from_training_layout,
+        graphdef,
+        cfg=model_cfg,
+        weight_dtype=weight_dtype,
+        adapter_slots=adapter_slots,
     )
     return jax.jit(fn, out_shardings=decoder.weight_shardings(jax.eval_shape(fn, params), mesh))
+
+
+def adapter_fns(model_cfg: ModelConfig, mesh: Mesh, params: Any, weight_dtype: str, slots: int):
+    """(layout, write) of an engine with adapter slots (`adapters.py`), jitted: `layout`
+    takes a model's LoRA adapters (an `nnx.LoRAParam` state) to each layer's entries
+    (no slot axis); `write(tables, entries, slot)` puts them in slot `slot` of the
+    layers' tables (donated), in the tables' shardings."""
+    dtype = np.dtype(model_cfg.jnp_dtype)
+
+    def layout(adapter_state):
+        trained = adapters_lib.adapters_of(model_cfg, adapter_state)
+        return tuple(
+            adapters_lib.layer_entries(trained, model_cfg, i, dtype)
+            for i in range(model_cfg.num_layers)
+        )
+
+    def write(tables, entries, slot):
+        return tuple(
+            {n: t[n].at[slot].set(e[n]) for n in t} for t, e in zip(tables, entries, strict=True)
+        )
+
+    del weight_dtype  # the tables are never quantised (`quant.CONTRACTED` holds none)
+    shapes = jax.eval_shape(layout, params.filter(nnx.LoRAParam))
+    table_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((slots, *x.shape), x.dtype), shapes)
+    table_sh = decoder.weight_shardings({"layers": table_shapes}, mesh)["layers"]
+    return jax.jit(layout), jax.jit(write, donate_argnums=0, out_shardings=table_sh)
 
 
 def signature(params: Any) -> Any:

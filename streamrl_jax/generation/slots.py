@@ -50,6 +50,7 @@ class SlotState:
     stop_ids: jax.Array  # i32[B, X] padded with -1
     reason: jax.Array  # i32[B] finish code, 0 while running
     pause_at: jax.Array  # i32[B] pause once this many response tokens exist (partial rollout)
+    adapter: jax.Array  # i32[B] the slot's LoRA adapter slot (-1: none; `generation/adapters.py`)
 
 
 @struct.dataclass
@@ -73,6 +74,7 @@ class Admission:
     # i32[N] positions the slot's KV already holds (an episode's next turn: `tokens` are
     # appended there, `extend_into_slots`); 0 for a prefill. `lengths` is the total.
     start: jax.Array
+    adapter: jax.Array  # i32[N] each row's LoRA adapter slot (-1: none)
 
 
 @struct.dataclass
@@ -121,6 +123,7 @@ def init_slot_state(cache: LayerCache, max_stop_ids: int) -> SlotState:
         stop_ids=jnp.full((b, max_stop_ids), -1, jnp.int32),
         reason=zi,
         pause_at=zi,
+        adapter=jnp.full((b,), -1, jnp.int32),
     )
 
 
@@ -152,7 +155,9 @@ def prefill_into_slots(
     """Prefills the admitted prompts (and a continuation's response so far) into their
     slots and samples each row's next token: token number `generated`, drawn with that
     counter, as the uninterrupted decode would."""
-    logits_NxV, cache, routes = model.prefill(adm.tokens, adm.lengths, state.cache, adm.slots)
+    logits_NxV, cache, routes = model.prefill(
+        adm.tokens, adm.lengths, state.cache, adm.slots, adm.adapter
+    )
     state, out = start_rows(state.replace(cache=cache), adm, logits_NxV)
     return state, out.replace(routes=routes)
 
@@ -164,7 +169,7 @@ def extend_into_slots(
     slot already holds (positions [0, start): the episode's turns so far) and samples
     the row's next token, as `prefill_into_slots` would after re-prefilling it all."""
     logits_NxV, cache, routes = model.extend(
-        adm.tokens, adm.lengths - adm.start, adm.start, state.cache, adm.slots
+        adm.tokens, adm.lengths - adm.start, adm.start, state.cache, adm.slots, adm.adapter
     )
     state, out = start_rows(state.replace(cache=cache), adm, logits_NxV)
     return state, out.replace(routes=routes)
@@ -209,6 +214,7 @@ def start_rows(
         stop_ids=put(state.stop_ids, adm.stop_ids),
         reason=put(state.reason, code),
         pause_at=put(state.pause_at, adm.pause_at),
+        adapter=put(state.adapter, adm.adapter),
     )
     return state, PrefillOut(tokens=tok, logp=logp, sampling_logp=slogp, reason=code)
 
@@ -235,7 +241,7 @@ def decode_chunk(
 
     def body(carry):
         step, st, (tok_buf, logp_buf, slogp_buf, route_buf) = carry
-        logits_BxV, cache, routes = model.decode(st.last_token, st.cache, st.active)
+        logits_BxV, cache, routes = model.decode(st.last_token, st.cache, st.active, st.adapter)
         tok, logp, slogp = sample_tokens(
             logits_BxV, st.key_data, st.num_generated, st.temperature, st.top_k, st.top_p
         )

@@ -195,6 +195,8 @@ class GenerationRequest:
         episode's turns so far with the environment's tokens appended; the sample
         returned holds the whole response, continuation first. `max_new_tokens` (and
         `segment_tokens`) count the policy tokens of the whole response.
+      adapter: the LoRA adapter slot to decode with, on an engine with adapter slots
+        (`EngineConfig.adapters`; -1: the base model alone); 0 on any other engine.
       keep_kv: keep the slot's KV once the sample ends (a stop, the length cap or a
         forced length), for
         a continuation with the same `request_id` (an episode's next turn): the engine
@@ -214,6 +216,7 @@ class GenerationRequest:
     segment_tokens: int | None = None
     continuation: Continuation | None = None
     keep_kv: bool = False
+    adapter: int = 0
 
     @property
     def generated(self) -> int:
