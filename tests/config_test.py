@@ -577,3 +577,21 @@ def test_generation_share_prefill_reaches_every_engine(share):
 
     cfg = config_lib.from_config_dict(_with(generation__share_prefill=share))
     assert engine_config(cfg, SimpleNamespace(stop_ids=[2]), slots=4).share_prefill is share
+
+
+def test_eval_at_start_off_skips_the_batch_zero_evaluation():
+    from streamrl_jax.pipeline.hooks import generation_hooks
+
+    class Source:
+        def forget_below(self, batch):
+            pass
+
+    for at_start, want in ((True, [0, 5, 10]), (False, [5, 10])):
+        cfg = config_lib.ExperimentConfig(
+            eval=config_lib.EvalSection(every=5, num_problems=4, at_start=at_start)
+        )
+        ran = []
+        hooks = generation_hooks(cfg, ran.append, Source())
+        for b in range(11):
+            hooks.run(b)
+        assert ran == want

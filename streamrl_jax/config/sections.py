@@ -291,6 +291,7 @@ class EvalSection:
 
     every: int = 5  # evaluate every N steps (0 = only at start and end)
     num_problems: int = 32  # held-out problems per evaluation (greedy)
+    at_start: bool = True  # also the starting policy's (step 0): the curve's first point
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -7,8 +7,9 @@ Every periodic action of a run is registered here, once, at the top of the run
   step of batch k-1): checkpoints every `checkpoint.every`, the online ranker
   refresh and the scheduling-decision log every step;
 * the generation driver runs its own after each batch it submits: the held-out
-  evaluation every `eval.every` batches (and at batch 0; `eval.every = 0`: at the
-  start only, and the final evaluation after the last batch), and every batch the
+  evaluation every `eval.every` batches (and at batch 0 unless `eval.at_start` is off;
+  `eval.every = 0`: at the start only, and the final evaluation after the last batch),
+  and every batch the
   prompt source forgets the records of batches no checkpoint can still need.
 
 A hook is never a branch inside a loop.
@@ -86,7 +87,8 @@ def generation_hooks(
     behind the driver, checkpoints at its own boundary or later)."""
     hooks = Hooks()
     if cfg.eval.num_problems > 0:
-        hooks.add("eval", cfg.eval.every or cfg.pipeline.steps, evaluate)
+        every = cfg.eval.every or cfg.pipeline.steps
+        hooks.add("eval", every, evaluate, at_zero=cfg.eval.at_start)
     keep = cfg.pipeline.staleness + 2
     hooks.add("prompt records", 1, lambda b: prompts.forget_below(b - keep))
     return hooks
