@@ -29,81 +29,24 @@ K times over the run, `--restart_delay_s` after its failure; the others keep run
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
-import secrets
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import threading
-import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# The program's environment and supervision live in the package (the main job's stage
+# processes use them too); re-exported here for launch/ray_cluster.py and the tests.
+from streamrl_jax.distributed.local_program import (  # noqa: E402
+    child_env,
+    exit_code,
+    free_port,
+    process_env,
+    run_secret,
+    supervise,
+)
 
-
-def process_env(
-    i: int, n: int, generation: int, coordinator: str, host: str = "127.0.0.1"
-) -> dict[str, str]:
-    """The variables that make a child process `i` of the program, on top of its own
-    environment (`streamrl_jax.distributed.roles` reads them); `launch/ray_cluster.py`
-    gives its children the same."""
-    return {
-        "STREAMRL_COORDINATOR": coordinator,
-        "STREAMRL_NUM_PROCESSES": str(n),
-        "STREAMRL_PROCESS_ID": str(i),
-        "STREAMRL_GENERATION_PROCESSES": str(generation),
-        "STREAMRL_HOST": host,
-        "PYTHONUNBUFFERED": "1",
-    }
-
-
-def run_secret() -> str | None:
-    """A fresh run secret, or None where the user set one (`STREAMRL_AUTHKEY` or
-    `STREAMRL_AUTHKEY_FILE`), which the children then inherit."""
-    if os.environ.get("STREAMRL_AUTHKEY") or os.environ.get("STREAMRL_AUTHKEY_FILE"):
-        return None
-    return secrets.token_hex(32)
-
-
-def child_env(
-    i: int, n: int, generation: int, coordinator: str, authkey: str | None
-) -> dict[str, str]:
-    env = dict(os.environ)
-    if authkey is not None:
-        env["STREAMRL_AUTHKEY"] = authkey
-    env.update(process_env(i, n, generation, coordinator))
-    return env
-
-
-def _pump(proc: subprocess.Popen, prefix: str, lock: threading.Lock) -> None:
-    for line in iter(proc.stdout.readline, b""):
-        with lock:
-            sys.stdout.write(f"{prefix} {line.decode(errors='replace')}")
-            sys.stdout.flush()
-
-
-def exit_code(rc: int) -> int:
-    """A child's exit status as a shell reports it (128 + signal for a signal)."""
-    return 128 - rc if rc < 0 else rc
-
-
-def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM to every live child's process group, SIGKILL after `grace_s`."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        live = [p for p in procs if p.poll() is None]
-        for p in live:
-            with contextlib.suppress(ProcessLookupError):  # exited meanwhile
-                os.killpg(p.pid, sig)
-        deadline = time.monotonic() + grace_s
-        while any(p.poll() is None for p in live) and time.monotonic() < deadline:
-            time.sleep(0.05)
+__all__ = ["child_env", "exit_code", "free_port", "process_env", "run_secret"]
 
 
 def program_parser(doc: str, pids: str) -> argparse.ArgumentParser:
@@ -153,84 +96,22 @@ def main(argv: list[str] | None = None) -> int:
     n, g = args.num_processes, args.generation_processes
     if args.pin and shutil.which("taskset") is None:
         parser.error("--pin needs taskset (util-linux)")
-
-    coordinator = f"127.0.0.1:{args.port or free_port()}"
-    authkey = run_secret()  # None: children inherit the key the user set
     cpus = sorted(os.sched_getaffinity(0))
-    lock = threading.Lock()
-    pumps: list[threading.Thread] = []
-
-    def start(i: int) -> subprocess.Popen:
-        role = "gen" if i < g else "train"
-        cmd = list(command)
-        if args.pin:
-            cmd = ["taskset", "-c", str(cpus[i % len(cpus)]), *cmd]
-        proc = subprocess.Popen(
-            cmd,
-            env=child_env(i, n, g, coordinator, authkey),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # own process group: a stop reaches its children too
-        )
-        pump = threading.Thread(target=_pump, args=(proc, f"[p{i} {role}]", lock), daemon=True)
-        pump.start()
-        pumps.append(pump)
-        return proc
-
-    def write_pids() -> None:
-        if args.pids_file:
-            pids = {i: [p.pid, "gen" if i < g else "train"] for i, p in enumerate(procs)}
-            with open(args.pids_file + ".tmp", "w", encoding="utf-8") as f:
-                json.dump(pids, f)
-            os.replace(args.pids_file + ".tmp", args.pids_file)
-
-    procs = [start(i) for i in range(n)]
-    write_pids()
-    restarts = args.restart_generation
-
-    def on_signal(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
-    deadline = time.monotonic() + args.timeout_s if args.timeout_s > 0 else None
-    code = 0
-    try:
-        while [p.poll() for p in procs].count(None):  # poll every child: sets returncode
-            failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode]
-            training = any(p.poll() is None for p in procs[g:])
-            if failed and failed[0][0] < g and restarts > 0 and training:
-                i, rc = failed[0]
-                restarts -= 1
-                print(
-                    f"[launch] generation process {i} failed (rc {rc}); restarting it in "
-                    f"{args.restart_delay_s:.0f} s ({restarts} restart(s) left)",
-                    flush=True,
-                )
-                time.sleep(args.restart_delay_s)
-                procs[i] = start(i)
-                write_pids()
-                continue
-            if failed:
-                i, rc = failed[0]
-                print(f"[launch] process {i} failed (rc {rc}); stopping the others", flush=True)
-                code = exit_code(rc)
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                print(f"[launch] timeout after {args.timeout_s:.0f} s; stopping", flush=True)
-                code = 124
-                break
-            time.sleep(0.1)
-        else:
-            failed = [p.returncode for p in procs if p.returncode]
-            code = exit_code(failed[0]) if failed else 0
-    except KeyboardInterrupt:
-        print("[launch] interrupted; stopping", flush=True)
-        code = 130
-    finally:
-        _stop(procs, args.grace_s)
-        for pump in pumps:
-            pump.join(2.0)
-    return code
+    commands = [
+        ["taskset", "-c", str(cpus[i % len(cpus)]), *command] if args.pin else list(command)
+        for i in range(n)
+    ]
+    return supervise(
+        commands,
+        g,
+        prefixes=[f"[p{i} {'gen' if i < g else 'train'}] " for i in range(n)],
+        grace_s=args.grace_s,
+        timeout_s=args.timeout_s,
+        restart_generation=args.restart_generation,
+        restart_delay_s=args.restart_delay_s,
+        pids_file=args.pids_file,
+        port=args.port,
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,15 @@ Several processes (docs/multicontroller.md): the same command on every process
 of a `jax.distributed` program, e.g.
 `python launch/local.py -n 2 -g 1 -- python -m streamrl_jax.launch --config=...`;
 processes 0 .. G-1 generate, the others train (`pipeline/processes/`).
+
+Stage processes (`--processes`): on a CPU machine XLA runs all of a process's devices
+on one thread pool, so the generation and training stages of one process take turns
+(DESIGN.md §5). `--processes=stages` runs this command as that program itself, one
+generation and one training process, each pinned to its half of the cores; `auto` does
+so where it should pay (`stage_plan`: a CPU machine with two cores or more, a
+disaggregated config the processes support, a model larger than the tiny test model)
+and otherwise runs both stages here; `one` (the default, until the main job's figures
+in both layouts are measured) always here.
 """
 
 from __future__ import annotations
@@ -102,6 +111,15 @@ _COMPILE_CACHE = flags.DEFINE_string(
     "this flag is given (JAX writes entries from process 0 only). A JAX_COMPILATION_"
     "CACHE_DIR in the environment replaces the default.",
 )
+_PROCESSES = flags.DEFINE_enum(
+    "processes",
+    "one",  # until the stage processes' main-job figures are measured (issue 41)
+    ["auto", "one", "stages"],
+    "stages: run the generation and training stages as two pinned processes of one "
+    "multi-controller program (checkpoints and resume as in one); one: both in this "
+    "process; auto: stages where they pay (a CPU machine with >= 2 cores, a config the "
+    "processes support, a model larger than the tiny one), else one.",
+)
 _DISTRIBUTED = flags.DEFINE_enum(
     "distributed",
     "auto",
@@ -135,6 +153,16 @@ _CACHE_SETTINGS = {
     # never read an entry half written. Needs `filelock` (set only where it imports).
     "jax_compilation_cache_max_size": 1 << 30,
 }
+
+
+def _default_cache_dir() -> str | None:
+    """The compile cache directory a one-process run would use (`--compile_cache`, or the
+    environment's), without turning anything on; None when it is off."""
+    if not _COMPILE_CACHE.present and os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]
+    return (
+        os.path.abspath(os.path.expanduser(_COMPILE_CACHE.value)) if _COMPILE_CACHE.value else None
+    )
 
 
 def _compile_cache(several_processes: bool) -> str | None:
@@ -211,6 +239,78 @@ def _place(dcfg: DistributedConfig | None) -> _Place:
     return _Place(f"p{dcfg.process_id}-{role}", role, layout, dcfg.process_id == g)
 
 
+# The smallest model the stage processes pay for: the tiny test model's steps are a few
+# hundred milliseconds, which the second process's start-up and the weight transfer
+# outweigh (BENCHMARKS.md "The main job"; SmolLM2-135M gains).
+_STAGES_MIN_PARAMS = 10_000_000
+
+
+def _accelerator_attached() -> bool:
+    """A GPU or TPU device node, or JAX_PLATFORMS naming one (without starting JAX)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return any(p.strip() not in ("", "cpu") for p in platforms.split(","))
+    nodes = ("/dev/nvidia0", "/dev/accel0", "/dev/vfio/0")
+    return any(os.path.exists(n) for n in nodes)
+
+
+def stage_plan(
+    cfg: ExperimentConfig, choice: str, cpus: list[int], accelerator: bool
+) -> tuple[bool, str]:
+    """Whether to run the stages as two processes (`--processes` = `choice`), and why (not).
+
+    Raises:
+      UserError: `choice` is "stages" and they cannot run (naming every reason).
+    """
+    from streamrl_jax import config as config_lib
+    from streamrl_jax.errors import UserError
+
+    if choice == "one":
+        return False, "--processes=one"
+    problems = []
+    if len(cpus) < 2:
+        problems.append(f"this process may use {len(cpus)} core")
+    if accelerator:
+        problems.append("an accelerator is attached (its stages do not share a thread pool)")
+    try:
+        config_lib.check(cfg, config_lib.Processes(total=2, generation=1))
+    except config_lib.ConfigError as e:
+        problems.append(str(e))
+    if choice == "auto" and cfg.model.source == "tiny":
+        problems.append(f"the tiny model (stages pay from ~{_STAGES_MIN_PARAMS:,} parameters)")
+    if not problems:
+        return True, f"generation on CPUs {_half(cpus, 0)}, training on CPUs {_half(cpus, 1)}"
+    if choice == "stages":
+        raise UserError(f"--processes=stages: {'; '.join(problems)}")
+    return False, "; ".join(problems)
+
+
+def _half(cpus: list[int], i: int) -> list[int]:
+    """Stage i's CPUs: the first half of `cpus` generates, the rest trains."""
+    k = max(len(cpus) // 2, 1)
+    return cpus[:k] if i == 0 else cpus[k:]
+
+
+def _run_stages(cache: str | None) -> int:
+    """This command as a 2-process program (1 generation, 1 training), each process pinned
+    to its half of the cores; the training process speaks (its lines as they are), the
+    generation process's lines are prefixed. Returns the program's exit status."""
+    from streamrl_jax.distributed import local_program
+
+    command = [sys.executable, *sys.orig_argv[1:]]
+    if cache and not _COMPILE_CACHE.present:  # a child uses the cache only when told
+        command.append(f"--compile_cache={cache}")
+    cpus = sorted(os.sched_getaffinity(0))
+    return local_program.supervise(
+        [command, command],
+        1,
+        prefixes=["[generation] ", ""],
+        affinity=[_half(cpus, 0), _half(cpus, 1)],
+        grace_s=300.0,  # SIGTERM checkpoints the last step boundary before stopping
+        say=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+
+
 def _run(cfg: ExperimentConfig, dcfg: DistributedConfig | None, out: Console) -> RunResult | None:
     """The experiment, in this process or as one process of several; the run's result
     (None on a generation process)."""
@@ -258,7 +358,19 @@ def main(argv: list[str]) -> None:
         cfg = config_lib.from_config_dict(value)
     except UserError as e:
         _user_error(str(e))
+    if dcfg is None:
+        try:
+            cpus = sorted(os.sched_getaffinity(0))
+            stages, why = stage_plan(cfg, _PROCESSES.value, cpus, _accelerator_attached())
+        except UserError as e:
+            _user_error(str(e))
+        logging.info("stage processes: %s (%s)", "yes" if stages else "no", why)
+        if stages:
+            out.say([f"stages as 2 pinned processes: {why} (--processes=one: one process)"])
+            sys.exit(_run_stages(_default_cache_dir()))
     import jax  # after flag parsing: the CPU device count must be set before the backend starts
+
+    logging.info("CPUs this process may use: %s", sorted(os.sched_getaffinity(0)))
 
     mesh = cfg.mesh
     per_role = {"generation": mesh.generate_devices, "training": mesh.train_devices}

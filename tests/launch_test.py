@@ -10,6 +10,8 @@ joins (`config.check`), so none waits for a coordinator. The entry run
 file keeps.
 """
 
+import importlib.util
+import json
 import os
 import re
 import signal
@@ -22,7 +24,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "launch"))
 import local  # noqa: E402  (launch/local.py: the children's environment)
-from support import launch_command  # noqa: E402
+from support import launch_command, launched_env  # noqa: E402
 
 CASES = {
     "unknown field": (["--config.pipeline.foo=1"], "no config field pipeline.foo (pipeline has:"),
@@ -37,6 +39,10 @@ CASES = {
     "missing model file": (["--config.model.source=/nonexistent.gguf"], "/nonexistent.gguf"),
     "compile cache": (["--compile_cache=/proc/none/jax"], "--compile_cache=/proc/none/jax: cannot"),
     "workdir": (["--workdir=/proc/none/run"], "--workdir=/proc/none/run: cannot write"),
+    "stages refused": (
+        ["--processes=stages"],
+        "--processes=stages: pipeline.rollout='dynamic_sampling': dynamic sampling runs",
+    ),
 }
 # A multi-process start (the STREAMRL_* environment) with a bad run key or environment.
 _PROCESS = {
@@ -265,3 +271,75 @@ def test_a_compile_cache_from_the_environment_gets_jaxs_file_lock(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split()[-2:] == [str(tmp_path), str(1 << 30)]
+
+
+def _tiny_config(**overrides):
+    from streamrl_jax import config as config_lib
+
+    spec = importlib.util.spec_from_file_location("q", os.path.join(REPO, "configs/quickstart.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config("tiny")
+    for key, value in overrides.items():
+        section, field = key.split(".")
+        setattr(getattr(cfg, section), field, value)
+    return config_lib.from_config_dict(cfg.to_dict())
+
+
+def test_stage_plan_runs_two_processes_only_where_they_run_and_pay():
+    from streamrl_jax.errors import UserError
+    from streamrl_jax.launch import stage_plan
+
+    tiny, big = _tiny_config(), _tiny_config(**{"model.source": "smollm2"})
+    assert stage_plan(big, "auto", [0, 1], accelerator=False) == (
+        True,
+        "generation on CPUs [0], training on CPUs [1]",
+    )
+    assert stage_plan(big, "auto", list(range(16)), False)[1].endswith(
+        "CPUs [8, 9, 10, 11, 12, 13, 14, 15]"
+    )
+    assert stage_plan(big, "one", [0, 1], False) == (False, "--processes=one")
+    assert stage_plan(tiny, "stages", [0, 1], False)[0]  # asked for: the tiny model too
+    for cfg, cpus, acc, why in (
+        (tiny, [0, 1], False, "the tiny model"),
+        (big, [0], False, "this process may use 1 core"),
+        (big, [0, 1], True, "an accelerator is attached"),
+        (
+            _tiny_config(**{"model.source": "smollm2", "pipeline.mode": "colocated"}),
+            [0, 1],
+            False,
+            "colocated",
+        ),
+    ):
+        stages, reason = stage_plan(cfg, "auto", cpus, acc)
+        assert not stages and why in reason, reason
+        if why != "the tiny model":
+            with pytest.raises(UserError, match=f"--processes=stages: .*{why}"):
+                stage_plan(cfg, "stages", cpus, acc)
+
+
+def test_stage_processes_run_the_main_job_pinned_apart(tmp_path):
+    # --processes=stages: this command as a 2-process program, each process pinned to its
+    # half of the cores; the training process speaks, the run ends as one process's would.
+    workdir = tmp_path / "run"
+    run = subprocess.run(
+        [*launch_command(workdir, ["--processes=stages"])],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env=launched_env(),
+    )
+    console = run.stdout + run.stderr
+    assert run.returncode == 0, console[-4000:]
+    assert "stages as 2 pinned processes: generation on CPUs" in console, console[-4000:]
+    assert any(line.startswith("done: step 2,") for line in console.splitlines()), console
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "reward" in r] == [0, 1]
+    cpus = {}
+    for role in ("p0-generation", "p1-training"):
+        log = (workdir / f"log.{role}.txt").read_text()
+        cpus[role] = set(json.loads(re.search(r"CPUs this process may use: (\[[\d, ]*\])", log)[1]))
+    assert cpus["p0-generation"] and cpus["p1-training"]
+    assert not cpus["p0-generation"] & cpus["p1-training"]
+    assert cpus["p0-generation"] | cpus["p1-training"] == set(os.sched_getaffinity(0))
