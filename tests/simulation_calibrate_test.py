@@ -56,3 +56,14 @@ def test_a_compiled_instance_sets_a_settings_tp_slots_and_costs():
     with pytest.raises(ValueError, match=r"no \d+-token sequence fits"):
         tiny = dataclasses.replace(inst, slots=1, max_len=512)
         calibrate.with_instance(sc, tiny)
+
+
+def test_a_model_wider_than_a_node_takes_its_instances_tp():
+    # 72B in bf16 does not fit one v5p host's 4 chips by the simulator's own TP rule; the
+    # plan's TP 8 instance (two hosts) is what its settings run with.
+    with pytest.raises(ValueError, match="does not fit one node of tpu_v5p"):
+        calibrate.setting_scenario(10_000, "qwen2.5-72b", 128, CostParams(), hw="tpu_v5p")
+    sc = calibrate.setting_scenario(10_000, "qwen2.5-72b", 128, CostParams(), "tpu_v5p", gen_tp=8)
+    inst = calibrate.Instance(hw="tpu_v5p", instance_tp=8, slots=128, max_len=10_752)
+    got, _ = calibrate.with_instance(sc, inst)
+    assert got.tp == 8 and got.slots >= 1

@@ -85,8 +85,16 @@ class Instance:
 
 
 def setting_scenario(
-    max_len: int, model: str, devices: int, params: CostParams, seed: int = 0, hw: str = "h800"
+    max_len: int,
+    model: str,
+    devices: int,
+    params: CostParams,
+    seed: int = 0,
+    hw: str = "h800",
+    gen_tp: int | None = None,
 ) -> Scenario:
+    """A Fig. 8 setting; `gen_tp` None: the simulator's smallest TP within one node (a
+    model wider than a node needs its instance's TP given: 72B on a v5p host's 4 chips)."""
     return Scenario(
         mode="colocated",
         model=hardware.get_model(model),
@@ -97,6 +105,7 @@ def setting_scenario(
         algorithm="ppo",
         params=params,
         seed=seed,
+        gen_tp=gen_tp,
     )
 
 
@@ -133,7 +142,8 @@ def run(
     rows = []
     for (max_len, model, devices), paper in PAPER_FIG8.items():
         inst = (instances or {}).get(model)
-        sc = setting_scenario(max_len, model, devices, params, seed, inst.hw if inst else "h800")
+        hw, tp = (inst.hw, inst.instance_tp) if inst else ("h800", None)
+        sc = setting_scenario(max_len, model, devices, params, seed, hw, tp)
         costs = None
         if inst is not None:
             sc, costs = with_instance(sc, inst)
