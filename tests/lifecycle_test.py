@@ -54,6 +54,10 @@ def test_each_mode_runs_two_steps(mode, tmp_path_factory):
         assert r["stream_wait_s"] >= 0.0 and r["stream_backpressure_s"] >= 0.0
         assert r["optimizer_steps"] == 1.0
         assert 0.0 <= r["compile_s"] <= r["step_s"]  # the trainer thread's, inside the step
+        # The step-time breakdown: the trainer's parts sum to the step's wall time.
+        parts = [r[f"time/{k}_s"] for k in ("train", "wait", "sync", "compile", "other")]
+        assert min(parts) >= 0.0 and sum(parts) == pytest.approx(r["step_s"], rel=1e-6)
+        assert r["time/generate_s"] == pytest.approx(r["gen_busy"] * r["step_s"])
     step0 = next(r for r in rows if r.get("step") == 0 and "reward" in r)
     assert step0["compile_s"] > 0  # its first micro-batch compiled the trainer's step
     assert os.path.exists(os.path.join(workdir, "trace.json"))

@@ -7,7 +7,10 @@ accuracy per policy version, response length, and for an episodes run the tool-c
 rate, truncation and turns per episode; one line per workdir) and
 `<out>_timeline.png` (the trace.json spans of the first workdir: one row per
 track — generation instances, reward, trainer micro-batches, optimizer,
-weight sync — so the overlap and the bubbles are visible).
+weight sync — so the overlap and the bubbles are visible) and `<out>_breakdown.png` (the
+first workdir's step-time breakdown, the metrics' `time/*`: per step, the trainer's
+training, waiting for samples, weight sync, compiling and the rest stacked to the step's
+wall time, and the generation's busy seconds beside them).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import matplotlib  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -66,6 +70,33 @@ def plot_curves(workdirs: list[str], labels: list[str], path: str) -> None:
     plt.close(fig)
 
 
+BREAKDOWN = ("train", "wait", "sync", "compile", "other")
+
+
+def plot_breakdown(workdir: str, path: str) -> bool:
+    """The step-time breakdown of `workdir`'s steps (False: its metrics have none)."""
+    rows = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "time/train_s" in r]
+    if not rows:
+        return False
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(14, 4.5))
+    bottom = [0.0] * len(rows)
+    for part in BREAKDOWN:
+        values = [r[f"time/{part}_s"] for r in rows]
+        ax.bar(steps, values, bottom=bottom, width=0.9, label=part)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    generate = [r["time/generate_s"] for r in rows]
+    ax.plot(steps, generate, color="black", marker=".", lw=1, label="generation busy")
+    ax.set(title="where each step's time went", xlabel="step", ylabel="seconds")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def plot_timeline(trace_path: str, path: str, max_seconds: float = 0.0) -> None:
     spans = read_trace(trace_path)
     # One row per track, grouped like the trace's processes: groups in the order first
@@ -103,9 +134,10 @@ def main(argv: list[str]) -> None:
     trace = os.path.join(workdirs[0], "trace.json")
     if os.path.exists(trace):
         plot_timeline(trace, f"{_OUT.value}_timeline.png", _MAX_SECONDS.value)
-    print(
-        json.dumps({"curves": f"{_OUT.value}_curves.png", "timeline": f"{_OUT.value}_timeline.png"})
-    )
+    out = {"curves": f"{_OUT.value}_curves.png", "timeline": f"{_OUT.value}_timeline.png"}
+    if plot_breakdown(workdirs[0], f"{_OUT.value}_breakdown.png"):
+        out["breakdown"] = f"{_OUT.value}_breakdown.png"
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

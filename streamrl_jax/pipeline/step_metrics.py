@@ -119,6 +119,8 @@ class StepWork:
     applied: int = 0  # of them, those an optimizer step has taken
     device: list[dict[str, jax.Array]] = dataclasses.field(default_factory=list)  # per apply
     busy_s: float = 0.0  # seconds of accumulate compute
+    publish_s: float = 0.0  # the trainer thread's seconds publishing the step's weights
+    sync_compile_s: float = 0.0  # of them, compiling
     prompt_ids: list[str] = dataclasses.field(default_factory=list)  # trained groups' prompts
 
 
@@ -159,6 +161,30 @@ class StepClock:
             "stream_wait_s": m.consumer_wait_s - self.waits.consumer_wait_s,
             "stream_backpressure_s": m.producer_wait_s - self.waits.producer_wait_s,
         }
+
+
+def step_breakdown(
+    times: dict[str, float], train_s: float, sync_s: float, gen_busy: float
+) -> dict[str, float]:
+    """Where a step's wall time went, on the trainer's side (`time/*`, summing to
+    `step_s`): training compute (`train_s`, the micro-batches' accumulate, less the
+    compiles in it), waiting for samples (the stream: generation-bound), publishing the
+    weights (`sync_s`: the trainer thread's, less its compiles), compiling (the trainer
+    thread's, wherever in the step), and the rest (the optimizer's apply, packing,
+    metrics); and beside them the generation's busy seconds in the same window
+    (`gen_busy` of it, per instance: they overlap the trainer's when the stages run at
+    once)."""
+    step, compile_s, wait = times["step_s"], times["compile_s"], times["stream_wait_s"]
+    train = max(train_s - compile_s, 0.0)
+    parts = {
+        "time/train_s": train,
+        "time/wait_s": wait,
+        "time/sync_s": sync_s,
+        "time/compile_s": compile_s,
+    }
+    parts["time/other_s"] = max(step - sum(parts.values()), 0.0)
+    parts["time/generate_s"] = gen_busy * step
+    return parts
 
 
 def sample_stats(

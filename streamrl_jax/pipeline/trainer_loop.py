@@ -43,7 +43,13 @@ from streamrl_jax.pipeline.parts import RunParts
 from streamrl_jax.pipeline.rollouts import StepOutcome
 from streamrl_jax.pipeline.schedules import VersionGate
 from streamrl_jax.pipeline.shards import host, pad_batch
-from streamrl_jax.pipeline.step_metrics import StepClock, StepMeter, StepWork, sample_stats
+from streamrl_jax.pipeline.step_metrics import (
+    StepClock,
+    StepMeter,
+    StepWork,
+    sample_stats,
+    step_breakdown,
+)
 from streamrl_jax.pipeline.supervisor import PipelineError
 from streamrl_jax.trainer.batch import TrainBatch
 from streamrl_jax.trainer.state import GradAccumulator
@@ -112,7 +118,12 @@ class TrainerLoop:
                 self._apply(b, k, work)
         outcome = self.rollout.finish(b)
         self.parts.supervisor.raise_if_failed()
+        compiled, t_publish = compile_seconds(this_thread=True), time.perf_counter()
         sync_s = self._publish(b + 1)
+        # The trainer thread's share of the sync (stream_async: waiting for the previous
+        # transfer and starting this one; `sync_s` is then the previous one's duration).
+        work.publish_s = time.perf_counter() - t_publish
+        work.sync_compile_s = compile_seconds(this_thread=True) - compiled
         self.at_boundary, self.trained = True, b + 1
         self.parts.supervisor.tick("trainer")
         self.parts.ckpts.log_consumed(b, work.prompt_ids + outcome.consumed)
@@ -157,6 +168,8 @@ class TrainerLoop:
             "reward_timeouts": float(p.ingest.pool.num_timeouts),
             "watchdog_alerts": float(len(p.supervisor.alerts)),
         }
+        publish = max(work.publish_s - work.sync_compile_s, 0.0)
+        row |= step_breakdown(times, work.busy_s, publish, row["gen_busy"])
         if self.precompile_s is not None and work.device:  # the first row written
             row["precompile_s"] = self.precompile_s  # before the first step, in no step_s
             self.precompile_s = None
