@@ -144,8 +144,11 @@ COMBINATIONS = {
     ),
     "dynamic sampling across processes": (
         _DYNAMIC,
-        (2, 1),
-        ["pipeline.rollout='dynamic_sampling'", "2 processes, 1 generating and 1 training"],
+        (3, 2),
+        [
+            "pipeline.rollout='dynamic_sampling' across processes runs with one generation",
+            "3 processes, 2 generating and 1 training",
+        ],
     ),
     "the curriculum across processes": (
         {"pipeline__rollout": "curriculum+full"},

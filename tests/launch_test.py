@@ -40,8 +40,8 @@ CASES = {
     "compile cache": (["--compile_cache=/proc/none/jax"], "--compile_cache=/proc/none/jax: cannot"),
     "workdir": (["--workdir=/proc/none/run"], "--workdir=/proc/none/run: cannot write"),
     "stages refused": (
-        ["--processes=stages"],
-        "--processes=stages: pipeline.rollout='dynamic_sampling': dynamic sampling runs",
+        ["--processes=stages", "--config.pipeline.mode=colocated"],
+        "--processes=stages: pipeline.mode='colocated' shares one device set",
     ),
 }
 # A multi-process start (the STREAMRL_* environment) with a bad run key or environment.
@@ -66,8 +66,8 @@ ENV_CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES) + sorted(ENV_CASES))
 def test_a_user_mistake_is_one_line_and_exit_status_2(case, tmp_path):
-    # The environment cases run a config that works across processes (the quickstart's
-    # dynamic sampling runs in one process only, refused before the run key is read).
+    # The environment cases run quickstart:tiny, a config that works across processes
+    # (one the processes refuse stops before the run key is read).
     args, message = CASES.get(case, (["--config=configs/quickstart.py:tiny"], None))
     env = dict(os.environ, JAX_PLATFORMS="cpu", XDG_CACHE_HOME=str(tmp_path / "cache"))
     env.pop("STREAMRL_AUTHKEY", None)
@@ -115,11 +115,11 @@ _PARTIAL = [
 # 2 groups): (processes, generation processes, flags, what the one line names).
 PROCESS_CASES = {
     "colocated": (2, 1, ["--config.pipeline.mode=colocated"], "pipeline.mode='colocated'"),
-    "dynamic sampling": (
+    "dynamic sampling, 3 processes": (
+        3,
         2,
-        1,
         ["--config.pipeline.rollout=dynamic_sampling"],
-        "dynamic sampling runs in one process only",
+        "pipeline.rollout='dynamic_sampling' across processes runs with one generation",
     ),
     "partial rollout, 3 processes": (
         3,

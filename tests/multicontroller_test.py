@@ -212,6 +212,36 @@ def _check_sync_reports(events, generation: int, training: int) -> None:
                 assert sent[version][f"bytes/generation-{k}"] == r["bytes/training-0"]
 
 
+def test_dynamic_sampling_across_processes_gives_the_one_process_parameters(
+    tmp_path, tmp_path_factory
+):
+    # DAPO dynamic sampling (the quickstart's rollout) in one generation and one training
+    # process: one-token responses under the vowel reward make some groups uniform, so
+    # they are skipped and refilled. The generation process judges its groups itself and
+    # refills; the trainer mirrors the rounds from its own judgments (its prompt draws
+    # included); the run ends with the one-process run's parameters, skips, draws and
+    # consumed prompts, bit for bit (stream_async, deterministic).
+    dynamic = {
+        "pipeline.rollout": "dynamic_sampling",
+        "generation.max_new_tokens": 1,
+        "pipeline.steps": 3,
+    }
+    workdir = tmp_path / "run"
+    launcher = [sys.executable, str(REPO / "launch" / "local.py"), "-n", "2", "-g", "1"]
+    cmd = _launch_cmd(workdir, **{"pipeline.mode": "stream_async"}, **dynamic)
+    run = _run([*launcher, "--timeout_s", "240", "--", *cmd])
+    assert run.returncode == 0, run.stdout[-6000:]
+    want = _one_process("stream_async", tmp_path_factory, **dynamic)
+    _assert_params_match(np.load(workdir / run_lib.FINAL_PARAMS), want, exact=True)
+    one = _ONE_PROCESS_DIR[("stream_async", *sorted(dynamic.items()))]
+    keys = ("reward", "groups_skipped", "dynamic_draws", "dynamic_short", "samples")
+    rows = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "reward" in r]
+    ref = [r for r in read_jsonl(str(one / "metrics.jsonl")) if "reward" in r]
+    assert [[r[k] for k in keys] for r in rows] == [[r[k] for k in keys] for r in ref]
+    assert sum(r["groups_skipped"] for r in rows) > 0  # the refills ran
+    assert (workdir / "consumed.jsonl").read_text() == (one / "consumed.jsonl").read_text()
+
+
 def test_lora_processes_send_the_adapters_alone_and_give_the_one_process_parameters(
     tmp_path, tmp_path_factory
 ):
@@ -993,6 +1023,11 @@ def test_settings_that_need_one_process_are_refused():
     # combinations across processes that run and those that are refused.
     with pytest.raises(config_lib.ConfigError, match="colocated.*one process"):
         _check(_config(**{"pipeline.mode": "colocated"}), 2, 1)
+    dynamic = {"pipeline.rollout": "dynamic_sampling"}
+    _check(_config(**dynamic), 2, 1)  # 1 generation + 1 training
+    for n, g in ((3, 2), (3, 1)):
+        with pytest.raises(config_lib.ConfigError, match="one generation and one training"):
+            _check(_config(**dynamic), n, g)
     inflight = {
         "pipeline.mode": "stream_async",
         "pipeline.weight_update": "inflight",

@@ -85,6 +85,18 @@ def _requests(batch, groups, members):
     ]
 
 
+def test_a_batchs_refill_groups_count_after_its_own_groups_are_whole():
+    # Dynamic sampling across processes: refills (groups past the batch's own) come after
+    # the batch's own groups are whole and the floor moved past it; they are kept once.
+    roster = Roster(1, groups=range(2), group_size=2, num_evals=0)
+    for group in range(2):
+        assert roster.first(_tag(0, group, 0)) and roster.first(_tag(0, group, 1))
+    assert not roster.first(_tag(0, 1, 1))  # the floor moved past batch 0
+    assert roster.first(_tag(0, 2, 0)) and roster.first(_tag(0, 2, 1))  # its refill
+    assert not roster.first(_tag(0, 2, 1))  # a copy of it
+    assert roster.first(_tag(1, 3, 0))  # a refill of a batch before its own groups
+
+
 def test_a_share_takes_over_the_lost_processes_drawn_groups():
     # Generation process 1 of 2 (stream_async, staleness 1: batch b needs W_{b-1}).
     share = _share((1, 2))

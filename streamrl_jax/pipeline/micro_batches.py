@@ -181,6 +181,11 @@ class GroupTaker:
             self._file(got, batch, out)
         return self._trim(batch, out, max_groups)
 
+    def park(self, batch: int, group: Group) -> None:
+        """A complete group of `batch` handed to this taker directly (not through the
+        stream): the next take of that batch returns it (the trainer's thread only)."""
+        self._parked.setdefault(batch, []).append(group)
+
     def take_until(
         self, batch: int, min_groups: int, max_groups: int, done: Callable[[], bool]
     ) -> list[Group]:

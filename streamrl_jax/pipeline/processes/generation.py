@@ -44,6 +44,7 @@ weights (the trainer's `ShardSender.catch_up`) and generates its share from ther
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import threading
@@ -57,6 +58,7 @@ from absl import logging
 
 from streamrl_jax.algorithms.overlong import OverlongPenalty
 from streamrl_jax.config import ExperimentConfig
+from streamrl_jax.config.fields import rollout_names
 from streamrl_jax.distributed import roles
 from streamrl_jax.distributed.channel import (
     ChannelClosed,
@@ -134,13 +136,17 @@ class _GenerationProcess:
         # pool of this process (the trainer scores the episodes by their outcome).
         self.pool: RewardPool | None = None
         self.kit: EpisodeKit | None = None
-        if cfg.environment.name:
+        self.tokenizer = side.tokenizer
+        _, kind = rollout_names(cfg.pipeline.rollout)
+        # Dynamic sampling judges its groups here too (rollouts/dynamic_sampling.py).
+        if cfg.environment.name or kind == "dynamic_sampling":
             self.pool = RewardPool(
                 side.reward_fn,
                 num_workers=2,
                 on_error=cfg.data.reward_errors,
                 sandbox=side.reward_sandbox,
             )
+        if cfg.environment.name:
             self.kit = episode_kit(cfg, side.tokenizer, self.pool)
         name = f"generation-{self.pid}"
         # A restarted process: the roster so far; the update taking it back comes after.
@@ -390,10 +396,26 @@ class _GenerationProcess:
                 seed=self.cfg.seed,
                 where="generator",
                 episodes=self.kit,
+                score=self._score if self.pool is not None else None,
             ),
         )
         self.latch.add_listener(lambda component, exc: rollout.fail(exc))
         return rollout
+
+    def _score(self, sample: Sample) -> concurrent.futures.Future[Scored]:
+        """A training sample scored on this process's reward pool (dynamic sampling's
+        judge here; the trainer scores the sample it receives again, alike)."""
+        text = self.tokenizer.decode(sample.response)
+        out: concurrent.futures.Future[Scored] = concurrent.futures.Future()
+
+        def done(future: concurrent.futures.Future) -> None:
+            try:
+                out.set_result(Scored(sample, text, future.result()))
+            except BaseException as e:  # noqa: BLE001 - handed to the rollout
+                out.set_exception(e)
+
+        self.pool.submit(text, sample.metadata).add_done_callback(done)
+        return out
 
     def run(self) -> None:
         batch, loaded, roster = self._start()
@@ -481,6 +503,7 @@ class _GenerationProcess:
             service.close(CLOSE_TIMEOUT_S)
             if self.kit is not None:
                 self.kit.close()
+            if self.pool is not None:
                 self.pool.close(cancel_pending=True)
         if outcome == "stopped":
             logging.warning("generation-%d: the training process stopped the run", self.pid)

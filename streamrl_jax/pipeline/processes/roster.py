@@ -138,8 +138,12 @@ class Roster:
 
     `groups` are the groups this training process receives per batch (its own share
     with several training processes), each of `group_size` samples; `num_evals` the
-    held-out prompts per version (0 when this process scores none).
+    held-out prompts per version (0 when this process scores none). A batch's further
+    groups (dynamic sampling's refills, indices past `groups`) may come after the batch's
+    own are whole; they are recorded apart and kept for `EXTRA_BATCHES` batches.
     """
+
+    EXTRA_BATCHES = 16
 
     def __init__(
         self,
@@ -157,6 +161,7 @@ class Roster:
         self.epoch = 0
         self._lock = threading.Lock()
         self._members: dict[int, dict[int, set[int]]] = {}  # batch -> group -> members
+        self._extra: dict[tuple[int, int], set[int]] = {}  # (batch, refill group) -> members
         self._floor = 0
         self._evals: dict[int, set[int]] = {}  # version -> indices received
         self._evals_done: set[int] = set()
@@ -174,6 +179,15 @@ class Roster:
                 if len(seen) >= self.num_evals:
                     self._evals_done.add(tag.eval_version)
                     del self._evals[tag.eval_version]
+                return True
+            if tag.group not in self.groups and tag.group >= max(self.groups, default=-1):
+                members = self._extra.setdefault((tag.batch, tag.group), set())
+                if tag.member in members:
+                    return False
+                members.add(tag.member)
+                old = self._floor - self.EXTRA_BATCHES
+                for key in [k for k in self._extra if k[0] < old]:
+                    del self._extra[key]
                 return True
             if tag.batch < self._floor:
                 return False

@@ -366,8 +366,16 @@ class TrainingLink:
         for g in groups:
             tag = g[0].sample.tag
             ids = self._drawn.get(tag.batch)
-            if ids is None or tag.prompt_id != ids[tag.group]:
-                want = "a batch it no longer keeps" if ids is None else ids[tag.group]
+            if ids is not None and tag.group >= len(ids):  # a refill (dynamic sampling)
+                ids = self._run.prompts.ids(tag.batch)
+            if ids is None or tag.group >= len(ids) or tag.prompt_id != ids[tag.group]:
+                want = (
+                    "a batch it no longer keeps"
+                    if ids is None
+                    else ids[tag.group]
+                    if tag.group < len(ids)
+                    else f"{len(ids)} groups"
+                )
                 raise RuntimeError(
                     f"batch {tag.batch} group {tag.group}: generated for prompt "
                     f"{tag.prompt_id}, the trainer drew {want} (prompt pipelines out of step)"

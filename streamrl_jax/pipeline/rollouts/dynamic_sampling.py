@@ -7,8 +7,7 @@ step, so it is skipped, and replacement prompts are drawn until the step holds
 extra prompts were drawn for it (then the step trains the informative groups it has;
 `dynamic_short` in its metrics says so).
 
-Where each part runs (one process: `config/rules.py` refuses it across processes,
-where the generation processes cannot see the rewards that decide the refills):
+Where each part runs (one process; across processes see below):
 
 * **judge** (`scored`, the reward pool's callback threads): the scored members of
   each group are held until the group is complete; its rewards (the outcome
@@ -34,6 +33,19 @@ where the generation processes cannot see the rewards that decide the refills):
 Costs: the next batch's generation waits for the current batch's refill rounds
 (scoring its last group and generating the refills), which in stream_async
 moves generation of b+1 later by that much.
+
+Across processes (one generation and one training process, `config/rules.py`): the
+generation process judges the groups it made itself (`RolloutContext.score`: its own
+reward pool, the same deterministic reward function) and runs the refill rounds as
+above; every sample still goes to the trainer, which scores and judges it again and
+*mirrors* the rounds (`_mirror`, on the trainer's thread whenever it waits for the
+batch): once every group of the rounds so far is judged, it draws the round's missing
+number from its own prompt source, so its prompt iterator and its record of each
+batch's draws stay the generation process's, and its step trains the same groups. A
+refill group judged on the trainer before its round is mirrored there is held and
+handed to the trainer's taker once it is (`GroupTaker.park`). The trainer draws a
+batch's originals at the step's start and its refills during the step, so its draws
+keep the generation process's order: originals of b, refills of b, originals of b+1.
 """
 
 from __future__ import annotations
@@ -43,6 +55,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -87,13 +100,18 @@ class DynamicSampling:
 
     def __init__(self, ctx: RolloutContext):
         p = ctx.pipeline
-        self.ctx, self.p = ctx, p
+        if ctx.where == "generator" and ctx.score is None:
+            raise ValueError("dynamic sampling in a generation process needs RolloutContext.score")
+        self.ctx, self.p, self.where = ctx, p, ctx.where
         self.need, self.group_size = p.prompts_per_step, p.group_size
         self.max_draws, self.timeout = p.dynamic_sampling_max_draws, p.timeout_s
         self.taker = GroupTaker(ctx.stream, p.timeout_s)
         self._cv = threading.Condition()
         self._members: dict[tuple[int, int], list[Scored]] = collections.defaultdict(list)
         self._batches: dict[int, Outcome] = collections.defaultdict(Outcome)
+        # The trainer across processes: informative groups judged before their refill
+        # round was mirrored here, handed to the taker once it is.
+        self._held: dict[tuple[int, int], Group] = {}
         ctx.latch.add_listener(lambda component, exc: self._wake())
 
     def _wake(self) -> None:
@@ -149,8 +167,10 @@ class DynamicSampling:
         ready: Callable[[Outcome], bool],
         stopped: Callable[[], bool],
     ) -> None:
-        """Waits (holding `_cv`) until `ready(out)`, a failure or `stopped()`."""
+        """Waits (holding `_cv`) until `ready(out)`, a failure or `stopped()`; the trainer
+        across processes mirrors the batch's rounds meanwhile."""
         deadline = time.monotonic() + self.timeout
+        self._mirror(batch)
         while not (ready(out) or stopped() or self.ctx.latch.failed):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -159,32 +179,106 @@ class DynamicSampling:
                     f"judged after {self.timeout:.0f} s (generation or reward stalled?)"
                 )
             self._cv.wait(min(left, _SLICE_S))
+            self._mirror(batch)
 
     def returned(self, sample: Sample) -> Returned:
+        """A finished sample goes on as it is; in a generation process it is also scored
+        here, for this process's judge (module docstring)."""
+        if self.where == "generator" and not sample.tag.is_eval:
+            self.ctx.score(sample).add_done_callback(self._scored_here)
         return Returned(sample, [])
+
+    def _scored_here(self, future: Future[Scored]) -> None:
+        """A generation process's own score of one of its samples: judged here, never
+        streamed (the trainer judges the sample it receives)."""
+        try:
+            scored = future.result()
+        except BaseException as e:  # noqa: BLE001 - the run's failure, named
+            self.ctx.latch.fail("dynamic sampling's judge (reward)", e)
+            return
+        judged = self._complete(scored)
+        if judged is not None:
+            self._record(*judged)
 
     # ------------------------------------------------------------------ ingest
     def scored(self, scored: Scored) -> None:
         """A scored training sample; its complete group goes into the stream unless its
-        rewards are all equal (then it is recorded as skipped)."""
+        rewards are all equal (then it is recorded as skipped). Across processes the
+        trainer holds a refill group until its round is mirrored (module docstring)."""
+        judged = self._complete(scored)
+        if judged is None:
+            return
+        members, informative = judged
+        tag = members[0].sample.tag
+        if informative:
+            with self._cv:
+                early = self.where == "trainer" and tag.group >= self._registered(tag.batch)
+                if early:
+                    self._held[(tag.batch, tag.group)] = members
+            if not early:
+                for s in members:
+                    self.ctx.stream.put(s, timeout=self.timeout)
+        self._record(members, informative)
+
+    def _complete(self, scored: Scored) -> tuple[Group, bool] | None:
+        """The group's members and whether their rewards vary, once all are scored."""
         tag = scored.sample.tag
         key = (tag.batch, tag.group)
         with self._cv:
             members = self._members[key]
             members.append(scored)
             if len(members) < self.group_size:
-                return
+                return None
             del self._members[key]
         rewards = shaped_rewards(members, self.ctx.overlong)
-        informative = bool(np.ptp(rewards) > 0)
-        if informative:
-            for s in members:
-                self.ctx.stream.put(s, timeout=self.timeout)
+        return members, bool(np.ptp(rewards) > 0)
+
+    def _record(self, members: Group, informative: bool) -> None:
+        tag = members[0].sample.tag
         with self._cv:
             out = self._batches[tag.batch]
             (out.informative if informative else out.skipped).append(tag.group)
             out.prompt_ids.setdefault(tag.group, tag.prompt_id)
             self._cv.notify_all()
+
+    def _registered(self, batch: int) -> int:
+        """Groups of `batch` the trainer's mirror has drawn so far (under `_cv`)."""
+        return max(self._batches[batch].submitted, self.need)
+
+    def _mirror(self, batch: int) -> None:
+        """The trainer across processes: the generation process's refill rounds of
+        `batch`, as far as this process's judgments decide them (module docstring). The
+        trainer's thread only (it draws from the prompt source after the step's start
+        drew the originals)."""
+        if self.where != "trainer":
+            return
+        released = []
+        with self._cv:
+            out = self._batches[batch]
+            out.submitted = max(out.submitted, self.need)  # the originals: the step drew them
+            while not out.settled:
+                judged = set(out.informative) | set(out.skipped)
+                if not judged.issuperset(range(out.submitted)):
+                    break
+                round_informative = sum(g < out.submitted for g in out.informative)
+                n = min(self.need - round_informative, self.max_draws - out.draws)
+                if n <= 0:
+                    out.settled = True
+                    self._cv.notify_all()
+                    break
+                first = out.submitted
+                prompts = self.ctx.prompts.draw(batch, n)
+                out.draws += n
+                out.submitted += n
+                out.prompt_ids.update(
+                    (first + i, q.problem.prompt_id) for i, q in enumerate(prompts)
+                )
+                for g in range(first, out.submitted):
+                    group = self._held.pop((batch, g), None)
+                    if group is not None:
+                        released.append(group)
+        for group in released:
+            self.taker.park(batch, group)
 
     def report(self, report: RoundClosed) -> None:
         raise TransportError(
@@ -195,6 +289,7 @@ class DynamicSampling:
     # ------------------------------------------------------------------ trainer side
     def _target(self, batch: int) -> int | None:
         """The number of groups batch `batch` trains, once it is settled (else None)."""
+        self._mirror(batch)
         with self._cv:
             out = self._batches[batch]
             return len(out.informative) if out.settled else None

@@ -99,6 +99,10 @@ class RolloutContext:
     generation_processes: tuple[int, ...] = ()  # where="trainer": the reporting processes
     episodes: EpisodeKit | None = None  # the environment of an "episodes" rollout
     agents: AgentKit | None = None  # the endpoint and scaffold of an "agents" rollout
+    # where="generator": scores a returned training sample here (dynamic sampling judges
+    # its groups in the generation process: the reward function is deterministic, so the
+    # trainer's own scores agree)
+    score: Callable[[Sample], Future[Scored]] | None = None
 
 
 class Rollout(Protocol):
