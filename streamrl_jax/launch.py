@@ -21,8 +21,8 @@ on one thread pool, so the generation and training stages of one process take tu
 generation and one training process, each pinned to its half of the cores; `auto` does
 so where it should pay (`stage_plan`: a CPU machine with two cores or more, a
 disaggregated config the processes support, a model larger than the tiny test model)
-and otherwise runs both stages here; `one` (the default, until the main job's figures
-in both layouts are measured) always here.
+and otherwise runs both stages here; `one` (the default: on 2 cores the quickstart ran
+1.36x slower a step in stages, BENCHMARKS.md) always here.
 """
 
 from __future__ import annotations
@@ -113,11 +113,11 @@ _COMPILE_CACHE = flags.DEFINE_string(
 )
 _PROCESSES = flags.DEFINE_enum(
     "processes",
-    "one",  # until the stage processes' main-job figures are measured (issue 41)
+    "one",  # on 2 cores the stages measured slower (BENCHMARKS.md, "The main job, ...")
     ["auto", "one", "stages"],
     "stages: run the generation and training stages as two pinned processes of one "
     "multi-controller program (checkpoints and resume as in one); one: both in this "
-    "process; auto: stages where they pay (a CPU machine with >= 2 cores, a config the "
+    "process; auto: stages where they should pay (a CPU machine with >= 4 cores, a config the "
     "processes support, a model larger than the tiny one), else one.",
 )
 _DISTRIBUTED = flags.DEFINE_enum(
@@ -239,10 +239,14 @@ def _place(dcfg: DistributedConfig | None) -> _Place:
     return _Place(f"p{dcfg.process_id}-{role}", role, layout, dcfg.process_id == g)
 
 
-# The smallest model the stage processes pay for: the tiny test model's steps are a few
-# hundred milliseconds, which the second process's start-up and the weight transfer
-# outweigh (BENCHMARKS.md "The main job"; SmolLM2-135M gains).
+# The smallest model the stage processes could pay for: the tiny test model's steps are
+# a few hundred milliseconds, which the second process's start-up and the weight
+# transfer outweigh.
 _STAGES_MIN_PARAMS = 10_000_000
+# Cores `auto` asks for: on 2 cores (one a stage) the quickstart measured 1.36x slower a
+# step than one process, whose stages each use both cores while the other waits
+# (BENCHMARKS.md "The main job, one process or stage processes"); more cores unmeasured.
+_STAGES_MIN_CORES = 4
 
 
 def _accelerator_attached() -> bool:
@@ -270,6 +274,11 @@ def stage_plan(
     problems = []
     if len(cpus) < 2:
         problems.append(f"this process may use {len(cpus)} core")
+    elif choice == "auto" and len(cpus) < _STAGES_MIN_CORES:
+        problems.append(
+            f"{len(cpus)} cores (on 2 the stages measured slower than one process; auto "
+            f"asks for {_STAGES_MIN_CORES})"
+        )
     if accelerator:
         problems.append("an accelerator is attached (its stages do not share a thread pool)")
     try:

@@ -291,10 +291,13 @@ def test_stage_plan_runs_two_processes_only_where_they_run_and_pay():
     from streamrl_jax.launch import stage_plan
 
     tiny, big = _tiny_config(), _tiny_config(**{"model.source": "smollm2"})
-    assert stage_plan(big, "auto", [0, 1], accelerator=False) == (
+    assert stage_plan(big, "stages", [0, 1], accelerator=False) == (
         True,
         "generation on CPUs [0], training on CPUs [1]",
     )
+    stages, why = stage_plan(big, "auto", [0, 1], accelerator=False)
+    assert not stages and "2 cores (on 2 the stages measured slower" in why
+    assert stage_plan(big, "auto", [0, 1, 2, 3], False)[0]
     assert stage_plan(big, "auto", list(range(16)), False)[1].endswith(
         "CPUs [8, 9, 10, 11, 12, 13, 14, 15]"
     )
@@ -303,10 +306,10 @@ def test_stage_plan_runs_two_processes_only_where_they_run_and_pay():
     for cfg, cpus, acc, why in (
         (tiny, [0, 1], False, "the tiny model"),
         (big, [0], False, "this process may use 1 core"),
-        (big, [0, 1], True, "an accelerator is attached"),
+        (big, [0, 1, 2, 3], True, "an accelerator is attached"),
         (
             _tiny_config(**{"model.source": "smollm2", "pipeline.mode": "colocated"}),
-            [0, 1],
+            [0, 1, 2, 3],
             False,
             "colocated",
         ),
