@@ -19,7 +19,7 @@ Stage processes (`--processes`): on a CPU machine XLA runs all of a process's de
 on one thread pool, so the generation and training stages of one process take turns
 (DESIGN.md §5). `--processes=stages` runs this command as that program itself, one
 generation and one training process, each pinned to its half of the cores; `auto` does
-so where it should pay (`stage_plan`: a CPU machine with two cores or more, a
+so where it should pay (`stage_plan`: a CPU machine with four cores or more, a
 disaggregated config the processes support, a model larger than the tiny test model)
 and otherwise runs both stages here; `one` (the default: on 2 cores the quickstart ran
 1.36x slower a step in stages, BENCHMARKS.md) always here.
@@ -239,10 +239,6 @@ def _place(dcfg: DistributedConfig | None) -> _Place:
     return _Place(f"p{dcfg.process_id}-{role}", role, layout, dcfg.process_id == g)
 
 
-# The smallest model the stage processes could pay for: the tiny test model's steps are
-# a few hundred milliseconds, which the second process's start-up and the weight
-# transfer outweigh.
-_STAGES_MIN_PARAMS = 10_000_000
 # Cores `auto` asks for: on 2 cores (one a stage) the quickstart measured 1.36x slower a
 # step than one process, whose stages each use both cores while the other waits
 # (BENCHMARKS.md "The main job, one process or stage processes"); more cores unmeasured.
@@ -286,7 +282,9 @@ def stage_plan(
     except config_lib.ConfigError as e:
         problems.append(str(e))
     if choice == "auto" and cfg.model.source == "tiny":
-        problems.append(f"the tiny model (stages pay from ~{_STAGES_MIN_PARAMS:,} parameters)")
+        # Its steps are a few hundred milliseconds: the second process's start-up and the
+        # weight transfer would outweigh them.
+        problems.append("the tiny model (its steps are too short to gain)")
     if not problems:
         return True, f"generation on CPUs {_half(cpus, 0)}, training on CPUs {_half(cpus, 1)}"
     if choice == "stages":

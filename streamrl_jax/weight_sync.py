@@ -101,6 +101,16 @@ def _like(shardings: Any, tree: Any) -> Any:
     return shardings.filter(nnx.LoRAParam)
 
 
+def adapter_leaves(params: Any) -> frozenset[int]:
+    """Indices (in `jax.tree.leaves` order) of a model state's LoRA adapter leaves
+    (`nnx.LoRAParam`): what an adapter-only sync changes after its first version, across
+    processes a delta of them (`ShardSender.send(changed=)`)."""
+    paths = jax.tree_util.tree_leaves_with_path
+    keystr = jax.tree_util.keystr
+    adapters = {keystr(p) for p, _ in paths(params.filter(nnx.LoRAParam))}
+    return frozenset(i for i, (p, _) in enumerate(paths(params)) if keystr(p) in adapters)
+
+
 def cast_floats(params: Any, dtype: Any) -> Any:
     """Floating leaves of `params` cast to `dtype` (pure; jitted by `WeightSync`)."""
 

@@ -52,10 +52,9 @@ def wire_sync(params_by_name: dict, rounds: int, dtype) -> dict:
     as a delta (lora), sender and receiver on threads of this process (module docstring)."""
     import jax
     import numpy as np
-    from flax import nnx
 
     from streamrl_jax.distributed import shard_receiver, shard_sync, shard_wire
-    from streamrl_jax.weight_sync import cast_floats
+    from streamrl_jax.weight_sync import adapter_leaves, cast_floats
 
     key = b"bench-lora-key-0123456789abcdef"
     out = {}
@@ -69,14 +68,7 @@ def wire_sync(params_by_name: dict, rounds: int, dtype) -> dict:
         receiver = shard_receiver.ShardReceiver(
             [sender.address], need, authkey=key, timeout_s=120, deltas=name == "lora"
         )
-        changed = None
-        if name == "lora":
-            flat = jax.tree_util.tree_leaves_with_path(cast)
-            ad = {
-                jax.tree_util.keystr(p)
-                for p, _ in jax.tree_util.tree_leaves_with_path(cast.filter(nnx.LoRAParam))
-            }
-            changed = frozenset(i for i, (p, _) in enumerate(flat) if jax.tree_util.keystr(p) in ad)
+        changed = adapter_leaves(cast) if name == "lora" else None
         try:
             sender.send(cast, 0)  # the whole first version (the base lands)
             receiver.receive(shardings, 120)

@@ -41,7 +41,7 @@ from streamrl_jax.model import lora
 from streamrl_jax.model.config import ModelConfig
 
 # The fused matrices of the generation layout, each with the training targets it holds
-# (in the order of its parts) and its input dimensions after the layer axis.
+# (in the order of its parts).
 FUSED = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
 SLOT_AXIS, RANK_AXIS = "lora_slot", "lora_rank"
 # Logical axes of a table's A and B (decoder.weight_shardings): B shares its matrix's
@@ -60,9 +60,8 @@ RULES = {SLOT_AXIS: None, RANK_AXIS: None}
 
 
 def check(cfg: ModelConfig, slots: int) -> None:
-    """Raises ValueError naming what an engine with `slots` adapter slots cannot serve."""
-    if not isinstance(slots, int) or slots < 0:
-        raise ValueError(f"EngineConfig.adapters must be an int >= 0, got {slots!r}")
+    """Raises ValueError naming what an engine with `slots` adapter slots (an
+    `EngineConfig.adapters`, validated there) cannot serve."""
     if not slots:
         return
     if not cfg.lora_rank:
@@ -136,12 +135,8 @@ def adapters_of(cfg: ModelConfig, state: Any) -> dict[str, tuple[jax.Array, jax.
     out = {}
     for t in cfg.lora_targets:
         name = lora.param_name(t, cfg.num_experts)
-        out[name] = tuple(_value(stack[f"{name}_lora_{ab}"]) for ab in "ab")
+        out[name] = tuple(stack[f"{name}_lora_{ab}"][...] for ab in "ab")  # Variable or array
     return out
-
-
-def _value(x: Any) -> jax.Array:
-    return x[...] if hasattr(x, "get_value") or hasattr(x, "value") else x
 
 
 def selector(adapter_N: jax.Array, slots: int, dtype: Any) -> jax.Array:

@@ -160,9 +160,7 @@ class Engine:
         self.adapter_versions = [version] * cfg.adapters
         self._pending_adapters: list[tuple[int, Any, int]] = []
         if cfg.adapters:
-            self._adapter_fns = executables.adapter_fns(
-                model_cfg, mesh, params, cfg.weight_dtype, cfg.adapters
-            )
+            self._adapter_fns = executables.adapter_fns(model_cfg, mesh, params, cfg.adapters)
         self._lock = threading.Lock()
 
         platform = mesh.devices.flat[0].platform
@@ -326,7 +324,7 @@ class Engine:
             self._sources.clear()
             logging.info("instance %d: weights version %d", self.instance_id, self.version)
         for slot, entries, version in writes:
-            _, write = self._adapter_fns
+            write = self._adapter_fns[1]
             self._params = adapters_lib.with_tables(
                 self._params, write(adapters_lib.tables_of(self._params), entries, slot)
             )

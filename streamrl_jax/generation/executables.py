@@ -134,11 +134,12 @@ def relayout_fn(
     return jax.jit(fn, out_shardings=decoder.weight_shardings(jax.eval_shape(fn, params), mesh))
 
 
-def adapter_fns(model_cfg: ModelConfig, mesh: Mesh, params: Any, weight_dtype: str, slots: int):
+def adapter_fns(model_cfg: ModelConfig, mesh: Mesh, params: Any, slots: int):
     """(layout, write) of an engine with adapter slots (`adapters.py`), jitted: `layout`
     takes a model's LoRA adapters (an `nnx.LoRAParam` state) to each layer's entries
     (no slot axis); `write(tables, entries, slot)` puts them in slot `slot` of the
-    layers' tables (donated), in the tables' shardings."""
+    layers' tables (donated), in the tables' shardings. The tables are never quantised
+    (`quant.CONTRACTED` holds none), whatever the engine's weight dtype."""
     dtype = np.dtype(model_cfg.jnp_dtype)
 
     def layout(adapter_state):
@@ -153,7 +154,6 @@ def adapter_fns(model_cfg: ModelConfig, mesh: Mesh, params: Any, weight_dtype: s
             {n: t[n].at[slot].set(e[n]) for n in t} for t, e in zip(tables, entries, strict=True)
         )
 
-    del weight_dtype  # the tables are never quantised (`quant.CONTRACTED` holds none)
     shapes = jax.eval_shape(layout, params.filter(nnx.LoRAParam))
     table_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((slots, *x.shape), x.dtype), shapes)
     table_sh = decoder.weight_shardings({"layers": table_shapes}, mesh)["layers"]

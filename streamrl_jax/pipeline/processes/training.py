@@ -50,7 +50,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from absl import logging
 from flax import nnx
@@ -91,7 +90,7 @@ from streamrl_jax.pipeline.shards import Alone, TrainingGroup, ownership
 from streamrl_jax.pipeline.step_metrics import RunResult
 from streamrl_jax.scheduling.live import LiveScheduler
 from streamrl_jax.scheduling.ranker import Ranker
-from streamrl_jax.weight_sync import Mover, Params, Published, WeightSync
+from streamrl_jax.weight_sync import Mover, Params, Published, WeightSync, adapter_leaves
 
 
 def send_to_generation(sender: ShardSender, timeout_s: float, adapters_only: bool = False) -> Mover:
@@ -114,11 +113,7 @@ def send_to_generation(sender: ShardSender, timeout_s: float, adapters_only: boo
             first["base"] = cast.filter(nnx.Not(nnx.LoRAParam))
         elif adapters_only:
             tree = nnx.merge_state(cast, first["base"])
-            paths = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(cast)}
-            flat = jax.tree_util.tree_leaves_with_path(tree)
-            changed = frozenset(
-                i for i, (p, _) in enumerate(flat) if jax.tree_util.keystr(p) in paths
-            )
+            changed = adapter_leaves(tree)
         stats = sender.send(tree, version, timeout=timeout_s, changed=changed)
         return [Published(cast, version)], sender.num_receivers, stats.report()
 
