@@ -321,6 +321,7 @@ def test_stage_plan_runs_two_processes_only_where_they_run_and_pay():
                 stage_plan(cfg, "stages", cpus, acc)
 
 
+@pytest.mark.extended  # the suite's budget: the stage plan runs in the cases above it
 def test_stage_processes_run_the_main_job_pinned_apart(tmp_path):
     # --processes=stages: this command as a 2-process program, each process pinned to its
     # half of the cores; the training process speaks, the run ends as one process's would.

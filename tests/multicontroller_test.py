@@ -212,6 +212,7 @@ def _check_sync_reports(events, generation: int, training: int) -> None:
                 assert sent[version][f"bytes/generation-{k}"] == r["bytes/training-0"]
 
 
+@pytest.mark.extended  # the suite's budget: dynamic sampling's own cases run in one process
 def test_dynamic_sampling_across_processes_gives_the_one_process_parameters(
     tmp_path, tmp_path_factory
 ):
@@ -242,6 +243,7 @@ def test_dynamic_sampling_across_processes_gives_the_one_process_parameters(
     assert (workdir / "consumed.jsonl").read_text() == (one / "consumed.jsonl").read_text()
 
 
+@pytest.mark.extended  # the suite's budget: the delta's bytes and bits run in shard_sync_test
 def test_lora_processes_send_the_adapters_alone_and_give_the_one_process_parameters(
     tmp_path, tmp_path_factory
 ):
@@ -849,6 +851,7 @@ def test_precompiled_processes_compile_nothing_after_the_first_step(tmp_path):
     assert "precompiled" in run.stdout + run.stderr  # the generation process's engine
 
 
+@pytest.mark.extended  # the suite's budget: rounds across processes run in the episodes case
 def test_partial_rollout_across_processes_trains_every_group_once(tmp_path):
     # Partial rollout with one generation and one training process: rounds of 6 tokens,
     # so the tiny model's 16-token samples take 3 rounds (lag 3 = max_lag). The paused

@@ -100,6 +100,7 @@ roles.shutdown(20)
 """
 
 
+@pytest.mark.extended  # the suite's budget: restarts run in multicontroller_test -m extended
 def test_a_killed_generation_process_or_actor_is_restarted_and_rejoins(tmp_path):
     script, pids = tmp_path / "rejoining.py", tmp_path / "pids.json"
     script.write_text(_PRELUDE + _REJOINING)
