@@ -7,6 +7,7 @@ compiled program on the same values as from the original state.
 
 import os
 import signal
+import threading
 
 import grain
 import jax
@@ -350,3 +351,35 @@ def test_a_checkpoint_from_before_the_newer_fingerprint_fields_restores(tmp_path
         pytest.raises(ValueError, match="num_experts: checkpoint 0 vs this run 4"),
     ):
         ckpt.restore(abstract_state=_abstract(fsdp8), state_shardings=fsdp8.state_shardings)
+
+
+def test_two_checkpointers_saving_at_once_in_one_process_both_land(tmp_path):
+    # Several learners in one process each have a checkpointer; orbax keeps process-wide
+    # state for a save under way, and two async saves at once collided on their temporary
+    # directories ("File exists") before saves were started one at a time.
+    errors: list[BaseException] = []
+
+    def saves(name: str) -> None:
+        try:
+            with ckpt_lib.Checkpointer(str(tmp_path / name), keep=2, save_every=1) as c:
+                for step in range(1, 9):
+                    tree = {
+                        "w": np.full((64, 64), step, np.float32),
+                        "b": np.arange(10, dtype=np.float32),
+                    }
+                    c.save(step, tree, extra_arrays={"gen": {"3": tree}})
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=saves, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    for name in ("a", "b"):
+        with ckpt_lib.Checkpointer(str(tmp_path / name), keep=2) as c:
+            assert c.all_steps() == [7, 8]
+            want = {"w": np.full((64, 64), 8, np.float32), "b": np.arange(10, dtype=np.float32)}
+            got = c.restore(8, abstract_state=ckpt_lib.abstract_tree(jax.device_put(want)))
+            np.testing.assert_array_equal(np.asarray(got.state["w"]), want["w"])

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -54,6 +56,10 @@ from streamrl_jax.errors import UserError
 
 FORMAT_VERSION = 1
 _STATE, _EXTRA, _RANKER, _METADATA, _MANIFEST = "state", "extra", "ranker", "metadata", "manifest"
+# The checkpointers of this process, and the lock that starts one save at a time
+# (`Checkpointer.save`).
+_LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+_SAVING = threading.Lock()
 
 
 def _check_fingerprint(
@@ -163,6 +169,7 @@ class Checkpointer:
             ),
             handler_registry=registry,
         )
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ queries
     def step_directory(self, step: int) -> epath.Path:
@@ -252,10 +259,38 @@ class Checkpointer:
         manifest["items"] = sorted(items) + [_METADATA, _MANIFEST]
         items[_METADATA] = ocp.args.JsonSave(metadata)
         items[_MANIFEST] = ocp.args.JsonSave(manifest)
-        started = self._mgr.save(step, args=ocp.args.Composite(**items), force=True)
+        # orbax keeps process-wide state for a save under way (two managers saving at
+        # once in one process collide on their temporary directories: "File exists"),
+        # so with several in a process (several learners) a save starts once every
+        # other one's has finished.
+        with _SAVING:
+            self._others_finished()
+            started = self._mgr.save(step, args=ocp.args.Composite(**items), force=True)
         if started:
             self._pending = step
         return started
+
+    def _others_finished(self) -> None:
+        """Waits (bounded) until no other live checkpointer of this process is saving."""
+        deadline = time.monotonic() + self.timeout_s
+        for other in list(_LIVE):
+            if other is not self:
+                other._until_saved(
+                    deadline,
+                    lambda o=other: (
+                        f"checkpoint writer: {self.directory} waited "
+                        f"{self.timeout_s:.0f} s for the save under way in {o.directory}"
+                    ),
+                )
+
+    def _until_saved(self, deadline: float, stalled: Callable[[], str]) -> None:
+        """Polls until no save of this manager is under way, instead of orbax's unbounded
+        `wait_until_finished`, so a stuck filesystem becomes an error naming the
+        component, not a hang. TimeoutError(`stalled()`) past `deadline`."""
+        while self._mgr.is_saving_in_progress():
+            if time.monotonic() > deadline:
+                raise TimeoutError(stalled())
+            time.sleep(0.01)
 
     def _host(self, tree: Any, state: Any) -> Any:
         """Host arrays as they can be saved: as they are, or in an active-set save
@@ -275,16 +310,13 @@ class Checkpointer:
           RuntimeError: the background write failed (the original error chained).
         """
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout
-        # Poll instead of orbax's unbounded `wait_until_finished`, so a stuck
-        # filesystem becomes an error naming this component, not a hang.
-        while self._mgr.is_saving_in_progress():
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"checkpoint writer: save of step {self._pending} to {self.directory} "
-                    f"still running after {timeout:.0f} s"
-                )
-            time.sleep(0.01)
+        self._until_saved(
+            time.monotonic() + timeout,
+            lambda: (
+                f"checkpoint writer: save of step {self._pending} to {self.directory} "
+                f"still running after {timeout:.0f} s"
+            ),
+        )
         try:
             self._mgr.wait_until_finished()  # returns at once; surfaces writer errors
         except Exception as e:
@@ -299,6 +331,7 @@ class Checkpointer:
         try:
             self.wait()
         finally:
+            _LIVE.discard(self)
             self._mgr.close()
 
     def __enter__(self) -> Checkpointer:
