@@ -25,7 +25,7 @@ import shlex
 import socket
 import sys
 from collections.abc import Mapping, Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
 from absl import flags
 from absl import logging as absl_logging
@@ -134,6 +134,9 @@ def config_lines(cfg: ExperimentConfig) -> list[str]:
             value = getattr(obj, field.name)
             if dataclasses.is_dataclass(value):
                 out += walk(value, f"{prefix}{field.name}.")
+            elif isinstance(value, tuple) and value and dataclasses.is_dataclass(value[0]):
+                for i, item in enumerate(value):  # learners[0].name=...
+                    out += walk(item, f"{prefix}{field.name}[{i}].")
             else:
                 out.append(f"{prefix}{field.name}={value!r}")
         return out
@@ -158,8 +161,10 @@ def summary(
       compile_cache: the persistent compilation cache directory (None: off).
       processes: a multi-controller run's process layout, in words (None: one process).
     """
+    if cfg.learners:
+        return _learners_summary(cfg, workdir, log_file=log_file, compile_cache=compile_cache)
     p, m = cfg.pipeline, cfg.mesh
-    mode = f"{p.mode} (staleness {p.staleness})" if p.mode == "stream_async" else p.mode
+    mode = _mode(p)
     slots = "+".join(str(s) for s in m.instance_slots)
     if p.mode == "colocated":
         mesh = f"generation and training share the devices; instance slots {slots}"
@@ -192,6 +197,37 @@ def summary(
         f"{p.steps} steps of {p.prompts_per_step} prompts x {p.group_size} samples"
     )
     return [head] + [f"  {name:<14}{text}" for name, text in outputs]
+
+
+def _mode(p: Any) -> str:
+    return f"{p.mode} (staleness {p.staleness})" if p.mode == "stream_async" else p.mode
+
+
+def _learners_summary(
+    cfg: ExperimentConfig, workdir: str, *, log_file: str, compile_cache: str | None
+) -> list[str]:
+    """Several learners: one line each, and where each one's outputs go."""
+    m = cfg.mesh
+    slots = "+".join(str(s) for s in m.instance_slots)
+    lines = [
+        f"streamrl_jax: model {cfg.model.source}, {len(cfg.learners)} learners (LoRA rank "
+        f"{cfg.learners[0].lora.rank}) on one generation service",
+        f"  {'mesh':<14}{_count(m.generate_devices, 'generation device')} (instance slots "
+        f"{slots}), {_count(m.train_devices, 'training device')}",
+    ]
+    for learner in cfg.learners:
+        p = learner.pipeline
+        lines.append(
+            f"  {learner.name:<14}{learner.algorithm.advantage}, {_mode(p)}, {p.steps} steps of "
+            f"{p.prompts_per_step} prompts x {p.group_size} samples; its metrics, samples and "
+            f"checkpoints in {os.path.join(workdir, learner.name)}"
+        )
+    cache = f"{compile_cache} (safe to delete)" if compile_cache else "off"
+    lines += [
+        f"  {'log':<14}{log_file} (the config and INFO lines; --verbosity=0 shows INFO here)",
+        f"  {'compile cache':<14}{cache}",
+    ]
+    return lines
 
 
 def _count(n: int, thing: str) -> str:

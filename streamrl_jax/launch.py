@@ -318,12 +318,18 @@ def _run_stages(cache: str | None) -> int:
     )
 
 
-def _run(cfg: ExperimentConfig, dcfg: DistributedConfig | None, out: Console) -> RunResult | None:
+def _run(
+    cfg: ExperimentConfig, dcfg: DistributedConfig | None, out: Console
+) -> RunResult | dict[str, RunResult] | None:
     """The experiment, in this process or as one process of several; the run's result
-    (None on a generation process)."""
+    (each learner's by name with `learners`; None on a generation process)."""
     from streamrl_jax.errors import UserError
 
     try:
+        if dcfg is None and cfg.learners:
+            from streamrl_jax.pipeline import learners
+
+            return learners.run(cfg, _WORKDIR.value)
         if dcfg is None:
             from streamrl_jax import pipeline
 
@@ -397,17 +403,19 @@ def main(argv: list[str]) -> None:
         )
     logging.info("config:\n%s", "\n".join(console.config_lines(cfg)))
     result = _run(cfg, dcfg, out)
-    if place.speaks and result is not None:
-        out.say(
-            console.closing(
-                start=result.start_batch,
-                end=result.start_batch + len(result.steps),
-                wall_s=result.wall_s,
-                samples=result.samples,
-                evals=result.evals,
-                stopped=result.stopped,
-            )
+    results = result if isinstance(result, dict) else {"": result}
+    for name, r in results.items():
+        if not place.speaks or r is None:
+            continue
+        lines = console.closing(
+            start=r.start_batch,
+            end=r.start_batch + len(r.steps),
+            wall_s=r.wall_s,
+            samples=r.samples,
+            evals=r.evals,
+            stopped=r.stopped,
         )
+        out.say([f"learner {name}: {line}" if name else line for line in lines])
     from streamrl_jax.distributed import roles
 
     # Every process leaves within seconds of the others; the first training process,

@@ -131,6 +131,7 @@ class WeightSync:
         cast_sharding: Any = None,
         name: str = "weight_sync",
         adapters_only: bool = False,
+        bases: list[Any] | None = None,
     ):
         """Args:
         dtype: generation parameter dtype (floating leaves are cast to it).
@@ -140,12 +141,17 @@ class WeightSync:
         name: used in logs and errors.
         adapters_only: a LoRA run: after the first transfer only the adapters move
           (module docstring).
+        bases: with `adapters_only`, each destination's base already in place (another
+          learner's on a shared service): every transfer, the first too, moves the
+          adapters alone.
         """
+        if bases is not None and not adapters_only:
+            raise ValueError(f"{name}: bases are an adapters_only sync's")
         self.dtype = jnp.dtype(dtype)
         self.name = name
         self._move_fn = move
         self.adapters_only = adapters_only
-        self._bases: list[Any] | None = None  # each destination's base (adapters_only)
+        self._bases: list[Any] | None = bases  # each destination's base (adapters_only)
         # A collective when `cast_sharding` gathers a mesh spanning processes: every
         # training process runs it, in the same order, on its trainer thread.
         out = {} if cast_sharding is None else {"out_shardings": cast_sharding}
@@ -154,6 +160,11 @@ class WeightSync:
         self._result: tuple[list[Published], SyncStats] | None = None
         self._error: BaseException | None = None
         self.history: list[SyncStats] = []
+
+    @property
+    def bases(self) -> list[Any] | None:
+        """Each destination's base once placed (`adapters_only`), else None."""
+        return self._bases
 
     def transfer(self, params: Any, version: int) -> tuple[list[Published], SyncStats]:
         """Casts and moves `params`; blocks until every destination holds them."""

@@ -22,6 +22,7 @@ from streamrl_jax.config.rules import (
     check,
     check_training_split,
     episode_tokens,
+    learner_config,
     validate,
 )
 from streamrl_jax.config.sections import (
@@ -60,6 +61,7 @@ from streamrl_jax.config.sections import (
     EvalSection,
     ExperimentConfig,
     GenerationSection,
+    LearnerSection,
     LogSection,
     MeshSection,
     ModelSection,
@@ -114,6 +116,8 @@ __all__ = [
     "WarmupSection",
     "CheckpointSection",
     "ExperimentConfig",
+    "LearnerSection",
+    "learner_config",
     "RULES",
     "NO_RESUME_ACROSS_PROCESSES",
     "Processes",

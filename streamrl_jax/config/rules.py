@@ -32,6 +32,7 @@ from streamrl_jax.config.sections import (
     LORA_TARGETS,
     ConfigError,
     ExperimentConfig,
+    LearnerSection,
     MeshSection,
     PipelineSection,
 )
@@ -173,7 +174,103 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     )
     check_tasks(cfg.data)
     task_configs(cfg.data)  # parses, or raises naming data.task_config
+    if cfg.learners:
+        _check_learners(cfg)
     return cfg
+
+
+def learner_config(cfg: ExperimentConfig, learner: LearnerSection) -> ExperimentConfig:
+    """The one-learner config of `learner`: the top level with its sections."""
+    return dataclasses.replace(
+        cfg,
+        seed=learner.seed,
+        algorithm=learner.algorithm,
+        optimizer=learner.optimizer,
+        critic=learner.critic,
+        data=learner.data,
+        eval=learner.eval,
+        pipeline=learner.pipeline,
+        trainer=dataclasses.replace(cfg.trainer, lora=learner.lora),
+        learners=(),
+    )
+
+
+# What the one generation service is built with: the same for every learner.
+_SERVICE_FIELDS = ("deterministic", "precompile", "timeout_s")
+
+
+def _check_learners(cfg: ExperimentConfig) -> None:
+    """Several learners on one generation service (docs/learners.md): each a valid
+    one-learner config of its own, each with its own adapter of one shape."""
+    learners = cfg.learners
+    require(
+        len(learners) >= 2,
+        "learners: one learner is the top-level config itself; name two or more (or none)",
+    )
+    seen: set[str] = set()
+    for i, learner in enumerate(learners):
+        name = learner.name
+        require(
+            bool(name) and name.replace("_", "").replace("-", "").isalnum(),
+            f"learners[{i}].name={name!r}: a learner needs a name of letters, digits, '-' "
+            "and '_' (its directory under the workdir, and its adapter's)",
+        )
+        require(
+            name not in seen,
+            f"learners: two learners named {name!r} (each learner's name is its directory "
+            "and its adapter: they must differ)",
+        )
+        seen.add(name)
+        at = f"learners[{i}] ({name})"
+        require(
+            learner.lora.rank > 0,
+            f"{at}: lora.rank must be > 0: learners share the frozen base model on one "
+            "generation service, each training its own LoRA adapter",
+        )
+        first = learners[0].lora
+        require(
+            (learner.lora.rank, learner.lora.targets) == (first.rank, first.targets),
+            f"{at}: lora rank {learner.lora.rank} on {learner.lora.targets} differs from "
+            f"{learners[0].name}'s rank {first.rank} on {first.targets}: the engine's adapter "
+            "slots are one table (alpha may differ)",
+        )
+        require(
+            learner.pipeline.mode != "colocated",
+            f"{at}: pipeline.mode='colocated' alternates the devices between one learner's "
+            "stages; learners share a generation service: use stream_sync, stream_async or "
+            "disaggregated_batch",
+        )
+        for field in _SERVICE_FIELDS:
+            mine, top = getattr(learner.pipeline, field), getattr(cfg.pipeline, field)
+            require(
+                mine == top,
+                f"{at}: pipeline.{field}={mine!r} differs from the top level's {top!r}: it "
+                "configures the generation service the learners share",
+            )
+        try:
+            validate(learner_config(cfg, learner))
+        except ConfigError as e:
+            raise ConfigError(f"{at}: {e}") from None
+    require(
+        not cfg.environment.name,
+        f"learners with environment.name={cfg.environment.name!r}: multi-turn episodes with "
+        "several learners are not built (one learner runs them)",
+    )
+    require(
+        cfg.scheduling.elastic_reserved == 0,
+        "learners with scheduling.elastic_reserved > 0: each learner plans its own "
+        "dispatch, and their elastic rules would fight over the shared instances",
+    )
+    require(
+        cfg.warmup.steps == 0,
+        "learners with warmup.steps > 0: the supervised warm-up changes the base the "
+        "learners share; warm up once (init_from its checkpoint) instead",
+    )
+    require(
+        cfg.generation.weight_dtype != "int8",
+        "learners with generation.weight_dtype='int8': the engine's adapter slots keep a "
+        "float base (int8 merges adapters into the quantised weights)",
+    )
 
 
 def _check_mesh(mode: str, m: MeshSection) -> None:
@@ -408,6 +505,11 @@ def check(cfg: ExperimentConfig, processes: Processes) -> ExperimentConfig:
     """
     validate(cfg)
     p, sc, n = cfg.pipeline, cfg.scheduling, processes
+    require(
+        not (cfg.learners and n.several),
+        f"learners: several learners run in one process (--processes=one); this run has "
+        f"{n}, and learners across processes are not built",
+    )
     if not n.several:
         slots = len(cfg.mesh.instance_slots)
         require(

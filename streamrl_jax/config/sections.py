@@ -363,6 +363,31 @@ class CheckpointSection:
     on_signal: bool = True  # SIGINT/SIGTERM: save the last step boundary and stop
 
 
+# What one learner of several may set apart from the others (`LearnerSection`); the rest
+# (model, mesh, generation, scheduling, trainer layout, logging, checkpoints) belongs to
+# the one generation service and process they share.
+LEARNER_SECTIONS = ("algorithm", "optimizer", "critic", "data", "eval", "pipeline", "lora")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LearnerSection:
+    """One of several learners training at once on one generation service
+    (`ExperimentConfig.learners`, docs/learners.md): its own LoRA adapter (slot = its
+    place in `learners`), algorithm, learning rate, prompts and version contract
+    (`pipeline.mode`, `staleness`). A config names only what differs from the top level;
+    parsing fills in the rest from it, so each section here is whole."""
+
+    name: str = ""  # its directory under the workdir; unique
+    seed: int = 0
+    algorithm: AlgorithmSection = AlgorithmSection()
+    optimizer: OptimizerSection = OptimizerSection()
+    critic: CriticSection = CriticSection()
+    data: DataSection = DataSection()
+    eval: EvalSection = EvalSection()
+    pipeline: PipelineSection = PipelineSection()
+    lora: LoraSection = LoraSection()  # its adapter (trainer.lora)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExperimentConfig:
     seed: int = 0
@@ -382,3 +407,6 @@ class ExperimentConfig:
     log: LogSection = LogSection()
     checkpoint: CheckpointSection = CheckpointSection()
     scheduling: SchedulingSection = SchedulingSection()
+    # () = one learner (this config); two or more = as many learners, each its own run
+    # under <workdir>/<name>, sharing one generation service (docs/learners.md)
+    learners: tuple[LearnerSection, ...] = ()

@@ -641,6 +641,7 @@ class Engine:
             sampling=r.sampling,
             seed=int(r.seed),
             routes=routes,
+            adapter=int(r.adapter),
         )
 
     def run(self, requests: Sequence[GenerationRequest] = ()) -> list[Sample]:

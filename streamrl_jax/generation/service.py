@@ -247,6 +247,23 @@ class GenerationService:
         for w in self._wake:
             w.set()
 
+    def update_adapter(
+        self, slot: int, params: nnx.State | Sequence[nnx.State], version: int
+    ) -> None:
+        """A LoRA adapter for adapter slot `slot` of every instance (one tree, or one per
+        instance already placed: a model state or its adapters alone), at policy
+        `version`; each instance writes it before its next decode chunk, the base and the
+        other slots untouched (`Engine.update_adapter`)."""
+        per = list(params) if isinstance(params, list | tuple) else [params] * len(self.engines)
+        if len(per) != len(self.engines):
+            raise ValueError(
+                f"{self.name}: {len(per)} adapter trees for {len(self.engines)} instances"
+            )
+        for engine, p in zip(self.engines, per, strict=True):
+            engine.update_adapter(slot, p, version)
+        for w in self._wake:
+            w.set()
+
     def metrics(self) -> dict[int, dict[str, Any]]:
         """Per instance: tokens, busy_s, tokens_per_s, mean_occupancy, queue_length, and
         the (time, running slots, queued, tokens) timeline of its chunks."""

@@ -273,6 +273,8 @@ class Sample:
       routes: u8/u16[P + R - 1, L, k] a mixture of experts' routes of every fed
         position (prompt, then the response but its last token), recorded with
         `EngineConfig.record_routes` for routing replay (`model/routes.py`); else None.
+      adapter: the request's adapter slot (echoed: several learners' samples are routed
+        by it).
     """
 
     request_id: Any
@@ -292,6 +294,7 @@ class Sample:
     sampling: SamplingParams = SamplingParams()
     seed: int = 0
     routes: np.ndarray | None = None
+    adapter: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,9 @@ micro-batch, apply, publish W_{b+1}), `resume` (checkpoints at step boundaries a
 exact restart), `parts` (the shared objects of a run), `lifecycle` (its start, train,
 finish).
 
+`learners`: several learners (`ExperimentConfig.learners`), each a whole run of the core
+above with its own LoRA adapter, sharing one generation service (docs/learners.md).
+
 `processes/`: the same pipeline as a multi-controller program (the per-process
 programs, the roster of generation processes, the layout keys); the core never
 imports it (`tests/layering_test.py`).

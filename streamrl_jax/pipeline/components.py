@@ -176,9 +176,11 @@ def initial_policy(cfg: ExperimentConfig, train_mesh: Mesh) -> tuple[Trainer, Tr
 
 
 def _training(
-    cfg: ExperimentConfig, d: Description, train_mesh: Mesh
+    cfg: ExperimentConfig, d: Description, train_mesh: Mesh, base: Params | None = None
 ) -> tuple[Trainer, TrainState]:
-    """The policy trainer and its state, the model straight into the training sharding."""
+    """The policy trainer and its state, the model straight into the training sharding;
+    with `base` (a LoRA run's frozen params on `train_mesh`, another learner's) new
+    adapters on that base, nothing loaded."""
     model_cfg = d.cfg
     fsdp = train_mesh.shape["fsdp"]
     tcfg = trainer_config(cfg, fsdp=fsdp)
@@ -186,6 +188,10 @@ def _training(
         tcfg = tcfg.replace(routing_replay=routes_lib.Spec.of(model_cfg))
     trainer = make_policy_trainer(model_cfg, tcfg, train_mesh, model_seed=cfg.seed)
     lora = model_cfg.lora_rank > 0
+    if base is not None:
+        if not lora:
+            raise ValueError("a shared base is a LoRA run's (trainer.lora.rank > 0)")
+        return trainer, trainer.state_from_params(_with_adapters(base, trainer, cfg.seed), cfg.seed)
     if cfg.model.source == "tiny":
         state = trainer.init_state(cfg.seed)
     else:  # described once: only the weights are read here (LoRA: the base's)
@@ -292,18 +298,23 @@ def engine_config(cfg: ExperimentConfig, tokenizer: Tokenizer, slots: int) -> En
     )
 
 
-def _generation_parts(
+def generation_parts(
     cfg: ExperimentConfig,
     model_cfg: model_config.ModelConfig,
     tokenizer: Tokenizer,
     generate_mesh: Mesh,
+    adapters: int = 0,
 ) -> GenerationParts:
-    """Instance meshes, engine configs and weight shardings of the generation side."""
+    """Instance meshes, engine configs and weight shardings of the generation side;
+    `adapters`: the engines' LoRA adapter slots (several learners: one each)."""
     gen_dtype = cfg.model.generate_dtype
     gen_cfg = model_cfg.replace(param_dtype=gen_dtype, dtype=gen_dtype, remat="dots_attention")
     gen_graphdef, abstract = nnx.split(nnx.eval_shape(lambda: llama.create(gen_cfg)))
     instances = mesh_lib.instance_meshes(generate_mesh)
-    engine_cfgs = [engine_config(cfg, tokenizer, slots) for slots in cfg.mesh.instance_slots]
+    engine_cfgs = [
+        dataclasses.replace(engine_config(cfg, tokenizer, slots), adapters=adapters)
+        for slots in cfg.mesh.instance_slots
+    ]
     return GenerationParts(
         model_cfg=gen_cfg,
         graphdef=gen_graphdef,
@@ -375,6 +386,30 @@ def build_training(
     )
 
 
+def learner_components(
+    cfg: ExperimentConfig,
+    meshes: mesh_lib.Meshes,
+    train_set: datasets.ProblemSet,
+    eval_set: datasets.ProblemSet,
+    make_weight_sync: MakeWeightSync,
+    *,
+    reward_fn: RewardFn | None = None,
+    base: Params | None = None,
+) -> Components:
+    """One learner's components on meshes the learners share (pipeline/learners.py): W_0
+    goes out through `make_weight_sync` to the service they share; `base`: the frozen
+    base another learner loaded (None: load it)."""
+    return _components(
+        cfg,
+        meshes,
+        train_set,
+        eval_set,
+        make_weight_sync=make_weight_sync,
+        reward_fn=reward_fn,
+        base=base,
+    )
+
+
 def _components(
     cfg: ExperimentConfig,
     meshes: mesh_lib.Meshes,
@@ -385,12 +420,15 @@ def _components(
     reward_fn: RewardFn | None = None,
     held_out: bool = True,
     warm: bool = False,
+    base: Params | None = None,
 ) -> Components:
     """Trainers, prompts and W_0 through the weight sync; the generation service on
-    `meshes.generate` unless `make_weight_sync` sends the weights to other processes."""
+    `meshes.generate` unless `make_weight_sync` sends the weights elsewhere (other
+    processes, or the service learners share); `base`: a LoRA learner's frozen base,
+    another learner's (`_training`)."""
     d = describe_model(cfg)
     model_cfg, tokenizer = d.cfg, d.tokenizer
-    trainer, state = _training(cfg, d, meshes.train)
+    trainer, state = _training(cfg, d, meshes.train, base)
     warmed: dict[str, float] = {}
     if warm and cfg.warmup.steps > 0:  # before W_0 leaves: generation starts from its result
         params, warmed = warmup.warm_up(
@@ -409,7 +447,7 @@ def _components(
     prompts, eval_prompts = datasets.prompts(cfg, tokenizer, train_set, eval_set)
     parts = None
     if make_weight_sync is None:
-        parts = _generation_parts(cfg, model_cfg, tokenizer, meshes.generate)
+        parts = generation_parts(cfg, model_cfg, tokenizer, meshes.generate)
         weight_sync = WeightSync(
             parts.model_cfg.jnp_param_dtype,
             place_on(parts.param_shardings),
@@ -468,7 +506,7 @@ def build_generation(cfg: ExperimentConfig, devices: Sequence[jax.Device]) -> Ge
         [d.id for d in meshes.generate.devices.flat],
     )
     d = describe_model(cfg)
-    parts = _generation_parts(cfg, d.cfg, d.tokenizer, meshes.generate)
+    parts = generation_parts(cfg, d.cfg, d.tokenizer, meshes.generate)
     prompts, eval_prompts = datasets.prompts(cfg, d.tokenizer, train_set, eval_set)
     return GenerationSide(
         parts=parts,

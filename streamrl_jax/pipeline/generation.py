@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from streamrl_jax.config import ExperimentConfig
+from streamrl_jax.generation.service import GenerationService
 from streamrl_jax.pipeline.components import GenerationParts
 from streamrl_jax.pipeline.driver import DriverPlan, GenerationDriver, Whole
 from streamrl_jax.pipeline.hooks import generation_hooks
@@ -155,6 +156,12 @@ class LocalGeneration:
             precompile=cfg.pipeline.precompile,
             continuations=cfg.pipeline.partial_budget_tokens > 0,
         )
+        return self.drive(service, run, resume)
+
+    def drive(self, service: GenerationService, run: RunParts, resume: ResumePoint) -> LocalRunning:
+        """The driver over `service` (this process's, or a learner's view of a shared
+        one: `learners.py`), its threads started."""
+        cfg = self.cfg
         driver = GenerationDriver(
             service,
             run.rollout,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from absl import logging
 
@@ -180,9 +181,11 @@ def run_components(
     *,
     generation: Generation,
     trainers: Trainers,
+    on_parts: Callable[[RunParts], None] | None = None,
 ) -> RunResult:
     """Runs built components with `generation` as the source of samples; `trainers`:
-    this process's place among the run's training processes."""
+    this process's place among the run's training processes; `on_parts` is told the
+    run's parts once wired (several learners stop each other's runs through them)."""
     live = generation.scheduler(components.model_cfg.vocab_size)
     parts = wire(
         cfg,
@@ -193,6 +196,8 @@ def run_components(
         where=generation.where,
         generation_processes=generation.generation_processes,
     )
+    if on_parts is not None:
+        on_parts(parts)
     r, threads, signals, progress, stopped = _Run(parts, generation), [], None, None, False
     t0 = time.perf_counter()
     try:
