@@ -9,8 +9,11 @@ its request's.
 """
 
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import numpy as np
@@ -31,7 +34,7 @@ from streamrl_jax.generation.service import InstanceError
 from streamrl_jax.generation.types import Sample, Timings
 from streamrl_jax.metrics import read_jsonl
 from streamrl_jax.pipeline import learners as learners_lib
-from streamrl_jax.pipeline.resume import CONSUMED
+from streamrl_jax.pipeline.resume import CONSUMED, read_consumed
 from streamrl_jax.rewards.vowels import vowel_reward
 
 STEPS = 3
@@ -240,3 +243,36 @@ def test_the_main_command_runs_the_learners_config(tmp_path):
         rows = [r for r in read_jsonl(str(workdir / name / "metrics.jsonl")) if "reward" in r]
         assert [r["step"] for r in rows] == [0, 1]
     assert "learners[1].algorithm.advantage='gae'" in (workdir / "log.txt").read_text()
+
+
+def test_a_learner_is_the_top_level_with_its_own_sections_and_round_trips():
+    cfg = _cfg()
+    grpo, fast = (config_lib.learner_config(cfg, x) for x in cfg.learners)
+    # What a learner did not name is the top level's; what it named is its own.
+    assert grpo.optimizer == cfg.optimizer and grpo.pipeline == cfg.pipeline
+    assert fast.optimizer.learning_rate == 3e-3 and fast.seed == 7
+    assert fast.optimizer.b2 == cfg.optimizer.b2 and fast.pipeline.group_size == 2
+    assert fast.trainer.lora == cfg.trainer.lora and not fast.learners
+    assert config_lib.from_config_dict(config_lib.to_config_dict(cfg)) == cfg
+
+
+def test_sigterm_stops_every_learner_at_a_checkpointed_boundary(tmp_path):
+    cfg = _cfg(steps=8)
+    logs = [os.path.join(str(tmp_path), x.name, CONSUMED) for x in cfg.learners]
+
+    def terminate_once_both_trained():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if all(os.path.exists(p) and len(read_consumed(p)) >= 1 for p in logs):
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=terminate_once_both_trained, daemon=True)
+    killer.start()
+    results = learners_lib.run(cfg, str(tmp_path), reward_fn=vowel_reward)
+    killer.join(5)
+    assert not pipeline_threads()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler uninstalled
+    for r in results.values():
+        assert r.stopped and 1 <= len(r.steps) < 8 and r.checkpoints[-1] == len(r.steps)

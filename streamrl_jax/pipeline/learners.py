@@ -250,13 +250,18 @@ def run(
         precompile=cfg.pipeline.precompile,
         continuations=any(c.pipeline.partial_budget_tokens > 0 for c in learners.configs),
     )
-    for slot, comp in enumerate(learners.components[1:], start=1):
-        service.update_adapter(slot, [w.params for w in comp.initial_weights], 0)
     shared = SharedService(service, names, meters)
     results: dict[str, RunResult] = {}
     errors: list[BaseException] = []  # in the order they happened: the first is the cause
     runs: list[RunParts] = []
     lock = threading.Lock()
+    stopping = threading.Event()  # a signal came: a learner wired later stops at once
+
+    def register(parts: RunParts) -> None:
+        with lock:
+            runs.append(parts)
+            if stopping.is_set():
+                parts.supervisor.shutdown_requested.set()
 
     def one(slot: int) -> None:
         c, comp, name = learners.configs[slot], learners.components[slot], names[slot]
@@ -270,10 +275,11 @@ def run(
                     share=Alone(ownership(c.pipeline, 1)),
                     checkpoint_dir=os.path.join(workdir, name, "checkpoints"),
                 ),
-                on_parts=lambda parts: _locked(lock, runs.append, parts),
+                on_parts=register,
             )
         except BaseException as e:  # noqa: BLE001 - the others end, naming this learner
-            _locked(lock, errors.append, e)
+            with lock:
+                errors.append(e)
             logging.error("learner %s failed: %r", name, e)
             for other in range(len(names)):
                 if other != slot:
@@ -289,11 +295,14 @@ def run(
         def stop_all(sig: int) -> None:
             del sig
             with lock:
+                stopping.set()
                 for parts in runs:
                     parts.supervisor.shutdown_requested.set()
 
         signals = ckpt_lib.install_shutdown_handler(stop_all)
     try:
+        for slot, comp in enumerate(learners.components[1:], start=1):
+            service.update_adapter(slot, [w.params for w in comp.initial_weights], 0)
         for t in threads:
             t.start()
         for t in threads:  # each run bounds its own waits (pipeline.timeout_s)
@@ -320,8 +329,3 @@ class _Meters:
     def __call__(self, report: ChunkReport) -> None:
         for meter in list(self._meters):
             meter(report)
-
-
-def _locked(lock: threading.Lock, fn: Callable[[Any], None], item: Any) -> None:
-    with lock:
-        fn(item)
