@@ -25,14 +25,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # attached); without a TPU, a backend search would try it and log its failure to start.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# The suite's programs are tiny and compiled once or twice each, so their compile time is
-# most of the suite's: LLVM's cheaper passes compile them ~25% faster (no test measures
-# speed; every comparison is between programs built alike, or within a stated tolerance).
-# Processes the tests launch inherit it.
-_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
-
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
