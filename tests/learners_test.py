@@ -195,6 +195,7 @@ def test_the_router_hands_each_learner_its_own_samples_and_refuses_a_stray():
         ((dict(name="a"), dict(name="b", model=dict(max_context=64))), "model cannot differ"),
         ((dict(name="a"), dict(name="b", lora=dict(rank=0))), r"learners\[1\] \(b\): lora.rank"),
         ((dict(name="a"), dict(name="b", lora=dict(rank=8))), "adapter slots are one table"),
+        ((dict(name="a"), dict(name="b", lora=dict(alpha=8.0))), "one scale alpha / rank"),
         ((dict(name="a"), dict(name="b", pipeline=dict(precompile=True))), "pipeline.precompile"),
         ((dict(name="a"), dict(name="b", pipeline=dict(mode="colocated"))), "colocated"),
         ((dict(name="a"), dict(name="b", optimizer=dict(lr=1.0))), "learners.1..optimizer.lr"),

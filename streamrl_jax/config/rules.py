@@ -229,10 +229,11 @@ def _check_learners(cfg: ExperimentConfig) -> None:
         )
         first = learners[0].lora
         require(
-            (learner.lora.rank, learner.lora.targets) == (first.rank, first.targets),
-            f"{at}: lora rank {learner.lora.rank} on {learner.lora.targets} differs from "
-            f"{learners[0].name}'s rank {first.rank} on {first.targets}: the engine's adapter "
-            "slots are one table (alpha may differ)",
+            learner.lora == first,
+            f"{at}: lora rank {learner.lora.rank}, alpha {learner.lora.alpha} on "
+            f"{learner.lora.targets} differs from {learners[0].name}'s rank {first.rank}, "
+            f"alpha {first.alpha} on {first.targets}: the engine's adapter slots are one "
+            "table, with one scale alpha / rank folded into every slot",
         )
         require(
             learner.pipeline.mode != "colocated",
