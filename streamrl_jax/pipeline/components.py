@@ -395,10 +395,12 @@ def learner_components(
     *,
     reward_fn: RewardFn | None = None,
     base: Params | None = None,
+    described: Description | None = None,
 ) -> Components:
     """One learner's components on meshes the learners share (pipeline/learners.py): W_0
     goes out through `make_weight_sync` to the service they share; `base`: the frozen
-    base another learner loaded (None: load it)."""
+    base another learner loaded (None: load it); `described`: the model's description
+    (`describe_model`, the same for every learner), read once."""
     return _components(
         cfg,
         meshes,
@@ -407,6 +409,7 @@ def learner_components(
         make_weight_sync=make_weight_sync,
         reward_fn=reward_fn,
         base=base,
+        described=described,
     )
 
 
@@ -421,12 +424,13 @@ def _components(
     held_out: bool = True,
     warm: bool = False,
     base: Params | None = None,
+    described: Description | None = None,
 ) -> Components:
     """Trainers, prompts and W_0 through the weight sync; the generation service on
     `meshes.generate` unless `make_weight_sync` sends the weights elsewhere (other
     processes, or the service learners share); `base`: a LoRA learner's frozen base,
     another learner's (`_training`)."""
-    d = describe_model(cfg)
+    d = described or describe_model(cfg)
     model_cfg, tokenizer = d.cfg, d.tokenizer
     trainer, state = _training(cfg, d, meshes.train, base)
     warmed: dict[str, float] = {}

@@ -222,7 +222,7 @@ def build(
             )
 
         comp = components_lib.learner_components(
-            c, meshes, train_set, eval_set, sync, reward_fn=reward_fn, base=base
+            c, meshes, train_set, eval_set, sync, reward_fn=reward_fn, base=base, described=d
         )
         if base is None:
             base = state_lib.frozen(comp.state.params)
