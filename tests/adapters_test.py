@@ -85,6 +85,32 @@ def test_an_unmerged_adapter_draws_what_the_merged_one_draws(adapted):
             np.testing.assert_allclose(slot[rid].logprobs, s.logprobs, atol=1e-5)
 
 
+def test_a_slot_with_its_own_alpha_draws_what_the_model_with_that_alpha_draws(adapted):
+    # Several learners may differ in alpha: each slot folds its own scale into its B.
+    graphdef, states = adapted
+    engine = _slot_engine(graphdef, states)
+    engine.update_adapter(1, states[1], version=6, alpha=2.0)  # 0.5 against LORA's 2.0
+    reqs = _requests()
+    mine = LORA.replace(lora_alpha=2.0)
+    want = by_id(Engine(graphdef, states[1], mine, ENGINE, _mesh()).run(reqs))
+    got = by_id(engine.run([dataclasses.replace(r, adapter=1) for r in reqs]))
+    default = by_id(Engine(graphdef, states[1], LORA, ENGINE, _mesh()).run(reqs))
+    for rid, s in want.items():
+        np.testing.assert_array_equal(got[rid].response, s.response, err_msg=f"{rid}")
+        np.testing.assert_allclose(got[rid].logprobs, s.logprobs, atol=1e-5)
+    assert any(  # the scale mattered: the model's own alpha draws otherwise
+        not np.allclose(default[r].logprobs[:4], want[r].logprobs[:4], atol=1e-3) for r in want
+    )
+    other = by_id(engine.run([dataclasses.replace(r, adapter=2) for r in reqs]))  # untouched
+    on_two = [dataclasses.replace(r, adapter=2) for r in reqs]
+    again = by_id(_slot_engine(graphdef, states).run(on_two))
+    for rid, s in again.items():
+        np.testing.assert_array_equal(other[rid].response, s.response)
+    for bad in (0.0, -1.0, float("nan"), True, "2"):
+        with pytest.raises(ValueError, match="alpha .* must be a finite number > 0"):
+            engine.update_adapter(1, states[1], version=8, alpha=bad)
+
+
 def test_slot_minus_one_is_the_base_model_and_update_weights_resets_the_slots(adapted):
     graphdef, states = adapted
     engine = _slot_engine(graphdef, states)

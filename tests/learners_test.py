@@ -57,6 +57,7 @@ def _cfg(steps: int = STEPS, **top):
             name="fast",
             seed=7,
             optimizer=dict(learning_rate=3e-3),
+            lora=dict(alpha=8.0),  # its own scale (alpha / rank) on the shared engine
             data=dict(train_seed=11),
             pipeline=dict(mode="stream_async", staleness=1, group_size=2, steps=steps),
         ),
@@ -195,7 +196,7 @@ def test_the_router_hands_each_learner_its_own_samples_and_refuses_a_stray():
         ((dict(name="a"), dict(name="b", model=dict(max_context=64))), "model cannot differ"),
         ((dict(name="a"), dict(name="b", lora=dict(rank=0))), r"learners\[1\] \(b\): lora.rank"),
         ((dict(name="a"), dict(name="b", lora=dict(rank=8))), "adapter slots are one table"),
-        ((dict(name="a"), dict(name="b", lora=dict(alpha=8.0))), "one scale alpha / rank"),
+        ((dict(name="a"), dict(name="b", lora=dict(alpha=-1.0))), "alpha=-1.0 must be > 0"),
         ((dict(name="a"), dict(name="b", pipeline=dict(precompile=True))), "pipeline.precompile"),
         ((dict(name="a"), dict(name="b", pipeline=dict(mode="colocated"))), "colocated"),
         ((dict(name="a"), dict(name="b", optimizer=dict(lr=1.0))), "learners.1..optimizer.lr"),
@@ -253,7 +254,8 @@ def test_a_learner_is_the_top_level_with_its_own_sections_and_round_trips():
     assert grpo.optimizer == cfg.optimizer and grpo.pipeline == cfg.pipeline
     assert fast.optimizer.learning_rate == 3e-3 and fast.seed == 7
     assert fast.optimizer.b2 == cfg.optimizer.b2 and fast.pipeline.group_size == 2
-    assert fast.trainer.lora == cfg.trainer.lora and not fast.learners
+    assert fast.trainer.lora.rank == cfg.trainer.lora.rank and not fast.learners
+    assert fast.trainer.lora.alpha == 8.0 and grpo.trainer.lora == cfg.trainer.lora
     assert config_lib.from_config_dict(config_lib.to_config_dict(cfg)) == cfg
 
 

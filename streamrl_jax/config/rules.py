@@ -229,11 +229,16 @@ def _check_learners(cfg: ExperimentConfig) -> None:
         )
         first = learners[0].lora
         require(
-            learner.lora == first,
-            f"{at}: lora rank {learner.lora.rank}, alpha {learner.lora.alpha} on "
-            f"{learner.lora.targets} differs from {learners[0].name}'s rank {first.rank}, "
-            f"alpha {first.alpha} on {first.targets}: the engine's adapter slots are one "
-            "table, with one scale alpha / rank folded into every slot",
+            (learner.lora.rank, learner.lora.targets) == (first.rank, first.targets),
+            f"{at}: lora rank {learner.lora.rank} on {learner.lora.targets} differs from "
+            f"{learners[0].name}'s rank {first.rank} on {first.targets}: the engine's "
+            "adapter slots are one table of that rank and those matrices (alpha may differ: "
+            "each slot's own scale is folded into its B)",
+        )
+        require(
+            learner.lora.alpha > 0,
+            f"{at}: lora.alpha={learner.lora.alpha} must be > 0 (the adapter's scale is "
+            "alpha / rank)",
         )
         require(
             learner.pipeline.mode != "colocated",

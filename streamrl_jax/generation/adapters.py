@@ -90,14 +90,21 @@ def fused_targets(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
 
 
 def layer_entries(
-    adapters: dict[str, tuple[jax.Array, jax.Array]], cfg: ModelConfig, i: int, dtype: Any
+    adapters: dict[str, tuple[jax.Array, jax.Array]],
+    cfg: ModelConfig,
+    i: int,
+    dtype: Any,
+    scale: float | jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """Layer i's adapter in the generation layout, without the slot axis:
-    {`<fused>_lora_a`: [in..., R], `<fused>_lora_b`: [R, out...]} (B times alpha / r),
-    from the stacked training adapters {block parameter: (A, B)} (`DecoderStack.adapters`).
+    {`<fused>_lora_a`: [in..., R], `<fused>_lora_b`: [R, out...]} (B times `scale`, by
+    default the model's alpha / r: each slot's own scale is folded into its B, so the
+    adapters of one table may have different alphas), from the stacked training adapters
+    {block parameter: (A, B)} (`DecoderStack.adapters`).
     """
     h, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    g, r, scale = h // k, cfg.lora_rank, cfg.lora_scale
+    g, r = h // k, cfg.lora_rank
+    scale = cfg.lora_scale if scale is None else scale
     f32 = jnp.float32
     out = {}
     for fused, parts in fused_targets(cfg).items():

@@ -288,11 +288,14 @@ class Engine:
         with self._lock:
             self._pending_weights = (placed, int(version))
 
-    def update_adapter(self, slot: int, params: nnx.State, version: int) -> None:
+    def update_adapter(
+        self, slot: int, params: nnx.State, version: int, alpha: float | None = None
+    ) -> None:
         """Queues LoRA adapter `params` (a model state, or its adapters alone:
         `state.filter(nnx.LoRAParam)`, what an adapter-only sync sends) for adapter slot
         `slot` at policy `version`; written before the next chunk, the base untouched.
-        Any thread."""
+        `alpha`: this adapter's LoRA alpha (its scale alpha / rank is folded into its B;
+        None: the model config's); the rank is the table's. Any thread."""
         if not self.cfg.adapters:
             raise ValueError(
                 f"instance {self.instance_id}: update_adapter needs adapter slots "
@@ -303,9 +306,17 @@ class Engine:
                 f"instance {self.instance_id}: adapter slot {slot!r} outside "
                 f"[0, {self.cfg.adapters})"
             )
+        alpha = self.model_cfg.lora_alpha if alpha is None else alpha
+        real = isinstance(alpha, int | float | np.floating) and not isinstance(alpha, bool)
+        if not (real and np.isfinite(alpha) and alpha > 0):
+            raise ValueError(
+                f"instance {self.instance_id}: adapter slot {slot}: alpha {alpha!r} must be a "
+                "finite number > 0"
+            )
         layout, _ = self._adapter_fns
         try:
-            entries = layout(params.filter(nnx.LoRAParam))
+            scale = np.float32(alpha / self.model_cfg.lora_rank)
+            entries = layout(params.filter(nnx.LoRAParam), scale)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(
                 f"instance {self.instance_id}: update_adapter params are not this model's "

@@ -136,16 +136,17 @@ def relayout_fn(
 
 def adapter_fns(model_cfg: ModelConfig, mesh: Mesh, params: Any, slots: int):
     """(layout, write) of an engine with adapter slots (`adapters.py`), jitted: `layout`
-    takes a model's LoRA adapters (an `nnx.LoRAParam` state) to each layer's entries
-    (no slot axis); `write(tables, entries, slot)` puts them in slot `slot` of the
+    takes a model's LoRA adapters (an `nnx.LoRAParam` state) and their scale (alpha / r,
+    an f32 scalar: one compile for every alpha) to each layer's entries (no slot axis);
+    `write(tables, entries, slot)` puts them in slot `slot` of the
     layers' tables (donated), in the tables' shardings. The tables are never quantised
     (`quant.CONTRACTED` holds none), whatever the engine's weight dtype."""
     dtype = np.dtype(model_cfg.jnp_dtype)
 
-    def layout(adapter_state):
+    def layout(adapter_state, scale):
         trained = adapters_lib.adapters_of(model_cfg, adapter_state)
         return tuple(
-            adapters_lib.layer_entries(trained, model_cfg, i, dtype)
+            adapters_lib.layer_entries(trained, model_cfg, i, dtype, scale)
             for i in range(model_cfg.num_layers)
         )
 
@@ -154,7 +155,7 @@ def adapter_fns(model_cfg: ModelConfig, mesh: Mesh, params: Any, slots: int):
             {n: t[n].at[slot].set(e[n]) for n in t} for t, e in zip(tables, entries, strict=True)
         )
 
-    shapes = jax.eval_shape(layout, params.filter(nnx.LoRAParam))
+    shapes = jax.eval_shape(layout, params.filter(nnx.LoRAParam), np.float32(1))
     table_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((slots, *x.shape), x.dtype), shapes)
     table_sh = decoder.weight_shardings({"layers": table_shapes}, mesh)["layers"]
     return jax.jit(layout), jax.jit(write, donate_argnums=0, out_shardings=table_sh)

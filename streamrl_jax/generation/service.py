@@ -248,19 +248,24 @@ class GenerationService:
             w.set()
 
     def update_adapter(
-        self, slot: int, params: nnx.State | Sequence[nnx.State], version: int
+        self,
+        slot: int,
+        params: nnx.State | Sequence[nnx.State],
+        version: int,
+        alpha: float | None = None,
     ) -> None:
         """A LoRA adapter for adapter slot `slot` of every instance (one tree, or one per
         instance already placed: a model state or its adapters alone), at policy
-        `version`; each instance writes it before its next decode chunk, the base and the
-        other slots untouched (`Engine.update_adapter`)."""
+        `version`, with its own `alpha` (None: the model's); each instance writes it
+        before its next decode chunk, the base and the other slots untouched
+        (`Engine.update_adapter`)."""
         per = list(params) if isinstance(params, list | tuple) else [params] * len(self.engines)
         if len(per) != len(self.engines):
             raise ValueError(
                 f"{self.name}: {len(per)} adapter trees for {len(self.engines)} instances"
             )
         for engine, p in zip(self.engines, per, strict=True):
-            engine.update_adapter(slot, p, version)
+            engine.update_adapter(slot, p, version, alpha)
         for w in self._wake:
             w.set()
 

@@ -69,10 +69,13 @@ class SharedService:
         service: GenerationService,
         names: Sequence[str],
         meters: _Meters,
+        alphas: Sequence[float] | None = None,
         poll_s: float = 0.05,
     ):
-        """`meters`: the service's chunk observer, which each learner's meter joins."""
+        """`meters`: the service's chunk observer, which each learner's meter joins;
+        `alphas`: each learner's LoRA alpha (None: the service's model's for all)."""
         self.service, self.names, self._meters = service, list(names), meters
+        self.alphas = list(alphas) if alphas is not None else [None] * len(self.names)
         self._boxes: list[Mailbox[Sample]] = [
             sample_queue(None, f"learner {n}'s samples") for n in self.names
         ]
@@ -164,8 +167,10 @@ class View:
         return self.shared.take(self.slot, timeout)
 
     def update_weights(self, params: Params | Sequence[Params], version: int) -> None:
-        """This learner's W_version: its adapter slot, on every instance."""
-        self.shared.service.update_adapter(self.slot, params, version)
+        """This learner's W_version: its adapter slot, with its own alpha, on every instance."""
+        self.shared.service.update_adapter(
+            self.slot, params, version, self.shared.alphas[self.slot]
+        )
 
     def close(self, timeout: float) -> None:
         del timeout  # the service is the learners' together: `SharedService.close`
@@ -221,8 +226,11 @@ def build(
                 dtype, place_on(parts.param_shardings), adapters_only=True, bases=bases
             )
 
+        # Every learner's model is the first's but for its own alpha (its adapter's scale,
+        # folded into its slot's B on the engine: `View.update_weights`).
+        mine = dataclasses.replace(d, cfg=d.cfg.replace(lora_alpha=c.trainer.lora.alpha))
         comp = components_lib.learner_components(
-            c, meshes, train_set, eval_set, sync, reward_fn=reward_fn, base=base, described=d
+            c, meshes, train_set, eval_set, sync, reward_fn=reward_fn, base=base, described=mine
         )
         if base is None:
             base = state_lib.frozen(comp.state.params)
@@ -250,7 +258,8 @@ def run(
         precompile=cfg.pipeline.precompile,
         continuations=any(c.pipeline.partial_budget_tokens > 0 for c in learners.configs),
     )
-    shared = SharedService(service, names, meters)
+    alphas = [c.trainer.lora.alpha for c in learners.configs]
+    shared = SharedService(service, names, meters, alphas)
     results: dict[str, RunResult] = {}
     errors: list[BaseException] = []  # in the order they happened: the first is the cause
     runs: list[RunParts] = []
@@ -302,7 +311,7 @@ def run(
         signals = ckpt_lib.install_shutdown_handler(stop_all)
     try:
         for slot, comp in enumerate(learners.components[1:], start=1):
-            service.update_adapter(slot, [w.params for w in comp.initial_weights], 0)
+            service.update_adapter(slot, [w.params for w in comp.initial_weights], 0, alphas[slot])
         for t in threads:
             t.start()
         for t in threads:  # each run bounds its own waits (pipeline.timeout_s)
