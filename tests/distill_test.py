@@ -13,6 +13,7 @@ from support import policy_samples
 from streamrl_jax import mesh as mesh_lib
 from streamrl_jax.algorithms import distill
 from streamrl_jax.config import OptimizerSection
+from streamrl_jax.metrics import read_jsonl
 from streamrl_jax.model import config as model_config
 from streamrl_jax.trainer import TrainerConfig, make_batch, make_policy_trainer
 
@@ -76,6 +77,14 @@ def test_the_main_job_distils_from_another_runs_checkpoint(tmp_path):
     result = run_lib.run(student, str(tmp_path / "student"), reward_fn=vowel_reward)
     assert len(result.steps) == 1
     assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in result.steps)
+    # Each row reports the student's mean per-token reverse KL to the teacher (a one-step
+    # trained teacher differs from the student's start); a run without a teacher has none.
+    assert all(np.isfinite(r["distill_reverse_kl"]) for r in result.steps)
+    assert all(r["distill_reverse_kl"] != 0 for r in result.steps)
+    rows = read_jsonl(str(tmp_path / "student" / "metrics.jsonl"))
+    assert any("distill_reverse_kl" in r for r in rows)
+    plain = read_jsonl(str(teacher_run / "metrics.jsonl"))
+    assert not any("distill_reverse_kl" in r for r in plain)
     with pytest.raises(Exception, match="distill_teacher: .* does not exist"):
         bad = tiny_config(pipeline__steps=1, algorithm__distill_teacher=str(tmp_path / "none"))
         run_lib.run(bad, str(tmp_path / "bad"), reward_fn=vowel_reward)

@@ -37,3 +37,13 @@ def with_teacher(
 ) -> jax.Array:
     """`advantages_BxT` plus `coef` times the negative per-token reverse KL."""
     return advantages_BxT - coef * reverse_kl(student_logp_BxT, teacher_logp_BxT, mask_BxT)
+
+
+@jax.jit
+def reverse_kl_total(
+    student_logp_BxT: jax.Array, teacher_logp_BxT: jax.Array, mask_BxT: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """(the sum of the per-token reverse KL over the loss positions, their count): a step's
+    `distill_reverse_kl` is the ratio of their totals over its micro-batches."""
+    kl = reverse_kl(student_logp_BxT, teacher_logp_BxT, mask_BxT)
+    return jnp.sum(kl), jnp.sum(mask_BxT.astype(jnp.float32))

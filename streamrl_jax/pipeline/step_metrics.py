@@ -122,6 +122,9 @@ class StepWork:
     publish_s: float = 0.0  # the trainer thread's seconds publishing the step's weights
     sync_compile_s: float = 0.0  # of them, compiling
     prompt_ids: list[str] = dataclasses.field(default_factory=list)  # trained groups' prompts
+    # on-policy distillation: per micro-batch (reverse KL summed over its response tokens,
+    # their count), on the device (`algorithms/distill.reverse_kl_total`)
+    distill: list[tuple[jax.Array, jax.Array]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -174,6 +174,13 @@ class TrainerLoop:
             row["precompile_s"] = self.precompile_s  # before the first step, in no step_s
             self.precompile_s = None
         row |= outcome.metrics | p.meter.pop_kv()
+        if self.c.teacher_params is not None:
+            # The student's mean per-token reverse KL to the teacher on the step's response
+            # tokens, before its update (fetched here: its micro-batches have computed).
+            kl, n = self.trainers.sum(
+                [float(sum(k for k, _ in work.distill)), float(sum(t for _, t in work.distill))]
+            )
+            row["distill_reverse_kl"] = kl / n if n else float("nan")
         return row | p.live.end_of_step(b, p.meter.pop_span(b), work.busy_s)
 
     def _gen_busy(self, w_start: float) -> float:
@@ -188,7 +195,7 @@ class TrainerLoop:
         """One micro-batch's gradients (policy, and critic) into the accumulators."""
         tracer = self.parts.tracer
         t0 = tracer.now()
-        placed = self._place(b, groups, work.stats)
+        placed = self._place(b, groups, work)
         if placed is None:
             return
         dev, shape = placed
@@ -210,7 +217,7 @@ class TrainerLoop:
         self.parts.supervisor.tick("trainer")
 
     def _place(
-        self, b: int, groups: list[Group], stats: dict[str, list]
+        self, b: int, groups: list[Group], work: StepWork
     ) -> tuple[TrainBatch, tuple[int, int]] | None:
         """The micro-batch on the training mesh and its padded (rows, columns) (None if the
         gate dropped every group), with pi_old recomputed when TIS is on, reference
@@ -223,7 +230,7 @@ class TrainerLoop:
             advantage=self.cfg.algorithm.advantage,
             **t.cfg.layout,
             pad_id=c.tokenizer.pad_id,
-            stats=stats,
+            stats=work.stats,
             overlong=self.overlong,
         )
         # Every training process feeds the same global shape (one process: as it is).
@@ -232,7 +239,7 @@ class TrainerLoop:
         )
         if batch is None:
             return None
-        return self._on_device(batch), batch.shape
+        return self._on_device(batch, work.distill), batch.shape
 
     def _grads(
         self, dev: TrainBatch, acc: GradAccumulator, critic_acc: GradAccumulator | None
@@ -246,7 +253,7 @@ class TrainerLoop:
             critic_acc, _ = c.critic.accumulate(c.critic_state, critic_acc, dev, self._one)
         return jax.block_until_ready((acc, critic_acc))
 
-    def _on_device(self, batch: TrainBatch) -> TrainBatch:
+    def _on_device(self, batch: TrainBatch, distill_totals: list | None = None) -> TrainBatch:
         """A host micro-batch placed on the training mesh, with the targets the loss
         reads computed there (pi_old, reference log-probs, the critic's GAE)."""
         c, t = self.c, self.c.trainer
@@ -267,6 +274,8 @@ class TrainerLoop:
             coef = t.scalar(self.cfg.algorithm.distill_coef)
             advantages = distill.with_teacher(dev.advantages, dev.loss_mask, student, teacher, coef)
             dev = dev.replace(advantages=advantages)
+            if distill_totals is not None:  # the step's distill_reverse_kl
+                distill_totals.append(distill.reverse_kl_total(student, teacher, dev.loss_mask))
         if c.critic is not None:
             # GAE from the critic's values under its weights from before its update on
             # this batch (per sample: any split into micro-batches gives the same targets).
