@@ -43,20 +43,19 @@ project is faster), and both curves.
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 
 from absl import app, flags
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import curves  # noqa: E402 - tools/curves.py, beside this file
+
+_ROOT = curves.ROOT
 
 _CONFIG = flags.DEFINE_string(
     "config", os.path.join(_ROOT, "configs", "quickstart.py"), "Config file[:variant]."
@@ -73,63 +72,11 @@ _SKIP = flags.DEFINE_list("skip", [], "Runs not to (re)run: project, trl (reuse 
 _TRL_WORKER = flags.DEFINE_bool("trl_worker", False, "Internal: run TRL in this process.")
 
 
-def _config():
-    from streamrl_jax import config as config_lib
-
-    path, _, arg = _CONFIG.value.partition(":")
-    spec = importlib.util.spec_from_file_location("bench_vs_trl_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return config_lib.from_config_dict(module.get_config(arg or None).to_dict())
-
-
 def _budget() -> float:
     return 100.0 if _QUICK.value else _BUDGET.value
 
 
 # ----------------------------------------------------------------------------- the project
-def run_project(workdir: str) -> list[tuple[float, int]]:
-    """Runs the main job for the budget; returns [(seconds since launch, step)] of its
-    checkpoints (step 0: the base, at 0 s)."""
-    cfg = _config()
-    every = 2 if _QUICK.value else _PROJECT_EVERY.value
-    shutil.rmtree(workdir, ignore_errors=True)
-    cmd = [
-        sys.executable, "-m", "streamrl_jax.launch", f"--config={_CONFIG.value}",
-        f"--workdir={workdir}", f"--config.checkpoint.every={every}",
-        "--config.checkpoint.keep=100000", "--config.eval.at_start=false",
-        f"--config.eval.every={10 * cfg.pipeline.steps}", "--config.log.progress=false",
-    ]  # fmt: skip
-    os.makedirs(workdir, exist_ok=True)
-    t0 = time.time()
-    with open(os.path.join(workdir, "bench_console.txt"), "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=_ROOT)
-        while proc.poll() is None and time.time() - t0 < _budget():
-            time.sleep(1.0)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # saves the last step boundary, then stops
-            try:
-                proc.wait(timeout=300)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                raise RuntimeError(
-                    f"the project's run did not stop within 300 s ({workdir})"
-                ) from None
-    rows = {}
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        for line in f:
-            row = json.loads(line)
-            if "reward" in row:
-                rows[int(row["step"])] = row["time"] - t0
-    ckpt_dir = os.path.join(workdir, "checkpoints")
-    steps = sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit()) if os.path.isdir(
-        ckpt_dir
-    ) else []  # fmt: skip
-    # Checkpoint k holds the weights after step k - 1's update (metrics row k - 1).
-    points = [(0.0, 0)] + [(rows[k - 1], k) for k in steps if (k - 1) in rows]
-    return [(t, k) for t, k in points if t <= _budget()]
-
-
 # ----------------------------------------------------------------------------- TRL
 def trl_worker() -> None:
     """TRL's GRPOTrainer on the mirrored recipe (module docstring), in this process."""
@@ -148,7 +95,7 @@ def trl_worker() -> None:
     out_dir = _WORKDIR.value + "/trl"
     threads = _THREADS.value or os.cpu_count()
     torch.set_num_threads(threads)
-    cfg = _config()
+    cfg = curves.config_of(_CONFIG.value)
     d, g, a, o, p = cfg.data, cfg.generation, cfg.algorithm, cfg.optimizer, cfg.pipeline
     tokenizer = describe(smollm2_gguf_path()).tokenizer
     _, train_set = datasets_lib.datasets(cfg)
@@ -287,79 +234,6 @@ def trl_snapshots(workdir: str) -> list[tuple[float, int, str]]:
     return [(s["seconds"], s["step"], s["path"]) for s in snaps if s["seconds"] <= _budget() + 1]
 
 
-# ----------------------------------------------------------------------------- evaluation
-class Evaluator:
-    """Greedy held-out accuracy of a set of weights with the project's engine (the run's
-    engine config, 32 slots) and scorer, on one device: the held-out evaluation of a run
-    (`Requests.held_out`) and of `tools/pass_at_k.py`, applied to any weights."""
-
-    def __init__(self):
-        import jax
-        import numpy as np
-        from jax.sharding import Mesh
-
-        from streamrl_jax.data import tokenize
-        from streamrl_jax.generation.engine import Engine
-        from streamrl_jax.model.defaults import smollm2_gguf_path
-        from streamrl_jax.model.loader import load_pretrained
-        from streamrl_jax.pipeline import datasets as datasets_lib
-        from streamrl_jax.pipeline.components import engine_config
-
-        cfg = _config()
-        if _EVAL_SEED.value >= 0:
-            data = dataclasses.replace(cfg.data, eval_seed=_EVAL_SEED.value)
-            cfg = dataclasses.replace(cfg, data=data)
-        self.seed = cfg.data.eval_seed
-        self.mesh = Mesh(np.asarray(jax.devices()[:1], dtype=object), ("tp",))
-        self.base = load_pretrained(smollm2_gguf_path(), mesh=self.mesh)
-        eval_set, _ = datasets_lib.datasets(cfg)
-        self.problems = min(16 if _QUICK.value else _EVAL_PROBLEMS.value, len(eval_set))
-        tok = self.base.tokenizer
-        self.prompts = [tokenize(q, tok, cfg.data.system_prompt) for q in eval_set][: self.problems]
-        self.reward = eval_set.reward_fn(format_bonus=cfg.data.format_reward)
-        self.cfg = cfg
-        ecfg = engine_config(cfg, tok, 32)
-        b = self.base
-        self.engine = Engine(b.graphdef, b.params, b.cfg, ecfg, self.mesh)
-
-    def accuracy(self, params) -> float:
-        from streamrl_jax.generation.types import GenerationRequest, SamplingParams
-
-        self.engine.update_weights(params, version=self.engine.version + 1)
-        requests = [
-            GenerationRequest(
-                request_id=i,
-                prompt=p.tokens,
-                max_new_tokens=self.cfg.generation.max_new_tokens,
-                sampling=SamplingParams.greedy(),
-            )
-            for i, p in enumerate(self.prompts)
-        ]
-        correct = 0
-        for s in self.engine.run(requests):
-            text = self.base.tokenizer.decode(s.response)
-            correct += self.reward(text, self.prompts[s.request_id].problem.metadata).correct
-        return round(correct / len(self.prompts), 4)
-
-    def project(self, workdir: str, step: int) -> float:
-        from streamrl_jax.checkpoint.manager import restore_params_only
-
-        if step == 0:
-            return self.accuracy(self.base.params)
-        path = os.path.join(workdir, "checkpoints", str(step))
-        return self.accuracy(restore_params_only(path, self.base.params))
-
-    def hf(self, path: str) -> float:
-        from streamrl_jax.model.loader import load_pretrained
-
-        return self.accuracy(load_pretrained(path, mesh=self.mesh).params)
-
-
-def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
-    """The first time a curve [(seconds, accuracy)] reaches `target` (None: never)."""
-    return next((t for t, acc in curve if acc >= target - 1e-9), None)
-
-
 def main(argv: list[str]) -> None:
     del argv
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -369,18 +243,17 @@ def main(argv: list[str]) -> None:
     project_dir, trl_dir = _WORKDIR.value + "/project", _WORKDIR.value + "/trl"
     t0 = time.time()
     if "project" not in _SKIP.value:
-        project_points = run_project(project_dir)
-        with open(project_dir + "/points.json", "w") as f:
-            json.dump(project_points, f)
-    with open(project_dir + "/points.json") as f:
-        project_points = json.load(f)
+        every = 2 if _QUICK.value else _PROJECT_EVERY.value
+        curves.run_project(_CONFIG.value, [], project_dir, _budget(), every)
+    project_points = curves.read_points(project_dir)
     print(f"project: {len(project_points)} checkpoints in {time.time() - t0:.0f} s", flush=True)
     t1 = time.time()
     if "trl" not in _SKIP.value:
         run_trl(trl_dir)
     trl_points = trl_snapshots(trl_dir)
     print(f"TRL: {len(trl_points)} snapshots in {time.time() - t1:.0f} s", flush=True)
-    ev = Evaluator()
+    problems = 16 if _QUICK.value else _EVAL_PROBLEMS.value
+    ev = curves.Evaluator(curves.config_of(_CONFIG.value), problems, _EVAL_SEED.value)
     project_curve = []
     for seconds, step in project_points:
         acc = ev.project(project_dir, step)
@@ -398,8 +271,8 @@ def main(argv: list[str]) -> None:
         )
     trl_best = max(acc for _, acc in trl_curve)
     project_best = max(acc for _, acc in project_curve)
-    t_trl = time_to(trl_curve, trl_best)
-    t_project = time_to(project_curve, trl_best)
+    t_trl = curves.time_to(trl_curve, trl_best)
+    t_project = curves.time_to(project_curve, trl_best)
     out = {
         "bench": "bench_vs_trl",
         "config": os.path.relpath(_CONFIG.value, _ROOT),
@@ -411,22 +284,14 @@ def main(argv: list[str]) -> None:
         "project_best": project_best,
         "trl_time_to_its_best_s": t_trl,
         "project_time_to_trl_best_s": t_project,
-        "trl_time_to_project_best_s": time_to(trl_curve, project_best),
+        "trl_time_to_project_best_s": curves.time_to(trl_curve, project_best),
         "time_to_accuracy_ratio": (t_trl / t_project) if t_project else None,
         "project_curve": project_curve,
         "trl_curve": trl_curve,
-        "cpu": _cpu_model(),
+        "cpu": curves.cpu_model(),
         "load_avg": round(os.getloadavg()[0], 2),
     }
     print(json.dumps(out))
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 if __name__ == "__main__":
