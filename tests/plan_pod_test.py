@@ -83,6 +83,27 @@ def test_an_oversized_plan_is_reported_as_not_fitting_with_its_role_and_amount()
     assert over >= 128 - 95, line
 
 
+def test_the_report_cache_resumes_a_plan_without_compiling_it_again(tmp_path, monkeypatch):
+    cache = tmp_path / "reports.jsonl"
+    monkeypatch.setattr(plan_pod, "REPORT_CACHE", cache)
+    devices = np.array(jax.devices()[:2])
+    first = plan_pod.plan_training(KNOBS, devices, hbm=1.0)
+    assert len(cache.read_text().splitlines()) == 2  # accumulate and apply
+    with cache.open("a") as f:
+        f.write('{"key": "cut short by a kill')  # a torn last line is skipped, not fatal
+
+    def no_compile(*args):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(plan_pod, "_report", no_compile)
+    assert plan_pod.plan_training(KNOBS, devices, hbm=1.0) == first
+    # Another program (here its micro-batch), another key: compiled, not read.
+    with pytest.raises(AssertionError, match="compiled again"):
+        plan_pod.plan_training(dataclasses.replace(KNOBS, rows=2), devices, hbm=1.0)
+    with pytest.raises(AssertionError, match="compiled again"):  # another HBM, another verdict
+        plan_pod.plan_training(KNOBS, devices, hbm=2.0)
+
+
 @pytest.mark.parametrize("depth", [6, pytest.param(5, marks=pytest.mark.extended)])
 def test_the_trainer_cost_is_carried_to_full_depth(depth):
     # XLA counts a loop body once: the scanned trainer's FLOPs miss all blocks but one.

@@ -1,11 +1,15 @@
 """Pod configurations checked by the real compiler: the project's own executables compiled
 ahead of time for a TPU topology that is not attached, with their memory per device.
 
-First slice of issue 40's plan tool: one configuration per run, no knob search yet.
-
     pip install "jax[tpu]==0.10.2"   # libtpu 0.0.42.1: compile-only TPU devices, offline
     PYTHONPATH=. python tools/plan_pod.py --model=qwen3_0.6b_shape --topology=v5p:2x2x1 \
-        --train_devices=4 --rows=8 --seq=2048
+        --train_devices=4 --rows=8 --seq=2048          # one configuration
+    PYTHONPATH=. python tools/plan_pod.py --search ...   # the knobs searched (`search`)
+    PYTHONPATH=. python tools/plan_pod.py --quick        # a small search, minutes
+
+`--report_cache=FILE` keeps every compile's report (keyed by the lowered program, the
+device kind and the compiler's versions): a search run again reads what it compiled
+before, so a search stopped part way resumes where it stopped.
 
 The devices of `--topology` (`jax.experimental.topologies.get_topology_desc`) split into a
 training mesh (the first `--train_devices`, ("fsdp", "tp") with `--tp`) and generation
@@ -30,6 +34,8 @@ verdict with the compiler's message. The last line is JSON.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -262,13 +268,64 @@ class Program:
     inputs: int
 
 
+# `--report_cache`: a JSONL file of reports keyed by what was compiled (`_cache_key`), so
+# that a search stopped part way (a 7B TP 4 trainer compiles for 10-25 minutes on one core
+# for a v6e) resumes without compiling again what it already has.
+REPORT_CACHE: pathlib.Path | None = None
+
+
+def _cache_key(lowered: Any, p: Program, hbm: float) -> str:
+    """What decides a report: the lowered program (its shardings and mesh size are in the
+    text), the device kind it compiles for, the compiler's versions, the inputs and HBM."""
+    leaf = next(x for x in jax.tree.leaves(p.args) if getattr(x, "sharding", None) is not None)
+    kind = leaf.sharding.mesh.devices.flat[0].device_kind
+    h = hashlib.sha256(lowered.as_text().encode())
+    h.update(f"|{kind}|{jax.__version__}|{_libtpu_version()}|{p.inputs}|{hbm}".encode())
+    return h.hexdigest()
+
+
+def _libtpu_version() -> str:
+    try:
+        return importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
+
+
+def _cached(key: str) -> dict | None:
+    if REPORT_CACHE is None or not REPORT_CACHE.exists():
+        return None
+    for line in REPORT_CACHE.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a kill: the rest still counts
+            continue
+        if isinstance(entry, dict) and entry.get("key") == key:
+            return entry["report"]
+    return None
+
+
 def plan_programs(programs: list[Program], hbm: float) -> list[dict]:
-    """Lowers and compiles each program; its report (`_report`) against `hbm` GiB."""
+    """Lowers and compiles each program; its report (`_report`) against `hbm` GiB (read
+    from `REPORT_CACHE` instead when that program was compiled before)."""
     out = []
     for p in programs:
         t0 = time.perf_counter()
         lowered = p.fn.lower(*p.args, **p.kwargs)
-        out.append(_report(p.role, p.name, lowered, hbm, t0, p.inputs))
+        key = _cache_key(lowered, p, hbm) if REPORT_CACHE is not None else ""
+        report = _cached(key) if key else None
+        if report is not None:
+            print(
+                f"{p.role:>10s} {p.name:>12s}: needs {report['need_gib']:8.2f} GiB of {hbm} "
+                f"(from {REPORT_CACHE}, compiled in {report['compile_s']} s then)",
+                flush=True,
+            )
+        else:
+            report = _report(p.role, p.name, lowered, hbm, t0, p.inputs)
+            if key:
+                REPORT_CACHE.parent.mkdir(parents=True, exist_ok=True)
+                with REPORT_CACHE.open("a") as f:
+                    f.write(json.dumps({"key": key, "report": report}) + "\n")
+        out.append(report)
     return out
 
 
@@ -418,9 +475,7 @@ def search(base: Knobs, devices: np.ndarray, hbm: float, hw_name: str, s: dict) 
             knobs = [dataclasses.replace(base, tp=tp, rows=rows, remat=r) for r in s["remats"]]
             got = _first_fit(knobs, lambda k: plan_training(k, train_dev, hbm))
             if got:
-                analysed = train_dev.flat[0].platform == "tpu"  # XLA:GPU: no cost analysis
-                cost = training_cost(got[0], train_dev, hbm, got[1][0]) if analysed else (0, 0)
-                trains.append((*got, cost))
+                trains.append(got)
     gens = []
     for itp in s["instance_tps"]:
         if itp > len(gen_dev):
@@ -429,6 +484,13 @@ def search(base: Knobs, devices: np.ndarray, hbm: float, hw_name: str, s: dict) 
         got = _first_fit(knobs, lambda k: plan_generation(k, gen_dev[: k.instance_tp], hbm))
         if got:
             gens.append(got)
+    # The trainer's cost probe last: what fits is known (and printed) before its compiles,
+    # the longest of a search.
+    analysed = train_dev.flat[0].platform == "tpu"  # XLA:GPU: no cost analysis
+    trains = [
+        (k, r, training_cost(k, train_dev, hbm, r[0]) if analysed and gens else (0, 0))
+        for k, r in trains
+    ]
     cfg = _model_cfg(base)
     model = sim_model(cfg, base.model)
     hw = hardware.get_hardware(hw_name)
@@ -529,6 +591,8 @@ def _ints(text: str) -> list[int]:
 
 def main(argv) -> None:
     del argv
+    global REPORT_CACHE
+    REPORT_CACHE = pathlib.Path(FLAGS.report_cache) if FLAGS.report_cache else None
     t0 = time.perf_counter()
     settings = QUICK if FLAGS.quick else [(FLAGS.model, FLAGS.topology, {})]
     results = []
@@ -608,6 +672,12 @@ def _define_flags() -> None:
     flags.DEFINE_integer("prefill_batch", 8, "Prompts per prefill call.")
     flags.DEFINE_enum(
         "key_layout", "auto", list(KEY_LAYOUTS), "EngineConfig.key_layout of the KV cache's keys."
+    )
+    flags.DEFINE_string(
+        "report_cache",
+        None,
+        "A JSONL file of compile reports: programs compiled before are read from it, new "
+        "ones appended (a long search resumes where it stopped).",
     )
     flags.DEFINE_bool("search", False, "Search the knobs below instead of one configuration.")
     flags.DEFINE_bool("quick", False, "A small search of a small shape (minutes).")
