@@ -248,6 +248,35 @@ def test_key_layouts_keep_the_samples(model, attention):
         dataclasses.replace(ENGINE, key_layout="sd")
 
 
+def test_gate_up_layouts_keep_the_samples(model):
+    """Gate and up as [2, E, M] (`gate_up_layout="parts_major"`, "auto" off CPU, where
+    XLA:TPU would re-lay out [E, 2, M] every decode chunk) draw what [E, 2, M] draws: on
+    one device, tensor-parallel over two (the mlp axis sharded), and with int8 weights."""
+    graphdef, params, _ = model
+    reqs = grouped_requests(4)
+    em = make_engine(model, gate_up_layout="embed_major")
+    assert em._params["layers"][0]["gate_up"].shape[1] == 2
+    want = by_id(em.run(reqs))
+    two = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
+    pm = Engine(
+        graphdef, params, CFG, dataclasses.replace(ENGINE, gate_up_layout="parts_major"), two
+    )
+    w = pm._params["layers"][0]["gate_up"]
+    assert w.shape == (2, CFG.hidden_size, CFG.intermediate_size)
+    assert w.sharding.spec == jax.sharding.PartitionSpec(None, None, "tp")
+    assert_same(want, by_id(pm.run(reqs)))
+    int8 = [
+        make_engine(model, weight_dtype="int8", gate_up_layout=x)
+        for x in engine_config.GATE_UP_LAYOUTS[1:]
+    ]
+    assert int8[1]._params["layers"][0]["gate_up"].scale.shape == (2, CFG.intermediate_size)
+    assert_same(*(by_id(e.run(reqs)) for e in int8))
+    assert not ENGINE.gate_up_parts_major("cpu")
+    assert ENGINE.gate_up_parts_major("tpu") and ENGINE.gate_up_parts_major("gpu")
+    with pytest.raises(ValueError, match="EngineConfig.gate_up_layout must be one of"):
+        dataclasses.replace(ENGINE, gate_up_layout="fused")
+
+
 def test_hot_loop_runs_under_transfer_guard(model):
     engine = make_engine(model)
     engine.run(requests(2))  # warm-up: compiles outside the guard

@@ -9,7 +9,10 @@ ahead of time for a TPU topology that is not attached, with their memory per dev
 
 `--report_cache=FILE` keeps every compile's report (keyed by the lowered program, the
 device kind and the compiler's versions): a search run again reads what it compiled
-before, so a search stopped part way resumes where it stopped.
+before, so a search stopped part way resumes where it stopped. Compiles at PAPER.md's
+shapes are long and large on the host: Qwen2.5-7B's trainer at TP 4 for a v6e took 27
+minutes and ~17 GB of host memory on one core, so run one such search at a time on a
+machine of 24 GB (two were: the kernel killed one).
 
 The devices of `--topology` (`jax.experimental.topologies.get_topology_desc`) split into a
 training mesh (the first `--train_devices`, ("fsdp", "tp") with `--tp`) and generation
@@ -57,7 +60,7 @@ from model_shapes import model_config as shape_config
 from streamrl_jax.config import AlgorithmSection
 from streamrl_jax.generation import decoder, executables
 from streamrl_jax.generation.admission import build_admission
-from streamrl_jax.generation.engine_config import KEY_LAYOUTS, EngineConfig
+from streamrl_jax.generation.engine_config import GATE_UP_LAYOUTS, KEY_LAYOUTS, EngineConfig
 from streamrl_jax.model import config as model_config
 from streamrl_jax.model import llama
 from streamrl_jax.scheduling import lengths
@@ -104,6 +107,7 @@ class Knobs:
     chunk_steps: int = 16
     prefill_batch: int = 8
     key_layout: str = "auto"
+    gate_up_layout: str = "auto"
     layers: int = 0  # 0: the model's depth; else a shallower copy (the cost probe)
     scan_layers: bool = True
     scan_unroll: int = 1
@@ -388,13 +392,18 @@ def generation_programs(k: Knobs, devices: np.ndarray) -> list[Program]:
         prefill_batch=k.prefill_batch,
         decode_buckets=False,
         key_layout=k.key_layout,
+        gate_up_layout=k.gate_up_layout,
     )
+    platform = devices.flat[0].platform
+    parts_major = ecfg.gate_up_parts_major(platform)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: llama.create(cfg)))
     weights = jax.eval_shape(
-        lambda p: decoder.from_training_layout(graphdef, p, cfg, ecfg.weight_dtype), params
+        lambda p: decoder.from_training_layout(
+            graphdef, p, cfg, ecfg.weight_dtype, gate_up_parts_major=parts_major
+        ),
+        params,
     )
-    weights = _abstract(weights, decoder.weight_shardings(weights, mesh))
-    platform = devices.flat[0].platform
+    weights = _abstract(weights, decoder.weight_shardings(weights, mesh, parts_major))
     init, place = executables.slot_state(
         cfg, ecfg.num_slots, ecfg.max_total_length, ecfg.max_stop_ids,
         ecfg.keys_positions_minor(platform),
@@ -403,8 +412,9 @@ def generation_programs(k: Knobs, devices: np.ndarray) -> list[Program]:
     abstract = jax.eval_shape(init)
     state = _abstract(abstract, state_sh)
     prefill, chunk, *_ = executables.jitted(
-        cfg, ecfg.chunk_steps, state_sh, repl, (), ecfg.attention(platform)
-    )
+        cfg, ecfg.chunk_steps, state_sh, repl, (), ecfg.attention(platform),
+        gate_up_parts_major=parts_major,
+    )  # fmt: skip
     adm = build_admission(
         [], ecfg.max_prompt_length, n=ecfg.prefill_batch, num_slots=ecfg.num_slots,
         max_stop_ids=ecfg.max_stop_ids,
@@ -672,6 +682,12 @@ def _define_flags() -> None:
     flags.DEFINE_integer("prefill_batch", 8, "Prompts per prefill call.")
     flags.DEFINE_enum(
         "key_layout", "auto", list(KEY_LAYOUTS), "EngineConfig.key_layout of the KV cache's keys."
+    )
+    flags.DEFINE_enum(
+        "gate_up_layout",
+        "auto",
+        list(GATE_UP_LAYOUTS),
+        "EngineConfig.gate_up_layout of the generation weights.",
     )
     flags.DEFINE_string(
         "report_cache",

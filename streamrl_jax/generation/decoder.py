@@ -15,7 +15,8 @@ the instance), so the engine keeps its own layout:
 * q, k and v fused into one matrix `qkv` [E, K, G + 2, D] (per kv head: its G
   query heads, then its key and its value), so one GEMV per layer reads them,
   and tensor parallelism still shards the `kv_heads` axis;
-* gate and up fused as `gate_up` [E, 2, M]; `o` as [K, G, D, E], the order
+* gate and up fused as `gate_up` [E, 2, M] (on CPU; [2, E, M] with
+  `gate_up_parts_major`, which XLA:TPU reads without a relayout); `o` as [K, G, D, E], the order
   the attention produces, contracted as one [K*G*D, E] matrix;
 * the vocabulary projection `lm_head` as [E, V]; with tied embeddings it is
   the only copy, and the embedding lookup takes its columns;
@@ -181,6 +182,7 @@ def from_training_layout(
     cfg: ModelConfig,
     weight_dtype: str = "auto",
     adapter_slots: int = 0,
+    gate_up_parts_major: bool = False,
 ) -> dict:
     """The generation weights of a (graphdef, params) split of `Llama` (jit it).
 
@@ -190,6 +192,8 @@ def from_training_layout(
       adapter_slots: 0: a LoRA model's adapters merged into the matrices; N > 0: the base
         unmerged and each layer's table of N adapter slots, the model's adapter in slot 0
         (`generation/adapters.py`).
+      gate_up_parts_major: `gate_up` as [2, E, M] instead of [E, 2, M]
+        (`EngineConfig.gate_up_layout`).
 
     Returns:
       {["embed"], "final_norm", "lm_head", "layers": tuple of L per-layer dicts}:
@@ -218,7 +222,8 @@ def from_training_layout(
             for name in ("router", "experts_gate", "experts_up", "experts_down"):
                 out[name] = p[name].astype(dt)
         else:
-            out["gate_up"] = jnp.stack([p["gate"], p["up"]], axis=1).astype(dt)
+            parts = 0 if gate_up_parts_major else 1
+            out["gate_up"] = jnp.stack([p["gate"], p["up"]], axis=parts).astype(dt)
             out["down"] = p["down"].astype(dt)
         if cfg.qkv_bias:
             bias = [p["q_bias"].reshape(k, g, d), p["k_bias"][:, None], p["v_bias"][:, None]]
@@ -244,21 +249,28 @@ def from_training_layout(
     else:
         weights["embed"] = model.embed[...].astype(dt)
         weights["lm_head"] = model.lm_head[...].astype(dt)
-    return quant.quantize_weights(weights) if weight_dtype == "int8" else weights
+    if weight_dtype == "int8":
+        return quant.quantize_weights(weights, gate_up_parts_major)
+    return weights
 
 
-def weight_shardings(weights_shape: Any, mesh: Mesh) -> Any:
-    """NamedShardings with the structure of `from_training_layout`'s output."""
+def weight_shardings(weights_shape: Any, mesh: Mesh, gate_up_parts_major: bool = False) -> Any:
+    """NamedShardings with the structure of `from_training_layout`'s output (made with
+    the same `gate_up_parts_major`)."""
+    layer_axes = dict(_LAYER_AXES)
+    if gate_up_parts_major:
+        layer_axes["gate_up"] = ("parts", "embed", "mlp")
+    contracted = quant.contracted(gate_up_parts_major)
 
     def place(axes, shape, name):
         return NamedSharding(mesh, logical_to_spec(axes, shape, _RULES, mesh, f"generation/{name}"))
 
     def one(path, x):
         name = str(getattr(path[-1], "key", path[-1]))
-        axes = _LAYER_AXES.get(name) or _TOP_AXES[name]
+        axes = layer_axes.get(name) or _TOP_AXES[name]
         if not isinstance(x, quant.QArray):
             return place(axes, tuple(x.shape), name)
-        kept = tuple(a for i, a in enumerate(axes) if i not in quant.CONTRACTED[name])
+        kept = tuple(a for i, a in enumerate(axes) if i not in contracted[name])
         return quant.QArray(
             q=place(axes, tuple(x.q.shape), name),
             scale=place(kept, tuple(x.scale.shape), f"{name}.scale"),
@@ -293,13 +305,20 @@ class GenModel:
     """
 
     def __init__(
-        self, weights: dict, cfg: ModelConfig, attention: str = "dot", record_routes: bool = False
+        self,
+        weights: dict,
+        cfg: ModelConfig,
+        attention: str = "dot",
+        record_routes: bool = False,
+        gate_up_parts_major: bool = False,
     ):
         if attention not in ATTENTION:
             raise ValueError(f"attention={attention!r}; expected one of {ATTENTION}")
         if record_routes and not cfg.num_experts:
             raise ValueError("record_routes: the model has no experts")
         self.w, self.cfg, self.attention, self.record = weights, cfg, attention, record_routes
+        # `gate_up`'s layout (`from_training_layout`): the MLP's first matmul reads it as is
+        self._gate_up = "nte,pem->ntpm" if gate_up_parts_major else "nte,epm->ntpm"
 
     def _routes(self, per_layer: list[jax.Array]) -> jax.Array | None:
         """The layers' expert choices [..., k] stacked as [..., L, k] (None: not recorded)."""
@@ -392,7 +411,7 @@ class GenModel:
             y, routing = layers.moe_mlp(h.reshape(n * t, e), p, self.cfg)
             y, experts = y.reshape(n, t, e), routing.experts.reshape(n, t, -1)
         else:
-            gu = self._mm("nte,epm->ntpm", h, p, "gate_up", sel)
+            gu = self._mm(self._gate_up, h, p, "gate_up", sel)
             act = layers.gate_activation(gu[:, :, 0], self.cfg.mlp_act)
             y = self._mm("ntm,me->nte", act * gu[:, :, 1], p, "down", sel)
         if "post_mlp_norm" in p:

@@ -149,9 +149,11 @@ class Engine:
         self._repl = NamedSharding(mesh, PartitionSpec())
         self._param_shardings = state_shardings(params, mesh, GENERATE_RULES)
         self._param_sig = executables.signature(params)
+        platform = mesh.devices.flat[0].platform
         self._relayout = executables.relayout_fn(
-            graphdef, model_cfg, mesh, params, cfg.weight_dtype, cfg.adapters
-        )
+            graphdef, model_cfg, mesh, params, cfg.weight_dtype, cfg.adapters,
+            cfg.gate_up_parts_major(platform),
+        )  # fmt: skip
         self._params = self._relayout(jax.device_put(params, self._param_shardings))
         self.version = version
         self._pending_weights: tuple[Any, int] | None = None
@@ -163,7 +165,6 @@ class Engine:
             self._adapter_fns = executables.adapter_fns(model_cfg, mesh, params, cfg.adapters)
         self._lock = threading.Lock()
 
-        platform = mesh.devices.flat[0].platform
         init, place = executables.slot_state(
             model_cfg,
             cfg.num_slots,
@@ -186,6 +187,7 @@ class Engine:
                 self.decode_options,
                 self.decode_attention,
                 cfg.record_routes,
+                cfg.gate_up_parts_major(platform),
             )
         )
         # Each slot's prompt routes from its last prefill or fork (a fork copies its

@@ -13,6 +13,7 @@ CPU_DOTS = ("auto", "eigen", "ynnpack")
 EIGEN_MIN_WIDTH = 512
 DECODE_ATTENTION = ("auto", "elementwise", "dot")
 KEY_LAYOUTS = ("auto", "positions_minor", "head_dim_minor")
+GATE_UP_LAYOUTS = ("auto", "embed_major", "parts_major")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,6 +63,12 @@ class EngineConfig:
         which copies the whole cache to scatter into a minor position axis) or "auto"
         (positions minor on CPU, head dims minor elsewhere: docs/generation.md,
         "Key layout on TPU").
+      gate_up_layout: the fused gate and up matrix of the generation weights
+        (`decoder.from_training_layout`): "embed_major" ([E, 2, M], one matmul that
+        XLA:CPU reads in place), "parts_major" ([2, E, M]: XLA:TPU re-lays out the
+        embed-major form, whose minor tile pads the 2, once per decode chunk, every
+        layer's copy live at once) or "auto" (embed-major on CPU, parts-major
+        elsewhere: docs/generation.md, "Key layout on TPU").
       kv_hold_s: a slot kept for a continuation (`GenerationRequest.keep_kv`: an
         episode waiting for its environment) is given up after this many seconds
         without one, once another request needs a slot; its continuation then
@@ -93,6 +100,7 @@ class EngineConfig:
     cpu_dots: str = "auto"
     decode_attention: str = "auto"
     key_layout: str = "auto"
+    gate_up_layout: str = "auto"
     kv_hold_s: float = 120.0
     record_routes: bool = False
     adapters: int = 0
@@ -124,6 +132,11 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.key_layout must be one of {KEY_LAYOUTS}, not {self.key_layout!r}"
             )
+        if self.gate_up_layout not in GATE_UP_LAYOUTS:
+            raise ValueError(
+                f"EngineConfig.gate_up_layout must be one of {GATE_UP_LAYOUTS}, "
+                f"not {self.gate_up_layout!r}"
+            )
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(
                 f"EngineConfig.decode_attention must be one of {DECODE_ATTENTION}, "
@@ -148,6 +161,12 @@ class EngineConfig:
         if self.key_layout != "auto":
             return self.key_layout == "positions_minor"
         return platform == "cpu"
+
+    def gate_up_parts_major(self, platform: str) -> bool:
+        """The generation weights' gate and up layout on `platform` ([2, E, M] if true)."""
+        if self.gate_up_layout != "auto":
+            return self.gate_up_layout == "parts_major"
+        return platform != "cpu"
 
     def attention(self, platform: str) -> str:
         """The decode step's attention form on `platform` (`decoder.ATTENTION`)."""

@@ -33,13 +33,15 @@ def jitted(
     decode_options: tuple[tuple[str, str], ...] = (),
     attention: str = "dot",
     record_routes: bool = False,
+    gate_up_parts_major: bool = False,
 ):
     """The jitted prefill, decode chunk, logits-keeping prefill, fork and extension,
     shared by engines with equal statics.
 
     Engines of the same model config, chunk length, decode compiler options
     (`EngineConfig.decode_compiler_options`), decode attention form
-    (`EngineConfig.attention`), route recording (`EngineConfig.record_routes`) and
+    (`EngineConfig.attention`), route recording (`EngineConfig.record_routes`), weight
+    layout (`EngineConfig.gate_up_layout`) and
     placement (the slot
     state's shardings: its mesh and cache partitioning, not its shapes) get the
     same two jit objects and so one executable cache, which holds one executable
@@ -52,7 +54,7 @@ def jitted(
     """
 
     def model(weights, form="dot"):
-        return decoder.GenModel(weights, model_cfg, form, record_routes)
+        return decoder.GenModel(weights, model_cfg, form, record_routes, gate_up_parts_major)
 
     def prefill(weights, state, adm):
         return slots_lib.prefill_into_slots(model(weights), state, adm)
@@ -121,17 +123,21 @@ def relayout_fn(
     params: Any,
     weight_dtype: str,
     adapter_slots: int = 0,
+    gate_up_parts_major: bool = False,
 ):
     """Jitted training layout -> `decoder` layout (quantised with "int8"; with
-    `adapter_slots`, LoRA unmerged in a table of slots), placed on the instance's mesh."""
+    `adapter_slots`, LoRA unmerged in a table of slots; `gate_up` [2, E, M] with
+    `gate_up_parts_major`), placed on the instance's mesh."""
     fn = functools.partial(
         decoder.from_training_layout,
         graphdef,
         cfg=model_cfg,
         weight_dtype=weight_dtype,
         adapter_slots=adapter_slots,
+        gate_up_parts_major=gate_up_parts_major,
     )
-    return jax.jit(fn, out_shardings=decoder.weight_shardings(jax.eval_shape(fn, params), mesh))
+    shapes = jax.eval_shape(fn, params)
+    return jax.jit(fn, out_shardings=decoder.weight_shardings(shapes, mesh, gate_up_parts_major))
 
 
 def adapter_fns(model_cfg: ModelConfig, mesh: Mesh, params: Any, slots: int):

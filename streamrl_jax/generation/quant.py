@@ -93,11 +93,17 @@ def reshape_rows(w: jax.Array | QArray, cols: int) -> jax.Array | QArray:
     return w.reshape(-1, cols)
 
 
-def quantize_weights(weights: dict) -> dict:
+def contracted(gate_up_parts_major: bool = False) -> dict[str, tuple[int, ...]]:
+    """`CONTRACTED` for a layout whose `gate_up` is [2, E, M] (`gate_up_parts_major`)."""
+    return {**CONTRACTED, "gate_up": (1,)} if gate_up_parts_major else CONTRACTED
+
+
+def quantize_weights(weights: dict, gate_up_parts_major: bool = False) -> dict:
     """`decoder.from_training_layout`'s output with every matrix (`CONTRACTED`) a `QArray`."""
+    axes = contracted(gate_up_parts_major)
 
     def one(d: dict) -> dict:
-        return {k: quantize(v, CONTRACTED[k]) if k in CONTRACTED else v for k, v in d.items()}
+        return {k: quantize(v, axes[k]) if k in axes else v for k, v in d.items()}
 
     out = one({k: v for k, v in weights.items() if k != "layers"})
     out["layers"] = tuple(one(layer) for layer in weights["layers"])
