@@ -76,6 +76,17 @@ def test_a_decode_step_that_reads_more_is_slower_and_training_is_not():
     assert _simulate(costly).iteration_s > _simulate(fast).iteration_s
 
 
+def test_training_not_analysed_keeps_the_roofline_training_time():
+    # plan_pod --train_cost=roofline: generation compiled and analysed, training not.
+    point = dataclasses.replace(_roofline_point(), decode_bytes=3 * _roofline_point().decode_bytes)
+    unanalysed = dataclasses.replace(point, train_flops=0.0, train_bytes=0.0)
+    costs = compiled.CompiledCosts.from_compiled(_base(), unanalysed)
+    assert costs.train_scale == 1.0 and costs.decode_scale > 2.0
+    assert costs.train_seconds(*_lens(), TRAIN) == pytest.approx(
+        _base().train_seconds(*_lens(), TRAIN)
+    )
+
+
 def test_a_mismatched_instance_is_refused():
     base = dataclasses.replace(_base(), slots=SLOTS * 2)
     with pytest.raises(ValueError, match="not the compiled one"):

@@ -496,7 +496,7 @@ def search(base: Knobs, devices: np.ndarray, hbm: float, hw_name: str, s: dict) 
             gens.append(got)
     # The trainer's cost probe last: what fits is known (and printed) before its compiles,
     # the longest of a search.
-    analysed = train_dev.flat[0].platform == "tpu"  # XLA:GPU: no cost analysis
+    analysed = train_dev.flat[0].platform == "tpu" and s.get("train_cost", "probe") == "probe"
     trains = [
         (k, r, training_cost(k, train_dev, hbm, r[0]) if analysed and gens else (0, 0))
         for k, r in trains
@@ -528,11 +528,13 @@ def search(base: Knobs, devices: np.ndarray, hbm: float, hw_name: str, s: dict) 
                 model=model, hw=hw, tp=gk.instance_tp, slots=gk.slots, algorithm=s["algorithm"],
                 params=params,
             )  # fmt: skip
-            if train_flops and chunk["flops"]:
+            if chunk["flops"]:  # training's may be missing: `--train_cost=roofline`
                 costs = compiled.CompiledCosts.from_compiled(base_costs, compiled_)
-                scales = {"decode": round(costs.decode_scale, 2),
-                          "prefill": round(costs.prefill_scale, 2),
-                          "train": round(costs.train_scale, 2)}  # fmt: skip
+                scales = {
+                    "decode": round(costs.decode_scale, 2),
+                    "prefill": round(costs.prefill_scale, 2),
+                    "train": round(costs.train_scale, 2) if train_flops else None,
+                }
             else:  # no cost analysis (XLA:GPU): the roofline's own costs
                 costs, scales = base_costs, None
             try:  # the compile says the slots fit; the simulator checks its own count
@@ -623,6 +625,7 @@ def main(argv) -> None:
                 "instance_tps": _ints(FLAGS.instance_tps),
                 "slots": _ints(FLAGS.slot_options), "global_batch": FLAGS.global_batch,
                 "granularity": FLAGS.granularity, "algorithm": FLAGS.algorithm,
+                "train_cost": FLAGS.train_cost,
                 **overrides.get("space", {}),
             }  # fmt: skip
             result.update(search(knobs, devices, hbm, hw_name, space))
@@ -713,6 +716,14 @@ def _define_flags() -> None:
         "slot_options",
         "256,128,64,32",
         "--search: KV slots per instance, most first (the first that fits wins).",
+    )
+    flags.DEFINE_enum(
+        "train_cost",
+        "probe",
+        ["probe", "roofline"],
+        "--search: the trainer's cost from compiles with 1 and 2 blocks a step (`probe`: "
+        "a second whole-model compile, too big for 24 GB of host memory at 7B TP 4 for a "
+        "v6e) or the roofline's own (`roofline`; generation's stays compiled).",
     )
     flags.DEFINE_integer("global_batch", 512, "--search: samples per training step (simulated).")
     flags.DEFINE_integer("granularity", None, "--search: device-split step (default: a host).")

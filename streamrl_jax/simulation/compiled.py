@@ -39,7 +39,8 @@ class Compiled:
       prefill_flops, prefill_bytes: one prefill call of `prefill_batch` prompts of
         `max_prompt` tokens.
       train_flops, train_bytes: one `accumulate` of `rows` x `seq` tokens on
-        `train_devices` devices.
+        `train_devices` devices; both 0 when not analysed (the training time is then
+        the roofline's own: `train_scale` 1).
       apply_bytes: one optimizer `apply` on `train_devices` devices.
     """
 
@@ -106,9 +107,12 @@ class CompiledCosts:
         )
         # accumulate is the policy's forward and backward (3 forwards' worth, more with
         # remat); the roofline's train time counts FLOP_FACTORS[algorithm] forwards.
+        # No training figures (0: not analysed): the roofline's own training time.
         train = roofline_seconds(c.train_flops, c.train_bytes, hw, prm.train_mfu, eff)
         fwd_bwd = 3.0 * m.forward_flops(float(c.seq), c.seq / 2.0) * c.rows
         model_train = fwd_bwd / (c.train_devices * hw.peak_flops * prm.train_mfu)
+        if not (c.train_flops or c.train_bytes):
+            train = model_train
         apply = c.apply_bytes / (hw.hbm_bw * eff)
         return cls(
             base=base,
