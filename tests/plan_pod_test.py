@@ -200,3 +200,28 @@ def test_the_search_keeps_the_cheapest_fitting_knobs_and_the_fastest_plan(monkey
     assert {p["train"]["remat"] for p in got["plans"]} == {"full"}
     assert got["chosen"]["step_s"] == min(p["step_s"] for p in got["plans"])
     assert all(p["async_over_colocated"] > 0 and p["scales"] for p in got["plans"])
+    # Colocated, the trainer's state shares the chips: at most the compiled slots.
+    assert all(1 <= p["colocated_slots"] <= p["generation"]["slots"] for p in got["plans"])
+
+
+def test_colocated_runs_with_the_slots_left_beside_the_trainer_state(monkeypatch):
+    # Qwen2.5-7B on 32 v6e chips (32 GB): a TP 1 instance that compiles with 24 slots
+    # holds 14 when PPO's training state shares its chip (the simulator's count), and the
+    # plan is still simulated, colocated with those 14, not refused.
+    def report(name, need):
+        return {"executable": name, "fits": True, "need_gib": need, "flops": 1e12,
+                "bytes_accessed": 1e10}  # fmt: skip
+
+    monkeypatch.setattr(plan_pod, "plan_training", lambda k, d, h, apply=True: [
+        report("accumulate", 14), report("apply", 7)])  # fmt: skip
+    monkeypatch.setattr(plan_pod, "plan_generation", lambda k, d, h: [
+        report("prefill", 24), report("decode_chunk", 24)])  # fmt: skip
+    monkeypatch.setattr(plan_pod, "training_cost", lambda k, d, h, scanned=None: (1e13, 1e11))
+    space = {"train_devices": 16, "tps": [4], "remats": ["full"], "rows_per_replica": [1],
+             "instance_tps": [1], "slots": [24], "global_batch": 64, "granularity": 4,
+             "algorithm": "ppo"}  # fmt: skip
+    base = plan_pod.Knobs(model="qwen2.5_7b_shape", seq=10752, max_len=10752, max_prompt=512)
+    chips = np.array([types.SimpleNamespace(platform="tpu") for _ in range(32)])
+    got = plan_pod.search(base, chips, 31.25, "tpu_v6e", space)
+    (plan,) = got["plans"]
+    assert plan["generation"]["slots"] == 24 and plan["colocated_slots"] == 14

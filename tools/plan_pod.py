@@ -465,12 +465,20 @@ def _first_fit(candidates, plan) -> tuple[Any, list[dict]] | None:
     return None
 
 
+def _with_slots(costs: Any, slots: int) -> Any:
+    """`costs` (roofline or compiled) for an instance of `slots` slots."""
+    if isinstance(costs, compiled.CompiledCosts):
+        return dataclasses.replace(costs, base=dataclasses.replace(costs.base, slots=slots))
+    return dataclasses.replace(costs, slots=slots)
+
+
 def search(base: Knobs, devices: np.ndarray, hbm: float, hw_name: str, s: dict) -> dict:
     """The knob search: for each training TP and micro-batch rows per replica the cheapest
     remat policy that fits, for each instance TP the most KV slots that fit, on the
     compiled split; then every fitting pair simulated (stream_async and colocated,
     `s["algorithm"]`, the paper's length trace) with the compiled costs
-    (`simulation.compiled`); the plan with the shortest predicted step."""
+    (`simulation.compiled`); colocated with the slots the trainer's resident state leaves
+    (at most the compiled ones); the plan with the shortest predicted step."""
     n = len(devices)
     n_train = s["train_devices"]
     train_dev, gen_dev = devices[:n_train], devices[n_train:]
@@ -545,11 +553,16 @@ def search(base: Knobs, devices: np.ndarray, hbm: float, hw_name: str, s: dict) 
                     split_granularity=s["granularity"], iterations=4, warmup=1,
                     params=dataclasses.replace(params, kv_memory_fraction=1.0),
                 )  # fmt: skip
-                runs = simulator.simulate_modes(scenario, ("stream_async", "colocated"), costs)
+                a = simulator.simulate(scenario, costs)
+                # Colocated, the trainer's state stays on the same chips: its instances
+                # hold what is left of the compiled slots (the compiled costs' scales
+                # apply at any batch: `simulation.compiled`).
+                colo = dataclasses.replace(scenario, mode="colocated", max_batch=None)
+                colo = dataclasses.replace(colo, max_batch=min(gk.slots, colo.slots))
+                c = simulator.simulate(colo, _with_slots(costs, colo.max_batch))
             except ValueError as e:
                 print(f"not simulated (TP {gk.instance_tp} x {gk.slots} slots): {e}", flush=True)
                 continue
-            a, c = runs["stream_async"], runs["colocated"]
             plans.append({
                 "train": {"tp": tk.tp, "remat": tk.remat, "rows": tk.rows,
                           "need_gib": max(r["need_gib"] for r in treports)},
@@ -559,6 +572,7 @@ def search(base: Knobs, devices: np.ndarray, hbm: float, hw_name: str, s: dict) 
                 "compiled": dataclasses.asdict(compiled_) if scales else None,
                 "gen_devices": a.gen_devices, "train_devices": a.train_devices,
                 "step_s": round(a.iteration_s, 1), "colocated_step_s": round(c.iteration_s, 1),
+                "colocated_slots": colo.max_batch,
                 "async_over_colocated": round(a.samples_per_s / c.samples_per_s, 2),
             })  # fmt: skip
     best = min(plans, key=lambda p: p["step_s"]) if plans else None
