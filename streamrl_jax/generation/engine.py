@@ -150,10 +150,10 @@ class Engine:
         self._param_shardings = state_shardings(params, mesh, GENERATE_RULES)
         self._param_sig = executables.signature(params)
         platform = mesh.devices.flat[0].platform
+        parts_major = cfg.gate_up_parts_major(platform)  # the weights' layout, both jits'
         self._relayout = executables.relayout_fn(
-            graphdef, model_cfg, mesh, params, cfg.weight_dtype, cfg.adapters,
-            cfg.gate_up_parts_major(platform),
-        )  # fmt: skip
+            graphdef, model_cfg, mesh, params, cfg.weight_dtype, cfg.adapters, parts_major
+        )
         self._params = self._relayout(jax.device_put(params, self._param_shardings))
         self.version = version
         self._pending_weights: tuple[Any, int] | None = None
@@ -187,7 +187,7 @@ class Engine:
                 self.decode_options,
                 self.decode_attention,
                 cfg.record_routes,
-                cfg.gate_up_parts_major(platform),
+                parts_major,
             )
         )
         # Each slot's prompt routes from its last prefill or fork (a fork copies its

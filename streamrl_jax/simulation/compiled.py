@@ -108,11 +108,11 @@ class CompiledCosts:
         # accumulate is the policy's forward and backward (3 forwards' worth, more with
         # remat); the roofline's train time counts FLOP_FACTORS[algorithm] forwards.
         # No training figures (0: not analysed): the roofline's own training time.
-        train = roofline_seconds(c.train_flops, c.train_bytes, hw, prm.train_mfu, eff)
         fwd_bwd = 3.0 * m.forward_flops(float(c.seq), c.seq / 2.0) * c.rows
         model_train = fwd_bwd / (c.train_devices * hw.peak_flops * prm.train_mfu)
-        if not (c.train_flops or c.train_bytes):
-            train = model_train
+        train = model_train
+        if c.train_flops or c.train_bytes:
+            train = roofline_seconds(c.train_flops, c.train_bytes, hw, prm.train_mfu, eff)
         apply = c.apply_bytes / (hw.hbm_bw * eff)
         return cls(
             base=base,
