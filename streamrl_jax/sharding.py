@@ -9,6 +9,15 @@ table per role maps each logical axis to a mesh axis (or None = replicated):
   the batch (slots), so an instance's decode step needs no cross-device
   gather of parameters.
 
+Activations have logical axes too (`ACTIVATION`: batch, length, embed). A step
+function traced inside `activation_sharding(mesh, rules)` lets the model pin its
+residual stream with `constrain`; outside one (generation, eager calls) `constrain`
+returns its input. The trainer opens it for every step function; the model
+constrains only with `ModelConfig.sequence_parallel`, whose residual stream is then
+sharded over "tp" along the sequence between blocks (Megatron-LM's sequence
+parallelism: each block all-gathers its input and reduce-scatters its output
+instead of all-reducing it, and the activations kept for the backward are 1/tp).
+
 A logical axis with no rule is an error, and so is a dimension that the
 chosen mesh axis does not divide: silently replicating a large tensor is the
 kind of surprise that only shows up as an OOM on a pod.
@@ -16,7 +25,9 @@ kind of surprise that only shows up as an OOM on a pod.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -42,7 +53,17 @@ _TENSOR_PARALLEL: Rules = {
 # Experts (MoE): expert parallelism over "fsdp" in training (the expert dimension takes
 # the axis `embed` would: one mesh axis shards one dimension), over "tp" inside a
 # generation instance.
-TRAIN_RULES: Rules = {**_TENSOR_PARALLEL, "embed": "fsdp", "value_head": None, "expert": "fsdp"}
+TRAIN_RULES: Rules = {
+    **_TENSOR_PARALLEL,
+    "embed": "fsdp",
+    "value_head": None,
+    "expert": "fsdp",
+    # activations (`constrain`): rows over "fsdp" as the batch; the sequence over "tp"
+    "activation_batch": "fsdp",
+    "activation_length": "tp",
+    "activation_length_gathered": None,
+    "activation_embed": None,
+}
 
 GENERATE_RULES: Rules = {
     **_TENSOR_PARALLEL,
@@ -50,7 +71,16 @@ GENERATE_RULES: Rules = {
     "cache_batch": None,
     "cache_seq": None,
     "expert": "tp",
+    "activation_batch": None,
+    "activation_length": None,
+    "activation_length_gathered": None,
+    "activation_embed": None,
 }
+
+# The residual stream's logical axes, [B, T, E]; and a block's normalised input, gathered
+# along the sequence for the tensor-parallel projections.
+ACTIVATION = ("activation_batch", "activation_length", "activation_embed")
+GATHERED = ("activation_batch", "activation_length_gathered", "activation_embed")
 
 RULES: dict[str, Rules] = {"train": TRAIN_RULES, "generate": GENERATE_RULES}
 
@@ -87,6 +117,38 @@ def logical_to_spec(
         spec.append(mesh_axis)
         used.add(mesh_axis)
     return PartitionSpec(*spec)
+
+
+_ACTIVATIONS: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
+    "streamrl_jax_activation_sharding", default=None
+)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh, role: str | Rules) -> Iterator[None]:
+    """While open (around a step function's trace), `constrain` places activations on
+    `mesh` by `role`'s rules."""
+    token = _ACTIVATIONS.set((mesh, RULES[role] if isinstance(role, str) else role))
+    try:
+        yield
+    finally:
+        _ACTIVATIONS.reset(token)
+
+
+def constrain(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """`x` pinned to the layout its logical `axes` have under the open
+    `activation_sharding` (`x` itself when none is open).
+
+    Raises:
+      ValueError: as `logical_to_spec`: a dimension the mesh axis does not divide
+        (a sequence length not a multiple of "tp" with sequence parallelism).
+    """
+    active = _ACTIVATIONS.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    spec = logical_to_spec(axes, tuple(x.shape), rules, mesh, "activation")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def _is_var(x: Any) -> bool:

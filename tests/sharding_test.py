@@ -120,3 +120,44 @@ def test_non_divisible_dim_names_param(meshes):
     instance = mesh_lib.instance_meshes(meshes.generate)[0]
     with pytest.raises(ValueError, match="layers/\\w+: dimension (heads|kv_heads)=3 .*'tp'"):
         sharding.state_shardings(abstract, instance, "generate")
+
+
+def test_activations_are_constrained_only_inside_their_context(meshes):
+    x = jnp.zeros((4, 8, 64), jnp.float32)
+    assert sharding.constrain(x, sharding.ACTIVATION) is x  # no context: generation, eager
+
+    def pinned(gather):
+        @jax.jit
+        def f(x):
+            with sharding.activation_sharding(meshes.train, "train"):
+                axes = sharding.GATHERED if gather else sharding.ACTIVATION
+                return sharding.constrain(x * 2, axes)
+
+        return f
+
+    # rows over fsdp; the sequence over tp (sequence parallel) or whole (gathered)
+    assert pinned(False)(x).sharding.spec == P("fsdp", "tp")
+    assert pinned(True)(x).sharding.spec == P("fsdp")
+    with pytest.raises(ValueError, match="activation: dimension activation_length=9 .*'tp'"):
+        pinned(False)(jnp.zeros((4, 9, 64)))
+
+
+def test_a_sequence_parallel_forward_equals_the_unsharded_one(meshes):
+    cfg = config.tiny(tie_embeddings=False, qkv_bias=True, sequence_parallel=True)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, 8)), jnp.int32)
+    plain = config.tiny(tie_embeddings=False, qkv_bias=True)
+    graphdef, state = nnx.split(llama.create(plain, seed=3))
+    expected = np.asarray(_logits(graphdef, state, tokens))
+    g, sharded = sharding.init_sharded(lambda: llama.create(cfg, seed=3), meshes.train, "train")
+
+    @jax.jit
+    def logits(params, tokens_BxT):  # the context opened inside the outermost jit
+        with sharding.activation_sharding(meshes.train, "train"):
+            model = nnx.merge(g, params)
+            return model.logits(model.hidden_states(tokens_BxT, jnp.ones_like(tokens_BxT)))
+
+    # Pinned: the stream entering and leaving the blocks, and in the (scanned) block its
+    # two normalised inputs (gathered), two projection outputs (the MLP's gathered first)
+    # and its output (sharded).
+    assert logits.lower(sharded, tokens).as_text().count("sharding_constraint") == 8
+    np.testing.assert_allclose(np.asarray(logits(sharded, tokens)), expected, atol=1e-5)

@@ -21,8 +21,8 @@ ShapeDtypeStructs carrying the roles' shardings (no array is ever made):
 
 * the policy trainer's `accumulate` (one micro-batch of `--rows` x `--seq`, its grads
   into the donated accumulator) and `apply` (AdamW on the accumulated grads): the
-  trainer's own shardings, donation and `--remat` policy, `--dtype` compute over
-  `--param_dtype` master weights;
+  trainer's own shardings, donation, `--remat` policy and `--sequence_parallel`,
+  `--dtype` compute over `--param_dtype` master weights;
 * one generation instance's prefill (`--prefill_batch` prompts of `--max_prompt`) and
   decode chunk (`--slots` slots, `--chunk_steps` steps, a KV cache of `--max_len`), in
   `--generate_dtype`, exactly as `Engine` jits them (`generation/executables.py`).
@@ -100,6 +100,7 @@ class Knobs:
     dtype: str = "bfloat16"
     param_dtype: str = "float32"
     remat: str = "dots_attention"
+    sequence_parallel: bool = False
     generate_dtype: str = "bfloat16"
     slots: int = 64
     max_prompt: int = 512
@@ -355,6 +356,7 @@ def training_programs(k: Knobs, devices: np.ndarray, apply: bool = True) -> list
         dtype=k.dtype,
         param_dtype=k.param_dtype,
         remat=k.remat,
+        sequence_parallel=k.sequence_parallel,
     )
     tcfg = TrainerConfig(
         algorithm=AlgorithmSection(), seq_buckets=(k.seq,), batch_buckets=(k.rows,)
@@ -368,7 +370,10 @@ def training_programs(k: Knobs, devices: np.ndarray, apply: bool = True) -> list
         abstract_batch(k.rows, k.seq),
     )
     scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=trainer.scalar_sharding)
-    print(f"training: {cfg.num_params() / 1e9:.2f}B parameters on {dict(mesh.shape)}", flush=True)
+    sp = ", sequence parallel" if k.sequence_parallel else ""
+    print(
+        f"training: {cfg.num_params() / 1e9:.2f}B parameters on {dict(mesh.shape)}{sp}", flush=True
+    )
     resident = bytes_per_device((state, acc))
     inputs = resident + bytes_per_device((batch, scalar))
     out = [Program("training", "accumulate", trainer._accumulate, (state, acc, batch, scalar),
@@ -565,6 +570,7 @@ def search(base: Knobs, devices: np.ndarray, hbm: float, hw_name: str, s: dict) 
                 continue
             plans.append({
                 "train": {"tp": tk.tp, "remat": tk.remat, "rows": tk.rows,
+                          "sequence_parallel": tk.sequence_parallel,
                           "need_gib": max(r["need_gib"] for r in treports)},
                 "generation": {"instance_tp": gk.instance_tp, "slots": gk.slots,
                                "need_gib": max(r["need_gib"] for r in greports)},
@@ -691,6 +697,12 @@ def _define_flags() -> None:
     flags.DEFINE_string("dtype", "bfloat16", "Training compute dtype.")
     flags.DEFINE_string("param_dtype", "float32", "Training master-weight dtype.")
     flags.DEFINE_string("remat", "dots_attention", f"model.remat: {model_config.REMAT_POLICIES}.")
+    flags.DEFINE_bool(
+        "sequence_parallel",
+        False,
+        "model.sequence_parallel: the training residual stream sharded over tp along the "
+        "sequence between blocks (activations kept for the backward 1/tp).",
+    )
     flags.DEFINE_string("generate_dtype", "bfloat16", "Generation weights and KV cache dtype.")
     flags.DEFINE_integer("slots", 64, "KV slots of a generation instance.")
     flags.DEFINE_integer("max_prompt", 512, "Longest prompt.")

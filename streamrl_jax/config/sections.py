@@ -72,6 +72,9 @@ class ModelSection:
     generate_dtype: str = "float32"  # generation weights / KV cache dtype
     # what the backward keeps of each block: one of REMAT_POLICIES (ModelConfig.remat)
     remat: str = "dots_attention"
+    # the trainer's residual stream sharded over mesh.train_tp along the sequence
+    # between blocks (ModelConfig.sequence_parallel): 1/tp of the kept activations
+    sequence_parallel: bool = False
     max_context: int = 512  # cap on prompt + response length used by this run
     # a mixture of experts: generation records each token's experts, training replays
     # them instead of routing again (model/routes.py)

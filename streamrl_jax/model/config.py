@@ -142,6 +142,12 @@ class ModelConfig:
       lora_alpha: the adapters' scale is lora_alpha / lora_rank.
       lora_targets: the adapted matrices, of `lora.TARGETS` (q, k, v, o, gate, up,
         down; a mixture of experts' gate/up/down are its experts').
+      sequence_parallel: in training on a mesh with "tp", the residual stream between
+        blocks is sharded over "tp" along the sequence (`sharding.constrain`; Megatron-LM's
+        sequence parallelism): the activations the backward keeps shrink by the TP
+        degree, the same bytes cross the mesh (an all-gather and a reduce-scatter a
+        projection pair instead of an all-reduce). Sequence lengths must then be a
+        multiple of "tp". No effect outside the trainer's step functions.
       scan_unroll: blocks per step of that scan. XLA's cost analysis counts a loop body
         once, so `tools/plan_pod.py` reads a block's FLOPs and bytes off the difference
         of compiles with 2 and 1 blocks a step.
@@ -181,6 +187,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     scan_layers: bool = True
     scan_unroll: int = 1
+    sequence_parallel: bool = False
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")

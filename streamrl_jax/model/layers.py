@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from streamrl_jax import sharding
 from streamrl_jax.model.config import ModelConfig
 
 _MASK_VALUE = -1e30  # finite, so a fully masked (padding) query row gives no NaN
@@ -178,11 +179,20 @@ def _attend_causal_bwd(rows, res, dout_BxTxKxGxD):
 _attend_causal.defvjp(_attend_causal_fwd, _attend_causal_bwd)
 
 
+def sequence_parallel(h_BxTxE: jax.Array, cfg: ModelConfig, gather: bool = False) -> jax.Array:
+    """With `cfg.sequence_parallel` (in a trainer's step, `sharding.constrain`): the
+    residual stream sequence-sharded, or gathered along the sequence (`gather`) where a
+    normalised input enters the tensor-parallel projections; `h` itself otherwise."""
+    if not cfg.sequence_parallel:
+        return h_BxTxE
+    return sharding.constrain(h_BxTxE, sharding.GATHERED if gather else sharding.ACTIVATION)
+
+
 def qkv(
     x_BxTxE: jax.Array, p: dict[str, jax.Array], cfg: ModelConfig, cos: jax.Array, sin: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Pre-norm q/k/v projections with RoPE applied to q and k."""
-    h = rms_norm(x_BxTxE, p["attn_norm"], cfg.rms_norm_eps)
+    h = sequence_parallel(rms_norm(x_BxTxE, p["attn_norm"], cfg.rms_norm_eps), cfg, gather=True)
     q = jnp.einsum("bte,ehd->bthd", h, p["q"].astype(h.dtype))
     k = jnp.einsum("bte,ekd->btkd", h, p["k"].astype(h.dtype))
     v = jnp.einsum("bte,ekd->btkd", h, p["v"].astype(h.dtype))
@@ -259,10 +269,11 @@ def attn_out_and_mlp(
     dense MLP); `replay_BxTxK`: recorded experts to use instead of routing (`route`)."""
     dt = x_BxTxE.dtype
     a = jnp.einsum("bthd,hde->bte", attn_BxTxHxD, p["o"].astype(dt))
+    a = sequence_parallel(a, cfg)  # the output projection's sum lands sequence-sharded
     if cfg.sandwich_norms:
         a = rms_norm(a, p["post_attn_norm"], cfg.rms_norm_eps)
     x = x_BxTxE + a
-    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    h = sequence_parallel(rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps), cfg, gather=True)
     b, t, e = h.shape
     routing = None
     if cfg.num_experts:
@@ -277,6 +288,10 @@ def attn_out_and_mlp(
     else:
         w = [p[name].astype(dt) for name in ("gate", "up", "down")]
         y = gated_mlp(h.reshape(b * t, e), *w, cfg.mlp_act).reshape(b, t, e)
+    # whole, then sequence-sharded: the backward gathers the cotangent before the
+    # [rows, E] reshape instead of re-laying it out through a replicated copy (XLA:CPU
+    # warned of that); XLA may fuse the forward's all-reduce and slice into a reduce-scatter
+    y = sequence_parallel(sequence_parallel(y, cfg, gather=True), cfg)
     if cfg.sandwich_norms:
         y = rms_norm(y, p["post_mlp_norm"], cfg.rms_norm_eps)
     return x + y, routing

@@ -143,12 +143,19 @@ def _describe_model(cfg: ExperimentConfig) -> Description:
             param_dtype=m.param_dtype,
             dtype=m.dtype,
             remat=m.remat,
+            sequence_parallel=m.sequence_parallel,
         )
         return Description(model_cfg, tokenizer, {}, "tiny", is_gguf=False)
     path = model_path(cfg)
     if not os.path.exists(path):
         raise FileNotFoundError(f"model.source: {path} does not exist")
-    d = describe(path, param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat)
+    d = describe(
+        path,
+        param_dtype=m.param_dtype,
+        dtype=m.dtype,
+        remat=m.remat,
+        sequence_parallel=m.sequence_parallel,
+    )
     if d.tokenizer is None:
         raise UserError(f"model.source {path}: the checkpoint has no tokenizer")
     if m.max_context > d.cfg.max_position_embeddings:
@@ -308,7 +315,9 @@ def generation_parts(
     """Instance meshes, engine configs and weight shardings of the generation side;
     `adapters`: the engines' LoRA adapter slots (several learners: one each)."""
     gen_dtype = cfg.model.generate_dtype
-    gen_cfg = model_cfg.replace(param_dtype=gen_dtype, dtype=gen_dtype, remat="dots_attention")
+    gen_cfg = model_cfg.replace(
+        param_dtype=gen_dtype, dtype=gen_dtype, remat="dots_attention", sequence_parallel=False
+    )
     gen_graphdef, abstract = nnx.split(nnx.eval_shape(lambda: llama.create(gen_cfg)))
     instances = mesh_lib.instance_meshes(generate_mesh)
     engine_cfgs = [

@@ -199,7 +199,8 @@ def trainer_config(cfg: ExperimentConfig, *, fsdp: int) -> TrainerConfig:
       `row_length(cfg)` in steps of 1.5x and 2x (`_row_buckets`: a packed row
       holds a whole group, so the bucket's rounding is its pad waste), batch
       buckets from 1 row up to that many rows (one sample per row is the most a
-      micro-batch can need).
+      micro-batch can need). With `model.sequence_parallel` every sequence bucket is
+      rounded up to a multiple of `mesh.train_tp`.
     """
     p = cfg.pipeline
     micro = p.micro_batch_groups * p.group_size
@@ -209,6 +210,9 @@ def trainer_config(cfg: ExperimentConfig, *, fsdp: int) -> TrainerConfig:
     else:
         seq_buckets = _buckets(cfg.model.max_context, 64)
         batch_buckets = _buckets(micro, min(8, micro), multiple=fsdp)
+    if cfg.model.sequence_parallel:  # the sequence splits over tp: whole multiples of it
+        tp = cfg.mesh.train_tp
+        seq_buckets = tuple(sorted({-(-t // tp) * tp for t in seq_buckets}))
     return TrainerConfig(
         algorithm=cfg.algorithm,
         optimizer=cfg.optimizer,

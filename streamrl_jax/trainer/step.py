@@ -65,7 +65,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from streamrl_jax import algorithms
+from streamrl_jax import algorithms, sharding
 from streamrl_jax.errors import UserError
 from streamrl_jax.model import llama
 from streamrl_jax.model.config import ModelConfig
@@ -260,6 +260,18 @@ def copy_params(spec: StepSpec, params: nnx.State) -> nnx.State:
     return jax.tree.map(jnp.copy, params)
 
 
+def _in_activation_sharding(fn: Callable, mesh: Mesh) -> Callable:
+    """`fn` traced with the training mesh's activation layout open
+    (`sharding.activation_sharding`: what `ModelConfig.sequence_parallel` pins)."""
+
+    @functools.wraps(fn)  # keeps the signature: `donate_argnames` reads it
+    def traced(*args, **kwargs):
+        with sharding.activation_sharding(mesh, "train"):
+            return fn(*args, **kwargs)
+
+    return traced
+
+
 def _compile(
     spec: StepSpec, state_sh: TrainState, acc_sh: GradAccumulator, batch_sh: NamedSharding
 ) -> dict[str, Callable]:
@@ -279,7 +291,7 @@ def _compile(
     }
     return {
         name: jax.jit(
-            functools.partial(fn, spec),
+            _in_activation_sharding(functools.partial(fn, spec), batch_sh.mesh),
             in_shardings=in_sh,
             out_shardings=out_sh,
             donate_argnames=donate,
