@@ -243,3 +243,27 @@ def test_colocated_runs_with_the_slots_left_beside_the_trainer_state(monkeypatch
     got = plan_pod.search(base, chips, 31.25, "tpu_v6e", space)
     (plan,) = got["plans"]
     assert plan["generation"]["slots"] == 24 and plan["colocated_slots"] == 14
+
+
+def test_a_compile_that_holds_more_slots_than_the_simulators_count_is_simulated(monkeypatch):
+    # Qwen2.5-72B on 128 v6e chips: a TP 8 instance compiles with 32 slots of 10,752
+    # positions (30.27 GiB of 32); the simulator's KV count holds 31. The plan runs with
+    # 31 (the fewer), not refused; colocated, the weights beside PPO's training state
+    # exceed the chips: reported as such (None), the plan kept.
+    def report(name, need):
+        return {"executable": name, "fits": True, "need_gib": need, "flops": 1e12,
+                "bytes_accessed": 1e10}  # fmt: skip
+
+    monkeypatch.setattr(plan_pod, "plan_training", lambda k, d, h, apply=True: [
+        report("accumulate", 27.4), report("apply", 17.1)])  # fmt: skip
+    monkeypatch.setattr(plan_pod, "plan_generation", lambda k, d, h: [
+        report("prefill", 30.27), report("decode_chunk", 30.23)])  # fmt: skip
+    space = {"train_devices": 64, "tps": [8], "remats": ["full"], "rows_per_replica": [1],
+             "instance_tps": [8], "slots": [32], "global_batch": 128, "granularity": 8,
+             "algorithm": "ppo", "train_cost": "roofline"}  # fmt: skip
+    base = plan_pod.Knobs(model="qwen2.5_72b_shape", seq=10752, max_len=10752, max_prompt=512)
+    chips = np.array([types.SimpleNamespace(platform="tpu") for _ in range(128)])
+    (plan,) = plan_pod.search(base, chips, 31.25, "tpu_v6e", space)["plans"]
+    assert plan["generation"]["slots"] == 32 and plan["slots"] == 31 and plan["step_s"] > 0
+    assert plan["colocated_step_s"] is plan["colocated_slots"] is None
+    assert plan["async_over_colocated"] is None

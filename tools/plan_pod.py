@@ -482,8 +482,11 @@ def search(base: Knobs, devices: np.ndarray, hbm: float, hw_name: str, s: dict) 
     remat policy that fits, for each instance TP the most KV slots that fit, on the
     compiled split; then every fitting pair simulated (stream_async and colocated,
     `s["algorithm"]`, the paper's length trace) with the compiled costs
-    (`simulation.compiled`); colocated with the slots the trainer's resident state leaves
-    (at most the compiled ones); the plan with the shortest predicted step."""
+    (`simulation.compiled`), each with at most the compiled slots: stream_async with as
+    many as the simulator's own KV count holds (`slots`; a compile that fits one more
+    than that count is not refused), colocated with the slots the trainer's resident
+    state leaves (None where nothing fits beside it); the plan with the shortest
+    predicted step."""
     n = len(devices)
     n_train = s["train_devices"]
     train_dev, gen_dev = devices[:n_train], devices[n_train:]
@@ -550,24 +553,28 @@ def search(base: Knobs, devices: np.ndarray, hbm: float, hw_name: str, s: dict) 
                 }
             else:  # no cost analysis (XLA:GPU): the roofline's own costs
                 costs, scales = base_costs, None
-            try:  # the compile says the slots fit; the simulator checks its own count
+            try:  # the compile says the slots fit; the simulator's own count may hold fewer
                 scenario = Scenario(
                     mode="stream_async", model=model, hw=hw, devices=n, trace=trace,
                     global_batch=s["global_batch"], algorithm=s["algorithm"],
-                    gen_tp=gk.instance_tp, max_batch=gk.slots,
-                    split_granularity=s["granularity"], iterations=4, warmup=1,
+                    gen_tp=gk.instance_tp, split_granularity=s["granularity"],
+                    iterations=4, warmup=1,
                     params=dataclasses.replace(params, kv_memory_fraction=1.0),
                 )  # fmt: skip
-                a = simulator.simulate(scenario, costs)
-                # Colocated, the trainer's state stays on the same chips: its instances
-                # hold what is left of the compiled slots (the compiled costs' scales
-                # apply at any batch: `simulation.compiled`).
+                scenario = dataclasses.replace(scenario, max_batch=min(gk.slots, scenario.slots))
+                a = simulator.simulate(scenario, _with_slots(costs, scenario.max_batch))
+            except ValueError as e:
+                print(f"not simulated (TP {gk.instance_tp} x {gk.slots} slots): {e}", flush=True)
+                continue
+            try:  # Colocated, the trainer's state stays on the same chips: its instances
+                # hold what is left of the compiled slots (the compiled costs' scales apply
+                # at any batch: `simulation.compiled`), or nothing fits beside it.
                 colo = dataclasses.replace(scenario, mode="colocated", max_batch=None)
                 colo = dataclasses.replace(colo, max_batch=min(gk.slots, colo.slots))
                 c = simulator.simulate(colo, _with_slots(costs, colo.max_batch))
             except ValueError as e:
-                print(f"not simulated (TP {gk.instance_tp} x {gk.slots} slots): {e}", flush=True)
-                continue
+                print(f"colocated not simulated (TP {gk.instance_tp}): {e}", flush=True)
+                colo = c = None
             plans.append({
                 "train": {"tp": tk.tp, "remat": tk.remat, "rows": tk.rows,
                           "sequence_parallel": tk.sequence_parallel,
@@ -577,9 +584,11 @@ def search(base: Knobs, devices: np.ndarray, hbm: float, hw_name: str, s: dict) 
                 "scales": scales,
                 "compiled": dataclasses.asdict(compiled_) if scales else None,
                 "gen_devices": a.gen_devices, "train_devices": a.train_devices,
-                "step_s": round(a.iteration_s, 1), "colocated_step_s": round(c.iteration_s, 1),
-                "colocated_slots": colo.max_batch,
-                "async_over_colocated": round(a.samples_per_s / c.samples_per_s, 2),
+                "step_s": round(a.iteration_s, 1), "slots": scenario.max_batch,
+                "colocated_step_s": None if c is None else round(c.iteration_s, 1),
+                "colocated_slots": None if colo is None else colo.max_batch,
+                "async_over_colocated": None if c is None
+                else round(a.samples_per_s / c.samples_per_s, 2),
             })  # fmt: skip
     best = min(plans, key=lambda p: p["step_s"]) if plans else None
     return {"plans": plans, "chosen": best, "fits": best is not None,
