@@ -222,25 +222,32 @@ def test_the_search_keeps_the_cheapest_fitting_knobs_and_the_fastest_plan(monkey
     assert all(1 <= p["colocated_slots"] <= p["generation"]["slots"] for p in got["plans"])
 
 
-def test_colocated_runs_with_the_slots_left_beside_the_trainer_state(monkeypatch):
-    # Qwen2.5-7B on 32 v6e chips (32 GB): a TP 1 instance that compiles with 24 slots
-    # holds 14 when PPO's training state shares its chip (the simulator's count), and the
-    # plan is still simulated, colocated with those 14, not refused.
+def _v6e_search(monkeypatch, model, chips, train_gib, gen_gib, **space):
+    """`plan_pod.search` on `chips` v6e chips with stand-in compile reports (training
+    accumulate and apply, generation prefill and decode chunk, GiB) and PPO's space."""
+
     def report(name, need):
         return {"executable": name, "fits": True, "need_gib": need, "flops": 1e12,
                 "bytes_accessed": 1e10}  # fmt: skip
 
     monkeypatch.setattr(plan_pod, "plan_training", lambda k, d, h, apply=True: [
-        report("accumulate", 14), report("apply", 7)])  # fmt: skip
+        report("accumulate", train_gib[0]), report("apply", train_gib[1])])  # fmt: skip
     monkeypatch.setattr(plan_pod, "plan_generation", lambda k, d, h: [
-        report("prefill", 24), report("decode_chunk", 24)])  # fmt: skip
+        report("prefill", gen_gib[0]), report("decode_chunk", gen_gib[1])])  # fmt: skip
     monkeypatch.setattr(plan_pod, "training_cost", lambda k, d, h, scanned=None: (1e13, 1e11))
-    space = {"train_devices": 16, "tps": [4], "remats": ["full"], "rows_per_replica": [1],
-             "instance_tps": [1], "slots": [24], "global_batch": 64, "granularity": 4,
-             "algorithm": "ppo"}  # fmt: skip
-    base = plan_pod.Knobs(model="qwen2.5_7b_shape", seq=10752, max_len=10752, max_prompt=512)
-    chips = np.array([types.SimpleNamespace(platform="tpu") for _ in range(32)])
-    got = plan_pod.search(base, chips, 31.25, "tpu_v6e", space)
+    space = {"remats": ["full"], "rows_per_replica": [1], "algorithm": "ppo", **space}
+    base = plan_pod.Knobs(model=model, seq=10752, max_len=10752, max_prompt=512)
+    devices = np.array([types.SimpleNamespace(platform="tpu") for _ in range(chips)])
+    return plan_pod.search(base, devices, 31.25, "tpu_v6e", space)
+
+
+def test_colocated_runs_with_the_slots_left_beside_the_trainer_state(monkeypatch):
+    # Qwen2.5-7B on 32 v6e chips (32 GB): a TP 1 instance that compiles with 24 slots
+    # holds 14 when PPO's training state shares its chip (the simulator's count), and the
+    # plan is still simulated, colocated with those 14, not refused.
+    got = _v6e_search(monkeypatch, "qwen2.5_7b_shape", 32, (14, 7), (24, 24),
+                      train_devices=16, tps=[4], instance_tps=[1], slots=[24],
+                      global_batch=64, granularity=4)  # fmt: skip
     (plan,) = got["plans"]
     assert plan["generation"]["slots"] == 24 and plan["colocated_slots"] == 14
 
@@ -250,20 +257,10 @@ def test_a_compile_that_holds_more_slots_than_the_simulators_count_is_simulated(
     # positions (30.27 GiB of 32); the simulator's KV count holds 31. The plan runs with
     # 31 (the fewer), not refused; colocated, the weights beside PPO's training state
     # exceed the chips: reported as such (None), the plan kept.
-    def report(name, need):
-        return {"executable": name, "fits": True, "need_gib": need, "flops": 1e12,
-                "bytes_accessed": 1e10}  # fmt: skip
-
-    monkeypatch.setattr(plan_pod, "plan_training", lambda k, d, h, apply=True: [
-        report("accumulate", 27.4), report("apply", 17.1)])  # fmt: skip
-    monkeypatch.setattr(plan_pod, "plan_generation", lambda k, d, h: [
-        report("prefill", 30.27), report("decode_chunk", 30.23)])  # fmt: skip
-    space = {"train_devices": 64, "tps": [8], "remats": ["full"], "rows_per_replica": [1],
-             "instance_tps": [8], "slots": [32], "global_batch": 128, "granularity": 8,
-             "algorithm": "ppo", "train_cost": "roofline"}  # fmt: skip
-    base = plan_pod.Knobs(model="qwen2.5_72b_shape", seq=10752, max_len=10752, max_prompt=512)
-    chips = np.array([types.SimpleNamespace(platform="tpu") for _ in range(128)])
-    (plan,) = plan_pod.search(base, chips, 31.25, "tpu_v6e", space)["plans"]
+    got = _v6e_search(monkeypatch, "qwen2.5_72b_shape", 128, (27.4, 17.1), (30.27, 30.23),
+                      train_devices=64, tps=[8], instance_tps=[8], slots=[32],
+                      global_batch=128, granularity=8, train_cost="roofline")  # fmt: skip
+    (plan,) = got["plans"]
     assert plan["generation"]["slots"] == 32 and plan["slots"] == 31 and plan["step_s"] > 0
     assert plan["colocated_step_s"] is plan["colocated_slots"] is None
     assert plan["async_over_colocated"] is None
