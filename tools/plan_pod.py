@@ -477,6 +477,13 @@ def _with_slots(costs: Any, slots: int) -> Any:
     return dataclasses.replace(costs, slots=slots)
 
 
+def _at_most(scenario: Scenario, slots: int, **changes: Any) -> Scenario:
+    """`scenario` (with `changes`) at `slots` an instance, or fewer where the simulator's
+    own KV count holds fewer."""
+    free = dataclasses.replace(scenario, max_batch=None, **changes)
+    return dataclasses.replace(free, max_batch=min(slots, free.slots))
+
+
 def search(base: Knobs, devices: np.ndarray, hbm: float, hw_name: str, s: dict) -> dict:
     """The knob search: for each training TP and micro-batch rows per replica the cheapest
     remat policy that fits, for each instance TP the most KV slots that fit, on the
@@ -561,7 +568,7 @@ def search(base: Knobs, devices: np.ndarray, hbm: float, hw_name: str, s: dict) 
                     iterations=4, warmup=1,
                     params=dataclasses.replace(params, kv_memory_fraction=1.0),
                 )  # fmt: skip
-                scenario = dataclasses.replace(scenario, max_batch=min(gk.slots, scenario.slots))
+                scenario = _at_most(scenario, gk.slots)
                 a = simulator.simulate(scenario, _with_slots(costs, scenario.max_batch))
             except ValueError as e:
                 print(f"not simulated (TP {gk.instance_tp} x {gk.slots} slots): {e}", flush=True)
@@ -569,8 +576,7 @@ def search(base: Knobs, devices: np.ndarray, hbm: float, hw_name: str, s: dict) 
             try:  # Colocated, the trainer's state stays on the same chips: its instances
                 # hold what is left of the compiled slots (the compiled costs' scales apply
                 # at any batch: `simulation.compiled`), or nothing fits beside it.
-                colo = dataclasses.replace(scenario, mode="colocated", max_batch=None)
-                colo = dataclasses.replace(colo, max_batch=min(gk.slots, colo.slots))
+                colo = _at_most(scenario, gk.slots, mode="colocated")
                 c = simulator.simulate(colo, _with_slots(costs, colo.max_batch))
             except ValueError as e:
                 print(f"colocated not simulated (TP {gk.instance_tp}): {e}", flush=True)

@@ -240,9 +240,6 @@ class Llama(nnx.Module):
             behind = positions[:, :, None] - positions[:, None, :]  # [B, T, T] query - key
         replay = None if routes is None else jnp.moveaxis(routes, 2, 0)  # [L, B, T, k]
 
-        def pin(h):  # the residual stream between blocks (`ModelConfig.sequence_parallel`)
-            return layers.sequence_parallel(h, cfg)
-
         def body(x, per_layer):
             p, ad, w, r = per_layer
             p = lora.merge_layer(p, ad, cfg.lora_scale)  # each layer's own (no adapters: p)
@@ -253,12 +250,15 @@ class Llama(nnx.Module):
             else:
                 m, c, s = mask, cos, sin
             out, routing = layers.block(x, p, cfg, c, s, m, r)
-            return pin(out), (None if collect is None else collect(routing))
+            # the stream between blocks (`ModelConfig.sequence_parallel`)
+            out = layers.sequence_parallel(out, cfg)
+            return out, (None if collect is None else collect(routing))
 
         body = jax.checkpoint(body, policy=remat_policy(cfg.remat))
         xs = (self.layers.arrays(), self.layers.adapters(), windows, replay)
         unroll = cfg.scan_unroll if cfg.scan_layers else True
-        x, collected = jax.lax.scan(body, pin(x), xs, unroll=unroll)
+        x = layers.sequence_parallel(x, cfg)
+        x, collected = jax.lax.scan(body, x, xs, unroll=unroll)
         x = layers.sequence_parallel(x, cfg, gather=True)  # the heads see whole sequences
         return x if collect is None else (x, collected)
 
