@@ -1,6 +1,7 @@
 """Environments (streamrl_jax/environments/): tool-call formats, the calculator, the tool
 runner's bounded failures in the sandbox, the shipped environments, turn rendering."""
 
+import dataclasses
 import json
 import time
 
@@ -8,10 +9,13 @@ import pytest
 from support import agent_config, tiny_config
 
 from streamrl_jax.environments import (
+    EpisodeLimits,
     EpisodeReward,
     Services,
     first_messages,
     make_environment,
+    make_kit,
+    reward_fn,
 )
 from streamrl_jax.environments import tools as tools_lib
 from streamrl_jax.environments.render import TurnRenderer
@@ -182,6 +186,30 @@ def test_retry_environment_allows_n_attempts_with_a_discount():
         last = env.step(state, "<answer>2</answer>", md)
         state = last.state
     assert last.done and last.reward == 0.0 and state == {"attempts": 3}
+
+
+def test_an_unknown_environment_is_refused_by_name():
+    # The config refuses the name at start-up (config_test); the registry itself answers
+    # a section built around it with one error naming the field and the known names.
+    cfg = agent_config()
+    section = dataclasses.replace(cfg.environment, name="weather")
+    known = r"environment\.name='weather': no such environment; the known ones are calculator, retry, openenv"  # noqa: E501
+    with pytest.raises(UserError, match=known):
+        make_environment(section, FORMATS["simple"], _services())
+    tokenizer = components.describe_model(cfg).tokenizer
+    with pytest.raises(UserError, match=known):
+        first_messages(section, tokenizer)
+    with pytest.raises(UserError, match=known):  # what a run builds: before any tool starts
+        make_kit(section, tokenizer, TaskReward(), EpisodeLimits(2, 8, 32))
+
+
+def test_without_an_environment_a_sample_keeps_its_tasks_messages_and_reward():
+    cfg = agent_config()
+    single = dataclasses.replace(cfg.environment, name="")
+    assert first_messages(single, components.describe_model(cfg).tokenizer) is None
+    task = TaskReward()
+    assert reward_fn(single, task) is task
+    assert reward_fn(cfg.environment, task) == EpisodeReward(task)
 
 
 def test_the_prompt_pipeline_renders_the_environments_first_messages():

@@ -31,7 +31,7 @@ from streamrl_jax.generation.types import (
 )
 from streamrl_jax.pipeline import components
 from streamrl_jax.pipeline.micro_batches import Scored
-from streamrl_jax.pipeline.rollouts import make_rollout
+from streamrl_jax.pipeline.rollouts import Kits, make_rollout
 from streamrl_jax.pipeline.schedules import Schedule, VersionGate
 from streamrl_jax.rewards.base import RewardResult
 from streamrl_jax.rewards.vowels import vowel_reward
@@ -82,7 +82,7 @@ def _kit(env, **limits):
 
 def _rollout(env, inner="full", **limits):
     ctx = rollout_context(group_size=2)
-    return make_rollout(f"episodes+{inner}", dataclasses.replace(ctx, episodes=_kit(env, **limits)))
+    return make_rollout(f"episodes+{inner}", ctx, Kits(episodes=_kit(env, **limits)))
 
 
 def _first(member=0, tokens=(101, 102), reason="stop", eval_version=None, version=0):
@@ -266,7 +266,7 @@ def _partial(env, **pipeline):
     """episodes+partial: rounds of 4 policy tokens per episode, groups of 2."""
     p = dict(mode="stream_async", partial_budget_tokens=4, max_lag=2) | pipeline
     ctx = rollout_context(group_size=2, rollout="partial", **p)
-    return make_rollout("episodes+partial", dataclasses.replace(ctx, episodes=_kit(env)))
+    return make_rollout("episodes+partial", ctx, Kits(episodes=_kit(env)))
 
 
 def _first_turns(rollout, max_new_tokens=8):
@@ -597,9 +597,7 @@ def test_episodes_wrap_dynamic_sampling_which_judges_whole_episodes():
     from streamrl_jax.pipeline.rollouts.dynamic_sampling import DynamicSampling
 
     ctx = rollout_context(group_size=2, rollout="dynamic_sampling")
-    rollout = make_rollout(
-        "episodes+dynamic_sampling", dataclasses.replace(ctx, episodes=_kit(ScriptedEnv()))
-    )
+    rollout = make_rollout("episodes+dynamic_sampling", ctx, Kits(episodes=_kit(ScriptedEnv())))
     assert isinstance(rollout.inner, DynamicSampling)
     wrong = dataclasses.replace(_REWARD, score=0.0, correct=False)
     for group, rewards in ((0, (_REWARD, _REWARD)), (1, (_REWARD, wrong))):

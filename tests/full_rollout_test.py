@@ -1,8 +1,9 @@
-"""The full rollout (pipeline/rollouts/full.py) and the registry, on a fake stream: which
-groups each micro-batch of step b holds, in every taking rule (streaming, batch modes,
-deterministic, several training processes)."""
+"""The full rollout (pipeline/rollouts/full.py), the registry and the wrapper base, on a
+fake stream: which groups each micro-batch of step b holds, in every taking rule
+(streaming, batch modes, deterministic, several training processes)."""
 
 import dataclasses
+import inspect
 import threading
 
 import pytest
@@ -11,6 +12,7 @@ from support import group_of_scores, rollout_context
 from streamrl_jax import config as config_lib
 from streamrl_jax.pipeline import rollouts
 from streamrl_jax.pipeline.rollouts.full import FullRollout
+from streamrl_jax.pipeline.rollouts.protocol import Rollout, Rounds, Wrapper
 from streamrl_jax.pipeline.shards import ownership
 
 
@@ -30,6 +32,30 @@ def test_registry_names_are_the_configs():
     assert isinstance(rollouts.make_rollout("full", ctx), FullRollout)
     wrapped = rollouts.make_rollout("curriculum+full", ctx)
     assert isinstance(wrapped.inner, FullRollout) and wrapped.inner.ctx.prompts is wrapped.prompts
+
+    # The registry hands a wrapper its kit (none here): one that needs it says so.
+    with pytest.raises(ValueError, match="'episodes' needs an environment"):
+        rollouts.make_rollout("episodes+full", ctx)
+
+
+def test_the_wrapper_base_hands_every_protocol_method_to_its_inner_kind():
+    calls = []
+
+    class Inner:  # answers every method with its name, recording the call
+        def __getattr__(self, name):
+            return lambda *args: calls.append((name, args)) or name
+
+    wrapper, expected = Wrapper(Inner()), []
+    methods = sorted(n for n in vars(Rollout) if not n.startswith("_"))
+    assert len(methods) == 12
+    returns_nothing = {"settle", "scored", "report", "fail"}
+    for name in methods:
+        args = tuple(range(len(inspect.signature(getattr(Rollout, name)).parameters) - 1))
+        assert getattr(wrapper, name)(*args) == (None if name in returns_nothing else name)
+        expected.append((name, args))
+    assert calls == expected
+    # A wrapper places no episode's turns itself, whatever its inner kind.
+    assert not isinstance(wrapper, Rounds)
 
 
 def test_streaming_trains_groups_of_its_batch_as_they_arrive():

@@ -10,6 +10,9 @@ modules, and checks:
   and none between modules;
 * the live code never imports `simulation/` (only tools/ and tests/ do), and
   `algorithms/` never imports `model/` (RL maths work on arrays);
+* inside `pipeline/`, the seams hold (`seam_violations`): the core imports a rollout
+  kind only through the registry or the protocol, a kind imports the protocol and
+  below, and the Rollout protocol reaches neither the endpoint nor the environments;
 * no file of `tests/` imports a test module (`*_test`): shared test code lives in
   `tests/support.py` or a `conftest.py` fixture (STYLE.md "Tests mirror modules").
 """
@@ -59,6 +62,10 @@ PIPELINE_BELOW_SEAMS = {
     "streamrl_jax.pipeline.rollouts.episodes",
 }
 ROLLOUTS = "streamrl_jax.pipeline.rollouts"
+PROTOCOL = f"{ROLLOUTS}.protocol"
+# What the registry hands the kinds that need it (`rollouts.Kits`): the Rollout protocol
+# never reaches these, directly or through what it imports.
+KITS = ("streamrl_jax.endpoint", "streamrl_jax.environments")
 PROCESSES = "streamrl_jax.pipeline.processes"
 ONLY_FROM_OUTSIDE = {"simulation"}  # imported by tools/ and tests/, never by the package
 
@@ -211,9 +218,25 @@ def _within(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
+def _reachable(graph: dict[str, set[str]], module: str) -> set[str]:
+    """Every module `module` imports, directly or through others."""
+    seen, todo = set(), [module]
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
 def seam_violations(graph: dict[str, set[str]]) -> list[str]:
     """The imports that break the pipeline's seam rules (module docstring)."""
-    bad = []
+    reached = _reachable(graph, PROTOCOL)
+    bad = [
+        f"{PROTOCOL} reaches {kit}: the registry hands the kinds their kits (rollouts.Kits)"
+        for kit in KITS
+        if any(_within(m, kit) for m in reached)
+    ]
     for module, targets in sorted(graph.items()):
         if not _within(module, "streamrl_jax.pipeline"):
             continue
@@ -242,6 +265,10 @@ def test_the_pipelines_seams_hold():
         ("streamrl_jax.pipeline.trainer_loop", "streamrl_jax.pipeline.rollouts.partial"),
         ("streamrl_jax.pipeline.rollouts.curriculum", "streamrl_jax.pipeline.trainer_loop"),
         ("streamrl_jax.pipeline.rollouts.curriculum", "streamrl_jax.pipeline.rollouts.full"),
+        ("streamrl_jax.pipeline.rollouts.protocol", "streamrl_jax.environments"),
+        ("streamrl_jax.pipeline.rollouts.protocol", "streamrl_jax.endpoint.book"),
+        # through a module it imports
+        ("streamrl_jax.pipeline.micro_batches", "streamrl_jax.environments.render"),
     ],
 )
 def test_the_seam_rules_fail_on_an_injected_violation(importer, imported):

@@ -6,10 +6,15 @@
 * `tool_calls.py`: tool-call formats in the model's text (`hermes`, `simple`).
 * `tools.py`: the tools (`calculator`) and `ToolRunner`, which runs them in the sandbox.
 * `render.py`: an environment turn as the tokens appended to the episode.
-* `calculator.py`, `retry.py`: the environments shipped, chosen by `environment.name`.
+* `calculator.py`, `retry.py`: the environments shipped, chosen by `environment.name`
+  through the registry `ENVIRONMENTS` below.
 * `openenv.py`: an OpenEnv (openenv-core) MCP environment, unchanged, as one of them
   (`environment.name="openenv"`); `openenv_arithmetic.py` is one, built from offline
   reasoning-gym data.
+
+A new environment is one module with a `make(section, fmt, services)` factory, one line
+of `ENVIRONMENTS` (with the tools it is offered) and its name in
+`config.sections.ENVIRONMENTS` (a test holds the two equal).
 
 `make_kit` builds what the episodes rollout (`pipeline/rollouts/episodes.py`) needs;
 `EpisodeReward` is the run's reward function when episodes run: an episode's outcome,
@@ -21,12 +26,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from streamrl_jax.config import EnvironmentSection
-from streamrl_jax.environments.calculator import CalculatorEnvironment
+from streamrl_jax.environments import calculator, openenv, retry
 from streamrl_jax.environments.protocol import (
     Environment,
     Message,
@@ -37,7 +41,6 @@ from streamrl_jax.environments.protocol import (
     TurnInfo,
 )
 from streamrl_jax.environments.render import TurnRenderer
-from streamrl_jax.environments.retry import RetryEnvironment
 from streamrl_jax.environments.tool_calls import ToolFormat, resolve_format
 from streamrl_jax.environments.tools import TOOLS, ToolRunner
 from streamrl_jax.errors import UserError
@@ -46,10 +49,36 @@ from streamrl_jax.rewards.base import RewardFn, RewardResult
 from streamrl_jax.rewards.sandbox import Limits
 
 T = TypeVar("T")
-# The names `config.sections.ENVIRONMENTS` lists (a test holds them equal), and the
-# tools each one offers.
-ENVIRONMENTS = ("calculator", "retry", "openenv")
-_TOOLS = {"calculator": ("calculator",), "retry": (), "openenv": ()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Registered:
+    """An environment as the registry knows it."""
+
+    make: Callable[[EnvironmentSection, ToolFormat, Services], Environment]  # its factory
+    tools: tuple[str, ...] = ()  # the tools (`tools.TOOLS`) the run's sandbox runs for it
+
+
+# `environment.name` -> the environment; the names `config.sections.ENVIRONMENTS` lists.
+ENVIRONMENTS: dict[str, Registered] = {
+    "calculator": Registered(calculator.make, tools=("calculator",)),
+    "retry": Registered(retry.make),
+    "openenv": Registered(openenv.make),  # runs its own tools
+}
+
+
+def registered(name: str) -> Registered:
+    """The environment `environment.name` names.
+
+    Raises:
+      UserError: no environment of that name (naming the field and the known ones).
+    """
+    if name not in ENVIRONMENTS:
+        raise UserError(
+            f"environment.name={name!r}: no such environment; the known ones are "
+            f"{', '.join(ENVIRONMENTS)} ('' runs single-turn samples)"
+        )
+    return ENVIRONMENTS[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,11 +136,13 @@ def make_kit(
     """The environment `section.name` for a model with `tokenizer`.
 
     Raises:
-      UserError: a tool format this model has no parser for (naming the field).
+      UserError: no environment of that name, or a tool format this model has no parser
+        for (naming the field).
     """
+    entry = registered(section.name)
     vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
     fmt = resolve_format(section.tool_format, vocab)
-    names = _TOOLS[section.name]
+    names = entry.tools
     runner = None
     if names:
         sandbox = None
@@ -125,59 +156,34 @@ def make_kit(
             max_output_chars=section.tool_output_chars,
         )
     services = Services(tools=runner if runner is not None else _no_tools, score=score)
-    env = make_environment(section, fmt, services)
+    env = entry.make(section, fmt, services)
     return EpisodeKit(env, TurnRenderer(tokenizer), limits, section.workers, runner)
 
 
 def make_environment(
     section: EnvironmentSection, fmt: ToolFormat, services: Services
 ) -> Environment:
-    """The environment `section.name` with tool format `fmt`, calling `services`."""
-    if section.name == "calculator":
-        return CalculatorEnvironment(fmt, services)
-    if section.name == "retry":
-        return RetryEnvironment(
-            services, max_attempts=section.max_attempts, discount=section.attempt_discount
-        )
-    if section.name == "openenv":
-        from streamrl_jax.environments.openenv import OpenEnvEnvironment
-
-        return OpenEnvEnvironment(
-            section.openenv,
-            openenv_kwargs(section),
-            fmt,
-            services,
-            answer_tool=section.openenv_answer_tool,
-            timeout_s=section.tool_timeout_s,
-            max_output_chars=section.tool_output_chars,
-        )
-    raise ValueError(f"environment.name={section.name!r}; expected one of {ENVIRONMENTS}")
-
-
-def openenv_kwargs(section: EnvironmentSection) -> dict[str, Any]:
-    """`environment.openenv_kwargs` parsed.
+    """The environment `section.name` with tool format `fmt`, calling `services`.
 
     Raises:
-      UserError: not a JSON object (naming the field).
+      UserError: no environment of that name.
     """
-    try:
-        kwargs = json.loads(section.openenv_kwargs)
-    except json.JSONDecodeError as e:
-        raise UserError(f"environment.openenv_kwargs is not valid JSON: {e}") from None
-    if not isinstance(kwargs, dict):
-        raise UserError("environment.openenv_kwargs must be a JSON object {argument: value}")
-    return kwargs
+    return registered(section.name).make(section, fmt, services)
 
 
 def first_messages(
     section: EnvironmentSection, tokenizer: Tokenizer
-) -> Callable[[Any], list[Message]]:
+) -> Callable[[Any], list[Message]] | None:
     """`problem -> messages`: an episode's first messages (`Environment.start`), which the
-    prompt pipeline renders and tokenises (`data.tokenize`). Starting calls no service.
+    prompt pipeline renders and tokenises (`data.tokenize`); None without an environment
+    (`environment.name=""`: a sample starts with its task's own messages). Starting calls
+    no service.
 
     Raises:
       UserError: a tool format this model has no parser for.
     """
+    if not section.name:
+        return None
     env = demonstrator(section, tokenizer)
     return lambda problem: env.start(problem.question, problem.metadata).messages
 
@@ -196,6 +202,12 @@ def _no_tools(name: str, arguments: dict[str, Any]) -> Any:
 
 def _no_score(text: str, metadata: dict[str, Any]) -> RewardResult:
     raise RuntimeError("an environment scored while starting an episode")
+
+
+def reward_fn(section: EnvironmentSection, task: RewardFn) -> RewardFn:
+    """The run's reward function: `task`, or with an environment the episodes' outcome
+    (and `task` for the answers an environment scores)."""
+    return EpisodeReward(task) if section.name else task
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +238,7 @@ __all__ = [
     "EpisodeLimits",
     "EpisodeReward",
     "Message",
+    "Registered",
     "Services",
     "Start",
     "State",
@@ -235,4 +248,6 @@ __all__ = [
     "first_messages",
     "make_environment",
     "make_kit",
+    "registered",
+    "reward_fn",
 ]

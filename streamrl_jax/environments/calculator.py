@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from streamrl_jax.config import EnvironmentSection
 from streamrl_jax.environments.protocol import (
     Message,
     Services,
@@ -94,3 +95,9 @@ class CalculatorEnvironment:
 
     def end(self, state: State) -> None:
         del state  # the state is pure JSON: nothing to release
+
+
+def make(section: EnvironmentSection, fmt: ToolFormat, services: Services) -> CalculatorEnvironment:
+    """The registry's entry (`environments/__init__.py`)."""
+    del section  # nothing to set: the tool format and the tools are the run's
+    return CalculatorEnvironment(fmt, services)

@@ -46,6 +46,7 @@ import uuid
 import warnings
 from typing import Any
 
+from streamrl_jax.config import EnvironmentSection
 from streamrl_jax.environments.protocol import (
     Message,
     Services,
@@ -287,3 +288,32 @@ def _close(env: Any) -> None:
     close = getattr(env, "close", None)
     if callable(close):
         close()
+
+
+def make(section: EnvironmentSection, fmt: ToolFormat, services: Services) -> OpenEnvEnvironment:
+    """The registry's entry (`environments/__init__.py`): the class `environment.openenv`
+    built with `environment.openenv_kwargs`."""
+    return OpenEnvEnvironment(
+        section.openenv,
+        openenv_kwargs(section),
+        fmt,
+        services,
+        answer_tool=section.openenv_answer_tool,
+        timeout_s=section.tool_timeout_s,
+        max_output_chars=section.tool_output_chars,
+    )
+
+
+def openenv_kwargs(section: EnvironmentSection) -> dict[str, Any]:
+    """`environment.openenv_kwargs` parsed.
+
+    Raises:
+      UserError: not a JSON object (naming the field).
+    """
+    try:
+        kwargs = json.loads(section.openenv_kwargs)
+    except json.JSONDecodeError as e:
+        raise UserError(f"environment.openenv_kwargs is not valid JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise UserError("environment.openenv_kwargs must be a JSON object {argument: value}")
+    return kwargs

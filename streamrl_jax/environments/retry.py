@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from streamrl_jax.config import EnvironmentSection
 from streamrl_jax.environments.protocol import (
     Message,
     Services,
@@ -20,6 +21,7 @@ from streamrl_jax.environments.protocol import (
     StepResult,
     TurnInfo,
 )
+from streamrl_jax.environments.tool_calls import ToolFormat
 from streamrl_jax.rewards.tasks import SYSTEM_PROMPT, chat_messages
 
 FEEDBACK = "That is not correct. Try again."
@@ -61,3 +63,11 @@ class RetryEnvironment:
 
     def end(self, state: State) -> None:
         del state  # the state is pure JSON: nothing to release
+
+
+def make(section: EnvironmentSection, fmt: ToolFormat, services: Services) -> RetryEnvironment:
+    """The registry's entry (`environments/__init__.py`)."""
+    del fmt  # no tools: the answers are scored as they are
+    return RetryEnvironment(
+        services, max_attempts=section.max_attempts, discount=section.attempt_discount
+    )

@@ -69,9 +69,8 @@ def prompts(
 ) -> tuple[PromptPipeline, list[Prompt]]:
     """The seeded training prompt pipeline and the held-out eval prompts."""
     d, g = cfg.data, cfg.generation
-    messages = None
-    if cfg.environment.name:  # an episode starts with its environment's messages
-        messages = environments.first_messages(cfg.environment, tokenizer)
+    # With an environment, an episode starts with its environment's messages.
+    messages = environments.first_messages(cfg.environment, tokenizer)
     prompts = PromptPipeline(
         train_set,
         tokenizer,
@@ -105,7 +104,7 @@ def reward_fn(cfg: ExperimentConfig, train_set: ProblemSet) -> RewardFn:
 def episode_reward(cfg: ExperimentConfig, task: RewardFn) -> RewardFn:
     """The run's reward function: `task`, or with an environment the episodes' outcome
     (and `task` for the answers an environment scores)."""
-    return environments.EpisodeReward(task) if cfg.environment.name else task
+    return environments.reward_fn(cfg.environment, task)
 
 
 def reward_sandbox(cfg: ExperimentConfig) -> Limits | None:

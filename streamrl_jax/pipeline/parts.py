@@ -34,6 +34,7 @@ from streamrl_jax.pipeline.micro_batches import Scored, group_key
 from streamrl_jax.pipeline.prompts import PromptSource
 from streamrl_jax.pipeline.resume import RunCheckpoints
 from streamrl_jax.pipeline.rollouts import (
+    Kits,
     Returned,
     Rollout,
     RolloutContext,
@@ -140,9 +141,8 @@ def wire(
             seed=cfg.seed,
             where=where,
             generation_processes=generation_processes,
-            episodes=kit,
-            agents=agents,
         ),
+        Kits(episodes=kit, agents=agents),
     )
     ingest = Ingest(
         c.tokenizer,

@@ -93,7 +93,7 @@ from streamrl_jax.pipeline.processes.roster import RosterUpdate, reserved_proces
 from streamrl_jax.pipeline.processes.roster_share import RosterShare
 from streamrl_jax.pipeline.prompts import PromptSource
 from streamrl_jax.pipeline.requests import Requests
-from streamrl_jax.pipeline.rollouts import Rollout, RolloutContext, make_rollout
+from streamrl_jax.pipeline.rollouts import Kits, Rollout, RolloutContext, make_rollout
 from streamrl_jax.pipeline.rollouts.partial import PartialRollout
 from streamrl_jax.pipeline.schedules import Schedule
 from streamrl_jax.pipeline.shards import Alone, ownership
@@ -395,9 +395,9 @@ class _GenerationProcess:
                 trainers=Alone(ownership(p, 1)),
                 seed=self.cfg.seed,
                 where="generator",
-                episodes=self.kit,
                 score=self._score if self.pool is not None else None,
             ),
+            Kits(episodes=self.kit),
         )
         self.latch.add_listener(lambda component, exc: rollout.fail(exc))
         return rollout

@@ -16,15 +16,23 @@ first): `"full"`, `"dynamic_sampling"`, `"partial"`, `"curriculum+dynamic_sampli
 * `agents` (`agents.py`, a wrapper, the last before the kind): every training episode
   is played by a scaffold through the run's OpenAI-compatible endpoint.
 
+A wrapper derives from `protocol.Wrapper` and overrides only what it changes. What a
+kind needs beyond its `RolloutContext` (the run's environment, its endpoint) it is
+handed by its line below, from the `Kits` the run built where it wires the rollout
+(`pipeline/parts.py`, a generation process), so the protocol knows neither.
+
 A new kind is one module beside these, one line below and its config fields (its name
 in `config.sections.ROLLOUTS` or `ROLLOUT_WRAPPERS`, which a test holds equal to these).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
+from streamrl_jax.endpoint.kit import AgentKit
+from streamrl_jax.environments import EpisodeKit
 from streamrl_jax.pipeline.rollouts import (
     agents,
     curriculum,
@@ -41,34 +49,51 @@ from streamrl_jax.pipeline.rollouts.protocol import (
     StepOutcome,
     Submit,
     Where,
+    Wrapper,
 )
 
 Factory = Callable[[RolloutContext], Rollout]
+
+
+@dataclasses.dataclass(frozen=True)
+class Kits:
+    """What the wrappers that play episodes are handed besides their context (None where
+    this process does not run them: a training process across processes, or a run
+    without them)."""
+
+    episodes: EpisodeKit | None = None  # the run's environment (environment.name)
+    agents: AgentKit | None = None  # the endpoint and its scaffold ("agents")
+
+
+# A wrapper around `inner` (built from the context it is given), handed its kits.
+Wrap = Callable[[RolloutContext, Factory, Kits], Rollout]
 
 KINDS: dict[str, Factory] = {
     "full": full.FullRollout,
     "dynamic_sampling": dynamic_sampling.DynamicSampling,
     "partial": partial.make,
 }
-WRAPPERS: dict[str, Callable[[RolloutContext, Factory], Rollout]] = {
-    "curriculum": curriculum.wrap,
-    "episodes": episodes.Episodes,
-    "agents": agents.Agents,
+WRAPPERS: dict[str, Wrap] = {
+    "curriculum": lambda ctx, inner, kits: curriculum.Curriculum(ctx, inner),
+    "episodes": lambda ctx, inner, kits: episodes.Episodes(ctx, inner, kits.episodes),
+    "agents": lambda ctx, inner, kits: agents.Agents(ctx, inner, kits.episodes, kits.agents),
 }
 
 
-def make_rollout(name: str, ctx: RolloutContext) -> Rollout:
-    """The rollout `name` ("kind" or "wrapper+...+kind", validated by `config/rules.py`)."""
+def make_rollout(name: str, ctx: RolloutContext, kits: Kits = Kits()) -> Rollout:
+    """The rollout `name` ("kind" or "wrapper+...+kind", validated by `config/rules.py`),
+    its wrappers handed what they need of `kits`."""
     *wrappers, kind = name.split("+")
     build: Factory = KINDS[kind]
     for wrapper in reversed(wrappers):
-        build = functools.partial(WRAPPERS[wrapper], inner=build)
+        build = functools.partial(WRAPPERS[wrapper], inner=build, kits=kits)
     return build(ctx)
 
 
 __all__ = [
     "KINDS",
     "WRAPPERS",
+    "Kits",
     "Returned",
     "Rollout",
     "RolloutContext",
@@ -76,5 +101,6 @@ __all__ = [
     "StepOutcome",
     "Submit",
     "Where",
+    "Wrapper",
     "make_rollout",
 ]

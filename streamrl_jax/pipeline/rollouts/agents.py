@@ -32,20 +32,27 @@ from collections.abc import Callable
 
 from streamrl_jax.endpoint.kit import AgentKit
 from streamrl_jax.endpoint.scaffolds import AgentTask
-from streamrl_jax.environments import TurnInfo
+from streamrl_jax.environments import EpisodeKit, TurnInfo
 from streamrl_jax.generation.types import GenerationRequest, Sample
 from streamrl_jax.pipeline.rollouts.episodes import EpisodeRecord, Episodes, question_of
 from streamrl_jax.pipeline.rollouts.protocol import Returned, Rollout, RolloutContext
 
 
 class Agents(Episodes):
-    """Episodes played by scaffolds through the endpoint (module docstring)."""
+    """Episodes played by scaffolds through the endpoint `agents` (module docstring);
+    `kit`: the run's environment (its held-out episodes)."""
 
-    def __init__(self, ctx: RolloutContext, inner: Callable[[RolloutContext], Rollout]):
-        super().__init__(ctx, inner)
-        if ctx.agents is None and ctx.where != "trainer":
+    def __init__(
+        self,
+        ctx: RolloutContext,
+        inner: Callable[[RolloutContext], Rollout],
+        kit: EpisodeKit | None,
+        agents: AgentKit | None,
+    ):
+        super().__init__(ctx, inner, kit)
+        if agents is None and ctx.where != "trainer":
             raise ValueError("pipeline.rollout 'agents' needs the run's endpoint kit")
-        self.agents: AgentKit | None = ctx.agents
+        self.agents = agents
 
     def open(self, batch: int, requests: list[GenerationRequest]) -> list[GenerationRequest]:
         """Starts a scaffold per request; the batch's requests are their first ones."""

@@ -44,16 +44,14 @@ from typing import Any
 import numpy as np
 
 from streamrl_jax.data import Prompt
-from streamrl_jax.distributed.messages import RoundClosed
-from streamrl_jax.generation.types import GenerationRequest, Sample
-from streamrl_jax.pipeline.micro_batches import Group, Scored
+from streamrl_jax.generation.types import Sample
+from streamrl_jax.pipeline.micro_batches import Group
 from streamrl_jax.pipeline.prompts import Prompts
 from streamrl_jax.pipeline.rollouts.protocol import (
-    Returned,
     Rollout,
     RolloutContext,
     StepOutcome,
-    Submit,
+    Wrapper,
 )
 
 
@@ -182,8 +180,9 @@ class CurriculumPrompts:
             self._position = int(state.get("position", 0))
 
 
-class Curriculum:
-    """The curriculum around an inner rollout (module docstring)."""
+class Curriculum(Wrapper):
+    """The curriculum around an inner rollout, built from the same context but drawing
+    through the curriculum (module docstring)."""
 
     def __init__(self, ctx: RolloutContext, inner: Callable[[RolloutContext], Rollout]):
         p = ctx.pipeline
@@ -191,30 +190,10 @@ class Curriculum:
         self.prompts = CurriculumPrompts(
             ctx.prompts, self.weights, ctx.seed, ctx.schedule.generation_version
         )
-        self.inner = inner(dataclasses.replace(ctx, prompts=self.prompts))
+        super().__init__(inner(dataclasses.replace(ctx, prompts=self.prompts)))
         self.version = ctx.schedule.generation_version
         self._lock = threading.Lock()
         self._seen: dict[int, list[tuple[str, bool]]] = {}  # step -> its trained groups
-
-    # ------------------------------------------------------------------ generation side
-    def draw(self, batch: int) -> list[Prompt]:
-        return self.inner.draw(batch)
-
-    def open(self, batch: int, requests: list[GenerationRequest]) -> list[GenerationRequest]:
-        return self.inner.open(batch, requests)
-
-    def settle(self, batch: int, submit: Submit, stopped: Callable[[], bool]) -> None:
-        self.inner.settle(batch, submit, stopped)
-
-    def returned(self, sample: Sample) -> Returned:
-        return self.inner.returned(sample)
-
-    # ------------------------------------------------------------------ ingest
-    def scored(self, scored: Scored) -> None:
-        self.inner.scored(scored)
-
-    def report(self, report: RoundClosed) -> None:
-        self.inner.report(report)
 
     # ------------------------------------------------------------------ trainer side
     def micro_batches(self, batch: int, mini: int) -> Iterator[list[Group]]:
@@ -252,12 +231,3 @@ class Curriculum:
         self.weights.restore(state.get("weights", {}))
         self.prompts.restore(state.get("prompts", {}))
         return self.inner.restore(k, state.get("inner", {}))
-
-    def fail(self, exc: BaseException) -> None:
-        self.inner.fail(exc)
-
-
-def wrap(ctx: RolloutContext, inner: Callable[[RolloutContext], Rollout]) -> Curriculum:
-    """The registry's entry: the curriculum around `inner` (built from the same context,
-    drawing through the curriculum)."""
-    return Curriculum(ctx, inner)

@@ -59,23 +59,21 @@ import collections
 import dataclasses
 import json
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from streamrl_jax.data import Prompt
-from streamrl_jax.distributed.messages import RoundClosed
 from streamrl_jax.environments import EpisodeKit, TurnInfo
 from streamrl_jax.generation.types import Continuation, GenerationRequest, Sample
-from streamrl_jax.pipeline.micro_batches import Group, Scored
+from streamrl_jax.pipeline.micro_batches import Scored
 from streamrl_jax.pipeline.rollouts.protocol import (
     Returned,
     Rollout,
     RolloutContext,
     Rounds,
     StepOutcome,
-    Submit,
+    Wrapper,
 )
 
 OUTCOMES = ("done", "turn_limit", "context", "episode_tokens", "lag")
@@ -122,16 +120,22 @@ def question_of(metadata: dict[str, Any]) -> str:
     return entry["question"]
 
 
-class Episodes:
-    """Episodes over the rollout kind `inner` (module docstring)."""
+class Episodes(Wrapper):
+    """Episodes over the rollout kind `inner`, with the run's environment `kit` (module
+    docstring)."""
 
-    def __init__(self, ctx: RolloutContext, inner: Callable[[RolloutContext], Rollout]):
+    def __init__(
+        self,
+        ctx: RolloutContext,
+        inner: Callable[[RolloutContext], Rollout],
+        kit: EpisodeKit | None,
+    ):
         # A training process of a multi-controller run holds the trainer's half only:
         # the episodes arrive whole, and no environment runs there.
-        if ctx.episodes is None and ctx.where != "trainer":
+        if kit is None and ctx.where != "trainer":
             raise ValueError("pipeline.rollout 'episodes' needs an environment (environment.name)")
-        self.kit: EpisodeKit | None = ctx.episodes
-        self.inner = inner(ctx)
+        self.kit = kit
+        super().__init__(inner(ctx))
         self._lock = threading.Lock()
         self._live: dict[Any, EpisodeRecord] = {}
         self._stats: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
@@ -141,15 +145,6 @@ class Episodes:
         self._records: dict[int, dict[Any, dict[str, Any]]] = collections.defaultdict(dict)
 
     # ------------------------------------------------------------------ generation side
-    def draw(self, batch: int) -> list[Prompt]:
-        return self.inner.draw(batch)
-
-    def open(self, batch: int, requests: list[GenerationRequest]) -> list[GenerationRequest]:
-        return self.inner.open(batch, requests)
-
-    def settle(self, batch: int, submit: Submit, stopped: Callable[[], bool]) -> None:
-        self.inner.settle(batch, submit, stopped)
-
     def returned(self, sample: Sample) -> Returned:
         """A turn ended: its episode goes on (the environment's step, off this thread)
         or is handed on whole."""
@@ -276,13 +271,7 @@ class Episodes:
             self._stats[max(tag.round, tag.batch)].append(scored.sample.metadata["episode"])
         self.inner.scored(scored)
 
-    def report(self, report: RoundClosed) -> None:
-        self.inner.report(report)
-
     # ------------------------------------------------------------------ trainer side
-    def micro_batches(self, batch: int, mini: int) -> Iterator[list[Group]]:
-        return self.inner.micro_batches(batch, mini)
-
     def finish(self, batch: int) -> StepOutcome:
         out = self.inner.finish(batch)
         with self._lock:  # every episode scored since the last step, of rounds up to b

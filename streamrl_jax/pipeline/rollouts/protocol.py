@@ -15,7 +15,11 @@ A rollout kind decides, for one run:
 The core (driver, ingest, trainer loop, resume, lifecycle) calls these and never
 branches on which kind runs. Each kind is one module beside this one, chosen from
 `pipeline.rollout` through the registry in `rollouts/__init__.py`; a kind imports
-this protocol and lower layers only (`tests/layering_test.py`).
+this protocol and lower layers only (`tests/layering_test.py`). A wrapper (a kind
+around an inner one) derives from `Wrapper`, which hands every method to the inner
+kind, and overrides only what it changes. What a kind needs beyond the context (an
+environment, the endpoint) the registry hands it (`rollouts.Kits`): this protocol
+knows no environment and no endpoint.
 
 Threads: `draw`/`open`/`settle` run on the generation driver's thread, `returned`
 on the collector's, `scored` on reward threads, `micro_batches`/`finish`/`state` on
@@ -40,8 +44,6 @@ from streamrl_jax.algorithms.overlong import OverlongPenalty
 from streamrl_jax.config import PipelineSection
 from streamrl_jax.data import Prompt
 from streamrl_jax.distributed.messages import RoundClosed
-from streamrl_jax.endpoint.kit import AgentKit
-from streamrl_jax.environments import EpisodeKit
 from streamrl_jax.generation.types import GenerationRequest, Sample
 from streamrl_jax.mailbox import FailureLatch
 from streamrl_jax.pipeline.micro_batches import Group, Scored
@@ -97,8 +99,6 @@ class RolloutContext:
     seed: int  # the run seed
     where: Where = "here"
     generation_processes: tuple[int, ...] = ()  # where="trainer": the reporting processes
-    episodes: EpisodeKit | None = None  # the environment of an "episodes" rollout
-    agents: AgentKit | None = None  # the endpoint and scaffold of an "agents" rollout
     # where="generator": scores a returned training sample here (dynamic sampling judges
     # its groups in the generation process: the reward function is deterministic, so the
     # trainer's own scores agree)
@@ -173,3 +173,49 @@ class Rounds(Protocol):
         there, or, with none left, is carried into round r + 1 as a paused sample is
         (or, past `max_lag`, `turn` is handed on as `Returned.sample`, finish reason
         "paused", to be dropped with its group)."""
+
+
+class Wrapper:
+    """A rollout around an inner one (`pipeline.rollout="wrapper+...+kind"`): every
+    protocol method goes to `inner`, so a wrapper overrides only what it changes. It is
+    no `Rounds`, whatever its inner kind: a wrapper that places an episode's turns asks
+    `inner` itself."""
+
+    def __init__(self, inner: Rollout):
+        self.inner = inner
+
+    def draw(self, batch: int) -> list[Prompt]:
+        return self.inner.draw(batch)
+
+    def open(self, batch: int, requests: list[GenerationRequest]) -> list[GenerationRequest]:
+        return self.inner.open(batch, requests)
+
+    def settle(self, batch: int, submit: Submit, stopped: Callable[[], bool]) -> None:
+        self.inner.settle(batch, submit, stopped)
+
+    def returned(self, sample: Sample) -> Returned:
+        return self.inner.returned(sample)
+
+    def scored(self, scored: Scored) -> None:
+        self.inner.scored(scored)
+
+    def report(self, report: RoundClosed) -> None:
+        self.inner.report(report)
+
+    def micro_batches(self, batch: int, mini: int) -> Iterator[list[Group]]:
+        return self.inner.micro_batches(batch, mini)
+
+    def finish(self, batch: int) -> StepOutcome:
+        return self.inner.finish(batch)
+
+    def plannable(self, start: int, steps: int) -> range | None:
+        return self.inner.plannable(start, steps)
+
+    def state(self, k: int) -> dict[str, Any]:
+        return self.inner.state(k)
+
+    def restore(self, k: int, state: dict[str, Any]) -> list[Sample]:
+        return self.inner.restore(k, state)
+
+    def fail(self, exc: BaseException) -> None:
+        self.inner.fail(exc)
