@@ -45,11 +45,11 @@ from streamrl_jax.pipeline.schedules import Schedule, VersionGate
 from streamrl_jax.pipeline.shards import Alone, ownership
 from streamrl_jax.rewards.base import RewardResult
 from streamrl_jax.rewards.tasks import Problem
-from streamrl_jax.simulation import pipeline as sim_pipeline
-from streamrl_jax.simulation.profiles import MeasuredCosts, TableDecode
 from streamrl_jax.stream.sample_stream import SampleStream
 from streamrl_jax.trainer.batch import TrainBatch
 from streamrl_jax.trainer.step import Trainer
+from streamrl_podplan.simulation import pipeline as sim_pipeline
+from streamrl_podplan.simulation.profiles import MeasuredCosts, TableDecode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -47,8 +47,6 @@ import numpy as np
 from absl import app, flags, logging
 from flax import nnx
 from jax.sharding import Mesh
-from model_shapes import SHAPES  # tools/, beside this file
-from model_shapes import model_config as shape_config
 
 from streamrl_jax.generation.engine import Engine, EngineConfig
 from streamrl_jax.generation.engine_config import CPU_DOTS, DECODE_ATTENTION
@@ -56,6 +54,8 @@ from streamrl_jax.generation.types import GenerationRequest, SamplingParams
 from streamrl_jax.model import config as model_config
 from streamrl_jax.model import llama
 from streamrl_jax.model.loader import single_device_mesh
+from streamrl_podplan.shapes import SHAPES
+from streamrl_podplan.shapes import model_config as shape_config
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "Small sizes (<= 5 minutes on 2 CPU cores).")

@@ -41,14 +41,14 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 from flax import nnx
-from model_shapes import SHAPES  # tools/, beside this file
-from model_shapes import model_config as shape_config
 
 from streamrl_jax.generation import decoder
 from streamrl_jax.generation.engine_config import EngineConfig
 from streamrl_jax.model import llama
 from streamrl_jax.model.defaults import smollm2_gguf_path
 from streamrl_jax.model.loader import load_pretrained
+from streamrl_podplan.shapes import SHAPES
+from streamrl_podplan.shapes import model_config as shape_config
 
 _MODEL = flags.DEFINE_string(
     "model",

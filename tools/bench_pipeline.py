@@ -486,7 +486,7 @@ def _simulate(out: dict, cfg, per_mode: dict) -> None:
     (`sim_predicted_sps`, `sim_rel_error`) to `out`. `cfg`: the runs' shared settings."""
     if not {"colocated", "disaggregated_batch"} <= set(per_mode):
         return
-    from streamrl_jax.simulation import profiles
+    from streamrl_podplan.simulation import profiles
 
     profile = _profile(cfg, _WORKDIR.value, {m: v["samples_per_s"] for m, v in per_mode.items()})
     path = os.path.join(_WORKDIR.value, "profile.json")

@@ -20,8 +20,8 @@ import dataclasses
 
 import numpy as np
 
-from streamrl_jax.simulation import cost_model, generation, stages
-from streamrl_jax.simulation.hardware import Hardware
+from streamrl_podplan.simulation import cost_model, generation, stages
+from streamrl_podplan.simulation.hardware import Hardware
 
 
 def roofline_seconds(flops: float, bytes_: float, hw: Hardware, mfu: float, eff: float) -> float:

@@ -11,10 +11,10 @@ import math
 
 from streamrl_jax.scheduling.dispatch import OBJECTIVES
 from streamrl_jax.scheduling.lengths import LengthTrace
-from streamrl_jax.simulation import cost_model
-from streamrl_jax.simulation.cost_model import CostParams
-from streamrl_jax.simulation.dispatch import DISPATCHES
-from streamrl_jax.simulation.hardware import Hardware, Model
+from streamrl_podplan.simulation import cost_model
+from streamrl_podplan.simulation.cost_model import CostParams
+from streamrl_podplan.simulation.dispatch import DISPATCHES
+from streamrl_podplan.simulation.hardware import Hardware, Model
 
 MODES = ("colocated", "disaggregated_batch", "stream_sync", "stream_async")
 # stream_async with in-flight weight updates and partial rollout (simulation/inflight.py)

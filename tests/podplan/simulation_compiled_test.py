@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from streamrl_jax.scheduling import lengths
-from streamrl_jax.simulation import compiled, cost_model, hardware, simulator, stages
-from streamrl_jax.simulation.cost_model import CostParams
-from streamrl_jax.simulation.scenario import Scenario
+from streamrl_podplan.simulation import compiled, cost_model, hardware, simulator, stages
+from streamrl_podplan.simulation.cost_model import CostParams
+from streamrl_podplan.simulation.scenario import Scenario
 
 MODEL = hardware.get_model("qwen2.5-7b")
 HW = hardware.get_hardware("tpu_v5p")
@@ -113,10 +113,10 @@ def test_simulate_cli_takes_a_plans_compiled_costs(tmp_path):
     import subprocess
     import sys
 
-    repo = pathlib.Path(__file__).resolve().parents[1]
+    repo = pathlib.Path(__file__).resolve().parents[2]
 
     def run(*flags):
-        cmd = [sys.executable, str(repo / "tools" / "simulate.py"), "--mode=stream_async",
+        cmd = [sys.executable, "-m", "streamrl_podplan.simulate", "--mode=stream_async",
                "--model=qwen2.5-7b", "--hardware=tpu_v5p", "--devices=64", "--max_len=7680",
                "--global_batch=256", "--iterations=3", "--warmup=1", "--algorithm=grpo",
                *flags]  # fmt: skip

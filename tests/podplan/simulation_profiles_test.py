@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from streamrl_jax.simulation import profiles
+from streamrl_podplan.simulation import profiles
 
 
 def _profile(**kw):

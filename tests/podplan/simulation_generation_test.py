@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from streamrl_jax.simulation import cost_model, generation, hardware
-from streamrl_jax.simulation.cost_model import CostParams
-from streamrl_jax.simulation.profiles import TableDecode
+from streamrl_podplan.simulation import cost_model, generation, hardware
+from streamrl_podplan.simulation.cost_model import CostParams
+from streamrl_podplan.simulation.profiles import TableDecode
 
 H100 = hardware.get_hardware("h100")
 Q7 = hardware.get_model("qwen2.5-7b")

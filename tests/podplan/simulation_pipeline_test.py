@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from support import G_STEP, OPT, SWITCH, SYNC, TRAIN_PER_TOKEN, L, N, run_sim_schedule
 
-from streamrl_jax.simulation import pipeline
+from streamrl_podplan.simulation import pipeline
 
 
 def test_colocated_iteration_is_closed_form():

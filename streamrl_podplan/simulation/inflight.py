@@ -29,9 +29,9 @@ import dataclasses
 
 import numpy as np
 
-from streamrl_jax.simulation.generation import InstanceSpec
-from streamrl_jax.simulation.pipeline import SimResult
-from streamrl_jax.simulation.stages import CostSource
+from streamrl_podplan.simulation.generation import InstanceSpec
+from streamrl_podplan.simulation.pipeline import SimResult
+from streamrl_podplan.simulation.stages import CostSource
 
 
 @dataclasses.dataclass

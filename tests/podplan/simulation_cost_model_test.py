@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from streamrl_jax.simulation import cost_model, hardware
-from streamrl_jax.simulation.cost_model import CostParams
+from streamrl_podplan.simulation import cost_model, hardware
+from streamrl_podplan.simulation.cost_model import CostParams
 
 H800 = hardware.get_hardware("h800")
 Q7 = hardware.get_model("qwen2.5-7b")

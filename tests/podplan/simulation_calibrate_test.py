@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from streamrl_jax.simulation import calibrate, compiled, cost_model
-from streamrl_jax.simulation.cost_model import CostParams
+from streamrl_podplan.simulation import calibrate, compiled, cost_model
+from streamrl_podplan.simulation.cost_model import CostParams
 
 
 def test_paper_table_has_nine_settings_with_streamrl_faster():

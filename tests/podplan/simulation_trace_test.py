@@ -4,8 +4,8 @@ import numpy as np
 
 from streamrl_jax.metrics import read_trace
 from streamrl_jax.scheduling import lengths
-from streamrl_jax.simulation import hardware, simulator, trace
-from streamrl_jax.simulation.scenario import Scenario
+from streamrl_podplan.simulation import hardware, simulator, trace
+from streamrl_podplan.simulation.scenario import Scenario
 
 
 def _result(mode="stream_sync"):

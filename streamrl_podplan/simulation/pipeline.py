@@ -25,8 +25,8 @@ import dataclasses
 
 import numpy as np
 
-from streamrl_jax.simulation.generation import GenResult, simulate_batch
-from streamrl_jax.simulation.stages import CostSource
+from streamrl_podplan.simulation.generation import GenResult, simulate_batch
+from streamrl_podplan.simulation.stages import CostSource
 
 Interval = tuple[float, float]
 

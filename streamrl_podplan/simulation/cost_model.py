@@ -28,7 +28,7 @@ import dataclasses
 
 import numpy as np
 
-from streamrl_jax.simulation.hardware import Hardware, Model
+from streamrl_podplan.simulation.hardware import Hardware, Model
 
 # Units of one forward pass per trained token.
 FLOP_FACTORS = {"ppo": 9.0, "grpo": 5.0}

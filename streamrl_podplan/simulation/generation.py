@@ -18,9 +18,9 @@ from typing import Protocol
 
 import numpy as np
 
-from streamrl_jax.simulation import cost_model, dispatch
-from streamrl_jax.simulation.cost_model import CostParams
-from streamrl_jax.simulation.hardware import Hardware, Model
+from streamrl_podplan.simulation import cost_model, dispatch
+from streamrl_podplan.simulation.cost_model import CostParams
+from streamrl_podplan.simulation.hardware import Hardware, Model
 
 
 class DecodeCost(Protocol):

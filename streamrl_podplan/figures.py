@@ -25,9 +25,9 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from streamrl_jax.scheduling import lengths  # noqa: E402
-from streamrl_jax.simulation import calibrate, hardware, simulator  # noqa: E402
-from streamrl_jax.simulation.cost_model import CostParams  # noqa: E402
-from streamrl_jax.simulation.scenario import MODES, Scenario  # noqa: E402
+from streamrl_podplan.simulation import calibrate, hardware, simulator  # noqa: E402
+from streamrl_podplan.simulation.cost_model import CostParams  # noqa: E402
+from streamrl_podplan.simulation.scenario import MODES, Scenario  # noqa: E402
 
 _OUT = flags.DEFINE_string("out_dir", "docs/img", "Where the PNGs go.")
 _SCALING = flags.DEFINE_list("scaling_devices", ["16", "32", "64", "128", "256"], "Pod sizes.")

@@ -54,8 +54,6 @@ from absl import app, flags
 from flax import nnx
 from jax.experimental import topologies
 from jax.sharding import Mesh
-from model_shapes import SHAPES  # tools/, beside this file
-from model_shapes import model_config as shape_config
 
 from streamrl_jax.config import AlgorithmSection
 from streamrl_jax.generation import decoder, executables
@@ -64,11 +62,13 @@ from streamrl_jax.generation.engine_config import GATE_UP_LAYOUTS, KEY_LAYOUTS, 
 from streamrl_jax.model import config as model_config
 from streamrl_jax.model import llama
 from streamrl_jax.scheduling import lengths
-from streamrl_jax.simulation import compiled, hardware, simulator, stages
-from streamrl_jax.simulation.cost_model import CostParams
-from streamrl_jax.simulation.scenario import Scenario
 from streamrl_jax.trainer import TrainerConfig, make_policy_trainer
 from streamrl_jax.trainer.batch import abstract_batch
+from streamrl_podplan.shapes import SHAPES
+from streamrl_podplan.shapes import model_config as shape_config
+from streamrl_podplan.simulation import compiled, hardware, simulator, stages
+from streamrl_podplan.simulation.cost_model import CostParams
+from streamrl_podplan.simulation.scenario import Scenario
 
 FLAGS = flags.FLAGS
 # Compile-only: no chip is claimed, so processes need not queue on libtpu's lock file.

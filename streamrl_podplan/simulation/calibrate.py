@@ -20,9 +20,9 @@ from __future__ import annotations
 import dataclasses
 
 from streamrl_jax.scheduling import lengths
-from streamrl_jax.simulation import compiled, cost_model, hardware, simulator, stages
-from streamrl_jax.simulation.cost_model import CostParams
-from streamrl_jax.simulation.scenario import Scenario
+from streamrl_podplan.simulation import compiled, cost_model, hardware, simulator, stages
+from streamrl_podplan.simulation.cost_model import CostParams
+from streamrl_podplan.simulation.scenario import Scenario
 
 # (max_len, model, devices) -> (colocated, stream_sync, stream_async) samples/s, Fig. 8 (~).
 PAPER_FIG8: dict[tuple[int, str, int], tuple[float, float, float]] = {

@@ -41,7 +41,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _knobs():
-    import plan_pod
+    from streamrl_podplan import plan as plan_pod
 
     return plan_pod.Knobs(
         model=_MODEL.value, rows=_ROWS.value, seq=_SEQ.value, slots=_SLOTS.value,
@@ -69,8 +69,7 @@ def _run_one(name: str) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    import plan_pod
+    from streamrl_podplan import plan as plan_pod
 
     device = jax.devices()[0]
     devices = np.array([device])
@@ -109,7 +108,7 @@ def _run_one(name: str) -> dict:
 
 
 def _child(name: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), f"--one={name}"]
+    cmd = [sys.executable, "-m", "streamrl_podplan.device_check", f"--one={name}"]
     cmd += [f"--{f}={v.value}" for f, v in (("model", _MODEL), ("rows", _ROWS), ("seq", _SEQ),
                                             ("slots", _SLOTS), ("max_len", _MAX_LEN))]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=REPO)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from support import G_STEP, L, N, run_sim_schedule, sim_costs
 
-from streamrl_jax.simulation.inflight import run_inflight
+from streamrl_podplan.simulation.inflight import run_inflight
 
 
 def _inflight(resp, budget, iterations=4, warmup=1, group_size=1):

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from streamrl_jax.simulation import hardware
+from streamrl_podplan.simulation import hardware
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ import json
 import os
 from typing import Any
 
-from streamrl_jax.simulation.pipeline import SimResult
+from streamrl_podplan.simulation.pipeline import SimResult
 
 _LANE_TRACK = {
     "trainer": "trainer/micro-batch",

@@ -48,10 +48,10 @@ from typing import Any
 
 import numpy as np
 
-from streamrl_jax.simulation import generation
-from streamrl_jax.simulation.inflight import run_inflight
-from streamrl_jax.simulation.pipeline import run_schedule
-from streamrl_jax.simulation.scenario import MODES
+from streamrl_podplan.simulation import generation
+from streamrl_podplan.simulation.inflight import run_inflight
+from streamrl_podplan.simulation.pipeline import run_schedule
+from streamrl_podplan.simulation.scenario import MODES
 
 
 def _need(d: dict[str, Any], key: str, where: str) -> Any:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from streamrl_jax.scheduling import lengths
-from streamrl_jax.simulation import hardware, simulator
-from streamrl_jax.simulation.scenario import MODES, Scenario
+from streamrl_podplan.simulation import hardware, simulator
+from streamrl_podplan.simulation.scenario import MODES, Scenario
 
 
 def _scenario(**kw):
@@ -60,7 +60,7 @@ def test_algorithm1_split_minimises_max_stage_time():
     sc = _scenario()
     costs = simulator.roofline_costs(sc)
     batches, history, _ = simulator.draw_batches(sc)
-    from streamrl_jax.simulation import stages
+    from streamrl_podplan.simulation import stages
 
     probe = stages.ProbeBatch(*batches[0], history, simulator.plan_kwargs(sc))
     best, cands = stages.choose_split(costs, 16, sc.granularity, sc.tp, probe)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from streamrl_jax.scheduling import lengths
-from streamrl_jax.simulation import dispatch
+from streamrl_podplan.simulation import dispatch
 
 
 def _resp(n=1024, seed=0):

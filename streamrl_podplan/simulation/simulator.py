@@ -12,10 +12,10 @@ import dataclasses
 import numpy as np
 
 from streamrl_jax.scheduling import lengths
-from streamrl_jax.simulation import generation, stages
-from streamrl_jax.simulation.inflight import run_inflight
-from streamrl_jax.simulation.pipeline import SimResult, run_schedule
-from streamrl_jax.simulation.scenario import INFLIGHT, MODES, Scenario
+from streamrl_podplan.simulation import generation, stages
+from streamrl_podplan.simulation.inflight import run_inflight
+from streamrl_podplan.simulation.pipeline import SimResult, run_schedule
+from streamrl_podplan.simulation.scenario import INFLIGHT, MODES, Scenario
 
 
 def draw_batches(

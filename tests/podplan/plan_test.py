@@ -6,17 +6,14 @@ XLA:CPU's memory analysis of these tiny programs: BENCHMARKS.md "Pod plans".)"""
 
 import dataclasses
 import functools
-import pathlib
 import re
-import sys
 import types
 
 import jax
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
-import plan_pod  # noqa: E402
+from streamrl_podplan import plan as plan_pod
 
 KNOBS = plan_pod.Knobs(model="tiny", rows=4, seq=64, slots=4, max_prompt=16, max_len=64,
                        chunk_steps=4, prefill_batch=2, dtype="float32")  # fmt: skip

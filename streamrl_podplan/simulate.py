@@ -18,8 +18,8 @@ import json
 from absl import app, flags
 
 from streamrl_jax.scheduling import lengths
-from streamrl_jax.simulation import calibrate, compiled, hardware, profiles, simulator, trace
-from streamrl_jax.simulation.scenario import INFLIGHT, MODES, Scenario
+from streamrl_podplan.simulation import calibrate, compiled, hardware, profiles, simulator, trace
+from streamrl_podplan.simulation.scenario import INFLIGHT, MODES, Scenario
 
 _MODE = flags.DEFINE_enum(
     "mode", "all", ["all", *MODES, INFLIGHT], "Mode to simulate, or all (the four and inflight)."
