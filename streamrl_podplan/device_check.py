@@ -1,9 +1,9 @@
 """Device check of the pod plans (issue 40), for a session lent one accelerator: about ten
 minutes on one GPU (or TPU chip).
 
-    PYTHONPATH=. python tools/device_check_plan.py [--model=qwen3_0.6b_shape] [--benches]
+    python -m streamrl_podplan.device_check [--model=qwen3_0.6b_shape] [--benches]
 
-1. The plan's executables (`tools/plan_pod.py`: the trainer's `accumulate` and `apply`, the
+1. The plan's executables (`programs.py`: the trainer's `accumulate` and `apply`, the
    engine's `prefill` and decode chunk) on this one device, each in a fresh process: the
    plan's prediction (`need`: the compiler's peak plus the inputs jit does not read) against
    the device's own count (`memory_stats()["peak_bytes_in_use"]` of the process after one
@@ -27,7 +27,9 @@ import time
 
 from absl import app, flags
 
-_MODEL = flags.DEFINE_string("model", "qwen3_0.6b_shape", "A tools/model_shapes.py shape, or tiny.")
+_MODEL = flags.DEFINE_string(
+    "model", "qwen3_0.6b_shape", "A shape, tiny, or an HF config.json (`shapes.model_config`)."
+)
 _ROWS = flags.DEFINE_integer("rows", 4, "Training micro-batch rows.")
 _SEQ = flags.DEFINE_integer("seq", 2048, "Training micro-batch columns.")
 _SLOTS = flags.DEFINE_integer("slots", 64, "KV slots of the generation instance.")
@@ -37,13 +39,14 @@ _ONE = flags.DEFINE_string("one", None, "Internal: run this one executable and p
 _TIMEOUT = flags.DEFINE_integer("timeout_s", 240, "Per child process.")
 
 PROGRAMS = ("accumulate", "apply", "prefill", "decode_chunk")
+# The repository root (the benches are its tools/ scripts).
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _knobs():
-    from streamrl_podplan import plan as plan_pod
+    from streamrl_podplan.programs import Knobs
 
-    return plan_pod.Knobs(
+    return Knobs(
         model=_MODEL.value, rows=_ROWS.value, seq=_SEQ.value, slots=_SLOTS.value,
         max_len=_MAX_LEN.value, max_prompt=min(512, _MAX_LEN.value // 2),
     )  # fmt: skip
@@ -69,18 +72,18 @@ def _run_one(name: str) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from streamrl_podplan import plan as plan_pod
+    from streamrl_podplan import programs as programs_lib
+    from streamrl_podplan import reports
 
     device = jax.devices()[0]
     devices = np.array([device])
     k = _knobs()
     training = name in ("accumulate", "apply")
-    programs = (plan_pod.training_programs if training else plan_pod.generation_programs)(
-        k, devices
-    )
+    build = programs_lib.training_programs if training else programs_lib.generation_programs
+    programs = build(k, devices)
     program = next(p for p in programs if p.name == name)
-    hbm = (device.memory_stats() or {}).get("bytes_limit", 0) / plan_pod.GIB
-    predicted = plan_pod.plan_programs([program], hbm or float("inf"))[0]
+    hbm = (device.memory_stats() or {}).get("bytes_limit", 0) / programs_lib.GIB
+    predicted = reports.plan_programs([program], hbm or float("inf"))[0]
     args = _materialize(program.args)
     if not training:  # every slot decoding: the loop runs (an all-free state would not)
         state = args[1]
@@ -153,8 +156,8 @@ def main(argv) -> None:
         benches.append(_bench([sys.executable, "tools/bench_model.py", "--quick",
                                f"--model={shape}"]))  # fmt: skip
     wall = round(time.perf_counter() - t0, 1)
-    print(json.dumps({"check": "device_check_plan", "model": _MODEL.value, "plans": rows,
-                      "benches": benches, "wall_s": wall}))  # fmt: skip
+    print(json.dumps({"check": "streamrl_podplan.device_check", "model": _MODEL.value,
+                      "plans": rows, "benches": benches, "wall_s": wall}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""Simulator figures for docs/simulator.md (PNG, matplotlib).
+"""Simulator figures for docs/podplan.md (PNG, matplotlib).
 
-    python tools/plot_sim.py --out_dir=docs/img
+    python -m streamrl_podplan.figures --out_dir=docs/img
 
 Writes
 * sim_calibration.png: predicted vs paper stream_sync/colocated and stream_async/colocated

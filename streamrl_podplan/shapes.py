@@ -1,19 +1,30 @@
-"""Real models' shapes with random weights, for the benchmarks (`--models=<name>_shape`).
+"""The models a plan is made for, as shapes with no weights: real models' published shapes
+(`SHAPES`, also the benchmarks' `--models=<name>_shape`), "tiny", or the user's own model
+from its Hugging Face `config.json`.
 
-No checkpoint of these is offline here; a benchmark of speed or memory needs only the
-shapes: the widths, depths, heads, vocabulary and the architecture's structure (q/k norms,
-Gemma 3's window pattern, the experts). Each entry is a `ModelConfig` built from the
-published `config.json` of the model named; RoPE scaling and other numerics that move no
-cost are left out.
+No checkpoint of the presets is offline here; a plan or a benchmark of speed or memory
+needs only the shapes: the widths, depths, heads, vocabulary and the architecture's
+structure (q/k norms, Gemma 3's window pattern, the experts). Each preset is a
+`ModelConfig` built from the published `config.json` of the model named; RoPE scaling and
+other numerics that move no cost are left out. A user's `config.json` is read whole, by
+the package's own loader (`streamrl_jax.model.hf_loader.read_hf_config`: the config a
+checkpoint of that directory would load with).
 
-    from model_shapes import SHAPES, model_config   # tools/ is on sys.path for a tool
+    from streamrl_podplan.shapes import SHAPES, model_config
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from streamrl_jax.model import config as config_lib
+from streamrl_jax.model.hf_loader import read_hf_config
+
+# "tiny": the tests' two-layer model at TPU tile sizes (every dimension a multiple of 128,
+# so that tile padding does not blur a hand count of its bytes).
+TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_heads=2,
+            num_kv_heads=1, head_dim=128)  # fmt: skip
 
 _GEMMA3_WINDOWS = tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(26))  # 5 local : 1 global
 
@@ -58,8 +69,28 @@ SHAPES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def model_config(name: str, **overrides: Any) -> config_lib.ModelConfig:
-    """The `ModelConfig` of shape `name` (tied embeddings), with `overrides`."""
-    if name not in SHAPES:
-        raise ValueError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
-    return config_lib.tiny(**{**SHAPES[name], **overrides})
+def model_config(model: str, **overrides: Any) -> config_lib.ModelConfig:
+    """The `ModelConfig` of `model`, with `overrides`.
+
+    Args:
+      model: a shape of `SHAPES` (tied embeddings), "tiny", or a Hugging Face model
+        directory or its `config.json` (no weight is read).
+      **overrides: `ModelConfig` fields to replace (dtypes, remat, context length).
+
+    Raises:
+      ValueError: `model` is none of these.
+      UserError: a `config.json` the loader refuses (named with its path).
+    """
+    if model == "tiny":
+        return config_lib.tiny(**{**TINY, **overrides})
+    if model in SHAPES:
+        return config_lib.tiny(**{**SHAPES[model], **overrides})
+    directory = model
+    if os.path.isfile(model) and os.path.basename(model) == "config.json":
+        directory = os.path.dirname(model)
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        raise ValueError(
+            f"model {model!r}: not a shape ({', '.join(SHAPES)}), tiny, nor a Hugging Face "
+            "model directory or its config.json"
+        )
+    return read_hf_config(directory, **overrides)[0]

@@ -1,9 +1,10 @@
 """Pod-scale simulator CLI: "what will this do on my pod", before any GPU hour.
 
-    python tools/simulate.py --model=qwen2.5-7b --hardware=h800 --devices=32 --max_len=20000
-    python tools/simulate.py --mode=stream_async --trace_out=/tmp/sim_trace.json --per_sample
-    python tools/simulate.py --calibrate            # PAPER.md Fig. 8, 9 settings x 2 ratios
-    python tools/simulate.py --profile=profile.json # measured stage profiles -> samples/s
+    python -m streamrl_podplan.simulate --model=qwen2.5-7b --hardware=h800 --devices=32 \
+        --max_len=20000
+    python -m streamrl_podplan.simulate --mode=stream_async --trace_out=/tmp/t.json --per_sample
+    python -m streamrl_podplan.simulate --calibrate   # PAPER.md Fig. 8, 9 settings x 2 ratios
+    python -m streamrl_podplan.simulate --profile=profile.json  # measured stage profiles
 
 Prints one line per mode (samples/s, devices per stage, busy shares, bubbles by cause) and,
 last, one JSON line. With --calibrate the table of predicted vs paper ratios comes first and
@@ -44,10 +45,10 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of lengths and dispatch.")
 _TRACE_OUT = flags.DEFINE_string("trace_out", None, "Chrome/Perfetto trace path (mode != all).")
 _PER_SAMPLE = flags.DEFINE_bool("per_sample", False, "Trace one span per sample.")
 _CALIBRATE = flags.DEFINE_bool("calibrate", False, "Run the Fig. 8 calibration.")
-_PROFILE = flags.DEFINE_string("profile", None, "Measured-profile JSON (docs/simulator.md).")
+_PROFILE = flags.DEFINE_string("profile", None, "Measured-profile JSON (docs/podplan.md).")
 _COMPILED = flags.DEFINE_string(
     "compiled", None,
-    "A `tools/plan_pod.py --search` output (its JSON line): every stage scaled to the chosen "
+    "A `streamrl_podplan.plan --search` output (its JSON line): every stage scaled to the chosen "
     "plan's compiled costs (simulation/compiled.py); its instance TP and slots are used. "
     "With --calibrate: comma-separated outputs, one per model (its instance, and its "
     "costs where compiled for a TPU).",
@@ -82,7 +83,7 @@ def _scenario(mode: str) -> Scenario:
 
 
 def _compiled_costs(base: Scenario, path: str):
-    """(scenario with the plan's instance, `CompiledCosts`) from a plan_pod JSON line."""
+    """(scenario with the plan's instance, `CompiledCosts`) from a plan's JSON line."""
     chosen = _plan_settings(path)[0].get("chosen") or {}
     if not chosen.get("compiled"):
         raise SystemExit(
@@ -101,7 +102,7 @@ _CALIBRATION_HW = {"h100": "h800", "v5p": "tpu_v5p", "v5e": "tpu_v5e", "v6e": "t
 
 
 def _instances(paths: str) -> dict[str, calibrate.Instance]:
-    """Each model's generation instance from `tools/plan_pod.py --search` outputs."""
+    """Each model's generation instance from `python -m streamrl_podplan.plan --search` outputs."""
     out = {}
     for path in paths.split(","):
         for setting in _plan_settings(path):
@@ -112,7 +113,7 @@ def _instances(paths: str) -> dict[str, calibrate.Instance]:
             max_len = c["max_len"] if c else setting.get("knobs", {}).get("max_len")
             if not max_len:
                 raise SystemExit(
-                    f"--compiled={path}: no max_len (plan_pod had not recorded its knobs)"
+                    f"--compiled={path}: no max_len (the plan had not recorded its knobs)"
                 )
             model = setting["model"].removesuffix("_shape").replace("_", "-")
             hw = setting.get("hardware") or setting.get("topology", "").split(":")[0]
@@ -130,7 +131,7 @@ def _plan_settings(path: str) -> list[dict]:
     with open(path) as f:
         lines = [line for line in f if line.startswith("{")]
     if not lines:
-        raise SystemExit(f"--compiled={path}: no JSON line (tools/plan_pod.py --search's last)")
+        raise SystemExit(f"--compiled={path}: no JSON line (streamrl_podplan.plan --search's last)")
     return json.loads(lines[-1]).get("settings") or [{}]
 
 

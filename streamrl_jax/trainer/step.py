@@ -318,18 +318,6 @@ class StepProgram:
         return self.fn.lower(*self.args)
 
 
-def _placed(tree: object, shardings: object) -> object:
-    """ShapeDtypeStructs of `tree`'s leaves placed by `shardings` (a pytree prefix)."""
-
-    def place(sharding, subtree):  # a sharding may stand for a whole subtree (a prefix)
-        return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), subtree
-        )
-
-    is_sharding = lambda s: isinstance(s, jax.sharding.Sharding)
-    return jax.tree.map(place, shardings, tree, is_leaf=is_sharding)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Trainer:
     """Shardings and jitted step functions of one trained model (policy or critic).
@@ -482,9 +470,11 @@ class Trainer:
         if rows % fsdp:
             raise ValueError(f"rows={rows}: not divisible by the training mesh's fsdp {fsdp}")
         seed = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.scalar_sharding)
-        state = _placed(jax.eval_shape(self._init, seed), self.state_shardings)
-        acc = _placed(jax.eval_shape(self._init_acc), self.acc_shardings)
-        batch = _placed(abstract_batch(rows, seq, self.cfg.routing_replay), self.batch_sharding)
+        state = sharding.placed_structs(jax.eval_shape(self._init, seed), self.state_shardings)
+        acc = sharding.placed_structs(jax.eval_shape(self._init_acc), self.acc_shardings)
+        batch = sharding.placed_structs(
+            abstract_batch(rows, seq, self.cfg.routing_replay), self.batch_sharding
+        )
         scalar = jax.ShapeDtypeStruct((), _F32, sharding=self.scalar_sharding)
         return {
             "init": StepProgram(self._init, (seed,)),

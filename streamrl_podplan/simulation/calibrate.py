@@ -10,7 +10,7 @@ Every setting uses the same `CostParams` (no per-setting factor); the only per-s
 are the paper's: model, device count, length trace.
 
 `run(instances=...)` re-runs it with each model's generation instance as
-`tools/plan_pod.py --search` compiled it (`Instance`: its TP, the slots that fit, the chip
+`streamrl_podplan.plan --search` compiled it (`Instance`: its TP, the slots that fit, the chip
 it was compiled for, and, where the compiler analyses costs (TPU), every stage scaled to the
 compiled programs' FLOPs and bytes: `compiled.CompiledCosts`).
 """
@@ -65,7 +65,7 @@ class Row:
 
 @dataclasses.dataclass(frozen=True)
 class Instance:
-    """A model's generation instance as `tools/plan_pod.py --search` chose and compiled it.
+    """A model's generation instance as `streamrl_podplan.plan --search` chose and compiled it.
 
     Attributes:
       hw: the simulator's hardware preset of the chip compiled for ("h800" stands for an

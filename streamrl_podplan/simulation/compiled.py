@@ -1,6 +1,6 @@
 """The simulator's stage costs rescaled by what the compiler says the programs cost.
 
-`tools/plan_pod.py` compiles the project's own executables for a pod that is not attached
+`streamrl_podplan.plan` compiles the project's own executables for a pod that is not attached
 and reads, per device, each one's FLOPs and bytes accessed (`cost_analysis`). Those put a
 time on each program by the same roofline the simulator uses
 (`max(flops / (peak * mfu), bytes / (hbm_bw * efficiency))`, with `CostParams`' constants),

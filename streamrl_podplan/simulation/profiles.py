@@ -4,7 +4,7 @@ A profile is a JSON file written by a benchmark (`tools/bench_pipeline.py`) that
 measured each stage alone; `predict(profile)` feeds those times to the same schedules as
 the roofline simulation, so its prediction can be compared with the samples/s the
 benchmark measured for each mode. Format (documented with an example in
-docs/simulator.md; every field in seconds or tokens):
+docs/podplan.md; every field in seconds or tokens):
 
     {
       "global_batch": 16,                 # samples per training step

@@ -1,8 +1,9 @@
-"""tools/plan_pod.py's planners on this machine's CPU devices (the TPU topology needs
-libtpu, an optional install; the planners are the same code for any device kind): every
-executable of both roles compiles from abstract inputs placed by the roles' shardings
-and reports its memory. (What a remat policy saves shows on a TPU compile, not in
-XLA:CPU's memory analysis of these tiny programs: BENCHMARKS.md "Pod plans".)"""
+"""The pod planner (`streamrl_podplan.programs`, `reports`, `search`, `shapes`) on this
+machine's CPU devices (the TPU topology needs libtpu, an optional install; the planners
+are the same code for any device kind): every executable of both roles compiles from
+abstract inputs placed by the roles' shardings and reports its memory. (What a remat
+policy saves shows on a TPU compile, not in XLA:CPU's memory analysis of these tiny
+programs: BENCHMARKS.md "Pod plans".)"""
 
 import dataclasses
 import functools
@@ -13,16 +14,16 @@ import jax
 import numpy as np
 import pytest
 
-from streamrl_podplan import plan as plan_pod
+from streamrl_podplan import programs, reports, search, shapes
 
-KNOBS = plan_pod.Knobs(model="tiny", rows=4, seq=64, slots=4, max_prompt=16, max_len=64,
+KNOBS = programs.Knobs(model="tiny", rows=4, seq=64, slots=4, max_prompt=16, max_len=64,
                        chunk_steps=4, prefill_batch=2, dtype="float32")  # fmt: skip
 
 
 def test_both_roles_compile_and_report_their_memory_per_device():
     devices = np.array(jax.devices()[:4])
-    training = plan_pod.plan_training(KNOBS, devices[:2], hbm=1.0)
-    generation = plan_pod.plan_generation(KNOBS, devices[2:3], hbm=1.0)
+    training = reports.plan_training(KNOBS, devices[:2], hbm=1.0)
+    generation = reports.plan_generation(KNOBS, devices[2:3], hbm=1.0)
     assert [r["executable"] for r in training + generation] == [
         "accumulate", "apply", "prefill", "decode_chunk"
     ]  # fmt: skip
@@ -31,9 +32,9 @@ def test_both_roles_compile_and_report_their_memory_per_device():
 
 
 # The same planners for a TPU topology that is not attached (libtpu, a test dependency:
-# pyproject's `test` extra). Dimensions of `plan_pod.TINY` are multiples of 128, so a
+# pyproject's `test` extra). Dimensions of `shapes.TINY` are multiples of 128, so a
 # TPU's tile padding does not blur the hand counts below.
-TPU_KNOBS = plan_pod.Knobs(model="tiny", rows=4, seq=128, slots=8, max_prompt=128, max_len=256,
+TPU_KNOBS = programs.Knobs(model="tiny", rows=4, seq=128, slots=8, max_prompt=128, max_len=256,
                            chunk_steps=4, prefill_batch=2, dtype="float32")  # fmt: skip
 
 
@@ -49,10 +50,10 @@ def _v5p_2x2x1():
 
 def test_a_tpu_plan_reports_what_a_hand_count_of_its_arguments_says():
     devices = _v5p_2x2x1()
-    cfg = plan_pod._model_cfg(TPU_KNOBS)
+    cfg = programs.model_config(TPU_KNOBS)
     n, f32, bf16 = cfg.num_params(), 4, 2
     # Training: FSDP over 2 chips; f32 master weights, two Adam moments, the accumulator.
-    accumulate, apply = plan_pod.plan_training(TPU_KNOBS, devices[:2], hbm=95)
+    accumulate, apply = reports.plan_training(TPU_KNOBS, devices[:2], hbm=95)
     batch = accumulate["arguments_bytes"] - (n * f32 + n * f32) // 2  # weights + accumulator
     assert 0 < batch < 64 * 1024, accumulate  # the micro-batch's 4 x 128 tokens and masks
     # accumulate does not read the moments (jit prunes them), but they stay on the chip
@@ -63,31 +64,31 @@ def test_a_tpu_plan_reports_what_a_hand_count_of_its_arguments_says():
     # Generation: one chip, bf16 weights and KV cache.
     k = TPU_KNOBS
     kv = 2 * cfg.num_layers * k.slots * k.max_len * cfg.num_kv_heads * cfg.head_dim * bf16
-    prefill, chunk = plan_pod.plan_generation(k, devices[2:3], hbm=95)
+    prefill, chunk = reports.plan_generation(k, devices[2:3], hbm=95)
     for r in (prefill, chunk):
         assert r["arguments_bytes"] == pytest.approx(n * bf16 + kv, rel=5e-3), r
         assert r["fits"] and r["peak_bytes"] >= r["arguments_bytes"], r
-    assert plan_pod.verdict("generation", [prefill, chunk]).startswith("generation: fits")
+    assert reports.verdict("generation", [prefill, chunk]).startswith("generation: fits")
 
 
 def test_gate_up_parts_major_spares_the_tpu_a_copy_of_the_mlp_weights():
     # [E, 2, M] ("embed_major", CPU's layout): XLA:TPU re-lays out every layer's gate_up
     # (its minor tile would pad the 2) before the decode chunk's loop, all layers' copies
     # live at once; [2, E, M] (`gate_up_layout="auto"` on TPU) is read as it lies.
-    cfg, devices = plan_pod._model_cfg(TPU_KNOBS), _v5p_2x2x1()[:1]
-    reports = {
-        layout: plan_pod.plan_generation(
+    cfg, devices = programs.model_config(TPU_KNOBS), _v5p_2x2x1()[:1]
+    by_layout = {
+        layout: reports.plan_generation(
             dataclasses.replace(TPU_KNOBS, gate_up_layout=layout), devices, hbm=95
         )
         for layout in ("embed_major", "auto")
     }
     copy = cfg.num_layers * cfg.hidden_size * 2 * cfg.intermediate_size * 2  # bf16
-    for em, pm in zip(reports["embed_major"], reports["auto"], strict=True):
+    for em, pm in zip(by_layout["embed_major"], by_layout["auto"], strict=True):
         assert em["arguments_bytes"] == pm["arguments_bytes"], em["executable"]
         assert pm["peak_bytes"] <= em["peak_bytes"], em["executable"]
     # The decode chunk's peak falls by most of the copy (0.75 of it measured: the
     # compiler overlaps some of the rest); prefill's copies were one layer's at a time.
-    em, pm = reports["embed_major"][1], reports["auto"][1]
+    em, pm = by_layout["embed_major"][1], by_layout["auto"][1]
     assert em["peak_bytes"] - pm["peak_bytes"] >= 0.7 * copy, (em, pm, copy)
 
 
@@ -96,12 +97,12 @@ def test_sequence_parallel_keeps_a_tp_th_of_the_residual_stream_on_each_chip(mon
     # replicated over tp; sequence parallel keeps 1/tp of it a chip. 8 layers x 1 row x
     # 512 x 256 x f32 = 4 MiB, half of it freed at TP 2 (6.70 MB measured: the
     # recomputed block's own activations are sequence-sharded too).
-    monkeypatch.setattr(plan_pod, "TINY", dict(plan_pod.TINY, num_heads=4, num_kv_heads=2,
+    monkeypatch.setattr(shapes, "TINY", dict(shapes.TINY, num_heads=4, num_kv_heads=2,
                                                num_layers=8))  # fmt: skip
-    k = plan_pod.Knobs(model="tiny", rows=2, seq=512, tp=2, remat="full", dtype="float32")
-    cfg, devices = plan_pod._model_cfg(k), _v5p_2x2x1()
+    k = programs.Knobs(model="tiny", rows=2, seq=512, tp=2, remat="full", dtype="float32")
+    cfg, devices = programs.model_config(k), _v5p_2x2x1()
     plain, sp = (
-        plan_pod.plan_training(dataclasses.replace(k, sequence_parallel=on), devices, 95, False)[0]
+        reports.plan_training(dataclasses.replace(k, sequence_parallel=on), devices, 95, False)[0]
         for on in (False, True)
     )
     kept = cfg.num_layers * 1 * k.seq * cfg.hidden_size * 4
@@ -112,8 +113,8 @@ def test_sequence_parallel_keeps_a_tp_th_of_the_residual_stream_on_each_chip(mon
 def test_an_oversized_plan_is_reported_as_not_fitting_with_its_role_and_amount():
     # 2,048 slots x 65,536 positions of the tiny model's KV cache: 128 GiB on a 95 GiB chip.
     k = dataclasses.replace(TPU_KNOBS, slots=2048, max_len=1 << 16, chunk_steps=2)
-    reports = plan_pod.plan_generation(k, _v5p_2x2x1()[:1], hbm=95)
-    line = plan_pod.verdict("generation", reports)
+    got = reports.plan_generation(k, _v5p_2x2x1()[:1], hbm=95)
+    line = reports.verdict("generation", got)
     assert line.startswith("generation: DOES NOT FIT: "), line
     over = float(re.search(r"\((?:at least )?([\d.]+) GiB over\)", line).group(1))
     assert over >= 128 - 95, line
@@ -121,9 +122,9 @@ def test_an_oversized_plan_is_reported_as_not_fitting_with_its_role_and_amount()
 
 def test_the_report_cache_resumes_a_plan_without_compiling_it_again(tmp_path, monkeypatch):
     cache = tmp_path / "reports.jsonl"
-    monkeypatch.setattr(plan_pod, "REPORT_CACHE", cache)
+    monkeypatch.setattr(reports, "REPORT_CACHE", cache)
     devices = np.array(jax.devices()[:2])
-    first = plan_pod.plan_training(KNOBS, devices, hbm=1.0)
+    first = reports.plan_training(KNOBS, devices, hbm=1.0)
     assert len(cache.read_text().splitlines()) == 2  # accumulate and apply
     with cache.open("a") as f:
         f.write('{"key": "cut short by a kill')  # a torn last line is skipped, not fatal
@@ -131,13 +132,13 @@ def test_the_report_cache_resumes_a_plan_without_compiling_it_again(tmp_path, mo
     def no_compile(*args):
         raise AssertionError("compiled again")
 
-    monkeypatch.setattr(plan_pod, "_report", no_compile)
-    assert plan_pod.plan_training(KNOBS, devices, hbm=1.0) == first
+    monkeypatch.setattr(reports, "_report", no_compile)
+    assert reports.plan_training(KNOBS, devices, hbm=1.0) == first
     # Another program (here its micro-batch), another key: compiled, not read.
     with pytest.raises(AssertionError, match="compiled again"):
-        plan_pod.plan_training(dataclasses.replace(KNOBS, rows=2), devices, hbm=1.0)
+        reports.plan_training(dataclasses.replace(KNOBS, rows=2), devices, hbm=1.0)
     with pytest.raises(AssertionError, match="compiled again"):  # another HBM, another verdict
-        plan_pod.plan_training(KNOBS, devices, hbm=2.0)
+        reports.plan_training(KNOBS, devices, hbm=2.0)
 
 
 @pytest.mark.parametrize("depth", [6, pytest.param(5, marks=pytest.mark.extended)])
@@ -149,8 +150,8 @@ def test_the_trainer_cost_is_carried_to_full_depth(depth):
         k, devices = dataclasses.replace(TPU_KNOBS, layers=depth, remat="full"), _v5p_2x2x1()[:2]
     else:
         k, devices = dataclasses.replace(KNOBS, layers=depth), np.array(jax.devices()[:2])
-    flops, bytes_ = plan_pod.training_cost(k, devices, hbm=95)
-    acc = lambda **kw: plan_pod.plan_training(
+    flops, bytes_ = reports.training_cost(k, devices, hbm=95)
+    acc = lambda **kw: reports.plan_training(
         dataclasses.replace(k, **kw), devices, hbm=95, apply=False
     )[0]
     whole, scanned = acc(scan_layers=False), acc()
@@ -191,15 +192,15 @@ def test_the_search_keeps_the_cheapest_fitting_knobs_and_the_fastest_plan(monkey
         need = 10 + k.slots * 1.5 / k.instance_tp
         return [report("prefill", 20, 1e12, 1e10), report("decode_chunk", need, 1e10, 1e10)]
 
-    monkeypatch.setattr(plan_pod, "plan_training", training)
-    monkeypatch.setattr(plan_pod, "plan_generation", generation)
-    monkeypatch.setattr(plan_pod, "training_cost", lambda k, d, h, scanned=None: (1e13, 1e11))
+    monkeypatch.setattr(reports, "plan_training", training)
+    monkeypatch.setattr(reports, "plan_generation", generation)
+    monkeypatch.setattr(reports, "training_cost", lambda k, d, h, scanned=None: (1e13, 1e11))
     space = {"train_devices": 4, "tps": [1, 2, 3], "remats": ["dots_attention", "minimal", "full"],
              "rows_per_replica": [1, 2], "instance_tps": [1, 2], "slots": [128, 64, 32],
              "global_batch": 32, "granularity": 1, "algorithm": "grpo"}  # fmt: skip
     base = dataclasses.replace(KNOBS, max_len=1024, max_prompt=128)
     chips = np.array([types.SimpleNamespace(platform="tpu") for _ in range(8)])
-    got = plan_pod.search(base, chips, 95, "tpu_v5p", space)
+    got = search.search(base, chips, 95, "tpu_v5p", space)
     # TP 3 does not divide 4 training devices; the remat ladder stops at the first fit
     # (each rows option its own: 2 rows a replica fit with `full` only, 80 GiB); the slot
     # ladder too (64 slots of TP 1 need 106 GiB, 32 need 58; TP 2: 128 need 106)
@@ -220,22 +221,22 @@ def test_the_search_keeps_the_cheapest_fitting_knobs_and_the_fastest_plan(monkey
 
 
 def _v6e_search(monkeypatch, model, chips, train_gib, gen_gib, **space):
-    """`plan_pod.search` on `chips` v6e chips with stand-in compile reports (training
+    """`search.search` on `chips` v6e chips with stand-in compile reports (training
     accumulate and apply, generation prefill and decode chunk, GiB) and PPO's space."""
 
     def report(name, need):
         return {"executable": name, "fits": True, "need_gib": need, "flops": 1e12,
                 "bytes_accessed": 1e10}  # fmt: skip
 
-    monkeypatch.setattr(plan_pod, "plan_training", lambda k, d, h, apply=True: [
+    monkeypatch.setattr(reports, "plan_training", lambda k, d, h, apply=True: [
         report("accumulate", train_gib[0]), report("apply", train_gib[1])])  # fmt: skip
-    monkeypatch.setattr(plan_pod, "plan_generation", lambda k, d, h: [
+    monkeypatch.setattr(reports, "plan_generation", lambda k, d, h: [
         report("prefill", gen_gib[0]), report("decode_chunk", gen_gib[1])])  # fmt: skip
-    monkeypatch.setattr(plan_pod, "training_cost", lambda k, d, h, scanned=None: (1e13, 1e11))
+    monkeypatch.setattr(reports, "training_cost", lambda k, d, h, scanned=None: (1e13, 1e11))
     space = {"remats": ["full"], "rows_per_replica": [1], "algorithm": "ppo", **space}
-    base = plan_pod.Knobs(model=model, seq=10752, max_len=10752, max_prompt=512)
+    base = programs.Knobs(model=model, seq=10752, max_len=10752, max_prompt=512)
     devices = np.array([types.SimpleNamespace(platform="tpu") for _ in range(chips)])
-    return plan_pod.search(base, devices, 31.25, "tpu_v6e", space)
+    return search.search(base, devices, 31.25, "tpu_v6e", space)
 
 
 def test_colocated_runs_with_the_slots_left_beside_the_trainer_state(monkeypatch):

@@ -1,4 +1,4 @@
-"""Tests for simulation/calibrate.py (the full 9-setting run lives in tools/simulate.py)."""
+"""Tests for simulation/calibrate.py (the full 9-setting run lives in streamrl_podplan.simulate)."""
 
 import dataclasses
 

@@ -105,8 +105,8 @@ def test_training_fits_from_the_compiled_mesh_up():
 
 
 def test_simulate_cli_takes_a_plans_compiled_costs(tmp_path):
-    # tools/simulate.py --compiled=<plan_pod output>: the roofline's own costs predict the
-    # roofline's step; three times the decode bytes a slower one.
+    # streamrl_podplan.simulate --compiled=<a plan's output>: the roofline's own costs predict
+    # the roofline's step; three times the decode bytes a slower one.
     import json
     import os
     import pathlib

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from support import G_STEP, L, N, run_sim_schedule, sim_costs
+from sim_schedules import G_STEP, L, N, run_sim_schedule, sim_costs
 
 from streamrl_podplan.simulation.inflight import run_inflight
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from support import G_STEP, OPT, SWITCH, SYNC, TRAIN_PER_TOKEN, L, N, run_sim_schedule
+from sim_schedules import G_STEP, OPT, SWITCH, SYNC, TRAIN_PER_TOKEN, L, N, run_sim_schedule
 
 from streamrl_podplan.simulation import pipeline
 
