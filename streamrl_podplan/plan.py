@@ -37,12 +37,12 @@ import numpy as np
 from absl import app, flags
 from jax.experimental import topologies
 
+from streamrl_jax.errors import UserError
 from streamrl_jax.generation.engine_config import GATE_UP_LAYOUTS, KEY_LAYOUTS
-from streamrl_jax.model import config as model_config
-from streamrl_podplan import reports
+from streamrl_jax.model.config import REMAT_POLICIES
+from streamrl_podplan import reports, shapes
 from streamrl_podplan.programs import Knobs
-from streamrl_podplan.search import SIM_HARDWARE, search
-from streamrl_podplan.shapes import SHAPES
+from streamrl_podplan.search import SIM_HARDWARE, search, sim_model
 
 FLAGS = flags.FLAGS
 # Compile-only: no chip is claimed, so processes need not queue on libtpu's lock file.
@@ -102,6 +102,12 @@ def main(argv) -> None:
     settings = QUICK if FLAGS.quick else [(FLAGS.model, FLAGS.topology, {})]
     results = []
     for model, topology, overrides in settings:
+        try:  # a model that is none, a config.json the loader refuses, or a MoE to search
+            cfg = shapes.model_config(model)  # (the simulator's cost model is dense): refused
+            if FLAGS.search or FLAGS.quick:  # before any compile
+                sim_model(cfg, model)
+        except (ValueError, UserError) as e:
+            sys.exit(f"--model={model}: {e}")
         devices, hbm, hw_name = _topology(topology, FLAGS.chip_config)
         n_train = FLAGS.train_devices or len(devices) // 2
         if not 0 < n_train < len(devices) or n_train % FLAGS.tp:
@@ -157,7 +163,7 @@ def _define_flags() -> None:
     flags.DEFINE_string(
         "model",
         "qwen3_0.6b_shape",
-        f"A shape ({', '.join(SHAPES)}), tiny, or a Hugging Face model directory or its "
+        f"A shape ({', '.join(shapes.SHAPES)}), tiny, or a Hugging Face model directory or its "
         "config.json (the user's own model: its shapes, no weights).",
     )
     flags.DEFINE_string(
@@ -175,7 +181,7 @@ def _define_flags() -> None:
     flags.DEFINE_integer("seq", 2048, "Columns of a training micro-batch.")
     flags.DEFINE_string("dtype", "bfloat16", "Training compute dtype.")
     flags.DEFINE_string("param_dtype", "float32", "Training master-weight dtype.")
-    flags.DEFINE_string("remat", "dots_attention", f"model.remat: {model_config.REMAT_POLICIES}.")
+    flags.DEFINE_string("remat", "dots_attention", f"model.remat: {REMAT_POLICIES}.")
     flags.DEFINE_bool(
         "sequence_parallel",
         False,
