@@ -184,6 +184,19 @@ def spec_table(state: Any, mesh: Mesh, role: str | Rules) -> dict[str, Partition
     return {_path_name(p): v.get_value().spec for p, v in flat}
 
 
+def placed_structs(tree: Any, shardings: Any) -> Any:
+    """ShapeDtypeStructs of `tree`'s leaves (arrays or structs) placed by `shardings` (a
+    pytree prefix of `tree`): what an ahead-of-time lowering takes instead of arrays."""
+
+    def place(sharding, subtree):  # a sharding may stand for a whole subtree (a prefix)
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), subtree
+        )
+
+    is_sharding = lambda s: isinstance(s, jax.sharding.Sharding)
+    return jax.tree.map(place, shardings, tree, is_leaf=is_sharding)
+
+
 def init_sharded(
     make_module: Callable[[], nnx.Module], mesh: Mesh, role: str | Rules
 ) -> tuple[nnx.GraphDef, nnx.State]:

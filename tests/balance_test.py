@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from streamrl_jax.scheduling import balance, lengths
-from streamrl_jax.simulation import hardware, simulator, stages
-from streamrl_jax.simulation.scenario import Scenario
+from streamrl_podplan.simulation import hardware, simulator, stages
+from streamrl_podplan.simulation.scenario import Scenario
 
 
 def test_single_pool_balances_the_stages():

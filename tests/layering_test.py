@@ -8,13 +8,15 @@ modules, and checks:
   order written once here and in README.md);
 * no cycle between packages (a package is a top-level module or subpackage),
   and none between modules;
-* the live code never imports `simulation/` (only tools/ and tests/ do), and
-  `algorithms/` never imports `model/` (RL maths work on arrays);
+* `algorithms/` never imports `model/` (RL maths work on arrays);
+* the package never imports the pod planner (`streamrl_podplan`, beside it: it plans
+  with the package's programs, the package runs without it);
 * inside `pipeline/`, the seams hold (`seam_violations`): the core imports a rollout
   kind only through the registry or the protocol, a kind imports the protocol and
   below, and the Rollout protocol reaches neither the endpoint nor the environments;
-* no file of `tests/` imports a test module (`*_test`): shared test code lives in
-  `tests/support.py` or a `conftest.py` fixture (STYLE.md "Tests mirror modules").
+* no file of `tests/` (sub-folders too) imports a test module (`*_test`): shared test
+  code lives in a support module (`tests/support.py`, `tests/podplan/sim_schedules.py`)
+  or a `conftest.py` fixture (STYLE.md "Tests mirror modules").
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ LAYERS = (
         "console",
         "distributed",
     ),
-    ("simulation",),
     ("pipeline",),
     ("launch",),
 )
@@ -67,7 +68,7 @@ PROTOCOL = f"{ROLLOUTS}.protocol"
 # never reaches these, directly or through what it imports.
 KITS = ("streamrl_jax.endpoint", "streamrl_jax.environments")
 PROCESSES = "streamrl_jax.pipeline.processes"
-ONLY_FROM_OUTSIDE = {"simulation"}  # imported by tools/ and tests/, never by the package
+PLANNER = "streamrl_podplan"  # the pod planner: it imports the package, never the reverse
 
 
 def _modules() -> dict[str, str]:
@@ -201,9 +202,37 @@ def test_imports_go_down_the_layers(module):
             bad.append(f"{target} (layer {_layer(other)} above {unit}'s {_layer(unit)})")
         elif (unit, other) in FORBIDDEN:
             bad.append(f"{target} ({unit} must not import {other})")
-        elif other in ONLY_FROM_OUTSIDE:
-            bad.append(f"{target} (only tools/ and tests/ import {other})")
     assert not bad, f"{module} imports upward or across a rule: {bad}"
+
+
+def planner_imports(source: str, filename: str) -> list[str]:
+    """The pod planner's modules `source` imports (function-level imports too)."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.append(node.module)
+    return sorted(n for n in found if n == PLANNER or n.startswith(PLANNER + "."))
+
+
+def test_the_package_never_imports_the_pod_planner():
+    bad = []
+    for module, path in sorted(MODULES.items()):
+        with open(path, encoding="utf-8") as f:
+            bad += [f"{module} imports {m}" for m in planner_imports(f.read(), path)]
+    assert not bad, f"streamrl_jax runs without the pod planner: {bad}"
+
+
+def test_the_planner_rule_fails_on_an_injected_violation():
+    # Both import forms, inside a function too; a module merely named alike is no violation.
+    probe = (
+        "import os\nfrom streamrl_podplan import plan\n"
+        "def f():\n    import streamrl_podplan.simulation.hardware\n"
+    )
+    want = ["streamrl_podplan", "streamrl_podplan.simulation.hardware"]
+    assert planner_imports(probe, "probe") == want
+    assert planner_imports("import streamrl_podplanner\nfrom streamrl_jax import mesh\n", "p") == []
 
 
 def test_no_cycle_between_packages():
@@ -293,9 +322,11 @@ def test_no_test_file_imports_another_test_file():
     probe = "from a_test import x\nimport os\ndef f():\n    import b_test\n"
     assert _test_modules_imported(probe, "probe") == {"a_test", "b_test"}
     bad = []
-    for name in sorted(os.listdir(TESTS)):
-        if name.endswith(".py"):
-            with open(os.path.join(TESTS, name), encoding="utf-8") as f:
+    for folder, _, files in os.walk(TESTS):
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            with open(path, encoding="utf-8") as f:
                 imported = _test_modules_imported(f.read(), name)
-            bad += [f"tests/{name} imports {m}" for m in sorted(imported)]
-    assert not bad, f"shared test code belongs in tests/support.py or conftest.py: {bad}"
+            rel = os.path.relpath(path, os.path.dirname(TESTS))
+            bad += [f"{rel} imports {m}" for m in sorted(imported)]
+    assert not bad, f"shared test code belongs in a support module or conftest.py: {bad}"

@@ -239,6 +239,34 @@ def test_compilations_bounded_by_buckets(single):
     assert hash(single.spec) == hash(dataclasses.replace(single.spec))
 
 
+def test_programs_compile_ahead_of_time_to_the_steps_the_trainer_runs(single):
+    # `Trainer.programs`: what the pod planner compiles for a pod that is not attached. Its
+    # abstract arguments are the placed ones (an AOT executable refuses any other
+    # sharding or shape) and its executables compute what `accumulate` / `apply` do.
+    programs = single.programs(8, 32)
+    assert set(programs) == {"init", "accumulate", "apply"}
+    state = single.init_state(0)
+    host = make_batch(**_samples(), seq_buckets=CFG.seq_buckets, batch_buckets=CFG.batch_buckets)
+    batch, one = single.place_batch(host), single.scalar(1.0)
+    placed = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), tree)
+    _, abstract_acc, abstract_batch_, _ = programs["accumulate"].args
+    assert placed(programs["accumulate"].args[0]) == placed(state)
+    assert placed(abstract_acc) == placed(single.init_accumulator())
+    assert placed(abstract_batch_) == placed(batch)
+    accumulate = programs["accumulate"].lower().compile()
+    want_acc, want_m = single.accumulate(state, single.init_accumulator(), batch, one)
+    got_acc, got_m = accumulate(state, single.init_accumulator(), batch, one)
+    assert _max_diff(got_acc.grads, want_acc.grads) == 0.0
+    assert jax.device_get(got_m) == jax.device_get(want_m)
+    apply = programs["apply"].lower().compile()
+    got_state, _, _ = apply(single.init_state(0), got_acc, one)
+    want_state, _, _ = single.apply(single.init_state(0), want_acc, one)
+    assert _max_diff(got_state.params, want_state.params) == 0.0
+    init = programs["init"].lower().compile()
+    seed = jax.device_put(np.int32(0), single.scalar_sharding)
+    assert _max_diff(init(seed).params, state.params) == 0.0
+
+
 def test_zero_advantage_gives_zero_policy_gradient(single):
     algorithm = dataclasses.replace(CFG.algorithm, kl_coef=0.0, entropy_coef=0.0)
     plain = make_policy_trainer(model_config.tiny(), CFG.replace(algorithm=algorithm), single.mesh)

@@ -47,8 +47,6 @@ import numpy as np
 from absl import app, flags, logging
 from flax import nnx
 from jax.sharding import Mesh
-from model_shapes import SHAPES  # tools/, beside this file
-from model_shapes import model_config as shape_config
 
 from streamrl_jax.generation.engine import Engine, EngineConfig
 from streamrl_jax.generation.engine_config import CPU_DOTS, DECODE_ATTENTION
@@ -56,6 +54,8 @@ from streamrl_jax.generation.types import GenerationRequest, SamplingParams
 from streamrl_jax.model import config as model_config
 from streamrl_jax.model import llama
 from streamrl_jax.model.loader import single_device_mesh
+from streamrl_podplan.shapes import SHAPES
+from streamrl_podplan.shapes import model_config as shape_config
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "Small sizes (<= 5 minutes on 2 CPU cores).")
@@ -138,7 +138,7 @@ _SIZES = {
     ("smollm2", True): Size(48, 8, 64, 8, 4, 4),
     ("smollm2", False): Size(96, 16, 256, 32, 8, 4),
 }
-# Random weights in a real model's shapes (tools/model_shapes.py).
+# Random weights in a real model's shapes (streamrl_podplan/shapes.py).
 _SIZES.update({(m, q): _SIZES[("smollm2", q)] for m in SHAPES for q in (True, False)})
 _MODELS = ("tiny", "smollm2", *SHAPES)
 
@@ -417,7 +417,7 @@ def bench_model(name: str, quick: bool) -> dict:
 
 def load_model(name: str, mesh: Mesh, max_total: int):
     """(model config, graphdef, params, stop ids): tiny random, SmolLM2 from its GGUF, or
-    a real model's shapes with random weights (tools/model_shapes.py)."""
+    a real model's shapes with random weights (streamrl_podplan/shapes.py)."""
     if name == "tiny" or name in SHAPES:
         if name in SHAPES:
             cfg = shape_config(name, max_position_embeddings=max_total)

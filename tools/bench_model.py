@@ -4,7 +4,7 @@
     python tools/bench_model.py             # longer sequences, more repeats
     PYTHONPATH=. python tools/bench_model.py --quick --model=moe_1b_a400m_shape  # a shape
 
-`--model` takes a checkpoint or one of tools/model_shapes.py's real shapes with random
+`--model` takes a checkpoint or one of streamrl_podplan/shapes.py's real shapes with random
 weights (Qwen3, Llama 3.2, Gemma 3, a 32-expert MoE). For a mixture of experts the
 credited FLOPs are the selected experts' (`ModelConfig.flops_per_token`), so the fraction
 of peak counts what a grouped kernel must compute, not what XLA:CPU's dense `ragged_dot`
@@ -41,19 +41,19 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 from flax import nnx
-from model_shapes import SHAPES  # tools/, beside this file
-from model_shapes import model_config as shape_config
 
 from streamrl_jax.generation import decoder
 from streamrl_jax.generation.engine_config import EngineConfig
 from streamrl_jax.model import llama
 from streamrl_jax.model.defaults import smollm2_gguf_path
 from streamrl_jax.model.loader import load_pretrained
+from streamrl_podplan.shapes import SHAPES
+from streamrl_podplan.shapes import model_config as shape_config
 
 _MODEL = flags.DEFINE_string(
     "model",
     None,
-    "HF directory, .gguf, or a real model's shape with random weights (tools/model_shapes.py: "
+    "HF directory, .gguf, or a real model's shape with random weights (streamrl_podplan/shapes.py: "
     f"{', '.join(SHAPES)}); default: SmolLM2-135M.",
 )
 _QUICK = flags.DEFINE_bool("quick", False, "Short run (<= 5 min on 2 CPU cores).")

@@ -70,14 +70,14 @@ multi-controller benchmark.
 Simulator validation (DESIGN.md / issue: pod-scale simulator): from the
 `disaggregated_batch` run (stages alone) and the `colocated` run the bench
 writes a measured profile, `--workdir/profile.json` (format in
-streamrl_jax/simulation/profiles.py): decode seconds per step and per prefilled
+streamrl_podplan/simulation/profiles.py): decode seconds per step and per prefilled
 prompt (least squares over the instance's chunk spans), trainer seconds per
 token (micro-batch spans / their tokens), optimizer and weight-sync seconds,
 the colocated side's scale factors, and the replayed lengths from
 samples.jsonl. It then predicts every mode's samples/s with the same
 discrete-event schedules the pod simulator uses and reports the relative
 error against the measured rates (`sim_rel_error`, `sim_max_abs_rel_error`).
-`python tools/simulate.py --profile=DIR/profile.json` re-runs the prediction.
+`python -m streamrl_podplan.simulate --profile=DIR/profile.json` re-runs the prediction.
 
 The "inflight" mode: stream_async with `weight_update="inflight"`
 and partial rollout (`partial_budget_tokens` = max_new_tokens / 4, `max_lag` = s + 3,
@@ -486,7 +486,7 @@ def _simulate(out: dict, cfg, per_mode: dict) -> None:
     (`sim_predicted_sps`, `sim_rel_error`) to `out`. `cfg`: the runs' shared settings."""
     if not {"colocated", "disaggregated_batch"} <= set(per_mode):
         return
-    from streamrl_jax.simulation import profiles
+    from streamrl_podplan.simulation import profiles
 
     profile = _profile(cfg, _WORKDIR.value, {m: v["samples_per_s"] for m, v in per_mode.items()})
     path = os.path.join(_WORKDIR.value, "profile.json")

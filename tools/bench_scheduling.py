@@ -75,10 +75,10 @@ from streamrl_jax.generation.types import GenerationRequest, SamplingParams
 from streamrl_jax.model.loader import single_device_mesh
 from streamrl_jax.scheduling import balance, dispatch, length_data, lengths, rank_metrics
 from streamrl_jax.scheduling.ranker import RankerConfig
-from streamrl_jax.simulation import generation as sim_gen
-from streamrl_jax.simulation import hardware, simulator
-from streamrl_jax.simulation.dispatch import ranker_scores
-from streamrl_jax.simulation.scenario import Scenario
+from streamrl_podplan.simulation import generation as sim_gen
+from streamrl_podplan.simulation import hardware, simulator
+from streamrl_podplan.simulation.dispatch import ranker_scores
+from streamrl_podplan.simulation.scenario import Scenario
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "Small sizes (<= 5 minutes on 2 CPU cores).")

@@ -4,8 +4,8 @@ Profiles are plain callables, devices -> seconds per global batch: P_gen(x) (gen
 one global batch on x devices, for the current output-length distribution) and
 P_train(y) (training it on y devices). Return `math.inf` where a size is infeasible (the
 training state does not fit). Measured tables give them (`table_profile`), and so does the
-simulator's cost model (`simulation.stages.simulator_profiles`; the simulator imports this
-module, never the reverse).
+simulator's cost model (`streamrl_podplan.simulation.stages.simulator_profiles`; it imports
+this module, never the reverse).
 
 * **Single pool** of n devices (`split_single_pool`): enumerate x generation devices (a
   multiple of the instance size) and y training devices (a multiple of the training unit)

@@ -46,8 +46,8 @@ which is continuous batching with LPT admission played forward on the expected l
 
 Baselines: `RandomDispatcher` (shuffled, dealt in proportion to slot counts, priority 0 so
 an LPT engine degenerates to FIFO) and the oracle (`plan_scores` with the true lengths as
-scores). Pure numpy host code; the simulator (`simulation/dispatch.py`) plans with
-`plan_from_scores` too.
+scores). Pure numpy host code; the pod planner's simulator
+(`streamrl_podplan.simulation.dispatch`) plans with `plan_from_scores` too.
 """
 
 from __future__ import annotations

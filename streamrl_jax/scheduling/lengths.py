@@ -1,7 +1,7 @@
 """Output-length distributions: the paper-shaped traces of the StreamRL length-replay setting.
 
 Live length-replay runs (`data.py`) force each response to a drawn length; the simulator
-(`simulation/`) draws its global batches from the same traces.
+(`streamrl_podplan.simulation`) draws its global batches from the same traces.
 
 PAPER.md describes the "20K" trace: median ~3.2K, mean ~4.9K, P90 ~12-13K, P99 ~19K,
 max 20K tokens; the "10K" and "5K" settings divide every length by 2 and 4. A lognormal
@@ -11,7 +11,7 @@ the maximum and P99 stays below it) fits all four statistics:
     L ~ LogNormal(mu = ln(4170 * scale), sigma = 1.48), truncated to [min_len, max_len]
 
 At scale 1 / max 20K a large sample has median 3.19K, mean 4.92K, P90 12.4K, P99 18.9K
-(least-squares fit of (mu, sigma) to the four statistics; see docs/simulator.md).
+(least-squares fit of (mu, sigma) to the four statistics; see docs/podplan.md).
 
 Prompt lengths: "mostly under 1K tokens"; a lognormal with median 400 clipped to [32, 1024].
 """

@@ -300,6 +300,24 @@ def _compile(
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class StepProgram:
+    """One of the trainer's jitted steps and abstract arguments to lower it on, so that it
+    compiles ahead of time (for a pod that is not attached) with no array made.
+
+    Attributes:
+      fn: the jit, with the trainer's in/out shardings and donation.
+      args: ShapeDtypeStructs placed as the trainer places the step's arguments.
+    """
+
+    fn: Callable
+    args: tuple
+
+    def lower(self) -> jax.stages.Lowered:
+        """`fn` lowered on `args`."""
+        return self.fn.lower(*self.args)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Trainer:
     """Shardings and jitted step functions of one trained model (policy or critic).
@@ -435,6 +453,34 @@ class Trainer:
     def scalar(self, value: float) -> jax.Array:
         """An explicit f32[] device scalar (normalisers)."""
         return jax.device_put(np.float32(value), self.scalar_sharding)
+
+    def programs(self, rows: int, seq: int) -> dict[str, StepProgram]:
+        """The optimizer step's programs at one micro-batch shape, ready to lower.
+
+        Args:
+          rows: micro-batch rows (a multiple of the mesh's "fsdp" size).
+          seq: micro-batch columns.
+
+        Returns:
+          `{"init": seed -> state, "accumulate": (state, acc, batch, normalizer),
+          "apply": (state, acc, normalizer_total)}`: the jits `init_state`, `accumulate`
+          and `apply` call, each with abstract arguments in the trainer's shardings.
+        """
+        fsdp = self.mesh.shape.get("fsdp", 1)
+        if rows % fsdp:
+            raise ValueError(f"rows={rows}: not divisible by the training mesh's fsdp {fsdp}")
+        seed = jax.ShapeDtypeStruct((), jnp.int32, sharding=self.scalar_sharding)
+        state = sharding.placed_structs(jax.eval_shape(self._init, seed), self.state_shardings)
+        acc = sharding.placed_structs(jax.eval_shape(self._init_acc), self.acc_shardings)
+        batch = sharding.placed_structs(
+            abstract_batch(rows, seq, self.cfg.routing_replay), self.batch_sharding
+        )
+        scalar = jax.ShapeDtypeStruct((), _F32, sharding=self.scalar_sharding)
+        return {
+            "init": StepProgram(self._init, (seed,)),
+            "accumulate": StepProgram(self._accumulate, (state, acc, batch, scalar)),
+            "apply": StepProgram(self._apply, (state, acc, scalar)),
+        }
 
 
 def build_trainer(
