@@ -14,7 +14,16 @@ from streamrl_jax.model import config, llama
 
 
 @pytest.mark.parametrize("attention", decoder.ATTENTION)
-@pytest.mark.parametrize("overrides", [{}, {"qkv_bias": True, "tie_embeddings": False}])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"qkv_bias": True, "tie_embeddings": False},
+        # Qwen2's windows: a global layer, then one whose window (3) the prompts (5) and
+        # the decoded sequences (11) outgrow; one RoPE for both (as Mistral's, Qwen2's)
+        {"qkv_bias": True, "layer_windows": (0, 3)},
+    ],
+)
 def test_prefill_then_decode_equals_the_full_forward(overrides, attention):
     """A prefill and six greedy decode steps of `GenModel`, with either decode attention
     form, give at every position the logits of the training model's full-sequence

@@ -76,6 +76,14 @@ FAMILIES = {
         "MixtralForCausalLM",
         dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
     ),
+    # Sliding windows (4: shorter than the test's prompts and sequences) on every layer
+    # (Mistral), and from layer `max_window_layers` on (Qwen2, with its q/k/v biases)
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=4)),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    ),
     # Llama 3.2 (1B/3B): tied embeddings and llama3 RoPE scaling
     "llama3.2": (
         "LlamaConfig",
@@ -84,11 +92,13 @@ FAMILIES = {
     ),
 }
 _TOKENS = np.random.default_rng(0).integers(0, 128, size=(2, 12)).astype(np.int32)
+# Each family's layer windows as its config above sets them (0: a global layer).
+_WINDOWS = {"gemma3": (4, 0, 4, 0), "mistral": (4, 4), "qwen2": (0, 4)}
 
 
-# The engine tests of these families run with -m extended (the suite's budget): qwen3
-# and qwen3_moe cover what they add.
-_ENGINE_EXTENDED = ("qwen3_untied", "mixtral")
+# The engine tests of these families run with -m extended (the suite's budget): qwen3,
+# qwen3_moe and qwen2 (global and windowed layers) cover what they add.
+_ENGINE_EXTENDED = ("qwen3_untied", "mixtral", "mistral")
 ENGINE_FAMILIES = [
     pytest.param(f, marks=pytest.mark.extended) if f in _ENGINE_EXTENDED else f
     for f in sorted(FAMILIES)
@@ -117,7 +127,7 @@ def test_logits_match_transformers_at_every_position(family):
     pre = load_pretrained(d)
     assert pre.cfg.qk_norm == name.startswith(("qwen3", "gemma3"))
     assert bool(pre.cfg.num_experts) == (name in ("qwen3_moe", "mixtral"))
-    assert bool(pre.cfg.layer_windows) == (name == "gemma3")
+    assert pre.cfg.layer_windows == _WINDOWS.get(name, ())
     with torch.no_grad():
         ref = model(torch.from_numpy(_TOKENS).long()).logits.float().numpy()
     assert np.abs(ref).max() > 1.0  # the comparison is not between near-zero logits

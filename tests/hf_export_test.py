@@ -5,6 +5,7 @@ checkpoint's own config copied)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -41,6 +42,19 @@ def test_a_merged_lora_export_reads_back_with_the_adapted_logits(tmp_path):
     back = load_pretrained(out)
     assert back.cfg.lora_rank == 0 and back.cfg.num_layers == cfg.num_layers
     np.testing.assert_allclose(_logits(back.model()), want, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(_hf_logits(out), want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_model_with_qkv_biases_exports_as_qwen2(tmp_path):
+    # not as a Llama `attention_bias`, whose output projection bias is not in the weights
+    cfg = model_config.tiny(vocab_size=128, qkv_bias=True)
+    model = llama.create(cfg, seed=1)
+    biased = jax.tree.map(lambda x: x + 0.05, nnx.state(model, nnx.Param))
+    nnx.update(model, biased)  # non-zero biases, so that they matter
+    want = _logits(model)
+    out = hf_export.export(model, cfg, str(tmp_path / "export"))
+    assert load_pretrained(out).cfg.qkv_bias
+    np.testing.assert_allclose(_logits(load_pretrained(out).model()), want, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(_hf_logits(out), want, atol=1e-4, rtol=1e-4)
 
 

@@ -280,6 +280,23 @@ def test_unknown_architecture(tmp_path, llama_dir, tiny_gguf):
         load_pretrained(path)
 
 
+@pytest.mark.parametrize(
+    "key,value",
+    [("rope.scaling.type", "linear"), ("rope.dimension_count", 8),
+     ("attention.sliding_window", 4)],
+)  # fmt: skip
+def test_gguf_metadata_the_reader_does_not_map_is_refused_by_name(key, value):
+    from streamrl_jax.model.gguf_loader import config_from_metadata
+
+    meta = {"general.architecture": "llama", "llama.embedding_length": 64,
+            "llama.attention.head_count": 4, "llama.feed_forward_length": 112,
+            "llama.block_count": 2, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+            "llama.vocab_size": 128, "llama.rope.dimension_count": 16}  # fmt: skip
+    assert config_from_metadata(meta, set(), "m.gguf").head_dim == 16
+    with pytest.raises(ValueError, match=f"m.gguf: GGUF metadata llama.{key}={value!r}"):
+        config_from_metadata(meta | {f"llama.{key}": value}, set(), "m.gguf")
+
+
 def test_config_weights_shape_mismatch(tmp_path, llama_dir):
     shutil.copytree(llama_dir[0], tmp_path / "m")
     cfg_path = tmp_path / "m" / "config.json"

@@ -15,11 +15,13 @@ One frozen dataclass covers the families; they differ only in
   `moe_intermediate_size`, each token sent to its top `experts_per_token` by a linear
   router (softmax over all experts, then the top k, renormalised when
   `norm_topk_prob`; Mixtral always renormalises);
+* Mistral, Mixtral, and Qwen2 / Qwen3 / Qwen3-MoE with `use_sliding_window`: sliding
+  windows on every layer or on some (`layer_windows`, with the global RoPE);
 * SmolLM2 (and Llama-3.2 small models): tied input/output embeddings;
 * Llama-3.1+: the "llama3" RoPE frequency scaling (`rope_scaling`).
 
-`from_hf_config` reads a Hugging Face `config.json` dict; `from_gguf_metadata`
-lives with the GGUF loader.
+`from_hf_config` reads a Hugging Face `config.json` dict (what it does with each field:
+`model/hf_fields.py`); `from_gguf_metadata` lives with the GGUF loader.
 """
 
 from __future__ import annotations
@@ -29,22 +31,17 @@ import math
 from typing import Any
 
 import jax.numpy as jnp
+from absl import logging
 
+from streamrl_jax.model import hf_fields
 from streamrl_jax.model.lora import TARGETS as LORA_TARGETS
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # What the backward keeps of a decoder block (`ModelConfig.remat`, `Llama._run_blocks`).
 REMAT_POLICIES = ("dots_attention", "minimal", "full", "none")
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "MistralForCausalLM",
-    "Gemma3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "MixtralForCausalLM",
-)
-_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_moe", "mixtral")
+# architecture -> family (its `model_type`)
+_FAMILIES = {fields.architecture: name for name, fields in hf_fields.FAMILIES.items()}
+SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 MLP_ACTS = ("silu", "gelu_tanh")
 # The integer dimensions of `ModelConfig` that fix parameter shapes.
 SHAPE_FIELDS = (
@@ -328,105 +325,209 @@ def tiny(**overrides: Any) -> ModelConfig:
 def from_hf_config(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     """Builds a ModelConfig from a Hugging Face `config.json` dict.
 
+    Every field is honoured, refused or ignored as `model.hf_fields` lists it per family;
+    a field it does not list is logged.
+
     Raises:
-      ValueError: for an architecture outside the Llama family or a missing field.
+      ValueError: an architecture outside the supported families, a missing field, or a
+        field (or value) the decoder does not build, naming it.
     """
     archs = hf.get("architectures") or [hf.get("model_type", "?")]
     arch = archs[0]
     model_type = hf.get("model_type", "")
-    if arch not in SUPPORTED_ARCHITECTURES and model_type not in _MODEL_TYPES:
+    family = model_type if model_type in hf_fields.FAMILIES else _FAMILIES.get(arch)
+    if family is None:
         raise ValueError(
             f"config.json: unknown architecture {arch!r} (model_type={model_type!r}); "
             f"supported: {SUPPORTED_ARCHITECTURES}"
         )
+    unknown = hf_fields.check(hf, family, arch)
+    if unknown:
+        logging.warning(
+            "config.json: %s fields this loader does not know, not read: %s "
+            '(docs/model.md, "config.json fields")',
+            arch,
+            ", ".join(unknown),
+        )
     try:
         hidden = int(hf["hidden_size"])
         heads = int(hf["num_attention_heads"])
-        rope_scaling = None
-        # transformers >= 5 writes `rope_parameters` (theta inside it); older
-        # versions write `rope_scaling` and a top-level `rope_theta`.
-        rs = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-        local_rs = {}
-        if "full_attention" in rs:  # per layer type (Gemma 3, transformers >= 5)
-            rs, local_rs = rs["full_attention"] or {}, rs.get("sliding_attention") or {}
-        rope_theta = hf.get("rope_theta", rs.get("rope_theta", 10000.0))
-        kind = rs.get("rope_type", rs.get("type", "default"))
-        if kind == "llama3":
-            rope_scaling = RopeScaling(
-                factor=float(rs["factor"]),
-                low_freq_factor=float(rs["low_freq_factor"]),
-                high_freq_factor=float(rs["high_freq_factor"]),
-                original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
-            )
-        elif kind == "linear":
-            rope_scaling = RopeScaling(rope_type="linear", factor=float(rs["factor"]))
-        elif kind not in ("default", None):
-            raise ValueError(f"config.json: unsupported rope_scaling type {kind!r}")
+        n = int(hf["num_hidden_layers"])
+        rope_theta, rope_scaling, local_rs = _rope(hf)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         cfg = dict(
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            num_layers=n,
             num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads", heads)),
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(hf.get("head_dim") or hidden // heads),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3" or arch == "Qwen3ForCausalLM",
+            qkv_bias=family == "qwen2",  # always there: transformers' Qwen2 has no switch
+            qk_norm=family == "qwen3",
+            layer_windows=_windows(hf, family, n),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
-        if model_type == "gemma3_text" or arch == "Gemma3ForCausalLM":
+        if family == "gemma3_text":
             cfg.update(_gemma3(hf, local_rs))
-        if model_type in ("qwen3_moe", "mixtral") or arch in (
-            "Qwen3MoeForCausalLM",
-            "MixtralForCausalLM",
-        ):
-            cfg.update(_moe(hf, mixtral=model_type == "mixtral" or arch == "MixtralForCausalLM"))
+        else:
+            act = hf.get("hidden_act", "silu")
+            if act not in ("silu", "swish"):  # one function (SiLU) under both names
+                raise ValueError(f"config.json: hidden_act={act!r} is not supported for {arch}")
+        if family in ("qwen3_moe", "mixtral"):
+            cfg.update(_moe(hf, mixtral=family == "mixtral"))
     except KeyError as e:
         raise ValueError(f"config.json: missing required field {e.args[0]!r}") from None
     cfg.update(overrides)
     return ModelConfig(**cfg)
 
 
-def _gemma3(hf: dict[str, Any], local_rope: dict[str, Any]) -> dict[str, Any]:
-    """The Gemma 3 (text) fields of a `config.json` beyond the Llama ones.
+# The keys each RoPE kind reads besides its kind and base (`layers.rope_inv_freq`).
+_ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None, dict[str, Any]]:
+    """(base, scaling, the sliding layers' RoPE dict) of a `config.json`.
+
+    transformers >= 5 writes `rope_parameters` (the base inside it; Gemma 3's per layer
+    type); older versions `rope_scaling` and a top-level `rope_theta`.
 
     Raises:
-      ValueError: logit soft-capping (Gemma 2's; not built), or layer types this
-        decoder does not know.
+      ValueError: a RoPE kind other than default, linear and llama3, or a key its kind
+        does not read (e.g. `partial_rotary_factor` < 1), naming it.
     """
-    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if hf.get(name) is not None:
-            raise ValueError(f"config.json: {name}={hf[name]} is not supported")
+    where = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    rs = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    local_rs = {}
+    if "full_attention" in rs:  # per layer type (Gemma 3, transformers >= 5)
+        rs, local_rs = rs["full_attention"] or {}, rs.get("sliding_attention") or {}
+        if _rope_kind(local_rs, f"{where}.sliding_attention") != "default":
+            raise ValueError(
+                f"config.json: {where}.sliding_attention RoPE scaling "
+                f"{local_rs.get('rope_type')!r} is not supported (only the global layers')"
+            )
+        where += ".full_attention"
+    rope_theta = hf.get("rope_theta", rs.get("rope_theta", 10000.0))
+    kind = _rope_kind(rs, where)
+    if kind == "llama3":
+        return rope_theta, RopeScaling(
+            factor=float(rs["factor"]),
+            low_freq_factor=float(rs["low_freq_factor"]),
+            high_freq_factor=float(rs["high_freq_factor"]),
+            original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+        ), local_rs  # fmt: skip
+    if kind == "linear":
+        return rope_theta, RopeScaling(rope_type="linear", factor=float(rs["factor"])), local_rs
+    return rope_theta, None, local_rs
+
+
+def _rope_kind(rs: dict[str, Any], where: str) -> str:
+    """The RoPE kind of one RoPE dict, refusing one this decoder does not build and any
+    key its kind does not read."""
+    kind = rs.get("rope_type", rs.get("type")) or "default"
+    if kind not in _ROPE_KEYS:
+        raise ValueError(
+            f"config.json: unsupported {where} type {kind!r} (supported: {tuple(_ROPE_KEYS)})"
+        )
+    read = {"rope_type", "type", "rope_theta", *_ROPE_KEYS[kind]}
+    for key in sorted(set(rs) - read):
+        if key == "partial_rotary_factor" and rs[key] in (1, 1.0):
+            continue
+        raise ValueError(f"config.json: {where}.{key}={rs[key]!r} is not supported ({kind} RoPE)")
+    return kind
+
+
+def _layer_types(types: list[str], n: int) -> list[str]:
+    """`layer_types` checked: one of full/sliding attention per layer."""
+    if set(types) - {"full_attention", "sliding_attention"} or len(types) != n:
+        raise ValueError(f"config.json: layer_types {types!r} (expected {n} of full/sliding)")
+    return types
+
+
+def _window(hf: dict[str, Any]) -> int:
+    w = hf["sliding_window"]
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+        raise ValueError(f"config.json: sliding_window={w!r}; expected an int >= 1 or null")
+    return w
+
+
+def _windows(hf: dict[str, Any], family: str, n: int) -> tuple[int, ...]:
+    """Each layer's sliding window (0: global) of a Mistral, Mixtral, Qwen2, Qwen3 or
+    Qwen3-MoE `config.json`, as transformers reads it (Gemma 3's: `_gemma3`); () when
+    no layer slides.
+
+    Mistral and Mixtral: every layer slides when `sliding_window` is set. Qwen2 and
+    Qwen3: `sliding_window` counts only with `use_sliding_window`, on the layers
+    `layer_types` names "sliding_attention", by default those from `max_window_layers`
+    on (the first `max_window_layers` stay global). Qwen3-MoE: every layer slides with
+    `use_sliding_window` (transformers' Qwen3-MoE does not read `max_window_layers`).
+
+    Raises:
+      ValueError: a window that is not a positive int, or sliding layers named with no
+        window (transformers fails there too).
+    """
+    if family in ("mistral", "mixtral", "qwen3_moe"):
+        on = hf.get("sliding_window") is not None
+        if family == "qwen3_moe":
+            on = on and bool(hf.get("use_sliding_window", False))
+        return (_window(hf),) * n if on else ()
+    if family not in ("qwen2", "qwen3"):
+        return ()
+    on = bool(hf.get("use_sliding_window", False)) and hf.get("sliding_window") is not None
+    types = hf.get("layer_types")
+    if types is None:
+        first = int(hf.get("max_window_layers", 28))
+        types = ["sliding_attention" if on and i >= first else "full_attention" for i in range(n)]
+    if "sliding_attention" not in _layer_types(types, n):
+        return ()
+    if not on:
+        raise ValueError(
+            "config.json: layer_types names sliding_attention layers, but there is no window "
+            f"(use_sliding_window={hf.get('use_sliding_window')!r}, "
+            f"sliding_window={hf.get('sliding_window')!r})"
+        )
+    w = _window(hf)
+    return tuple(w if t == "sliding_attention" else 0 for t in types)
+
+
+def _gemma3(hf: dict[str, Any], local_rope: dict[str, Any]) -> dict[str, Any]:
+    """The Gemma 3 (text) fields of a `config.json` beyond the Llama ones (its refused
+    ones, logit soft-capping and bidirectional attention: `hf_fields`).
+
+    Raises:
+      ValueError: layer types or an activation this decoder does not know.
+    """
     n = int(hf["num_hidden_layers"])
     types = hf.get("layer_types")
     if types is None:  # transformers < 4.53: every `sliding_window_pattern`-th layer global
         pattern = int(hf.get("sliding_window_pattern", 6))
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                  for i in range(n)]  # fmt: skip
-    unknown = set(types) - {"full_attention", "sliding_attention"}
-    if unknown or len(types) != n:
-        raise ValueError(f"config.json: layer_types {types!r} (expected {n} of full/sliding)")
-    window = int(hf["sliding_window"])
+    window = _window(hf)
     local_theta = local_rope.get("rope_theta", hf.get("rope_local_base_freq", 10000.0))
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    act = hf.get("hidden_activation") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ValueError(f"config.json: hidden_activation {act!r} is not supported")
     return dict(
         qk_norm=True,
-        qkv_bias=bool(hf.get("attention_bias", False)),
         embed_scale=True,
         mlp_act="gelu_tanh",
         sandwich_norms=True,
         attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
-        layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+        layer_windows=tuple(
+            window if t == "sliding_attention" else 0 for t in _layer_types(types, n)
+        ),  # fmt: skip
         rope_local_theta=float(local_theta),
         norm_weight_offset=1.0,
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
@@ -434,19 +535,8 @@ def _gemma3(hf: dict[str, Any], local_rope: dict[str, Any]) -> dict[str, Any]:
 
 
 def _moe(hf: dict[str, Any], mixtral: bool) -> dict[str, Any]:
-    """The mixture-of-experts fields of a Qwen3-MoE or Mixtral `config.json`.
-
-    Raises:
-      ValueError: dense layers among sparse ones (`mlp_only_layers`,
-        `decoder_sparse_step` > 1; not built) or Qwen2-MoE's shared expert.
-    """
-    if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
-        raise ValueError(
-            "config.json: dense layers among the experts' (mlp_only_layers / "
-            "decoder_sparse_step) are not supported"
-        )
-    if hf.get("shared_expert_intermediate_size"):
-        raise ValueError("config.json: a shared expert (Qwen2-MoE) is not supported")
+    """The mixture-of-experts fields of a Qwen3-MoE or Mixtral `config.json` (dense layers
+    among the experts and Qwen2-MoE's shared expert are refused: `hf_fields`)."""
     # transformers 5 writes `num_local_experts` for both; Qwen's own configs `num_experts`
     n = int(hf["num_local_experts"] if "num_local_experts" in hf else hf["num_experts"])
     width = int(hf["intermediate_size"] if mixtral else hf["moe_intermediate_size"])

@@ -184,7 +184,9 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], path: str
     """ModelConfig from GGUF metadata.
 
     Raises:
-      ValueError: an unsupported architecture or a missing field, naming both.
+      ValueError: an unsupported architecture, a missing field, or a field describing
+        what this decoder does not build (RoPE scaling, partial RoPE, a sliding window),
+        naming both.
     """
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
@@ -206,6 +208,21 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], path: str
 
     hidden = int(need("embedding_length"))
     heads = int(need("attention.head_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
+    # Metadata that changes the forward and that this reader does not map: refused, not
+    # dropped (an HF directory's config.json carries them in a form that is read).
+    rotary = meta.get(f"{arch}.rope.dimension_count")
+    refused = {
+        "rope.scaling.type": meta.get(f"{arch}.rope.scaling.type") not in (None, "none"),
+        "rope.dimension_count": rotary is not None and int(rotary) != head_dim,
+        "attention.sliding_window": meta.get(f"{arch}.attention.sliding_window") is not None,
+    }
+    for key, bad in refused.items():
+        if bad:
+            raise UserError(
+                f"{path}: GGUF metadata {arch}.{key}={meta[f'{arch}.{key}']!r} is not "
+                "supported by the GGUF loader; load the Hugging Face directory instead"
+            )
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
     if vocab is None:
@@ -218,7 +235,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str], path: str
         num_layers=int(need("block_count")),
         num_heads=heads,
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads),
-        head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // heads),
+        head_dim=head_dim,
         rope_theta=float(meta.get(f"{arch}.rope.freq_base") or 10000.0),
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(meta.get(f"{arch}.context_length") or 2048),

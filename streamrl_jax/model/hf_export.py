@@ -9,7 +9,9 @@ transformers read the directory back.
 `config.json`: a checkpoint loaded from an HF directory keeps its own (copied with its
 tokenizer and generation config: `source`), since only the weights change; a model
 without one (the GGUF SmolLM2, the tiny test model) gets a Llama config written from its
-`ModelConfig` (other families need their source's config, and say so).
+`ModelConfig`, or a Qwen2 one when it has q/k/v biases (a GGUF Qwen2: transformers'
+Llama `attention_bias` would add an output bias too); other families need their
+source's config, and say so.
 """
 
 from __future__ import annotations
@@ -130,7 +132,8 @@ def hf_tensors(
 
 
 def llama_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
-    """A transformers `LlamaForCausalLM` config.json of `cfg` (Llama-family shapes only)."""
+    """A transformers `LlamaForCausalLM` config.json of `cfg`, `Qwen2ForCausalLM` with
+    q/k/v biases (Llama-family shapes only)."""
     other = [f for f in ("qk_norm", "sandwich_norms", "num_experts", "embed_scale", "layer_windows")
              if getattr(cfg, f)]  # fmt: skip
     if other or cfg.mlp_act != "silu" or cfg.attn_scale is not None:
@@ -153,10 +156,12 @@ def llama_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
         "rms_norm_eps": cfg.rms_norm_eps,
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": cfg.qkv_bias,
-        "mlp_bias": False,
         "torch_dtype": dtype,
     }
+    if cfg.qkv_bias:  # Qwen2's q/k/v biases are not a switch: always on
+        hf.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+    else:
+        hf.update(attention_bias=False, mlp_bias=False)
     if cfg.bos_token_id is not None:
         hf["bos_token_id"] = cfg.bos_token_id
     if cfg.eos_token_ids:

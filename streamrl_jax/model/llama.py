@@ -235,7 +235,7 @@ class Llama(nnx.Module):
             raise ValueError("router outputs or routing replay of a model without experts")
         cos, sin = layers.rope_tables(positions, layers.rope_inv_freq(cfg))
         windows = jnp.asarray(cfg.layer_windows or (0,) * cfg.num_layers, jnp.int32)
-        if cfg.layer_windows:  # sliding-window layers (Gemma 3): their own mask and RoPE
+        if cfg.layer_windows:  # sliding-window layers: their own mask (and Gemma 3's RoPE)
             cos_l, sin_l = layers.rope_tables(positions, layers.rope_inv_freq(cfg, local=True))
             behind = positions[:, :, None] - positions[:, None, :]  # [B, T, T] query - key
         replay = None if routes is None else jnp.moveaxis(routes, 2, 0)  # [L, B, T, k]
