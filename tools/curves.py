@@ -189,33 +189,26 @@ class Evaluator:
         import jax
         from flax import nnx
 
-        from streamrl_jax import checkpoint as ckpt_lib
+        from streamrl_jax.checkpoint.policy import policy_params
         from streamrl_jax.model import llama
         from streamrl_jax.pipeline import components
 
         run_cfg = self.cfg if run_cfg is None else run_cfg
         model_cfg = components.describe_model(run_cfg).cfg
+        path = os.path.join(workdir, "checkpoints", str(step))
         if model_cfg.lora_rank == 0:
-            if step == 0:
-                return self.accuracy(self.base.params)
-            path = os.path.join(workdir, "checkpoints", str(step))
-            return self.accuracy(
-                ckpt_lib.restore_params_only(
-                    path, self.base.params, fingerprint=ckpt_lib.model_fingerprint(model_cfg)
-                )
-            )
-        # LoRA: the checkpoint holds the adapters; the base is the model's source.
+            start = self.base.params
+            return self.accuracy(start if step == 0 else policy_params(model_cfg, path, start))
+        # LoRA: the checkpoint holds the adapters; the base is the model's source. New
+        # adapters (A = B = 0) are exactly the base: the run's policy at step 0.
         graphdef, abstract = nnx.split(nnx.eval_shape(lambda: llama.create(model_cfg)))
-        adapters = abstract.filter(nnx.LoRAParam)
-        if step == 0:  # new adapters: B = 0, exactly the base
-            adapters = jax.tree.map(lambda x: jax.numpy.zeros(x.shape, x.dtype), adapters)
-        else:
-            path = os.path.join(workdir, "checkpoints", str(step))
-            adapters = ckpt_lib.restore_params_only(
-                path, adapters, fingerprint=ckpt_lib.model_fingerprint(model_cfg)
-            )
-        adapters = jax.device_put(adapters, jax.devices()[0])
-        return self.accuracy(nnx.merge_state(self.base.params, adapters), graphdef, model_cfg)
+        zeros = lambda x: jax.numpy.zeros(x.shape, x.dtype)  # noqa: E731
+        adapters = jax.device_put(
+            jax.tree.map(zeros, abstract.filter(nnx.LoRAParam)), jax.devices()[0]
+        )
+        start = nnx.merge_state(self.base.params, adapters)
+        params = start if step == 0 else policy_params(model_cfg, path, start)
+        return self.accuracy(params, graphdef, model_cfg)
 
     def hf(self, path: str) -> float:
         from streamrl_jax.model.loader import load_pretrained

@@ -86,9 +86,9 @@ def _params(cfg, mesh):
     pre = load_pretrained(smollm2_gguf_path(), mesh=mesh)
     params = pre.params
     if _CHECKPOINT.value:
-        from streamrl_jax.checkpoint.manager import restore_params_only
+        from streamrl_jax.checkpoint.policy import policy_params
 
-        params = restore_params_only(os.path.join(_CHECKPOINT.value, "checkpoints"), params)
+        params = policy_params(pre.cfg, os.path.join(_CHECKPOINT.value, "checkpoints"), params)
     return pre.cfg, pre.graphdef, pre.tokenizer, params
 
 
