@@ -1,15 +1,12 @@
 """Accuracy against wall time, shared by the benchmarks that compare runs at equal time
-(`bench_vs_trl.py`, `bench_recipes.py`): a config read as the launcher reads it, the main
-job run for a wall-clock budget with a checkpoint every few steps, and one greedy
-held-out evaluator applied afterwards to every checkpoint (and to HF directories).
-
-Not a benchmark itself: imported by the tools beside it (`python tools/<bench>.py` puts
-this directory on `sys.path`).
+(`tools/bench_vs_trl.py`, `tools/bench_recipes.py`): a config read as the launcher reads
+it, the main job run for a wall-clock budget with a checkpoint every few steps, and the
+first time a curve reaches a target. The accuracies are the package's greedy held-out
+evaluation applied afterwards to every checkpoint (`streamrl_jax.pipeline.evaluation`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -18,16 +15,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+if TYPE_CHECKING:
+    from streamrl_jax.config import ExperimentConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
 POINTS = "points.json"  # a run's [(seconds since launch, checkpoint step)] within its budget
 
 
-def config_of(spec: str, overrides: Sequence[str] = ()) -> Any:
+def config_of(spec: str, overrides: Sequence[str] = ()) -> ExperimentConfig:
     """The `ExperimentConfig` of `--config=<spec>` with `--config.<key>=<value>` for each
     `key=value` of `overrides`, parsed by the launcher's own flag machinery
     (ml_collections' config flags), so a run and its evaluation read the same config."""
@@ -115,105 +113,6 @@ def read_points(workdir: str) -> list[tuple[float, int]]:
     """The points a `run_project` of `workdir` wrote."""
     with open(os.path.join(workdir, POINTS)) as f:
         return [(float(t), int(k)) for t, k in json.load(f)]
-
-
-class Evaluator:
-    """Greedy held-out accuracy of a set of weights with the project's engine (the run's
-    engine config, 32 slots) and scorer, on one device: the held-out evaluation of a run
-    (`Requests.held_out`) and of `tools/pass_at_k.py`, applied to any weights.
-
-    `cfg` fixes the task, the held-out problems (its `data.eval_seed`, or `eval_seed`),
-    the prompt and the engine; a run's checkpoint is read with that run's own config
-    (its LoRA adapters are merged by the engine, as a run's generation side merges them).
-    """
-
-    def __init__(self, cfg: Any, problems: int, eval_seed: int = -1):
-        import jax
-        import numpy as np
-        from jax.sharding import Mesh
-
-        from streamrl_jax.data import tokenize
-        from streamrl_jax.model.loader import load_pretrained
-        from streamrl_jax.pipeline import components
-        from streamrl_jax.pipeline import datasets as datasets_lib
-
-        if eval_seed >= 0:
-            cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_seed=eval_seed))
-        self.cfg, self.seed = cfg, cfg.data.eval_seed
-        self.mesh = Mesh(np.asarray(jax.devices()[:1], dtype=object), ("tp",))
-        self.base = load_pretrained(components.model_path(cfg), mesh=self.mesh)
-        eval_set, _ = datasets_lib.datasets(cfg)
-        self.problems = min(problems, len(eval_set))
-        tok = self.base.tokenizer
-        self.prompts = [tokenize(q, tok, cfg.data.system_prompt) for q in eval_set][: self.problems]
-        self.reward = eval_set.reward_fn(format_bonus=cfg.data.format_reward)
-        self._engines: dict[Any, Any] = {}
-
-    def _engine(self, graphdef: Any, params: Any, model_cfg: Any) -> Any:
-        from streamrl_jax.generation.engine import Engine
-        from streamrl_jax.pipeline.components import engine_config
-
-        key = (model_cfg.lora_rank, model_cfg.lora_targets)
-        if key not in self._engines:
-            ecfg = engine_config(self.cfg, self.base.tokenizer, 32)
-            self._engines[key] = Engine(graphdef, params, model_cfg, ecfg, self.mesh)
-        return self._engines[key]
-
-    def accuracy(self, params: Any, graphdef: Any = None, model_cfg: Any = None) -> float:
-        """Greedy accuracy of `params` (the base model's structure unless `graphdef` and
-        `model_cfg` say otherwise: a LoRA model's)."""
-        from streamrl_jax.generation.types import GenerationRequest, SamplingParams
-
-        graphdef = self.base.graphdef if graphdef is None else graphdef
-        model_cfg = self.base.cfg if model_cfg is None else model_cfg
-        engine = self._engine(graphdef, params, model_cfg)
-        engine.update_weights(params, version=engine.version + 1)
-        requests = [
-            GenerationRequest(
-                request_id=i,
-                prompt=p.tokens,
-                max_new_tokens=self.cfg.generation.max_new_tokens,
-                sampling=SamplingParams.greedy(),
-            )
-            for i, p in enumerate(self.prompts)
-        ]
-        correct = 0
-        for s in engine.run(requests):
-            text = self.base.tokenizer.decode(s.response)
-            correct += self.reward(text, self.prompts[s.request_id].problem.metadata).correct
-        return round(correct / len(self.prompts), 4)
-
-    def project(self, workdir: str, step: int, run_cfg: Any = None) -> float:
-        """The accuracy of checkpoint `step` of the run in `workdir` (step 0: the model it
-        started from), read with `run_cfg` (None: the evaluator's config)."""
-        import jax
-        from flax import nnx
-
-        from streamrl_jax.checkpoint.policy import policy_params
-        from streamrl_jax.model import llama
-        from streamrl_jax.pipeline import components
-
-        run_cfg = self.cfg if run_cfg is None else run_cfg
-        model_cfg = components.describe_model(run_cfg).cfg
-        path = os.path.join(workdir, "checkpoints", str(step))
-        if model_cfg.lora_rank == 0:
-            start = self.base.params
-            return self.accuracy(start if step == 0 else policy_params(model_cfg, path, start))
-        # LoRA: the checkpoint holds the adapters; the base is the model's source. New
-        # adapters (A = B = 0) are exactly the base: the run's policy at step 0.
-        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: llama.create(model_cfg)))
-        zeros = lambda x: jax.numpy.zeros(x.shape, x.dtype)  # noqa: E731
-        adapters = jax.device_put(
-            jax.tree.map(zeros, abstract.filter(nnx.LoRAParam)), jax.devices()[0]
-        )
-        start = nnx.merge_state(self.base.params, adapters)
-        params = start if step == 0 else policy_params(model_cfg, path, start)
-        return self.accuracy(params, graphdef, model_cfg)
-
-    def hf(self, path: str) -> float:
-        from streamrl_jax.model.loader import load_pretrained
-
-        return self.accuracy(load_pretrained(path, mesh=self.mesh).params)
 
 
 def time_to(curve: Sequence[tuple[float, float]], target: float) -> float | None:

@@ -11,7 +11,9 @@ modules, and checks:
 * the live code never imports `simulation/` (only tools/ and tests/ do), and
   `algorithms/` never imports `model/` (RL maths work on arrays);
 * no file of `tests/` imports a test module (`*_test`): shared test code lives in
-  `tests/support.py` or a `conftest.py` fixture (STYLE.md "Tests mirror modules").
+  `tests/support.py` or a `conftest.py` fixture (STYLE.md "Tests mirror modules");
+* `streamrl_bench` (the benches' shared code, beside the package) sits above it: it may
+  import `streamrl_jax`, and `streamrl_jax` never imports it.
 """
 
 from __future__ import annotations
@@ -272,3 +274,71 @@ def test_no_test_file_imports_another_test_file():
                 imported = _test_modules_imported(f.read(), name)
             bad += [f"tests/{name} imports {m}" for m in sorted(imported)]
     assert not bad, f"shared test code belongs in tests/support.py or conftest.py: {bad}"
+
+
+# ---------------------------------------------------------------------- streamrl_bench
+# Top-level packages of the repository, lowest first: one may import those before it.
+TOP_LEVEL = ("streamrl_jax", "streamrl_bench")
+
+
+def _absolute_imports(path: str) -> set[str]:
+    """The absolute module names a file imports (function-level imports too)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+def _files(top: str) -> dict[str, str]:
+    """Path relative to the repository -> file, for every module of a top-level package."""
+    root = os.path.join(os.path.dirname(TESTS), top)
+    out = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                out[os.path.relpath(path, os.path.dirname(TESTS))] = path
+    return out
+
+
+TOP_IMPORTS = {
+    rel: _absolute_imports(path) for top in TOP_LEVEL for rel, path in _files(top).items()
+}
+
+
+def top_level_violations(imports: dict[str, set[str]]) -> list[str]:
+    """The imports of a top-level package that go up `TOP_LEVEL`'s order."""
+    bad = []
+    for rel, names in sorted(imports.items()):
+        mine = TOP_LEVEL.index(rel.split(os.sep)[0])
+        for name in sorted(names):
+            top = name.split(".")[0]
+            if top in TOP_LEVEL and TOP_LEVEL.index(top) > mine:
+                bad.append(f"{rel} imports {name}: {TOP_LEVEL[mine]} never imports {top}")
+    return bad
+
+
+def test_the_package_never_imports_the_benches():
+    # A guard on the walk: both packages are read and a known downward edge is seen.
+    bench = {rel: names for rel, names in TOP_IMPORTS.items() if rel.startswith("streamrl_bench")}
+    assert bench and len(TOP_IMPORTS) > len(bench)
+    assert any(n.startswith("streamrl_jax") for names in bench.values() for n in names)
+    assert top_level_violations(TOP_IMPORTS) == []
+
+
+@pytest.mark.parametrize(
+    ("importer", "imported"),
+    [
+        (os.path.join("streamrl_jax", "pipeline", "evaluation.py"), "streamrl_bench.curves"),
+        (os.path.join("streamrl_jax", "checkpoint", "policy.py"), "streamrl_bench"),
+    ],
+)
+def test_the_benches_rule_fails_on_an_injected_violation(importer, imported):
+    injected = {rel: set(names) for rel, names in TOP_IMPORTS.items()}
+    injected[importer].add(imported)
+    assert len(top_level_violations(injected)) == 1
