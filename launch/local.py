@@ -36,7 +36,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The program's environment and supervision live in the package (the main job's stage
-# processes use them too); re-exported here for launch/ray_cluster.py and the tests.
+# processes and the tests use them too); re-exported here for launch/ray_cluster.py.
 from streamrl_jax.distributed.local_program import (  # noqa: E402
     child_env,
     exit_code,

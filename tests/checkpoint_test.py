@@ -303,7 +303,7 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path, fsdp8):
         assert ckpt.latest_step() is None
         with pytest.raises(FileNotFoundError, match="no checkpoint to restore in .*ckpt"):
             ckpt.restore(abstract_state=_abstract(fsdp8))
-    with pytest.raises(FileNotFoundError, match="init_from checkpoint .*nowhere does not exist"):
+    with pytest.raises(FileNotFoundError, match="checkpoint .*nowhere does not exist"):
         ckpt_lib.restore_params_only(tmp_path / "nowhere", _abstract(fsdp8).params)
 
 

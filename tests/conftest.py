@@ -21,8 +21,9 @@ import importlib.util
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-# libtpu is a test dependency (tools/plan_pod.py compiles for TPU topologies that are not
-# attached); without a TPU, a backend search would try it and log its failure to start.
+# libtpu is a test dependency (the pod planner, streamrl_podplan.plan, compiles for TPU
+# topologies that are not attached); without a TPU, a backend search would try it and log
+# its failure to start.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

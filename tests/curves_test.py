@@ -1,17 +1,15 @@
-"""Tests of tools/curves.py (shared by bench_vs_trl.py and bench_recipes.py): a run's
-config and its evaluation read the overrides as the launcher does. (The bench scripts
-themselves define absl flags at import: not imported here.)"""
+"""Tests of `streamrl_bench.curves` (shared by tools/bench_vs_trl.py and
+tools/bench_recipes.py): a run's config and its evaluation read the overrides as the
+launcher does. (The bench scripts themselves define absl flags at import: not imported
+here.)"""
 
 from __future__ import annotations
 
 import pathlib
-import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
-
-import curves  # noqa: E402
+from streamrl_bench import curves
 
 QUICKSTART = str(pathlib.Path(curves.ROOT) / "configs" / "quickstart.py")
 

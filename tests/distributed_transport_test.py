@@ -27,7 +27,10 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import SingleDeviceSharding
+from support import checkout_env
 
+from streamrl_bench import bad_frames
+from streamrl_bench.bad_frames import Evil, TamperingProxy, raw_peer, wait_for
 from streamrl_jax.distributed import channel as channel_lib
 from streamrl_jax.distributed import (
     keys,
@@ -50,16 +53,10 @@ from streamrl_jax.generation.types import RequestTag, Sample, Timings
 from streamrl_jax.stream.sample_stream import SampleStream
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
-import bad_frames  # noqa: E402
-from bad_frames import Evil, TamperingProxy, raw_peer, wait_for  # noqa: E402
 
 KEY = b"test-key-0123456789abcdef"
-# Children import this module (for make_samples) and the package.
-_PRELUDE = f"""
-import sys
-sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
-"""
+# Children import this module (for make_samples) and the package (`support.checkout_env`).
+_CHILD_ENV = checkout_env(TF_CPP_MIN_LOG_LEVEL="3", JAX_PLATFORMS="cpu")
 
 
 def make_samples(n: int) -> list[Sample]:
@@ -94,13 +91,12 @@ def _addr(server) -> str:
 
 
 def _spawn(code: str, *args: str) -> subprocess.Popen:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", JAX_PLATFORMS="cpu")
     return subprocess.Popen(
-        [sys.executable, "-c", _PRELUDE + textwrap.dedent(code), *args],
+        [sys.executable, "-c", textwrap.dedent(code), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
+        env=_CHILD_ENV,
     )
 
 
@@ -142,6 +138,7 @@ def _same_sample(a: Sample, b: Sample) -> None:
 
 
 _PRODUCER = """
+import sys
 from distributed_transport_test import make_samples
 from streamrl_jax.distributed.transport import SampleClient
 client = SampleClient(sys.argv[1], authkey=b"test-key-0123456789abcdef", timeout_s=10,
@@ -165,6 +162,7 @@ def test_samples_round_trip_exactly(children):
 
 
 _BLOCKED_PRODUCER = """
+import sys
 from distributed_transport_test import note
 from streamrl_jax.distributed.transport import SampleClient
 from streamrl_jax.distributed.channel import TransportTimeout
@@ -290,6 +288,7 @@ def test_no_key_is_refused_on_loopback_too():
 
 
 _SLEEPY_PRODUCER = """
+import sys
 import time
 from streamrl_jax.distributed.transport import SampleClient
 from distributed_transport_test import note
@@ -554,14 +553,14 @@ jax.distributed.shutdown()
 
 def _launch(tmp_path, script: str, *flags: str) -> subprocess.CompletedProcess:
     path = tmp_path / "worker.py"
-    path.write_text(_PRELUDE + textwrap.dedent(script))
+    path.write_text(textwrap.dedent(script))
     cmd = [sys.executable, str(REPO / "launch" / "local.py"), *flags, "--timeout_s", "120"]
     return subprocess.run(
         [*cmd, "--", sys.executable, str(path)],
         capture_output=True,
         text=True,
         timeout=150,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", JAX_PLATFORMS="cpu"),
+        env=_CHILD_ENV,
     )
 
 

@@ -238,7 +238,9 @@ def test_key_layouts_keep_the_samples(model, attention):
     first = by_id(ds.run(episodes))
     assert_same(first, by_id(sd.run(episodes)))
     env = [rng.integers(0, CFG.vocab_size, size=n).tolist() for n in (2, 5, 1)]
-    turns = [next_turn(r, first[r.request_id], env[i], 4) for i, r in enumerate(episodes)]
+    turns = [
+        GenerationRequest.next_turn(first[r.request_id], env[i], 4) for i, r in enumerate(episodes)
+    ]
     assert_same(by_id(ds.run(turns)), by_id(sd.run(turns)))
     assert sd.metrics()["extended"] == ds.metrics()["extended"] == 3
     assert sd.metrics()["forked"] > 0
@@ -532,13 +534,6 @@ def test_shared_prefill_never_forks_across_a_weight_update(model):
     assert any(s.policy_version == 1 for s in out[1].values())
 
 
-def next_turn(req: GenerationRequest, sample, env_tokens: list[int], per_turn: int):
-    """An episode's next turn: the sample's response, then the environment's tokens
-    (policy mask False), the policy's budget `per_turn` more tokens."""
-    cont = Continuation.after(sample, env_tokens)
-    return dataclasses.replace(req, continuation=cont, max_new_tokens=cont.policy_tokens + per_turn)
-
-
 def test_an_episode_turn_extends_the_kept_kv_as_a_re_prefill_would(model):
     # Multi-turn episodes: a `keep_kv` request's slot stays reserved once it ends; its
     # next turn (the response plus environment tokens, policy mask False) is appended
@@ -552,7 +547,9 @@ def test_an_episode_turn_extends_the_kept_kv_as_a_re_prefill_would(model):
     samples = by_id(kept.run(reqs))
     assert kept.num_held == 4 and kept.num_running == 0
     assert all(kept.holding(r.request_id) for r in reqs)
-    turns = [next_turn(r, samples[r.request_id], env[i], 5) for i, r in enumerate(reqs)]
+    turns = [
+        GenerationRequest.next_turn(samples[r.request_id], env[i], 5) for i, r in enumerate(reqs)
+    ]
     extended = by_id(kept.run(turns))
     reprefilled = by_id(fresh.run([dataclasses.replace(t, keep_kv=False) for t in turns]))
     m, f = kept.metrics(), fresh.metrics()
@@ -573,7 +570,7 @@ def test_an_episode_turn_extends_the_kept_kv_as_a_re_prefill_would(model):
     # A continuation that does not extend what the slot holds re-prefills (counted).
     kept.release(1)
     assert not kept.holding(1) and kept.num_held == 3
-    tampered = next_turn(reqs[0], extended[0], [1, 2], 3)
+    tampered = GenerationRequest.next_turn(extended[0], [1, 2], 3)
     tampered.continuation.tokens[0] = (tampered.continuation.tokens[0] + 1) % CFG.vocab_size
     kept.run([tampered])
     assert kept.metrics()["reprefilled"] == 1
@@ -604,7 +601,7 @@ def test_an_episode_whose_next_turn_runs_on_new_weights_keeps_each_tokens_versio
     (req,) = requests(1, seed=9, max_new_tokens=5, keep_kv=True)
     (first,) = engine.run([req])
     engine.update_weights(params1, 1)
-    turn = next_turn(req, first, [3, 4, 5], 6)
+    turn = GenerationRequest.next_turn(first, [3, 4, 5], 6)
     (second,) = engine.run([turn])
     k = first.num_tokens
     np.testing.assert_array_equal(second.response[:k], first.response)

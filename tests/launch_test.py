@@ -20,11 +20,12 @@ import sys
 
 import jax
 import pytest
+from support import launch_command, launched_env
+
+# launch/local.py's program: the children's environment
+from streamrl_jax.distributed import local_program as local
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "launch"))
-import local  # noqa: E402  (launch/local.py: the children's environment)
-from support import launch_command, launched_env  # noqa: E402
 
 CASES = {
     "unknown field": (["--config.pipeline.foo=1"], "no config field pipeline.foo (pipeline has:"),

@@ -9,8 +9,9 @@ modules, and checks:
 * no cycle between packages (a package is a top-level module or subpackage),
   and none between modules;
 * `algorithms/` never imports `model/` (RL maths work on arrays);
-* the package never imports the pod planner (`streamrl_podplan`, beside it: it plans
-  with the package's programs, the package runs without it);
+* the repository's top-level packages import one way (`TOP_LEVEL`): `streamrl_jax`,
+  then the pod planner `streamrl_podplan` (it plans with the package's programs, the
+  package runs without it), then `streamrl_bench` (the benches' shared code);
 * inside `pipeline/`, the seams hold (`seam_violations`): the core imports a rollout
   kind only through the registry or the protocol, a kind imports the protocol and
   below, and the Rollout protocol reaches neither the endpoint nor the environments;
@@ -68,7 +69,6 @@ PROTOCOL = f"{ROLLOUTS}.protocol"
 # never reaches these, directly or through what it imports.
 KITS = ("streamrl_jax.endpoint", "streamrl_jax.environments")
 PROCESSES = "streamrl_jax.pipeline.processes"
-PLANNER = "streamrl_podplan"  # the pod planner: it imports the package, never the reverse
 
 
 def _modules() -> dict[str, str]:
@@ -205,36 +205,6 @@ def test_imports_go_down_the_layers(module):
     assert not bad, f"{module} imports upward or across a rule: {bad}"
 
 
-def planner_imports(source: str, filename: str) -> list[str]:
-    """The pod planner's modules `source` imports (function-level imports too)."""
-    found = []
-    for node in ast.walk(ast.parse(source, filename)):
-        if isinstance(node, ast.Import):
-            found += [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-            found.append(node.module)
-    return sorted(n for n in found if n == PLANNER or n.startswith(PLANNER + "."))
-
-
-def test_the_package_never_imports_the_pod_planner():
-    bad = []
-    for module, path in sorted(MODULES.items()):
-        with open(path, encoding="utf-8") as f:
-            bad += [f"{module} imports {m}" for m in planner_imports(f.read(), path)]
-    assert not bad, f"streamrl_jax runs without the pod planner: {bad}"
-
-
-def test_the_planner_rule_fails_on_an_injected_violation():
-    # Both import forms, inside a function too; a module merely named alike is no violation.
-    probe = (
-        "import os\nfrom streamrl_podplan import plan\n"
-        "def f():\n    import streamrl_podplan.simulation.hardware\n"
-    )
-    want = ["streamrl_podplan", "streamrl_podplan.simulation.hardware"]
-    assert planner_imports(probe, "probe") == want
-    assert planner_imports("import streamrl_podplanner\nfrom streamrl_jax import mesh\n", "p") == []
-
-
 def test_no_cycle_between_packages():
     assert _cycles(_package_graph()) == []
 
@@ -330,3 +300,76 @@ def test_no_test_file_imports_another_test_file():
             rel = os.path.relpath(path, os.path.dirname(TESTS))
             bad += [f"{rel} imports {m}" for m in sorted(imported)]
     assert not bad, f"shared test code belongs in a support module or conftest.py: {bad}"
+
+
+# ---------------------------------------------------------------- top-level packages
+# Top-level packages of the repository, lowest first: one may import those before it.
+TOP_LEVEL = ("streamrl_jax", "streamrl_podplan", "streamrl_bench")
+
+
+def _absolute_imports(path: str) -> set[str]:
+    """The absolute module names a file imports (function-level imports too)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+def _files(top: str) -> dict[str, str]:
+    """Path relative to the repository -> file, for every module of a top-level package."""
+    root = os.path.join(os.path.dirname(TESTS), top)
+    out = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                out[os.path.relpath(path, os.path.dirname(TESTS))] = path
+    return out
+
+
+TOP_IMPORTS = {
+    rel: _absolute_imports(path) for top in TOP_LEVEL for rel, path in _files(top).items()
+}
+
+
+def top_level_violations(imports: dict[str, set[str]]) -> list[str]:
+    """The imports of a top-level package that go up `TOP_LEVEL`'s order."""
+    bad = []
+    for rel, names in sorted(imports.items()):
+        mine = TOP_LEVEL.index(rel.split(os.sep)[0])
+        for name in sorted(names):
+            top = name.split(".")[0]
+            if top in TOP_LEVEL and TOP_LEVEL.index(top) > mine:
+                bad.append(f"{rel} imports {name}: {TOP_LEVEL[mine]} never imports {top}")
+    return bad
+
+
+def test_top_level_packages_import_one_way():
+    # A guard on the walk: every package is read and a known downward edge is seen in each
+    # above the first.
+    for top in TOP_LEVEL[1:]:
+        mine = {rel: names for rel, names in TOP_IMPORTS.items() if rel.startswith(top + os.sep)}
+        assert mine, top
+        assert any(n.startswith("streamrl_jax") for names in mine.values() for n in names)
+    assert top_level_violations(TOP_IMPORTS) == []
+
+
+@pytest.mark.parametrize(
+    ("importer", "imported"),
+    [
+        (os.path.join("streamrl_jax", "pipeline", "evaluation.py"), "streamrl_bench.curves"),
+        (os.path.join("streamrl_jax", "checkpoint", "policy.py"), "streamrl_bench"),
+        (os.path.join("streamrl_jax", "scheduling", "balance.py"), "streamrl_podplan.simulation"),
+        (os.path.join("streamrl_jax", "trainer", "step.py"), "streamrl_podplan.programs.x"),
+        (os.path.join("streamrl_podplan", "plan.py"), "streamrl_bench.curves"),
+    ],
+)
+def test_the_top_level_rule_fails_on_an_injected_violation(importer, imported):
+    injected = {rel: set(names) for rel, names in TOP_IMPORTS.items()}
+    injected[importer].add(imported)
+    assert len(top_level_violations(injected)) == 1

@@ -92,7 +92,8 @@ def test_bf16_compute_close_to_fp32(split):
 
 
 def test_unrolled_blocks_give_the_scanned_blocks_logits(split):
-    # scan_layers=False is for cost analysis (tools/plan_pod.py); it computes the same model
+    # scan_layers=False is for cost analysis (the pod planner, streamrl_podplan); it computes
+    # the same model
     graphdef, params = split
     tokens = _tokens(2, 9)
     ones = jnp.ones_like(tokens)

@@ -45,11 +45,10 @@ from support import launched_env
 
 from streamrl_jax import config as config_lib
 from streamrl_jax import pipeline as run_lib
+from streamrl_jax.distributed import local_program as local  # launch/local.py's program
 from streamrl_jax.metrics import read_jsonl
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "launch"))
-import local  # noqa: E402  (launch/local.py: the children's environment)
 
 _OVERRIDES = {
     "pipeline.deterministic": True,

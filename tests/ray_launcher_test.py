@@ -26,7 +26,7 @@ import time
 import tomllib
 
 import pytest
-from support import launch_command, launched_env
+from support import checkout_env, launch_command, launched_env
 
 pytest.importorskip("ray")
 
@@ -37,7 +37,9 @@ LAUNCHER = [sys.executable, str(REPO / "launch" / "ray_cluster.py")]
 def _env() -> dict[str, str]:
     # The multi-controller tests' environment (their compiled programs); no usage reports
     # from a test's Ray.
-    return dict(launched_env(), RAY_USAGE_STATS_ENABLED="0")
+    # (Its PYTHONPATH: a test's own program imports this checkout's package.)
+    checkout = checkout_env()["PYTHONPATH"]
+    return dict(launched_env(), RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=checkout)
 
 
 def _launch(flags: list[str], command: list[str]) -> subprocess.CompletedProcess:
@@ -71,7 +73,6 @@ def test_one_generation_and_one_training_process_run_end_to_end(tmp_path):
     assert [r["step"] for r in rows if "reward" in r] == [0, 1]
 
 
-_PRELUDE = f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
 _REJOINING = """
 import os, signal, time
 import jax
@@ -103,7 +104,7 @@ roles.shutdown(20)
 @pytest.mark.extended  # the suite's budget: restarts run in multicontroller_test -m extended
 def test_a_killed_generation_process_or_actor_is_restarted_and_rejoins(tmp_path):
     script, pids = tmp_path / "rejoining.py", tmp_path / "pids.json"
-    script.write_text(_PRELUDE + _REJOINING)
+    script.write_text(_REJOINING)
     flags = ["-n", "3", "-g", "2", "--restart_generation", "2", "--restart_delay_s", "1"]
     flags += ["--timeout_s", "150", "--pids_file", str(pids)]
     run = _launch(flags, [sys.executable, str(script)])
@@ -151,10 +152,8 @@ def test_without_ray_the_launcher_is_one_line_naming_the_pinned_install():
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert f"ray[default]=={pin}" in extras["optional-dependencies"]["ray"]
     assert f"ray=={pin}" in extras["optional-dependencies"]["test"]  # the tests run in CI
-    # `import ray` fails; launch/ on the path, as for the script
-    no_ray = (
-        f"import runpy, sys; sys.modules['ray'] = None; sys.path.insert(0, {str(path.parent)!r}); "
-    )
+    # `import ray` fails; launch/ on the path, as for the script (`python -c` in launch/)
+    no_ray = "import runpy, sys; sys.modules['ray'] = None; "
     as_script = (
         f"sys.argv = [{str(path)!r}, '-n', '2']; runpy.run_path(sys.argv[0], run_name='__main__')"
     )
@@ -162,7 +161,11 @@ def test_without_ray_the_launcher_is_one_line_naming_the_pinned_install():
     want = f'launch/ray_cluster.py needs Ray: pip install "ray[default]=={pin}"'
     for code, status in ((as_script, 2), (as_module, 1)):
         run = subprocess.run(
-            [sys.executable, "-c", no_ray + code], capture_output=True, text=True, timeout=60
+            [sys.executable, "-c", no_ray + code],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=path.parent,
         )
         assert run.returncode == status, run.stderr
         lines = run.stderr.strip().splitlines()

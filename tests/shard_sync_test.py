@@ -11,7 +11,6 @@ FSDP-sharded over a mesh spanning both training processes.
 
 import contextlib
 import json
-import os
 import pathlib
 import pickle
 import subprocess
@@ -29,7 +28,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
+from support import checkout_env
 
+from streamrl_bench.bad_frames import Evil
 from streamrl_jax.distributed import reshard, shard_receiver, shard_sync, shard_wire, xla_pull
 from streamrl_jax.distributed.channel import (
     ChannelClosed,
@@ -40,8 +41,6 @@ from streamrl_jax.distributed.channel import (
 from streamrl_jax.distributed.wire import WireError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
-from bad_frames import Evil  # noqa: E402
 
 KEY = b"test-key-0123456789abcdef"
 
@@ -368,11 +367,11 @@ def test_a_corrupt_piece_is_refused_naming_it(monkeypatch):
         sender.close(1)
 
 
-# A generation process's ranker receiver: `python -c _RECEIVER REPO TESTS ADDRESS OUT`;
-# writes "<version> <bitwise>" to OUT for every version it places.
+# A generation process's ranker receiver: `python -c _RECEIVER ADDRESS OUT` (this module
+# on its path: `support.checkout_env`); writes "<version> <bitwise>" to OUT for every
+# version it places.
 _RECEIVER = """
 import pathlib, sys
-sys.path[:0] = sys.argv[1:3]
 import jax
 from shard_sync_test import KEY, _bitwise, _single, make_params
 from streamrl_jax.distributed import shard_receiver, shard_wire
@@ -380,10 +379,10 @@ from streamrl_jax.distributed import shard_receiver, shard_wire
 shardings = _single(jax.devices()[0], make_params())
 need = shard_wire.need_of(shardings, make_params(), 1)
 receiver = shard_receiver.ShardReceiver(
-    [sys.argv[3]], need, authkey=KEY, timeout_s=10, name="generation-1-ranker")
+    [sys.argv[1]], need, authkey=KEY, timeout_s=10, name="generation-1-ranker")
 while True:
     got, version, _ = receiver.receive(shardings, timeout=120)
-    pathlib.Path(sys.argv[4]).write_text(f"{version} {_bitwise(got, make_params(version))}")
+    pathlib.Path(sys.argv[2]).write_text(f"{version} {_bitwise(got, make_params(version))}")
 """
 
 
@@ -423,12 +422,12 @@ def test_live_only_sends_skip_the_lost_and_serve_a_restarted_receiver_again(tmp_
         assert sender.send(make_params(3.0), 3, live_only=True, timeout=0.5).bytes == {}
         takes(receivers[0], 2)
         # Generation process 1, a process of its own, joins: the next refresh reaches it.
-        env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+        env = checkout_env(JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
         placed, log = tmp_path / "placed", tmp_path / "receiver.log"
         address = "{}:{}".format(*sender.address)
         with log.open("w") as stderr:
             child = subprocess.Popen(
-                [sys.executable, "-c", _RECEIVER, str(REPO), str(REPO / "tests"), address, placed],
+                [sys.executable, "-c", _RECEIVER, address, placed],
                 stderr=stderr, env=env,
             )  # fmt: skip
         _until(lambda: sender.receivers() == [0, 1] or child.poll() is not None, 120)
@@ -609,7 +608,6 @@ import jax
 jax.config.update("jax_num_cpu_devices", 2)
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-sys.path.insert(0, {tests!r})
 from shard_sync_test import make_params, _bitwise
 from streamrl_jax.distributed import roles, shard_receiver, shard_sync, shard_wire, xla_pull
 
@@ -661,15 +659,12 @@ jax.distributed.shutdown()
 @pytest.mark.parametrize("xla", [False, True], ids=["channel", "xla_transfer"])
 def test_two_training_processes_send_only_their_shards_to_two_generation_processes(tmp_path, xla):
     path = tmp_path / "worker.py"
-    path.write_text(
-        f"import sys\nsys.path[:0] = [{str(REPO)!r}]\n"
-        + textwrap.dedent(_WORKER).format(tests=str(REPO / "tests"), xla=xla)
-    )
+    path.write_text(textwrap.dedent(_WORKER).format(xla=xla))
     run = subprocess.run(
         [sys.executable, str(REPO / "launch" / "local.py"), "-n", "4", "-g", "2",
          "--timeout_s", "150", "--", sys.executable, str(path)],
         capture_output=True, text=True, timeout=180,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", JAX_PLATFORMS="cpu"),
+        env=checkout_env(TF_CPP_MIN_LOG_LEVEL="3", JAX_PLATFORMS="cpu"),
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     results = [

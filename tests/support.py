@@ -137,6 +137,14 @@ def launched_env() -> dict[str, str]:
     )
 
 
+def checkout_env(**overrides: str) -> dict[str, str]:
+    """This process's environment for a child Python that imports this checkout's
+    packages (`streamrl_jax`, `streamrl_bench`) and the test modules (tests/) ahead of
+    any installed copy: on its PYTHONPATH, the ordinary way a child finds them."""
+    path = [ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p), **overrides)
+
+
 def _fail_on_call(n: int, exc: Exception) -> Callable[..., None]:
     """A side effect that raises on its n-th call (1-based), thread-safely."""
     calls, lock = [0], threading.Lock()

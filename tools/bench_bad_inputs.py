@@ -14,7 +14,7 @@ Four kinds of case:
   (`rewards/sandbox.py`): the call must come back (scored, or a named
   `RewardTimeout`) within its deadline and leave no file behind.
 * **network** — hostile or broken peers of the cross-process channels
-  (`tools/bad_frames.py`): outsiders without the run key, a key holder
+  (`streamrl_bench/bad_frames.py`): outsiders without the run key, a key holder
   sending malformed, oversized, pickled or tampered frames, weight headers
   that declare the wrong tree, samples of unknown prompts: each must end in
   its named error, with no thread, file descriptor or file left behind.
@@ -44,8 +44,9 @@ from collections.abc import Callable
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tools")]
 
-import bad_frames  # noqa: E402
 import bad_requests  # noqa: E402
+
+from streamrl_bench import bad_frames  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

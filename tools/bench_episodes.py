@@ -30,7 +30,6 @@ Last line: JSON.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -79,16 +78,10 @@ def _episode_requests(n: int, prompt_len: int, keep_kv: bool, vocab: int):
     ]
 
 
-def _next_turn(req, sample, env_tokens):
-    from streamrl_jax.generation.types import Continuation
-
-    cont = Continuation.after(sample, env_tokens)
-    n = cont.policy_tokens + _TURN_TOKENS.value
-    return dataclasses.replace(req, continuation=cont, max_new_tokens=n, forced_length=n)
-
-
 def run_episodes(engine, requests) -> dict[str, float]:
     """Drives `requests`' episodes to `--turns` turns each; wall time and counts."""
+    from streamrl_jax.generation.types import GenerationRequest
+
     rng = np.random.default_rng(1)
     env = rng.integers(100, 1000, _ENV_TOKENS.value).tolist()
     by_id = {r.request_id: r for r in requests}
@@ -101,7 +94,11 @@ def run_episodes(engine, requests) -> dict[str, float]:
             turns[s.request_id] += 1
             policy_tokens += _TURN_TOKENS.value
             if turns[s.request_id] < _TURNS.value:
-                engine.submit([_next_turn(by_id[s.request_id], s, env)])
+                keep_kv = by_id[s.request_id].keep_kv
+                turn = GenerationRequest.next_turn(
+                    s, env, _TURN_TOKENS.value, forced=True, keep_kv=keep_kv
+                )
+                engine.submit([turn])
             else:
                 engine.release(s.request_id)
     wall = time.perf_counter() - t0

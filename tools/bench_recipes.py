@@ -12,8 +12,8 @@ Each `--run=name:key=value;key=value` is `python -m streamrl_jax.launch --config
 with those `--config.key=value` overrides (an empty list: the config as it is), run by
 `curves.run_project`: a checkpoint every `--project_every` steps (all kept), no in-run
 evaluation, SIGTERM at the budget; wall time runs from the launch (model loading and
-compiles count). Afterwards one greedy evaluator (`curves.Evaluator`: the project's
-engine and scorer, 32 slots, one device) scores every checkpoint of every run on the
+compiles count). Afterwards one greedy evaluator (`pipeline.evaluation.Evaluator`: the
+project's engine and scorer, 32 slots, one device) scores every checkpoint of every run on the
 config's held-out problems of each `--eval_seeds` seed (`--eval_problems` of them); a
 LoRA run's adapters are merged by the engine as its generation side merged them.
 `--reuse=name=<workdir>` takes a finished run's checkpoints (its `points.json`, e.g. the
@@ -33,8 +33,9 @@ import time
 
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import curves  # noqa: E402 - tools/curves.py, beside this file
+# The repository (streamrl_bench, streamrl_jax) from a checkout that is not installed.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from streamrl_bench import curves  # noqa: E402
 
 _CONFIG = flags.DEFINE_string(
     "config", os.path.join(curves.ROOT, "configs", "quickstart.py"), "Config file[:variant]."
@@ -56,6 +57,8 @@ _QUICK_RUNS = ["base:", "lr4e-5:optimizer.learning_rate=4e-5"]
 def main(argv: list[str]) -> None:
     del argv
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from streamrl_jax.pipeline import evaluation
+
     runs = [curves.parse_run(r) for r in (_RUNS.value or (_QUICK_RUNS if _QUICK.value else []))]
     if not runs:
         raise app.UsageError("name at least one --run=name:overrides")
@@ -82,7 +85,7 @@ def main(argv: list[str]) -> None:
     seeds = [int(s) for s in _EVAL_SEEDS.value] or [cfgs[names[0]].data.eval_seed]
     results = {n: {"overrides": o, "curves": {}} for n, o in runs}
     for seed in seeds:
-        ev = curves.Evaluator(cfgs[names[0]], problems, eval_seed=seed)
+        ev = evaluation.Evaluator(cfgs[names[0]], problems, eval_seed=seed)
         for name in names:
             curve = []
             for seconds, step in points[name]:

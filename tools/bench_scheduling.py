@@ -2,18 +2,18 @@
 
 1. **Ranker** on real outputs. By default the shipped dataset `--dataset`
    (`data/lengths/smollm2_varied.jsonl.gz`, `scheduling/length_data.py`, provenance in
-   its README): SmolLM2-135M-Instruct on `collect_samples.VARIED_MIXTURE`, the ranker
+   its README): SmolLM2-135M-Instruct on `streamrl_bench.collect_samples.VARIED_MIXTURE`, the ranker
    trained on its "train" prompts and judged on its "heldout" prompts (never trained on,
    4 samples each). Target: a prompt's mean output length over its samples (the expected
    length is what a scheduler needs); recall@20/10/5 % and Kendall tau next to
    prompt-length, task-mean and random predictors, and the target's noise ceiling
-   (`train_ranker.bootstrap_ceiling`: a perfect predictor of the expected length) and
+   (`ranker_eval.bootstrap_ceiling`: a perfect predictor of the expected length) and
    split-half repeatability. `--samples` (SampleLog JSONL of real generations; make one
    with `--collect=N`, `--collect_samples` samples per prompt at `--collect_temperature`)
    replaces it: `--folds`-fold cross-validation by prompt id (every prompt scored by the
    ranker that never saw it, pooled), or with `--eval_samples` (prompts of another
    dataset seed) trained on all of `--samples` and judged there
-   (`train_ranker.evaluate_separate`). `--dataset=''` without `--samples`: synthetic toy
+   (`ranker_eval.evaluate_separate`). `--dataset=''` without `--samples`: synthetic toy
    prompts, `"ranker_data": "synthetic"`.
 2. **Makespan on the real engine** (`--model`: the tiny random model or SmolLM2; lengths
    forced to the paper's long-tail trace scaled to `--max_len`): one global batch over
@@ -39,7 +39,7 @@
    by a ranker that never saw the prompt. **The group signal** (the Seer observation)
    on the same batches: how well a prompt's first sample predicts its other samples
    (recall, `group_signal_recall`), and the makespan when finished samples re-prioritise
-   their group's queued samples (`group_signal_plans`, simulated fixed-shape instances,
+   their group's queued samples (`streamrl_bench.makespan`, simulated fixed-shape instances,
    on the timed batches and on `--signal_batches` more).
 3. **Pod scale in the simulator**: Qwen2.5-7B on H800 (roofline costs), global batch 1024,
    20K trace, 16 instances: random vs skew-aware (max and sum objectives) vs oracle.
@@ -60,16 +60,14 @@ The last stdout line is JSON with `ranker_recall_at_20`, `skew_over_random_makes
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import json
 import time
 
-import collect_samples
 import numpy as np
 import profile_ptl
-import train_ranker
 from absl import app, flags
 
+from streamrl_bench import collect_samples, makespan, ranker_eval
 from streamrl_jax.generation.engine import Engine, EngineConfig
 from streamrl_jax.generation.types import GenerationRequest, SamplingParams
 from streamrl_jax.model.loader import single_device_mesh
@@ -132,27 +130,27 @@ def ranker_section(
     if samples or dataset:
         cfg = RankerConfig(vocab_size=49152)
         if samples:
-            records = train_ranker.read_logs(samples)
-            examples = train_ranker.merge_by_prompt(records)
+            records = ranker_eval.read_logs(samples)
+            examples = ranker_eval.merge_by_prompt(records)
             source = {"data": "smollm2_real", "samples": samples}
         else:
             prompts = length_data.read_length_dataset(dataset)
             records = length_data.logged_samples(length_data.split(prompts, "train"))
-            examples = train_ranker.merge_by_prompt(records)
+            examples = ranker_eval.merge_by_prompt(records)
             eval_samples = None
             records = length_data.logged_samples(length_data.split(prompts, "heldout"))
             source = {"data": "smollm2_real_shipped", "dataset": dataset}
         if eval_samples:
-            records = train_ranker.read_logs(eval_samples)
+            records = ranker_eval.read_logs(eval_samples)
         if eval_samples or not samples:
-            test = train_ranker.merge_by_prompt(records)
-            _, report = train_ranker.evaluate_separate(examples, test, cfg, steps)
+            test = ranker_eval.merge_by_prompt(records)
+            _, report = ranker_eval.evaluate_separate(examples, test, cfg, steps)
             if not samples:
                 report["evaluation"] = (
                     "trained on the dataset's train prompts, judged on its heldout ones"
                 )
         else:
-            _, report = train_ranker.train_and_evaluate(examples, cfg, steps, 0.3, FLAGS.folds)
+            _, report = ranker_eval.train_and_evaluate(examples, cfg, steps, 0.3, FLAGS.folds)
         # Every held-out prompt's score, for each of its samples (the real mixture).
         oof = report.pop("heldout_scores")
         heldout = [(oof[r.prompt_id], r.output_length, r.prompt_id) for r in records]
@@ -162,9 +160,9 @@ def ranker_section(
     for i in range(1200):  # toy prompts: length = 40 x (ids 3/5/7/11) + prompt length
         p = rng.integers(0, 64, size=int(rng.integers(8, 33)))
         n = float(40 * np.isin(p, [3, 5, 7, 11]).sum() + len(p))
-        examples.append(train_ranker.Example(f"toy/{i}", tuple(p.tolist()), None, n))
+        examples.append(ranker_eval.Example(f"toy/{i}", tuple(p.tolist()), None, n))
     cfg = RankerConfig(vocab_size=64, max_tokens=32)
-    _, report = train_ranker.train_and_evaluate(examples, cfg, steps, holdout=0.3)
+    _, report = ranker_eval.train_and_evaluate(examples, cfg, steps, holdout=0.3)
     return {"data": "synthetic", **report}, None
 
 
@@ -269,7 +267,9 @@ def _time_plans(engines, slots, ptl, reqs, plans, true, acc) -> None:
             step_span = max(step_span, engine.cfg.chunk_steps * float(np.sum(step_s)))
         acc["wall"].setdefault(name, []).append(span)
         acc["step"].setdefault(name, []).append(step_span)
-        acc["sim"].setdefault(name, []).append(_simulated_makespan(plan, slots, ptl, true))
+        acc["sim"].setdefault(name, []).append(
+            makespan.simulated_makespan(plan, slots, ptl, true, [_batch_buckets(k) for k in slots])
+        )
 
 
 def _ratios(d: dict[str, list[float]]) -> dict[str, float]:
@@ -329,7 +329,7 @@ def real_mixture_section(engines, ptl, samples: list[tuple[float, int, str]], qu
         reqs = [_request(i, int(n), rng) for i, n in enumerate(true)]
         plans = _plans(scores, true, history, slots, ptl, seed)
         _time_plans(engines, slots, ptl, reqs, plans, true, acc)
-        for name, span in group_signal_plans(
+        for name, span in makespan.group_signal_plans(
             plans, scores, true, history, group_of, slots, ptl
         ).items():
             signal.setdefault(name, []).append(span)
@@ -339,7 +339,7 @@ def real_mixture_section(engines, ptl, samples: list[tuple[float, int, str]], qu
         rng = np.random.default_rng(1000 + seed)
         pick, scores, true, history, group_of = _batch(samples, groups, all_len, n_req, rng)
         plans = _plans(scores, true, history, slots, ptl, seed)
-        for name, span in group_signal_plans(
+        for name, span in makespan.group_signal_plans(
             plans, scores, true, history, group_of, slots, ptl
         ).items():
             many.setdefault(name, []).append(span)
@@ -399,98 +399,6 @@ def group_signal_recall(samples: list[tuple[float, int, str]]) -> dict | None:
     }
 
 
-def dynamic_makespan(
-    instance: list[int],
-    priority: np.ndarray,
-    slots: list[int],
-    step_s: list[float],
-    true: np.ndarray,
-    update=None,
-) -> float:
-    """Makespan of fixed-shape instances (a step costs step_s[k] whatever the batch) that
-    admit their highest-priority queued request whenever a slot frees (ties: submission
-    order), all instances running at once. `update(i, prio, queued)` is called when
-    request i finishes, before the freed slot is refilled, and may change `prio` of
-    queued requests (any instance): the group signal. instance[i] = -1: request i is not
-    bound to an instance; the first instance with a free slot takes it (late binding, a
-    queue shared by the instances)."""
-    prio = np.asarray(priority, np.float64).copy()
-    inst = np.asarray(instance)
-    queued = np.ones(len(true), bool)
-    free = list(slots)
-    events: list[tuple[float, int, int]] = []
-
-    def admit(k: int, t: float) -> None:
-        while free[k]:
-            mine = np.flatnonzero(queued & ((inst == k) | (inst < 0)))
-            if not len(mine):
-                return
-            i = int(mine[np.argmax(prio[mine])])  # argmax: first of ties = submission order
-            queued[i] = False
-            free[k] -= 1
-            heapq.heappush(events, (t + float(true[i]) * step_s[k], k, i))
-
-    for k in range(len(slots)):
-        admit(k, 0.0)
-    t = 0.0
-    while events:
-        t, k, i = heapq.heappop(events)
-        free[k] += 1
-        if update is not None:
-            update(i, prio, queued)
-        admit(k, t)
-    return t
-
-
-def group_signal_plans(plans, scores, true, history, group_of, slots, ptl) -> dict[str, float]:
-    """Makespans (fixed-shape instances, `dynamic_makespan`) of the batch's plans with and
-    without the group signal: once samples of a prompt have finished, its queued samples'
-    priority becomes the mean of their expected length (`dispatch.expected_lengths` of the
-    ranker's score, counted as one observation) and the finished lengths (`signal`); with
-    `probe`, each prompt's first sample is admitted before its others (so that some of
-    every group finish early), longest expected first."""
-    step_s = [ptl(s) for s in slots]
-    est = dispatch.expected_lengths(scores, history)
-    members: dict[str, list[int]] = {}
-    for i, g in enumerate(group_of):
-        members.setdefault(g, []).append(i)
-    first = np.zeros(len(true), bool)
-    first[[m[0] for m in members.values()]] = True
-
-    def make_update():
-        done: dict[str, list[float]] = {}
-
-        def update(i, prio, queued):
-            got = done.setdefault(group_of[i], [])
-            got.append(float(true[i]))
-            for j in members[group_of[i]]:
-                if queued[j]:
-                    prio[j] = (est[j] + sum(got)) / (1 + len(got))
-
-        return update
-
-    out = {}
-    for name in ("random_fifo", "skew_lpt", "oracle_lpt"):
-        plan = plans[name]
-        inst = list(plan.instance_per_request)
-        prio = np.asarray(plan.priority_per_request, np.float64)
-        out[f"static_{name}"] = dynamic_makespan(inst, prio, slots, step_s, true)
-    inst = list(plans["skew_lpt"].instance_per_request)
-    out["signal_lpt"] = dynamic_makespan(inst, est, slots, step_s, true, make_update())
-    probe = est + first * (est.max() + 1.0)
-    out["probe_static_lpt"] = dynamic_makespan(inst, probe, slots, step_s, true)
-    out["probe_signal_lpt"] = dynamic_makespan(inst, probe, slots, step_s, true, make_update())
-    # Late binding (not what the service does: it binds each request when it is planned):
-    # one queue, any free slot takes its highest priority request.
-    shared = [-1] * len(true)
-    out["shared_queue_lpt"] = dynamic_makespan(shared, est, slots, step_s, true)
-    out["shared_queue_signal_lpt"] = dynamic_makespan(
-        shared, est, slots, step_s, true, make_update()
-    )
-    out["shared_queue_oracle"] = dynamic_makespan(shared, true, slots, step_s, true)
-    return out
-
-
 def _request(i: int, length: int, rng: np.random.Generator) -> GenerationRequest:
     return GenerationRequest(
         request_id=i,
@@ -500,32 +408,6 @@ def _request(i: int, length: int, rng: np.random.Generator) -> GenerationRequest
         seed=i,
         forced_length=length,
     )
-
-
-def _simulated_makespan(plan, slots, ptl, true, fixed_shape: bool = False) -> float:
-    """The simulator's makespan of the same plan with the measured PTL (cross-check);
-    a step costs PTL at its decode batch bucket, or at the slot count (`fixed_shape`, as
-    `dynamic_makespan` prices it)."""
-    spans = []
-    prompt = np.full(len(true), 12)
-    for k, order in enumerate(plan.orders(len(slots))):
-        if order:
-            buckets = (slots[k],) if fixed_shape else _batch_buckets(slots[k])
-            cost = sim_gen.InstanceSpec(cost=_PTLCost(ptl, buckets), slots=slots[k])
-            spans.append(sim_gen.run_instance(cost, order, prompt, true)[2])
-    return max(spans)
-
-
-@dataclasses.dataclass(frozen=True)
-class _PTLCost:
-    ptl: dispatch.PTLProfile
-    buckets: tuple[int, ...]  # the engine's decode batch buckets
-
-    def segment_time(self, batch: int, ctx0: float, steps: int) -> float:
-        return steps * self.ptl(next(b for b in self.buckets if b >= batch))
-
-    def prefill_time(self, tokens: float) -> float:
-        return 0.0
 
 
 def _batch_buckets(slots: int) -> tuple[int, ...]:
@@ -706,7 +588,7 @@ def main(argv):
         summary.update(
             # Judged on real, held-out lengths: recall@20 on each held-out prompt's mean
             # length, next to the noise ceiling of that target (a perfect predictor of the
-            # expected length, `train_ranker.bootstrap_ceiling`).
+            # expected length, `ranker_eval.bootstrap_ceiling`).
             ranker_recall_at_20_real=recall,
             noise_ceiling_real=ceiling,
             ranker_over_noise_ceiling_real=recall / ceiling if ceiling else None,

@@ -52,8 +52,9 @@ import time
 
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import curves  # noqa: E402 - tools/curves.py, beside this file
+# The repository (streamrl_bench, streamrl_jax) from a checkout that is not installed.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from streamrl_bench import curves  # noqa: E402
 
 _ROOT = curves.ROOT
 
@@ -252,8 +253,10 @@ def main(argv: list[str]) -> None:
         run_trl(trl_dir)
     trl_points = trl_snapshots(trl_dir)
     print(f"TRL: {len(trl_points)} snapshots in {time.time() - t1:.0f} s", flush=True)
+    from streamrl_jax.pipeline import evaluation
+
     problems = 16 if _QUICK.value else _EVAL_PROBLEMS.value
-    ev = curves.Evaluator(curves.config_of(_CONFIG.value), problems, _EVAL_SEED.value)
+    ev = evaluation.Evaluator(curves.config_of(_CONFIG.value), problems, _EVAL_SEED.value)
     project_curve = []
     for seconds, step in project_points:
         acc = ev.project(project_dir, step)

@@ -6,9 +6,9 @@
 
 Each `LOG:N` is a SampleLog that `tools/bench_scheduling.py --collect=N` wrote (N: the
 dataset size it was collected with; the prompt ids say the dataset seed). Every prompt's
-question text is regenerated from `collect_samples.VARIED_MIXTURE` at that seed and size,
-re-tokenised with SmolLM2's chat template and checked against the logged prompt tokens
-(a mismatch is an error: the log is not of this mixture). Held-out prompts must have
+question text is regenerated from `streamrl_bench.collect_samples.VARIED_MIXTURE` at that
+seed and size, re-tokenised with SmolLM2's chat template and checked against the logged
+prompt tokens (a mismatch is an error: the log is not of this mixture). Held-out prompts must have
 every sample (`--heldout_samples`): a collection stopped before its budget ran out
 leaves its last prompts incomplete or absent, so each log is cut at its first
 incomplete or absent prompt in submission order (a prefix: no bias towards prompts whose
@@ -23,9 +23,9 @@ from __future__ import annotations
 import collections
 import json
 
-import collect_samples
 from absl import app, flags
 
+from streamrl_bench import collect_samples
 from streamrl_jax.data import tokenize
 from streamrl_jax.model.defaults import smollm2_gguf_path
 from streamrl_jax.model.loader import describe

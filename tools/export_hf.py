@@ -31,9 +31,9 @@ def main(argv: list[str]) -> None:
     import jax
     from flax import nnx
 
-    from streamrl_jax import checkpoint as ckpt_lib
     from streamrl_jax import config as config_lib
     from streamrl_jax import mesh as mesh_lib
+    from streamrl_jax.checkpoint.policy import policy_params
     from streamrl_jax.model import hf_export, llama
     from streamrl_jax.pipeline import components
 
@@ -46,15 +46,7 @@ def main(argv: list[str]) -> None:
     # base is the model's source, or init_from), then the checkpoint's params over it.
     mesh = mesh_lib.make_meshes(mesh_lib.MeshConfig(colocated=True), jax.devices()[:1]).train
     _, state = components.initial_policy(cfg, mesh)
-    lora = model_cfg.lora_rank > 0
-    saved = state.params.filter(nnx.LoRAParam) if lora else state.params
-    params = ckpt_lib.restore_params_only(
-        _CHECKPOINT.value,
-        ckpt_lib.abstract_tree(saved),
-        fingerprint=ckpt_lib.model_fingerprint(model_cfg),
-    )
-    if lora:
-        params = nnx.merge_state(params, state.params.filter(nnx.Not(nnx.LoRAParam)))
+    params = policy_params(model_cfg, _CHECKPOINT.value, state.params)
     model = llama.create(model_cfg)
     nnx.update(model, jax.device_get(params))
     source = components.model_path(cfg) if cfg.model.source != "tiny" else None

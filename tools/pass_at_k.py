@@ -43,7 +43,9 @@ _TEMPERATURE = flags.DEFINE_float("temperature", -1.0, "Sampling temperature (<0
 _SLOTS = flags.DEFINE_integer("slots", 32, "Engine batch (slots).")
 _DUMP = flags.DEFINE_string("dump", "", "Write every response (JSONL) to this path.")
 _CHECKPOINT = flags.DEFINE_string(
-    "checkpoint", "", "A run's workdir: its latest checkpoint's params instead of the base model."
+    "checkpoint",
+    "",
+    "A run's workdir (run with --config): its latest checkpoint's policy instead of the base.",
 )
 
 
@@ -64,7 +66,7 @@ def pass_at(n: int, c: int, k: int) -> float:
     return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
-def _engine(cfg, model_cfg, graphdef, params, mesh, tokenizer):
+def _engine(cfg, policy, mesh, tokenizer):
     """The run's own engine config (stop ids, lengths, chunk), with --slots slots and
     prefills of up to 16 prompts (all of a problem's samples share one prompt length)."""
     import dataclasses
@@ -74,22 +76,21 @@ def _engine(cfg, model_cfg, graphdef, params, mesh, tokenizer):
 
     ecfg = engine_config(cfg, tokenizer, _SLOTS.value)
     ecfg = dataclasses.replace(ecfg, prefill_batch=min(_SLOTS.value, 16), admission="fifo")
-    return Engine(graphdef, params, model_cfg, ecfg, mesh)
+    return Engine(policy.graphdef, policy.params, policy.model_cfg, ecfg, mesh)
 
 
-def _params(cfg, mesh):
-    from streamrl_jax.model.defaults import smollm2_gguf_path
-    from streamrl_jax.model.loader import load_pretrained
+def _policy(cfg):
+    """The policy measured: the base model, or a run's latest checkpoint (LoRA-aware),
+    on one device."""
+    from streamrl_jax.model.loader import load_pretrained, single_device_mesh
+    from streamrl_jax.pipeline import components, evaluation
 
     if cfg.model.source != "smollm2":
         raise ValueError(f"model.source={cfg.model.source!r}: this tool measures smollm2")
-    pre = load_pretrained(smollm2_gguf_path(), mesh=mesh)
-    params = pre.params
-    if _CHECKPOINT.value:
-        from streamrl_jax.checkpoint.manager import restore_params_only
-
-        params = restore_params_only(os.path.join(_CHECKPOINT.value, "checkpoints"), params)
-    return pre.cfg, pre.graphdef, pre.tokenizer, params
+    mesh = single_device_mesh()
+    base = load_pretrained(components.model_path(cfg), mesh=mesh)
+    checkpoint = os.path.join(_CHECKPOINT.value, "checkpoints") if _CHECKPOINT.value else None
+    return mesh, base.tokenizer, evaluation.run_policy(cfg, base, checkpoint)
 
 
 def measure(
@@ -97,13 +98,10 @@ def measure(
 ):
     from streamrl_jax.data import tokenize
     from streamrl_jax.generation.types import GenerationRequest, SamplingParams
-    from streamrl_jax.rewards.tasks import TaskDataset
+    from streamrl_jax.pipeline import datasets, evaluation
 
     d, g = cfg.data, cfg.generation
-    tasks = [t.strip() for t in d.tasks.split(",") if t.strip()]
-    from streamrl_jax.config import task_configs
-
-    eval_set = TaskDataset(tasks, seed=seed, size=n_problems, task_configs=task_configs(d))
+    eval_set = datasets.eval_set(evaluation.with_eval_seed(cfg, seed, n_problems))
     reward = eval_set.reward_fn(format_bonus=d.format_reward)
     prompts = [tokenize(p, tokenizer, d.system_prompt) for p in eval_set]
     sampling = SamplingParams(temperature=temperature, top_k=g.top_k, top_p=g.top_p)
@@ -166,9 +164,6 @@ def measure(
 
 def main(argv):
     del argv
-    import jax
-    from jax.sharding import AxisType, Mesh
-
     cfg = _config()
     seeds = [int(s) for s in _SEEDS.value.split(",") if s] or [cfg.data.eval_seed]
     train_seed = cfg.data.train_seed
@@ -176,9 +171,8 @@ def main(argv):
         raise ValueError(f"--eval_seeds={_SEEDS.value}: {train_seed} is the training seed")
     n = _PROBLEMS.value or cfg.eval.num_problems
     temperature = _TEMPERATURE.value if _TEMPERATURE.value >= 0 else cfg.generation.temperature
-    mesh = Mesh(np.asarray(jax.devices()[:1], dtype=object), ("tp",), axis_types=(AxisType.Auto,))
-    model_cfg, graphdef, tokenizer, params = _params(cfg, mesh)
-    engine = _engine(cfg, model_cfg, graphdef, params, mesh, tokenizer)
+    mesh, tokenizer, policy = _policy(cfg)
+    engine = _engine(cfg, policy, mesh, tokenizer)
     out = {
         "bench": "pass_at_k",
         "config": os.path.relpath(_CONFIG.value, _ROOT),

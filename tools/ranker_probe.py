@@ -3,8 +3,9 @@
 Features: SmolLM2-135M-Instruct's last-layer hidden states (after the final RMSNorm) of
 each prompt, mean-pooled over its tokens and at its last token (the chat template ends
 with "<|im_start|>assistant\\n", so the last position is where the answer starts). Heads,
-trained per fold of the same 5-fold CV as `tools/train_ranker.py --folds=5` (same hash
-folds, same 20 % validation split of each training fold, same pooled metrics):
+trained per fold of the same 5-fold CV as `tools/train_ranker.py --folds=5`
+(`streamrl_bench.ranker_eval`; same hash folds, same 20 % validation split of each
+training fold, same pooled metrics):
 
 * ridge regression on log(length) (alpha picked on the validation split, then refit on
   the whole training fold), on the mean, the last and both features, and on both plus a
@@ -35,7 +36,8 @@ import numpy as np
 import optax
 from absl import app, flags
 from flax import nnx
-from train_ranker import (
+
+from streamrl_bench.ranker_eval import (
     Example,
     _reference_scores,
     fold_of,
@@ -44,7 +46,6 @@ from train_ranker import (
     random_recall_at_20,
     split_half_report,
 )
-
 from streamrl_jax.model import layers
 from streamrl_jax.model.defaults import smollm2_gguf_path
 from streamrl_jax.model.loader import load_pretrained

@@ -449,6 +449,48 @@ class Checkpointer:
         )
 
 
+def _open_step(path: str | os.PathLike, fingerprint: Mapping[str, Any] | None):
+    """The `Checkpointer` of the checkpoint at `path` (a root: its latest step; or a step
+    directory), that step, its directory and its manifest, the fingerprint checked."""
+    path = epath.Path(path).absolute()
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if (path / _MANIFEST).exists():  # a step directory: open its root at that step
+        root, step = path.parent, path.name
+        if not step.isdigit():
+            raise UserError(f"checkpoint {path}: step directory name is not a step")
+        step = int(step)
+    else:
+        root, step = path, None
+    ckpt = Checkpointer(root, fingerprint=fingerprint)
+    try:
+        step = ckpt._resolve_step(step)
+        where = str(ckpt.step_directory(step))
+        manifest = ckpt._read_json(step, _MANIFEST)
+        _check_fingerprint(where, manifest.get("fingerprint"), fingerprint)
+    except BaseException:
+        ckpt._mgr.close()
+        raise
+    return ckpt, step, where, manifest
+
+
+def saved_params(
+    path: str | os.PathLike, *, fingerprint: Mapping[str, Any] | None = None
+) -> tuple[str, dict[str, str]]:
+    """The step directory `path` resolves to and its saved params' signature
+    (`{keypath: "float32[256,64]"}`, key paths as in `trees.signature` of the params),
+    read from the manifest without touching an array.
+
+    Raises:
+      FileNotFoundError: `path` does not exist or holds no checkpoint.
+      ValueError: another model (`fingerprint`), or a corrupt checkpoint.
+    """
+    ckpt, _, where, manifest = _open_step(path, fingerprint)
+    ckpt._mgr.close()
+    state = manifest["signature"][_STATE]
+    return where, {k[len(".params") :]: v for k, v in state.items() if k.startswith(".params[")}
+
+
 def restore_params_only(
     path: str | os.PathLike,
     abstract_params: Any,
@@ -456,7 +498,8 @@ def restore_params_only(
     *,
     fingerprint: Mapping[str, Any] | None = None,
 ) -> Any:
-    """The params of another run's checkpoint (`--config.init_from=PATH`).
+    """The params of a checkpoint (`--config.init_from=PATH`); a run's policy, LoRA-aware,
+    is `checkpoint.policy.policy_params`.
 
     Args:
       path: a checkpoint root (its latest step is used) or one step directory.
@@ -469,22 +512,8 @@ def restore_params_only(
       FileNotFoundError: `path` does not exist or holds no checkpoint.
       ValueError: another model, or a corrupt checkpoint (naming the path).
     """
-    path = epath.Path(path).absolute()
-    if not path.exists():
-        raise FileNotFoundError(f"init_from checkpoint {path} does not exist")
-    if (path / _MANIFEST).exists():  # a step directory: open its root at that step
-        root, step = path.parent, path.name
-        if not step.isdigit():
-            raise UserError(f"init_from checkpoint {path}: step directory name is not a step")
-        step = int(step)
-    else:
-        root, step = path, None
-    ckpt = Checkpointer(root, fingerprint=fingerprint)
+    ckpt, step, where, manifest = _open_step(path, fingerprint)
     try:
-        step = ckpt._resolve_step(step)
-        where = str(ckpt.step_directory(step))
-        manifest = ckpt._read_json(step, _MANIFEST)
-        _check_fingerprint(where, manifest.get("fingerprint"), fingerprint)
         target = {"params": abstract_tree(abstract_params, shardings)}
         # The saved state is a TrainState: its params' key paths start with ".params".
         want = {".params" + k: v for k, v in signature(target["params"]).items()}

@@ -24,7 +24,6 @@ from streamrl_jax.endpoint.book import Record
 from streamrl_jax.environments.render import TurnRenderer
 from streamrl_jax.generation.engine_config import EngineConfig
 from streamrl_jax.generation.types import (
-    Continuation,
     GenerationRequest,
     Sample,
     SamplingParams,
@@ -155,8 +154,7 @@ class Turns:
             )
         if not env_tokens:
             raise ApiError(400, "the request adds nothing after the recorded turn")
-        cont = Continuation.after(rec.sample, env_tokens)
-        used = len(rec.prompt) + len(cont.tokens)
+        used = len(rec.prompt) + rec.sample.num_tokens + len(env_tokens)
         if used + 1 > self.ctx.max_total_length:
             raise ApiError(
                 400,
@@ -164,16 +162,8 @@ class Turns:
                 "of context; start a new episode",
                 code=CONTEXT_EXCEEDED,
             )
-        return GenerationRequest(
-            request_id=rec.id,
-            prompt=rec.prompt,
-            max_new_tokens=cont.policy_tokens + s.max_tokens,
-            forced_length=cont.policy_tokens + s.max_tokens if s.ignore_eos else None,
-            sampling=params,
-            seed=rec.seed,
-            metadata=rec.metadata,
-            continuation=cont,
-            keep_kv=True,
+        return GenerationRequest.next_turn(
+            rec.sample, env_tokens, s.max_tokens, sampling=params, forced=s.ignore_eos
         )
 
     def sampling(self, s: Sampling) -> SamplingParams:

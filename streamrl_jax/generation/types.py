@@ -218,6 +218,46 @@ class GenerationRequest:
     keep_kv: bool = False
     adapter: int = 0
 
+    @classmethod
+    def next_turn(
+        cls,
+        sample: Sample,
+        env_tokens: Sequence[int],
+        budget: int,
+        *,
+        sampling: SamplingParams | None = None,
+        forced: bool = False,
+        keep_kv: bool = True,
+    ) -> GenerationRequest:
+        """An episode's next turn after `sample`: its tokens so far, then `env_tokens`
+        the environment appended (`Continuation.after`), and up to `budget` more policy
+        tokens; the sample's id, prompt, seed, tag, metadata and adapter.
+
+        Args:
+          sample: the turn that ended.
+          env_tokens: the environment's tokens after it (tool output, scaffolding).
+          budget: policy tokens this turn may add.
+          sampling: this turn's sampling (None: the sample's).
+          forced: exactly `budget` more tokens, stop ids ignored (`forced_length`).
+          keep_kv: the slot keeps its KV, the turn appended in place (False: the
+            whole episode is prefilled again).
+        """
+        cont = Continuation.after(sample, env_tokens)
+        n = cont.policy_tokens + budget
+        return cls(
+            request_id=sample.request_id,
+            prompt=sample.prompt.tolist(),
+            max_new_tokens=n,
+            forced_length=n if forced else None,
+            sampling=sample.sampling if sampling is None else sampling,
+            seed=sample.seed,
+            tag=sample.tag,
+            metadata=sample.metadata,
+            continuation=cont,
+            keep_kv=keep_kv,
+            adapter=sample.adapter,
+        )
+
     @property
     def generated(self) -> int:
         """Policy tokens the request already has (its continuation's): the counter the

@@ -146,8 +146,8 @@ class ModelConfig:
         projection pair instead of an all-reduce). Sequence lengths must then be a
         multiple of "tp". No effect outside the trainer's step functions.
       scan_unroll: blocks per step of that scan. XLA's cost analysis counts a loop body
-        once, so `tools/plan_pod.py` reads a block's FLOPs and bytes off the difference
-        of compiles with 2 and 1 blocks a step.
+        once, so the pod planner (`streamrl_podplan.programs`) reads a block's FLOPs and
+        bytes off the difference of compiles with 2 and 1 blocks a step.
     """
 
     vocab_size: int

@@ -28,6 +28,9 @@ finish).
 `learners`: several learners (`ExperimentConfig.learners`), each a whole run of the core
 above with its own LoRA adapter, sharing one generation service (docs/learners.md).
 
+`evaluation`: the run's held-out evaluation applied outside a run (any policy, a run's
+checkpoint, a Hugging Face directory), for the benches and tools.
+
 `processes/`: the same pipeline as a multi-controller program (the per-process
 programs, the roster of generation processes, the layout keys); the core never
 imports it (`tests/layering_test.py`).

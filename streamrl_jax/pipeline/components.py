@@ -207,20 +207,13 @@ def _training(
         params = _with_adapters(pre.params, trainer, cfg.seed) if lora else pre.params
         state = trainer.state_from_params(params, cfg.seed)
     if cfg.init_from:
-        from streamrl_jax import checkpoint as ckpt_lib
+        from streamrl_jax.checkpoint.policy import policy_params
 
-        # With LoRA the checkpoint gives the base (a full fine-tuning run's weights);
-        # the adapters start new.
-        target = state_lib.frozen(state.params) if lora else state.params
-        params = ckpt_lib.restore_params_only(
-            cfg.init_from,
-            ckpt_lib.abstract_tree(target),
-            None,
-            fingerprint=ckpt_lib.model_fingerprint(model_cfg),
+        # With LoRA a full fine-tuning run's checkpoint gives the base (the adapters
+        # start new), a LoRA run's its adapters on this run's base.
+        state = trainer.state_from_params(
+            policy_params(model_cfg, cfg.init_from, state.params), cfg.seed
         )
-        if lora:
-            params = _with_adapters(params, trainer, cfg.seed)
-        state = trainer.state_from_params(params, cfg.seed)
         logging.info("initial weights from %s", cfg.init_from)
     return trainer, state
 
@@ -254,15 +247,11 @@ def _teacher(
                 f"({ckpt_fingerprint(teacher.cfg)} against {want})"
             )
         params = load_weights(teacher, mesh=trainer.mesh, role="train").params
-    else:
-        target = state_lib.frozen(state.params) if lora else state.params
-        shardings = state_lib.frozen(trainer.state_shardings.params) if lora else None
-        params = ckpt_lib.restore_params_only(
-            path,
-            ckpt_lib.abstract_tree(target),
-            shardings,
-            fingerprint=ckpt_fingerprint(model_cfg),
-        )
+    else:  # `state` is the policy as it starts: with LoRA, new adapters (B = 0)
+        from streamrl_jax.checkpoint.policy import policy_params
+
+        logging.info("distillation teacher from %s", path)
+        return policy_params(model_cfg, path, state.params, trainer.state_shardings.params)
     logging.info("distillation teacher from %s", path)
     return _with_adapters(params, trainer, cfg.seed) if lora else params
 

@@ -41,27 +41,34 @@ class ProblemSet(Protocol):
 def datasets(cfg: ExperimentConfig) -> tuple[ProblemSet, ProblemSet]:
     """(eval set, train set): reasoning-gym tasks, or JSONL files (docs/datasets.md)."""
     d = cfg.data
+    held_out = eval_set(cfg)
     if d.jsonl_path:
         from streamrl_jax.rewards.jsonl import JsonlDataset
 
-        eval_set = JsonlDataset(d.eval_jsonl_path, on_bad_row=d.bad_rows)
         train_set = JsonlDataset(
-            d.jsonl_path, on_bad_row=d.bad_rows, exclude_questions=eval_set.questions()
+            d.jsonl_path, on_bad_row=d.bad_rows, exclude_questions=held_out.questions()
         )
-        return eval_set, train_set
-    tasks = [t.strip() for t in d.tasks.split(",") if t.strip()]
-    kwargs = task_configs(d)
-    eval_set = TaskDataset(
-        tasks, seed=d.eval_seed, size=max(cfg.eval.num_problems, 1), task_configs=kwargs
-    )
+        return held_out, train_set
     train_set = TaskDataset(
-        tasks,
+        task_names(d),
         seed=d.train_seed,
         size=d.train_size,
-        task_configs=kwargs,
-        exclude_questions=eval_set.questions(),
+        task_configs=task_configs(d),
+        exclude_questions=held_out.questions(),
     )
-    return eval_set, train_set
+    return held_out, train_set
+
+
+def eval_set(cfg: ExperimentConfig) -> ProblemSet:
+    """The held-out set of `datasets(cfg)`, without building the training set (the
+    evaluation of weights outside a run, `pipeline/evaluation.py`)."""
+    d = cfg.data
+    if d.jsonl_path:
+        from streamrl_jax.rewards.jsonl import JsonlDataset
+
+        return JsonlDataset(d.eval_jsonl_path, on_bad_row=d.bad_rows)
+    size = max(cfg.eval.num_problems, 1)
+    return TaskDataset(task_names(d), seed=d.eval_seed, size=size, task_configs=task_configs(d))
 
 
 def prompts(

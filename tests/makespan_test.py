@@ -1,17 +1,11 @@
-"""Tests of tools/bench_scheduling.py's group-signal simulator (`dynamic_makespan`)."""
+"""Tests of the scheduling bench's group-signal simulator (`streamrl_bench.makespan`)."""
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
-
-import bench_scheduling as bench  # noqa: E402
-
-from streamrl_jax.scheduling import dispatch  # noqa: E402
+from streamrl_bench import makespan
+from streamrl_jax.scheduling import dispatch
 
 
 def test_static_plan_matches_the_simulator():
@@ -24,14 +18,14 @@ def test_static_plan_matches_the_simulator():
     plan = dispatch.DispatchPlan(
         rng.integers(0, 3, size=40).tolist(), rng.random(40).round(1).tolist()
     )
-    got = bench.dynamic_makespan(
+    got = makespan.dynamic_makespan(
         plan.instance_per_request,
         np.array(plan.priority_per_request),
         slots,
         [ptl(s) for s in slots],
         true,
     )
-    assert np.isclose(got, bench._simulated_makespan(plan, slots, ptl, true, fixed_shape=True))
+    assert np.isclose(got, makespan.simulated_makespan(plan, slots, ptl, true))
 
 
 def test_update_reorders_queued_requests():
@@ -49,13 +43,13 @@ def test_update_reorders_queued_requests():
                 p[j] = 100.0
 
     inst = [0] * 5
-    assert bench.dynamic_makespan(inst, prio, [2], [1.0], true) == 11.0
-    assert bench.dynamic_makespan(inst, prio, [2], [1.0], true, update) == 10.0
+    assert makespan.dynamic_makespan(inst, prio, [2], [1.0], true) == 11.0
+    assert makespan.dynamic_makespan(inst, prio, [2], [1.0], true, update) == 10.0
     assert sorted(calls) == [0, 1, 2, 3, 4]
 
 
 def test_shared_queue_late_binding():
     true = np.array([4, 4, 4, 4])
-    bound = bench.dynamic_makespan([0, 0, 0, 0], np.zeros(4), [1, 1], [1.0, 1.0], true)
-    shared = bench.dynamic_makespan([-1] * 4, np.zeros(4), [1, 1], [1.0, 1.0], true)
+    bound = makespan.dynamic_makespan([0, 0, 0, 0], np.zeros(4), [1, 1], [1.0, 1.0], true)
+    shared = makespan.dynamic_makespan([-1] * 4, np.zeros(4), [1, 1], [1.0, 1.0], true)
     assert (bound, shared) == (16.0, 8.0)

@@ -8,7 +8,8 @@ count and the open file descriptors are back where they started, and no
 file was written by a payload that would have run on unpickling.
 
 Used by `tools/bench_bad_inputs.py` (kind "network") and by
-`tests/distributed_transport_test.py` (the peers and the proxy).
+`tests/distributed_transport_test.py` and `tests/shard_sync_test.py` (the peers, the
+proxy, the payload that proves nothing was unpickled).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Real SmolLM2 output lengths for the ranker: `tools/bench_scheduling.py --collect`.
 
 SmolLM2-135M-Instruct on `VARIED_MIXTURE` through the repo's own generation engine, several
-samples per prompt, one SampleLog line per sample (what `train_ranker.py` reads).
+samples per prompt, one SampleLog line per sample (what `ranker_eval.read_logs` reads);
+the mixture is also `tools/build_length_dataset.py`'s.
 """
 
 from __future__ import annotations
