@@ -65,7 +65,7 @@ from typing import Any
 import numpy as np
 
 from streamrl_jax.environments import EpisodeKit, TurnInfo
-from streamrl_jax.generation.types import Continuation, GenerationRequest, Sample
+from streamrl_jax.generation.types import GenerationRequest, Sample
 from streamrl_jax.pipeline.micro_batches import Scored
 from streamrl_jax.pipeline.rollouts.protocol import (
     Returned,
@@ -186,7 +186,7 @@ class Episodes(Wrapper):
         if left < 1:
             return self._end(sample, ep, "episode_tokens")
         ep.turn_start = used
-        request = self._next_turn(sample, env_tokens, min(left, limits.turn_tokens))
+        request = GenerationRequest.next_turn(sample, env_tokens, min(left, limits.turn_tokens))
         if not self._rounds or sample.tag.is_eval:
             return Returned(None, [request])
         turn = dataclasses.replace(sample, finish_reason="paused")
@@ -215,21 +215,6 @@ class Episodes(Wrapper):
             with self._lock:
                 self._live.pop(placed.sample.request_id, None)
         return placed
-
-    def _next_turn(self, sample: Sample, env_tokens: list[int], budget: int) -> GenerationRequest:
-        """The episode's next turn: its tokens so far, then the environment's."""
-        cont = Continuation.after(sample, env_tokens)
-        return GenerationRequest(
-            request_id=sample.request_id,
-            prompt=sample.prompt.tolist(),
-            max_new_tokens=cont.policy_tokens + budget,
-            sampling=sample.sampling,
-            seed=sample.seed,
-            tag=sample.tag,
-            metadata=sample.metadata,
-            continuation=cont,
-            keep_kv=True,
-        )
 
     def _end(self, sample: Sample, ep: EpisodeRecord, outcome: str) -> Returned:
         """The episode, whole, with its outcome in its metadata."""
