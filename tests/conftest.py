@@ -58,3 +58,31 @@ def model():
     from support import lively_model
 
     return lively_model((0, 1))
+
+
+# ------------------------------------------------------------- compile report (opt-in)
+# `STREAMRL_TEST_COMPILE_REPORT=FILE`: per test, JAX's compile events (how many programs
+# were traced, lowered, compiled by XLA, read from the persistent cache, and their
+# seconds) as JSON lines appended to FILE: where a cold suite's time goes is mostly here.
+_COMPILE_REPORT = os.environ.get("STREAMRL_TEST_COMPILE_REPORT")
+_compile_events: dict[str, float] = {}
+
+
+def _count_compile_event(event: str, duration: float, **kwargs) -> None:
+    name = event.rsplit("/", 1)[-1]
+    _compile_events[name + "_n"] = _compile_events.get(name + "_n", 0) + 1
+    _compile_events[name + "_s"] = _compile_events.get(name + "_s", 0.0) + duration
+
+
+if _COMPILE_REPORT:
+    import json
+
+    jax.monitoring.register_event_duration_secs_listener(_count_compile_event)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        _compile_events.clear()
+        yield
+        row = {"test": item.nodeid, **{k: round(v, 3) for k, v in _compile_events.items()}}
+        with open(_COMPILE_REPORT, "a") as f:
+            f.write(json.dumps(row) + "\n")

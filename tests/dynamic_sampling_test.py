@@ -117,7 +117,7 @@ def test_uniform_groups_are_judged_refilled_and_skipped():
     finished = ro.finish(0)
     assert finished.metrics == {"groups_skipped": 5.0, "dynamic_draws": 4.0, "dynamic_short": 1.0}
     assert finished.consumed == ["p1", "p2", "p3", "p5", "p6"]  # skipped: consumed too
-    assert ro.plannable(0, 3) is None and ro.state(1) == {}
+    assert ro.plannable(0, 3) is None and ro.state(1) == {} and ro.restore(1, {}) == []
 
 
 def test_the_trainer_streams_informative_groups_before_the_batch_settles():
@@ -201,6 +201,10 @@ def test_draws_run_out_the_step_trains_what_it_has(tmp_path):
     assert any(row["dynamic_short"] for row in result.steps)
 
 
+# An extra case of bitwise resume (its default end-to-end run is resume_test's): what
+# dynamic sampling adds to a resume runs as units above (a skipped prompt is consumed,
+# the rollout keeps no state of its own: a resumed run draws and judges a batch again).
+@pytest.mark.extended  # three runs of 4 steps
 def test_resume_is_exact_and_consumes_each_prompt_once(tmp_path):
     # The resume_test pattern, stream_async deterministic, a checkpoint every step: one
     # uninterrupted reference, one run whose trainer dies in batch 2 and is resumed.

@@ -269,10 +269,11 @@ def test_a_completion_past_its_deadline_is_a_504_and_closes_its_episode(served):
     ep, backend, server, client = _stuck_server(served, timeout_s=0.5)
     try:
         eid = client.open()
-        start = time.monotonic()
+        # The stuck backend never finishes: a 504 naming the deadline is the deadline's
+        # path (checked by the answer, not a wall clock)
         with pytest.raises(openai.APIStatusError, match="did not finish in 0 s") as e:
             _chat(client.openai(eid), USER)
-        assert e.value.status_code == 504 and time.monotonic() - start < 10
+        assert e.value.status_code == 504
         assert backend.futures[0].cancelled() and backend.released == [eid]
         with pytest.raises(openai.ConflictError, match="passed its deadline"):
             _chat(client.openai(eid), USER)

@@ -253,7 +253,8 @@ def test_key_layouts_keep_the_samples(model, attention):
 def test_gate_up_layouts_keep_the_samples(model):
     """Gate and up as [2, E, M] (`gate_up_layout="parts_major"`, "auto" off CPU, where
     XLA:TPU would re-lay out [E, 2, M] every decode chunk) draw what [E, 2, M] draws: on
-    one device, tensor-parallel over two (the mlp axis sharded), and with int8 weights."""
+    one device and tensor-parallel over two (the mlp axis sharded); with int8 weights in
+    `test_int8_gate_up_layouts_keep_the_samples`."""
     graphdef, params, _ = model
     reqs = grouped_requests(4)
     em = make_engine(model, gate_up_layout="embed_major")
@@ -267,16 +268,24 @@ def test_gate_up_layouts_keep_the_samples(model):
     assert w.shape == (2, CFG.hidden_size, CFG.intermediate_size)
     assert w.sharding.spec == jax.sharding.PartitionSpec(None, None, "tp")
     assert_same(want, by_id(pm.run(reqs)))
+    assert not ENGINE.gate_up_parts_major("cpu")
+    assert ENGINE.gate_up_parts_major("tpu") and ENGINE.gate_up_parts_major("gpu")
+    with pytest.raises(ValueError, match="EngineConfig.gate_up_layout must be one of"):
+        dataclasses.replace(ENGINE, gate_up_layout="fused")
+
+
+# Two more engines' programs compiled cold (int8 in each layout): an extra case of the
+# layout test above, whose float32 forms run by default.
+@pytest.mark.extended
+def test_int8_gate_up_layouts_keep_the_samples(model):
+    """With int8 weights, gate and up as [2, E, M] draw what [E, 2, M] draws."""
+    reqs = grouped_requests(4)
     int8 = [
         make_engine(model, weight_dtype="int8", gate_up_layout=x)
         for x in engine_config.GATE_UP_LAYOUTS[1:]
     ]
     assert int8[1]._params["layers"][0]["gate_up"].scale.shape == (2, CFG.intermediate_size)
     assert_same(*(by_id(e.run(reqs)) for e in int8))
-    assert not ENGINE.gate_up_parts_major("cpu")
-    assert ENGINE.gate_up_parts_major("tpu") and ENGINE.gate_up_parts_major("gpu")
-    with pytest.raises(ValueError, match="EngineConfig.gate_up_layout must be one of"):
-        dataclasses.replace(ENGINE, gate_up_layout="fused")
 
 
 def test_hot_loop_runs_under_transfer_guard(model):

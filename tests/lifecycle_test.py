@@ -162,16 +162,20 @@ def test_partial_rollout_trains_every_group_once_within_the_bound(weight_update,
 
 
 def _assert_fails_fast(cfg, tmp_path, component, patch=None, reward=vowel_reward):
-    start = time.monotonic()
     with pytest.raises(Exception) as info:
         if patch is None:
             run_lib.run(cfg, str(tmp_path), reward_fn=reward)
         else:
             with patch:
                 run_lib.run(cfg, str(tmp_path), reward_fn=reward)
-    assert time.monotonic() - start < cfg.pipeline.timeout_s
+    # Fast: the failure itself ended the run (through the failure latch), not a wait that
+    # ran into the stall bound (`pipeline.timeout_s`: a `MailboxTimeout` "timed out after
+    # ...", shown in a `PipelineError`); checked by the error's kind, not a wall clock
+    err = info.value
+    assert not isinstance(err, TimeoutError), err
+    assert "Timeout" not in str(err) and "timed out" not in str(err), err
     assert not pipeline_threads()
-    return info.value
+    return err
 
 
 def test_reward_failure_ends_the_run_naming_it(tmp_path):

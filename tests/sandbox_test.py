@@ -122,10 +122,11 @@ def test_a_runaway_answer_costs_one_timeout_and_the_worker_is_replaced(countdown
     fn, meta = countdown
     pool = SandboxPool(fn, workers=1, limits=LIMITS)
     try:
-        start = time.monotonic()
+        # The runaway never finishes: `RewardTimeout` is the pool's deadline (its worker
+        # killed), not the outer wait (a `TimeoutError`), whose bound only stops a stall
+        # (generous: a spawned worker's start on a loaded machine counts in it)
         with pytest.raises(RewardTimeout, match="no result within 3 s"):
-            pool.submit("<answer>9**9**9**9</answer>", meta).result(60)
-        assert time.monotonic() - start < 30
+            pool.submit("<answer>9**9**9**9</answer>", meta).result(240)
         right = pool.submit(f"<answer>{meta['entry']['answer']}</answer>", meta).result(60)
         assert right.score == 1.0
     finally:
