@@ -10,6 +10,8 @@ modules, and checks:
   and none between modules;
 * the live code never imports `simulation/` (only tools/ and tests/ do), and
   `algorithms/` never imports `model/` (RL maths work on arrays);
+* `learner/` (what is trained and what the loss reads) never imports `pipeline/`, and
+  the pipeline reaches a target only through the learner's registry and protocol;
 * no file of `tests/` imports a test module (`*_test`): shared test code lives in
   `tests/support.py` or a `conftest.py` fixture (STYLE.md "Tests mirror modules").
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import ast
 import collections
 import os
+import re
 
 import pytest
 
@@ -42,6 +45,7 @@ LAYERS = (
         "console",
         "distributed",
     ),
+    ("learner",),
     ("simulation",),
     ("pipeline",),
     ("launch",),
@@ -59,6 +63,9 @@ PIPELINE_BELOW_SEAMS = {
     "streamrl_jax.pipeline.rollouts.episodes",
 }
 ROLLOUTS = "streamrl_jax.pipeline.rollouts"
+LEARNER = "streamrl_jax.learner"
+# What the pipeline may import of learner/: the registry and the protocol, never a target.
+LEARNER_SEAM = {LEARNER, f"{LEARNER}.protocol", f"{LEARNER}.learner"}
 PROCESSES = "streamrl_jax.pipeline.processes"
 ONLY_FROM_OUTSIDE = {"simulation"}  # imported by tools/ and tests/, never by the package
 
@@ -215,9 +222,17 @@ def seam_violations(graph: dict[str, set[str]]) -> list[str]:
     """The imports that break the pipeline's seam rules (module docstring)."""
     bad = []
     for module, targets in sorted(graph.items()):
+        if _within(module, LEARNER):
+            bad += [
+                f"{module} imports {target}: the learner never imports the pipeline"
+                for target in sorted(targets)
+                if _within(target, "streamrl_jax.pipeline")
+            ]
         if not _within(module, "streamrl_jax.pipeline"):
             continue
         for target in sorted(targets):
+            if _within(target, LEARNER) and target not in LEARNER_SEAM:
+                bad.append(f"{module} imports the target {target}: use the learner registry")
             if not _within(module, PROCESSES) and _within(target, PROCESSES):
                 bad.append(f"{module} imports {target}: the core never imports the processes")
             kind = _within(target, ROLLOUTS) and target not in (ROLLOUTS, f"{ROLLOUTS}.protocol")
@@ -242,6 +257,9 @@ def test_the_pipelines_seams_hold():
         ("streamrl_jax.pipeline.trainer_loop", "streamrl_jax.pipeline.rollouts.partial"),
         ("streamrl_jax.pipeline.rollouts.curriculum", "streamrl_jax.pipeline.trainer_loop"),
         ("streamrl_jax.pipeline.rollouts.curriculum", "streamrl_jax.pipeline.rollouts.full"),
+        ("streamrl_jax.learner.critic", "streamrl_jax.pipeline.shards"),
+        ("streamrl_jax.learner", "streamrl_jax.pipeline.components"),
+        ("streamrl_jax.pipeline.trainer_loop", "streamrl_jax.learner.critic"),
     ],
 )
 def test_the_seam_rules_fail_on_an_injected_violation(importer, imported):
@@ -272,3 +290,59 @@ def test_no_test_file_imports_another_test_file():
                 imported = _test_modules_imported(f.read(), name)
             bad += [f"tests/{name} imports {m}" for m in sorted(imported)]
     assert not bad, f"shared test code belongs in tests/support.py or conftest.py: {bad}"
+
+
+# Conditions that name an optional feature (issue 52's count): the core holds few, and
+# the trainer loop, resume, the builders and the run's parts none on what is trained or
+# what the loss reads (`learner/`), nor on an environment.
+FEATURE = re.compile(
+    r"lora|critic|teacher|route|environment|env\b|reference|\bref_|\btis\b|distill|episode"
+    r"|adapter|endpoint|kl_coef|value",
+    re.I,
+)
+FEATURE_BRANCH_BUDGET = 16  # in the top-level pipeline/*.py modules
+NO_TARGET_BRANCH = ("trainer_loop.py", "resume.py", "components.py", "parts.py")
+NO_TARGET_WORDS = re.compile(r"critic|teacher|lora|route|environment|reference|distill", re.I)
+
+
+def feature_conditions(source: str, filename: str) -> list[tuple[int, str]]:
+    """(line, condition) of every `if`/`while`/conditional expression/comprehension
+    filter in `source` whose condition names an optional feature (`FEATURE`)."""
+    out = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, (ast.If, ast.While, ast.IfExp)):
+            tests = [node.test]
+        elif isinstance(node, ast.comprehension):
+            tests = list(node.ifs)
+        else:
+            continue
+        for test in tests:
+            text = ast.get_source_segment(source, test) or ""
+            if FEATURE.search(text):
+                out.append((test.lineno, text))
+    return out
+
+
+def test_the_core_branches_on_few_optional_features():
+    # A guard on the counter: each condition form is seen, a plain one is not.
+    probe = (
+        "if c.critic is not None:\n    pass\nx = 1 if lora else 2\n"
+        "y = [a for a in b if a.teacher]\nwhile not routes:\n    pass\nif n > 0:\n    pass\n"
+    )
+    assert sorted(line for line, _ in feature_conditions(probe, "probe")) == [1, 3, 4, 5]
+    pipeline = os.path.join(ROOT, "pipeline")
+    found = {}
+    for name in sorted(os.listdir(pipeline)):
+        if name.endswith(".py"):
+            with open(os.path.join(pipeline, name), encoding="utf-8") as f:
+                found[name] = feature_conditions(f.read(), name)
+    total = sum(len(c) for c in found.values())
+    listing = [f"pipeline/{n}:{line}: {text}" for n, c in found.items() for line, text in c]
+    assert total <= FEATURE_BRANCH_BUDGET, f"{total} optional-feature branches: {listing}"
+    targeted = [
+        f"pipeline/{n}:{line}: {text}"
+        for n in NO_TARGET_BRANCH
+        for line, text in found[n]
+        if NO_TARGET_WORDS.search(text)
+    ]
+    assert not targeted, f"branches on what is trained or read, outside learner/: {targeted}"

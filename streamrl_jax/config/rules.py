@@ -328,6 +328,13 @@ def episode_tokens(cfg: ExperimentConfig) -> int:
     return e.max_episode_tokens or cfg.model.max_context - cfg.generation.max_prompt_len
 
 
+def sample_tokens(cfg: ExperimentConfig) -> int:
+    """The tokens a sample holds after its prompt at most: one response
+    (`generation.max_new_tokens`), or with an environment an episode's whole budget
+    (`episode_tokens`: its turns share one engine slot)."""
+    return episode_tokens(cfg) if cfg.environment.name else cfg.generation.max_new_tokens
+
+
 def _check_environment(cfg: ExperimentConfig) -> None:
     """Episodes (docs/episodes.md): the rollout wrapper, the limits, what they refuse."""
     e, p, g = cfg.environment, cfg.pipeline, cfg.generation

@@ -233,7 +233,7 @@ def build(
             c, meshes, train_set, eval_set, sync, reward_fn=reward_fn, base=base, described=mine
         )
         if base is None:
-            base = state_lib.frozen(comp.state.params)
+            base = state_lib.frozen(comp.learner.state.params)
             bases = comp.weight_sync.bases
         built.append(comp)
     return Learners(configs, built, parts)

@@ -67,7 +67,8 @@ class _Run:
         )
         self.generation.begin(resume, dict(resume.gen_weights))
         if resume.batch not in weights:
-            weights[resume.batch] = c.weight_sync.transfer(c.state.params, resume.batch)[0]
+            params = c.learner.state.params
+            weights[resume.batch] = c.weight_sync.transfer(params, resume.batch)[0]
         for v in sorted(weights):
             board.publish(v, weights[v])
         if c.warmup and not resume.resumed:
@@ -215,7 +216,7 @@ def run_components(
             progress.close()
     steps = loop.steps
     result = RunResult(
-        state=components.state,
+        state=components.learner.state,
         steps=steps.rows,
         evals=dict(parts.evals.metrics),
         trained_versions=steps.versions,
@@ -224,10 +225,11 @@ def run_components(
         start_batch=steps.start,
         stopped=stopped,
         checkpoints=list(parts.ckpts.saved),
-        critic_state=components.critic_state,
+        target_states=components.learner.checkpoint()[1],
     )
     if cfg.log.final_params:
-        ckpt_lib.save_params_npz(os.path.join(workdir, FINAL_PARAMS), components.state.params)
+        params = components.learner.state.params
+        ckpt_lib.save_params_npz(os.path.join(workdir, FINAL_PARAMS), params)
     logging.info(
         "run finished: %d samples in %.1f s; evals %s",
         steps.samples,
