@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
 
 from absl import logging
 
@@ -182,11 +181,12 @@ def run_components(
     *,
     generation: Generation,
     trainers: Trainers,
-    on_parts: Callable[[RunParts], None] | None = None,
+    shutdown: threading.Event | None = None,
 ) -> RunResult:
     """Runs built components with `generation` as the source of samples; `trainers`:
-    this process's place among the run's training processes; `on_parts` is told the
-    run's parts once wired (several learners stop each other's runs through them)."""
+    this process's place among the run's training processes; `shutdown`: the event
+    that asks the run to stop at its next step boundary (several learners share one;
+    None: the run's own, set by SIGINT/SIGTERM)."""
     live = generation.scheduler(components.model_cfg.vocab_size)
     parts = wire(
         cfg,
@@ -196,9 +196,8 @@ def run_components(
         live,
         where=generation.where,
         generation_processes=generation.generation_processes,
+        shutdown=shutdown,
     )
-    if on_parts is not None:
-        on_parts(parts)
     r, threads, signals, progress, stopped = _Run(parts, generation), [], None, None, False
     t0 = time.perf_counter()
     try:
