@@ -65,7 +65,8 @@ PIPELINE_BELOW_SEAMS = {
 ROLLOUTS = "streamrl_jax.pipeline.rollouts"
 LEARNER = "streamrl_jax.learner"
 # What the pipeline may import of learner/: the registry and the protocol, never a target.
-LEARNER_SEAM = {LEARNER, f"{LEARNER}.protocol", f"{LEARNER}.learner"}
+# (and the environments' demonstrations, which the supervised warm-up trains on too).
+LEARNER_SEAM = {LEARNER, f"{LEARNER}.protocol", f"{LEARNER}.learner", f"{LEARNER}.demonstrations"}
 PROCESSES = "streamrl_jax.pipeline.processes"
 ONLY_FROM_OUTSIDE = {"simulation"}  # imported by tools/ and tests/, never by the package
 

@@ -356,6 +356,11 @@ def _check_environment(cfg: ExperimentConfig) -> None:
         f"warmup.steps={cfg.warmup.steps}: the warm-up trains on an environment's "
         "demonstrations; set environment.name",
     )
+    require(
+        cfg.algorithm.sft_coef == 0 or (bool(e.name) and e.name != "openenv"),
+        f"algorithm.sft_coef={cfg.algorithm.sft_coef}: the supervised loss trains on an "
+        f"environment's demonstrations; environment.name={e.name!r} gives none",
+    )
     if not e.name:
         return
     require(
@@ -545,6 +550,12 @@ def check(cfg: ExperimentConfig, processes: Processes) -> ExperimentConfig:
         f"training process; this run has {n}: the generation process judges the groups it "
         "made itself and the trainer mirrors its refill rounds (docs/pipeline.md, "
         '"Dynamic sampling"). Use 2 processes (-n 2 -g 1), or another pipeline.rollout',
+    )
+    require(
+        cfg.algorithm.sft_coef == 0,
+        f"algorithm.sft_coef={cfg.algorithm.sft_coef}: the supervised loss runs in one process "
+        f"only; this run has {n} (its demonstration batches are not split across training "
+        "processes)",
     )
     require(
         "curriculum" not in wrappers,

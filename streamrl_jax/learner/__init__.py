@@ -9,7 +9,9 @@ config asks for, in fill order (`TARGETS`):
   reference log-probs;
 * `teacher` (`teacher.py`, `algorithm.distill_teacher`): on-policy distillation;
 * `critic` (`critic.py`, `algorithm.advantage="gae"`): the PPO value model, its GAE
-  advantages and its own optimizer step.
+  advantages and its own optimizer step;
+* `supervised` (`supervised.py`, `algorithm.sft_coef > 0`): an auxiliary supervised
+  loss on the environment's demonstrations, mixed into every RL micro-batch.
 
 A new target is one module beside these (`wanted(cfg)`, `make(ctx) -> Target`), one
 line below and its config fields. This package never imports `pipeline/`.
@@ -20,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from streamrl_jax.config import ExperimentConfig
-from streamrl_jax.learner import behaviour, critic, reference, teacher
+from streamrl_jax.learner import behaviour, critic, reference, supervised, teacher
 from streamrl_jax.learner.initial import POLICIES, initial_policy, policy_kind
 from streamrl_jax.learner.learner import Learner
 from streamrl_jax.learner.protocol import (
@@ -46,6 +48,7 @@ TARGETS = {
     "reference": reference,
     "teacher": teacher,
     "critic": critic,
+    "supervised": supervised,
 }
 
 
