@@ -12,6 +12,8 @@ modules, and checks:
 * the repository's top-level packages import one way (`TOP_LEVEL`): `streamrl_jax`,
   then the pod planner `streamrl_podplan` (it plans with the package's programs, the
   package runs without it), then `streamrl_bench` (the benches' shared code);
+* `learner/` (what is trained and what the loss reads) never imports `pipeline/`, and
+  the pipeline reaches a target only through the learner's registry and protocol;
 * inside `pipeline/`, the seams hold (`seam_violations`): the core imports a rollout
   kind only through the registry or the protocol, a kind imports the protocol and
   below, and the Rollout protocol reaches neither the endpoint nor the environments;
@@ -25,6 +27,7 @@ from __future__ import annotations
 import ast
 import collections
 import os
+import re
 
 import pytest
 
@@ -48,6 +51,7 @@ LAYERS = (
         "console",
         "distributed",
     ),
+    ("learner",),
     ("pipeline",),
     ("launch",),
 )
@@ -68,6 +72,10 @@ PROTOCOL = f"{ROLLOUTS}.protocol"
 # What the registry hands the kinds that need it (`rollouts.Kits`): the Rollout protocol
 # never reaches these, directly or through what it imports.
 KITS = ("streamrl_jax.endpoint", "streamrl_jax.environments")
+LEARNER = "streamrl_jax.learner"
+# What the pipeline may import of learner/: the registry and the protocol, never a target.
+# (and the environments' demonstrations, which the supervised warm-up trains on too).
+LEARNER_SEAM = {LEARNER, f"{LEARNER}.protocol", f"{LEARNER}.learner", f"{LEARNER}.demonstrations"}
 PROCESSES = "streamrl_jax.pipeline.processes"
 
 
@@ -237,9 +245,17 @@ def seam_violations(graph: dict[str, set[str]]) -> list[str]:
         if any(_within(m, kit) for m in reached)
     ]
     for module, targets in sorted(graph.items()):
+        if _within(module, LEARNER):
+            bad += [
+                f"{module} imports {target}: the learner never imports the pipeline"
+                for target in sorted(targets)
+                if _within(target, "streamrl_jax.pipeline")
+            ]
         if not _within(module, "streamrl_jax.pipeline"):
             continue
         for target in sorted(targets):
+            if _within(target, LEARNER) and target not in LEARNER_SEAM:
+                bad.append(f"{module} imports the target {target}: use the learner registry")
             if not _within(module, PROCESSES) and _within(target, PROCESSES):
                 bad.append(f"{module} imports {target}: the core never imports the processes")
             kind = _within(target, ROLLOUTS) and target not in (ROLLOUTS, f"{ROLLOUTS}.protocol")
@@ -268,6 +284,9 @@ def test_the_pipelines_seams_hold():
         ("streamrl_jax.pipeline.rollouts.protocol", "streamrl_jax.endpoint.book"),
         # through a module it imports
         ("streamrl_jax.pipeline.micro_batches", "streamrl_jax.environments.render"),
+        ("streamrl_jax.learner.critic", "streamrl_jax.pipeline.shards"),
+        ("streamrl_jax.learner", "streamrl_jax.pipeline.components"),
+        ("streamrl_jax.pipeline.trainer_loop", "streamrl_jax.learner.critic"),
     ],
 )
 def test_the_seam_rules_fail_on_an_injected_violation(importer, imported):
@@ -373,3 +392,59 @@ def test_the_top_level_rule_fails_on_an_injected_violation(importer, imported):
     injected = {rel: set(names) for rel, names in TOP_IMPORTS.items()}
     injected[importer].add(imported)
     assert len(top_level_violations(injected)) == 1
+
+
+# Conditions that name an optional feature (issue 52's count): the core holds few, and
+# the trainer loop, resume, the builders and the run's parts none on what is trained or
+# what the loss reads (`learner/`), nor on an environment.
+FEATURE = re.compile(
+    r"lora|critic|teacher|route|environment|env\b|reference|\bref_|\btis\b|distill|episode"
+    r"|adapter|endpoint|kl_coef|value",
+    re.I,
+)
+FEATURE_BRANCH_BUDGET = 16  # in the top-level pipeline/*.py modules
+NO_TARGET_BRANCH = ("trainer_loop.py", "resume.py", "components.py", "parts.py")
+NO_TARGET_WORDS = re.compile(r"critic|teacher|lora|route|environment|reference|distill", re.I)
+
+
+def feature_conditions(source: str, filename: str) -> list[tuple[int, str]]:
+    """(line, condition) of every `if`/`while`/conditional expression/comprehension
+    filter in `source` whose condition names an optional feature (`FEATURE`)."""
+    out = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, (ast.If, ast.While, ast.IfExp)):
+            tests = [node.test]
+        elif isinstance(node, ast.comprehension):
+            tests = list(node.ifs)
+        else:
+            continue
+        for test in tests:
+            text = ast.get_source_segment(source, test) or ""
+            if FEATURE.search(text):
+                out.append((test.lineno, text))
+    return out
+
+
+def test_the_core_branches_on_few_optional_features():
+    # A guard on the counter: each condition form is seen, a plain one is not.
+    probe = (
+        "if c.critic is not None:\n    pass\nx = 1 if lora else 2\n"
+        "y = [a for a in b if a.teacher]\nwhile not routes:\n    pass\nif n > 0:\n    pass\n"
+    )
+    assert sorted(line for line, _ in feature_conditions(probe, "probe")) == [1, 3, 4, 5]
+    pipeline = os.path.join(ROOT, "pipeline")
+    found = {}
+    for name in sorted(os.listdir(pipeline)):
+        if name.endswith(".py"):
+            with open(os.path.join(pipeline, name), encoding="utf-8") as f:
+                found[name] = feature_conditions(f.read(), name)
+    total = sum(len(c) for c in found.values())
+    listing = [f"pipeline/{n}:{line}: {text}" for n, c in found.items() for line, text in c]
+    assert total <= FEATURE_BRANCH_BUDGET, f"{total} optional-feature branches: {listing}"
+    targeted = [
+        f"pipeline/{n}:{line}: {text}"
+        for n in NO_TARGET_BRANCH
+        for line, text in found[n]
+        if NO_TARGET_WORDS.search(text)
+    ]
+    assert not targeted, f"branches on what is trained or read, outside learner/: {targeted}"

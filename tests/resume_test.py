@@ -147,7 +147,7 @@ def test_init_from_takes_another_runs_weights(reference, tmp_path):
     from streamrl_jax.pipeline import components as build_lib
 
     c = build_lib.build(cfg)
-    got = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(c.state.params))]
+    got = [np.asarray(x) for x in jax.device_get(jax.tree.leaves(c.learner.state.params))]
     for a, b in zip(got, param_arrays(ref), strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -204,7 +204,10 @@ def test_resume_with_the_critic_is_exact(tmp_path):
     run_lib.run(_cfg(pipeline__steps=2, **gae), workdir, reward_fn=vowel_reward)
     resumed = run_lib.run(_cfg(pipeline__steps=3, **gae), workdir, reward_fn=vowel_reward)
     assert resumed.start_batch == 2 and len(resumed.steps) == 1
-    for got, want in ((resumed.state, ref.state), (resumed.critic_state, ref.critic_state)):
+    for got, want in (
+        (resumed.state, ref.state),
+        (resumed.target_states["critic"], ref.target_states["critic"]),
+    ):
         for a, b in zip(_params_of(got), _params_of(want), strict=True):
             np.testing.assert_array_equal(a, b)
     # A checkpoint written with the critic is not resumed without it.

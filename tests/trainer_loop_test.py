@@ -28,7 +28,10 @@ def _gae_run(mode, tmp_path_factory, **overrides):
 
 
 def _critic_params(result):
-    return [np.asarray(x) for x in jax.device_get(jax.tree.leaves(result.critic_state.params))]
+    return [
+        np.asarray(x)
+        for x in jax.device_get(jax.tree.leaves(result.target_states["critic"].params))
+    ]
 
 
 # stream_sync and disaggregated_batch run by default (the equality test below reuses
@@ -45,12 +48,14 @@ def _critic_params(result):
 def test_the_critic_trains_beside_the_policy_in_every_mode(mode, tmp_path_factory):
     result = _gae_run(mode, tmp_path_factory)
     assert len(result.steps) == 2 and not pipeline_threads()
-    assert int(jax.device_get(result.critic_state.step)) == 2  # one critic step per batch
+    assert (
+        int(jax.device_get(result.target_states["critic"].step)) == 2
+    )  # one critic step per batch
     for row in result.steps:
         assert np.isfinite(row["critic_loss"]) and row["critic_grad_norm"] > 0
         assert row["critic_nonfinite"] == 0.0 and row["grad_norm"] > 0
     # The value head starts at zero; training moves it.
-    head = jax.device_get(result.critic_state.params["value_head"][...])
+    head = jax.device_get(result.target_states["critic"].params["value_head"][...])
     assert np.abs(head).max() > 0
 
 

@@ -23,6 +23,7 @@ from streamrl_jax.config.rules import (
     check_training_split,
     episode_tokens,
     learner_config,
+    sample_tokens,
     validate,
 )
 from streamrl_jax.config.sections import (
@@ -125,6 +126,7 @@ __all__ = [
     "check_section",
     "check_training_split",
     "episode_tokens",
+    "sample_tokens",
     "defaults",
     "from_config_dict",
     "task_configs",

@@ -175,6 +175,8 @@ RULES: dict[type, dict[str, _Rule]] = {
         **dict.fromkeys(("kl_coef", "entropy_coef", "tis_cap", "router_aux_coef"), _NONNEG),
         **dict.fromkeys(("overlong_buffer", "overlong_penalty"), _NONNEG),
         "distill_coef": _POSITIVE,
+        "sft_coef": _NONNEG,
+        "sft_batch": _POSITIVE,
     },
     OptimizerSection: {
         **dict.fromkeys(("learning_rate", "eps"), _POSITIVE),

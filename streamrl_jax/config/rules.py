@@ -328,6 +328,13 @@ def episode_tokens(cfg: ExperimentConfig) -> int:
     return e.max_episode_tokens or cfg.model.max_context - cfg.generation.max_prompt_len
 
 
+def sample_tokens(cfg: ExperimentConfig) -> int:
+    """The tokens a sample holds after its prompt at most: one response
+    (`generation.max_new_tokens`), or with an environment an episode's whole budget
+    (`episode_tokens`: its turns share one engine slot)."""
+    return episode_tokens(cfg) if cfg.environment.name else cfg.generation.max_new_tokens
+
+
 def _check_environment(cfg: ExperimentConfig) -> None:
     """Episodes (docs/episodes.md): the rollout wrapper, the limits, what they refuse."""
     e, p, g = cfg.environment, cfg.pipeline, cfg.generation
@@ -348,6 +355,11 @@ def _check_environment(cfg: ExperimentConfig) -> None:
         cfg.warmup.steps == 0 or bool(e.name),
         f"warmup.steps={cfg.warmup.steps}: the warm-up trains on an environment's "
         "demonstrations; set environment.name",
+    )
+    require(
+        cfg.algorithm.sft_coef == 0 or (bool(e.name) and e.name != "openenv"),
+        f"algorithm.sft_coef={cfg.algorithm.sft_coef}: the supervised loss trains on an "
+        f"environment's demonstrations; environment.name={e.name!r} gives none",
     )
     if not e.name:
         return
@@ -538,6 +550,12 @@ def check(cfg: ExperimentConfig, processes: Processes) -> ExperimentConfig:
         f"training process; this run has {n}: the generation process judges the groups it "
         "made itself and the trainer mirrors its refill rounds (docs/pipeline.md, "
         '"Dynamic sampling"). Use 2 processes (-n 2 -g 1), or another pipeline.rollout',
+    )
+    require(
+        cfg.algorithm.sft_coef == 0,
+        f"algorithm.sft_coef={cfg.algorithm.sft_coef}: the supervised loss runs in one process "
+        f"only; this run has {n} (its demonstration batches are not split across training "
+        "processes)",
     )
     require(
         "curriculum" not in wrappers,

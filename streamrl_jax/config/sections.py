@@ -192,6 +192,11 @@ class AlgorithmSection:
     # log pi_student). "" = off
     distill_teacher: str = ""
     distill_coef: float = 1.0
+    # An auxiliary supervised loss on the environment's demonstrations, mixed into RL
+    # steps (learner/supervised.py): with every RL micro-batch, sft_batch demonstrations
+    # trained with advantage sft_coef (sft_coef x their negative log-likelihood). 0 = off
+    sft_coef: float = 0.0
+    sft_batch: int = 8  # demonstrations per RL micro-batch
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

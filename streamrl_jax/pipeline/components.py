@@ -27,29 +27,27 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh
 
+from streamrl_jax import learner as learner_lib
 from streamrl_jax import mesh as mesh_lib
 from streamrl_jax import sharding
-from streamrl_jax.config import ExperimentConfig, episode_tokens
+from streamrl_jax.config import ExperimentConfig, sample_tokens
 from streamrl_jax.data import Prompt, PromptPipeline
 from streamrl_jax.errors import UserError
 from streamrl_jax.generation.engine import EngineConfig
 from streamrl_jax.generation.service import GenerationService
 from streamrl_jax.generation.types import ChunkReport
+from streamrl_jax.learner import Learner, policy_kind
 from streamrl_jax.model import config as model_config
 from streamrl_jax.model import llama
-from streamrl_jax.model import routes as routes_lib
 from streamrl_jax.model.defaults import smollm2_gguf_path
-from streamrl_jax.model.loader import Description, describe, load_weights
+from streamrl_jax.model.loader import Description, describe
 from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.pipeline import datasets, warmup
 from streamrl_jax.pipeline.meshes import make_meshes, role_meshes
 from streamrl_jax.rewards.base import RewardFn
 from streamrl_jax.rewards.sandbox import Limits
-from streamrl_jax.trainer import critic as critic_lib
-from streamrl_jax.trainer import state as state_lib
-from streamrl_jax.trainer.config import critic_trainer_config, trainer_config
 from streamrl_jax.trainer.state import TrainState
-from streamrl_jax.trainer.step import Trainer, make_policy_trainer
+from streamrl_jax.trainer.step import Trainer
 from streamrl_jax.weight_sync import Params, Published, WeightSync, place_on
 
 # (training params, generation dtype) -> the WeightSync of a training process.
@@ -103,13 +101,7 @@ class Components:
     meshes: mesh_lib.Meshes
     model_cfg: model_config.ModelConfig
     tokenizer: Tokenizer
-    trainer: Trainer
-    state: TrainState
-    ref_params: Params | None  # frozen reference params (None when kl_coef == 0)
-    # the frozen distillation teacher (algorithm.distill_teacher), in the policy's structure
-    teacher_params: Params | None
-    critic: Trainer | None  # the PPO value model's trainer (advantage="gae"), else None
-    critic_state: TrainState | None
+    learner: Learner  # the policy and its targets (reference, teacher, critic, ...); their states
     generation: GenerationParts | None  # None in a training process (generation elsewhere)
     weight_sync: WeightSync
     initial_weights: list[Published]  # W_0 as placed on each generation instance
@@ -124,13 +116,7 @@ def describe_model(cfg: ExperimentConfig) -> Description:
     """The model's config (in the training dtypes, with the run's LoRA adapters:
     `trainer.lora`) and tokenizer; reads no weight."""
     d = _describe_model(cfg)
-    lora = cfg.trainer.lora
-    if not lora.rank:
-        return d
-    adapted = d.cfg.replace(
-        lora_rank=lora.rank, lora_alpha=lora.alpha, lora_targets=tuple(lora.targets)
-    )
-    return dataclasses.replace(d, cfg=adapted)
+    return dataclasses.replace(d, cfg=policy_kind(cfg).model_config(d.cfg))
 
 
 def _describe_model(cfg: ExperimentConfig) -> Description:
@@ -179,93 +165,7 @@ def initial_policy(cfg: ExperimentConfig, train_mesh: Mesh) -> tuple[Trainer, Tr
     """The policy trainer and its state as a run of `cfg` starts on `train_mesh` (before
     any warm-up): the weights of `model.source` (or `init_from`), with LoRA new adapters
     on that base, which is what a LoRA checkpoint's adapters go with."""
-    return _training(cfg, describe_model(cfg), train_mesh)
-
-
-def _training(
-    cfg: ExperimentConfig, d: Description, train_mesh: Mesh, base: Params | None = None
-) -> tuple[Trainer, TrainState]:
-    """The policy trainer and its state, the model straight into the training sharding;
-    with `base` (a LoRA run's frozen params on `train_mesh`, another learner's) new
-    adapters on that base, nothing loaded."""
-    model_cfg = d.cfg
-    fsdp = train_mesh.shape["fsdp"]
-    tcfg = trainer_config(cfg, fsdp=fsdp)
-    if cfg.model.routing_replay:
-        tcfg = tcfg.replace(routing_replay=routes_lib.Spec.of(model_cfg))
-    trainer = make_policy_trainer(model_cfg, tcfg, train_mesh, model_seed=cfg.seed)
-    lora = model_cfg.lora_rank > 0
-    if base is not None:
-        if not lora:
-            raise ValueError("a shared base is a LoRA run's (trainer.lora.rank > 0)")
-        return trainer, trainer.state_from_params(_with_adapters(base, trainer, cfg.seed), cfg.seed)
-    if cfg.model.source == "tiny":
-        state = trainer.init_state(cfg.seed)
-    else:  # described once: only the weights are read here (LoRA: the base's)
-        base = dataclasses.replace(d, cfg=model_cfg.replace(lora_rank=0)) if lora else d
-        pre = load_weights(base, mesh=train_mesh, role="train")
-        params = _with_adapters(pre.params, trainer, cfg.seed) if lora else pre.params
-        state = trainer.state_from_params(params, cfg.seed)
-    if cfg.init_from:
-        from streamrl_jax.checkpoint.policy import policy_params
-
-        # With LoRA a full fine-tuning run's checkpoint gives the base (the adapters
-        # start new), a LoRA run's its adapters on this run's base.
-        state = trainer.state_from_params(
-            policy_params(model_cfg, cfg.init_from, state.params), cfg.seed
-        )
-        logging.info("initial weights from %s", cfg.init_from)
-    return trainer, state
-
-
-def _teacher(
-    cfg: ExperimentConfig, d: Description, trainer: Trainer, state: TrainState
-) -> Params | None:
-    """The distillation teacher's params on the training mesh, in the policy's structure
-    (with LoRA, new adapters whose B = 0: the teacher exactly), or None.
-
-    `algorithm.distill_teacher`: an HF directory (config.json) or a GGUF file is loaded as
-    a model of the policy's architecture; any other directory is a run's checkpoint (root
-    or step) whose params are restored."""
-    from streamrl_jax import checkpoint as ckpt_lib
-
-    path = cfg.algorithm.distill_teacher
-    if not path:
-        return None
-    model_cfg = d.cfg
-    ckpt_fingerprint = ckpt_lib.model_fingerprint
-    lora = model_cfg.lora_rank > 0
-    if not os.path.exists(path):
-        raise UserError(f"algorithm.distill_teacher: {path} does not exist")
-    if os.path.isfile(path) or os.path.isfile(os.path.join(path, "config.json")):
-        m = cfg.model
-        teacher = describe(path, param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat)
-        want = ckpt_fingerprint(model_cfg)
-        if ckpt_fingerprint(teacher.cfg) != want:
-            raise UserError(
-                f"algorithm.distill_teacher: {path} is another architecture than the policy "
-                f"({ckpt_fingerprint(teacher.cfg)} against {want})"
-            )
-        params = load_weights(teacher, mesh=trainer.mesh, role="train").params
-    else:  # `state` is the policy as it starts: with LoRA, new adapters (B = 0)
-        from streamrl_jax.checkpoint.policy import policy_params
-
-        logging.info("distillation teacher from %s", path)
-        return policy_params(model_cfg, path, state.params, trainer.state_shardings.params)
-    logging.info("distillation teacher from %s", path)
-    return _with_adapters(params, trainer, cfg.seed) if lora else params
-
-
-def _with_adapters(base: Params, trainer: Trainer, seed: int) -> Params:
-    """`base` (a model's params without adapters) and new LoRA adapters (B = 0: the
-    model as it was), in the trainer's sharding."""
-    spec = trainer.spec
-    adapters_sh = state_lib.trainable(trainer.state_shardings.params, True)
-    fresh = jax.jit(
-        lambda: nnx.state(spec.create(spec.model_cfg, seed), nnx.LoRAParam),
-        out_shardings=adapters_sh,
-    )()  # the base's initialisers are dead code here: only the adapters are computed
-    return nnx.merge_state(base, fresh)
+    return learner_lib.initial_policy(cfg, describe_model(cfg), train_mesh)
 
 
 def engine_config(cfg: ExperimentConfig, tokenizer: Tokenizer, slots: int) -> EngineConfig:
@@ -274,9 +174,8 @@ def engine_config(cfg: ExperimentConfig, tokenizer: Tokenizer, slots: int) -> En
     return EngineConfig(
         num_slots=slots,
         max_prompt_length=g.max_prompt_len,
-        # An episode's turns share one slot: its whole budget (config.episode_tokens).
-        max_total_length=g.max_prompt_len
-        + (episode_tokens(cfg) if cfg.environment.name else g.max_new_tokens),
+        # An episode's turns share one slot: its whole budget (config.sample_tokens).
+        max_total_length=g.max_prompt_len + sample_tokens(cfg),
         chunk_steps=g.decode_chunk,
         prefill_batch=g.prefill_batch,
         stop_ids=tuple(tokenizer.stop_ids),
@@ -430,22 +329,14 @@ def _components(
     another learner's (`_training`)."""
     d = described or describe_model(cfg)
     model_cfg, tokenizer = d.cfg, d.tokenizer
-    trainer, state = _training(cfg, d, meshes.train, base)
+    trainer, state = learner_lib.initial_policy(cfg, d, meshes.train, base)
     warmed: dict[str, float] = {}
     if warm and cfg.warmup.steps > 0:  # before W_0 leaves: generation starts from its result
         params, warmed = warmup.warm_up(
             cfg, model_cfg, meshes.train, state.params, tokenizer, train_set
         )
         state = trainer.state_from_params(params, cfg.seed)
-    ref_params = trainer.copy_params(state.params) if cfg.algorithm.kl_coef > 0 else None
-    teacher_params = _teacher(cfg, d, trainer, state)
-    critic = critic_state = None
-    if cfg.algorithm.advantage == "gae":
-        fsdp = meshes.train.shape["fsdp"]
-        critic = critic_lib.make_critic_trainer(
-            model_cfg, critic_trainer_config(cfg, fsdp=fsdp), meshes.train, model_seed=cfg.seed
-        )
-        critic_state = critic.init_state(cfg.seed)
+    learner = learner_lib.make_learner(cfg, model_cfg, tokenizer, trainer, state, train_set)
     prompts, eval_prompts = datasets.prompts(cfg, tokenizer, train_set, eval_set)
     parts = None
     if make_weight_sync is None:
@@ -453,7 +344,7 @@ def _components(
         weight_sync = WeightSync(
             parts.model_cfg.jnp_param_dtype,
             place_on(parts.param_shardings),
-            adapters_only=model_cfg.lora_rank > 0,
+            adapters_only=learner.policy.adapters_only,
         )
     else:
         dtype = model_cfg.replace(param_dtype=cfg.model.generate_dtype).jnp_param_dtype
@@ -466,12 +357,7 @@ def _components(
         meshes=meshes,
         model_cfg=model_cfg,
         tokenizer=tokenizer,
-        trainer=trainer,
-        state=state,
-        ref_params=ref_params,
-        teacher_params=teacher_params,
-        critic=critic,
-        critic_state=critic_state,
+        learner=learner,
         generation=parts,
         weight_sync=weight_sync,
         initial_weights=published,

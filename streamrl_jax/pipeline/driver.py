@@ -38,10 +38,10 @@ import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Protocol
+from typing import Any, Protocol
 
 from streamrl_jax.data import Prompt
-from streamrl_jax.generation.service import GenerationService, StreamClosed
+from streamrl_jax.generation.service import StreamClosed
 from streamrl_jax.generation.types import GenerationRequest, Sample
 from streamrl_jax.mailbox import FailureLatch
 from streamrl_jax.pipeline.hooks import Hooks
@@ -50,6 +50,28 @@ from streamrl_jax.pipeline.rollouts import Returned, Rollout
 from streamrl_jax.pipeline.schedules import Schedule
 from streamrl_jax.scheduling.live import LiveScheduler
 from streamrl_jax.weight_sync import Params
+
+
+class Service(Protocol):
+    """What the driver feeds and drains: a `GenerationService`, or one learner's view of
+    a service several learners share (`learners.View`)."""
+
+    def submit(
+        self, requests: Sequence[GenerationRequest], instances: Sequence[int] | None = None
+    ) -> None:
+        """Queues requests (on `instances`, one per request, or where the service puts them)."""
+
+    def release(self, request_id: Any) -> None:
+        """The episode of `request_id` ended: the slot kept for its continuation is freed."""
+
+    def get(self, timeout: float) -> Sample:
+        """The next completed sample (`StreamClosed` once the service has closed)."""
+
+    def update_weights(self, params: Params | Sequence[Params], version: int) -> None:
+        """W_version for every instance (one tree, or one per instance already placed)."""
+
+    def close(self, timeout: float) -> None:
+        """Stops what this service owns (naming what did not stop in `timeout`)."""
 
 
 class Weights(Protocol):
@@ -116,11 +138,11 @@ class DriverPlan:
 
 
 class GenerationDriver:
-    """Driver and collector threads around one `GenerationService` (module docstring)."""
+    """Driver and collector threads around one `Service` (module docstring)."""
 
     def __init__(
         self,
-        service: GenerationService,
+        service: Service,
         rollout: Rollout,
         live: LiveScheduler,
         weights: Weights,

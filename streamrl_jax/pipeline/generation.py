@@ -24,9 +24,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from streamrl_jax.config import ExperimentConfig
-from streamrl_jax.generation.service import GenerationService
 from streamrl_jax.pipeline.components import GenerationParts
-from streamrl_jax.pipeline.driver import DriverPlan, GenerationDriver, Whole
+from streamrl_jax.pipeline.driver import DriverPlan, GenerationDriver, Service, Whole
 from streamrl_jax.pipeline.hooks import generation_hooks
 from streamrl_jax.pipeline.micro_batches import Group
 from streamrl_jax.pipeline.parts import RunParts
@@ -158,7 +157,7 @@ class LocalGeneration:
         )
         return self.drive(service, run, resume)
 
-    def drive(self, service: GenerationService, run: RunParts, resume: ResumePoint) -> LocalRunning:
+    def drive(self, service: Service, run: RunParts, resume: ResumePoint) -> LocalRunning:
         """The driver over `service` (this process's, or a learner's view of a shared
         one: `learners.py`), its threads started."""
         cfg = self.cfg

@@ -189,7 +189,7 @@ class LearnerGeneration(LocalGeneration):
         # The slot holds W_0's adapter (B = 0 for every learner); a resumed learner's
         # driver loads W_g(start) first.
         self.shared.add_meter(run.meter.chunk)
-        return self.drive(self.shared.view(self.slot), run, resume)  # type: ignore[arg-type]
+        return self.drive(self.shared.view(self.slot), run, resume)
 
 
 @dataclasses.dataclass
@@ -233,7 +233,7 @@ def build(
             c, meshes, train_set, eval_set, sync, reward_fn=reward_fn, base=base, described=mine
         )
         if base is None:
-            base = state_lib.frozen(comp.state.params)
+            base = state_lib.frozen(comp.learner.state.params)
             bases = comp.weight_sync.bases
         built.append(comp)
     return Learners(configs, built, parts)
@@ -262,15 +262,10 @@ def run(
     shared = SharedService(service, names, meters, alphas)
     results: dict[str, RunResult] = {}
     errors: list[BaseException] = []  # in the order they happened: the first is the cause
-    runs: list[RunParts] = []
     lock = threading.Lock()
-    stopping = threading.Event()  # a signal came: a learner wired later stops at once
-
-    def register(parts: RunParts) -> None:
-        with lock:
-            runs.append(parts)
-            if stopping.is_set():
-                parts.supervisor.shutdown_requested.set()
+    # One stop request for every learner (SIGINT/SIGTERM): each stops at its boundary,
+    # and one whose run starts after it stops at once.
+    shutdown = threading.Event()
 
     def one(slot: int) -> None:
         c, comp, name = learners.configs[slot], learners.components[slot], names[slot]
@@ -284,7 +279,7 @@ def run(
                     share=Alone(ownership(c.pipeline, 1)),
                     checkpoint_dir=os.path.join(workdir, name, "checkpoints"),
                 ),
-                on_parts=register,
+                shutdown=shutdown,
             )
         except BaseException as e:  # noqa: BLE001 - the others end, naming this learner
             with lock:
@@ -300,15 +295,7 @@ def run(
     ]
     signals = None
     if cfg.checkpoint.on_signal and threading.current_thread() is threading.main_thread():
-
-        def stop_all(sig: int) -> None:
-            del sig
-            with lock:
-                stopping.set()
-                for parts in runs:
-                    parts.supervisor.shutdown_requested.set()
-
-        signals = ckpt_lib.install_shutdown_handler(stop_all)
+        signals = ckpt_lib.install_shutdown_handler(lambda sig: shutdown.set())
     try:
         for slot, comp in enumerate(learners.components[1:], start=1):
             service.update_adapter(slot, [w.params for w in comp.initial_weights], 0, alphas[slot])

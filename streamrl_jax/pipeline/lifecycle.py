@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
 
 from absl import logging
 
@@ -67,7 +66,8 @@ class _Run:
         )
         self.generation.begin(resume, dict(resume.gen_weights))
         if resume.batch not in weights:
-            weights[resume.batch] = c.weight_sync.transfer(c.state.params, resume.batch)[0]
+            params = c.learner.state.params
+            weights[resume.batch] = c.weight_sync.transfer(params, resume.batch)[0]
         for v in sorted(weights):
             board.publish(v, weights[v])
         if c.warmup and not resume.resumed:
@@ -181,11 +181,12 @@ def run_components(
     *,
     generation: Generation,
     trainers: Trainers,
-    on_parts: Callable[[RunParts], None] | None = None,
+    shutdown: threading.Event | None = None,
 ) -> RunResult:
     """Runs built components with `generation` as the source of samples; `trainers`:
-    this process's place among the run's training processes; `on_parts` is told the
-    run's parts once wired (several learners stop each other's runs through them)."""
+    this process's place among the run's training processes; `shutdown`: the event
+    that asks the run to stop at its next step boundary (several learners share one;
+    None: the run's own, set by SIGINT/SIGTERM)."""
     live = generation.scheduler(components.model_cfg.vocab_size)
     parts = wire(
         cfg,
@@ -195,9 +196,8 @@ def run_components(
         live,
         where=generation.where,
         generation_processes=generation.generation_processes,
+        shutdown=shutdown,
     )
-    if on_parts is not None:
-        on_parts(parts)
     r, threads, signals, progress, stopped = _Run(parts, generation), [], None, None, False
     t0 = time.perf_counter()
     try:
@@ -215,7 +215,7 @@ def run_components(
             progress.close()
     steps = loop.steps
     result = RunResult(
-        state=components.state,
+        state=components.learner.state,
         steps=steps.rows,
         evals=dict(parts.evals.metrics),
         trained_versions=steps.versions,
@@ -224,10 +224,11 @@ def run_components(
         start_batch=steps.start,
         stopped=stopped,
         checkpoints=list(parts.ckpts.saved),
-        critic_state=components.critic_state,
+        target_states=components.learner.checkpoint()[1],
     )
     if cfg.log.final_params:
-        ckpt_lib.save_params_npz(os.path.join(workdir, FINAL_PARAMS), components.state.params)
+        params = components.learner.state.params
+        ckpt_lib.save_params_npz(os.path.join(workdir, FINAL_PARAMS), params)
     logging.info(
         "run finished: %d samples in %.1f s; evals %s",
         steps.samples,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import threading
 from typing import Any
 
 from streamrl_jax.algorithms.overlong import OverlongPenalty
@@ -102,12 +103,14 @@ def wire(
     *,
     where: Where,
     generation_processes: tuple[int, ...] = (),
+    shutdown: threading.Event | None = None,
 ) -> RunParts:
     """The run's shared objects. `live`: the scheduler of where generation runs
     (`Generation.scheduler`); `where`, `generation_processes`: which half of the rollout
-    runs here ("here": both; "trainer": generation in those processes)."""
+    runs here ("here": both; "trainer": generation in those processes); `shutdown`: the
+    stop request's event (`Supervisor`; None: the run's own)."""
     p = cfg.pipeline
-    sup = Supervisor(p)
+    sup = Supervisor(p, shutdown)
     schedule = Schedule.from_config(p)
     stream: SampleStream[Scored] = SampleStream(
         group_size=p.group_size,

@@ -4,8 +4,9 @@
 `RunCheckpoints` ties `checkpoint.Checkpointer` to the pipeline's state:
 
 * **save(k)** right after the optimizer step of batch k-1 (a step boundary):
-  the TrainState (W_k and the optimizer state), the critic's TrainState when
-  `algorithm.advantage="gae"`, the generation weights
+  the learner's states (`Learner.checkpoint`: the policy's TrainState, W_k and the
+  optimizer state, of its params what its kind saves, the LoRA adapters alone; every
+  trained target's, e.g. the critic's), the generation weights
   W_v for v in [g(k), k) that batches >= k still need (the published
   generation copies, from the weight board), the prompt-iterator state at the
   start of batch k, the run seed and the prompt ids of the drawn but untrained
@@ -34,14 +35,13 @@ import json
 import os
 from typing import Any
 
-import jax
 from absl import logging
-from flax import nnx
 
 from streamrl_jax import checkpoint as ckpt_lib
 from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.errors import UserError
 from streamrl_jax.generation.types import Sample
+from streamrl_jax.learner import saved_entries
 from streamrl_jax.pipeline.components import Components
 from streamrl_jax.pipeline.prompts import PromptSource
 from streamrl_jax.pipeline.rollouts import Rollout
@@ -176,7 +176,7 @@ class RunCheckpoints:
         if not self.due(k, force):
             return False
         needed = range(self.sched.generation_version(k), k)
-        lora = self.c.model_cfg.lora_rank > 0
+        learner = self.c.learner
         gen = {}
         for v in needed:
             published = board.get(v)
@@ -184,7 +184,7 @@ class RunCheckpoints:
                 raise RuntimeError(
                     f"checkpoint {k}: generation weights W_{v} are no longer on the weight board"
                 )
-            gen[str(v)] = _adapters(published[0].params) if lora else published[0].params
+            gen[str(v)] = learner.saved_weights(published[0].params)
         prompts = self.prompts.state_at(k)
         in_flight = {str(b): ids for b, ids in self.prompts.drawn_from(k).items()}
         self.prompts.forget_below(k)
@@ -192,7 +192,8 @@ class RunCheckpoints:
             "next_batch": k,
             "run_seed": self.cfg.seed,
             "mode": self.cfg.pipeline.mode,
-            "critic": self.c.critic_state is not None,
+            # The learner's trained targets' entries: one is not resumed without them.
+            "entries": learner.entries(),
             "identity": run_identity(self.cfg),
             "staleness": self.cfg.pipeline.staleness,
             "gen_versions": sorted(int(v) for v in gen),
@@ -208,14 +209,12 @@ class RunCheckpoints:
             "config": str(self.cfg),
             # LoRA: the state's params are the adapters alone; the frozen base is the
             # model's source (and init_from), loaded again when the run resumes.
-            "adapters_only": lora,
+            "adapters_only": learner.policy.adapters_only,
+            "policy": learner.policy.name,
         }
-        extra: dict[str, Any] = {"gen_weights": gen} if gen else {}
-        if self.c.critic_state is not None:
-            extra["critic"] = self.c.critic_state
-        state = self.c.state
-        if lora:
-            state = state.replace(params=_adapters(state.params))
+        state, extra = learner.checkpoint()
+        if gen:
+            extra["gen_weights"] = gen
         started = self.ckpt.save(
             k,
             state,
@@ -282,9 +281,15 @@ class RunCheckpoints:
         for key in ("next_batch", "prompts"):
             if key not in meta:
                 raise UserError(f"checkpoint {where}: its metadata has no {key!r}")
+        learner = self.c.learner
         saved = {"mode": meta.get("mode"), "run_seed": meta.get("run_seed")}
-        saved |= {"critic": meta.get("critic", False)} | meta.get("identity", {})
-        now = {"run_seed": self.cfg.seed, "critic": self.c.critic_state is not None}
+        now = {"run_seed": self.cfg.seed}
+        # Each trained target's entry (the critic's state): saved with it, resumed with it.
+        entries = saved_entries(meta)
+        for name in sorted({*entries, *learner.entries()}):
+            saved[name] = name in entries
+            now[name] = name in learner.entries()
+        saved |= meta.get("identity", {})
         now |= run_identity(self.cfg)
         changed = [f"{k}: {saved[k]!r} -> {now[k]!r}" for k in saved if saved[k] != now.get(k)]
         if changed:
@@ -294,50 +299,27 @@ class RunCheckpoints:
                 "--workdir (init_from=... to start from its weights)"
             )
         versions = [int(v) for v in meta.get("gen_versions", [])]
-        lora = self.c.model_cfg.lora_rank > 0
-        saved_state = self.c.state
-        if lora:  # the adapters alone were saved (`save`); the base is loaded, not restored
-            saved_state = saved_state.replace(params=_adapters(saved_state.params))
-        abstract_extra: dict[str, Any] = {}
+        # What `save` wrote: of the policy, what its kind saves (LoRA: the adapters; the
+        # base is loaded, not restored); every trained target's entries.
+        saved_state, saved_extra = learner.checkpoint()
+        abstract_extra = {k: ckpt_lib.abstract_tree(v) for k, v in saved_extra.items()}
         if versions:
-            gen_params = self.c.initial_weights[0].params
-            gen_abstract = ckpt_lib.abstract_tree(_adapters(gen_params) if lora else gen_params)
+            gen_params = learner.saved_weights(self.c.initial_weights[0].params)
+            gen_abstract = ckpt_lib.abstract_tree(gen_params)
             abstract_extra["gen_weights"] = {str(v): gen_abstract for v in versions}
-        if self.c.critic_state is not None:
-            abstract_extra["critic"] = ckpt_lib.abstract_tree(self.c.critic_state)
         r = self.ckpt.restore(
             step,
             abstract_state=ckpt_lib.abstract_tree(saved_state),
             abstract_extra=abstract_extra or None,
             abstract_ranker=self.ranker.state() if self.ranker is not None else None,
         )
-        state = r.state
-        if lora:
-            base = self.c.state.params.filter(nnx.Not(nnx.LoRAParam))
-            state = state.replace(params=nnx.merge_state(state.params, base))
-        self.c.state = state
-        if self.c.critic_state is not None:
-            self.c.critic_state = r.extra["critic"]
-        # Each generation instance's own placement of the weights (its shardings).
-        dests = [jax.tree.map(lambda x: x.sharding, p.params) for p in self.c.initial_weights]
+        learner.restore(r.state, r.extra or {})
         if self.ranker is not None and r.ranker is not None:
             self.ranker.load_state(r.ranker)
         gen: dict[int, list[Published]] = {}
-        for v in versions:
+        for v in versions:  # on each instance, in its own placement (LoRA: on its base)
             tree = r.extra["gen_weights"][str(v)]
-            if lora:  # each instance's adapters with the base it holds
-                gen[v] = [
-                    Published(
-                        nnx.merge_state(
-                            jax.device_put(tree, _adapters(dst)),
-                            p.params.filter(nnx.Not(nnx.LoRAParam)),
-                        ),
-                        v,
-                    )
-                    for dst, p in zip(dests, self.c.initial_weights, strict=True)
-                ]
-            else:
-                gen[v] = [Published(jax.device_put(tree, dst), v) for dst in dests]
+            gen[v] = learner.published(tree, self.c.initial_weights, v)
         k = int(meta["next_batch"])
         expected = {int(b): ids for b, ids in meta.get("in_flight", {}).items()}
         self.prompts.restore(meta["prompts"], expected)
@@ -375,8 +357,3 @@ def read_consumed(path: str) -> list[dict[str, Any]]:
                 continue
             raise ValueError(f"{path}:{i + 1}: not a JSON line") from None
     return rows
-
-
-def _adapters(params: Any) -> Any:
-    """A LoRA run's adapters (`nnx.LoRAParam`): what its checkpoints hold of the policy."""
-    return params.filter(nnx.LoRAParam)

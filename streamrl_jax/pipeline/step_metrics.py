@@ -122,9 +122,8 @@ class StepWork:
     publish_s: float = 0.0  # the trainer thread's seconds publishing the step's weights
     sync_compile_s: float = 0.0  # of them, compiling
     prompt_ids: list[str] = dataclasses.field(default_factory=list)  # trained groups' prompts
-    # on-policy distillation: per micro-batch (reverse KL summed over its response tokens,
-    # their count), on the device (`algorithms/distill.reverse_kl_total`)
-    distill: list[tuple[jax.Array, jax.Array]] = dataclasses.field(default_factory=list)
+    # the learner's targets' per-micro-batch device figures, by target (`Learner.row`)
+    totals: dict[str, list] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,4 +276,5 @@ class RunResult:
     start_batch: int = 0  # first batch of this process (> 0 when resumed from a checkpoint)
     stopped: bool = False  # ended early by SIGINT/SIGTERM (after checkpointing)
     checkpoints: list[int] = dataclasses.field(default_factory=list)  # steps saved
-    critic_state: TrainState | None = None  # the critic's final state (advantage="gae")
+    # the final states of the learner's trained targets by checkpoint entry ("critic")
+    target_states: dict[str, TrainState] = dataclasses.field(default_factory=dict)

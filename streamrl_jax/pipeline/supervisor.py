@@ -39,14 +39,16 @@ class Shutdown(RuntimeError):
 class Supervisor:
     """The failure latch, progress ticks and the watchdog of one run."""
 
-    def __init__(self, p: PipelineSection):
+    def __init__(self, p: PipelineSection, shutdown: threading.Event | None = None):
+        """`shutdown`: the event a stop request sets (runs that stop together share one:
+        several learners); None: this run's own."""
         self.timeout = p.timeout_s
         self.watchdog_s = p.watchdog_s
         self.latch = FailureLatch("pipeline")
         self.latch.add_listener(
             lambda component, exc: logging.error("%s failed: %r", component, exc)
         )
-        self.shutdown_requested = threading.Event()
+        self.shutdown_requested = shutdown or threading.Event()
         self.alerts: list[str] = []  # stages the watchdog warned about
         self._stop = threading.Event()
         self._lock = threading.Lock()

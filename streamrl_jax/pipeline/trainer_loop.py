@@ -5,9 +5,9 @@ For step b = start .. steps-1 (the calling thread):
 1. For each of the `pipeline.mini_batches` mini-batches (PPO mini-batches by
    group count; 1 by default), the rollout's micro-batches of complete groups
    (`Rollout.micro_batches`: which groups, and when), gated, packed and placed on
-   the training mesh; reference log-probs when `kl_coef > 0`; with the critic
-   (`algorithm.advantage="gae"`) its values and per-sample GAE advantages; then the
-   gradients (the critic's too) are added into the donated accumulator.
+   the training mesh with the inputs of the learner's targets (`learner/`: reference
+   log-probs, pi_old, a teacher's, the critic's GAE advantages); then the gradients
+   (the policy's and every trained target's) are added into the donated accumulators.
 2. The optimizer step(s) at each mini-batch boundary that accumulated anything;
    the rollout's end of the step (`Rollout.finish`: its metrics, the prompts it
    consumed without training); W_{b+1} goes to the generation side through the
@@ -28,11 +28,9 @@ from __future__ import annotations
 
 import time
 
-import jax
 import numpy as np
 from absl import logging
 
-from streamrl_jax.algorithms import distill
 from streamrl_jax.algorithms.overlong import OverlongPenalty
 from streamrl_jax.metrics import Progress, compile_seconds
 from streamrl_jax.pipeline import micro_batches, precompile
@@ -52,7 +50,6 @@ from streamrl_jax.pipeline.step_metrics import (
 )
 from streamrl_jax.pipeline.supervisor import PipelineError
 from streamrl_jax.trainer.batch import TrainBatch
-from streamrl_jax.trainer.state import GradAccumulator
 from streamrl_jax.trainer.step import NonFiniteError
 
 
@@ -68,6 +65,7 @@ class TrainerLoop:
         """
         self.parts, self.generation = parts, generation
         self.cfg, self.c = parts.cfg, parts.components
+        self.learner = self.c.learner
         self.rollout, self.trainers = parts.rollout, parts.trainers.share
         self.steps = StepMeter(parts.writer, start)
         p = self.cfg.pipeline
@@ -76,7 +74,6 @@ class TrainerLoop:
         self.overlong = OverlongPenalty.from_config(
             self.cfg.algorithm, self.cfg.generation.max_new_tokens
         )
-        self._one = self.c.trainer.scalar(1.0)  # the micro-batch normaliser, on the training mesh
         # pipeline.precompile: seconds before the first step, until a row reports them
         self.precompile_s: float | None = None
         if p.precompile:
@@ -84,8 +81,7 @@ class TrainerLoop:
         compile_seconds()  # starts counting (the build's compilations are not a step's)
         self.trained = start  # batches trained so far (the next checkpoint's step)
         self.at_boundary = True  # the state is W_trained (no mini-batch step of a batch yet)
-        self._acc = self.c.trainer.init_accumulator()
-        self._critic_acc = self.c.critic.init_accumulator() if self.c.critic else None
+        self._accs = self.learner.init_accumulators()
 
     # ------------------------------------------------------------------ loop
     def run(self, progress: Progress, hooks: Hooks) -> bool:
@@ -174,13 +170,9 @@ class TrainerLoop:
             row["precompile_s"] = self.precompile_s  # before the first step, in no step_s
             self.precompile_s = None
         row |= outcome.metrics | p.meter.pop_kv()
-        if self.c.teacher_params is not None:
-            # The student's mean per-token reverse KL to the teacher on the step's response
-            # tokens, before its update (fetched here: its micro-batches have computed).
-            kl, n = self.trainers.sum(
-                [float(sum(k for k, _ in work.distill)), float(sum(t for _, t in work.distill))]
-            )
-            row["distill_reverse_kl"] = kl / n if n else float("nan")
+        # The targets' figures (e.g. distill_reverse_kl), from what their micro-batches
+        # recorded (fetched here: those have computed).
+        row |= self.learner.row(work.totals, self.trainers.sum)
         return row | p.live.end_of_step(b, p.meter.pop_span(b), work.busy_s)
 
     def _gen_busy(self, w_start: float) -> float:
@@ -192,14 +184,15 @@ class TrainerLoop:
 
     # ------------------------------------------------------------------ one micro-batch
     def _accumulate(self, b: int, groups: list[Group], work: StepWork) -> None:
-        """One micro-batch's gradients (policy, and critic) into the accumulators."""
+        """One micro-batch's gradients (the policy's and its trained targets') into the
+        accumulators."""
         tracer = self.parts.tracer
         t0 = tracer.now()
         placed = self._place(b, groups, work)
         if placed is None:
             return
         dev, shape = placed
-        self._acc, self._critic_acc = self._grads(dev, self._acc, self._critic_acc)
+        self._accs = self.learner.accumulate(b, dev, self._accs)
         t1 = tracer.now()
         tokens = sum(len(s.sample.prompt) + len(s.sample.response) for g in groups for s in g)
         tracer.add(
@@ -220,9 +213,9 @@ class TrainerLoop:
         self, b: int, groups: list[Group], work: StepWork
     ) -> tuple[TrainBatch, tuple[int, int]] | None:
         """The micro-batch on the training mesh and its padded (rows, columns) (None if the
-        gate dropped every group), with pi_old recomputed when TIS is on, reference
-        log-probs and, with the critic, GAE advantages and returns."""
-        c, t = self.c, self.c.trainer
+        gate dropped every group), with the inputs of the learner's targets filled in
+        (`Learner.place`: pi_old, reference log-probs, the critic's GAE, ...)."""
+        c, t = self.c, self.learner.trainer
         batch = micro_batches.pack_groups(
             b,
             groups,
@@ -239,48 +232,7 @@ class TrainerLoop:
         )
         if batch is None:
             return None
-        return self._on_device(batch, work.distill), batch.shape
-
-    def _grads(
-        self, dev: TrainBatch, acc: GradAccumulator, critic_acc: GradAccumulator | None
-    ) -> tuple[GradAccumulator, GradAccumulator | None]:
-        """The micro-batch's gradients (policy, and critic) added into the donated
-        accumulators; returns the new ones once computed (a deliberate sync point: the
-        trace span must cover the compute, and it bounds the micro-batches queued)."""
-        c = self.c
-        acc, _ = c.trainer.accumulate(c.state, acc, dev, self._one)
-        if c.critic is not None:
-            critic_acc, _ = c.critic.accumulate(c.critic_state, critic_acc, dev, self._one)
-        return jax.block_until_ready((acc, critic_acc))
-
-    def _on_device(self, batch: TrainBatch, distill_totals: list | None = None) -> TrainBatch:
-        """A host micro-batch placed on the training mesh, with the targets the loss
-        reads computed there (pi_old, reference log-probs, the critic's GAE)."""
-        c, t = self.c, self.c.trainer
-        dev = t.place_batch(batch)
-        if t.cfg.tis_cap is not None:
-            # pi_old under the trainer's weights (not yet updated this batch: tis_cap needs
-            # one mini-batch), so the TIS weight min(pi_old / mu, cap) sees the sampler's
-            # mismatch: int8 rollout, staleness, a mid-sample weight swap (docs/trainer.md).
-            dev = dev.replace(old_logp=t.logprobs(c.state.params, dev))
-        if c.ref_params is not None:
-            dev = dev.replace(ref_logp=t.logprobs(c.ref_params, dev))
-        if c.teacher_params is not None:
-            # On-policy distillation (algorithms/distill.py): the student's log-probs under
-            # the weights that sampled (as pi_old), the teacher's of the same tokens.
-            student = dev.old_logp if t.cfg.tis_cap is not None else None
-            student = t.logprobs(c.state.params, dev) if student is None else student
-            teacher = t.logprobs(c.teacher_params, dev)
-            coef = t.scalar(self.cfg.algorithm.distill_coef)
-            advantages = distill.with_teacher(dev.advantages, dev.loss_mask, student, teacher, coef)
-            dev = dev.replace(advantages=advantages)
-            if distill_totals is not None:  # the step's distill_reverse_kl
-                distill_totals.append(distill.reverse_kl_total(student, teacher, dev.loss_mask))
-        if c.critic is not None:
-            # GAE from the critic's values under its weights from before its update on
-            # this batch (per sample: any split into micro-batches gives the same targets).
-            dev = c.critic.fill_gae(c.critic_state.params, dev)
-        return dev
+        return self.learner.place(b, batch, work.totals), batch.shape
 
     # ------------------------------------------------------------------ precompile
     def _precompile(self) -> int:
@@ -288,7 +240,7 @@ class TrainerLoop:
         remaining batches can produce, run once before the first step on an all-padding
         batch into a throwaway accumulator (the state is not touched). Returns the shapes
         compiled (0 when the lengths are not known in advance)."""
-        cfg, c, p = self.cfg, self.c, self.cfg.pipeline
+        cfg, c, p, t = self.cfg, self.c, self.cfg.pipeline, self.learner.trainer
         start = self.steps.start
         batches = self.rollout.plannable(start, p.steps)
         if not cfg.generation.length_replay or batches is None:
@@ -301,7 +253,7 @@ class TrainerLoop:
         lens = self.parts.prompts.preview(batches, p.prompts_per_step)
         shapes = precompile.micro_batch_shapes(
             cfg,
-            c.trainer.cfg.layout,
+            t.cfg.layout,
             self.parts.schedule,
             precompile.group_lengths(cfg, lens),
             range(start, p.steps),
@@ -316,31 +268,26 @@ class TrainerLoop:
                 micro_batches.group_advantages(
                     cfg.algorithm.advantage, np.zeros(len(ids), np.float32), ids, k
                 )
-        acc = c.trainer.init_accumulator()
-        critic_acc = c.critic.init_accumulator() if c.critic is not None else None
+        accs = self.learner.init_accumulators()  # thrown away: the state is not touched
         for rows, columns, width in shapes:
-            empty = pad_batch(
-                None, rows, columns, c.tokenizer.pad_id, width, c.trainer.cfg.routing_replay
-            )
-            dev = self._on_device(empty)
-            acc, critic_acc = self._grads(dev, acc, critic_acc)
+            empty = pad_batch(None, rows, columns, c.tokenizer.pad_id, width, t.cfg.routing_replay)
+            # batch -1: no step's figures, no target's draw (the run's remain as without)
+            accs = self.learner.accumulate(-1, self.learner.place(-1, empty), accs)
         logging.info("pipeline.precompile: trainer shapes (rows, columns, loss width): %s", shapes)
         return len(shapes)
 
     # ------------------------------------------------------------------ boundaries
     def _apply(self, b: int, k: int, work: StepWork) -> None:
         """The optimizer step(s) closing mini-batch k of batch b."""
-        c, tracer = self.c, self.parts.tracer
+        tracer = self.parts.tracer
         t0 = tracer.now()
         self.at_boundary = False
         work.applied = work.micro
-        c.state, self._acc, m = c.trainer.apply(c.state, self._acc)
-        if c.critic is not None:
-            c.critic_state, self._critic_acc, cm = c.critic.apply(c.critic_state, self._critic_acc)
-            m = m | {f"critic_{name}": v for name, v in cm.items()}
+        self._accs, m = self.learner.apply(self._accs)
         work.device.append(m)
         if self.cfg.pipeline.nonfinite == "stop":
-            skipped = [key for key in ("nonfinite", "critic_nonfinite") if key in m]
+            # the policy's "nonfinite" and every trained target's ("critic_nonfinite")
+            skipped = [key for key in m if key.endswith("nonfinite")]
             if any(float(host(m[key])) > 0 for key in skipped):
                 raise NonFiniteError(
                     f"step {b}: non-finite loss or gradients (pipeline.nonfinite='stop'); the "
@@ -356,7 +303,7 @@ class TrainerLoop:
           PipelineError("weight sync"): this transfer (or, in stream_async, the previous
             background one) failed.
         """
-        ws, params, tracer = self.c.weight_sync, self.c.state.params, self.parts.tracer
+        ws, params, tracer = self.c.weight_sync, self.learner.state.params, self.parts.tracer
         board = self.parts.board
         try:
             if self.parts.schedule.mode == "stream_async":

@@ -571,7 +571,8 @@ def run_training(
             warm=not components_lib.has_checkpoint(os.path.join(workdir, "checkpoints")),
         )
         own = ownership(cfg.pipeline, t)
-        share = Alone(own) if t == 1 else TrainingGroup(components.trainer.mesh, own, link.index)
+        mesh = components.learner.trainer.mesh
+        share = Alone(own) if t == 1 else TrainingGroup(mesh, own, link.index)
         trainers = Trainers(
             share=share,
             checkpoint_dir=os.path.join(workdir, "checkpoints"),  # the run's one directory

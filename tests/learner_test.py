@@ -1,0 +1,86 @@
+"""The Learner seam (`streamrl_jax/learner/`): targets built from the config through the
+registry, and the `supervised` target's gradient (an auxiliary supervised loss on an
+environment's demonstrations, mixed into RL micro-batches)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from support import agent_config, policy_samples, tiny_config
+
+from streamrl_jax import learner as learner_lib
+from streamrl_jax import mesh as mesh_lib
+from streamrl_jax.config import ConfigError
+from streamrl_jax.learner.demonstrations import demonstrations
+from streamrl_jax.pipeline import components, datasets
+from streamrl_jax.trainer import make_batch
+
+COEF, ROWS = 0.5, 2
+
+
+def _learner(cfg, problems):
+    d = components.describe_model(cfg)
+    mesh = mesh_lib.make_meshes(mesh_lib.MeshConfig(colocated=True), jax.devices()[:1]).train
+    trainer, state = learner_lib.initial_policy(cfg, d, mesh)
+    made = learner_lib.make_learner(cfg, d.cfg, d.tokenizer, trainer, state, problems)
+    return made, d.tokenizer
+
+
+def test_the_registry_builds_the_targets_the_config_asks_for():
+    cfg = tiny_config(algorithm__kl_coef=0.1, algorithm__tis_cap=2.0, algorithm__advantage="gae")
+    made, _ = _learner(cfg, [])
+    assert [t.name for t in made.targets] == ["behaviour", "reference", "critic"]
+    assert made.entries() == ["critic"] and made.policy.name == "full"
+    assert [t.name for t in _learner(tiny_config(), [])[0].targets] == []
+
+
+def test_the_supervised_target_adds_the_demonstrations_nll_gradient():
+    cfg = agent_config(algorithm__sft_coef=COEF, algorithm__sft_batch=ROWS)
+    _, train_set = datasets.datasets(cfg)
+    problems = [train_set[0]]  # one problem: every draw is its demonstration
+    with_sft, tokenizer = _learner(cfg, problems)
+    without, _ = _learner(dataclasses.replace(cfg, algorithm=dataclasses.replace(
+        cfg.algorithm, sft_coef=0.0)), problems)  # fmt: skip
+    assert [t.name for t in with_sft.targets] == ["supervised"] and not without.targets
+    trainer, state = with_sft.trainer, with_sft.state
+    host = make_batch(**policy_samples(n=2), **trainer.cfg.layout)
+    totals: dict = {}
+    grads = []
+    for made in (with_sft, without):
+        dev = made.place(0, host, totals)
+        grads.append(made.accumulate(0, dev, made.init_accumulators())["policy"].grads)
+    # What the target adds: COEF x the gradient of the demonstration's negative
+    # log-likelihood (ratio 1), for each of its ROWS copies.
+    (demo,) = demonstrations(cfg, tokenizer, problems)
+    sft = trainer.place_batch(
+        make_batch(
+            [demo.prompt] * ROWS,
+            [demo.response] * ROWS,
+            behaviour_logp=[np.zeros(len(demo.response), np.float32)] * ROWS,
+            policy_masks=[demo.policy_mask] * ROWS,
+            pad_id=tokenizer.pad_id,
+            **trainer.cfg.layout,
+        )
+    )
+
+    def nll(params):
+        return -(trainer.logprobs(params, sft) * sft.loss_mask).sum()
+
+    value, want = jax.value_and_grad(nll)(state.params)
+    got = jax.tree.map(lambda a, b: a - b, grads[0], grads[1])
+    leaves = list(zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True))
+    assert any(float(np.abs(w).max()) > 0 for _, w in leaves)
+    for g, w in leaves:
+        np.testing.assert_allclose(np.asarray(g), COEF * np.asarray(w), rtol=2e-3, atol=2e-6)
+    # Its row figure: the demonstrations' mean NLL per trained token under W_b.
+    row = with_sft.row(totals, list)
+    tokens = ROWS * int(demo.policy_mask.sum())
+    np.testing.assert_allclose(row["sft_nll"], float(value) / tokens, rtol=1e-5)
+
+
+def test_the_supervised_loss_needs_an_environments_demonstrations():
+    with pytest.raises(ConfigError, match="algorithm.sft_coef"):
+        tiny_config(algorithm__sft_coef=0.5)
