@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import types
 
 import jax
 import pytest
@@ -232,10 +233,14 @@ def test_the_console_is_a_summary_and_a_progress_line_the_log_file_keeps_the_res
         text=True,
         timeout=900,
         cwd=REPO,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        # As a user runs it: no JAX_PLATFORMS. The test extra installs libtpu, so a search
+        # that tried a TPU here would print libtpu's start-up errors (checked below).
+        env={k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"},
     )
     assert run.returncode == 0, run.stderr[-3000:]
     console = run.stdout + run.stderr
+    for probe in ("host bounds", "worker hostname", "libtpu", "backend 'tpu'", "TPU"):
+        assert probe not in console, console
     lines = console.splitlines()
     assert lines[0].startswith("streamrl_jax: model tiny, grpo, stream_async"), console
     for output in ("log.txt", "metrics.jsonl", "tensorboard", "trace.json"):
@@ -255,6 +260,35 @@ def test_the_console_is_a_summary_and_a_progress_line_the_log_file_keeps_the_res
     assert re.search(r"^I\d{4} .*weight_sync: version 0,", log, re.M), log[-3000:]
     assert "step 1/2" not in log  # the progress line is the console's
     assert os.listdir(cache)  # the cache holds compiled programs
+    assert "JAX platforms: cpu" in log and "backend 'tpu'" not in log
+
+
+def test_jax_platforms_leave_out_a_tpu_that_is_not_attached(tmp_path, monkeypatch):
+    from streamrl_jax import launch
+
+    dev = tmp_path / "dev"
+    (dev / "vfio").mkdir(parents=True)
+    (dev / "vfio" / "vfio").touch()  # the VFIO control node: no device group, no TPU
+    monkeypatch.setattr(launch, "_TPU_NODES", (f"{dev}/accel[0-9]*", f"{dev}/vfio/[0-9]*"))
+    gpus = (("cuda", "jax-cuda", f"{dev}/nvidia[0-9]*"), ("rocm", "jax-rocm", f"{dev}/kfd"))
+    monkeypatch.setattr(launch, "_GPUS", gpus)
+    assert launch.jax_platforms({}) == "cpu"
+    # A GPU's node without JAX's plugin for it (none is installed here): still the CPU only
+    (dev / "nvidia0").touch()
+    assert launch.jax_platforms({}) == "cpu"
+    # With its plugin (JAX's package name), the GPU first; ROCm's has no node here
+    names = ("jax_cuda12_plugin", "jax-rocm7-plugin")
+    plugins = [types.SimpleNamespace(metadata={"Name": n}) for n in names]
+    monkeypatch.setattr(launch.importlib.metadata, "distributions", lambda: plugins)
+    assert launch.jax_platforms({}) == "cuda,cpu"
+    # What the user names, and an attached TPU, are JAX's to search
+    assert launch.jax_platforms({"JAX_PLATFORMS": "cpu"}) is None
+    assert launch.jax_platforms({"JAX_FORCE_TPU_INIT": "1"}) is None
+    (dev / "vfio" / "0").touch()
+    assert launch.jax_platforms({}) is None
+    (dev / "vfio" / "0").unlink()
+    (dev / "accel0").touch()
+    assert launch.jax_platforms({}) is None
 
 
 def test_a_compile_cache_from_the_environment_gets_jaxs_file_lock(tmp_path):
