@@ -2,7 +2,8 @@
 ahead of time for a TPU topology (or H100 nodes) that is not attached, with their memory
 per device.
 
-    pip install "jax[tpu]==0.10.2"   # libtpu 0.0.42.1: compile-only TPU devices, offline
+    pip install "jax[tpu]==$JAX_VERSION"   # libtpu (0.0.42.1 for jax 0.10.2, 0.0.50.1 for
+                                            # 0.12.0.1): compile-only TPU devices, offline
     python -m streamrl_podplan.plan --model=qwen3_0.6b_shape --topology=v5p:2x2x1 \
         --train_devices=4 --rows=8 --seq=2048          # one configuration
     python -m streamrl_podplan.plan --model=/path/to/hf_model ...   # a model's config.json
@@ -33,6 +34,7 @@ import pathlib
 import sys
 import time
 
+import jax
 import numpy as np
 from absl import app, flags
 from jax.experimental import topologies
@@ -71,7 +73,8 @@ def _topology(name: str, chip_config: str | None) -> tuple[np.ndarray, float, st
         except Exception as e:  # noqa: BLE001  (no CUDA plugin, or a shape it refuses)
             sys.exit(
                 f"streamrl_podplan.plan: no GPU compiler for --topology={name!r} (pip install "
-                f"jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2): {str(e).splitlines()[0]}"
+                f"jax-cuda12-plugin=={jax.__version__} jax-cuda12-pjrt=={jax.__version__}): "
+                f"{str(e).splitlines()[0]}"
             )
         return np.array(topo.devices), reports.HBM_GIB["h100"], "h100"
     chip = chip_config or ("megacore" if family in ("v5p", "v4") else "default")
@@ -82,7 +85,7 @@ def _topology(name: str, chip_config: str | None) -> tuple[np.ndarray, float, st
     except Exception as e:  # noqa: BLE001  (no libtpu, or a topology it does not know)
         sys.exit(
             f"streamrl_podplan.plan: no TPU compiler for --topology={name!r} "
-            f"(pip install 'jax[tpu]==0.10.2' brings libtpu): {str(e).splitlines()[0]}"
+            f"(pip install 'jax[tpu]=={jax.__version__}' brings libtpu): {str(e).splitlines()[0]}"
         )
     return (
         np.array(topo.devices),
