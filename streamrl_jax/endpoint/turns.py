@@ -24,6 +24,7 @@ from streamrl_jax.endpoint.book import Record
 from streamrl_jax.environments.render import TurnRenderer
 from streamrl_jax.generation.engine_config import EngineConfig
 from streamrl_jax.generation.types import (
+    Continuation,
     GenerationRequest,
     Sample,
     SamplingParams,
@@ -154,7 +155,8 @@ class Turns:
             )
         if not env_tokens:
             raise ApiError(400, "the request adds nothing after the recorded turn")
-        used = len(rec.prompt) + rec.sample.num_tokens + len(env_tokens)
+        cont = Continuation.after(rec.sample, env_tokens)
+        used = len(rec.prompt) + len(cont.tokens)
         if used + 1 > self.ctx.max_total_length:
             raise ApiError(
                 400,
@@ -162,8 +164,20 @@ class Turns:
                 "of context; start a new episode",
                 code=CONTEXT_EXCEEDED,
             )
-        return GenerationRequest.next_turn(
-            rec.sample, env_tokens, s.max_tokens, sampling=params, forced=s.ignore_eos
+        # Not `GenerationRequest.next_turn`: the endpoint's turn carries the record's
+        # identity (its episode id `ep-...`, prompt, seed, metadata), which the backend
+        # keys on and maps back to the run's (`Backend.submit`); the sample holds the
+        # run's id, which the backend refuses.
+        return GenerationRequest(
+            request_id=rec.id,
+            prompt=rec.prompt,
+            max_new_tokens=cont.policy_tokens + s.max_tokens,
+            forced_length=cont.policy_tokens + s.max_tokens if s.ignore_eos else None,
+            sampling=params,
+            seed=rec.seed,
+            metadata=rec.metadata,
+            continuation=cont,
+            keep_kv=True,
         )
 
     def sampling(self, s: Sampling) -> SamplingParams:

@@ -48,6 +48,7 @@ from streamrl_jax.pipeline.hooks import Hooks
 from streamrl_jax.pipeline.requests import Requests
 from streamrl_jax.pipeline.rollouts import Returned, Rollout
 from streamrl_jax.pipeline.schedules import Schedule
+from streamrl_jax.pipeline.supervisor import caused_by_shutdown
 from streamrl_jax.scheduling.live import LiveScheduler
 from streamrl_jax.weight_sync import Params
 
@@ -254,6 +255,11 @@ class GenerationDriver:
                 )
             self._final_evaluation()
         except BaseException as e:  # noqa: BLE001 - reported to the owner
+            if caused_by_shutdown(e):
+                # A stop request ended the wait (`RunParts.interrupt`): the trainer turns
+                # it into a checkpointed stop; reported as a failure, it would race that
+                # stop and end the run with an error instead.
+                return
             self._fail("generation driver", e)
 
     def _plan_and_submit(self, b: int, requests: list[GenerationRequest]) -> None:

@@ -36,6 +36,18 @@ class Shutdown(RuntimeError):
     """SIGINT/SIGTERM asked the run to checkpoint and stop."""
 
 
+def caused_by_shutdown(exc: BaseException) -> bool:
+    """Whether `exc` is, or was raised from, a `Shutdown` (a wait that the stop ended,
+    re-raised by the mailbox it waited on): a stop, not a failure."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, Shutdown):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 class Supervisor:
     """The failure latch, progress ticks and the watchdog of one run."""
 
