@@ -84,3 +84,28 @@ def test_the_supervised_target_adds_the_demonstrations_nll_gradient():
 def test_the_supervised_loss_needs_an_environments_demonstrations():
     with pytest.raises(ConfigError, match="algorithm.sft_coef"):
         tiny_config(algorithm__sft_coef=0.5)
+
+
+def test_the_routes_target_sizes_the_trainer_and_reports_the_replayed_share(tmp_path):
+    from support import hf_run_dir
+
+    from streamrl_jax.model import routes as routes_lib
+
+    moe = dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+               norm_topk_prob=True, tie_word_embeddings=False)  # fmt: skip
+    source = hf_run_dir(tmp_path / "moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", moe)
+    made, _ = _learner(tiny_config(model__source=source, model__routing_replay=True), [])
+    assert [t.name for t in made.targets] == ["routes"] and made.entries() == []
+    spec = made.trainer.cfg.routing_replay
+    assert spec == routes_lib.Spec(8, 2, 2)
+    # sample 0 came with a record of every position, sample 1 without one
+    kw = policy_samples(n=2)
+    positions = [len(p) + len(r) - 1 for p, r in zip(kw["prompts"], kw["responses"], strict=True)]
+    recorded = np.zeros(spec.shape(positions[0]), spec.dtype)
+    host = make_batch(**kw, routes=[recorded, None], **made.trainer.cfg.layout)
+    totals: dict = {}
+    made.place(0, host, totals)
+    share = len(kw["responses"][0]) / sum(len(r) for r in kw["responses"])
+    np.testing.assert_allclose(made.row(totals, list)["routes_replayed"], share, rtol=1e-6)
+    with pytest.raises(ValueError, match="a micro-batch came without routes"):
+        made.place(0, host.replace(routes=None))

@@ -3,6 +3,8 @@
 A `Learner` is a policy kind (`initial.POLICIES`: `full`, `lora`) and the targets the
 config asks for, in fill order (`TARGETS`):
 
+* `routes` (`routes.py`, `model.routing_replay`): routing replay's recorded experts,
+  replayed by the policy's forward (it sizes them in the trainer's config);
 * `behaviour` (`behaviour.py`, `algorithm.tis_cap > 0`): pi_old for truncated
   importance sampling;
 * `reference` (`reference.py`, `algorithm.kl_coef > 0`): the KL penalty's frozen
@@ -13,8 +15,9 @@ config asks for, in fill order (`TARGETS`):
 * `supervised` (`supervised.py`, `algorithm.sft_coef > 0`): an auxiliary supervised
   loss on the environment's demonstrations, mixed into every RL micro-batch.
 
-A new target is one module beside these (`wanted(cfg)`, `make(ctx) -> Target`), one
-line below and its config fields. This package never imports `pipeline/`.
+A new target is one module beside these (`wanted(cfg)`, `make(ctx) -> Target`, and
+`configure` if it changes the trainer's config), one line in `targets.py` and its config
+fields. This package never imports `pipeline/`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from streamrl_jax.config import ExperimentConfig
-from streamrl_jax.learner import behaviour, critic, reference, supervised, teacher
 from streamrl_jax.learner.initial import POLICIES, initial_policy, policy_kind
 from streamrl_jax.learner.learner import Learner
 from streamrl_jax.learner.protocol import (
@@ -34,22 +36,12 @@ from streamrl_jax.learner.protocol import (
     Totals,
     Trains,
 )
+from streamrl_jax.learner.targets import TARGETS, wanted
 from streamrl_jax.model.config import ModelConfig
 from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.rewards.tasks import Problem
 from streamrl_jax.trainer.state import TrainState
 from streamrl_jax.trainer.step import Trainer
-
-# Targets by name, in the order they fill a micro-batch (a later one reads what an
-# earlier one filled: the teacher reads behaviour's pi_old). Each module has
-# `wanted(cfg) -> bool` and `make(ctx: Context) -> Target`.
-TARGETS = {
-    "behaviour": behaviour,
-    "reference": reference,
-    "teacher": teacher,
-    "critic": critic,
-    "supervised": supervised,
-}
 
 
 def make_learner(
@@ -64,7 +56,7 @@ def make_learner(
     warm-up): the targets `cfg` asks for, built in order."""
     policy = policy_kind(cfg)
     ctx = Context(cfg, model_cfg, tokenizer, policy, trainer, state, problems)
-    targets = [kind.make(ctx) for kind in TARGETS.values() if kind.wanted(cfg)]
+    targets = [kind.make(ctx) for kind in wanted(cfg)]
     return Learner(policy, trainer, state, targets)
 
 

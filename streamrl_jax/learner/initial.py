@@ -14,10 +14,9 @@ from absl import logging
 from jax.sharding import Mesh
 
 from streamrl_jax.config import ExperimentConfig
-from streamrl_jax.learner import weights
+from streamrl_jax.learner import targets, weights
 from streamrl_jax.learner.policies import Full, Lora
 from streamrl_jax.learner.protocol import Policy
-from streamrl_jax.model import routes as routes_lib
 from streamrl_jax.model.loader import Description, load_weights
 from streamrl_jax.trainer.config import trainer_config
 from streamrl_jax.trainer.state import TrainState
@@ -43,8 +42,7 @@ def initial_policy(
     policy = policy_kind(cfg)
     model_cfg = d.cfg
     tcfg = trainer_config(cfg, fsdp=train_mesh.shape["fsdp"])
-    if cfg.model.routing_replay:  # the trainer replays the routes its batches carry
-        tcfg = tcfg.replace(routing_replay=routes_lib.Spec.of(model_cfg))
+    tcfg = targets.trainer_config(cfg, model_cfg, tcfg)  # e.g. routing replay's sizes
     trainer = make_policy_trainer(model_cfg, tcfg, train_mesh, model_seed=cfg.seed)
     if base is not None:
         if not policy.adapters_only:
