@@ -228,12 +228,10 @@ def test_a_weights_receiver_dials_in_short_attempts_too():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    t0 = time.monotonic()
-    with pytest.raises(TransportTimeout, match="within 0.5 s"):
+    with pytest.raises(TransportTimeout, match="within 0.5 s"):  # the dial bound, not 30 s
         shard_receiver.ShardReceiver(
             [f"127.0.0.1:{port}"], need, authkey=KEY, timeout_s=30, dial_timeout_s=0.5
         )
-    assert time.monotonic() - t0 < 10
     sender = shard_sync.ShardSender(
         "127.0.0.1:0", authkey=KEY, process=0, num_receivers=1, timeout_s=30, name="w"
     )
@@ -310,10 +308,9 @@ def test_lost_producer_is_reported_by_name(children, how):
         assert _readline(children[0], 30) == "sent"
         assert server.get(timeout=10).name == "first"
         os.kill(children[0].pid, how)
-        t0 = time.monotonic()
+        # a PeerLost within get's own 20 s wait (which would raise a timeout instead)
         with pytest.raises(PeerLost, match=r"lost generation-7 \(127\.0\.0\.1\)") as err:
             server.get(timeout=20)
-        assert time.monotonic() - t0 < 15  # bounded (generous: a loaded 2-core machine)
         if how == signal.SIGSTOP:
             assert "no message or heartbeat" in str(err.value)
         children[0].kill()
@@ -582,12 +579,12 @@ def test_launch_local_stops_everyone_when_one_fails(tmp_path):
     if os.environ["STREAMRL_PROCESS_ID"] == "2":
         raise SystemExit(3)
     time.sleep(100)
+    print("woke", flush=True)
     """
-    t0 = time.monotonic()
     run = _launch(tmp_path, script, "-n", "3", "-g", "2", "--grace_s", "1")
     assert run.returncode == 3, run.stdout
     assert "process 2 failed (rc 3)" in run.stdout
-    assert time.monotonic() - t0 < 60
+    assert "woke" not in run.stdout  # the others were stopped, not waited for (120 s bound)
 
 
 def test_launch_local_restarts_a_failed_generation_process(tmp_path):
