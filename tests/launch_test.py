@@ -13,6 +13,7 @@ file keeps.
 import importlib.util
 import json
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -66,31 +67,82 @@ ENV_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES) + sorted(ENV_CASES))
-def test_a_user_mistake_is_one_line_and_exit_status_2(case, tmp_path):
-    # The environment cases run quickstart:tiny, a config that works across processes
-    # (one the processes refuse stops before the run key is read).
-    args, message = CASES.get(case, (["--config=configs/quickstart.py:tiny"], None))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XDG_CACHE_HOME=str(tmp_path / "cache"))
-    env.pop("STREAMRL_AUTHKEY", None)
-    env.pop("STREAMRL_AUTHKEY_FILE", None)
-    if case in ENV_CASES:
-        extra, message = ENV_CASES[case]
-        env.update(extra)
+# The mistakes' runs of the entry point: one Python imports what the entry point imports
+# (JAX, absl, the config, pipeline and task modules; no backend started) once, then forks
+# a child per case that runs `streamrl_jax.launch` as `python -m` does (runpy,
+# run_name="__main__": its flags parsed from that child's argv, in that child's
+# environment), its stdout and stderr in a file; the child's exit status is the case's.
+# Each spawned `python -m` paid the Python and JAX start-up again (3-13 s a case on 2
+# loaded cores). A real `python -m streamrl_jax.launch` ends with status 2 on its own in
+# test_a_setting_refused_across_processes_is_one_line_on_every_process and under the
+# launcher in test_launch_local_ends_a_refused_setting_with_status_2.
+_FORKING_ENTRY = """
+import json, os, runpy, sys
+import jax, absl.app, absl.flags, absl.logging, ml_collections.config_flags, reasoning_gym
+import streamrl_jax.config, streamrl_jax.console, streamrl_jax.errors, streamrl_jax.pipeline
+import streamrl_jax.distributed.roles, streamrl_jax.model.loader, streamrl_jax.endpoint
+import threading
+from jax._src import xla_bridge
+assert not xla_bridge._backends and threading.active_count() == 1  # safe to fork
+
+statuses = {}
+for name, (args, env, out) in json.loads(sys.stdin.read()).items():
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the case: `python -m streamrl_jax.launch ARGS` in ENV, output to OUT
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1); os.dup2(fd, 2); os.close(fd)
+        os.environ.clear(); os.environ.update(env)
+        sys.argv = ["-m", *args]  # runpy puts the module's path first, as `python -m`
+        runpy.run_module("streamrl_jax.launch", run_name="__main__", alter_sys=True)
+        sys.exit(0)
+    statuses[name] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+print("STATUSES", json.dumps(statuses))
+"""
+
+
+@pytest.fixture(scope="module")
+def mistakes(tmp_path_factory):
+    """{case: (exit status, stdout and stderr)} of every user-mistake case."""
+    base = dict(os.environ, JAX_PLATFORMS="cpu")
+    base.pop("STREAMRL_AUTHKEY", None)
+    base.pop("STREAMRL_AUTHKEY_FILE", None)
+    # As the entry point's own restart leaves it (test_launch_restarts_itself_...):
+    # the child would exec the forking Python's command line again.
+    base["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
+    cases = {}
+    for case in sorted(CASES) + sorted(ENV_CASES):
+        # The environment cases run quickstart:tiny, a config that works across processes
+        # (one the processes refuse stops before the run key is read).
+        args, _ = CASES.get(case, (["--config=configs/quickstart.py:tiny"], None))
+        tmp = tmp_path_factory.mktemp("mistake")
+        env = dict(base, XDG_CACHE_HOME=str(tmp / "cache"))
+        env.update(ENV_CASES.get(case, ({}, None))[0])
+        cases[case] = ([f"--workdir={tmp}", *args], env, str(tmp / "output.txt"))
     run = subprocess.run(
-        [sys.executable, "-m", "streamrl_jax.launch", f"--workdir={tmp_path}", *args],
+        [sys.executable, "-c", _FORKING_ENTRY],
+        input=json.dumps(cases),
         capture_output=True,
         text=True,
         timeout=300,
         cwd=REPO,
-        env=env,
+        env=base,
     )
-    assert run.returncode == 2, run.stderr[-3000:]
-    assert "Traceback" not in run.stderr, run.stderr[-3000:]
-    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert run.returncode == 0, run.stderr[-3000:]
+    statuses = json.loads(run.stdout.split("STATUSES ", 1)[1])
+    return {c: (statuses[c], pathlib.Path(out).read_text()) for c, (_, _, out) in cases.items()}
+
+
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(ENV_CASES))
+def test_a_user_mistake_is_one_line_and_exit_status_2(case, mistakes):
+    message = CASES[case][1] if case in CASES else ENV_CASES[case][1]
+    status, stderr = mistakes[case]
+    assert status == 2, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     # Pinned to one core (taskset), "--processes=stages" also names that reason first.
     errors = [re.sub(r"this process may use \d+ core; ", "", e) for e in errors]
-    assert len(errors) == 1 and message in errors[0], run.stderr[-3000:]
+    assert len(errors) == 1 and message in errors[0], stderr[-3000:]
 
 
 def test_launch_restarts_itself_with_malloc_hugepages_once():
