@@ -1,19 +1,17 @@
 """Reward scoring in confined worker processes (rewards/sandbox.py, rewards/pool.py).
 
 The scorers here are module-level functions, so the spawned workers import them
-by name; each asserts what model text scored in a sandbox can and cannot do.
+by name; each asserts what model text scored in a sandbox can and cannot do. Every
+worker imports this module to find its scorer: what only the tests use (JAX, the
+pipeline, the suite's helpers) is imported in the tests, not on every worker's start.
 """
 
 import multiprocessing
 import os
 import time
 
-import numpy as np
 import pytest
-import reasoning_gym
-from support import pipeline_threads, tiny_config
 
-from streamrl_jax import pipeline
 from streamrl_jax.rewards import sandbox
 from streamrl_jax.rewards.base import RewardResult
 from streamrl_jax.rewards.pool import RewardPool
@@ -45,6 +43,8 @@ def die(text: str, metadata: dict) -> RewardResult:
 
 @pytest.fixture(scope="module")
 def countdown():
+    import reasoning_gym
+
     entry = reasoning_gym.create_dataset("countdown", size=1, seed=0)[0]
     fn = TaskReward(score_answer=reasoning_gym.get_score_answer_fn("countdown"))
     return fn, {"task": "countdown", "entry": entry, "prompt_id": "countdown/0"}
@@ -163,6 +163,11 @@ def slow_vowels(text: str, metadata: dict) -> RewardResult:
 
 
 def test_the_run_goes_on_past_hung_scorers(tmp_path):
+    import numpy as np
+    from support import pipeline_threads, tiny_config
+
+    from streamrl_jax import pipeline
+
     cfg = tiny_config(
         eval__num_problems=0,
         data__reward_sandbox="process",
