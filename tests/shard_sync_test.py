@@ -602,6 +602,8 @@ def test_a_pull_whose_layout_disagrees_is_refused_before_pulling():
 
 
 # ---------------------------------------------------------------------- processes
+# One program for both transports (each 4-process start paid four Pythons' JAX start-up):
+# the channel's sync, then jax.experimental.transfer's, each its own sender and receiver.
 _WORKER = """
 import json, sys
 import jax
@@ -614,7 +616,6 @@ from streamrl_jax.distributed import roles, shard_receiver, shard_sync, shard_wi
 cfg = roles.DistributedConfig.from_env()
 r = roles.initialize(cfg)
 host = roles.advertised_host(cfg)
-xla = xla_pull.PullServer(host, jax.local_devices()[0]) if {xla!r} else None
 train = Mesh(np.array(r.training_devices), ("fsdp",))
 local = Mesh(np.array(jax.local_devices()), ("tp",))
 
@@ -625,41 +626,46 @@ def shard(params, mesh, axis):
         return jax.make_array_from_callback(np.shape(x), s, lambda idx: np.asarray(x)[idx])
     return jax.tree.map(one, params)
 
-out = {{"pid": r.process_id, "role": r.role}}
-if r.role == "training":
-    t = r.training_processes.index(r.process_id)
-    sender = shard_sync.ShardSender("%s:0" % host, authkey=cfg.authkey,
-        process=r.process_id, num_receivers=len(r.generation_processes), timeout_s=60,
-        name="training-%d" % t, checksum=True, xla=xla)
-    roles.publish("weights-%d" % t, "%s:%d" % sender.address)
-    stats = [sender.send(shard(make_params(s), train, "fsdp"), v, wait_ack=True).bytes
-             for v, s in enumerate((1.0, 2.0))]
-    out["sent"] = stats
-    sender.close(10)
-else:
-    abstract = make_params()
-    shardings = jax.tree.map(lambda x: x.sharding, shard(abstract, local, None))
-    shardings["embed"] = NamedSharding(local, P(None, "tp"))  # tp on this side
-    addresses = [roles.lookup("weights-%d" % t, 60) for t in range(len(r.training_processes))]
-    receiver = shard_receiver.ShardReceiver(addresses,
-        shard_wire.need_of(shardings, abstract, r.process_id), authkey=cfg.authkey,
-        timeout_s=60, name="generation-%d" % r.process_id, xla=xla)
-    out["exact"], out["received"] = [], []
-    for v, s in enumerate((1.0, 2.0)):
-        got, version, stats = receiver.receive(shardings, timeout=60)
-        out["exact"].append(version == v and _bitwise(got, make_params(s)))
-        out["received"].append(stats.bytes)
-        assert stats.checksum
-    receiver.close(10)
-print("RESULT", json.dumps(out), flush=True)
+for mode in ("channel", "xla_transfer"):
+    xla = xla_pull.PullServer(host, jax.local_devices()[0]) if mode == "xla_transfer" else None
+    out = {"pid": r.process_id, "role": r.role, "mode": mode}
+    if r.role == "training":
+        t = r.training_processes.index(r.process_id)
+        sender = shard_sync.ShardSender("%s:0" % host, authkey=cfg.authkey,
+            process=r.process_id, num_receivers=len(r.generation_processes), timeout_s=60,
+            name="training-%d" % t, checksum=True, xla=xla)
+        roles.publish("weights-%s-%d" % (mode, t), "%s:%d" % sender.address)
+        stats = [sender.send(shard(make_params(s), train, "fsdp"), v, wait_ack=True).bytes
+                 for v, s in enumerate((1.0, 2.0))]
+        out["sent"] = stats
+        sender.close(10)
+    else:
+        abstract = make_params()
+        shardings = jax.tree.map(lambda x: x.sharding, shard(abstract, local, None))
+        shardings["embed"] = NamedSharding(local, P(None, "tp"))  # tp on this side
+        addresses = [roles.lookup("weights-%s-%d" % (mode, t), 60)
+                     for t in range(len(r.training_processes))]
+        receiver = shard_receiver.ShardReceiver(addresses,
+            shard_wire.need_of(shardings, abstract, r.process_id), authkey=cfg.authkey,
+            timeout_s=60, name="generation-%d" % r.process_id, xla=xla)
+        out["exact"], out["received"] = [], []
+        for v, s in enumerate((1.0, 2.0)):
+            got, version, stats = receiver.receive(shardings, timeout=60)
+            out["exact"].append(version == v and _bitwise(got, make_params(s)))
+            out["received"].append(stats.bytes)
+            assert stats.checksum
+        receiver.close(10)
+    print("RESULT", json.dumps(out), flush=True)
 jax.distributed.shutdown()
 """
 
 
-@pytest.mark.parametrize("xla", [False, True], ids=["channel", "xla_transfer"])
-def test_two_training_processes_send_only_their_shards_to_two_generation_processes(tmp_path, xla):
-    path = tmp_path / "worker.py"
-    path.write_text(textwrap.dedent(_WORKER).format(xla=xla))
+@pytest.fixture(scope="module")
+def two_by_two(tmp_path_factory):
+    """{mode: {process id: its RESULT}} of the 2 generation + 2 training process program,
+    for both transports."""
+    path = tmp_path_factory.mktemp("shards") / "worker.py"
+    path.write_text(textwrap.dedent(_WORKER))
     run = subprocess.run(
         [sys.executable, str(REPO / "launch" / "local.py"), "-n", "4", "-g", "2",
          "--timeout_s", "150", "--", sys.executable, str(path)],
@@ -672,8 +678,17 @@ def test_two_training_processes_send_only_their_shards_to_two_generation_process
         for line in run.stdout.splitlines()
         if "RESULT" in line
     ]
-    by_role = {pid: x for x in results for pid in [x["pid"]]}
-    assert sorted(by_role) == [0, 1, 2, 3], run.stdout[-3000:]
+    by_mode = {"channel": {}, "xla_transfer": {}}
+    for x in results:
+        by_mode[x["mode"]][x["pid"]] = x
+    return by_mode, run.stdout
+
+
+@pytest.mark.parametrize("xla", [False, True], ids=["channel", "xla_transfer"])
+def test_two_training_processes_send_only_their_shards_to_two_generation_processes(two_by_two, xla):
+    by_mode, stdout = two_by_two
+    by_role = by_mode["xla_transfer" if xla else "channel"]
+    assert sorted(by_role) == [0, 1, 2, 3], stdout[-3000:]
     params = make_params()
     total = sum(x.nbytes for x in jax.tree.leaves(params))
     matrices = sum(x.nbytes for x in jax.tree.leaves(params) if np.ndim(x) == 2)
