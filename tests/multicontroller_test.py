@@ -109,8 +109,9 @@ def _one_process(mode, tmp_path_factory, **overrides):
 
 # Every case launches 2-4 real processes (40-70 s each on 2 shared cores). The default
 # run covers stream_async (one reference run) with one training process bit for bit
-# (2 processes) and with two generation and two training processes (4 processes), a
-# killed trainer (2 processes) and a checkpoint, kill and resume (2 processes); the
+# (the lost-generation and the checkpoint tests) and with one generation and two
+# training processes (3 processes), a lost generation process (3 processes) and a
+# checkpoint, kill (the trainer, named by the generation process) and resume; the
 # other combinations, the critic included, are `-m extended`
 # (python -m pytest -q -m extended tests/multicontroller_test.py).
 _EXT = pytest.mark.extended
@@ -138,7 +139,11 @@ def _assert_params_match(got, want, exact: bool) -> None:
         # 1 + 1 processes run by default in the loss, resume and partial-rollout tests
         pytest.param(2, 1, "stream_async", marks=_EXT),
         pytest.param(4, 2, "stream_sync", marks=_EXT),  # 2 generation + 2 training processes
-        (4, 2, "stream_async"),
+        # 2 generation + 2 training processes: the default case is 1 + 2 (3, 1) below,
+        # the same two training processes' FSDP and shard sends to one process fewer;
+        # two generation processes run by default in the lost-generation test
+        pytest.param(4, 2, "stream_async", marks=_EXT),
+        (3, 1, "stream_async"),  # 1 generation + 2 training processes
         pytest.param(3, 2, "stream_sync", marks=_EXT),
         pytest.param(3, 2, "stream_async", marks=_EXT),
         pytest.param(2, 1, "disaggregated_batch", marks=_EXT),
@@ -364,8 +369,10 @@ def _wait_for_line(log, text, procs, timeout=180.0) -> None:
 @pytest.mark.parametrize(
     "processes, generation, victim, expect",
     [
-        # The trainer dies: the generation process names it.
-        (2, 1, 1, {0: "lost training"}),
+        # The trainer dies: the generation process names it. By default in
+        # test_checkpoint_kill_resume_equals_the_uninterrupted_run (the same kill, 1 + 1
+        # processes, on the way to its resume).
+        pytest.param(2, 1, 1, {0: "lost training"}, marks=_EXT),
         # (One of two generation processes dying does not end the run:
         # test_lost_generation_process_leaves_the_run_to_the_others.)
         # The second of two training processes dies: the generation processes name it,
@@ -591,7 +598,8 @@ def _assert_resumed_like_one_process(workdir, want, exact, log):
 def test_checkpoint_kill_resume_equals_the_uninterrupted_run(tmp_path, tmp_path_factory):
     # 1 generation + 1 training process, a checkpoint after every step: the trainer is
     # SIGKILLed once checkpoint 1 is on disk (the generation process then fails naming
-    # it), the same command resumes, and the run ends with the parameters of the same 2
+    # it: test_killed_process_ends_the_others_naming_it's default case), the same
+    # command resumes, and the run ends with the parameters of the same 2
     # steps uninterrupted in one process (the parity test's reference), bit for bit,
     # every prompt consumed once.
     want = _one_process("stream_async", tmp_path_factory)
@@ -612,6 +620,8 @@ def test_checkpoint_kill_resume_equals_the_uninterrupted_run(tmp_path, tmp_path_
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
     assert procs[0].returncode != 0 and not (workdir / run_lib.FINAL_PARAMS).exists()
+    generation_log = (tmp_path / "p0.log").read_text()
+    assert "lost training" in generation_log, generation_log[-4000:]
     log = _launched(2, 1, workdir)
     _assert_resumed_like_one_process(workdir, want, exact=True, log=log)
     rows = read_jsonl(str(workdir / "consumed.jsonl"))
