@@ -134,15 +134,18 @@ def test_a_failed_training_process_stops_the_others_with_its_code(tmp_path):
     script.write_text(
         textwrap.dedent("""
         import os, time
-        if os.environ["STREAMRL_PROCESS_ID"] == "2":
+        if os.environ["STREAMRL_PROCESS_ID"] == "1":
             raise SystemExit(3)
         time.sleep(100)
         """)
     )
-    flags = ["-n", "3", "-g", "2", "--restart_generation", "1", "--grace_s", "1"]
+    # 1 generation + 1 training process (one actor fewer to start than 2 + 1): the
+    # training process fails; the generation process, restartable, is stopped, not
+    # restarted.
+    flags = ["-n", "2", "-g", "1", "--restart_generation", "1", "--grace_s", "1"]
     run = _launch([*flags, "--timeout_s", "90"], [sys.executable, str(script)])
     assert run.returncode == 3, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "[launch] process 2 failed (rc 3); stopping the others" in run.stdout
+    assert "[launch] process 1 failed (rc 3); stopping the others" in run.stdout
     assert "restarting" not in run.stdout
 
 
