@@ -1,8 +1,9 @@
 """`python -m streamrl_jax.launch`: a user's mistake is one line naming it, exit status 2;
 a run's console is the summary, the progress line and the closing lines.
 
-Each case runs the real entry point in a subprocess (flags are parsed there, at
-import) and checks the whole of stderr: no traceback, one `error:` line that
+Each case runs the real entry point in a process of its own (flags are parsed there,
+at import: forked children of one Python that imported the entry point's modules, see
+`_FORKING_ENTRY`) and checks the whole of stderr: no traceback, one `error:` line that
 names the field, flag or file. Settings that do not run across processes are
 refused the same way on every process of a multi-controller program, before it
 joins (`config.check`), so none waits for a coordinator. The entry run
