@@ -28,11 +28,15 @@ def test_the_corpus_is_broad():
     assert len({case.name for case in corpus.CASES}) == len(corpus.CASES)
 
 
-# The config-value cases all take launch's one config-error path, and every rule's message
-# is checked in-process by tests/config_test.py: a sample of them runs by default, the
-# rest under `-m extended` (the suite's 8-minute budget). Files, datasets, checkpoints,
-# model files, model output and network peers all run.
-_DEFAULT_CONFIG_CASES = {
+# Every launch case takes launch's one error path (a process that starts, reads its
+# inputs and ends with one `error:` line): a sample of them runs by default, the rest under
+# `-m extended`. The rule messages are checked in-process by tests/config_test.py, the
+# datasets' by tests/jsonl_dataset_test.py and tests/data_test.py, the checkpoints' by
+# tests/checkpoint_test.py and tests/policy_test.py, the model files' by
+# tests/loader_test.py; the sample keeps one of each kind of file through the real entry
+# point. Model output, network peers and (in-process, tests/endpoint_test.py) HTTP
+# clients all run.
+_DEFAULT_LAUNCH_CASES = {
     "unknown field",
     "unknown flag",
     "missing config file",
@@ -41,19 +45,23 @@ _DEFAULT_CONFIG_CASES = {
     "staleness 0",
     "min groups > prompts",
     "all instances reserved",
+    "JSONL row not JSON",
+    "a workdir whose only checkpoint is garbage",
+    "model file truncated",
+    "HF config.json not JSON",
 }
 
 
 def _marks(case):
-    config_only = case.kind == "launch" and case.files is None
-    # The endpoint's cases: tests/endpoint_test.py drives the same requests in-process.
-    if case.kind == "endpoint" or (config_only and case.name not in _DEFAULT_CONFIG_CASES):
+    if case.kind == "endpoint" or (
+        case.kind == "launch" and case.name not in _DEFAULT_LAUNCH_CASES
+    ):
         return pytest.param(case, marks=pytest.mark.extended, id=case.name)
     return pytest.param(case, id=case.name)
 
 
 def test_the_default_sample_names_real_cases():
-    assert {case.name for case in corpus.CASES} >= _DEFAULT_CONFIG_CASES
+    assert {case.name for case in corpus.CASES} >= _DEFAULT_LAUNCH_CASES
 
 
 @pytest.mark.parametrize("case", [_marks(case) for case in corpus.CASES])
