@@ -79,7 +79,9 @@ def test_decode_compiles_at_most_one_executable_per_bucket_pair(model):  # noqa:
     assert engine.compile_count() == compiled
 
 
-@pytest.mark.parametrize("share_prefill", [True, False])
+# Without a shared prefill (its own prefill executables compiled cold) is a further case,
+# -m extended: the default case keeps the capability (everything a run meets compiled).
+@pytest.mark.parametrize("share_prefill", [True, pytest.param(False, marks=pytest.mark.extended)])
 def test_compile_shapes_compiles_everything_a_run_meets_and_changes_no_sample(
     model,  # noqa: F811
     share_prefill,

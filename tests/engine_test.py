@@ -223,11 +223,13 @@ def test_decode_attention_forms_and_key_layouts_keep_the_samples(model, attentio
     """Elementwise attention (CPU's default) and the dot form, keys [B, K, D, S]
     (`key_layout="positions_minor"`, CPU's default) and [B, K, S, D] (`"head_dim_minor"`,
     "auto" off CPU) draw the same greedy and sampled tokens, log-probs within 1e-5, through
-    every path of the cache: prefill, a shared prompt's fork, the compacted decode buckets,
-    an episode's extension. "auto" is elementwise and positions-minor on CPU only."""
+    every path of the cache: prefill, a shared prompt's fork, the decode chunk (the CPU
+    defaults' in its compacted buckets, the other's over every slot: one decode shape to
+    compile cold, as compacted and full decodes draw the same, `compact_test.py`), an
+    episode's extension. "auto" is elementwise and positions-minor on CPU only."""
     rng = np.random.default_rng(3)
     base = make_engine(model)  # the CPU defaults
-    other = make_engine(model, decode_attention=attention, key_layout=layout)
+    other = make_engine(model, decode_attention=attention, key_layout=layout, decode_buckets=False)
     assert base._chunk is not other._chunk
     assert base.decode_attention == ENGINE.attention(jax.default_backend()) == "elementwise"
     k = CFG.num_kv_heads, CFG.head_dim
