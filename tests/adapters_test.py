@@ -18,7 +18,11 @@ from streamrl_jax.model import config as model_config
 from streamrl_jax.model import llama
 
 LORA = CFG.replace(lora_rank=4, lora_alpha=8.0)
-SLOTS = dataclasses.replace(ENGINE, adapters=3)
+# Every slot decodes over the whole cache (one decode shape a program set: the compacted
+# decode's buckets are engine_test.py's and compact_test.py's); the adapter slots' rows
+# mix in that one batch.
+FULL = dataclasses.replace(ENGINE, decode_buckets=False)
+SLOTS = dataclasses.replace(FULL, adapters=3)
 
 
 def _mesh(n: int = 1) -> Mesh:
@@ -27,10 +31,15 @@ def _mesh(n: int = 1) -> Mesh:
 
 @pytest.fixture(scope="module")
 def adapted():
-    """(graphdef, three LoRA states of one base with different adapters)."""
-    models = [random_adapters(llama.create(LORA, seed=8), seed=s) for s in (9, 10, 11)]
-    graphdef = nnx.graphdef(models[0])
-    return graphdef, [nnx.state(m) for m in models]
+    """(graphdef, three LoRA states of one base with different adapters), built by one
+    jitted program (eagerly, every initialiser's op would compile on its own)."""
+
+    @jax.jit
+    def init(seed):
+        return nnx.state(random_adapters(llama.create(LORA, seed=8), seed=seed))
+
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: llama.create(LORA)))
+    return graphdef, [init(s) for s in (9, 10, 11)]
 
 
 def _requests():
@@ -78,7 +87,7 @@ def test_an_unmerged_adapter_draws_what_the_merged_one_draws(adapted):
     engine = _slot_engine(graphdef, states)
     reqs = _requests()
     for k, state in enumerate(states):
-        merged = by_id(Engine(graphdef, state, LORA, ENGINE, _mesh()).run(reqs))
+        merged = by_id(Engine(graphdef, state, LORA, FULL, _mesh()).run(reqs))
         slot = by_id(engine.run([dataclasses.replace(r, adapter=k) for r in reqs]))
         for rid, s in merged.items():
             np.testing.assert_array_equal(slot[rid].response, s.response, err_msg=f"{rid}")
@@ -92,9 +101,9 @@ def test_a_slot_with_its_own_alpha_draws_what_the_model_with_that_alpha_draws(ad
     engine.update_adapter(1, states[1], version=6, alpha=2.0)  # 0.5 against LORA's 2.0
     reqs = _requests()
     mine = LORA.replace(lora_alpha=2.0)
-    want = by_id(Engine(graphdef, states[1], mine, ENGINE, _mesh()).run(reqs))
+    want = by_id(Engine(graphdef, states[1], mine, FULL, _mesh()).run(reqs))
     got = by_id(engine.run([dataclasses.replace(r, adapter=1) for r in reqs]))
-    default = by_id(Engine(graphdef, states[1], LORA, ENGINE, _mesh()).run(reqs))
+    default = by_id(Engine(graphdef, states[1], LORA, FULL, _mesh()).run(reqs))
     for rid, s in want.items():
         np.testing.assert_array_equal(got[rid].response, s.response, err_msg=f"{rid}")
         np.testing.assert_allclose(got[rid].logprobs, s.logprobs, atol=1e-5)
@@ -115,12 +124,11 @@ def test_slot_minus_one_is_the_base_model_and_update_weights_resets_the_slots(ad
     graphdef, states = adapted
     engine = _slot_engine(graphdef, states)
     plain_cfg = CFG.replace(lora_rank=0)
-    plain = nnx.state(llama.create(plain_cfg))
+    p_def, plain = nnx.split(nnx.eval_shape(lambda: llama.create(plain_cfg)))
     base = states[0].filter(nnx.Not(nnx.LoRAParam))
     nnx.replace_by_pure_dict(plain, nnx.to_pure_dict(base))  # the same base, no adapter
-    p_def = nnx.graphdef(llama.create(plain_cfg))
     reqs = requests(4, sampling=SAMPLED)
-    want = by_id(Engine(p_def, plain, plain_cfg, ENGINE, _mesh()).run(reqs))
+    want = by_id(Engine(p_def, plain, plain_cfg, FULL, _mesh()).run(reqs))
     got = by_id(engine.run([dataclasses.replace(r, adapter=-1) for r in reqs]))
     for rid, s in want.items():
         np.testing.assert_array_equal(got[rid].response, s.response)
@@ -157,19 +165,20 @@ def test_bad_adapter_settings_and_requests_are_named(adapted):
         engine.submit([dataclasses.replace(req, adapter=3)])
     with pytest.raises(ValueError, match=r"adapter slot 3 outside \[0, 3\)"):
         engine.update_adapter(3, states[1], version=1)
-    merged = Engine(graphdef, states[0], LORA, ENGINE, _mesh())
+    merged = Engine(graphdef, states[0], LORA, FULL, _mesh())
     with pytest.raises(ValueError, match="adapter 1; expected 0 .the engine has no adapter"):
         merged.submit([dataclasses.replace(req, adapter=1)])
     with pytest.raises(ValueError, match="update_adapter needs adapter slots"):
         merged.update_adapter(0, states[1], version=1)
     plain_cfg = CFG.replace(lora_rank=0)
-    plain = nnx.split(llama.create(plain_cfg))
+    # (the refusals come before the weights are read: abstract models, nothing to compile)
+    plain = nnx.split(nnx.eval_shape(lambda: llama.create(plain_cfg)))
     with pytest.raises(ValueError, match="the model has no LoRA adapters"):
         Engine(*plain, plain_cfg, SLOTS, _mesh())
     moe = model_config.tiny(
         num_experts=4, experts_per_token=2, moe_intermediate_size=32, lora_rank=2
     )
     with pytest.raises(ValueError, match=r"targets \['down', 'gate', 'up'\] adapt a mixture"):
-        Engine(*nnx.split(llama.create(moe)), moe, SLOTS, _mesh())
+        Engine(*nnx.split(nnx.eval_shape(lambda: llama.create(moe))), moe, SLOTS, _mesh())
     with pytest.raises(ValueError, match="EngineConfig.adapters must be an int >= 0"):
         dataclasses.replace(ENGINE, adapters=-1)

@@ -14,10 +14,15 @@ from streamrl_jax.rewards.vowels import vowel_reward
 
 
 def _retry(**overrides):
+    # One decode shape (`pipeline.deterministic`, what endpoint_test.py's engine and
+    # episodes_test.py's run decode with: their programs; the compacted decode is
+    # engine_test.py's). The in-flight run (extended) cannot be deterministic.
+    inflight = overrides.get("pipeline__weight_update") == "inflight"
     base = dict(
         environment__name="retry",
         environment__max_attempts=3,
         pipeline__rollout="agents+full",
+        pipeline__deterministic=not inflight,
         eval__num_problems=2,
     )
     return agent_config(**(base | overrides))

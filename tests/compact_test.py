@@ -11,9 +11,10 @@ from support import assert_same, by_id, make_engine, requests
 from streamrl_jax.generation import compact
 from streamrl_jax.generation.types import Continuation, SamplingParams
 
-# A config of its own (chunk_steps=3): its jitted chunk is not shared with other tests',
-# so its executable count is this test's. Shapes: batch (1, 2) x length (24, 48), and
-# (4, 48) when every slot runs.
+# A config of its own (chunk_steps=3): its jitted chunk is not shared with other files'
+# tests, so its executable count is this file's. Shapes: batch (1, 2) x length (24, 48),
+# and (4, 48) when every slot runs. Every engine here has these statics: each compiles
+# only shapes of this set, which the first test compiles as it goes.
 BUCKETED = dict(chunk_steps=3, min_decode_length=24)
 
 
@@ -78,7 +79,9 @@ def test_decode_compiles_at_most_one_executable_per_bucket_pair(model):  # noqa:
     assert engine.compile_count() == compiled
 
 
-@pytest.mark.parametrize("share_prefill", [True, False])
+# Without a shared prefill (its own prefill executables compiled cold) is a further case,
+# -m extended: the default case keeps the capability (everything a run meets compiled).
+@pytest.mark.parametrize("share_prefill", [True, pytest.param(False, marks=pytest.mark.extended)])
 def test_compile_shapes_compiles_everything_a_run_meets_and_changes_no_sample(
     model,  # noqa: F811
     share_prefill,
@@ -87,7 +90,7 @@ def test_compile_shapes_compiles_everything_a_run_meets_and_changes_no_sample(
     run with admissions mid-run, shared prompts and paused-and-continued requests compiles
     nothing more, and gives bitwise the samples of an engine that compiled as it went (the
     padding rows the compile runs on write nothing)."""
-    kw = dict(chunk_steps=5, min_decode_length=16, share_prefill=share_prefill)  # own statics
+    kw = dict(BUCKETED, share_prefill=share_prefill)
     reqs = requests(9, seed=8)
     reqs += [dataclasses.replace(r, request_id=100 + i) for i, r in enumerate(reqs[:3])]
     paused = [dataclasses.replace(r, segment_tokens=4) for r in reqs[:4]]
@@ -106,6 +109,7 @@ def test_compile_shapes_compiles_everything_a_run_meets_and_changes_no_sample(
     engine = make_engine(model, **kw)
     engine.compile_shapes(continuations=True)
     compiled = engine.compile_count()  # executables of these statics, shared with `cold`'s
+    # (and the earlier tests', all of whose shapes are among those compiled here)
     prefill = len(engine.cfg.prefill_buckets(continuations=True))
     assert prefill > len(engine.cfg.buckets())  # re-prefill buckets past the prompt
     assert engine._chunk._cache_size() == len(engine.cfg.decode_shapes().all())

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
-from flax import nnx
-from jax.sharding import Mesh
+from support import make_engine
 
-from streamrl_jax.generation.engine import Engine, EngineConfig
 from streamrl_jax.generation.types import GenerationRequest, SamplingParams
 from streamrl_jax.model import config as model_config
-from streamrl_jax.model import llama
 from streamrl_jax.scheduling import dispatch
 
 # The paper's measured 7B decode curve (H800), ms per token at batch size BS: flat to
@@ -165,19 +161,15 @@ def test_validation_and_profile(tmp_path):
 
 
 @pytest.mark.parametrize("admission", ["lpt", "fifo"])
-def test_engine_admits_longest_predicted_first(admission):
+def test_engine_admits_longest_predicted_first(model, admission):
     """An LPT engine admits the plan's priorities in descending order, FIFO in order."""
-    cfg = model_config.tiny(num_layers=1)  # admission order needs no depth; compiles faster
-    graphdef, params = nnx.split(llama.Llama(cfg, rngs=nnx.Rngs(params=0)))
-    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
-    ecfg = EngineConfig(
-        num_slots=2, max_prompt_length=16, max_total_length=48, chunk_steps=4,
-        prefill_batch=2, admission=admission,
-    )  # fmt: skip
-    engine = Engine(graphdef, params, cfg, ecfg, mesh)
-    true = np.array([3, 20, 5, 12, 8, 16])
+    # The engine tests' tiny model and engine (4 slots): their compiled programs, read
+    # from the compile cache when engine_test.py has run
+    engine = make_engine(model, admission=admission)
+    true = np.array([3, 20, 5, 12, 8, 16, 10, 18, 6, 14])
+    n = len(true)
     d = dispatch.SkewAwareDispatcher(lambda _p: true.astype(float), PAPER)
-    plan = d.plan([[1, 2]] * 6, 1, [2])
+    plan = d.plan([[1, 2]] * n, 1, [4])
     reqs = [
         GenerationRequest(
             request_id=i,
@@ -187,16 +179,16 @@ def test_engine_admits_longest_predicted_first(admission):
             sampling=SamplingParams.greedy(),
             priority=plan.priority_per_request[i],
         )  # fmt: skip
-        for i in range(6)
+        for i in range(n)
     ]
     admit = {s.request_id: s.timings.admit for s in engine.run(reqs)}
     first = sorted(i for i in admit if admit[i] == min(admit.values()))
     if admission == "lpt":
-        assert first == [1, 5]  # the two longest predicted
-        for a in range(6):  # a longer prediction is never admitted after a shorter one
-            for b in range(6):
+        assert first == [1, 5, 7, 9]  # the four longest predicted
+        for a in range(n):  # a longer prediction is never admitted after a shorter one
+            for b in range(n):
                 if true[a] > true[b]:
                     assert admit[a] <= admit[b], (a, b)
     else:
-        assert first == [0, 1]
-        assert all(admit[i] <= admit[i + 1] for i in range(5))
+        assert first == [0, 1, 2, 3]
+        assert all(admit[i] <= admit[i + 1] for i in range(n - 1))

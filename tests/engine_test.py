@@ -57,7 +57,8 @@ def test_greedy_matches_full_forward_reference(model):
 def test_samples_independent_of_slot_batch_and_admission_time(model):
     reqs = requests(9)
     all_at_once = by_id(make_engine(model).run(reqs))
-    one_at_a_time = by_id([s for r in reqs for s in make_engine(model).run([r])])
+    alone = make_engine(model)  # each request alone in the batch, one after another
+    one_at_a_time = by_id([s for r in reqs for s in alone.run([r])])
     assert_same(all_at_once, one_at_a_time)
 
     engine = make_engine(model)  # late arrivals land in slots freed mid-run
@@ -163,7 +164,11 @@ def test_cpu_dots_picks_the_decode_matmul_library_and_keeps_the_samples(model):
     if jax.default_backend() != "cpu":
         pytest.skip("XLA:CPU's matmul libraries")
     reqs = requests(6, sampling=SamplingParams.greedy())
-    eigen, ynn = make_engine(model, cpu_dots="eigen"), make_engine(model, cpu_dots="ynnpack")
+    # Every slot decodes over the whole cache: the one chunk shape `_chunk_hlo` compiles
+    # (the compacted decode's buckets are `test_decode_attention_forms_and_key_layouts...`'s)
+    full = dict(decode_buckets=False)
+    eigen = make_engine(model, cpu_dots="eigen", **full)
+    ynn = make_engine(model, cpu_dots="ynnpack", **full)
     assert make_engine(model)._chunk is ynn._chunk  # "auto": the tiny model is narrow
 
     # The decode chunk's matmuls leave YNNPACK with "eigen" (its reductions may stay):
@@ -201,51 +206,57 @@ def test_cpu_dots_picks_the_decode_matmul_library_and_keeps_the_samples(model):
         dataclasses.replace(ENGINE, cpu_dots="mkl")
 
 
-def test_decode_attention_forms_keep_the_samples(model):
-    """Elementwise attention (CPU's default) and the two einsums give the same greedy
-    tokens and sampled tokens, log-probs within 1e-5; "auto" is elementwise on CPU only."""
-    for sampling in (SamplingParams.greedy(), SamplingParams(temperature=1.0)):
-        reqs = requests(6, sampling=sampling)
-        dot = make_engine(model, decode_attention="dot")
-        elementwise = make_engine(model, decode_attention="elementwise")
-        assert dot._chunk is not elementwise._chunk
-        assert_same(by_id(elementwise.run(reqs)), by_id(dot.run(reqs)))
-    assert make_engine(model).decode_attention == ENGINE.attention(jax.default_backend())
-    assert ENGINE.attention("cpu") == "elementwise"
-    assert ENGINE.attention("gpu") == ENGINE.attention("tpu") == "dot"
-    with pytest.raises(ValueError, match="EngineConfig.decode_attention must be one of"):
-        dataclasses.replace(ENGINE, decode_attention="flash")
-
-
-# The elementwise form with [B, K, S, D] keys (no platform's default) runs with -m extended.
+# The off-CPU default (dot attention over keys [B, K, S, D]) against the CPU default
+# (elementwise over [B, K, D, S]) runs by default; each change alone (the dot form over
+# [B, K, D, S], the elementwise form over [B, K, S, D]: no platform's default) is a
+# further case of the same property, run with -m extended (each compiles every program
+# of one more engine cold).
 @pytest.mark.parametrize(
-    "attention", ["dot", pytest.param("elementwise", marks=pytest.mark.extended)]
+    "attention, layout",
+    [
+        ("dot", "head_dim_minor"),
+        pytest.param("dot", "positions_minor", marks=pytest.mark.extended),
+        pytest.param("elementwise", "head_dim_minor", marks=pytest.mark.extended),
+    ],
 )
-def test_key_layouts_keep_the_samples(model, attention):
-    """Keys [B, K, S, D] (`key_layout="head_dim_minor"`, "auto" off CPU) draw what keys
-    [B, K, D, S] draw, with either attention form, through every path of the cache:
-    prefill, a shared prompt's fork, the compacted decode buckets, an episode's extension."""
+def test_decode_attention_forms_and_key_layouts_keep_the_samples(model, attention, layout):
+    """Elementwise attention (CPU's default) and the dot form, keys [B, K, D, S]
+    (`key_layout="positions_minor"`, CPU's default) and [B, K, S, D] (`"head_dim_minor"`,
+    "auto" off CPU) draw the same greedy and sampled tokens, log-probs within 1e-5, through
+    every path of the cache: prefill, a shared prompt's fork, the decode chunk (the CPU
+    defaults' in its compacted buckets, the other's over every slot: one decode shape to
+    compile cold, as compacted and full decodes draw the same, `compact_test.py`), an
+    episode's extension. "auto" is elementwise and positions-minor on CPU only."""
     rng = np.random.default_rng(3)
-    ds = make_engine(model, decode_attention=attention, key_layout="positions_minor")
-    sd = make_engine(model, decode_attention=attention, key_layout="head_dim_minor")
+    base = make_engine(model)  # the CPU defaults
+    other = make_engine(model, decode_attention=attention, key_layout=layout, decode_buckets=False)
+    assert base._chunk is not other._chunk
+    assert base.decode_attention == ENGINE.attention(jax.default_backend()) == "elementwise"
     k = CFG.num_kv_heads, CFG.head_dim
     s = ENGINE.max_total_length
-    assert sd._state.cache.k[0].shape == (ENGINE.num_slots, *k[:1], s, k[1])
-    assert ds._state.cache.k[0].shape == (ENGINE.num_slots, *k, s)
+    assert base._state.cache.k[0].shape == (ENGINE.num_slots, *k, s)
+    if layout == "head_dim_minor":
+        assert other._state.cache.k[0].shape == (ENGINE.num_slots, *k[:1], s, k[1])
+    greedy = requests(6, sampling=SamplingParams.greedy())
+    assert_same(by_id(base.run(greedy)), by_id(other.run(greedy)))
     reqs = grouped_requests(4)
-    assert_same(by_id(ds.run(reqs)), by_id(sd.run(reqs)))
+    assert_same(by_id(base.run(reqs)), by_id(other.run(reqs)))
     episodes = requests(3, seed=6, max_new_tokens=6, keep_kv=True)
-    first = by_id(ds.run(episodes))
-    assert_same(first, by_id(sd.run(episodes)))
+    first = by_id(base.run(episodes))
+    assert_same(first, by_id(other.run(episodes)))
     env = [rng.integers(0, CFG.vocab_size, size=n).tolist() for n in (2, 5, 1)]
     turns = [
         GenerationRequest.next_turn(first[r.request_id], env[i], 4) for i, r in enumerate(episodes)
     ]
-    assert_same(by_id(ds.run(turns)), by_id(sd.run(turns)))
-    assert sd.metrics()["extended"] == ds.metrics()["extended"] == 3
-    assert sd.metrics()["forked"] > 0
+    assert_same(by_id(base.run(turns)), by_id(other.run(turns)))
+    assert other.metrics()["extended"] == base.metrics()["extended"] == 3
+    assert other.metrics()["forked"] > 0
+    assert ENGINE.attention("cpu") == "elementwise"
+    assert ENGINE.attention("gpu") == ENGINE.attention("tpu") == "dot"
     assert ENGINE.keys_positions_minor("cpu")
     assert not ENGINE.keys_positions_minor("tpu") and not ENGINE.keys_positions_minor("gpu")
+    with pytest.raises(ValueError, match="EngineConfig.decode_attention must be one of"):
+        dataclasses.replace(ENGINE, decode_attention="flash")
     with pytest.raises(ValueError, match="EngineConfig.key_layout must be one of"):
         dataclasses.replace(ENGINE, key_layout="sd")
 
@@ -255,15 +266,11 @@ def test_gate_up_layouts_keep_the_samples(model):
     XLA:TPU would re-lay out [E, 2, M] every decode chunk) draw what [E, 2, M] draws: on
     one device and tensor-parallel over two (the mlp axis sharded); with int8 weights in
     `test_int8_gate_up_layouts_keep_the_samples`."""
-    graphdef, params, _ = model
     reqs = grouped_requests(4)
     em = make_engine(model, gate_up_layout="embed_major")
     assert em._params["layers"][0]["gate_up"].shape[1] == 2
     want = by_id(em.run(reqs))
-    two = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
-    pm = Engine(
-        graphdef, params, CFG, dataclasses.replace(ENGINE, gate_up_layout="parts_major"), two
-    )
+    pm = _tp2_engine(model, gate_up_layout="parts_major")
     w = pm._params["layers"][0]["gate_up"]
     assert w.shape == (2, CFG.hidden_size, CFG.intermediate_size)
     assert w.sharding.spec == jax.sharding.PartitionSpec(None, None, "tp")
@@ -366,15 +373,28 @@ def test_bad_requests_name_the_field(model, change, field):
     assert engine.queue_length == 0
 
 
-def test_tensor_parallel_instance_matches_single_device(model):
-    if jax.device_count() < 3:
-        pytest.skip("needs 3 devices (2 generation, 1 training)")
-    graphdef, params, _ = model
+def _tp2_engine(model, **overrides) -> Engine:
+    """An engine on a generation instance of tensor parallelism 2 (2 generation, 1
+    training device), configured as `ENGINE` with `overrides`, every slot decoding over
+    the whole cache (one decode shape to compile: the buckets are the one-device tests')."""
     meshes = mesh_lib.make_meshes(
         mesh_lib.MeshConfig(generate_devices=2, train_devices=1, instance_tp=2)
     )
     (tp2,) = mesh_lib.instance_meshes(meshes.generate)
-    engine = Engine(graphdef, params, CFG, ENGINE, tp2)
+    cfg = dataclasses.replace(ENGINE, decode_buckets=False, **overrides)
+    return Engine(model[0], model[1], CFG, cfg, tp2)
+
+
+# Parts-major gate and up (the layout "auto" picks off CPU, where tensor-parallel
+# instances run) by default, sharing its programs with `test_gate_up_layouts_keep_the_samples`;
+# the CPU's embed-major layout on two devices is a further case (-m extended).
+@pytest.mark.parametrize(
+    "gate_up", ["parts_major", pytest.param("embed_major", marks=pytest.mark.extended)]
+)
+def test_tensor_parallel_instance_matches_single_device(model, gate_up):
+    if jax.device_count() < 3:
+        pytest.skip("needs 3 devices (2 generation, 1 training)")
+    engine = _tp2_engine(model, gate_up_layout=gate_up)
     assert engine._state.cache.k[0].sharding.spec[1] == "tp"  # KV heads split over the instance
     reqs = requests(4)
     got = by_id(engine.run(reqs))
@@ -384,13 +404,27 @@ def test_tensor_parallel_instance_matches_single_device(model):
         np.testing.assert_allclose(got[rid].logprobs, s.logprobs, atol=1e-4)
 
 
-def _full_forward_logprobs(graphdef, params, sample) -> np.ndarray:
-    """log p(response token t | prompt, earlier tokens) under `params`, one full forward."""
-    model = nnx.merge(graphdef, params)
-    seq = np.concatenate([sample.prompt, sample.response])[None].astype(np.int32)
-    inputs, targets = jax.device_put(seq[:, :-1]), jax.device_put(seq[:, 1:])
-    logp, _ = model.token_logprobs(inputs, targets, jnp.ones_like(inputs, jnp.float32))
-    return np.asarray(jax.device_get(logp))[0, len(sample.prompt) - 1 :]
+def _full_forward_logprobs(graphdef, params, samples) -> list[np.ndarray]:
+    """log p(response token t | prompt, earlier tokens) under `params`, one full forward
+    of all `samples` at once: each padded with zeros to the cache length (the model is
+    causal: a position never sees the padding after it), one jitted shape."""
+    s = ENGINE.max_total_length
+    seqs = [np.concatenate([x.prompt, x.response]) for x in samples]
+    tokens = np.zeros((len(seqs), s), np.int32)
+    for row, seq in enumerate(seqs):
+        tokens[row, : len(seq)] = seq
+
+    @jax.jit
+    def logprobs(params, tokens):
+        model = nnx.merge(graphdef, params)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        return model.token_logprobs(inputs, targets, jnp.ones_like(inputs, jnp.float32))[0]
+
+    logp = np.asarray(jax.device_get(logprobs(params, jnp.asarray(tokens))))
+    return [
+        logp[row, len(x.prompt) - 1 : len(seq) - 1]
+        for row, (x, seq) in enumerate(zip(samples, seqs, strict=True))
+    ]
 
 
 def test_a_sample_spanning_two_versions_records_each_tokens_version_and_logprob(model):
@@ -416,12 +450,14 @@ def test_a_sample_spanning_two_versions_records_each_tokens_version_and_logprob(
     only0 = by_id(make_engine(model).run(reqs))
     first = ENGINE.chunk_steps + 1
     assert len(done) == 4
+    samples = list(done.values())
+    under = dict(zip(done, _full_forward_logprobs(graphdef, params0, samples), strict=True))
     for i, s in done.items():
         np.testing.assert_array_equal(s.versions(), [0] * first + [1] * (20 - first))
         assert (s.policy_version, s.last_policy_version) == (0, 1)
         assert (s.oldest_version, s.newest_version) == (0, 1)
         # Before the swap: W_0's tokens and log-probs (its full forward, and a W_0-only run).
-        under0 = _full_forward_logprobs(graphdef, params0, s)
+        under0 = under[i]
         np.testing.assert_allclose(s.logprobs[:first], under0[:first], atol=2e-4)
         np.testing.assert_array_equal(s.response[:first], only0[i].response[:first])
         # After it: the new weights sampled (W_0's log-probs no longer describe them) ...
@@ -509,7 +545,7 @@ def test_shared_prompt_prefill_is_bitwise_the_unshared_one(model, admission):
         reqs[0], request_id="continued", max_new_tokens=24, continuation=Continuation.of(paused)
     )
     reqs.insert(3, cont)
-    kw = dict(min_bucket=4, admission=admission)
+    kw = dict(min_bucket=8, admission=admission)  # prompt buckets 8 and 16
     prefilled = []
     off = make_engine(model, share_prefill=False, **kw)
     on = make_engine(model, on_chunk=lambda r: prefilled.append(r.prefilled), **kw)
@@ -520,9 +556,9 @@ def test_shared_prompt_prefill_is_bitwise_the_unshared_one(model, admission):
     assert m_on["forked"] > 0 and m_on["prefill_rows"] + m_on["forked"] == len(reqs)
     assert m_on["prefill_rows"] >= 6  # 5 prompts and the continuation, at least once each
     assert sum(prefilled) == m_on["prefill_rows"]  # the observer counts prefills, not forks
-    # Bounded compilation: one prefill per bucket (3 prompt buckets + the continuation's),
+    # Bounded compilation: one prefill per bucket (2 prompt buckets + the continuation's),
     # one fork, one chunk; new groups of the same buckets compile nothing.
-    assert on.compile_count() - before <= 6
+    assert on.compile_count() - before <= 5
     compiled = on.compile_count()
     again = grouped_requests(8, lpt=admission == "lpt")
     assert_bitwise(by_id(off.run(again)), by_id(on.run(again)))
@@ -534,7 +570,7 @@ def test_shared_prefill_never_forks_across_a_weight_update(model):
     reqs = grouped_requests(9)
     out = []
     for share in (False, True):
-        engine = make_engine(model, share_prefill=share, min_bucket=4)
+        engine = make_engine(model, share_prefill=share, min_bucket=8)
         engine.submit(reqs)
         got = engine.step()  # the first members are admitted under version 0
         engine.update_weights(params2, version=1)

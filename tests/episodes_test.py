@@ -455,7 +455,9 @@ def test_an_episodes_run_trains_multi_turn_episodes_and_continues_slots_in_place
     # The retry environment (3 attempts; the tiny model is never right) with the tiny
     # model, whose turns are cut at 16 tokens: every episode has 3 policy turns, 2
     # environment turns between them; each next turn extends its slot's KV in place.
-    cfg = _retry(pipeline__mode="stream_sync")
+    # One decode shape (`pipeline.deterministic`): the engine's programs are those of
+    # endpoint_test.py's and agents_test.py's (the compacted decode is engine_test.py's).
+    cfg = _retry(pipeline__mode="stream_sync", pipeline__deterministic=True)
     result, seen = run_recording(cfg, tmp_path)
     train = [s for s in seen if not s.tag.is_eval]
     held_out = [s for s in seen if s.tag.is_eval]
@@ -553,7 +555,9 @@ def test_episodes_in_rounds_pause_mid_turn_extend_within_a_round_and_train_once(
     # ends in the next round, whose budget its second turn continues in place (KV
     # extended) until it pauses too; the episode ends in its 4th round (lag 4 = max_lag),
     # so steps 0-2 train nothing and every later step trains one batch's episodes whole.
-    cfg = _partial_run(12, 4, 5)
+    # Deterministic (one decode shape, micro-batches of consecutive groups): the trainer's
+    # and the engine's programs are those of the run above.
+    cfg = _partial_run(12, 4, 5, pipeline__deterministic=True)
     result, seen = run_recording(cfg, tmp_path)
     from support import consumed_log
 
