@@ -39,8 +39,7 @@ def _after_first(result):
 
 def test_precompiled_run_compiles_nothing_after_its_first_step_and_trains_the_same(tmp_path):
     # Deterministic: the same groups in every micro-batch, so the final parameters must be
-    # bitwise those of the run that compiled as it went. 2 steps (the streaming run below
-    # meets 3 steps' shapes).
+    # bitwise those of the run that compiled as it went.
     runs = {}
     for on in (True, False):
         cfg = _replay(pipeline__deterministic=True, pipeline__precompile=on, pipeline__steps=2)
@@ -54,6 +53,11 @@ def test_precompiled_run_compiles_nothing_after_its_first_step_and_trains_the_sa
         np.testing.assert_array_equal(runs[True].params[name], runs[False].params[name], name)
 
 
+# -m extended (the suite's budget): the default suite keeps precompile end to end (the
+# test above: nothing compiles after the first step, and the run trains the same) and the
+# streaming plan as units (`test_sizes_follow_the_taker`: every size the taker can take;
+# `test_two_training_processes_plan_every_agreed_shape`: every subset's shape planned).
+@pytest.mark.extended
 def test_streaming_run_meets_only_planned_shapes(tmp_path):
     # Not deterministic: a micro-batch is whichever 1 or 2 groups of the batch are ready
     # (min_groups=1), so the plan is every such subset; stream_sync's steps meet new

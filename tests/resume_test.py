@@ -19,6 +19,7 @@ exactly once.
 import dataclasses
 import os
 import re
+import shutil
 import signal
 import threading
 import time
@@ -57,6 +58,19 @@ def _cfg(**overrides):
         eval__num_problems=0,
     )
     return tiny_config(**(base | overrides))
+
+
+def _drawn_ids(cfg, batches: int) -> list[list[str]]:
+    """The prompt ids each of batches 0 .. batches-1 of a run of `cfg` draws: what
+    `support.batch_prompt_ids` gives batch by batch, from one replayed prompt pipeline."""
+    from streamrl_jax.pipeline import components, datasets
+
+    eval_set, train_set = datasets.datasets(cfg)
+    tokenizer = components.describe_model(cfg).tokenizer
+    prompts, _ = datasets.prompts(cfg, tokenizer, train_set, eval_set)
+    n = cfg.pipeline.prompts_per_step
+    ids = [p.problem.prompt_id for p in prompts.next_prompts(n * batches)]
+    return [ids[n * b : n * (b + 1)] for b in range(batches)]
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +328,7 @@ def test_resume_with_partial_samples_in_flight_is_exact(tmp_path):
     # max_lag), so steps 0 and 1 train nothing and later steps train carried groups, every
     # drawn group at most once, every sample whole, its versions within the bound.
     ref_ids = [i for r in read_consumed(os.path.join(ref_dir, CONSUMED)) for i in r["prompt_ids"]]
-    drawn = {i for b in range(STEPS) for i in batch_prompt_ids(_cfg(**PARTIAL), b)}
+    drawn = {i for ids in _drawn_ids(_cfg(**PARTIAL), STEPS) for i in ids}
     assert len(ref_ids) == len(set(ref_ids)) and set(ref_ids) <= drawn
     assert [r["optimizer_steps"] for r in ref.steps][:2] == [0.0, 0.0]
     assert len(ref_ids) == ref.samples // _cfg().pipeline.group_size > 0
@@ -326,10 +340,14 @@ def test_resume_with_partial_samples_in_flight_is_exact(tmp_path):
     assert all(r["dropped_stale"] == 0.0 for r in ref.steps)
     assert max(r["mixed_versions"] for r in ref.steps if r["optimizer_steps"]) > 0
 
-    # 1. stopped at the end of step 1: nothing trained yet, every sample in flight.
-    run_lib.run(_cfg(pipeline__steps=2, **PARTIAL), workdir, reward_fn=vowel_reward)
-    ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
+    # 1. stopped at the end of step 1: nothing trained yet, every sample in flight. The
+    # uninterrupted run's checkpoint 2 and its consumed-prompt log (the resume cuts the
+    # log back to the checkpoint's steps) are what that stop leaves.
+    ckpt = ckpt_lib.Checkpointer(os.path.join(ref_dir, "checkpoints"))
     carried = ckpt.read_metadata(2)["rollout"]
+    os.makedirs(os.path.join(workdir, "checkpoints"))
+    shutil.copy(os.path.join(ref_dir, CONSUMED), os.path.join(workdir, CONSUMED))
+    os.symlink(ckpt.step_directory(2), os.path.join(workdir, "checkpoints", "2"))
     ckpt.close()
     # Paused into round 2: batch 0's samples after two rounds, batch 1's after one.
     lengths = sorted({len(x["response"]) for x in carried["paused"]})

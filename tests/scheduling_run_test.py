@@ -21,12 +21,13 @@ def _decisions(workdir):
 
 
 def _elastic_cfg(steps: int):
-    # Two instances of quickstart:tiny's 8 slots (its engine's programs), one reserved.
+    # Two instances of 4 slots (8 requests a batch fill both), one reserved; checkpoints
+    # every step (the ranker test resumes one).
     return tiny_config(
         pipeline__mode="stream_async",
         pipeline__steps=steps,
         mesh__generate_devices=2,
-        mesh__instance_slots=(8, 8),
+        mesh__instance_slots=(4, 4),
         scheduling__dispatch="skew_aware",
         scheduling__elastic_reserved=1,
         scheduling__ranker_min_samples=4,
