@@ -90,12 +90,10 @@ def test_the_adapter_gradient_is_the_full_gradient_through_the_adapter(cfg):
     loss = lambda m: jnp.sum(_logits(m, tokens, mask) * weights * mask[..., None])
     model = random_adapters(llama.create(cfg, seed=4), seed=5)
     graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
-    # Jitted (one program each, not op by op): the sums' order may differ from eager,
-    # well inside the tolerance.
-    got = jax.jit(jax.grad(lambda a: loss(nnx.merge(graphdef, a, rest))))(adapters)
+    got = jax.grad(lambda a: loss(nnx.merge(graphdef, a, rest)))(adapters)
     twin = _base_twin(model, cfg)
     g_def, base = nnx.split(twin)
-    full = jax.jit(jax.grad(lambda p: loss(nnx.merge(g_def, p))))(base)
+    full = jax.grad(lambda p: loss(nnx.merge(g_def, p)))(base)
     s = cfg.lora_scale
     for name, (a, b) in model.layers.adapters().items():
         lead = 2 if name.startswith("experts_") else 1
