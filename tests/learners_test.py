@@ -8,6 +8,7 @@ fail ends the other, naming it; and the router refuses a sample whose adapter is
 its request's.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -21,7 +22,6 @@ import pytest
 from flax import nnx
 from support import (
     ROOT,
-    batch_prompt_ids,
     consumed_log,
     param_arrays,
     pipeline_threads,
@@ -29,10 +29,10 @@ from support import (
     trainer_dies_on_call,
 )
 
+from streamrl_jax import checkpoint as ckpt_lib
 from streamrl_jax import config as config_lib
 from streamrl_jax.generation.service import InstanceError
 from streamrl_jax.generation.types import Sample, Timings
-from streamrl_jax.metrics import read_jsonl
 from streamrl_jax.pipeline import learners as learners_lib
 from streamrl_jax.pipeline.resume import CONSUMED, read_consumed
 from streamrl_jax.rewards.vowels import vowel_reward
@@ -65,6 +65,19 @@ def _cfg(steps: int = STEPS, **top):
     return config_lib.from_config_dict(cd)
 
 
+def _drawn_ids(cfg, batches: int) -> list[list[str]]:
+    """The prompt ids each of batches 0 .. batches-1 of a run of `cfg` draws: what
+    `support.batch_prompt_ids` gives batch by batch, from one replayed prompt pipeline."""
+    from streamrl_jax.pipeline import components, datasets
+
+    eval_set, train_set = datasets.datasets(cfg)
+    tokenizer = components.describe_model(cfg).tokenizer
+    prompts, _ = datasets.prompts(cfg, tokenizer, train_set, eval_set)
+    n = cfg.pipeline.prompts_per_step
+    ids = [p.problem.prompt_id for p in prompts.next_prompts(n * batches)]
+    return [ids[n * b : n * (b + 1)] for b in range(batches)]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("learners"))
@@ -84,7 +97,7 @@ def test_each_learner_trains_its_own_draws_under_its_own_contract(reference):
         # a sample routed to the wrong learner would put a foreign prompt here.
         steps, counts = consumed_log(os.path.join(workdir, learner.name))
         assert steps == list(range(STEPS))
-        drawn = [i for b in range(STEPS) for i in batch_prompt_ids(lc, b)]
+        drawn = [i for ids in _drawn_ids(lc, STEPS) for i in ids]
         assert sorted(counts.elements()) == sorted(drawn)
         with open(os.path.join(workdir, learner.name, "samples.jsonl")) as f:
             assert sum(1 for _ in f) == r.samples
@@ -106,16 +119,23 @@ def test_each_learner_trains_its_own_draws_under_its_own_contract(reference):
 
 
 def test_a_kill_and_resume_of_two_learners_is_exact(reference, tmp_path):
-    cfg, results, _ = reference
-    workdir = str(tmp_path)
-    learners_lib.run(_cfg(steps=2), workdir, reward_fn=vowel_reward)
-    resumed = learners_lib.run(cfg, workdir, reward_fn=vowel_reward)
+    # Each learner's checkpoint 2 of the reference run, alone in a new workdir (as a run
+    # killed after step 2 leaves it): the resume trains step 2 and ends bitwise at the
+    # reference. (A resume from a failed run: the test below.)
+    cfg, results, ref_dir = reference
+    for name in results:
+        src = ckpt_lib.Checkpointer(os.path.join(ref_dir, name, "checkpoints"))
+        assert 2 in src.all_steps()
+        os.makedirs(tmp_path / name / "checkpoints")
+        os.symlink(src.step_directory(2), tmp_path / name / "checkpoints" / "2")
+        src.close()
+    resumed = learners_lib.run(cfg, str(tmp_path), reward_fn=vowel_reward)
     for name, r in resumed.items():
         assert r.start_batch == 2 and len(r.steps) == 1
         for got, want in zip(param_arrays(r), param_arrays(results[name]), strict=True):
             np.testing.assert_array_equal(got, want, err_msg=name)
-        steps, _ = consumed_log(os.path.join(workdir, name))
-        assert steps == list(range(STEPS))
+        steps, _ = consumed_log(str(tmp_path / name))
+        assert steps == [2]
 
 
 def test_the_first_learner_to_fail_ends_the_other_and_both_resume(reference, tmp_path):
@@ -217,33 +237,63 @@ def test_learners_across_processes_are_refused():
         config_lib.check(_cfg(), config_lib.Processes(total=2, generation=1))
 
 
+# `python -m streamrl_jax.launch` with `learners.run` replaced by a stand-in that records
+# what it was handed and returns each learner's result: the command's routing, summary and
+# closing lines, without a run (the learners' run itself: the tests above).
+_LAUNCH_WITH_STAND_IN = """
+import json, os, runpy, sys
+from streamrl_jax.pipeline import learners, step_metrics
+
+def run(cfg, workdir, devices=None, reward_fn=None):
+    names = [x.name for x in cfg.learners]
+    advantages = [config_lib.learner_config(cfg, x).algorithm.advantage for x in cfg.learners]
+    with open(os.environ["LEARNERS_RUN_RECORD"], "w") as f:
+        json.dump(dict(names=names, workdir=workdir, advantages=advantages), f)
+    return {n: step_metrics.RunResult(state=None, steps=[{}, {}], evals={},
+                                      trained_versions=[], wall_s=1.0, samples=16)
+            for n in names}
+
+from streamrl_jax import checkpoint as ckpt_lib
+from streamrl_jax import config as config_lib
+learners.run = run
+sys.argv[0] = "streamrl_jax.launch"
+runpy.run_module("streamrl_jax.launch", run_name="__main__", alter_sys=True)
+"""
+
+
 def test_the_main_command_runs_the_learners_config(tmp_path):
-    # configs/learners.py:tiny through `python -m streamrl_jax.launch`: the summary names
-    # each learner and its directory, the closing lines are each learner's.
-    workdir = tmp_path / "run"
+    # configs/learners.py:tiny through `python -m streamrl_jax.launch` reaches the
+    # learners' program (`learners.run`, here a stand-in) with both learners and the
+    # workdir; the summary names each learner and its directory, the closing lines are
+    # each learner's.
+    workdir, record = tmp_path / "run", tmp_path / "record.json"
     run = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "streamrl_jax.launch",
+            "-c",
+            _LAUNCH_WITH_STAND_IN,
             "--config=configs/learners.py:tiny",
             f"--workdir={workdir}",
-            f"--compile_cache={jax.config.jax_compilation_cache_dir}",
         ],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=300,
         cwd=ROOT,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        env=dict(
+            os.environ,
+            JAX_PLATFORMS="cpu",
+            STREAMRL_MALLOC_HUGEPAGES="0",
+            LEARNERS_RUN_RECORD=str(record),
+        ),
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    called = json.loads(record.read_text())
+    assert called == dict(names=["grpo", "ppo"], workdir=str(workdir), advantages=["grpo", "gae"])
     console = run.stdout + run.stderr
     assert "2 learners (LoRA rank 8) on one generation service" in console, console
     for name in ("grpo", "ppo"):
         assert f"checkpoints in {workdir / name}" in console, console
         assert f"learner {name}: done: step 2," in console, console
-        rows = [r for r in read_jsonl(str(workdir / name / "metrics.jsonl")) if "reward" in r]
-        assert [r["step"] for r in rows] == [0, 1]
     assert "learners[1].algorithm.advantage='gae'" in (workdir / "log.txt").read_text()
 
 

@@ -195,13 +195,14 @@ def test_the_main_job_trains_a_lora_adapter_and_resumes_it_exactly(tmp_path):
     # weights and decodes the merged model (`test_the_engine_decodes_...` above).
     from support import param_arrays, tiny_config
 
+    from streamrl_jax import checkpoint as ckpt_lib
     from streamrl_jax import pipeline as run_lib
     from streamrl_jax.pipeline import components
     from streamrl_jax.rewards.vowels import vowel_reward
 
     lora_section = {"rank": 4, "alpha": 8.0, "targets": ("q", "v", "down")}
     cfg = tiny_config(pipeline__steps=2, warmup__steps=0, trainer__lora=lora_section,
-                      checkpoint__every=1)  # fmt: skip
+                      checkpoint__every=1, eval__num_problems=0)  # fmt: skip
     cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, deterministic=True))
     model_cfg = components.describe_model(cfg).cfg
     assert (model_cfg.lora_rank, model_cfg.lora_targets) == (4, ("q", "v", "down"))
@@ -221,9 +222,12 @@ def test_the_main_job_trains_a_lora_adapter_and_resumes_it_exactly(tmp_path):
     on_disk = sum(f.stat().st_size for f in step_dir.rglob("*") if f.is_file())
     base_bytes = sum(x.nbytes for x in base(end))
     assert on_disk < base_bytes / 4, (on_disk, base_bytes)
-    # Killed after step 1 and resumed from its checkpoint: bitwise the uninterrupted run.
-    one = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, steps=1))
-    run_lib.run(one, str(tmp_path / "parts"), reward_fn=vowel_reward)
+    # Killed after step 1 (its checkpoint 1 alone in a new workdir, as the kill leaves it)
+    # and resumed from that checkpoint: bitwise the uninterrupted run.
+    src = ckpt_lib.Checkpointer(str(tmp_path / "run" / "checkpoints"))
+    os.makedirs(tmp_path / "parts" / "checkpoints")
+    os.symlink(src.step_directory(1), tmp_path / "parts" / "checkpoints" / "1")
+    src.close()
     resumed = run_lib.run(cfg, str(tmp_path / "parts"), reward_fn=vowel_reward)
     assert resumed.start_batch == 1
     for x, y in zip(param_arrays(result), param_arrays(resumed), strict=True):

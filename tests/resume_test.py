@@ -19,6 +19,7 @@ exactly once.
 import dataclasses
 import os
 import re
+import shutil
 import signal
 import threading
 import time
@@ -32,12 +33,14 @@ from support import (
     consumed_log,
     param_arrays,
     pipeline_threads,
+    run_recording,
     tiny_config,
     trainer_dies_on_call,
 )
 
 from streamrl_jax import checkpoint as ckpt_lib
 from streamrl_jax import pipeline as run_lib
+from streamrl_jax.checkpoint.trees import is_prng_key
 from streamrl_jax.pipeline.resume import CONSUMED, read_consumed
 from streamrl_jax.rewards.vowels import vowel_reward
 from streamrl_jax.weight_sync import WeightSync
@@ -55,6 +58,19 @@ def _cfg(**overrides):
         eval__num_problems=0,
     )
     return tiny_config(**(base | overrides))
+
+
+def _drawn_ids(cfg, batches: int) -> list[list[str]]:
+    """The prompt ids each of batches 0 .. batches-1 of a run of `cfg` draws: what
+    `support.batch_prompt_ids` gives batch by batch, from one replayed prompt pipeline."""
+    from streamrl_jax.pipeline import components, datasets
+
+    eval_set, train_set = datasets.datasets(cfg)
+    tokenizer = components.describe_model(cfg).tokenizer
+    prompts, _ = datasets.prompts(cfg, tokenizer, train_set, eval_set)
+    n = cfg.pipeline.prompts_per_step
+    ids = [p.problem.prompt_id for p in prompts.next_prompts(n * batches)]
+    return [ids[n * b : n * (b + 1)] for b in range(batches)]
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +139,43 @@ def test_resume_after_three_stops_gives_the_reference_parameters(reference, tmp_
     assert sum(counts.values()) == STEPS * cfg.pipeline.prompts_per_step
 
 
+def _host(tree):
+    """Host arrays of a tree's leaves (a typed PRNG key as its key data)."""
+    return [
+        np.asarray(jax.random.key_data(x) if is_prng_key(x) else x)
+        for x in jax.device_get(jax.tree.leaves(tree))
+    ]
+
+
+def test_a_checkpoint_restores_onto_another_training_mesh(reference):
+    # Checkpoint level: the reference's last checkpoint (written from one training
+    # device) read as a resume reads it into the learner of a run with FSDP over 2
+    # training devices: every array lands in that mesh's sharding (the large ones split
+    # over both devices) and the state is the reference's final state bitwise. The run
+    # that resumes there and trains on: `test_resume_onto_another_training_mesh` (-m
+    # extended); the step on a 2-device mesh itself is the sharding tests'.
+    from streamrl_jax.pipeline import components as build_lib
+
+    ref, ref_dir = reference
+    learner = build_lib.build(_cfg(mesh__train_devices=2), warm=False).learner
+    like, _ = learner.checkpoint()
+    ckpt = ckpt_lib.Checkpointer(os.path.join(ref_dir, "checkpoints"))
+    try:
+        assert ckpt.latest_step() == STEPS
+        restored = ckpt.restore(STEPS, abstract_state=ckpt_lib.abstract_tree(like)).state
+    finally:
+        ckpt.close()
+    learner.restore(restored, {})
+    got = jax.tree.leaves(learner.state)
+    for x, want in zip(got, jax.tree.leaves(like), strict=True):
+        assert x.sharding == want.sharding
+    assert any(len(x.sharding.device_set) == 2 and not x.sharding.is_fully_replicated for x in got)
+    for a, b in zip(_host(learner.state), _host(ref.state), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.extended  # -m extended; the default suite keeps the restore onto another mesh
+# (`test_a_checkpoint_restores_onto_another_training_mesh`) and exact resume (sigterm's)
 def test_resume_onto_another_training_mesh(reference, tmp_path):
     # The reference run's checkpoint 3, resumed with FSDP over 2 training devices:
     # re-sharded on load; the remaining steps' sums run in another order (sharded
@@ -267,13 +320,34 @@ def test_resume_with_partial_samples_in_flight_is_exact(tmp_path):
     # continued, so the run ends with the uninterrupted run's parameters bit for bit
     # and has trained the same prompts, each once.
     ref_dir, workdir = str(tmp_path / "ref"), str(tmp_path / "run")
-    ref = run_lib.run(_cfg(**PARTIAL), ref_dir, reward_fn=vowel_reward)
+    ref, seen = run_recording(_cfg(**PARTIAL), ref_dir)
     assert sum(r["optimizer_steps"] for r in ref.steps) >= 2  # carried groups trained
+    # The uninterrupted run as partial rollout promises it (lifecycle_test.py's partial
+    # rollout test, -m extended, asserts the same of a run that is not deterministic):
+    # rounds of 6 tokens, the tiny model's 16-token samples take 3 rounds (lag 3 =
+    # max_lag), so steps 0 and 1 train nothing and later steps train carried groups, every
+    # drawn group at most once, every sample whole, its versions within the bound.
+    ref_ids = [i for r in read_consumed(os.path.join(ref_dir, CONSUMED)) for i in r["prompt_ids"]]
+    drawn = {i for ids in _drawn_ids(_cfg(**PARTIAL), STEPS) for i in ids}
+    assert len(ref_ids) == len(set(ref_ids)) and set(ref_ids) <= drawn
+    assert [r["optimizer_steps"] for r in ref.steps][:2] == [0.0, 0.0]
+    assert len(ref_ids) == ref.samples // _cfg().pipeline.group_size > 0
+    for s in seen:
+        assert s.finish_reason != "paused" and len(s.versions()) == s.num_tokens
+        assert np.all(np.diff(s.versions()) >= 0)
+    trained_lag = [r["lag_max"] for r in ref.steps if r["optimizer_steps"]]
+    assert trained_lag and max(trained_lag) <= 3.0
+    assert all(r["dropped_stale"] == 0.0 for r in ref.steps)
+    assert max(r["mixed_versions"] for r in ref.steps if r["optimizer_steps"]) > 0
 
-    # 1. stopped at the end of step 1: nothing trained yet, every sample in flight.
-    run_lib.run(_cfg(pipeline__steps=2, **PARTIAL), workdir, reward_fn=vowel_reward)
-    ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
+    # 1. stopped at the end of step 1: nothing trained yet, every sample in flight. The
+    # uninterrupted run's checkpoint 2 and its consumed-prompt log (the resume cuts the
+    # log back to the checkpoint's steps) are what that stop leaves.
+    ckpt = ckpt_lib.Checkpointer(os.path.join(ref_dir, "checkpoints"))
     carried = ckpt.read_metadata(2)["rollout"]
+    os.makedirs(os.path.join(workdir, "checkpoints"))
+    shutil.copy(os.path.join(ref_dir, CONSUMED), os.path.join(workdir, CONSUMED))
+    os.symlink(ckpt.step_directory(2), os.path.join(workdir, "checkpoints", "2"))
     ckpt.close()
     # Paused into round 2: batch 0's samples after two rounds, batch 1's after one.
     lengths = sorted({len(x["response"]) for x in carried["paused"]})

@@ -20,31 +20,45 @@ def _decisions(workdir):
         return [json.loads(line) for line in f]
 
 
-def test_elastic_activation_keeps_the_version_contract(tmp_path):
-    # Two instances, one reserved. The measured T_gen is inflated by 100 s so that
-    # delta = T_gen - T_train >= delta' = T_gen / 2 at the first step: the rule fires
-    # and later batches are dispatched over both instances.
-    orig = LiveScheduler.end_of_step
-
-    def slow_generation(self, step, t_gen, t_train):
-        return orig(self, step, t_gen + 100.0, t_train)
-
-    cfg = tiny_config(
+def _elastic_cfg(steps: int):
+    # Two instances of 4 slots (8 requests a batch fill both), one reserved; checkpoints
+    # every step (the ranker test resumes one).
+    return tiny_config(
         pipeline__mode="stream_async",
-        pipeline__steps=4,
+        pipeline__steps=steps,
         mesh__generate_devices=2,
         mesh__instance_slots=(4, 4),
         scheduling__dispatch="skew_aware",
         scheduling__elastic_reserved=1,
         scheduling__ranker_min_samples=4,
+        checkpoint__every=1,
+        checkpoint__keep=10,
         eval__num_problems=0,
     )
+
+
+@pytest.fixture(scope="module")
+def elastic(tmp_path_factory):
+    # The measured T_gen is inflated by 100 s so that delta = T_gen - T_train >= delta'
+    # = T_gen / 2 at the first step: the rule fires and later batches are dispatched
+    # over both instances.
+    orig = LiveScheduler.end_of_step
+
+    def slow_generation(self, step, t_gen, t_train):
+        return orig(self, step, t_gen + 100.0, t_train)
+
+    workdir = str(tmp_path_factory.mktemp("elastic"))
     with mock.patch.object(LiveScheduler, "end_of_step", slow_generation):
-        result = run_lib.run(cfg, str(tmp_path), reward_fn=vowel_reward)
+        result = run_lib.run(_elastic_cfg(steps=4), workdir, reward_fn=vowel_reward)
+    return result, workdir
+
+
+def test_elastic_activation_keeps_the_version_contract(elastic):
+    result, workdir = elastic
     assert not pipeline_threads()
     # The version contract across the activation: g(b) = max(0, b - 1).
     assert [sorted(set(v)) for v in result.trained_versions] == [[0], [0], [1], [2]]
-    decisions = _decisions(str(tmp_path))
+    decisions = _decisions(workdir)
     elastic = [d for d in decisions if d["kind"] == "elastic"]
     assert elastic[0]["add"] and elastic[0]["delta"] >= elastic[0]["delta_prime"]
     assert all(not d["add"] for d in elastic[1:])  # no reserved instance left
@@ -56,25 +70,17 @@ def test_elastic_activation_keeps_the_version_contract(tmp_path):
     assert result.steps[-1]["ranker_steps"] > 0
 
 
-def test_ranker_is_saved_and_restored_with_checkpoints(tmp_path):
-    common = dict(
-        pipeline__mode="stream_sync",
-        scheduling__dispatch="skew_aware",
-        scheduling__ranker_min_samples=4,
-        checkpoint__every=1,
-        eval__num_problems=0,
-    )
-    first = run_lib.run(
-        tiny_config(pipeline__steps=2, **common), str(tmp_path), reward_fn=vowel_reward
-    )
-    ckpt = ckpt_lib.Checkpointer(os.path.join(str(tmp_path), "checkpoints"))
-    saved = int(ckpt.restore(2, abstract_state=first.state, abstract_ranker=None).ranker["steps"])
+def test_ranker_is_saved_and_restored_with_checkpoints(elastic, tmp_path):
+    # The elastic run's checkpoint 4, alone in a new workdir, resumed for a 5th step.
+    first, workdir = elastic
+    ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
+    saved = int(ckpt.restore(4, abstract_state=first.state, abstract_ranker=None).ranker["steps"])
+    os.makedirs(tmp_path / "checkpoints")
+    os.symlink(ckpt.step_directory(4), tmp_path / "checkpoints" / "4")
     ckpt.close()
     assert saved > 0
-    resumed = run_lib.run(
-        tiny_config(pipeline__steps=3, **common), str(tmp_path), reward_fn=vowel_reward
-    )
-    assert resumed.start_batch == 2
+    resumed = run_lib.run(_elastic_cfg(steps=5), str(tmp_path), reward_fn=vowel_reward)
+    assert resumed.start_batch == 4
     # The resumed ranker continues from the saved one (online steps add to it).
     assert resumed.steps[0]["ranker_steps"] >= saved
 
