@@ -31,11 +31,13 @@ def test_prefill_then_decode_equals_the_full_forward(overrides, attention):
     Prefill rows land in their slots in any order, a row for a slot >= B is dropped, and
     inactive slots compute but do not advance."""
     cfg = config.tiny(**overrides)
-    graphdef, params = nnx.split(llama.create(cfg, seed=0))
+    graphdef = nnx.split(nnx.eval_shape(lambda: llama.create(cfg)))[0]
+    params = jax.jit(lambda: nnx.split(llama.create(cfg, seed=0))[1])()  # one program
     # Lively (x4: greedy tokens vary), and random norm scales and biases, so that every
     # parameter matters in the comparison.
     rng = np.random.default_rng(1)
-    params = jax.tree.map(lambda x: 4.0 * x + 0.05 * rng.standard_normal(x.shape), params)
+    noise = jax.tree.map(lambda x: np.float32(0.05) * rng.standard_normal(x.shape), params)
+    params = jax.jit(lambda p, n: jax.tree.map(lambda x, e: 4.0 * x + e, p, n))(params, noise)
     weights = jax.jit(lambda p: decoder.from_training_layout(graphdef, p, cfg))(params)
     b, s, steps = 4, 32, 6
     prompts = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, 8)), jnp.int32)

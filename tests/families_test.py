@@ -97,8 +97,10 @@ _WINDOWS = {"gemma3": (4, 0, 4, 0), "mistral": (4, 4), "qwen2": (0, 4)}
 
 
 # The engine tests of these families run with -m extended (the suite's budget): qwen3,
-# qwen3_moe and qwen2 (global and windowed layers) cover what they add.
-_ENGINE_EXTENDED = ("qwen3_untied", "mixtral", "mistral")
+# qwen3_moe and gemma3 (global and windowed layers) cover what they add; qwen2's windowed
+# layers with q/k/v biases are decoder_test's `layer_windows=(0, 3)` case (the engine's
+# decoder against the training forward), its checkpoint's windows the parity test's.
+_ENGINE_EXTENDED = ("qwen3_untied", "mixtral", "mistral", "qwen2")
 ENGINE_FAMILIES = [
     pytest.param(f, marks=pytest.mark.extended) if f in _ENGINE_EXTENDED else f
     for f in sorted(FAMILIES)
@@ -112,19 +114,42 @@ def family(request, tmp_path_factory):
     model = randomize_hf(getattr(transformers, model_cls)(cfg))
     d = tmp_path_factory.mktemp(request.param.replace(".", "_"))
     model.save_pretrained(d)
-    return request.param, str(d), model
+    return request.param, str(d), model, load_pretrained(str(d))  # loaded once a family
 
 
-def _engine(pre, max_total: int) -> Engine:
-    """An engine of 2 slots on one device for `pre` (prompts of up to 8 tokens)."""
+# The training forward's one shape: the engine tests' sequences (8 + 12 tokens at most)
+# and the parity test's `_TOKENS` right-padded (causal: padding after a position never
+# changes it), so each family compiles it once.
+_WIDTH = 20
+
+
+@jax.jit(static_argnums=0)
+def _forward(graphdef, params, tokens_BxT):
+    """(logits, log-probs of each next token) of the training forward, all positions."""
+    m = nnx.merge(graphdef, params)
+    ones = jnp.ones_like(tokens_BxT)
+    logits = m.logits(m.hidden_states(tokens_BxT, ones))
+    logp, _ = m.token_logprobs(tokens_BxT, jnp.roll(tokens_BxT, -1, axis=1), ones)
+    return logits, logp
+
+
+def _padded(rows) -> np.ndarray:
+    out = np.zeros((len(rows), _WIDTH), np.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def _engine(pre, max_total: int = 32) -> Engine:
+    """An engine of 2 slots on one device for `pre` (prompts of up to 8 tokens); the
+    tests' engines have equal statics, so they share its compiled programs."""
     mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
     ecfg = EngineConfig(num_slots=2, max_prompt_length=8, max_total_length=max_total, chunk_steps=4)
     return Engine(pre.graphdef, pre.params, pre.cfg, ecfg, mesh)
 
 
 def test_logits_match_transformers_at_every_position(family):
-    name, d, model = family
-    pre = load_pretrained(d)
+    name, _, model, pre = family
     assert pre.cfg.qk_norm == name.startswith(("qwen3", "gemma3"))
     assert bool(pre.cfg.num_experts) == (name in ("qwen3_moe", "mixtral"))
     assert pre.cfg.layer_windows == _WINDOWS.get(name, ())
@@ -132,20 +157,14 @@ def test_logits_match_transformers_at_every_position(family):
         ref = model(torch.from_numpy(_TOKENS).long()).logits.float().numpy()
     assert np.abs(ref).max() > 1.0  # the comparison is not between near-zero logits
 
-    @jax.jit
-    def logits(params, tokens):
-        m = nnx.merge(pre.graphdef, params)
-        return m.logits(m.hidden_states(tokens, jnp.ones_like(tokens)))
-
-    got = np.asarray(logits(pre.params, jnp.asarray(_TOKENS)))
+    got = np.asarray(_forward(pre.graphdef, pre.params, _padded(_TOKENS))[0])[:, : _TOKENS.shape[1]]
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("family", ENGINE_FAMILIES, indirect=True)
 def test_the_engine_decodes_the_training_forwards_argmax_and_logprobs(family):
-    name, d, _ = family
-    pre = load_pretrained(d)
-    engine = _engine(pre, max_total=24)
+    _, _, _, pre = family
+    engine = _engine(pre)
     prompts = [_TOKENS[0, :8].tolist(), _TOKENS[1, :5].tolist()]
     reqs = [
         GenerationRequest(
@@ -153,15 +172,13 @@ def test_the_engine_decodes_the_training_forwards_argmax_and_logprobs(family):
         )
         for i, p in enumerate(prompts)
     ]
-    model = nnx.merge(pre.graphdef, pre.params)
-    for s in sorted(engine.run(reqs), key=lambda s: s.request_id):
-        seq = np.concatenate([s.prompt, s.response])[None].astype(np.int32)
-        inputs, targets = jnp.asarray(seq[:, :-1]), jnp.asarray(seq[:, 1:])
-        logits = np.asarray(model.logits(model.hidden_states(inputs, jnp.ones_like(inputs))))
-        start = len(s.prompt) - 1
-        np.testing.assert_array_equal(s.response, logits[0, start:].argmax(-1))
-        logp, _ = model.token_logprobs(inputs, targets, jnp.ones_like(inputs, jnp.float32))
-        np.testing.assert_allclose(s.logprobs, np.asarray(logp)[0, start:], atol=1e-4)
+    samples = sorted(engine.run(reqs), key=lambda s: s.request_id)
+    seqs = [np.concatenate([s.prompt, s.response]) for s in samples]
+    logits, logp = jax.device_get(_forward(pre.graphdef, pre.params, _padded(seqs)))
+    for i, (s, seq) in enumerate(zip(samples, seqs, strict=True)):
+        start, end = len(s.prompt) - 1, len(seq) - 1  # the positions that fed a response
+        np.testing.assert_array_equal(s.response, logits[i, start:end].argmax(-1))
+        np.testing.assert_allclose(s.logprobs, logp[i, start:end], atol=1e-4)
 
 
 def test_an_unsupported_architecture_is_one_line_naming_it_and_the_supported_list():
@@ -239,9 +256,8 @@ def test_an_episode_turn_extended_in_place_draws_what_a_re_prefill_draws(family)
 
     from streamrl_jax.generation.types import Continuation
 
-    name, d, _ = family
-    pre = load_pretrained(d)
-    kept, fresh = _engine(pre, max_total=32), _engine(pre, max_total=32)
+    _, _, _, pre = family
+    kept, fresh = _engine(pre), _engine(pre)
     sampled = SamplingParams(temperature=0.9)
     reqs = [
         GenerationRequest(request_id=i, prompt=_TOKENS[i, :8].tolist(), max_new_tokens=6,

@@ -321,18 +321,28 @@ def test_unused_checkpoint_tensor_is_an_error(tmp_path, llama_dir):
 
 
 # ------------------------------------------------------------------ complete (engine)
-def test_greedy_generate_matches_full_forward_argmax(llama_dir):
+# One generation shared by the two tests below (one engine's programs): a short prompt
+# and one of 60 tokens whose 64-token bucket fills the context of 64 after 4 new tokens.
+_PROMPTS = [[5, 9, 3], np.random.default_rng(1).integers(0, 128, 60).tolist()]
+
+
+@pytest.fixture(scope="module")
+def generated(llama_dir):
     pre = load_pretrained(llama_dir[0])
-    prompts = [[5, 9, 3], [7, 1, 2, 8, 4, 6]]
-    out = complete.generate(pre.cfg, pre.graphdef, pre.params, prompts, max_new_tokens=5)
-    for prompt, new in zip(prompts, out, strict=True):
+    out = complete.generate(pre.cfg, pre.graphdef, pre.params, _PROMPTS, max_new_tokens=10)
+    return pre, out
+
+
+def test_greedy_generate_matches_full_forward_argmax(generated):
+    pre, out = generated
+    for prompt, new in zip(_PROMPTS, out, strict=True):
         seq = list(prompt)
-        for _ in range(5):
-            seq.append(_next_token_greedy(pre, seq))
+        for _ in range(len(new)):
+            seq.append(_next_token_greedy(pre, seq, pad_to=64))
         assert new == seq[len(prompt) :]
-    # A stop id ends the row early and is not returned.
-    (stopped,) = complete.generate(
-        pre.cfg, pre.graphdef, pre.params, prompts[:1], max_new_tokens=5, stop_ids=[out[0][2]]
+    # A stop id ends the row early and is not returned (the same shapes: no new compile).
+    stopped, _ = complete.generate(
+        pre.cfg, pre.graphdef, pre.params, _PROMPTS, max_new_tokens=10, stop_ids=[out[0][2]]
     )
     assert stopped == out[0][: out[0].index(out[0][2])]
 
@@ -343,11 +353,10 @@ def test_prompt_longer_than_context(llama_dir):
         complete.generate(pre.cfg, pre.graphdef, pre.params, [[1] * 70], max_new_tokens=4)
 
 
-def test_generate_stops_at_the_context_and_rejects_bad_arguments(llama_dir):
-    pre = load_pretrained(llama_dir[0])
-    long, short = [3] * 60, [3] * 5
-    out = complete.generate(pre.cfg, pre.graphdef, pre.params, [long, short], max_new_tokens=10)
-    assert [len(new) for new in out] == [4, 10]  # 60 + 4 fills the context of 64
+def test_generate_stops_at_the_context_and_rejects_bad_arguments(generated):
+    pre, out = generated
+    assert [len(new) for new in out] == [10, 4]  # 60 + 4 fills the context of 64
+    short = _PROMPTS[0]
     with pytest.raises(ValueError, match="at least one token"):
         complete.generate(pre.cfg, pre.graphdef, pre.params, [short, []])
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):

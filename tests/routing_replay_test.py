@@ -67,10 +67,35 @@ def _requests(n: int = 8, new: int = 32, **kw) -> list[GenerationRequest]:
     ]  # fmt: skip
 
 
-def _fed(s) -> tuple[jax.Array, jax.Array]:
-    """(inputs, targets) [1, P + R - 1] of a sample's sequence."""
-    seq = np.concatenate([s.prompt, s.response])[None].astype(np.int32)
-    return jnp.asarray(seq[:, :-1]), jnp.asarray(seq[:, 1:])
+_WIDTH = 80  # the engines' max_total_length: every fed sequence fits
+
+
+def _fed(s) -> tuple[np.ndarray, np.ndarray, int]:
+    """(inputs, targets) [1, _WIDTH] of a sample's sequence, right-padded (causal: the
+    padding never changes a position before it), and its P + R - 1 fed positions: one
+    shape for every sample, so the training forwards below compile once."""
+    seq = np.concatenate([s.prompt, s.response]).astype(np.int32)
+    padded = np.zeros((1, _WIDTH + 1), np.int32)
+    padded[0, : len(seq)] = seq
+    return padded[:, :-1], padded[:, 1:], len(seq) - 1
+
+
+def _padded_routes(s) -> np.ndarray:
+    """A sample's recorded routes [1, _WIDTH, L, k] (expert 0 on the padding)."""
+    out = np.zeros((1, _WIDTH, *s.routes.shape[1:]), s.routes.dtype)
+    out[0, : len(s.routes)] = s.routes
+    return out
+
+
+@jax.jit(static_argnums=0)
+def _choices(graphdef, params, inputs):
+    return nnx.merge(graphdef, params).expert_choices(inputs, jnp.ones_like(inputs))
+
+
+@jax.jit(static_argnums=0)
+def _logprobs(graphdef, params, inputs, targets, routes=None):
+    model = nnx.merge(graphdef, params)
+    return model.token_logprobs(inputs, targets, jnp.ones_like(inputs), routes=routes)[0]
 
 
 def _same_experts(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -105,11 +130,12 @@ def test_the_engine_records_the_experts_the_training_forward_routes_to():
                                          max_new_tokens=cont.policy_tokens + 12))  # fmt: skip
     second = {s.request_id: s for s in engine.run(turns)}
     assert engine.metrics()["extended"] == 8
+    graphdef, params = nnx.split(model)
     for s in [*first.values(), *second.values()]:
-        inputs, _ = _fed(s)
+        inputs, _, n = _fed(s)
         assert s.routes.dtype == np.uint8
-        assert s.routes.shape == (len(s.prompt) + s.num_tokens - 1, 2, 2)
-        own = np.asarray(model.expert_choices(inputs, jnp.ones_like(inputs)))[0]
+        assert s.routes.shape == (len(s.prompt) + s.num_tokens - 1, 2, 2) == (n, 2, 2)
+        own = np.asarray(_choices(graphdef, params, inputs))[0, :n]
         assert _same_experts(s.routes, own).all()
     for i, s in second.items():  # the kept positions' record carried over unchanged
         kept = first[i].routes
@@ -118,17 +144,17 @@ def test_the_engine_records_the_experts_the_training_forward_routes_to():
 
 def test_replay_gives_the_behaviour_logprobs_where_routing_again_flips_an_expert(near_tie):
     cfg, model, samples = near_tie
+    graphdef, params = nnx.split(model)
     flipped, worst_again, worst_replay = 0, 0.0, 0.0
     for s in samples:
-        inputs, targets = _fed(s)
-        mask = jnp.ones_like(inputs)
-        own = np.asarray(model.expert_choices(inputs, mask))[0]
+        inputs, targets, n = _fed(s)
+        own = np.asarray(_choices(graphdef, params, inputs))[0, :n]
         flipped += int((~_same_experts(s.routes, own)).sum())
-        again, _ = model.token_logprobs(inputs, targets, mask)
-        replay, _ = model.token_logprobs(inputs, targets, mask, routes=jnp.asarray(s.routes)[None])
+        again = _logprobs(graphdef, params, inputs, targets)
+        replay = _logprobs(graphdef, params, inputs, targets, _padded_routes(s))
         start = len(s.prompt) - 1
-        worst_again = max(worst_again, _max_diff(np.asarray(again)[0, start:], s.logprobs))
-        worst_replay = max(worst_replay, _max_diff(np.asarray(replay)[0, start:], s.logprobs))
+        worst_again = max(worst_again, _max_diff(np.asarray(again)[0, start:n], s.logprobs))
+        worst_replay = max(worst_replay, _max_diff(np.asarray(replay)[0, start:n], s.logprobs))
     assert flipped > 0  # the construction: some expert choices differ
     assert worst_again > 1e-2
     assert worst_replay < 1e-5

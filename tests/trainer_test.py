@@ -159,7 +159,13 @@ def test_any_split_any_order_equals_whole_batch(single, normalizer_known):
     assert _max_diff(p_whole, p_init) > 0.5 * LR
 
 
-def test_fsdp_tp_mesh_matches_single_device(single):
+@pytest.fixture(scope="module")
+def single_two_steps(single):
+    """Two whole-batch steps on one device: the reference of the sharded meshes' tests."""
+    return _one_step(single, _samples(), [list(range(N_SAMPLES))], steps=2)
+
+
+def test_fsdp_tp_mesh_matches_single_device(single_two_steps):
     mesh8 = mesh_lib.make_meshes(mesh_lib.MeshConfig(colocated=True, train_tp=2)).train
     assert dict(mesh8.shape) == {"fsdp": 4, "tp": 2}
     sharded = make_policy_trainer(model_config.tiny(), CFG, mesh8)
@@ -170,24 +176,21 @@ def test_fsdp_tp_mesh_matches_single_device(single):
     assert adam.mu["layers"]["q"].value.sharding.spec == P(None, "fsdp", "tp", None)
     shard_shape = state.params["layers"]["gate"].value.addressable_shards[0].data.shape
     assert shard_shape == (2, 64 // 4, 128 // 2)  # never materialised unsharded
-    samples = _samples()
-    whole = [list(range(N_SAMPLES))]
-    g1, p1, m1 = _one_step(single, samples, whole, steps=2)
-    g8, p8, m8 = _one_step(sharded, samples, whole, steps=2)
+    g1, p1, m1 = single_two_steps
+    g8, p8, m8 = _one_step(sharded, _samples(), [list(range(N_SAMPLES))], steps=2)
     assert _max_diff(g8, g1) <= 4e-6 * _max_abs(g1)
     assert _max_diff(p8, p1) <= 5e-2 * LR
     np.testing.assert_allclose(m8["loss"], m1["loss"], rtol=1e-5)
 
 
-def test_sequence_parallel_matches_single_device(single):
+def test_sequence_parallel_matches_single_device(single_two_steps):
     # The residual stream sequence-sharded over tp between blocks (`model.sequence_parallel`):
     # the same sums in another order. Measured against one device: max |diff| / max |g|
     # 6.6e-7, params 7.7e-3 lr (the fsdp x tp mesh's own bounds hold).
     cfg = model_config.tiny(sequence_parallel=True)
     sharded = make_policy_trainer(cfg, CFG, _mesh8())
-    samples, whole = _samples(), [list(range(N_SAMPLES))]
-    g1, p1, m1 = _one_step(single, samples, whole, steps=2)
-    g8, p8, m8 = _one_step(sharded, samples, whole, steps=2)
+    g1, p1, m1 = single_two_steps
+    g8, p8, m8 = _one_step(sharded, _samples(), [list(range(N_SAMPLES))], steps=2)
     assert _max_diff(g8, g1) <= 4e-6 * _max_abs(g1)
     assert _max_diff(p8, p1) <= 5e-2 * LR
     np.testing.assert_allclose(m8["loss"], m1["loss"], rtol=1e-5)
@@ -527,10 +530,7 @@ def test_shared_prompt_and_packing_equal_per_sample_training(aggregation):
     samples = _groups()
     one = policy.scalar(1.0)
 
-    def run(trainer, st, host, fill_gae=False):
-        batch = trainer.place_batch(host)
-        if fill_gae:
-            batch = critic.fill_gae(cstate.params, batch)
+    def run(trainer, st, batch):
         acc, m = trainer.accumulate(st, trainer.init_accumulator(), batch, one)
         return jax.device_get(acc), jax.device_get(m), jax.device_get(batch)
 
@@ -554,12 +554,13 @@ def test_shared_prompt_and_packing_equal_per_sample_training(aggregation):
                 # plain: every column projected (the reference); else response-only
                 loss_chunk=128 if name == "plain" else 8,
             )
-            if estimator == "gae":
-                policy_out = run(policy, state, host, fill_gae=True)
-                critic_out = run(critic, cstate, host, fill_gae=True)
+            if estimator == "gae":  # the policy and the critic on one filled batch
+                batch = critic.fill_gae(cstate.params, policy.place_batch(host))
+                policy_out = run(policy, state, batch)
+                critic_out = run(critic, cstate, batch)
                 results[name] = (policy_out, critic_out, host)
             else:
-                results[name] = (run(policy, state, host), None, host)
+                results[name] = (run(policy, state, policy.place_batch(host)), None, host)
         (want_acc, want_m, want_b), want_critic, want_host = results.pop("plain")
         for name, ((acc, m, b), critic_out, host) in results.items():
             # Shared prompts train fewer tokens; packing pads fewer.
