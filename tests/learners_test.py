@@ -23,6 +23,7 @@ from flax import nnx
 from support import (
     ROOT,
     consumed_log,
+    drawn_prompt_ids,
     param_arrays,
     pipeline_threads,
     tiny_config,
@@ -65,19 +66,6 @@ def _cfg(steps: int = STEPS, **top):
     return config_lib.from_config_dict(cd)
 
 
-def _drawn_ids(cfg, batches: int) -> list[list[str]]:
-    """The prompt ids each of batches 0 .. batches-1 of a run of `cfg` draws: what
-    `support.batch_prompt_ids` gives batch by batch, from one replayed prompt pipeline."""
-    from streamrl_jax.pipeline import components, datasets
-
-    eval_set, train_set = datasets.datasets(cfg)
-    tokenizer = components.describe_model(cfg).tokenizer
-    prompts, _ = datasets.prompts(cfg, tokenizer, train_set, eval_set)
-    n = cfg.pipeline.prompts_per_step
-    ids = [p.problem.prompt_id for p in prompts.next_prompts(n * batches)]
-    return [ids[n * b : n * (b + 1)] for b in range(batches)]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("learners"))
@@ -97,7 +85,7 @@ def test_each_learner_trains_its_own_draws_under_its_own_contract(reference):
         # a sample routed to the wrong learner would put a foreign prompt here.
         steps, counts = consumed_log(os.path.join(workdir, learner.name))
         assert steps == list(range(STEPS))
-        drawn = [i for ids in _drawn_ids(lc, STEPS) for i in ids]
+        drawn = [i for ids in drawn_prompt_ids(lc, STEPS) for i in ids]
         assert sorted(counts.elements()) == sorted(drawn)
         with open(os.path.join(workdir, learner.name, "samples.jsonl")) as f:
             assert sum(1 for _ in f) == r.samples

@@ -15,7 +15,15 @@ from unittest import mock
 import jax
 import numpy as np
 import pytest
-from support import batch_prompt_ids, param_arrays, pipeline_threads, run_recording, tiny_config
+from support import (
+    assert_partial_rollout_kept_its_bound,
+    batch_prompt_ids,
+    drawn_prompt_ids,
+    param_arrays,
+    pipeline_threads,
+    run_recording,
+    tiny_config,
+)
 
 from streamrl_jax import config as config_lib
 from streamrl_jax import pipeline as run_lib
@@ -158,17 +166,9 @@ def test_partial_rollout_trains_every_group_once_within_the_bound(weight_update,
     result, seen = run_recording(cfg, tmp_path)
     consumed = read_jsonl(os.path.join(str(tmp_path), "consumed.jsonl"))
     ids = [i for r in consumed for i in r["prompt_ids"]]
-    drawn = {i for b in range(4) for i in batch_prompt_ids(cfg, b)}
-    assert len(ids) == len(set(ids)) and set(ids) <= drawn  # never twice
-    assert [r["optimizer_steps"] for r in result.steps][:2] == [0.0, 0.0]
-    assert len(ids) == result.samples // cfg.pipeline.group_size > 0
-    for s in seen:  # every sample handed to training: whole, versions within the bound
-        assert s.finish_reason != "paused" and len(s.versions()) == s.num_tokens
-        assert np.all(np.diff(s.versions()) >= 0)
-    trained_lag = [r["lag_max"] for r in result.steps if r["optimizer_steps"]]
-    assert trained_lag and max(trained_lag) <= 3.0
-    assert all(r["dropped_stale"] == 0.0 for r in result.steps)
-    assert max(r["mixed_versions"] for r in result.steps if r["optimizer_steps"]) > 0
+    drawn = {i for ids in drawn_prompt_ids(cfg, 4) for i in ids}
+    g = cfg.pipeline.group_size
+    assert_partial_rollout_kept_its_bound(result.steps, ids, drawn, result.samples, g, seen)
     assert not pipeline_threads()
 
 

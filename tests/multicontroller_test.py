@@ -866,7 +866,7 @@ def test_partial_rollout_across_processes_trains_every_group_once(tmp_path):
     # process (lifecycle_test): steps 0 and 1 train nothing, later steps train carried
     # groups, every prompt trained at most once and only prompts the run drew, nothing
     # paused or beyond max_lag handed to training.
-    from support import batch_prompt_ids
+    from support import drawn_prompt_ids
 
     workdir = tmp_path / "run"
     partial = {
@@ -894,7 +894,7 @@ def test_partial_rollout_across_processes_trains_every_group_once(tmp_path):
     assert all(r["dropped_stale"] == 0.0 for r in rows)
     assert max(r["mixed_versions"] for r in rows) > 0  # continued under newer weights
     ids = [i for r in consumed for i in r["prompt_ids"]]
-    drawn = {i for b in range(5) for i in batch_prompt_ids(cfg, b)}
+    drawn = {i for ids in drawn_prompt_ids(cfg, 5) for i in ids}
     assert len(ids) == len(set(ids)) and set(ids) <= drawn  # never twice
     assert len(ids) * cfg.pipeline.group_size == sum(r["samples"] for r in rows) > 0
 

@@ -83,16 +83,43 @@ def config_file(path: str, arg: str, **overrides: Any) -> ExperimentConfig:
     return config_lib.from_config_dict(cd)
 
 
-def batch_prompt_ids(cfg: ExperimentConfig, batch: int) -> list[int]:
-    """The prompt ids batch `batch` of a run of `cfg` draws (the seeded prompt pipeline,
-    replayed): what a reward function can tell its samples' batch by."""
+def drawn_prompt_ids(cfg: ExperimentConfig, batches: int) -> list[list[int]]:
+    """The prompt ids each of batches 0 .. batches-1 of a run of `cfg` draws (the seeded
+    prompt pipeline, replayed once)."""
     from streamrl_jax.pipeline import components, datasets
 
     tokenizer = components.describe_model(cfg).tokenizer
     eval_set, train_set = datasets.datasets(cfg)
     prompts, _ = datasets.prompts(cfg, tokenizer, train_set, eval_set)
     n = cfg.pipeline.prompts_per_step
-    return [p.problem.prompt_id for p in prompts.next_prompts(n * (batch + 1))[n * batch :]]
+    ids = [p.problem.prompt_id for p in prompts.next_prompts(n * batches)]
+    return [ids[n * b : n * (b + 1)] for b in range(batches)]
+
+
+def batch_prompt_ids(cfg: ExperimentConfig, batch: int) -> list[int]:
+    """The prompt ids batch `batch` of a run of `cfg` draws: what a reward function can
+    tell its samples' batch by."""
+    return drawn_prompt_ids(cfg, batch + 1)[batch]
+
+
+def assert_partial_rollout_kept_its_bound(
+    steps: list[dict], ids: list, drawn: set, samples: int, group_size: int, seen: list
+) -> None:
+    """What partial rollout promises of a run of rounds of 6 tokens whose 16-token samples
+    take 3 rounds (lag 3 = max_lag): steps 0 and 1 train nothing, later steps train
+    carried groups, every drawn group at most once (`ids`: the consumed log's, of the
+    `drawn` ones), every sample handed to training whole (`seen`), its versions within
+    the bound."""
+    assert len(ids) == len(set(ids)) and set(ids) <= drawn  # never twice
+    assert [r["optimizer_steps"] for r in steps][:2] == [0.0, 0.0]
+    assert len(ids) == samples // group_size > 0
+    for s in seen:
+        assert s.finish_reason != "paused" and len(s.versions()) == s.num_tokens
+        assert np.all(np.diff(s.versions()) >= 0)
+    trained_lag = [r["lag_max"] for r in steps if r["optimizer_steps"]]
+    assert trained_lag and max(trained_lag) <= 3.0
+    assert all(r["dropped_stale"] == 0.0 for r in steps)
+    assert max(r["mixed_versions"] for r in steps if r["optimizer_steps"]) > 0
 
 
 def param_arrays(result: RunResult) -> list[np.ndarray]:
