@@ -39,6 +39,7 @@ import dataclasses
 import heapq
 import json
 import os
+import platform
 import time
 
 import jax
@@ -82,6 +83,13 @@ flags.DEFINE_list(
     "Without HF: time the last model's decode step against the roofline at these batches.",
 )
 flags.DEFINE_string("hf_child", None, "Internal: run the HF baseline on these prompts (.npz).")
+flags.DEFINE_string(
+    "hf_python",
+    None,
+    "The Python that runs the HF baseline (default: this one). An environment without torch "
+    '(Python 3.12 here, docs/first_run.md "JAX versions") names one that has it; that '
+    "interpreter imports this checkout through PYTHONPATH, not this one's sys.path.",
+)
 flags.DEFINE_enum(
     "cpu_dots",
     "auto",
@@ -624,9 +632,12 @@ def _run_hf_child(prompts: dict[int, np.ndarray]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         spec = os.path.join(tmp, "prompts.npz")
         np.savez(spec, **{f"b{b}": p for b, p in prompts.items()})
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        python = FLAGS.hf_python or sys.executable
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = [root] if FLAGS.hf_python else sys.path  # another Python: not our site-packages
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
         proc = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), f"--hf_child={spec}"],
+            [python, os.path.abspath(__file__), f"--hf_child={spec}"],
             capture_output=True,
             text=True,
             timeout=1800,
@@ -831,6 +842,8 @@ def main(argv):
         **{f"decode_vs_roofline_b{b}": r["decode_vs_roofline"] for b, r in versus_hf.items()},
         "versus_hf": {str(b): r for b, r in versus_hf.items()},
         "load_avg": round(os.getloadavg()[0], 2),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
         "bandwidth_GBps": round(bandwidth / 1e9, 2),
         "bandwidth_probes_GBps": [round(p / 1e9, 2) for p in probes],
         "models": results,

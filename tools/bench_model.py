@@ -283,6 +283,8 @@ def main(argv) -> None:
         # Other processes' load inflates every time above; report it with the numbers.
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "cpu_count": os.cpu_count(),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
     }
     print(json.dumps(result))
 
