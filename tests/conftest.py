@@ -21,16 +21,24 @@ import importlib.util
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-# LLVM's optimisation of XLA:CPU's kernels is most of a cold compile, and the suite's
-# tiny models run for microseconds: the tests (and the processes they launch, which
-# inherit this) compile at LLVM -O0. XLA's HLO passes, which decide fusion, layouts and
-# the order of every reduction, are the same at any level, and so are the programs'
-# numerics (no fast-math at any level). `STREAMRL_TEST_XLA_OPT=2` tests at the default
-# level that runs, launches and benches use (measured: llama_test.py cold, 89 s -> 67 s).
-_OPT = "--xla_backend_optimization_level="
-if _OPT not in os.environ.get("XLA_FLAGS", ""):
-    _level = os.environ.get("STREAMRL_TEST_XLA_OPT", "0")
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_OPT}{_level}".strip()
+# Compiling is most of a cold suite, and the suite's tiny models run for microseconds, so
+# the tests (and the processes they launch, which inherit XLA_FLAGS) compile XLA:CPU's
+# kernels the quick way; runs, launches and benches keep XLA's defaults:
+# * LLVM at -O0 (`--xla_backend_optimization_level=0`; measured: llama_test.py cold,
+#   89 s -> 67 s). XLA's HLO passes, which decide fusion, layouts and the order of every
+#   reduction, are the same at any level, and so are the programs' numerics (no fast-math
+#   at any level).
+# * No verification of the MLIR that XLA:CPU's fusion emitters generate
+#   (`--xla_cpu_emitter_verification_level=0`; the verifier checks the compiler's own
+#   output, it changes no kernel). Measured on three heavy tests, cold, on a loaded 2-core
+#   machine: compile 244 s -> 103 s, wall 353 s -> 201 s.
+# `STREAMRL_TEST_XLA_DEFAULTS=1` tests at XLA's defaults, as runs compile.
+if os.environ.get("STREAMRL_TEST_XLA_DEFAULTS") != "1":
+    _flags = os.environ.get("XLA_FLAGS", "")
+    for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_emitter_verification_level=0"):
+        if _flag.split("=")[0] + "=" not in _flags:
+            _flags = f"{_flags} {_flag}".strip()
+    os.environ["XLA_FLAGS"] = _flags
 # libtpu is a test dependency (the pod planner, streamrl_podplan.plan, compiles for TPU
 # topologies that are not attached); without a TPU, a backend search would try it and log
 # its failure to start.
