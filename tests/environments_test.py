@@ -34,7 +34,7 @@ SPECS = {"calculator": CALCULATOR}
 
 # The sandbox's spawned tool workers import this module to find the tools below: the
 # suite's helpers and the pipeline (JAX, the model, the trainer) are imported where a
-# test uses them, not on every worker's start (measured: the hung-tool test 12 s -> ?).
+# test uses them, not on every worker's start (the hung-tool test measured 20.7 s -> 7.8 s).
 def agent_config(**overrides):
     from support import agent_config as config
 
