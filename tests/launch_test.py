@@ -74,9 +74,10 @@ ENV_CASES = {
 # run_name="__main__": its flags parsed from that child's argv, in that child's
 # environment), its stdout and stderr in a file; the child's exit status is the case's.
 # Each spawned `python -m` paid the Python and JAX start-up again (3-13 s a case on 2
-# loaded cores). A real `python -m streamrl_jax.launch` ends with status 2 on its own in
-# test_a_setting_refused_across_processes_is_one_line_on_every_process and under the
-# launcher in test_launch_local_ends_a_refused_setting_with_status_2.
+# loaded cores). The default refused multi-process setting's processes are forked here
+# too; real `python -m streamrl_jax.launch` processes end with status 2 under the launcher
+# in test_launch_local_ends_a_refused_setting_with_status_2 (and, side by side, in the
+# extended cases of test_a_setting_refused_across_processes_is_one_line_on_every_process).
 _FORKING_ENTRY = """
 import json, os, runpy, sys
 import jax, absl.app, absl.flags, absl.logging, ml_collections.config_flags, reasoning_gym
@@ -120,6 +121,17 @@ def mistakes(tmp_path_factory):
         env = dict(base, XDG_CACHE_HOME=str(tmp / "cache"))
         env.update(ENV_CASES.get(case, ({}, None))[0])
         cases[case] = ([f"--workdir={tmp}", *args], env, str(tmp / "output.txt"))
+    # The default refused multi-process setting: every process of the program, each in
+    # the environment launch/local.py gives it (they refuse before joining, so one at a
+    # time is how they run too).
+    for case in sorted(_DEFAULT_CASES):
+        n, g, flags, _ = PROCESS_CASES[case]
+        coordinator, tmp = f"127.0.0.1:{local.free_port()}", tmp_path_factory.mktemp("refused")
+        for i in range(n):
+            child = local.child_env(i, n, g, coordinator, "ab" * 32)
+            env = dict(base, XDG_CACHE_HOME=str(tmp / "cache"), **child)
+            args = [f"--workdir={tmp}", "--config=configs/quickstart.py:tiny", *flags]
+            cases[f"{case} [p{i}]"] = (args, env, str(tmp / f"output-{i}.txt"))
     run = subprocess.run(
         [sys.executable, "-c", _FORKING_ENTRY],
         input=json.dumps(cases),
@@ -213,8 +225,23 @@ def _clean_env() -> dict[str, str]:
         for c in PROCESS_CASES
     ],
 )
-def test_a_setting_refused_across_processes_is_one_line_on_every_process(case, tmp_path):
+def test_a_setting_refused_across_processes_is_one_line_on_every_process(case, tmp_path, request):
     n, g, flags, message = PROCESS_CASES[case]
+    if case in _DEFAULT_CASES:  # forked from the mistakes' Python (`mistakes`)
+        runs = request.getfixturevalue("mistakes")
+        results = [runs[f"{case} [p{i}]"] for i in range(n)]
+    else:  # real processes, side by side
+        results = _refusing_processes(n, g, flags, tmp_path)
+    for i, (status, out) in enumerate(results):
+        errors = [line for line in out.splitlines() if line.startswith("error:")]
+        assert status == 2, f"process {i}: {out[-3000:]}"
+        assert "Traceback" not in out, f"process {i}: {out[-3000:]}"
+        assert len(errors) == 1 and message in errors[0], f"process {i}: {out[-3000:]}"
+
+
+def _refusing_processes(n, g, flags, tmp_path) -> list[tuple[int, str]]:
+    """(exit status, output) of each of the `n` processes of a program started with
+    `flags`, each a `python -m streamrl_jax.launch` of its own."""
     coordinator, authkey = f"127.0.0.1:{local.free_port()}", "ab" * 32
     procs = []
     for i in range(n):  # the environment launch/local.py gives each child
@@ -240,11 +267,7 @@ def test_a_setting_refused_across_processes_is_one_line_on_every_process(case, t
             if proc.poll() is None:  # a process that did not refuse: stop it and its children
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
-    for i, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
-        errors = [line for line in out.splitlines() if line.startswith("error:")]
-        assert proc.returncode == 2, f"process {i}: {out[-3000:]}"
-        assert "Traceback" not in out, f"process {i}: {out[-3000:]}"
-        assert len(errors) == 1 and message in errors[0], f"process {i}: {out[-3000:]}"
+    return [(proc.returncode, out) for proc, out in zip(procs, outputs, strict=True)]
 
 
 def test_launch_local_ends_a_refused_setting_with_status_2(tmp_path):
@@ -270,7 +293,8 @@ def test_launch_local_ends_a_refused_setting_with_status_2(tmp_path):
 
 def test_the_console_is_a_summary_and_a_progress_line_the_log_file_keeps_the_rest(tmp_path):
     # The suite's compile cache (conftest.py): the tiny model's programs are the in-process
-    # runs'.
+    # runs', and with pipeline.deterministic (one decode shape) those of
+    # multicontroller_test's one-process reference run.
     workdir, cache = tmp_path / "run", jax.config.jax_compilation_cache_dir
     run = subprocess.run(
         [
@@ -280,6 +304,7 @@ def test_the_console_is_a_summary_and_a_progress_line_the_log_file_keeps_the_res
             "--config=configs/quickstart.py:tiny",
             f"--workdir={workdir}",
             "--config.log.progress=True",  # :tiny turns it off
+            "--config.pipeline.deterministic=True",
             f"--compile_cache={cache}",
         ],
         capture_output=True,

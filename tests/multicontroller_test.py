@@ -107,13 +107,13 @@ def _one_process(mode, tmp_path_factory, **overrides):
     return _ONE_PROCESS[key]
 
 
-# Every case launches 2-4 real processes (40-70 s each on 2 shared cores). The default
-# run covers stream_async (one reference run) with one training process bit for bit
-# (the lost-generation and the checkpoint tests) and with one generation and two
-# training processes (3 processes), a lost generation process (3 processes) and a
-# checkpoint, kill (the trainer, named by the generation process) and resume; the
-# other combinations, the critic included, are `-m extended`
-# (python -m pytest -q -m extended tests/multicontroller_test.py).
+# Every case launches 2-4 real processes (40-70 s each on 2 shared cores, most of it
+# compiling: each topology's programs are its own). The default run covers stream_async
+# (one reference run) with one training process bit for bit and with one generation and
+# two training processes (3 processes), and in one 2 generation + 1 training process
+# topology a checkpoint, kill (the trainer, named by the generation processes) and
+# resume, then a lost generation process; the other combinations, the critic included,
+# are `-m extended` (python -m pytest -q -m extended tests/multicontroller_test.py).
 _EXT = pytest.mark.extended
 # Two training processes against one (module docstring): every element within ATOL, all
 # but 1 in OFF_FRACTION of them within 1e-6.
@@ -370,11 +370,11 @@ def _wait_for_line(log, text, procs, timeout=180.0) -> None:
     "processes, generation, victim, expect",
     [
         # The trainer dies: the generation process names it. By default in
-        # test_checkpoint_kill_resume_equals_the_uninterrupted_run (the same kill, 1 + 1
-        # processes, on the way to its resume).
+        # test_a_killed_trainer_resumes_and_a_lost_generation_process_leaves_the_run_to_the_other
+        # (the same kill, 2 + 1 processes, on the way to its resume).
         pytest.param(2, 1, 1, {0: "lost training"}, marks=_EXT),
-        # (One of two generation processes dying does not end the run:
-        # test_lost_generation_process_leaves_the_run_to_the_others.)
+        # (One of two generation processes dying does not end the run: the resumed run of
+        # test_a_killed_trainer_resumes_and_a_lost_generation_process_leaves_the_run_to_the_other.)
         # The second of two training processes dies: the generation processes name it,
         # the first training process's next collective fails and it names the others.
         pytest.param(
@@ -409,6 +409,9 @@ def test_killed_process_ends_the_others_naming_it(processes, generation, victim,
         assert text in log, log[-4000:]
 
 
+# Extended: its loss and its bitwise ending run by default in the resumed run of
+# test_a_killed_trainer_resumes_and_a_lost_generation_process_leaves_the_run_to_the_other.
+@pytest.mark.extended
 def test_lost_generation_process_leaves_the_run_to_the_others(tmp_path, tmp_path_factory):
     # 2 generation + 1 training process, stream_async, 2 steps: generation process 0
     # (the one JAX would host the coordination service on) is SIGKILLed as soon as the
@@ -595,6 +598,10 @@ def _assert_resumed_like_one_process(workdir, want, exact, log):
     _assert_params_match(got, want, exact)
 
 
+# Extended: the same kill and bitwise resume (2 generation processes + 1 training process
+# there) run by default in
+# test_a_killed_trainer_resumes_and_a_lost_generation_process_leaves_the_run_to_the_other.
+@pytest.mark.extended
 def test_checkpoint_kill_resume_equals_the_uninterrupted_run(tmp_path, tmp_path_factory):
     # 1 generation + 1 training process, a checkpoint after every step: the trainer is
     # SIGKILLed once checkpoint 1 is on disk (the generation process then fails naming
@@ -627,6 +634,75 @@ def test_checkpoint_kill_resume_equals_the_uninterrupted_run(tmp_path, tmp_path_
     rows = read_jsonl(str(workdir / "consumed.jsonl"))
     assert rows == read_jsonl(str(ref_dir / "consumed.jsonl"))  # each prompt once, in order
     assert [r["step"] for r in rows] == [0, 1]
+
+
+def test_a_killed_trainer_resumes_and_a_lost_generation_process_leaves_the_run_to_the_other(
+    tmp_path, tmp_path_factory
+):
+    # 2 generation + 1 training process, stream_async, 2 steps, a checkpoint after every
+    # step; one program's two failures in turn, in one topology (so the resumed run's
+    # programs are the first run's, read from the compile cache):
+    # * the trainer is SIGKILLed once checkpoint 1 is on disk: both generation processes
+    #   fail naming it (test_killed_process_ends_the_others_naming_it's case);
+    # * the same command resumes, and generation process 0 (the one JAX would host the
+    #   coordination service on) is SIGKILLed as soon as the resumed trainer sends its
+    #   first weights, before its share of the batch is in. The trainer and generation
+    #   process 1 go on: process 1 generates process 0's groups too (again, those it
+    #   drew), the trainer keeps the first copy of each sample, both exit 0, and the run
+    #   ends with the parameters of the same 2 steps uninterrupted in one process (the
+    #   parity test's reference), bit for bit (a sample depends only on weights, prompt
+    #   and seed, whichever process makes it), every prompt consumed once.
+    want = _one_process("stream_async", tmp_path_factory)
+    ref_dir = _ONE_PROCESS_DIR[("stream_async",)]
+    workdir, first, second = tmp_path / "run", tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    tiny = {"pipeline.mode": "stream_async", "pipeline.steps": 2, "eval.num_problems": 4}
+    procs = _spawn(3, 2, workdir, first, **_CKPT, **tiny)
+    trainer_log = first / "p2.log"
+    try:
+        deadline = time.monotonic() + 180
+        while not (workdir / "checkpoints" / "1").is_dir():
+            assert time.monotonic() < deadline, trainer_log.read_text()[-4000:]
+            assert all(p.poll() is None for p in procs), trainer_log.read_text()[-4000:]
+            time.sleep(0.05)
+        os.killpg(procs[2].pid, signal.SIGKILL)
+        for p in procs[:2]:
+            p.wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert not (workdir / run_lib.FINAL_PARAMS).exists()
+    for i in (0, 1):
+        log = (first / f"p{i}.log").read_text()
+        assert procs[i].returncode != 0 and "lost training" in log, log[-4000:]
+
+    procs = _spawn(3, 2, workdir, second, **_CKPT, **tiny)  # the same command again
+    trainer_log = second / "p2.log"
+    try:
+        _wait_for_line(trainer_log, "weights v", procs)
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        for p in procs[1:]:
+            p.wait(timeout=180)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    logs = {i: (second / f"p{i}.log").read_text() for i in (1, 2)}
+    assert procs[2].returncode == 0 and procs[1].returncode == 0, logs[2][-4000:] + logs[1][-3000:]
+    assert "resumed from checkpoint" in logs[2], logs[2][-4000:]
+    lost = r"lost peer: .*generation-0.*going on with generation processes \[1\]"
+    assert re.search(lost, logs[2]), logs[2][-4000:]
+    assert "generation-1: roster epoch 1, generation processes [0] lost" in logs[1]
+    got = np.load(workdir / run_lib.FINAL_PARAMS)
+    assert sorted(got.files) == sorted(want.files)
+    _assert_params_match(got, want, exact=True)
+    rows = read_jsonl(str(workdir / "consumed.jsonl"))
+    assert rows == read_jsonl(str(ref_dir / "consumed.jsonl"))  # each prompt once, in order
+    assert [r["step"] for r in rows] == [0, 1]
+    evals = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "eval/accuracy" in r]
+    assert evals  # the held-out prompts of the lost process were scored too
 
 
 @pytest.mark.extended

@@ -155,26 +155,31 @@ def test_the_pool_counts_timeouts_and_scores_them_zero(countdown):
         assert pool.num_timeouts == 1 and pool.num_errors == 1
 
 
-def slow_vowels(text: str, metadata: dict) -> RewardResult:
-    """The vowel reward, but some prompts' scorer never returns."""
-    if sum(map(ord, metadata["prompt_id"])) % 3 == 0:
+def slow_vowels(text: str, metadata: dict, hung: frozenset = frozenset()) -> RewardResult:
+    """The vowel reward, but the scorer of the prompts in `hung` never returns."""
+    if metadata["prompt_id"] in hung:
         time.sleep(3600)
     return vowel_reward(text, metadata)
 
 
 def test_the_run_goes_on_past_hung_scorers(tmp_path):
+    import functools
+
     import numpy as np
-    from support import pipeline_threads, tiny_config
+    from support import batch_prompt_ids, pipeline_threads, tiny_config
 
     from streamrl_jax import pipeline
 
     cfg = tiny_config(
         eval__num_problems=0,
         data__reward_sandbox="process",
-        data__reward_timeout_s=2.0,
+        data__reward_timeout_s=1.0,
         data__reward_errors="zero",
     )
-    result = pipeline.run(cfg, str(tmp_path), reward_fn=slow_vowels)
+    # One group's scorers hang (the first prompt of batch 0: both its samples, each a
+    # timeout that kills and replaces its worker); the run goes on to its second step.
+    hung = frozenset({batch_prompt_ids(cfg, 0)[0]})
+    result = pipeline.run(cfg, str(tmp_path), reward_fn=functools.partial(slow_vowels, hung=hung))
     assert len(result.steps) == 2 and not pipeline_threads()
     assert not multiprocessing.active_children()  # the workers, hung or not, are gone
     timeouts = result.steps[-1]["reward_timeouts"]

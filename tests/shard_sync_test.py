@@ -11,6 +11,7 @@ FSDP-sharded over a mesh spanning both training processes.
 
 import contextlib
 import json
+import os
 import pathlib
 import pickle
 import subprocess
@@ -28,7 +29,6 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
-from support import checkout_env
 
 from streamrl_bench.bad_frames import Evil
 from streamrl_jax.distributed import reshard, shard_receiver, shard_sync, shard_wire, xla_pull
@@ -43,6 +43,14 @@ from streamrl_jax.distributed.wire import WireError
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 KEY = b"test-key-0123456789abcdef"
+
+
+def checkout_env(**overrides: str) -> dict[str, str]:
+    """`support.checkout_env`, built here: the children import this module (its
+    `make_params`), and an import of support would start its trainer and engine modules
+    in each of them."""
+    path = [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p), **overrides)
 
 
 def make_params(scale: float = 1.0) -> dict:
