@@ -47,20 +47,17 @@ def test_prefill_then_decode_equals_the_full_forward(overrides, attention):
 
     @jax.jit
     def generate(weights):
-        """Prefill, then greedy decode steps (one decode step compiled, scanned); every
-        step's logits and tokens."""
+        """Prefill, then greedy decode steps; every step's logits and tokens."""
         model = decoder.GenModel(weights, cfg, attention)
         logits, cache, _ = model.prefill(prompts, lengths, decoder.init_cache(cfg, b, s), slots)
         tok = jnp.zeros((b,), jnp.int32).at[slots].set(jnp.argmax(logits, -1), mode="drop")
-
-        def step(carry, _):
-            tok, cache = carry
+        out_logits, out_tokens = [logits], [tok]
+        for _ in range(steps):
             logits, cache, _ = model.decode(tok, cache, active)
             tok = jnp.argmax(logits, -1).astype(jnp.int32)
-            return (tok, cache), (logits, tok)
-
-        (_, cache), (step_logits, step_tokens) = jax.lax.scan(step, (tok, cache), length=steps)
-        return [logits, *step_logits], [tok, *step_tokens], cache.lengths
+            out_logits.append(logits)
+            out_tokens.append(tok)
+        return out_logits, out_tokens, cache.lengths
 
     logits, tokens, cache_lengths = jax.device_get(generate(weights))
     assert cache_lengths.tolist() == [5 + steps, 0, 3 + steps, 0]
