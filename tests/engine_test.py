@@ -206,31 +206,41 @@ def test_cpu_dots_picks_the_decode_matmul_library_and_keeps_the_samples(model):
         dataclasses.replace(ENGINE, cpu_dots="mkl")
 
 
-# The off-CPU default (dot attention over keys [B, K, S, D]) against the CPU default
-# (elementwise over [B, K, D, S]) runs by default; each change alone (the dot form over
-# [B, K, D, S], the elementwise form over [B, K, S, D]: no platform's default) is a
-# further case of the same property, run with -m extended (each compiles every program
-# of one more engine cold).
+# The off-CPU defaults (dot attention over keys [B, K, S, D], gate and up [2, E, M]) on a
+# tensor-parallel instance of 2 (where such instances run; `_tp2_engine`, whose programs
+# `test_gate_up_layouts_keep_the_samples` and `test_tensor_parallel_instance_matches_...`
+# share) against the CPU defaults (elementwise over [B, K, D, S], [E, 2, M], one device)
+# run by default; each change alone on one device (the dot form over either key layout,
+# the elementwise form over [B, K, S, D]: no platform's default) is a further case of the
+# same property, run with -m extended (each compiles every program of one more engine cold).
 @pytest.mark.parametrize(
-    "attention, layout",
+    "attention, layout, tp",
     [
-        ("dot", "head_dim_minor"),
-        pytest.param("dot", "positions_minor", marks=pytest.mark.extended),
-        pytest.param("elementwise", "head_dim_minor", marks=pytest.mark.extended),
+        ("dot", "head_dim_minor", 2),
+        pytest.param("dot", "head_dim_minor", 1, marks=pytest.mark.extended),
+        pytest.param("dot", "positions_minor", 1, marks=pytest.mark.extended),
+        pytest.param("elementwise", "head_dim_minor", 1, marks=pytest.mark.extended),
     ],
 )
-def test_decode_attention_forms_and_key_layouts_keep_the_samples(model, attention, layout):
+def test_decode_attention_forms_and_key_layouts_keep_the_samples(model, attention, layout, tp):
     """Elementwise attention (CPU's default) and the dot form, keys [B, K, D, S]
     (`key_layout="positions_minor"`, CPU's default) and [B, K, S, D] (`"head_dim_minor"`,
     "auto" off CPU) draw the same greedy and sampled tokens, log-probs within 1e-5, through
     every path of the cache: prefill, a shared prompt's fork, the decode chunk (the CPU
     defaults' in its compacted buckets, the other's over every slot: one decode shape to
     compile cold, as compacted and full decodes draw the same, `compact_test.py`), an
-    episode's extension. "auto" is elementwise and positions-minor on CPU only."""
+    episode's extension. "auto" is elementwise and positions-minor on CPU only. By
+    default all the off-CPU forms at once, on a TP 2 instance (`tp`; the others on one
+    device)."""
     rng = np.random.default_rng(3)
     base = make_engine(model)  # the CPU defaults
-    other = make_engine(model, decode_attention=attention, key_layout=layout, decode_buckets=False)
+    forms = dict(decode_attention=attention, key_layout=layout)
+    if tp == 2:
+        other = _tp2_engine(model, **forms)
+    else:
+        other = make_engine(model, **forms, decode_buckets=False)
     assert base._chunk is not other._chunk
+    assert other.decode_attention == attention
     assert base.decode_attention == ENGINE.attention(jax.default_backend()) == "elementwise"
     k = CFG.num_kv_heads, CFG.head_dim
     s = ENGINE.max_total_length
@@ -264,8 +274,9 @@ def test_decode_attention_forms_and_key_layouts_keep_the_samples(model, attentio
 def test_gate_up_layouts_keep_the_samples(model):
     """Gate and up as [2, E, M] (`gate_up_layout="parts_major"`, "auto" off CPU, where
     XLA:TPU would re-lay out [E, 2, M] every decode chunk) draw what [E, 2, M] draws: on
-    one device and tensor-parallel over two (the mlp axis sharded); with int8 weights in
-    `test_int8_gate_up_layouts_keep_the_samples`."""
+    one device and tensor-parallel over two (the mlp axis sharded; the TP 2 engine has
+    the other off-CPU forms too, `OFF_CPU`, sharing the attention test's programs); with
+    int8 weights in `test_int8_gate_up_layouts_keep_the_samples`."""
     reqs = grouped_requests(4)
     em = make_engine(model, gate_up_layout="embed_major")
     assert em._params["layers"][0]["gate_up"].shape[1] == 2
@@ -373,15 +384,21 @@ def test_bad_requests_name_the_field(model, change, field):
     assert engine.queue_length == 0
 
 
+# Where tensor-parallel instances run (off CPU), "auto" picks these; the tests that build
+# a TP 2 engine share its programs by default (one engine's compiles cold).
+OFF_CPU = dict(decode_attention="dot", key_layout="head_dim_minor", gate_up_layout="parts_major")
+
+
 def _tp2_engine(model, **overrides) -> Engine:
     """An engine on a generation instance of tensor parallelism 2 (2 generation, 1
-    training device), configured as `ENGINE` with `overrides`, every slot decoding over
-    the whole cache (one decode shape to compile: the buckets are the one-device tests')."""
+    training device), configured as `ENGINE` with the off-CPU forms (`OFF_CPU`) and
+    `overrides`, every slot decoding over the whole cache (one decode shape to compile:
+    the buckets are the one-device tests')."""
     meshes = mesh_lib.make_meshes(
         mesh_lib.MeshConfig(generate_devices=2, train_devices=1, instance_tp=2)
     )
     (tp2,) = mesh_lib.instance_meshes(meshes.generate)
-    cfg = dataclasses.replace(ENGINE, decode_buckets=False, **overrides)
+    cfg = dataclasses.replace(ENGINE, decode_buckets=False, **{**OFF_CPU, **overrides})
     return Engine(model[0], model[1], CFG, cfg, tp2)
 
 

@@ -8,7 +8,8 @@ import time
 import numpy as np
 import pytest
 from jax.sharding import Mesh
-from support import CFG, ENGINE
+from support import CFG
+from support import ENGINE as BUCKETED
 
 from streamrl_jax import mesh as mesh_lib
 from streamrl_jax.generation.service import (
@@ -20,6 +21,10 @@ from streamrl_jax.generation.service import (
 from streamrl_jax.generation.types import GenerationRequest, SamplingParams
 
 TIMEOUT = 120.0
+# Every slot decodes over the whole cache: one decode shape per instance to compile (what
+# the service adds is instances; the compacted decode's buckets are engine_test.py's and
+# compact_test.py's).
+ENGINE = dataclasses.replace(BUCKETED, decode_buckets=False)
 
 
 def instance_meshes(n: int) -> list[Mesh]:
