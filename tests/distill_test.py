@@ -68,10 +68,11 @@ def test_the_main_job_distils_from_another_runs_checkpoint(tmp_path):
     from streamrl_jax.rewards.vowels import vowel_reward
 
     teacher_run = tmp_path / "teacher"
-    cfg = tiny_config(pipeline__steps=1, warmup__steps=0, checkpoint__every=1)
+    # No held-out evaluation: what it would add is lifecycle_test's; each run is one step.
+    cfg = tiny_config(pipeline__steps=1, warmup__steps=0, checkpoint__every=1, eval__num_problems=0)
     run_lib.run(cfg, str(teacher_run), reward_fn=vowel_reward)
     student = tiny_config(
-        pipeline__steps=1, warmup__steps=0,
+        pipeline__steps=1, warmup__steps=0, eval__num_problems=0,
         algorithm__distill_teacher=str(teacher_run / "checkpoints"), algorithm__distill_coef=0.5,
     )  # fmt: skip
     result = run_lib.run(student, str(tmp_path / "student"), reward_fn=vowel_reward)

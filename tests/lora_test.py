@@ -90,10 +90,11 @@ def test_the_adapter_gradient_is_the_full_gradient_through_the_adapter(cfg):
     loss = lambda m: jnp.sum(_logits(m, tokens, mask) * weights * mask[..., None])
     model = random_adapters(llama.create(cfg, seed=4), seed=5)
     graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
-    got = jax.grad(lambda a: loss(nnx.merge(graphdef, a, rest)))(adapters)
+    # Each gradient one jitted program (op by op, each of its primitives compiles alone).
+    got = jax.jit(jax.grad(lambda a, r: loss(nnx.merge(graphdef, a, r))))(adapters, rest)
     twin = _base_twin(model, cfg)
     g_def, base = nnx.split(twin)
-    full = jax.grad(lambda p: loss(nnx.merge(g_def, p)))(base)
+    full = jax.jit(jax.grad(lambda p: loss(nnx.merge(g_def, p))))(base)
     s = cfg.lora_scale
     for name, (a, b) in model.layers.adapters().items():
         lead = 2 if name.startswith("experts_") else 1
@@ -200,12 +201,20 @@ def test_the_main_job_trains_a_lora_adapter_and_resumes_it_exactly(tmp_path):
     from streamrl_jax.pipeline import components
     from streamrl_jax.rewards.vowels import vowel_reward
 
-    lora_section = {"rank": 4, "alpha": 8.0, "targets": ("q", "v", "down")}
-    cfg = tiny_config(pipeline__steps=2, warmup__steps=0, trainer__lora=lora_section,
+    # The adapters of learners_test.py's first learner (rank 4, the default alpha and
+    # targets, deterministic, lr 1e-3): its trainer's programs, compiled once for both.
+    cfg = tiny_config(pipeline__steps=2, warmup__steps=0, trainer__lora={"rank": 4},
                       checkpoint__every=1, eval__num_problems=0)  # fmt: skip
     cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, deterministic=True))
     model_cfg = components.describe_model(cfg).cfg
-    assert (model_cfg.lora_rank, model_cfg.lora_targets) == (4, ("q", "v", "down"))
+    assert (model_cfg.lora_rank, model_cfg.lora_alpha) == (4, 16.0)
+    # A subset of targets reaches the model's config (the adapters' maths per target: the
+    # units above).
+    subset = tiny_config(trainer__lora={"rank": 4, "alpha": 8.0, "targets": ("q", "v", "down")})
+    subset_cfg = components.describe_model(subset).cfg
+    assert (subset_cfg.lora_alpha, subset_cfg.lora_targets) == (8.0, ("q", "v", "down"))
+    shapes = nnx.eval_shape(lambda: llama.create(subset_cfg))
+    assert set(shapes.layers.adapted) == {"q", "v", "down"}
     result = run_lib.run(cfg, str(tmp_path / "run"), reward_fn=vowel_reward)
     assert len(result.steps) == 2
     assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in result.steps)
@@ -214,7 +223,7 @@ def test_the_main_job_trains_a_lora_adapter_and_resumes_it_exactly(tmp_path):
     base = lambda p: jax.tree.leaves(p.filter(nnx.Not(nnx.LoRAParam)))
     for x, y in zip(base(start), base(end), strict=True):
         np.testing.assert_array_equal(x, y)
-    for name in ("q", "v", "down"):
+    for name in nnx.eval_shape(lambda: llama.create(model_cfg)).layers.adapted:
         assert np.abs(end["layers"][f"{name}_lora_b"][...]).max() > 0, name
     # The checkpoint holds the adapters (and their moments), not the base: a fraction of
     # the model's bytes (the base is the model's source, loaded again on resume).
@@ -237,13 +246,12 @@ def test_the_main_job_trains_a_lora_adapter_and_resumes_it_exactly(tmp_path):
     out = tmp_path / "hf"
     cmd = [sys.executable, "tools/export_hf.py", "--config=configs/quickstart.py:tiny",
            "--config.pipeline.steps=2", "--config.warmup.steps=0",
-           "--config.trainer.lora.rank=4", "--config.trainer.lora.alpha=8.0",
-           "--config.trainer.lora.targets=('q','v','down')",
+           "--config.trainer.lora.rank=4",
            f"--checkpoint={tmp_path / 'run' / 'checkpoints'}", f"--out={out}"]  # fmt: skip
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=300,
                    env=dict(os.environ, JAX_PLATFORMS="cpu"))  # fmt: skip
-    trained = llama.create(model_cfg)
-    nnx.update(trained, end)
+    # the trained model from its abstract structure and the end state (no initialisers run)
+    trained = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: llama.create(model_cfg))), end)
     tokens, mask = _batch(model_cfg, seed=5)
     back = load_pretrained(str(out), max_position_embeddings=model_cfg.max_position_embeddings)
     np.testing.assert_allclose(

@@ -102,12 +102,15 @@ def test_bad_openenv_settings_are_refused_by_name():
 def test_an_openenv_environments_episodes_train_through_the_endpoint(tmp_path):
     # The OpenEnv environment played by scaffolds with the official openai client through
     # the run's endpoint: its rewards are the episodes' returns, what trains is the
-    # endpoint's record, and every session is closed when the run ends.
+    # endpoint's record, and every session is closed when the run ends. One decode shape
+    # (`pipeline.deterministic`): the engine's programs are agents_test.py's and
+    # episodes_test.py's runs'.
     cfg = agent_config(
         environment__name="openenv",
         environment__openenv=PATH,
         pipeline__rollout="agents+full",
         pipeline__mode="stream_sync",
+        pipeline__deterministic=True,
         eval__num_problems=2,
     )
     result, seen = run_recording(cfg, tmp_path)

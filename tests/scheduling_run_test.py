@@ -6,6 +6,7 @@ import json
 import os
 from unittest import mock
 
+import jax
 import pytest
 from support import pipeline_threads, tiny_config
 
@@ -37,6 +38,14 @@ def _elastic_cfg(steps: int):
     )
 
 
+def _devices():
+    """The instances on devices 0 and 2, the trainer on device 1: where every other
+    quickstart:tiny run has its trainer, so that the trainer's compiled programs are
+    theirs (a compiled program is per device)."""
+    d = jax.devices()
+    return [d[0], d[2], d[1], *d[3:]]
+
+
 @pytest.fixture(scope="module")
 def elastic(tmp_path_factory):
     # The measured T_gen is inflated by 100 s so that delta = T_gen - T_train >= delta'
@@ -49,7 +58,7 @@ def elastic(tmp_path_factory):
 
     workdir = str(tmp_path_factory.mktemp("elastic"))
     with mock.patch.object(LiveScheduler, "end_of_step", slow_generation):
-        result = run_lib.run(_elastic_cfg(steps=4), workdir, reward_fn=vowel_reward)
+        result = run_lib.run(_elastic_cfg(steps=4), workdir, _devices(), vowel_reward)
     return result, workdir
 
 
@@ -79,7 +88,7 @@ def test_ranker_is_saved_and_restored_with_checkpoints(elastic, tmp_path):
     os.symlink(ckpt.step_directory(4), tmp_path / "checkpoints" / "4")
     ckpt.close()
     assert saved > 0
-    resumed = run_lib.run(_elastic_cfg(steps=5), str(tmp_path), reward_fn=vowel_reward)
+    resumed = run_lib.run(_elastic_cfg(steps=5), str(tmp_path), _devices(), vowel_reward)
     assert resumed.start_batch == 4
     # The resumed ranker continues from the saved one (online steps add to it).
     assert resumed.steps[0]["ranker_steps"] >= saved
