@@ -119,7 +119,13 @@ def _grads(gdef, params, tokens, targets):
     return jax.grad(loss)(params)
 
 
-@pytest.mark.parametrize("policy", ["minimal", "full", "none"])
+@pytest.mark.parametrize(
+    "policy",
+    # "full" (every activation recomputed: the farthest from the default's saved dots)
+    # by default; the other jax.checkpoint policies with -m extended (the suite's budget:
+    # each compiles its own backward)
+    ["full", *(pytest.param(p, marks=pytest.mark.extended) for p in ("minimal", "none"))],
+)
 def test_every_remat_policy_gives_the_defaults_gradients(split, policy):
     # what the backward keeps moves memory and time, never a gradient (beyond rounding)
     graphdef, params = split

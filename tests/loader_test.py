@@ -321,9 +321,10 @@ def test_unused_checkpoint_tensor_is_an_error(tmp_path, llama_dir):
 
 
 # ------------------------------------------------------------------ complete (engine)
-# One generation shared by the two tests below (one engine's programs): a short prompt
-# and one of 60 tokens whose 64-token bucket fills the context of 64 after 4 new tokens.
-_PROMPTS = [[5, 9, 3], np.random.default_rng(1).integers(0, 128, 60).tolist()]
+# One generation shared by the two tests below (one engine's programs): prompts of 40 and
+# 60 tokens, both in the last prompt bucket (one prefill program); the second fills the
+# context of 64 after 4 new tokens.
+_PROMPTS = [np.random.default_rng(s).integers(0, 128, n).tolist() for s, n in ((2, 40), (1, 60))]
 
 
 @pytest.fixture(scope="module")

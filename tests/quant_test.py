@@ -17,7 +17,9 @@ from streamrl_jax.generation.engine import Engine, EngineConfig
 from streamrl_jax.generation.types import SamplingParams
 
 SAMPLED = SamplingParams(temperature=1.0)
-INT8 = dataclasses.replace(ENGINE, weight_dtype="int8")
+# One decode shape (every slot, the whole cache): the compacted shapes gather and scatter
+# cache rows whatever the weights are (compact_test's).
+INT8 = dataclasses.replace(ENGINE, weight_dtype="int8", decode_buckets=False)
 
 
 def _one_device():

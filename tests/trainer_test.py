@@ -165,10 +165,22 @@ def single_two_steps(single):
     return _one_step(single, _samples(), [list(range(N_SAMPLES))], steps=2)
 
 
-def test_fsdp_tp_mesh_matches_single_device(single_two_steps):
-    mesh8 = mesh_lib.make_meshes(mesh_lib.MeshConfig(colocated=True, train_tp=2)).train
+@pytest.mark.parametrize(
+    "sequence_parallel",
+    # -m extended (the suite's budget): the plain fsdp x tp run. The default case trains
+    # on the same mesh with the residual stream also sequence-sharded over tp between
+    # blocks (the same parameter and optimizer shardings, the same comparison); the plain
+    # sharded forward is sharding_test's test_sharded_forward_equals_unsharded.
+    [True, pytest.param(False, marks=pytest.mark.extended)],
+)
+def test_fsdp_tp_mesh_matches_single_device(single_two_steps, sequence_parallel):
+    # With the residual stream sequence-sharded over tp between blocks
+    # (`model.sequence_parallel`): the same sums in another order. Measured against one
+    # device: max |diff| / max |g| 6.6e-7, params 7.7e-3 lr (the plain mesh's bounds hold).
+    mesh8 = _mesh8()
     assert dict(mesh8.shape) == {"fsdp": 4, "tp": 2}
-    sharded = make_policy_trainer(model_config.tiny(), CFG, mesh8)
+    cfg = model_config.tiny(sequence_parallel=sequence_parallel)
+    sharded = make_policy_trainer(cfg, CFG, mesh8)
     state = sharded.init_state(0)
     assert state.params["embed"].value.sharding.spec == P("tp", "fsdp")
     assert state.params["layers"]["q"].value.sharding.spec == P(None, "fsdp", "tp", None)
@@ -181,22 +193,10 @@ def test_fsdp_tp_mesh_matches_single_device(single_two_steps):
     assert _max_diff(g8, g1) <= 4e-6 * _max_abs(g1)
     assert _max_diff(p8, p1) <= 5e-2 * LR
     np.testing.assert_allclose(m8["loss"], m1["loss"], rtol=1e-5)
-
-
-def test_sequence_parallel_matches_single_device(single_two_steps):
-    # The residual stream sequence-sharded over tp between blocks (`model.sequence_parallel`):
-    # the same sums in another order. Measured against one device: max |diff| / max |g|
-    # 6.6e-7, params 7.7e-3 lr (the fsdp x tp mesh's own bounds hold).
-    cfg = model_config.tiny(sequence_parallel=True)
-    sharded = make_policy_trainer(cfg, CFG, _mesh8())
-    g1, p1, m1 = single_two_steps
-    g8, p8, m8 = _one_step(sharded, _samples(), [list(range(N_SAMPLES))], steps=2)
-    assert _max_diff(g8, g1) <= 4e-6 * _max_abs(g1)
-    assert _max_diff(p8, p1) <= 5e-2 * LR
-    np.testing.assert_allclose(m8["loss"], m1["loss"], rtol=1e-5)
-    # ... and it is the step that pins it: the trainer traces with the activation layout
-    plain = make_policy_trainer(model_config.tiny(), CFG, _mesh8())
-    assert _constraints(sharded) >= _constraints(plain) + 5  # a block's five, at least
+    if sequence_parallel:  # ... and it is the step that pins it: the trainer traces with
+        # the activation layout (lowered only, not compiled)
+        plain = make_policy_trainer(model_config.tiny(), CFG, mesh8)
+        assert _constraints(sharded) >= _constraints(plain) + 5  # a block's five, at least
 
 
 def _constraints(trainer) -> int:
@@ -493,6 +493,11 @@ def _by_sequence(batch, x) -> dict:
     return out
 
 
+def _rows(batch) -> int:
+    """The rows of a host batch that hold a unit."""
+    return int(batch.attention_mask.any(axis=1).sum())
+
+
 def _assert_same_gradients(acc, m, want_acc, want_m):
     scale = _max_abs(want_acc.grads)
     assert scale > 0
@@ -513,11 +518,15 @@ def test_shared_prompt_and_packing_equal_per_sample_training(aggregation):
     critic's, and the GAE targets of shared-prompt / packed rows equal one sample per row."""
     algorithm = dataclasses.replace(CFG.algorithm, aggregation=aggregation)
     critic_section = CriticSection(gamma=0.9, lam=0.8, value_clip=0.2, whiten="group")
+    # Two batch shapes, so each program (the policy's and the critic's accumulate, the GAE
+    # fill) compiles twice: one sample per row (the reference) and the packed samples in
+    # [16, 32], every column projected; the shared-prompt layouts in [16, 256], only their
+    # loss columns (fewer than 128 a row) projected, in one 128-wide chunk.
     cfg = CFG.replace(
         algorithm=algorithm,
         critic=critic_section,
-        seq_buckets=(32, 64, 128),
-        batch_buckets=(1, 2, 4, 8, 16),
+        seq_buckets=(32, 256),
+        batch_buckets=(16,),
     )
     mesh = mesh_lib.make_meshes(mesh_lib.MeshConfig(colocated=True), jax.devices()[:1]).train
     policy = make_policy_trainer(model_config.tiny(), cfg, mesh)
@@ -540,7 +549,7 @@ def test_shared_prompt_and_packing_equal_per_sample_training(aggregation):
             adv = None  # the critic fills them on the device
         else:
             ones = jax.device_put(np.ones((len(samples["rewards"]), 1), np.float32))
-            fn = algorithms.ADVANTAGES[estimator]
+            fn = jax.jit(algorithms.ADVANTAGES[estimator])
             adv = fn(jax.device_put(samples["rewards"]), ones, jax.device_put(samples["group_ids"]))
             adv = np.asarray(jax.device_get(adv))[:, 0]
         results = {}
@@ -551,9 +560,9 @@ def test_shared_prompt_and_packing_equal_per_sample_training(aggregation):
                 batch_buckets=cfg.batch_buckets,
                 shared_prompt=shared,
                 pack=pack,
-                # plain: every column projected (the reference); else response-only
-                loss_chunk=128 if name == "plain" else 8,
+                loss_chunk=128,
             )
+            assert host.shape == ((16, 256) if shared else (16, 32)), name
             if estimator == "gae":  # the policy and the critic on one filled batch
                 batch = critic.fill_gae(cstate.params, policy.place_batch(host))
                 policy_out = run(policy, state, batch)
@@ -562,12 +571,14 @@ def test_shared_prompt_and_packing_equal_per_sample_training(aggregation):
             else:
                 results[name] = (run(policy, state, policy.place_batch(host)), None, host)
         (want_acc, want_m, want_b), want_critic, want_host = results.pop("plain")
+        assert want_host.loss_columns.shape == want_host.tokens.shape  # every column
         for name, ((acc, m, b), critic_out, host) in results.items():
-            # Shared prompts train fewer tokens; packing pads fewer.
+            # Shared prompts train fewer tokens (and project only their loss columns);
+            # either layout fills fewer rows.
             if LAYOUTS[name][0]:
                 assert host.attention_mask.sum() < want_host.attention_mask.sum(), name
-            assert host.tokens.size < want_host.tokens.size, name
-            assert host.loss_columns.size < host.tokens.size, name  # response-only
+                assert host.loss_columns.size < host.tokens.size, name  # response-only
+            assert _rows(host) < _rows(want_host) == 12, name
             _assert_same_gradients(acc, m, want_acc, want_m)
             if critic_out is not None:
                 _assert_same_gradients(*critic_out[:2], *want_critic[:2])
