@@ -697,3 +697,24 @@ def test_launch_local_writes_the_childrens_pids(tmp_path):
     pids = json.loads(pids_file.read_text())
     role_of = {"0": "gen", "1": "gen", "2": "train"}
     assert pids == {i: [int(printed[i]), role] for i, role in role_of.items()}
+
+
+def test_the_launchers_and_the_sample_channel_import_no_jax():
+    # launch/local.py and launch/ray_cluster.py supervise the program's processes from
+    # host code (streamrl_jax.distributed's docstring); importing JAX there would add its
+    # start-up (seconds) to every launch, and a GPU or TPU runtime's to a machine's login
+    # node. The names of streamrl_jax.generation load on first use for this.
+    code = (
+        "import sys; import streamrl_jax.distributed.local_program, "
+        "streamrl_jax.distributed.transport, streamrl_jax.generation.types; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout[-2000:]
+    from streamrl_jax import generation
+
+    assert generation.Engine.__name__ == "Engine" and "Engine" in dir(generation)
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        _ = generation.Nope

@@ -1,31 +1,36 @@
-"""Generation: per-instance engines with continuous batching, and the SGS over them."""
+"""Generation: per-instance engines with continuous batching, and the SGS over them.
 
-from streamrl_jax.generation.engine import Engine
-from streamrl_jax.generation.engine_config import EngineConfig
-from streamrl_jax.generation.service import (
-    GenerationService,
-    InstanceError,
-    StreamClosed,
-    sample_queue,
-)
-from streamrl_jax.generation.types import (
-    FinishReason,
-    GenerationRequest,
-    Sample,
-    SamplingParams,
-    Timings,
-)
+The names below load on first use (PEP 562), so that the host-only modules that import
+`streamrl_jax.generation.types` (the sample channel, the wire format, the launchers) do
+not import JAX through this package.
+"""
 
-__all__ = [
-    "Engine",
-    "EngineConfig",
-    "FinishReason",
-    "GenerationRequest",
-    "GenerationService",
-    "InstanceError",
-    "Sample",
-    "sample_queue",
-    "SamplingParams",
-    "StreamClosed",
-    "Timings",
-]
+import importlib
+
+_HOME = {
+    "Engine": "engine",
+    "EngineConfig": "engine_config",
+    "GenerationService": "service",
+    "InstanceError": "service",
+    "StreamClosed": "service",
+    "sample_queue": "service",
+    "FinishReason": "types",
+    "GenerationRequest": "types",
+    "Sample": "types",
+    "SamplingParams": "types",
+    "Timings": "types",
+}
+
+__all__ = sorted(_HOME, key=str.lower)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOME])
