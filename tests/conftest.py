@@ -30,8 +30,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 #   at any level).
 # * No verification of the MLIR that XLA:CPU's fusion emitters generate
 #   (`--xla_cpu_emitter_verification_level=0`; the verifier checks the compiler's own
-#   output, it changes no kernel). Measured on three heavy tests, cold, on a loaded 2-core
-#   machine: compile 244 s -> 103 s, wall 353 s -> 201 s.
+#   output, it changes no kernel). Measured quiet, alternated twice, cold:
+#   lifecycle_test.py's each-mode runs and llama_test.py compile in 43.3 / 44.0 s against
+#   46.7 / 47.7 s with the verifier (7 %). (A first try on a loaded machine read 2.4x:
+#   load noise.)
 # `STREAMRL_TEST_XLA_DEFAULTS=1` tests at XLA's defaults, as runs compile.
 if os.environ.get("STREAMRL_TEST_XLA_DEFAULTS") != "1":
     _flags = os.environ.get("XLA_FLAGS", "")
