@@ -26,6 +26,7 @@ import types
 import jax
 import numpy as np
 import pytest
+from child_env import checkout_env
 from jax.sharding import SingleDeviceSharding
 
 from streamrl_bench import bad_frames
@@ -54,16 +55,8 @@ from streamrl_jax.stream.sample_stream import SampleStream
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 KEY = b"test-key-0123456789abcdef"
-# Children import this module (for make_samples) and the package: `support.checkout_env`'s
-# PYTHONPATH, built here so that a child's import of this module does not import support
-# (its trainer and engine: 5.7 s -> 2.9 s of a child's start-up CPU, measured).
-_PYTHONPATH = [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
-_CHILD_ENV = dict(
-    os.environ,
-    PYTHONPATH=os.pathsep.join(p for p in _PYTHONPATH if p),
-    TF_CPP_MIN_LOG_LEVEL="3",
-    JAX_PLATFORMS="cpu",
-)
+# Children import this module (for make_samples) and the package (on their path).
+_CHILD_ENV = checkout_env(TF_CPP_MIN_LOG_LEVEL="3", JAX_PLATFORMS="cpu")
 
 
 def make_samples(n: int) -> list[Sample]:

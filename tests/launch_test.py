@@ -23,7 +23,8 @@ import types
 
 import jax
 import pytest
-from support import launch_command, launched_env
+from child_env import launched_env
+from support import launch_command
 
 # launch/local.py's program: the children's environment
 from streamrl_jax.distributed import local_program as local

@@ -18,7 +18,8 @@ modules, and checks:
   kind only through the registry or the protocol, a kind imports the protocol and
   below, and the Rollout protocol reaches neither the endpoint nor the environments;
 * no file of `tests/` (sub-folders too) imports a test module (`*_test`): shared test
-  code lives in a support module (`tests/support.py`, `tests/podplan/sim_schedules.py`)
+  code lives in a support module (`tests/support.py`, `tests/child_env.py`,
+  `tests/podplan/sim_schedules.py`)
   or a `conftest.py` fixture (STYLE.md "Tests mirror modules").
 """
 

@@ -41,7 +41,7 @@ import time
 
 import numpy as np
 import pytest
-from support import launched_env
+from child_env import launched_env
 
 from streamrl_jax import config as config_lib
 from streamrl_jax import pipeline as run_lib
@@ -422,13 +422,26 @@ def test_lost_generation_process_leaves_the_run_to_the_others(tmp_path, tmp_path
     # (a sample depends only on weights, prompt and seed, whichever process makes it),
     # every prompt consumed once.
     want = _one_process("stream_async", tmp_path_factory)
-    ref_dir = _ONE_PROCESS_DIR[("stream_async",)]
     workdir = tmp_path / "run"
-    tiny = {"pipeline.mode": "stream_async", "pipeline.steps": 2, "eval.num_problems": 4}
-    procs = _spawn(3, 2, workdir, tmp_path, **tiny)
-    trainer_log = tmp_path / "p2.log"
+    _lose_generation_0(workdir, tmp_path, "weights v0", **_LOSS_RUN)
+    got = np.load(workdir / run_lib.FINAL_PARAMS)
+    for key in want.files:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    _assert_every_prompt_once_and_evaluated(workdir)
+
+
+# The runs that lose generation process 0: 2 steps, 4 held-out prompts.
+_LOSS_RUN = {"pipeline.mode": "stream_async", "pipeline.steps": 2, "eval.num_problems": 4}
+
+
+def _lose_generation_0(workdir, logs, after: str, **overrides) -> str:
+    """2 generation + 1 training process: generation process 0 (the one JAX would host
+    the coordination service on) is SIGKILLed once `after` is in the trainer's log; the
+    trainer and generation process 1 must exit 0, the trainer going on with process 1 and
+    process 1 reading roster epoch 1. Returns the trainer's log."""
+    procs = _spawn(3, 2, workdir, logs, **overrides)
     try:
-        _wait_for_line(trainer_log, "weights v0", procs)
+        _wait_for_line(logs / "p2.log", after, procs)
         os.killpg(procs[0].pid, signal.SIGKILL)
         for p in procs[1:]:
             p.wait(timeout=180)
@@ -436,18 +449,21 @@ def test_lost_generation_process_leaves_the_run_to_the_others(tmp_path, tmp_path
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    logs = {i: (tmp_path / f"p{i}.log").read_text() for i in (1, 2)}
-    assert procs[2].returncode == 0 and procs[1].returncode == 0, logs[2][-4000:] + logs[1][-3000:]
+    text = {i: (logs / f"p{i}.log").read_text() for i in (1, 2)}
+    assert procs[2].returncode == 0 and procs[1].returncode == 0, text[2][-4000:] + text[1][-3000:]
     lost = r"lost peer: .*generation-0.*going on with generation processes \[1\]"
-    assert re.search(lost, logs[2]), logs[2][-4000:]
-    assert "generation-1: roster epoch 1, generation processes [0] lost" in logs[1]
-    got = np.load(workdir / run_lib.FINAL_PARAMS)
-    for key in want.files:
-        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    assert re.search(lost, text[2]), text[2][-4000:]
+    assert "generation-1: roster epoch 1, generation processes [0] lost" in text[1]
+    return text[2]
+
+
+def _assert_every_prompt_once_and_evaluated(workdir) -> None:
+    """`consumed.jsonl` equal to the one-process reference's (each prompt once, in order),
+    and the held-out prompts of the lost process scored too."""
     rows = read_jsonl(str(workdir / "consumed.jsonl"))
-    assert rows == read_jsonl(str(ref_dir / "consumed.jsonl"))  # each prompt once, in order
+    assert rows == read_jsonl(str(_ONE_PROCESS_DIR[("stream_async",)] / "consumed.jsonl"))
     evals = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "eval/accuracy" in r]
-    assert evals  # the held-out prompts of the lost process were scored too
+    assert evals
 
 
 # Long enough that the run is still under way when the restarted process has rejoined:
@@ -653,12 +669,10 @@ def test_a_killed_trainer_resumes_and_a_lost_generation_process_leaves_the_run_t
     #   parity test's reference), bit for bit (a sample depends only on weights, prompt
     #   and seed, whichever process makes it), every prompt consumed once.
     want = _one_process("stream_async", tmp_path_factory)
-    ref_dir = _ONE_PROCESS_DIR[("stream_async",)]
     workdir, first, second = tmp_path / "run", tmp_path / "first", tmp_path / "second"
     first.mkdir()
     second.mkdir()
-    tiny = {"pipeline.mode": "stream_async", "pipeline.steps": 2, "eval.num_problems": 4}
-    procs = _spawn(3, 2, workdir, first, **_CKPT, **tiny)
+    procs = _spawn(3, 2, workdir, first, **_CKPT, **_LOSS_RUN)
     trainer_log = first / "p2.log"
     try:
         deadline = time.monotonic() + 180
@@ -678,31 +692,13 @@ def test_a_killed_trainer_resumes_and_a_lost_generation_process_leaves_the_run_t
         log = (first / f"p{i}.log").read_text()
         assert procs[i].returncode != 0 and "lost training" in log, log[-4000:]
 
-    procs = _spawn(3, 2, workdir, second, **_CKPT, **tiny)  # the same command again
-    trainer_log = second / "p2.log"
-    try:
-        _wait_for_line(trainer_log, "weights v", procs)
-        os.killpg(procs[0].pid, signal.SIGKILL)
-        for p in procs[1:]:
-            p.wait(timeout=180)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    logs = {i: (second / f"p{i}.log").read_text() for i in (1, 2)}
-    assert procs[2].returncode == 0 and procs[1].returncode == 0, logs[2][-4000:] + logs[1][-3000:]
-    assert "resumed from checkpoint" in logs[2], logs[2][-4000:]
-    lost = r"lost peer: .*generation-0.*going on with generation processes \[1\]"
-    assert re.search(lost, logs[2]), logs[2][-4000:]
-    assert "generation-1: roster epoch 1, generation processes [0] lost" in logs[1]
+    trainer = _lose_generation_0(workdir, second, "weights v", **_CKPT, **_LOSS_RUN)  # again
+    assert "resumed from checkpoint" in trainer, trainer[-4000:]
     got = np.load(workdir / run_lib.FINAL_PARAMS)
     assert sorted(got.files) == sorted(want.files)
     _assert_params_match(got, want, exact=True)
-    rows = read_jsonl(str(workdir / "consumed.jsonl"))
-    assert rows == read_jsonl(str(ref_dir / "consumed.jsonl"))  # each prompt once, in order
-    assert [r["step"] for r in rows] == [0, 1]
-    evals = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "eval/accuracy" in r]
-    assert evals  # the held-out prompts of the lost process were scored too
+    _assert_every_prompt_once_and_evaluated(workdir)
+    assert [r["step"] for r in read_jsonl(str(workdir / "consumed.jsonl"))] == [0, 1]
 
 
 @pytest.mark.extended

@@ -26,7 +26,8 @@ import time
 import tomllib
 
 import pytest
-from support import checkout_env, launch_command, launched_env
+from child_env import checkout_env, launched_env
+from support import launch_command
 
 pytest.importorskip("ray")
 

@@ -11,7 +11,6 @@ FSDP-sharded over a mesh spanning both training processes.
 
 import contextlib
 import json
-import os
 import pathlib
 import pickle
 import subprocess
@@ -27,6 +26,7 @@ import jax.numpy as jnp
 import msgspec
 import numpy as np
 import pytest
+from child_env import checkout_env
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -43,14 +43,6 @@ from streamrl_jax.distributed.wire import WireError
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 KEY = b"test-key-0123456789abcdef"
-
-
-def checkout_env(**overrides: str) -> dict[str, str]:
-    """`support.checkout_env`, built here: the children import this module (its
-    `make_params`), and an import of support would start its trainer and engine modules
-    in each of them."""
-    path = [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p), **overrides)
 
 
 def make_params(scale: float = 1.0) -> dict:
@@ -376,7 +368,7 @@ def test_a_corrupt_piece_is_refused_naming_it(monkeypatch):
 
 
 # A generation process's ranker receiver: `python -c _RECEIVER ADDRESS OUT` (this module
-# on its path: `support.checkout_env`); writes "<version> <bitwise>" to OUT for every
+# on its path: `child_env.checkout_env`); writes "<version> <bitwise>" to OUT for every
 # version it places.
 _RECEIVER = """
 import pathlib, sys
