@@ -34,10 +34,38 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 #   lifecycle_test.py's each-mode runs and llama_test.py compile in 43.3 / 44.0 s against
 #   46.7 / 47.7 s with the verifier (7 %). (A first try on a loaded machine read 2.4x:
 #   load noise.)
+# * XLA:CPU's elemental IR emitters for fused computations instead of its MLIR fusion
+#   emitters (`--xla_cpu_use_fusion_emitters=false`), where the jaxlib has the flag: 0.10
+#   does, 0.12 does not, and XLA aborts a process on a flag it does not know, so a child
+#   Python tries it once (`STREAMRL_TEST_XLA_ELEMENTAL=0/1` decides instead). The kernels'
+#   code differs from a run's, as at -O0. Measured quiet, cold, on trainer_test.py,
+#   llama_test.py and lifecycle_test.py's each-mode runs: 85.6 s of XLA compile -> 32.6 s,
+#   151 s -> 95 s of wall time, every test passing.
 # `STREAMRL_TEST_XLA_DEFAULTS=1` tests at XLA's defaults, as runs compile.
+_ELEMENTAL = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _jaxlib_takes(flag: str) -> bool:
+    """Whether this jaxlib's XLA knows `flag`: a Python that starts JAX's CPU backend with
+    it exits cleanly (XLA aborts on an unknown flag)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+    probe = [sys.executable, "-c", "import jax; jax.devices()"]
+    return subprocess.run(probe, env=env, capture_output=True, timeout=120).returncode == 0
+
+
 if os.environ.get("STREAMRL_TEST_XLA_DEFAULTS") != "1":
     _flags = os.environ.get("XLA_FLAGS", "")
-    for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_emitter_verification_level=0"):
+    _quick = ["--xla_backend_optimization_level=0", "--xla_cpu_emitter_verification_level=0"]
+    # Decided once, by pytest's first process: its xdist workers inherit the decision, and
+    # every process a test launches inherits XLA_FLAGS.
+    if "STREAMRL_TEST_XLA_ELEMENTAL" not in os.environ:
+        os.environ["STREAMRL_TEST_XLA_ELEMENTAL"] = str(int(_jaxlib_takes(_ELEMENTAL)))
+    if os.environ["STREAMRL_TEST_XLA_ELEMENTAL"] == "1":
+        _quick.append(_ELEMENTAL)
+    for _flag in _quick:
         if _flag.split("=")[0] + "=" not in _flags:
             _flags = f"{_flags} {_flag}".strip()
     os.environ["XLA_FLAGS"] = _flags
