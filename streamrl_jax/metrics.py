@@ -51,6 +51,22 @@ def _scalar(value: Any) -> float | None:
     return out if math.isfinite(out) else out  # NaN/Inf are written; they are findings
 
 
+def _summary_writer() -> type:
+    """tensorboardX's `SummaryWriter`, imported without torch: tensorboardX imports torch
+    where it is installed (the test extra installs it) only to take torch tensors, 1.6 s
+    of every run's start-up; this writer hands it Python floats."""
+    if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
+        sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` fails
+        try:
+            import tensorboardX  # noqa: F401
+        finally:
+            if sys.modules.get("torch", 0) is None:
+                del sys.modules["torch"]
+    from tensorboardX import SummaryWriter
+
+    return SummaryWriter
+
+
 class MetricsWriter:
     """Appends scalar dicts to `<workdir>/metrics.jsonl` and TensorBoard."""
 
@@ -65,9 +81,7 @@ class MetricsWriter:
         os.makedirs(workdir, exist_ok=True)
         self._file = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")  # noqa: SIM115
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            self._tb = _summary_writer()(os.path.join(workdir, "tensorboard"))
 
     def write(self, step: int, scalars: Mapping[str, Any], *, prefix: str = "") -> None:
         if not self.enabled:

@@ -111,15 +111,24 @@ def model():
 # ------------------------------------------------------------- compile report (opt-in)
 # `STREAMRL_TEST_COMPILE_REPORT=FILE`: per test, JAX's compile events (how many programs
 # were traced, lowered, compiled by XLA, read from the persistent cache, and their
-# seconds) as JSON lines appended to FILE: where a cold suite's time goes is mostly here.
+# seconds; and per jitted function, its traces and seconds) as JSON lines appended to
+# FILE: where a cold suite's time goes is mostly here.
 _COMPILE_REPORT = os.environ.get("STREAMRL_TEST_COMPILE_REPORT")
 _compile_events: dict[str, float] = {}
+
+
+_compile_functions: dict[str, list] = {}  # function -> [traces, seconds traced+lowered+compiled]
 
 
 def _count_compile_event(event: str, duration: float, **kwargs) -> None:
     name = event.rsplit("/", 1)[-1]
     _compile_events[name + "_n"] = _compile_events.get(name + "_n", 0) + 1
     _compile_events[name + "_s"] = _compile_events.get(name + "_s", 0.0) + duration
+    if event.startswith("/jax/core/compile/") and "fun_name" in kwargs:
+        fun = kwargs["fun_name"].removeprefix("jit(").removesuffix(")")
+        entry = _compile_functions.setdefault(fun, [0, 0.0])
+        entry[0] += name == "jaxpr_trace_duration"
+        entry[1] += duration
 
 
 if _COMPILE_REPORT:
@@ -130,7 +139,9 @@ if _COMPILE_REPORT:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
         _compile_events.clear()
+        _compile_functions.clear()
         yield
         row = {"test": item.nodeid, **{k: round(v, 3) for k, v in _compile_events.items()}}
+        row["functions"] = {f: [n, round(s, 3)] for f, (n, s) in _compile_functions.items()}
         with open(_COMPILE_REPORT, "a") as f:
             f.write(json.dumps(row) + "\n")

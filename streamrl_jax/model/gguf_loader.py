@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import struct
 from typing import Any
 
 import numpy as np
@@ -106,6 +107,7 @@ _SCALARS = {
     12: np.float64,
 }
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")  # a string's length
 
 
 def read_header(path: str) -> tuple[dict[str, Any], list[str]]:
@@ -157,7 +159,28 @@ def read_header(path: str) -> tuple[dict[str, Any], list[str]]:
             return np.frombuffer(take(count * dtype.itemsize, what), dtype).tolist()
         if count > len(data):  # each element takes at least a byte
             raise UserError(f"{path}: {what} claims {count} elements")
+        if item == _STRING:  # a vocabulary: ~10^5 strings, read in one loop
+            return strings(count, what)
         return [value(item, what) for _ in range(count)]
+
+    def strings(count: int, what: str) -> list[str]:
+        nonlocal at
+        out, end, i = [], len(data), at
+        try:
+            for _ in range(count):
+                if i + 8 > end:
+                    break
+                (n,) = _U64.unpack_from(data, i)
+                if n > end - i - 8:
+                    break
+                out.append(str(data[i + 8 : i + 8 + n], "utf-8"))
+                i += 8 + n
+        except UnicodeDecodeError as e:
+            raise UserError(f"{path}: {what} is not UTF-8 ({e})") from None
+        at = i
+        if len(out) < count:
+            raise UserError(f"{path}: not a readable GGUF file (truncated or corrupt? {what})")
+        return out
 
     if bytes(take(4, "magic")) != b"GGUF":
         raise UserError(f"{path}: not a GGUF file (no GGUF magic)")

@@ -120,11 +120,12 @@ def test_gate_up_parts_major_spares_the_tpu_a_copy_of_the_mlp_weights():
 def test_sequence_parallel_keeps_a_tp_th_of_the_residual_stream_on_each_chip(monkeypatch):
     # Full remat keeps each block's input for the backward: layers x rows x seq x embed,
     # replicated over tp; sequence parallel keeps 1/tp of it a chip. 8 layers x 1 row x
-    # 512 x 256 x f32 = 4 MiB, half of it freed at TP 2 (6.70 MB measured: the
-    # recomputed block's own activations are sequence-sharded too).
+    # 128 x 256 x f32 = 1 MiB, half of it freed at TP 2 (1.32 MB measured: the
+    # recomputed block's own activations are sequence-sharded too; at 512 positions,
+    # 4 MiB and 5.78 MB, in twice the compile time).
     monkeypatch.setattr(shapes, "TINY", dict(shapes.TINY, num_heads=4, num_kv_heads=2,
                                                num_layers=8))  # fmt: skip
-    k = programs.Knobs(model="tiny", rows=2, seq=512, tp=2, remat="full", dtype="float32")
+    k = programs.Knobs(model="tiny", rows=2, seq=128, tp=2, remat="full", dtype="float32")
     cfg, devices = programs.model_config(k), _v5p_2x2x1()
     plain, sp = (
         reports.plan_training(dataclasses.replace(k, sequence_parallel=on), devices, 95, False)[0]
