@@ -9,13 +9,12 @@ broken HTTP clients of the endpoint get a clear 4xx and leave it serving.
 """
 
 import importlib.util
-import json
 import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 
+import forked_launches
 import pytest
 
 _SPEC = importlib.util.spec_from_file_location(
@@ -68,57 +67,18 @@ def test_the_default_sample_names_real_cases():
     assert {case.name for case in corpus.CASES} >= _DEFAULT_LAUNCH_CASES
 
 
-# The default sample's launches: one Python imports what the entry point imports (JAX,
-# absl, the config, pipeline, model and task modules; no backend started) once, then
-# forks a child per case that runs `streamrl_jax.launch` as `python -m` does (runpy,
-# run_name="__main__": its flags parsed from that child's argv, in the environment
-# `corpus.run_launch` gives its process), stdout and stderr in files, bounded by the
-# corpus's 120 s as a child of its own; the outcome is judged as `corpus.run_launch`
-# judges it. A spawned `python -m` a case paid the Python and JAX start-up again; the
-# extended cases still run that way (`corpus.run_case`), and tests/launch_test.py ends
-# real `python -m streamrl_jax.launch` processes with status 2.
-_FORKING_ENTRY = """
-import json, os, runpy, signal, sys, time
-import jax, absl.app, absl.flags, absl.logging, ml_collections.config_flags, reasoning_gym
-import streamrl_jax.config, streamrl_jax.console, streamrl_jax.errors, streamrl_jax.pipeline
-import streamrl_jax.distributed.roles, streamrl_jax.model.loader, streamrl_jax.endpoint
-import threading
-from jax._src import xla_bridge
-assert not xla_bridge._backends and threading.active_count() == 1  # safe to fork
-
-cases, timeout_s = json.loads(sys.stdin.read())
-statuses = {}
-for name, (args, env, out, err) in cases.items():
-    sys.stdout.flush(); sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the case: `python -m streamrl_jax.launch ARGS` in ENV
-        for fd, path in ((1, out), (2, err)):
-            f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(f, fd); os.close(f)
-        os.setsid()  # its own group: a hung case is killed whole
-        os.environ.clear(); os.environ.update(env)
-        sys.argv = ["-m", *args]  # runpy puts the module's path first, as `python -m`
-        runpy.run_module("streamrl_jax.launch", run_name="__main__", alter_sys=True)
-        sys.exit(0)
-    deadline = time.monotonic() + timeout_s
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    if done[0] == 0:
-        os.killpg(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        statuses[name] = None  # a hang
-    else:
-        statuses[name] = os.waitstatus_to_exitcode(done[1])
-print("STATUSES", json.dumps(statuses))
-"""
+# The default sample's launches are forks of one Python (tests/forked_launches.py), in the
+# environment `corpus.run_launch` gives its process, bounded by the corpus's 120 s each; the
+# outcome is judged as `corpus.run_launch` judges it. The extended cases still run as
+# spawned `python -m` processes (`corpus.run_case`), and tests/launch_test.py ends real
+# `python -m streamrl_jax.launch` processes with status 2.
 
 
 @pytest.fixture(scope="module")
 def default_launches():
     """{case name: (outcome, detail)} of the default sample's launch cases."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")  # run_launch's
-    # As the entry point's own restart leaves it (tests/launch_test.py): a forked child
-    # would exec the forking Python's command line again.
+    # As the entry point's own restart leaves it (tests/launch_test.py).
     env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
     with tempfile.TemporaryDirectory(prefix="bad-inputs-") as tmp:
         cases, expect = {}, {}
@@ -132,17 +92,7 @@ def default_launches():
             args = [f"--workdir={os.path.join(root, 'work')}", *flags]
             out, err = os.path.join(root, "stdout"), os.path.join(root, "stderr")
             cases[case.name], expect[case.name] = (args, env, out, err), case.expect
-        run = subprocess.run(
-            [sys.executable, "-c", _FORKING_ENTRY],
-            input=json.dumps([cases, 120.0]),
-            capture_output=True,
-            text=True,
-            timeout=600,
-            cwd=corpus.REPO,
-            env=env,
-        )
-        assert run.returncode == 0, run.stderr[-3000:]
-        statuses = json.loads(run.stdout.split("STATUSES ", 1)[1])
+        statuses = forked_launches.run(cases, timeout_s=120.0, cwd=corpus.REPO, env=env)
         return {
             name: _outcome(statuses[name], pathlib.Path(err).read_text(), expect[name])
             for name, (_, _, _, err) in cases.items()

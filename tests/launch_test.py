@@ -2,8 +2,8 @@
 a run's console is the summary, the progress line and the closing lines.
 
 Each case runs the real entry point in a process of its own (flags are parsed there,
-at import: forked children of one Python that imported the entry point's modules, see
-`_FORKING_ENTRY`) and checks the whole of stderr: no traceback, one `error:` line that
+at import: forked children of one Python that imported the entry point's modules,
+tests/forked_launches.py) and checks the whole of stderr: no traceback, one `error:` line that
 names the field, flag or file. Settings that do not run across processes are
 refused the same way on every process of a multi-controller program, before it
 joins (`config.check`), so none waits for a coordinator. The entry run
@@ -21,6 +21,7 @@ import subprocess
 import sys
 import types
 
+import forked_launches
 import jax
 import pytest
 from child_env import launched_env
@@ -69,39 +70,11 @@ ENV_CASES = {
 }
 
 
-# The mistakes' runs of the entry point: one Python imports what the entry point imports
-# (JAX, absl, the config, pipeline and task modules; no backend started) once, then forks
-# a child per case that runs `streamrl_jax.launch` as `python -m` does (runpy,
-# run_name="__main__": its flags parsed from that child's argv, in that child's
-# environment), its stdout and stderr in a file; the child's exit status is the case's.
-# Each spawned `python -m` paid the Python and JAX start-up again (3-13 s a case on 2
-# loaded cores). The default refused multi-process setting's processes are forked here
-# too; real `python -m streamrl_jax.launch` processes end with status 2 under the launcher
-# in test_launch_local_ends_a_refused_setting_with_status_2 (and, side by side, in the
+# The mistakes' runs of the entry point are forks of one Python (tests/forked_launches.py).
+# The default refused multi-process setting's processes are forked there too; real
+# `python -m streamrl_jax.launch` processes end with status 2 under the launcher in
+# test_launch_local_ends_a_refused_setting_with_status_2 (and, side by side, in the
 # extended cases of test_a_setting_refused_across_processes_is_one_line_on_every_process).
-_FORKING_ENTRY = """
-import json, os, runpy, sys
-import jax, absl.app, absl.flags, absl.logging, ml_collections.config_flags, reasoning_gym
-import streamrl_jax.config, streamrl_jax.console, streamrl_jax.errors, streamrl_jax.pipeline
-import streamrl_jax.distributed.roles, streamrl_jax.model.loader, streamrl_jax.endpoint
-import threading
-from jax._src import xla_bridge
-assert not xla_bridge._backends and threading.active_count() == 1  # safe to fork
-
-statuses = {}
-for name, (args, env, out) in json.loads(sys.stdin.read()).items():
-    sys.stdout.flush(); sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the case: `python -m streamrl_jax.launch ARGS` in ENV, output to OUT
-        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1); os.dup2(fd, 2); os.close(fd)
-        os.environ.clear(); os.environ.update(env)
-        sys.argv = ["-m", *args]  # runpy puts the module's path first, as `python -m`
-        runpy.run_module("streamrl_jax.launch", run_name="__main__", alter_sys=True)
-        sys.exit(0)
-    statuses[name] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-print("STATUSES", json.dumps(statuses))
-"""
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +83,7 @@ def mistakes(tmp_path_factory):
     base = dict(os.environ, JAX_PLATFORMS="cpu")
     base.pop("STREAMRL_AUTHKEY", None)
     base.pop("STREAMRL_AUTHKEY_FILE", None)
-    # As the entry point's own restart leaves it (test_launch_restarts_itself_...):
-    # the child would exec the forking Python's command line again.
+    # As the entry point's own restart leaves it (test_launch_restarts_itself_...).
     base["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
     cases = {}
     for case in sorted(CASES) + sorted(ENV_CASES):
@@ -121,7 +93,8 @@ def mistakes(tmp_path_factory):
         tmp = tmp_path_factory.mktemp("mistake")
         env = dict(base, XDG_CACHE_HOME=str(tmp / "cache"))
         env.update(ENV_CASES.get(case, ({}, None))[0])
-        cases[case] = ([f"--workdir={tmp}", *args], env, str(tmp / "output.txt"))
+        out = str(tmp / "output.txt")
+        cases[case] = ([f"--workdir={tmp}", *args], env, out, out)
     # The default refused multi-process setting: every process of the program, each in
     # the environment launch/local.py gives it (they refuse before joining, so one at a
     # time is how they run too).
@@ -132,19 +105,10 @@ def mistakes(tmp_path_factory):
             child = local.child_env(i, n, g, coordinator, "ab" * 32)
             env = dict(base, XDG_CACHE_HOME=str(tmp / "cache"), **child)
             args = [f"--workdir={tmp}", "--config=configs/quickstart.py:tiny", *flags]
-            cases[f"{case} [p{i}]"] = (args, env, str(tmp / f"output-{i}.txt"))
-    run = subprocess.run(
-        [sys.executable, "-c", _FORKING_ENTRY],
-        input=json.dumps(cases),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-        env=base,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    statuses = json.loads(run.stdout.split("STATUSES ", 1)[1])
-    return {c: (statuses[c], pathlib.Path(out).read_text()) for c, (_, _, out) in cases.items()}
+            out = str(tmp / f"output-{i}.txt")
+            cases[f"{case} [p{i}]"] = (args, env, out, out)
+    statuses = forked_launches.run(cases, timeout_s=120, cwd=REPO, env=base)
+    return {c: (statuses[c], pathlib.Path(out).read_text()) for c, (_, _, out, _) in cases.items()}
 
 
 @pytest.mark.parametrize("case", sorted(CASES) + sorted(ENV_CASES))

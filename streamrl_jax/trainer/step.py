@@ -2,10 +2,11 @@
 
 Every step is a pure function `fn(spec, *arrays)` of a static, hashable
 `StepSpec` (what to compute: model structure, config, loss and forward of the
-model's kind) and arrays (state, accumulator, batch, scalars). `_compile` is
-the only place that calls `jax.jit`: it binds a spec and gives each function
+model's kind) and arrays (state, accumulator, batch, scalars). `_jit` is the
+only place that calls `jax.jit`: it binds a spec and gives each function
 explicit in/out shardings on the training mesh and `donate_argnames`; each
-compiles once per (batch, sequence) bucket. `Trainer` holds the results:
+compiles once per (batch, sequence) bucket; trainers of equal spec and shardings
+share one set (`_compile`). `Trainer` holds the results:
 
 * `accumulate(state, acc, batch, normalizer) -> (acc, metrics)`: loss and
   gradients of one micro-batch, added into the donated accumulator (same
@@ -54,8 +55,10 @@ non-finite was written.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable
 
 import jax
@@ -272,7 +275,38 @@ def _in_activation_sharding(fn: Callable, mesh: Mesh) -> Callable:
     return traced
 
 
+# Trainers of equal statics share their jits, as engines do (`generation.executables`): a
+# rebuilt trainer (a resume in the same process, a learner restarted after a failure, the
+# next run of a sweep) traces, lowers and compiles nothing its predecessor did. Bounded, so
+# a process that builds trainers of many models or meshes does not keep every executable;
+# an evicted entry only stops being shared, the trainers holding it keep working.
+_SHARED: collections.OrderedDict[tuple, dict[str, Callable]] = collections.OrderedDict()
+_SHARED_MAX = 16
+_shared_lock = threading.Lock()
+
+
 def _compile(
+    spec: StepSpec, state_sh: TrainState, acc_sh: GradAccumulator, batch_sh: NamedSharding
+) -> dict[str, Callable]:
+    """The jitted steps of `spec` on these shardings: those of an equal earlier trainer, or
+    new ones (`_jit`). The key is the spec (hashable: model structure, configs and
+    module-level functions) and the shardings, pytrees of `NamedSharding`s by structure and
+    leaves."""
+    trees = (jax.tree.flatten(t) for t in (state_sh, acc_sh))
+    key = (spec, *((treedef, tuple(leaves)) for leaves, treedef in trees), batch_sh)
+    with _shared_lock:
+        if key in _SHARED:
+            _SHARED.move_to_end(key)
+            return _SHARED[key]
+    jitted = _jit(spec, state_sh, acc_sh, batch_sh)
+    with _shared_lock:
+        jitted = _SHARED.setdefault(key, jitted)
+        while len(_SHARED) > _SHARED_MAX:
+            _SHARED.popitem(last=False)
+    return jitted
+
+
+def _jit(
     spec: StepSpec, state_sh: TrainState, acc_sh: GradAccumulator, batch_sh: NamedSharding
 ) -> dict[str, Callable]:
     """The one place that calls `jax.jit`: every step function, `spec` bound, sharded."""
