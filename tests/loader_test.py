@@ -247,15 +247,26 @@ def test_truncated_gguf(tmp_path, tiny_gguf):
 
 def test_the_gguf_header_reads_as_the_gguf_library_reads_it(tmp_path):
     # `read_header` (the tokenizer's and the config's path) against gguf.GGUFReader on the
-    # shipped SmolLM2 file: every metadata value and tensor name the same.
+    # shipped SmolLM2 file: every metadata value, tensor name and tensor's bytes the same.
     path = smollm2_gguf_path()
     meta, names = gguf_loader.read_header(path)
     reader = gguf_loader.open_gguf(path)
     assert meta == gguf_loader.read_metadata(reader)
     assert names == [t.name for t in reader.tensors]
+    # read_gguf's tensors: the same bytes, shapes and dtypes as the library's views
+    _, entries, start, buf = gguf_loader._parse(path)
+    assert start == reader.data_offset
+    for entry, theirs in zip(entries, reader.tensors, strict=True):
+        ours = gguf_loader._tensor_data(path, buf, start, entry)
+        assert (ours.shape, ours.dtype) == (theirs.data.shape, theirs.data.dtype), entry
+        np.testing.assert_array_equal(ours, theirs.data, err_msg=entry.name)
+    cut = tmp_path / "cut.gguf"
+    with open(path, "rb") as f:
+        cut.write_bytes(f.read(start + 4096))  # the header whole, the tensors cut short
+    with pytest.raises(ValueError, match=r"cut.gguf: tensor '.*' lies past the end of the file"):
+        gguf_loader.read_gguf(str(cut))
     with open(path, "rb") as f:
         head = f.read(1 << 20)  # the header (~2 MB of vocabulary) cut short
-    cut = tmp_path / "cut.gguf"
     cut.write_bytes(head)
     with pytest.raises(ValueError, match=r"cut.gguf: not a readable GGUF file \(truncated"):
         gguf_loader.read_header(str(cut))
