@@ -16,7 +16,6 @@ from streamrl_jax.rewards import sandbox
 from streamrl_jax.rewards.base import RewardResult
 from streamrl_jax.rewards.pool import RewardPool
 from streamrl_jax.rewards.sandbox import Limits, RewardTimeout, RewardWorkerDied, SandboxPool
-from streamrl_jax.rewards.tasks import TaskReward
 from streamrl_jax.rewards.vowels import vowel_reward
 
 LIMITS = Limits(timeout_s=3.0, memory_mb=1024)
@@ -44,6 +43,8 @@ def die(text: str, metadata: dict) -> RewardResult:
 @pytest.fixture(scope="module")
 def countdown():
     import reasoning_gym
+
+    from streamrl_jax.rewards.tasks import TaskReward  # its workers import reasoning-gym
 
     entry = reasoning_gym.create_dataset("countdown", size=1, seed=0)[0]
     fn = TaskReward(score_answer=reasoning_gym.get_score_answer_fn("countdown"))

@@ -1,26 +1,36 @@
-"""Host-side rewards: the `RewardFn` seam, reasoning-gym tasks, JSONL problems, a scoring pool."""
+"""Host-side rewards: the `RewardFn` seam, reasoning-gym tasks, JSONL problems, a scoring pool.
 
-from streamrl_jax.rewards.answers import extract_answer
-from streamrl_jax.rewards.base import RewardFn, RewardResult
-from streamrl_jax.rewards.jsonl import JsonlDataset
-from streamrl_jax.rewards.pool import RewardPool
-from streamrl_jax.rewards.tasks import (
-    DEFAULT_TASKS,
-    Problem,
-    TaskDataset,
-    TaskReward,
-    chat_messages,
-)
+The names below load on first use (PEP 562), so that a sandboxed scorer's worker, which
+imports `streamrl_jax.rewards.sandbox` and its scorer's module, does not import
+reasoning-gym (0.9 s) through this package: a worker killed on a timeout is replaced in
+the time Python takes to start.
+"""
 
-__all__ = [
-    "DEFAULT_TASKS",
-    "JsonlDataset",
-    "Problem",
-    "RewardFn",
-    "RewardPool",
-    "RewardResult",
-    "TaskDataset",
-    "TaskReward",
-    "chat_messages",
-    "extract_answer",
-]
+import importlib
+
+_HOME = {
+    "DEFAULT_TASKS": "tasks",
+    "JsonlDataset": "jsonl",
+    "Problem": "tasks",
+    "RewardFn": "base",
+    "RewardPool": "pool",
+    "RewardResult": "base",
+    "TaskDataset": "tasks",
+    "TaskReward": "tasks",
+    "chat_messages": "tasks",
+    "extract_answer": "answers",
+}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOME])
