@@ -37,7 +37,7 @@ ROOT = os.path.join(os.path.dirname(TESTS), "streamrl_jax")
 
 # Lowest first. A package may import its own layer and the ones before it.
 LAYERS = (
-    ("errors", "config", "mailbox", "mesh", "sharding"),
+    ("errors", "lazy_names", "config", "mailbox", "mesh", "sharding"),
     ("model", "algorithms"),
     ("generation", "trainer", "weight_sync"),
     (

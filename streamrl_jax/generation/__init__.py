@@ -5,7 +5,7 @@ The names below load on first use (PEP 562), so that the host-only modules that 
 not import JAX through this package.
 """
 
-import importlib
+from streamrl_jax.lazy_names import module_attributes
 
 _HOME = {
     "Engine": "engine",
@@ -24,13 +24,4 @@ _HOME = {
 __all__ = sorted(_HOME, key=str.lower)
 
 
-def __getattr__(name: str):
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_HOME])
+__getattr__, __dir__ = module_attributes(__name__, _HOME, globals())

@@ -6,7 +6,7 @@ reasoning-gym (0.9 s) through this package: a worker killed on a timeout is repl
 the time Python takes to start.
 """
 
-import importlib
+from streamrl_jax.lazy_names import module_attributes
 
 _HOME = {
     "DEFAULT_TASKS": "tasks",
@@ -24,13 +24,4 @@ _HOME = {
 __all__ = sorted(_HOME)
 
 
-def __getattr__(name: str):
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_HOME])
+__getattr__, __dir__ = module_attributes(__name__, _HOME, globals())
