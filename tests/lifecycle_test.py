@@ -60,6 +60,11 @@ def test_each_mode_runs_two_steps(mode, tmp_path_factory):
     # nobody else's, so it decodes one shape (`pipeline.deterministic`) instead of
     # compiling the decode buckets its batches meet; the other modes keep the buckets.
     det = {"pipeline__deterministic": True} if mode == "colocated" else {}
+    if mode == "colocated":
+        # Trainers of equal statics share their jits (`trainer.step._compile`): a run after
+        # another with the same programs compiles nothing. Without JAX's in-memory caches,
+        # this run's first micro-batch traces its trainer's steps (checked below).
+        jax.clear_caches()
     result, workdir = _run(mode, tmp_path_factory, **det)
     cfg = tiny_config()
     assert len(result.steps) == 2
@@ -79,8 +84,9 @@ def test_each_mode_runs_two_steps(mode, tmp_path_factory):
         parts = [r[f"time/{k}_s"] for k in ("train", "wait", "sync", "compile", "other")]
         assert min(parts) >= 0.0 and sum(parts) == pytest.approx(r["step_s"], rel=1e-6)
         assert r["time/generate_s"] == pytest.approx(r["gen_busy"] * r["step_s"])
-    step0 = next(r for r in rows if r.get("step") == 0 and "reward" in r)
-    assert step0["compile_s"] > 0  # its first micro-batch compiled the trainer's step
+    if mode == "colocated":
+        step0 = next(r for r in rows if r.get("step") == 0 and "reward" in r)
+        assert step0["compile_s"] > 0  # its first micro-batch compiled the trainer's step
     assert os.path.exists(os.path.join(workdir, "trace.json"))
     assert not pipeline_threads()
 
