@@ -54,9 +54,9 @@ def _scalar(value: Any) -> float | None:
 def _summary_writer() -> type:
     """tensorboardX's `SummaryWriter`, imported without torch: tensorboardX imports torch
     where it is installed (the test extra installs it) only to take torch tensors, 1.6 s
-    of every run's start-up; this writer hands it Python floats. For that one import
-    `import torch` fails in this process: a run's writer is made before its threads
-    start, and none of them imports torch."""
+    of every run's start-up; this writer hands it Python floats. During that one import
+    (the process's first writer, ~0.3 s) `import torch` fails in this process; the
+    pipeline's own threads import no torch."""
     if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
         sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` fails
         try:
