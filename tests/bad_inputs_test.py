@@ -67,9 +67,9 @@ def test_the_default_sample_names_real_cases():
     assert {case.name for case in corpus.CASES} >= _DEFAULT_LAUNCH_CASES
 
 
-# The default sample's launches are forks of one Python (tests/forked_launches.py), in the
-# environment `corpus.run_launch` gives its process, bounded by the corpus's 120 s each; the
-# outcome is judged as `corpus.run_launch` judges it. The extended cases still run as
+# The default sample's launches are forks of one Python (tests/forked_launches.py), with
+# the corpus's arguments and environment (`launch_args`, `launch_env`), bounded by its
+# 120 s each, and judged by `corpus.judge_launch`. The extended cases still run as
 # spawned `python -m` processes (`corpus.run_case`), and tests/launch_test.py ends real
 # `python -m streamrl_jax.launch` processes with status 2.
 
@@ -77,38 +77,27 @@ def test_the_default_sample_names_real_cases():
 @pytest.fixture(scope="module")
 def default_launches():
     """{case name: (outcome, detail)} of the default sample's launch cases."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")  # run_launch's
     # As the entry point's own restart leaves it (tests/launch_test.py).
-    env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
+    env = dict(corpus.launch_env(), GLIBC_TUNABLES="glibc.malloc.hugetlb=1")
+    timeout_s = 120.0
     with tempfile.TemporaryDirectory(prefix="bad-inputs-") as tmp:
-        cases, expect = {}, {}
-        for case in corpus.CASES:
-            if case.kind != "launch" or case.name not in _DEFAULT_LAUNCH_CASES:
-                continue
-            root = tempfile.mkdtemp(prefix="case-", dir=tmp)
-            if case.files is not None:
-                case.files(root)
-            flags = [f.replace("{root}", root) for f in case.flags]
-            args = [f"--workdir={os.path.join(root, 'work')}", *flags]
-            out, err = os.path.join(root, "stdout"), os.path.join(root, "stderr")
-            cases[case.name], expect[case.name] = (args, env, out, err), case.expect
-        statuses = forked_launches.run(cases, timeout_s=120.0, cwd=corpus.REPO, env=env)
-        return {
-            name: _outcome(statuses[name], pathlib.Path(err).read_text(), expect[name])
-            for name, (_, _, _, err) in cases.items()
+        cases = {
+            case.name: case
+            for case in corpus.CASES
+            if case.kind == "launch" and case.name in _DEFAULT_LAUNCH_CASES
         }
-
-
-def _outcome(status: int | None, stderr: str, expect: str) -> tuple[str, str]:
-    """`corpus.run_launch`'s judgement of a launch: (outcome, detail)."""
-    if status is None:
-        return "hang", "no exit within 120 s"
-    if "Traceback" in stderr:
-        return "traceback", stderr.strip().splitlines()[-1]
-    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    if status == 2 and len(errors) == 1 and expect in errors[0]:
-        return "clear", errors[0]
-    return "wrong", f"rc={status} {errors or stderr[-300:]}"
+        runs = {}
+        for name, case in cases.items():
+            root = tempfile.mkdtemp(prefix="case-", dir=tmp)
+            out, err = os.path.join(root, "stdout"), os.path.join(root, "stderr")
+            runs[name] = (corpus.launch_args(case, root), env, out, err)
+        statuses = forked_launches.run(runs, timeout_s=timeout_s, cwd=corpus.REPO, env=env)
+        return {
+            name: corpus.judge_launch(
+                cases[name], statuses[name], pathlib.Path(err).read_text(), timeout_s
+            )
+            for name, (_, _, _, err) in runs.items()
+        }
 
 
 @pytest.mark.parametrize("case", [_marks(case) for case in corpus.CASES])

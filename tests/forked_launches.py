@@ -30,12 +30,13 @@ assert not xla_bridge._backends and threading.active_count() == 1  # safe to for
 
 
 def case(args, env, out, err):  # `python -m streamrl_jax.launch ARGS` in ENV; its status
-    for fd, path in ((1, out), (2, err)):
-        if fd == 2 and err == out:
-            os.dup2(1, 2)
-            break
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(f, fd); os.close(f)
+    f = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(f, 1); os.close(f)
+    if err == out:
+        os.dup2(1, 2)
+    else:
+        f = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, 2); os.close(f)
     os.setsid()  # its own group: a hung case is killed whole
     os.environ.clear(); os.environ.update(env)
     sys.argv = ["-m", *args]  # runpy puts the module's path first, as `python -m`

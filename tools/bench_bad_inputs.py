@@ -421,24 +421,41 @@ def run_network(case: Case, root: str, timeout_s: float) -> tuple[str, str]:
 
 def run_launch(case: Case, root: str, timeout_s: float) -> tuple[str, str]:
     """(outcome, detail): outcome is "clear", "traceback", "hang" or "wrong"."""
+    cmd = [sys.executable, "-m", "streamrl_jax.launch", *launch_args(case, root)]
+    try:
+        run = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout_s, cwd=REPO, env=launch_env()
+        )
+    except subprocess.TimeoutExpired:
+        return judge_launch(case, None, "", timeout_s)
+    return judge_launch(case, run.returncode, run.stderr, timeout_s)
+
+
+def launch_args(case: Case, root: str) -> list[str]:
+    """The entry point's arguments for `case` in the scratch directory `root` (its files
+    written there first)."""
     if case.files is not None:
         case.files(root)
     flags = [f.replace("{root}", root) for f in case.flags]
-    workdir = os.path.join(root, "work")
-    cmd = [sys.executable, "-m", "streamrl_jax.launch", f"--workdir={workdir}", *flags]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
-    try:
-        run = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout_s, cwd=REPO, env=env
-        )
-    except subprocess.TimeoutExpired:
+    return [f"--workdir={os.path.join(root, 'work')}", *flags]
+
+
+def launch_env() -> dict[str, str]:
+    """The environment a launch case runs in."""
+    return dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+
+
+def judge_launch(case: Case, status: int | None, stderr: str, timeout_s: float) -> tuple[str, str]:
+    """(outcome, detail) of a launch that ended with `status` (None: it ran past
+    `timeout_s`) and printed `stderr`."""
+    if status is None:
         return "hang", f"no exit within {timeout_s:.0f} s"
-    if "Traceback" in run.stderr:
-        return "traceback", run.stderr.strip().splitlines()[-1]
-    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
-    if run.returncode == 2 and len(errors) == 1 and case.expect in errors[0]:
+    if "Traceback" in stderr:
+        return "traceback", stderr.strip().splitlines()[-1]
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    if status == 2 and len(errors) == 1 and case.expect in errors[0]:
         return "clear", errors[0]
-    return "wrong", f"rc={run.returncode} {errors or run.stderr[-300:]}"
+    return "wrong", f"rc={status} {errors or stderr[-300:]}"
 
 
 def run_reward(case: Case, root: str, timeout_s: float) -> tuple[str, str]:

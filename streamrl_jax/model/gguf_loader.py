@@ -75,23 +75,6 @@ def unpermute_qk(w_RxC: np.ndarray, n_head: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(w_RxC.shape)
 
 
-def open_gguf(path: str) -> Any:
-    """A `gguf.GGUFReader`; FileNotFoundError / ValueError naming `path`."""
-    import gguf  # deferred: only GGUF users pay for the import
-
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"GGUF file not found: {path}")
-    try:
-        return gguf.GGUFReader(path, "r")
-    except Exception as e:  # the reader raises ValueError/IndexError/struct errors alike
-        raise UserError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from e
-
-
-def read_metadata(reader: Any) -> dict[str, Any]:
-    """All metadata fields as Python values."""
-    return {key: field.contents() for key, field in reader.fields.items()}
-
-
 # GGUF value types (llama.cpp's gguf.md): numpy dtypes of the fixed-size ones.
 _SCALARS = {
     0: np.uint8,
@@ -124,8 +107,8 @@ class _Tensor:
 def read_header(path: str) -> tuple[dict[str, Any], list[str]]:
     """(metadata, tensor names) of a GGUF file (v2/v3), read straight from its header.
 
-    The same values as `read_metadata` (strings as `str`, arrays as lists), without
-    `gguf.GGUFReader`'s element-by-element parse, which takes seconds for a vocabulary of
+    The same values as `gguf.GGUFReader`'s fields' contents (strings as `str`, arrays as
+    lists), without its element-by-element parse, which takes seconds for a vocabulary of
     strings (the tokenizer and the config are all that most runs read). The file is
     untrusted: every length is checked against the file before it is read.
 
