@@ -516,9 +516,12 @@ def test_assign_roles_groups_devices_by_process():
 
 # ---------------------------------------------------------------------- launch
 _WORKER = """
+import collections
 import json
 import jax
 jax.config.update("jax_num_cpu_devices", 2)
+events = collections.Counter()
+jax.monitoring.register_event_listener(lambda name, **kw: events.update([name]))
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -531,6 +534,10 @@ mesh = Mesh(np.array(jax.devices()), ("x",))
 local = np.full((2,), r.process_id + 1, np.float32)
 x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), local)
 total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(x)  # gloo all-reduce
+if r.process_id == 1:  # a program of process 1's alone, for the compile cache
+    def training_only(v):
+        return v * 3
+    jax.block_until_ready(jax.jit(training_only)(jnp.ones(3)))
 got = None
 if r.role == "training":
     address = "%s:0" % roles.advertised_host(cfg)
@@ -544,11 +551,14 @@ else:
             c.send(SpanReport(track="t", name=str(i), t0=0.0, t1=0.0, args={}))
 print("RESULT", json.dumps({"pid": r.process_id, "role": r.role, "sum": float(total),
       "gen": len(r.generation_devices), "train": len(r.training_devices), "got": got}))
+asked, read = (events["/jax/compilation_cache/" + k]
+               for k in ("compile_requests_use_cache", "cache_hits"))
+print("CACHE", json.dumps({"pid": r.process_id, "compiled": asked - read, "read": read}))
 jax.distributed.shutdown()
 """
 
 
-def _launch(tmp_path, script: str, *flags: str) -> subprocess.CompletedProcess:
+def _launch(tmp_path, script: str, *flags: str, env=None) -> subprocess.CompletedProcess:
     path = tmp_path / "worker.py"
     path.write_text(textwrap.dedent(script))
     cmd = [sys.executable, str(REPO / "launch" / "local.py"), *flags, "--timeout_s", "120"]
@@ -557,20 +567,45 @@ def _launch(tmp_path, script: str, *flags: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=150,
-        env=_CHILD_ENV,
+        env=env or _CHILD_ENV,
     )
 
 
 def test_launch_local_two_processes_roles_psum_and_samples(tmp_path):
-    run = _launch(tmp_path, _WORKER, "-n", "2")
+    cache = tmp_path / "jax-cache"
+    run = _launch(tmp_path, _WORKER, "-n", "2", env=_cache_env(cache))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    results = sorted(line for line in run.stdout.splitlines() if "RESULT" in line)
+    results = _lines(run, "RESULT")
     assert len(results) == 2, run.stdout[-3000:]
     gen, train = (line.split("RESULT ", 1)[1] for line in results)
     assert gen.startswith('{"pid": 0, "role": "generation", "sum": 6.0, "gen": 2, "train": 2')
     assert train.startswith('{"pid": 1, "role": "training", "sum": 6.0')
     assert train.endswith('"got": [0, 1, 2]}')
     assert results[0].startswith("[p0 gen] RESULT") and results[1].startswith("[p1 train] RESULT")
+    # The same program again, with the compile cache the first wrote: neither process
+    # compiles anything. (JAX alone writes process 0's programs only, so process 1 used
+    # to compile its own again: distributed/compile_cache.py.)
+    run = _launch(tmp_path, _WORKER, "-n", "2", env=_cache_env(cache))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    counts = [json.loads(line.split("CACHE ", 1)[1]) for line in _lines(run, "CACHE")]
+    assert [c["pid"] for c in counts] == [0, 1], run.stdout[-3000:]
+    for c in counts:
+        assert c["compiled"] == 0 and c["read"] > 0, c
+
+
+def _lines(run, tag: str) -> list[str]:
+    return sorted(line for line in run.stdout.splitlines() if f"] {tag} " in line)
+
+
+def _cache_env(cache) -> dict[str, str]:
+    """The children's environment with a compile cache of their own, bounded (which is
+    what turns on JAX's file lock), keeping every program."""
+    return dict(
+        _CHILD_ENV,
+        JAX_COMPILATION_CACHE_DIR=str(cache),
+        JAX_COMPILATION_CACHE_MAX_SIZE=str(1 << 28),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    )
 
 
 def test_launch_local_stops_everyone_when_one_fails(tmp_path):

@@ -59,7 +59,7 @@ from typing import Any, Literal
 import jax
 from absl import logging
 
-from streamrl_jax.distributed import keys
+from streamrl_jax.distributed import compile_cache, keys
 from streamrl_jax.distributed.peers import is_loopback, parse_address
 
 Role = Literal["generation", "training"]
@@ -302,6 +302,7 @@ def initialize(cfg: DistributedConfig) -> Roles:
     if dropped:  # another jax version: keep going, but say which timeouts are JAX's defaults
         logging.warning("jax.distributed.initialize does not accept %s; using defaults", dropped)
     jax.distributed.initialize(**{k: v for k, v in kwargs.items() if k in accepted})
+    compile_cache.write_from_every_process()  # not JAX's process 0 only: every role's programs
     rejoined = _rejoining(cfg)
     cfg.check_generation_processes(jax.process_count())
     roles = assign_roles(
