@@ -142,14 +142,6 @@ COMBINATIONS = {
         (2, 1),
         ["pipeline.mode", "2 processes, 1 generating and 1 training"],
     ),
-    "dynamic sampling across processes": (
-        _DYNAMIC,
-        (3, 2),
-        [
-            "pipeline.rollout='dynamic_sampling' across processes runs with one generation",
-            "3 processes, 2 generating and 1 training",
-        ],
-    ),
     "the curriculum across processes": (
         {"pipeline__rollout": "curriculum+full"},
         (2, 1),

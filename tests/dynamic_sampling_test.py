@@ -7,6 +7,9 @@ The end-to-end reward gives every sample of a third of the prompts (by a hash of
 prompt id) the same score (a group without variance) and the vowel fraction to the rest.
 """
 
+import concurrent.futures
+import dataclasses
+import itertools
 import os
 import threading
 import zlib
@@ -141,6 +144,102 @@ def test_a_failure_ends_the_refill_wait_and_a_stall_is_named():
         ro.settle(0, lambda more, first: None, lambda: False)
     ctx.latch.fail("reward function", RuntimeError("boom"))
     ro.settle(0, lambda more, first: None, lambda: False)  # returns: the run failed
+
+
+class MemoryVerdicts:
+    """The run's verdicts in memory (`rollouts.Verdicts`; across processes they live in
+    the coordination service, `processes/verdicts.py`)."""
+
+    def __init__(self):
+        self.values, self.drawn, self.cv = {}, {}, threading.Condition()
+
+    def publish(self, batch, group, informative, prompt_id):
+        with self.cv:
+            self.values[(batch, group)] = (informative, prompt_id)
+            self.cv.notify_all()
+
+    def read(self, batch):
+        with self.cv:
+            return {g: v for (b, g), v in self.values.items() if b == batch}
+
+    def wait(self, batch, group, timeout_s):
+        with self.cv:
+            self.cv.wait_for(lambda: (batch, group) in self.values, timeout_s)
+
+    def forget(self, batch):
+        with self.cv:
+            self.values = {k: v for k, v in self.values.items() if k[0] != batch}
+
+    def settled(self, batch, draws):
+        self.drawn[batch] = draws
+
+
+# Group -> scores: p0 and p4 vary (informative), every other prompt's group is uniform.
+_SCORES = {"p0": [0.0, 1.0], "p4": [0.0, 1.0]}
+
+
+def test_generation_processes_and_trainers_decide_the_same_rounds_from_shared_verdicts():
+    # Two generation processes, each judging the groups it owns (even / odd indices),
+    # and a training process: every one decides batch 0's refill rounds from all the
+    # published verdicts, so all draw the same prompts (those of the one-process unit
+    # test above), and the trainer takes the informative groups, consumes the others.
+    board, submitted = MemoryVerdicts(), {0: [], 1: []}
+    pipeline = dict(where="generator", verdicts=board)
+
+    def generator(k):
+        ctx, _ = _unit()
+        scored = {}
+
+        def score(sample):
+            future = concurrent.futures.Future()
+            future.set_result(scored.pop(sample.request_id))
+            return future
+
+        ro = DynamicSampling(dataclasses.replace(ctx, **pipeline, score=score))
+
+        def submit(prompts, first):
+            submitted[k].append((first, [q.problem.prompt_id for q in prompts]))
+            judge(prompts, first)
+
+        def judge(prompts, first):
+            for i, q in enumerate(prompts):
+                pid = q.problem.prompt_id
+                if (first + i) % 2 == k:  # this process's share
+                    for s in group_of_scores(0, first + i, _SCORES.get(pid, [1.0, 1.0]), pid):
+                        scored[s.sample.request_id] = s
+                        ro.returned(s.sample)
+
+        judge(ro.draw(0), 0)
+        return threading.Thread(target=ro.settle, args=(0, submit, lambda: False))
+
+    threads = [generator(0), generator(1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    rounds = [(3, ["p3", "p4"]), (5, ["p5"]), (6, ["p6"])]
+    assert submitted == {0: rounds, 1: rounds}
+    assert board.read(0) == {g: (g in (0, 4), f"p{g}") for g in range(7)}
+
+    ctx, _ = _unit()
+    trainer = DynamicSampling(dataclasses.replace(ctx, where="trainer", verdicts=board))
+    ctx.prompts.draw(0, 3)  # the step's start draws the originals (TrainingLink)
+    for g in (0, 1, 4):  # what it received so far (the rest of its groups may come later)
+        _score(trainer, 0, g, _SCORES.get(f"p{g}", [1.0, 1.0]), f"p{g}")
+    taken = [g[0].sample.tag.group for groups in trainer.micro_batches(0, 0) for g in groups]
+    assert sorted(taken) == [0, 4] and ctx.prompts.drawn[0] == [f"p{i}" for i in range(7)]
+    finished = trainer.finish(0)
+    assert finished.consumed == ["p1", "p2", "p3", "p5", "p6"]
+    assert finished.metrics["dynamic_draws"] == 4.0 and board.drawn == {0: 4}
+
+    # A trainer whose own judgment contradicts the published verdict fails, naming it.
+    ctx, _ = _unit()
+    trainer = DynamicSampling(dataclasses.replace(ctx, where="trainer", verdicts=board))
+    ctx.prompts.draw(1, 3)
+    board.publish(1, 1, False, "p1")
+    with pytest.raises(RuntimeError, match="batch 1 group 1: this process judged it informative"):
+        _score(trainer, 1, 1, [0.0, 1.0], "p1")  # before it read the board: checked there
+        list(itertools.islice(trainer.micro_batches(1, 0), 1))
 
 
 # One end-to-end mode by default (the policy's parts run as units above); the others are

@@ -545,13 +545,6 @@ def check(cfg: ExperimentConfig, processes: Processes) -> ExperimentConfig:
     )
     wrappers, kind = rollout_names(p.rollout)
     require(
-        kind != "dynamic_sampling" or (n.generation == 1 and n.total in (None, 2)),
-        f"pipeline.rollout={p.rollout!r} across processes runs with one generation and one "
-        f"training process; this run has {n}: the generation process judges the groups it "
-        "made itself and the trainer mirrors its refill rounds (docs/pipeline.md, "
-        '"Dynamic sampling"). Use 2 processes (-n 2 -g 1), or another pipeline.rollout',
-    )
-    require(
         cfg.algorithm.sft_coef == 0,
         f"algorithm.sft_coef={cfg.algorithm.sft_coef}: the supervised loss runs in one process "
         f"only; this run has {n} (its demonstration batches are not split across training "

@@ -428,3 +428,15 @@ def lookup(key: str, timeout_s: float) -> str:
         raise TimeoutError(
             f"distributed: no process published {key!r} within {timeout_s:.1f} s ({e})"
         ) from e
+
+
+def lookup_all(prefix: str) -> dict[str, str]:
+    """Every value published under `prefix/` so far, by the rest of its key (does not
+    wait)."""
+    start = f"streamrl/{prefix}/"
+    return {k[len(start) :]: v for k, v in _kv_client().key_value_dir_get(start)}
+
+
+def forget(prefix: str) -> None:
+    """Deletes every value published under `prefix/`."""
+    _kv_client().key_value_delete(f"streamrl/{prefix}/")

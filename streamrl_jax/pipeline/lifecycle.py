@@ -196,6 +196,7 @@ def run_components(
         live,
         where=generation.where,
         generation_processes=generation.generation_processes,
+        verdicts=generation.verdicts,
         shutdown=shutdown,
     )
     r, threads, signals, progress, stopped = _Run(parts, generation), [], None, None, False

@@ -39,6 +39,7 @@ from streamrl_jax.pipeline.rollouts import (
     Returned,
     Rollout,
     RolloutContext,
+    Verdicts,
     Where,
     make_rollout,
 )
@@ -103,12 +104,14 @@ def wire(
     *,
     where: Where,
     generation_processes: tuple[int, ...] = (),
+    verdicts: Verdicts | None = None,
     shutdown: threading.Event | None = None,
 ) -> RunParts:
     """The run's shared objects. `live`: the scheduler of where generation runs
     (`Generation.scheduler`); `where`, `generation_processes`: which half of the rollout
-    runs here ("here": both; "trainer": generation in those processes); `shutdown`: the
-    stop request's event (`Supervisor`; None: the run's own)."""
+    runs here ("here": both; "trainer": generation in those processes); `verdicts`: the
+    generation processes' judged groups (dynamic sampling across processes); `shutdown`:
+    the stop request's event (`Supervisor`; None: the run's own)."""
     p = cfg.pipeline
     sup = Supervisor(p, shutdown)
     schedule = Schedule.from_config(p)
@@ -144,6 +147,7 @@ def wire(
             seed=cfg.seed,
             where=where,
             generation_processes=generation_processes,
+            verdicts=verdicts,
         ),
         Kits(episodes=kit, agents=agents),
     )

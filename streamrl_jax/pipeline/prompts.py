@@ -20,7 +20,7 @@ against whatever part of the record it covers.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from streamrl_jax.data import Prompt, PromptPipeline
@@ -67,13 +67,14 @@ class PromptSource:
                 )
         return prompts
 
-    def skip_to(self, batch: int, n: int, first: int) -> None:
-        """Draws and drops batches `first` .. `batch` - 1 of `n` prompts each: a restarted
-        generation process moves its pipeline to the batch it rejoins at (and draws from
-        there with no record to match)."""
+    def skip_to(self, batch: int, n: Callable[[int], int], first: int) -> None:
+        """Draws and drops batches `first` .. `batch` - 1, `n(b)` prompts of batch b: a
+        restarted generation process moves its pipeline to the batch it rejoins at (and
+        draws from there with no record to match)."""
+        counts = [n(b) for b in range(first, batch)]  # may wait: not under the lock
         with self._lock:
-            for _ in range(first, batch):
-                self.pipeline.next_prompts(n)
+            for count in counts:
+                self.pipeline.next_prompts(count)
             self._expected = {}
 
     def preview(self, batches: Iterable[int], n: int) -> dict[int, list[int]]:

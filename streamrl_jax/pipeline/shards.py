@@ -86,6 +86,7 @@ class TrainerShare(Protocol):
     `TrainingGroup`: several)."""
 
     count: int  # training processes
+    index: int  # this one's, 0 .. count - 1
     own: Ownership
 
     def owned(self, mini: int, j: int) -> list[int]:
@@ -112,7 +113,7 @@ class TrainerShare(Protocol):
 class Alone:
     """One training process: it owns every group, and agrees with itself."""
 
-    count = 1
+    count, index = 1, 0
 
     def __init__(self, ownership: Ownership):
         self.own = ownership

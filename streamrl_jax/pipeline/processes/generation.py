@@ -91,6 +91,7 @@ from streamrl_jax.pipeline.processes.plan import (
 )
 from streamrl_jax.pipeline.processes.roster import RosterUpdate, reserved_processes
 from streamrl_jax.pipeline.processes.roster_share import RosterShare
+from streamrl_jax.pipeline.processes.verdicts import StoreVerdicts
 from streamrl_jax.pipeline.prompts import PromptSource
 from streamrl_jax.pipeline.requests import Requests
 from streamrl_jax.pipeline.rollouts import Kits, Rollout, RolloutContext, make_rollout
@@ -369,10 +370,20 @@ class _GenerationProcess:
             # Restarted into the run: start where the trainer's roster says, with
             # that batch's weights; the prompt iterator is moved there by drawing.
             roster = roster_share.rejoin(self.pid, self.epoch0, self.timeout)
-            self.prompts.skip_to(roster.floor, self.cfg.pipeline.prompts_per_step, batch)
+            self.prompts.skip_to(roster.floor, self._drawn_per_batch(), batch)
             batch = roster.floor
             loaded = self.schedule.generation_version(batch)
         return batch, loaded, roster
+
+    def _drawn_per_batch(self) -> Callable[[int], int]:
+        """How many prompts each earlier batch drew (a restarted process moves its prompt
+        iterator past them): `prompts_per_step`, and with dynamic sampling its refills
+        too, which the first training process publishes as it trains each batch
+        (`StoreVerdicts.drawn`; a batch still refilling is waited for)."""
+        n = self.cfg.pipeline.prompts_per_step
+        if rollout_names(self.cfg.pipeline.rollout)[1] != "dynamic_sampling":
+            return lambda b: n
+        return lambda b: n + StoreVerdicts().drawn(b, self.timeout)
 
     def _rollout(self) -> PartialRollout | Rollout:
         """The generation half of the run's rollout."""
@@ -396,6 +407,7 @@ class _GenerationProcess:
                 seed=self.cfg.seed,
                 where="generator",
                 score=self._score if self.pool is not None else None,
+                verdicts=StoreVerdicts(),
             ),
             Kits(episodes=self.kit),
         )

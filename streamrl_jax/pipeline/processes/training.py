@@ -83,6 +83,7 @@ from streamrl_jax.pipeline.processes.plan import (
     ranker_online,
 )
 from streamrl_jax.pipeline.processes.roster import ROSTER_KEY, Roster, reserved_processes
+from streamrl_jax.pipeline.processes.verdicts import StoreVerdicts
 from streamrl_jax.pipeline.resume import ResumePoint
 from streamrl_jax.pipeline.rollouts import Where
 from streamrl_jax.pipeline.schedules import Schedule
@@ -164,6 +165,7 @@ class TrainingLink:
     `Running`: samples in, weights out."""
 
     where: Where = "trainer"  # the trainer's half of the rollout runs here
+    verdicts = StoreVerdicts()  # the generation processes' judged groups (dynamic sampling)
 
     def __init__(self, cfg: ExperimentConfig, dcfg: roles.DistributedConfig, r: roles.Roles):
         g = len(r.generation_processes)

@@ -48,6 +48,7 @@ from streamrl_jax.pipeline.rollouts.protocol import (
     Rounds,
     StepOutcome,
     Submit,
+    Verdicts,
     Where,
     Wrapper,
 )
@@ -100,6 +101,7 @@ __all__ = [
     "Rounds",
     "StepOutcome",
     "Submit",
+    "Verdicts",
     "Where",
     "Wrapper",
     "make_rollout",

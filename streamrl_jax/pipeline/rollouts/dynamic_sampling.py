@@ -34,18 +34,32 @@ Costs: the next batch's generation waits for the current batch's refill rounds
 (scoring its last group and generating the refills), which in stream_async
 moves generation of b+1 later by that much.
 
-Across processes (one generation and one training process, `config/rules.py`): the
-generation process judges the groups it made itself (`RolloutContext.score`: its own
-reward pool, the same deterministic reward function) and runs the refill rounds as
-above; every sample still goes to the trainer, which scores and judges it again and
-*mirrors* the rounds (`_mirror`, on the trainer's thread whenever it waits for the
-batch): once every group of the rounds so far is judged, it draws the round's missing
-number from its own prompt source, so its prompt iterator and its record of each
-batch's draws stay the generation process's, and its step trains the same groups. A
-refill group judged on the trainer before its round is mirrored there is held and
-handed to the trainer's taker once it is (`GroupTaker.park`). The trainer draws a
-batch's originals at the step's start and its refills during the step, so its draws
-keep the generation process's order: originals of b, refills of b, originals of b+1.
+Across processes (any number of generation and training processes): each generation
+process judges the groups it made itself (`RolloutContext.score`: its own reward pool,
+the same deterministic reward function) and publishes each verdict to the run's
+`Verdicts` (`processes/verdicts.py`, the coordination service's store). Every process
+decides a batch's refill rounds from all of them: a round waits until every group
+submitted so far has a verdict, whichever process made it, and its size depends only on
+those verdicts, so every generation process draws the same prompts (and submits its
+share: `roster.py`) whatever the timing. Every sample still goes to the training process
+that owns its group, which scores and judges it again; its own verdict must equal the
+published one (else the run fails naming the group: the reward is not deterministic).
+The trainers *mirror* the rounds from the same verdicts (`_mirror`, on the trainer's
+thread whenever it waits for the batch), drawing the round's missing number from their
+own prompt sources, so their prompt iterators and their record of each batch's draws
+stay the generation processes'. A refill group judged on a trainer before its round is
+mirrored there is held and handed to the trainer's taker once it is
+(`GroupTaker.park`). A trainer draws a batch's originals at the step's start and its
+refills during the step, so its draws keep the generation processes' order: originals
+of b, refills of b, originals of b+1. With one training process the step trains what
+one process trains, in the same order (bit for bit). With T > 1 training processes each
+trains the informative groups it owns (by index, `shards.Ownership`, as every group),
+once the batch is settled, `micro_batch_groups / T` per micro-batch in index order, as
+many micro-batches as the process with the most needs (one with fewer feeds padding
+rows): the same groups as one process, summed in another order (the two-trainer
+tolerance of `tests/multicontroller_test.py`). The first training process publishes how
+many refills each trained batch drew (a restarted generation process moves its prompt
+iterator past them) and drops old verdicts.
 """
 
 from __future__ import annotations
@@ -80,18 +94,27 @@ class Outcome:
     """One batch's groups as dynamic sampling judged them."""
 
     submitted: int = 0  # groups submitted (originals and refills)
-    informative: list[int] = dataclasses.field(default_factory=list)  # group indices
-    skipped: list[int] = dataclasses.field(default_factory=list)  # group indices
+    # group -> informative: this process's judgments; across processes every generation
+    # process's, from the run's `Verdicts`
+    verdicts: dict[int, bool] = dataclasses.field(default_factory=dict)
     prompt_ids: dict[int, str] = dataclasses.field(default_factory=dict)  # group -> prompt
     draws: int = 0  # extra prompts drawn for the batch
     settled: bool = False  # no more groups will come for the batch
 
     @property
-    def judged(self) -> int:
-        return len(self.informative) + len(self.skipped)
+    def informative(self) -> list[int]:
+        return sorted(g for g, v in self.verdicts.items() if v)
+
+    @property
+    def skipped(self) -> list[int]:
+        return sorted(g for g, v in self.verdicts.items() if not v)
+
+    def missing(self) -> int | None:
+        """The first group submitted so far without a verdict (None: the round is judged)."""
+        return next((g for g in range(self.submitted) if g not in self.verdicts), None)
 
     def skipped_prompts(self) -> list[str]:
-        return [self.prompt_ids[g] for g in sorted(self.skipped)]
+        return [self.prompt_ids[g] for g in self.skipped]
 
 
 class DynamicSampling:
@@ -102,7 +125,10 @@ class DynamicSampling:
         p = ctx.pipeline
         if ctx.where == "generator" and ctx.score is None:
             raise ValueError("dynamic sampling in a generation process needs RolloutContext.score")
+        if ctx.where != "here" and ctx.verdicts is None:
+            raise ValueError("dynamic sampling across processes needs RolloutContext.verdicts")
         self.ctx, self.p, self.where = ctx, p, ctx.where
+        self.verdicts = ctx.verdicts
         self.need, self.group_size = p.prompts_per_step, p.group_size
         self.max_draws, self.timeout = p.dynamic_sampling_max_draws, p.timeout_s
         self.taker = GroupTaker(ctx.stream, p.timeout_s)
@@ -110,8 +136,10 @@ class DynamicSampling:
         self._members: dict[tuple[int, int], list[Scored]] = collections.defaultdict(list)
         self._batches: dict[int, Outcome] = collections.defaultdict(Outcome)
         # The trainer across processes: informative groups judged before their refill
-        # round was mirrored here, handed to the taker once it is.
+        # round was mirrored here, handed to the taker once it is; and its own verdicts
+        # on the groups it received, held until the generation process's are read.
         self._held: dict[tuple[int, int], Group] = {}
+        self._own: dict[tuple[int, int], bool] = {}
         ctx.latch.add_listener(lambda component, exc: self._wake())
 
     def _wake(self) -> None:
@@ -135,24 +163,42 @@ class DynamicSampling:
         del batch
         return requests
 
+    def _next_round(self, out: Outcome) -> int | None:
+        """Under `_cv`: the size of the batch's next refill round once every group
+        submitted so far is judged (None before); 0 when the batch is settled (then
+        marked so). Only the groups submitted so far count: across processes another
+        process may already have judged groups of the next round."""
+        if out.settled:
+            return 0
+        if out.missing() is not None:
+            return None
+        informative = sum(out.verdicts[g] for g in range(out.submitted))
+        n = min(self.need - informative, self.max_draws - out.draws)
+        if n <= 0:
+            out.settled = True
+            self._cv.notify_all()
+            return 0
+        return n
+
     def settle(self, batch: int, submit: Submit, stopped: Callable[[], bool]) -> None:
         """Refill rounds for `batch` until it holds `prompts_per_step` informative groups
-        or its draws are spent. Returns early once `stopped()` or the run failed.
+        or its draws are spent: each round waits until every group submitted so far has
+        a verdict (across processes, every generation process's), then draws the missing
+        number (every process draws the same prompts and submits its share). Returns
+        early once `stopped()` or the run failed.
 
         Raises:
           TimeoutError: a round's groups were not all judged within the timeout.
         """
         while True:
+            if self._wait(batch, lambda o: o.missing() is None, stopped) is None:
+                return
             with self._cv:
                 out = self._batches[batch]
-                self._wait(batch, out, lambda o: o.judged >= o.submitted, stopped)
-                if stopped() or self.ctx.latch.failed:
-                    return
-                missing = self.need - len(out.informative)
-                n = min(missing, self.max_draws - out.draws)
-                if n <= 0:
-                    out.settled = True
-                    self._cv.notify_all()
+                n = self._next_round(out)
+                if n == 0:
+                    if self.where == "generator":  # no step here reads it
+                        self._batches.pop(batch, None)
                     return
                 out.draws += n
                 first = out.submitted
@@ -163,23 +209,59 @@ class DynamicSampling:
     def _wait(
         self,
         batch: int,
-        out: Outcome,
         ready: Callable[[Outcome], bool],
         stopped: Callable[[], bool],
-    ) -> None:
-        """Waits (holding `_cv`) until `ready(out)`, a failure or `stopped()`; the trainer
-        across processes mirrors the batch's rounds meanwhile."""
+    ) -> Outcome | None:
+        """Waits until `ready(outcome)` (returned), a failure or `stopped()` (None),
+        reading the other processes' verdicts meanwhile; the trainer across processes
+        mirrors the batch's rounds as they are decided.
+
+        Raises:
+          TimeoutError: not ready within the timeout (naming the batch and its counts).
+        """
         deadline = time.monotonic() + self.timeout
-        self._mirror(batch)
-        while not (ready(out) or stopped() or self.ctx.latch.failed):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(
-                    f"dynamic sampling: batch {batch}: {out.judged} of {out.submitted} groups "
-                    f"judged after {self.timeout:.0f} s (generation or reward stalled?)"
-                )
-            self._cv.wait(min(left, _SLICE_S))
+        while True:
+            self._pull(batch)
             self._mirror(batch)
+            with self._cv:
+                out = self._batches[batch]
+                if ready(out):
+                    return out
+                if stopped() or self.ctx.latch.failed:
+                    return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"dynamic sampling: batch {batch}: {len(out.verdicts)} of "
+                        f"{out.submitted} groups judged after {self.timeout:.0f} s "
+                        f"(first without a verdict: {out.missing()}; generation or reward "
+                        "stalled?)"
+                    )
+                missing = out.missing()
+                if self.verdicts is None or missing is None:
+                    self._cv.wait(min(left, _SLICE_S))
+                    continue
+            self.verdicts.wait(batch, missing, min(left, _SLICE_S))
+
+    def _pull(self, batch: int) -> None:
+        """Across processes: the verdicts every process published for `batch` into its
+        outcome; a verdict that contradicts this process's own judgment of the same
+        group is an error (the reward must be deterministic)."""
+        if self.verdicts is None:
+            return
+        board = self.verdicts.read(batch)
+        with self._cv:
+            out = self._batches[batch]
+            new = False
+            for g, (informative, prompt_id) in board.items():
+                mine = out.verdicts.get(g, self._own.pop((batch, g), None))
+                if mine is not None and mine != informative:
+                    raise RuntimeError(_disagree(batch, g, mine, informative))
+                if g not in out.verdicts:
+                    out.verdicts[g], new = informative, True
+                out.prompt_ids.setdefault(g, prompt_id)
+            if new:
+                self._cv.notify_all()
 
     def returned(self, sample: Sample) -> Returned:
         """A finished sample goes on as it is; in a generation process it is also scored
@@ -189,16 +271,15 @@ class DynamicSampling:
         return Returned(sample, [])
 
     def _scored_here(self, future: Future[Scored]) -> None:
-        """A generation process's own score of one of its samples: judged here, never
-        streamed (the trainer judges the sample it receives)."""
+        """A generation process's own score of one of its samples: judged here and
+        published, never streamed (the trainer judges the sample it receives)."""
         try:
             scored = future.result()
+            judged = self._complete(scored)
+            if judged is not None:
+                self._record(*judged)
         except BaseException as e:  # noqa: BLE001 - the run's failure, named
             self.ctx.latch.fail("dynamic sampling's judge (reward)", e)
-            return
-        judged = self._complete(scored)
-        if judged is not None:
-            self._record(*judged)
 
     # ------------------------------------------------------------------ ingest
     def scored(self, scored: Scored) -> None:
@@ -234,38 +315,42 @@ class DynamicSampling:
         return members, bool(np.ptp(rewards) > 0)
 
     def _record(self, members: Group, informative: bool) -> None:
+        """This process's verdict on a complete group: the batch's (published, in a
+        generation process); a training process across processes keeps its own apart
+        and checks it against the generation process's."""
         tag = members[0].sample.tag
+        b, g = tag.batch, tag.group
+        if self.where == "generator":
+            self.verdicts.publish(b, g, informative, tag.prompt_id)
         with self._cv:
-            out = self._batches[tag.batch]
-            (out.informative if informative else out.skipped).append(tag.group)
-            out.prompt_ids.setdefault(tag.group, tag.prompt_id)
-            self._cv.notify_all()
+            out = self._batches[b]
+            out.prompt_ids.setdefault(g, tag.prompt_id)
+            if self.where != "trainer":
+                out.verdicts[g] = informative
+                self._cv.notify_all()
+                return
+            known = out.verdicts.get(g)
+            if known is None:
+                self._own[(b, g)] = informative
+        if known is not None and known != informative:
+            raise RuntimeError(_disagree(b, g, informative, known))
 
     def _registered(self, batch: int) -> int:
         """Groups of `batch` the trainer's mirror has drawn so far (under `_cv`)."""
         return max(self._batches[batch].submitted, self.need)
 
     def _mirror(self, batch: int) -> None:
-        """The trainer across processes: the generation process's refill rounds of
-        `batch`, as far as this process's judgments decide them (module docstring). The
-        trainer's thread only (it draws from the prompt source after the step's start
-        drew the originals)."""
+        """The trainer across processes: the generation processes' refill rounds of
+        `batch`, as their verdicts decide them (module docstring). The trainer's thread
+        only (it draws from the prompt source after the step's start drew the
+        originals)."""
         if self.where != "trainer":
             return
         released = []
         with self._cv:
             out = self._batches[batch]
             out.submitted = max(out.submitted, self.need)  # the originals: the step drew them
-            while not out.settled:
-                judged = set(out.informative) | set(out.skipped)
-                if not judged.issuperset(range(out.submitted)):
-                    break
-                round_informative = sum(g < out.submitted for g in out.informative)
-                n = min(self.need - round_informative, self.max_draws - out.draws)
-                if n <= 0:
-                    out.settled = True
-                    self._cv.notify_all()
-                    break
+            while (n := self._next_round(out)) is not None and n > 0:
                 first = out.submitted
                 prompts = self.ctx.prompts.draw(batch, n)
                 out.draws += n
@@ -289,6 +374,7 @@ class DynamicSampling:
     # ------------------------------------------------------------------ trainer side
     def _target(self, batch: int) -> int | None:
         """The number of groups batch `batch` trains, once it is settled (else None)."""
+        self._pull(batch)
         self._mirror(batch)
         with self._cv:
             out = self._batches[batch]
@@ -299,23 +385,28 @@ class DynamicSampling:
 
         Raises:
           TimeoutError: not settled within the timeout (naming the batch).
+          RuntimeError: the run failed meanwhile.
         """
+        out = self._wait(batch, lambda o: o.settled, lambda: False)
+        if out is None:
+            raise RuntimeError(f"dynamic sampling: batch {batch}: the run failed") from (
+                self.ctx.latch.error
+            )
         with self._cv:
-            out = self._batches[batch]
-            self._wait(batch, out, lambda o: o.settled, lambda: False)
             return dataclasses.replace(
-                out,
-                informative=sorted(out.informative),
-                skipped=sorted(out.skipped),
-                prompt_ids=dict(out.prompt_ids),
+                out, verdicts=dict(out.verdicts), prompt_ids=dict(out.prompt_ids)
             )
 
     def micro_batches(self, batch: int, mini: int) -> Iterator[list[Group]]:
         """The informative groups of batch b (skipped ones never enter the stream), as
         many as the settled batch holds. Deterministic and batch modes wait for the batch
         to settle and take its groups in index order; streaming takes them as they come,
-        at least `min_groups` at a time while more may come."""
+        at least `min_groups` at a time while more may come. Several training processes
+        take their own (`_owned`)."""
         del mini  # one mini-batch (config/rules.py)
+        if self.ctx.trainers.count > 1:
+            yield from self._owned(batch)
+            return
         p, taken = self.p, 0
         order = None
         if p.deterministic or not self.ctx.schedule.streaming:
@@ -340,11 +431,32 @@ class DynamicSampling:
             taken += len(groups)
             yield groups
 
+    def _owned(self, batch: int) -> Iterator[list[Group]]:
+        """Several training processes (module docstring): once the batch is settled,
+        this process's informative groups (those it owns by index, `shards.Ownership`,
+        as every group) in index order, `micro_batch_groups / T` per micro-batch, as
+        many micro-batches as the process with the most needs (every process makes the
+        same calls; one with fewer feeds padding rows)."""
+        share = self.ctx.trainers
+        informative = self.outcome(batch).informative
+        per = self.p.micro_batch_groups // share.count
+        counts = collections.Counter(share.own.owner(g) for g in informative)
+        mine = [g for g in informative if share.own.owner(g) == share.index]
+        for j in range(-(-max(counts.values(), default=0) // per)):
+            yield self.taker.take_indexed(batch, mine[j * per : (j + 1) * per])
+
     def finish(self, batch: int) -> StepOutcome:
         """Batch b's skipped prompts (consumed too) and its metrics."""
         out = self.outcome(batch)
         with self._cv:
             self._batches.pop(batch, None)
+            for key in [k for k in self._own if k[0] <= batch]:
+                del self._own[key]
+        if self.where == "trainer" and self.ctx.trainers.index == 0:
+            self.verdicts.settled(batch, out.draws)
+            old = batch - (self.p.staleness + 2)  # no generation process settles it any more
+            if old >= 0:
+                self.verdicts.forget(old)
         return StepOutcome(
             metrics={
                 "groups_skipped": float(len(out.skipped)),
@@ -372,3 +484,12 @@ class DynamicSampling:
 
     def fail(self, exc: BaseException) -> None:
         del exc  # the latch's listener wakes every wait here
+
+
+def _disagree(batch: int, group: int, here: bool, there: bool) -> str:
+    word = {True: "informative", False: "skipped"}
+    return (
+        f"dynamic sampling: batch {batch} group {group}: this process judged it "
+        f"{word[here]}, the generation process that made it {word[there]} (the reward "
+        "must be deterministic: every process judges a group alike)"
+    )

@@ -85,6 +85,31 @@ class StepOutcome:
     consumed: list[str] = dataclasses.field(default_factory=list)
 
 
+class Verdicts(Protocol):
+    """Across processes: the run's shared record of judged groups, so that every process
+    decides a batch's refill rounds from every generation process's judgments
+    (dynamic sampling; `pipeline/processes/verdicts.py` keeps it in the coordination
+    service's key-value store). A verdict is (informative, prompt id); publishing one
+    again (a lost process's group generated again) gives the same value."""
+
+    def publish(self, batch: int, group: int, informative: bool, prompt_id: str) -> None:
+        """Group `group` of `batch` judged (any process may publish it, any number of
+        times: the reward is deterministic)."""
+
+    def read(self, batch: int) -> dict[int, tuple[bool, str]]:
+        """Every verdict of `batch` published so far: group -> (informative, prompt id)."""
+
+    def wait(self, batch: int, group: int, timeout_s: float) -> None:
+        """Returns once group `group`'s verdict is published, or after `timeout_s`."""
+
+    def forget(self, batch: int) -> None:
+        """The verdicts of `batch` are no longer needed by anyone (dropped)."""
+
+    def settled(self, batch: int, draws: int) -> None:
+        """`batch` is trained, having drawn `draws` refills (kept for restarted
+        processes, which move their prompt iterators past it)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutContext:
     """What every rollout kind is built from."""
@@ -103,6 +128,9 @@ class RolloutContext:
     # its groups in the generation process: the reward function is deterministic, so the
     # trainer's own scores agree)
     score: Callable[[Sample], Future[Scored]] | None = None
+    # Across processes (dynamic sampling): every generation process's verdicts on the
+    # groups it judged (None in one process, where one judge sees every group)
+    verdicts: Verdicts | None = None
 
 
 class Rollout(Protocol):
