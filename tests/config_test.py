@@ -147,16 +147,6 @@ COMBINATIONS = {
         (2, 1),
         ["pipeline.rollout='curriculum+full'", "2 processes, 1 generating and 1 training"],
     ),
-    "partial rollout, 2 training processes": (
-        _PARTIAL,
-        (3, 1),
-        ["pipeline.rollout='partial'", "3 processes, 1 generating and 2 training"],
-    ),
-    "partial rollout, 2 generation processes": (
-        _PARTIAL,
-        (None, 2),
-        ["pipeline.rollout='partial'", "several processes, 2 generating"],
-    ),
     "partial rollout with checkpoints": (
         {**_PARTIAL, "checkpoint__every": 2},
         (2, 1),

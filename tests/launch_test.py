@@ -149,12 +149,6 @@ _PARTIAL = [
 # 2 groups): (processes, generation processes, flags, what the one line names).
 PROCESS_CASES = {
     "colocated": (2, 1, ["--config.pipeline.mode=colocated"], "pipeline.mode='colocated'"),
-    "partial rollout, 3 processes": (
-        3,
-        1,
-        _PARTIAL,
-        "pipeline.rollout='partial' across processes runs with one generation",
-    ),
     "partial rollout with checkpoints": (
         2,
         1,

@@ -3,6 +3,8 @@
   python tools/fault_drill.py --kills=10             # ~10 min on 2 cores
   python tools/fault_drill.py --kills=3 --steps=15   # a shorter drill
   python tools/fault_drill.py --processes --kills=10 # across processes (1 gen + 1 train)
+  python tools/fault_drill.py --processes --num_processes=3 --generation_processes=2 \
+      --set=pipeline.rollout=dynamic_sampling --set=generation.max_new_tokens=1
 
 The run is `configs/quickstart.py:tiny` in stream_async, deterministic mode, a
 checkpoint every step. A random tiny model never earns the task's reward, so
@@ -85,6 +87,13 @@ _GEN_ONLY = flags.DEFINE_bool(
     "--processes: kill only generation processes; the launcher restarts them and they rejoin.",
 )
 
+_SET = flags.DEFINE_multi_string(
+    "set",
+    [],
+    "A config override SECTION.FIELD=VALUE for the drilled and the reference run alike, "
+    "e.g. --set=pipeline.rollout=dynamic_sampling --set=generation.max_new_tokens=1.",
+)
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PARAMS = "final_params.npz"
 
@@ -104,7 +113,23 @@ def _config(steps: int):
     cd["checkpoint"].update(every=1, keep=2)
     cd["eval"]["num_problems"] = 0
     cd["log"].update(tensorboard=False, trace=False)
+    for dotted, text in _overrides().items():
+        section, field = dotted.split(".")
+        old = cd[section][field]
+        value = text.lower() in ("1", "true") if isinstance(old, bool) else type(old)(text)
+        cd[section][field] = value
     return config_lib.from_config_dict(cd)
+
+
+def _overrides() -> dict[str, str]:
+    """`--set`'s overrides, by SECTION.FIELD (ValueError naming a malformed one)."""
+    out = {}
+    for item in _SET.value:
+        dotted, eq, value = item.partition("=")
+        if not eq or dotted.count(".") != 1:
+            raise ValueError(f"--set={item!r}: expected SECTION.FIELD=VALUE")
+        out[dotted] = value
+    return out
 
 
 def vowel_reward(text, metadata):
@@ -140,6 +165,7 @@ def _launch_cmd(workdir: str) -> list[str]:
         "log.trace": False,
         "log.final_params": True,
         "data.reward": "vowels",
+        **_overrides(),
     }
     return [
         *[sys.executable, os.path.join(_ROOT, "launch", "local.py")],
@@ -158,6 +184,7 @@ def _start(workdir: str, log) -> subprocess.Popen:
         os.path.abspath(__file__),
         f"--child={workdir}",
         f"--steps={_STEPS.value}",
+        *[f"--set={item}" for item in _SET.value],
     ]
     if _PROCESSES.value:
         with contextlib.suppress(FileNotFoundError):

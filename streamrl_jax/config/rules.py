@@ -562,13 +562,6 @@ def check(cfg: ExperimentConfig, processes: Processes) -> ExperimentConfig:
     )
     partial = kind == "partial"
     require(
-        not partial or (n.generation == 1 and n.total in (None, 2)),
-        f"pipeline.rollout='partial' across processes runs with one generation and one "
-        f"training process; this run has {n}: the paused samples live in their generation "
-        "process, which a lost one would take with it, and the round reports go to one "
-        "trainer. Use 2 processes (-n 2 -g 1), or another pipeline.rollout",
-    )
-    require(
         not partial or cfg.checkpoint.every == 0,
         f"pipeline.rollout='partial' with checkpoint.every={cfg.checkpoint.every} on {n}: "
         f"{NO_RESUME_ACROSS_PROCESSES}",

@@ -19,11 +19,11 @@ trainer's refreshes (`_ranker_channel`) instead of refreshing its own.
 **In-flight weight updates** (`pipeline.weight_update="inflight"`) need nothing more: the
 driver hands each version it receives to the instances without draining, and every
 sample carries its per-token versions over the wire. **Partial rollout**
-(`pipeline.partial_budget_tokens`, one generation and one training process) runs this
-process's rounds in the same `PartialRollout` as one process: paused samples stay here
-and continue in the next round under the weights this process holds by then, and a
-`round-reporter` thread (`start_reporter`) sends the trainer a `RoundClosed` per round,
-which is what its steps wait for (`rollouts/partial.RemoteRounds`).
+(`pipeline.partial_budget_tokens`) runs the rounds of this process's groups in the same
+`PartialRollout` as one process: paused samples stay here and continue in the next
+round under the weights this process holds by then, and a `round-reporter` thread
+(`start_reporter`) sends every training process a `RoundClosed` per round, which is
+what their steps wait for (`rollouts/partial.RemoteRounds`).
 
 **End of a run.** Having taken every weight set, it reads the trainer's outcome,
 closes its sample channels in order and returns (raising for a failure). A
@@ -338,10 +338,16 @@ class _GenerationProcess:
             rollout,
             range(first, self.cfg.pipeline.steps),
             self.pid,
-            lambda msg: self.client.send(msg, timeout=self.timeout),
+            self._report,
             self._stopping,
             lambda e: self.latch.fail("round reporter", e),
         )
+
+    def _report(self, closed: RoundClosed) -> None:
+        """A round's closure to every training process: each trains its own groups of
+        every round (`rollouts/partial.RemoteRounds`)."""
+        for client in self.clients:
+            client.send(closed, timeout=self.timeout)
 
     # ------------------------------------------------------------------ run
     def _start(self) -> tuple[int, int, RosterUpdate]:

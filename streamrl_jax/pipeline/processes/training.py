@@ -55,6 +55,7 @@ from absl import logging
 from flax import nnx
 
 from streamrl_jax.config import ExperimentConfig, episode_tokens
+from streamrl_jax.config.fields import rollout_names
 from streamrl_jax.distributed import roles
 from streamrl_jax.distributed.channel import ChannelClosed, PeerLost, TransportError
 from streamrl_jax.distributed.messages import (
@@ -193,6 +194,8 @@ class TrainingLink:
         self.roster = Roster(g, groups, p.group_size, num_evals=0, reserved=reserved)
         self.steps = p.steps
         self.versions = Schedule.from_config(p)  # g(b): the version batch b needs
+        # Partial rollout: a lost generation process ends the run (`_lost`).
+        self.partial = rollout_names(p.rollout)[1] == "partial"
         self.duplicates = 0
         address = roles.advertised_host(dcfg)
         self.server = SampleServer(
@@ -246,6 +249,14 @@ class TrainingLink:
         try:
             k = int(name.rsplit("-", 1)[1])
         except (IndexError, ValueError):
+            return False
+        if self.partial:
+            logging.error(
+                "lost peer: %s; partial rollout: its paused samples and open rounds are "
+                "gone with it, so the run ends (launched again, it resumes from the last "
+                "checkpoint)",
+                exc,
+            )
             return False
         try:
             update = self.roster.lose(k)

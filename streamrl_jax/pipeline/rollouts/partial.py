@@ -33,13 +33,15 @@ round to close), under one lock; `state(k)` / `restore` carry the work in flight
 across a checkpoint at step boundary k: the samples paused into round k and the
 finished members of groups still incomplete when round k - 1 closed.
 
-**Across processes** (one generation and one training process, `config/rules.py`):
-the generation process runs the `PartialRollout` (its driver's half: rounds, paused
-samples, continuations) and reports each round's closure to the trainer
-(`RoundClosed`, sent by `processes/generation.py`); the training process runs
-`RemoteRounds`, the trainer's half: step r trains the groups the reports say round r
-completed. The paused samples a checkpoint must hold live in the generation process,
-so such a run is not checkpointed (refused at start-up) and cannot resume.
+**Across processes** (any number of generation and training processes): each
+generation process runs the `PartialRollout` of the groups it owns (its driver's half:
+rounds, paused samples, continuations) and reports each round's closure to every
+training process (`RoundClosed`, sent by `processes/generation.py`); a training process
+runs `RemoteRounds`, the trainer's half: step r trains the groups every generation
+process's report says round r completed (with several training processes each its own,
+`_owned_micro_batches`). The paused samples a checkpoint must hold live in the
+generation processes, so such a run is not checkpointed (refused at start-up) and
+cannot resume.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ from streamrl_jax.pipeline.rollouts.protocol import (
     StepOutcome,
     Submit,
 )
+from streamrl_jax.pipeline.shards import TrainerShare
 from streamrl_jax.stream.sample_stream import StreamError
 
 Key = tuple[int, int]  # (batch, group): a GRPO group
@@ -99,11 +102,15 @@ def make(ctx: RolloutContext) -> PartialRollout | RemoteRounds:
 
 
 def _round_micro_batches(
-    taker: GroupTaker, p: PipelineSection, want: list[Key]
+    taker: GroupTaker, p: PipelineSection, want: list[Key], trainers: TrainerShare
 ) -> Iterator[list[Group]]:
     """The groups round r completed (`want`, sorted), as micro-batches: deterministic: in
     (batch, group) order, members in member order; otherwise whichever are ready first
-    (scored), at least `min_groups` of them."""
+    (scored), at least `min_groups` of them. Several training processes: each its own
+    (`_owned_micro_batches`)."""
+    if trainers.count > 1:
+        yield from _owned_micro_batches(taker, p, want, trainers)
+        return
     i = 0
     while i < len(want):
         if p.deterministic:
@@ -114,6 +121,21 @@ def _round_micro_batches(
             want[i:] = keys + [k for k in want[i:] if k not in keys]
         i += len(keys)
         yield [taker.key(k) for k in keys]
+
+
+def _owned_micro_batches(
+    taker: GroupTaker, p: PipelineSection, want: list[Key], trainers: TrainerShare
+) -> Iterator[list[Group]]:
+    """Several training processes: of the groups round r completed (`want`, sorted, the
+    same on every training process), those this one owns by group index
+    (`shards.Ownership`, as every group), `micro_batch_groups / T` per micro-batch in
+    (batch, group) order, as many micro-batches as the process with the most needs (every
+    process makes the same calls; one with fewer feeds padding rows)."""
+    per = p.micro_batch_groups // trainers.count
+    counts = collections.Counter(trainers.own.owner(g) for _, g in want)
+    mine = [k for k in want if trainers.own.owner(k[1]) == trainers.index]
+    for j in range(-(-max(counts.values(), default=0) // per)):
+        yield [taker.key(k) for k in mine[j * per : (j + 1) * per]]
 
 
 def _step_metrics(counts: dict[str, int], regenerated: int, dropped: int) -> StepOutcome:
@@ -312,7 +334,7 @@ class PartialRollout:
         """The groups round b completed (of any batch), once it closed."""
         del mini  # one mini-batch (config/rules.py)
         yield from _round_micro_batches(
-            self.taker, self.p, self.wait_round(batch, self.p.timeout_s)
+            self.taker, self.p, self.wait_round(batch, self.p.timeout_s), self.ctx.trainers
         )
 
     def finish(self, batch: int) -> StepOutcome:
@@ -455,7 +477,9 @@ class RemoteRounds:
     # ------------------------------------------------------------------ trainer side
     def micro_batches(self, batch: int, mini: int) -> Iterator[list[Group]]:
         del mini
-        yield from _round_micro_batches(self.taker, self.p, self.wait_round(batch))
+        yield from _round_micro_batches(
+            self.taker, self.p, self.wait_round(batch), self.ctx.trainers
+        )
 
     def wait_round(self, r: int) -> list[Key]:
         """The groups completed in round r, sorted, once every generation process
