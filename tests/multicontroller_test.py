@@ -242,29 +242,40 @@ def test_dynamic_sampling_across_processes_gives_the_one_process_parameters(
     # draws, rewards and consumed prompts, and its parameters: bit for bit with one
     # training process, within the two-trainer tolerance with two (stream_async,
     # deterministic).
+    keys = ("reward", "groups_skipped", "dynamic_draws", "dynamic_short", "samples")
+    rows = _like_one_process(processes, generation, _DYNAMIC, keys, tmp_path, tmp_path_factory)
+    assert sum(r["groups_skipped"] for r in rows) > 0  # the refills ran
+
+
+def _like_one_process(processes, generation, settings, keys, tmp_path, tmp_path_factory):
+    """Runs `settings` (stream_async) in `processes` processes, `generation` of them
+    generating, and checks it against the same command in one process: the parameters
+    (bit for bit with one training process, within the two-trainer tolerance with
+    more), the metrics rows' `keys` per step (the trainers' float32 sums: in another
+    order with several) and every step's consumed prompts (with several trainers each
+    lists the prompts it trained and every one consumed without training). Returns the
+    metrics rows."""
     workdir = tmp_path / "run"
     launcher = [sys.executable, str(REPO / "launch" / "local.py"), "-n", str(processes)]
-    cmd = _launch_cmd(workdir, **{"pipeline.mode": "stream_async"}, **_DYNAMIC)
+    cmd = _launch_cmd(workdir, **{"pipeline.mode": "stream_async"}, **settings)
     run = _run([*launcher, "-g", str(generation), "--timeout_s", "240", "--", *cmd])
     assert run.returncode == 0, run.stdout[-6000:]
     training = processes - generation
-    want = _one_process("stream_async", tmp_path_factory, **_DYNAMIC)
+    want = _one_process("stream_async", tmp_path_factory, **settings)
     _assert_params_match(np.load(workdir / run_lib.FINAL_PARAMS), want, exact=training == 1)
-    one = _ONE_PROCESS_DIR[("stream_async", *sorted(_DYNAMIC.items()))]
-    keys = ("reward", "groups_skipped", "dynamic_draws", "dynamic_short", "samples")
+    one = _ONE_PROCESS_DIR[("stream_async", *sorted(settings.items()))]
     rows = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "reward" in r]
     ref = [r for r in read_jsonl(str(one / "metrics.jsonl")) if "reward" in r]
-    for k in keys:  # the trainers' sums: float32, in another order with two
-        assert [r[k] for r in rows] == pytest.approx([r[k] for r in ref], rel=1e-6), k
-    assert sum(r["groups_skipped"] for r in rows) > 0  # the refills ran
-    # Every prompt consumed once, at the one-process run's step (with two trainers each
-    # lists the prompts it trained and every skipped one).
+    for k in keys:  # (the reward of a step that trained nothing: nan)
+        want_k = pytest.approx([r[k] for r in ref], rel=1e-6, nan_ok=True)
+        assert [r[k] for r in rows] == want_k, k
     logs = [workdir] + [workdir / f"training-{i}" for i in range(1, training)]
     got: dict[int, set[str]] = {}
     for log in logs:
         for row in read_jsonl(str(log / "consumed.jsonl")):
             got.setdefault(row["step"], set()).update(row["prompt_ids"])
     assert got == {r["step"]: set(r["prompt_ids"]) for r in read_jsonl(str(one / "consumed.jsonl"))}
+    return rows
 
 
 @pytest.mark.extended  # the suite's budget: the delta's bytes and bits run in shard_sync_test
@@ -1018,29 +1029,10 @@ def test_partial_rollout_across_processes_gives_the_one_process_parameters(
     # round completed (each trainer its own). The run ends with the one-process run's
     # parameters (bit for bit with one training process, within the two-trainer
     # tolerance with two), its per-step samples, rewards and consumed prompts.
-    workdir = tmp_path / "run"
-    launcher = [sys.executable, str(REPO / "launch" / "local.py"), "-n", str(processes)]
-    cmd = _launch_cmd(workdir, **{"pipeline.mode": "stream_async"}, **_PARTIAL)
-    run = _run([*launcher, "-g", str(generation), "--timeout_s", "240", "--", *cmd])
-    assert run.returncode == 0, run.stdout[-6000:]
-    training = processes - generation
-    want = _one_process("stream_async", tmp_path_factory, **_PARTIAL)
-    _assert_params_match(np.load(workdir / run_lib.FINAL_PARAMS), want, exact=training == 1)
-    one = _ONE_PROCESS_DIR[("stream_async", *sorted(_PARTIAL.items()))]
     keys = ("reward", "samples", "optimizer_steps", "carried_paused", "dropped_lag")
-    rows = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "reward" in r]
-    ref = [r for r in read_jsonl(str(one / "metrics.jsonl")) if "reward" in r]
-    for k in keys:  # (the reward of a step that trained nothing: nan)
-        want_k = pytest.approx([r[k] for r in ref], rel=1e-6, nan_ok=True)
-        assert [r[k] for r in rows] == want_k, k
-    assert max(r["mixed_versions"] for r in rows if r["samples"]) > 0  # continued under
-    # newer weights
-    logs = [workdir] + [workdir / f"training-{i}" for i in range(1, training)]
-    got: dict[int, set[str]] = {}
-    for log in logs:
-        for row in read_jsonl(str(log / "consumed.jsonl")):
-            got.setdefault(row["step"], set()).update(row["prompt_ids"])
-    assert got == {r["step"]: set(r["prompt_ids"]) for r in read_jsonl(str(one / "consumed.jsonl"))}
+    rows = _like_one_process(processes, generation, _PARTIAL, keys, tmp_path, tmp_path_factory)
+    # continued under newer weights
+    assert max(r["mixed_versions"] for r in rows if r["samples"]) > 0
 
 
 def _agent_cmd(workdir, flags):
