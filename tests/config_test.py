@@ -147,11 +147,6 @@ COMBINATIONS = {
         (2, 1),
         ["pipeline.rollout='curriculum+full'", "2 processes, 1 generating and 1 training"],
     ),
-    "partial rollout with checkpoints": (
-        {**_PARTIAL, "checkpoint__every": 2},
-        (2, 1),
-        ["pipeline.rollout='partial'", "checkpoint.every", "2 processes"],
-    ),
     "training processes that do not split micro-batches": (
         {},
         (5, 2),

@@ -149,12 +149,6 @@ _PARTIAL = [
 # 2 groups): (processes, generation processes, flags, what the one line names).
 PROCESS_CASES = {
     "colocated": (2, 1, ["--config.pipeline.mode=colocated"], "pipeline.mode='colocated'"),
-    "partial rollout with checkpoints": (
-        2,
-        1,
-        [*_PARTIAL, "--config.checkpoint.every=2"],
-        "pipeline.rollout='partial' with checkpoint.every=2",
-    ),
     "3 training processes": (4, 1, [], "3 training processes must divide pipeline.micro_batch"),
     "elastic, no generation process left": (
         2,

@@ -1035,6 +1035,47 @@ def test_partial_rollout_across_processes_gives_the_one_process_parameters(
     assert max(r["mixed_versions"] for r in rows if r["samples"]) > 0
 
 
+def test_partial_rollout_across_processes_resumes_a_killed_run_exactly(tmp_path, tmp_path_factory):
+    # 2 generation + 1 training processes, partial rollout, a checkpoint every step: each
+    # generation process writes its share of the work carried into round k (paused
+    # samples, finished members of incomplete groups) before it reports round k - 1
+    # (processes/carried.py). The trainer is SIGKILLed once checkpoint 3 is on disk (the
+    # generation processes then fail naming it); the same command resumes, the
+    # generation processes take their carried work back, and the run ends with the
+    # uninterrupted one-process run's parameters bit for bit, every step's prompts
+    # consumed as there.
+    run = {**_PARTIAL, "pipeline.steps": 5}
+    settings = {**run, **_CKPT}
+    want = _one_process("stream_async", tmp_path_factory, **settings)
+    one = _ONE_PROCESS_DIR[("stream_async", *sorted(settings.items()))]
+    workdir, logs = tmp_path / "run", tmp_path / "logs"
+    logs.mkdir()
+    procs = _spawn(3, 2, workdir, logs, **{"pipeline.mode": "stream_async"}, **settings)
+    try:
+        deadline = time.monotonic() + 180
+        while not (workdir / "checkpoints" / "3").is_dir():
+            assert time.monotonic() < deadline, (logs / "p2.log").read_text()[-4000:]
+            assert all(p.poll() is None for p in procs), (logs / "p2.log").read_text()[-4000:]
+            time.sleep(0.05)
+        os.killpg(procs[2].pid, signal.SIGKILL)
+        for p in procs[:2]:
+            p.wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert not (workdir / run_lib.FINAL_PARAMS).exists()
+    assert sorted(os.listdir(workdir / "carried" / "3")) == [
+        "generation-0.json",
+        "generation-1.json",
+    ]
+    log = _launched(3, 2, workdir, **run)
+    _assert_resumed_like_one_process(workdir, want, exact=True, log=log)
+    assert "restored" in log and "carried into round" in log, log[-4000:]
+    rows = read_jsonl(str(workdir / "consumed.jsonl"))
+    assert rows == read_jsonl(str(one / "consumed.jsonl"))
+
+
 def _agent_cmd(workdir, flags):
     """The launch command of `configs/agent.py:tiny` with `flags`."""
     return [
@@ -1185,8 +1226,7 @@ def test_settings_that_need_one_process_are_refused():
     }
     for n, g in ((2, 1), (None, 1), (3, 2), (3, 1), (None, 2), (4, 2)):  # any split
         _check(_config(**partial), n, g)
-    with pytest.raises(config_lib.ConfigError, match="cannot be checkpointed or resumed"):
-        _check(_config(**partial, **{"checkpoint.every": 2}), 2, 1)
+    _check(_config(**partial, **{"checkpoint.every": 2}), 4, 2)  # checkpointed too
     _check(_config(**{"checkpoint.every": 2}), 2, 1)  # checkpoints
     _check(_config(), 3, 2)  # 2 generation + 1 training
     _check(_config(), 4, 2)  # 2 generation + 2 training

@@ -5,6 +5,7 @@ flight, the trainer's micro-batches of a round, and the trainer's half across pr
 
 import dataclasses
 import json
+import os
 import threading
 
 import numpy as np
@@ -286,15 +287,57 @@ def test_a_report_repeated_is_refused():
         rr.report(_report(0, 0))
 
 
-def test_checkpoints_across_processes_are_refused_by_name():
+def test_a_checkpoint_across_processes_names_the_shares_and_resumes_from_its_round():
+    # The carried work is the generation processes' (processes/carried.py): the trainer's
+    # checkpoint names who wrote it; a resumed trainer waits for reports of round k on.
     rr = _remote()
-    with pytest.raises(RuntimeError, match="cannot be checkpointed or resumed"):
-        rr.state(2)
-    with pytest.raises(ValueError, match="cannot be checkpointed or resumed"):
-        rr.restore(2, {})
+    assert rr.state(2) == {"carried_by": [0, 1]}
+    assert rr.restore(2, {"carried_by": [0, 1]}) == []
+    with pytest.raises(TransportError, match="reported round 0; expected round 2"):
+        rr.report(_report(0, 0))
+    rr.report(_report(0, 2))
+    # A checkpoint one process saved holds its carried work itself, and the other way
+    # round: each is refused by the other, by name.
+    with pytest.raises(ValueError, match="one process saved it"):
+        _remote().restore(2, {"paused": [], "finished": []})
+    with pytest.raises(ValueError, match="saved across processes"):
+        make(rollout_context(**PARTIAL)).restore(2, {"carried_by": [0]})
 
 
 def test_kinds_without_rounds_refuse_a_round_report():
     full = make_rollout("full", rollout_context())
     with pytest.raises(TransportError, match="has no rounds"):
         full.report(_report(0, 0))
+
+
+def test_the_carried_work_shares_read_back_merged_owned_and_pruned(tmp_path):
+    # processes/carried.py: each generation process's share of the work carried into
+    # round k, beside the checkpoints.
+    from streamrl_jax.pipeline.processes import carried
+
+    def entry(batch, group, rid):
+        return {"request_id": rid, "tag": {"batch": batch, "group": group}}
+
+    carried.write(str(tmp_path), 3, 0, {"paused": [entry(2, 0, "a")], "finished": []})
+    share = {"paused": [entry(2, 1, "b")], "finished": [entry(1, 3, "c")]}
+    carried.write(str(tmp_path), 3, 1, share | {"episodes": [["b", {"turns": 1}]]})
+    merged = carried.read(str(tmp_path), 3, [0, 1])
+    assert [x["request_id"] for x in merged["paused"]] == ["a", "b"]
+    assert merged["episodes"] == [["b", {"turns": 1}]]
+    odd = carried.owned(merged, lambda batch, group: group % 2 == 1)  # a new owner of 1, 3
+    assert [x["request_id"] for x in odd["paused"] + odd["finished"]] == ["b", "c"]
+    assert odd["episodes"] == [["b", {"turns": 1}]]
+    even = carried.owned(merged, lambda batch, group: group % 2 == 0)
+    assert even["episodes"] == [] and [x["request_id"] for x in even["paused"]] == ["a"]
+    with pytest.raises(ValueError, match=r"generation-2's carried .*generation-2.json"):
+        carried.read(str(tmp_path), 3, [0, 2])  # a share that is not there
+    (tmp_path / "carried" / "3" / "generation-1.json").write_text('{"paused": 1}')
+    with pytest.raises(ValueError, match="generation-1.json is not a carried-work file"):
+        carried.read(str(tmp_path), 3, [1])
+    # Pruning keeps the checkpoint.keep newest multiples of every and the recent rounds.
+    for k in range(1, 11):
+        carried.write(str(tmp_path), k, 0, {"paused": [], "finished": []})
+    carried.prune(str(tmp_path), 0, 10, every=2, keep=2, recent=3)
+    kept = sorted(int(k) for k in os.listdir(tmp_path / "carried"))
+    assert kept == [3, 8, 9, 10]  # 3: process 1's share is still there
+    assert not (tmp_path / "carried" / "3" / "generation-0.json").exists()

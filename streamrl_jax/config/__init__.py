@@ -17,7 +17,6 @@ dataclasses, never a ConfigDict or flags.
 from streamrl_jax.config.fields import RULES, check_section, task_configs, task_names
 from streamrl_jax.config.parse import defaults, from_config_dict, to_config_dict
 from streamrl_jax.config.rules import (
-    NO_RESUME_ACROSS_PROCESSES,
     Processes,
     check,
     check_training_split,
@@ -120,7 +119,6 @@ __all__ = [
     "LearnerSection",
     "learner_config",
     "RULES",
-    "NO_RESUME_ACROSS_PROCESSES",
     "Processes",
     "check",
     "check_section",

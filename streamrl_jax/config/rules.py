@@ -497,13 +497,6 @@ class Processes:
         )
 
 
-NO_RESUME_ACROSS_PROCESSES = (
-    "a partial-rollout run across processes cannot be checkpointed or resumed: the "
-    "paused samples a checkpoint must hold live in the generation process "
-    "(docs/multicontroller.md); run one process, or another pipeline.rollout"
-)
-
-
 def check(cfg: ExperimentConfig, processes: Processes) -> ExperimentConfig:
     """Every rule on the config: `validate`, then those that depend on the process counts.
 
@@ -559,12 +552,6 @@ def check(cfg: ExperimentConfig, processes: Processes) -> ExperimentConfig:
         "agents" not in wrappers,
         f"pipeline.rollout={p.rollout!r}: scaffolds through the endpoint run in one process "
         f"only (a generation process holding the endpoint is not built); this run has {n}",
-    )
-    partial = kind == "partial"
-    require(
-        not partial or cfg.checkpoint.every == 0,
-        f"pipeline.rollout='partial' with checkpoint.every={cfg.checkpoint.every} on {n}: "
-        f"{NO_RESUME_ACROSS_PROCESSES}",
     )
     if n.training is not None and n.training > 1:
         try:

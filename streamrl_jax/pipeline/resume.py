@@ -66,6 +66,8 @@ class ResumePoint:
         processes).
       carried: finished samples the rollout hands to ingest again (partial rollout: the
         finished members of incomplete groups; its paused samples are back in it).
+      rollout: the checkpoint's rollout state (a multi-controller run hands it to its
+        generation processes: partial rollout's names the carried work's shares).
     """
 
     batch: int
@@ -74,6 +76,7 @@ class ResumePoint:
     step: int
     prompts: dict[str, Any] = dataclasses.field(default_factory=dict)
     carried: list[Sample] = dataclasses.field(default_factory=list)
+    rollout: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def fresh(cls) -> ResumePoint:
@@ -339,6 +342,7 @@ class RunCheckpoints:
             step=step,
             prompts=meta["prompts"],
             carried=carried,
+            rollout=meta.get("rollout") or {},
         )
 
 

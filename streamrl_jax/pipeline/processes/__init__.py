@@ -35,6 +35,6 @@ def run_process(
     check(cfg, Processes(total=r.num_processes, generation=len(r.generation_processes)))
     metrics.set_writer_process(r.training_processes[0])  # it has the metrics
     if r.role == "generation":
-        run_generation(cfg, dcfg, r)
+        run_generation(cfg, workdir, dcfg, r)
         return None
     return run_training(cfg, workdir, dcfg, r)

@@ -79,7 +79,7 @@ from streamrl_jax.pipeline.driver import DriverPlan, GenerationDriver
 from streamrl_jax.pipeline.hooks import generation_hooks
 from streamrl_jax.pipeline.micro_batches import Scored, group_key
 from streamrl_jax.pipeline.parts import episode_kit
-from streamrl_jax.pipeline.processes import roster_share
+from streamrl_jax.pipeline.processes import carried, roster_share
 from streamrl_jax.pipeline.processes.plan import (
     CLOSE_TIMEOUT_S,
     RANKER_KEY,
@@ -90,6 +90,7 @@ from streamrl_jax.pipeline.processes.plan import (
     ranker_online,
 )
 from streamrl_jax.pipeline.processes.roster import RosterUpdate, reserved_processes
+from streamrl_jax.pipeline.processes.roster import owner as roster_owner
 from streamrl_jax.pipeline.processes.roster_share import RosterShare
 from streamrl_jax.pipeline.processes.verdicts import StoreVerdicts
 from streamrl_jax.pipeline.prompts import PromptSource
@@ -123,8 +124,10 @@ _Dialed = TypeVar("_Dialed")
 class _GenerationProcess:
     """One generation process: W_0, its service and driver, the end protocol."""
 
-    def __init__(self, cfg: ExperimentConfig, dcfg: roles.DistributedConfig, r: roles.Roles):
-        self.cfg, self.r, self.dcfg = cfg, r, dcfg
+    def __init__(
+        self, cfg: ExperimentConfig, workdir: str, dcfg: roles.DistributedConfig, r: roles.Roles
+    ):
+        self.cfg, self.r, self.dcfg, self.workdir = cfg, r, dcfg, workdir
         self.ranker_receiver: ShardReceiver | None = None
         self._stopping = threading.Event()
         self.timeout = cfg.pipeline.timeout_s
@@ -331,17 +334,59 @@ class _GenerationProcess:
         thread.start()
         return thread
 
-    def _round_reporter(self, rollout: PartialRollout, first: int) -> threading.Thread:
-        """Partial rollout: the thread that reports this process's rounds to the trainer
-        (`start_reporter`)."""
+    def _round_reporter(
+        self, rounds: PartialRollout, rollout: Rollout, first: int
+    ) -> threading.Thread:
+        """Partial rollout: the thread that reports this process's rounds (`rounds`, the
+        kind under the run's `rollout`'s wrappers) to the trainers (`start_reporter`),
+        keeping the rollout's carried work for the checkpoints."""
+        ck = self.cfg.checkpoint
+        keep = None
+        if ck.every > 0 or ck.on_signal:  # a checkpoint may hold the work carried into r + 1
+
+            def keep(r: int) -> None:
+                carried.write(self.workdir, r + 1, self.pid, rollout.state(r + 1))
+                recent = self.cfg.pipeline.staleness + 3
+                carried.prune(self.workdir, self.pid, r + 1, ck.every, ck.keep, recent)
+
         return start_reporter(
-            rollout,
+            rounds,
             range(first, self.cfg.pipeline.steps),
             self.pid,
             self._report,
             self._stopping,
             lambda e: self.latch.fail("round reporter", e),
+            keep,
         )
+
+    def _restore_carried(self, rollout: Rollout, batch: int, roster: RosterUpdate) -> None:
+        """A resumed partial-rollout run: the work carried into round `batch` that this
+        process owns now (`carried.py`): its paused samples continue in that round, the
+        finished members of incomplete groups go to their training process again."""
+        start = json.loads(roles.lookup(START_KEY, self.timeout))
+        writers = start.get("carried_by")
+        if not isinstance(writers, list) or not all(isinstance(w, int) for w in writers):
+            raise ValueError(
+                f"generation-{self.pid}: resuming a partial-rollout run at batch {batch}, "
+                f"the checkpoint names no carried work ({START_KEY}: carried_by={writers!r})"
+            )
+        g = len(self.r.generation_processes)
+        k = self.r.generation_processes.index(self.pid)
+        work = carried.owned(
+            carried.read(self.workdir, batch, writers),
+            lambda b, group: roster_owner(group, g, roster.lost_at(b)) == k,
+        )
+        finished = rollout.restore(batch, work)
+        logging.info(
+            "generation-%d: restored %d paused samples and %d finished members carried into "
+            "round %d",
+            self.pid,
+            len(work["paused"]),
+            len(finished),
+            batch,
+        )
+        for sample in finished:
+            self._send(sample)
 
     def _report(self, closed: RoundClosed) -> None:
         """A round's closure to every training process: each trains its own groups of
@@ -493,7 +538,9 @@ class _GenerationProcess:
             while not isinstance(rounds, PartialRollout) and hasattr(rounds, "inner"):
                 rounds = rounds.inner  # the kind under its wrappers
             if isinstance(rounds, PartialRollout):  # its rounds' closures to the trainer
-                reporters.append(self._round_reporter(rounds, batch))
+                if batch > 0:
+                    self._restore_carried(rollout, batch, roster)
+                reporters.append(self._round_reporter(rounds, rollout, batch))
             self._wait(driver, reporters)
             outcome = self._drain(driver)
             ok = True
@@ -585,7 +632,9 @@ class _GenerationProcess:
         return outcome
 
 
-def run_generation(cfg: ExperimentConfig, dcfg: roles.DistributedConfig, r: roles.Roles) -> None:
+def run_generation(
+    cfg: ExperimentConfig, workdir: str, dcfg: roles.DistributedConfig, r: roles.Roles
+) -> None:
     if r.rejoined:
         try:
             outcome = roles.lookup(RUN_END_KEY, 0.1)
@@ -595,7 +644,7 @@ def run_generation(cfg: ExperimentConfig, dcfg: roles.DistributedConfig, r: role
             logging.warning("generation-%d: the run already ended (%s)", r.process_id, outcome)
             return
     try:
-        process = _GenerationProcess(cfg, dcfg, r)
+        process = _GenerationProcess(cfg, workdir, dcfg, r)
     except _RunEnded as e:  # it ended while this restarted process started
         logging.warning(
             "generation-%d: the run ended (%s) while this process rejoined", r.process_id, e.outcome
@@ -611,13 +660,16 @@ def start_reporter(
     send: Callable[[RoundClosed], None],
     stopping: threading.Event,
     fail: Callable[[BaseException], None],
+    keep: Callable[[int], None] | None = None,
 ) -> threading.Thread:
     """Partial rollout across processes: a thread that sends a `RoundClosed` per round of
     `rounds`, in order, once this process's `rollout` closed it (every segment of the
     round returned); the trainer's half (`rollouts/partial.RemoteRounds`) trains each
     step on it. It ends when `stopping` is set (checked twice a second) or the rollout
     fails (the run's failure is already known); a send that raises fails the run
-    through `fail` (a lost channel, or a bug, named as the round reporter's)."""
+    through `fail` (a lost channel, or a bug, named as the round reporter's). `keep(r)`,
+    when given, runs before round r's report: it keeps the work carried into round
+    r + 1 for the checkpoints (`carried.py`)."""
 
     def report() -> None:
         for r in rounds:
@@ -632,6 +684,12 @@ def start_reporter(
                 except StreamError:
                     return
             counts = rollout.in_flight()
+            try:
+                if keep is not None:
+                    keep(r)
+            except Exception as e:
+                fail(e)
+                return
             closed = RoundClosed(
                 process,
                 r,

@@ -185,6 +185,7 @@ class TrainingLink:
         self._early: list[tuple[str, BaseException]] = []  # failures before the start
         self._inflight = threading.BoundedSemaphore(IN_FLIGHT)
         self._drawn: dict[int, list[str]] = {}  # batch -> its prompt ids (`verify`)
+        self._start = 0  # the run's first batch (a resumed run's)
         # Lost generation processes and the samples received (first copies only).
         t = len(r.training_processes)
         own = ownership(p, t)
@@ -370,9 +371,14 @@ class TrainingLink:
 
     def verify(self, groups: list[Group]) -> None:
         """Every group's prompt is the one this process drew for its batch and index, so
-        the seeded prompt pipelines of all processes stay in step."""
+        the seeded prompt pipelines of all processes stay in step. (A resumed partial-
+        rollout run also trains groups of batches before its start, carried work the
+        generation processes took back from their checkpointed shares: this process
+        drew none of them, and its own draws from the start on are checked.)"""
         for g in groups:
             tag = g[0].sample.tag
+            if tag.batch < self._start:
+                continue
             ids = self._drawn.get(tag.batch)
             if ids is not None and tag.group >= len(ids):  # a refill (dynamic sampling)
                 ids = self._run.prompts.ids(tag.batch)
@@ -448,8 +454,13 @@ class TrainingLink:
                 "batch": resume.batch,
                 "prompts": resume.prompts,
                 "expected_ids": {str(b): ids for b, ids in resume.expected_ids.items()},
+                # partial rollout: which generation processes' carried work to read
+                "carried_by": resume.rollout.get("carried_by"),
             }
-        self.roster.start(start["batch"])
+        self._start = start["batch"]
+        # Partial rollout trains groups of batches up to max_lag + 1 before the start.
+        lag = self.cfg.pipeline.max_lag + 1 if self.partial else 0
+        self.roster.start(max(start["batch"] - lag, 0))
         if self.index == 0:
             roles.publish(START_KEY, json.dumps(start))
         if resume.resumed:

@@ -39,9 +39,10 @@ rounds, paused samples, continuations) and reports each round's closure to every
 training process (`RoundClosed`, sent by `processes/generation.py`); a training process
 runs `RemoteRounds`, the trainer's half: step r trains the groups every generation
 process's report says round r completed (with several training processes each its own,
-`_owned_micro_batches`). The paused samples a checkpoint must hold live in the
-generation processes, so such a run is not checkpointed (refused at start-up) and
-cannot resume.
+`_owned_micro_batches`). The work a checkpoint at k must hold lives in the generation
+processes: each writes its share when it closes round k - 1, before it reports it
+(`processes/carried.py`), so the checkpoint names the shares (`RemoteRounds.state`) and
+a resumed run's generation processes take them back.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from streamrl_jax.config import NO_RESUME_ACROSS_PROCESSES, PipelineSection
+from streamrl_jax.config import PipelineSection
 from streamrl_jax.data import Prompt
 from streamrl_jax.distributed.channel import TransportError
 from streamrl_jax.distributed.messages import RoundClosed
@@ -89,9 +90,6 @@ class _Round:
     opened: bool = False  # the driver submitted the round's new prompts
     completed: list[Key] = dataclasses.field(default_factory=list)  # groups finished in it
     carried: list[Sample] = dataclasses.field(default_factory=list)  # paused into it
-
-
-NO_RESUME = NO_RESUME_ACROSS_PROCESSES  # what the trainer's half answers a checkpoint
 
 
 def make(ctx: RolloutContext) -> PartialRollout | RemoteRounds:
@@ -382,6 +380,12 @@ class PartialRollout:
         # (k = 0, {}: a fresh run, nothing carried.)
         """Round k starts with the saved work: paused samples continue in it; returns
         the finished members of incomplete groups, to hand on again (ingest)."""
+        if "carried_by" in saved:
+            raise ValueError(
+                f"resume from checkpoint {k}: it was saved across processes, whose carried "
+                "partial-rollout work is in the workdir's carried/ directory; resume it "
+                "across processes"
+            )
         finished = [from_json(x)[0] for x in saved.get("finished", [])]
         with self._cv:
             self._next_close = k
@@ -517,12 +521,26 @@ class RemoteRounds:
 
     # ------------------------------------------------------------------ checkpoints
     def state(self, k: int) -> dict[str, Any]:
-        raise RuntimeError(f"checkpoint {k}: {NO_RESUME}")
+        """The work carried into round k is the generation processes' (each wrote its
+        share when it closed round k - 1, before reporting it: `processes/carried.py`);
+        the checkpoint names them."""
+        del k
+        return {"carried_by": sorted(self.ctx.generation_processes)}
 
     def restore(self, k: int, state: dict[str, Any]) -> list[Sample]:
-        """The first round every process reports: 0 (a resumed run is refused)."""
-        if k > 0 or state:
-            raise ValueError(f"resume from checkpoint {k}: {NO_RESUME}")
+        """Every process reports rounds from k on; the generation processes take the
+        carried work back themselves (its finished members come to ingest from them).
+
+        Raises:
+          ValueError: a checkpoint one process saved (its carried work is in it).
+        """
+        if k > 0 and "carried_by" not in state:
+            raise ValueError(
+                f"resume from checkpoint {k}: one process saved it, with its partial-"
+                "rollout work carried in the checkpoint; resume it in one process"
+            )
+        with self._cv:
+            self._next = dict.fromkeys(self._next, k)
         return []
 
     def fail(self, exc: BaseException) -> None:
