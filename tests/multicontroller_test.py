@@ -683,6 +683,27 @@ def test_checkpoint_kill_resume_equals_the_uninterrupted_run(tmp_path, tmp_path_
     assert [r["step"] for r in rows] == [0, 1]
 
 
+def _kill_the_trainer_at(k, procs, workdir, logs):
+    """2 generation + 1 training processes (`procs`, logs in `logs`): SIGKILLs the trainer
+    once checkpoint k is in `workdir` and waits for the others to fail; the run is left
+    unfinished. Returns `procs`."""
+    try:
+        deadline = time.monotonic() + 180
+        while not (workdir / "checkpoints" / str(k)).is_dir():
+            assert time.monotonic() < deadline, (logs / "p2.log").read_text()[-4000:]
+            assert all(p.poll() is None for p in procs), (logs / "p2.log").read_text()[-4000:]
+            time.sleep(0.05)
+        os.killpg(procs[2].pid, signal.SIGKILL)
+        for p in procs[:2]:
+            p.wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert not (workdir / run_lib.FINAL_PARAMS).exists()
+    return procs
+
+
 def test_a_killed_trainer_resumes_and_a_lost_generation_process_leaves_the_run_to_the_other(
     tmp_path, tmp_path_factory
 ):
@@ -704,21 +725,7 @@ def test_a_killed_trainer_resumes_and_a_lost_generation_process_leaves_the_run_t
     first.mkdir()
     second.mkdir()
     procs = _spawn(3, 2, workdir, first, **_CKPT, **_LOSS_RUN)
-    trainer_log = first / "p2.log"
-    try:
-        deadline = time.monotonic() + 180
-        while not (workdir / "checkpoints" / "1").is_dir():
-            assert time.monotonic() < deadline, trainer_log.read_text()[-4000:]
-            assert all(p.poll() is None for p in procs), trainer_log.read_text()[-4000:]
-            time.sleep(0.05)
-        os.killpg(procs[2].pid, signal.SIGKILL)
-        for p in procs[:2]:
-            p.wait(timeout=60)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    assert not (workdir / run_lib.FINAL_PARAMS).exists()
+    _kill_the_trainer_at(1, procs, workdir, first)
     for i in (0, 1):
         log = (first / f"p{i}.log").read_text()
         assert procs[i].returncode != 0 and "lost training" in log, log[-4000:]
@@ -1051,20 +1058,7 @@ def test_partial_rollout_across_processes_resumes_a_killed_run_exactly(tmp_path,
     workdir, logs = tmp_path / "run", tmp_path / "logs"
     logs.mkdir()
     procs = _spawn(3, 2, workdir, logs, **{"pipeline.mode": "stream_async"}, **settings)
-    try:
-        deadline = time.monotonic() + 180
-        while not (workdir / "checkpoints" / "3").is_dir():
-            assert time.monotonic() < deadline, (logs / "p2.log").read_text()[-4000:]
-            assert all(p.poll() is None for p in procs), (logs / "p2.log").read_text()[-4000:]
-            time.sleep(0.05)
-        os.killpg(procs[2].pid, signal.SIGKILL)
-        for p in procs[:2]:
-            p.wait(timeout=60)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    assert not (workdir / run_lib.FINAL_PARAMS).exists()
+    _kill_the_trainer_at(3, procs, workdir, logs)
     assert sorted(os.listdir(workdir / "carried" / "3")) == [
         "generation-0.json",
         "generation-1.json",
