@@ -142,11 +142,6 @@ COMBINATIONS = {
         (2, 1),
         ["pipeline.mode", "2 processes, 1 generating and 1 training"],
     ),
-    "the curriculum across processes": (
-        {"pipeline__rollout": "curriculum+full"},
-        (2, 1),
-        ["pipeline.rollout='curriculum+full'", "2 processes, 1 generating and 1 training"],
-    ),
     "training processes that do not split micro-batches": (
         {},
         (5, 2),

@@ -1009,6 +1009,38 @@ def test_partial_rollout_across_processes_trains_every_group_once(tmp_path):
     assert len(ids) * cfg.pipeline.group_size == sum(r["samples"] for r in rows) > 0
 
 
+_CURRICULUM = {
+    "pipeline.rollout": "curriculum+dynamic_sampling",
+    "generation.max_new_tokens": 1,
+    "pipeline.curriculum_decay": 0.3,
+    "pipeline.steps": 4,
+    "data.train_size": 8,  # epochs of two steps or fewer: prompts come back, weighed
+}
+
+
+@pytest.mark.parametrize(
+    "processes, generation",
+    [
+        (3, 2),  # 2 generation + 1 training process: bit for bit
+        pytest.param(4, 2, marks=_EXT),  # 2 + 2: each trainer publishes its own outcomes
+    ],
+)
+def test_the_curriculum_across_processes_gives_the_one_process_parameters(
+    processes, generation, tmp_path, tmp_path_factory
+):
+    # The curriculum over dynamic sampling across processes: one-token responses under
+    # the vowel reward make groups uniform (skipped, weighed down) or varied. Each
+    # training process publishes its step's outcomes; every process that draws (the
+    # generation processes, and the trainers through the rollout) reads them before the
+    # draws that depend on them, so all pass over the same prompts: the one-process
+    # run's parameters, passes, skips and consumed prompts.
+    # (curriculum_down, the weights as the newest draw saw them, depends on how far
+    # generation ran ahead of the step, even in one process)
+    keys = ("samples", "groups_skipped", "dynamic_draws", "curriculum_passed")
+    rows = _like_one_process(processes, generation, _CURRICULUM, keys, tmp_path, tmp_path_factory)
+    assert sum(r["curriculum_passed"] for r in rows) > 0  # prompts passed over
+
+
 _PARTIAL = {
     "pipeline.rollout": "partial",
     "pipeline.partial_budget_tokens": 6,

@@ -544,11 +544,6 @@ def check(cfg: ExperimentConfig, processes: Processes) -> ExperimentConfig:
         "processes)",
     )
     require(
-        "curriculum" not in wrappers,
-        f"pipeline.rollout={p.rollout!r}: the curriculum runs in one process only; this run "
-        f"has {n}: the generation processes cannot see the outcomes that weigh the draws",
-    )
-    require(
         "agents" not in wrappers,
         f"pipeline.rollout={p.rollout!r}: scaffolds through the endpoint run in one process "
         f"only (a generation process holding the endpoint is not built); this run has {n}",

@@ -31,7 +31,7 @@ from streamrl_jax.pipeline.micro_batches import Group
 from streamrl_jax.pipeline.parts import RunParts
 from streamrl_jax.pipeline.requests import Requests
 from streamrl_jax.pipeline.resume import ResumePoint
-from streamrl_jax.pipeline.rollouts import Verdicts, Where
+from streamrl_jax.pipeline.rollouts import Outcomes, Verdicts, Where
 from streamrl_jax.pipeline.schedules import WeightBoard
 from streamrl_jax.scheduling.live import LiveScheduler
 from streamrl_jax.weight_sync import Params, Published
@@ -63,6 +63,7 @@ class Generation(Protocol):
     where: Where  # which half of the rollout this process runs
     generation_processes: tuple[int, ...]  # the generation processes ((): this one)
     verdicts: Verdicts | None  # the generation processes' judged groups (None: this one's)
+    outcomes: Outcomes | None  # the training processes' step outcomes (None: this one's)
 
     def scheduler(self, vocab_size: int) -> LiveScheduler:
         """The dispatch / ranker / elastic scheduler this side of the run needs."""
@@ -125,6 +126,7 @@ class LocalGeneration:
     where: Where = "here"
     generation_processes: tuple[int, ...] = ()
     verdicts: Verdicts | None = None
+    outcomes: Outcomes | None = None
 
     def __init__(self, cfg: ExperimentConfig, parts: GenerationParts, initial: list[Published]):
         """`parts`: how to build this process's instances; `initial`: W_0 as placed on each

@@ -197,6 +197,7 @@ def run_components(
         where=generation.where,
         generation_processes=generation.generation_processes,
         verdicts=generation.verdicts,
+        outcomes=generation.outcomes,
         shutdown=shutdown,
     )
     r, threads, signals, progress, stopped = _Run(parts, generation), [], None, None, False

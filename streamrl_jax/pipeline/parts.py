@@ -36,6 +36,7 @@ from streamrl_jax.pipeline.prompts import PromptSource
 from streamrl_jax.pipeline.resume import RunCheckpoints
 from streamrl_jax.pipeline.rollouts import (
     Kits,
+    Outcomes,
     Returned,
     Rollout,
     RolloutContext,
@@ -105,12 +106,14 @@ def wire(
     where: Where,
     generation_processes: tuple[int, ...] = (),
     verdicts: Verdicts | None = None,
+    outcomes: Outcomes | None = None,
     shutdown: threading.Event | None = None,
 ) -> RunParts:
     """The run's shared objects. `live`: the scheduler of where generation runs
     (`Generation.scheduler`); `where`, `generation_processes`: which half of the rollout
-    runs here ("here": both; "trainer": generation in those processes); `verdicts`: the
-    generation processes' judged groups (dynamic sampling across processes); `shutdown`:
+    runs here ("here": both; "trainer": generation in those processes); `verdicts`, `outcomes`:
+    the generation processes' judged groups (dynamic sampling across processes) and the
+    training processes' step outcomes (the curriculum across processes); `shutdown`:
     the stop request's event (`Supervisor`; None: the run's own)."""
     p = cfg.pipeline
     sup = Supervisor(p, shutdown)
@@ -148,6 +151,7 @@ def wire(
             where=where,
             generation_processes=generation_processes,
             verdicts=verdicts,
+            outcomes=outcomes,
         ),
         Kits(episodes=kit, agents=agents),
     )

@@ -80,6 +80,7 @@ from streamrl_jax.pipeline.hooks import generation_hooks
 from streamrl_jax.pipeline.micro_batches import Scored, group_key
 from streamrl_jax.pipeline.parts import episode_kit
 from streamrl_jax.pipeline.processes import carried, roster_share
+from streamrl_jax.pipeline.processes.outcomes import StoreOutcomes
 from streamrl_jax.pipeline.processes.plan import (
     CLOSE_TIMEOUT_S,
     RANKER_KEY,
@@ -459,6 +460,7 @@ class _GenerationProcess:
                 where="generator",
                 score=self._score if self.pool is not None else None,
                 verdicts=StoreVerdicts(),
+                outcomes=StoreOutcomes(len(self.r.training_processes)),
             ),
             Kits(episodes=self.kit),
         )

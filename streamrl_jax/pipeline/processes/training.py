@@ -73,6 +73,7 @@ from streamrl_jax.pipeline import components as components_lib
 from streamrl_jax.pipeline.lifecycle import run_components
 from streamrl_jax.pipeline.micro_batches import Group
 from streamrl_jax.pipeline.parts import RunParts, Trainers
+from streamrl_jax.pipeline.processes.outcomes import StoreOutcomes
 from streamrl_jax.pipeline.processes.plan import (
     CLOSE_TIMEOUT_S,
     IN_FLIGHT,
@@ -188,6 +189,7 @@ class TrainingLink:
         self._start = 0  # the run's first batch (a resumed run's)
         # Lost generation processes and the samples received (first copies only).
         t = len(r.training_processes)
+        self.outcomes = StoreOutcomes(t)  # the training processes' step outcomes (curriculum)
         own = ownership(p, t)
         groups = [i for i in range(p.prompts_per_step) if own.owner(i) == self.index]
         # The reserved (elastic) generation processes own nothing until activated.
@@ -361,9 +363,9 @@ class TrainingLink:
 
     def step_started(self, batch: int) -> None:
         """The generation processes draw every batch from the same seeded pipeline: this
-        process draws it too (the checkpoints record its iterator, `verify` its ids)."""
-        p = self.cfg.pipeline
-        drawn = self._run.prompts.draw(batch, p.prompts_per_step)
+        process draws it too, through the run's rollout as they do (the curriculum's draws
+        pass prompts over; the checkpoints record its iterator, `verify` its ids)."""
+        drawn = self._run.rollout.draw(batch)
         self._drawn[batch] = [q.problem.prompt_id for q in drawn]
         # Partial rollout trains groups of batches up to max_lag - s steps back.
         for old in [j for j in self._drawn if j < batch - self._run.schedule.max_lag - 1]:

@@ -42,6 +42,7 @@ from streamrl_jax.pipeline.rollouts import (
     partial,
 )
 from streamrl_jax.pipeline.rollouts.protocol import (
+    Outcomes,
     Returned,
     Rollout,
     RolloutContext,
@@ -95,6 +96,7 @@ __all__ = [
     "KINDS",
     "WRAPPERS",
     "Kits",
+    "Outcomes",
     "Returned",
     "Rollout",
     "RolloutContext",

@@ -30,7 +30,19 @@ the steps before g(b) only (the steps whose W_{g(b)} generation had to wait for)
 step order, so they do not depend on timing: a run of one seed and mode draws the same
 prompts every time, and a resumed run (its state is the weights as of g(k) for a
 checkpoint at step k, and the groups of the steps after) draws what the first run drew.
-One process only (`config/rules.py`).
+
+**Across processes** every generation process draws every batch (and keeps its share),
+and every training process draws it too (its checkpoints record the iterator; it draws
+through the rollout, so through the curriculum), while each training process trains
+only its own groups. So a training process does not observe its step's outcomes: it
+publishes them (`RolloutContext.outcomes`, `processes/outcomes.py`; the first training
+process also the prompts the step consumed without training), and every process's
+weights read each step's lists from every training process, in training-process order,
+when a draw (or a checkpoint) first needs that step. A training process finishes step s
+before it publishes W_{s+1}, and batch b is drawn only by a process holding W_{g(b)}, so
+what a draw needs is published or on its way. With one training process the weights
+are exactly one process's; with several, a step's outcomes come in another order (the
+same prompts and verdicts: only a prompt twice in one step could differ).
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ from streamrl_jax.generation.types import Sample
 from streamrl_jax.pipeline.micro_batches import Group
 from streamrl_jax.pipeline.prompts import Prompts
 from streamrl_jax.pipeline.rollouts.protocol import (
+    Outcomes,
     Rollout,
     RolloutContext,
     StepOutcome,
@@ -72,8 +85,18 @@ class Weights:
     what the first run's did.
     """
 
-    def __init__(self, decay: float, floor: float):
+    def __init__(
+        self,
+        decay: float,
+        floor: float,
+        outcomes: Outcomes | None = None,
+        timeout_s: float = 0.0,
+    ):
+        """`outcomes`: across processes, where every training process's outcomes of a
+        step are read (each step once, when a view or a checkpoint first needs it)."""
         self.decay, self.floor = decay, floor
+        self.outcomes, self.timeout = outcomes, timeout_s
+        self._fetched: set[int] = set()  # steps read from `outcomes`
         self._lock = threading.Lock()
         self._base: dict[str, float] = {}  # every step below `_base_step` applied
         self._base_step = 0
@@ -90,8 +113,24 @@ class Weights:
         with self._lock:
             self._log.setdefault(step, []).extend(outcomes)
 
+    def _fetch(self, below: int) -> None:
+        """Across processes: every step below `below` not read yet, from `outcomes`
+        (outside the lock: it waits for the training processes)."""
+        if self.outcomes is None:
+            return
+        with self._lock:
+            start = self._base_step
+            missing = [s for s in range(start, below) if s not in self._fetched]
+        for s in missing:
+            got = self.outcomes.read(s, self.timeout)
+            with self._lock:
+                if s not in self._fetched:
+                    self._fetched.add(s)
+                    self._log[s] = got
+
     def upto(self, step: int) -> None:
         """The draws from now on read the weights with every step below `step` applied."""
+        self._fetch(step)
         with self._lock:
             if step < self._view_step:  # never in a run (g(b) only grows): rebuild
                 self._view, self._view_step = dict(self._base), self._base_step
@@ -110,9 +149,12 @@ class Weights:
             w = np.asarray(list(self._view.values()) or [1.0])
         return {"curriculum_down": float((w < 1.0).sum()), "curriculum_weight": float(w.mean())}
 
-    def state(self, oldest: int) -> dict[str, Any]:
+    def state(self, oldest: int, upto: int = 0) -> dict[str, Any]:
         """JSON: the weights as of step `oldest` (no draw asks for older ones any more)
-        and the outcomes of the steps from it on."""
+        and the outcomes of the steps from it on (across processes, read up to `upto`:
+        every step before the checkpoint's boundary, which a resumed run cannot read
+        again)."""
+        self._fetch(max(oldest, upto))
         with self._lock:
             while self._base_step < oldest:
                 self._apply(self._base, self._base_step)
@@ -133,6 +175,9 @@ class Weights:
                 for k, v in state.get("log", {}).items()
             }
             self._view, self._view_step = dict(self._base), self._base_step
+            # Across processes: the checkpoint's log holds every step before its boundary
+            # (`state`'s `upto`), read from a store that is gone; later ones are read.
+            self._fetched = set(self._log)
 
 
 class CurriculumPrompts:
@@ -186,7 +231,8 @@ class Curriculum(Wrapper):
 
     def __init__(self, ctx: RolloutContext, inner: Callable[[RolloutContext], Rollout]):
         p = ctx.pipeline
-        self.weights = Weights(p.curriculum_decay, p.curriculum_floor)
+        self.ctx = ctx
+        self.weights = Weights(p.curriculum_decay, p.curriculum_floor, ctx.outcomes, p.timeout_s)
         self.prompts = CurriculumPrompts(
             ctx.prompts, self.weights, ctx.seed, ctx.schedule.generation_version
         )
@@ -210,7 +256,12 @@ class Curriculum(Wrapper):
         with self._lock:
             trained = self._seen.pop(batch, [])
         # Consumed without training: skipped by the inner kind (no reward variance).
-        self.weights.observe(batch, trained + [(pid, False) for pid in out.consumed])
+        skipped = [(pid, False) for pid in out.consumed]
+        if self.ctx.outcomes is None:
+            self.weights.observe(batch, trained + skipped)
+        else:  # across processes: every process reads every trainer's (the first: skips)
+            index = self.ctx.trainers.index
+            self.ctx.outcomes.publish(batch, index, trained + (skipped if index == 0 else []))
         passed = self.prompts.take_passed(batch)
         metrics = out.metrics | self.weights.stats() | {"curriculum_passed": float(len(passed))}
         return StepOutcome(metrics=metrics, consumed=out.consumed + passed)
@@ -223,7 +274,7 @@ class Curriculum(Wrapper):
     def state(self, k: int) -> dict[str, Any]:
         return {
             "inner": self.inner.state(k),
-            "weights": self.weights.state(self.version(k)),
+            "weights": self.weights.state(self.version(k), upto=k),
             "prompts": self.prompts.state(k),
         }
 

@@ -433,7 +433,9 @@ class RemoteRounds:
 
     # ------------------------------------------------------------------ generation side
     def draw(self, batch: int) -> list[Prompt]:
-        raise RuntimeError(f"partial rollout: batch {batch} is drawn by the generation process")
+        """Batch b's prompts, as the generation processes draw them (the training link's
+        check of every group, and the checkpoints' record of the iterator)."""
+        return self.ctx.prompts.draw(batch, self.p.prompts_per_step)
 
     def open(self, batch: int, requests: list[GenerationRequest]) -> list[GenerationRequest]:
         raise RuntimeError(f"partial rollout: round {batch} runs in the generation process")

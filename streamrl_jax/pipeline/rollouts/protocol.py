@@ -110,6 +110,20 @@ class Verdicts(Protocol):
         processes, which move their prompt iterators past it)."""
 
 
+class Outcomes(Protocol):
+    """Across processes: what each training process's step b taught, per prompt (the
+    curriculum's signal: (prompt id, whether its group's answers varied)), read by every
+    process that draws prompts (`pipeline/processes/outcomes.py`, the coordination
+    service's store)."""
+
+    def publish(self, step: int, trainer: int, outcomes: list[tuple[str, bool]]) -> None:
+        """Training process `trainer`'s outcomes of step `step` (once per step)."""
+
+    def read(self, step: int, timeout_s: float) -> list[tuple[str, bool]]:
+        """Every training process's outcomes of `step`, in training-process order, once
+        all published them (waits up to `timeout_s`; TimeoutError naming the step)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutContext:
     """What every rollout kind is built from."""
@@ -131,6 +145,9 @@ class RolloutContext:
     # Across processes (dynamic sampling): every generation process's verdicts on the
     # groups it judged (None in one process, where one judge sees every group)
     verdicts: Verdicts | None = None
+    # Across processes (the curriculum): the training processes' outcomes of each step
+    # (None in one process, whose trainer observes them itself)
+    outcomes: Outcomes | None = None
 
 
 class Rollout(Protocol):
