@@ -1300,6 +1300,34 @@ def test_episodes_across_processes_give_the_one_process_parameters(tmp_path):
     assert evals and all(r["eval/turns"] == 3.0 for r in evals)  # held-out episodes too
 
 
+@pytest.mark.parametrize(
+    "processes, generation",
+    [(3, 2), pytest.param(4, 2, marks=_EXT)],  # 2 + 1 by default; 2 + 2: two trainers
+)
+def test_agents_across_processes_give_the_one_process_parameters(processes, generation, tmp_path):
+    # The agent job (configs/agent.py:tiny: scaffolds play the calculator environment
+    # through the OpenAI endpoint, with the official openai client) across processes:
+    # each generation process serves its own endpoint (loopback, its own token) to the
+    # scaffolds of the episodes it owns; the run ends with the one-process run's
+    # parameters (bit for bit with one training process) and its episodes' turns and
+    # returns.
+    agents = {"pipeline.rollout": "agents+full", "pipeline.mode": "stream_async"}
+    agents |= {"eval.num_problems": 2}
+    one, many = tmp_path / "one", tmp_path / "many"
+    run = _run(_agent_cmd(one, agents))
+    assert run.returncode == 0, run.stderr[-6000:]
+    launcher = [sys.executable, str(REPO / "launch" / "local.py"), "-n", str(processes)]
+    cmd = [*launcher, "-g", str(generation), "--timeout_s", "240", "--", *_agent_cmd(many, agents)]
+    run = _run(cmd)
+    assert run.returncode == 0, run.stdout[-6000:]
+    want, got = np.load(one / run_lib.FINAL_PARAMS), np.load(many / run_lib.FINAL_PARAMS)
+    _assert_params_match(got, want, exact=processes - generation == 1)
+    rows = [r for r in read_jsonl(str(many / "metrics.jsonl")) if "reward" in r]
+    ref = [r for r in read_jsonl(str(one / "metrics.jsonl")) if "reward" in r]
+    for key in ("reward", "episode_turns", "samples"):
+        assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref], rel=1e-6), key
+
+
 @_EXT  # ~45 s: the in-process tests (routing_replay_test.py) hold the wire round trip
 def test_routing_replay_across_processes_gives_the_one_process_parameters(tmp_path):
     # A tiny Qwen3-MoE generating in bfloat16 and training in float32, routes replayed

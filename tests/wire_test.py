@@ -383,6 +383,13 @@ def test_an_episode_crosses_the_wire_with_its_mask_and_outcome():
     assert (got.oldest_version, got.newest_version) == (7, 8)
     plain = wire.decode(wire.encode(make_sample()), source=SOURCE)
     assert plain.policy_mask is None and plain.metadata == {}
+    # An episode of one turn without the environment's tokens (an agent's answer at
+    # once: no mask, every token the policy's) crosses with an all-policy mask.
+    one_turn = make_episode()
+    episode = {**one_turn.metadata["episode"], "turns": 1, "tool_calls": 0, "env_tokens": 0}
+    one_turn = dataclasses.replace(make_sample(), policy_mask=None, metadata={"episode": episode})
+    got = wire.decode(wire.encode(one_turn), source=SOURCE)
+    assert got.policy_mask.all() and got.metadata == {"episode": episode}
 
 
 HOSTILE_EPISODES = {

@@ -536,17 +536,11 @@ def check(cfg: ExperimentConfig, processes: Processes) -> ExperimentConfig:
         f"so it runs in one process; this run has {n}. Use disaggregated_batch, stream_sync "
         "or stream_async, or run one process",
     )
-    wrappers, kind = rollout_names(p.rollout)
     require(
         cfg.algorithm.sft_coef == 0,
         f"algorithm.sft_coef={cfg.algorithm.sft_coef}: the supervised loss runs in one process "
         f"only; this run has {n} (its demonstration batches are not split across training "
         "processes)",
-    )
-    require(
-        "agents" not in wrappers,
-        f"pipeline.rollout={p.rollout!r}: scaffolds through the endpoint run in one process "
-        f"only (a generation process holding the endpoint is not built); this run has {n}",
     )
     if n.training is not None and n.training > 1:
         try:

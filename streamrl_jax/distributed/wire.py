@@ -188,6 +188,8 @@ def _encode_sample(s: Sample) -> _Sample:
             raise ValueError("wire: Sample.policy_mask must be a bool array, one per token")
         mask = m.astype(np.uint8).tobytes()
     episode = s.metadata.get("episode")
+    if episode is not None and mask is None:  # every token the policy's (one turn, no tool)
+        mask = np.ones(len(response) // 4, np.uint8).tobytes()
     t, tag = s.timings, s.tag
     routes = None
     if s.routes is not None:

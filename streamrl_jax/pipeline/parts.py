@@ -26,7 +26,7 @@ from streamrl_jax.endpoint.kit import AgentKit, make_agent_kit
 from streamrl_jax.endpoint.scaffolds import environment_scaffold
 from streamrl_jax.endpoint.turns import Context
 from streamrl_jax.environments import EpisodeKit, EpisodeLimits, make_kit
-from streamrl_jax.generation.engine import validate_request
+from streamrl_jax.generation.engine import EngineConfig, validate_request
 from streamrl_jax.metrics import MetricsWriter, Tracer
 from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.pipeline.components import Components
@@ -136,7 +136,9 @@ def wire(
     kit = episode_kit(cfg, c.tokenizer, pool) if episodes else None
     agents = None
     if kit is not None and "agents" in p.rollout.split("+"):
-        agents = agent_kit(cfg, c, kit)
+        assert c.generation is not None, "scaffolds run where the engine is"
+        ecfg = c.generation.engine_cfgs[0]
+        agents = agent_kit(cfg, c.tokenizer, ecfg, c.model_cfg.vocab_size, kit)
     rollout = make_rollout(
         p.rollout,
         RolloutContext(
@@ -207,12 +209,14 @@ def wire(
     )
 
 
-def agent_kit(cfg: ExperimentConfig, c: Components, kit: EpisodeKit) -> AgentKit:
-    """The run's endpoint on loopback and its scaffold: the run's environment played
-    through the OpenAI API (`endpoint/scaffolds.environment_scaffold`)."""
-    assert c.generation is not None, "scaffolds run where the engine is"
+def agent_kit(
+    cfg: ExperimentConfig, tokenizer: Tokenizer, ecfg: EngineConfig, vocab: int, kit: EpisodeKit
+) -> AgentKit:
+    """The endpoint on loopback (of this process: a generation process serves its own,
+    for the episodes it owns) and its scaffold: the run's environment played through the
+    OpenAI API (`endpoint/scaffolds.environment_scaffold`); `ecfg`, `vocab`: the engine
+    the endpoint's requests go to."""
     p, g, e = cfg.pipeline, cfg.generation, cfg.environment
-    ecfg = c.generation.engine_cfgs[0]
     scaffold = environment_scaffold(kit.environment, "policy", e.max_turns, g.max_new_tokens)
     per_batch = p.prompts_per_step * p.group_size
     limits = api.Limits(
@@ -222,8 +226,8 @@ def agent_kit(cfg: ExperimentConfig, c: Components, kit: EpisodeKit) -> AgentKit
         max_inflight=4 * per_batch,
     )
     return make_agent_kit(
-        Context.of(c.tokenizer, ecfg),
-        functools.partial(validate_request, ecfg, c.model_cfg.vocab_size),
+        Context.of(tokenizer, ecfg),
+        functools.partial(validate_request, ecfg, vocab),
         lambda request: Returned(None, [request]),  # an episode's later turn, submitted
         scaffold,
         workers=per_batch * (p.staleness + 2),  # every episode in flight has its thread

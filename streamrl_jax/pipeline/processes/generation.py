@@ -71,6 +71,7 @@ from streamrl_jax.distributed.shard_receiver import ShardReceiver
 from streamrl_jax.distributed.shard_wire import ShardStats, need_of
 from streamrl_jax.distributed.transport import SampleClient
 from streamrl_jax.distributed.xla_pull import pull_server
+from streamrl_jax.endpoint.kit import AgentKit
 from streamrl_jax.environments import EpisodeKit
 from streamrl_jax.generation.types import Sample
 from streamrl_jax.mailbox import FailureLatch
@@ -78,7 +79,7 @@ from streamrl_jax.pipeline import components as components_lib
 from streamrl_jax.pipeline.driver import DriverPlan, GenerationDriver
 from streamrl_jax.pipeline.hooks import generation_hooks
 from streamrl_jax.pipeline.micro_batches import Scored, group_key
-from streamrl_jax.pipeline.parts import episode_kit
+from streamrl_jax.pipeline.parts import agent_kit, episode_kit
 from streamrl_jax.pipeline.processes import carried, roster_share
 from streamrl_jax.pipeline.processes.outcomes import StoreOutcomes
 from streamrl_jax.pipeline.processes.plan import (
@@ -153,6 +154,12 @@ class _GenerationProcess:
             )
         if cfg.environment.name:
             self.kit = episode_kit(cfg, side.tokenizer, self.pool)
+        # Agents: this process serves its own endpoint (loopback, its own token) to the
+        # scaffolds of the episodes it owns (rollouts/agents.py).
+        self.agents: AgentKit | None = None
+        if self.kit is not None and "agents" in cfg.pipeline.rollout.split("+"):
+            ecfg, vocab = side.parts.engine_cfgs[0], side.parts.model_cfg.vocab_size
+            self.agents = agent_kit(cfg, side.tokenizer, ecfg, vocab, self.kit)
         name = f"generation-{self.pid}"
         # A restarted process: the roster so far; the update taking it back comes after.
         self.epoch0 = roster_share.last_epoch() if r.rejoined else 0
@@ -462,7 +469,7 @@ class _GenerationProcess:
                 verdicts=StoreVerdicts(),
                 outcomes=StoreOutcomes(len(self.r.training_processes)),
             ),
-            Kits(episodes=self.kit),
+            Kits(episodes=self.kit, agents=self.agents),
         )
         self.latch.add_listener(lambda component, exc: rollout.fail(exc))
         return rollout
@@ -567,6 +574,8 @@ class _GenerationProcess:
             extra = [roster_thread, *reporters, *([ranker_thread] if ranker_thread else [])]
             for th in [*driver.threads, *extra]:
                 th.join(CLOSE_TIMEOUT_S)
+            if self.agents is not None:
+                self.agents.close()
             service.close(CLOSE_TIMEOUT_S)
             if self.kit is not None:
                 self.kit.close()
