@@ -1312,20 +1312,45 @@ def test_agents_across_processes_give_the_one_process_parameters(processes, gene
     # parameters (bit for bit with one training process) and its episodes' turns and
     # returns.
     agents = {"pipeline.rollout": "agents+full", "pipeline.mode": "stream_async"}
-    agents |= {"eval.num_problems": 2}
+    rows, ref = _agent_job_like_one_process(processes, generation, agents, tmp_path)
+    for key in ("reward", "episode_turns", "samples"):
+        assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref], rel=1e-6), key
+
+
+def _agent_job_like_one_process(processes, generation, flags, tmp_path):
+    """`configs/agent.py:tiny` with `flags` (and 2 held-out problems) in one process and
+    in `processes` (`generation` generating): the parameters alike (bit for bit with one
+    training process, within the two-trainer tolerance with more). Returns both runs'
+    metrics rows (these processes', then the one process's)."""
+    flags = {"eval.num_problems": 2, **flags}
     one, many = tmp_path / "one", tmp_path / "many"
-    run = _run(_agent_cmd(one, agents))
+    run = _run(_agent_cmd(one, flags))
     assert run.returncode == 0, run.stderr[-6000:]
     launcher = [sys.executable, str(REPO / "launch" / "local.py"), "-n", str(processes)]
-    cmd = [*launcher, "-g", str(generation), "--timeout_s", "240", "--", *_agent_cmd(many, agents)]
+    cmd = [*launcher, "-g", str(generation), "--timeout_s", "240", "--", *_agent_cmd(many, flags)]
     run = _run(cmd)
     assert run.returncode == 0, run.stdout[-6000:]
     want, got = np.load(one / run_lib.FINAL_PARAMS), np.load(many / run_lib.FINAL_PARAMS)
     _assert_params_match(got, want, exact=processes - generation == 1)
-    rows = [r for r in read_jsonl(str(many / "metrics.jsonl")) if "reward" in r]
-    ref = [r for r in read_jsonl(str(one / "metrics.jsonl")) if "reward" in r]
-    for key in ("reward", "episode_turns", "samples"):
-        assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref], rel=1e-6), key
+    return [[r for r in read_jsonl(str(d / "metrics.jsonl")) if "reward" in r] for d in (many, one)]
+
+
+@pytest.mark.parametrize(
+    "processes, generation",
+    [pytest.param(3, 2, marks=_EXT), (4, 2)],  # 2 + 2 by default: the demonstrations split
+)
+def test_the_supervised_target_across_processes_gives_the_one_process_parameters(
+    processes, generation, tmp_path
+):
+    # The supervised target (algorithm.sft_coef: the calculator environment's
+    # demonstrations with every RL micro-batch, learner/supervised.py) across processes:
+    # every training process draws the same demonstration batch and feeds its slice
+    # (learner.Rows); the run ends with the one-process run's parameters (bit for bit with
+    # one training process, within the two-trainer tolerance with two) and its sft_nll.
+    sft = {"algorithm.sft_coef": 1.0, "algorithm.sft_batch": 4, "pipeline.mode": "stream_async"}
+    sft |= {"environment.name": "calculator", "eval.num_problems": 0}
+    rows, ref = _agent_job_like_one_process(processes, generation, sft, tmp_path)
+    assert rows and [r["sft_nll"] for r in rows] == pytest.approx([r["sft_nll"] for r in ref])
 
 
 @_EXT  # ~45 s: the in-process tests (routing_replay_test.py) hold the wire round trip

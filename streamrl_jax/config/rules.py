@@ -536,11 +536,11 @@ def check(cfg: ExperimentConfig, processes: Processes) -> ExperimentConfig:
         f"so it runs in one process; this run has {n}. Use disaggregated_batch, stream_sync "
         "or stream_async, or run one process",
     )
+    a = cfg.algorithm
     require(
-        cfg.algorithm.sft_coef == 0,
-        f"algorithm.sft_coef={cfg.algorithm.sft_coef}: the supervised loss runs in one process "
-        f"only; this run has {n} (its demonstration batches are not split across training "
-        "processes)",
+        a.sft_coef == 0 or n.training is None or a.sft_batch % n.training == 0,
+        f"algorithm.sft_batch={a.sft_batch} must be a multiple of the {n.training} training "
+        f"processes (each feeds an equal slice of every demonstration batch); this run has {n}",
     )
     if n.training is not None and n.training > 1:
         try:

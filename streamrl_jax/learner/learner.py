@@ -20,6 +20,7 @@ from streamrl_jax.learner.protocol import (
     Micro,
     Policy,
     Reduce,
+    Rows,
     Target,
     Totals,
 )
@@ -46,6 +47,13 @@ class Learner:
         self.policy, self.trainer, self._state = policy, trainer, state
         self.targets = tuple(targets)
         self.one = trainer.scalar(1.0)  # the micro-batch normaliser, on the training mesh
+        # This training process's share of a batch a target builds (`set_rows`).
+        self.rows = Rows()
+
+    def set_rows(self, rows: Rows) -> None:
+        """Several training processes: which rows of a target's own batches this one
+        feeds, and how they reach the agreed shape (the run's training share)."""
+        self.rows = rows
 
     @property
     def state(self) -> TrainState:
@@ -62,7 +70,7 @@ class Learner:
 
     # ------------------------------------------------------------------ micro-batches
     def _micro(self, batch: int, totals: Totals | None) -> Micro:
-        return Micro(batch, self.trainer, self._state, self.one, totals)
+        return Micro(batch, self.trainer, self._state, self.one, totals, self.rows)
 
     def place(self, batch: int, host: TrainBatch, totals: Totals | None = None) -> TrainBatch:
         """Micro-batch `host` of batch `batch` on the training mesh, with every target's

@@ -47,6 +47,18 @@ Totals = dict[str, list[Any]]
 
 
 @dataclasses.dataclass(frozen=True)
+class Rows:
+    """Which rows of a batch a target builds itself this training process feeds: with T
+    training processes each feeds its `index`-th of T equal slices of every micro-batch
+    (`pipeline/shards.py`), and `agree` pads its host rows to the shape all processes
+    agreed on (one process: index 0 of 1, as it is)."""
+
+    index: int = 0
+    count: int = 1
+    agree: Callable[[TrainBatch], TrainBatch | None] = lambda batch: batch
+
+
+@dataclasses.dataclass(frozen=True)
 class Micro:
     """What a target reads at one micro-batch.
 
@@ -57,6 +69,7 @@ class Micro:
       one: the micro-batch normaliser, an f32[] 1 on the training mesh.
       totals: where the step's per-micro-batch figures go (None: a precompile run,
         nothing recorded).
+      rows: this training process's share of a batch a target builds itself.
     """
 
     batch: int
@@ -64,6 +77,7 @@ class Micro:
     state: TrainState
     one: jax.Array
     totals: Totals | None
+    rows: Rows = Rows()
 
 
 class Trains(Protocol):

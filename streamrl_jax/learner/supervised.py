@@ -13,7 +13,10 @@ figures; the row gets `sft_nll`, the mean negative log-likelihood per demonstrat
 token under W_b.
 
 Which demonstrations a micro-batch takes depends only on (batch, micro-batch index,
-run seed): a resumed run draws the same ones, and the target saves no state.
+run seed): a resumed run draws the same ones, and the target saves no state. With T
+training processes every one draws the same `sft_batch` and feeds its own slice of
+`sft_batch / T` (`Micro.rows`), padded to the shape they agree on: the same
+demonstration batch as one process.
 """
 
 from __future__ import annotations
@@ -82,7 +85,9 @@ class Supervised:
         return [self.demos[int(i)] for i in rng.integers(0, len(self.demos), self.batch)]
 
     def _placed(self, chosen: list[Demonstration], micro: Micro) -> TrainBatch:
-        t = micro.trainer
+        t, rows = micro.trainer, micro.rows
+        per = len(chosen) // rows.count  # several training processes: this one's slice
+        chosen = chosen[rows.index * per : (rows.index + 1) * per]
         host = make_batch(
             [d.prompt for d in chosen],
             [d.response for d in chosen],
@@ -92,10 +97,14 @@ class Supervised:
             pad_id=self.pad_id,
             **t.cfg.layout,
         )
-        dev = t.place_batch(host)
+        dev = t.place_batch(rows.agree(host))
         logp = t.logprobs(micro.state.params, dev)  # ratio 1: the NLL gradient
         if micro.batch >= 0:
-            self._nll.append((-(logp * dev.loss_mask).sum(), int(host.loss_mask.sum())))
+            # The sum is over the global batch (every process computes it: one program),
+            # counted by the first process; each counts its own tokens (the row sums both
+            # over the processes).
+            nll = -(logp * dev.loss_mask).sum()
+            self._nll.append((nll if rows.index == 0 else 0.0, int(host.loss_mask.sum())))
         return dev.replace(old_logp=logp, behaviour_logp=logp)
 
     def init_accumulators(self) -> Accumulators:

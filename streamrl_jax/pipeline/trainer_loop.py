@@ -32,6 +32,7 @@ import numpy as np
 from absl import logging
 
 from streamrl_jax.algorithms.overlong import OverlongPenalty
+from streamrl_jax.learner import Rows
 from streamrl_jax.metrics import Progress, compile_seconds
 from streamrl_jax.pipeline import micro_batches, precompile
 from streamrl_jax.pipeline.generation import Generation
@@ -67,6 +68,18 @@ class TrainerLoop:
         self.cfg, self.c = parts.cfg, parts.components
         self.learner = self.c.learner
         self.rollout, self.trainers = parts.rollout, parts.trainers.share
+        t = self.learner.trainer
+        # A target's own batches (the supervised target's demonstrations) split as every
+        # micro-batch is: this process's rows, in the shape the training processes agree on.
+        self.learner.set_rows(
+            Rows(
+                self.trainers.index,
+                self.trainers.count,
+                lambda host: self.trainers.agree(
+                    host, self.c.tokenizer.pad_id, t.cfg.batch_buckets, t.cfg.routing_replay
+                ),
+            )
+        )
         self.steps = StepMeter(parts.writer, start)
         p = self.cfg.pipeline
         self.timeout = p.timeout_s
