@@ -96,13 +96,14 @@ def test_what_scaffolds_episodes_cannot_run_with_is_refused_by_name(rollout, ext
         agent_config(pipeline__rollout=rollout, **extra)
 
 
-def test_scaffolds_across_processes_are_refused_by_name():
+def test_scaffolds_across_processes_pass_the_start_up_check():
+    # Each generation process serves its own endpoint (multicontroller_test runs it).
     from streamrl_jax import config as config_lib
     from streamrl_jax.config.rules import Processes
 
     cfg = _retry(pipeline__mode="stream_async")
-    with pytest.raises(config_lib.ConfigError, match="run in one process only"):
-        config_lib.check(cfg, Processes(total=2, generation=1))
+    for total, generation in ((2, 1), (3, 2), (4, 2)):
+        config_lib.check(cfg, Processes(total=total, generation=generation))
 
 
 @pytest.mark.extended  # ~20 s: the default suite keeps the stream_sync run above

@@ -216,37 +216,6 @@ def _check_sync_reports(events, generation: int, training: int) -> None:
                 assert sent[version][f"bytes/generation-{k}"] == r["bytes/training-0"]
 
 
-_DYNAMIC = {
-    "pipeline.rollout": "dynamic_sampling",
-    "generation.max_new_tokens": 1,
-    "pipeline.steps": 3,
-}
-
-
-@pytest.mark.parametrize(
-    "processes, generation",
-    [
-        (3, 2),  # 2 generation + 1 training process: bit for bit
-        pytest.param(2, 1, marks=_EXT),
-        pytest.param(4, 2, marks=_EXT),  # 2 + 2: each trainer its own informative groups
-    ],
-)
-def test_dynamic_sampling_across_processes_gives_the_one_process_parameters(
-    processes, generation, tmp_path, tmp_path_factory
-):
-    # DAPO dynamic sampling (the quickstart's rollout) across processes: one-token
-    # responses under the vowel reward make some groups uniform, so they are skipped and
-    # refilled. Each generation process judges the groups it made and publishes its
-    # verdicts; every process decides the same refill rounds from all of them (the
-    # trainers draw the same prompts); the run ends with the one-process run's skips,
-    # draws, rewards and consumed prompts, and its parameters: bit for bit with one
-    # training process, within the two-trainer tolerance with two (stream_async,
-    # deterministic).
-    keys = ("reward", "groups_skipped", "dynamic_draws", "dynamic_short", "samples")
-    rows = _like_one_process(processes, generation, _DYNAMIC, keys, tmp_path, tmp_path_factory)
-    assert sum(r["groups_skipped"] for r in rows) > 0  # the refills ran
-
-
 def _like_one_process(processes, generation, settings, keys, tmp_path, tmp_path_factory):
     """Runs `settings` (stream_async) in `processes` processes, `generation` of them
     generating, and checks it against the same command in one process: the parameters
@@ -1009,99 +978,6 @@ def test_partial_rollout_across_processes_trains_every_group_once(tmp_path):
     assert len(ids) * cfg.pipeline.group_size == sum(r["samples"] for r in rows) > 0
 
 
-_CURRICULUM = {
-    "pipeline.rollout": "curriculum+dynamic_sampling",
-    "generation.max_new_tokens": 1,
-    "pipeline.curriculum_decay": 0.3,
-    "pipeline.steps": 4,
-    "data.train_size": 8,  # epochs of two steps or fewer: prompts come back, weighed
-}
-
-
-@pytest.mark.parametrize(
-    "processes, generation",
-    [
-        (3, 2),  # 2 generation + 1 training process: bit for bit
-        pytest.param(4, 2, marks=_EXT),  # 2 + 2: each trainer publishes its own outcomes
-    ],
-)
-def test_the_curriculum_across_processes_gives_the_one_process_parameters(
-    processes, generation, tmp_path, tmp_path_factory
-):
-    # The curriculum over dynamic sampling across processes: one-token responses under
-    # the vowel reward make groups uniform (skipped, weighed down) or varied. Each
-    # training process publishes its step's outcomes; every process that draws (the
-    # generation processes, and the trainers through the rollout) reads them before the
-    # draws that depend on them, so all pass over the same prompts: the one-process
-    # run's parameters, passes, skips and consumed prompts.
-    # (curriculum_down, the weights as the newest draw saw them, depends on how far
-    # generation ran ahead of the step, even in one process)
-    keys = ("samples", "groups_skipped", "dynamic_draws", "curriculum_passed")
-    rows = _like_one_process(processes, generation, _CURRICULUM, keys, tmp_path, tmp_path_factory)
-    assert sum(r["curriculum_passed"] for r in rows) > 0  # prompts passed over
-
-
-_PARTIAL = {
-    "pipeline.rollout": "partial",
-    "pipeline.partial_budget_tokens": 6,
-    "pipeline.max_lag": 3,
-    "pipeline.steps": 4,
-    "eval.num_problems": 0,
-}
-
-
-@pytest.mark.parametrize(
-    "processes, generation",
-    [
-        (3, 2),  # 2 generation + 1 training process: bit for bit
-        pytest.param(2, 1, marks=_EXT),
-        pytest.param(4, 2, marks=_EXT),  # 2 + 2: each trainer its own groups of a round
-    ],
-)
-def test_partial_rollout_across_processes_gives_the_one_process_parameters(
-    processes, generation, tmp_path, tmp_path_factory
-):
-    # Partial rollout across processes: rounds of 6 tokens, so the tiny model's 16-token
-    # samples take 3 rounds. Each generation process runs the rounds of its own groups
-    # (their paused samples continue there under newer weights) and reports each round's
-    # closure to every trainer; a step trains the groups every process's report says the
-    # round completed (each trainer its own). The run ends with the one-process run's
-    # parameters (bit for bit with one training process, within the two-trainer
-    # tolerance with two), its per-step samples, rewards and consumed prompts.
-    keys = ("reward", "samples", "optimizer_steps", "carried_paused", "dropped_lag")
-    rows = _like_one_process(processes, generation, _PARTIAL, keys, tmp_path, tmp_path_factory)
-    # continued under newer weights
-    assert max(r["mixed_versions"] for r in rows if r["samples"]) > 0
-
-
-def test_partial_rollout_across_processes_resumes_a_killed_run_exactly(tmp_path, tmp_path_factory):
-    # 2 generation + 1 training processes, partial rollout, a checkpoint every step: each
-    # generation process writes its share of the work carried into round k (paused
-    # samples, finished members of incomplete groups) before it reports round k - 1
-    # (processes/carried.py). The trainer is SIGKILLed once checkpoint 3 is on disk (the
-    # generation processes then fail naming it); the same command resumes, the
-    # generation processes take their carried work back, and the run ends with the
-    # uninterrupted one-process run's parameters bit for bit, every step's prompts
-    # consumed as there.
-    run = {**_PARTIAL, "pipeline.steps": 5}
-    settings = {**run, **_CKPT}
-    want = _one_process("stream_async", tmp_path_factory, **settings)
-    one = _ONE_PROCESS_DIR[("stream_async", *sorted(settings.items()))]
-    workdir, logs = tmp_path / "run", tmp_path / "logs"
-    logs.mkdir()
-    procs = _spawn(3, 2, workdir, logs, **{"pipeline.mode": "stream_async"}, **settings)
-    _kill_the_trainer_at(3, procs, workdir, logs)
-    assert sorted(os.listdir(workdir / "carried" / "3")) == [
-        "generation-0.json",
-        "generation-1.json",
-    ]
-    log = _launched(3, 2, workdir, **run)
-    _assert_resumed_like_one_process(workdir, want, exact=True, log=log)
-    assert "restored" in log and "carried into round" in log, log[-4000:]
-    rows = read_jsonl(str(workdir / "consumed.jsonl"))
-    assert rows == read_jsonl(str(one / "consumed.jsonl"))
-
-
 def _agent_cmd(workdir, flags):
     """The launch command of `configs/agent.py:tiny` with `flags`."""
     return [
@@ -1298,59 +1174,6 @@ def test_episodes_across_processes_give_the_one_process_parameters(tmp_path):
         assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref]), key
     evals = [r for r in read_jsonl(str(two / "metrics.jsonl")) if "eval/turns" in r]
     assert evals and all(r["eval/turns"] == 3.0 for r in evals)  # held-out episodes too
-
-
-@pytest.mark.parametrize(
-    "processes, generation",
-    [(3, 2), pytest.param(4, 2, marks=_EXT)],  # 2 + 1 by default; 2 + 2: two trainers
-)
-def test_agents_across_processes_give_the_one_process_parameters(processes, generation, tmp_path):
-    # The agent job (configs/agent.py:tiny: scaffolds play the calculator environment
-    # through the OpenAI endpoint, with the official openai client) across processes:
-    # each generation process serves its own endpoint (loopback, its own token) to the
-    # scaffolds of the episodes it owns; the run ends with the one-process run's
-    # parameters (bit for bit with one training process) and its episodes' turns and
-    # returns.
-    agents = {"pipeline.rollout": "agents+full", "pipeline.mode": "stream_async"}
-    rows, ref = _agent_job_like_one_process(processes, generation, agents, tmp_path)
-    for key in ("reward", "episode_turns", "samples"):
-        assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref], rel=1e-6), key
-
-
-def _agent_job_like_one_process(processes, generation, flags, tmp_path):
-    """`configs/agent.py:tiny` with `flags` (and 2 held-out problems) in one process and
-    in `processes` (`generation` generating): the parameters alike (bit for bit with one
-    training process, within the two-trainer tolerance with more). Returns both runs'
-    metrics rows (these processes', then the one process's)."""
-    flags = {"eval.num_problems": 2, **flags}
-    one, many = tmp_path / "one", tmp_path / "many"
-    run = _run(_agent_cmd(one, flags))
-    assert run.returncode == 0, run.stderr[-6000:]
-    launcher = [sys.executable, str(REPO / "launch" / "local.py"), "-n", str(processes)]
-    cmd = [*launcher, "-g", str(generation), "--timeout_s", "240", "--", *_agent_cmd(many, flags)]
-    run = _run(cmd)
-    assert run.returncode == 0, run.stdout[-6000:]
-    want, got = np.load(one / run_lib.FINAL_PARAMS), np.load(many / run_lib.FINAL_PARAMS)
-    _assert_params_match(got, want, exact=processes - generation == 1)
-    return [[r for r in read_jsonl(str(d / "metrics.jsonl")) if "reward" in r] for d in (many, one)]
-
-
-@pytest.mark.parametrize(
-    "processes, generation",
-    [pytest.param(3, 2, marks=_EXT), (4, 2)],  # 2 + 2 by default: the demonstrations split
-)
-def test_the_supervised_target_across_processes_gives_the_one_process_parameters(
-    processes, generation, tmp_path
-):
-    # The supervised target (algorithm.sft_coef: the calculator environment's
-    # demonstrations with every RL micro-batch, learner/supervised.py) across processes:
-    # every training process draws the same demonstration batch and feeds its slice
-    # (learner.Rows); the run ends with the one-process run's parameters (bit for bit with
-    # one training process, within the two-trainer tolerance with two) and its sft_nll.
-    sft = {"algorithm.sft_coef": 1.0, "algorithm.sft_batch": 4, "pipeline.mode": "stream_async"}
-    sft |= {"environment.name": "calculator", "eval.num_problems": 0}
-    rows, ref = _agent_job_like_one_process(processes, generation, sft, tmp_path)
-    assert rows and [r["sft_nll"] for r in rows] == pytest.approx([r["sft_nll"] for r in ref])
 
 
 @_EXT  # ~45 s: the in-process tests (routing_replay_test.py) hold the wire round trip

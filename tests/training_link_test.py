@@ -29,12 +29,18 @@ def _of(batch, group, prompt_id):
 def test_verify_checks_each_group_against_its_own_batch():
     # Several processes: the trainer's own draw of each batch. Partial rollout trains
     # groups of earlier batches at a step, so each is checked against its batch's draw.
-    link = types.SimpleNamespace(_drawn={2: ["a", "b"], 3: ["c", "d"]})
+    link = types.SimpleNamespace(_drawn={2: ["a", "b"], 3: ["c", "d"]}, _start=0)
     TrainingLink.verify(link, [_of(3, 1, "d"), _of(2, 0, "a"), _of(2, 1, "b")])
     with pytest.raises(RuntimeError, match=r"batch 2 group 1: generated for prompt d, .* drew b"):
         TrainingLink.verify(link, [_of(2, 1, "d")])
     with pytest.raises(RuntimeError, match="batch 0 group 0: .* drew a batch it no longer keeps"):
         TrainingLink.verify(link, [_of(0, 0, "a")])
+    # A run resumed at batch 3: the carried groups of earlier batches (the generation
+    # processes' checkpointed work) were never drawn here; its own draws are checked.
+    resumed = types.SimpleNamespace(_drawn={3: ["c", "d"]}, _start=3)
+    TrainingLink.verify(resumed, [_of(2, 1, "x"), _of(3, 0, "c")])
+    with pytest.raises(RuntimeError, match=r"batch 3 group 1: generated for prompt x"):
+        TrainingLink.verify(resumed, [_of(3, 1, "x")])
 
 
 def test_a_round_report_speaks_for_its_sender_only():
