@@ -1,7 +1,7 @@
 """The pod program's features across processes (docs/multicontroller.md, "Dynamic
 sampling, the curriculum and agents across processes", "Partial rollout across
 processes"): each against the same command in one process, on real processes on
-localhost, with multicontroller_test's launch helpers (one module's, so the one-process
+localhost, with the launch helpers of `launched_runs.py` (one module's, so the one-process
 references a worker ran are shared).
 
 Every case launches 2-4 processes and a one-process reference (30-90 s each on 2 shared
@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 import pytest
-from multicontroller_test import (
+from launched_runs import (
     _CKPT,
     _EXT,
     _ONE_PROCESS_DIR,
@@ -222,7 +222,7 @@ def test_agents_and_the_supervised_target_across_three_processes(tmp_path):
     # each training process feeds its slice of the demonstrations. The one-process run's
     # parameters within the two-trainer tolerance, its episodes' turns and its sft_nll.
     both = {"pipeline.rollout": "agents+full", "pipeline.mode": "stream_async"}
-    both |= {"algorithm.sft_coef": 1.0, "algorithm.sft_batch": 4}
+    both |= {"algorithm.sft_coef": 1.0, "algorithm.sft_batch": 4, "eval.num_problems": 0}
     rows, ref = _agent_job_like_one_process(3, 1, both, tmp_path)
     for key in ("episode_turns", "samples", "sft_nll"):
         assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref], rel=1e-5), key

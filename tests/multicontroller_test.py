@@ -29,83 +29,37 @@ must exit non-zero, naming the lost process, well within JAX's heartbeat
 bound (a liveness bound, not a speed claim).
 """
 
-import importlib.util
 import json
 import os
-import pathlib
 import re
 import signal
-import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
-from child_env import launched_env
+from launched_runs import (
+    _CKPT,
+    _EXT,
+    _ONE_PROCESS_DIR,
+    REPO,
+    _agent_cmd,
+    _assert_params_match,
+    _assert_resumed_like_one_process,
+    _config,
+    _kill_the_trainer_at,
+    _launch_cmd,
+    _launched,
+    _one_process,
+    _run,
+    _spawn,
+    _start,
+)
 
 from streamrl_jax import config as config_lib
 from streamrl_jax import pipeline as run_lib
 from streamrl_jax.distributed import local_program as local  # launch/local.py's program
 from streamrl_jax.metrics import read_jsonl
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
-_OVERRIDES = {
-    "pipeline.deterministic": True,
-    "data.reward": "vowels",
-    "log.final_params": True,
-}
-
-
-def _config(**overrides):
-    spec = importlib.util.spec_from_file_location("qs", REPO / "configs" / "quickstart.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cd = module.get_config("tiny").to_dict()
-    for dotted, value in {**_OVERRIDES, **overrides}.items():
-        section, key = dotted.split(".")
-        cd[section][key] = value
-    return config_lib.from_config_dict(cd)
-
-
-def _flags(**overrides) -> list[str]:
-    return [f"--config.{k}={v}" for k, v in {**_OVERRIDES, **overrides}.items()]
-
-
-def _launch_cmd(workdir, **overrides) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "streamrl_jax.launch",
-        f"--config={REPO / 'configs' / 'quickstart.py'}:tiny",
-        f"--workdir={workdir}",
-        "--verbosity=0",  # every process's INFO lines on its console: the tests read them
-        *_flags(**overrides),
-    ]
-
-
-def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env=launched_env(), cwd=REPO
-    )
-
-
-_ONE_PROCESS, _ONE_PROCESS_DIR = {}, {}
-
-
-def _one_process(mode, tmp_path_factory, **overrides):
-    """The same launch command in one process (its own 2 CPU devices: XLA:CPU's results
-    depend on the process's device count, so the reference must not run in pytest's
-    8-device process)."""
-    key = (mode, *sorted(overrides.items()))
-    if key not in _ONE_PROCESS:
-        workdir = tmp_path_factory.mktemp(f"one-{mode}")
-        run = _run(_launch_cmd(workdir, **{"pipeline.mode": mode}, **overrides))
-        assert run.returncode == 0, run.stderr[-6000:]
-        _ONE_PROCESS[key] = np.load(workdir / run_lib.FINAL_PARAMS)
-        _ONE_PROCESS_DIR[key] = workdir
-    return _ONE_PROCESS[key]
-
 
 # Every case launches 2-4 real processes (40-70 s each on 2 shared cores, most of it
 # compiling: each topology's programs are its own). The default run covers stream_async
@@ -114,22 +68,6 @@ def _one_process(mode, tmp_path_factory, **overrides):
 # topology a checkpoint, kill (the trainer, named by the generation processes) and
 # resume, then a lost generation process; the other combinations, the critic included,
 # are `-m extended` (python -m pytest -q -m extended tests/multicontroller_test.py).
-_EXT = pytest.mark.extended
-# Two training processes against one (module docstring): every element within ATOL, all
-# but 1 in OFF_FRACTION of them within 1e-6.
-ATOL, OFF_FRACTION = 2e-4, 20_000
-
-
-def _assert_params_match(got, want, exact: bool) -> None:
-    off = 0
-    for key in want.files:
-        if exact:
-            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
-        else:  # another reduction order
-            np.testing.assert_allclose(got[key], want[key], rtol=0, atol=ATOL, err_msg=key)
-            off += int((np.abs(got[key] - want[key]) > 1e-6).sum())
-    size = sum(want[k].size for k in want.files)
-    assert off <= size // OFF_FRACTION, f"{off} of {size} elements off by more than 1e-6"
 
 
 @pytest.mark.parametrize(
@@ -216,37 +154,6 @@ def _check_sync_reports(events, generation: int, training: int) -> None:
                 assert sent[version][f"bytes/generation-{k}"] == r["bytes/training-0"]
 
 
-def _like_one_process(processes, generation, settings, keys, tmp_path, tmp_path_factory):
-    """Runs `settings` (stream_async) in `processes` processes, `generation` of them
-    generating, and checks it against the same command in one process: the parameters
-    (bit for bit with one training process, within the two-trainer tolerance with
-    more), the metrics rows' `keys` per step (the trainers' float32 sums: in another
-    order with several) and every step's consumed prompts (with several trainers each
-    lists the prompts it trained and every one consumed without training). Returns the
-    metrics rows."""
-    workdir = tmp_path / "run"
-    launcher = [sys.executable, str(REPO / "launch" / "local.py"), "-n", str(processes)]
-    cmd = _launch_cmd(workdir, **{"pipeline.mode": "stream_async"}, **settings)
-    run = _run([*launcher, "-g", str(generation), "--timeout_s", "240", "--", *cmd])
-    assert run.returncode == 0, run.stdout[-6000:]
-    training = processes - generation
-    want = _one_process("stream_async", tmp_path_factory, **settings)
-    _assert_params_match(np.load(workdir / run_lib.FINAL_PARAMS), want, exact=training == 1)
-    one = _ONE_PROCESS_DIR[("stream_async", *sorted(settings.items()))]
-    rows = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "reward" in r]
-    ref = [r for r in read_jsonl(str(one / "metrics.jsonl")) if "reward" in r]
-    for k in keys:  # (the reward of a step that trained nothing: nan)
-        want_k = pytest.approx([r[k] for r in ref], rel=1e-6, nan_ok=True)
-        assert [r[k] for r in rows] == want_k, k
-    logs = [workdir] + [workdir / f"training-{i}" for i in range(1, training)]
-    got: dict[int, set[str]] = {}
-    for log in logs:
-        for row in read_jsonl(str(log / "consumed.jsonl")):
-            got.setdefault(row["step"], set()).update(row["prompt_ids"])
-    assert got == {r["step"]: set(r["prompt_ids"]) for r in read_jsonl(str(one / "consumed.jsonl"))}
-    return rows
-
-
 @pytest.mark.extended  # the suite's budget: the delta's bytes and bits run in shard_sync_test
 def test_lora_processes_send_the_adapters_alone_and_give_the_one_process_parameters(
     tmp_path, tmp_path_factory
@@ -327,34 +234,6 @@ def test_processes_train_the_critic_like_one_process(
     rows = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "reward" in r]
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["critic_grad_norm"] > 0 and r["critic_nonfinite"] == 0 for r in rows)
-
-
-def _spawn(processes, generation, workdir, logs, **overrides) -> list[subprocess.Popen]:
-    coordinator = f"127.0.0.1:{local.free_port()}"
-    return [
-        _start(
-            local.child_env(i, processes, generation, coordinator, "test-key-" + "0" * 24),
-            workdir,
-            logs / f"p{i}.log",
-            **overrides,
-        )
-        for i in range(processes)
-    ]
-
-
-def _start(child_env, workdir, log, **overrides) -> subprocess.Popen:
-    """One process of the program (`child_env`: its STREAMRL_* variables); starting it
-    again with the same `child_env` is what a restarted process does."""
-    overrides = {"pipeline.steps": 40, "eval.num_problems": 0, **overrides}
-    with open(log, "w") as out:
-        return subprocess.Popen(
-            _launch_cmd(workdir, **overrides),
-            env=dict(launched_env(), **child_env),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            start_new_session=True,
-        )
 
 
 def _wait_for_line(log, text, procs, timeout=180.0) -> None:
@@ -593,27 +472,6 @@ def test_hung_generation_process_is_left_behind_after_the_peer_timeout(tmp_path,
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
-_CKPT = {"checkpoint.every": 1}
-
-
-def _launched(processes, generation, workdir, **overrides):
-    """The launch command in `processes` processes (`launch/local.py`) or in one."""
-    cmd = _launch_cmd(workdir, **{"pipeline.mode": "stream_async"}, **_CKPT, **overrides)
-    if processes > 1:
-        launcher = [sys.executable, str(REPO / "launch" / "local.py"), "--timeout_s", "240"]
-        cmd = [*launcher, "-n", str(processes), "-g", str(generation), "--", *cmd]
-    run = _run(cmd)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
-    return run.stdout + run.stderr
-
-
-def _assert_resumed_like_one_process(workdir, want, exact, log):
-    assert "resumed from checkpoint" in log, log[-4000:]
-    got = np.load(workdir / run_lib.FINAL_PARAMS)
-    assert sorted(got.files) == sorted(want.files)
-    _assert_params_match(got, want, exact)
-
-
 # Extended: the same kill and bitwise resume (2 generation processes + 1 training process
 # there) run by default in
 # test_a_killed_trainer_resumes_and_a_lost_generation_process_leaves_the_run_to_the_other.
@@ -650,27 +508,6 @@ def test_checkpoint_kill_resume_equals_the_uninterrupted_run(tmp_path, tmp_path_
     rows = read_jsonl(str(workdir / "consumed.jsonl"))
     assert rows == read_jsonl(str(ref_dir / "consumed.jsonl"))  # each prompt once, in order
     assert [r["step"] for r in rows] == [0, 1]
-
-
-def _kill_the_trainer_at(k, procs, workdir, logs):
-    """2 generation + 1 training processes (`procs`, logs in `logs`): SIGKILLs the trainer
-    once checkpoint k is in `workdir` and waits for the others to fail; the run is left
-    unfinished. Returns `procs`."""
-    try:
-        deadline = time.monotonic() + 180
-        while not (workdir / "checkpoints" / str(k)).is_dir():
-            assert time.monotonic() < deadline, (logs / "p2.log").read_text()[-4000:]
-            assert all(p.poll() is None for p in procs), (logs / "p2.log").read_text()[-4000:]
-            time.sleep(0.05)
-        os.killpg(procs[2].pid, signal.SIGKILL)
-        for p in procs[:2]:
-            p.wait(timeout=60)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    assert not (workdir / run_lib.FINAL_PARAMS).exists()
-    return procs
 
 
 def test_a_killed_trainer_resumes_and_a_lost_generation_process_leaves_the_run_to_the_other(
@@ -976,19 +813,6 @@ def test_partial_rollout_across_processes_trains_every_group_once(tmp_path):
     drawn = {i for ids in drawn_prompt_ids(cfg, 5) for i in ids}
     assert len(ids) == len(set(ids)) and set(ids) <= drawn  # never twice
     assert len(ids) * cfg.pipeline.group_size == sum(r["samples"] for r in rows) > 0
-
-
-def _agent_cmd(workdir, flags):
-    """The launch command of `configs/agent.py:tiny` with `flags`."""
-    return [
-        sys.executable,
-        "-m",
-        "streamrl_jax.launch",
-        f"--config={REPO / 'configs' / 'agent.py'}:tiny",
-        f"--workdir={workdir}",
-        "--verbosity=0",
-        *_flags(**flags),
-    ]
 
 
 @_EXT  # ~1 min
