@@ -27,9 +27,10 @@ take no part), issued on the trainer thread in program order.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, TypeVar
 
 import jax
 import numpy as np
@@ -38,6 +39,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from streamrl_jax.config import PipelineSection, check_training_split
 from streamrl_jax.model import routes as routes_lib
 from streamrl_jax.trainer.batch import TrainBatch
+
+K = TypeVar("K")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +67,21 @@ class Ownership:
     def micro_batches(self) -> int:
         """Micro-batches per mini-batch."""
         return -(-self.per_mini // self.micro)
+
+    def settled_slices(
+        self, keys: Sequence[K], group: Callable[[K], int], process: int
+    ) -> Iterator[list[K]]:
+        """A step whose groups are known only once they are settled (dynamic sampling's
+        informative groups, a partial-rollout round's completed ones): of `keys` (in
+        order, the same on every training process), those `process` owns by group index
+        (`owner`, as every group), `micro / count` per micro-batch, as many micro-batches
+        as the process with the most needs (every process makes the same calls; one with
+        fewer feeds padding rows)."""
+        per = self.micro // self.count
+        counts = collections.Counter(self.owner(group(k)) for k in keys)
+        mine = [k for k in keys if self.owner(group(k)) == process]
+        for j in range(-(-max(counts.values(), default=0) // per)):
+            yield mine[j * per : (j + 1) * per]
 
     def local_groups(self, mini: int, j: int, process: int) -> list[int]:
         """Group indices (in order) that training process `process` feeds to micro-batch

@@ -131,6 +131,7 @@ class _GenerationProcess:
     ):
         self.cfg, self.r, self.dcfg, self.workdir = cfg, r, dcfg, workdir
         self.ranker_receiver: ShardReceiver | None = None
+        self.carried_by: object = None  # a resumed partial run's share writers (`_start`)
         self._stopping = threading.Event()
         self.timeout = cfg.pipeline.timeout_s
         self.pid = r.process_id
@@ -371,8 +372,7 @@ class _GenerationProcess:
         """A resumed partial-rollout run: the work carried into round `batch` that this
         process owns now (`carried.py`): its paused samples continue in that round, the
         finished members of incomplete groups go to their training process again."""
-        start = json.loads(roles.lookup(START_KEY, self.timeout))
-        writers = start.get("carried_by")
+        writers = self.carried_by
         if not isinstance(writers, list) or not all(isinstance(w, int) for w in writers):
             raise ValueError(
                 f"generation-{self.pid}: resuming a partial-rollout run at batch {batch}, "
@@ -417,6 +417,7 @@ class _GenerationProcess:
                 "checkpoint or building, or gone)"
             ) from e
         batch = int(start["batch"])
+        self.carried_by = start.get("carried_by")  # partial rollout's shares (resumed)
         expected = {int(b): ids for b, ids in start.get("expected_ids", {}).items()}
         if batch > 0:
             self.prompts.restore(start["prompts"], expected)

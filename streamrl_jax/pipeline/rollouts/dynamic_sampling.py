@@ -439,11 +439,8 @@ class DynamicSampling:
         same calls; one with fewer feeds padding rows)."""
         share = self.ctx.trainers
         informative = self.outcome(batch).informative
-        per = self.p.micro_batch_groups // share.count
-        counts = collections.Counter(share.own.owner(g) for g in informative)
-        mine = [g for g in informative if share.own.owner(g) == share.index]
-        for j in range(-(-max(counts.values(), default=0) // per)):
-            yield self.taker.take_indexed(batch, mine[j * per : (j + 1) * per])
+        for mine in share.own.settled_slices(informative, lambda g: g, share.index):
+            yield self.taker.take_indexed(batch, mine)
 
     def finish(self, batch: int) -> StepOutcome:
         """Batch b's skipped prompts (consumed too) and its metrics."""

@@ -39,7 +39,7 @@ rounds, paused samples, continuations) and reports each round's closure to every
 training process (`RoundClosed`, sent by `processes/generation.py`); a training process
 runs `RemoteRounds`, the trainer's half: step r trains the groups every generation
 process's report says round r completed (with several training processes each its own,
-`_owned_micro_batches`). The work a checkpoint at k must hold lives in the generation
+`Ownership.settled_slices`). The work a checkpoint at k must hold lives in the generation
 processes: each writes its share when it closes round k - 1, before it reports it
 (`processes/carried.py`), so the checkpoint names the shares (`RemoteRounds.state`) and
 a resumed run's generation processes take them back.
@@ -104,10 +104,11 @@ def _round_micro_batches(
 ) -> Iterator[list[Group]]:
     """The groups round r completed (`want`, sorted), as micro-batches: deterministic: in
     (batch, group) order, members in member order; otherwise whichever are ready first
-    (scored), at least `min_groups` of them. Several training processes: each its own
-    (`_owned_micro_batches`)."""
+    (scored), at least `min_groups` of them. Several training processes: each its own,
+    in (batch, group) order (`Ownership.settled_slices`: the same calls on every one)."""
     if trainers.count > 1:
-        yield from _owned_micro_batches(taker, p, want, trainers)
+        for mine in trainers.own.settled_slices(want, lambda k: k[1], trainers.index):
+            yield [taker.key(k) for k in mine]
         return
     i = 0
     while i < len(want):
@@ -119,21 +120,6 @@ def _round_micro_batches(
             want[i:] = keys + [k for k in want[i:] if k not in keys]
         i += len(keys)
         yield [taker.key(k) for k in keys]
-
-
-def _owned_micro_batches(
-    taker: GroupTaker, p: PipelineSection, want: list[Key], trainers: TrainerShare
-) -> Iterator[list[Group]]:
-    """Several training processes: of the groups round r completed (`want`, sorted, the
-    same on every training process), those this one owns by group index
-    (`shards.Ownership`, as every group), `micro_batch_groups / T` per micro-batch in
-    (batch, group) order, as many micro-batches as the process with the most needs (every
-    process makes the same calls; one with fewer feeds padding rows)."""
-    per = p.micro_batch_groups // trainers.count
-    counts = collections.Counter(trainers.own.owner(g) for _, g in want)
-    mine = [k for k in want if trainers.own.owner(k[1]) == trainers.index]
-    for j in range(-(-max(counts.values(), default=0) // per)):
-        yield [taker.key(k) for k in mine[j * per : (j + 1) * per]]
 
 
 def _step_metrics(counts: dict[str, int], regenerated: int, dropped: int) -> StepOutcome:
