@@ -221,7 +221,7 @@ def test_a_short_dial_deadline_leaves_the_channels_silence_bound_alone():
 
 def test_a_weights_receiver_dials_in_short_attempts_too():
     # A restarted generation process dials the weights servers as it dials the sample
-    # servers (`_GenerationProcess._dial`): the handshake gives up after dial_timeout_s,
+    # servers (`GenerationProcess._dial`): the handshake gives up after dial_timeout_s,
     # and a receiver that did connect keeps the 30 s silence bound.
     leaf = reshard.LeafLayout("['w']", (8, 6), "float32", 4)
     need = shard_wire.Need(0, (leaf,), ((((0, 8), (0, 6)),),))
@@ -647,15 +647,18 @@ def test_launch_local_restarts_a_failed_generation_process(tmp_path):
     assert (tmp_path / "back").read_text() == "1"
 
 
-def _dialer(rejoined: bool, peer_timeout_s: float):
+def _dialer(rejoined: bool, peer_timeout_s: float, outcome):
+    """`GenerationProcess._dial` of a stand-in process whose board answers the run's
+    outcome with `outcome(key)`."""
     from streamrl_jax.pipeline.processes import generation as generation_process
 
     me = types.SimpleNamespace(
         r=types.SimpleNamespace(rejoined=rejoined),
         dcfg=types.SimpleNamespace(peer_timeout_s=peer_timeout_s),
         pid=1,
+        board=types.SimpleNamespace(try_lookup=outcome),
     )
-    return functools.partial(generation_process._GenerationProcess._dial, me)
+    return functools.partial(generation_process.GenerationProcess._dial, me)
 
 
 def test_a_restarted_generation_process_that_finds_the_run_ended_while_dialing_stops(
@@ -667,7 +670,6 @@ def test_a_restarted_generation_process_that_finds_the_run_ended_while_dialing_s
     from streamrl_jax.pipeline.processes import generation as generation_process
 
     outcomes = iter([None, None, "ok"])
-    monkeypatch.setattr(roles, "try_lookup", lambda key: next(outcomes))
     monkeypatch.setattr(generation_process, "REJOIN_DIAL_S", 0.5)
     timeouts = []
 
@@ -676,7 +678,7 @@ def test_a_restarted_generation_process_that_finds_the_run_ended_while_dialing_s
         raise TransportTimeout("no samples server answered")
 
     with pytest.raises(generation_process._RunEnded) as ended:
-        _dialer(rejoined=True, peer_timeout_s=30.0)(make, "sample")
+        _dialer(True, 30.0, lambda key: next(outcomes))(make, "sample")
     assert ended.value.outcome == "ok"
     assert timeouts == [0.5, 0.5, 0.5]
 
@@ -684,7 +686,6 @@ def test_a_restarted_generation_process_that_finds_the_run_ended_while_dialing_s
 def test_a_restarted_generation_process_not_admitted_names_the_whole_wait(monkeypatch):
     from streamrl_jax.pipeline.processes import generation as generation_process
 
-    monkeypatch.setattr(roles, "try_lookup", lambda key: None)  # the run goes on
     monkeypatch.setattr(generation_process, "REJOIN_DIAL_S", 0.2)
     calls = []
 
@@ -694,12 +695,11 @@ def test_a_restarted_generation_process_not_admitted_names_the_whole_wait(monkey
         raise TransportTimeout("no samples server answered")
 
     with pytest.raises(TransportTimeout, match="no weights server admitted .* within 1.0 s"):
-        _dialer(rejoined=True, peer_timeout_s=1.0)(make, "weights")
+        _dialer(True, 1.0, lambda key: None)(make, "weights")  # the run goes on
     assert 3 <= len(calls) <= 7 and all(t <= 0.2 for t in calls)
 
 
-def test_a_first_start_dials_once_with_the_peer_timeout(monkeypatch):
-    monkeypatch.setattr(roles, "try_lookup", lambda key: pytest.fail("looked up the outcome"))
+def test_a_first_start_dials_once_with_the_peer_timeout():
     calls = []
 
     def make(timeout_s):
@@ -707,7 +707,7 @@ def test_a_first_start_dials_once_with_the_peer_timeout(monkeypatch):
         raise TransportTimeout("no samples server answered")
 
     with pytest.raises(TransportTimeout, match="no samples server answered"):
-        _dialer(rejoined=False, peer_timeout_s=30.0)(make, "sample")
+        _dialer(False, 30.0, lambda key: pytest.fail("looked up the outcome"))(make, "sample")
     assert calls == [30.0]
 
 

@@ -31,8 +31,8 @@ _OVERRIDES = {
 }
 
 
-def _config(**overrides):
-    spec = importlib.util.spec_from_file_location("qs", REPO / "configs" / "quickstart.py")
+def _config(config="quickstart.py", **overrides):
+    spec = importlib.util.spec_from_file_location("qs", REPO / "configs" / config)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     cd = module.get_config("tiny").to_dict()
@@ -200,13 +200,14 @@ def _kill_the_trainer_at(k, procs, workdir, logs):
     return procs
 
 
-def _agent_cmd(workdir, flags):
-    """The launch command of `configs/agent.py:tiny` with `flags`."""
+def _agent_cmd(workdir, flags, config="agent.py"):
+    """The launch command of `configs/<config>:tiny` (the agent job's by default) with
+    `flags`."""
     return [
         sys.executable,
         "-m",
         "streamrl_jax.launch",
-        f"--config={REPO / 'configs' / 'agent.py'}:tiny",
+        f"--config={REPO / 'configs' / config}:tiny",
         f"--workdir={workdir}",
         "--verbosity=0",
         *_flags(**flags),

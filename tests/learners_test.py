@@ -189,7 +189,7 @@ def _sample(request_id, adapter):
 
 def test_the_router_hands_each_learner_its_own_samples_and_refuses_a_stray():
     service = _FakeService([_sample((1, "b0"), 1), _sample((0, "a0"), 0)])
-    shared = learners_lib.SharedService(service, ["a", "b"], learners_lib._Meters(), poll_s=0.01)
+    shared = learners_lib.SharedService(service, ["a", "b"], learners_lib.Meters(), poll_s=0.01)
     a, b = shared.view(0), shared.view(1)
     assert b.get(timeout=5).request_id == "b0"
     assert a.get(timeout=5).request_id == "a0"
@@ -226,8 +226,10 @@ def test_bad_learner_settings_are_one_line_errors(learners, match):
     assert "\n" not in str(e.value)
 
 
-def test_learners_across_processes_are_refused():
-    with pytest.raises(config_lib.ConfigError, match="several learners run in one process"):
+def test_learners_across_processes_take_a_block_of_training_processes_each():
+    # (the run itself: multicontroller_features_test.py)
+    config_lib.check(_cfg(), config_lib.Processes(total=3, generation=1))
+    with pytest.raises(config_lib.ConfigError, match="use a multiple of 2 training processes"):
         config_lib.check(_cfg(), config_lib.Processes(total=2, generation=1))
 
 

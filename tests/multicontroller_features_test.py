@@ -1,14 +1,15 @@
 """The pod program's features across processes (docs/multicontroller.md, "Dynamic
 sampling, the curriculum and agents across processes", "Partial rollout across
-processes"): each against the same command in one process, on real processes on
-localhost, with the launch helpers of `launched_runs.py` (one module's, so the one-process
-references a worker ran are shared).
+processes", "Several learners across processes"): each against the same command in one
+process, on real processes on localhost, with the launch helpers of `launched_runs.py`
+(one module's, so the one-process references a worker ran are shared).
 
 Every case launches 2-4 processes and a one-process reference (30-90 s each on 2 shared
 cores). By default: the curriculum over dynamic sampling on 2 generation + 1 training
 processes (dynamic sampling's default case too), partial rollout killed at a checkpoint
-and resumed on 2 + 1, and the agent job with the supervised target on 1 + 2; the other
-topologies of each are `-m extended`.
+and resumed on 2 + 1 (the default kill and resume across processes), the agent job with
+the supervised target on 1 + 2, and two learners on 1 + 2 (a training process each);
+the other topologies of each are `-m extended`.
 """
 
 import os
@@ -140,7 +141,8 @@ def test_partial_rollout_across_processes_resumes_a_killed_run_exactly(tmp_path,
     # generation process writes its share of the work carried into round k (paused
     # samples, finished members of incomplete groups) before it reports round k - 1
     # (processes/carried.py). The trainer is SIGKILLed once checkpoint 3 is on disk (the
-    # generation processes then fail naming it); the same command resumes, the
+    # generation processes then fail naming it: the default case of a killed trainer);
+    # the same command resumes, the
     # generation processes take their carried work back, and the run ends with the
     # uninterrupted one-process run's parameters bit for bit, every step's prompts
     # consumed as there.
@@ -152,6 +154,9 @@ def test_partial_rollout_across_processes_resumes_a_killed_run_exactly(tmp_path,
     logs.mkdir()
     procs = _spawn(3, 2, workdir, logs, **{"pipeline.mode": "stream_async"}, **settings)
     _kill_the_trainer_at(3, procs, workdir, logs)
+    for i in (0, 1):  # both generation processes fail, naming the trainer
+        text = (logs / f"p{i}.log").read_text()
+        assert procs[i].returncode != 0 and "lost training" in text, text[-4000:]
     assert sorted(os.listdir(workdir / "carried" / "3")) == [
         "generation-0.json",
         "generation-1.json",
@@ -226,3 +231,33 @@ def test_agents_and_the_supervised_target_across_three_processes(tmp_path):
     rows, ref = _agent_job_like_one_process(3, 1, both, tmp_path)
     for key in ("episode_turns", "samples", "sft_nll"):
         assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref], rel=1e-5), key
+
+
+def test_learners_across_processes_give_the_one_process_parameters(tmp_path):
+    # Several learners across processes (configs/learners.py:tiny: a GRPO learner with
+    # dynamic sampling in stream_async and a PPO learner with a critic in stream_sync,
+    # each a rank-8 LoRA adapter on one frozen base) on 1 generation + 2 training
+    # processes: the generation process serves both learners' drivers from one service
+    # with an adapter slot each, each learner trains on a training process of its own,
+    # and each sends its adapters alone after its first version. Every learner ends with
+    # the one-process run's parameters bit for bit, its rewards and consumed prompts.
+    flags = {"eval.num_problems": 0}
+    one, many = tmp_path / "one", tmp_path / "many"
+    run = _run(_agent_cmd(one, flags, config="learners.py"))
+    assert run.returncode == 0, run.stderr[-6000:]
+    launcher = [sys.executable, str(REPO / "launch" / "local.py"), "-n", "3", "-g", "1"]
+    cmd = [*launcher, "--timeout_s", "240", "--", *_agent_cmd(many, flags, config="learners.py")]
+    run = _run(cmd)
+    assert run.returncode == 0, run.stdout[-6000:]
+    for name in ("grpo", "ppo"):
+        want = np.load(one / name / run_lib.FINAL_PARAMS)
+        got = np.load(many / name / run_lib.FINAL_PARAMS)
+        assert sorted(got.files) == sorted(want.files), name
+        _assert_params_match(got, want, exact=True)
+        rows, ref = [
+            [r for r in read_jsonl(str(d / name / "metrics.jsonl")) if "reward" in r]
+            for d in (many, one)
+        ]
+        assert [r["reward"] for r in rows] == pytest.approx([r["reward"] for r in ref]), name
+        consumed = [read_jsonl(str(d / name / "consumed.jsonl")) for d in (many, one)]
+        assert consumed[0] == consumed[1], name

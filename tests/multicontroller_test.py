@@ -63,25 +63,28 @@ from streamrl_jax.metrics import read_jsonl
 
 # Every case launches 2-4 real processes (40-70 s each on 2 shared cores, most of it
 # compiling: each topology's programs are its own). The default run covers stream_async
-# (one reference run) with one training process bit for bit and with one generation and
-# two training processes (3 processes), and in one 2 generation + 1 training process
-# topology a checkpoint, kill (the trainer, named by the generation processes) and
-# resume, then a lost generation process; the other combinations, the critic included,
-# are `-m extended` (python -m pytest -q -m extended tests/multicontroller_test.py).
+# (one reference run) in one 2 generation + 1 training process topology: a lost
+# generation process, the run ending bit for bit with one process. The pod features'
+# default cases (multicontroller_features_test.py) cover the rest by default: a
+# checkpoint, a kill (the trainer, named by the generation processes) and a resume bit
+# for bit on 2 + 1 (partial rollout), 2 + 1 bit for bit (the curriculum over dynamic
+# sampling) and 1 + 2 within the two-trainer tolerance (the agent job with the
+# supervised target). The other combinations, the plain 1 + 2, the plain kill and
+# resume and the critic included, are `-m extended`
+# (python -m pytest -q -m extended tests/multicontroller_test.py).
 
 
 @pytest.mark.parametrize(
     "processes, generation, mode",
     [
         pytest.param(2, 1, "stream_sync", marks=_EXT),
-        # 1 + 1 processes run by default in the loss, resume and partial-rollout tests
+        # 1 + 1 processes run the pipeline by default in ray_launcher_test's end-to-end run
         pytest.param(2, 1, "stream_async", marks=_EXT),
         pytest.param(4, 2, "stream_sync", marks=_EXT),  # 2 generation + 2 training processes
-        # 2 generation + 2 training processes: the default case is 1 + 2 (3, 1) below,
-        # the same two training processes' FSDP and shard sends to one process fewer;
-        # two generation processes run by default in the lost-generation test
-        pytest.param(4, 2, "stream_async", marks=_EXT),
-        (3, 1, "stream_async"),  # 1 generation + 2 training processes
+        pytest.param(4, 2, "stream_async", marks=_EXT),  # 2 + 2 processes
+        # 1 generation + 2 training processes: by default in the agent job's parity test
+        # (multicontroller_features_test.py), the same two trainers' FSDP and shard sends
+        pytest.param(3, 1, "stream_async", marks=_EXT),
         pytest.param(3, 2, "stream_sync", marks=_EXT),
         pytest.param(3, 2, "stream_async", marks=_EXT),
         pytest.param(2, 1, "disaggregated_batch", marks=_EXT),
@@ -249,11 +252,11 @@ def _wait_for_line(log, text, procs, timeout=180.0) -> None:
     "processes, generation, victim, expect",
     [
         # The trainer dies: the generation process names it. By default in
-        # test_a_killed_trainer_resumes_and_a_lost_generation_process_leaves_the_run_to_the_other
-        # (the same kill, 2 + 1 processes, on the way to its resume).
+        # multicontroller_features_test's partial-rollout resume (the same kill, 2 + 1
+        # processes, on the way to its resume).
         pytest.param(2, 1, 1, {0: "lost training"}, marks=_EXT),
-        # (One of two generation processes dying does not end the run: the resumed run of
-        # test_a_killed_trainer_resumes_and_a_lost_generation_process_leaves_the_run_to_the_other.)
+        # (One of two generation processes dying does not end the run:
+        # test_lost_generation_process_leaves_the_run_to_the_others.)
         # The second of two training processes dies: the generation processes name it,
         # the first training process's next collective fails and it names the others.
         pytest.param(
@@ -288,9 +291,6 @@ def test_killed_process_ends_the_others_naming_it(processes, generation, victim,
         assert text in log, log[-4000:]
 
 
-# Extended: its loss and its bitwise ending run by default in the resumed run of
-# test_a_killed_trainer_resumes_and_a_lost_generation_process_leaves_the_run_to_the_other.
-@pytest.mark.extended
 def test_lost_generation_process_leaves_the_run_to_the_others(tmp_path, tmp_path_factory):
     # 2 generation + 1 training process, stream_async, 2 steps: generation process 0
     # (the one JAX would host the coordination service on) is SIGKILLed as soon as the
@@ -510,6 +510,9 @@ def test_checkpoint_kill_resume_equals_the_uninterrupted_run(tmp_path, tmp_path_
     assert [r["step"] for r in rows] == [0, 1]
 
 
+# Extended: by default the loss runs in test_lost_generation_process_leaves_the_run_to_the_others
+# and the killed trainer's resume in multicontroller_features_test's partial-rollout run.
+@pytest.mark.extended
 def test_a_killed_trainer_resumes_and_a_lost_generation_process_leaves_the_run_to_the_other(
     tmp_path, tmp_path_factory
 ):
@@ -655,13 +658,13 @@ wire.encode, micro_batches.pack_groups = probe_encode, probe_pack
 
 # Generation slowed to a fixed pace (a sleep per decode chunk, on the instance's
 # thread) so that a batch decodes for several trainer steps' time.
-on_chunk = generation_process._GenerationProcess._on_chunk
+on_chunk = generation_process.GenerationProcess._on_chunk
 
 def slow_on_chunk(self, *args, **kwargs):
     time.sleep(CHUNK_SLEEP_S)
     return on_chunk(self, *args, **kwargs)
 
-generation_process._GenerationProcess._on_chunk = slow_on_chunk
+generation_process.GenerationProcess._on_chunk = slow_on_chunk
 sys.argv[0] = "streamrl_jax.launch"
 runpy.run_module("streamrl_jax.launch", run_name="__main__", alter_sys=True)
 """
@@ -958,6 +961,14 @@ def test_settings_that_need_one_process_are_refused():
     _check(_config(), 4, 2)  # 2 generation + 2 training
     with pytest.raises(config_lib.ConfigError, match=r"3 training processes must divide"):
         _check(_config(), 5, 2)
+    # Several learners: one equal block of the training processes each, and each
+    # learner's config valid on its block.
+    _check(_config("learners.py"), 3, 1)
+    _check(_config("learners.py"), 6, 2)
+    with pytest.raises(config_lib.ConfigError, match="use a multiple of 2 training processes"):
+        _check(_config("learners.py"), 4, 1)
+    with pytest.raises(config_lib.ConfigError, match=r"learners\[0\] \(grpo\) on its block"):
+        _check(_config("learners.py", **{"pipeline.micro_batch_groups": 1}), 5, 1)
     # Elastic: the reserved units are generation processes, one at least left active.
     reserve = {"scheduling.elastic_reserved": 1}
     _check(_config(**reserve), 3, 2)

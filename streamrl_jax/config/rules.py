@@ -516,11 +516,8 @@ def check(cfg: ExperimentConfig, processes: Processes) -> ExperimentConfig:
     """
     validate(cfg)
     p, sc, n = cfg.pipeline, cfg.scheduling, processes
-    require(
-        not (cfg.learners and n.several),
-        f"learners: several learners run in one process (--processes=one); this run has "
-        f"{n}, and learners across processes are not built",
-    )
+    if cfg.learners and n.several:
+        return _check_learners_across(cfg, n)
     if not n.several:
         slots = len(cfg.mesh.instance_slots)
         require(
@@ -554,6 +551,27 @@ def check(cfg: ExperimentConfig, processes: Processes) -> ExperimentConfig:
         f"scheduling.elastic_reserved={sc.elastic_reserved}: across processes it counts "
         f"reserved generation processes, and must leave at least one active; this run has {n}",
     )
+    return cfg
+
+
+def _check_learners_across(cfg: ExperimentConfig, n: Processes) -> ExperimentConfig:
+    """Several learners across processes (pipeline/processes/learners.py): the training
+    processes in one equal block per learner, and each learner's config a valid run on
+    the generation processes and its block."""
+    count = len(cfg.learners)
+    require(
+        n.training is None or n.training % count == 0,
+        f"learners: {count} learners across processes train on equal blocks of the training "
+        f"processes (one block each); this run has {n}: use a multiple of {count} training "
+        "processes",
+    )
+    total = None if n.total is None else n.generation + n.training // count
+    per = Processes(total=total, generation=n.generation)
+    for i, learner in enumerate(cfg.learners):
+        try:
+            check(learner_config(cfg, learner), per)
+        except ConfigError as e:
+            raise ConfigError(f"learners[{i}] ({learner.name}) on its block: {e}") from None
     return cfg
 
 

@@ -406,37 +406,51 @@ def _kv_client():
     return client
 
 
-def publish(key: str, value: str, overwrite: bool = False) -> None:
-    """Publishes `value` (e.g. a server's `host:port`) under `key` to every process
-    (`overwrite`: replace an earlier value, e.g. a restarted process's address)."""
-    _kv_client().key_value_set(f"streamrl/{key}", value, allow_overwrite=overwrite)
+@dataclasses.dataclass(frozen=True)
+class Board:
+    """The coordination service's key-value store under one prefix: the keys of one run
+    of the program. Several learners across processes (pipeline/processes/learners.py)
+    are several runs on one program, each on its own board (`learner/<name>/`); the
+    module functions below are the program's board (no prefix)."""
+
+    prefix: str = ""
+
+    def _key(self, key: str) -> str:
+        return f"streamrl/{self.prefix}{key}"
+
+    def publish(self, key: str, value: str, overwrite: bool = False) -> None:
+        """Publishes `value` (e.g. a server's `host:port`) under `key` to every process
+        (`overwrite`: replace an earlier value, e.g. a restarted process's address)."""
+        _kv_client().key_value_set(self._key(key), value, allow_overwrite=overwrite)
+
+    def try_lookup(self, key: str) -> str | None:
+        """The value published under `key`, or None if there is none yet (does not wait)."""
+        try:
+            return _kv_client().key_value_try_get(self._key(key))
+        except Exception:  # noqa: BLE001 - NOT_FOUND is a plain XlaRuntimeError
+            return None
+
+    def lookup(self, key: str, timeout_s: float) -> str:
+        """Waits (up to `timeout_s`) for the value another process `publish`ed under `key`."""
+        try:
+            return _kv_client().blocking_key_value_get(self._key(key), int(timeout_s * 1000))
+        except Exception as e:  # noqa: BLE001 - JAX raises a plain XlaRuntimeError on timeout
+            raise TimeoutError(
+                f"distributed: no process published {self.prefix + key!r} within "
+                f"{timeout_s:.1f} s ({e})"
+            ) from e
+
+    def lookup_all(self, prefix: str) -> dict[str, str]:
+        """Every value published under `prefix/` so far, by the rest of its key (does not
+        wait)."""
+        start = self._key(f"{prefix}/")
+        return {k[len(start) :]: v for k, v in _kv_client().key_value_dir_get(start)}
+
+    def forget(self, prefix: str) -> None:
+        """Deletes every value published under `prefix/`."""
+        _kv_client().key_value_delete(self._key(f"{prefix}/"))
 
 
-def try_lookup(key: str) -> str | None:
-    """The value published under `key`, or None if there is none yet (does not wait)."""
-    try:
-        return _kv_client().key_value_try_get(f"streamrl/{key}")
-    except Exception:  # noqa: BLE001 - NOT_FOUND is a plain XlaRuntimeError
-        return None
-
-
-def lookup(key: str, timeout_s: float) -> str:
-    """Waits (up to `timeout_s`) for the value another process `publish`ed under `key`."""
-    try:
-        return _kv_client().blocking_key_value_get(f"streamrl/{key}", int(timeout_s * 1000))
-    except Exception as e:  # noqa: BLE001 - JAX raises a plain XlaRuntimeError on timeout
-        raise TimeoutError(
-            f"distributed: no process published {key!r} within {timeout_s:.1f} s ({e})"
-        ) from e
-
-
-def lookup_all(prefix: str) -> dict[str, str]:
-    """Every value published under `prefix/` so far, by the rest of its key (does not
-    wait)."""
-    start = f"streamrl/{prefix}/"
-    return {k[len(start) :]: v for k, v in _kv_client().key_value_dir_get(start)}
-
-
-def forget(prefix: str) -> None:
-    """Deletes every value published under `prefix/`."""
-    _kv_client().key_value_delete(f"streamrl/{prefix}/")
+PROGRAM = Board()  # the program's own keys
+publish, try_lookup, lookup = PROGRAM.publish, PROGRAM.try_lookup, PROGRAM.lookup
+lookup_all, forget = PROGRAM.lookup_all, PROGRAM.forget

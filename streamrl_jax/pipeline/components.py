@@ -46,6 +46,7 @@ from streamrl_jax.pipeline import datasets, warmup
 from streamrl_jax.pipeline.meshes import make_meshes, role_meshes
 from streamrl_jax.rewards.base import RewardFn
 from streamrl_jax.rewards.sandbox import Limits
+from streamrl_jax.trainer import state as state_lib
 from streamrl_jax.trainer.state import TrainState
 from streamrl_jax.trainer.step import Trainer
 from streamrl_jax.weight_sync import Params, Published, WeightSync, place_on
@@ -258,13 +259,16 @@ def build_training(
     processes: int = 1,
     held_out: bool = True,
     warm: bool = True,
+    base_from: ExperimentConfig | None = None,
 ) -> Components:
     """The components of a training process: no generation service; W_0 goes out
     through `make_weight_sync(params, generate_dtype)` (it sends to the generation
     processes, which must be connected). With several training processes, `devices`
     holds every training process's devices (process by process) and the training mesh
     spans them all; `held_out=False`: this one scores no held-out prompts (the first
-    training process does)."""
+    training process does); `base_from`: a learner's run across processes
+    (`processes/learners.py`), whose adapters start on the frozen base of this config's
+    (the first learner's), as in one process (`learners.build`)."""
     eval_set, train_set = datasets.datasets(cfg)
     meshes = role_meshes(cfg, devices, "training", processes)
     logging.info(
@@ -272,6 +276,10 @@ def build_training(
         dict(meshes.train.shape),
         [d.id for d in meshes.train.devices.flat],
     )
+    base = None
+    if base_from is not None:
+        _, first = learner_lib.initial_policy(base_from, describe_model(base_from), meshes.train)
+        base = state_lib.frozen(first.params)
     return _components(
         cfg,
         meshes,
@@ -280,6 +288,7 @@ def build_training(
         make_weight_sync=make_weight_sync,
         held_out=held_out,
         warm=warm,
+        base=base,
     )
 
 
@@ -381,20 +390,29 @@ class GenerationSide:
     reward_sandbox: Limits | None
 
 
-def build_generation(cfg: ExperimentConfig, devices: Sequence[jax.Device]) -> GenerationSide:
+def build_generation(
+    cfg: ExperimentConfig,
+    devices: Sequence[jax.Device],
+    *,
+    adapters: int = 0,
+    parts: GenerationParts | None = None,
+) -> GenerationSide:
     """The generation side of a generation process: its instances, the seeded prompt
     pipeline, the held-out prompts, and for an episodes run what its environment needs
     (the tokenizer, the task's reward). Reads the model's config and tokenizer only: the
-    weights come from the trainer."""
+    weights come from the trainer. Several learners (`processes/learners.py`): the first
+    builds the instances with `adapters` slots, the others draw their own prompts for
+    the same `parts`."""
     eval_set, train_set = datasets.datasets(cfg)
-    meshes = role_meshes(cfg, devices, "generation")
-    logging.info(
-        "generation process: %d instance(s) on %s",
-        meshes.num_instances,
-        [d.id for d in meshes.generate.devices.flat],
-    )
     d = describe_model(cfg)
-    parts = generation_parts(cfg, d.cfg, d.tokenizer, meshes.generate)
+    if parts is None:
+        meshes = role_meshes(cfg, devices, "generation")
+        logging.info(
+            "generation process: %d instance(s) on %s",
+            meshes.num_instances,
+            [d.id for d in meshes.generate.devices.flat],
+        )
+        parts = generation_parts(cfg, d.cfg, d.tokenizer, meshes.generate, adapters=adapters)
     prompts, eval_prompts = datasets.prompts(cfg, d.tokenizer, train_set, eval_set)
     return GenerationSide(
         parts=parts,

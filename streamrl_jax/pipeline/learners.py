@@ -68,7 +68,7 @@ class SharedService:
         self,
         service: GenerationService,
         names: Sequence[str],
-        meters: _Meters,
+        meters: Meters,
         alphas: Sequence[float] | None = None,
         poll_s: float = 0.05,
     ):
@@ -250,7 +250,7 @@ def run(
     check(cfg, Processes.one())
     learners = build(cfg, devices, reward_fn)
     names = [learner.name for learner in cfg.learners]
-    meters = _Meters()
+    meters = Meters()
     service = learners.parts.service(
         [w.params for w in learners.components[0].initial_weights],
         0,
@@ -261,59 +261,75 @@ def run(
     alphas = [c.trainer.lora.alpha for c in learners.configs]
     shared = SharedService(service, names, meters, alphas)
     results: dict[str, RunResult] = {}
-    errors: list[BaseException] = []  # in the order they happened: the first is the cause
-    lock = threading.Lock()
     # One stop request for every learner (SIGINT/SIGTERM): each stops at its boundary,
     # and one whose run starts after it stops at once.
     shutdown = threading.Event()
 
     def one(slot: int) -> None:
         c, comp, name = learners.configs[slot], learners.components[slot], names[slot]
-        try:
-            results[name] = run_components(
-                c,
-                comp,
-                os.path.join(workdir, name),
-                generation=LearnerGeneration(c, learners.parts, shared, slot),
-                trainers=Trainers(
-                    share=Alone(ownership(c.pipeline, 1)),
-                    checkpoint_dir=os.path.join(workdir, name, "checkpoints"),
-                ),
-                shutdown=shutdown,
-            )
-        except BaseException as e:  # noqa: BLE001 - the others end, naming this learner
-            with lock:
-                errors.append(e)
-            logging.error("learner %s failed: %r", name, e)
-            for other in range(len(names)):
-                if other != slot:
-                    shared.fail(other, e, f"learner {name}")
+        results[name] = run_components(
+            c,
+            comp,
+            os.path.join(workdir, name),
+            generation=LearnerGeneration(c, learners.parts, shared, slot),
+            trainers=Trainers(
+                share=Alone(ownership(c.pipeline, 1)),
+                checkpoint_dir=os.path.join(workdir, name, "checkpoints"),
+            ),
+            shutdown=shutdown,
+        )
 
-    threads = [
-        threading.Thread(target=one, args=(slot,), name=f"learner-{name}", daemon=True)
-        for slot, name in enumerate(names)
-    ]
     signals = None
     if cfg.checkpoint.on_signal and threading.current_thread() is threading.main_thread():
         signals = ckpt_lib.install_shutdown_handler(lambda sig: shutdown.set())
     try:
         for slot, comp in enumerate(learners.components[1:], start=1):
             service.update_adapter(slot, [w.params for w in comp.initial_weights], 0, alphas[slot])
-        for t in threads:
-            t.start()
-        for t in threads:  # each run bounds its own waits (pipeline.timeout_s)
-            while t.is_alive():
-                t.join(0.5)
+        run_together(names, one, shared.fail)
     finally:
         if signals is not None:
             signals.uninstall()
         shared.close(cfg.pipeline.timeout_s)
-    if errors:
-        raise errors[0]
     return results
 
 
-class _Meters:
+def run_together(
+    names: Sequence[str],
+    run: Callable[[int], None],
+    fail: Callable[[int, BaseException, str], None],
+) -> None:
+    """Runs `run(slot)` of every learner on a thread of its own and ends them together:
+    the first learner to fail fails the others (`fail(other, exc, component)`: their
+    samples stop naming it, and each run ends at its boundary); once every thread is
+    done, raises the first failure. Each run bounds its own waits (pipeline.timeout_s)."""
+    errors: list[BaseException] = []  # in the order they happened: the first is the cause
+    lock = threading.Lock()
+
+    def one(slot: int) -> None:
+        try:
+            run(slot)
+        except BaseException as e:  # noqa: BLE001 - the others end, naming this learner
+            with lock:
+                errors.append(e)
+            logging.error("learner %s failed: %r", names[slot], e)
+            for other in range(len(names)):
+                if other != slot:
+                    fail(other, e, f"learner {names[slot]}")
+
+    threads = [
+        threading.Thread(target=one, args=(slot,), name=f"learner-{name}", daemon=True)
+        for slot, name in enumerate(names)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(0.5)
+    if errors:
+        raise errors[0]
+
+
+class Meters:
     """The service's chunk observer: every learner's meter (the service is theirs alike)."""
 
     def __init__(self):

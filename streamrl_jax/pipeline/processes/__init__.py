@@ -10,7 +10,8 @@ with the joined program's counts, and runs `generation.run_generation` or
 The sub-package: `plan` (the layout's keys and constants), `training` (a training
 process: its link to the generation processes), `generation` (a generation process),
 `roster` (who generates what, and what a lost process leaves), `roster_share` (a
-generation process's share under the roster). The core of `pipeline/` never imports
+generation process's share under the roster), `learners` (several learners: each a run
+of its own on the program). The core of `pipeline/` never imports
 it (`tests/layering_test.py`).
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 from streamrl_jax import metrics
 from streamrl_jax.config import ExperimentConfig, Processes, check
 from streamrl_jax.distributed import roles
+from streamrl_jax.pipeline.processes import learners
 from streamrl_jax.pipeline.processes.generation import run_generation
 from streamrl_jax.pipeline.processes.training import run_training
 from streamrl_jax.pipeline.step_metrics import RunResult
@@ -34,6 +36,11 @@ def run_process(
     r = roles.initialize(dcfg)
     check(cfg, Processes(total=r.num_processes, generation=len(r.generation_processes)))
     metrics.set_writer_process(r.training_processes[0])  # it has the metrics
+    if cfg.learners:  # several learners: each a run of its own on the program
+        if r.role == "generation":
+            learners.run_generation_learners(cfg, workdir, dcfg, r)
+            return None
+        return learners.run_training_learner(cfg, workdir, dcfg, r)
     if r.role == "generation":
         run_generation(cfg, workdir, dcfg, r)
         return None

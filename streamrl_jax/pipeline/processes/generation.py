@@ -50,7 +50,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import jax
 import msgspec
@@ -106,6 +106,9 @@ from streamrl_jax.scheduling.live import LiveScheduler
 from streamrl_jax.stream.sample_stream import SampleStream, StreamError
 from streamrl_jax.weight_sync import Params
 
+# A driver's service from W_v placed (one tree per instance), v, and its chunk observer.
+MakeService = Callable[[list[Params], int, Callable[[ChunkReport], None]], Any]
+
 
 class _Stopped(Exception):
     """The training process stopped the run (signal) while this one still generated."""
@@ -123,20 +126,31 @@ REJOIN_DIAL_S = 2.0  # a restarted process's dial attempts (it checks the outcom
 _Dialed = TypeVar("_Dialed")
 
 
-class _GenerationProcess:
+class GenerationProcess:
     """One generation process: W_0, its service and driver, the end protocol."""
 
     def __init__(
-        self, cfg: ExperimentConfig, workdir: str, dcfg: roles.DistributedConfig, r: roles.Roles
+        self,
+        cfg: ExperimentConfig,
+        workdir: str,
+        dcfg: roles.DistributedConfig,
+        r: roles.Roles,
+        board: roles.Board = roles.PROGRAM,
+        side: components_lib.GenerationSide | None = None,
     ):
+        """`r`: the roles as this run sees them and `board` its keys (a learner's:
+        `processes/learners.py`); `side`: the generation side already built (None: build
+        it on this process's devices)."""
         self.cfg, self.r, self.dcfg, self.workdir = cfg, r, dcfg, workdir
+        self.board = board
         self.ranker_receiver: ShardReceiver | None = None
         self.carried_by: object = None  # a resumed partial run's share writers (`_start`)
         self._stopping = threading.Event()
         self.timeout = cfg.pipeline.timeout_s
         self.pid = r.process_id
         self.share = (r.generation_processes.index(self.pid), len(r.generation_processes))
-        side = components_lib.build_generation(cfg, jax.local_devices())
+        if side is None:
+            side = components_lib.build_generation(cfg, jax.local_devices())
         self.parts, self.held_out = side.parts, side.eval_prompts
         self.prompts = PromptSource(side.prompts)
         # An episodes run: the environment steps here; its answers are scored on a reward
@@ -163,7 +177,7 @@ class _GenerationProcess:
             self.agents = agent_kit(cfg, side.tokenizer, ecfg, vocab, self.kit)
         name = f"generation-{self.pid}"
         # A restarted process: the roster so far; the update taking it back comes after.
-        self.epoch0 = roster_share.last_epoch() if r.rejoined else 0
+        self.epoch0 = roster_share.last_epoch(board) if r.rejoined else 0
         # One sample channel per training process: each group goes to its owner
         # (shards.py); held-out samples and reports go to the first.
         t = len(r.training_processes)
@@ -179,14 +193,14 @@ class _GenerationProcess:
                 ),
                 "sample",
             )
-            for address in [roles.lookup(f"{SAMPLES_KEY}-{i}", self.timeout) for i in range(t)]
+            for address in [self.board.lookup(f"{SAMPLES_KEY}-{i}", self.timeout) for i in range(t)]
         ]
         self.client = self.clients[0]
         # Dials every training process; its need (the boxes its first instance's devices
         # hold of every leaf) is what each sender plans against and what every piece is
         # checked against before anything is allocated.
         parts = self.parts
-        weights = [roles.lookup(f"{WEIGHTS_KEY}-{i}", self.timeout) for i in range(t)]
+        weights = [self.board.lookup(f"{WEIGHTS_KEY}-{i}", self.timeout) for i in range(t)]
         need = need_of(parts.param_shardings[0], parts.abstract_params, self.pid)
         xla = pull_server(cfg.pipeline, roles.advertised_host(dcfg))
         self.receiver = self._dial(
@@ -225,7 +239,7 @@ class _GenerationProcess:
             try:
                 return make(max(min(REJOIN_DIAL_S, deadline - time.monotonic()), 0.1))
             except TransportTimeout as e:
-                if (outcome := roles.try_lookup(RUN_END_KEY)) is not None:
+                if (outcome := self.board.try_lookup(RUN_END_KEY)) is not None:
                     raise _RunEnded(outcome) from e
                 if time.monotonic() >= deadline:
                     raise TransportTimeout(
@@ -307,7 +321,7 @@ class _GenerationProcess:
         abstract = ranker.params()
         shardings = jax.tree.map(lambda _: device, abstract)
         self.ranker_receiver = ShardReceiver(
-            [roles.lookup(RANKER_KEY, self.timeout)],
+            [self.board.lookup(RANKER_KEY, self.timeout)],
             need_of(shardings, abstract, self.pid),
             authkey=self.dcfg.authkey,
             timeout_s=self.dcfg.peer_timeout_s,
@@ -409,7 +423,7 @@ class _GenerationProcess:
         # Batch 0, or a restored checkpoint's batch with the prompt iterator's state there
         # and the prompt ids the batches drawn before it must draw again.
         try:
-            start = json.loads(roles.lookup(START_KEY, self.timeout))
+            start = json.loads(self.board.lookup(START_KEY, self.timeout))
         except TimeoutError as e:
             raise TimeoutError(
                 f"generation-{self.pid}: the training process did not say where the run "
@@ -429,7 +443,7 @@ class _GenerationProcess:
         if self.r.rejoined:
             # Restarted into the run: start where the trainer's roster says, with
             # that batch's weights; the prompt iterator is moved there by drawing.
-            roster = roster_share.rejoin(self.pid, self.epoch0, self.timeout)
+            roster = roster_share.rejoin(self.pid, self.epoch0, self.timeout, self.board)
             self.prompts.skip_to(roster.floor, self._drawn_per_batch(), batch)
             batch = roster.floor
             loaded = self.schedule.generation_version(batch)
@@ -443,7 +457,7 @@ class _GenerationProcess:
         n = self.cfg.pipeline.prompts_per_step
         if rollout_names(self.cfg.pipeline.rollout)[1] != "dynamic_sampling":
             return lambda b: n
-        return lambda b: n + StoreVerdicts().drawn(b, self.timeout)
+        return lambda b: n + StoreVerdicts(self.board).drawn(b, self.timeout)
 
     def _rollout(self) -> PartialRollout | Rollout:
         """The generation half of the run's rollout."""
@@ -467,8 +481,8 @@ class _GenerationProcess:
                 seed=self.cfg.seed,
                 where="generator",
                 score=self._score if self.pool is not None else None,
-                verdicts=StoreVerdicts(),
-                outcomes=StoreOutcomes(len(self.r.training_processes)),
+                verdicts=StoreVerdicts(self.board),
+                outcomes=StoreOutcomes(len(self.r.training_processes), self.board),
             ),
             Kits(episodes=self.kit, agents=self.agents),
         )
@@ -490,17 +504,23 @@ class _GenerationProcess:
         self.pool.submit(text, sample.metadata).add_done_callback(done)
         return out
 
-    def run(self) -> None:
+    def run(self, make_service: MakeService | None = None) -> None:
+        """Generates the run to its end. `make_service(params, version, on_chunk)`: the
+        service this process's driver uses, holding `params` at `version` (None: one of
+        its own on its instances; several learners: their shared one's view)."""
         batch, loaded, roster = self._start()
         p = self.cfg.pipeline
         params = self.wait(max(loaded, 0), idle=lambda: None)
-        service = self.parts.service(
-            params,
-            max(loaded, 0),
-            on_chunk=self._on_chunk,
-            precompile=p.precompile,
-            continuations=p.partial_budget_tokens > 0,
-        )
+        if make_service is None:
+            service = self.parts.service(
+                params,
+                max(loaded, 0),
+                on_chunk=self._on_chunk,
+                precompile=p.precompile,
+                continuations=p.partial_budget_tokens > 0,
+            )
+        else:
+            service = make_service(params, max(loaded, 0), self._on_chunk)
         # Every instance of this process dispatches; the reserved units are processes,
         # and an online ranker is refreshed by the trainer (`_ranker_channel`).
         live = LiveScheduler(
@@ -515,7 +535,12 @@ class _GenerationProcess:
         ranker_thread = self._ranker_channel(live)
         rollout = self._rollout()
         share = RosterShare(
-            self.pid, self.share, roster, self.schedule.generation_version, p.staleness + 2
+            self.pid,
+            self.share,
+            roster,
+            self.schedule.generation_version,
+            p.staleness + 2,
+            self.board,
         )
         driver = GenerationDriver(
             service,
@@ -620,7 +645,7 @@ class _GenerationProcess:
 
     def _outcome(self, timeout: float) -> str | None:
         try:
-            return roles.lookup(RUN_END_KEY, timeout)
+            return self.board.lookup(RUN_END_KEY, timeout)
         except TimeoutError:
             return None
 
@@ -656,7 +681,7 @@ def run_generation(
             logging.warning("generation-%d: the run already ended (%s)", r.process_id, outcome)
             return
     try:
-        process = _GenerationProcess(cfg, workdir, dcfg, r)
+        process = GenerationProcess(cfg, workdir, dcfg, r)
     except _RunEnded as e:  # it ended while this restarted process started
         logging.warning(
             "generation-%d: the run ended (%s) while this process rejoined", r.process_id, e.outcome

@@ -23,19 +23,21 @@ KEY = "curriculum"
 
 
 class StoreOutcomes:
-    """`rollouts.Outcomes` over `roles.publish` / `roles.lookup`, for `trainers`
-    training processes (set by the training link or generation process)."""
+    """`rollouts.Outcomes` over the run's board (`roles.Board`), for `trainers` training
+    processes (set by the training link or generation process)."""
 
-    def __init__(self, trainers: int = 1):
-        self.trainers = trainers
+    def __init__(self, trainers: int = 1, board: roles.Board = roles.PROGRAM):
+        self.trainers, self.board = trainers, board
 
     def publish(self, step: int, trainer: int, outcomes: list[tuple[str, bool]]) -> None:
-        roles.publish(f"{KEY}/{step}/{trainer}", json.dumps([[p, bool(ok)] for p, ok in outcomes]))
+        self.board.publish(
+            f"{KEY}/{step}/{trainer}", json.dumps([[p, bool(ok)] for p, ok in outcomes])
+        )
 
     def read(self, step: int, timeout_s: float) -> list[tuple[str, bool]]:
         out: list[tuple[str, bool]] = []
         for t in range(self.trainers):
-            text = roles.lookup(f"{KEY}/{step}/{t}", timeout_s)
+            text = self.board.lookup(f"{KEY}/{step}/{t}", timeout_s)
             try:
                 pairs = json.loads(text)
                 out += [(str(p), bool(ok)) for p, ok in pairs]

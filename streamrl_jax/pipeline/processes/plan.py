@@ -6,25 +6,18 @@ training processes run one SPMD trainer over a mesh of all their devices, each
 feeding its own slice of every micro-batch (`shards.py`). Addresses go through
 the coordination service under the keys below; no port is configured.
 
-In-flight weight updates (`pipeline.weight_update="inflight"`) work as in one
-process: the generation process's driver hands each version it receives to its
-instances at once (they swap at the next chunk boundary), and every sample carries
-its per-token versions over the wire (`distributed/wire.py`) to the trainer's
-version gate. Partial rollout (`pipeline.partial_budget_tokens`) runs with one
-generation and one training process: the rounds run in the generation process, which
-reports each closure to the trainer (`rollouts/partial.py`, `generation.py`).
-
-What does not run across processes yet (colocated mode, dynamic sampling, the
-curriculum; partial
-rollout with more than one generation or training process, or with checkpoints;
-training processes that cannot split every micro-batch equally; elastic generation
-that leaves no generation process active) is refused at start-up, on every process,
-by `config.check` (`config/rules.py`). Elastic generation (`scheduling.elastic_reserved`)
-counts reserved generation processes (`roster.py`). A lost generation process is
-left behind while another is alive, and a restarted one rejoins (`roster.py`).
-Checkpoints are written by the training processes (orbax's active set,
-`checkpoint/manager.py`); the generation processes learn where a resumed run starts
-under `START_KEY`.
+In-flight weight updates, partial rollout (checkpointed too), dynamic sampling, the
+curriculum, agents, the supervised target and several learners run across processes as
+in one process (docs/multicontroller.md, "The pipeline across processes"). What does not
+(colocated mode; training processes that cannot split every micro-batch or demonstration
+batch equally; several learners on a number of training processes that is not a multiple
+of theirs; elastic generation that leaves no generation process active) is refused at
+start-up, on every process, by `config.check` (`config/rules.py`). Elastic generation
+(`scheduling.elastic_reserved`) counts reserved generation processes (`roster.py`). A
+lost generation process is left behind while another is alive, and a restarted one
+rejoins (`roster.py`). Checkpoints are written by the training processes (orbax's
+active set, `checkpoint/manager.py`); the generation processes learn where a resumed
+run starts under `START_KEY`.
 """
 
 from __future__ import annotations

@@ -29,22 +29,24 @@ from streamrl_jax.pipeline.processes.roster import (
 )
 
 
-def last_epoch() -> int:
-    """The newest roster epoch published so far (0: none)."""
+def last_epoch(board: roles.Board = roles.PROGRAM) -> int:
+    """The newest roster epoch published so far on `board` (0: none)."""
     epoch = 0
-    while roles.try_lookup(f"{ROSTER_KEY}/{epoch + 1}") is not None:
+    while board.try_lookup(f"{ROSTER_KEY}/{epoch + 1}") is not None:
         epoch += 1
     return epoch
 
 
-def rejoin(pid: int, after: int, timeout: float) -> RosterUpdate:
+def rejoin(
+    pid: int, after: int, timeout: float, board: roles.Board = roles.PROGRAM
+) -> RosterUpdate:
     """A restarted process: the trainer's roster update that takes it back, published
     once its weight channel is connected again, so after epoch `after` (read before
     this process dialed)."""
     deadline, epoch = time.monotonic() + timeout, after + 1
     while time.monotonic() < deadline:
         try:
-            update = RosterUpdate.decode(roles.lookup(f"{ROSTER_KEY}/{epoch}", 1.0))
+            update = RosterUpdate.decode(board.lookup(f"{ROSTER_KEY}/{epoch}", 1.0))
         except TimeoutError:
             continue
         if pid not in update.lost:
@@ -82,12 +84,14 @@ class RosterShare:
         roster: RosterUpdate,
         versions: Callable[[int], int],
         keep: int,
+        board: roles.Board = roles.PROGRAM,
     ):
         """`share`: (k, G), this process's index among the G generation processes;
         `versions`: g(b), the policy version batch b is generated with; `keep`: batches
         of requests kept for generating again (the trainer is at most `keep - 1` batches
-        behind the driver)."""
+        behind the driver); `board`: where the run's roster updates are published."""
         self.pid, (self.k, self.g), self.keep_batches = pid, share, keep
+        self.board = board
         self.versions = versions
         self.roster = roster
         self._lock = threading.Lock()
@@ -129,7 +133,7 @@ class RosterShare:
         del batch
         while True:
             epoch = self._epoch
-            if not self._apply(roles.try_lookup(f"{ROSTER_KEY}/{epoch}"), epoch):
+            if not self._apply(self.board.try_lookup(f"{ROSTER_KEY}/{epoch}"), epoch):
                 return
 
     # ------------------------------------------------------------------ roster updates
@@ -196,7 +200,7 @@ class RosterShare:
             while not stopping.is_set():
                 epoch = self._epoch
                 try:
-                    text = roles.lookup(f"{ROSTER_KEY}/{epoch}", 1.0)
+                    text = self.board.lookup(f"{ROSTER_KEY}/{epoch}", 1.0)
                 except TimeoutError:
                     continue
                 try:

@@ -167,12 +167,20 @@ class TrainingLink:
     `Running`: samples in, weights out."""
 
     where: Where = "trainer"  # the trainer's half of the rollout runs here
-    verdicts = StoreVerdicts()  # the generation processes' judged groups (dynamic sampling)
 
-    def __init__(self, cfg: ExperimentConfig, dcfg: roles.DistributedConfig, r: roles.Roles):
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        dcfg: roles.DistributedConfig,
+        r: roles.Roles,
+        board: roles.Board = roles.PROGRAM,
+    ):
+        """`r`: the roles as this run sees them (a learner's: its own training processes);
+        `board`: the run's keys (a learner's own, `processes/learners.py`)."""
         g = len(r.generation_processes)
         p = cfg.pipeline
-        self.cfg = cfg
+        self.cfg, self.board = cfg, board
+        self.verdicts = StoreVerdicts(board)  # the generation processes' judged groups
         # Several training processes: this one's index; the first sends the weights,
         # writes the metrics and scores the held-out prompts.
         self.index = r.training_processes.index(r.process_id)
@@ -189,7 +197,7 @@ class TrainingLink:
         self._start = 0  # the run's first batch (a resumed run's)
         # Lost generation processes and the samples received (first copies only).
         t = len(r.training_processes)
-        self.outcomes = StoreOutcomes(t)  # the training processes' step outcomes (curriculum)
+        self.outcomes = StoreOutcomes(t, board)  # the trainers' step outcomes (curriculum)
         own = ownership(p, t)
         groups = [i for i in range(p.prompts_per_step) if own.owner(i) == self.index]
         # The reserved (elastic) generation processes own nothing until activated.
@@ -227,7 +235,7 @@ class TrainingLink:
             on_rejoin=self._rejoined,
             keep=p.staleness + 2,  # what a restarted generation process may still need
         )
-        roles.publish(f"{WEIGHTS_KEY}-{self.index}", "{}:{}".format(*self.sender.address))
+        self.board.publish(f"{WEIGHTS_KEY}-{self.index}", "{}:{}".format(*self.sender.address))
         # The online ranker refresh runs here, where the samples arrive; its parameters
         # (a host tree: whole leaves of this process) go through the shard sync to every
         # generation process's dispatcher (version = the ranker's steps).
@@ -242,8 +250,8 @@ class TrainingLink:
                 timeout_s=dcfg.peer_timeout_s,
                 name="training-ranker",
             )
-            roles.publish(RANKER_KEY, "{}:{}".format(*self.ranker_sender.address))
-        roles.publish(f"{SAMPLES_KEY}-{self.index}", "{}:{}".format(*self.server.address))
+            self.board.publish(RANKER_KEY, "{}:{}".format(*self.ranker_sender.address))
+        self.board.publish(f"{SAMPLES_KEY}-{self.index}", "{}:{}".format(*self.server.address))
 
     def _lost(self, name: str, exc: BaseException) -> bool:
         """A generation process is lost (a sample channel or the weight sender saw it):
@@ -281,7 +289,7 @@ class TrainingLink:
         self._mark(f"lost generation-{k}")
         if self.index == 0:
             try:
-                roles.publish(f"{ROSTER_KEY}/{update.epoch}", update.encode())
+                self.board.publish(f"{ROSTER_KEY}/{update.epoch}", update.encode())
             except Exception as e:  # noqa: BLE001 - the coordination service is this process's
                 logging.error("could not publish the roster: %r", e)
                 return False
@@ -299,7 +307,7 @@ class TrainingLink:
         def catch_up() -> None:
             try:
                 if self.index == 0:
-                    roles.publish(f"{ROSTER_KEY}/{update.epoch}", update.encode())
+                    self.board.publish(f"{ROSTER_KEY}/{update.epoch}", update.encode())
                 first = self.versions.generation_version(update.floor)
                 sent = self.sender.catch_up(k, first, self.timeout)
                 self._mark(f"rejoined generation-{k}")
@@ -420,7 +428,7 @@ class TrainingLink:
         if taken is None:
             return False
         k, update = taken
-        roles.publish(f"{ROSTER_KEY}/{update.epoch}", update.encode())
+        self.board.publish(f"{ROSTER_KEY}/{update.epoch}", update.encode())
         self._mark(f"activated generation-{k}")
         logging.warning(
             "elastic: generation process %d activated at step %d; it generates its share "
@@ -464,7 +472,9 @@ class TrainingLink:
         lag = self.cfg.pipeline.max_lag + 1 if self.partial else 0
         self.roster.start(max(start["batch"] - lag, 0))
         if self.index == 0:
-            roles.publish(START_KEY, json.dumps(start))
+            self.board.publish(START_KEY, json.dumps(start))
+            if self.board != roles.PROGRAM:  # a learner's: the program is under way too
+                roles.publish(roles.RUN_STARTED_KEY, "{}", overwrite=True)
         if resume.resumed:
             # Every training process sends its own shards of each restored version.
             for v in sorted(restored):
@@ -534,7 +544,7 @@ class TrainingLink:
             )
         if self.index == 0:
             try:
-                roles.publish(RUN_END_KEY, outcome)
+                self.board.publish(RUN_END_KEY, outcome)
             except Exception as e:  # noqa: BLE001 - the coordination service may be gone
                 logging.warning("could not publish the run's outcome: %r", e)
         wait = min(timeout, 60.0 if outcome == "ok" else CLOSE_TIMEOUT_S)
@@ -567,9 +577,17 @@ class _Processes:
 
 
 def run_training(
-    cfg: ExperimentConfig, workdir: str, dcfg: roles.DistributedConfig, r: roles.Roles
+    cfg: ExperimentConfig,
+    workdir: str,
+    dcfg: roles.DistributedConfig,
+    r: roles.Roles,
+    board: roles.Board = roles.PROGRAM,
+    base_from: ExperimentConfig | None = None,
 ) -> RunResult:
-    link = TrainingLink(cfg, dcfg, r)
+    """This training process's run: the program's, or a learner's (`r` as it sees the
+    roles, `board` its keys, `base_from` the first learner's config, whose frozen base
+    its adapters start on: `processes/learners.py`)."""
+    link = TrainingLink(cfg, dcfg, r, board)
     # The training mesh: the first mesh.train_devices devices of every training process.
     per = cfg.mesh.train_devices
     devices = [
@@ -595,6 +613,7 @@ def run_training(
             processes=t,
             held_out=link.index == 0,
             warm=not components_lib.has_checkpoint(os.path.join(workdir, "checkpoints")),
+            base_from=base_from,
         )
         own = ownership(cfg.pipeline, t)
         mesh = components.learner.trainer.mesh

@@ -26,15 +26,19 @@ KEY = "verdicts"
 
 
 class StoreVerdicts:
-    """`rollouts.Verdicts` over `roles.publish` / `roles.lookup_all`."""
+    """`rollouts.Verdicts` over the run's board (`roles.Board`: the program's, or a
+    learner's)."""
+
+    def __init__(self, board: roles.Board = roles.PROGRAM):
+        self.board = board
 
     def publish(self, batch: int, group: int, informative: bool, prompt_id: str) -> None:
         value = f"{int(informative)} {prompt_id}"
-        roles.publish(f"{KEY}/{batch}/{group}", value, overwrite=True)
+        self.board.publish(f"{KEY}/{batch}/{group}", value, overwrite=True)
 
     def read(self, batch: int) -> dict[int, tuple[bool, str]]:
         out = {}
-        for group, value in roles.lookup_all(f"{KEY}/{batch}").items():
+        for group, value in self.board.lookup_all(f"{KEY}/{batch}").items():
             flag, _, prompt_id = value.partition(" ")
             if not group.isdigit() or flag not in ("0", "1") or not prompt_id:
                 raise ValueError(f"verdicts: {KEY}/{batch}/{group}={value!r} is not a verdict")
@@ -43,17 +47,17 @@ class StoreVerdicts:
 
     def wait(self, batch: int, group: int, timeout_s: float) -> None:
         with contextlib.suppress(TimeoutError):  # the caller checks its own deadline
-            roles.lookup(f"{KEY}/{batch}/{group}", timeout_s)
+            self.board.lookup(f"{KEY}/{batch}/{group}", timeout_s)
 
     def forget(self, batch: int) -> None:
-        roles.forget(f"{KEY}/{batch}")
+        self.board.forget(f"{KEY}/{batch}")
 
     def settled(self, batch: int, draws: int) -> None:
-        roles.publish(f"{KEY}/drawn/{batch}", str(draws), overwrite=True)
+        self.board.publish(f"{KEY}/drawn/{batch}", str(draws), overwrite=True)
 
     def drawn(self, batch: int, timeout_s: float) -> int:
         """The refills `batch` drew, once a training process trained it (waits)."""
-        value = roles.lookup(f"{KEY}/drawn/{batch}", timeout_s)
+        value = self.board.lookup(f"{KEY}/drawn/{batch}", timeout_s)
         if not value.isdigit():
             raise ValueError(f"verdicts: {KEY}/drawn/{batch}={value!r} is not a count")
         return int(value)
