@@ -17,6 +17,8 @@ from launched_runs import _EXT, REPO, _agent_cmd, _assert_params_match, _run
 from streamrl_jax import pipeline as run_lib
 from streamrl_jax.metrics import read_jsonl
 
+pytestmark = pytest.mark.processes  # the suite spreads these files out (conftest.py)
+
 
 @pytest.mark.parametrize(
     "processes, generation",

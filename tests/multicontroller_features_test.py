@@ -30,6 +30,8 @@ from launched_runs import (
 
 from streamrl_jax.metrics import read_jsonl
 
+pytestmark = pytest.mark.processes  # the suite spreads these files out (conftest.py)
+
 _DYNAMIC = {
     "pipeline.rollout": "dynamic_sampling",
     "generation.max_new_tokens": 1,

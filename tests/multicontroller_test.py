@@ -61,6 +61,8 @@ from streamrl_jax import pipeline as run_lib
 from streamrl_jax.distributed import local_program as local  # launch/local.py's program
 from streamrl_jax.metrics import read_jsonl
 
+pytestmark = pytest.mark.processes  # the suite spreads these files out (conftest.py)
+
 # Every case launches 2-4 real processes (40-70 s each on 2 shared cores, most of it
 # compiling: each topology's programs are its own). The default run covers stream_async
 # (one reference run) in one 2 generation + 1 training process topology: a lost

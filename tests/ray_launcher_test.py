@@ -29,6 +29,8 @@ import pytest
 from child_env import checkout_env, launched_env
 from support import launch_command
 
+pytestmark = pytest.mark.processes  # the suite spreads these files out (conftest.py)
+
 pytest.importorskip("ray")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
