@@ -35,6 +35,7 @@ import re
 import signal
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -59,7 +60,10 @@ from launched_runs import (
 from streamrl_jax import config as config_lib
 from streamrl_jax import pipeline as run_lib
 from streamrl_jax.distributed import local_program as local  # launch/local.py's program
+from streamrl_jax.distributed.channel import TransportError
+from streamrl_jax.generation.types import RequestTag, Sample, Timings
 from streamrl_jax.metrics import read_jsonl
+from streamrl_jax.pipeline.processes.training import ProblemTable
 
 pytestmark = pytest.mark.processes  # the suite spreads these files out (conftest.py)
 
@@ -977,6 +981,48 @@ def test_settings_that_need_one_process_are_refused():
     for n, g, r in ((2, 1, 1), (4, 2, 2), (None, 1, 1)):
         with pytest.raises(config_lib.ConfigError, match=f"elastic_reserved={r}: across"):
             _check(_config(**{"scheduling.elastic_reserved": r}), n, g)
+
+
+def _wire_sample(prompt: int, response: int, episode: bool) -> Sample:
+    return Sample(
+        request_id="train/0/1/2",
+        prompt=np.ones(prompt, np.int32),
+        response=np.ones(response, np.int32),
+        logprobs=np.zeros(response, np.float32),
+        sampling_logprobs=np.zeros(response, np.float32),
+        finish_reason="stop",
+        policy_version=0,
+        last_policy_version=0,
+        instance_id=0,
+        timings=Timings(enqueue=0.0, admit=0.0, finish=0.0),
+        tag=RequestTag(batch=0, group=1, member=2, prompt_id="p0"),
+        metadata={"episode": {"turns": 2}} if episode else {},
+    )
+
+
+def test_a_wire_sample_is_held_to_the_bounds_the_engine_holds_it_to():
+    # ProblemTable.attach: what a training process checks of a sample from the wire
+    # (DESIGN.md §7). An episode is held to its slot's context (prompt and episode), as
+    # the engine holds it: a scaffold's episode through the endpoint may spend what a
+    # shorter first prompt leaves beyond environment.max_episode_tokens (configs/agent.py
+    # :endpoint on 1 + 2 processes was refused at its first such episode); a plain
+    # sample's response is held to generation.max_new_tokens.
+    problems = [types.SimpleNamespace(prompt_id="p0", metadata={"answer": "1"})]
+    components = types.SimpleNamespace(
+        prompts=types.SimpleNamespace(dataset=problems),
+        eval_prompts=[],
+        model_cfg=types.SimpleNamespace(vocab_size=100),
+    )
+    agent = _config("agent.py")  # prompts of 128 tokens at most, 96 more an episode: 224
+    table = ProblemTable(components, agent)
+    got = table.attach(_wire_sample(100, 124, episode=True), "generation-0")
+    assert got.metadata == {"answer": "1", "episode": {"turns": 2}}
+    with pytest.raises(TransportError, match="100 prompt and 125 response tokens, over the 224"):
+        table.attach(_wire_sample(100, 125, episode=True), "generation-0")
+    plain = ProblemTable(components, _config())  # quickstart:tiny: 16 new tokens
+    plain.attach(_wire_sample(100, 16, episode=False), "generation-0")
+    with pytest.raises(TransportError, match="17 response tokens .max 16."):
+        plain.attach(_wire_sample(100, 17, episode=False), "generation-0")
 
 
 @_EXT  # ~45 s of the default suite's 8-minute budget; run with -m extended

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from absl import logging
 from flax import nnx
 
-from streamrl_jax.config import ExperimentConfig, episode_tokens
+from streamrl_jax.config import ExperimentConfig, sample_tokens
 from streamrl_jax.config.fields import rollout_names
 from streamrl_jax.distributed import roles
 from streamrl_jax.distributed.channel import ChannelClosed, PeerLost, TransportError
@@ -131,9 +131,13 @@ class ProblemTable:
         self._metadata = {p.prompt_id: p.metadata for p in problems}
         self._vocab = components.model_cfg.vocab_size
         self._max_prompt = cfg.generation.max_prompt_len
-        # An episodes run's samples are whole episodes (docs/episodes.md): their budget.
+        # An episodes run's samples are whole episodes (docs/episodes.md) in one engine
+        # slot: prompt and episode within the slot's context, the engine's bound (a
+        # scaffold's episode through the endpoint may spend what a shorter first prompt
+        # leaves, endpoint/turns.py); a plain sample's response within max_new_tokens.
         self._episodes = bool(cfg.environment.name)
-        self._max_new = episode_tokens(cfg) if self._episodes else cfg.generation.max_new_tokens
+        self._max_new = None if self._episodes else cfg.generation.max_new_tokens
+        self._max_total = self._max_prompt + sample_tokens(cfg)
 
     def attach(self, sample: Sample, source: str) -> Sample:
         """`sample` with its problem's metadata; TransportError if it is not one of ours."""
@@ -144,8 +148,13 @@ class ProblemTable:
             problem = f"names prompt {tag.prompt_id!r}, which is in neither dataset"
         elif not 0 < sample.prompt.shape[0] <= self._max_prompt:
             problem = f"has a {sample.prompt.shape[0]}-token prompt (max {self._max_prompt})"
-        elif sample.num_tokens > self._max_new:
+        elif self._max_new is not None and sample.num_tokens > self._max_new:
             problem = f"has {sample.num_tokens} response tokens (max {self._max_new})"
+        elif sample.prompt.shape[0] + sample.num_tokens > self._max_total:
+            problem = (
+                f"has {sample.prompt.shape[0]} prompt and {sample.num_tokens} response tokens, "
+                f"over the {self._max_total} of a slot's context"
+            )
         elif ("episode" in sample.metadata) != self._episodes:
             problem = (
                 "is an episode, but this run has no environment"
