@@ -29,6 +29,7 @@ must exit non-zero, naming the lost process, well within JAX's heartbeat
 bound (a liveness bound, not a speed claim).
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -56,12 +57,13 @@ from launched_runs import (
     _spawn,
     _start,
 )
+from support import scored_sample
 
 from streamrl_jax import config as config_lib
 from streamrl_jax import pipeline as run_lib
 from streamrl_jax.distributed import local_program as local  # launch/local.py's program
 from streamrl_jax.distributed.channel import TransportError
-from streamrl_jax.generation.types import RequestTag, Sample, Timings
+from streamrl_jax.generation.types import Sample
 from streamrl_jax.metrics import read_jsonl
 from streamrl_jax.pipeline.processes.training import ProblemTable
 
@@ -984,20 +986,9 @@ def test_settings_that_need_one_process_are_refused():
 
 
 def _wire_sample(prompt: int, response: int, episode: bool) -> Sample:
-    return Sample(
-        request_id="train/0/1/2",
-        prompt=np.ones(prompt, np.int32),
-        response=np.ones(response, np.int32),
-        logprobs=np.zeros(response, np.float32),
-        sampling_logprobs=np.zeros(response, np.float32),
-        finish_reason="stop",
-        policy_version=0,
-        last_policy_version=0,
-        instance_id=0,
-        timings=Timings(enqueue=0.0, admit=0.0, finish=0.0),
-        tag=RequestTag(batch=0, group=1, member=2, prompt_id="p0"),
-        metadata={"episode": {"turns": 2}} if episode else {},
-    )
+    sample = scored_sample(1, 2, 0.0, length=response, prompt_id="p0").sample
+    metadata = {"episode": {"turns": 2}} if episode else {}
+    return dataclasses.replace(sample, prompt=np.ones(prompt, np.int32), metadata=metadata)
 
 
 def test_a_wire_sample_is_held_to_the_bounds_the_engine_holds_it_to():
