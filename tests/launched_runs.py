@@ -46,12 +46,14 @@ def _flags(**overrides) -> list[str]:
     return [f"--config.{k}={v}" for k, v in {**_OVERRIDES, **overrides}.items()]
 
 
-def _launch_cmd(workdir, **overrides) -> list[str]:
+def _launch_cmd(workdir, config="quickstart.py", **overrides) -> list[str]:
+    """The launch command of `configs/<config>:tiny` with the tests' and `overrides`'
+    settings."""
     return [
         sys.executable,
         "-m",
         "streamrl_jax.launch",
-        f"--config={REPO / 'configs' / 'quickstart.py'}:tiny",
+        f"--config={REPO / 'configs' / config}:tiny",
         f"--workdir={workdir}",
         "--verbosity=0",  # every process's INFO lines on its console: the tests read them
         *_flags(**overrides),
@@ -130,26 +132,29 @@ def _like_one_process(processes, generation, settings, keys, tmp_path, tmp_path_
     return rows
 
 
-def _spawn(processes, generation, workdir, logs, **overrides) -> list[subprocess.Popen]:
+def _spawn(
+    processes, generation, workdir, logs, config="quickstart.py", **overrides
+) -> list[subprocess.Popen]:
     coordinator = f"127.0.0.1:{local.free_port()}"
     return [
         _start(
             local.child_env(i, processes, generation, coordinator, "test-key-" + "0" * 24),
             workdir,
             logs / f"p{i}.log",
+            config,
             **overrides,
         )
         for i in range(processes)
     ]
 
 
-def _start(child_env, workdir, log, **overrides) -> subprocess.Popen:
+def _start(child_env, workdir, log, config="quickstart.py", **overrides) -> subprocess.Popen:
     """One process of the program (`child_env`: its STREAMRL_* variables); starting it
     again with the same `child_env` is what a restarted process does."""
     overrides = {"pipeline.steps": 40, "eval.num_problems": 0, **overrides}
     with open(log, "w") as out:
         return subprocess.Popen(
-            _launch_cmd(workdir, **overrides),
+            _launch_cmd(workdir, config, **overrides),
             env=dict(launched_env(), **child_env),
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -203,12 +208,4 @@ def _kill_the_trainer_at(k, procs, workdir, logs):
 def _agent_cmd(workdir, flags, config="agent.py"):
     """The launch command of `configs/<config>:tiny` (the agent job's by default) with
     `flags`."""
-    return [
-        sys.executable,
-        "-m",
-        "streamrl_jax.launch",
-        f"--config={REPO / 'configs' / config}:tiny",
-        f"--workdir={workdir}",
-        "--verbosity=0",
-        *_flags(**flags),
-    ]
+    return _launch_cmd(workdir, config, **flags)

@@ -4,14 +4,17 @@ one process, on real processes on localhost (launch helpers: `launched_runs.py`)
 
 Every case launches 3-4 processes and a one-process run (~40 s on 2 shared cores). By
 default: two learners on 1 generation + 2 training processes (a training process each);
-2 + 2 is `-m extended`.
+2 + 2 and a killed learner's resume are `-m extended`.
 """
 
+import os
+import signal
 import sys
+import time
 
 import numpy as np
 import pytest
-from launched_runs import _EXT, REPO, _agent_cmd, _assert_params_match, _run
+from launched_runs import _EXT, REPO, _agent_cmd, _assert_params_match, _run, _spawn
 
 from streamrl_jax import pipeline as run_lib
 from streamrl_jax.metrics import read_jsonl
@@ -50,5 +53,44 @@ def test_learners_across_processes_give_the_one_process_parameters(processes, ge
             for d in (many, one)
         ]
         assert [r["reward"] for r in rows] == pytest.approx([r["reward"] for r in ref]), name
+        consumed = [read_jsonl(str(d / name / "consumed.jsonl")) for d in (many, one)]
+        assert consumed[0] == consumed[1], name
+
+
+@_EXT
+def test_a_killed_learner_and_the_others_resume_exactly(tmp_path):
+    # configs/learners.py:tiny on 1 generation + 2 training processes, 4 steps, a
+    # checkpoint every step. The PPO learner's trainer is SIGKILLed once its checkpoint 2
+    # is on disk; the generation process fails naming it (the GRPO learner, in
+    # stream_async, may have finished by then). The same command resumes each learner from
+    # its own checkpoint (the finished one from its last), and both end with the
+    # uninterrupted one-process run's parameters bit for bit, every prompt consumed once.
+    flags = {"eval.num_problems": 0, "checkpoint.every": 1, "pipeline.steps": 4}
+    one, many = tmp_path / "one", tmp_path / "many"
+    run = _run(_agent_cmd(one, flags, config="learners.py"))
+    assert run.returncode == 0, run.stderr[-6000:]
+    procs = _spawn(3, 1, many, tmp_path, "learners.py", **flags)
+    try:
+        deadline = time.monotonic() + 180
+        while not (many / "ppo" / "checkpoints" / "2").is_dir():
+            assert time.monotonic() < deadline, (tmp_path / "p2.log").read_text()[-4000:]
+            assert all(p.poll() is None for p in procs), (tmp_path / "p2.log").read_text()[-4000:]
+            time.sleep(0.05)
+        os.killpg(procs[2].pid, signal.SIGKILL)
+        procs[0].wait(timeout=120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    text = (tmp_path / "p0.log").read_text()
+    assert procs[0].returncode != 0 and "lost training" in text, text[-4000:]
+    launcher = [sys.executable, str(REPO / "launch" / "local.py"), "-n", "3", "-g", "1"]
+    launcher += ["--timeout_s", "240", "--"]
+    run = _run([*launcher, *_agent_cmd(many, flags, config="learners.py")])
+    assert run.returncode == 0, run.stdout[-6000:]
+    assert "resumed from checkpoint" in run.stdout, run.stdout[-4000:]
+    for name in ("grpo", "ppo"):
+        want = np.load(one / name / run_lib.FINAL_PARAMS)
+        _assert_params_match(np.load(many / name / run_lib.FINAL_PARAMS), want, exact=True)
         consumed = [read_jsonl(str(d / name / "consumed.jsonl")) for d in (many, one)]
         assert consumed[0] == consumed[1], name
