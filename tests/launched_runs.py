@@ -184,19 +184,22 @@ def _assert_resumed_like_one_process(workdir, want, exact, log):
     _assert_params_match(got, want, exact)
 
 
-def _kill_the_trainer_at(k, procs, workdir, logs):
-    """2 generation + 1 training processes (`procs`, logs in `logs`): SIGKILLs the trainer
-    once checkpoint k is in `workdir` and waits for the others to fail; the run is left
-    unfinished. Returns `procs`."""
+def _kill_the_trainer_at(k, procs, workdir, logs, victim=2, waits=(0, 1), checkpoints=None):
+    """SIGKILLs `procs[victim]` (by default the trainer of 2 generation + 1 training
+    processes, logs in `logs`) once checkpoint k is in `checkpoints` (`workdir`'s by
+    default) and waits for the processes `waits` to end; the run is left unfinished.
+    Returns `procs`."""
+    checkpoints = checkpoints or workdir / "checkpoints"
+    log = logs / f"p{victim}.log"
     try:
         deadline = time.monotonic() + 180
-        while not (workdir / "checkpoints" / str(k)).is_dir():
-            assert time.monotonic() < deadline, (logs / "p2.log").read_text()[-4000:]
-            assert all(p.poll() is None for p in procs), (logs / "p2.log").read_text()[-4000:]
+        while not (checkpoints / str(k)).is_dir():
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            assert all(p.poll() is None for p in procs), log.read_text()[-4000:]
             time.sleep(0.05)
-        os.killpg(procs[2].pid, signal.SIGKILL)
-        for p in procs[:2]:
-            p.wait(timeout=60)
+        os.killpg(procs[victim].pid, signal.SIGKILL)
+        for i in waits:
+            procs[i].wait(timeout=120)
     finally:
         for p in procs:
             if p.poll() is None:

@@ -7,14 +7,19 @@ default: two learners on 1 generation + 2 training processes (a training process
 2 + 2 and a killed learner's resume are `-m extended`.
 """
 
-import os
-import signal
 import sys
-import time
 
 import numpy as np
 import pytest
-from launched_runs import _EXT, REPO, _agent_cmd, _assert_params_match, _run, _spawn
+from launched_runs import (
+    _EXT,
+    REPO,
+    _agent_cmd,
+    _assert_params_match,
+    _kill_the_trainer_at,
+    _run,
+    _spawn,
+)
 
 from streamrl_jax import pipeline as run_lib
 from streamrl_jax.metrics import read_jsonl
@@ -70,18 +75,9 @@ def test_a_killed_learner_and_the_others_resume_exactly(tmp_path):
     run = _run(_agent_cmd(one, flags, config="learners.py"))
     assert run.returncode == 0, run.stderr[-6000:]
     procs = _spawn(3, 1, many, tmp_path, "learners.py", **flags)
-    try:
-        deadline = time.monotonic() + 180
-        while not (many / "ppo" / "checkpoints" / "2").is_dir():
-            assert time.monotonic() < deadline, (tmp_path / "p2.log").read_text()[-4000:]
-            assert all(p.poll() is None for p in procs), (tmp_path / "p2.log").read_text()[-4000:]
-            time.sleep(0.05)
-        os.killpg(procs[2].pid, signal.SIGKILL)
-        procs[0].wait(timeout=120)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+    _kill_the_trainer_at(
+        2, procs, many, tmp_path, waits=(0,), checkpoints=many / "ppo" / "checkpoints"
+    )
     text = (tmp_path / "p0.log").read_text()
     assert procs[0].returncode != 0 and "lost training" in text, text[-4000:]
     launcher = [sys.executable, str(REPO / "launch" / "local.py"), "-n", "3", "-g", "1"]
