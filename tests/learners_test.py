@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import jax
 import numpy as np
@@ -200,6 +201,35 @@ def test_the_router_hands_each_learner_its_own_samples_and_refuses_a_stray():
         with pytest.raises(InstanceError, match=r"came back with adapter 1"):
             view.get(timeout=5)
     shared.close(5)
+
+
+def test_a_learner_that_fails_before_the_shared_service_began_stops_the_others_starting():
+    # Across processes (pipeline/processes/learners.py) the generation process's shared
+    # service begins with the first learner's W_0. A learner that fails before that
+    # (its trainer lost before W_0) still ends the others: a driver that then starts is
+    # refused naming it; once the service runs, a failure stops the others' samples.
+    from streamrl_jax.pipeline.processes import learners as across
+
+    made, adapters = [], []
+    service = _FakeService([])
+    service.update_adapter = lambda slot, params, version, alpha: adapters.append(slot)
+
+    def make_service(params, version, **kwargs):
+        made.append(version)
+        return service
+
+    cfg = _cfg()
+    parts = types.SimpleNamespace(service=make_service)
+    shared = across._Service(parts, cfg, ["grpo", "fast"])
+    shared.fail(1, RuntimeError("its trainer was lost"), "learner grpo")
+    with pytest.raises(RuntimeError, match="learner grpo failed: RuntimeError.'its trainer"):
+        shared.view(1)([], 0, lambda report: None)
+    view = shared.view(0)([], 0, lambda report: None)  # the first to start begins it
+    assert made == [0] and adapters == [0]
+    shared.fail(0, RuntimeError("boom"), "learner fast")
+    with pytest.raises(RuntimeError, match="boom"):
+        view.get(timeout=5)
+    shared.close()
 
 
 @pytest.mark.parametrize(

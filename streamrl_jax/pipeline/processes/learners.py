@@ -104,11 +104,15 @@ class _Service:
         self.alphas = [learner.lora.alpha for learner in cfg.learners]
         self.meters = Meters()
         self.shared: SharedService | None = None
+        self._failed: dict[int, tuple[BaseException, str]] = {}  # before the service began
         self._lock = threading.Lock()
 
     def view(self, slot: int) -> Callable[[list[Params], int, Callable[[ChunkReport], None]], Any]:
         def make(params: list[Params], version: int, on_chunk: Callable[[ChunkReport], None]):
             with self._lock:
+                if slot in self._failed:  # another learner failed before this one started
+                    exc, component = self._failed[slot]
+                    raise RuntimeError(f"{component} failed: {exc!r}") from exc
                 if self.shared is None:
                     p = self.cfg.pipeline
                     service = self.parts.service(
@@ -129,8 +133,13 @@ class _Service:
         return make
 
     def fail(self, slot: int, exc: BaseException, component: str) -> None:
-        if self.shared is not None:
-            self.shared.fail(slot, exc, component)
+        """Learner `slot` ends naming `component` (another learner failed): its samples
+        stop, or, before the service began, its driver does not start."""
+        with self._lock:
+            if self.shared is None:
+                self._failed[slot] = (exc, component)
+                return
+        self.shared.fail(slot, exc, component)
 
     def close(self) -> None:
         if self.shared is not None:
