@@ -220,7 +220,7 @@ def test_a_learner_that_fails_before_the_shared_service_began_stops_the_others_s
 
     cfg = _cfg()
     parts = types.SimpleNamespace(service=make_service)
-    shared = across._Service(parts, cfg, ["grpo", "fast"])
+    shared = across._Service(parts, cfg)
     shared.fail(1, RuntimeError("its trainer was lost"), "learner grpo")
     with pytest.raises(RuntimeError, match="learner grpo failed: RuntimeError.'its trainer"):
         shared.view(1)([], 0, lambda report: None)

@@ -39,15 +39,17 @@ _DYNAMIC = {
 }
 
 
-@pytest.mark.parametrize(
-    "processes, generation",
-    [
-        # dynamic sampling's default case is the curriculum's (over dynamic sampling)
-        pytest.param(3, 2, marks=_EXT),  # 2 generation + 1 training process: bit for bit
-        pytest.param(2, 1, marks=_EXT),
-        pytest.param(4, 2, marks=_EXT),  # 2 + 2: each trainer its own informative groups
-    ],
-)
+# The topologies of a rollout whose default case is another test's: 2 generation + 1
+# training process (bit for bit), 1 + 1, and 2 + 2 (each trainer its own groups).
+_EXTENDED_TOPOLOGIES = [
+    pytest.param(3, 2, marks=_EXT),
+    pytest.param(2, 1, marks=_EXT),
+    pytest.param(4, 2, marks=_EXT),
+]
+
+
+# dynamic sampling's default case is the curriculum's (over dynamic sampling)
+@pytest.mark.parametrize("processes, generation", _EXTENDED_TOPOLOGIES)
 def test_dynamic_sampling_across_processes_gives_the_one_process_parameters(
     processes, generation, tmp_path, tmp_path_factory
 ):
@@ -106,16 +108,9 @@ _PARTIAL = {
 }
 
 
-@pytest.mark.parametrize(
-    "processes, generation",
-    [
-        # partial rollout's default case is the killed-and-resumed run below (its
-        # parameters are the one-process run's too)
-        pytest.param(3, 2, marks=_EXT),  # 2 generation + 1 training process: bit for bit
-        pytest.param(2, 1, marks=_EXT),
-        pytest.param(4, 2, marks=_EXT),  # 2 + 2: each trainer its own groups of a round
-    ],
-)
+# partial rollout's default case is the killed-and-resumed run below (its parameters are
+# the one-process run's too)
+@pytest.mark.parametrize("processes, generation", _EXTENDED_TOPOLOGIES)
 def test_partial_rollout_across_processes_gives_the_one_process_parameters(
     processes, generation, tmp_path, tmp_path_factory
 ):

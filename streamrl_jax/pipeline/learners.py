@@ -84,6 +84,24 @@ class SharedService:
         self._router = threading.Thread(target=self._route, name="learner-router", daemon=True)
         self._router.start()
 
+    @classmethod
+    def start(
+        cls, cfg: ExperimentConfig, parts: GenerationParts, params: Any, version: int
+    ) -> SharedService:
+        """The learners' (`cfg.learners`) one service on `parts`' instances, holding
+        `params` (a learner's W_`version`, whose base every learner shares), each
+        learner's meter observing its chunks (`add_meter`), and its router."""
+        meters = Meters()
+        service = parts.service(
+            params,
+            version,
+            on_chunk=meters,
+            precompile=cfg.pipeline.precompile,
+            continuations=any(x.pipeline.partial_budget_tokens > 0 for x in cfg.learners),
+        )
+        names = [x.name for x in cfg.learners]
+        return cls(service, names, meters, [x.lora.alpha for x in cfg.learners])
+
     def view(self, slot: int) -> View:
         return View(self, slot)
 
@@ -250,16 +268,8 @@ def run(
     check(cfg, Processes.one())
     learners = build(cfg, devices, reward_fn)
     names = [learner.name for learner in cfg.learners]
-    meters = Meters()
-    service = learners.parts.service(
-        [w.params for w in learners.components[0].initial_weights],
-        0,
-        on_chunk=meters,
-        precompile=cfg.pipeline.precompile,
-        continuations=any(c.pipeline.partial_budget_tokens > 0 for c in learners.configs),
-    )
-    alphas = [c.trainer.lora.alpha for c in learners.configs]
-    shared = SharedService(service, names, meters, alphas)
+    first = [w.params for w in learners.components[0].initial_weights]
+    shared = SharedService.start(cfg, learners.parts, first, 0)
     results: dict[str, RunResult] = {}
     # One stop request for every learner (SIGINT/SIGTERM): each stops at its boundary,
     # and one whose run starts after it stops at once.
@@ -284,7 +294,8 @@ def run(
         signals = ckpt_lib.install_shutdown_handler(lambda sig: shutdown.set())
     try:
         for slot, comp in enumerate(learners.components[1:], start=1):
-            service.update_adapter(slot, [w.params for w in comp.initial_weights], 0, alphas[slot])
+            params = [w.params for w in comp.initial_weights]
+            shared.service.update_adapter(slot, params, 0, shared.alphas[slot])
         run_together(names, one, shared.fail)
     finally:
         if signals is not None:

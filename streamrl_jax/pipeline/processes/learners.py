@@ -42,7 +42,7 @@ from streamrl_jax.config import ExperimentConfig, learner_config
 from streamrl_jax.distributed import roles
 from streamrl_jax.generation.types import ChunkReport
 from streamrl_jax.pipeline import components as components_lib
-from streamrl_jax.pipeline.learners import Meters, SharedService, run_together
+from streamrl_jax.pipeline.learners import SharedService, run_together
 from streamrl_jax.pipeline.processes.generation import GenerationProcess
 from streamrl_jax.pipeline.processes.plan import CLOSE_TIMEOUT_S
 from streamrl_jax.pipeline.processes.training import run_training
@@ -77,9 +77,9 @@ def run_training_learner(
 ) -> RunResult:
     """This training process's learner: the one whose block holds it."""
     configs = [learner_config(cfg, learner) for learner in cfg.learners]
-    (i,) = [i for i, b in enumerate(blocks(r, len(configs))) if r.process_id in b]
+    ((i, block),) = [(i, b) for i, b in enumerate(blocks(r, len(configs))) if r.process_id in b]
     name = cfg.learners[i].name
-    mine = learner_roles(r, blocks(r, len(configs))[i])
+    mine = learner_roles(r, block)
     logging.info(
         "training process %d: learner %s on %s", r.process_id, name, mine.training_processes
     )
@@ -99,10 +99,8 @@ class _Service:
     learner's W_0 (every learner's W_0 holds the same base); `view` then writes the
     learner's own adapter slot and hands it its `View`."""
 
-    def __init__(self, parts: components_lib.GenerationParts, cfg: ExperimentConfig, names):
-        self.parts, self.cfg, self.names = parts, cfg, list(names)
-        self.alphas = [learner.lora.alpha for learner in cfg.learners]
-        self.meters = Meters()
+    def __init__(self, parts: components_lib.GenerationParts, cfg: ExperimentConfig):
+        self.parts, self.cfg = parts, cfg
         self.shared: SharedService | None = None
         self._failed: dict[int, tuple[BaseException, str]] = {}  # before the service began
         self._lock = threading.Lock()
@@ -114,20 +112,9 @@ class _Service:
                     exc, component = self._failed[slot]
                     raise RuntimeError(f"{component} failed: {exc!r}") from exc
                 if self.shared is None:
-                    p = self.cfg.pipeline
-                    service = self.parts.service(
-                        params,
-                        version,
-                        on_chunk=self.meters,
-                        precompile=p.precompile,
-                        continuations=any(
-                            learner.pipeline.partial_budget_tokens > 0
-                            for learner in self.cfg.learners
-                        ),
-                    )
-                    self.shared = SharedService(service, self.names, self.meters, self.alphas)
-                self.meters.add(on_chunk)
-                self.shared.service.update_adapter(slot, params, version, self.alphas[slot])
+                    self.shared = SharedService.start(self.cfg, self.parts, params, version)
+                self.shared.add_meter(on_chunk)
+                self.shared.service.update_adapter(slot, params, version, self.shared.alphas[slot])
                 return self.shared.view(slot)
 
         return make
@@ -158,7 +145,7 @@ def run_generation_learners(
         components_lib.build_generation(c, jax.local_devices(), parts=first.parts)
         for c in configs[1:]
     ]
-    service = _Service(first.parts, cfg, names)
+    service = _Service(first.parts, cfg)
     processes = [
         GenerationProcess(
             c,
