@@ -171,6 +171,87 @@ def _never_finishes_body(s: dict) -> str:
     return f"{status} {reply.rsplit(chr(10), 1)[-1][:200]}"
 
 
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "a + b",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+        },
+    },
+}
+CALLED = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    ],
+}
+
+
+def _tools_changed(s: dict) -> str:
+    eid = s["client"].open()
+    h = {"X-Episode-Id": eid}
+    first = _post(s, "/v1/chat/completions", _chat(max_tokens=2, tools=[ADD]), h)
+    if not first.startswith("200"):
+        return f"the first turn failed: {first}"
+    rec = s["endpoint"].book._open[eid]
+    messages = [*USER, {"role": "assistant", "content": rec.messages[-1]["content"]},
+                {"role": "user", "content": "Again."}]  # fmt: skip
+    body = _chat(messages=messages, max_tokens=2)  # no tools: not what the prompt holds
+    got = _post(s, "/v1/chat/completions", body, h)
+    s["client"].close(eid)
+    return got
+
+
+def _tool_cases() -> list[HttpCase]:
+    """Malformed tool schemas, tool choices and tool messages: one clear 400 each."""
+
+    def tool(**function):
+        return {"type": "function", "function": {"name": "add", **function}}
+
+    many = [tool(name=f"f{i}") for i in range(65)]
+    answer = {"role": "tool", "tool_call_id": "call_9", "content": "3"}
+    return [
+        HttpCase("endpoint: tool without a function", "400 tools[0].function: an object is",
+                 _simple(_chat(tools=[{"type": "function"}]))),
+        HttpCase("endpoint: tool of another type", "400 tools[0]: only {",
+                 _simple(_chat(tools=[{"type": "code_interpreter"}]))),
+        HttpCase("endpoint: tool with a bad name", "400 tools[0].function.name: 1-64",
+                 _simple(_chat(tools=[tool(name="rm -rf /")]))),
+        HttpCase("endpoint: tool offered twice", "400 tools[1].function.name: 'add' is offered",
+                 _simple(_chat(tools=[ADD, ADD]))),
+        HttpCase("endpoint: tool parameters not an object schema", "400 tools[0].function.param",
+                 _simple(_chat(tools=[tool(parameters={"type": "string"})]))),
+        HttpCase("endpoint: tool with an unknown field", "400 tools[0].function: unknown fields",
+                 _simple(_chat(tools=[tool(returns="int")]))),
+        HttpCase("endpoint: oversized tool list", "400 tools: 65 tools; at most 64",
+                 _simple(_chat(tools=many))),
+        HttpCase("endpoint: oversized tool schema", "400 tools[0].function.parameters: over",
+                 _simple(_chat(tools=[tool(parameters={"type": "object", "x": "y" * 20000})]))),
+        HttpCase("endpoint: tool_choice of a function not offered", "400 tool_choice: function",
+                 _simple(_chat(tools=[ADD], tool_choice={"type": "function",
+                                                         "function": {"name": "mul"}}))),
+        HttpCase("endpoint: tool_choice required without tools", "400 tool_choice='required' ne",
+                 _simple(_chat(tool_choice="required"))),
+        HttpCase("endpoint: unknown tool_choice", "400 tool_choice='sometimes'",
+                 _simple(_chat(tools=[ADD], tool_choice="sometimes"))),
+        HttpCase("endpoint: tool message with an unknown id", "400 messages[2].tool_call_id=",
+                 _simple(_chat(tools=[ADD], messages=[*USER, CALLED, answer]))),
+        HttpCase("endpoint: tool message without a call", "400 messages[1].tool_call_id=None",
+                 _simple(_chat(messages=[*USER, {"role": "tool", "content": "3"}]))),
+        HttpCase("endpoint: malformed tool call in history", "400 invalid request: Object missing",
+                 _simple(_chat(messages=[*USER, {"role": "assistant", "tool_calls": [
+                     {"id": "c", "type": "function", "function": {"name": "add"}}]}]))),
+        HttpCase("endpoint: tool calls on a user message", "400 messages[0]: only assistant",
+                 _simple(_chat(messages=[{**USER[0], "tool_calls": CALLED["tool_calls"]}]))),
+        HttpCase("endpoint: tools changed within an episode", "400 tools: episode",
+                 _tools_changed),
+    ]  # fmt: skip
+
+
 def cases() -> list[HttpCase]:
     big = b'{"model": "policy", "messages": [' + b" " * (2 << 20) + b"]}"
     return [
@@ -189,10 +270,12 @@ def cases() -> list[HttpCase]:
                  _simple(_chat(max_tokens=100000))),
         HttpCase("endpoint: unknown episode id", "404 episode 'ep-forged' was not issued",
                  _simple(_chat(), {"X-Episode-Id": "ep-forged"}, episode=False)),
-        HttpCase("endpoint: no episode id", "400 no episode id", _simple(_chat(), episode=False)),
         HttpCase("endpoint: closed episode id", "is closed (closed by its client)", _closed),
-        HttpCase("endpoint: unsupported parameter", "400 'tools' is not supported",
-                 _simple(_chat(tools=[{"type": "function"}]))),
+        HttpCase("endpoint: unsupported parameter", "400 'functions' is not supported",
+                 _simple(_chat(functions=[{"name": "add"}]))),
+        HttpCase("endpoint: unsupported response format", "400 response_format: only",
+                 _simple(_chat(response_format={"type": "json_object"}))),
+        *_tool_cases(),
         HttpCase("endpoint: client leaves mid-stream", "recorded 1 turn(s) of the stream",
                  _leaves_mid_stream),
         HttpCase("endpoint: client never reads", "recorded 1 turn(s) for a client that never",

@@ -261,9 +261,10 @@ def endpoint_part() -> dict:
         for _ in range(turns_n):
             t0 = time.perf_counter()
             rec = endpoint.book.take(eid)
-            request = turns.chat(rec, messages, sampling, params)
+            chat = api.Chat(messages)
+            request = turns.chat(rec, chat, sampling, params)
             sample = backend.submit(request).result(timeout=600)
-            turn = turns.commit(rec, request, sample, messages)
+            turn = turns.commit(rec, request, sample, chat)
             endpoint.book.give_back(rec)
             lat.append(time.perf_counter() - t0)
             messages = [*rec.messages, feedback]

@@ -8,10 +8,14 @@ name, every parameter it does not honour. What is honoured: `model` (the one ser
 episode's, fixed by its first request), `stream`, `logprobs` (the sampled tokens'
 log-probs; `top_logprobs` > 0 and completions' `logprobs` > 0 are refused: the engine
 does not keep the top-k alternatives), `n` = 1 (an episode is one conversation: a
-GRPO group is G episodes), `user`, and vLLM's `ignore_eos` (exactly `max_tokens`
-tokens: for benchmarks). Refused when set: `tools`, `tool_choice`,
-`functions`, `response_format`, `logit_bias`, non-zero `frequency_penalty` /
-`presence_penalty`, `echo`, `suffix`, `best_of` > 1.
+GRPO group is G episodes), `tools` and `tool_choice` (OpenAI function calling:
+tool_calling.py), assistant messages' `tool_calls` and `tool` messages answering them
+by `tool_call_id`, `response_format` of type text, and vLLM's `ignore_eos` (exactly
+`max_tokens` tokens: for benchmarks). Accepted and ignored (they change nothing here):
+`user`, `metadata`, `store`, `service_tier`, `prompt_cache_key`, `safety_identifier`,
+`parallel_tool_calls`, zero penalties. Refused when set: `functions` /
+`function_call` (the legacy form of tools), other `response_format`s, `logit_bias`,
+non-zero `frequency_penalty` / `presence_penalty`, `echo`, `suffix`, `best_of` > 1.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import math
 from typing import Any, Literal
 
 import msgspec
+
+from streamrl_jax.endpoint import tool_calling
 
 
 class ApiError(Exception):
@@ -67,13 +73,28 @@ class _Part(msgspec.Struct, forbid_unknown_fields=True):
     text: str | None = None
 
 
+class _Function(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str
+
+
+class _ToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    function: _Function
+    type: Literal["function"] = "function"
+
+
 class Message(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[_Part] | None = None
     name: str | None = None
     tool_call_id: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[_ToolCall] | None = None
     refusal: str | None = None
+    # what an assistant message returned by OpenAI's clients carries back (model_dump)
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
 
 
 class _Common(msgspec.Struct, forbid_unknown_fields=True):
@@ -86,7 +107,13 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True):
     stream: bool | None = None
     stream_options: dict[str, Any] | None = None
     seed: int | None = None
+    # OpenAI's fields that change nothing here: accepted, ignored
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
@@ -190,11 +217,24 @@ def check_common(
     )
 
 
-def check_chat(
-    req: ChatRequest, limits: Limits, served: str
-) -> tuple[list[dict[str, str]], Sampling]:
-    """The conversation as {"role", "content"} dicts and the sampling, checked."""
-    _refuse_set(req, ("tools", "tool_choice", "functions", "function_call", "response_format"))
+@dataclasses.dataclass(frozen=True)
+class Chat:
+    """A checked chat request: the conversation (each message `{"role", "content"}`, an
+    assistant message's calls as `tool_calls` [{"id", "name", "arguments"}], a tool
+    result's `tool_call_id`), the tools offered and the tool choice."""
+
+    messages: list[dict[str, Any]]
+    tools: list[tool_calling.Tool] = dataclasses.field(default_factory=list)
+    choice: tool_calling.ToolChoice = tool_calling.ToolChoice("none")
+
+
+def check_chat(req: ChatRequest, limits: Limits, served: str) -> tuple[Chat, Sampling]:
+    """The conversation, its tools and the sampling, checked (module docstring)."""
+    _refuse_set(req, ("functions", "function_call"))
+    if req.response_format not in (None, {"type": "text"}):
+        raise ApiError(
+            400, "response_format: only {'type': 'text'} is supported", "response_format"
+        )
     if not req.messages:
         raise ApiError(400, "messages: at least one message is needed", "messages")
     if len(req.messages) > limits.max_messages:
@@ -208,14 +248,22 @@ def check_chat(
         )
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise ApiError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
+    try:
+        tools = tool_calling.check_tools(req.tools or [])
+        choice = tool_calling.check_choice(req.tool_choice, tools)
+    except tool_calling.ToolError as e:
+        raise ApiError(400, str(e), e.param) from None
     max_tokens = req.max_completion_tokens or req.max_tokens
     sampling = check_common(req, limits, served, max_tokens, bool(req.logprobs))
-    messages = []
-    for i, m in enumerate(req.messages):
-        if m.tool_calls:
-            raise ApiError(
-                400, f"messages[{i}].tool_calls: tool calls are not supported", "messages"
-            )
+    return Chat(_messages(req.messages), tools, choice), sampling
+
+
+def _messages(given: list[Message]) -> list[dict[str, Any]]:
+    """The messages as plain dicts; every `tool` message answers a call of the assistant
+    message before it (by `tool_call_id`), once."""
+    messages: list[dict[str, Any]] = []
+    open_calls: set[str] = set()  # the last assistant message's calls not answered yet
+    for i, m in enumerate(given):
         if isinstance(m.content, list):
             if any(p.type != "text" or p.text is None for p in m.content):
                 raise ApiError(
@@ -224,8 +272,31 @@ def check_chat(
             content = "".join(p.text for p in m.content)
         else:
             content = m.content or ""
-        messages.append({"role": m.role, "content": content})
-    return messages, sampling
+        out: dict[str, Any] = {"role": m.role, "content": content}
+        if m.tool_calls and m.role != "assistant":
+            raise ApiError(400, f"messages[{i}]: only assistant messages have tool_calls")
+        if m.role == "assistant":
+            calls = [
+                {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                for c in m.tool_calls or ()
+            ]
+            if calls:
+                out["tool_calls"] = calls
+            open_calls = {c["id"] for c in calls}
+        elif m.role == "tool":
+            if m.tool_call_id not in open_calls:
+                raise ApiError(
+                    400,
+                    f"messages[{i}].tool_call_id={str(m.tool_call_id)[:64]!r}: not a call of "
+                    "the assistant message before it (or already answered)",
+                    "messages",
+                )
+            open_calls.discard(m.tool_call_id)
+            out["tool_call_id"] = m.tool_call_id
+        else:
+            open_calls = set()
+        messages.append(out)
+    return messages
 
 
 def check_completion(req: CompletionRequest, limits: Limits, served: str) -> tuple[str, Sampling]:

@@ -42,7 +42,8 @@ class Record:
 
     id: str
     kind: str = ""  # "chat" or "completion", fixed by the first request
-    messages: list[dict[str, str]] = dataclasses.field(default_factory=list)  # chat
+    messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # chat
+    tools: list[Any] = dataclasses.field(default_factory=list)  # chat: the tools offered
     text: str = ""  # completion: the prompt and completions so far, as the client sees it
     sample: Sample | None = None  # every token so far (the last turn's sample)
     prompt: list[int] = dataclasses.field(default_factory=list)

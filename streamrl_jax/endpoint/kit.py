@@ -78,7 +78,9 @@ def make_agent_kit(
         logging.getLogger(name).setLevel(logging.WARNING)
     backend = PipelineBackend(validate, follow)
     token = endpoint_token(os.urandom(32))
-    endpoint = Endpoint(Turns(ctx), backend, token, served=served, limits=limits)
+    endpoint = Endpoint(
+        Turns(ctx), backend, token, served=served, limits=limits, single_requests=False
+    )
     server = EndpointServer(endpoint)
     client = EndpointClient(server.start(), token, timeout=limits.timeout_s + 30.0)
     pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="agent")

@@ -31,6 +31,7 @@ with its repr, logged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import json
@@ -70,14 +71,22 @@ class Endpoint:
         served: str = "policy",
         limits: api.Limits = api.Limits(),
         book: EpisodeBook | None = None,
+        single_requests: bool = True,
     ):
+        """`single_requests`: a request without an episode id is an episode of its own
+        (opened for it, closed after it); False where every episode must be one the
+        caller opened (a training run's endpoint: its episodes are the run's)."""
         if len(token) < 16:
             raise ValueError("endpoint: the bearer token must be at least 16 characters")
         self.turns, self.backend, self.served, self.limits = turns, backend, served, limits
         self.book = book or EpisodeBook()
         self._token = token.encode()
         self._inflight = 0
-        self.counts = {"requests": 0, "refused": 0, "deadline": 0, "errors": 0}
+        self.single_requests = single_requests
+        self.counts = {
+            "requests": 0, "refused": 0, "deadline": 0, "errors": 0, "tool_calls": 0,
+            "malformed_calls": 0, "single_requests": 0,
+        }  # fmt: skip
 
     # ------------------------------------------------------------------ checks
     def authorize(self, header: str | None) -> None:
@@ -118,7 +127,11 @@ class Endpoint:
             )
         params = self.turns.sampling(s)  # the request's own checks first, then the episode's
         self._inflight += 1
+        single = eid is None and self.single_requests
         try:
+            if single:
+                eid = self.book.open()
+                self.counts["single_requests"] += 1
             rec = self.book.take(eid)
             try:
                 prepare = self.turns.chat if kind == "chat" else self.turns.completion
@@ -141,11 +154,22 @@ class Endpoint:
                         f"episode {rec.id}: generation did not finish in "
                         f"{self.limits.timeout_s:.0f} s; the episode is closed",
                     ) from None
-                return self.turns.commit(rec, request, sample, said)
+                turn = self.turns.commit(rec, request, sample, said)
+                self.counts["tool_calls"] += len(turn.calls)
+                self.counts["malformed_calls"] += turn.malformed
+                return turn
             finally:
                 self.book.give_back(rec)
         finally:
             self._inflight -= 1
+            if single and eid is not None:
+                self._end_single(eid)
+
+    def _end_single(self, eid: str) -> None:
+        """An episode of one request is over: closed, its kept slot given up."""
+        with contextlib.suppress(BookError):  # closed already (its deadline passed)
+            self.book.close(eid, "an episode of one request")
+        self.backend.release(eid)
 
 
 # ---------------------------------------------------------------------- responses
@@ -184,24 +208,33 @@ def _extras(turn: Turn) -> dict[str, Any]:
     return {"token_ids": turn.token_ids.tolist(), "versions": turn.versions.tolist()}
 
 
-def _header(ep: Endpoint, eid: str, prefix: str, kind: str) -> dict[str, Any]:
+def _header(ep: Endpoint, turn: Turn, prefix: str, kind: str) -> dict[str, Any]:
     """A response's (or each event's) id, object kind, time and model."""
     return {
-        "id": f"{prefix}-{eid}-{int(time.time() * 1e6)}",
+        "id": f"{prefix}-{turn.episode}-{int(time.time() * 1e6)}",
         "object": kind,
         "created": int(time.time()),
         "model": ep.served,
     }
 
 
-def chat_body(ep: Endpoint, eid: str, turn: Turn, s: api.Sampling) -> dict[str, Any]:
+def _message(turn: Turn) -> dict[str, Any]:
+    """The assistant message of a chat turn: its text, or its calls (and any text
+    outside them)."""
+    if not turn.calls:
+        return {"role": "assistant", "content": turn.content}
+    calls = [c.openai() for c in turn.calls]
+    return {"role": "assistant", "content": turn.content, "tool_calls": calls}
+
+
+def chat_body(ep: Endpoint, turn: Turn, s: api.Sampling) -> dict[str, Any]:
     logprobs = {"content": _logprob_entries(ep.turns, turn)} if s.logprobs else None
     return {
-        **_header(ep, eid, "chatcmpl", "chat.completion"),
+        **_header(ep, turn, "chatcmpl", "chat.completion"),
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": turn.text},
+                "message": _message(turn),
                 "logprobs": logprobs,
                 "finish_reason": turn.finish_reason,
                 **_extras(turn),
@@ -211,7 +244,7 @@ def chat_body(ep: Endpoint, eid: str, turn: Turn, s: api.Sampling) -> dict[str, 
     }
 
 
-def completion_body(ep: Endpoint, eid: str, turn: Turn, s: api.Sampling) -> dict[str, Any]:
+def completion_body(ep: Endpoint, turn: Turn, s: api.Sampling) -> dict[str, Any]:
     logprobs = None
     if s.logprobs:
         pieces = _token_text(ep.turns, turn.token_ids)
@@ -223,7 +256,7 @@ def completion_body(ep: Endpoint, eid: str, turn: Turn, s: api.Sampling) -> dict
             "text_offset": offsets,
         }
     return {
-        **_header(ep, eid, "cmpl", "text_completion"),
+        **_header(ep, turn, "cmpl", "text_completion"),
         "choices": [
             {
                 "index": 0,
@@ -252,9 +285,10 @@ def _event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
-async def chat_events(ep: Endpoint, eid: str, turn: Turn, s: api.Sampling) -> AsyncIterator[bytes]:
-    """The completion as chat.completion.chunk events, one token each."""
-    base = _header(ep, eid, "chatcmpl", "chat.completion.chunk")
+async def chat_events(ep: Endpoint, turn: Turn, s: api.Sampling) -> AsyncIterator[bytes]:
+    """The completion as chat.completion.chunk events, one token each (a turn that made
+    tool calls: its text, then one event per call)."""
+    base = _header(ep, turn, "chatcmpl", "chat.completion.chunk")
 
     def event(choices: list, **more: Any) -> bytes:
         return _event({**base, "choices": choices, **more})
@@ -269,7 +303,14 @@ async def chat_events(ep: Endpoint, eid: str, turn: Turn, s: api.Sampling) -> As
             }
         ]
     )
+    if turn.calls:
+        for chunk in _call_events(ep, turn, s, event):
+            yield chunk
+        return
     entries = _logprob_entries(ep.turns, turn) if s.logprobs else None
+    if turn.content != turn.text:  # a required call's opening, not read as a call
+        head = turn.content[: len(turn.content) - len(turn.text)]
+        yield event([{"index": 0, "delta": {"content": head}, "finish_reason": None}])
     for i, (piece, _) in enumerate(_shown_pieces(ep, turn)):
         logprobs = {"content": [entries[i]]} if entries is not None else None
         choice = {
@@ -287,11 +328,32 @@ async def chat_events(ep: Endpoint, eid: str, turn: Turn, s: api.Sampling) -> As
     yield b"data: [DONE]\n\n"
 
 
-async def completion_events(
-    ep: Endpoint, eid: str, turn: Turn, s: api.Sampling
-) -> AsyncIterator[bytes]:
+def _call_events(ep: Endpoint, turn: Turn, s: api.Sampling, event: Any) -> list[bytes]:
+    """A turn that made tool calls as chunks: its text outside the calls, each call
+    (whole: id, name, arguments), the finish; every token's id, version and log-prob on
+    the first."""
+    entries = _logprob_entries(ep.turns, turn) if s.logprobs else None
+    first = {
+        "index": 0,
+        "delta": {"content": turn.content} if turn.content else {},
+        "logprobs": {"content": entries} if entries is not None else None,
+        "finish_reason": None,
+        **_extras(turn),
+    }
+    out = [event([first])]
+    for i, c in enumerate(turn.calls):
+        delta = {"tool_calls": [{"index": i, **c.openai()}]}
+        out.append(event([{"index": 0, "delta": delta, "finish_reason": None}]))
+    out.append(event([{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]))
+    if s.include_usage:
+        out.append(event([], usage=_usage(turn)))
+    out.append(b"data: [DONE]\n\n")
+    return out
+
+
+async def completion_events(ep: Endpoint, turn: Turn, s: api.Sampling) -> AsyncIterator[bytes]:
     """The completion as text_completion events, one token each."""
-    base = _header(ep, eid, "cmpl", "text_completion")
+    base = _header(ep, turn, "cmpl", "text_completion")
     pieces = _shown_pieces(ep, turn)
     for i, (piece, at) in enumerate(pieces):
         logprobs = None
@@ -374,9 +436,9 @@ def make_app(ep: Endpoint):
         turn = await ep.complete(eid, kind, said, s)
         if s.stream:
             events = chat_events if kind == "chat" else completion_events
-            return StreamingResponse(events(ep, eid, turn, s), media_type="text/event-stream")
+            return StreamingResponse(events(ep, turn, s), media_type="text/event-stream")
         make = chat_body if kind == "chat" else completion_body
-        return JSONResponse(make(ep, eid, turn, s))
+        return JSONResponse(make(ep, turn, s))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 
 import numpy as np
 
-from streamrl_jax.endpoint.api import ApiError, Sampling
+from streamrl_jax.endpoint import tool_calling
+from streamrl_jax.endpoint.api import ApiError, Chat, Sampling
 from streamrl_jax.endpoint.book import Record
 from streamrl_jax.environments.render import TurnRenderer
 from streamrl_jax.generation.engine_config import EngineConfig
@@ -44,8 +46,14 @@ class Turn:
     logprobs: np.ndarray  # f32[K] their behaviour log-probs
     versions: np.ndarray  # i32[K] the weights version that sampled each
     text: str  # the completion text (stop tokens not included)
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop", "length" or "tool_calls"
     prompt_tokens: int  # tokens the model read before this completion
+    episode: str = ""  # the episode's id
+    # chat: the message's text outside its tool calls (the whole message, a required
+    # call's opening included, when it made no call), and its calls
+    content: str | None = None
+    calls: tuple[tool_calling.Call, ...] = ()
+    malformed: bool = False  # call markup that could not be read (returned as text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,18 +76,29 @@ class Turns:
         self.ctx = ctx
         self.renderer = TurnRenderer(ctx.tokenizer)
         self._stops = tuple(ctx.tokenizer.stop_ids)
+        tok = ctx.tokenizer
+        self.convention = tool_calling.convention_for(
+            tok.backend.get_vocab(with_added_tokens=True), tok.template_style
+        )
 
     # ------------------------------------------------------------------ requests
     def chat(
-        self, rec: Record, messages: list[dict[str, str]], s: Sampling, params: SamplingParams
+        self, rec: Record, chat: Chat, s: Sampling, params: SamplingParams
     ) -> GenerationRequest:
         """The generation request of a chat completion of episode `rec` (`params`:
         `sampling(s)`)."""
         self._kind(rec, "chat")
+        tok, convention = self.ctx.tokenizer, self.convention
+        opening = tok.encode(convention.opening(chat.choice)) if chat.tools else []
         if rec.sample is None:
-            prompt = self.ctx.tokenizer.encode_chat(messages)
-            return self._first(rec, prompt, s, params)
-        n = len(rec.messages)
+            messages = tool_calling.template_messages(convention, chat.messages)
+            schemas = [t.schema() for t in chat.tools]
+            if chat.tools and not tok.renders_tools:
+                messages = tool_calling.with_tools(messages, convention.describe(chat.tools))
+            prompt = tok.encode_chat(messages, tools=schemas if tok.renders_tools else None)
+            rec.tools = list(chat.tools)
+            return self._first(rec, prompt + opening, s, params)
+        messages, n = chat.messages, len(rec.messages)
         if len(messages) <= n or messages[:n] != rec.messages:
             pairs = enumerate(zip(messages, rec.messages, strict=False))
             i = next((i for i, (a, b) in pairs if a != b), min(len(messages), n))
@@ -90,6 +109,13 @@ class Turns:
                 "as returned, then the new messages",
                 "messages",
             )
+        if chat.tools != rec.tools:
+            raise ApiError(
+                400,
+                f"tools: episode {rec.id} was started with other tools (they are in its "
+                "prompt); send the same tools with every request of an episode",
+                "tools",
+            )
         new = messages[n:]
         for i, m in enumerate(new, start=n):
             if m["role"] == "assistant":
@@ -97,7 +123,8 @@ class Turns:
                 raise ApiError(400, why, "messages")
         last = rec.sample
         ended = int(last.response[-1]) if last.finish_reason == "stop" else None
-        return self._next(rec, self.renderer.observation(new, ended), s, params)
+        observed = tool_calling.template_messages(convention, new)
+        return self._next(rec, self.renderer.observation(observed, ended) + opening, s, params)
 
     def completion(
         self, rec: Record, prompt: str, s: Sampling, params: SamplingParams
@@ -202,10 +229,10 @@ class Turns:
 
     # ------------------------------------------------------------------ samples
     def commit(
-        self, rec: Record, request: GenerationRequest, sample: Sample, said: list | str
+        self, rec: Record, request: GenerationRequest, sample: Sample, said: Chat | str
     ) -> Turn:
-        """Records `sample` as the episode's latest turn (`said`: the chat messages or the
-        prompt text of the request) and returns what it sampled."""
+        """Records `sample` as the episode's latest turn (`said`: the chat or the prompt
+        text of the request) and returns what it sampled."""
         start = request.history
         new = sample.response[start:]
         finish = "stop" if sample.finish_reason == "stop" else "length"
@@ -213,20 +240,45 @@ class Turns:
         if finish == "stop" and int(new[-1]) not in self._stops:
             shown = new[:-1]  # a stop string ends the completion and is not part of it
         text = self.ctx.tokenizer.decode(shown)
-        rec.sample = sample
-        rec.turns += 1
-        rec.cut += finish == "length"
-        if rec.kind == "chat":
-            rec.messages = [*said, {"role": "assistant", "content": text}]
-        else:
-            rec.text = said + text
-        return Turn(
+        turn = Turn(
             token_ids=np.asarray(new, np.int32),
             logprobs=np.asarray(sample.logprobs[start:], np.float32),
             versions=sample.versions()[start:],
             text=text,
             finish_reason=finish,
             prompt_tokens=len(request.prompt) + start,
+            episode=rec.id,
+        )
+        if isinstance(said, Chat):
+            turn = self._message(rec, turn, said)
+            message = {"role": "assistant", "content": turn.content or ""}
+            if turn.calls:
+                message["tool_calls"] = [
+                    {"id": c.id, "name": c.name, "arguments": c.arguments} for c in turn.calls
+                ]
+            rec.messages = [*said.messages, message]
+        else:
+            rec.text = said + text
+        rec.sample = sample
+        rec.turns += 1
+        rec.cut += finish == "length"
+        return turn
+
+    def _message(self, rec: Record, turn: Turn, chat: Chat) -> Turn:
+        """`turn` read as a chat message: its tool calls (a view of the sampled text, the
+        call's opening before it when one was required) or its text."""
+        full = turn.text
+        if chat.tools:
+            full = self.convention.opening(chat.choice) + full
+        read = tool_calling.interpret(self.convention, full, chat.tools, chat.choice)
+        if not read.calls:
+            return dataclasses.replace(turn, content=full, malformed=read.malformed)
+        calls = tuple(
+            tool_calling.Call(tool_calling.call_id(rec.id, rec.turns, i), name, json.dumps(args))
+            for i, (name, args) in enumerate(read.calls)
+        )
+        return dataclasses.replace(
+            turn, content=read.content, calls=calls, finish_reason="tool_calls"
         )
 
 

@@ -245,6 +245,7 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         use_builtin: bool = False,
+        tools: Sequence[dict] | None = None,
     ) -> str:
         """Renders a conversation ([{"role", "content"}, ...]) as prompt text.
 
@@ -252,6 +253,8 @@ class Tokenizer:
           messages: the conversation.
           add_generation_prompt: end with the assistant header, ready to generate.
           use_builtin: ignore the checkpoint's template and use the built-in one.
+          tools: OpenAI function schemas, for a template that renders them
+            (`renders_tools`); refused otherwise (the caller shows them another way).
 
         Raises:
           ValueError: no stored template and a vocabulary with no known chat tokens.
@@ -259,8 +262,10 @@ class Tokenizer:
         for i, m in enumerate(messages):
             if "role" not in m or "content" not in m:
                 raise ValueError(f"messages[{i}] needs 'role' and 'content', got {sorted(m)}")
+        if tools and (use_builtin or not self.renders_tools):
+            raise ValueError("this chat template does not render tools")
         if self.chat_template and not use_builtin:
-            rendered = self._render_jinja(messages, add_generation_prompt)
+            rendered = self._render_jinja(messages, add_generation_prompt, tools)
             if rendered is not None:
                 return rendered
         if self.template_style == "chatml":
@@ -280,7 +285,18 @@ class Tokenizer:
             "format the prompt yourself"
         )
 
-    def _render_jinja(self, messages: Sequence[dict], add_generation_prompt: bool) -> str | None:
+    @property
+    def renders_tools(self) -> bool:
+        """The checkpoint's chat template renders a `tools` list (Qwen3's, Llama 3.1's)."""
+        return (
+            bool(self.chat_template)
+            and "tools" in self.chat_template
+            and (self._jinja_template is not None)
+        )
+
+    def _render_jinja(
+        self, messages: Sequence[dict], add_generation_prompt: bool, tools: Sequence[dict] | None
+    ) -> str | None:
         template = self._jinja_template
         if template is None:  # jinja2 is optional; fall back to the built-in formatter
             return None
@@ -293,6 +309,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=tok(self.bos_id),
             eos_token=tok(self.eos_id),
+            **({"tools": list(tools)} if tools else {}),
         )
 
     @functools.cached_property
@@ -313,11 +330,17 @@ class Tokenizer:
         return env.from_string(self.chat_template)
 
     def encode_chat(
-        self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict] | None = None,
     ) -> list[int]:
-        """Token ids of the rendered conversation."""
+        """Token ids of the rendered conversation (`tools`: as `apply_chat_template`)."""
         return self.encode(
-            self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            self.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools
+            )
         )
 
 
