@@ -27,17 +27,16 @@ and otherwise runs both stages here; `one` (the default: on 2 cores the quicksta
 
 from __future__ import annotations
 
-import glob
-import importlib.metadata
 import importlib.util
 import os
 import socket
 import sys
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+from streamrl_jax import platforms
 
 if TYPE_CHECKING:
     from streamrl_jax.config import ExperimentConfig
@@ -248,51 +247,6 @@ def _place(dcfg: DistributedConfig | None) -> _Place:
 _STAGES_MIN_CORES = 4
 
 
-# Device nodes (glob patterns) of attached accelerators: TPU chips appear as /dev/accel*
-# (v2 to v5e hosts) or as VFIO groups (v5p, v6e hosts)
-_TPU_NODES = ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*")
-# JAX's GPU platforms: (platform, its plugin's package name prefix, its device nodes)
-_GPUS = (("cuda", "jax-cuda", "/dev/nvidia[0-9]*"), ("rocm", "jax-rocm", "/dev/kfd"))
-
-
-def _attached(patterns: tuple[str, ...]) -> bool:
-    return any(glob.glob(p) for p in patterns)
-
-
-def _accelerator_attached() -> bool:
-    """A GPU or TPU device node, or JAX_PLATFORMS naming one (without starting JAX)."""
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    if platforms:
-        return any(p.strip() not in ("", "cpu") for p in platforms.split(","))
-    return _attached((*_TPU_NODES, *(nodes for _, _, nodes in _GPUS)))
-
-
-def jax_platforms(env: Mapping[str, str]) -> str | None:
-    """The platforms JAX may start in this process (`jax_platforms`), or None to leave
-    JAX's own search: where the user named them (JAX_PLATFORMS, JAX_PLATFORM_NAME,
-    JAX_FORCE_TPU_INIT) or a TPU is attached.
-
-    Otherwise no TPU can be there, yet JAX's search starts libtpu wherever it is installed
-    (the test extra brings it), and libtpu prints its start-up errors on the console
-    ("unexpected worker hostname", "Failed to find host bounds") or fails on another
-    process's lock file. So: every platform but TPU, i.e. each GPU platform whose device
-    node is present and whose JAX plugin is installed (a platform named but not installed
-    would fail the start), then the CPU. Compiling for a TPU topology that is not attached
-    (`jax.experimental.topologies`, the pod planner) loads libtpu itself, unaffected.
-    """
-    asked = ("JAX_PLATFORMS", "JAX_PLATFORM_NAME", "JAX_FORCE_TPU_INIT")
-    if any(env.get(name) for name in asked) or _attached(_TPU_NODES):
-        return None
-    gpus = [(platform, plugin) for platform, plugin, nodes in _GPUS if _attached((nodes,))]
-    if gpus:  # read the installed packages only where a GPU is attached
-        installed = [
-            (d.metadata["Name"] or "").lower().replace("_", "-")
-            for d in importlib.metadata.distributions()
-        ]
-        gpus = [(p, plugin) for p, plugin in gpus if any(n.startswith(plugin) for n in installed)]
-    return ",".join([*(platform for platform, _ in gpus), "cpu"])
-
-
 def stage_plan(
     cfg: ExperimentConfig, choice: str, cpus: list[int], accelerator: bool
 ) -> tuple[bool, str]:
@@ -413,7 +367,7 @@ def main(argv: list[str]) -> None:
     if dcfg is None:
         try:
             cpus = sorted(os.sched_getaffinity(0))
-            stages, why = stage_plan(cfg, _PROCESSES.value, cpus, _accelerator_attached())
+            stages, why = stage_plan(cfg, _PROCESSES.value, cpus, platforms.accelerator_attached())
         except UserError as e:
             _user_error(str(e))
         logging.info("stage processes: %s (%s)", "yes" if stages else "no", why)
@@ -422,9 +376,9 @@ def main(argv: list[str]) -> None:
             sys.exit(_run_stages(_default_cache_dir()))
     import jax  # after flag parsing: the CPU device count must be set before the backend starts
 
-    if (platforms := jax_platforms(os.environ)) is not None:  # before any backend starts too
-        jax.config.update("jax_platforms", platforms)
-        logging.info("JAX platforms: %s (no TPU attached; JAX_PLATFORMS chooses)", platforms)
+    if (names := platforms.jax_platforms(os.environ)) is not None:  # before any backend starts
+        jax.config.update("jax_platforms", names)
+        logging.info("JAX platforms: %s (no TPU attached; JAX_PLATFORMS chooses)", names)
     logging.info("CPUs this process may use: %s", sorted(os.sched_getaffinity(0)))
 
     mesh = cfg.mesh

@@ -645,7 +645,14 @@ def test_kept_slots_are_reserved_and_overdue_ones_given_up(model):
     assert engine.num_held == 4
     # Four new requests need slots: every kept slot is overdue (kv_hold_s=0) and given up.
     engine.run(requests(4, seed=3, max_new_tokens=2))
-    assert engine.num_held == 0
+    assert engine.num_held == 0 and engine.metrics()["kept_given_up"] == 4
+    # One request needs one slot: the least recently kept is given up, the others stay.
+    engine.run(held[:2])
+    engine.run(held[2:])
+    engine.run(requests(1, seed=5, max_new_tokens=2))
+    assert engine.metrics()["kept_given_up"] == 5 and engine.num_held == 3
+    assert [engine.holding(r.request_id) for r in held].count(False) == 1
+    assert all(engine.holding(r.request_id) for r in held[2:])
     patient = make_engine(model)  # kv_hold_s=120: two kept, the others wait for two slots
     patient.run(held[:2])
     patient.submit(requests(3, seed=4, max_new_tokens=20, sampling=SamplingParams.greedy()))

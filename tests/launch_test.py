@@ -289,31 +289,31 @@ def test_the_console_is_a_summary_and_a_progress_line_the_log_file_keeps_the_res
 
 
 def test_jax_platforms_leave_out_a_tpu_that_is_not_attached(tmp_path, monkeypatch):
-    from streamrl_jax import launch
+    from streamrl_jax import platforms
 
     dev = tmp_path / "dev"
     (dev / "vfio").mkdir(parents=True)
     (dev / "vfio" / "vfio").touch()  # the VFIO control node: no device group, no TPU
-    monkeypatch.setattr(launch, "_TPU_NODES", (f"{dev}/accel[0-9]*", f"{dev}/vfio/[0-9]*"))
+    monkeypatch.setattr(platforms, "TPU_NODES", (f"{dev}/accel[0-9]*", f"{dev}/vfio/[0-9]*"))
     gpus = (("cuda", "jax-cuda", f"{dev}/nvidia[0-9]*"), ("rocm", "jax-rocm", f"{dev}/kfd"))
-    monkeypatch.setattr(launch, "_GPUS", gpus)
-    assert launch.jax_platforms({}) == "cpu"
+    monkeypatch.setattr(platforms, "GPUS", gpus)
+    assert platforms.jax_platforms({}) == "cpu"
     # A GPU's node without JAX's plugin for it (none is installed here): still the CPU only
     (dev / "nvidia0").touch()
-    assert launch.jax_platforms({}) == "cpu"
+    assert platforms.jax_platforms({}) == "cpu"
     # With its plugin (JAX's package name), the GPU first; ROCm's has no node here
     names = ("jax_cuda12_plugin", "jax-rocm7-plugin")
     plugins = [types.SimpleNamespace(metadata={"Name": n}) for n in names]
-    monkeypatch.setattr(launch.importlib.metadata, "distributions", lambda: plugins)
-    assert launch.jax_platforms({}) == "cuda,cpu"
+    monkeypatch.setattr(platforms.importlib.metadata, "distributions", lambda: plugins)
+    assert platforms.jax_platforms({}) == "cuda,cpu"
     # What the user names, and an attached TPU, are JAX's to search
-    assert launch.jax_platforms({"JAX_PLATFORMS": "cpu"}) is None
-    assert launch.jax_platforms({"JAX_FORCE_TPU_INIT": "1"}) is None
+    assert platforms.jax_platforms({"JAX_PLATFORMS": "cpu"}) is None
+    assert platforms.jax_platforms({"JAX_FORCE_TPU_INIT": "1"}) is None
     (dev / "vfio" / "0").touch()
-    assert launch.jax_platforms({}) is None
+    assert platforms.jax_platforms({}) is None
     (dev / "vfio" / "0").unlink()
     (dev / "accel0").touch()
-    assert launch.jax_platforms({}) is None
+    assert platforms.jax_platforms({}) is None
 
 
 def test_a_compile_cache_from_the_environment_gets_jaxs_file_lock(tmp_path):

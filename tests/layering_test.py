@@ -37,7 +37,7 @@ ROOT = os.path.join(os.path.dirname(TESTS), "streamrl_jax")
 
 # Lowest first. A package may import its own layer and the ones before it.
 LAYERS = (
-    ("errors", "lazy_names", "config", "mailbox", "mesh", "sharding"),
+    ("errors", "lazy_names", "platforms", "config", "mailbox", "mesh", "sharding"),
     ("model", "algorithms"),
     ("generation", "trainer", "weight_sync"),
     (
@@ -54,7 +54,7 @@ LAYERS = (
     ),
     ("learner",),
     ("pipeline",),
-    ("launch",),
+    ("launch", "serve"),
 )
 FORBIDDEN = {("algorithms", "model")}  # (importer, imported) within a layer
 # pipeline/'s own modules a rollout kind may import: what lies below the seams.

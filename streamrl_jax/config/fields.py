@@ -141,6 +141,7 @@ RULES: dict[type, dict[str, _Rule]] = {
         "top_p": _unit(open_low=True),
         "weight_dtype": _one_of(WEIGHT_DTYPES),
         "cpu_dots": _one_of(CPU_DOTS),
+        "kv_hold_s": _NONNEG,
     },
     PipelineSection: {
         "mode": _one_of(MODES),

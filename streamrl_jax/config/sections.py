@@ -111,6 +111,10 @@ class GenerationSection:
     cpu_dots: str = "auto"
     # a group's members (same prompt) prefill it once, the rest copy its KV (bitwise equal)
     share_prefill: bool = True
+    # an episode's slot is kept for its next turn; once requests wait for a slot, a slot
+    # kept longer than this is given up, least recently used first (its next turn then
+    # re-prefills); 0: at once (a served endpoint: no request waits on an idle episode)
+    kv_hold_s: float = 120.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

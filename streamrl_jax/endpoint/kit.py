@@ -30,13 +30,22 @@ from streamrl_jax.model.tokenizer import Tokenizer
 
 
 def serve(
-    service: GenerationService, tokenizer: Tokenizer, token: str, limits: api.Limits
+    service: GenerationService,
+    tokenizer: Tokenizer,
+    token: str,
+    limits: api.Limits,
+    *,
+    served: str = "policy",
+    host: str = "127.0.0.1",
+    port: int = 0,
+    allow_remote: bool = False,
 ) -> tuple[Endpoint, EndpointServer]:
-    """An endpoint over `service`, listening on loopback (`server.url`); stop the server,
-    then close `endpoint.backend` (which closes the service)."""
+    """An endpoint over `service`, listening on `host:port` (loopback unless
+    `allow_remote`; port 0: any free one; `server.url`); stop the server, then close
+    `endpoint.backend` (which closes the service)."""
     turns = Turns(Context.of(tokenizer, service.engines[0].cfg))
-    endpoint = Endpoint(turns, ServiceBackend(service), token, limits=limits)
-    server = EndpointServer(endpoint)
+    endpoint = Endpoint(turns, ServiceBackend(service), token, served=served, limits=limits)
+    server = EndpointServer(endpoint, host, port, allow_remote=allow_remote)
     server.start()
     return endpoint, server
 

@@ -214,6 +214,7 @@ class Engine:
         self._metrics.update(prefill_calls=0, prefill_rows=0, forked=0)
         # Continuations: appended to a kept slot's KV, or re-prefilled (no slot was kept).
         self._metrics.update(extended=0, extended_tokens=0, reprefilled=0, reprefilled_tokens=0)
+        self._metrics.update(kept_given_up=0)  # kept slots given up for a waiting request
         self._kept = kept_slots.KeptSlots()  # slots kept for an episode's next turn
         self._on_chunk = on_chunk
 
@@ -434,18 +435,22 @@ class Engine:
 
     def _free_slots(self) -> list[int]:
         """Free slots; when the queue wants more, kept slots older than `kv_hold_s`
-        too (oldest first: their continuation is overdue)."""
+        too, least recently used first (kept longest: their continuation is the most
+        overdue). With `kv_hold_s=0` (a served endpoint) no request waits on an idle
+        episode: its KV is dropped and re-prefilled when it returns."""
         kept = self._kept.slots()
         free = [i for i, s in enumerate(self._slots) if s is None and i not in kept]
         if len(free) < len(self._queue) and kept:
             for rid, slot in self._kept.overdue(self.cfg.kv_hold_s):
                 if len(free) >= len(self._queue):
                     break
-                logging.warning(
-                    "instance %d: slot kept for %r given up after %.0f s without its "
-                    "continuation", self.instance_id, rid, self.cfg.kv_hold_s,
-                )  # fmt: skip
+                if self.cfg.kv_hold_s > 0:
+                    logging.warning(
+                        "instance %d: slot kept for %r given up after %.0f s without its "
+                        "continuation", self.instance_id, rid, self.cfg.kv_hold_s,
+                    )  # fmt: skip
                 self._kept.release(rid)
+                self._metrics["kept_given_up"] += 1
                 free.append(slot)
         return free
 

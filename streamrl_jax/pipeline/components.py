@@ -191,6 +191,7 @@ def engine_config(cfg: ExperimentConfig, tokenizer: Tokenizer, slots: int) -> En
         # whatever the schedule (resume, mode and topology parity).
         decode_buckets=not cfg.pipeline.deterministic,
         record_routes=cfg.model.routing_replay,
+        kv_hold_s=g.kv_hold_s,
     )
 
 

@@ -1,0 +1,91 @@
+"""`python -m streamrl_jax.serve`: a run's checkpoint (or the model a config starts from)
+behind the OpenAI-compatible endpoint, as its own process (docs/endpoint.md "Serving a
+checkpoint")."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import openai
+import pytest
+from child_env import launched_env
+from launched_runs import REPO, _launch_cmd, _run
+
+pytestmark = pytest.mark.processes  # the suite spreads these files out (conftest.py)
+
+TOKEN = "serve-test-token-" + "7" * 20
+QUESTION = [{"role": "user", "content": "What is 12 + 30?"}]
+
+
+def _start(tmp_path, name, *flags):
+    ready = tmp_path / f"{name}.json"
+    cmd = [sys.executable, "-m", "streamrl_jax.serve", "--config=configs/quickstart.py:tiny",
+           "--port=0", f"--ready_file={ready}", "--slots=4", *flags]  # fmt: skip
+    env = dict(launched_env(), STREAMRL_ENDPOINT_TOKEN=TOKEN)
+    log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return proc, ready, log
+
+
+def _ready(proc, ready, timeout=180.0) -> str:
+    deadline = time.monotonic() + timeout
+    while not ready.exists():
+        assert proc.poll() is None, f"the server exited with {proc.returncode}"
+        assert time.monotonic() < deadline, "the server did not listen in time"
+        time.sleep(0.2)
+    return json.loads(ready.read_text())["url"]
+
+
+def _greedy(url: str):
+    oc = openai.OpenAI(base_url=url, api_key=TOKEN, max_retries=0, timeout=120)
+    r = oc.chat.completions.create(
+        model="policy", messages=QUESTION, max_tokens=6, temperature=0, logprobs=True
+    )
+    oc.close()
+    c = r.choices[0]
+    return c.model_extra["token_ids"], np.float32([e.logprob for e in c.logprobs.content])
+
+
+def test_a_served_checkpoint_is_the_runs_policy_and_stops_on_sigterm(tmp_path):
+    # A tiny run's checkpoint after 2 steps, served: its greedy log-probs are not the
+    # start's (the checkpoint was read), the same when served again (nothing else
+    # moves them), and the server stops cleanly on SIGTERM. Requests without an episode
+    # id; the token from $STREAMRL_ENDPOINT_TOKEN.
+    wd = tmp_path / "run"
+    run = _run(_launch_cmd(wd, **{"pipeline.steps": 2, "checkpoint.every": 2}))
+    assert run.returncode == 0, run.stderr[-4000:]
+    servers = {
+        "trained": _start(tmp_path, "trained", f"--checkpoint={wd / 'checkpoints'}"),
+        "again": _start(tmp_path, "again", f"--checkpoint={wd / 'checkpoints' / '2'}"),
+        "start": _start(tmp_path, "start"),
+    }
+    try:
+        got = {name: _greedy(_ready(proc, ready)) for name, (proc, ready, _) in servers.items()}
+        with pytest.raises(openai.AuthenticationError):
+            url = json.loads(servers["start"][1].read_text())["url"]
+            openai.OpenAI(base_url=url, api_key="x" * 20, max_retries=0).models.list()
+    finally:
+        for proc, _, _ in servers.values():
+            proc.send_signal(signal.SIGTERM)
+        codes = [proc.wait(60) for proc, _, _ in servers.values()]
+        for _, _, log in servers.values():
+            log.close()
+    assert codes == [0, 0, 0], [(tmp_path / f"{n}.log").read_text()[-2000:] for n in servers]
+    np.testing.assert_array_equal(got["trained"][1], got["again"][1])
+    assert got["trained"][0] == got["again"][0]
+    assert not np.array_equal(got["trained"][1], got["start"][1])
+
+
+def test_a_server_refuses_a_public_address_without_allow_remote(tmp_path):
+    cmd = [sys.executable, "-m", "streamrl_jax.serve", "--config=configs/quickstart.py:tiny",
+           "--host=0.0.0.0"]  # fmt: skip
+    r = subprocess.run(cmd, cwd=REPO, env=launched_env(), capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert r.returncode == 2 and "--host=0.0.0.0 is not loopback" in r.stderr
+    missing = tmp_path / "nowhere"
+    r = subprocess.run([*cmd[:-1], f"--checkpoint={missing}"], cwd=REPO, env=launched_env(),
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 2 and f"--checkpoint={missing}: no such directory" in r.stderr
