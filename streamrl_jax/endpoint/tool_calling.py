@@ -254,7 +254,6 @@ class Hermes(_Openings):
             '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
         )
 
-
     def read(self, text: str) -> Read:
         opened = text.count("<tool_call>")
         if not opened:
@@ -304,7 +303,6 @@ class Llama3Json(_Openings):
             'Respond in the format {"name": function name, "parameters": dictionary of '
             "argument name and its value}. Do not use variables.\n\n" + _schemas(tools)
         )
-
 
     def read(self, text: str) -> Read:
         body = text.strip()
@@ -359,7 +357,6 @@ class GemmaToolCode(_Openings):
             "function_name(argument=value)\n```\nand stop; their results come back in a "
             "```tool_output``` block. The functions, as JSON schemas:\n" + _schemas(tools)
         )
-
 
     def read(self, text: str) -> Read:
         opened = text.count("```tool_code")
