@@ -11,10 +11,35 @@ as a tool message) before answering in <answer></answer> tags. Variants:
                             environment: environments/openenv_arithmetic.py
   configs/agent.py:short  10 steps (a first look)
   configs/agent.py:tiny   tiny random model, a few seconds a step (tests, smoke runs)
+  configs/agent.py:chained  the chained calculator (environments/chained_calculator.py):
+                          sums of 4-5 three-digit numbers with `calculate(a, op, b)`, an
+                          OpenAI function taking two numbers a call, so the model must
+                          chain its calls; not tuned yet (docs/episodes.md);
+                          chained_endpoint through the endpoint with OpenAI tool calling,
+                          chained_tiny on the tiny model
 Any field can be overridden: --config.environment.max_turns=3
 """
 
 from streamrl_jax import config as config_lib
+
+
+def _chained(c) -> None:
+    """The chained calculator: sums of 4-5 three-digit numbers, an OpenAI function taking
+    two numbers a call."""
+    # The first prompt (instructions, the function's schema, the question) fits 352
+    # tokens; an episode's calls, results and answer (5 terms: 4 calls) share 288 more.
+    c.model.max_context = 640
+    c.generation.max_prompt_len = 352
+    c.generation.max_new_tokens = 48  # a call (~35 tokens) or an answer
+    c.environment.name = "chained_calculator"
+    c.environment.max_turns = 6  # 4 calls and the answer for 5 terms, one spare
+    c.environment.max_episode_tokens = 288
+    # reasoning-gym's chain_sum (its basic_arithmetic without parentheses scores against
+    # answers that do not follow operator precedence: 111 of 200 wrong at 4-5 terms)
+    c.data.tasks = "chain_sum"
+    c.data.task_config = (
+        '{"chain_sum": {"min_terms": 4, "max_terms": 5, "min_digits": 3, "max_digits": 3}}'
+    )
 
 
 def get_config(arg: str | None = None):
@@ -69,6 +94,11 @@ def get_config(arg: str | None = None):
     c.eval.num_problems = 64
     c.checkpoint.every = c.pipeline.steps  # the final weights (eval seed 3: init_from)
 
+    if arg in ("chained", "chained_endpoint", "chained_tiny"):
+        _chained(c)
+        if arg == "chained_endpoint":
+            c.pipeline.rollout = "agents+full"
+        arg = "tiny" if arg == "chained_tiny" else ""
     if arg in (None, ""):
         pass
     elif arg == "endpoint":
@@ -117,6 +147,7 @@ def get_config(arg: str | None = None):
     else:
         raise ValueError(
             f"configs/agent.py: unknown variant {arg!r} "
-            "(endpoint | openenv | openenv_short | short | tiny)"
+            "(endpoint | openenv | openenv_short | short | tiny | chained | chained_endpoint | "
+            "chained_tiny)"
         )
     return c

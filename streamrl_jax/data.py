@@ -27,6 +27,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from streamrl_jax.environments import function_calls
 from streamrl_jax.errors import UserError
 from streamrl_jax.generation.types import GenerationRequest, RequestTag, SamplingParams
 from streamrl_jax.model.tokenizer import Tokenizer
@@ -50,14 +51,20 @@ def tokenize(
     tokenizer: Tokenizer,
     system_prompt: str = "",
     messages: Messages | None = None,
+    tools: Sequence[function_calls.Tool] = (),
 ) -> Prompt:
     """The chat-templated prompt: `messages(problem)` (an environment's first messages),
-    else the question after `system_prompt` ("" uses `rewards.tasks`' default)."""
+    else the question after `system_prompt` ("" uses `rewards.tasks`' default); `tools`:
+    the OpenAI functions an environment offers, shown as the endpoint shows a request's
+    (`function_calls.chat_text`)."""
     if messages is not None:
         convo = messages(problem)
     else:
         convo = chat_messages(problem.question, *([system_prompt] if system_prompt else []))
-    text = tokenizer.apply_chat_template(convo)
+    if tools:
+        text = function_calls.chat_text(tokenizer, convo, tools)
+    else:
+        text = tokenizer.apply_chat_template(convo)
     return Prompt(problem=problem, tokens=tuple(tokenizer.encode(text)))
 
 
@@ -74,6 +81,7 @@ class PromptPipeline:
         overlong: str = "error",
         system_prompt: str = "",
         messages: Messages | None = None,
+        tools: Sequence[function_calls.Tool] = (),
     ):
         if overlong not in ("error", "drop", "truncate"):
             raise ValueError(f"overlong={overlong!r}; expected 'error', 'drop' or 'truncate'")
@@ -85,7 +93,7 @@ class PromptPipeline:
         self.dropped_overlong = 0
         self.truncated_overlong = 0
         self.consumed = 0
-        length = lambda p: len(tokenize(p, tokenizer, system_prompt, messages).tokens)  # noqa: E731
+        length = lambda p: len(tokenize(p, tokenizer, system_prompt, messages, tools).tokens)  # noqa: E731
         if overlong == "drop" and not any(length(p) <= max_prompt_len for p in dataset):
             # Drawing would spin for ever: fail at start-up (the scan stops at the first
             # prompt that fits, so a usable dataset costs one tokenisation here).
@@ -95,7 +103,7 @@ class PromptPipeline:
                 "data.overlong_prompts='drop' every one would be dropped"
             )
         ds = grain.MapDataset.range(len(dataset)).shuffle(seed=seed).repeat()
-        ds = ds.map(lambda i: tokenize(dataset[int(i)], tokenizer, system_prompt, messages))
+        ds = ds.map(lambda i: tokenize(dataset[int(i)], tokenizer, system_prompt, messages, tools))
         self._iter = ds.to_iter_dataset().__iter__()
 
     def next_prompts(self, n: int) -> list[Prompt]:

@@ -1,4 +1,4 @@
-"""OpenAI tool calling through the endpoint (endpoint/tool_calling.py, docs/endpoint.md
+"""OpenAI tool calling through the endpoint (environments/function_calls.py, docs/endpoint.md
 "Tool calling"), with the official `openai` client and the OpenAI Agents SDK.
 
 The policy here is scripted (`_Scripted`: each turn "samples" the tokens of a given
@@ -19,10 +19,11 @@ import numpy as np
 import openai
 import pytest
 
-from streamrl_jax.endpoint import api, tool_calling
+from streamrl_jax.endpoint import api
 from streamrl_jax.endpoint.client import EndpointClient
 from streamrl_jax.endpoint.server import Endpoint, EndpointServer, endpoint_token
 from streamrl_jax.endpoint.turns import Context, Turns
+from streamrl_jax.environments import function_calls
 from streamrl_jax.generation.types import Sample, Timings
 from streamrl_jax.model.defaults import smollm2_gguf_path
 from streamrl_jax.model.tokenizer import Tokenizer
@@ -265,11 +266,11 @@ def test_a_history_of_calls_is_rendered_in_a_first_request(served):
 
 
 # ---------------------------------------------------------------------- conventions
-@pytest.mark.parametrize("name", sorted(tool_calling.CONVENTIONS))
+@pytest.mark.parametrize("name", sorted(function_calls.CONVENTIONS))
 def test_each_convention_reads_what_it_writes(name):
-    conv = tool_calling.CONVENTIONS[name]
-    calls = [tool_calling.Call("c0", "add", '{"a": 1, "b": [2, "x"]}'),
-             tool_calling.Call("c1", "mul", '{"a": 3.5}')]  # fmt: skip
+    conv = function_calls.CONVENTIONS[name]
+    calls = [function_calls.Call("c0", "add", '{"a": 1, "b": [2, "x"]}'),
+             function_calls.Call("c1", "mul", '{"a": 3.5}')]  # fmt: skip
     read = conv.read(conv.write(calls))
     assert not read.malformed and read.content is None
     assert read.calls == [("add", {"a": 1, "b": [2, "x"]}), ("mul", {"a": 3.5})]
@@ -291,15 +292,15 @@ def test_each_convention_reads_what_it_writes(name):
     ],
 )
 def test_a_convention_never_runs_or_half_reads_model_output(name, text):
-    read = tool_calling.CONVENTIONS[name].read(text)
+    read = function_calls.CONVENTIONS[name].read(text)
     assert read.malformed and read.calls == []
 
 
 def test_the_llama_and_gemma_conventions_render_results_in_their_roles():
     results = [{"role": "tool", "content": "3"}, {"role": "tool", "content": "4"}]
-    llama = tool_calling.CONVENTIONS["llama3_json"].results(results)
+    llama = function_calls.CONVENTIONS["llama3_json"].results(results)
     assert [m["role"] for m in llama] == ["ipython", "ipython"]
-    (gemma,) = tool_calling.CONVENTIONS["gemma_tool_code"].results(results)
+    (gemma,) = function_calls.CONVENTIONS["gemma_tool_code"].results(results)
     assert gemma == {"role": "user", "content": "```tool_output\n3\n```\n```tool_output\n4\n```"}
 
 

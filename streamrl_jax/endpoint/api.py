@@ -9,7 +9,7 @@ episode's, fixed by its first request), `stream`, `logprobs` (the sampled tokens
 log-probs; `top_logprobs` > 0 and completions' `logprobs` > 0 are refused: the engine
 does not keep the top-k alternatives), `n` = 1 (an episode is one conversation: a
 GRPO group is G episodes), `tools` and `tool_choice` (OpenAI function calling:
-tool_calling.py), assistant messages' `tool_calls` and `tool` messages answering them
+function_calls.py), assistant messages' `tool_calls` and `tool` messages answering them
 by `tool_call_id`, `response_format` of type text, and vLLM's `ignore_eos` (exactly
 `max_tokens` tokens: for benchmarks). Accepted and ignored (they change nothing here):
 `user`, `metadata`, `store`, `service_tier`, `prompt_cache_key`, `safety_identifier`,
@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from streamrl_jax.endpoint import tool_calling
+from streamrl_jax.environments import function_calls
 
 
 class ApiError(Exception):
@@ -224,8 +224,8 @@ class Chat:
     result's `tool_call_id`), the tools offered and the tool choice."""
 
     messages: list[dict[str, Any]]
-    tools: list[tool_calling.Tool] = dataclasses.field(default_factory=list)
-    choice: tool_calling.ToolChoice = tool_calling.ToolChoice("none")
+    tools: list[function_calls.Tool] = dataclasses.field(default_factory=list)
+    choice: function_calls.ToolChoice = function_calls.ToolChoice("none")
 
 
 def check_chat(req: ChatRequest, limits: Limits, served: str) -> tuple[Chat, Sampling]:
@@ -249,9 +249,9 @@ def check_chat(req: ChatRequest, limits: Limits, served: str) -> tuple[Chat, Sam
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise ApiError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
     try:
-        tools = tool_calling.check_tools(req.tools or [])
-        choice = tool_calling.check_choice(req.tool_choice, tools)
-    except tool_calling.ToolError as e:
+        tools = function_calls.check_tools(req.tools or [])
+        choice = function_calls.check_choice(req.tool_choice, tools)
+    except function_calls.ToolError as e:
         raise ApiError(400, str(e), e.param) from None
     max_tokens = req.max_completion_tokens or req.max_tokens
     sampling = check_common(req, limits, served, max_tokens, bool(req.logprobs))

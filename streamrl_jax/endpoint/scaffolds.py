@@ -7,11 +7,15 @@ programs) is its own; the endpoint records what the policy sampled, and the scaf
 `AgentResult.reward` is the episode's return.
 
 `environment_scaffold(env, model, max_turns)`: any `environments.Environment` of this
-package (the calculator, answer-with-retry) driven through the API as a scaffold would
-drive it: the environment's first messages, then for each completion the
-environment's step on its text, the observation appended as messages, until done,
-`max_turns`, or the endpoint refusing a turn past the episode's context (OpenAI's
-`context_length_exceeded`: the episode ends truncated, as in-process).
+package (the calculator, answer-with-retry, the chained calculator) driven through the
+API as a scaffold would drive it: the environment's first messages, then for each
+completion the environment's step on its text, the observation appended as messages,
+until done, `max_turns`, or the endpoint refusing a turn past the episode's context
+(OpenAI's `context_length_exceeded`: the episode ends truncated, as in-process). An
+environment of OpenAI functions (`Environment.functions`) is played with tool calling:
+its functions go as `tools`, a reply's `tool_calls` reach its step written in the
+model's convention (what the policy wrote), and its `tool` results go back answering
+the calls by id, in order.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from streamrl_jax.endpoint.turns import CONTEXT_EXCEEDED
+from streamrl_jax.environments.function_calls import Call
 from streamrl_jax.environments.protocol import Environment, TurnInfo
 
 
@@ -56,6 +61,9 @@ def environment_scaffold(
 
     import openai
 
+    functions = [f.schema() for f in getattr(env, "functions", ())]
+    tools = {"tools": functions} if functions else {}
+
     def play(task: AgentTask, client: Any) -> AgentResult:
         start = env.start(task.question, task.metadata)
         messages, state = list(start.messages), start.state
@@ -63,14 +71,21 @@ def environment_scaffold(
         for turn in range(max_turns):
             try:
                 r = client.chat.completions.create(
-                    model=model, messages=messages, max_tokens=max_tokens
+                    model=model, messages=messages, max_tokens=max_tokens, **tools
                 )
             except openai.BadRequestError as e:
                 if turn == 0 or e.code != CONTEXT_EXCEEDED:
                     raise
                 env.end(state)
                 return _result(total, last, counts, "episode_tokens")
-            text = r.choices[0].message.content or ""
+            reply = r.choices[0].message
+            calls = reply.tool_calls or []
+            text = reply.content or ""
+            if calls:  # the policy's text again: the step reads what it wrote
+                written = env.convention.write(
+                    [Call(c.id, c.function.name, c.function.arguments) for c in calls]
+                )
+                text = f"{text}\n{written}" if text else written
             step = env.step(state, text, task.metadata)
             total += step.reward
             state, info = step.state, step.info
@@ -83,13 +98,33 @@ def environment_scaffold(
                 last = info
             if step.done:
                 break
-            messages += [{"role": "assistant", "content": text}, *step.observation]
+            messages += [_assistant(reply), *_answers(step.observation, calls)]
         else:
             env.end(state)
             return _result(total, last, counts, "turn_limit")
         return _result(total, last, counts, "done")
 
     return play
+
+
+def _assistant(reply: Any) -> dict[str, Any]:
+    """A reply as the next request repeats it (its calls as returned)."""
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.tool_calls:
+        message["tool_calls"] = [c.model_dump(exclude_none=True) for c in reply.tool_calls]
+    return message
+
+
+def _answers(observation: list[dict[str, Any]], calls: list[Any]) -> list[dict[str, Any]]:
+    """The observation, its `tool` results answering `calls` by id, in order."""
+    ids = iter(c.id for c in calls)
+    out = []
+    for m in observation:
+        if m["role"] == "tool":
+            out.append({"role": "tool", "content": m["content"], "tool_call_id": next(ids)})
+        else:
+            out.append(m)
+    return out
 
 
 def _result(total: float, last: TurnInfo, counts: TurnInfo, outcome: str) -> AgentResult:

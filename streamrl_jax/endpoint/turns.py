@@ -20,9 +20,9 @@ import json
 
 import numpy as np
 
-from streamrl_jax.endpoint import tool_calling
 from streamrl_jax.endpoint.api import ApiError, Chat, Sampling
 from streamrl_jax.endpoint.book import Record
+from streamrl_jax.environments import function_calls
 from streamrl_jax.environments.render import TurnRenderer
 from streamrl_jax.generation.engine_config import EngineConfig
 from streamrl_jax.generation.types import (
@@ -52,7 +52,7 @@ class Turn:
     # chat: the message's text outside its tool calls (the whole message, a required
     # call's opening included, when it made no call), and its calls
     content: str | None = None
-    calls: tuple[tool_calling.Call, ...] = ()
+    calls: tuple[function_calls.Call, ...] = ()
     malformed: bool = False  # call markup that could not be read (returned as text)
 
 
@@ -77,9 +77,7 @@ class Turns:
         self.renderer = TurnRenderer(ctx.tokenizer)
         self._stops = tuple(ctx.tokenizer.stop_ids)
         tok = ctx.tokenizer
-        self.convention = tool_calling.convention_for(
-            tok.backend.get_vocab(with_added_tokens=True), tok.template_style
-        )
+        self.convention = function_calls.of_tokenizer(tok)
 
     # ------------------------------------------------------------------ requests
     def chat(
@@ -91,11 +89,7 @@ class Turns:
         tok, convention = self.ctx.tokenizer, self.convention
         opening = tok.encode(convention.opening(chat.choice)) if chat.tools else []
         if rec.sample is None:
-            messages = tool_calling.template_messages(convention, chat.messages)
-            schemas = [t.schema() for t in chat.tools]
-            if chat.tools and not tok.renders_tools:
-                messages = tool_calling.with_tools(messages, convention.describe(chat.tools))
-            prompt = tok.encode_chat(messages, tools=schemas if tok.renders_tools else None)
+            prompt = tok.encode(function_calls.chat_text(tok, chat.messages, chat.tools))
             rec.tools = list(chat.tools)
             return self._first(rec, prompt + opening, s, params)
         messages, n = chat.messages, len(rec.messages)
@@ -123,7 +117,7 @@ class Turns:
                 raise ApiError(400, why, "messages")
         last = rec.sample
         ended = int(last.response[-1]) if last.finish_reason == "stop" else None
-        observed = tool_calling.template_messages(convention, new)
+        observed = function_calls.template_messages(convention, new)
         return self._next(rec, self.renderer.observation(observed, ended) + opening, s, params)
 
     def completion(
@@ -270,11 +264,13 @@ class Turns:
         full = turn.text
         if chat.tools:
             full = self.convention.opening(chat.choice) + full
-        read = tool_calling.interpret(self.convention, full, chat.tools, chat.choice)
+        read = function_calls.interpret(self.convention, full, chat.tools, chat.choice)
         if not read.calls:
             return dataclasses.replace(turn, content=full, malformed=read.malformed)
         calls = tuple(
-            tool_calling.Call(tool_calling.call_id(rec.id, rec.turns, i), name, json.dumps(args))
+            function_calls.Call(
+                function_calls.call_id(rec.id, rec.turns, i), name, json.dumps(args)
+            )
             for i, (name, args) in enumerate(read.calls)
         )
         return dataclasses.replace(

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from streamrl_jax.config import EnvironmentSection
-from streamrl_jax.environments import calculator, openenv, retry
+from streamrl_jax.environments import calculator, chained_calculator, function_calls, openenv, retry
 from streamrl_jax.environments.protocol import (
     Environment,
     Message,
@@ -41,7 +41,7 @@ from streamrl_jax.environments.protocol import (
     TurnInfo,
 )
 from streamrl_jax.environments.render import TurnRenderer
-from streamrl_jax.environments.tool_calls import ToolFormat, resolve_format
+from streamrl_jax.environments.tool_calls import resolve_format
 from streamrl_jax.environments.tools import TOOLS, ToolRunner
 from streamrl_jax.errors import UserError
 from streamrl_jax.model.tokenizer import Tokenizer
@@ -55,8 +55,11 @@ T = TypeVar("T")
 class Registered:
     """An environment as the registry knows it."""
 
-    make: Callable[[EnvironmentSection, ToolFormat, Services], Environment]  # its factory
+    # its factory: (section, the tool format, services); for an environment of OpenAI
+    # functions, (section, the model's function-calling convention, services)
+    make: Callable[[EnvironmentSection, Any, Services], Environment]
     tools: tuple[str, ...] = ()  # the tools (`tools.TOOLS`) the run's sandbox runs for it
+    functions: bool = False  # it offers OpenAI functions (`Environment.functions`)
 
 
 # `environment.name` -> the environment; the names `config.sections.ENVIRONMENTS` lists.
@@ -64,6 +67,7 @@ ENVIRONMENTS: dict[str, Registered] = {
     "calculator": Registered(calculator.make, tools=("calculator",)),
     "retry": Registered(retry.make),
     "openenv": Registered(openenv.make),  # runs its own tools
+    "chained_calculator": Registered(chained_calculator.make, tools=("calculate",), functions=True),
 }
 
 
@@ -140,8 +144,7 @@ def make_kit(
         for (naming the field).
     """
     entry = registered(section.name)
-    vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
-    fmt = resolve_format(section.tool_format, vocab)
+    fmt = _format(section, entry, tokenizer)
     names = entry.tools
     runner = None
     if names:
@@ -157,13 +160,19 @@ def make_kit(
         )
     services = Services(tools=runner if runner is not None else _no_tools, score=score)
     env = entry.make(section, fmt, services)
-    return EpisodeKit(env, TurnRenderer(tokenizer), limits, section.workers, runner)
+    return EpisodeKit(env, renderer(section, tokenizer), limits, section.workers, runner)
 
 
-def make_environment(
-    section: EnvironmentSection, fmt: ToolFormat, services: Services
-) -> Environment:
-    """The environment `section.name` with tool format `fmt`, calling `services`.
+def renderer(section: EnvironmentSection, tokenizer: Tokenizer) -> TurnRenderer:
+    """The renderer of the environment's turns (with the model's convention for an
+    environment of OpenAI functions: its results as the endpoint renders them)."""
+    functional = bool(section.name) and registered(section.name).functions
+    return TurnRenderer(tokenizer, function_calls.of_tokenizer(tokenizer) if functional else None)
+
+
+def make_environment(section: EnvironmentSection, fmt: Any, services: Services) -> Environment:
+    """The environment `section.name` with tool format (or convention) `fmt`, calling
+    `services`.
 
     Raises:
       UserError: no environment of that name.
@@ -191,9 +200,36 @@ def first_messages(
 def demonstrator(section: EnvironmentSection, tokenizer: Tokenizer) -> Environment:
     """The environment `section.name` for demonstrations only (`Environment.demonstration`;
     it calls no service)."""
-    vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
-    fmt = resolve_format(section.tool_format, vocab)
+    fmt = _format(section, registered(section.name), tokenizer)
     return make_environment(section, fmt, Services(tools=_no_tools, score=_no_score))
+
+
+def functions(section: EnvironmentSection, tokenizer: Tokenizer) -> tuple[Any, ...]:
+    """The OpenAI functions the environment offers (`Environment.functions`: shown in an
+    episode's first prompt as the endpoint shows a request's tools), () for none."""
+    if not section.name:
+        return ()
+    return tuple(getattr(demonstrator(section, tokenizer), "functions", ()))
+
+
+def _format(section: EnvironmentSection, entry: Registered, tokenizer: Tokenizer) -> Any:
+    """What `entry.make` is given: the model's function-calling convention for an
+    environment of OpenAI functions, else the tool format `section.tool_format` names.
+
+    Raises:
+      UserError: a tool format this model has no parser for, or one named for an
+        environment of OpenAI functions (the model's own convention is theirs).
+    """
+    if entry.functions:
+        if section.tool_format != "auto":
+            raise UserError(
+                f"environment.tool_format={section.tool_format!r}: environment "
+                f"{section.name!r} offers OpenAI functions, written in the model's own "
+                "convention (environment.tool_format='auto')"
+            )
+        return function_calls.of_tokenizer(tokenizer)
+    vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+    return resolve_format(section.tool_format, vocab)
 
 
 def _no_tools(name: str, arguments: dict[str, Any]) -> Any:

@@ -24,6 +24,7 @@ from streamrl_jax.environments.protocol import (
     State,
     StepResult,
     TurnInfo,
+    answered,
 )
 from streamrl_jax.environments.tool_calls import ToolCall, ToolFormat
 from streamrl_jax.environments.tools import CALCULATOR, calculator
@@ -50,10 +51,7 @@ class CalculatorEnvironment:
         parsed = self.fmt.parse(message, self.specs)
         if not parsed.any:
             r = self.services.score(message, metadata)
-            info = TurnInfo(
-                answered=True, correct=r.correct, format_ok=r.format_ok, answer=r.extracted_answer
-            )
-            return StepResult([], r.score, True, state, info)
+            return StepResult([], r.score, True, state, answered(r))
         observation, failures = [], 0
         for call in parsed.calls:
             result = self.services.tools(call.name, call.arguments)

@@ -56,6 +56,16 @@ class TurnInfo:
     answer: str | None = None  # ... the answer extracted
 
 
+def answered(result: RewardResult) -> TurnInfo:
+    """What a turn taken as the final answer saw: the task's score of it."""
+    return TurnInfo(
+        answered=True,
+        correct=result.correct,
+        format_ok=result.format_ok,
+        answer=result.extracted_answer,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     """The environment's answer to one policy message."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from streamrl_jax.environments import function_calls
 from streamrl_jax.environments.protocol import Message
 from streamrl_jax.model.tokenizer import Tokenizer
 
@@ -24,10 +25,12 @@ _PREFIX = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
 
 
 class TurnRenderer:
-    """Observation messages -> the tokens appended after a policy turn."""
+    """Observation messages -> the tokens appended after a policy turn; with a
+    function-calling `convention` (an environment of OpenAI functions), `tool` results
+    in its form first, as the endpoint gives them to the template."""
 
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, convention: function_calls.Convention | None = None):
+        self.tokenizer, self.convention = tokenizer, convention
         self.stop_ids = set(tokenizer.stop_ids)
 
     def observation(self, messages: Sequence[Message], ended: int | None) -> list[int]:
@@ -39,6 +42,8 @@ class TurnRenderer:
           ValueError: the template does not render the conversation as a prefix-stable
             sequence (naming the sentinel's absence).
         """
+        if self.convention is not None:
+            messages = function_calls.template_messages(self.convention, messages)
         convo = [*_PREFIX, {"role": "assistant", "content": _SENTINEL}, *messages]
         text = self.tokenizer.apply_chat_template(convo, add_generation_prompt=True)
         at = text.find(_SENTINEL)

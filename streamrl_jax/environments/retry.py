@@ -19,7 +19,7 @@ from streamrl_jax.environments.protocol import (
     Start,
     State,
     StepResult,
-    TurnInfo,
+    answered,
 )
 from streamrl_jax.environments.tool_calls import ToolFormat
 from streamrl_jax.rewards.tasks import SYSTEM_PROMPT, chat_messages
@@ -45,9 +45,7 @@ class RetryEnvironment:
     def step(self, state: State, message: str, metadata: dict[str, Any]) -> StepResult:
         attempt = state["attempts"] + 1
         r = self.services.score(message, metadata)
-        info = TurnInfo(
-            answered=True, correct=r.correct, format_ok=r.format_ok, answer=r.extracted_answer
-        )
+        info = answered(r)
         if r.correct or attempt >= self.max_attempts:
             reward = r.score * self.discount ** (attempt - 1)
             return StepResult([], reward, True, {"attempts": attempt}, info)

@@ -111,8 +111,53 @@ CALCULATOR = ToolSpec(
     param_description="the arithmetic expression",
     example="12 * (3 + 4)",
 )
+
+# ---------------------------------------------------------------------- calculate
+_TWO_OPERAND = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+MAX_OPERAND = 1e15
+
+
+def calculate(arguments: dict[str, Any]) -> str:
+    """`a op b` for numbers `a`, `b` and `op` one of + - * / (the chained calculator's
+    one function: two operands a call).
+
+    Raises:
+      ValueError: naming the argument that is missing or wrong.
+    """
+    unknown = set(arguments) - {"a", "op", "b"}
+    if unknown:
+        raise ValueError(f"unknown arguments {sorted(unknown)}: give a, op and b")
+    values = []
+    for name in ("a", "b"):
+        v = arguments.get(name)
+        if isinstance(v, str):
+            try:
+                v = float(v) if any(c in v for c in ".eE") else int(v)
+            except ValueError:
+                raise ValueError(f"{name}={v[:40]!r} is not a number") from None
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise ValueError(f"{name} must be a number")
+        if abs(v) > MAX_OPERAND:
+            raise ValueError(f"{name} is beyond {MAX_OPERAND:g}")
+        values.append(v)
+    op = arguments.get("op")
+    if op not in _TWO_OPERAND:
+        raise ValueError(f"op must be one of {' '.join(_TWO_OPERAND)}")
+    if op == "/" and values[1] == 0:
+        raise ValueError("division by zero")
+    return format_number(_TWO_OPERAND[op](*values))
+
+
+CALCULATE = ToolSpec(
+    name="calculate",
+    description="a op b: one arithmetic operation on two numbers.",
+    param="a",
+    param_description="the first number (then op: + - * /, and b: the second number)",
+    example='{"a": 12, "op": "+", "b": 30}',
+)
 TOOLS: dict[str, tuple[ToolSpec, Callable[[dict[str, Any]], str]]] = {
     "calculator": (CALCULATOR, calculator),
+    "calculate": (CALCULATE, calculate),
 }
 
 

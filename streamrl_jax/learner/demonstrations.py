@@ -17,7 +17,6 @@ import numpy as np
 from streamrl_jax import environments
 from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.data import Prompt, tokenize
-from streamrl_jax.environments.render import TurnRenderer
 from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.rewards.tasks import Problem
 
@@ -38,14 +37,15 @@ def demonstrations(
     as episodes are."""
     messages = environments.first_messages(cfg.environment, tokenizer)
     env = environments.demonstrator(cfg.environment, tokenizer)
-    renderer = TurnRenderer(tokenizer)
+    renderer = environments.renderer(cfg.environment, tokenizer)
+    tools = environments.functions(cfg.environment, tokenizer)
     end = tokenizer.eos_id if tokenizer.template_style is None else tokenizer.stop_ids[0]
     out = []
     for problem in problems:
         turns = env.demonstration(problem.question, problem.metadata)
         if not turns:
             continue
-        prompt: Prompt = tokenize(problem, tokenizer, messages=messages)
+        prompt: Prompt = tokenize(problem, tokenizer, messages=messages, tools=tools)
         response: list[int] = []
         mask: list[bool] = []
         pending: list[dict[str, str]] = []

@@ -78,6 +78,7 @@ def prompts(
     d, g = cfg.data, cfg.generation
     # With an environment, an episode starts with its environment's messages.
     messages = environments.first_messages(cfg.environment, tokenizer)
+    tools = environments.functions(cfg.environment, tokenizer)
     prompts = PromptPipeline(
         train_set,
         tokenizer,
@@ -86,9 +87,10 @@ def prompts(
         overlong=cfg.data.overlong_prompts,
         system_prompt=d.system_prompt,
         messages=messages,
+        tools=tools,
     )
     eval_prompts = [
-        tokenize(p, tokenizer, d.system_prompt, messages)
+        tokenize(p, tokenizer, d.system_prompt, messages, tools)
         for p in list(eval_set)[: cfg.eval.num_problems or len(eval_set)]
     ]
     too_long = [p.problem.prompt_id for p in eval_prompts if len(p.tokens) > g.max_prompt_len]

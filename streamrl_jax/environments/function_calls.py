@@ -475,3 +475,22 @@ def with_tools(messages: list[dict[str, str]], text: str) -> list[dict[str, str]
         joined = f"{first['content']}\n\n{text}" if first["content"] else text
         return [{"role": first["role"], "content": joined}, *messages[1:]]
     return [{"role": "system", "content": text}, *messages]
+
+
+def of_tokenizer(tokenizer: Any) -> Convention:
+    """The convention of the model whose tokenizer is `tokenizer`."""
+    vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+    return convention_for(vocab, tokenizer.template_style)
+
+
+def chat_text(tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Sequence[Tool]) -> str:
+    """The prompt text of a conversation offering `tools`, ready for the assistant: the
+    checkpoint's template given the tools where it renders them, else the convention's
+    system text; earlier calls and results as the convention writes them. The endpoint's
+    first request and an environment's first prompt in a run (`data.tokenize`) both."""
+    convention = of_tokenizer(tokenizer)
+    shown = template_messages(convention, messages)
+    if tools and not tokenizer.renders_tools:
+        shown = with_tools(shown, convention.describe(tools))
+    schemas = [t.schema() for t in tools] if tools and tokenizer.renders_tools else None
+    return tokenizer.apply_chat_template(shown, tools=schemas)

@@ -1,0 +1,137 @@
+"""The chained calculator (environments/chained_calculator.py): its two-operand tool, its
+steps and demonstrations, and its episodes the same tokens in a run and through the
+endpoint with OpenAI tool calling (a scripted policy: endpoint_tools_test.py's)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from endpoint_tools_test import TOKEN, _Scripted
+
+from streamrl_jax.data import tokenize
+from streamrl_jax.endpoint.client import EndpointClient
+from streamrl_jax.endpoint.scaffolds import AgentTask, environment_scaffold
+from streamrl_jax.endpoint.server import Endpoint, EndpointServer
+from streamrl_jax.endpoint.turns import Context, Turns
+from streamrl_jax.environments import chained_calculator as chained
+from streamrl_jax.environments import function_calls
+from streamrl_jax.environments.protocol import Services
+from streamrl_jax.environments.render import TurnRenderer
+from streamrl_jax.environments.tools import ToolResult, calculate
+from streamrl_jax.model.defaults import smollm2_gguf_path
+from streamrl_jax.model.tokenizer import Tokenizer
+from streamrl_jax.rewards.tasks import TaskDataset, TaskReward
+
+CHAIN = {"chain_sum": {"min_terms": 4, "max_terms": 5, "min_digits": 3, "max_digits": 3}}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_gguf(smollm2_gguf_path())
+
+
+def _env(tok):
+    def tools(name, arguments):
+        try:
+            return ToolResult(calculate(arguments))
+        except ValueError as e:
+            return ToolResult(f"error: {e}", "raised")
+
+    score = TaskReward()
+    services = Services(tools=tools, score=lambda text, md: score(text, md))
+    return chained.ChainedCalculator(function_calls.of_tokenizer(tok), services)
+
+
+def _problem(i=0):
+    return TaskDataset("chain_sum", seed=2, size=8, task_configs=CHAIN)[i]
+
+
+@pytest.mark.parametrize(
+    "arguments, want",
+    [({"a": 478, "op": "+", "b": 718}, "1196"), ({"a": "12", "op": "-", "b": 30}, "-18"),
+     ({"a": 7, "op": "/", "b": 2}, "3.5"), ({"a": 2.5, "op": "*", "b": 4}, "10")],
+)  # fmt: skip
+def test_calculate_takes_two_numbers_and_an_operator(arguments, want):
+    assert calculate(arguments) == want
+
+
+@pytest.mark.parametrize(
+    "arguments, why",
+    [({"a": 1, "op": "+"}, "b must be a number"), ({"a": 1, "op": "^", "b": 2}, "op must be"),
+     ({"a": True, "op": "+", "b": 2}, "a must be a number"), ({"a": 1, "op": "/", "b": 0},
+     "division by zero"), ({"a": 1e16, "op": "+", "b": 1}, "beyond"),
+     ({"a": "1+1", "op": "+", "b": 1}, "is not a number"),
+     ({"a": 1, "op": "+", "b": 1, "c": 2}, "unknown arguments")],
+)  # fmt: skip
+def test_calculate_refuses_what_is_not_two_bounded_numbers(arguments, why):
+    with pytest.raises(ValueError, match=why):
+        calculate(arguments)
+
+
+def test_a_demonstration_chains_the_calls_and_scores_full_marks(tok):
+    # The demonstration's calls, run through the environment's own steps, get the
+    # results it shows and end with the task's answer, scored 1.
+    env, p = _env(tok), _problem()
+    demo = env.demonstration(p.question, p.metadata)
+    terms = p.metadata["entry"]["metadata"]["num_terms"]
+    assert len(demo) == 2 * (terms - 1) + 1
+    state = env.start(p.question, p.metadata).state
+    for said, shown in zip(demo[0::2], demo[1::2], strict=False):
+        step = env.step(state, said["content"], p.metadata)
+        assert not step.done and step.observation == [shown] and step.info.tool_calls == 1
+        state = step.state
+    final = env.step(state, demo[-1]["content"], p.metadata)
+    assert final.done and final.reward == 1.0 and final.info.correct
+    assert demo[-1]["content"] == f"<answer>{p.answer}</answer>"
+
+
+def test_an_unreadable_call_is_said_and_an_answer_without_calls_is_scored(tok):
+    env, p = _env(tok), _problem()
+    state = env.start(p.question, p.metadata).state
+    bad = env.step(state, '<tool_call>\n{"name": "calculate", "arguments": {"a": 1,\n', p.metadata)
+    assert not bad.done and bad.info.malformed_calls == 1 and bad.observation[0]["role"] == "user"
+    other = env.step(
+        state, '<tool_call>\n{"name": "sum", "arguments": {}}\n</tool_call>', p.metadata
+    )
+    assert not other.done and other.info.malformed_calls == 1  # a function not offered
+    wrong = env.step(state, "<answer>7</answer>", p.metadata)
+    assert wrong.done and wrong.reward == 0.0 and wrong.info.answered
+
+
+def test_an_episode_is_the_same_tokens_in_a_run_and_through_the_endpoint(tok):
+    # The scaffold plays the environment through the endpoint with OpenAI tool calling
+    # (`tools`, `tool_calls`, `tool` messages by id); the policy (scripted) writes the
+    # demonstration's calls. The record's first prompt is the run's (`data.tokenize` with
+    # the environment's functions), and every token the environment added is what the
+    # run's renderer adds for the same observations.
+    env, p = _env(tok), _problem(1)
+    demo = env.demonstration(p.question, p.metadata)
+    backend = _Scripted(tok)
+    backend.script = [m["content"] for m in demo if m["role"] == "assistant"]
+    endpoint = Endpoint(Turns(Context(tok, 1024, 2048)), backend, TOKEN)
+    server = EndpointServer(endpoint)
+    client = EndpointClient(server.start(), TOKEN)
+    try:
+        play = environment_scaffold(env, "policy", max_turns=6)
+        eid = client.open()
+        result = play(AgentTask(p.question, p.metadata), client.openai(eid))
+        record = endpoint.book.close(eid)
+    finally:
+        server.stop()
+    calls = len(demo) // 2
+    assert result.reward == 1.0 and result.correct and result.tool_calls == calls
+    messages = lambda problem: env.start(problem.question, problem.metadata).messages  # noqa: E731
+    in_run = tokenize(p, tok, messages=messages, tools=env.functions)
+    assert list(record.sample.prompt) == list(in_run.tokens)
+    s, renderer = record.sample, TurnRenderer(tok, env.convention)
+    env_tokens, at = [], 0
+    for k, m in enumerate(demo):
+        if m["role"] == "tool":
+            env_tokens += renderer.observation([m], tok.token_to_id("<|im_end|>"))
+            at = k
+    assert at and list(s.response[~s.policy_mask]) == env_tokens
+    end = tok.token_to_id("<|im_end|>")
+    sampled = [
+        t for m in demo if m["role"] == "assistant" for t in [*tok.encode(m["content"]), end]
+    ]
+    np.testing.assert_array_equal(s.policy_token_ids(), sampled)
