@@ -27,9 +27,9 @@ from typing import Any
 import grain
 import numpy as np
 
-from streamrl_jax.environments import function_calls
 from streamrl_jax.errors import UserError
 from streamrl_jax.generation.types import GenerationRequest, RequestTag, SamplingParams
+from streamrl_jax.model import function_calls
 from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.rewards.tasks import Problem, TaskDataset, chat_messages
 from streamrl_jax.scheduling import lengths

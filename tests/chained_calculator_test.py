@@ -1,12 +1,12 @@
 """The chained calculator (environments/chained_calculator.py): its two-operand tool, its
 steps and demonstrations, and its episodes the same tokens in a run and through the
-endpoint with OpenAI tool calling (a scripted policy: endpoint_tools_test.py's)."""
+endpoint with OpenAI tool calling (a scripted policy: scripted_policy.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from endpoint_tools_test import TOKEN, _Scripted
+from scripted_policy import TOKEN, Scripted
 
 from streamrl_jax.data import tokenize
 from streamrl_jax.endpoint.client import EndpointClient
@@ -14,10 +14,10 @@ from streamrl_jax.endpoint.scaffolds import AgentTask, environment_scaffold
 from streamrl_jax.endpoint.server import Endpoint, EndpointServer
 from streamrl_jax.endpoint.turns import Context, Turns
 from streamrl_jax.environments import chained_calculator as chained
-from streamrl_jax.environments import function_calls
 from streamrl_jax.environments.protocol import Services
 from streamrl_jax.environments.render import TurnRenderer
 from streamrl_jax.environments.tools import ToolResult, calculate
+from streamrl_jax.model import function_calls
 from streamrl_jax.model.defaults import smollm2_gguf_path
 from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.rewards.tasks import TaskDataset, TaskReward
@@ -106,7 +106,7 @@ def test_an_episode_is_the_same_tokens_in_a_run_and_through_the_endpoint(tok):
     # run's renderer adds for the same observations.
     env, p = _env(tok), _problem(1)
     demo = env.demonstration(p.question, p.metadata)
-    backend = _Scripted(tok)
+    backend = Scripted(tok)
     backend.script = [m["content"] for m in demo if m["role"] == "assistant"]
     endpoint = Endpoint(Turns(Context(tok, 1024, 2048)), backend, TOKEN)
     server = EndpointServer(endpoint)

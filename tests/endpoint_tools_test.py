@@ -1,7 +1,7 @@
-"""OpenAI tool calling through the endpoint (environments/function_calls.py, docs/endpoint.md
+"""OpenAI tool calling through the endpoint (model/function_calls.py, docs/endpoint.md
 "Tool calling"), with the official `openai` client and the OpenAI Agents SDK.
 
-The policy here is scripted (`_Scripted`: each turn "samples" the tokens of a given
+The policy here is scripted (`scripted_policy.Scripted`: each turn "samples" the tokens of a given
 text, with made-up log-probs), so that a test decides what the policy writes: a call,
 parallel calls, a malformed call. What is tested is the endpoint's side: the tools in
 the prompt, the calls parsed from the sampled text, the `tool` messages rendered into
@@ -12,23 +12,20 @@ side of a turn is endpoint_test.py's.
 from __future__ import annotations
 
 import json
-import time
-from concurrent.futures import Future
 
 import numpy as np
 import openai
 import pytest
+from scripted_policy import TOKEN, Scripted
 
 from streamrl_jax.endpoint import api
 from streamrl_jax.endpoint.client import EndpointClient
-from streamrl_jax.endpoint.server import Endpoint, EndpointServer, endpoint_token
+from streamrl_jax.endpoint.server import Endpoint, EndpointServer
 from streamrl_jax.endpoint.turns import Context, Turns
-from streamrl_jax.environments import function_calls
-from streamrl_jax.generation.types import Sample, Timings
+from streamrl_jax.model import function_calls
 from streamrl_jax.model.defaults import smollm2_gguf_path
 from streamrl_jax.model.tokenizer import Tokenizer
 
-TOKEN = endpoint_token(b"the tool-calling tests' secret")
 USER = [{"role": "user", "content": "What is 2 + 3?"}]
 ADD = {
     "type": "function",
@@ -45,50 +42,10 @@ ADD = {
 MUL = {"type": "function", "function": {**ADD["function"], "name": "mul"}}
 
 
-class _Scripted:
-    """A backend whose policy writes `script`'s texts, one per turn (each then ends its
-    turn with `<|im_end|>`); every request it was given is kept."""
-
-    version = 0
-
-    def __init__(self, tok: Tokenizer):
-        self.tok, self.script, self.requests = tok, [], []
-        self.released: list[str] = []
-
-    def submit(self, request) -> Future:
-        self.requests.append(request)
-        new = [*self.tok.encode(self.script.pop(0)), self.tok.token_to_id("<|im_end|>")]
-        cont = request.continuation
-        before = np.zeros(0, np.int32) if cont is None else cont.tokens
-        mask = np.ones(0, bool) if cont is None else cont.policy_mask
-        logprobs = -0.25 * np.arange(1, len(new) + 1, dtype=np.float32)
-        old_lp = np.zeros(0, np.float32) if cont is None else cont.logprobs
-        f: Future = Future()
-        f.set_result(
-            Sample(
-                request_id=request.request_id,
-                prompt=np.asarray(request.prompt, np.int32),
-                response=np.r_[before, new].astype(np.int32),
-                logprobs=np.r_[old_lp, logprobs].astype(np.float32),
-                sampling_logprobs=np.zeros(len(before) + len(new), np.float32),
-                finish_reason="stop",
-                policy_version=0,
-                last_policy_version=0,
-                instance_id=0,
-                timings=Timings(enqueue=time.time(), admit=time.time(), finish=time.time()),
-                policy_mask=np.r_[mask, np.ones(len(new), bool)],
-            )
-        )
-        return f
-
-    def release(self, request_id) -> None:
-        self.released.append(request_id)
-
-
 @pytest.fixture(scope="module")
 def served():
     tok = Tokenizer.from_gguf(smollm2_gguf_path())
-    backend = _Scripted(tok)
+    backend = Scripted(tok)
     endpoint = Endpoint(Turns(Context(tok, 1024, 2048)), backend, TOKEN)
     server = EndpointServer(endpoint)
     client = EndpointClient(server.start(), TOKEN)

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from streamrl_jax.environments import function_calls
+from streamrl_jax.model import function_calls
 
 
 class ApiError(Exception):

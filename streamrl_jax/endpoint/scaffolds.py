@@ -25,8 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from streamrl_jax.endpoint.turns import CONTEXT_EXCEEDED
-from streamrl_jax.environments.function_calls import Call
 from streamrl_jax.environments.protocol import Environment, TurnInfo
+from streamrl_jax.model.function_calls import Call
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,6 @@ import numpy as np
 
 from streamrl_jax.endpoint.api import ApiError, Chat, Sampling
 from streamrl_jax.endpoint.book import Record
-from streamrl_jax.environments import function_calls
 from streamrl_jax.environments.render import TurnRenderer
 from streamrl_jax.generation.engine_config import EngineConfig
 from streamrl_jax.generation.types import (
@@ -31,6 +30,7 @@ from streamrl_jax.generation.types import (
     Sample,
     SamplingParams,
 )
+from streamrl_jax.model import function_calls
 from streamrl_jax.model.tokenizer import Tokenizer
 
 # OpenAI's error code for a conversation past the model's context (scaffolds end the

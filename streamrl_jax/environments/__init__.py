@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from streamrl_jax.config import EnvironmentSection
-from streamrl_jax.environments import calculator, chained_calculator, function_calls, openenv, retry
+from streamrl_jax.environments import calculator, chained_calculator, openenv, retry
 from streamrl_jax.environments.protocol import (
     Environment,
     Message,
@@ -44,6 +44,7 @@ from streamrl_jax.environments.render import TurnRenderer
 from streamrl_jax.environments.tool_calls import resolve_format
 from streamrl_jax.environments.tools import TOOLS, ToolRunner
 from streamrl_jax.errors import UserError
+from streamrl_jax.model import function_calls
 from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.rewards.base import RewardFn, RewardResult
 from streamrl_jax.rewards.sandbox import Limits

@@ -32,7 +32,6 @@ import re
 from typing import Any
 
 from streamrl_jax.config import EnvironmentSection
-from streamrl_jax.environments import function_calls
 from streamrl_jax.environments.protocol import (
     Message,
     Services,
@@ -43,6 +42,7 @@ from streamrl_jax.environments.protocol import (
     answered,
 )
 from streamrl_jax.environments.tools import calculate
+from streamrl_jax.model import function_calls
 from streamrl_jax.rewards.tasks import chat_messages
 
 INSTRUCTIONS = (

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from streamrl_jax.environments import function_calls
 from streamrl_jax.environments.protocol import Message
+from streamrl_jax.model import function_calls
 from streamrl_jax.model.tokenizer import Tokenizer
 
 _SENTINEL = "<<<EPISODE-ASSISTANT-CONTENT>>>"

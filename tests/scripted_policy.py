@@ -1,0 +1,57 @@
+"""A scripted policy behind the endpoint: each turn "samples" the tokens of a given text
+(with made-up log-probs), so that a test decides what the policy writes (a call,
+parallel calls, a malformed call). Shared by endpoint_tools_test.py and
+chained_calculator_test.py."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+import numpy as np
+
+from streamrl_jax.endpoint.server import endpoint_token
+from streamrl_jax.generation.types import Sample, Timings
+from streamrl_jax.model.tokenizer import Tokenizer
+
+TOKEN = endpoint_token(b"the tool-calling tests' secret")
+
+
+class Scripted:
+    """A backend whose policy writes `script`'s texts, one per turn (each then ends its
+    turn with `<|im_end|>`); every request it was given is kept."""
+
+    version = 0
+
+    def __init__(self, tok: Tokenizer):
+        self.tok, self.script, self.requests = tok, [], []
+        self.released: list[str] = []
+
+    def submit(self, request) -> Future:
+        self.requests.append(request)
+        new = [*self.tok.encode(self.script.pop(0)), self.tok.token_to_id("<|im_end|>")]
+        cont = request.continuation
+        before = np.zeros(0, np.int32) if cont is None else cont.tokens
+        mask = np.ones(0, bool) if cont is None else cont.policy_mask
+        logprobs = -0.25 * np.arange(1, len(new) + 1, dtype=np.float32)
+        old_lp = np.zeros(0, np.float32) if cont is None else cont.logprobs
+        f: Future = Future()
+        f.set_result(
+            Sample(
+                request_id=request.request_id,
+                prompt=np.asarray(request.prompt, np.int32),
+                response=np.r_[before, new].astype(np.int32),
+                logprobs=np.r_[old_lp, logprobs].astype(np.float32),
+                sampling_logprobs=np.zeros(len(before) + len(new), np.float32),
+                finish_reason="stop",
+                policy_version=0,
+                last_policy_version=0,
+                instance_id=0,
+                timings=Timings(enqueue=time.time(), admit=time.time(), finish=time.time()),
+                policy_mask=np.r_[mask, np.ones(len(new), bool)],
+            )
+        )
+        return f
+
+    def release(self, request_id) -> None:
+        self.released.append(request_id)
