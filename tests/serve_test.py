@@ -51,19 +51,19 @@ def _greedy(url: str):
 
 def test_a_served_checkpoint_is_the_runs_policy_and_stops_on_sigterm(tmp_path):
     # A tiny run's checkpoint after 2 steps, served: its greedy log-probs are not the
-    # start's (the checkpoint was read), the same when served again (nothing else
-    # moves them), and the server stops cleanly on SIGTERM. Requests without an episode
-    # id; the token from $STREAMRL_ENDPOINT_TOKEN.
+    # start's (the checkpoint was read), the same on a second request (a request without
+    # an episode id leaves nothing behind), and the server stops cleanly on SIGTERM. The
+    # token from $STREAMRL_ENDPOINT_TOKEN.
     wd = tmp_path / "run"
     run = _run(_launch_cmd(wd, **{"pipeline.steps": 2, "checkpoint.every": 2}))
     assert run.returncode == 0, run.stderr[-4000:]
     servers = {
-        "trained": _start(tmp_path, "trained", f"--checkpoint={wd / 'checkpoints'}"),
-        "again": _start(tmp_path, "again", f"--checkpoint={wd / 'checkpoints' / '2'}"),
+        "trained": _start(tmp_path, "trained", f"--checkpoint={wd / 'checkpoints' / '2'}"),
         "start": _start(tmp_path, "start"),
     }
     try:
         got = {name: _greedy(_ready(proc, ready)) for name, (proc, ready, _) in servers.items()}
+        got["again"] = _greedy(_ready(*servers["trained"][:2]))
         with pytest.raises(openai.AuthenticationError):
             url = json.loads(servers["start"][1].read_text())["url"]
             openai.OpenAI(base_url=url, api_key="x" * 20, max_retries=0).models.list()
@@ -73,19 +73,15 @@ def test_a_served_checkpoint_is_the_runs_policy_and_stops_on_sigterm(tmp_path):
         codes = [proc.wait(60) for proc, _, _ in servers.values()]
         for _, _, log in servers.values():
             log.close()
-    assert codes == [0, 0, 0], [(tmp_path / f"{n}.log").read_text()[-2000:] for n in servers]
+    assert codes == [0, 0], [(tmp_path / f"{n}.log").read_text()[-2000:] for n in servers]
     np.testing.assert_array_equal(got["trained"][1], got["again"][1])
     assert got["trained"][0] == got["again"][0]
     assert not np.array_equal(got["trained"][1], got["start"][1])
 
 
-def test_a_server_refuses_a_public_address_without_allow_remote(tmp_path):
+def test_a_server_refuses_a_public_address_without_allow_remote():
     cmd = [sys.executable, "-m", "streamrl_jax.serve", "--config=configs/quickstart.py:tiny",
            "--host=0.0.0.0"]  # fmt: skip
     r = subprocess.run(cmd, cwd=REPO, env=launched_env(), capture_output=True, text=True,
                        timeout=120)  # fmt: skip
     assert r.returncode == 2 and "--host=0.0.0.0 is not loopback" in r.stderr
-    missing = tmp_path / "nowhere"
-    r = subprocess.run([*cmd[:-1], f"--checkpoint={missing}"], cwd=REPO, env=launched_env(),
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert r.returncode == 2 and f"--checkpoint={missing}: no such directory" in r.stderr
