@@ -9,6 +9,7 @@ import pytest
 from scripted_policy import TOKEN, Scripted
 
 from streamrl_jax.data import tokenize
+from streamrl_jax.endpoint.agents_sdk import openai_agents_scaffold
 from streamrl_jax.endpoint.client import EndpointClient
 from streamrl_jax.endpoint.scaffolds import AgentTask, environment_scaffold
 from streamrl_jax.endpoint.server import Endpoint, EndpointServer
@@ -98,10 +99,12 @@ def test_an_unreadable_call_is_said_and_an_answer_without_calls_is_scored(tok):
     assert wrong.done and wrong.reward == 0.0 and wrong.info.answered
 
 
-def test_an_episode_is_the_same_tokens_in_a_run_and_through_the_endpoint(tok):
-    # The scaffold plays the environment through the endpoint with OpenAI tool calling
-    # (`tools`, `tool_calls`, `tool` messages by id); the policy (scripted) writes the
-    # demonstration's calls. The record's first prompt is the run's (`data.tokenize` with
+@pytest.mark.parametrize("scaffold", ["environment", "openai_agents"])
+def test_an_episode_is_the_same_tokens_in_a_run_and_through_the_endpoint(tok, scaffold):
+    # A scaffold plays the environment through the endpoint with OpenAI tool calling
+    # (`tools`, `tool_calls`, `tool` messages by id): the environment's own loop, or an
+    # OpenAI Agents SDK agent (its Runner, its function tool); the policy (scripted)
+    # writes the demonstration's calls. The record's first prompt is the run's (`data.tokenize` with
     # the environment's functions), and every token the environment added is what the
     # run's renderer adds for the same observations.
     env, p = _env(tok), _problem(1)
@@ -112,7 +115,8 @@ def test_an_episode_is_the_same_tokens_in_a_run_and_through_the_endpoint(tok):
     server = EndpointServer(endpoint)
     client = EndpointClient(server.start(), TOKEN)
     try:
-        play = environment_scaffold(env, "policy", max_turns=6)
+        make = environment_scaffold if scaffold == "environment" else openai_agents_scaffold
+        play = make(env, "policy", max_turns=6)
         eid = client.open()
         result = play(AgentTask(p.question, p.metadata), client.openai(eid))
         record = endpoint.book.close(eid)

@@ -12,7 +12,7 @@ import numpy as np
 import openai
 import pytest
 from child_env import launched_env
-from launched_runs import REPO, _launch_cmd, _run
+from launched_runs import REPO
 
 pytestmark = pytest.mark.processes  # the suite spreads these files out (conftest.py)
 
@@ -49,16 +49,16 @@ def _greedy(url: str):
     return c.model_extra["token_ids"], np.float32([e.logprob for e in c.logprobs.content])
 
 
-def test_a_served_checkpoint_is_the_runs_policy_and_stops_on_sigterm(tmp_path):
-    # A tiny run's checkpoint after 2 steps, served: its greedy log-probs are not the
-    # start's (the checkpoint was read), the same on a second request (a request without
-    # an episode id leaves nothing behind), and the server stops cleanly on SIGTERM. The
-    # token from $STREAMRL_ENDPOINT_TOKEN.
-    wd = tmp_path / "run"
-    run = _run(_launch_cmd(wd, **{"pipeline.steps": 2, "checkpoint.every": 2}))
-    assert run.returncode == 0, run.stderr[-4000:]
+def test_a_served_checkpoint_serves_its_weights_and_stops_on_sigterm(tmp_path):
+    # A checkpoint of the tiny config's policy (written as a run writes one, its weights
+    # moved), served: its greedy log-probs are not the start's (the checkpoint was
+    # read), the same on a second request (a request without an episode id leaves
+    # nothing behind), and the server stops cleanly on SIGTERM. The token from
+    # $STREAMRL_ENDPOINT_TOKEN.
+    root = tmp_path / "checkpoints"
+    _write_checkpoint(root)
     servers = {
-        "trained": _start(tmp_path, "trained", f"--checkpoint={wd / 'checkpoints' / '2'}"),
+        "trained": _start(tmp_path, "trained", f"--checkpoint={root}"),
         "start": _start(tmp_path, "start"),
     }
     try:
@@ -77,6 +77,26 @@ def test_a_served_checkpoint_is_the_runs_policy_and_stops_on_sigterm(tmp_path):
     np.testing.assert_array_equal(got["trained"][1], got["again"][1])
     assert got["trained"][0] == got["again"][0]
     assert not np.array_equal(got["trained"][1], got["start"][1])
+
+
+def _write_checkpoint(root) -> None:
+    """A checkpoint of `configs/quickstart.py:tiny`'s policy, every weight moved by 0.01,
+    at step 1 (what a run's `resume.save` writes of a full fine-tuning run)."""
+    import jax
+    from support import config_file
+
+    from streamrl_jax import checkpoint as ckpt_lib
+    from streamrl_jax import mesh as mesh_lib
+    from streamrl_jax.pipeline import components
+
+    cfg = config_file("configs/quickstart.py", "tiny")
+    mesh = mesh_lib.make_meshes(mesh_lib.MeshConfig(colocated=True), jax.devices()[:1]).train
+    trainer, state = components.initial_policy(cfg, mesh)
+    state = state.replace(params=jax.tree.map(lambda x: x + 0.01, state.params))
+    fingerprint = ckpt_lib.model_fingerprint(trainer.spec.model_cfg)
+    with ckpt_lib.Checkpointer(str(root), fingerprint=fingerprint) as ckpt:
+        ckpt.save(1, state, force=True)
+        ckpt.wait()
 
 
 def test_a_server_refuses_a_public_address_without_allow_remote():

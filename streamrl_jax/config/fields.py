@@ -39,6 +39,7 @@ from streamrl_jax.config.sections import (
     REWARDS,
     ROLLOUT_WRAPPERS,
     ROLLOUTS,
+    SCAFFOLDS,
     TOOL_FORMATS,
     WEIGHT_DTYPES,
     WEIGHT_TRANSPORTS,
@@ -209,6 +210,7 @@ RULES: dict[type, dict[str, _Rule]] = {
     EnvironmentSection: {
         "name": _one_of(ENVIRONMENTS),
         "tool_format": _one_of(TOOL_FORMATS),
+        "scaffold": _one_of(SCAFFOLDS),
         **dict.fromkeys(("max_turns", "max_attempts", "workers", "tool_output_chars"), _COUNT),
         "max_episode_tokens": _NONNEG,
         "attempt_discount": _unit(open_low=True),

@@ -29,6 +29,7 @@ from streamrl_jax.config.fields import (
     task_configs,
 )
 from streamrl_jax.config.sections import (
+    FUNCTION_ENVIRONMENTS,
     LORA_TARGETS,
     ConfigError,
     ExperimentConfig,
@@ -372,6 +373,12 @@ def _check_environment(cfg: ExperimentConfig) -> None:
         drivers[0] != "agents" or kind in ("full", "dynamic_sampling"),
         f"pipeline.rollout={p.rollout!r}: scaffolds' episodes ('agents') run with 'full' or "
         "'dynamic_sampling' (partial rollout of them is not built)",
+    )
+    require(
+        e.scaffold == "environment" or (drivers[0] == "agents" and e.name in FUNCTION_ENVIRONMENTS),
+        f"environment.scaffold={e.scaffold!r}: an agent framework plays 'agents' episodes of "
+        f"an environment of OpenAI functions ({', '.join(FUNCTION_ENVIRONMENTS)}); got "
+        f"environment.name={e.name!r}, pipeline.rollout={p.rollout!r}",
     )
     require(
         (e.name == "openenv") == bool(e.openenv),

@@ -35,6 +35,11 @@ ROLLOUTS = ("full", "dynamic_sampling", "partial")
 ROLLOUT_WRAPPERS = ("curriculum", "episodes", "agents")
 # environment.name (streamrl_jax/environments/): "" = single-turn samples, no environment.
 ENVIRONMENTS = ("", "calculator", "retry", "openenv", "chained_calculator")
+# ... those whose tools are OpenAI functions (an agent framework can play them)
+FUNCTION_ENVIRONMENTS = ("chained_calculator",)
+# environment.scaffold (endpoint/): what plays an 'agents' episode through the endpoint:
+# the environment's own loop, or an OpenAI Agents SDK agent (openai-agents)
+SCAFFOLDS = ("environment", "openai_agents")
 # environment.tool_format (environments/tool_calls.py): "auto" = the model's convention.
 TOOL_FORMATS = ("auto", "hermes", "simple")
 # The generation copy's matrices (generation/quant.py): "auto" = model.generate_dtype,
@@ -311,7 +316,7 @@ class EnvironmentSection:
     """Multi-turn episodes (docs/episodes.md): with a name, `pipeline.rollout` starts with
     "episodes+" and every sample (held-out ones too) is an episode of this environment."""
 
-    name: str = ""  # "" (single-turn) | "calculator" | "retry" | "openenv"
+    name: str = ""  # one of ENVIRONMENTS ("" = single-turn)
     tool_format: str = "auto"  # auto (the model's convention) | hermes | simple
     max_turns: int = 4  # policy turns per episode (the episode ends after the last)
     # Tokens after the prompt (policy + environment) per episode; 0 = up to model.max_context.
@@ -324,6 +329,9 @@ class EnvironmentSection:
     tool_memory_mb: int = 1024  # address-space limit of a tool worker
     tool_output_chars: int = 256  # a longer tool result is cut (and counted as a failure)
     workers: int = 2  # environment steps (and tool workers) run at once
+    # pipeline.rollout="agents+...": who plays an episode through the endpoint, one of
+    # SCAFFOLDS ("openai_agents": an OpenAI Agents SDK agent, for FUNCTION_ENVIRONMENTS)
+    scaffold: str = "environment"
     # name="openenv" (environments/openenv.py): an OpenEnv MCP environment class,
     # "module:Class", built per episode with the JSON object `openenv_kwargs`; the policy's
     # final answer goes to its tool `openenv_answer_tool`.

@@ -77,7 +77,7 @@ def environment_scaffold(
                 if turn == 0 or e.code != CONTEXT_EXCEEDED:
                     raise
                 env.end(state)
-                return _result(total, last, counts, "episode_tokens")
+                return outcome_of(total, last, counts, "episode_tokens")
             reply = r.choices[0].message
             calls = reply.tool_calls or []
             text = reply.content or ""
@@ -89,11 +89,7 @@ def environment_scaffold(
             step = env.step(state, text, task.metadata)
             total += step.reward
             state, info = step.state, step.info
-            counts = TurnInfo(
-                tool_calls=counts.tool_calls + info.tool_calls,
-                tool_failures=counts.tool_failures + info.tool_failures,
-                malformed_calls=counts.malformed_calls + info.malformed_calls,
-            )
+            counts = tally(counts, info)
             if info.answered:
                 last = info
             if step.done:
@@ -101,8 +97,8 @@ def environment_scaffold(
             messages += [_assistant(reply), *_answers(step.observation, calls)]
         else:
             env.end(state)
-            return _result(total, last, counts, "turn_limit")
-        return _result(total, last, counts, "done")
+            return outcome_of(total, last, counts, "turn_limit")
+        return outcome_of(total, last, counts, "done")
 
     return play
 
@@ -127,7 +123,17 @@ def _answers(observation: list[dict[str, Any]], calls: list[Any]) -> list[dict[s
     return out
 
 
-def _result(total: float, last: TurnInfo, counts: TurnInfo, outcome: str) -> AgentResult:
+def tally(counts: TurnInfo, info: TurnInfo) -> TurnInfo:
+    """An episode's tool counts so far, with one more turn's."""
+    return TurnInfo(
+        tool_calls=counts.tool_calls + info.tool_calls,
+        tool_failures=counts.tool_failures + info.tool_failures,
+        malformed_calls=counts.malformed_calls + info.malformed_calls,
+    )
+
+
+def outcome_of(total: float, last: TurnInfo, counts: TurnInfo, outcome: str) -> AgentResult:
+    """An episode's result: its return, its last answer's score, its tool counts."""
     return AgentResult(
         reward=total,
         correct=last.correct,

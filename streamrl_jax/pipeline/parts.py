@@ -22,10 +22,12 @@ from typing import Any
 from streamrl_jax.algorithms.overlong import OverlongPenalty
 from streamrl_jax.config import ExperimentConfig, episode_tokens
 from streamrl_jax.endpoint import api
+from streamrl_jax.endpoint.agents_sdk import openai_agents_scaffold
 from streamrl_jax.endpoint.kit import AgentKit, make_agent_kit
 from streamrl_jax.endpoint.scaffolds import environment_scaffold
 from streamrl_jax.endpoint.turns import Context
 from streamrl_jax.environments import EpisodeKit, EpisodeLimits, make_kit
+from streamrl_jax.errors import UserError
 from streamrl_jax.generation.engine import EngineConfig, validate_request
 from streamrl_jax.metrics import MetricsWriter, Tracer
 from streamrl_jax.model.tokenizer import Tokenizer
@@ -214,10 +216,18 @@ def agent_kit(
 ) -> AgentKit:
     """The endpoint on loopback (of this process: a generation process serves its own,
     for the episodes it owns) and its scaffold: the run's environment played through the
-    OpenAI API (`endpoint/scaffolds.environment_scaffold`); `ecfg`, `vocab`: the engine
+    OpenAI API (`endpoint/scaffolds.environment_scaffold`, or an OpenAI Agents SDK agent:
+    `endpoint/agents_sdk.py`); `ecfg`, `vocab`: the engine
     the endpoint's requests go to."""
     p, g, e = cfg.pipeline, cfg.generation, cfg.environment
-    scaffold = environment_scaffold(kit.environment, "policy", e.max_turns, g.max_new_tokens)
+    play = openai_agents_scaffold if e.scaffold == "openai_agents" else environment_scaffold
+    try:
+        scaffold = play(kit.environment, "policy", e.max_turns, g.max_new_tokens)
+    except ImportError as err:
+        raise UserError(
+            "environment.scaffold='openai_agents' needs the OpenAI Agents SDK "
+            f"(pip install openai-agents): {err}"
+        ) from None
     per_batch = p.prompts_per_step * p.group_size
     limits = api.Limits(
         max_messages=2 * e.max_turns + 8,
