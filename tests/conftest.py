@@ -156,32 +156,16 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(items):
-    """The files heaviest first (their seconds in a cold run: `durations.json`; a file
-    not there counts 1 s), so that the two workers (`--dist loadfile`) end on light
-    ones; the files whose tests launch the multi-process program (`pytest.mark.processes`)
-    spread evenly over the others, so that the workers seldom run two of them at once."""
+    """The files whose tests launch the multi-process program (`pytest.mark.processes`)
+    spread evenly over the others (in collection order), so that the two workers
+    (`--dist loadfile`) seldom run two of them at once, and neither is left for the end."""
     files: dict[str, list] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
-    weight = _durations()
     launching = [f for f, its in files.items() if its[0].get_closest_marker("processes")]
-    launching.sort(key=lambda f: -weight.get(f, 1.0))
-    others = sorted((f for f in files if f not in launching), key=lambda f: -weight.get(f, 1.0))
+    others = [f for f in files if f not in launching]
     order = list(others)
     step = len(others) / (len(launching) + 1)
     for i, f in reversed(list(enumerate(launching, start=1))):
         order.insert(round(i * step), f)
     items[:] = [item for f in order for item in files[f]]
-
-
-def _durations() -> dict[str, float]:
-    """Each test file's seconds in a cold run of the suite (summed over its tests):
-    refresh `durations.json` from a `--durations=0` run when files change much."""
-    import json
-
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
