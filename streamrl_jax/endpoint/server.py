@@ -4,13 +4,16 @@ Routes (every one needs `Authorization: Bearer <token>`):
 
 * `GET /v1/models`: the one model served.
 * `POST /v1/episodes`: a new episode's id (`{"id": "ep-…"}`); a scaffold sends it as
-  the `X-Episode-Id` header of every request of that episode (`client.py`).
+  the `X-Episode-Id` header of every request of that episode (`client.py`). A request
+  without one is an episode of its own where `single_requests` (a served endpoint; a
+  training run's refuses it: its episodes are the run's).
 * `POST /v1/episodes/{id}/close`: ends the episode; returns its counts. (A training
   run closes its episodes itself and trains the recorded tokens.)
 * `POST /v1/chat/completions`, `POST /v1/completions`: one completion of the episode
   (api.py: what is honoured and what is refused by name; turns.py: how the request
-  becomes the episode's next turn). `stream: true` sends the completion as server-sent
-  events, one chunk per token, once its turn has finished generating. Each choice
+  becomes the episode's next turn; model/function_calls.py: tool calling).
+  `stream: true` sends the completion as server-sent events, one chunk per token (a
+  turn's tool calls: one chunk each), once its turn has finished generating. Each choice
   carries, beside OpenAI's fields, `token_ids` and `versions`: the tokens as sampled
   and the weights version of each.
 
