@@ -56,6 +56,7 @@ _TOKEN_FILE = flags.DEFINE_string(
 )  # fmt: skip
 _MODEL_NAME = flags.DEFINE_string("served_model", "policy", "The model name requests give.")
 _SLOTS = flags.DEFINE_integer("slots", 16, "Sequences generating at once (engine slots).")
+_MAX_N = flags.DEFINE_integer("max_n", 8, "Most choices (`n`) a request may ask for.")
 _KV_HOLD = flags.DEFINE_float(
     "kv_hold_s", 0.0, "Seconds an idle episode's KV is kept while requests wait for a slot."
 )
@@ -153,7 +154,7 @@ def _serve(cfg, token: str):
     service = parts.service(
         params, 0, on_chunk=lambda r: None, precompile=False, continuations=False
     )
-    limits = api.Limits(max_tokens=cfg.generation.max_new_tokens)
+    limits = api.Limits(max_tokens=cfg.generation.max_new_tokens, max_n=max(1, _MAX_N.value))
     return serve(
         service, c.tokenizer, token, limits, served=_MODEL_NAME.value, host=_HOST.value,
         port=_PORT.value, allow_remote=_ALLOW_REMOTE.value,

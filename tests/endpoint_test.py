@@ -52,7 +52,7 @@ def served():
     service = c.generation.service(
         params, 0, on_chunk=lambda r: None, precompile=False, continuations=False
     )
-    limits = api.Limits(max_tokens=cfg.generation.max_new_tokens, max_messages=8)
+    limits = api.Limits(max_tokens=cfg.generation.max_new_tokens, max_messages=8, max_n=4)
     endpoint, server = serve(service, c.tokenizer, TOKEN, limits)
     yield Served(endpoint, server, endpoint.backend, EndpointClient(server.url, TOKEN), params)
     server.stop()
@@ -126,6 +126,25 @@ def test_a_weight_update_between_turns_keeps_each_tokens_version_and_logprob(ser
     oc.close()
 
 
+def test_n_choices_are_episodes_of_their_own_forked_from_the_shared_prompt(served):
+    # n = 4 on a new episode: four choices, the first the episode's, three new episodes
+    # (their ids returned, each going on as itself); the engine prefills the prompt once
+    # and forks its KV to the other three; each record holds exactly its choice's tokens.
+    engine = served.backend.service.engines[0]
+    forked = engine.metrics()["forked"]
+    eid = served.client.open()
+    oc = served.client.openai(eid)
+    r = _chat(oc, USER, n=4, max_tokens=3, extra_body={"ignore_eos": True})
+    ids = [c.model_extra["episode_id"] for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2, 3] and ids[0] == eid and len(set(ids)) == 4
+    assert engine.metrics()["forked"] == forked + 3
+    assert r.usage.completion_tokens == 12
+    for c, e in zip(r.choices, ids, strict=True):
+        s = served.endpoint.book.close(e).sample
+        np.testing.assert_array_equal(s.policy_token_ids(), c.model_extra["token_ids"])
+    oc.close()
+
+
 def test_a_turn_past_the_episodes_context_is_refused_with_openais_code(served):
     with served.client.episode() as (oc, eid):
         r = _chat(oc, USER, max_tokens=2)
@@ -178,7 +197,10 @@ def _raw(served, path, body, headers=None, token=TOKEN):
          TOKEN, 400, "tools[0].function: an object is needed"),
         (json.dumps({"model": "policy", "messages": USER, "functions": [{"name": "f"}]}), {},
          TOKEN, 400, "'functions' is not supported"),
-        (json.dumps({"model": "policy", "messages": USER, "n": 2}), {}, TOKEN, 400, "n=2"),
+        (json.dumps({"model": "policy", "messages": USER, "n": 5}), {}, TOKEN, 400,
+         "n=5 must be in [1, 4]"),
+        (json.dumps({"model": "policy", "messages": USER, "n": 2, "stream": True}), {}, TOKEN,
+         400, "streaming is for one choice"),
         (json.dumps({"model": "policy", "messages": USER, "top_logprobs": 3}), {}, TOKEN, 400,
          "top_logprobs > 0"),
         (json.dumps({"model": "policy", "messages": USER, "stop": ["never ever"]}), {}, TOKEN, 400,

@@ -11,6 +11,7 @@ side of a turn is endpoint_test.py's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -195,6 +196,28 @@ def test_a_request_without_an_episode_id_is_an_episode_of_its_own(served):
     assert endpoint.book.num_open == before[1]  # closed after its request
     assert backend.released[-1] == backend.requests[-1].request_id  # its kept slot given up
     oc.close()
+
+
+def test_n_choices_without_an_episode_id_leave_nothing_open(served):
+    endpoint, backend, client = served
+    backend.script = ["One.", "Two.", "Three."]
+    oc = openai.OpenAI(base_url=client.url + "/v1", api_key=TOKEN, max_retries=0)
+    open_before = endpoint.book.num_open
+    endpoint.limits = dataclasses.replace(endpoint.limits, max_n=3)
+    try:
+        r = _chat(oc, USER, n=3, seed=7)
+        assert sorted(c.message.content for c in r.choices) == ["One.", "Three.", "Two."]
+        assert endpoint.book.num_open == open_before  # each an episode of one request
+        assert sorted(q.seed for q in backend.requests[-3:]) == [7, 8, 9]  # seed + i
+        with client.episode() as (ec, eid):
+            backend.script = ["A."]
+            _chat(ec, USER)
+            with pytest.raises(openai.BadRequestError, match="is not a new episode"):
+                _chat(ec, [*USER, {"role": "assistant", "content": "A."},
+                           {"role": "user", "content": "More."}], n=2)  # fmt: skip
+    finally:
+        endpoint.limits = dataclasses.replace(endpoint.limits, max_n=1)
+        oc.close()
 
 
 def test_a_history_of_calls_is_rendered_in_a_first_request(served):

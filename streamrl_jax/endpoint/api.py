@@ -7,15 +7,16 @@ name, every parameter it does not honour. What is honoured: `model` (the one ser
 `stop` (strings that are one token each: the engine stops on token ids), `seed` (the
 episode's, fixed by its first request), `stream`, `logprobs` (the sampled tokens'
 log-probs; `top_logprobs` > 0 and completions' `logprobs` > 0 are refused: the engine
-does not keep the top-k alternatives), `n` = 1 (an episode is one conversation: a
-GRPO group is G episodes), `tools` and `tool_choice` (OpenAI function calling:
-function_calls.py), assistant messages' `tool_calls` and `tool` messages answering them
-by `tool_call_id`, `response_format` of type text, and vLLM's `ignore_eos` (exactly
-`max_tokens` tokens: for benchmarks). Accepted and ignored (they change nothing here):
-`user`, `metadata`, `store`, `service_tier`, `prompt_cache_key`, `safety_identifier`,
-`parallel_tool_calls`, zero penalties. Refused when set: `functions` /
-`function_call` (the legacy form of tools), other `response_format`s, `logit_bias`,
-non-zero `frequency_penalty` / `presence_penalty`, `echo`, `suffix`, `best_of` > 1.
+does not keep the top-k alternatives), `n` up to `Limits.max_n` (each choice an
+episode of its own, forked from the shared prompt; not with `stream`), `tools` and
+`tool_choice` (OpenAI function calling: model/function_calls.py), assistant messages'
+`tool_calls` and `tool` messages answering them by `tool_call_id`, `response_format`
+of type text, and vLLM's `ignore_eos` (exactly `max_tokens` tokens: for benchmarks).
+Accepted and ignored (they change nothing here): `user`, `metadata`, `store`,
+`service_tier`, `prompt_cache_key`, `safety_identifier`, `parallel_tool_calls`, zero
+penalties. Refused when set: `functions` / `function_call` (the legacy form of tools),
+other `response_format`s, `logit_bias`, non-zero `frequency_penalty` /
+`presence_penalty`, `echo`, `suffix`, `best_of` > 1.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class Limits:
     timeout_s: float = 120.0  # per completion: its generation
     body_timeout_s: float = 30.0  # per request: its body received
     max_inflight: int = 64  # requests generating at once; more are refused (429)
+    max_n: int = 1  # choices a request may ask for (`n`; each its own episode)
 
 
 class _Part(msgspec.Struct, forbid_unknown_fields=True):
@@ -171,6 +173,7 @@ class Sampling:
     include_usage: bool
     logprobs: bool
     ignore_eos: bool = False
+    n: int = 1  # choices: each its own episode, forked from the shared prompt
 
 
 def check_common(
@@ -182,10 +185,15 @@ def check_common(
             404, f"model {req.model[:100]!r} is not served here; it serves {served!r}", "model"
         )
     _refuse_set(req, ("logit_bias", "frequency_penalty", "presence_penalty"))
-    if req.n not in (None, 1):
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= limits.max_n:
         raise ApiError(
-            400, f"n={req.n}: one completion per request (an episode is one conversation)", "n"
+            400,
+            f"n={n} must be in [1, {limits.max_n}] (each choice is an episode of its own)",
+            "n",
         )
+    if n > 1 and req.stream:
+        raise ApiError(400, f"n={n} with stream: streaming is for one choice", "n")
     if max_tokens is not None and not 1 <= max_tokens <= limits.max_tokens:
         raise ApiError(
             400, f"max_tokens={max_tokens} must be in [1, {limits.max_tokens}]", "max_tokens"
@@ -214,6 +222,7 @@ def check_common(
         include_usage=bool(options.get("include_usage")),
         logprobs=logprobs,
         ignore_eos=bool(req.ignore_eos),
+        n=n,
     )
 
 

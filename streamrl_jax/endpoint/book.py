@@ -101,6 +101,12 @@ class EpisodeBook:
             rec.busy = True
             return rec
 
+    def fresh(self, eid: Any) -> bool:
+        """Whether `eid` is an open episode with no turn yet."""
+        with self._lock:
+            rec = self._open.get(eid) if isinstance(eid, str) else None
+            return rec is not None and rec.turns == 0 and not rec.busy
+
     def give_back(self, rec: Record) -> None:
         with self._lock:
             rec.busy = False

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -122,6 +123,36 @@ class Endpoint:
             raise api.ApiError(400, "the client left before sending its whole body") from None
 
     # ------------------------------------------------------------------ a completion
+    async def choices(self, eid: str | None, kind: str, said: Any, s: api.Sampling) -> list[Turn]:
+        """The request's `s.n` completions, each its own episode: the first of episode
+        `eid` (which must have no turn yet when n > 1), the others of episodes opened
+        for them (returned in each choice's `episode_id`, for the client to go on with
+        and close), or every one an episode of its own without `eid`. Submitted
+        together, so the engine prefills their shared prompt once and forks its KV
+        (`share_prefill`). With a `seed`, choice i samples with seed + i."""
+        if s.n == 1:
+            return [await self.complete(eid, kind, said, s)]
+        if eid is not None and not self.book.fresh(eid):
+            raise api.ApiError(400, f"n={s.n}: episode {eid[:80]!r} is not a new episode", "n")
+        opened = [self.book.open() for _ in range(s.n - 1)] if eid is not None else []
+        ids = [eid, *opened] if eid is not None else [None] * s.n
+        each = [
+            dataclasses.replace(s, n=1, seed=None if s.seed is None else s.seed + i)
+            for i in range(s.n)
+        ]
+        got = await asyncio.gather(
+            *(self.complete(e, kind, said, c) for e, c in zip(ids, each, strict=True)),
+            return_exceptions=True,
+        )
+        failed = [g for g in got if isinstance(g, BaseException)]
+        if failed:
+            for e in opened:
+                with contextlib.suppress(BookError):
+                    self.book.close(e, "a sibling choice failed")
+                self.backend.release(e)
+            raise failed[0]
+        return list(got)
+
     async def complete(self, eid: str | None, kind: str, said: Any, s: api.Sampling) -> Turn:
         """One completion of episode `eid` (`said`: chat messages or prompt text)."""
         if self._inflight >= self.limits.max_inflight:
@@ -198,17 +229,20 @@ def _logprob_entries(turns: Turns, turn: Turn) -> list[dict[str, Any]]:
     return entries
 
 
-def _usage(turn: Turn) -> dict[str, int]:
-    n = len(turn.token_ids)
-    return {
-        "prompt_tokens": turn.prompt_tokens,
-        "completion_tokens": n,
-        "total_tokens": turn.prompt_tokens + n,
-    }
+def _usage(turns: Turn | list[Turn]) -> dict[str, int]:
+    """Tokens read (the shared prompt once) and sampled (every choice's)."""
+    turns = turns if isinstance(turns, list) else [turns]
+    n = sum(len(t.token_ids) for t in turns)
+    prompt = turns[0].prompt_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
 
 
 def _extras(turn: Turn) -> dict[str, Any]:
-    return {"token_ids": turn.token_ids.tolist(), "versions": turn.versions.tolist()}
+    return {
+        "token_ids": turn.token_ids.tolist(),
+        "versions": turn.versions.tolist(),
+        "episode_id": turn.episode,
+    }
 
 
 def _header(ep: Endpoint, turn: Turn, prefix: str, kind: str) -> dict[str, Any]:
@@ -230,46 +264,52 @@ def _message(turn: Turn) -> dict[str, Any]:
     return {"role": "assistant", "content": turn.content, "tool_calls": calls}
 
 
-def chat_body(ep: Endpoint, turn: Turn, s: api.Sampling) -> dict[str, Any]:
-    logprobs = {"content": _logprob_entries(ep.turns, turn)} if s.logprobs else None
-    return {
-        **_header(ep, turn, "chatcmpl", "chat.completion"),
-        "choices": [
+def chat_body(ep: Endpoint, turns: list[Turn], s: api.Sampling) -> dict[str, Any]:
+    choices = []
+    for i, turn in enumerate(turns):
+        logprobs = {"content": _logprob_entries(ep.turns, turn)} if s.logprobs else None
+        choices.append(
             {
-                "index": 0,
+                "index": i,
                 "message": _message(turn),
                 "logprobs": logprobs,
                 "finish_reason": turn.finish_reason,
                 **_extras(turn),
             }
-        ],
-        "usage": _usage(turn),
+        )
+    return {
+        **_header(ep, turns[0], "chatcmpl", "chat.completion"),
+        "choices": choices,
+        "usage": _usage(turns),
     }
 
 
-def completion_body(ep: Endpoint, turn: Turn, s: api.Sampling) -> dict[str, Any]:
-    logprobs = None
-    if s.logprobs:
-        pieces = _token_text(ep.turns, turn.token_ids)
-        offsets = np.cumsum([0, *map(len, pieces)])[:-1].tolist()
-        logprobs = {
-            "tokens": pieces,
-            "token_logprobs": turn.logprobs.tolist(),
-            "top_logprobs": None,
-            "text_offset": offsets,
-        }
-    return {
-        **_header(ep, turn, "cmpl", "text_completion"),
-        "choices": [
+def completion_body(ep: Endpoint, turns: list[Turn], s: api.Sampling) -> dict[str, Any]:
+    choices = []
+    for i, turn in enumerate(turns):
+        logprobs = None
+        if s.logprobs:
+            pieces = _token_text(ep.turns, turn.token_ids)
+            offsets = np.cumsum([0, *map(len, pieces)])[:-1].tolist()
+            logprobs = {
+                "tokens": pieces,
+                "token_logprobs": turn.logprobs.tolist(),
+                "top_logprobs": None,
+                "text_offset": offsets,
+            }
+        choices.append(
             {
-                "index": 0,
+                "index": i,
                 "text": turn.text,
                 "logprobs": logprobs,
                 "finish_reason": turn.finish_reason,
                 **_extras(turn),
             }
-        ],
-        "usage": _usage(turn),
+        )
+    return {
+        **_header(ep, turns[0], "cmpl", "text_completion"),
+        "choices": choices,
+        "usage": _usage(turns),
     }
 
 
@@ -436,12 +476,12 @@ def make_app(ep: Endpoint):
             said, s = api.check_completion(
                 api.decode(body, api.CompletionRequest), ep.limits, ep.served
             )
-        turn = await ep.complete(eid, kind, said, s)
+        turns = await ep.choices(eid, kind, said, s)
         if s.stream:
             events = chat_events if kind == "chat" else completion_events
-            return StreamingResponse(events(ep, turn, s), media_type="text/event-stream")
+            return StreamingResponse(events(ep, turns[0], s), media_type="text/event-stream")
         make = chat_body if kind == "chat" else completion_body
-        return JSONResponse(make(ep, turn, s))
+        return JSONResponse(make(ep, turns, s))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
