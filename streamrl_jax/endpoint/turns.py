@@ -76,8 +76,7 @@ class Turns:
         self.ctx = ctx
         self.renderer = TurnRenderer(ctx.tokenizer)
         self._stops = tuple(ctx.tokenizer.stop_ids)
-        tok = ctx.tokenizer
-        self.convention = function_calls.of_tokenizer(tok)
+        self.convention = function_calls.of_tokenizer(ctx.tokenizer)
 
     # ------------------------------------------------------------------ requests
     def chat(

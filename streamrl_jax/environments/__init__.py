@@ -29,7 +29,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from streamrl_jax.config import EnvironmentSection
+from streamrl_jax.config import FUNCTION_ENVIRONMENTS, EnvironmentSection
 from streamrl_jax.environments import calculator, chained_calculator, openenv, retry
 from streamrl_jax.environments.protocol import (
     Environment,
@@ -57,10 +57,10 @@ class Registered:
     """An environment as the registry knows it."""
 
     # its factory: (section, the tool format, services); for an environment of OpenAI
-    # functions, (section, the model's function-calling convention, services)
+    # functions (`config.FUNCTION_ENVIRONMENTS`), (section, the model's function-calling
+    # convention, services)
     make: Callable[[EnvironmentSection, Any, Services], Environment]
     tools: tuple[str, ...] = ()  # the tools (`tools.TOOLS`) the run's sandbox runs for it
-    functions: bool = False  # it offers OpenAI functions (`Environment.functions`)
 
 
 # `environment.name` -> the environment; the names `config.sections.ENVIRONMENTS` lists.
@@ -68,7 +68,7 @@ ENVIRONMENTS: dict[str, Registered] = {
     "calculator": Registered(calculator.make, tools=("calculator",)),
     "retry": Registered(retry.make),
     "openenv": Registered(openenv.make),  # runs its own tools
-    "chained_calculator": Registered(chained_calculator.make, tools=("calculate",), functions=True),
+    "chained_calculator": Registered(chained_calculator.make, tools=("calculate",)),
 }
 
 
@@ -145,7 +145,7 @@ def make_kit(
         for (naming the field).
     """
     entry = registered(section.name)
-    fmt = _format(section, entry, tokenizer)
+    fmt = _format(section, tokenizer)
     names = entry.tools
     runner = None
     if names:
@@ -167,7 +167,7 @@ def make_kit(
 def renderer(section: EnvironmentSection, tokenizer: Tokenizer) -> TurnRenderer:
     """The renderer of the environment's turns (with the model's convention for an
     environment of OpenAI functions: its results as the endpoint renders them)."""
-    functional = bool(section.name) and registered(section.name).functions
+    functional = section.name in FUNCTION_ENVIRONMENTS
     return TurnRenderer(tokenizer, function_calls.of_tokenizer(tokenizer) if functional else None)
 
 
@@ -201,7 +201,7 @@ def first_messages(
 def demonstrator(section: EnvironmentSection, tokenizer: Tokenizer) -> Environment:
     """The environment `section.name` for demonstrations only (`Environment.demonstration`;
     it calls no service)."""
-    fmt = _format(section, registered(section.name), tokenizer)
+    fmt = _format(section, tokenizer)
     return make_environment(section, fmt, Services(tools=_no_tools, score=_no_score))
 
 
@@ -213,15 +213,15 @@ def functions(section: EnvironmentSection, tokenizer: Tokenizer) -> tuple[Any, .
     return tuple(getattr(demonstrator(section, tokenizer), "functions", ()))
 
 
-def _format(section: EnvironmentSection, entry: Registered, tokenizer: Tokenizer) -> Any:
-    """What `entry.make` is given: the model's function-calling convention for an
+def _format(section: EnvironmentSection, tokenizer: Tokenizer) -> Any:
+    """What the environment's factory is given: the model's function-calling convention for an
     environment of OpenAI functions, else the tool format `section.tool_format` names.
 
     Raises:
       UserError: a tool format this model has no parser for, or one named for an
         environment of OpenAI functions (the model's own convention is theirs).
     """
-    if entry.functions:
+    if section.name in FUNCTION_ENVIRONMENTS:
         if section.tool_format != "auto":
             raise UserError(
                 f"environment.tool_format={section.tool_format!r}: environment "

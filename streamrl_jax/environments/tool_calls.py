@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 from streamrl_jax.environments.protocol import Message
 from streamrl_jax.errors import UserError
+from streamrl_jax.model import function_calls
 
 MAX_CALLS = 4  # calls read from one message (the rest are ignored, counted malformed)
 MAX_CALL_CHARS = 2000  # a call's markup longer than this is malformed (never parsed)
@@ -103,33 +104,9 @@ class Hermes:
     name = "hermes"
 
     def describe(self, tools: Sequence[ToolSpec]) -> str:
-        schemas = [
-            json.dumps(
-                {
-                    "type": "function",
-                    "function": {
-                        "name": t.name,
-                        "description": t.description,
-                        "parameters": {
-                            "type": "object",
-                            "properties": {
-                                t.param: {"type": "string", "description": t.param_description}
-                            },
-                            "required": [t.param],
-                        },
-                    },
-                }
-            )
-            for t in tools
-        ]
-        return (
-            "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            "You are provided with function signatures within <tools></tools> XML tags:\n"
-            "<tools>\n" + "\n".join(schemas) + "\n</tools>\n\n"
-            "For each function call, return a json object with function name and arguments "
-            "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
-        )
+        """The function-calling convention's text (`model/function_calls.py`), each tool
+        a function of its one string argument."""
+        return function_calls.CONVENTIONS["hermes"].describe([_function(t) for t in tools])
 
     def parse(self, text: str, tools: Mapping[str, ToolSpec]) -> Parsed:
         bodies, malformed = _bodies(text)
@@ -194,6 +171,16 @@ class Simple:
     def render(self, call: ToolCall) -> str:
         (arg,) = call.arguments.values()
         return f"<tool_call>{call.name}: {arg}</tool_call>"
+
+
+def _function(spec: ToolSpec) -> function_calls.Tool:
+    """`spec` as an OpenAI function of its one string argument."""
+    parameters = {
+        "type": "object",
+        "properties": {spec.param: {"type": "string", "description": spec.param_description}},
+        "required": [spec.param],
+    }
+    return function_calls.Tool(spec.name, spec.description, parameters)
 
 
 FORMATS: dict[str, ToolFormat] = {"hermes": Hermes(), "simple": Simple()}

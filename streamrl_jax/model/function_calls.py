@@ -21,7 +21,7 @@ and their results:
   ```` ```tool_code ```` block (one per line), results in a ```` ```tool_output ````
   block of a user turn. Read with `ast.parse` and `ast.literal_eval` only, never run.
 
-`convention_for(tokenizer)` picks one from the vocabulary. Where the checkpoint's own
+`of_tokenizer(tokenizer)` picks one from the vocabulary. Where the checkpoint's own
 chat template renders `tools` (Qwen3's, Llama 3.1's), the tools are passed to it;
 otherwise the convention's system text carries them. Calls earlier in a conversation
 (an assistant message's `tool_calls` in a first request's history) are rendered as the
@@ -47,7 +47,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 MAX_TOOLS = 64  # functions one request may offer
@@ -211,6 +211,14 @@ def _schemas(tools: Sequence[Tool]) -> str:
     return "\n".join(json.dumps(t.schema()) for t in tools)
 
 
+def _blocks(block: re.Pattern, opener: str, text: str) -> list[str] | None:
+    """The bodies of `text`'s call blocks ([] when it opens none); None when one it
+    opens is not read whole (unclosed, or longer than MAX_CALL_CHARS)."""
+    opened = text.count(opener)
+    bodies = block.findall(text) if opened else []
+    return bodies if len(bodies) == opened else None
+
+
 def _arguments(obj: Any) -> dict[str, Any] | None:
     """A call's arguments as a dict (some models write them as a JSON string)."""
     if isinstance(obj, str):
@@ -255,11 +263,10 @@ class Hermes(_Openings):
         )
 
     def read(self, text: str) -> Read:
-        opened = text.count("<tool_call>")
-        if not opened:
+        bodies = _blocks(self._CALL, "<tool_call>", text)
+        if bodies == []:
             return Read(text, [], False)
-        bodies = self._CALL.findall(text)
-        if len(bodies) != opened or len(bodies) > MAX_CALLS:
+        if bodies is None or len(bodies) > MAX_CALLS:
             return Read(text, [], True)
         calls = []
         for body in bodies:
@@ -359,11 +366,10 @@ class GemmaToolCode(_Openings):
         )
 
     def read(self, text: str) -> Read:
-        opened = text.count("```tool_code")
-        if not opened:
+        blocks = _blocks(self._BLOCK, "```tool_code", text)
+        if blocks == []:
             return Read(text, [], False)
-        blocks = self._BLOCK.findall(text)
-        if len(blocks) != opened:
+        if blocks is None:
             return Read(text, [], True)
         calls = []
         for line in (ln.strip() for b in blocks for ln in b.splitlines()):
@@ -428,16 +434,6 @@ def _python_call(line: str) -> tuple[str, dict[str, Any]] | None:
 CONVENTIONS: dict[str, Convention] = {c.name: c for c in (Hermes(), Llama3Json(), GemmaToolCode())}
 
 
-def convention_for(vocab: Mapping[str, int], template_style: str | None) -> Convention:
-    """The convention of a model: Llama 3's for a Llama-3 vocabulary, Gemma's for
-    Gemma's, Hermes otherwise (ChatML models, and any model: it is plain text)."""
-    if template_style == "llama3" or "<|python_tag|>" in vocab:
-        return CONVENTIONS["llama3_json"]
-    if template_style == "gemma":
-        return CONVENTIONS["gemma_tool_code"]
-    return CONVENTIONS["hermes"]
-
-
 def interpret(convention: Convention, text: str, tools: Sequence[Tool], choice: ToolChoice) -> Read:
     """The policy's message `text` (its opening included) as content and calls: with no
     tools or `tool_choice` "none" all text; markup that cannot be read, or a call of a
@@ -478,9 +474,16 @@ def with_tools(messages: list[dict[str, str]], text: str) -> list[dict[str, str]
 
 
 def of_tokenizer(tokenizer: Any) -> Convention:
-    """The convention of the model whose tokenizer is `tokenizer`."""
-    vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
-    return convention_for(vocab, tokenizer.template_style)
+    """The convention of the model whose tokenizer is `tokenizer`: Llama 3's for a
+    Llama-3 vocabulary, Gemma's for Gemma's, Hermes otherwise (ChatML models, and any
+    model: it is plain text). Two lookups, no vocabulary built: a run renders a prompt
+    with tools through it (`chat_text`) for every prompt it draws."""
+    style = tokenizer.template_style
+    if style == "llama3" or tokenizer.token_to_id("<|python_tag|>") is not None:
+        return CONVENTIONS["llama3_json"]
+    if style == "gemma":
+        return CONVENTIONS["gemma_tool_code"]
+    return CONVENTIONS["hermes"]
 
 
 def chat_text(tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Sequence[Tool]) -> str:
