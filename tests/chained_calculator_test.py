@@ -31,7 +31,7 @@ def tok():
     return Tokenizer.from_gguf(smollm2_gguf_path())
 
 
-def _env(tok):
+def _env(tok, step_credit=0.0):
     def tools(name, arguments):
         try:
             return ToolResult(calculate(arguments))
@@ -40,7 +40,7 @@ def _env(tok):
 
     score = TaskReward()
     services = Services(tools=tools, score=lambda text, md: score(text, md))
-    return chained.ChainedCalculator(function_calls.of_tokenizer(tok), services)
+    return chained.ChainedCalculator(function_calls.of_tokenizer(tok), services, step_credit)
 
 
 def _problem(i=0):
@@ -49,8 +49,10 @@ def _problem(i=0):
 
 @pytest.mark.parametrize(
     "arguments, want",
-    [({"a": 478, "op": "+", "b": 718}, "1196"), ({"a": "12", "op": "-", "b": 30}, "-18"),
-     ({"a": 7, "op": "/", "b": 2}, "3.5"), ({"a": 2.5, "op": "*", "b": 4}, "10")],
+    [({"a": 478, "op": "+", "b": 718}, "478 + 718 = 1196"),
+     ({"a": "12", "op": "-", "b": 30}, "12 - 30 = -18"),
+     ({"a": 7, "op": "/", "b": 2}, "7 / 2 = 3.5"),
+     ({"a": 2.5, "op": "*", "b": 4}, "2.5 * 4 = 10")],
 )  # fmt: skip
 def test_calculate_takes_two_numbers_and_an_operator(arguments, want):
     assert calculate(arguments) == want
@@ -84,6 +86,30 @@ def test_a_demonstration_chains_the_calls_and_scores_full_marks(tok):
     final = env.step(state, demo[-1]["content"], p.metadata)
     assert final.done and final.reward == 1.0 and final.info.correct
     assert demo[-1]["content"] == f"<answer>{p.answer}</answer>"
+
+
+def test_each_correct_step_of_the_chain_earns_its_share_of_the_step_credit(tok):
+    # With step_credit 0.5, the calls of the demonstration earn 0.5 in all (an equal share
+    # each); a call that is not the next step (a wrong operand, a term out of order, the
+    # same step again) earns nothing and the chain waits where it was.
+    env, p = _env(tok, step_credit=0.5), _problem()
+    demo = env.demonstration(p.question, p.metadata)
+    calls = [m["content"] for m in demo if m["role"] == "assistant"][:-1]
+    share = 0.5 / len(calls)
+    state = env.start(p.question, p.metadata).state
+    first = env.step(state, calls[0], p.metadata)
+    assert first.reward == pytest.approx(share) and first.state["steps"] == 1
+    again = env.step(first.state, calls[0], p.metadata)  # the first step once more
+    assert again.reward == 0.0 and again.state["steps"] == 1
+    skipped = env.step(again.state, calls[2], p.metadata)  # a step out of order
+    assert skipped.reward == 0.0 and skipped.state["steps"] == 1
+    assert skipped.state["calls"] == 3
+    total, state = first.reward, skipped.state
+    for call in calls[1:]:
+        step = env.step(state, call, p.metadata)
+        total, state = total + step.reward, step.state
+    final = env.step(state, demo[-1]["content"], p.metadata)
+    assert total == pytest.approx(0.5) and final.reward == 1.0
 
 
 def test_an_unreadable_call_is_said_and_an_answer_without_calls_is_scored(tok):
@@ -139,3 +165,20 @@ def test_an_episode_is_the_same_tokens_in_a_run_and_through_the_endpoint(tok, sc
         t for m in demo if m["role"] == "assistant" for t in [*tok.encode(m["content"]), end]
     ]
     np.testing.assert_array_equal(s.policy_token_ids(), sampled)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(environment__step_credit=0.5), "environment.name='calculator'"),
+        (dict(environment__name="chained_calculator", environment__step_credit=1.5),
+         "a share of reward in \\(0, 1\\]"),
+    ],
+)  # fmt: skip
+def test_step_credit_is_for_environments_that_tell_a_correct_step(overrides, message):
+    from support import agent_config
+
+    from streamrl_jax.errors import UserError
+
+    with pytest.raises(UserError, match=message):
+        agent_config(**overrides)

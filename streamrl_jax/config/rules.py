@@ -31,6 +31,7 @@ from streamrl_jax.config.fields import (
 from streamrl_jax.config.sections import (
     FUNCTION_ENVIRONMENTS,
     LORA_TARGETS,
+    STEP_CREDIT_ENVIRONMENTS,
     ConfigError,
     ExperimentConfig,
     LearnerSection,
@@ -379,6 +380,12 @@ def _check_environment(cfg: ExperimentConfig) -> None:
         f"environment.scaffold={e.scaffold!r}: an agent framework plays 'agents' episodes of "
         f"an environment of OpenAI functions ({', '.join(FUNCTION_ENVIRONMENTS)}); got "
         f"environment.name={e.name!r}, pipeline.rollout={p.rollout!r}",
+    )
+    require(
+        e.step_credit == 0 or (e.name in STEP_CREDIT_ENVIRONMENTS and 0 < e.step_credit <= 1),
+        f"environment.step_credit={e.step_credit}: a share of reward in (0, 1] for each "
+        f"correct step, given by {', '.join(STEP_CREDIT_ENVIRONMENTS)}; got "
+        f"environment.name={e.name!r}",
     )
     require(
         (e.name == "openenv") == bool(e.openenv),

@@ -37,6 +37,8 @@ ROLLOUT_WRAPPERS = ("curriculum", "episodes", "agents")
 ENVIRONMENTS = ("", "calculator", "retry", "openenv", "chained_calculator")
 # ... those whose tools are OpenAI functions (an agent framework can play them)
 FUNCTION_ENVIRONMENTS = ("chained_calculator",)
+# Environments that can tell a correct step of an episode (environment.step_credit)
+STEP_CREDIT_ENVIRONMENTS = ("chained_calculator",)
 # environment.scaffold (endpoint/): what plays an 'agents' episode through the endpoint:
 # the environment's own loop, or an OpenAI Agents SDK agent (openai-agents)
 SCAFFOLDS = ("environment", "openai_agents")
@@ -324,6 +326,9 @@ class EnvironmentSection:
     max_episode_tokens: int = 0
     max_attempts: int = 3  # retry: answers per episode
     attempt_discount: float = 0.5  # retry: reward x discount^(attempt - 1)
+    # Process credit (STEP_CREDIT_ENVIRONMENTS): the reward of a whole correct chain of
+    # steps, each correct step earning its share as it is taken (the answer earns its score)
+    step_credit: float = 0.0
     tool_sandbox: bool = True  # run tools in confined worker processes (False: threads)
     tool_timeout_s: float = 5.0  # deadline of one tool call
     tool_memory_mb: int = 1024  # address-space limit of a tool worker

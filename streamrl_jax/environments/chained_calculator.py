@@ -46,19 +46,19 @@ from streamrl_jax.model import function_calls
 from streamrl_jax.rewards.tasks import chat_messages
 
 INSTRUCTIONS = (
-    "Compute the expression with the calculate tool: it takes two numbers at a time, so call "
-    "it on the first two numbers, then on its result and the next number, and so on. When "
-    "every number is used, give the last result as <answer>N</answer>."
+    "Compute the expression with the calculate tool, two numbers a call: the first two "
+    "numbers, then the result and the next number, and so on. Then give the last result as "
+    "<answer>N</answer>."
 )
 CALCULATE = function_calls.Tool(
     name="calculate",
-    description="Computes a op b for two numbers.",
+    description="Computes a op b.",
     parameters={
         "type": "object",
         "properties": {
-            "a": {"type": "number", "description": "the first number"},
+            "a": {"type": "number"},
             "op": {"type": "string", "enum": ["+", "-", "*", "/"]},
-            "b": {"type": "number", "description": "the second number"},
+            "b": {"type": "number"},
         },
         "required": ["a", "op", "b"],
     },
@@ -72,13 +72,19 @@ class ChainedCalculator:
     name = "chained_calculator"
     functions = (CALCULATE,)
 
-    def __init__(self, convention: function_calls.Convention, services: Services):
+    def __init__(
+        self, convention: function_calls.Convention, services: Services, step_credit: float = 0.0
+    ):
         self.convention, self.services = convention, services
+        self.step_credit = step_credit
         self.choice = function_calls.ToolChoice("auto")
 
     def start(self, question: str, metadata: dict[str, Any]) -> Start:
-        del metadata
-        return Start(chat_messages(question, INSTRUCTIONS), {"calls": 0})
+        chain = _chain(metadata)
+        value = None if chain is None else chain[0]
+        return Start(
+            chat_messages(question, INSTRUCTIONS), {"calls": 0, "steps": 0, "value": value}
+        )
 
     def step(self, state: State, message: str, metadata: dict[str, Any]) -> StepResult:
         read = function_calls.interpret(self.convention, message, self.functions, self.choice)
@@ -90,38 +96,33 @@ class ChainedCalculator:
             r = self.services.score(message, metadata)
             return StepResult([], r.score, True, state, answered(r))
         observation, failures = [], 0
+        state = {**state, "calls": state["calls"] + len(read.calls)}
+        chain, credit = _chain(metadata), 0.0
         for name, arguments in read.calls:
             result = self.services.tools(name, arguments)
             failures += result.failure is not None
             observation.append({"role": "tool", "content": result.text})
+            if chain is not None and result.failure is None and _next_step(state, chain, arguments):
+                credit += self.step_credit / len(chain[1])
+                state["steps"] += 1
+                state["value"] = int(result.text.rsplit("=", 1)[1])
         info = TurnInfo(tool_calls=len(read.calls), tool_failures=failures)
-        return StepResult(
-            observation, 0.0, False, {"calls": state["calls"] + len(read.calls)}, info
-        )
+        return StepResult(observation, credit, False, state, info)
 
     def demonstration(self, question: str, metadata: dict[str, Any]) -> list[Message] | None:
-        """The chain of calls, left to right, then the answer (the task's expression,
-        as reasoning-gym's `chain_sum` records it)."""
-        expression = metadata.get("entry", {}).get("metadata", {}).get("expression")
-        if not isinstance(expression, str):
+        """The chain of calls, left to right, then the answer."""
+        chain = _chain(metadata)
+        if chain is None:
             return None
-        first = re.match(r"\s*(\d+)", expression)
-        terms = _TERM.findall(expression[first.end() :]) if first else []
-        if (
-            not first
-            or not terms
-            or "".join(o + n for o, n in terms) != re.sub(r"\s+", "", expression[first.end() :])
-        ):
-            return None
-        value = int(first.group(1))
-        turns: list[Message] = []
-        for i, (op, number) in enumerate(terms):
-            args = {"a": value, "op": op, "b": int(number)}
+        value, turns = chain[0], []
+        for i, (op, number) in enumerate(chain[1]):
+            args = {"a": value, "op": op, "b": number}
             call = function_calls.Call(f"call_{i}", CALCULATE.name, json.dumps(args))
-            value = int(calculate(args))
+            shown = calculate(args)
+            value = int(shown.rsplit("=", 1)[1])
             turns += [
                 {"role": "assistant", "content": self.convention.write([call])},
-                {"role": "tool", "content": str(value)},
+                {"role": "tool", "content": shown},
             ]
         return [*turns, {"role": "assistant", "content": f"<answer>{value}</answer>"}]
 
@@ -129,9 +130,40 @@ class ChainedCalculator:
         del state  # pure JSON
 
 
+def _chain(metadata: dict[str, Any]) -> tuple[int, list[tuple[str, int]]] | None:
+    """The task's expression (as reasoning-gym's `chain_sum` records it) as its first
+    number and its (operator, number) steps; None when it is not a plain chain."""
+    expression = metadata.get("entry", {}).get("metadata", {}).get("expression")
+    if not isinstance(expression, str):
+        return None
+    first = re.match(r"\s*(\d+)", expression)
+    if first is None:
+        return None
+    rest = expression[first.end() :]
+    terms = _TERM.findall(rest)
+    if not terms or "".join(o + n for o, n in terms) != re.sub(r"\s+", "", rest):
+        return None
+    return int(first.group(1)), [(o, int(n)) for o, n in terms]
+
+
+def _next_step(
+    state: State, chain: tuple[int, list[tuple[str, int]]], arguments: dict[str, Any]
+) -> bool:
+    """Whether a call is the chain's next step: the running value, then the next term
+    with its operator (`calculate` already checked the arguments are numbers)."""
+    steps = chain[1]
+    if state["steps"] >= len(steps):
+        return False
+    op, number = steps[state["steps"]]
+    try:
+        a, b = float(arguments["a"]), float(arguments["b"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    return a == state["value"] and arguments.get("op") == op and b == number
+
+
 def make(
     section: EnvironmentSection, convention: function_calls.Convention, services: Services
 ) -> ChainedCalculator:
     """The registry's entry (`environments/__init__.py`)."""
-    del section
-    return ChainedCalculator(convention, services)
+    return ChainedCalculator(convention, services, section.step_credit)

@@ -119,7 +119,8 @@ MAX_OPERAND = 1e15
 
 def calculate(arguments: dict[str, Any]) -> str:
     """`a op b` for numbers `a`, `b` and `op` one of + - * / (the chained calculator's
-    one function: two operands a call).
+    one function: two operands a call), shown as a calculator's display shows it:
+    `478 + 718 = 1196` (the operation, then its value).
 
     Raises:
       ValueError: naming the argument that is missing or wrong.
@@ -145,7 +146,8 @@ def calculate(arguments: dict[str, Any]) -> str:
         raise ValueError(f"op must be one of {' '.join(_TWO_OPERAND)}")
     if op == "/" and values[1] == 0:
         raise ValueError("division by zero")
-    return format_number(_TWO_OPERAND[op](*values))
+    a, b = map(format_number, values)
+    return f"{a} {op} {b} = {format_number(_TWO_OPERAND[op](*values))}"
 
 
 CALCULATE = ToolSpec(
