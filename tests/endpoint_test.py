@@ -161,11 +161,17 @@ def test_completions_stream_and_not_extend_the_recorded_text(served):
         r1 = oc.completions.create(model="policy", prompt="Once upon a time", max_tokens=5,
                                    logprobs=0, extra_body={"ignore_eos": True})  # fmt: skip
         text = "Once upon a time" + r1.choices[0].text + " The end."
-        stream = oc.completions.create(
-            model="policy", prompt=text, max_tokens=4, stream=True, extra_body={"ignore_eos": True}
-        )
+        stream = oc.completions.create(model="policy", prompt=text, max_tokens=4, stream=True,
+                                       logprobs=0, extra_body={"ignore_eos": True})  # fmt: skip
         pieces = list(stream)
-        assert len(pieces) == 4 and pieces[-1].choices[0].finish_reason == "length"
+        ids = [i for p in pieces for i in p.choices[0].model_extra["token_ids"]]
+        assert len(ids) == 4 and pieces[-1].choices[0].finish_reason == "length"
+        logprobs = [p.choices[0].logprobs for p in pieces if p.choices[0].logprobs]
+        tokens = [t for lp in logprobs for t in lp.tokens]
+        offsets = [o for lp in logprobs for o in lp.text_offset]
+        streamed = "".join(p.choices[0].text for p in pieces)
+        assert "".join(tokens) == streamed and len(offsets) == 4
+        assert offsets == np.cumsum([0, *map(len, tokens)])[:-1].tolist()
         rec = served.endpoint.book._open[eid]
         assert rec.turns == 2 and len(rec.sample.policy_token_ids()) == 9
         with pytest.raises(openai.BadRequestError, match="must extend its recorded text"):
@@ -256,6 +262,124 @@ class _StuckBackend:
 
     def release(self, request_id):
         self.released.append(request_id)
+
+
+class _Held:
+    """The served engine's backend, each turn's completion held until the test lets it
+    go (`let_go`): the engine generates it meanwhile."""
+
+    version = 0
+
+    def __init__(self, inner: ServiceBackend):
+        self.inner, self.turns = inner, []
+
+    def submit(self, request):
+        held: Future = Future()
+        self.turns.append((self.inner.submit(request), held))
+        return held
+
+    def release(self, request_id):
+        self.inner.release(request_id)
+
+    def let_go(self):
+        for generated, held in self.turns:
+            if not held.done():
+                held.set_result(generated.result(timeout=60))
+
+
+def _held_server(served):
+    backend = _Held(served.backend)
+    ep = Endpoint(
+        served.endpoint.turns, backend, TOKEN, limits=api.Limits(max_tokens=16, timeout_s=60)
+    )
+    server = EndpointServer(ep)
+    return ep, backend, server, EndpointClient(server.start(), TOKEN)
+
+
+def _streamed(chunks):
+    """A chat stream's text and token ids, concatenated."""
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    ids = [i for c in chunks if c.choices for i in c.choices[0].model_extra.get("token_ids", [])]
+    return text, ids
+
+
+def test_a_stream_sends_tokens_while_its_turn_is_still_generating(served):
+    # The turn's completion is held until the stream has shown text: a stream sent only
+    # once its turn finished would show none (and end in a 504 at its deadline). The text
+    # and tokens streamed are those of the same turn unstreamed (same seed), the record
+    # holds them, and the usage comes last.
+    kw = dict(max_tokens=16, seed=7, extra_body={"ignore_eos": True}, logprobs=True)
+    with served.client.episode() as (oc, _):
+        whole = _chat(oc, USER, **kw).choices[0]
+    ep, held, server, client = _held_server(served)
+    try:
+        with client.episode() as (oc, eid):
+            stream = _chat(oc, USER, stream=True, stream_options={"include_usage": True}, **kw)
+            chunks = []
+            for chunk in stream:
+                chunks.append(chunk)
+                if _streamed(chunks)[0]:
+                    break
+            assert not held.turns[0][1].done()  # (only `let_go` finishes it)
+            held.let_go()
+            chunks.extend(stream)
+            text, ids = _streamed(chunks)
+            assert text == whole.message.content and ids == whole.model_extra["token_ids"]
+            lps = [e.logprob for c in chunks if c.choices and c.choices[0].logprobs
+                   for e in c.choices[0].logprobs.content]  # fmt: skip
+            assert lps == [e.logprob for e in whole.logprobs.content]
+            assert chunks[-2].choices[0].finish_reason == "length"
+            assert chunks[-1].usage.completion_tokens == 16 and not chunks[-1].choices
+            np.testing.assert_array_equal(ep.book._open[eid].sample.response, ids)
+    finally:
+        server.stop()
+
+
+def test_a_client_that_closes_its_stream_early_loses_nothing(served):
+    # The client reads the first text of a turn still generating and closes the stream:
+    # the turn goes on, and its whole is recorded in the episode.
+    kw = dict(max_tokens=16, seed=8, extra_body={"ignore_eos": True})
+    with served.client.episode() as (oc, _):
+        whole = _chat(oc, USER, **kw).choices[0].model_extra["token_ids"]
+    ep, held, server, client = _held_server(served)
+    try:
+        eid = client.open()
+        oc = client.openai(eid)
+        stream = _chat(oc, USER, stream=True, **kw)
+        chunks = []
+        for chunk in stream:
+            chunks.append(chunk)
+            if _streamed(chunks)[0]:
+                break
+        stream.close()
+        held.let_go()
+        deadline = time.monotonic() + 30
+        while ep.book._open[eid].busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        rec = ep.book._open[eid]
+        assert rec.turns == 1 and rec.sample.response.tolist() == whole
+        assert len(_streamed(chunks)[1]) < len(whole)  # it left before the end
+        oc.close()
+    finally:
+        server.stop()
+
+
+def test_a_training_runs_backend_hands_the_driver_a_streamed_turn_as_asked():
+    # A run's endpoint (`PipelineBackend`): the turn the driver submits keeps the run's
+    # identity and the request's own `on_tokens`, so its engine reports to the stream.
+    from streamrl_jax.endpoint.backend import PipelineBackend
+    from streamrl_jax.generation.types import GenerationRequest, RequestTag
+
+    backend = PipelineBackend(validate=lambda q: None, follow=lambda q: None)
+    run = GenerationRequest(request_id=41, prompt=[1, 2], max_new_tokens=4, seed=9,
+                            tag=RequestTag(batch=3))  # fmt: skip
+    backend.expect("ep-1", run)
+    feed: list = []
+    backend.submit(GenerationRequest(request_id="ep-1", prompt=[1, 2], max_new_tokens=4,
+                                     on_tokens=feed.append))  # fmt: skip
+    q = backend.first("ep-1", timeout=5)
+    assert (q.request_id, q.tag, q.seed) == (41, RequestTag(batch=3), 9)
+    assert q.on_tokens == feed.append
 
 
 def _stuck_server(served, **limits):

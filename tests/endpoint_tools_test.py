@@ -181,6 +181,52 @@ def test_a_streamed_tool_call_accumulates_as_openais_clients_expect(served):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def _streamed(oc, script, backend, **kw):
+    """A streamed chat turn whose policy writes `script`: its chunks, and the content
+    deltas each chunk carried."""
+    backend.script = [script]
+    chunks = [c for c in _chat(oc, USER, stream=True, **kw) if c.choices]
+    return chunks, [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
+
+
+def test_a_streamed_turn_shows_no_text_that_may_start_a_call(served):
+    # (The scripted turn's tokens all come before its stream starts: one text chunk; the
+    # text shown as tokens come is streaming_test.py's.) The text before a call is shown,
+    # the call markup never as text: the calls come whole at the end, and the tokens
+    # streamed are the turn's. Without tools, or with a `<` that opens no call, the text
+    # is all shown.
+    endpoint, backend, client = served
+    tok = endpoint.turns.ctx.tokenizer
+    with client.episode() as (oc, _):
+        chunks, shown = _streamed(oc, "Let me add them. " + _call("add", a=4, b=5), backend,
+                                  tools=[ADD])  # fmt: skip
+    assert "".join(shown) == "Let me add them."
+    assert not any("<" in piece for piece in shown)
+    (call,) = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
+    assert call.function.name == "add" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    ids = [i for c in chunks for i in c.choices[0].model_extra.get("token_ids", [])]
+    assert tok.decode(ids) == "Let me add them. " + _call("add", a=4, b=5)
+    for tools in ([ADD], []):
+        with client.episode() as (oc, _):
+            chunks, shown = _streamed(oc, "If a < b, then b > a.", backend, tools=tools or None)
+        assert "".join(shown) == "If a < b, then b > a."
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_streamed_required_call_is_held_whole(served):
+    # tool_choice required: the turn continues a call's opening, so nothing is shown as
+    # text; a call read is sent whole, a malformed one as the message's text at the end.
+    endpoint, backend, client = served
+    with client.episode() as (oc, _):
+        body = 'add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+        chunks, shown = _streamed(oc, body, backend, tools=[ADD], tool_choice="required")
+    assert shown == [] and chunks[-1].choices[0].finish_reason == "tool_calls"
+    with client.episode() as (oc, _):
+        chunks, shown = _streamed(oc, "no call", backend, tools=[ADD], tool_choice="required")
+    assert shown == ['<tool_call>\n{"name": "no call']
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_a_request_without_an_episode_id_is_an_episode_of_its_own(served):
     # (and OpenAI's fields that change nothing here are accepted)
     endpoint, backend, client = served

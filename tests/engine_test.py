@@ -329,6 +329,38 @@ def test_on_chunk_reports_every_round_trip(model):
     assert sum(r.steps for r in seen) >= max(len(s.response) for s in samples) - 1
 
 
+def test_partial_tokens_are_reported_once_in_order_as_the_sample_holds_them(model):
+    # Requests 0-2 ask for partial results (`on_tokens`), 3-5 do not: every token of an
+    # asking request is reported once, in order, with its log-prob and version, each
+    # report one round trip's; an episode's next turn reports from its history on.
+    seen: dict[int, list] = {}
+    reqs = requests(6, seed=4, max_new_tokens=20)
+    reqs = [
+        dataclasses.replace(r, on_tokens=seen.setdefault(r.request_id, []).append, keep_kv=True)
+        if r.request_id < 3
+        else r
+        for r in reqs
+    ]
+    engine = make_engine(model)
+    samples = by_id(engine.run(reqs))
+    assert sorted(seen) == [0, 1, 2]
+    chunks = 0
+    for rid, deltas in seen.items():
+        s = samples[rid]
+        sizes = [len(d.tokens) for d in deltas]
+        assert [d.start for d in deltas] == np.cumsum([0, *sizes])[:-1].tolist()
+        assert all(0 < len(d.tokens) <= ENGINE.chunk_steps + 1 for d in deltas)
+        np.testing.assert_array_equal(np.concatenate([d.tokens for d in deltas]), s.response)
+        np.testing.assert_array_equal(np.concatenate([d.logprobs for d in deltas]), s.logprobs)
+        np.testing.assert_array_equal(np.concatenate([d.versions for d in deltas]), s.versions())
+        chunks += len(deltas)
+    assert chunks > 3  # (some sample took more than one round trip)
+    turn = GenerationRequest.next_turn(samples[0], [1, 2, 3], 5)
+    after: list = []
+    engine.run([dataclasses.replace(turn, on_tokens=after.append)])
+    assert after[0].start == turn.history and all(d.request_id == 0 for d in after)
+
+
 def test_tag_and_metadata_are_echoed(model):
     reqs = [
         dataclasses.replace(r, tag=RequestTag(batch=2, group=i, member=1), metadata={"i": i})

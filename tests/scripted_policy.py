@@ -11,7 +11,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from streamrl_jax.endpoint.server import endpoint_token
-from streamrl_jax.generation.types import Sample, Timings
+from streamrl_jax.generation.types import Sample, Timings, TokenDelta
 from streamrl_jax.model.tokenizer import Tokenizer
 
 TOKEN = endpoint_token(b"the tool-calling tests' secret")
@@ -19,7 +19,8 @@ TOKEN = endpoint_token(b"the tool-calling tests' secret")
 
 class Scripted:
     """A backend whose policy writes `script`'s texts, one per turn (each then ends its
-    turn with `<|im_end|>`); every request it was given is kept."""
+    turn with `<|im_end|>`; a streamed turn's tokens reported one by one first); every
+    request it was given is kept."""
 
     version = 0
 
@@ -35,6 +36,13 @@ class Scripted:
         mask = np.ones(0, bool) if cont is None else cont.policy_mask
         logprobs = -0.25 * np.arange(1, len(new) + 1, dtype=np.float32)
         old_lp = np.zeros(0, np.float32) if cont is None else cont.logprobs
+        if request.on_tokens is not None:  # a streamed turn: token by token, as an engine
+            for k, (t, lp) in enumerate(zip(new, logprobs, strict=True)):
+                request.on_tokens(
+                    TokenDelta(request_id=request.request_id, start=len(before) + k,
+                               tokens=np.int32([t]), logprobs=np.float32([lp]),
+                               versions=np.int32([0]))
+                )  # fmt: skip
         f: Future = Future()
         f.set_result(
             Sample(

@@ -5,7 +5,8 @@ name, types checked), then `check_*` applies the endpoint's limits and refuses, 
 name, every parameter it does not honour. What is honoured: `model` (the one served),
 `messages` / `prompt`, `max_tokens` (`max_completion_tokens`), `temperature`, `top_p`,
 `stop` (strings that are one token each: the engine stops on token ids), `seed` (the
-episode's, fixed by its first request), `stream`, `logprobs` (the sampled tokens'
+episode's, fixed by its first request), `stream` (tokens sent as they are generated:
+server.py), `logprobs` (the sampled tokens'
 log-probs; `top_logprobs` > 0 and completions' `logprobs` > 0 are refused: the engine
 does not keep the top-k alternatives), `n` up to `Limits.max_n` (each choice an
 episode of its own, forked from the shared prompt; not with `stream`), `tools` and

@@ -118,7 +118,9 @@ class PipelineBackend:
     taken by the rollout (`first`) and submitted with its batch; each later one
     becomes the outcome of the previous turn (`returned` hands the driver a future that
     the next request, or the episode's end through `finish`, settles), so the driver
-    counts every turn as a request out and a weight swap waits for whole episodes.
+    counts every turn as a request out and a weight swap waits for whole episodes. A
+    streamed turn's request keeps its `on_tokens`: the run's engine, in this process
+    (a generation process serves its own endpoint), reports to the stream.
     """
 
     version = 0  # (the driver's weights decide; the samples carry the versions)

@@ -12,8 +12,11 @@ Routes (every one needs `Authorization: Bearer <token>`):
 * `POST /v1/chat/completions`, `POST /v1/completions`: one completion of the episode
   (api.py: what is honoured and what is refused by name; turns.py: how the request
   becomes the episode's next turn; model/function_calls.py: tool calling).
-  `stream: true` sends the completion as server-sent events, one chunk per token (a
-  turn's tool calls: one chunk each), once its turn has finished generating. Each choice
+  `stream: true` sends the completion as server-sent events while its turn generates:
+  after each engine round trip, the text its new tokens settle (streaming.py: a
+  character split across tokens once whole, never the stop token or text that may
+  begin a stop string or a tool call), then what the recorded turn adds (its tool
+  calls: one chunk each, whole), the finish and the usage. Each choice (each chunk)
   carries, beside OpenAI's fields, `token_ids` and `versions`: the tokens as sampled
   and the weights version of each.
 
@@ -23,9 +26,11 @@ before it is read, and read within the request deadline; at most
 `Limits.max_inflight` requests generating (more: 429, not a queue) and uvicorn's
 `limit_concurrency` connections (more: 503); a body must arrive within
 `Limits.body_timeout_s` (408) and each completion waits at most `Limits.timeout_s`
-(504; the episode is then closed, its late sample dropped). A streamed completion is
-recorded before its first event is sent, so a client that leaves mid-stream or never
-reads loses nothing and holds no episode (only its connection, until it closes); an
+(504; the episode is then closed, its late sample dropped; a stream already sent ends
+with OpenAI's error body as an event). A streamed turn is recorded by a task of its own
+(`Endpoint.finish_apart`), so a client that leaves mid-stream or never reads loses
+nothing and holds no episode once its turn ends; the tokens a slow reader has not taken
+are coalesced in one buffer (at most the turn's), so no client blocks the engine. An
 episode id the book did not issue (404) or one closed (409) is refused. Errors are
 OpenAI's JSON error body with a message naming what is wrong; a handler bug is a 500
 with its repr, logged.
@@ -42,6 +47,7 @@ import json
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -52,8 +58,10 @@ from starlette.requests import ClientDisconnect
 
 from streamrl_jax.endpoint import api
 from streamrl_jax.endpoint.backend import Backend
-from streamrl_jax.endpoint.book import BookError, EpisodeBook
+from streamrl_jax.endpoint.book import BookError, EpisodeBook, Record
+from streamrl_jax.endpoint.streaming import ShownText, TokenFeed, call_hold
 from streamrl_jax.endpoint.turns import Turn, Turns
+from streamrl_jax.generation.types import GenerationRequest, Sample
 
 EPISODE_HEADER = "x-episode-id"
 
@@ -61,6 +69,18 @@ EPISODE_HEADER = "x-episode-id"
 def endpoint_token(secret: bytes) -> str:
     """The bearer token of a run whose secret is `secret`."""
     return hmac.new(secret, b"streamrl-jax endpoint token", hashlib.sha256).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Submitted:
+    """A completion handed to the backend (`Endpoint.start`), its turn not yet recorded."""
+
+    rec: Record  # its episode's record (taken: busy until the turn is recorded)
+    request: GenerationRequest
+    future: Future[Sample]
+    said: Any  # the chat or the prompt text
+    single: str | None  # the episode opened for this request alone (closed after it)
+    feed: TokenFeed | None = None  # its tokens as they are sampled (a streamed turn)
 
 
 class Endpoint:
@@ -87,9 +107,10 @@ class Endpoint:
         self._token = token.encode()
         self._inflight = 0
         self.single_requests = single_requests
+        self._finishing: set[asyncio.Task] = set()  # streamed turns being recorded
         self.counts = {
             "requests": 0, "refused": 0, "deadline": 0, "errors": 0, "tool_calls": 0,
-            "malformed_calls": 0, "single_requests": 0,
+            "malformed_calls": 0, "single_requests": 0, "stream_diverged": 0,
         }  # fmt: skip
 
     # ------------------------------------------------------------------ checks
@@ -155,6 +176,14 @@ class Endpoint:
 
     async def complete(self, eid: str | None, kind: str, said: Any, s: api.Sampling) -> Turn:
         """One completion of episode `eid` (`said`: chat messages or prompt text)."""
+        return await self.finish(self.start(eid, kind, said, s))
+
+    def start(
+        self, eid: str | None, kind: str, said: Any, s: api.Sampling, stream: bool = False
+    ) -> Submitted:
+        """A completion of episode `eid` checked and submitted (`finish` commits its turn);
+        with `stream`, its tokens are reported as they are sampled (`Submitted.feed`).
+        On the event loop."""
         if self._inflight >= self.limits.max_inflight:
             raise api.ApiError(
                 429, f"{self._inflight} requests are generating (the endpoint's limit); retry"
@@ -162,42 +191,75 @@ class Endpoint:
         params = self.turns.sampling(s)  # the request's own checks first, then the episode's
         self._inflight += 1
         single = eid is None and self.single_requests
+        rec = None
         try:
             if single:
                 eid = self.book.open()
                 self.counts["single_requests"] += 1
             rec = self.book.take(eid)
+            prepare = self.turns.chat if kind == "chat" else self.turns.completion
+            request = prepare(rec, said, s, params)
+            feed = None
+            if stream:
+                feed = TokenFeed(asyncio.get_running_loop(), request.history)
+                request = dataclasses.replace(request, on_tokens=feed)
             try:
-                prepare = self.turns.chat if kind == "chat" else self.turns.completion
-                request = prepare(rec, said, s, params)
-                try:
-                    future = self.backend.submit(request)
-                except ValueError as e:
-                    raise api.ApiError(400, str(e)) from None
-                try:
-                    sample = await asyncio.wait_for(
-                        asyncio.wrap_future(future), self.limits.timeout_s
-                    )
-                except TimeoutError:
-                    future.cancel()
-                    self.backend.release(rec.id)
-                    self.book.fail(rec, "a completion passed its deadline")
-                    self.counts["deadline"] += 1
-                    raise api.ApiError(
-                        504,
-                        f"episode {rec.id}: generation did not finish in "
-                        f"{self.limits.timeout_s:.0f} s; the episode is closed",
-                    ) from None
-                turn = self.turns.commit(rec, request, sample, said)
-                self.counts["tool_calls"] += len(turn.calls)
-                self.counts["malformed_calls"] += turn.malformed
-                return turn
-            finally:
+                future = self.backend.submit(request)
+            except ValueError as e:
+                raise api.ApiError(400, str(e)) from None
+            return Submitted(rec, request, future, said, eid if single else None, feed)
+        except BaseException:
+            if rec is not None:
                 self.book.give_back(rec)
-        finally:
             self._inflight -= 1
             if single and eid is not None:
                 self._end_single(eid)
+            raise
+
+    async def finish(self, sub: Submitted) -> Turn:
+        """The submitted completion's turn, once generated, recorded in its episode."""
+        rec = sub.rec
+        try:
+            try:
+                sample = await asyncio.wait_for(
+                    asyncio.wrap_future(sub.future), self.limits.timeout_s
+                )
+            except TimeoutError:
+                sub.future.cancel()
+                self.backend.release(rec.id)
+                self.book.fail(rec, "a completion passed its deadline")
+                self.counts["deadline"] += 1
+                raise api.ApiError(
+                    504,
+                    f"episode {rec.id}: generation did not finish in "
+                    f"{self.limits.timeout_s:.0f} s; the episode is closed",
+                ) from None
+            turn = self.turns.commit(rec, sub.request, sample, sub.said)
+            self.counts["tool_calls"] += len(turn.calls)
+            self.counts["malformed_calls"] += turn.malformed
+            return turn
+        finally:
+            self.book.give_back(rec)
+            self._inflight -= 1
+            if sub.single is not None:
+                self._end_single(sub.single)
+
+    def finish_apart(self, sub: Submitted) -> asyncio.Task[Turn]:
+        """`finish(sub)` as a task of its own: a streamed turn is recorded whether or not
+        its client stays to read it (the task is kept until done, its failure retrieved:
+        the stream reports it, or nobody is left to)."""
+        task = asyncio.ensure_future(self.finish(sub))
+        self._finishing.add(task)
+        task.add_done_callback(self._finished)
+        return task
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._finishing.discard(task)
+        if task.cancelled():
+            return
+        e = task.exception()
+        if e is not None and not isinstance(e, api.ApiError | BookError):
+            logging.error("endpoint: a streamed completion failed: %r", e)
 
     def _end_single(self, eid: str) -> None:
         """An episode of one request is over: closed, its kept slot given up."""
@@ -207,21 +269,23 @@ class Endpoint:
 
 
 # ---------------------------------------------------------------------- responses
-def _token_text(turns: Turns, ids: np.ndarray) -> list[str]:
-    """Each token's text, cut so that the pieces join to the whole decode."""
+def _token_text(turns: Turns, ids: np.ndarray, start: int = 0) -> list[str]:
+    """Each token's text from `start` on (the tokens before it read as its prefix), cut
+    so that the pieces join to the whole decode."""
     tok = turns.ctx.tokenizer
-    out, before = [], ""
-    for i in range(len(ids)):
+    out, before = [], tok.decode(ids[:start]) if start else ""
+    for i in range(start, len(ids)):
         now = tok.decode(ids[: i + 1])
         out.append(now[len(before) :] if now.startswith(before) else now)
         before = now
     return out
 
 
-def _logprob_entries(turns: Turns, turn: Turn) -> list[dict[str, Any]]:
+def _logprob_entries(turns: Turns, ids: Any, logprobs: Any) -> list[dict[str, Any]]:
+    """Chat `logprobs.content` entries of tokens `ids` with their log-probs."""
     tok = turns.ctx.tokenizer
     entries = []
-    for t, lp in zip(turn.token_ids.tolist(), turn.logprobs.tolist(), strict=True):
+    for t, lp in zip(np.asarray(ids).tolist(), np.asarray(logprobs).tolist(), strict=True):
         text = tok.decode([t], skip_special_tokens=False)
         entries.append(
             {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
@@ -245,10 +309,10 @@ def _extras(turn: Turn) -> dict[str, Any]:
     }
 
 
-def _header(ep: Endpoint, turn: Turn, prefix: str, kind: str) -> dict[str, Any]:
+def _header(ep: Endpoint, episode: str, prefix: str, kind: str) -> dict[str, Any]:
     """A response's (or each event's) id, object kind, time and model."""
     return {
-        "id": f"{prefix}-{turn.episode}-{int(time.time() * 1e6)}",
+        "id": f"{prefix}-{episode}-{int(time.time() * 1e6)}",
         "object": kind,
         "created": int(time.time()),
         "model": ep.served,
@@ -267,7 +331,11 @@ def _message(turn: Turn) -> dict[str, Any]:
 def chat_body(ep: Endpoint, turns: list[Turn], s: api.Sampling) -> dict[str, Any]:
     choices = []
     for i, turn in enumerate(turns):
-        logprobs = {"content": _logprob_entries(ep.turns, turn)} if s.logprobs else None
+        logprobs = (
+            {"content": _logprob_entries(ep.turns, turn.token_ids, turn.logprobs)}
+            if s.logprobs
+            else None
+        )
         choices.append(
             {
                 "index": i,
@@ -278,7 +346,7 @@ def chat_body(ep: Endpoint, turns: list[Turn], s: api.Sampling) -> dict[str, Any
             }
         )
     return {
-        **_header(ep, turns[0], "chatcmpl", "chat.completion"),
+        **_header(ep, turns[0].episode, "chatcmpl", "chat.completion"),
         "choices": choices,
         "usage": _usage(turns),
     }
@@ -307,7 +375,7 @@ def completion_body(ep: Endpoint, turns: list[Turn], s: api.Sampling) -> dict[st
             }
         )
     return {
-        **_header(ep, turns[0], "cmpl", "text_completion"),
+        **_header(ep, turns[0].episode, "cmpl", "text_completion"),
         "choices": choices,
         "usage": _usage(turns),
     }
@@ -328,95 +396,156 @@ def _event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
-async def chat_events(ep: Endpoint, turn: Turn, s: api.Sampling) -> AsyncIterator[bytes]:
-    """The completion as chat.completion.chunk events, one token each (a turn that made
-    tool calls: its text, then one event per call)."""
-    base = _header(ep, turn, "chatcmpl", "chat.completion.chunk")
+Tokens = tuple[list[int], list[float], list[int]]  # ids, log-probs, versions
+
+
+async def _as_sampled(sub: Submitted, task: asyncio.Task[Turn]) -> AsyncIterator[Tokens]:
+    """A streamed turn's tokens as the engine reports them (what came while the client
+    read the last ones, at once), until its turn is recorded."""
+    while not task.done():
+        ready = asyncio.ensure_future(sub.feed.wait())
+        try:
+            await asyncio.wait((ready, task), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+        got = sub.feed.take()
+        if got[0]:
+            yield got
+
+
+async def _recorded(ep: Endpoint, task: asyncio.Task[Turn]) -> Turn | bytes:
+    """The streamed turn as recorded, or the error event that ends its stream (its
+    status sent already: OpenAI's error body as an event, which its clients raise)."""
+    try:
+        return await task
+    except api.ApiError as e:
+        return _event(e.body())
+    except BookError as e:
+        return _event(api.ApiError(e.status, str(e)).body())
+    except Exception as e:  # noqa: BLE001 - a bug: named (logged by `_finished`)
+        ep.counts["errors"] += 1
+        return _event(api.ApiError(500, f"endpoint error: {e!r}").body())
+
+
+def _shown(ep: Endpoint, sub: Submitted, s: api.Sampling) -> ShownText:
+    """What of a streamed turn's text its client may see as it generates."""
+    tok = ep.turns.ctx.tokenizer
+    stop_ids = [*sub.request.sampling.stop_ids, *tok.stop_ids]
+    calls = call_hold(ep.turns.convention, sub.said) if isinstance(sub.said, api.Chat) else None
+    return ShownText(tok, stop_ids, s.stop, calls)
+
+
+def _rest(ep: Endpoint, shown: ShownText, final: str | None) -> str:
+    """What the recorded turn's text adds to what was streamed (counted where the stream
+    showed text the final message does not start with: module `streaming`)."""
+    rest = shown.rest(final)
+    if shown.diverged:
+        ep.counts["stream_diverged"] += 1
+        logging.warning("endpoint: a streamed text is not the start of its turn's message")
+    return rest
+
+
+async def chat_events(
+    ep: Endpoint, sub: Submitted, task: asyncio.Task[Turn], s: api.Sampling
+) -> AsyncIterator[bytes]:
+    """A chat turn as chat.completion.chunk events while it generates: the text its
+    tokens settle as they come (each event with those tokens' ids, versions and
+    log-probs), then what the recorded turn adds (a turn that made tool calls: one event
+    per call, whole), the finish."""
+    base = _header(ep, sub.rec.id, "chatcmpl", "chat.completion.chunk")
 
     def event(choices: list, **more: Any) -> bytes:
         return _event({**base, "choices": choices, **more})
 
-    yield event(
-        [
-            {
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-        ]
-    )
-    if turn.calls:
-        for chunk in _call_events(ep, turn, s, event):
-            yield chunk
-        return
-    entries = _logprob_entries(ep.turns, turn) if s.logprobs else None
-    if turn.content != turn.text:  # a required call's opening, not read as a call
-        head = turn.content[: len(turn.content) - len(turn.text)]
-        yield event([{"index": 0, "delta": {"content": head}, "finish_reason": None}])
-    for i, (piece, _) in enumerate(_shown_pieces(ep, turn)):
-        logprobs = {"content": [entries[i]]} if entries is not None else None
+    def piece(text: str | None, ids: Any, logprobs: Any, versions: Any) -> bytes:
+        entries = _logprob_entries(ep.turns, ids, logprobs) if s.logprobs else None
         choice = {
             "index": 0,
-            "delta": {"content": piece},
-            "logprobs": logprobs,
+            "delta": {"content": text} if text else {},
+            "logprobs": {"content": entries} if entries is not None else None,
             "finish_reason": None,
-            "token_ids": [int(turn.token_ids[i])],
-            "versions": [int(turn.versions[i])],
+            "token_ids": np.asarray(ids).tolist(),
+            "versions": np.asarray(versions).tolist(),
         }
-        yield event([choice])
+        return event([choice])
+
+    first = {"role": "assistant", "content": ""}
+    yield event([{"index": 0, "delta": first, "logprobs": None, "finish_reason": None,
+                  "episode_id": sub.rec.id}])  # fmt: skip
+    shown, held, sent = _shown(ep, sub, s), ([], [], []), 0
+    async for got in _as_sampled(sub, task):
+        for have, new in zip(held, got, strict=True):
+            have.extend(new)
+        text = shown.add(got[0])
+        if text:
+            yield piece(text, *held)
+            sent, held = sent + len(held[0]), ([], [], [])
+    turn = await _recorded(ep, task)
+    if isinstance(turn, bytes):
+        yield turn
+        return
+    rest = _rest(ep, shown, turn.content)
+    if rest or sent < len(turn.token_ids):
+        yield piece(rest, turn.token_ids[sent:], turn.logprobs[sent:], turn.versions[sent:])
+    for i, c in enumerate(turn.calls):
+        delta = {"tool_calls": [{"index": i, **c.openai()}]}
+        yield event([{"index": 0, "delta": delta, "finish_reason": None}])
     yield event([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": turn.finish_reason}])
     if s.include_usage:
         yield event([], usage=_usage(turn))
     yield b"data: [DONE]\n\n"
 
 
-def _call_events(ep: Endpoint, turn: Turn, s: api.Sampling, event: Any) -> list[bytes]:
-    """A turn that made tool calls as chunks: its text outside the calls, each call
-    (whole: id, name, arguments), the finish; every token's id, version and log-prob on
-    the first."""
-    entries = _logprob_entries(ep.turns, turn) if s.logprobs else None
-    first = {
-        "index": 0,
-        "delta": {"content": turn.content} if turn.content else {},
-        "logprobs": {"content": entries} if entries is not None else None,
-        "finish_reason": None,
-        **_extras(turn),
-    }
-    out = [event([first])]
-    for i, c in enumerate(turn.calls):
-        delta = {"tool_calls": [{"index": i, **c.openai()}]}
-        out.append(event([{"index": 0, "delta": delta, "finish_reason": None}]))
-    out.append(event([{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]))
-    if s.include_usage:
-        out.append(event([], usage=_usage(turn)))
-    out.append(b"data: [DONE]\n\n")
-    return out
+async def completion_events(
+    ep: Endpoint, sub: Submitted, task: asyncio.Task[Turn], s: api.Sampling
+) -> AsyncIterator[bytes]:
+    """A completion as text_completion events while it generates: the text its tokens
+    settle as they come (with their ids, versions and log-probs), then what the
+    recorded turn adds, with the finish."""
+    base = _header(ep, sub.rec.id, "cmpl", "text_completion")
 
-
-async def completion_events(ep: Endpoint, turn: Turn, s: api.Sampling) -> AsyncIterator[bytes]:
-    """The completion as text_completion events, one token each."""
-    base = _header(ep, turn, "cmpl", "text_completion")
-    pieces = _shown_pieces(ep, turn)
-    for i, (piece, at) in enumerate(pieces):
+    def piece(text: str, ids: Any, versions: Any, lps: Any, at: list, finish: Any) -> bytes:
         logprobs = None
         if s.logprobs:
             logprobs = {
-                "tokens": [piece],
-                "token_logprobs": [float(turn.logprobs[i])],
+                "tokens": [p for p, _ in at],
+                "token_logprobs": np.asarray(lps).tolist(),
                 "top_logprobs": None,
-                "text_offset": [at],
+                "text_offset": [o for _, o in at],
             }
-        last = i == len(pieces) - 1
         choice = {
             "index": 0,
-            "text": piece,
+            "text": text,
             "logprobs": logprobs,
-            "finish_reason": turn.finish_reason if last else None,
-            "token_ids": [int(turn.token_ids[i])],
-            "versions": [int(turn.versions[i])],
+            "finish_reason": finish,
+            "token_ids": np.asarray(ids).tolist(),
+            "versions": np.asarray(versions).tolist(),
         }
-        yield _event({**base, "choices": [choice]})
+        return _event({**base, "choices": [choice]})
+
+    shown, held, sent, every, offset = _shown(ep, sub, s), ([], [], []), 0, [], 0
+    async for got in _as_sampled(sub, task):
+        for have, new in zip(held, got, strict=True):
+            have.extend(new)
+        every.extend(got[0])
+        text = shown.add(got[0])
+        if text:
+            at = []
+            if s.logprobs:  # each token's text and offset (as `_shown_pieces`)
+                for p in _token_text(ep.turns, np.asarray(every[: sent + len(held[0])]), sent):
+                    at.append((p, offset))
+                    offset += len(p)
+            ids, lps, versions = held
+            yield piece(text, ids, versions, lps, at, None)
+            sent, held = sent + len(ids), ([], [], [])
+    turn = await _recorded(ep, task)
+    if isinstance(turn, bytes):
+        yield turn
+        return
+    at = _shown_pieces(ep, turn)[sent:] if s.logprobs else []
+    rest = _rest(ep, shown, turn.text)
+    tail = (turn.token_ids[sent:], turn.versions[sent:], turn.logprobs[sent:])
+    yield piece(rest, *tail, at, turn.finish_reason)
     if s.include_usage:
         yield _event({**base, "choices": [], "usage": _usage(turn)})
     yield b"data: [DONE]\n\n"
@@ -476,10 +605,12 @@ def make_app(ep: Endpoint):
             said, s = api.check_completion(
                 api.decode(body, api.CompletionRequest), ep.limits, ep.served
             )
-        turns = await ep.choices(eid, kind, said, s)
-        if s.stream:
+        if s.stream:  # (one choice: api.check_common)
+            sub = ep.start(eid, kind, said, s, stream=True)
+            task = ep.finish_apart(sub)
             events = chat_events if kind == "chat" else completion_events
-            return StreamingResponse(events(ep, turns[0], s), media_type="text/event-stream")
+            return StreamingResponse(events(ep, sub, task, s), media_type="text/event-stream")
+        turns = await ep.choices(eid, kind, said, s)
         make = chat_body if kind == "chat" else completion_body
         return JSONResponse(make(ep, turns, s))
 

@@ -18,7 +18,8 @@ instance mesh. Each `step()` is one host round trip:
    length bucket of cache positions (`compact.py`), so a step's cost follows
    the active count and the longest active sequence;
 4. fetch the prefill and chunk outputs in one `jax.device_get` and hand out
-   every sample that finished.
+   every sample that finished; a request that asked for partial results
+   (`GenerationRequest.on_tokens`) is told the tokens it gained first.
 
 With `refill=False` the same engine is the static-batch baseline: it admits a
 full batch only when every slot is free.
@@ -65,6 +66,7 @@ from streamrl_jax.generation.types import (
     GenerationRequest,
     Sample,
     Timings,
+    TokenDelta,
 )
 from streamrl_jax.model import routes as routes_lib
 from streamrl_jax.model.config import ModelConfig
@@ -557,6 +559,12 @@ class Engine:
         self._state, chunk = self._chunk(self._params, self._state, idx, seq=seq)
         # The one deliberate sync point per chunk: the host needs the done flags.
         prefills_h, chunk_h = jax.device_get(([a.out for a in prefills], chunk))
+        # Requests that asked for partial results, and the tokens each had before.
+        watched = [
+            (r, len(r.tokens))
+            for r in self._slots
+            if r is not None and r.request.on_tokens is not None
+        ]
         done: list[Sample] = []
         emitted = 0
         for admitted, out in zip(prefills, prefills_h, strict=True):
@@ -586,6 +594,8 @@ class Engine:
             emitted += e
             if chunk_h.reason[i]:
                 done.append(self._finish(slot, int(chunk_h.reason[i])))
+        for run, had in watched:
+            self._report_tokens(run, had)
         t1 = time.time()
         m = self._metrics
         m["tokens"] += emitted
@@ -607,6 +617,20 @@ class Engine:
                 )
             )
         return done
+
+    def _report_tokens(self, run: _Running, had: int) -> None:
+        """The tokens `run` gained since it held `had`, to its request's observer."""
+        if len(run.tokens) == had:
+            return
+        run.request.on_tokens(
+            TokenDelta(
+                request_id=run.request.request_id,
+                start=had,
+                tokens=np.asarray(run.tokens[had:], np.int32),
+                logprobs=np.asarray(run.logp[had:], np.float32),
+                versions=np.asarray(run.versions[had:], np.int32),
+            )
+        )
 
     def _admitted_routes(
         self, slot: int, run: _Running, admitted: _Admitted, routes: np.ndarray | None, i: int
@@ -748,6 +772,8 @@ def validate_request(cfg: EngineConfig, vocab: int, req: GenerationRequest) -> N
     ):
         held = f"[-1, {cfg.adapters})" if cfg.adapters else "0 (the engine has no adapter slots)"
         raise ValueError(f"request {req.request_id!r}: adapter {req.adapter!r}; expected {held}")
+    if req.on_tokens is not None and not callable(req.on_tokens):
+        raise ValueError(f"request {req.request_id!r}: on_tokens must be callable or None")
     try:
         req.sampling.validate(vocab, cfg.max_stop_ids)
     except ValueError as e:

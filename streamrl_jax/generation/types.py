@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -202,6 +202,10 @@ class GenerationRequest:
         a continuation with the same `request_id` (an episode's next turn): the engine
         appends the continuation's new tokens to the KV in place instead of
         re-prefilling, and the slot stays reserved until then or until `release`.
+      on_tokens: asks for partial results: the engine calls it after each host round
+        trip with the tokens the request gained in it (`TokenDelta`), every sampled
+        token once and in order, the last before its `Sample` is returned (which stays
+        the exact record). Called on the engine's thread: it must not block.
     """
 
     request_id: Any
@@ -217,6 +221,7 @@ class GenerationRequest:
     continuation: Continuation | None = None
     keep_kv: bool = False
     adapter: int = 0
+    on_tokens: Callable[[TokenDelta], None] | None = None
 
     @classmethod
     def next_turn(
@@ -268,6 +273,27 @@ class GenerationRequest:
     def history(self) -> int:
         """Tokens after the prompt the request already has (its continuation's)."""
         return 0 if self.continuation is None else len(self.continuation.tokens)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TokenDelta:
+    """The tokens a running request gained in one host round trip (its
+    `GenerationRequest.on_tokens` asked for them): a view of what its `Sample` will hold.
+
+    Attributes:
+      request_id: the request's.
+      start: the index in the response of the first of them (a continuation's tokens
+        come first: an episode's next turn starts at `GenerationRequest.history`).
+      tokens: i32[K] sampled token ids (K >= 1).
+      logprobs: f32[K] their behaviour log-probs (`Sample.logprobs`).
+      versions: i32[K] the weights version that sampled each.
+    """
+
+    request_id: Any
+    start: int
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

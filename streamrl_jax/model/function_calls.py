@@ -200,6 +200,11 @@ class Convention(Protocol):
     def read(self, text: str) -> Read:
         """The calls in a policy message (`text` starts with `opening`)."""
 
+    def call_start(self, text: str) -> int:
+        """Where call markup may begin in `text`, the start of a message still being
+        written (`tool_choice` auto): its text before that is not part of a call whatever
+        follows (len(text): none may begin). A stream shows no more than that."""
+
     def write(self, calls: Sequence[Call]) -> str:
         """Calls as the policy writes them (a conversation's earlier calls)."""
 
@@ -217,6 +222,20 @@ def _blocks(block: re.Pattern, opener: str, text: str) -> list[str] | None:
     opened = text.count(opener)
     bodies = block.findall(text) if opened else []
     return bodies if len(bodies) == opened else None
+
+
+def marker_start(text: str, markers: Sequence[str]) -> int:
+    """The first position of `text` where one of `markers` starts, or where its end is
+    the beginning of one (the marker may be completed by text to come); len(text) if
+    neither."""
+    at = len(text)
+    for m in markers:
+        found = text.find(m)
+        if found < 0:  # the longest tail of `text` that begins `m`
+            tails = range(max(0, len(text) - len(m) + 1), len(text))
+            found = next((i for i in tails if m.startswith(text[i:])), len(text))
+        at = min(at, found)
+    return at
 
 
 def _arguments(obj: Any) -> dict[str, Any] | None:
@@ -282,6 +301,9 @@ class Hermes(_Openings):
         content = self._CALL.sub("", text).strip()
         return Read(content or None, calls, False)
 
+    def call_start(self, text: str) -> int:
+        return marker_start(text, ("<tool_call>",))
+
     def write(self, calls: Sequence[Call]) -> str:
         return "\n".join(
             f'<tool_call>\n{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}\n'
@@ -339,6 +361,13 @@ class Llama3Json(_Openings):
             at = len(body) - len(rest)
         return Read(None, calls, False)
 
+    def call_start(self, text: str) -> int:
+        # A call is the whole message: one starting (after spaces) with `{` or the tag.
+        body = text.lstrip()
+        if not body or body.startswith("{") or marker_start(body, (self._PYTHON_TAG,)) == 0:
+            return 0
+        return len(text)
+
     def write(self, calls: Sequence[Call]) -> str:
         return "; ".join(
             f'{{"name": {json.dumps(c.name)}, "parameters": {c.arguments}}}' for c in calls
@@ -383,6 +412,9 @@ class GemmaToolCode(_Openings):
             return Read(text, [], True)
         content = self._BLOCK.sub("", text).strip()
         return Read(content or None, calls, False)
+
+    def call_start(self, text: str) -> int:
+        return marker_start(text, ("```tool_code",))
 
     def write(self, calls: Sequence[Call]) -> str:
         lines = []
