@@ -218,15 +218,43 @@ def _token_text(turns: Turns, ids: np.ndarray) -> list[str]:
     return out
 
 
-def _logprob_entries(turns: Turns, turn: Turn) -> list[dict[str, Any]]:
-    tok = turns.ctx.tokenizer
+def _token_entry(turns: Turns, token: int, logprob: float) -> dict[str, Any]:
+    text = turns.ctx.tokenizer.decode([token], skip_special_tokens=False)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def _alternatives(turn: Turn, s: api.Sampling) -> list[list[tuple[int, float]]]:
+    """Each token's `s.top_logprobs` most likely (id, log-prob), most likely first."""
+    k = s.top_logprobs
+    if not k or turn.top_ids is None or turn.top_logprobs is None:
+        return [[] for _ in turn.token_ids]
+    ids, lps = turn.top_ids[:, :k].tolist(), turn.top_logprobs[:, :k].tolist()
+    return [list(zip(i, lp, strict=True)) for i, lp in zip(ids, lps, strict=True)]
+
+
+def _logprob_entries(turns: Turns, turn: Turn, s: api.Sampling) -> list[dict[str, Any]]:
+    """Chat's `logprobs.content`: each token, its log-prob and its alternatives."""
     entries = []
-    for t, lp in zip(turn.token_ids.tolist(), turn.logprobs.tolist(), strict=True):
-        text = tok.decode([t], skip_special_tokens=False)
-        entries.append(
-            {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
-        )
+    ids, lps, tops = turn.token_ids.tolist(), turn.logprobs.tolist(), _alternatives(turn, s)
+    for t, lp, top in zip(ids, lps, tops, strict=True):
+        alternatives = [_token_entry(turns, i, v) for i, v in top]
+        entries.append({**_token_entry(turns, t, lp), "top_logprobs": alternatives})
     return entries
+
+
+def _top_dicts(turns: Turns, turn: Turn, s: api.Sampling) -> list[dict[str, float]] | None:
+    """Completions' `top_logprobs`: per token {text: log-prob} of its alternatives (two
+    that read the same: the likelier), None when none were asked for."""
+    if not s.top_logprobs:
+        return None
+    tok = turns.ctx.tokenizer
+    out = []
+    for top in _alternatives(turn, s):
+        d: dict[str, float] = {}
+        for i, v in top:
+            d.setdefault(tok.decode([i], skip_special_tokens=False), v)
+        out.append(d)
+    return out
 
 
 def _usage(turns: Turn | list[Turn]) -> dict[str, int]:
@@ -267,7 +295,7 @@ def _message(turn: Turn) -> dict[str, Any]:
 def chat_body(ep: Endpoint, turns: list[Turn], s: api.Sampling) -> dict[str, Any]:
     choices = []
     for i, turn in enumerate(turns):
-        logprobs = {"content": _logprob_entries(ep.turns, turn)} if s.logprobs else None
+        logprobs = {"content": _logprob_entries(ep.turns, turn, s)} if s.logprobs else None
         choices.append(
             {
                 "index": i,
@@ -294,7 +322,7 @@ def completion_body(ep: Endpoint, turns: list[Turn], s: api.Sampling) -> dict[st
             logprobs = {
                 "tokens": pieces,
                 "token_logprobs": turn.logprobs.tolist(),
-                "top_logprobs": None,
+                "top_logprobs": _top_dicts(ep.turns, turn, s),
                 "text_offset": offsets,
             }
         choices.append(
@@ -350,7 +378,7 @@ async def chat_events(ep: Endpoint, turn: Turn, s: api.Sampling) -> AsyncIterato
         for chunk in _call_events(ep, turn, s, event):
             yield chunk
         return
-    entries = _logprob_entries(ep.turns, turn) if s.logprobs else None
+    entries = _logprob_entries(ep.turns, turn, s) if s.logprobs else None
     if turn.content != turn.text:  # a required call's opening, not read as a call
         head = turn.content[: len(turn.content) - len(turn.text)]
         yield event([{"index": 0, "delta": {"content": head}, "finish_reason": None}])
@@ -375,7 +403,7 @@ def _call_events(ep: Endpoint, turn: Turn, s: api.Sampling, event: Any) -> list[
     """A turn that made tool calls as chunks: its text outside the calls, each call
     (whole: id, name, arguments), the finish; every token's id, version and log-prob on
     the first."""
-    entries = _logprob_entries(ep.turns, turn) if s.logprobs else None
+    entries = _logprob_entries(ep.turns, turn, s) if s.logprobs else None
     first = {
         "index": 0,
         "delta": {"content": turn.content} if turn.content else {},
@@ -398,13 +426,14 @@ async def completion_events(ep: Endpoint, turn: Turn, s: api.Sampling) -> AsyncI
     """The completion as text_completion events, one token each."""
     base = _header(ep, turn, "cmpl", "text_completion")
     pieces = _shown_pieces(ep, turn)
+    tops = _top_dicts(ep.turns, turn, s)
     for i, (piece, at) in enumerate(pieces):
         logprobs = None
         if s.logprobs:
             logprobs = {
                 "tokens": [piece],
                 "token_logprobs": [float(turn.logprobs[i])],
-                "top_logprobs": None,
+                "top_logprobs": None if tops is None else [tops[i]],
                 "text_offset": [at],
             }
         last = i == len(pieces) - 1
