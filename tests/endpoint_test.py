@@ -519,3 +519,23 @@ def test_top_logprobs_in_chat_and_completions(served):
             oc.completions.create(model="policy", prompt="x", logprobs=21)
         with pytest.raises(openai.BadRequestError, match="at most 5 alternatives"):
             oc.completions.create(model="policy", prompt="x", logprobs=6)
+
+
+def test_a_training_runs_backend_keeps_a_turns_stop_strings():
+    # A run's episode samples as the run does (its placeholder's id, seed, temperature),
+    # but stops where the turn asked: its stop ids and stop strings reach the driver.
+    from streamrl_jax.endpoint.backend import PipelineBackend
+
+    validated = []
+    backend = PipelineBackend(validated.append, lambda q: q)
+    run = SamplingParams(temperature=0.7, top_p=0.9)
+    backend.expect("ep-1", GenerationRequest(request_id="run/3", prompt=[1], max_new_tokens=4,
+                                             sampling=run, seed=11))  # fmt: skip
+    asked = SamplingParams(temperature=0.0, stop_ids=(2,), stop_texts=("END", "\n\n"))
+    backend.submit(GenerationRequest(request_id="ep-1", prompt=[5, 6], max_new_tokens=4,
+                                     sampling=asked))  # fmt: skip
+    q = backend.first("ep-1", timeout=5)
+    assert validated == [q] and (q.request_id, q.seed, q.prompt) == ("run/3", 11, [5, 6])
+    assert q.sampling == SamplingParams(
+        temperature=0.7, top_p=0.9, stop_ids=(2,), stop_texts=("END", "\n\n")
+    )
