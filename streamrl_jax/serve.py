@@ -10,7 +10,9 @@ without it the model the config starts from is served. The endpoint is the train
 run's (docs/endpoint.md), with the same trust boundary: loopback unless
 `--allow_remote`, a bearer token on every route (`$STREAMRL_ENDPOINT_TOKEN`, or a fresh
 one written to `--token_file` (mode 0600) or printed), the request bounds of
-`endpoint.api.Limits`. A request without an episode id is an episode of its own; kept
+`endpoint.api.Limits`. Each token comes with up to `--top_logprobs` (20) alternatives
+(`top_logprobs`; the run's training engines keep none unless `generation.top_logprobs`
+asks). A request without an episode id is an episode of its own; kept
 KV is given up at once when requests wait (`generation.kv_hold_s=0`: no request waits
 on an idle episode). It serves until SIGINT or SIGTERM; `--ready_file` receives
 `{"url", "model"}` once it listens (for harnesses that start it).
@@ -60,6 +62,10 @@ _MAX_N = flags.DEFINE_integer("max_n", 8, "Most choices (`n`) a request may ask 
 _KV_HOLD = flags.DEFINE_float(
     "kv_hold_s", 0.0, "Seconds an idle episode's KV is kept while requests wait for a slot."
 )
+_TOP_LOGPROBS = flags.DEFINE_integer(
+    "top_logprobs", 20, "Most alternatives per token a request may ask for (`top_logprobs`; "
+    "0: none, and prefill and decode compute none)."
+)  # fmt: skip
 _READY_FILE = flags.DEFINE_string(
     "ready_file", "", 'Write {"url", "model"} here (JSON) once listening.'
 )
@@ -99,6 +105,8 @@ def main(argv: list[str]) -> None:
         _user_error(f"--checkpoint={_CHECKPOINT.value}: no such directory")
     if _SLOTS.value < 1 or _KV_HOLD.value < 0:
         _user_error("--slots must be >= 1 and --kv_hold_s >= 0")
+    if not 0 <= _TOP_LOGPROBS.value <= 64:
+        _user_error(f"--top_logprobs={_TOP_LOGPROBS.value} must be in [0, 64]")
     if not _ALLOW_REMOTE.value:
         import ipaddress
 
@@ -110,7 +118,9 @@ def main(argv: list[str]) -> None:
             _user_error(f"--host={_HOST.value} is not loopback: pass --allow_remote to serve it")
     try:
         cfg = config_lib.from_config_dict(value)
-        generation = dataclasses.replace(cfg.generation, kv_hold_s=_KV_HOLD.value)
+        generation = dataclasses.replace(
+            cfg.generation, kv_hold_s=_KV_HOLD.value, top_logprobs=_TOP_LOGPROBS.value
+        )
         cfg = dataclasses.replace(cfg, generation=generation, init_from=_CHECKPOINT.value)
     except UserError as e:
         _user_error(str(e))

@@ -26,6 +26,7 @@ from streamrl_jax.endpoint.backend import ServiceBackend
 from streamrl_jax.endpoint.client import EndpointClient, EndpointError
 from streamrl_jax.endpoint.kit import serve
 from streamrl_jax.endpoint.server import Endpoint, EndpointServer, endpoint_token
+from streamrl_jax.generation.types import Continuation, GenerationRequest, SamplingParams
 from streamrl_jax.pipeline import components
 
 TOKEN = endpoint_token(b"a run secret for the tests")
@@ -43,10 +44,11 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served():
-    """The tiny agent model's engine behind the endpoint on loopback. One decode shape
-    (`pipeline.deterministic`: every slot over the whole cache): the tests' turns and
-    loads compile no chunk beyond the first (the buckets are engine_test.py's)."""
-    cfg = agent_config(pipeline__deterministic=True)
+    """The tiny agent model's engine behind the endpoint on loopback, keeping 5
+    alternatives per token (`top_logprobs`). One decode shape (`pipeline.deterministic`:
+    every slot over the whole cache): the tests' turns and loads compile no chunk beyond
+    the first (the buckets are engine_test.py's)."""
+    cfg = agent_config(pipeline__deterministic=True, generation__top_logprobs=5)
     c = components.build(cfg, warm=False)
     params = [p.params for p in c.initial_weights]
     service = c.generation.service(
@@ -207,10 +209,16 @@ def _raw(served, path, body, headers=None, token=TOKEN):
          "n=5 must be in [1, 4]"),
         (json.dumps({"model": "policy", "messages": USER, "n": 2, "stream": True}), {}, TOKEN,
          400, "streaming is for one choice"),
-        (json.dumps({"model": "policy", "messages": USER, "top_logprobs": 3}), {}, TOKEN, 400,
-         "top_logprobs > 0"),
-        (json.dumps({"model": "policy", "messages": USER, "stop": ["never ever"]}), {}, TOKEN, 400,
-         "only single-token stop strings"),
+        (json.dumps({"model": "policy", "messages": USER, "logprobs": True, "top_logprobs": 21}),
+         {}, TOKEN, 400, "top_logprobs=21 must be in [0, 20]"),
+        (json.dumps({"model": "policy", "messages": USER, "logprobs": True, "top_logprobs": 6}),
+         {}, TOKEN, 400, "top_logprobs=6: this endpoint returns at most 5 alternatives"),
+        (json.dumps({"model": "policy", "messages": USER, "top_logprobs": 2}), {}, TOKEN, 400,
+         "top_logprobs needs logprobs: true"),
+        (json.dumps({"model": "policy", "messages": USER, "stop": ["a", "b", "c", "d", "e"]}), {},
+         TOKEN, 400, "stop: at most 4 strings of 1-64 characters"),
+        (json.dumps({"model": "policy", "messages": USER, "stop": ["x" * 65]}), {}, TOKEN, 400,
+         "stop: at most 4 strings of 1-64 characters"),
         (json.dumps({"model": "policy", "messages": USER, "temperature": "hot"}), {}, TOKEN, 400,
          "$.temperature"),
         (json.dumps({"model": "policy", "messages": USER, "secret": 1}), {}, TOKEN, 400,
@@ -514,3 +522,152 @@ def test_a_bounded_load_loses_no_request_and_leaves_nothing_open(served):
     assert turns == [2] * 24
     assert served.endpoint.book.num_open == before
     assert threading.active_count() < 200
+
+
+# ---------------------------------------------------------------------- stop strings, top_logprobs
+def test_a_multi_token_stop_string_cuts_the_text_and_the_next_turn_goes_on_exactly(served):
+    # A turn's tokens depend only on (weights, prompt, seed): a free turn shows the text;
+    # a stop string inside the text of three of its tokens then ends the turn at the
+    # token that completed it. The text returned (and streamed) stops before it, the
+    # record holds the tokens as sampled through that token, and the next turn extends
+    # the kept KV and draws what a fresh prefill of the same history draws.
+    tok = served.endpoint.turns.ctx.tokenizer
+    engine = served.backend.service.engines[0]
+    with served.client.episode() as (oc, _):
+        free = _chat(oc, USER, max_tokens=16, seed=7, extra_body={"ignore_eos": True})
+    ids = free.choices[0].model_extra["token_ids"]
+    stop = tok.decode(ids[4:7])[1:-1]  # inside the text of three tokens
+    assert len(tok.encode(stop)) > 1 and stop not in tok.decode(ids[:6])
+    j = next(j for j in range(len(ids)) if stop in tok.decode(ids[: j + 1]))
+    whole = tok.decode(ids[: j + 1])
+    eid = served.client.open()
+    oc = served.client.openai(eid)
+    r1 = _chat(oc, USER, max_tokens=16, seed=7, stop=[stop, "never"], logprobs=True)
+    c1 = r1.choices[0]
+    assert c1.finish_reason == "stop" and c1.message.content == whole[: whole.find(stop)]
+    assert c1.model_extra["token_ids"] == ids[: j + 1] and stop not in c1.message.content
+    assert len(c1.logprobs.content) == j + 1
+    rec = served.endpoint.book._open[eid]
+    np.testing.assert_array_equal(rec.sample.policy_token_ids(), ids[: j + 1])
+    extended = engine.metrics()["extended"]
+    history = [*USER, {"role": "assistant", "content": c1.message.content},
+               {"role": "user", "content": "And then?"}]  # fmt: skip
+    r2 = _chat(oc, history, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    assert engine.metrics()["extended"] == extended + 1
+    s = served.endpoint.book.close(eid).sample
+    oc.close()
+    ids2 = r2.choices[0].model_extra["token_ids"]
+    np.testing.assert_array_equal(s.policy_token_ids(), ids[: j + 1] + ids2)
+    env = s.response[j + 1 : len(s.response) - len(ids2)]
+    # the policy did not end its turn: the template's closing comes first
+    assert tok.decode(env, skip_special_tokens=False).startswith("<|im_end|>")
+    # The same history prefilled afresh (no kept slot) draws the same tokens.
+    m = len(s.response) - len(ids2)  # the history: the first turn and the template's
+    cont = Continuation(
+        tokens=s.response[:m], logprobs=s.logprobs[:m], sampling_logprobs=s.sampling_logprobs[:m],
+        versions=s.versions()[:m], policy_mask=s.policy_mask[:m],
+    )  # fmt: skip
+    ref = served.backend.submit(
+        GenerationRequest(
+            request_id="fresh-prefill",
+            prompt=s.prompt.tolist(),
+            seed=s.seed,
+            max_new_tokens=j + 1 + 5,
+            forced_length=j + 1 + 5,
+            continuation=cont,
+            sampling=SamplingParams(temperature=0.0),
+        )
+    ).result(timeout=120)
+    np.testing.assert_array_equal(ref.response, s.response)
+    np.testing.assert_allclose(ref.logprobs, s.logprobs, atol=1e-4)
+    # Streamed, the stop string's text never appears either.
+    with served.client.episode() as (oc, _):
+        stream = _chat(oc, USER, max_tokens=16, seed=7, stop=stop, stream=True)
+        chunks = [ch for ch in stream if ch.choices]
+    shown = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    assert shown == c1.message.content and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def _check_alternatives(tok, content, s) -> int:
+    """Chat's `logprobs.content` against the record `s`: each token's 3 alternatives are
+    the texts of the recorded ids with their log-probs, most likely first; the sampled
+    token's entry equals its log-prob when it is among them (returns how often), else
+    they are all likelier."""
+    assert len(content) == s.num_tokens
+    found = 0
+    for i, e in enumerate(content):
+        top = e.top_logprobs
+        assert [a.token for a in top] == [
+            tok.decode([t], skip_special_tokens=False) for t in s.top_ids[i, :3]
+        ]
+        assert [a.logprob for a in top] == s.top_logprobs[i, :3].tolist()
+        assert [a.logprob for a in top] == sorted((a.logprob for a in top), reverse=True)
+        assert all(bytes(a.bytes) == a.token.encode() for a in top)
+        hit = [a for a, t in zip(top, s.top_ids[i, :3], strict=True) if t == s.response[i]]
+        if hit:
+            found += 1
+            assert hit[0].logprob == e.logprob
+        else:
+            assert top[-1].logprob >= e.logprob
+    return found
+
+
+def test_top_logprobs_in_chat_and_completions(served):
+    # Each token's alternatives under the model's own distribution (as `logprobs`), most
+    # likely first; the sampled token's entry equals its log-prob when it is among them;
+    # each alternative is the text of the recorded id.
+    tok = served.endpoint.turns.ctx.tokenizer
+    for temperature in (1.0, 0.0):  # (greedy: every token the most likely)
+        eid = served.client.open()
+        oc = served.client.openai(eid)
+        r = _chat(oc, USER, max_tokens=6, temperature=temperature, logprobs=True, top_logprobs=3)
+        s = served.endpoint.book.close(eid).sample
+        oc.close()
+        found = _check_alternatives(tok, r.choices[0].logprobs.content, s)
+        if temperature == 0:
+            assert found == s.num_tokens
+    # Streamed, each chunk carries its tokens' alternatives (the engine reports them
+    # with the tokens): joined, the same entries as the record's.
+    with served.client.episode() as (oc, eid):
+        stream = _chat(oc, USER, max_tokens=6, logprobs=True, top_logprobs=3, stream=True)
+        content = [e for ch in stream if ch.choices and ch.choices[0].logprobs
+                   for e in ch.choices[0].logprobs.content]  # fmt: skip
+        s = served.endpoint.book._open[eid].sample
+    _check_alternatives(tok, content, s)
+    with served.client.episode() as (oc, eid):
+        c = oc.completions.create(
+            model="policy", prompt="Once upon a time", max_tokens=5, logprobs=2, temperature=0
+        )
+        s = served.endpoint.book._open[eid].sample
+    lp = c.choices[0].logprobs
+    assert len(lp.top_logprobs) == len(lp.tokens) == s.num_tokens
+    for i, (d, piece, v) in enumerate(zip(lp.top_logprobs, lp.tokens, lp.token_logprobs,
+                                          strict=True)):  # fmt: skip
+        assert list(d.values()) == sorted(d.values(), reverse=True) and 1 <= len(d) <= 2
+        assert list(d) == [tok.decode([t], skip_special_tokens=False) for t in s.top_ids[i, :2]]
+        assert d[piece] == v  # greedy: the sampled token is the most likely
+    with served.client.episode() as (oc, _):
+        with pytest.raises(openai.BadRequestError, match=r"logprobs=21 must be in \[0, 20\]"):
+            oc.completions.create(model="policy", prompt="x", logprobs=21)
+        with pytest.raises(openai.BadRequestError, match="at most 5 alternatives"):
+            oc.completions.create(model="policy", prompt="x", logprobs=6)
+
+
+def test_a_training_runs_backend_keeps_a_turns_stop_strings():
+    # A run's episode samples as the run does (its placeholder's id, seed, temperature),
+    # but stops where the turn asked: its stop ids and stop strings reach the driver.
+    from streamrl_jax.endpoint.backend import PipelineBackend
+
+    validated = []
+    backend = PipelineBackend(validated.append, lambda q: q)
+    run = SamplingParams(temperature=0.7, top_p=0.9)
+    backend.expect("ep-1", GenerationRequest(request_id="run/3", prompt=[1], max_new_tokens=4,
+                                             sampling=run, seed=11))  # fmt: skip
+    asked = SamplingParams(temperature=0.0, stop_ids=(2,), stop_texts=("END", "\n\n"))
+    backend.submit(GenerationRequest(request_id="ep-1", prompt=[5, 6], max_new_tokens=4,
+                                     sampling=asked))  # fmt: skip
+    q = backend.first("ep-1", timeout=5)
+    assert validated == [q] and (q.request_id, q.seed, q.prompt) == ("run/3", 11, [5, 6])
+    assert q.sampling == SamplingParams(
+        temperature=0.7, top_p=0.9, stop_ids=(2,), stop_texts=("END", "\n\n")
+    )

@@ -405,6 +405,11 @@ def test_lpt_admits_longest_predicted_first(model):
         (dict(sampling=SamplingParams(top_p=0.0)), "top_p"),
         (dict(sampling=SamplingParams(stop_ids=(1, 2, 3, 4, 5))), "stop_ids"),
         (dict(sampling=SamplingParams(stop_ids=(-1,))), "stop_ids"),
+        (dict(sampling=SamplingParams(stop_texts=("",))), "stop_texts"),
+        (dict(sampling=SamplingParams(stop_texts=("x" * 257,))), "stop_texts"),
+        (dict(sampling=SamplingParams(stop_texts=("a",) * 17)), "stop_texts"),
+        # an engine without a detokenizer cannot read text
+        (dict(sampling=SamplingParams(stop_texts=("a",))), "needs an engine built with a"),
     ],
 )
 def test_bad_requests_name_the_field(model, change, field):
@@ -725,3 +730,124 @@ def test_the_metrics_timeline_keeps_the_newest_chunks_and_counts_them_all(model)
     m = engine.metrics()
     assert m["chunks"] > 3 and len(m["timeline"]) == 3
     assert m["timeline"][-1][0] >= m["timeline"][0][0]
+
+
+def _digits(ids) -> str:
+    """A detokenizer whose tokens read as several characters each ("17,4,")."""
+    return "".join(f"{int(i)}," for i in ids)
+
+
+def test_a_stop_text_ends_the_response_with_the_token_that_completes_it(model):
+    # A stop string spanning parts of three tokens: the response ends with the first
+    # token whose text holds it, the tokens its chunk sampled past it are discarded, and
+    # the device stops the slot (no slot decodes once the host has nothing running).
+    greedy = requests(3, sampling=SamplingParams.greedy(), max_new_tokens=20)
+    free = by_id(make_engine(model).run(greedy))
+    stopped, expect = [], {}
+    for r in greedy:
+        tokens = free[r.request_id].response.tolist()
+        stop = _digits(tokens[5:8])[1:-1]  # "7,120,16": ends and starts inside tokens
+        j = next(j for j in range(len(tokens)) if stop in _digits(tokens[: j + 1]))
+        expect[r.request_id] = tokens[: j + 1]
+        stopped.append(dataclasses.replace(r, sampling=SamplingParams(
+            temperature=0.0, stop_texts=(stop, "never"))))  # fmt: skip
+    engine = make_engine(model, detokenize=_digits)
+    got = by_id(engine.run(stopped))
+    for rid, want in expect.items():
+        s = got[rid]
+        np.testing.assert_array_equal(s.response, want)
+        np.testing.assert_allclose(s.logprobs, free[rid].logprobs[: len(want)], atol=1e-5)
+        assert s.finish_reason == "stop" and len(s.versions()) == len(s.sampling_logprobs)
+    m = engine.metrics()
+    assert m["stopped_on_text"] == 3 and m["discarded_tokens"] > 0
+    assert not np.asarray(jax.device_get(engine._state.active)).any()
+    # The engine goes on serving as a fresh one would; a forced length ignores stop texts.
+    again = requests(4, seed=7)
+    assert_same(by_id(engine.run(again)), by_id(make_engine(model).run(again)))
+    forced = dataclasses.replace(stopped[0], forced_length=12)
+    (s,) = engine.run([forced])
+    assert s.finish_reason == "forced" and s.num_tokens == 12
+
+
+def test_an_episode_turn_after_a_stop_text_extends_the_kept_kv_as_a_re_prefill_would(model):
+    # A cut slot's KV holds the discarded tokens past its response; the slot is kept with
+    # the record of what its response means (prompt + response but its last token), and
+    # the next turn, appended there in place, overwrites them: it draws what re-prefilling
+    # the whole history draws (tokens equal, log-probs within 1e-4).
+    reqs = requests(4, seed=5, max_new_tokens=20, keep_kv=True)
+    free = by_id(make_engine(model).run([dataclasses.replace(r, keep_kv=False) for r in reqs]))
+    cut = []
+    for r in reqs:
+        stop = _digits(free[r.request_id].response[5:7])[:-1]
+        cut.append(
+            dataclasses.replace(r, sampling=dataclasses.replace(SAMPLED, stop_texts=(stop,)))
+        )
+    kept = make_engine(model, detokenize=_digits)
+    first = by_id(kept.run(cut))
+    assert all(s.finish_reason == "stop" and s.num_tokens < 20 for s in first.values())
+    assert kept.metrics()["discarded_tokens"] > 0 and kept.num_held == 4
+    rng = np.random.default_rng(2)
+    env = [rng.integers(0, CFG.vocab_size, size=n).tolist() for n in (2, 7, 1, 4)]
+    turns = [
+        GenerationRequest.next_turn(first[r.request_id], env[i], 6, sampling=SAMPLED)
+        for i, r in enumerate(reqs)
+    ]
+    extended = by_id(kept.run(turns))
+    fresh = make_engine(model, detokenize=_digits)
+    reprefilled = by_id(fresh.run([dataclasses.replace(t, keep_kv=False) for t in turns]))
+    assert (kept.metrics()["extended"], kept.metrics()["reprefilled"]) == (4, 0)
+    for rid, s in extended.items():
+        ref = reprefilled[rid]
+        np.testing.assert_array_equal(s.response, ref.response)
+        np.testing.assert_allclose(s.logprobs, ref.logprobs, atol=1e-4)
+        n = first[rid].num_tokens
+        np.testing.assert_array_equal(s.response[:n], first[rid].response)
+
+
+def test_top_logprobs_come_with_every_token_and_compile_to_nothing_when_off(model):
+    graphdef, params, _ = model
+    reqs = [*requests(3, seed=3), *requests(2, seed=4, sampling=SamplingParams.greedy())]
+    reqs = [dataclasses.replace(r, request_id=i) for i, r in enumerate(reqs)]
+    plain = make_engine(model)
+    engine = make_engine(model, top_logprobs=5)
+    got, want = by_id(engine.run(reqs)), by_id(plain.run(reqs))
+    assert_same(got, want)  # the samples are unchanged
+    assert want[0].top_ids is None and want[0].top_logprobs is None
+
+    @jax.jit
+    def full_logp(params, tokens_1xS, mask_1xS):
+        m = nnx.merge(graphdef, params)
+        return jax.nn.log_softmax(m.logits(m.hidden_states(tokens_1xS, mask_1xS)), axis=-1)
+
+    for s in got.values():
+        assert s.top_ids.shape == s.top_logprobs.shape == (s.num_tokens, 5)
+        assert np.all(np.diff(s.top_logprobs, axis=1) <= 0)  # most likely first
+        hit = s.top_ids == s.response[:, None]
+        among = hit.any(axis=1)
+        np.testing.assert_array_equal(s.top_logprobs[hit], s.logprobs[among])
+        assert np.all(s.top_logprobs[~among, -1] >= s.logprobs[~among])
+        # the full forward's distribution at every response position
+        seq = np.r_[s.prompt, s.response[:-1]]
+        tokens = np.zeros((1, ENGINE.max_total_length), np.int32)
+        tokens[0, : len(seq)] = seq
+        mask = np.arange(ENGINE.max_total_length)[None] < len(seq)
+        logp = np.asarray(full_logp(params, jnp.asarray(tokens), jnp.asarray(mask)))
+        ref = logp[0, len(s.prompt) - 1 : len(seq)]
+        np.testing.assert_allclose(
+            s.top_logprobs, np.take_along_axis(ref, s.top_ids, axis=1), atol=1e-4
+        )
+        assert np.all(s.top_logprobs[:, -1] >= np.sort(ref, axis=1)[:, -5] - 1e-4)
+    # A continuation's tokens were not sampled here: no alternatives (-1, -inf).
+    (first,) = engine.run([dataclasses.replace(reqs[0], keep_kv=True, max_new_tokens=3)])
+    (second,) = engine.run([GenerationRequest.next_turn(first, [1, 2], 3)])
+    k = first.num_tokens + 2
+    assert np.all(second.top_ids[:k] == -1) and np.all(second.top_logprobs[:k] == -np.inf)
+    assert np.all(second.top_ids[k:] >= 0)
+    # Off (0), prefill and decode compute no top-k at all.
+    for e, on in ((plain, False), (engine, True)):
+        idx = jax.device_put(np.arange(ENGINE.num_slots, dtype=np.int32), e._repl)
+        adm = jax.device_put(e._admission([], 16), e._repl)
+        chunk = e._chunk.lower(e._params, e._state, idx, seq=ENGINE.max_total_length)
+        prefill = e._prefill_keep.lower(e._params, e._state, e._store, adm)
+        assert ("chlo.top_k" in chunk.as_text()) == on
+        assert ("chlo.top_k" in prefill.as_text()) == on

@@ -97,5 +97,5 @@ def test_a_feed_coalesces_reports_and_refuses_one_out_of_order():
         return [first, feed.take(), feed.broken]
 
     first, after, broken = asyncio.run(run())
-    assert first == ([7, 8, 9], [-0.5] * 3, [3] * 3)
-    assert after == ([], [], []) and broken
+    assert first == ([7, 8, 9], [-0.5] * 3, [3] * 3, [[], [], []])  # no alternatives kept
+    assert after == ([], [], [], []) and broken

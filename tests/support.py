@@ -201,13 +201,15 @@ def lively_model(seeds: tuple[int, ...]) -> tuple[Any, ...]:
     return graphdef, *(init(jax.random.key(s)) for s in seeds)
 
 
-def make_engine(model: tuple[Any, ...], on_chunk: Any = None, **overrides: Any) -> Engine:
+def make_engine(
+    model: tuple[Any, ...], on_chunk: Any = None, detokenize: Any = None, **overrides: Any
+) -> Engine:
     """An engine on one device with the first weights of `model` (`conftest.model`),
-    configured as `ENGINE` with `overrides`."""
+    configured as `ENGINE` with `overrides` (`detokenize`: for stop strings)."""
     graphdef, params, _ = model
     mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
     cfg = dataclasses.replace(ENGINE, **overrides)
-    return Engine(graphdef, params, CFG, cfg, mesh, on_chunk=on_chunk)
+    return Engine(graphdef, params, CFG, cfg, mesh, on_chunk=on_chunk, detokenize=detokenize)
 
 
 def requests(n: int, sampling=SAMPLED, seed: int = 0, **kw: Any) -> list[GenerationRequest]:

@@ -414,3 +414,43 @@ HOSTILE_EPISODES = {
 def test_decode_refuses_a_tampered_episode(name):
     change, expect = HOSTILE_EPISODES[name]
     assert expect in _refused(_tampered(make_episode(), change))
+
+
+def make_top(k: int = 5) -> Sample:
+    """`make_sample` with each token's k alternatives (`EngineConfig.top_logprobs`)."""
+    s = make_sample()
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 49152, (s.num_tokens, k), dtype=np.int32)
+    ids[:3] = -1  # a continuation's tokens: none
+    lp = np.sort(-rng.exponential(size=(s.num_tokens, k)).astype(np.float32), axis=1)[:, ::-1]
+    lp[:3] = -np.inf
+    return dataclasses.replace(s, top_ids=ids, top_logprobs=lp)
+
+
+def test_top_logprobs_cross_the_wire_bit_exact():
+    sent = make_top()
+    got = wire.decode(wire.encode(sent), source=SOURCE)
+    assert got.top_ids.dtype == np.int32 and got.top_logprobs.dtype == np.float32
+    np.testing.assert_array_equal(got.top_ids, sent.top_ids)
+    assert got.top_logprobs.tobytes() == np.ascontiguousarray(sent.top_logprobs).tobytes()
+    with pytest.raises(ValueError, match=r"int32 and float32 \[256, k\]"):
+        wire.encode(dataclasses.replace(sent, top_ids=sent.top_ids[:-1]))
+    with pytest.raises(ValueError, match="got int32.* and NoneType"):
+        wire.encode(dataclasses.replace(sent, top_logprobs=None))
+    with pytest.raises(ValueError, match=r"1 <= k <= 64"):
+        wire.encode(make_top(k=65))
+
+
+@pytest.mark.parametrize(
+    "change, expect",
+    [
+        (_set("top.ids", b"\0" * 4 * 255 * 5), "$.top has 5100 and 5120 bytes"),
+        (_set("top.k", 4), "256 tokens x 4 alternatives need 4096 each"),
+        (_set("top.k", 65), "`int` <= 64 - at `$.top.k`"),
+        (_set("top.k", 0), "`int` >= 1 - at `$.top.k`"),
+        (_set("top.logprobs", [0.0]), "got `array` - at `$.top.logprobs`"),
+        (_set("top.extra", 1), "unknown field `extra`"),
+    ],
+)
+def test_decode_refuses_tampered_top_logprobs(change, expect):
+    assert expect in _refused(_tampered(make_top(), change))

@@ -98,12 +98,18 @@ def _chat(**fields) -> bytes:
     return json.dumps({"model": "policy", "messages": USER, **fields}).encode()
 
 
-def _simple(body: bytes, headers: dict | None = None, token: str | None = TOKEN, episode=True):
+def _simple(
+    body: bytes,
+    headers: dict | None = None,
+    token: str | None = TOKEN,
+    episode=True,
+    path: str = "/v1/chat/completions",
+):
     def send(s: dict) -> str:
         h = dict(headers or {})
         if episode:
             h.setdefault("X-Episode-Id", s["client"].open())
-        return _post(s, "/v1/chat/completions", body, h, token)
+        return _post(s, path, body, h, token)
 
     return send
 
@@ -252,6 +258,32 @@ def _tool_cases() -> list[HttpCase]:
     ]  # fmt: skip
 
 
+def _sampling_cases() -> list[HttpCase]:
+    """Stop strings and top log-probs out of bounds (the tiny job's engine keeps no
+    alternatives: `generation.top_logprobs` 0)."""
+    completion = json.dumps({"model": "policy", "prompt": "2 + 2 =", "logprobs": 21}).encode()
+    return [
+        HttpCase("endpoint: top_logprobs past OpenAI's 20", "400 top_logprobs=21 must be in",
+                 _simple(_chat(logprobs=True, top_logprobs=21))),
+        HttpCase("endpoint: top_logprobs past the engine's", "400 top_logprobs=3: this endpoint"
+                 " returns at most 0", _simple(_chat(logprobs=True, top_logprobs=3))),
+        HttpCase("endpoint: top_logprobs without logprobs", "400 top_logprobs needs logprobs",
+                 _simple(_chat(top_logprobs=2))),
+        HttpCase("endpoint: negative top_logprobs", "400 top_logprobs=-1 must be in",
+                 _simple(_chat(logprobs=True, top_logprobs=-1))),
+        HttpCase("endpoint: completions logprobs past 20", "400 logprobs=21 must be in",
+                 _simple(completion, path="/v1/completions")),
+        HttpCase("endpoint: five stop strings", "400 stop: at most 4 strings",
+                 _simple(_chat(stop=["a", "b", "c", "d", "e"]))),
+        HttpCase("endpoint: an empty stop string", "400 stop: at most 4 strings of 1-64",
+                 _simple(_chat(stop=[""]))),
+        HttpCase("endpoint: an oversized stop string", "400 stop: at most 4 strings of 1-64",
+                 _simple(_chat(stop="x" * 65))),
+        HttpCase("endpoint: a stop string not a string", "400 invalid request: Expected `str`",
+                 _simple(_chat(stop=[7]))),
+    ]  # fmt: skip
+
+
 def cases() -> list[HttpCase]:
     big = b'{"model": "policy", "messages": [' + b" " * (2 << 20) + b"]}"
     return [
@@ -276,6 +308,7 @@ def cases() -> list[HttpCase]:
         HttpCase("endpoint: unsupported response format", "400 response_format: only",
                  _simple(_chat(response_format={"type": "json_object"}))),
         *_tool_cases(),
+        *_sampling_cases(),
         HttpCase("endpoint: client leaves mid-stream", "recorded 1 turn(s) of the stream",
                  _leaves_mid_stream),
         HttpCase("endpoint: client never reads", "recorded 1 turn(s) for a client that never",

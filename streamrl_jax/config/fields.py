@@ -143,6 +143,8 @@ RULES: dict[type, dict[str, _Rule]] = {
         "weight_dtype": _one_of(WEIGHT_DTYPES),
         "cpu_dots": _one_of(CPU_DOTS),
         "kv_hold_s": _NONNEG,
+        # generation.engine_config.MAX_TOP_LOGPROBS
+        "top_logprobs": _Rule(lambda v: 0 <= v <= 64, "in [0, 64]"),
     },
     PipelineSection: {
         "mode": _one_of(MODES),

@@ -122,6 +122,10 @@ class GenerationSection:
     # kept longer than this is given up, least recently used first (its next turn then
     # re-prefills); 0: at once (a served endpoint: no request waits on an idle episode)
     kv_hold_s: float = 120.0
+    # each sampled token's k most likely alternatives and their log-probs, kept for the
+    # endpoint's `top_logprobs` (a request may ask up to k); compiled into prefill and
+    # decode, 0 (training: nothing reads them) adds nothing; at most 64
+    top_logprobs: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -21,6 +21,9 @@ so a hostile frame costs at most its own (bounded) size.
 A mixture of experts' route record (`Sample.routes`, routing replay) travels as raw
 u8/u16 ids with its layer and expert counts, its size checked against the sample's
 fed positions on receipt (the ids against the model where the trainer packs them).
+Each token's top log-probs (`Sample.top_ids`, `Sample.top_logprobs`, an engine with
+`EngineConfig.top_logprobs`) travel as raw i32 and f32 [R, k] with their k, their sizes
+checked against the response on receipt.
 
 What does not cross the wire: `Sample.metadata` (the training process looks
 the problem up in its own dataset by `tag.prompt_id`), except an episode's outcome
@@ -64,6 +67,8 @@ _Raw4 = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_TOKENS)]
 _Raw1 = Annotated[bytes, msgspec.Meta(max_length=MAX_TOKENS)]
 MAX_ROUTE_BYTES = 1 << 28  # a sample's route record (positions x layers x k ids)
 _RawRoutes = Annotated[bytes, msgspec.Meta(max_length=MAX_ROUTE_BYTES)]
+MAX_TOP_K = 64  # alternatives per token (`EngineConfig.top_logprobs`)
+_RawTop = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_TOP_K * MAX_TOKENS)]
 
 
 class _Routes(WireStruct):
@@ -75,6 +80,15 @@ class _Routes(WireStruct):
     layers: Annotated[int, msgspec.Meta(ge=1, le=4096)]
     k: Annotated[int, msgspec.Meta(ge=1, le=1024)]
     wide: bool  # u16 (more than 254 experts), else u8
+
+
+class _Top(WireStruct):
+    """Each response token's k most likely tokens (`Sample.top_ids`): i32 ids and f32
+    log-probs, row-major [R, k]."""
+
+    ids: _RawTop
+    logprobs: _RawTop
+    k: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOP_K)]
 
 
 class _Tag(WireStruct):
@@ -129,6 +143,7 @@ class _Sample(WireStruct, tag="sample"):
     policy_mask: _Raw1 | None = None
     episode: _Episode | None = None
     routes: _Routes | None = None  # routing replay (`model.routing_replay`)
+    top: _Top | None = None  # `EngineConfig.top_logprobs`
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -203,6 +218,9 @@ def _encode_sample(s: Sample) -> _Sample:
         wide = r.dtype == np.uint16
         ids = np.ascontiguousarray(r.astype("<u2") if wide else r).tobytes()
         routes = _Routes(ids, r.shape[1], r.shape[2], wide)
+    top = None
+    if s.top_ids is not None or s.top_logprobs is not None:
+        top = _encode_top(s.top_ids, s.top_logprobs, len(response) // 4)
     return _Sample(
         rid,
         prompt,
@@ -221,6 +239,47 @@ def _encode_sample(s: Sample) -> _Sample:
         if episode is None
         else _Episode(ret=episode["return"], **{k: v for k, v in episode.items() if k != "return"}),
         routes,
+        top,
+    )
+
+
+def _encode_top(ids: Any, logprobs: Any, r: int) -> _Top:
+    """A sample's top log-probs, refusing anything but i32 and f32 [r, k], 1 <= k <= 64."""
+    shapes = [
+        f"{a.dtype}{list(a.shape)}" if isinstance(a, np.ndarray) else type(a).__name__
+        for a in (ids, logprobs)
+    ]
+    ok = (
+        isinstance(ids, np.ndarray)
+        and isinstance(logprobs, np.ndarray)
+        and ids.dtype == _I32
+        and logprobs.dtype == _F32
+        and ids.ndim == 2
+        and ids.shape == logprobs.shape
+        and ids.shape[0] == r
+        and 1 <= ids.shape[1] <= MAX_TOP_K
+    )
+    if not ok:
+        raise ValueError(
+            f"wire: Sample.top_ids and top_logprobs must be int32 and float32 [{r}, k] "
+            f"(1 <= k <= {MAX_TOP_K}), got {shapes[0]} and {shapes[1]}"
+        )
+    return _Top(
+        np.ascontiguousarray(ids).tobytes(), np.ascontiguousarray(logprobs).tobytes(), ids.shape[1]
+    )
+
+
+def _top(t: _Top, r: int) -> tuple[np.ndarray, np.ndarray]:
+    """Received top log-probs as i32 and f32 [r, k], their sizes checked."""
+    want = 4 * r * t.k
+    if len(t.ids) != want or len(t.logprobs) != want:
+        raise ValueError(
+            f"$.top has {len(t.ids)} and {len(t.logprobs)} bytes; {r} tokens x {t.k} "
+            f"alternatives need {want} each"
+        )
+    return (
+        np.frombuffer(t.ids, _I32).reshape(r, t.k),
+        np.frombuffer(t.logprobs, _F32).reshape(r, t.k),
     )
 
 
@@ -271,6 +330,7 @@ def _decode_sample(w: _Sample) -> Sample:
     routes = None if w.routes is None else _routes(w.routes, sizes[0] // 4 + sizes[1] // 4 - 1)
     if tag.round != -1 and tag.round < tag.batch:
         raise ValueError(f"$.tag.round is {tag.round}: a round holds batches up to its own")
+    top_ids, top_logprobs = (None, None) if w.top is None else _top(w.top, sizes[1] // 4)
     return Sample(
         request_id=w.request_id,
         prompt=np.frombuffer(w.prompt, _I32),
@@ -286,6 +346,8 @@ def _decode_sample(w: _Sample) -> Sample:
         policy_mask=mask,
         metadata=metadata,
         routes=routes,
+        top_ids=top_ids,
+        top_logprobs=top_logprobs,
         tag=RequestTag(
             batch=tag.batch,
             group=tag.group,

@@ -4,11 +4,14 @@ Bodies are decoded with msgspec into the structs below (unknown fields are refus
 name, types checked), then `check_*` applies the endpoint's limits and refuses, by
 name, every parameter it does not honour. What is honoured: `model` (the one served),
 `messages` / `prompt`, `max_tokens` (`max_completion_tokens`), `temperature`, `top_p`,
-`stop` (strings that are one token each: the engine stops on token ids), `seed` (the
-episode's, fixed by its first request), `stream` (tokens sent as they are generated:
-server.py), `logprobs` (the sampled tokens'
-log-probs; `top_logprobs` > 0 and completions' `logprobs` > 0 are refused: the engine
-does not keep the top-k alternatives), `n` up to `Limits.max_n` (each choice an
+`stop` (up to `Limits.max_stop` strings of any length: the returned text ends before the
+first, the recorded tokens run through the token that completed it: turns.py), `seed`
+(the episode's, fixed by its first request), `stream` (tokens sent as they are
+generated: server.py), `logprobs` (the sampled tokens'
+log-probs) with chat's `top_logprobs` / completions' `logprobs: k` (each token's k most
+likely alternatives, k up to `MAX_TOP_LOGPROBS` and the engine's
+`EngineConfig.top_logprobs`: refused past either, naming the limit; both under the
+unmodified model distribution), `n` up to `Limits.max_n` (each choice an
 episode of its own, forked from the shared prompt; not with `stream`), `tools` and
 `tool_choice` (OpenAI function calling: model/function_calls.py), assistant messages'
 `tool_calls` and `tool` messages answering them by `tool_call_id`, `response_format`
@@ -29,6 +32,8 @@ from typing import Any, Literal
 import msgspec
 
 from streamrl_jax.model import function_calls
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound of `top_logprobs`
 
 
 class ApiError(Exception):
@@ -175,12 +180,19 @@ class Sampling:
     logprobs: bool
     ignore_eos: bool = False
     n: int = 1  # choices: each its own episode, forked from the shared prompt
+    top_logprobs: int = 0  # alternatives per token (with `logprobs`)
 
 
 def check_common(
-    req: _Common, limits: Limits, served: str, max_tokens: int | None, logprobs: bool
+    req: _Common,
+    limits: Limits,
+    served: str,
+    max_tokens: int | None,
+    logprobs: bool,
+    top_logprobs: int = 0,
 ) -> Sampling:
-    """The parameters both APIs share, checked (module docstring)."""
+    """The parameters both APIs share, checked (module docstring); `top_logprobs`: the
+    alternatives per token the request asks for (checked by its API's own check)."""
     if req.model != served:
         raise ApiError(
             404, f"model {req.model[:100]!r} is not served here; it serves {served!r}", "model"
@@ -224,6 +236,7 @@ def check_common(
         logprobs=logprobs,
         ignore_eos=bool(req.ignore_eos),
         n=n,
+        top_logprobs=top_logprobs,
     )
 
 
@@ -250,12 +263,13 @@ def check_chat(req: ChatRequest, limits: Limits, served: str) -> tuple[Chat, Sam
     if len(req.messages) > limits.max_messages:
         n = len(req.messages)
         raise ApiError(400, f"messages: {n} messages; at most {limits.max_messages}", "messages")
-    if req.top_logprobs:
+    top = req.top_logprobs or 0
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
         raise ApiError(
-            400,
-            "top_logprobs > 0 is not supported: only the sampled tokens' log-probs are kept",
-            "top_logprobs",
+            400, f"top_logprobs={top} must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs"
         )
+    if top and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise ApiError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
     try:
@@ -264,7 +278,7 @@ def check_chat(req: ChatRequest, limits: Limits, served: str) -> tuple[Chat, Sam
     except function_calls.ToolError as e:
         raise ApiError(400, str(e), e.param) from None
     max_tokens = req.max_completion_tokens or req.max_tokens
-    sampling = check_common(req, limits, served, max_tokens, bool(req.logprobs))
+    sampling = check_common(req, limits, served, max_tokens, bool(req.logprobs), top)
     return Chat(_messages(req.messages), tools, choice), sampling
 
 
@@ -321,10 +335,12 @@ def check_completion(req: CompletionRequest, limits: Limits, served: str) -> tup
         prompt = prompt[0]
     if not prompt:
         raise ApiError(400, "prompt: a non-empty string is needed", "prompt")
-    if req.logprobs not in (None, 0):
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise ApiError(
             400,
-            f"logprobs={req.logprobs}: only 0 (the sampled tokens' log-probs) is supported",
+            f"logprobs={req.logprobs} must be in [0, {MAX_TOP_LOGPROBS}] (the sampled tokens' "
+            "log-probs and that many alternatives each)",
             "logprobs",
         )
-    return prompt, check_common(req, limits, served, req.max_tokens, req.logprobs == 0)
+    logprobs, top = req.logprobs is not None, req.logprobs or 0
+    return prompt, check_common(req, limits, served, req.max_tokens, logprobs, top)

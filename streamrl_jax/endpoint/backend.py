@@ -149,7 +149,11 @@ class PipelineBackend:
             p = self._placeholder.get(eid)
             if p is None:
                 raise ValueError(f"episode {eid} is not one of the run's")
-            sampling = dataclasses.replace(p.sampling, stop_ids=request.sampling.stop_ids)
+            sampling = dataclasses.replace(
+                p.sampling,
+                stop_ids=request.sampling.stop_ids,
+                stop_texts=request.sampling.stop_texts,
+            )
             q = dataclasses.replace(
                 request, request_id=p.request_id, tag=p.tag, metadata=p.metadata, seed=p.seed,
                 sampling=sampling,

@@ -281,16 +281,48 @@ def _token_text(turns: Turns, ids: np.ndarray, start: int = 0) -> list[str]:
     return out
 
 
-def _logprob_entries(turns: Turns, ids: Any, logprobs: Any) -> list[dict[str, Any]]:
-    """Chat `logprobs.content` entries of tokens `ids` with their log-probs."""
-    tok = turns.ctx.tokenizer
+def _token_entry(turns: Turns, token: int, logprob: float) -> dict[str, Any]:
+    text = turns.ctx.tokenizer.decode([token], skip_special_tokens=False)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+Alternatives = list[tuple[int, float]]  # a token's most likely (id, log-prob), likeliest first
+
+
+def _alternatives(turn: Turn) -> list[Alternatives]:
+    """Each token of `turn` with the alternatives the engine kept (none: empty)."""
+    if turn.top_ids is None or turn.top_logprobs is None:
+        return [[] for _ in turn.token_ids]
+    ids, lps = turn.top_ids.tolist(), turn.top_logprobs.tolist()
+    return [list(zip(i, lp, strict=True)) for i, lp in zip(ids, lps, strict=True)]
+
+
+def _logprob_entries(
+    turns: Turns, ids: Any, logprobs: Any, tops: list[Alternatives], s: api.Sampling
+) -> list[dict[str, Any]]:
+    """Chat's `logprobs.content`: each token, its log-prob and its `s.top_logprobs`
+    alternatives."""
     entries = []
-    for t, lp in zip(np.asarray(ids).tolist(), np.asarray(logprobs).tolist(), strict=True):
-        text = tok.decode([t], skip_special_tokens=False)
-        entries.append(
-            {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
-        )
+    ids, lps = np.asarray(ids).tolist(), np.asarray(logprobs).tolist()
+    for t, lp, top in zip(ids, lps, tops, strict=True):
+        alternatives = [_token_entry(turns, i, v) for i, v in top[: s.top_logprobs]]
+        entries.append({**_token_entry(turns, t, lp), "top_logprobs": alternatives})
     return entries
+
+
+def _top_dicts(turns: Turns, tops: list[Alternatives], s: api.Sampling) -> list | None:
+    """Completions' `top_logprobs`: per token {text: log-prob} of its `s.top_logprobs`
+    alternatives (two that read the same: the likelier), None when none were asked for."""
+    if not s.top_logprobs:
+        return None
+    tok = turns.ctx.tokenizer
+    out = []
+    for top in tops:
+        d: dict[str, float] = {}
+        for i, v in top[: s.top_logprobs]:
+            d.setdefault(tok.decode([i], skip_special_tokens=False), v)
+        out.append(d)
+    return out
 
 
 def _usage(turns: Turn | list[Turn]) -> dict[str, int]:
@@ -331,11 +363,12 @@ def _message(turn: Turn) -> dict[str, Any]:
 def chat_body(ep: Endpoint, turns: list[Turn], s: api.Sampling) -> dict[str, Any]:
     choices = []
     for i, turn in enumerate(turns):
-        logprobs = (
-            {"content": _logprob_entries(ep.turns, turn.token_ids, turn.logprobs)}
-            if s.logprobs
-            else None
-        )
+        logprobs = None
+        if s.logprobs:
+            entries = _logprob_entries(
+                ep.turns, turn.token_ids, turn.logprobs, _alternatives(turn), s
+            )
+            logprobs = {"content": entries}
         choices.append(
             {
                 "index": i,
@@ -362,7 +395,7 @@ def completion_body(ep: Endpoint, turns: list[Turn], s: api.Sampling) -> dict[st
             logprobs = {
                 "tokens": pieces,
                 "token_logprobs": turn.logprobs.tolist(),
-                "top_logprobs": None,
+                "top_logprobs": _top_dicts(ep.turns, _alternatives(turn), s),
                 "text_offset": offsets,
             }
         choices.append(
@@ -457,8 +490,8 @@ async def chat_events(
     def event(choices: list, **more: Any) -> bytes:
         return _event({**base, "choices": choices, **more})
 
-    def piece(text: str | None, ids: Any, logprobs: Any, versions: Any) -> bytes:
-        entries = _logprob_entries(ep.turns, ids, logprobs) if s.logprobs else None
+    def piece(text: str | None, ids: Any, logprobs: Any, versions: Any, tops: Any) -> bytes:
+        entries = _logprob_entries(ep.turns, ids, logprobs, tops, s) if s.logprobs else None
         choice = {
             "index": 0,
             "delta": {"content": text} if text else {},
@@ -472,21 +505,22 @@ async def chat_events(
     first = {"role": "assistant", "content": ""}
     yield event([{"index": 0, "delta": first, "logprobs": None, "finish_reason": None,
                   "episode_id": sub.rec.id}])  # fmt: skip
-    shown, held, sent = _shown(ep, sub, s), ([], [], []), 0
+    shown, held, sent = _shown(ep, sub, s), ([], [], [], []), 0
     async for got in _as_sampled(sub, task):
         for have, new in zip(held, got, strict=True):
             have.extend(new)
         text = shown.add(got[0])
         if text:
             yield piece(text, *held)
-            sent, held = sent + len(held[0]), ([], [], [])
+            sent, held = sent + len(held[0]), ([], [], [], [])
     turn = await _recorded(ep, task)
     if isinstance(turn, bytes):
         yield turn
         return
     rest = _rest(ep, shown, turn.content)
     if rest or sent < len(turn.token_ids):
-        yield piece(rest, turn.token_ids[sent:], turn.logprobs[sent:], turn.versions[sent:])
+        tail = turn.token_ids[sent:], turn.logprobs[sent:], turn.versions[sent:]
+        yield piece(rest, *tail, _alternatives(turn)[sent:])
     for i, c in enumerate(turn.calls):
         delta = {"tool_calls": [{"index": i, **c.openai()}]}
         yield event([{"index": 0, "delta": delta, "finish_reason": None}])
@@ -504,13 +538,15 @@ async def completion_events(
     recorded turn adds, with the finish."""
     base = _header(ep, sub.rec.id, "cmpl", "text_completion")
 
-    def piece(text: str, ids: Any, versions: Any, lps: Any, at: list, finish: Any) -> bytes:
+    def piece(
+        text: str, ids: Any, versions: Any, lps: Any, tops: Any, at: list, finish: Any
+    ) -> bytes:
         logprobs = None
         if s.logprobs:
             logprobs = {
                 "tokens": [p for p, _ in at],
                 "token_logprobs": np.asarray(lps).tolist(),
-                "top_logprobs": None,
+                "top_logprobs": _top_dicts(ep.turns, tops, s),
                 "text_offset": [o for _, o in at],
             }
         choice = {
@@ -523,7 +559,7 @@ async def completion_events(
         }
         return _event({**base, "choices": [choice]})
 
-    shown, held, sent, every, offset = _shown(ep, sub, s), ([], [], []), 0, [], 0
+    shown, held, sent, every, offset = _shown(ep, sub, s), ([], [], [], []), 0, [], 0
     async for got in _as_sampled(sub, task):
         for have, new in zip(held, got, strict=True):
             have.extend(new)
@@ -535,9 +571,9 @@ async def completion_events(
                 for p in _token_text(ep.turns, np.asarray(every[: sent + len(held[0])]), sent):
                     at.append((p, offset))
                     offset += len(p)
-            ids, lps, versions = held
-            yield piece(text, ids, versions, lps, at, None)
-            sent, held = sent + len(ids), ([], [], [])
+            ids, lps, versions, tops = held
+            yield piece(text, ids, versions, lps, tops, at, None)
+            sent, held = sent + len(ids), ([], [], [], [])
     turn = await _recorded(ep, task)
     if isinstance(turn, bytes):
         yield turn
@@ -545,7 +581,7 @@ async def completion_events(
     at = _shown_pieces(ep, turn)[sent:] if s.logprobs else []
     rest = _rest(ep, shown, turn.text)
     tail = (turn.token_ids[sent:], turn.versions[sent:], turn.logprobs[sent:])
-    yield piece(rest, *tail, at, turn.finish_reason)
+    yield piece(rest, *tail, _alternatives(turn)[sent:], at, turn.finish_reason)
     if s.include_usage:
         yield _event({**base, "choices": [], "usage": _usage(turn)})
     yield b"data: [DONE]\n\n"

@@ -43,6 +43,7 @@ class TokenFeed:
         self._ids: list[int] = []
         self._logprobs: list[float] = []
         self._versions: list[int] = []
+        self._tops: list[list[tuple[int, float]]] = []  # each token's alternatives
         self._next = start
         self._woken = False
         self.broken = False  # a report out of order: the rest comes with the final turn
@@ -58,6 +59,13 @@ class TokenFeed:
             self._ids.extend(delta.tokens.tolist())
             self._logprobs.extend(delta.logprobs.tolist())
             self._versions.extend(delta.versions.tolist())
+            if delta.top_ids is None or delta.top_logprobs is None:
+                self._tops.extend([] for _ in range(len(delta.tokens)))
+            else:
+                ids, lps = delta.top_ids.tolist(), delta.top_logprobs.tolist()
+                self._tops.extend(
+                    list(zip(i, v, strict=True)) for i, v in zip(ids, lps, strict=True)
+                )
             self._next += len(delta.tokens)
             wake, self._woken = not self._woken, True
         if wake:  # (a loop closed, its server stopped: nobody reads)
@@ -68,11 +76,12 @@ class TokenFeed:
         """Until tokens are buffered (or were, since the last `take`)."""
         await self._ready.wait()
 
-    def take(self) -> tuple[list[int], list[float], list[int]]:
-        """Every token buffered (ids, log-probs, versions), in order; on the loop."""
+    def take(self) -> tuple[list[int], list[float], list[int], list[list[tuple[int, float]]]]:
+        """Every token buffered (ids, log-probs, versions, alternatives), in order; on the
+        loop."""
         with self._lock:
-            out = self._ids, self._logprobs, self._versions
-            self._ids, self._logprobs, self._versions = [], [], []
+            out = self._ids, self._logprobs, self._versions, self._tops
+            self._ids, self._logprobs, self._versions, self._tops = [], [], [], []
             self._woken = False
             self._ready.clear()
         return out

@@ -10,6 +10,12 @@ appended to the recorded tokens with policy mask False. The engine continues the
 episode's slot with them (KV extended in place when the slot is still kept). A
 completions episode works the same on text: a later prompt must extend the recorded
 text (prompt and completions so far), and only the extension is tokenised.
+
+Stop strings are the engine's `SamplingParams.stop_texts`: it ends a turn with the
+token that completed one (the tokens recorded are exactly those sampled, through that
+token), and the turn's text is cut before the first stop string (OpenAI's: the text
+returned does not contain it). The next turn goes on from the recorded tokens, with the
+template's closing of a turn the policy did not end itself.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ class Turn:
     token_ids: np.ndarray  # i32[K] the policy's new tokens
     logprobs: np.ndarray  # f32[K] their behaviour log-probs
     versions: np.ndarray  # i32[K] the weights version that sampled each
-    text: str  # the completion text (stop tokens not included)
+    text: str  # the completion text (stop tokens and stop strings not included)
     finish_reason: str  # "stop", "length" or "tool_calls"
     prompt_tokens: int  # tokens the model read before this completion
     episode: str = ""  # the episode's id
@@ -54,6 +60,10 @@ class Turn:
     content: str | None = None
     calls: tuple[function_calls.Call, ...] = ()
     malformed: bool = False  # call markup that could not be read (returned as text)
+    # i32[K, k], f32[K, k] each token's k most likely alternatives and their log-probs
+    # (an engine with `EngineConfig.top_logprobs` k); None otherwise
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +73,13 @@ class Context:
     tokenizer: Tokenizer
     max_prompt_length: int
     max_total_length: int
+    top_logprobs: int = 0  # alternatives per token the engine keeps
 
     @classmethod
     def of(cls, tokenizer: Tokenizer, engine: EngineConfig) -> Context:
-        return cls(tokenizer, engine.max_prompt_length, engine.max_total_length)
+        return cls(
+            tokenizer, engine.max_prompt_length, engine.max_total_length, engine.top_logprobs
+        )
 
 
 class Turns:
@@ -201,24 +214,24 @@ class Turns:
         )
 
     def sampling(self, s: Sampling) -> SamplingParams:
-        """The engine's sampling of `s` (stop strings as token ids).
+        """The engine's sampling of `s` (its stop strings read by the engine on text).
 
         Raises:
-          ApiError: a stop string that is not one token.
+          ApiError: more alternatives per token than the engine keeps.
         """
-        extra = []
-        for text in s.stop:
-            ids = self.ctx.tokenizer.encode(text)
-            if len(ids) != 1:
-                raise ApiError(
-                    400,
-                    f"stop: {text[:64]!r} is {len(ids)} tokens; only single-token stop strings "
-                    "are supported (the engine stops on token ids)",
-                    "stop",
-                )
-            extra.append(ids[0])
-        stops = tuple(dict.fromkeys([*self._stops, *extra]))
-        return SamplingParams(temperature=s.temperature, top_p=s.top_p, stop_ids=stops)
+        if s.top_logprobs > self.ctx.top_logprobs:
+            raise ApiError(
+                400,
+                f"top_logprobs={s.top_logprobs}: this endpoint returns at most "
+                f"{self.ctx.top_logprobs} alternatives per token (its engine's top_logprobs)",
+                "top_logprobs",
+            )
+        return SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            stop_ids=self._stops,
+            stop_texts=tuple(dict.fromkeys(s.stop)),
+        )
 
     # ------------------------------------------------------------------ samples
     def commit(
@@ -229,10 +242,10 @@ class Turns:
         start = request.history
         new = sample.response[start:]
         finish = "stop" if sample.finish_reason == "stop" else "length"
-        shown = new
-        if finish == "stop" and int(new[-1]) not in self._stops:
-            shown = new[:-1]  # a stop string ends the completion and is not part of it
-        text = self.ctx.tokenizer.decode(shown)
+        text = _before_stop(self.ctx.tokenizer.decode(new), request.sampling.stop_texts)
+        top = (None, None)
+        if sample.top_ids is not None and sample.top_logprobs is not None:
+            top = (sample.top_ids[start:], sample.top_logprobs[start:])
         turn = Turn(
             token_ids=np.asarray(new, np.int32),
             logprobs=np.asarray(sample.logprobs[start:], np.float32),
@@ -241,6 +254,8 @@ class Turns:
             finish_reason=finish,
             prompt_tokens=len(request.prompt) + start,
             episode=rec.id,
+            top_ids=top[0],
+            top_logprobs=top[1],
         )
         if isinstance(said, Chat):
             turn = self._message(rec, turn, said)
@@ -275,6 +290,12 @@ class Turns:
         return dataclasses.replace(
             turn, content=read.content, calls=calls, finish_reason="tool_calls"
         )
+
+
+def _before_stop(text: str, stops: tuple[str, ...]) -> str:
+    """`text` up to its first stop string (all of it when it holds none)."""
+    at = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[: min(at)] if at else text
 
 
 def _seed_of(eid: str) -> int:

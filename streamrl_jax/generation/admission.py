@@ -169,14 +169,18 @@ def init_store(num_slots: int, vocab_size: int) -> jax.Array:
 
 
 def prefill_keep(
-    model: GenModel, state: slots_lib.SlotState, store: jax.Array, adm: slots_lib.Admission
+    model: GenModel,
+    state: slots_lib.SlotState,
+    store: jax.Array,
+    adm: slots_lib.Admission,
+    top: int = 0,
 ) -> tuple[slots_lib.SlotState, jax.Array, slots_lib.PrefillOut]:
     """`slots.prefill_into_slots`, also keeping each row's logits in its slot's store row."""
     logits_NxV, cache, routes = model.prefill(
         adm.tokens, adm.lengths, state.cache, adm.slots, adm.adapter
     )
     store = store.at[adm.slots].set(logits_NxV, mode="drop")
-    state, out = slots_lib.start_rows(state.replace(cache=cache), adm, logits_NxV)
+    state, out = slots_lib.start_rows(state.replace(cache=cache), adm, logits_NxV, top)
     return state, store, out.replace(routes=routes)
 
 
@@ -185,6 +189,7 @@ def fork_into_slots(
     store: jax.Array,
     adm: slots_lib.Admission,
     src_N: jax.Array,
+    top: int = 0,
 ) -> tuple[slots_lib.SlotState, jax.Array, slots_lib.PrefillOut]:
     """Starts each row in `adm.slots` from source slot `src_N` (same prompt): copies its
     KV at positions [0, P) (P = the width of `adm.tokens`, whose values are unused: the
@@ -207,5 +212,5 @@ def fork_into_slots(
     )
     logits_NxV = store[src_N]
     store = store.at[adm.slots].set(logits_NxV, mode="drop")
-    state, out = slots_lib.start_rows(state.replace(cache=cache), adm, logits_NxV)
+    state, out = slots_lib.start_rows(state.replace(cache=cache), adm, logits_NxV, top)
     return state, store, out

@@ -115,16 +115,21 @@ def _put(dst: jax.Array, rows: jax.Array, src: jax.Array, full: bool) -> jax.Arr
 
 
 def decode_compact(
-    model: GenModel, state: slots_lib.SlotState, rows: jax.Array, steps: int, seq: int
+    model: GenModel,
+    state: slots_lib.SlotState,
+    rows: jax.Array,
+    steps: int,
+    seq: int,
+    top: int = 0,
 ) -> tuple[slots_lib.SlotState, slots_lib.ChunkOut]:
     """`slots.decode_chunk` on rows `rows` (i32[R], ascending, distinct) and the first
-    `seq` cache positions; returns the full state and the chunk's outputs for those rows
-    (row i of the outputs is slot rows[i])."""
+    `seq` cache positions (`top`: as there); returns the full state and the chunk's
+    outputs for those rows (row i of the outputs is slot rows[i])."""
     cache = state.cache
     b, s = cache.num_slots, cache.max_length
     all_rows = rows.shape[0] == b  # ascending and distinct: rows == arange(b)
     if all_rows and seq == s:
-        return slots_lib.decode_chunk(model, state, steps)
+        return slots_lib.decode_chunk(model, state, steps, top=top)
     ka = cache.k_seq_axis
     k = tuple(_take(cache_prefix(x, ka, seq), rows, all_rows) for x in cache.k)
     v = tuple(_take(cache_prefix(x, 2, seq), rows, all_rows) for x in cache.v)
@@ -133,7 +138,7 @@ def decode_compact(
     small = small.replace(
         cache=cache.replace(k=k, v=v, lengths=_take(cache.lengths, rows, all_rows))
     )
-    small, out = slots_lib.decode_chunk(model, small, steps, max_total=s)
+    small, out = slots_lib.decode_chunk(model, small, steps, max_total=s, top=top)
 
     def back(full_x: jax.Array, small_x: jax.Array, seq_axis: int) -> jax.Array:  # k or v
         if all_rows:

@@ -19,7 +19,14 @@ instance mesh. Each `step()` is one host round trip:
    the active count and the longest active sequence;
 4. fetch the prefill and chunk outputs in one `jax.device_get` and hand out
    every sample that finished; a request that asked for partial results
-   (`GenerationRequest.on_tokens`) is told the tokens it gained first.
+   (`GenerationRequest.on_tokens`) is told the tokens it gained first. A request with stop strings
+   (`SamplingParams.stop_texts`) is read on the host: when the text of the tokens it
+   sampled contains one (`stop_texts.first_stop`, with the detokenizer the engine was
+   built with), its response ends with the token that completed it, the tokens the
+   round trip sampled after that one are discarded, and the device stops its slot
+   (`slots.stop_slots`). Its kept KV (`keep_kv`) is then that of the response it
+   returned: the positions past it hold the discarded tokens, which the next turn's
+   tokens overwrite and nothing attends to.
 
 With `refill=False` the same engine is the static-batch baseline: it admits a
 full batch only when every slot is free.
@@ -57,7 +64,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from streamrl_jax.generation import adapters as adapters_lib
-from streamrl_jax.generation import admission, decoder, executables, kept_slots
+from streamrl_jax.generation import admission, decoder, executables, kept_slots, stop_texts
 from streamrl_jax.generation import slots as slots_lib
 from streamrl_jax.generation.engine_config import EngineConfig
 from streamrl_jax.generation.types import (
@@ -104,6 +111,20 @@ class _Running:
     mask: np.ndarray | None = None
     # `EngineConfig.record_routes`: the routes of the fed positions, in order (pieces)
     routes: list[np.ndarray] = dataclasses.field(default_factory=list)
+    # `EngineConfig.top_logprobs`: per response token its top ids and log-probs (pieces)
+    top_ids: list[np.ndarray] = dataclasses.field(default_factory=list)
+    top_logp: list[np.ndarray] = dataclasses.field(default_factory=list)
+    checked: int = 0  # tokens of its own known to complete no stop string
+
+    def cut(self, n: int) -> None:
+        """Keeps the first `n` response tokens (a stop string ended the response)."""
+        del self.tokens[n:], self.logp[n:], self.slogp[n:], self.versions[n:]
+        if self.routes:  # fed positions: the prompt, then every response token but the last
+            fed = len(self.request.prompt) + n - 1
+            self.routes = [np.concatenate(self.routes)[:fed]]
+        if self.top_ids:
+            self.top_ids = [np.concatenate(self.top_ids)[:n]]
+            self.top_logp = [np.concatenate(self.top_logp)[:n]]
 
 
 class Engine:
@@ -122,6 +143,8 @@ class Engine:
         the stepping thread with its `ChunkReport` (wall times, tokens emitted, slots
         running, decode steps, prompts prefilled). The pipeline meters and draws its
         trace with it.
+      detokenize: token ids -> text (the tokenizer's decode), for requests with stop
+        strings (`SamplingParams.stop_texts`); without it they are refused.
     """
 
     def __init__(
@@ -135,6 +158,7 @@ class Engine:
         instance_id: int = 0,
         version: int = 0,
         on_chunk: Callable[[ChunkReport], None] | None = None,
+        detokenize: stop_texts.Detokenize | None = None,
     ):
         if cfg.max_total_length > model_cfg.max_position_embeddings:
             raise ValueError(
@@ -147,6 +171,12 @@ class Engine:
                 "for mixture-of-experts models)"
             )
         adapters_lib.check(model_cfg, cfg.adapters)
+        if cfg.top_logprobs > model_cfg.vocab_size:
+            raise ValueError(
+                f"EngineConfig.top_logprobs ({cfg.top_logprobs}) exceeds the vocabulary "
+                f"({model_cfg.vocab_size})"
+            )
+        self._detokenize = detokenize
         self.cfg, self.model_cfg, self.mesh, self.instance_id = cfg, model_cfg, mesh, instance_id
         self._repl = NamedSharding(mesh, PartitionSpec())
         self._param_shardings = state_shardings(params, mesh, GENERATE_RULES)
@@ -180,7 +210,7 @@ class Engine:
         # The decode chunk's XLA options (its matmul library on CPU: `EngineConfig.cpu_dots`).
         self.decode_options = cfg.decode_compiler_options(platform, model_cfg.hidden_size)
         self.decode_attention = cfg.attention(platform)
-        self._prefill, self._chunk, self._prefill_keep, self._fork, self._extend = (
+        self._prefill, self._chunk, self._prefill_keep, self._fork, self._extend, self._stop = (
             executables.jitted(
                 model_cfg,
                 cfg.chunk_steps,
@@ -190,6 +220,7 @@ class Engine:
                 self.decode_attention,
                 cfg.record_routes,
                 parts_major,
+                cfg.top_logprobs,
             )
         )
         # Each slot's prompt routes from its last prefill or fork (a fork copies its
@@ -217,6 +248,8 @@ class Engine:
         # Continuations: appended to a kept slot's KV, or re-prefilled (no slot was kept).
         self._metrics.update(extended=0, extended_tokens=0, reprefilled=0, reprefilled_tokens=0)
         self._metrics.update(kept_given_up=0)  # kept slots given up for a waiting request
+        # Responses a stop string ended, and the tokens their round trips sampled past it.
+        self._metrics.update(stopped_on_text=0, discarded_tokens=0)
         self._kept = kept_slots.KeptSlots()  # slots kept for an episode's next turn
         self._on_chunk = on_chunk
 
@@ -237,12 +270,18 @@ class Engine:
             run.slogp, run.versions = c.sampling_logprobs.tolist(), c.versions.tolist()
             if c.policy_mask is not None and not np.all(c.policy_mask):
                 run.mask = np.asarray(c.policy_mask, bool)
+        if self.cfg.top_logprobs and c is not None:  # none for tokens not sampled here
+            k, n = self.cfg.top_logprobs, len(c.tokens)
+            run.top_ids = [np.full((n, k), -1, np.int32)]
+            run.top_logp = [np.full((n, k), -np.inf, np.float32)]
         return run
 
     # ------------------------------------------------------------------ requests
     def validate(self, req: GenerationRequest) -> None:
         """Raises ValueError naming the field of a request this engine cannot serve."""
-        validate_request(self.cfg, self.model_cfg.vocab_size, req)
+        validate_request(
+            self.cfg, self.model_cfg.vocab_size, req, reads_text=self._detokenize is not None
+        )
 
     def submit(self, requests: Sequence[GenerationRequest], enqueue_time: float | None = None):
         """Validates every request (all or none are queued), then queues them."""
@@ -576,9 +615,13 @@ class Engine:
                 run.logp.append(float(out.logp[i]))
                 run.slogp.append(float(out.sampling_logp[i]))
                 run.versions.append(self.version_of(run.request.adapter))
+                if out.top_ids is not None:
+                    run.top_ids.append(out.top_ids[i][None])
+                    run.top_logp.append(out.top_logp[i][None])
                 emitted += 1
-                if out.reason[i]:
-                    done.append(self._finish(slot, int(out.reason[i])))
+                if out.reason[i]:  # (running ones are read with their chunk's tokens)
+                    done.append(self._finish(slot, self._stop_on_text(run, int(out.reason[i]))))
+        stopped = []  # slots a stop string ended while the device decodes them
         for i, slot in enumerate(rows.tolist()):  # chunk row i is slot rows[i]
             run = self._slots[slot]
             if run is None:
@@ -589,12 +632,22 @@ class Engine:
             run.slogp.extend(chunk_h.sampling_logp[i, :e].tolist())
             if chunk_h.routes is not None:
                 run.routes.append(chunk_h.routes[i, :e])
+            if chunk_h.top_ids is not None:
+                run.top_ids.append(chunk_h.top_ids[i, :e])
+                run.top_logp.append(chunk_h.top_logp[i, :e])
             # Weights change only between round trips: this chunk ran on one version.
             run.versions.extend([self.version_of(run.request.adapter)] * e)
             emitted += e
-            if chunk_h.reason[i]:
-                done.append(self._finish(slot, int(chunk_h.reason[i])))
-        for run, had in watched:
+            code = self._stop_on_text(run, int(chunk_h.reason[i]))
+            if code and not chunk_h.reason[i]:
+                stopped.append(slot)
+            if code:
+                done.append(self._finish(slot, code))
+        if stopped:
+            mask = np.zeros((self.cfg.num_slots,), bool)
+            mask[stopped] = True
+            self._state = self._stop(self._state, jax.device_put(mask, self._repl))
+        for run, had in watched:  # after a stop string's cut: never the discarded tokens
             self._report_tokens(run, had)
         t1 = time.time()
         m = self._metrics
@@ -620,8 +673,13 @@ class Engine:
 
     def _report_tokens(self, run: _Running, had: int) -> None:
         """The tokens `run` gained since it held `had`, to its request's observer."""
-        if len(run.tokens) == had:
+        n = len(run.tokens)
+        if n == had:
             return
+        top_ids = top_logp = None
+        if run.top_ids:
+            top_ids = np.concatenate(run.top_ids)[had:n]
+            top_logp = np.concatenate(run.top_logp)[had:n]
         run.request.on_tokens(
             TokenDelta(
                 request_id=run.request.request_id,
@@ -629,6 +687,8 @@ class Engine:
                 tokens=np.asarray(run.tokens[had:], np.int32),
                 logprobs=np.asarray(run.logp[had:], np.float32),
                 versions=np.asarray(run.versions[had:], np.int32),
+                top_ids=top_ids,
+                top_logprobs=top_logp,
             )
         )
 
@@ -654,6 +714,25 @@ class Engine:
             self._prompt_routes[slot] = record
         run.routes = [record]
 
+    def _stop_on_text(self, run: _Running, code: int) -> int:
+        """The finish code of `run` after this round trip's tokens: STOP, its response cut
+        after the token that completed a stop string (`SamplingParams.stop_texts`), or
+        `code` (the device's; 0: running)."""
+        req = run.request
+        texts = req.sampling.stop_texts
+        if not texts or req.forced_length is not None:
+            return code
+        own = run.tokens[req.history :]  # what this request sampled (its turn)
+        j = stop_texts.first_stop(self._detokenize, own, run.checked, texts)
+        run.checked = len(own)
+        if j is None:
+            return code
+        n = req.history + j + 1
+        self._metrics["stopped_on_text"] += 1
+        self._metrics["discarded_tokens"] += len(run.tokens) - n
+        run.cut(n)
+        return slots_lib.STOP
+
     def _finish(self, slot: int, code: int) -> Sample:
         run = self._slots[slot]
         self._slots[slot] = None
@@ -665,6 +744,7 @@ class Engine:
         if mask is not None:  # then the policy's tokens sampled here
             mask = np.concatenate([mask, np.ones(len(run.tokens) - len(mask), bool)])
         routes = np.concatenate(run.routes) if run.routes else None
+        top = self.cfg.top_logprobs > 0
         return Sample(
             request_id=r.request_id,
             prompt=np.asarray(r.prompt, np.int32),
@@ -684,6 +764,8 @@ class Engine:
             seed=int(r.seed),
             routes=routes,
             adapter=int(r.adapter),
+            top_ids=np.concatenate(run.top_ids) if top else None,
+            top_logprobs=np.concatenate(run.top_logp) if top else None,
         )
 
     def run(self, requests: Sequence[GenerationRequest] = ()) -> list[Sample]:
@@ -705,9 +787,12 @@ class Engine:
         return m
 
 
-def validate_request(cfg: EngineConfig, vocab: int, req: GenerationRequest) -> None:
+def validate_request(
+    cfg: EngineConfig, vocab: int, req: GenerationRequest, *, reads_text: bool
+) -> None:
     """Raises ValueError naming the field of `req` that an engine with `cfg` and a
-    vocabulary of `vocab` tokens cannot serve."""
+    vocabulary of `vocab` tokens cannot serve (`reads_text`: it has a detokenizer, for
+    stop strings)."""
     n = len(req.prompt)
     if n == 0:
         raise ValueError(f"request {req.request_id!r}: prompt is empty")
@@ -778,3 +863,8 @@ def validate_request(cfg: EngineConfig, vocab: int, req: GenerationRequest) -> N
         req.sampling.validate(vocab, cfg.max_stop_ids)
     except ValueError as e:
         raise ValueError(f"request {req.request_id!r}: {e}") from None
+    if req.sampling.stop_texts and not reads_text:
+        raise ValueError(
+            f"request {req.request_id!r}: sampling.stop_texts needs an engine built with a "
+            "detokenizer (Engine(detokenize=...)); this one has none"
+        )

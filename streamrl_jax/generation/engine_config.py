@@ -14,6 +14,7 @@ EIGEN_MIN_WIDTH = 512
 DECODE_ATTENTION = ("auto", "elementwise", "dot")
 KEY_LAYOUTS = ("auto", "positions_minor", "head_dim_minor")
 GATE_UP_LAYOUTS = ("auto", "embed_major", "parts_major")
+MAX_TOP_LOGPROBS = 64  # alternatives per token an engine may return (OpenAI's API: 20)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,6 +82,10 @@ class EngineConfig:
         in one batch: `adapters.py`); 0 (the default) merges a LoRA model's one adapter
         into the weights at each update, the fastest decode for one adapter
         (BENCHMARKS.md, "LoRA").
+      top_logprobs: each sampled token comes with its position's k most likely tokens
+        and their log-probs (`Sample.top_ids`, `Sample.top_logprobs`: the OpenAI API's
+        `top_logprobs`); compiled into prefill and decode, 0 (the default) adds nothing
+        to them. At most MAX_TOP_LOGPROBS.
     """
 
     num_slots: int = 8
@@ -104,6 +109,7 @@ class EngineConfig:
     kv_hold_s: float = 120.0
     record_routes: bool = False
     adapters: int = 0
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         counts = ("num_slots", "max_prompt_length", "chunk_steps", "prefill_batch")
@@ -144,6 +150,13 @@ class EngineConfig:
             )
         if not isinstance(self.adapters, int) or self.adapters < 0:
             raise ValueError(f"EngineConfig.adapters must be an int >= 0, got {self.adapters!r}")
+        if not isinstance(self.top_logprobs, int) or not (
+            0 <= self.top_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise ValueError(
+                f"EngineConfig.top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], "
+                f"got {self.top_logprobs!r}"
+            )
         if len(self.stop_ids) > self.max_stop_ids:
             raise ValueError("EngineConfig.stop_ids has more ids than max_stop_ids")
 

@@ -1,8 +1,8 @@
 """The engine's jitted executables, and the keys by which engines share them.
 
-`jitted`: prefill, the decode chunk, the logits-keeping prefill, the fork and the
-in-place extension of an episode's next turn, one set
-per (model config, chunk length, placement), so engines of equal statics share one
+`jitted`: prefill, the decode chunk, the logits-keeping prefill, the fork, the
+in-place extension of an episode's next turn and the host's stop (a stop string), one set
+per (model config, chunk length, placement, top log-probs), so engines of equal statics share one
 executable cache (`Engine.compile_count`, `Engine.compile_shapes`). `relayout_fn`:
 training layout -> the decoder's layout on an instance's mesh. `signature`: the
 params' structure and leaf shapes, what a weight update must keep.
@@ -34,14 +34,16 @@ def jitted(
     attention: str = "dot",
     record_routes: bool = False,
     gate_up_parts_major: bool = False,
+    top_logprobs: int = 0,
 ):
-    """The jitted prefill, decode chunk, logits-keeping prefill, fork and extension,
-    shared by engines with equal statics.
+    """The jitted prefill, decode chunk, logits-keeping prefill, fork, extension and
+    stop (`slots.stop_slots`), shared by engines with equal statics.
 
     Engines of the same model config, chunk length, decode compiler options
     (`EngineConfig.decode_compiler_options`), decode attention form
     (`EngineConfig.attention`), route recording (`EngineConfig.record_routes`), weight
-    layout (`EngineConfig.gate_up_layout`) and
+    layout (`EngineConfig.gate_up_layout`), top log-probs (`EngineConfig.top_logprobs`)
+    and
     placement (the slot
     state's shardings: its mesh and cache partitioning, not its shapes) get the
     same two jit objects and so one executable cache, which holds one executable
@@ -56,20 +58,22 @@ def jitted(
     def model(weights, form="dot"):
         return decoder.GenModel(weights, model_cfg, form, record_routes, gate_up_parts_major)
 
+    top = top_logprobs
+
     def prefill(weights, state, adm):
-        return slots_lib.prefill_into_slots(model(weights), state, adm)
+        return slots_lib.prefill_into_slots(model(weights), state, adm, top)
 
     def chunk(weights, state, rows, seq):
-        return compact.decode_compact(model(weights, attention), state, rows, steps, seq)
+        return compact.decode_compact(model(weights, attention), state, rows, steps, seq, top)
 
     def prefill_keep(weights, state, store, adm):
-        return admission.prefill_keep(model(weights), state, store, adm)
+        return admission.prefill_keep(model(weights), state, store, adm, top)
 
     def fork(state, store, adm, src):
-        return admission.fork_into_slots(state, store, adm, src)
+        return admission.fork_into_slots(state, store, adm, src, top)
 
     def extend(weights, state, adm):
-        return slots_lib.extend_into_slots(model(weights), state, adm)
+        return slots_lib.extend_into_slots(model(weights), state, adm, top)
 
     out_sh, out3 = (state_sh, repl), (state_sh, repl, repl)
     return (
@@ -84,6 +88,7 @@ def jitted(
         jax.jit(prefill_keep, donate_argnums=(1, 2), out_shardings=out3),
         jax.jit(fork, donate_argnums=(0, 1), out_shardings=out3),
         jax.jit(extend, donate_argnums=1, out_shardings=out_sh),
+        jax.jit(slots_lib.stop_slots, donate_argnums=0, out_shardings=state_sh),
     )
 
 

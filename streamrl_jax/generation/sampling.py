@@ -21,6 +21,9 @@ Two log-probs are returned per token:
   `Llama.token_logprobs` recomputes for the same weights.
 * `sampling_logp`: the log-prob under the distribution actually sampled from
   (after temperature and top-k/top-p); 0 for greedy rows.
+
+`top_logprobs` gives each row's most likely tokens under the first of the two (what an
+engine with `EngineConfig.top_logprobs` returns beside each token).
 """
 
 from __future__ import annotations
@@ -159,3 +162,15 @@ def sample_tokens(
 
 def _pick(logp_BxV: jax.Array, tokens_B: jax.Array) -> jax.Array:
     return jnp.take_along_axis(logp_BxV, tokens_B[:, None], axis=-1)[:, 0]
+
+
+def top_logprobs(logits_BxV: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The `k` most likely tokens of each row and their log-probs under the unmodified
+    model distribution (as `sample_tokens`' `model_logp`: temperature 1, no filtering),
+    most likely first (ties: the lower id first).
+
+    Returns:
+      (ids i32[B, k], logp f32[B, k]).
+    """
+    logp_BxK, ids_BxK = jax.lax.top_k(jax.nn.log_softmax(logits_BxV.astype(jnp.float32), -1), k)
+    return ids_BxK.astype(jnp.int32), logp_BxK

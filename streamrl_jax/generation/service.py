@@ -97,6 +97,7 @@ class GenerationService:
         on_chunk: Callable[[ChunkReport], None] | None = None,
         precompile: bool = False,
         continuations: bool = False,
+        detokenize: Callable[[Sequence[int]], str] | None = None,
     ):
         """Builds one engine per mesh and starts its thread.
 
@@ -114,6 +115,7 @@ class GenerationService:
           precompile: each instance thread compiles every executable its engine can
             run before it serves (`Engine.compile_shapes`; `continuations`: partial
             rollout's re-prefill buckets too); submitted requests wait in its inbox.
+          detokenize: the tokenizer's decode, for requests with stop strings (`Engine`).
         """
         if isinstance(engine_cfgs, EngineConfig):
             engine_cfgs = [engine_cfgs] * len(meshes)
@@ -134,6 +136,7 @@ class GenerationService:
                 instance_id=i,
                 version=version,
                 on_chunk=on_chunk,
+                detokenize=detokenize,
             )
             for i, (c, m) in enumerate(zip(engine_cfgs, meshes, strict=True))
         ]

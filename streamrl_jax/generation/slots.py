@@ -15,6 +15,12 @@ argument and the slot state donated:
   active); a slot that finishes stops there and keeps its tokens. The engine
   runs it on a compacted state (`compact.decode_compact`: the running rows
   and the filled cache prefix).
+* `stop_slots(state, mask)`: ends the masked slots' requests (a stop string the host
+  read: `stop_texts.py`), so no later chunk decodes them.
+
+With `top` > 0 (`EngineConfig.top_logprobs`, static) prefill and decode also return
+each sampled token's position's `top` most likely tokens and their log-probs
+(`sampling.top_logprobs`); with 0 they compute nothing more.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from streamrl_jax.generation.decoder import GenModel, LayerCache
-from streamrl_jax.generation.sampling import sample_tokens
+from streamrl_jax.generation.sampling import sample_tokens, top_logprobs
 from streamrl_jax.model import routes as routes_lib
 
 # Finish codes on the device: 0 = running (or free), 1 + FINISH_REASONS index.
@@ -89,6 +95,10 @@ class ChunkOut:
     # u8/u16[B, C, L, k] with `record_routes`: the experts of the token each step fed
     # (column c: the token before tokens[:, c]); None otherwise
     routes: jax.Array | None = None
+    # i32[B, C, k], f32[B, C, k] with `top` k > 0: each token's position's k most likely
+    # tokens and their model log-probs; None otherwise
+    top_ids: jax.Array | None = None
+    top_logp: jax.Array | None = None
 
 
 @struct.dataclass
@@ -102,6 +112,8 @@ class PrefillOut:
     # u8/u16[N, P, L, k] with `record_routes`: the experts of every row's fed tokens
     # (a fork's come from its source's record, on the host); None otherwise
     routes: jax.Array | None = None
+    top_ids: jax.Array | None = None  # i32[N, k] with `top` k > 0 (as `ChunkOut`)
+    top_logp: jax.Array | None = None  # f32[N, k]
 
 
 def init_slot_state(cache: LayerCache, max_stop_ids: int) -> SlotState:
@@ -150,7 +162,7 @@ def _finish_code(
 
 
 def prefill_into_slots(
-    model: GenModel, state: SlotState, adm: Admission
+    model: GenModel, state: SlotState, adm: Admission, top: int = 0
 ) -> tuple[SlotState, PrefillOut]:
     """Prefills the admitted prompts (and a continuation's response so far) into their
     slots and samples each row's next token: token number `generated`, drawn with that
@@ -158,12 +170,12 @@ def prefill_into_slots(
     logits_NxV, cache, routes = model.prefill(
         adm.tokens, adm.lengths, state.cache, adm.slots, adm.adapter
     )
-    state, out = start_rows(state.replace(cache=cache), adm, logits_NxV)
+    state, out = start_rows(state.replace(cache=cache), adm, logits_NxV, top)
     return state, out.replace(routes=routes)
 
 
 def extend_into_slots(
-    model: GenModel, state: SlotState, adm: Admission
+    model: GenModel, state: SlotState, adm: Admission, top: int = 0
 ) -> tuple[SlotState, PrefillOut]:
     """Appends each row's new tokens (`adm.tokens[:, :lengths - start]`) to the KV its
     slot already holds (positions [0, start): the episode's turns so far) and samples
@@ -171,15 +183,16 @@ def extend_into_slots(
     logits_NxV, cache, routes = model.extend(
         adm.tokens, adm.lengths - adm.start, adm.start, state.cache, adm.slots, adm.adapter
     )
-    state, out = start_rows(state.replace(cache=cache), adm, logits_NxV)
+    state, out = start_rows(state.replace(cache=cache), adm, logits_NxV, top)
     return state, out.replace(routes=routes)
 
 
 def start_rows(
-    state: SlotState, adm: Admission, logits_NxV: jax.Array
+    state: SlotState, adm: Admission, logits_NxV: jax.Array, top: int = 0
 ) -> tuple[SlotState, PrefillOut]:
     """Samples each admitted row's next token from its logits and writes the row's
-    request state into its slot (`state.cache` already holds the row's KV)."""
+    request state into its slot (`state.cache` already holds the row's KV); with `top`,
+    the row's `top` most likely tokens too."""
     cache = state.cache
     tok, logp, slogp = sample_tokens(
         logits_NxV, adm.key_data, adm.generated, adm.temperature, adm.top_k, adm.top_p
@@ -216,16 +229,21 @@ def start_rows(
         pause_at=put(state.pause_at, adm.pause_at),
         adapter=put(state.adapter, adm.adapter),
     )
-    return state, PrefillOut(tokens=tok, logp=logp, sampling_logp=slogp, reason=code)
+    out = PrefillOut(tokens=tok, logp=logp, sampling_logp=slogp, reason=code)
+    if top:
+        top_ids, top_logp = top_logprobs(logits_NxV, top)
+        out = out.replace(top_ids=top_ids, top_logp=top_logp)
+    return state, out
 
 
 def decode_chunk(
-    model: GenModel, state: SlotState, steps: int, max_total: int | None = None
+    model: GenModel, state: SlotState, steps: int, max_total: int | None = None, top: int = 0
 ) -> tuple[SlotState, ChunkOut]:
     """Advances every active slot by up to `steps` tokens (sampling inside the loop).
 
     `max_total` is the context cap of the finish codes, default the cache length (the
-    compacted chunk, `compact.py`, runs on a cache prefix and passes the full length)."""
+    compacted chunk, `compact.py`, runs on a cache prefix and passes the full length);
+    `top`: each token's `top` most likely tokens too (0: none)."""
     b = state.last_token.shape[0]
     max_total = state.cache.max_length if max_total is None else max_total
     buf_i = jnp.zeros((b, steps), jnp.int32)
@@ -234,13 +252,16 @@ def decode_chunk(
     if model.record:
         spec = routes_lib.Spec.of(model.cfg)
         buf_r = jnp.zeros((b, steps, spec.layers, spec.k), spec.dtype)
+    buf_t = None
+    if top:
+        buf_t = (jnp.zeros((b, steps, top), jnp.int32), jnp.zeros((b, steps, top), jnp.float32))
 
     def cond(carry):
         step, st, _ = carry
         return (step < steps) & jnp.any(st.active)
 
     def body(carry):
-        step, st, (tok_buf, logp_buf, slogp_buf, route_buf) = carry
+        step, st, (tok_buf, logp_buf, slogp_buf, route_buf, top_buf) = carry
         logits_BxV, cache, routes = model.decode(st.last_token, st.cache, st.active, st.adapter)
         tok, logp, slogp = sample_tokens(
             logits_BxV, st.key_data, st.num_generated, st.temperature, st.top_k, st.top_p
@@ -255,6 +276,9 @@ def decode_chunk(
         slogp_buf = slogp_buf.at[:, step].set(jnp.where(act, slogp, 0.0))
         if route_buf is not None:  # an inactive row's entry is never read
             route_buf = route_buf.at[:, step].set(routes)
+        if top_buf is not None:  # an inactive row's entry is never read
+            ids, lp = top_logprobs(logits_BxV, top)
+            top_buf = (top_buf[0].at[:, step].set(ids), top_buf[1].at[:, step].set(lp))
         st = st.replace(
             cache=cache,
             last_token=jnp.where(act, tok, st.last_token),
@@ -262,10 +286,11 @@ def decode_chunk(
             reason=jnp.where(act, code, st.reason),
             active=act & (code == 0),
         )
-        return step + 1, st, (tok_buf, logp_buf, slogp_buf, route_buf)
+        return step + 1, st, (tok_buf, logp_buf, slogp_buf, route_buf, top_buf)
 
-    init = (jnp.zeros((), jnp.int32), state, (buf_i, buf_f, buf_f, buf_r))
-    _, new, (tok_buf, logp_buf, slogp_buf, route_buf) = jax.lax.while_loop(cond, body, init)
+    init = (jnp.zeros((), jnp.int32), state, (buf_i, buf_f, buf_f, buf_r, buf_t))
+    _, new, bufs = jax.lax.while_loop(cond, body, init)
+    tok_buf, logp_buf, slogp_buf, route_buf, top_buf = bufs
     out = ChunkOut(
         tokens=tok_buf,
         logp=logp_buf,
@@ -273,5 +298,15 @@ def decode_chunk(
         emitted=new.num_generated - state.num_generated,
         reason=new.reason,
         routes=route_buf,
+        top_ids=None if top_buf is None else top_buf[0],
+        top_logp=None if top_buf is None else top_buf[1],
     )
     return new, out
+
+
+def stop_slots(state: SlotState, mask_B: jax.Array) -> SlotState:
+    """`state` with the slots of `mask_B` (bool[B]) finished (reason "stop"): the host
+    cut their responses at a stop string while the device was still decoding them."""
+    return state.replace(
+        active=state.active & ~mask_B, reason=jnp.where(mask_B, STOP, state.reason)
+    )

@@ -21,6 +21,10 @@ FinishReason = Literal["stop", "length", "context", "forced", "paused"]
 # request's `segment_tokens` ran out before it finished (partial rollout): a partial
 # sample, to be continued by a request with its `Continuation`.
 FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "context", "forced", "paused")
+# Bounds of a request's stop strings (`SamplingParams.stop_texts`): the host checks the
+# text of the last few tokens after every round trip (`generation/stop_texts.py`).
+MAX_STOP_TEXTS = 16
+MAX_STOP_TEXT_CHARS = 256
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,12 +43,18 @@ class SamplingParams:
       top_p: nucleus mass in (0, 1]; 1 disables the filter.
       stop_ids: token ids that end a sample (included in the response); empty
         means the engine's default stop ids.
+      stop_texts: strings that end a sample once the text of the tokens it sampled
+        (after its continuation's, decoded by the engine's detokenizer) contains one:
+        the response ends with the token that completed it (finish reason "stop");
+        tokens its round trip sampled after that one are discarded. Needs an engine
+        built with a detokenizer; ignored with a forced length.
     """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     stop_ids: tuple[int, ...] = ()
+    stop_texts: tuple[str, ...] = ()
 
     @classmethod
     def greedy(cls, stop_ids: Sequence[int] = ()) -> SamplingParams:
@@ -67,6 +77,17 @@ class SamplingParams:
         for s in self.stop_ids:
             if not isinstance(s, int | np.integer) or not 0 <= s < vocab_size:
                 raise ValueError(f"sampling.stop_ids: {s!r} is not a token id < {vocab_size}")
+        texts = self.stop_texts
+        if not isinstance(texts, tuple) or len(texts) > MAX_STOP_TEXTS:
+            raise ValueError(
+                f"sampling.stop_texts must be a tuple of at most {MAX_STOP_TEXTS} strings"
+            )
+        for t in texts:
+            if not isinstance(t, str) or not 1 <= len(t) <= MAX_STOP_TEXT_CHARS:
+                raise ValueError(
+                    f"sampling.stop_texts: {str(t)[:64]!r} is not a string of 1-"
+                    f"{MAX_STOP_TEXT_CHARS} characters"
+                )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -287,6 +308,8 @@ class TokenDelta:
       tokens: i32[K] sampled token ids (K >= 1).
       logprobs: f32[K] their behaviour log-probs (`Sample.logprobs`).
       versions: i32[K] the weights version that sampled each.
+      top_ids, top_logprobs: [K, k] each token's k likeliest alternatives
+        (`EngineConfig.top_logprobs`; None when the engine keeps none).
     """
 
     request_id: Any
@@ -294,6 +317,8 @@ class TokenDelta:
     tokens: np.ndarray
     logprobs: np.ndarray
     versions: np.ndarray
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -341,6 +366,11 @@ class Sample:
         `EngineConfig.record_routes` for routing replay (`model/routes.py`); else None.
       adapter: the request's adapter slot (echoed: several learners' samples are routed
         by it).
+      top_ids, top_logprobs: i32[R, k], f32[R, k] the k most likely tokens of each
+        response token's position and their log-probs under the same distribution as
+        `logprobs` (the unmodified model's), most likely first, from an engine with
+        `EngineConfig.top_logprobs` k > 0; rows of tokens the request did not sample
+        here (its continuation's) hold ids -1 and log-probs -inf. None otherwise.
     """
 
     request_id: Any
@@ -361,6 +391,8 @@ class Sample:
     seed: int = 0
     routes: np.ndarray | None = None
     adapter: int = 0
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -65,6 +65,8 @@ class GenerationParts:
     engine_cfgs: list[EngineConfig]
     param_shardings: list[Params]  # per instance, a tree of the params' NamedShardings
     abstract_params: Params  # the params' shapes and dtypes (what a weight header declares)
+    # the tokenizer's decode: the engines read requests' stop strings with it
+    detokenize: Callable[[Sequence[int]], str] | None = None
 
     def service(
         self,
@@ -89,6 +91,7 @@ class GenerationParts:
             on_chunk=on_chunk,
             precompile=precompile,
             continuations=continuations,
+            detokenize=self.detokenize,
         )
         if len(params) > 1:
             service.update_weights(list(params), version)
@@ -192,6 +195,7 @@ def engine_config(cfg: ExperimentConfig, tokenizer: Tokenizer, slots: int) -> En
         decode_buckets=not cfg.pipeline.deterministic,
         record_routes=cfg.model.routing_replay,
         kv_hold_s=g.kv_hold_s,
+        top_logprobs=g.top_logprobs,
     )
 
 
@@ -221,6 +225,7 @@ def generation_parts(
         engine_cfgs=engine_cfgs,
         param_shardings=[sharding.state_shardings(abstract, m, "generate") for m in instances],
         abstract_params=abstract,
+        detokenize=tokenizer.decode,
     )
 
 

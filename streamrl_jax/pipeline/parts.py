@@ -237,7 +237,8 @@ def agent_kit(
     )
     return make_agent_kit(
         Context.of(tokenizer, ecfg),
-        functools.partial(validate_request, ecfg, vocab),
+        # (its engines read stop strings: `components.GenerationParts.detokenize`)
+        functools.partial(validate_request, ecfg, vocab, reads_text=True),
         lambda request: Returned(None, [request]),  # an episode's later turn, submitted
         scaffold,
         workers=per_batch * (p.staleness + 2),  # every episode in flight has its thread

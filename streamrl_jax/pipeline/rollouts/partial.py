@@ -631,7 +631,10 @@ def from_json(x: dict[str, Any]) -> tuple[Sample, GenerationRequest | None]:
     q = x.get("request")
     if q is None:
         return sample, None
-    sampling = q["sampling"] | {"stop_ids": tuple(q["sampling"]["stop_ids"])}
+    sampling = q["sampling"] | {
+        "stop_ids": tuple(q["sampling"]["stop_ids"]),
+        "stop_texts": tuple(q["sampling"].get("stop_texts", ())),  # (written before them: none)
+    }
     first = GenerationRequest(
         request_id=sample.request_id,
         prompt=sample.prompt.tolist(),
