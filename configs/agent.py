@@ -26,11 +26,11 @@ from streamrl_jax import config as config_lib
 def _chained(c) -> None:
     """The chained calculator: sums of 4-5 three-digit numbers, an OpenAI function taking
     two numbers a call."""
-    # The first prompt (instructions, the function's schema, the question) fits 288
+    # The first prompt (instructions, the function's schema, the question) fits 296
     # tokens; an episode's calls, results and answer (5 terms: 4 calls, 290 tokens) and a
     # spare call share 336 more.
-    c.model.max_context = 624
-    c.generation.max_prompt_len = 288
+    c.model.max_context = 632
+    c.generation.max_prompt_len = 296
     c.generation.max_new_tokens = 40  # a call (~30 tokens) or an answer
     c.environment.name = "chained_calculator"
     c.environment.max_turns = 6  # 4 calls and the answer for 5 terms, one spare
