@@ -36,7 +36,7 @@ ROLLOUT_WRAPPERS = ("curriculum", "episodes", "agents")
 # environment.name (streamrl_jax/environments/): "" = single-turn samples, no environment.
 ENVIRONMENTS = ("", "calculator", "retry", "openenv", "chained_calculator")
 # ... those whose tools are OpenAI functions (an agent framework can play them)
-FUNCTION_ENVIRONMENTS = ("chained_calculator",)
+FUNCTION_ENVIRONMENTS = ("chained_calculator", "openenv")
 # environment.scaffold (endpoint/): what plays an 'agents' episode through the endpoint:
 # the environment's own loop, an OpenAI Agents SDK agent (openai-agents), or verifiers'
 # tool-calling loop (verifiers 0.4.0)
