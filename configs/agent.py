@@ -118,6 +118,10 @@ def get_config(arg: str | None = None):
         c.environment.openenv = (
             "streamrl_jax.environments.openenv_arithmetic:ArithmeticToolsEnvironment"
         )
+        # its MCP tool is an OpenAI function: the first prompt (instructions, the
+        # function's JSON schema in the model's convention, the question) fits 288 tokens
+        c.generation.max_prompt_len = 288
+        c.model.max_context = 288 + 96
         c.warmup.steps = 0
         if arg == "openenv_short":
             c.pipeline.steps = 10

@@ -152,12 +152,13 @@ def test_what_trains_is_bitwise_what_the_scaffold_was_returned(tmp_path):
     assert all(r["lag_max"] <= bound and r["dropped_stale"] == 0 for r in result.steps)
 
 
-@pytest.mark.extended  # ~45 s (two runs); chained_calculator_test plays the agent scripted
-def test_an_openai_agents_sdk_agent_trains_what_the_environment_trains_in_process(tmp_path):
-    # The chained calculator's episodes played by an OpenAI Agents SDK agent (unchanged
-    # third-party code: its function tool, its loop) through the run's endpoint with
-    # OpenAI tool calling, against the same run in-process: the same episodes (prompts
-    # with the tools, every token) and the same rewards, step by step.
+@pytest.mark.extended  # ~45 s (two runs); chained_calculator_test plays the agents scripted
+@pytest.mark.parametrize("scaffold", ["openai_agents", "verifiers"])
+def test_an_agent_framework_trains_what_the_environment_trains_in_process(tmp_path, scaffold):
+    # The chained calculator's episodes played by an OpenAI Agents SDK agent or verifiers'
+    # tool environment loop (unchanged third-party code: its tools, its loop) through the
+    # run's endpoint with OpenAI tool calling, against the same run in-process: the same
+    # episodes (prompts with the tools, every token) and the same rewards, step by step.
     from support import config_file
 
     base = dict(pipeline__mode="stream_sync", pipeline__deterministic=True, eval__num_problems=0,
@@ -165,15 +166,15 @@ def test_an_openai_agents_sdk_agent_trains_what_the_environment_trains_in_proces
                 model__max_context=400)  # fmt: skip
     runs = {}
     for name, extra in (("in_process", dict(pipeline__rollout="episodes+full")),
-                        ("sdk", dict(pipeline__rollout="agents+full",
-                                     environment__scaffold="openai_agents"))):  # fmt: skip
+                        ("agent", dict(pipeline__rollout="agents+full",
+                                       environment__scaffold=scaffold))):  # fmt: skip
         cfg = config_file("configs/agent.py", "chained_tiny", **base, **extra)
         runs[name] = run_recording(cfg, tmp_path / name)
 
     def episodes(seen):
         return sorted((tuple(s.prompt.tolist()), tuple(s.response.tolist())) for s in seen)
 
-    (r1, seen1), (r2, seen2) = runs["in_process"], runs["sdk"]
+    (r1, seen1), (r2, seen2) = runs["in_process"], runs["agent"]
     assert episodes(seen1) == episodes(seen2) and len(seen1) == 8
     assert [r["reward"] for r in r1.steps] == [r["reward"] for r in r2.steps]
     assert "<tools>" in _tokenizer().decode(seen2[0].prompt)
@@ -192,6 +193,9 @@ def _tokenizer():
         (dict(environment__scaffold="openai_agents"), "an agent framework plays 'agents'"),
         (dict(environment__scaffold="openai_agents", pipeline__rollout="agents+full"),
          "environment.name='calculator'"),
+        (dict(environment__scaffold="verifiers"), "an agent framework plays 'agents'"),
+        (dict(environment__scaffold="verifiers", pipeline__rollout="agents+full"),
+         "environment.scaffold='verifiers'.*environment.name='calculator'"),
     ],
 )  # fmt: skip
 def test_an_agent_framework_needs_agents_episodes_of_openai_functions(overrides, message):

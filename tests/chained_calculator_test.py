@@ -14,6 +14,7 @@ from streamrl_jax.endpoint.client import EndpointClient
 from streamrl_jax.endpoint.scaffolds import AgentTask, environment_scaffold
 from streamrl_jax.endpoint.server import Endpoint, EndpointServer
 from streamrl_jax.endpoint.turns import Context, Turns
+from streamrl_jax.endpoint.verifiers_env import verifiers_scaffold
 from streamrl_jax.environments import chained_calculator as chained
 from streamrl_jax.environments.protocol import Services
 from streamrl_jax.environments.render import TurnRenderer
@@ -125,11 +126,12 @@ def test_an_unreadable_call_is_said_and_an_answer_without_calls_is_scored(tok):
     assert wrong.done and wrong.reward == 0.0 and wrong.info.answered
 
 
-@pytest.mark.parametrize("scaffold", ["environment", "openai_agents"])
+@pytest.mark.parametrize("scaffold", ["environment", "openai_agents", "verifiers"])
 def test_an_episode_is_the_same_tokens_in_a_run_and_through_the_endpoint(tok, scaffold):
     # A scaffold plays the environment through the endpoint with OpenAI tool calling
-    # (`tools`, `tool_calls`, `tool` messages by id): the environment's own loop, or an
-    # OpenAI Agents SDK agent (its Runner, its function tool); the policy (scripted)
+    # (`tools`, `tool_calls`, `tool` messages by id): the environment's own loop, an
+    # OpenAI Agents SDK agent (its Runner, its function tool), or verifiers' tool
+    # environment loop (its chat program, streamed, its MCP tools); the policy (scripted)
     # writes the demonstration's calls. The record's first prompt is the run's (`data.tokenize` with
     # the environment's functions), and every token the environment added is what the
     # run's renderer adds for the same observations.
@@ -141,7 +143,8 @@ def test_an_episode_is_the_same_tokens_in_a_run_and_through_the_endpoint(tok, sc
     server = EndpointServer(endpoint)
     client = EndpointClient(server.start(), TOKEN)
     try:
-        make = environment_scaffold if scaffold == "environment" else openai_agents_scaffold
+        make = {"environment": environment_scaffold, "openai_agents": openai_agents_scaffold,
+                "verifiers": verifiers_scaffold}[scaffold]  # fmt: skip
         play = make(env, "policy", max_turns=6)
         eid = client.open()
         result = play(AgentTask(p.question, p.metadata), client.openai(eid))
@@ -172,7 +175,7 @@ def test_an_episode_is_the_same_tokens_in_a_run_and_through_the_endpoint(tok, sc
     [
         (dict(environment__step_credit=0.5), "environment.name='calculator'"),
         (dict(environment__name="chained_calculator", environment__step_credit=1.5),
-         "a share of reward in \\(0, 1\\]"),
+         "environment.step_credit must be in \\[0, 1\\], got 1.5"),
     ],
 )  # fmt: skip
 def test_step_credit_is_for_environments_that_tell_a_correct_step(overrides, message):

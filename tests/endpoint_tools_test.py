@@ -227,6 +227,20 @@ def test_a_streamed_required_call_is_held_whole(served):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_a_streamed_reply_as_openais_client_accumulates_it_goes_on_the_episode(served):
+    # The client's stream helper gives back the calls with their stream `index` (what
+    # verifiers' chat loop sends back): the next request repeats them so and is answered.
+    endpoint, backend, client = served
+    backend.script = [_call("add", a=4, b=5), "9."]
+    with client.episode() as (oc, _):
+        with oc.chat.completions.stream(model="policy", messages=USER, tools=[ADD]) as stream:
+            reply = stream.get_final_completion().choices[0].message.model_dump(exclude_none=True)
+        assert reply["tool_calls"][0]["index"] == 0
+        answer = {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": "9"}
+        r = _chat(oc, [*USER, reply, answer], tools=[ADD])
+    assert r.choices[0].message.content == "9."
+
+
 def test_a_request_without_an_episode_id_is_an_episode_of_its_own(served):
     # (and OpenAI's fields that change nothing here are accepted)
     endpoint, backend, client = served

@@ -216,6 +216,7 @@ RULES: dict[type, dict[str, _Rule]] = {
         **dict.fromkeys(("max_turns", "max_attempts", "workers", "tool_output_chars"), _COUNT),
         "max_episode_tokens": _NONNEG,
         "attempt_discount": _unit(open_low=True),
+        "step_credit": _unit(),
         "tool_timeout_s": _POSITIVE,
         "tool_memory_mb": _at_least(64),
     },

@@ -382,10 +382,9 @@ def _check_environment(cfg: ExperimentConfig) -> None:
         f"environment.name={e.name!r}, pipeline.rollout={p.rollout!r}",
     )
     require(
-        e.step_credit == 0 or (e.name in STEP_CREDIT_ENVIRONMENTS and 0 < e.step_credit <= 1),
-        f"environment.step_credit={e.step_credit}: a share of reward in (0, 1] for each "
-        f"correct step, given by {', '.join(STEP_CREDIT_ENVIRONMENTS)}; got "
-        f"environment.name={e.name!r}",
+        e.step_credit == 0 or e.name in STEP_CREDIT_ENVIRONMENTS,
+        f"environment.step_credit={e.step_credit}: credit for each correct step, given by "
+        f"{', '.join(STEP_CREDIT_ENVIRONMENTS)}; got environment.name={e.name!r}",
     )
     require(
         (e.name == "openenv") == bool(e.openenv),

@@ -36,12 +36,13 @@ ROLLOUT_WRAPPERS = ("curriculum", "episodes", "agents")
 # environment.name (streamrl_jax/environments/): "" = single-turn samples, no environment.
 ENVIRONMENTS = ("", "calculator", "retry", "openenv", "chained_calculator")
 # ... those whose tools are OpenAI functions (an agent framework can play them)
-FUNCTION_ENVIRONMENTS = ("chained_calculator",)
+FUNCTION_ENVIRONMENTS = ("chained_calculator", "openenv")
 # Environments that can tell a correct step of an episode (environment.step_credit)
 STEP_CREDIT_ENVIRONMENTS = ("chained_calculator",)
 # environment.scaffold (endpoint/): what plays an 'agents' episode through the endpoint:
-# the environment's own loop, or an OpenAI Agents SDK agent (openai-agents)
-SCAFFOLDS = ("environment", "openai_agents")
+# the environment's own loop, an OpenAI Agents SDK agent (openai-agents), or verifiers'
+# tool-calling loop (verifiers 0.4.0)
+SCAFFOLDS = ("environment", "openai_agents", "verifiers")
 # environment.tool_format (environments/tool_calls.py): "auto" = the model's convention.
 TOOL_FORMATS = ("auto", "hermes", "simple")
 # The generation copy's matrices (generation/quant.py): "auto" = model.generate_dtype,
@@ -339,7 +340,8 @@ class EnvironmentSection:
     tool_output_chars: int = 256  # a longer tool result is cut (and counted as a failure)
     workers: int = 2  # environment steps (and tool workers) run at once
     # pipeline.rollout="agents+...": who plays an episode through the endpoint, one of
-    # SCAFFOLDS ("openai_agents": an OpenAI Agents SDK agent, for FUNCTION_ENVIRONMENTS)
+    # SCAFFOLDS ("openai_agents": an OpenAI Agents SDK agent, "verifiers": verifiers' tool
+    # environment loop; both for FUNCTION_ENVIRONMENTS)
     scaffold: str = "environment"
     # name="openenv" (environments/openenv.py): an OpenEnv MCP environment class,
     # "module:Class", built per episode with the JSON object `openenv_kwargs`; the policy's

@@ -90,6 +90,7 @@ class _ToolCall(msgspec.Struct, forbid_unknown_fields=True):
     id: str
     function: _Function
     type: Literal["function"] = "function"
+    index: int | None = None  # a streamed reply's calls, as OpenAI's clients accumulate them
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

@@ -9,22 +9,28 @@ through the run's OpenAI-compatible endpoint (`endpoint.scaffolds.environment_sc
 all drive it the same way:
 
 * the tools come from the environment itself (`ListToolsAction`, once, at start-up)
-  and are offered to the model in the run's tool format (`tool_calls.py`); each must
-  take one string argument (the `simple` format's whole text; checked at start-up,
-  naming the tool). The answer tool (`environment.openenv_answer_tool`, default
-  `submit_answer`) is not offered: the policy's message without a tool call is its
-  final answer, and the content of its `<answer>` tags (else the whole message, cut
-  to 200 characters) is submitted to that tool.
+  and are offered as OpenAI functions (`functions`: each MCP tool's name, description
+  and input JSON schema, checked as the endpoint checks a request's `tools`), so it is
+  an environment of OpenAI functions (`config.FUNCTION_ENVIRONMENTS`): in a run's
+  episodes the model is shown them and writes its calls in its own function-calling
+  convention (`model/function_calls.py`), and through the endpoint a scaffold sends
+  them as `tools` and gets `tool_calls` back (the built-in scaffold, an OpenAI Agents
+  SDK agent or verifiers' loop). The answer tool (`environment.openenv_answer_tool`,
+  default `submit_answer`, taking one string argument) is not offered: the policy's
+  message without a tool call is its final answer, and the content of its `<answer>`
+  tags (else the whole message, cut to 200 characters) is submitted to that tool.
 * the episode's first messages are pure (the run renders them before the episode
-  runs): the system prompt and the task's question. The session starts at the first
+  runs): the instructions and the task's question. The session starts at the first
   step: `reset(episode_id=, question=, task=)`, where `task` is the task's
   reasoning-gym entry (the contract an adapted environment keeps: the trainer draws
   the task, so a GRPO group's episodes share it).
-* each well-formed call is `step(CallToolAction(name, arguments))` with the run's
-  `environment.tool_timeout_s`; the result (or the tool's error) comes back as a tool
-  message cut to `environment.tool_output_chars`. The turn's reward is the
-  observations' `reward`; the episode ends when an observation is `done` (the answer
-  tool's always is); `correct` is a reward >= 1.0 (reasoning-gym's convention).
+* each call (at most `function_calls.MAX_CALLS` a message, parallel calls in order) is
+  `step(CallToolAction(name, arguments))` with the run's `environment.tool_timeout_s`;
+  the result (or the tool's error) comes back as a `tool` message cut to
+  `environment.tool_output_chars`. Call markup that cannot be read (or a function not
+  offered) gets one user message saying so. The turn's reward is the observations'
+  `reward`; the episode ends when an observation is `done` (the answer tool's always
+  is); `correct` is a reward >= 1.0 (reasoning-gym's convention).
 
 The environment's code is trusted (it runs in the run's process, as it would in
 OpenEnv's own server); model output reaches it only as tool arguments. A session is
@@ -55,11 +61,13 @@ from streamrl_jax.environments.protocol import (
     StepResult,
     TurnInfo,
 )
-from streamrl_jax.environments.tool_calls import ToolFormat, ToolSpec
 from streamrl_jax.errors import UserError
+from streamrl_jax.model import function_calls
 from streamrl_jax.rewards.answers import extract_answer
+from streamrl_jax.rewards.tasks import chat_messages
 
 INSTRUCTIONS = "Solve it. Use the tools for arithmetic. End with <answer>N</answer>."
+UNREADABLE = "error: the tool call could not be read; write it as the tools say"
 MAX_SESSIONS = 1024
 MAX_ANSWER_CHARS = 200
 
@@ -94,7 +102,7 @@ class OpenEnvEnvironment:
         self,
         path: str,
         kwargs: dict[str, Any],
-        fmt: ToolFormat,
+        convention: function_calls.Convention,
         services: Services,
         *,
         answer_tool: str = "submit_answer",
@@ -111,7 +119,8 @@ class OpenEnvEnvironment:
         # fastmcp 4 that warns once per process, about openenv's code, not the run's
         warnings.filterwarnings("ignore", message=r"Accessing `Tool\.inputSchema`")
         self._call = CallToolAction
-        self.cls, self.kwargs, self.fmt = load_class(path), dict(kwargs), fmt
+        self.cls, self.kwargs, self.convention = load_class(path), dict(kwargs), convention
+        self.choice = function_calls.ToolChoice("auto")
         self.answer_tool, self.timeout_s = answer_tool, timeout_s
         self.max_output_chars = max_output_chars
         probe = self._new()
@@ -126,8 +135,7 @@ class OpenEnvEnvironment:
                 f"tool (it offers {sorted(tools)})"
             )
         self.answer_param = _one_string_param(path, tools[answer_tool])
-        self.specs = {name: _spec(path, t) for name, t in tools.items() if name != answer_tool}
-        self.system_prompt = INSTRUCTIONS + "\n" + fmt.describe(list(self.specs.values()))
+        self.functions = _functions(path, [t for n, t in tools.items() if n != answer_tool])
         self._sessions: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self._lock = threading.Lock()
 
@@ -142,16 +150,16 @@ class OpenEnvEnvironment:
     # ------------------------------------------------------------------ protocol
     def start(self, question: str, metadata: dict[str, Any]) -> Start:
         del metadata
-        messages = [
-            {"role": "system", "content": self.system_prompt},
-            {"role": "user", "content": question},
-        ]
-        return Start(messages, {"session": None, "tool_turns": 0})
+        return Start(chat_messages(question, INSTRUCTIONS), {"session": None, "tool_turns": 0})
 
     def step(self, state: State, message: str, metadata: dict[str, Any]) -> StepResult:
         sid, env = self._session(state, metadata)
-        parsed = self.fmt.parse(message, self.specs)
-        if not parsed.any:
+        read = function_calls.interpret(self.convention, message, self.functions, self.choice)
+        new = {"session": sid, "tool_turns": state.get("tool_turns", 0) + 1}
+        if read.malformed:
+            info = TurnInfo(malformed_calls=1)
+            return StepResult([{"role": "user", "content": UNREADABLE}], 0.0, False, new, info)
+        if not read.calls:
             answer, format_ok = extract_answer(message)
             submitted = answer if answer is not None else message.strip()[:MAX_ANSWER_CHARS]
             obs = env.step(
@@ -165,28 +173,21 @@ class OpenEnvEnvironment:
             )
             return StepResult([], reward, True, {**state, "session": None}, info)
         observation, failures, reward, done = [], 0, 0.0, False
-        for call in parsed.calls:
+        for name, arguments in read.calls:
             obs = env.step(
-                self._call(tool_name=call.name, arguments=call.arguments), timeout_s=self.timeout_s
+                self._call(tool_name=name, arguments=arguments), timeout_s=self.timeout_s
             )
             text, failed = self._result_text(obs)
             failures += failed
-            observation.append(self.fmt.result(call, text))
+            observation.append({"role": "tool", "content": text})
             reward += float(obs.reward or 0.0)
             if obs.done:
                 done = True
                 break
-        if parsed.malformed and not done:
-            observation.append(
-                self.fmt.result(None, f"error: {parsed.malformed} tool call(s) could not be read")
-            )
-        info = TurnInfo(
-            tool_calls=len(parsed.calls), tool_failures=failures, malformed_calls=parsed.malformed
-        )
+        info = TurnInfo(tool_calls=len(read.calls), tool_failures=failures)
         if done:
             self._end(sid)
             return StepResult([], reward, True, {**state, "session": None}, info)
-        new = {"session": sid, "tool_turns": state.get("tool_turns", 0) + 1}
         return StepResult(observation, reward, False, new, info)
 
     def demonstration(self, question: str, metadata: dict[str, Any]) -> list[Message] | None:
@@ -266,22 +267,29 @@ def _one_string_param(path: str, tool: Any) -> str:
     if len(props) != 1 or next(iter(props.values())).get("type") != "string":
         raise UserError(
             f"environment.openenv={path}: tool {tool.name!r} takes {json.dumps(props)[:200]}; "
-            "an adapted tool takes one string argument"
+            "the answer tool takes one string argument (the answer)"
         )
     return next(iter(props))
 
 
-def _spec(path: str, tool: Any) -> ToolSpec:
-    param = _one_string_param(path, tool)
-    prop = tool.input_schema["properties"][param]
-    examples = prop.get("examples") or ["..."]
-    return ToolSpec(
-        name=tool.name,
-        description=(tool.description or tool.name).strip(),
-        param=param,
-        param_description=prop.get("description", param),
-        example=str(examples[0]),
-    )
+def _functions(path: str, tools: list[Any]) -> tuple[function_calls.Tool, ...]:
+    """MCP tools as OpenAI functions (their input schemas as they are).
+
+    Raises:
+      UserError: one the endpoint would refuse as a request's tool (naming it).
+    """
+    schemas = []
+    for t in tools:
+        description = (t.description or "").strip()
+        parameters = getattr(t, "input_schema", None) or {}
+        function = {"name": t.name, "description": description, "parameters": parameters}
+        schemas.append({"type": "function", "function": function})
+    try:
+        return tuple(function_calls.check_tools(schemas))
+    except function_calls.ToolError as e:
+        raise UserError(
+            f"environment.openenv={path}: its MCP tools as OpenAI functions: {e}"
+        ) from None
 
 
 def _close(env: Any) -> None:
@@ -290,13 +298,15 @@ def _close(env: Any) -> None:
         close()
 
 
-def make(section: EnvironmentSection, fmt: ToolFormat, services: Services) -> OpenEnvEnvironment:
+def make(
+    section: EnvironmentSection, convention: function_calls.Convention, services: Services
+) -> OpenEnvEnvironment:
     """The registry's entry (`environments/__init__.py`): the class `environment.openenv`
     built with `environment.openenv_kwargs`."""
     return OpenEnvEnvironment(
         section.openenv,
         openenv_kwargs(section),
-        fmt,
+        convention,
         services,
         answer_tool=section.openenv_answer_tool,
         timeout_s=section.tool_timeout_s,

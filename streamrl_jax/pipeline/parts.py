@@ -26,6 +26,7 @@ from streamrl_jax.endpoint.agents_sdk import openai_agents_scaffold
 from streamrl_jax.endpoint.kit import AgentKit, make_agent_kit
 from streamrl_jax.endpoint.scaffolds import environment_scaffold
 from streamrl_jax.endpoint.turns import Context
+from streamrl_jax.endpoint.verifiers_env import verifiers_scaffold
 from streamrl_jax.environments import EpisodeKit, EpisodeLimits, make_kit
 from streamrl_jax.errors import UserError
 from streamrl_jax.generation.engine import EngineConfig, validate_request
@@ -216,18 +217,19 @@ def agent_kit(
 ) -> AgentKit:
     """The endpoint on loopback (of this process: a generation process serves its own,
     for the episodes it owns) and its scaffold: the run's environment played through the
-    OpenAI API (`endpoint/scaffolds.environment_scaffold`, or an OpenAI Agents SDK agent:
-    `endpoint/agents_sdk.py`); `ecfg`, `vocab`: the engine
-    the endpoint's requests go to."""
+    OpenAI API (`endpoint/scaffolds.environment_scaffold`, an OpenAI Agents SDK agent:
+    `endpoint/agents_sdk.py`, or verifiers' tool-calling loop: `endpoint/verifiers_env.py`);
+    `ecfg`, `vocab`: the engine the endpoint's requests go to."""
     p, g, e = cfg.pipeline, cfg.generation, cfg.environment
-    play = openai_agents_scaffold if e.scaffold == "openai_agents" else environment_scaffold
+    play, needs = {
+        "environment": (environment_scaffold, ""),
+        "openai_agents": (openai_agents_scaffold, "the OpenAI Agents SDK (openai-agents)"),
+        "verifiers": (verifiers_scaffold, "verifiers 0.4.0 (docs/endpoint.md: its install)"),
+    }[e.scaffold]
     try:
         scaffold = play(kit.environment, "policy", e.max_turns, g.max_new_tokens)
     except ImportError as err:
-        raise UserError(
-            "environment.scaffold='openai_agents' needs the OpenAI Agents SDK "
-            f"(pip install openai-agents): {err}"
-        ) from None
+        raise UserError(f"environment.scaffold={e.scaffold!r} needs {needs}: {err}") from None
     per_batch = p.prompts_per_step * p.group_size
     limits = api.Limits(
         max_messages=2 * e.max_turns + 8,
