@@ -27,14 +27,14 @@ def _chained(c) -> None:
     """The chained calculator: sums of 4-5 three-digit numbers, an OpenAI function taking
     two numbers a call."""
     # The first prompt (instructions, the function's schema, the question) fits 296
-    # tokens; an episode's calls, results and answer (5 terms: 4 calls, 290 tokens) and a
-    # spare call share 336 more.
-    c.model.max_context = 632
+    # tokens; an episode's calls and results (67 tokens a step with a four-digit operand)
+    # and answer (5 terms: 4 calls, ~280 tokens) and a spare call share 352 more.
+    c.model.max_context = 648
     c.generation.max_prompt_len = 296
-    c.generation.max_new_tokens = 40  # a call (~30 tokens) or an answer
+    c.generation.max_new_tokens = 48  # a call (44 tokens with a four-digit operand) or an answer
     c.environment.name = "chained_calculator"
     c.environment.max_turns = 6  # 4 calls and the answer for 5 terms, one spare
-    c.environment.max_episode_tokens = 336
+    c.environment.max_episode_tokens = 352
     # reasoning-gym's chain_sum (its basic_arithmetic without parentheses scores against
     # answers that do not follow operator precedence: 111 of 200 wrong at 4-5 terms)
     c.data.tasks = "chain_sum"
