@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -35,6 +36,15 @@ class Backend(Protocol):
 
     def release(self, request_id: Any) -> None:
         """The episode of `request_id` ended: its kept slot is given up."""
+
+    def choices(self, eid: str, n: int, fresh: Callable[[str], bool]) -> list[str] | None:
+        """The episodes whose first turns are the n choices of a request of episode `eid`
+        (`fresh(e)`: whether episode e has no turn yet, none in flight), `eid` first; None
+        where the endpoint opens the others (a served endpoint).
+
+        Raises:
+          ValueError: naming why this request cannot have n choices.
+        """
 
 
 class ServiceBackend:
@@ -70,6 +80,10 @@ class ServiceBackend:
 
     def release(self, request_id: Any) -> None:
         self.service.release(request_id)
+
+    def choices(self, eid: str, n: int, fresh: Callable[[str], bool]) -> list[str] | None:
+        del eid, n, fresh  # every choice but the first is a new episode
+        return None
 
     def update_weights(self, params: Any, version: int) -> None:
         """New weights for new tokens (a running turn keeps its KV; tokens keep versions)."""
