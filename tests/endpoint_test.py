@@ -442,6 +442,43 @@ def test_a_training_runs_backend_hands_the_driver_a_streamed_turn_as_asked():
     assert q.on_tokens == feed.append
 
 
+def test_a_training_runs_n_choices_are_its_groups_episodes_not_started(served):
+    # A run's endpoint maps a request's n choices onto the episodes the run registered
+    # for one prompt's group, in member order, asked on the first not started with n the
+    # number not started; anything else is a 400 naming what to ask.
+    from streamrl_jax.endpoint.backend import PipelineBackend
+    from streamrl_jax.generation.types import RequestTag
+
+    backend = PipelineBackend(validate=lambda q: None, follow=lambda q: None)
+    ep = Endpoint(served.endpoint.turns, backend, TOKEN, limits=api.Limits(max_n=4),
+                  single_requests=False)  # fmt: skip
+    server = EndpointServer(ep)
+    client = EndpointClient(server.start(), TOKEN)
+    try:
+        eids = {}
+        for group, member, prompt in ((1, 2, [5, 6]), (1, 0, [5, 6]), (1, 1, [5, 6]),
+                                      (2, 0, [5, 6]), (2, 1, [7])):  # fmt: skip
+            tag = RequestTag(batch=0, group=group, member=member)
+            q = GenerationRequest(request_id=f"train/0/{group}/{member}", prompt=prompt,
+                                  max_new_tokens=4, tag=tag)  # fmt: skip
+            eids[group, member] = ep.book.open(seed=member)
+            backend.expect(eids[group, member], q)
+        a, b, c = (eids[1, m] for m in range(3))
+        assert backend.choices(a, 3, ep.book.fresh) == [a, b, c]
+        for eid, n, message in ((a, 2, "has 3 not started .*: ask n=3"),
+                                (b, 2, "is not the first of its group's episodes not started"),
+                                (eids[2, 0], 2, "is not one prompt's")):  # fmt: skip
+            with pytest.raises(openai.BadRequestError, match=message) as e:
+                _chat(client.openai(eid), USER, n=n, max_tokens=2)
+            assert e.value.param == "n"
+        backend.submit(GenerationRequest(request_id=a, prompt=[5, 6], max_new_tokens=4))
+        assert backend.choices(b, 2, ep.book.fresh) == [b, c]  # (a started)
+        assert ep.book.num_open == 5
+    finally:
+        client.close_client()
+        server.stop()
+
+
 def _stuck_server(served, **limits):
     backend = _StuckBackend()
     ep = Endpoint(served.endpoint.turns, backend, TOKEN, limits=api.Limits(**limits))

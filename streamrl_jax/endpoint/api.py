@@ -13,7 +13,9 @@ likely alternatives, k up to `MAX_TOP_LOGPROBS` and the engine's
 `EngineConfig.top_logprobs`: refused past either, naming the limit; both under the
 unmodified model distribution), `n` up to `Limits.max_n` (each choice an
 episode of its own, forked from the shared prompt; streamed, the choices' chunks
-interleaved, each naming its `index`), `tools` and
+interleaved, each naming its `index`; in a training run, whose `max_n` is its group
+size, the choices are the run's episodes of one group: `PipelineBackend.choices`),
+`tools` and
 `tool_choice` (OpenAI function calling: model/function_calls.py), assistant messages'
 `tool_calls` and `tool` messages answering them by `tool_call_id`, `response_format`
 of type text, and vLLM's `ignore_eos` (exactly `max_tokens` tokens: for benchmarks).
