@@ -61,6 +61,62 @@ def test_an_agents_run_trains_the_episodes_its_scaffolds_played_through_the_endp
     assert not pipeline_threads()
 
 
+def test_a_group_scaffold_asking_n_trains_what_one_scaffold_per_episode_trains(tmp_path):
+    # environment.scaffold="environment_group": one scaffold plays a prompt's G episodes,
+    # their first turns one request with n=G on the group's first episode, each choice
+    # one of the run's registered episodes (its id, seed, record). Against a scaffold per
+    # episode asking n=1: every episode (by its run identity) the same tokens, log-probs,
+    # versions and record, the same rewards step by step; in both the engine prefills
+    # each group's prompt once and forks it to the group's other episodes.
+    from streamrl_jax.endpoint.backend import PipelineBackend
+    from streamrl_jax.generation.admission import PromptSources
+
+    runs = {}
+    for scaffold in ("environment", "environment_group"):
+        cfg = _retry(pipeline__mode="stream_sync", pipeline__steps=1, eval__num_problems=0,
+                     environment__scaffold=scaffold)  # fmt: skip
+        asked, forks = [], []
+        choices, plan = PipelineBackend.choices, PromptSources.plan
+
+        def spied_choices(self, eid, n, fresh, asked=asked, real=choices):
+            asked.append(n)
+            return real(self, eid, n, fresh)
+
+        def spied_plan(self, take, forks=forks, real=plan):
+            prefill, forked = real(self, take)
+            forks.extend(q.request_id for _, q, _ in forked)
+            return prefill, forked
+
+        with (
+            mock.patch.object(PipelineBackend, "choices", spied_choices),
+            mock.patch.object(PromptSources, "plan", spied_plan),
+        ):
+            result, seen = run_recording(cfg, tmp_path / scaffold)
+        runs[scaffold] = result, seen, asked, forks
+    p = cfg.pipeline
+    groups = p.steps * p.prompts_per_step
+    (r1, seen1, asked1, forks1), (r2, seen2, asked2, forks2) = runs.values()
+    assert asked1 == [] and asked2 == [p.group_size] * groups
+    assert len(forks1) == len(forks2) == groups * (p.group_size - 1)
+    assert sorted(forks1) == sorted(forks2)  # the same members forked
+
+    def by_identity(seen):
+        return {(s.tag.batch, s.tag.group, s.tag.member): s for s in seen}
+
+    one, grouped = by_identity(seen1), by_identity(seen2)
+    assert len(one) == len(seen1) == groups * p.group_size and one.keys() == grouped.keys()
+    for key, a in one.items():
+        b = grouped[key]
+        np.testing.assert_array_equal(a.prompt, b.prompt)
+        np.testing.assert_array_equal(a.response, b.response)
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)  # float32, bitwise
+        np.testing.assert_array_equal(a.policy_mask, b.policy_mask)
+        np.testing.assert_array_equal(a.versions(), b.versions())
+        assert a.metadata == b.metadata
+    assert [r["reward"] for r in r1.steps] == [r["reward"] for r in r2.steps]
+    assert not pipeline_threads()
+
+
 def test_a_scaffold_that_raises_fails_the_run_naming_the_episode(tmp_path):
     def broken(*args, **kwargs):
         def play(task, client):
@@ -196,6 +252,7 @@ def _tokenizer():
         (dict(environment__scaffold="verifiers"), "an agent framework plays 'agents'"),
         (dict(environment__scaffold="verifiers", pipeline__rollout="agents+full"),
          "environment.scaffold='verifiers'.*environment.name='calculator'"),
+        (dict(environment__scaffold="environment_group"), "a scaffold plays 'agents' episodes"),
     ],
 )  # fmt: skip
 def test_an_agent_framework_needs_agents_episodes_of_openai_functions(overrides, message):

@@ -147,6 +147,60 @@ def test_n_choices_are_episodes_of_their_own_forked_from_the_shared_prompt(serve
     oc.close()
 
 
+def test_n_choices_stream_interleaved_each_as_its_episode_recorded_it(served):
+    # n = 4 streamed: each chunk names its choice (`index`); per choice the concatenated
+    # text, token ids and log-probs are its episode's recorded turn and the same choice
+    # unstreamed (same seed); each choice finishes once, the usage of all comes last.
+    engine = served.backend.service.engines[0]
+    kw = dict(n=4, max_tokens=6, seed=11, logprobs=True, extra_body={"ignore_eos": True})
+    with served.client.episode() as (oc, _):
+        whole = _chat(oc, USER, **kw).choices
+    for c in whole[1:]:  # (the first closes with its `episode`)
+        served.client.close(c.model_extra["episode_id"])
+    before = engine.metrics()
+    eid = served.client.open()
+    oc = served.client.openai(eid)
+    chunks = list(_chat(oc, USER, stream=True, stream_options={"include_usage": True}, **kw))
+    # the prompt prefilled at most once (a slot may still hold it), the others forked
+    forked, rows = (engine.metrics()[k] - before[k] for k in ("forked", "prefill_rows"))
+    assert forked + rows == 4 and rows <= 1
+    assert chunks[-1].usage.completion_tokens == 24 and not chunks[-1].choices
+    per = {i: [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+           for i in range(4)}  # fmt: skip
+    assert sum(map(len, per.values())) == len(chunks) - 1  # every chunk one choice's
+    ids = [p[0].model_extra["episode_id"] for p in per.values()]
+    assert ids[0] == eid and len(set(ids)) == 4
+    for i, p in per.items():
+        text = "".join(c.delta.content or "" for c in p)
+        tokens = [t for c in p for t in c.model_extra.get("token_ids", [])]
+        lps = [e.logprob for c in p if c.logprobs for e in c.logprobs.content]
+        assert [c.finish_reason for c in p if c.finish_reason] == ["length"]
+        rec = _close(served, ids[i])
+        assert text == rec.messages[-1]["content"] == whole[i].message.content
+        assert tokens == rec.sample.response.tolist() == whole[i].model_extra["token_ids"]
+        assert lps == [e.logprob for e in whole[i].logprobs.content]
+    # Completions: each choice's text and tokens as its episode recorded them.
+    eid = served.client.open()
+    oc = served.client.openai(eid)
+    pieces = list(oc.completions.create(model="policy", prompt="Once upon a time", n=2,
+                                        max_tokens=5, stream=True))  # fmt: skip
+    for i in range(2):
+        p = [c.choices[0] for c in pieces if c.choices[0].index == i]
+        rec = _close(served, p[0].model_extra["episode_id"])
+        assert "".join(c.text for c in p) == rec.text[len("Once upon a time") :]
+        tokens = [t for c in p for t in c.model_extra["token_ids"]]
+        assert tokens == rec.sample.response.tolist() and p[-1].finish_reason is not None
+    assert rec.id != eid
+    oc.close()
+
+
+def _close(served, eid):
+    """Episode `eid` closed (its kept slot given up); its record."""
+    rec = served.endpoint.book.close(eid)
+    served.backend.release(eid)
+    return rec
+
+
 def test_a_turn_past_the_episodes_context_is_refused_with_openais_code(served):
     with served.client.episode() as (oc, eid):
         r = _chat(oc, USER, max_tokens=2)
@@ -207,8 +261,6 @@ def _raw(served, path, body, headers=None, token=TOKEN):
          TOKEN, 400, "'functions' is not supported"),
         (json.dumps({"model": "policy", "messages": USER, "n": 5}), {}, TOKEN, 400,
          "n=5 must be in [1, 4]"),
-        (json.dumps({"model": "policy", "messages": USER, "n": 2, "stream": True}), {}, TOKEN,
-         400, "streaming is for one choice"),
         (json.dumps({"model": "policy", "messages": USER, "logprobs": True, "top_logprobs": 21}),
          {}, TOKEN, 400, "top_logprobs=21 must be in [0, 20]"),
         (json.dumps({"model": "policy", "messages": USER, "logprobs": True, "top_logprobs": 6}),
@@ -388,6 +440,43 @@ def test_a_training_runs_backend_hands_the_driver_a_streamed_turn_as_asked():
     q = backend.first("ep-1", timeout=5)
     assert (q.request_id, q.tag, q.seed) == (41, RequestTag(batch=3), 9)
     assert q.on_tokens == feed.append
+
+
+def test_a_training_runs_n_choices_are_its_groups_episodes_not_started(served):
+    # A run's endpoint maps a request's n choices onto the episodes the run registered
+    # for one prompt's group, in member order, asked on the first not started with n the
+    # number not started; anything else is a 400 naming what to ask.
+    from streamrl_jax.endpoint.backend import PipelineBackend
+    from streamrl_jax.generation.types import RequestTag
+
+    backend = PipelineBackend(validate=lambda q: None, follow=lambda q: None)
+    ep = Endpoint(served.endpoint.turns, backend, TOKEN, limits=api.Limits(max_n=4),
+                  single_requests=False)  # fmt: skip
+    server = EndpointServer(ep)
+    client = EndpointClient(server.start(), TOKEN)
+    try:
+        eids = {}
+        for group, member, prompt in ((1, 2, [5, 6]), (1, 0, [5, 6]), (1, 1, [5, 6]),
+                                      (2, 0, [5, 6]), (2, 1, [7])):  # fmt: skip
+            tag = RequestTag(batch=0, group=group, member=member)
+            q = GenerationRequest(request_id=f"train/0/{group}/{member}", prompt=prompt,
+                                  max_new_tokens=4, tag=tag)  # fmt: skip
+            eids[group, member] = ep.book.open(seed=member)
+            backend.expect(eids[group, member], q)
+        a, b, c = (eids[1, m] for m in range(3))
+        assert backend.choices(a, 3, ep.book.fresh) == [a, b, c]
+        for eid, n, message in ((a, 2, "has 3 not started .*: ask n=3"),
+                                (b, 2, "is not the first of its group's episodes not started"),
+                                (eids[2, 0], 2, "is not one prompt's")):  # fmt: skip
+            with pytest.raises(openai.BadRequestError, match=message) as e:
+                _chat(client.openai(eid), USER, n=n, max_tokens=2)
+            assert e.value.param == "n"
+        backend.submit(GenerationRequest(request_id=a, prompt=[5, 6], max_new_tokens=4))
+        assert backend.choices(b, 2, ep.book.fresh) == [b, c]  # (a started)
+        assert ep.book.num_open == 5
+    finally:
+        client.close_client()
+        server.stop()
 
 
 def _stuck_server(served, **limits):

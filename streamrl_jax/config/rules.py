@@ -376,7 +376,13 @@ def _check_environment(cfg: ExperimentConfig) -> None:
         "'dynamic_sampling' (partial rollout of them is not built)",
     )
     require(
-        e.scaffold == "environment" or (drivers[0] == "agents" and e.name in FUNCTION_ENVIRONMENTS),
+        e.scaffold != "environment_group" or drivers[0] == "agents",
+        f"environment.scaffold={e.scaffold!r}: a scaffold plays 'agents' episodes; got "
+        f"pipeline.rollout={p.rollout!r}",
+    )
+    require(
+        e.scaffold in ("environment", "environment_group")
+        or (drivers[0] == "agents" and e.name in FUNCTION_ENVIRONMENTS),
         f"environment.scaffold={e.scaffold!r}: an agent framework plays 'agents' episodes of "
         f"an environment of OpenAI functions ({', '.join(FUNCTION_ENVIRONMENTS)}); got "
         f"environment.name={e.name!r}, pipeline.rollout={p.rollout!r}",

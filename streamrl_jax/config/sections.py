@@ -40,9 +40,10 @@ FUNCTION_ENVIRONMENTS = ("chained_calculator", "openenv")
 # Environments that can tell a correct step of an episode (environment.step_credit)
 STEP_CREDIT_ENVIRONMENTS = ("chained_calculator",)
 # environment.scaffold (endpoint/): what plays an 'agents' episode through the endpoint:
-# the environment's own loop, an OpenAI Agents SDK agent (openai-agents), or verifiers'
+# the environment's own loop, the same for a prompt's G episodes together (their first
+# turns one request with n=G), an OpenAI Agents SDK agent (openai-agents), or verifiers'
 # tool-calling loop (verifiers 0.4.0)
-SCAFFOLDS = ("environment", "openai_agents", "verifiers")
+SCAFFOLDS = ("environment", "environment_group", "openai_agents", "verifiers")
 # environment.tool_format (environments/tool_calls.py): "auto" = the model's convention.
 TOOL_FORMATS = ("auto", "hermes", "simple")
 # The generation copy's matrices (generation/quant.py): "auto" = model.generate_dtype,
@@ -340,8 +341,10 @@ class EnvironmentSection:
     tool_output_chars: int = 256  # a longer tool result is cut (and counted as a failure)
     workers: int = 2  # environment steps (and tool workers) run at once
     # pipeline.rollout="agents+...": who plays an episode through the endpoint, one of
-    # SCAFFOLDS ("openai_agents": an OpenAI Agents SDK agent, "verifiers": verifiers' tool
-    # environment loop; both for FUNCTION_ENVIRONMENTS)
+    # SCAFFOLDS ("environment_group": the environment's loop playing a group's episodes
+    # together, their first turns one request with n=G; "openai_agents": an OpenAI Agents
+    # SDK agent, "verifiers": verifiers' tool environment loop; both for
+    # FUNCTION_ENVIRONMENTS)
     scaffold: str = "environment"
     # name="openenv" (environments/openenv.py): an OpenEnv MCP environment class,
     # "module:Class", built per episode with the JSON object `openenv_kwargs`; the policy's

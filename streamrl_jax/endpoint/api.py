@@ -12,7 +12,10 @@ log-probs) with chat's `top_logprobs` / completions' `logprobs: k` (each token's
 likely alternatives, k up to `MAX_TOP_LOGPROBS` and the engine's
 `EngineConfig.top_logprobs`: refused past either, naming the limit; both under the
 unmodified model distribution), `n` up to `Limits.max_n` (each choice an
-episode of its own, forked from the shared prompt; not with `stream`), `tools` and
+episode of its own, forked from the shared prompt; streamed, the choices' chunks
+interleaved, each naming its `index`; in a training run, whose `max_n` is its group
+size, the choices are the run's episodes of one group: `PipelineBackend.choices`),
+`tools` and
 `tool_choice` (OpenAI function calling: model/function_calls.py), assistant messages'
 `tool_calls` and `tool` messages answering them by `tool_call_id`, `response_format`
 of type text, and vLLM's `ignore_eos` (exactly `max_tokens` tokens: for benchmarks).
@@ -206,8 +209,6 @@ def check_common(
             f"n={n} must be in [1, {limits.max_n}] (each choice is an episode of its own)",
             "n",
         )
-    if n > 1 and req.stream:
-        raise ApiError(400, f"n={n} with stream: streaming is for one choice", "n")
     if max_tokens is not None and not 1 <= max_tokens <= limits.max_tokens:
         raise ApiError(
             400, f"max_tokens={max_tokens} must be in [1, {limits.max_tokens}]", "max_tokens"

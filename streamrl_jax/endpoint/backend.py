@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -35,6 +36,15 @@ class Backend(Protocol):
 
     def release(self, request_id: Any) -> None:
         """The episode of `request_id` ended: its kept slot is given up."""
+
+    def choices(self, eid: str, n: int, fresh: Callable[[str], bool]) -> list[str] | None:
+        """The episodes whose first turns are the n choices of a request of episode `eid`
+        (`fresh(e)`: whether episode e has no turn yet, none in flight), `eid` first; None
+        where the endpoint opens the others (a served endpoint).
+
+        Raises:
+          ValueError: naming why this request cannot have n choices.
+        """
 
 
 class ServiceBackend:
@@ -70,6 +80,10 @@ class ServiceBackend:
 
     def release(self, request_id: Any) -> None:
         self.service.release(request_id)
+
+    def choices(self, eid: str, n: int, fresh: Callable[[str], bool]) -> list[str] | None:
+        del eid, n, fresh  # every choice but the first is a new episode
+        return None
 
     def update_weights(self, params: Any, version: int) -> None:
         """New weights for new tokens (a running turn keeps its KV; tokens keep versions)."""
@@ -121,6 +135,11 @@ class PipelineBackend:
     counts every turn as a request out and a weight swap waits for whole episodes. A
     streamed turn's request keeps its `on_tokens`: the run's engine, in this process
     (a generation process serves its own endpoint), reports to the stream.
+
+    A group's episodes (one prompt's, registered with the same batch and group) may
+    start with one request of n choices (`choices`): asked on the first episode not
+    started yet, with n the number not started, its choices are those episodes' first
+    turns, in member order, each keeping its own run identity.
     """
 
     version = 0  # (the driver's weights decide; the samples carry the versions)
@@ -135,11 +154,43 @@ class PipelineBackend:
         self._next: dict[str, Future[Any]] = {}  # episode id -> its pending `Returned`
         self._waiting: dict[Any, tuple[str, Future[Sample]]] = {}  # request id -> turn
         self._failed: dict[str, BaseException] = {}  # scaffolds that failed with a turn out
+        self._groups: dict[tuple[int, int], list[str]] = {}  # (batch, group) -> its episodes
 
     def expect(self, eid: str, placeholder: GenerationRequest) -> None:
         with self._lock:
             self._placeholder[eid] = placeholder
             self._first[eid] = Future()
+            group = self._groups.setdefault(_group_key(placeholder), [])
+            group.append(eid)
+            group.sort(key=lambda e: self._placeholder[e].tag.member)
+
+    def choices(self, eid: str, n: int, fresh: Callable[[str], bool]) -> list[str]:
+        """The episodes of `eid`'s group not started yet, in member order, when `eid` is
+        the first of them and they are n (class docstring)."""
+        with self._lock:
+            p = self._placeholder.get(eid)
+            if p is None:
+                raise ValueError(f"episode {eid} is not one of the run's")
+            key = _group_key(p)
+            group = self._groups[key]
+            waiting = [e for e in group if not self._first[e].done()]
+            prompts = {(tuple(self._placeholder[e].prompt), self._placeholder[e].tag.prompt_id)
+                       for e in group}  # fmt: skip
+        waiting = [e for e in waiting if fresh(e)]
+        where = f"batch {key[0]} group {key[1]}: {len(group)} episodes, {len(waiting)} not started"
+        if len(prompts) != 1:
+            raise ValueError(f"n={n}: episode {eid}'s group ({where}) is not one prompt's")
+        if not waiting or waiting[0] != eid:
+            raise ValueError(
+                f"n={n}: episode {eid} is not the first of its group's episodes not started "
+                f"({where}); ask with that episode's id"
+            )
+        if n != len(waiting):
+            raise ValueError(
+                f"n={n}: each choice is one of the run's episodes of its prompt; episode "
+                f"{eid}'s group has {len(waiting)} not started ({where}): ask n={len(waiting)}"
+            )
+        return waiting
 
     def submit(self, request: GenerationRequest) -> Future[Sample]:
         """The episode's next turn: `request` under its run identity, to the driver
@@ -202,8 +253,13 @@ class PipelineBackend:
         `Returned`), or `error`; the episode is forgotten."""
         with self._lock:
             pending = self._next.pop(eid, None) or self._first.get(eid)
-            self._placeholder.pop(eid, None)
+            p = self._placeholder.pop(eid, None)
             self._first.pop(eid, None)
+            if p is not None:
+                group = self._groups[_group_key(p)]
+                group.remove(eid)
+                if not group:
+                    del self._groups[_group_key(p)]
             if (pending is None or pending.done()) and error is not None:
                 self._failed[eid] = error  # a turn is still out: its return fails the run
         if pending is None or pending.done():
@@ -223,3 +279,8 @@ class PipelineBackend:
         for _, turn in waiting.values():
             if not turn.done():
                 turn.set_exception(RuntimeError(f"the run failed: {exc!r}"))
+
+
+def _group_key(request: GenerationRequest) -> tuple[int, int]:
+    """The batch and GRPO group of a run's request."""
+    return request.tag.batch, request.tag.group

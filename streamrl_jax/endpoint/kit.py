@@ -6,7 +6,7 @@ it on loopback: serving, tests, benchmarks. `AgentKit` is what the `agents` roll
 (pipeline/rollouts/agents.py) drives: an `Endpoint` on loopback over a
 `PipelineBackend` (so every turn goes through the run's driver), a bearer token from a
 fresh per-run secret, an `EndpointClient`, the scaffold, and `workers` threads that
-each play one episode at a time.
+each play one episode at a time (a group scaffold: one group).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 from streamrl_jax.endpoint import api
 from streamrl_jax.endpoint.backend import PipelineBackend, ServiceBackend
 from streamrl_jax.endpoint.client import EndpointClient
-from streamrl_jax.endpoint.scaffolds import Scaffold
+from streamrl_jax.endpoint.scaffolds import GroupScaffold, Scaffold
 from streamrl_jax.endpoint.server import Endpoint, EndpointServer, endpoint_token
 from streamrl_jax.endpoint.turns import Context, Turns
 from streamrl_jax.generation.service import GenerationService
@@ -56,7 +56,7 @@ class AgentKit:
     server: EndpointServer
     backend: PipelineBackend
     client: EndpointClient
-    scaffold: Scaffold
+    scaffold: Scaffold | GroupScaffold  # one episode's, or a group's together
     workers: concurrent.futures.ThreadPoolExecutor
     timeout_s: float  # a scaffold's first request must come within it
 
@@ -75,7 +75,7 @@ def make_agent_kit(
     ctx: Context,
     validate: Callable[[GenerationRequest], None],
     follow: Callable[[GenerationRequest], Any],
-    scaffold: Scaffold,
+    scaffold: Scaffold | GroupScaffold,
     *,
     workers: int,
     limits: api.Limits,

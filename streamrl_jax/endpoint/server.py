@@ -16,9 +16,11 @@ Routes (every one needs `Authorization: Bearer <token>`):
   after each engine round trip, the text its new tokens settle (streaming.py: a
   character split across tokens once whole, never the stop token or text that may
   begin a stop string or a tool call), then what the recorded turn adds (its tool
-  calls: one chunk each, whole), the finish and the usage. Each choice (each chunk)
-  carries, beside OpenAI's fields, `token_ids` and `versions`: the tokens as sampled
-  and the weights version of each.
+  calls: one chunk each, whole), the finish and the usage. With `n` > 1 the choices
+  stream interleaved, each chunk one choice's (`index`), each with its own finish, the
+  usage of all once at the end. Each choice (each chunk) carries, beside OpenAI's
+  fields, `token_ids` and `versions`: the tokens as sampled and the weights version of
+  each.
 
 The trust boundary (docs/endpoint.md): loopback unless `allow_remote`; the bearer
 token compared in constant time; a body over `Limits.max_body_bytes` refused (413)
@@ -145,34 +147,85 @@ class Endpoint:
 
     # ------------------------------------------------------------------ a completion
     async def choices(self, eid: str | None, kind: str, said: Any, s: api.Sampling) -> list[Turn]:
-        """The request's `s.n` completions, each its own episode: the first of episode
-        `eid` (which must have no turn yet when n > 1), the others of episodes opened
-        for them (returned in each choice's `episode_id`, for the client to go on with
-        and close), or every one an episode of its own without `eid`. Submitted
-        together, so the engine prefills their shared prompt once and forks its KV
-        (`share_prefill`). With a `seed`, choice i samples with seed + i."""
+        """The request's `s.n` completions (`start_choices`), once each is recorded; a
+        failed choice fails the request (after its siblings finished), and the episodes
+        opened for it are closed."""
+        subs, opened = await self.start_choices(eid, kind, said, s)
+        got = await asyncio.gather(*(self.finish(sub) for sub in subs), return_exceptions=True)
+        failed = [g for g in got if isinstance(g, BaseException)]
+        if failed:
+            self._close_opened(opened)
+            raise failed[0]
+        return list(got)
+
+    async def start_choices(
+        self, eid: str | None, kind: str, said: Any, s: api.Sampling, stream: bool = False
+    ) -> tuple[list[Submitted], list[str]]:
+        """The request's `s.n` completions submitted (`finish` records each), each its own
+        episode: the first of episode `eid` (which must have no turn yet when n > 1), the
+        others of episodes opened for them (returned in each choice's `episode_id`, for
+        the client to go on with and close; the second list), or every one an episode of
+        its own without `eid`; in a training run, the episodes of `eid`'s group
+        (`Backend.choices`). Submitted together, so the engine prefills their shared
+        prompt once and forks its KV (`share_prefill`). With a `seed`, choice i samples
+        with seed + i. A choice that cannot start fails the request once those started
+        are recorded (the episodes opened for it closed)."""
         if s.n == 1:
-            return [await self.complete(eid, kind, said, s)]
+            return [self.start(eid, kind, said, s, stream)], []
         if eid is not None and not self.book.fresh(eid):
             raise api.ApiError(400, f"n={s.n}: episode {eid[:80]!r} is not a new episode", "n")
-        opened = [self.book.open() for _ in range(s.n - 1)] if eid is not None else []
-        ids = [eid, *opened] if eid is not None else [None] * s.n
+        ids, opened = self._choice_ids(eid, s.n)
         each = [
             dataclasses.replace(s, n=1, seed=None if s.seed is None else s.seed + i)
             for i in range(s.n)
         ]
-        got = await asyncio.gather(
-            *(self.complete(e, kind, said, c) for e, c in zip(ids, each, strict=True)),
-            return_exceptions=True,
-        )
-        failed = [g for g in got if isinstance(g, BaseException)]
-        if failed:
-            for e in opened:
-                with contextlib.suppress(BookError):
-                    self.book.close(e, "a sibling choice failed")
-                self.backend.release(e)
-            raise failed[0]
-        return list(got)
+        subs: list[Submitted] = []
+        try:
+            for e, c in zip(ids, each, strict=True):
+                subs.append(self.start(e, kind, said, c, stream))
+        except BaseException:
+            await asyncio.gather(*(self.finish(sub) for sub in subs), return_exceptions=True)
+            self._close_opened(opened)
+            raise
+        return subs, opened
+
+    def _choice_ids(self, eid: str | None, n: int) -> tuple[list[str | None], list[str]]:
+        """The episodes of a request's n choices, and those opened for it."""
+        if eid is None:
+            return [None] * n, []
+        try:
+            group = self.backend.choices(eid, n, self.book.fresh)
+        except ValueError as e:
+            raise api.ApiError(400, str(e), "n") from None
+        if group is not None:
+            return list(group), []
+        opened = [self.book.open() for _ in range(n - 1)]
+        return [eid, *opened], opened
+
+    def _close_opened(self, opened: list[str]) -> None:
+        """The episodes opened for a request's choices, closed (a sibling failed: the
+        client may never learn their ids)."""
+        for e in opened:
+            with contextlib.suppress(BookError):
+                self.book.close(e, "a sibling choice failed")
+            self.backend.release(e)
+
+    async def stream_choices(
+        self, eid: str | None, kind: str, said: Any, s: api.Sampling
+    ) -> tuple[list[Submitted], list[asyncio.Task[Turn]]]:
+        """The request's choices started as streams, each recorded by a task of its own
+        (`finish_apart`); when one fails, the episodes opened for the others are closed
+        once all are recorded."""
+        subs, opened = await self.start_choices(eid, kind, said, s, stream=True)
+        tasks = [self.finish_apart(sub) for sub in subs]
+        if opened:
+            self._keep(asyncio.ensure_future(self._close_if_failed(tasks, opened)))
+        return subs, tasks
+
+    async def _close_if_failed(self, tasks: list[asyncio.Task[Turn]], opened: list[str]) -> None:
+        got = await asyncio.gather(*tasks, return_exceptions=True)
+        if any(isinstance(g, BaseException) for g in got):
+            self._close_opened(opened)
 
     async def complete(self, eid: str | None, kind: str, said: Any, s: api.Sampling) -> Turn:
         """One completion of episode `eid` (`said`: chat messages or prompt text)."""
@@ -248,7 +301,10 @@ class Endpoint:
         """`finish(sub)` as a task of its own: a streamed turn is recorded whether or not
         its client stays to read it (the task is kept until done, its failure retrieved:
         the stream reports it, or nobody is left to)."""
-        task = asyncio.ensure_future(self.finish(sub))
+        return self._keep(asyncio.ensure_future(self.finish(sub)))
+
+    def _keep(self, task: asyncio.Task) -> asyncio.Task:
+        """`task` kept until done, its failure retrieved (logged when it is a bug)."""
         self._finishing.add(task)
         task.add_done_callback(self._finished)
         return task
@@ -429,21 +485,7 @@ def _event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
-Tokens = tuple[list[int], list[float], list[int]]  # ids, log-probs, versions
-
-
-async def _as_sampled(sub: Submitted, task: asyncio.Task[Turn]) -> AsyncIterator[Tokens]:
-    """A streamed turn's tokens as the engine reports them (what came while the client
-    read the last ones, at once), until its turn is recorded."""
-    while not task.done():
-        ready = asyncio.ensure_future(sub.feed.wait())
-        try:
-            await asyncio.wait((ready, task), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            ready.cancel()
-        got = sub.feed.take()
-        if got[0]:
-            yield got
+Tokens = tuple[list[int], list[float], list[int], list[Alternatives]]  # ids, lps, versions, tops
 
 
 async def _recorded(ep: Endpoint, task: asyncio.Task[Turn]) -> Turn | bytes:
@@ -478,112 +520,187 @@ def _rest(ep: Endpoint, shown: ShownText, final: str | None) -> str:
     return rest
 
 
-async def chat_events(
-    ep: Endpoint, sub: Submitted, task: asyncio.Task[Turn], s: api.Sampling
-) -> AsyncIterator[bytes]:
-    """A chat turn as chat.completion.chunk events while it generates: the text its
-    tokens settle as they come (each event with those tokens' ids, versions and
-    log-probs), then what the recorded turn adds (a turn that made tool calls: one event
+class _Progress:
+    """How far one streamed choice got: the tokens taken (`every`), those sent in pieces
+    (`sent`), those whose text is not shown yet (`held`)."""
+
+    def __init__(self, ep: Endpoint, sub: Submitted, s: api.Sampling):
+        self.ep, self.shown = ep, _shown(ep, sub, s)
+        self.held: Tokens = ([], [], [], [])
+        self.sent = 0
+        self.every: list[int] = []
+
+    def add(self, got: Tokens) -> tuple[str, Tokens] | None:
+        """The text the engine's next tokens `got` settle and the tokens it shows (taken
+        as sent), or None while it shows nothing new."""
+        for have, new in zip(self.held, got, strict=True):
+            have.extend(new)
+        self.every.extend(got[0])
+        text = self.shown.add(got[0])
+        if not text:
+            return None
+        held, self.held = self.held, ([], [], [], [])
+        self.sent += len(held[0])
+        return text, held
+
+    def rest(self, turn: Turn, final: str | None) -> tuple[str, Tokens]:
+        """What the recorded `turn` (its message `final`) adds to the text shown, and its
+        tokens not sent yet."""
+        at = self.sent
+        tail = (turn.token_ids[at:], turn.logprobs[at:], turn.versions[at:],
+                _alternatives(turn)[at:])  # fmt: skip
+        return _rest(self.ep, self.shown, final), tail
+
+
+class ChatChoice:
+    """A streamed chat choice's chunks: an opening (the role, the choice's episode), the
+    text its tokens settle as they come (each chunk with those tokens' ids, versions and
+    log-probs), then what the recorded turn adds (a turn that made tool calls: one chunk
     per call, whole), the finish."""
-    base = _header(ep, sub.rec.id, "chatcmpl", "chat.completion.chunk")
 
-    def event(choices: list, **more: Any) -> bytes:
-        return _event({**base, "choices": choices, **more})
+    def __init__(self, ep: Endpoint, sub: Submitted, s: api.Sampling, index: int):
+        self.ep, self.sub, self.s, self.index = ep, sub, s, index
+        self.progress = _Progress(ep, sub, s)
 
-    def piece(text: str | None, ids: Any, logprobs: Any, versions: Any, tops: Any) -> bytes:
-        entries = _logprob_entries(ep.turns, ids, logprobs, tops, s) if s.logprobs else None
-        choice = {
-            "index": 0,
+    def opening(self) -> list[dict[str, Any]]:
+        first = {"role": "assistant", "content": ""}
+        return [{"index": self.index, "delta": first, "logprobs": None, "finish_reason": None,
+                 "episode_id": self.sub.rec.id}]  # fmt: skip
+
+    def add(self, got: Tokens) -> list[dict[str, Any]]:
+        settled = self.progress.add(got)
+        return [] if settled is None else [self._piece(settled[0], *settled[1])]
+
+    def end(self, turn: Turn) -> list[dict[str, Any]]:
+        out, i = [], self.index
+        rest, tail = self.progress.rest(turn, turn.content)
+        if rest or len(tail[0]):
+            out.append(self._piece(rest, *tail))
+        for k, c in enumerate(turn.calls):
+            delta = {"tool_calls": [{"index": k, **c.openai()}]}
+            out.append({"index": i, "delta": delta, "finish_reason": None})
+        out.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": turn.finish_reason})
+        return out
+
+    def _piece(self, text: str, ids: Any, lps: Any, versions: Any, tops: Any) -> dict[str, Any]:
+        s = self.s
+        entries = _logprob_entries(self.ep.turns, ids, lps, tops, s) if s.logprobs else None
+        return {
+            "index": self.index,
             "delta": {"content": text} if text else {},
             "logprobs": {"content": entries} if entries is not None else None,
             "finish_reason": None,
             "token_ids": np.asarray(ids).tolist(),
             "versions": np.asarray(versions).tolist(),
         }
-        return event([choice])
-
-    first = {"role": "assistant", "content": ""}
-    yield event([{"index": 0, "delta": first, "logprobs": None, "finish_reason": None,
-                  "episode_id": sub.rec.id}])  # fmt: skip
-    shown, held, sent = _shown(ep, sub, s), ([], [], [], []), 0
-    async for got in _as_sampled(sub, task):
-        for have, new in zip(held, got, strict=True):
-            have.extend(new)
-        text = shown.add(got[0])
-        if text:
-            yield piece(text, *held)
-            sent, held = sent + len(held[0]), ([], [], [], [])
-    turn = await _recorded(ep, task)
-    if isinstance(turn, bytes):
-        yield turn
-        return
-    rest = _rest(ep, shown, turn.content)
-    if rest or sent < len(turn.token_ids):
-        tail = turn.token_ids[sent:], turn.logprobs[sent:], turn.versions[sent:]
-        yield piece(rest, *tail, _alternatives(turn)[sent:])
-    for i, c in enumerate(turn.calls):
-        delta = {"tool_calls": [{"index": i, **c.openai()}]}
-        yield event([{"index": 0, "delta": delta, "finish_reason": None}])
-    yield event([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": turn.finish_reason}])
-    if s.include_usage:
-        yield event([], usage=_usage(turn))
-    yield b"data: [DONE]\n\n"
 
 
-async def completion_events(
-    ep: Endpoint, sub: Submitted, task: asyncio.Task[Turn], s: api.Sampling
-) -> AsyncIterator[bytes]:
-    """A completion as text_completion events while it generates: the text its tokens
-    settle as they come (with their ids, versions and log-probs), then what the
-    recorded turn adds, with the finish."""
-    base = _header(ep, sub.rec.id, "cmpl", "text_completion")
+class CompletionChoice:
+    """A streamed completion choice's chunks: the text its tokens settle as they come,
+    then what the recorded turn adds, with the finish (each chunk with the choice's
+    episode)."""
 
-    def piece(
-        text: str, ids: Any, versions: Any, lps: Any, tops: Any, at: list, finish: Any
-    ) -> bytes:
+    def __init__(self, ep: Endpoint, sub: Submitted, s: api.Sampling, index: int):
+        self.ep, self.sub, self.s, self.index = ep, sub, s, index
+        self.progress = _Progress(ep, sub, s)
+        self.offset = 0  # the next token's offset in the completion text
+
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    def add(self, got: Tokens) -> list[dict[str, Any]]:
+        sent = self.progress.sent
+        settled = self.progress.add(got)
+        if settled is None:
+            return []
+        at = []
+        if self.s.logprobs:  # each token's text and offset (as `_shown_pieces`)
+            every = np.asarray(self.progress.every[: self.progress.sent])
+            for p in _token_text(self.ep.turns, every, sent):
+                at.append((p, self.offset))
+                self.offset += len(p)
+        return [self._piece(settled[0], settled[1], at, None)]
+
+    def end(self, turn: Turn) -> list[dict[str, Any]]:
+        at = _shown_pieces(self.ep, turn)[self.progress.sent :] if self.s.logprobs else []
+        rest, tail = self.progress.rest(turn, turn.text)
+        return [self._piece(rest, tail, at, turn.finish_reason)]
+
+    def _piece(self, text: str, tokens: Tokens, at: list, finish: str | None) -> dict[str, Any]:
+        ids, lps, versions, tops = tokens
         logprobs = None
-        if s.logprobs:
+        if self.s.logprobs:
             logprobs = {
                 "tokens": [p for p, _ in at],
                 "token_logprobs": np.asarray(lps).tolist(),
-                "top_logprobs": _top_dicts(ep.turns, tops, s),
+                "top_logprobs": _top_dicts(self.ep.turns, tops, self.s),
                 "text_offset": [o for _, o in at],
             }
-        choice = {
-            "index": 0,
+        return {
+            "index": self.index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": finish,
             "token_ids": np.asarray(ids).tolist(),
             "versions": np.asarray(versions).tolist(),
+            "episode_id": self.sub.rec.id,
         }
-        return _event({**base, "choices": [choice]})
 
-    shown, held, sent, every, offset = _shown(ep, sub, s), ([], [], [], []), 0, [], 0
-    async for got in _as_sampled(sub, task):
-        for have, new in zip(held, got, strict=True):
-            have.extend(new)
-        every.extend(got[0])
-        text = shown.add(got[0])
-        if text:
-            at = []
-            if s.logprobs:  # each token's text and offset (as `_shown_pieces`)
-                for p in _token_text(ep.turns, np.asarray(every[: sent + len(held[0])]), sent):
-                    at.append((p, offset))
-                    offset += len(p)
-            ids, lps, versions, tops = held
-            yield piece(text, ids, versions, lps, tops, at, None)
-            sent, held = sent + len(ids), ([], [], [], [])
-    turn = await _recorded(ep, task)
-    if isinstance(turn, bytes):
-        yield turn
-        return
-    at = _shown_pieces(ep, turn)[sent:] if s.logprobs else []
-    rest = _rest(ep, shown, turn.text)
-    tail = (turn.token_ids[sent:], turn.versions[sent:], turn.logprobs[sent:])
-    yield piece(rest, *tail, _alternatives(turn)[sent:], at, turn.finish_reason)
+
+async def _ready(subs: dict[int, Submitted], tasks: dict[int, asyncio.Task[Turn]]) -> None:
+    """Until a choice has new tokens or its turn is recorded."""
+    waits = [asyncio.ensure_future(sub.feed.wait()) for sub in subs.values()]
+    try:
+        await asyncio.wait([*waits, *tasks.values()], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
+async def stream_events(
+    ep: Endpoint,
+    kind: str,
+    subs: list[Submitted],
+    tasks: list[asyncio.Task[Turn]],
+    s: api.Sampling,
+) -> AsyncIterator[bytes]:
+    """A request's streamed choices as server-sent events while they generate (chat:
+    chat.completion.chunk, completions: text_completion), interleaved as their tokens
+    come, each chunk one choice's (`index`); the usage of them all once at the end when
+    asked. A choice whose turn fails ends the stream with its error (the others are
+    still recorded)."""
+    if kind == "chat":
+        base, make = _header(ep, subs[0].rec.id, "chatcmpl", "chat.completion.chunk"), ChatChoice
+    else:
+        base, make = _header(ep, subs[0].rec.id, "cmpl", "text_completion"), CompletionChoice
+
+    def event(choices: list, **more: Any) -> bytes:
+        return _event({**base, "choices": choices, **more})
+
+    streams = [make(ep, sub, s, i) for i, sub in enumerate(subs)]
+    for st in streams:
+        for c in st.opening():
+            yield event([c])
+    live, recorded = dict(enumerate(tasks)), dict[int, Turn]()
+    while live:
+        await _ready({i: subs[i] for i in live}, live)
+        for i, task in list(live.items()):
+            if task.done():
+                turn = await _recorded(ep, task)
+                if isinstance(turn, bytes):
+                    yield turn
+                    return
+                for c in streams[i].end(turn):
+                    yield event([c])
+                recorded[i] = turn
+                del live[i]
+                continue
+            got = subs[i].feed.take()
+            if got[0]:
+                for c in streams[i].add(got):
+                    yield event([c])
     if s.include_usage:
-        yield _event({**base, "choices": [], "usage": _usage(turn)})
+        yield event([], usage=_usage([recorded[i] for i in range(len(subs))]))
     yield b"data: [DONE]\n\n"
 
 
@@ -641,11 +758,10 @@ def make_app(ep: Endpoint):
             said, s = api.check_completion(
                 api.decode(body, api.CompletionRequest), ep.limits, ep.served
             )
-        if s.stream:  # (one choice: api.check_common)
-            sub = ep.start(eid, kind, said, s, stream=True)
-            task = ep.finish_apart(sub)
-            events = chat_events if kind == "chat" else completion_events
-            return StreamingResponse(events(ep, sub, task, s), media_type="text/event-stream")
+        if s.stream:
+            subs, tasks = await ep.stream_choices(eid, kind, said, s)
+            events = stream_events(ep, kind, subs, tasks, s)
+            return StreamingResponse(events, media_type="text/event-stream")
         turns = await ep.choices(eid, kind, said, s)
         make = chat_body if kind == "chat" else completion_body
         return JSONResponse(make(ep, turns, s))

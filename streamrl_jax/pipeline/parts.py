@@ -24,7 +24,7 @@ from streamrl_jax.config import ExperimentConfig, episode_tokens
 from streamrl_jax.endpoint import api
 from streamrl_jax.endpoint.agents_sdk import openai_agents_scaffold
 from streamrl_jax.endpoint.kit import AgentKit, make_agent_kit
-from streamrl_jax.endpoint.scaffolds import environment_scaffold
+from streamrl_jax.endpoint.scaffolds import environment_group_scaffold, environment_scaffold
 from streamrl_jax.endpoint.turns import Context
 from streamrl_jax.endpoint.verifiers_env import verifiers_scaffold
 from streamrl_jax.environments import EpisodeKit, EpisodeLimits, make_kit
@@ -217,12 +217,15 @@ def agent_kit(
 ) -> AgentKit:
     """The endpoint on loopback (of this process: a generation process serves its own,
     for the episodes it owns) and its scaffold: the run's environment played through the
-    OpenAI API (`endpoint/scaffolds.environment_scaffold`, an OpenAI Agents SDK agent:
-    `endpoint/agents_sdk.py`, or verifiers' tool-calling loop: `endpoint/verifiers_env.py`);
+    OpenAI API (`endpoint/scaffolds.environment_scaffold`; `environment_group_scaffold`: a
+    group's episodes together, their first turns one request of n=G choices; an OpenAI
+    Agents SDK agent: `endpoint/agents_sdk.py`, or verifiers' tool-calling loop:
+    `endpoint/verifiers_env.py`);
     `ecfg`, `vocab`: the engine the endpoint's requests go to."""
     p, g, e = cfg.pipeline, cfg.generation, cfg.environment
     play, needs = {
         "environment": (environment_scaffold, ""),
+        "environment_group": (environment_group_scaffold, ""),
         "openai_agents": (openai_agents_scaffold, "the OpenAI Agents SDK (openai-agents)"),
         "verifiers": (verifiers_scaffold, "verifiers 0.4.0 (docs/endpoint.md: its install)"),
     }[e.scaffold]
@@ -236,6 +239,7 @@ def agent_kit(
         max_tokens=g.max_new_tokens,
         timeout_s=p.timeout_s,
         max_inflight=4 * per_batch,
+        max_n=p.group_size,  # a group's episodes' first turns (`PipelineBackend.choices`)
     )
     return make_agent_kit(
         Context.of(tokenizer, ecfg),

@@ -3,7 +3,10 @@ endpoint (docs/endpoint.md "Training through the endpoint").
 
 `pipeline.rollout="agents+KIND"` (KIND: `full` or `dynamic_sampling`) with
 `environment.name` set. For each request of batch b the rollout opens an episode of
-the run's endpoint (`endpoint/kit.py`) and starts the scaffold on an `agent` thread;
+the run's endpoint (`endpoint/kit.py`) and starts the scaffold on an `agent` thread (a
+group scaffold, `scaffolds.GroupScaffold`: one per GRPO group, given its episodes in
+member order; its first request may ask `n=G`, whose choices are those episodes'
+first turns: `PipelineBackend.choices`);
 the scaffold talks to the policy with the official `openai` client, and the endpoint
 records what the policy sampled. Its requests reach the engine through the run's
 driver (`endpoint.backend.PipelineBackend`): an episode's first request is submitted
@@ -31,7 +34,7 @@ import dataclasses
 from collections.abc import Callable
 
 from streamrl_jax.endpoint.kit import AgentKit
-from streamrl_jax.endpoint.scaffolds import AgentTask
+from streamrl_jax.endpoint.scaffolds import AgentResult, AgentTask, GroupScaffold
 from streamrl_jax.environments import EpisodeKit, TurnInfo
 from streamrl_jax.generation.types import GenerationRequest, Sample
 from streamrl_jax.pipeline.rollouts.episodes import EpisodeRecord, Episodes, question_of
@@ -55,15 +58,22 @@ class Agents(Episodes):
         self.agents = agents
 
     def open(self, batch: int, requests: list[GenerationRequest]) -> list[GenerationRequest]:
-        """Starts a scaffold per request; the batch's requests are their first ones."""
+        """Starts a scaffold per request (a group scaffold: per group, with its episodes
+        in member order); the batch's requests are their first ones."""
         kit = self.agents
         assert kit is not None, "a trainer's half opens no batch"
         eids = []
         for q in requests:
             eid = kit.endpoint.book.open(q.metadata, seed=q.seed)
             kit.backend.expect(eid, q)
-            kit.workers.submit(self._play, eid, q)
             eids.append(eid)
+        played: dict[tuple[int, int], list[tuple[str, GenerationRequest]]] = {}
+        for eid, q in zip(eids, requests, strict=True):
+            per = (q.tag.batch, q.tag.group) if isinstance(kit.scaffold, GroupScaffold) else eid
+            played.setdefault(per, []).append((eid, q))
+        for episodes in played.values():
+            episodes.sort(key=lambda e: e[1].tag.member)
+            kit.workers.submit(self._play, [e for e, _ in episodes], [q for _, q in episodes])
         firsts = [kit.backend.first(eid, kit.timeout_s) for eid in eids]
         return self.inner.open(batch, firsts)
 
@@ -73,37 +83,57 @@ class Agents(Episodes):
         assert self.agents is not None
         return Returned(None, [], later=self.agents.backend.returned(sample))
 
-    def _play(self, eid: str, q: GenerationRequest) -> None:
-        """One episode, on an `agent` thread: the scaffold, then the episode handed on."""
+    def _play(self, eids: list[str], qs: list[GenerationRequest]) -> None:
+        """One scaffold's episodes (one; a group scaffold's: a group's), on an `agent`
+        thread: the scaffold, then each episode handed on."""
         kit = self.agents
-        client = kit.client.openai(eid)
+        clients = [kit.client.openai(eid) for eid in eids]
+        left = dict(zip(eids, qs, strict=True))  # episodes not handed on yet
         try:
-            result = kit.scaffold(AgentTask(question_of(q.metadata), q.metadata), client)
-            if result.outcome not in ("done", "turn_limit", "episode_tokens"):
-                raise ValueError(f"the scaffold's outcome {result.outcome!r} is not one of "
-                                 "done, turn_limit, episode_tokens")  # fmt: skip
-            rec = kit.endpoint.book.close(eid, "its scaffold ended")
-            if rec.sample is None:
-                raise RuntimeError("the scaffold ended without a completion")
-            ep = EpisodeRecord(
-                state={},
-                turns=rec.turns,
-                ret=float(result.reward),
-                tool_calls=result.tool_calls,
-                tool_failures=result.tool_failures,
-                malformed_calls=result.malformed_calls,
-                cut_turns=rec.cut,
-                last=TurnInfo(correct=result.correct, format_ok=result.format_ok,
-                              answer=result.answer),
-            )  # fmt: skip
-            episode = self._outcome(rec.sample, ep, result.outcome, 0)
-            whole = dataclasses.replace(rec.sample, metadata={**q.metadata, "episode": episode})
-            kit.backend.finish(eid, self.inner.returned(whole))
+            task = AgentTask(question_of(qs[0].metadata), qs[0].metadata)
+            if isinstance(kit.scaffold, GroupScaffold):
+                results = kit.scaffold.play(task, clients)
+                if len(results) != len(eids):
+                    raise ValueError(f"the group scaffold returned {len(results)} results "
+                                     f"for {len(eids)} episodes")  # fmt: skip
+            else:
+                results = [kit.scaffold(task, clients[0])]
+            for eid, q, result in zip(eids, qs, results, strict=True):
+                whole = self._episode(eid, q, result)
+                del left[eid]
+                kit.backend.finish(eid, whole)
         except BaseException as e:  # noqa: BLE001 - the run fails with it, named
-            error = RuntimeError(f"agent scaffold: episode {q.request_id} ({eid}): {e!r}")
-            kit.backend.finish(eid, error=error)
+            for eid, q in left.items():
+                error = RuntimeError(f"agent scaffold: episode {q.request_id} ({eid}): {e!r}")
+                kit.backend.finish(eid, error=error)
         finally:
-            client.close()
+            for client in clients:
+                client.close()
+
+    def _episode(self, eid: str, q: GenerationRequest, result: AgentResult) -> Returned:
+        """Episode `eid` (of request `q`) closed, as its scaffold's `result` ended it: the
+        rollout's outcome of it whole."""
+        kit = self.agents
+        if result.outcome not in ("done", "turn_limit", "episode_tokens"):
+            raise ValueError(f"the scaffold's outcome {result.outcome!r} is not one of "
+                             "done, turn_limit, episode_tokens")  # fmt: skip
+        rec = kit.endpoint.book.close(eid, "its scaffold ended")
+        if rec.sample is None:
+            raise RuntimeError("the scaffold ended without a completion")
+        ep = EpisodeRecord(
+            state={},
+            turns=rec.turns,
+            ret=float(result.reward),
+            tool_calls=result.tool_calls,
+            tool_failures=result.tool_failures,
+            malformed_calls=result.malformed_calls,
+            cut_turns=rec.cut,
+            last=TurnInfo(correct=result.correct, format_ok=result.format_ok,
+                          answer=result.answer),
+        )  # fmt: skip
+        episode = self._outcome(rec.sample, ep, result.outcome, 0)
+        whole = dataclasses.replace(rec.sample, metadata={**q.metadata, "episode": episode})
+        return self.inner.returned(whole)
 
     def fail(self, exc: BaseException) -> None:
         if self.agents is not None:
