@@ -30,7 +30,7 @@ from streamrl_jax.environments.protocol import Environment, TurnInfo
 from streamrl_jax.model.function_calls import Call
 
 if TYPE_CHECKING:
-    import httpx
+    import openai
 
 
 def openai_agents_scaffold(
@@ -40,7 +40,7 @@ def openai_agents_scaffold(
     max_tokens: int | None = None,
     *,
     temperature: float | None = None,
-    http_client: Callable[[], httpx.AsyncClient] | None = None,
+    http_client: Callable[[], openai.DefaultAsyncHttpxClient] | None = None,
 ) -> Scaffold:
     """The scaffold of `env` (an environment of OpenAI functions) played by an OpenAI
     Agents SDK agent (module docstring); `temperature` (None: the endpoint's default, 1)

@@ -43,9 +43,7 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.data import Prompt
@@ -65,6 +63,9 @@ from streamrl_jax.pipeline.rollouts import (
     question_of,
 )
 from streamrl_jax.rewards.pool import RewardPool
+
+if TYPE_CHECKING:
+    import openai
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,13 +287,14 @@ class _Responses:
         self._lock = threading.Lock()
         self._turns: dict[str, list[tuple[int, tuple[int, ...]]]] = collections.defaultdict(list)
 
-    def client(self) -> httpx.AsyncClient:
-        """An episode's HTTP client (the `openai` client's defaults) that reads them."""
+    def client(self) -> openai.DefaultAsyncHttpxClient:
+        """An episode's HTTP client (the `openai` client's, with its defaults) that reads
+        them."""
         import openai
 
         return openai.DefaultAsyncHttpxClient(event_hooks={"response": [self._read]})
 
-    async def _read(self, response: httpx.Response) -> None:
+    async def _read(self, response: Any) -> None:  # the client's Response
         request = response.request
         if not request.url.path.endswith("/chat/completions") or response.status_code != 200:
             return
