@@ -20,7 +20,6 @@ on an idle episode). It serves until SIGINT or SIGTERM; `--ready_file` receives
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import secrets
@@ -118,10 +117,6 @@ def main(argv: list[str]) -> None:
             _user_error(f"--host={_HOST.value} is not loopback: pass --allow_remote to serve it")
     try:
         cfg = config_lib.from_config_dict(value)
-        generation = dataclasses.replace(
-            cfg.generation, kv_hold_s=_KV_HOLD.value, top_logprobs=_TOP_LOGPROBS.value
-        )
-        cfg = dataclasses.replace(cfg, generation=generation, init_from=_CHECKPOINT.value)
     except UserError as e:
         _user_error(str(e))
     import jax
@@ -152,21 +147,21 @@ def main(argv: list[str]) -> None:
 
 
 def _serve(cfg, token: str):
-    """The endpoint over the policy of `cfg` (its `init_from`: the checkpoint), listening."""
+    """The endpoint over the policy at `--checkpoint` of a run of `cfg`, listening."""
     from streamrl_jax.endpoint import api
     from streamrl_jax.endpoint.kit import serve
     from streamrl_jax.pipeline import components
 
-    c = components.build(cfg, warm=False)
-    engines = [dataclasses.replace(e, num_slots=_SLOTS.value) for e in c.generation.engine_cfgs]
-    parts = dataclasses.replace(c.generation, engine_cfgs=engines)
-    params = [p.params for p in c.initial_weights]
+    parts, params, tokenizer = components.served(
+        cfg, checkpoint=_CHECKPOINT.value, slots=_SLOTS.value, kv_hold_s=_KV_HOLD.value,
+        top_logprobs=_TOP_LOGPROBS.value,
+    )  # fmt: skip
     service = parts.service(
         params, 0, on_chunk=lambda r: None, precompile=False, continuations=False
     )
     limits = api.Limits(max_tokens=cfg.generation.max_new_tokens, max_n=max(1, _MAX_N.value))
     return serve(
-        service, c.tokenizer, token, limits, served=_MODEL_NAME.value, host=_HOST.value,
+        service, tokenizer, token, limits, served=_MODEL_NAME.value, host=_HOST.value,
         port=_PORT.value, allow_remote=_ALLOW_REMOTE.value,
     )  # fmt: skip
 

@@ -4,7 +4,11 @@ nothing heavy, so the test modules whose functions children import (shard_sync_t
 support's trainer and engine modules in every child (5.7 s -> 2.9 s of a child's start-up
 CPU, measured)."""
 
+import json
 import os
+import subprocess
+import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,3 +35,24 @@ def checkout_env(**overrides: str) -> dict[str, str]:
     any installed copy: on its PYTHONPATH, the ordinary way a child finds them."""
     path = [ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]
     return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p), **overrides)
+
+
+def start_serve(workdir, name: str, token: str, flags: list[str]):
+    """`python -m streamrl_jax.serve` with `flags` on any free loopback port, the bearer
+    token `token`, its log in `workdir/NAME.log`: (process, its ready file, its log)."""
+    ready = workdir / f"{name}.json"
+    cmd = [sys.executable, "-m", "streamrl_jax.serve", "--port=0", f"--ready_file={ready}", *flags]
+    env = dict(launched_env(), STREAMRL_ENDPOINT_TOKEN=token)
+    log = open(workdir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return proc, ready, log
+
+
+def served_url(proc, ready, timeout: float = 180.0) -> str:
+    """The base URL (`.../v1`) a server `start_serve` started listens on, once it does."""
+    deadline = time.monotonic() + timeout
+    while not ready.exists():
+        assert proc.poll() is None, f"the server exited with {proc.returncode}"
+        assert time.monotonic() < deadline, "the server did not listen in time"
+        time.sleep(0.2)
+    return json.loads(ready.read_text())["url"]

@@ -6,12 +6,11 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import openai
 import pytest
-from child_env import launched_env
+from child_env import launched_env, served_url, start_serve
 from launched_runs import REPO
 
 pytestmark = pytest.mark.processes  # the suite spreads these files out (conftest.py)
@@ -21,22 +20,9 @@ QUESTION = [{"role": "user", "content": "What is 12 + 30?"}]
 
 
 def _start(tmp_path, name, *flags):
-    ready = tmp_path / f"{name}.json"
-    cmd = [sys.executable, "-m", "streamrl_jax.serve", "--config=configs/quickstart.py:tiny",
-           "--port=0", f"--ready_file={ready}", "--slots=4", *flags]  # fmt: skip
-    env = dict(launched_env(), STREAMRL_ENDPOINT_TOKEN=TOKEN)
-    log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    return proc, ready, log
-
-
-def _ready(proc, ready, timeout=180.0) -> str:
-    deadline = time.monotonic() + timeout
-    while not ready.exists():
-        assert proc.poll() is None, f"the server exited with {proc.returncode}"
-        assert time.monotonic() < deadline, "the server did not listen in time"
-        time.sleep(0.2)
-    return json.loads(ready.read_text())["url"]
+    return start_serve(
+        tmp_path, name, TOKEN, ["--config=configs/quickstart.py:tiny", "--slots=4", *flags]
+    )
 
 
 def _greedy(url: str):
@@ -62,8 +48,8 @@ def test_a_served_checkpoint_serves_its_weights_and_stops_on_sigterm(tmp_path):
         "start": _start(tmp_path, "start"),
     }
     try:
-        got = {name: _greedy(_ready(proc, ready)) for name, (proc, ready, _) in servers.items()}
-        got["again"] = _greedy(_ready(*servers["trained"][:2]))
+        got = {name: _greedy(served_url(proc, ready)) for name, (proc, ready, _) in servers.items()}
+        got["again"] = _greedy(served_url(*servers["trained"][:2]))
         with pytest.raises(openai.AuthenticationError):
             url = json.loads(servers["start"][1].read_text())["url"]
             openai.OpenAI(base_url=url, api_key="x" * 20, max_retries=0).models.list()
@@ -80,23 +66,10 @@ def test_a_served_checkpoint_serves_its_weights_and_stops_on_sigterm(tmp_path):
 
 
 def _write_checkpoint(root) -> None:
-    """A checkpoint of `configs/quickstart.py:tiny`'s policy, every weight moved by 0.01,
-    at step 1 (what a run's `resume.save` writes of a full fine-tuning run)."""
-    import jax
-    from support import config_file
+    """A checkpoint of `configs/quickstart.py:tiny`'s policy, every weight moved by 0.01."""
+    from support import config_file, write_policy_checkpoint
 
-    from streamrl_jax import checkpoint as ckpt_lib
-    from streamrl_jax import mesh as mesh_lib
-    from streamrl_jax.pipeline import components
-
-    cfg = config_file("configs/quickstart.py", "tiny")
-    mesh = mesh_lib.make_meshes(mesh_lib.MeshConfig(colocated=True), jax.devices()[:1]).train
-    trainer, state = components.initial_policy(cfg, mesh)
-    state = state.replace(params=jax.tree.map(lambda x: x + 0.01, state.params))
-    fingerprint = ckpt_lib.model_fingerprint(trainer.spec.model_cfg)
-    with ckpt_lib.Checkpointer(str(root), fingerprint=fingerprint) as ckpt:
-        ckpt.save(1, state, force=True)
-        ckpt.wait()
+    write_policy_checkpoint(root, config_file("configs/quickstart.py", "tiny"), lambda x: x + 0.01)
 
 
 def test_a_server_refuses_a_public_address_without_allow_remote():

@@ -83,6 +83,24 @@ def config_file(path: str, arg: str, **overrides: Any) -> ExperimentConfig:
     return config_lib.from_config_dict(cd)
 
 
+def write_policy_checkpoint(
+    root: Any, cfg: ExperimentConfig, change: Callable[[jax.Array], jax.Array]
+) -> None:
+    """A checkpoint of `cfg`'s starting policy with `change` applied to every weight, at
+    step 1 under `root` (what a run's `resume.save` writes of a full fine-tuning run)."""
+    from streamrl_jax import checkpoint as ckpt_lib
+    from streamrl_jax import mesh as mesh_lib
+    from streamrl_jax.pipeline import components
+
+    mesh = mesh_lib.make_meshes(mesh_lib.MeshConfig(colocated=True), jax.devices()[:1]).train
+    trainer, state = components.initial_policy(cfg, mesh)
+    state = state.replace(params=jax.tree.map(change, state.params))
+    fingerprint = ckpt_lib.model_fingerprint(trainer.spec.model_cfg)
+    with ckpt_lib.Checkpointer(str(root), fingerprint=fingerprint) as ckpt:
+        ckpt.save(1, state, force=True)
+        ckpt.wait()
+
+
 def drawn_prompt_ids(cfg: ExperimentConfig, batches: int) -> list[list[int]]:
     """The prompt ids each of batches 0 .. batches-1 of a run of `cfg` draws (the seeded
     prompt pipeline, replayed once)."""

@@ -20,7 +20,8 @@ the episode's context ends it as in-process (`context_length_exceeded`).
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from streamrl_jax.endpoint.scaffolds import AgentResult, AgentTask, Scaffold, outcome_of, tally
 from streamrl_jax.endpoint.server import EPISODE_HEADER
@@ -28,12 +29,23 @@ from streamrl_jax.endpoint.turns import CONTEXT_EXCEEDED
 from streamrl_jax.environments.protocol import Environment, TurnInfo
 from streamrl_jax.model.function_calls import Call
 
+if TYPE_CHECKING:
+    import openai
+
 
 def openai_agents_scaffold(
-    env: Environment, model: str, max_turns: int, max_tokens: int | None = None
+    env: Environment,
+    model: str,
+    max_turns: int,
+    max_tokens: int | None = None,
+    *,
+    temperature: float | None = None,
+    http_client: Callable[[], openai.DefaultAsyncHttpxClient] | None = None,
 ) -> Scaffold:
     """The scaffold of `env` (an environment of OpenAI functions) played by an OpenAI
-    Agents SDK agent (module docstring).
+    Agents SDK agent (module docstring); `temperature` (None: the endpoint's default, 1)
+    is every request's (0: greedy, an evaluation's); `http_client` makes each episode's
+    HTTP client (None: the SDK's own), e.g. one that observes the responses.
 
     Raises:
       ImportError: the SDK is not installed (`pip install openai-agents`).
@@ -45,7 +57,7 @@ def openai_agents_scaffold(
     if not getattr(env, "functions", ()):
         raise ValueError(f"environment {env.name!r} offers no OpenAI functions for an agent")
     agents.set_tracing_disabled(True)  # nothing leaves the machine
-    settings = agents.ModelSettings(max_tokens=max_tokens)
+    settings = agents.ModelSettings(max_tokens=max_tokens, temperature=temperature)
 
     def play(task: AgentTask, client: Any) -> AgentResult:
         start = env.start(task.question, task.metadata)
@@ -85,6 +97,7 @@ def openai_agents_scaffold(
             oc = openai.AsyncOpenAI(
                 base_url=str(client.base_url), api_key=client.api_key, max_retries=0,
                 default_headers=headers, timeout=client.timeout,
+                http_client=None if http_client is None else http_client(),
             )  # fmt: skip
             agent = agents.Agent(
                 name=env.name,

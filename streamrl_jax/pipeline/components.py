@@ -229,6 +229,28 @@ def generation_parts(
     )
 
 
+def served(
+    cfg: ExperimentConfig,
+    *,
+    checkpoint: str = "",
+    slots: int = 16,
+    kv_hold_s: float = 0.0,
+    top_logprobs: int = 20,
+) -> tuple[GenerationParts, list[Params], Tokenizer]:
+    """What `python -m streamrl_jax.serve` serves, and what an evaluation beside it decodes
+    with (`pipeline/episode_evaluation.py`): the generation side of a run of `cfg` holding
+    the policy at `checkpoint` (a root or step directory, read as the run reads
+    `init_from`; "": the model `cfg` starts from; no warm-up), every engine with `slots`
+    slots, its kept KV held `kv_hold_s` while requests wait, `top_logprobs` alternatives
+    a token; and the tokenizer."""
+    g = dataclasses.replace(cfg.generation, kv_hold_s=kv_hold_s, top_logprobs=top_logprobs)
+    c = build(dataclasses.replace(cfg, generation=g, init_from=checkpoint), warm=False)
+    assert c.generation is not None, "one process builds its generation side"
+    engines = [dataclasses.replace(e, num_slots=slots) for e in c.generation.engine_cfgs]
+    parts = dataclasses.replace(c.generation, engine_cfgs=engines)
+    return parts, [p.params for p in c.initial_weights], c.tokenizer
+
+
 def has_checkpoint(directory: str) -> bool:
     """Whether a run's checkpoint directory holds a step (the run resumes: no warm-up)."""
     return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))

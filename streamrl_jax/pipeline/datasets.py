@@ -89,17 +89,30 @@ def prompts(
         messages=messages,
         tools=tools,
     )
-    eval_prompts = [
+    return prompts, eval_prompts(cfg, tokenizer, eval_set)
+
+
+def eval_prompts(cfg: ExperimentConfig, tokenizer: Tokenizer, eval_set: ProblemSet) -> list[Prompt]:
+    """The held-out prompts: the first `eval.num_problems` of `eval_set` (0: all), as the
+    run tokenises them (an environment's first messages and functions included).
+
+    Raises:
+      UserError: a prompt longer than `generation.max_prompt_len`.
+    """
+    d, g = cfg.data, cfg.generation
+    messages = environments.first_messages(cfg.environment, tokenizer)
+    tools = environments.functions(cfg.environment, tokenizer)
+    held_out = [
         tokenize(p, tokenizer, d.system_prompt, messages, tools)
         for p in list(eval_set)[: cfg.eval.num_problems or len(eval_set)]
     ]
-    too_long = [p.problem.prompt_id for p in eval_prompts if len(p.tokens) > g.max_prompt_len]
+    too_long = [p.problem.prompt_id for p in held_out if len(p.tokens) > g.max_prompt_len]
     if too_long:
         raise UserError(
             f"{len(too_long)} eval prompts exceed generation.max_prompt_len={g.max_prompt_len} "
             f"(e.g. {too_long[0]})"
         )
-    return prompts, eval_prompts
+    return held_out
 
 
 def reward_fn(cfg: ExperimentConfig, train_set: ProblemSet) -> RewardFn:

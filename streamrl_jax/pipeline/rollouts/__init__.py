@@ -21,6 +21,10 @@ kind needs beyond its `RolloutContext` (the run's environment, its endpoint) it 
 handed by its line below, from the `Kits` the run built where it wires the rollout
 (`pipeline/parts.py`, a generation process), so the protocol knows neither.
 
+What a run's held-out episodes are made of (an episode's record, the environment's
+answer to a turn, its outcome: `episodes.py`) is exported here too, for the same
+evaluation outside a run (`pipeline/episode_evaluation.py`).
+
 A new kind is one module beside these, one line below and its config fields (its name
 in `config.sections.ROLLOUTS` or `ROLLOUT_WRAPPERS`, which a test holds equal to these).
 """
@@ -40,6 +44,12 @@ from streamrl_jax.pipeline.rollouts import (
     episodes,
     full,
     partial,
+)
+from streamrl_jax.pipeline.rollouts.episodes import (
+    EpisodeRecord,
+    answer,
+    episode_outcome,
+    question_of,
 )
 from streamrl_jax.pipeline.rollouts.protocol import (
     Outcomes,
@@ -95,6 +105,7 @@ def make_rollout(name: str, ctx: RolloutContext, kits: Kits = Kits()) -> Rollout
 __all__ = [
     "KINDS",
     "WRAPPERS",
+    "EpisodeRecord",
     "Kits",
     "Outcomes",
     "Returned",
@@ -106,5 +117,8 @@ __all__ = [
     "Verdicts",
     "Where",
     "Wrapper",
+    "answer",
+    "episode_outcome",
     "make_rollout",
+    "question_of",
 ]

@@ -37,7 +37,12 @@ from streamrl_jax.endpoint.kit import AgentKit
 from streamrl_jax.endpoint.scaffolds import AgentResult, AgentTask, GroupScaffold
 from streamrl_jax.environments import EpisodeKit, TurnInfo
 from streamrl_jax.generation.types import GenerationRequest, Sample
-from streamrl_jax.pipeline.rollouts.episodes import EpisodeRecord, Episodes, question_of
+from streamrl_jax.pipeline.rollouts.episodes import (
+    EpisodeRecord,
+    Episodes,
+    episode_outcome,
+    question_of,
+)
 from streamrl_jax.pipeline.rollouts.protocol import Returned, Rollout, RolloutContext
 
 
@@ -131,7 +136,7 @@ class Agents(Episodes):
             last=TurnInfo(correct=result.correct, format_ok=result.format_ok,
                           answer=result.answer),
         )  # fmt: skip
-        episode = self._outcome(rec.sample, ep, result.outcome, 0)
+        episode = episode_outcome(rec.sample, ep, result.outcome, 0)
         whole = dataclasses.replace(rec.sample, metadata={**q.metadata, "episode": episode})
         return self.inner.returned(whole)
 

@@ -120,6 +120,61 @@ def question_of(metadata: dict[str, Any]) -> str:
     return entry["question"]
 
 
+def answer(kit: EpisodeKit, sample: Sample, ep: EpisodeRecord) -> GenerationRequest | str:
+    """The environment's answer to the policy turn `sample` ended (its episode `ep`, the
+    turn counted): the episode's next turn (the environment's tokens appended, the turn
+    capped by `turn_tokens` and what is left of the episode's budget), or how the
+    episode ended ("done", "turn_limit", "episode_tokens"). Steps the environment;
+    updates `ep`.
+
+    Raises:
+      RuntimeError: the environment's step raised (naming the episode and the turn).
+    """
+    env, limits = kit.environment, kit.limits
+    message = kit.renderer.tokenizer.decode(sample.response[ep.turn_start :])
+    try:
+        result = env.step(ep.state, message, sample.metadata)
+    except Exception as e:
+        raise RuntimeError(
+            f"environment {env.name!r}: episode {sample.request_id!r}, turn {ep.turns}: {e!r}"
+        ) from e
+    ep.state = result.state
+    ep.add(result.info, result.reward)
+    if result.done:
+        return "done"
+    if ep.turns >= limits.max_turns:
+        return "turn_limit"
+    ended = int(sample.response[-1]) if sample.finish_reason == "stop" else None
+    env_tokens = kit.renderer.observation(result.observation, ended)
+    used = sample.num_tokens + len(env_tokens)
+    left = limits.episode_tokens - used
+    if left < 1:
+        return "episode_tokens"
+    ep.turn_start = used
+    return GenerationRequest.next_turn(sample, env_tokens, min(left, limits.turn_tokens))
+
+
+def episode_outcome(
+    sample: Sample, ep: EpisodeRecord, outcome: str, in_turn: int
+) -> dict[str, Any]:
+    """`metadata["episode"]` of `sample`, ending now with `outcome` (`in_turn`: a turn
+    under way counts)."""
+    env_tokens = 0 if sample.policy_mask is None else int((~sample.policy_mask).sum())
+    return {
+        "return": ep.ret,
+        "correct": ep.last.correct,
+        "format_ok": ep.last.format_ok,
+        "answer": ep.last.answer,
+        "turns": ep.turns + in_turn,
+        "tool_calls": ep.tool_calls,
+        "tool_failures": ep.tool_failures,
+        "malformed_calls": ep.malformed_calls,
+        "cut_turns": ep.cut_turns,
+        "env_tokens": env_tokens,
+        "outcome": outcome,
+    }
+
+
 class Episodes(Wrapper):
     """Episodes over the rollout kind `inner`, with the run's environment `kit` (module
     docstring)."""
@@ -164,29 +219,9 @@ class Episodes(Wrapper):
 
     def _step(self, sample: Sample, ep: EpisodeRecord) -> Returned:
         """The environment's answer to the turn (an `episode-env` thread)."""
-        kit = self.kit
-        env, limits = kit.environment, kit.limits
-        message = kit.renderer.tokenizer.decode(sample.response[ep.turn_start :])
-        try:
-            result = env.step(ep.state, message, sample.metadata)
-        except Exception as e:
-            raise RuntimeError(
-                f"environment {env.name!r}: episode {sample.request_id!r}, turn {ep.turns}: {e!r}"
-            ) from e
-        ep.state = result.state
-        ep.add(result.info, result.reward)
-        if result.done:
-            return self._end(sample, ep, "done")
-        if ep.turns >= limits.max_turns:
-            return self._end(sample, ep, "turn_limit")
-        ended = int(sample.response[-1]) if sample.finish_reason == "stop" else None
-        env_tokens = kit.renderer.observation(result.observation, ended)
-        used = sample.num_tokens + len(env_tokens)
-        left = limits.episode_tokens - used
-        if left < 1:
-            return self._end(sample, ep, "episode_tokens")
-        ep.turn_start = used
-        request = GenerationRequest.next_turn(sample, env_tokens, min(left, limits.turn_tokens))
+        request = answer(self.kit, sample, ep)
+        if isinstance(request, str):
+            return self._end(sample, ep, request)
         if not self._rounds or sample.tag.is_eval:
             return Returned(None, [request])
         turn = dataclasses.replace(sample, finish_reason="paused")
@@ -205,7 +240,7 @@ class Episodes(Wrapper):
             ) from e
         with self._lock:
             self._records[paused.tag.round + 1][paused.request_id] = record
-        metadata = {**paused.metadata, "episode": self._outcome(paused, ep, "lag", in_turn)}
+        metadata = {**paused.metadata, "episode": episode_outcome(paused, ep, "lag", in_turn)}
         return dataclasses.replace(paused, metadata=metadata)
 
     def _carried(self, placed: Returned, ep: EpisodeRecord) -> Returned:
@@ -222,30 +257,11 @@ class Episodes(Wrapper):
             self._live.pop(sample.request_id, None)
         if outcome != "done":
             self.kit.environment.end(ep.state)
-        episode = self._outcome(sample, ep, outcome, 0)
+        episode = episode_outcome(sample, ep, outcome, 0)
         whole = dataclasses.replace(sample, metadata={**sample.metadata, "episode": episode})
         if sample.tag.is_eval:
             return Returned(whole, [])
         return self.inner.returned(whole)
-
-    @staticmethod
-    def _outcome(sample: Sample, ep: EpisodeRecord, outcome: str, in_turn: int) -> dict[str, Any]:
-        """`metadata["episode"]` of `sample`, ending now with `outcome` (`in_turn`: a turn
-        under way counts)."""
-        env_tokens = 0 if sample.policy_mask is None else int((~sample.policy_mask).sum())
-        return {
-            "return": ep.ret,
-            "correct": ep.last.correct,
-            "format_ok": ep.last.format_ok,
-            "answer": ep.last.answer,
-            "turns": ep.turns + in_turn,
-            "tool_calls": ep.tool_calls,
-            "tool_failures": ep.tool_failures,
-            "malformed_calls": ep.malformed_calls,
-            "cut_turns": ep.cut_turns,
-            "env_tokens": env_tokens,
-            "outcome": outcome,
-        }
 
     # ------------------------------------------------------------------ ingest
     def scored(self, scored: Scored) -> None:
