@@ -47,8 +47,12 @@ def served():
     """The tiny agent model's engine behind the endpoint on loopback, keeping 5
     alternatives per token (`top_logprobs`). One decode shape (`pipeline.deterministic`:
     every slot over the whole cache): the tests' turns and loads compile no chunk beyond
-    the first (the buckets are engine_test.py's)."""
-    cfg = agent_config(pipeline__deterministic=True, generation__top_logprobs=5)
+    the first (the buckets are engine_test.py's). As `serve` builds it, a kept slot is
+    given up to a waiting request at once (`kv_hold_s=0`): a test's episodes left open
+    never make a later test's requests wait."""
+    cfg = agent_config(
+        pipeline__deterministic=True, generation__top_logprobs=5, generation__kv_hold_s=0.0
+    )
     c = components.build(cfg, warm=False)
     params = [p.params for p in c.initial_weights]
     service = c.generation.service(
