@@ -10,12 +10,17 @@ without it the model the config starts from is served. The endpoint is the train
 run's (docs/endpoint.md), with the same trust boundary: loopback unless
 `--allow_remote`, a bearer token on every route (`$STREAMRL_ENDPOINT_TOKEN`, or a fresh
 one written to `--token_file` (mode 0600) or printed), the request bounds of
-`endpoint.api.Limits`. Each token comes with up to `--top_logprobs` (20) alternatives
-(`top_logprobs`; the run's training engines keep none unless `generation.top_logprobs`
-asks). A request without an episode id is an episode of its own; kept
-KV is given up at once when requests wait (`generation.kv_hold_s=0`: no request waits
-on an idle episode). It serves until SIGINT or SIGTERM; `--ready_file` receives
-`{"url", "model"}` once it listens (for harnesses that start it).
+`endpoint.api.Limits`: each turn at most `generation.max_new_tokens`, and with an
+environment's config (`environment.name`) each episode at most its run's budget after
+its first prompt as the run's episodes (`config.episode_tokens`:
+`environment.max_episode_tokens`, or what `model.max_context` leaves after
+`generation.max_prompt_len`; a request past it: `context_length_exceeded`); without one,
+the engine's context only. Each token comes with up to `--top_logprobs` (20)
+alternatives (`top_logprobs`; the run's training engines keep none unless
+`generation.top_logprobs` asks). A request without an episode id is an episode of its
+own; kept KV is given up at once when requests wait (`generation.kv_hold_s=0`: no
+request waits on an idle episode). It serves until SIGINT or SIGTERM; `--ready_file`
+receives `{"url", "model"}` once it listens (for harnesses that start it).
 """
 
 from __future__ import annotations
@@ -148,6 +153,7 @@ def main(argv: list[str]) -> None:
 
 def _serve(cfg, token: str):
     """The endpoint over the policy at `--checkpoint` of a run of `cfg`, listening."""
+    from streamrl_jax.config import episode_tokens
     from streamrl_jax.endpoint import api
     from streamrl_jax.endpoint.kit import serve
     from streamrl_jax.pipeline import components
@@ -159,7 +165,12 @@ def _serve(cfg, token: str):
     service = parts.service(
         params, 0, on_chunk=lambda r: None, precompile=False, continuations=False
     )
-    limits = api.Limits(max_tokens=cfg.generation.max_new_tokens, max_n=max(1, _MAX_N.value))
+    # With an environment, its episodes' budget as the run's episodes have it (a served
+    # evaluation then plays what the run's in-process one plays); none otherwise.
+    limits = api.Limits(
+        max_tokens=cfg.generation.max_new_tokens, max_n=max(1, _MAX_N.value),
+        episode_tokens=episode_tokens(cfg) if cfg.environment.name else 0,
+    )  # fmt: skip
     return serve(
         service, tokenizer, token, limits, served=_MODEL_NAME.value, host=_HOST.value,
         port=_PORT.value, allow_remote=_ALLOW_REMOTE.value,

@@ -6,7 +6,13 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from support import agent_config, assert_whole_episodes, pipeline_threads, run_recording
+from support import (
+    agent_config,
+    assert_whole_episodes,
+    pipeline_threads,
+    policy_run_lengths,
+    run_recording,
+)
 
 from streamrl_jax import pipeline as run_lib
 from streamrl_jax.endpoint import scaffolds
@@ -113,6 +119,42 @@ def test_a_group_scaffold_asking_n_trains_what_one_scaffold_per_episode_trains(t
         np.testing.assert_array_equal(a.policy_mask, b.policy_mask)
         np.testing.assert_array_equal(a.versions(), b.versions())
         assert a.metadata == b.metadata
+    assert [r["reward"] for r in r1.steps] == [r["reward"] for r in r2.steps]
+    assert not pipeline_threads()
+
+
+def test_an_agents_run_trains_what_the_episodes_run_trains_up_to_the_episode_budget(tmp_path):
+    # The retry environment (4 attempts) under an episode budget that runs out in the
+    # third turn: in-process, that turn gets what is left of environment.max_episode_tokens
+    # (5 of its 16 tokens) and the episode ends "episode_tokens" after the environment's
+    # answer; through the endpoint (the run's Limits.episode_tokens) the scaffold's turn
+    # is cut there too and its next request refused, so the run trains the same episodes
+    # token for token (prompts, tokens, log-probs, masks, outcomes) and the same rewards.
+    runs = {}
+    for rollout in ("episodes+full", "agents+full"):
+        cfg = _retry(pipeline__rollout=rollout, pipeline__mode="stream_sync",
+                     pipeline__steps=1, eval__num_problems=0, environment__max_attempts=4,
+                     environment__max_episode_tokens=16 + 19 + 16 + 19 + 5)  # fmt: skip
+        runs[rollout] = run_recording(cfg, tmp_path / rollout.split("+")[0])
+
+    def episodes(seen):
+        return sorted((s.tag.batch, s.tag.group, s.tag.member, s) for s in seen)
+
+    (r1, seen1), (r2, seen2) = runs.values()
+    assert len(seen1) == len(seen2) == cfg.pipeline.prompts_per_step * cfg.pipeline.group_size
+    for (*key1, a), (*key2, b) in zip(episodes(seen1), episodes(seen2), strict=True):
+        assert key1 == key2
+        # the budget bit: 16 + 19 + 16 + 19 tokens, then a third turn of 5
+        assert policy_run_lengths(a.policy_mask) == [16, 16, 5]
+        assert a.metadata["episode"]["outcome"] == "episode_tokens"
+        np.testing.assert_array_equal(a.prompt, b.prompt)
+        np.testing.assert_array_equal(a.response, b.response)
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+        np.testing.assert_array_equal(a.policy_mask, b.policy_mask)
+        keys = ("outcome", "turns", "env_tokens", "cut_turns")
+        assert {k: b.metadata["episode"][k] for k in keys} == {
+            k: a.metadata["episode"][k] for k in keys
+        }
     assert [r["reward"] for r in r1.steps] == [r["reward"] for r in r2.steps]
     assert not pipeline_threads()
 

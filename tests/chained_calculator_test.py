@@ -1,6 +1,7 @@
 """The chained calculator (environments/chained_calculator.py): its two-operand tool, its
 steps and demonstrations, and its episodes the same tokens in a run and through the
-endpoint with OpenAI tool calling (a scripted policy: scripted_policy.py)."""
+endpoint with OpenAI tool calling (a scripted policy: scripted_policy.py), up to the
+episode budget."""
 
 from __future__ import annotations
 
@@ -9,22 +10,27 @@ import pytest
 from scripted_policy import TOKEN, Scripted
 
 from streamrl_jax.data import tokenize
+from streamrl_jax.endpoint import api
 from streamrl_jax.endpoint.agents_sdk import openai_agents_scaffold
 from streamrl_jax.endpoint.client import EndpointClient
 from streamrl_jax.endpoint.scaffolds import AgentTask, environment_scaffold
 from streamrl_jax.endpoint.server import Endpoint, EndpointServer
 from streamrl_jax.endpoint.turns import Context, Turns
 from streamrl_jax.endpoint.verifiers_env import verifiers_scaffold
+from streamrl_jax.environments import EpisodeKit, EpisodeLimits
 from streamrl_jax.environments import chained_calculator as chained
 from streamrl_jax.environments.protocol import Services
 from streamrl_jax.environments.render import TurnRenderer
 from streamrl_jax.environments.tools import ToolResult, calculate
+from streamrl_jax.generation.types import GenerationRequest
 from streamrl_jax.model import function_calls
 from streamrl_jax.model.defaults import smollm2_gguf_path
 from streamrl_jax.model.tokenizer import Tokenizer
+from streamrl_jax.pipeline.rollouts import EpisodeRecord, answer, episode_outcome
 from streamrl_jax.rewards.tasks import TaskDataset, TaskReward
 
 CHAIN = {"chain_sum": {"min_terms": 4, "max_terms": 5, "min_digits": 3, "max_digits": 3}}
+TURN = 64  # generation.max_new_tokens: a turn's cap, in-process and at the endpoint
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +132,25 @@ def test_an_unreadable_call_is_said_and_an_answer_without_calls_is_scored(tok):
     assert wrong.done and wrong.reward == 0.0 and wrong.info.answered
 
 
+def _through_endpoint(tok, env, p, script, scaffold, limits):
+    """`p`'s episode played by `scaffold` through an endpoint with `limits`, the scripted
+    policy writing `script` one text a turn: the scaffold's result, the episode's record."""
+    backend = Scripted(tok)
+    backend.script = list(script)
+    endpoint = Endpoint(Turns(Context(tok, 1024, 2048)), backend, TOKEN, limits=limits)
+    server = EndpointServer(endpoint)
+    client = EndpointClient(server.start(), TOKEN)
+    try:
+        make = {"environment": environment_scaffold, "openai_agents": openai_agents_scaffold,
+                "verifiers": verifiers_scaffold}[scaffold]  # fmt: skip
+        play = make(env, "policy", max_turns=6)
+        eid = client.open()
+        result = play(AgentTask(p.question, p.metadata), client.openai(eid))
+        return result, endpoint.book.close(eid)
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("scaffold", ["environment", "openai_agents", "verifiers"])
 def test_an_episode_is_the_same_tokens_in_a_run_and_through_the_endpoint(tok, scaffold):
     # A scaffold plays the environment through the endpoint with OpenAI tool calling
@@ -137,20 +162,8 @@ def test_an_episode_is_the_same_tokens_in_a_run_and_through_the_endpoint(tok, sc
     # run's renderer adds for the same observations.
     env, p = _env(tok), _problem(1)
     demo = env.demonstration(p.question, p.metadata)
-    backend = Scripted(tok)
-    backend.script = [m["content"] for m in demo if m["role"] == "assistant"]
-    endpoint = Endpoint(Turns(Context(tok, 1024, 2048)), backend, TOKEN)
-    server = EndpointServer(endpoint)
-    client = EndpointClient(server.start(), TOKEN)
-    try:
-        make = {"environment": environment_scaffold, "openai_agents": openai_agents_scaffold,
-                "verifiers": verifiers_scaffold}[scaffold]  # fmt: skip
-        play = make(env, "policy", max_turns=6)
-        eid = client.open()
-        result = play(AgentTask(p.question, p.metadata), client.openai(eid))
-        record = endpoint.book.close(eid)
-    finally:
-        server.stop()
+    script = [m["content"] for m in demo if m["role"] == "assistant"]
+    result, record = _through_endpoint(tok, env, p, script, scaffold, api.Limits())
     calls = len(demo) // 2
     assert result.reward == 1.0 and result.correct and result.tool_calls == calls
     messages = lambda problem: env.start(problem.question, problem.metadata).messages  # noqa: E731
@@ -168,6 +181,76 @@ def test_an_episode_is_the_same_tokens_in_a_run_and_through_the_endpoint(tok, sc
         t for m in demo if m["role"] == "assistant" for t in [*tok.encode(m["content"]), end]
     ]
     np.testing.assert_array_equal(s.policy_token_ids(), sampled)
+
+
+def _in_process(tok, env, p, script, budget):
+    """`p`'s episode in-process as a run plays it (the first request capped at TURN, then
+    `rollouts.answer` on each ended turn: the next turn, or how the episode ended), the
+    scripted policy writing `script` one text a turn: its last sample and its outcome."""
+    limits = EpisodeLimits(max_turns=6, turn_tokens=TURN, episode_tokens=budget)
+    kit = EpisodeKit(env, TurnRenderer(tok, env.convention), limits, 1, None)
+    policy = Scripted(tok)
+    policy.script = list(script)
+    messages = lambda problem: env.start(problem.question, problem.metadata).messages  # noqa: E731
+    prompt = tokenize(p, tok, messages=messages, tools=env.functions).tokens
+    request = GenerationRequest(
+        request_id="in-process", prompt=list(prompt), max_new_tokens=TURN, metadata=p.metadata
+    )
+    ep = EpisodeRecord(state=env.start(p.question, p.metadata).state)
+    try:
+        while True:
+            sample = policy.submit(request).result()
+            ep.turns += 1
+            how = answer(kit, sample, ep)
+            if isinstance(how, str):
+                return sample, episode_outcome(sample, ep, how, 0)
+            request = how
+    finally:
+        kit.close()
+
+
+def _turn_starts(sample):
+    """Where each policy turn begins in the response."""
+    m = sample.policy_mask
+    return [i for i in range(len(m)) if m[i] and (i == 0 or not m[i - 1])]
+
+
+@pytest.mark.parametrize("left", ["none", "a_cut_call"])
+@pytest.mark.parametrize("scaffold", ["environment", "openai_agents", "verifiers"])
+def test_an_episode_that_reaches_its_budget_ends_through_the_endpoint_as_in_process(
+    tok, scaffold, left
+):
+    # The budget (environment.max_episode_tokens, the endpoint's Limits.episode_tokens)
+    # runs out before the third turn: with nothing left of it ("none": the third turn
+    # would start at the budget) or with the first tokens of a call left (the third turn
+    # is cut there, unreadable, and the environment's answer to it leaves none). The
+    # scaffold's episode through the endpoint is the in-process episode: the same
+    # tokens, the same return and tool calls, and it ends "episode_tokens" where the
+    # in-process one does (the endpoint refuses the request past the budget).
+    env, p = _env(tok), _problem(1)
+    demo = env.demonstration(p.question, p.metadata)
+    script = [m["content"] for m in demo if m["role"] == "assistant"]
+    whole, played = _in_process(tok, env, p, script, 4096)
+    assert played["outcome"] == "done" and len(script) > 3  # unbounded: every turn
+    opening = len(tok.encode('<tool_call>\n{"name"'))  # a call's first tokens, unclosed
+    budget = _turn_starts(whole)[2] + (0 if left == "none" else opening)
+    sample, want = _in_process(tok, env, p, script, budget)
+    assert want["outcome"] == "episode_tokens" and want["tool_calls"] == 2
+    assert want["turns"] == (2 if left == "none" else 3)
+    assert len(sample.response) - _turn_starts(sample)[-1] == (
+        len(tok.encode(script[1])) + 1 if left == "none" else opening
+    )
+    limits = api.Limits(max_tokens=TURN, episode_tokens=budget)
+    result, record = _through_endpoint(tok, env, p, script, scaffold, limits)
+    assert result.outcome == "episode_tokens"
+    got = (result.reward, result.tool_calls, result.malformed_calls)
+    assert got == (want["return"], want["tool_calls"], want["malformed_calls"])
+    assert record.turns == want["turns"]
+    s = record.sample
+    np.testing.assert_array_equal(s.prompt, sample.prompt)
+    np.testing.assert_array_equal(s.response, sample.response)
+    np.testing.assert_array_equal(s.policy_mask, sample.policy_mask)
+    np.testing.assert_array_equal(s.logprobs, sample.logprobs)
 
 
 @pytest.mark.parametrize(

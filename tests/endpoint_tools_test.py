@@ -363,7 +363,7 @@ def test_a_template_that_renders_tools_is_given_them(tmp_path):
     chat, s = api.check_chat(
         api.decode(json.dumps({"model": "p", "messages": USER, "tools": [ADD, MUL]}).encode(),
                    api.ChatRequest), api.Limits(), "p")  # fmt: skip
-    request = turns.chat(rec, chat, s, turns.sampling(s))
+    request = turns.chat(rec, chat, s, turns.sampling(s), 0)
     text = own.decode(request.prompt, skip_special_tokens=False)
     assert text.startswith("<|im_start|>system\nTOOLS: add mul<|im_end|>") and "<tools>" not in text
 

@@ -983,9 +983,7 @@ def _wire_sample(prompt: int, response: int, episode: bool) -> Sample:
 def test_a_wire_sample_is_held_to_the_bounds_the_engine_holds_it_to():
     # ProblemTable.attach: what a training process checks of a sample from the wire
     # (DESIGN.md §7). An episode is held to its slot's context (prompt and episode), as
-    # the engine holds it: a scaffold's episode through the endpoint may spend what a
-    # shorter first prompt leaves beyond environment.max_episode_tokens (configs/agent.py
-    # :endpoint on 1 + 2 processes was refused at its first such episode); a plain
+    # the engine holds it (the episode's budget after its prompt is within it); a plain
     # sample's response is held to generation.max_new_tokens.
     problems = [types.SimpleNamespace(prompt_id="p0", metadata={"answer": "1"})]
     components = types.SimpleNamespace(

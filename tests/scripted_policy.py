@@ -19,8 +19,10 @@ TOKEN = endpoint_token(b"the tool-calling tests' secret")
 
 class Scripted:
     """A backend whose policy writes `script`'s texts, one per turn (each then ends its
-    turn with `<|im_end|>`; a streamed turn's tokens reported one by one first); every
-    request it was given is kept."""
+    turn with `<|im_end|>`; a streamed turn's tokens reported one by one first), cut as
+    an engine cuts a turn at the request's `max_new_tokens` (finish "length"); every
+    request it was given is kept. It also serves as an in-process episode's engine
+    (`submit` takes any generation request; the sample echoes its identity)."""
 
     version = 0
 
@@ -31,6 +33,9 @@ class Scripted:
     def submit(self, request) -> Future:
         self.requests.append(request)
         new = [*self.tok.encode(self.script.pop(0)), self.tok.token_to_id("<|im_end|>")]
+        cap = request.max_new_tokens - request.generated  # this turn's policy tokens
+        finish = "stop" if len(new) <= cap else "length"
+        new = new[:cap]
         cont = request.continuation
         before = np.zeros(0, np.int32) if cont is None else cont.tokens
         mask = np.ones(0, bool) if cont is None else cont.policy_mask
@@ -51,12 +56,16 @@ class Scripted:
                 response=np.r_[before, new].astype(np.int32),
                 logprobs=np.r_[old_lp, logprobs].astype(np.float32),
                 sampling_logprobs=np.zeros(len(before) + len(new), np.float32),
-                finish_reason="stop",
+                finish_reason=finish,
                 policy_version=0,
                 last_policy_version=0,
                 instance_id=0,
                 timings=Timings(enqueue=time.time(), admit=time.time(), finish=time.time()),
                 policy_mask=np.r_[mask, np.ones(len(new), bool)],
+                tag=request.tag,
+                metadata=request.metadata,
+                sampling=request.sampling,
+                seed=request.seed,
             )
         )
         return f

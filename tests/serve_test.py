@@ -78,3 +78,36 @@ def test_a_server_refuses_a_public_address_without_allow_remote():
     r = subprocess.run(cmd, cwd=REPO, env=launched_env(), capture_output=True, text=True,
                        timeout=120)  # fmt: skip
     assert r.returncode == 2 and "--host=0.0.0.0 is not loopback" in r.stderr
+
+
+def test_an_environment_config_is_served_with_its_runs_episode_budget(tmp_path):
+    # configs/agent.py:tiny (the calculator; environment.max_episode_tokens=96, 16 tokens
+    # a turn): a served episode is held to the run's budget after its first prompt, as
+    # the run's episodes are (docs/endpoint.md "The episode budget"): the turn after
+    # text that leaves fewer than 16 tokens of it samples what is left, and the request
+    # that leaves none is refused with OpenAI's context_length_exceeded.
+    from streamrl_jax.endpoint.client import EndpointClient
+
+    proc, ready, log = start_serve(
+        tmp_path, "agent", TOKEN, ["--config=configs/agent.py:tiny", "--slots=2"]
+    )
+    try:
+        client = EndpointClient(served_url(proc, ready).removesuffix("/v1"), TOKEN)
+        with client.episode() as (oc, _):
+            forced = {"ignore_eos": True}  # each turn exactly its cap
+            r1 = oc.completions.create(model="policy", prompt="Count:", extra_body=forced)
+            text = "Count:" + r1.choices[0].text + " one two three four five six" * 12
+            r2 = oc.completions.create(model="policy", prompt=text, extra_body=forced)
+            used = r2.usage.prompt_tokens - r1.usage.prompt_tokens  # after the first prompt
+            assert r1.usage.completion_tokens == 16 and 80 < used < 96
+            assert len(r2.choices[0].model_extra["token_ids"]) == 96 - used
+            assert r2.choices[0].finish_reason == "length"
+            with pytest.raises(openai.BadRequestError, match="of its 96 tokens") as e:
+                oc.completions.create(model="policy", prompt=text + r2.choices[0].text + " 7")
+            assert e.value.code == "context_length_exceeded"
+        client.close_client()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+        log.close()
+    assert code == 0, (tmp_path / "agent.log").read_text()[-2000:]

@@ -262,7 +262,7 @@ def endpoint_part() -> dict:
             t0 = time.perf_counter()
             rec = endpoint.book.take(eid)
             chat = api.Chat(messages)
-            request = turns.chat(rec, chat, sampling, params)
+            request = turns.chat(rec, chat, sampling, params, limits.episode_tokens)
             sample = backend.submit(request).result(timeout=600)
             turn = turns.commit(rec, request, sample, chat)
             endpoint.book.give_back(rec)

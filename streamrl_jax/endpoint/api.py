@@ -77,6 +77,11 @@ class Limits:
     body_timeout_s: float = 30.0  # per request: its body received
     max_inflight: int = 64  # requests generating at once; more are refused (429)
     max_n: int = 1  # choices a request may ask for (`n`; each its own episode)
+    # An episode's tokens after its first prompt, sampled and appended (a run's episode
+    # budget: config.episode_tokens); a turn gets at most what is left of it, and a
+    # request with nothing left is refused (`turns.CONTEXT_EXCEEDED`). 0: no budget, the
+    # engine's context only.
+    episode_tokens: int = 0
 
 
 class _Part(msgspec.Struct, forbid_unknown_fields=True):

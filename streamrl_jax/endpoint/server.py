@@ -251,7 +251,7 @@ class Endpoint:
                 self.counts["single_requests"] += 1
             rec = self.book.take(eid)
             prepare = self.turns.chat if kind == "chat" else self.turns.completion
-            request = prepare(rec, said, s, params)
+            request = prepare(rec, said, s, params, self.limits.episode_tokens)
             feed = None
             if stream:
                 feed = TokenFeed(asyncio.get_running_loop(), request.history)

@@ -11,6 +11,14 @@ episode's slot with them (KV extended in place when the slot is still kept). A
 completions episode works the same on text: a later prompt must extend the recorded
 text (prompt and completions so far), and only the extension is tokenised.
 
+Episode budget (`Limits.episode_tokens`, a run's `environment.max_episode_tokens`): the
+rule of in-process episodes (`pipeline/rollouts/episodes.answer`). The tokens after the
+episode's first prompt (its turns and every appended token, the new request's
+included) count; a turn samples at most min(`max_tokens`, what is left), and a request
+that leaves no token is refused with `context_length_exceeded`, exactly where the
+episode in-process ends "episode_tokens". Without a budget (0) a turn is bounded by
+`max_tokens` and the engine's context only.
+
 Stop strings are the engine's `SamplingParams.stop_texts`: it ends a turn with the
 token that completed one (the tokens recorded are exactly those sampled, through that
 token), and the turn's text is cut before the first stop string (OpenAI's: the text
@@ -93,17 +101,18 @@ class Turns:
 
     # ------------------------------------------------------------------ requests
     def chat(
-        self, rec: Record, chat: Chat, s: Sampling, params: SamplingParams
+        self, rec: Record, chat: Chat, s: Sampling, params: SamplingParams, budget: int
     ) -> GenerationRequest:
         """The generation request of a chat completion of episode `rec` (`params`:
-        `sampling(s)`)."""
+        `sampling(s)`; `budget`: the episode's tokens after its first prompt,
+        `Limits.episode_tokens`, 0: none)."""
         self._kind(rec, "chat")
         tok, convention = self.ctx.tokenizer, self.convention
         opening = tok.encode(convention.opening(chat.choice)) if chat.tools else []
         if rec.sample is None:
             prompt = tok.encode(function_calls.chat_text(tok, chat.messages, chat.tools))
             rec.tools = list(chat.tools)
-            return self._first(rec, prompt + opening, s, params)
+            return self._first(rec, prompt + opening, s, params, budget)
         messages, n = chat.messages, len(rec.messages)
         if len(messages) <= n or messages[:n] != rec.messages:
             pairs = enumerate(zip(messages, rec.messages, strict=False))
@@ -130,15 +139,17 @@ class Turns:
         last = rec.sample
         ended = int(last.response[-1]) if last.finish_reason == "stop" else None
         observed = function_calls.template_messages(convention, new)
-        return self._next(rec, self.renderer.observation(observed, ended) + opening, s, params)
+        env_tokens = self.renderer.observation(observed, ended) + opening
+        return self._next(rec, env_tokens, s, params, budget)
 
     def completion(
-        self, rec: Record, prompt: str, s: Sampling, params: SamplingParams
+        self, rec: Record, prompt: str, s: Sampling, params: SamplingParams, budget: int
     ) -> GenerationRequest:
-        """The generation request of a text completion of episode `rec`."""
+        """The generation request of a text completion of episode `rec` (`budget`: as
+        `chat`'s)."""
         self._kind(rec, "completion")
         if rec.sample is None:
-            return self._first(rec, self.ctx.tokenizer.encode(prompt), s, params)
+            return self._first(rec, self.ctx.tokenizer.encode(prompt), s, params, budget)
         if not prompt.startswith(rec.text) or len(prompt) == len(rec.text):
             raise ApiError(
                 400,
@@ -147,7 +158,7 @@ class Turns:
                 "prompt",
             )
         suffix = self.ctx.tokenizer.encode(prompt[len(rec.text) :])
-        return self._next(rec, suffix, s, params)
+        return self._next(rec, suffix, s, params, budget)
 
     def _kind(self, rec: Record, kind: str) -> None:
         if rec.kind and rec.kind != kind:
@@ -155,7 +166,7 @@ class Turns:
         rec.kind = kind
 
     def _first(
-        self, rec: Record, prompt: list[int], s: Sampling, params: SamplingParams
+        self, rec: Record, prompt: list[int], s: Sampling, params: SamplingParams, budget: int
     ) -> GenerationRequest:
         if not 1 <= len(prompt) <= self.ctx.max_prompt_length:
             raise ApiError(
@@ -168,11 +179,12 @@ class Turns:
         elif s.seed is not None and s.seed != rec.seed:
             raise ApiError(400, f"seed={s.seed}: episode {rec.id} samples with its own", "seed")
         rec.prompt = prompt
+        cap = min(s.max_tokens, budget) if budget else s.max_tokens
         return GenerationRequest(
             request_id=rec.id,
             prompt=prompt,
-            max_new_tokens=s.max_tokens,
-            forced_length=s.max_tokens if s.ignore_eos else None,
+            max_new_tokens=cap,
+            forced_length=cap if s.ignore_eos else None,
             sampling=params,
             seed=rec.seed,
             metadata=rec.metadata,
@@ -180,7 +192,12 @@ class Turns:
         )
 
     def _next(
-        self, rec: Record, env_tokens: list[int], s: Sampling, params: SamplingParams
+        self,
+        rec: Record,
+        env_tokens: list[int],
+        s: Sampling,
+        params: SamplingParams,
+        budget: int,
     ) -> GenerationRequest:
         if s.seed is not None and s.seed != rec.seed:
             raise ApiError(
@@ -197,6 +214,17 @@ class Turns:
                 "of context; start a new episode",
                 code=CONTEXT_EXCEEDED,
             )
+        cap = s.max_tokens
+        if budget:
+            left = budget - len(cont.tokens)  # as in-process: `rollouts.episodes.answer`
+            if left < 1:
+                raise ApiError(
+                    400,
+                    f"episode {rec.id} has used {len(cont.tokens)} of its {budget} tokens "
+                    "after its first prompt (the episode's budget); start a new episode",
+                    code=CONTEXT_EXCEEDED,
+                )
+            cap = min(cap, left)
         # Not `GenerationRequest.next_turn`: the endpoint's turn carries the record's
         # identity (its episode id `ep-...`, prompt, seed, metadata), which the backend
         # keys on and maps back to the run's (`Backend.submit`); the sample holds the
@@ -204,8 +232,8 @@ class Turns:
         return GenerationRequest(
             request_id=rec.id,
             prompt=rec.prompt,
-            max_new_tokens=cont.policy_tokens + s.max_tokens,
-            forced_length=cont.policy_tokens + s.max_tokens if s.ignore_eos else None,
+            max_new_tokens=cont.policy_tokens + cap,
+            forced_length=cont.policy_tokens + cap if s.ignore_eos else None,
             sampling=params,
             seed=rec.seed,
             metadata=rec.metadata,

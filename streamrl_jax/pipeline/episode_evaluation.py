@@ -30,10 +30,11 @@ decode buckets size each chunk by what else is running, which moves logits by fl
 rounding and can flip a near-tie) and the same slots (`serve --slots`). No turn may
 re-prefill (a prefilled history is not bitwise a KV extended turn by turn): the served
 evaluation plays at most `concurrency` episodes at once, no more than the server's
-slots, so no request waits on a slot an idle episode keeps. What may still differ, by
-design: a served turn is capped by `max_tokens` and the server's context, an in-process
-one also by what is left of `environment.max_episode_tokens` (an in-process episode
-that ends "episode_tokens" may go on when served).
+slots, so no request waits on a slot an idle episode keeps. The episode budget is the
+same on both sides: `serve` holds an environment's episodes to the run's
+(`Limits.episode_tokens`), so a served turn gets what is left of it as an in-process
+one does, and the request past it is refused where the in-process episode ends
+"episode_tokens" (the agent's episode then ends so too).
 """
 
 from __future__ import annotations

@@ -240,6 +240,7 @@ def agent_kit(
         timeout_s=p.timeout_s,
         max_inflight=4 * per_batch,
         max_n=p.group_size,  # a group's episodes' first turns (`PipelineBackend.choices`)
+        episode_tokens=kit.limits.episode_tokens,  # the in-process episodes' budget
     )
     return make_agent_kit(
         Context.of(tokenizer, ecfg),

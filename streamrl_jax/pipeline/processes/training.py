@@ -132,9 +132,9 @@ class ProblemTable:
         self._vocab = components.model_cfg.vocab_size
         self._max_prompt = cfg.generation.max_prompt_len
         # An episodes run's samples are whole episodes (docs/episodes.md) in one engine
-        # slot: prompt and episode within the slot's context, the engine's bound (a
-        # scaffold's episode through the endpoint may spend what a shorter first prompt
-        # leaves, endpoint/turns.py); a plain sample's response within max_new_tokens.
+        # slot: prompt and episode within the slot's context, the engine's bound (the
+        # episode's own budget after its prompt, in-process and through the endpoint
+        # alike, is within it); a plain sample's response within max_new_tokens.
         self._episodes = bool(cfg.environment.name)
         self._max_new = None if self._episodes else cfg.generation.max_new_tokens
         self._max_total = self._max_prompt + sample_tokens(cfg)
