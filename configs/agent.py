@@ -25,22 +25,31 @@ from streamrl_jax import config as config_lib
 
 def _chained(c) -> None:
     """The chained calculator: sums of 4-5 three-digit numbers, an OpenAI function taking
-    two numbers a call."""
+    two numbers a call; not tuned to its goal yet (docs/episodes.md: the settings here are
+    the best seen so far)."""
     # The first prompt (instructions, the function's schema, the question) fits 296
     # tokens; an episode's calls and results (67 tokens a step with a four-digit operand)
-    # and answer (5 terms: 4 calls, ~280 tokens) and a spare call share 352 more.
-    c.model.max_context = 648
+    # and answer (5 terms: 4 calls, ~280 tokens) share 304 more.
+    c.model.max_context = 600
     c.generation.max_prompt_len = 296
     c.generation.max_new_tokens = 48  # a call (44 tokens with a four-digit operand) or an answer
+    c.generation.temperature = 1.0
     c.environment.name = "chained_calculator"
-    c.environment.max_turns = 6  # 4 calls and the answer for 5 terms, one spare
-    c.environment.max_episode_tokens = 352
+    c.environment.max_turns = 5  # 4 calls and the answer for 5 terms
+    c.environment.max_episode_tokens = 304
+    c.environment.step_credit = 1.0  # each correct call earns its share as it is taken
     # reasoning-gym's chain_sum (its basic_arithmetic without parentheses scores against
     # answers that do not follow operator precedence: 111 of 200 wrong at 4-5 terms)
     c.data.tasks = "chain_sum"
     c.data.task_config = (
         '{"chain_sum": {"min_terms": 4, "max_terms": 5, "min_digits": 3, "max_digits": 3}}'
     )
+    c.pipeline.prompts_per_step = 2
+    # Every episode weighs the same: at token_mean the many long episodes of a below-average
+    # return pushed the calls down until the policy stopped calling (learning rate 1e-4)
+    c.algorithm.aggregation = "seq_mean_token_mean"
+    c.optimizer.learning_rate = 3e-5
+    c.warmup.steps = 4  # 32 demonstrations: calls in order, every operator '+', no stop
 
 
 def get_config(arg: str | None = None):
