@@ -6,6 +6,7 @@ CPU, measured)."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -46,6 +47,16 @@ def start_serve(workdir, name: str, token: str, flags: list[str]):
     log = open(workdir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     return proc, ready, log
+
+
+def stop_serve(proc, log, timeout: float = 60.0) -> int:
+    """A server `start_serve` started, stopped as an operator does (SIGTERM): its exit
+    code, its log closed."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout)
+    finally:
+        log.close()
 
 
 def served_url(proc, ready, timeout: float = 180.0) -> str:

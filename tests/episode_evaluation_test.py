@@ -2,10 +2,8 @@
 OpenAI Agents SDK agent through `python -m streamrl_jax.serve`, against the same
 checkpoint's episodes in-process (docs/endpoint.md "Evaluating a served checkpoint")."""
 
-import signal
-
 import pytest
-from child_env import served_url, start_serve
+from child_env import served_url, start_serve, stop_serve
 from support import config_file, write_policy_checkpoint
 
 from streamrl_jax.pipeline.episode_evaluation import HeldOutEpisodes, policy_engine
@@ -45,9 +43,7 @@ def test_an_agent_evaluates_a_served_checkpoint_as_the_run_evaluates_it_in_proce
         finally:
             held.close()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(60)
-        log.close()
+        code = stop_serve(proc, log)
     assert code == 0, (tmp_path / "serve.log").read_text()[-2000:]
     assert len(local.episodes) == PROBLEMS
     assert served.episodes == local.episodes

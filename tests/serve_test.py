@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import openai
 import pytest
-from child_env import launched_env, served_url, start_serve
+from child_env import launched_env, served_url, start_serve, stop_serve
 from launched_runs import REPO
 
 pytestmark = pytest.mark.processes  # the suite spreads these files out (conftest.py)
@@ -107,7 +107,5 @@ def test_an_environment_config_is_served_with_its_runs_episode_budget(tmp_path):
             assert e.value.code == "context_length_exceeded"
         client.close_client()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(60)
-        log.close()
+        code = stop_serve(proc, log)
     assert code == 0, (tmp_path / "agent.log").read_text()[-2000:]
