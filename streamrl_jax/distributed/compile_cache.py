@@ -17,12 +17,25 @@ writer finding the entry there writes nothing. Without that lock it stays JAX's 
 This wraps JAX's private `compiler._cache_write` (the one place the rule lives, the same
 in both JAX versions the package supports); JAX's own checks (host callbacks, the
 minimum compile time) are kept, and a failed write is a logged warning, as in JAX.
+
+**On CPU, a program that spans processes is never cached** (neither written nor read, by
+any process, process 0 included). XLA:CPU runs such a program's collectives over gloo,
+and an executable read back from the cache breaks them: with a warm cache the 3-process
+agent job (1 generation + 2 training processes, `configs/agent.py:tiny`) aborted in its
+second step in 6 of 6 runs (`gloo::EnforceNotMet ... op.preamble.length <= op.nbytes.
+24576 vs 256`: the two training processes' messages no longer matched), and passed 3 of 3
+cold; with these programs kept out of the cache it passes warm (measured 2026-12-07, jax
+0.10.2). They compile again in every run (the training processes' programs: seconds on
+the CPU models); a process's own programs (a generation instance, a one-device trainer)
+are still cached. `tests/distributed_transport_test.py` runs both. On TPU and GPU the
+rule above stands.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import threading
 from typing import Any
 
 from absl import logging
@@ -30,21 +43,27 @@ from absl import logging
 
 def write_from_every_process() -> bool:
     """Installs the writer; True when it is on (idempotent), False where JAX's
-    process-0 rule stays (no cache, no file lock, or a JAX without the hook)."""
+    process-0 rule stays (no cache, no file lock, or a JAX without the hook). Wherever
+    the cache is on, a CPU program that spans processes is kept out of it first (module
+    docstring); where this JAX cannot, the cache is turned off in this process."""
     import jax
     from jax._src import compilation_cache, compiler, distributed
 
     if not jax.config.jax_compilation_cache_dir or not jax.config.jax_enable_compilation_cache:
+        return False
+    if not _keep_spanning_programs_out(compiler):
+        logging.warning(
+            "compile cache: off in this process (this JAX has no compile_or_get_cached, "
+            "_cache_read or _cache_write to keep a CPU program that spans processes out of it)"
+        )
+        jax.config.update("jax_enable_compilation_cache", False)
         return False
     if jax.config.jax_compilation_cache_max_size in (-1, 0) or not importlib.util.find_spec(
         "filelock"
     ):
         logging.info("compile cache: written by process 0 only (no file lock: JAX's rule)")
         return False
-    original = getattr(compiler, "_cache_write", None)
-    if original is None:
-        logging.info("compile cache: written by process 0 only (this JAX has no _cache_write)")
-        return False
+    original = compiler._cache_write
     if getattr(original, "streamrl_every_process", False):
         return True
 
@@ -57,6 +76,7 @@ def write_from_every_process() -> bool:
             distributed.global_state.process_id == 0
             or host_callbacks
             or compile_s < jax.config.jax_persistent_cache_min_compile_time_secs
+            or getattr(_uncached, "on", False)
         ):
             return original(cache_key, compile_s, module, backend, executable, *rest)
         try:
@@ -69,3 +89,50 @@ def write_from_every_process() -> bool:
     cache_write.streamrl_every_process = True  # type: ignore[attr-defined]
     compiler._cache_write = cache_write
     return True
+
+
+_uncached = threading.local()  # .on: the program this thread compiles stays out of the cache
+
+
+def _keep_spanning_programs_out(compiler: Any) -> bool:
+    """Wraps JAX's `compile_or_get_cached`, `_cache_read` and `_cache_write` so that a CPU
+    program whose devices belong to several processes is neither read from the cache nor
+    written to it (module docstring); True when in place (idempotent), False when this
+    JAX has not the functions to wrap."""
+    names = ("compile_or_get_cached", "_cache_read", "_cache_write")
+    compile_or_get, read, write = (getattr(compiler, n, None) for n in names)
+    if compile_or_get is None or read is None or write is None:
+        return False
+    if getattr(compile_or_get, "streamrl_spanning_out", False):
+        return True
+
+    @functools.wraps(compile_or_get)
+    def compile_or_get_cached(backend: Any, computation: Any, devices: Any, *rest: Any, **kw: Any):
+        before = getattr(_uncached, "on", False)
+        _uncached.on = backend.platform == "cpu" and spans_processes(devices)
+        try:
+            return compile_or_get(backend, computation, devices, *rest, **kw)
+        finally:
+            _uncached.on = before
+
+    @functools.wraps(read)
+    def cache_read(*args: Any, **kw: Any):
+        if getattr(_uncached, "on", False):
+            return None, None  # a miss: compiled here, and not written
+        return read(*args, **kw)
+
+    @functools.wraps(write)
+    def cache_write(*args: Any, **kw: Any) -> None:
+        if not getattr(_uncached, "on", False):
+            write(*args, **kw)
+
+    compile_or_get_cached.streamrl_spanning_out = True  # type: ignore[attr-defined]
+    compiler.compile_or_get_cached = compile_or_get_cached
+    compiler._cache_read, compiler._cache_write = cache_read, cache_write
+    return True
+
+
+def spans_processes(devices: Any) -> bool:
+    """Whether a program's devices (JAX's array of them) belong to more than one process."""
+    flat = getattr(devices, "flat", devices)
+    return len({d.process_index for d in flat}) > 1
