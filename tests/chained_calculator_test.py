@@ -117,6 +117,10 @@ def test_each_correct_step_of_the_chain_earns_its_share_of_the_step_credit(tok):
         total, state = total + step.reward, step.state
     final = env.step(state, demo[-1]["content"], p.metadata)
     assert total == pytest.approx(0.5) and final.reward == 1.0
+    # Once the chain is done, a call (the last step again, or any other) costs a share:
+    # an episode that keeps calling ranks below the one that answers.
+    extra = env.step(state, calls[-1], p.metadata)
+    assert extra.reward == pytest.approx(-share) and extra.state["steps"] == len(calls)
 
 
 def test_an_unreadable_call_is_said_and_an_answer_without_calls_is_scored(tok):

@@ -393,6 +393,8 @@ def test_smollm2_config(smol):
     assert smol.tokenizer.eos_id == 2 and 2 in smol.tokenizer.stop_ids
 
 
+@pytest.mark.extended  # the real model through the engine (~20 s of compiling its 30 layers);
+# its forward is checked against transformers below, the engine's decode on the tiny models
 def test_smollm2_greedy_answers_5(smol):
     answer = complete.complete_chat(smol, "What is 2+3?", max_new_tokens=24)
     assert "5" in answer, answer

@@ -333,7 +333,8 @@ class EnvironmentSection:
     max_attempts: int = 3  # retry: answers per episode
     attempt_discount: float = 0.5  # retry: reward x discount^(attempt - 1)
     # Process credit (STEP_CREDIT_ENVIRONMENTS): the reward of a whole correct chain of
-    # steps, each correct step earning its share as it is taken (the answer earns its score)
+    # steps, each correct step earning its share as it is taken, each call once the chain is
+    # done costing one (the answer earns its score)
     step_credit: float = 0.0
     tool_sandbox: bool = True  # run tools in confined worker processes (False: threads)
     tool_timeout_s: float = 5.0  # deadline of one tool call

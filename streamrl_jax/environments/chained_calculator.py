@@ -18,7 +18,9 @@ alike: there a scaffold sends the function as `tools` and gets `tool_calls` back
 turn:
 
 * calls (at most `function_calls.MAX_CALLS`): each runs in the sandbox, its result a
-  `tool` message in order; reward 0, the episode goes on;
+  `tool` message in order; reward 0 (with `environment.step_credit`: each call that is
+  the chain's next step earns its share, each call once the chain is done costs one), the
+  episode goes on;
 * call markup that cannot be read (or a function not offered): one user message saying
   so; reward 0, the episode goes on;
 * no call: the final answer, scored by the task's scorer; its score is the turn's
@@ -102,8 +104,13 @@ class ChainedCalculator:
             result = self.services.tools(name, arguments)
             failures += result.failure is not None
             observation.append({"role": "tool", "content": result.text})
-            if chain is not None and result.failure is None and _next_step(state, chain, arguments):
-                credit += self.step_credit / len(chain[1])
+            if chain is None:
+                continue
+            share = self.step_credit / len(chain[1])
+            if state["steps"] >= len(chain[1]):
+                credit -= share  # the chain is done: a call now is one instead of the answer
+            elif result.failure is None and _next_step(state, chain, arguments):
+                credit += share
                 state["steps"] += 1
                 state["value"] = int(result.text.rsplit("=", 1)[1])
         info = TurnInfo(tool_calls=len(read.calls), tool_failures=failures)
