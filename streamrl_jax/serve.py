@@ -91,9 +91,13 @@ def _token() -> tuple[str, bool]:
 
 
 def _write_private(path: str, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """`text` at `path` (owner-only), whole or not at all: written beside it and renamed,
+    so a script polling for the file never reads it half written."""
+    part = f"{path}.{os.getpid()}.part"
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    os.replace(part, path)
 
 
 def main(argv: list[str]) -> None:
