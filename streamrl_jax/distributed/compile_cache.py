@@ -133,6 +133,9 @@ def _keep_spanning_programs_out(compiler: Any) -> bool:
 
 
 def spans_processes(devices: Any) -> bool:
-    """Whether a program's devices (JAX's array of them) belong to more than one process."""
-    flat = getattr(devices, "flat", devices)
-    return len({d.process_index for d in flat}) > 1
+    """Whether a program's devices (JAX's array of them) belong to more than one process;
+    True where they cannot be read as devices (kept out of the cache: the safe side)."""
+    try:
+        return len({d.process_index for d in getattr(devices, "flat", devices)}) > 1
+    except (AttributeError, TypeError):
+        return True
