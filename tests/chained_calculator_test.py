@@ -30,7 +30,7 @@ from streamrl_jax.pipeline.rollouts import EpisodeRecord, answer, episode_outcom
 from streamrl_jax.rewards.tasks import TaskDataset, TaskReward
 
 CHAIN = {"chain_sum": {"min_terms": 4, "max_terms": 5, "min_digits": 3, "max_digits": 3}}
-TURN = 64  # generation.max_new_tokens: a turn's cap, in-process and at the endpoint
+TURN = 72  # generation.max_new_tokens: a turn's cap, in-process and at the endpoint
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,12 @@ def test_a_demonstration_chains_the_calls_and_scores_full_marks(tok):
         state = step.state
     final = env.step(state, demo[-1]["content"], p.metadata)
     assert final.done and final.reward == 1.0 and final.info.correct
-    assert demo[-1]["content"] == f"<answer>{p.answer}</answer>"
+    assert demo[-1]["content"] == f"Left: none\n<answer>{p.answer}</answer>"
+    # Each call comes after the terms still left: the question's, one fewer each turn.
+    expression = p.metadata["entry"]["metadata"]["expression"]
+    lefts = [m["content"].split("\n", 1)[0].removeprefix("Left: ") for m in demo[0:-1:2]]
+    assert lefts[0] == expression.split(" ", 1)[1]
+    assert all(a.endswith(" " + b) for a, b in zip(lefts, lefts[1:], strict=False))
 
 
 def test_each_correct_step_of_the_chain_earns_its_share_of_the_step_credit(tok):
@@ -236,7 +241,9 @@ def test_an_episode_that_reaches_its_budget_ends_through_the_endpoint_as_in_proc
     script = [m["content"] for m in demo if m["role"] == "assistant"]
     whole, played = _in_process(tok, env, p, script, 4096)
     assert played["outcome"] == "done" and len(script) > 3  # unbounded: every turn
-    opening = len(tok.encode('<tool_call>\n{"name"'))  # a call's first tokens, unclosed
+    # the third turn's first tokens: the terms left and a call's opening, unclosed
+    third = script[2]
+    opening = len(tok.encode(third[: third.index("<tool_call>")] + '<tool_call>\n{"name"'))
     budget = _turn_starts(whole)[2] + (0 if left == "none" else opening)
     sample, want = _in_process(tok, env, p, script, budget)
     assert want["outcome"] == "episode_tokens" and want["tool_calls"] == 2

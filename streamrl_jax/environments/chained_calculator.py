@@ -6,11 +6,17 @@ Sums of four or five three-digit numbers (reasoning-gym's `chain_sum`, e.g.
 on the last one's result, then the answer::
 
     user:      ... 478 + 718 + 585 - 740 =
-    assistant: <tool_call>{"name": "calculate", "arguments": {"a": 478, "op": "+", "b": 718}}
+    assistant: Left: + 718 + 585 - 740
+               <tool_call>{"name": "calculate", "arguments": {"a": 478, "op": "+", "b": 718}}
                </tool_call>
-    tool:      1196
-    assistant: (1196 + 585, then 1781 - 740)
-    assistant: <answer>1041</answer>
+    tool:      478 + 718 = 1196
+    assistant: (Left: + 585 - 740, 1196 + 585; then Left: - 740, 1781 - 740)
+    assistant: Left: none
+               <answer>1041</answer>
+
+The `Left:` line (the terms still left after the number in hand) is what the
+instructions ask for and the demonstrations write: the next call is then read off a
+line the policy has just written. Only the calls and the answer are scored.
 
 The tool is an OpenAI function (`functions`), written in the model's own convention
 (`function_calls`: Hermes for SmolLM2), in a run's episodes and through the endpoint
@@ -48,9 +54,11 @@ from streamrl_jax.model import function_calls
 from streamrl_jax.rewards.tasks import chat_messages
 
 INSTRUCTIONS = (
-    "Compute the expression with the calculate tool, two numbers a call: the first two "
-    "numbers, then the result and the next number, and so on. Then give the last result as "
-    "<answer>N</answer>."
+    "Compute the expression with the calculate tool, two numbers a call. Before each call "
+    "write the terms left after the number in hand, as in 'Left: - 244 + 216', then call "
+    "calculate on the number in hand (the first number, then the last result) and the "
+    "first term left. When no term is left, write 'Left: none' and give the last result "
+    "as <answer>N</answer>."
 )
 CALCULATE = function_calls.Tool(
     name="calculate",
@@ -117,21 +125,23 @@ class ChainedCalculator:
         return StepResult(observation, credit, False, state, info)
 
     def demonstration(self, question: str, metadata: dict[str, Any]) -> list[Message] | None:
-        """The chain of calls, left to right, then the answer."""
+        """The chain of calls, left to right, each after the terms still left, then the
+        answer."""
         chain = _chain(metadata)
         if chain is None:
             return None
-        value, turns = chain[0], []
-        for i, (op, number) in enumerate(chain[1]):
+        value, steps, turns = chain[0], chain[1], []
+        for i, (op, number) in enumerate(steps):
             args = {"a": value, "op": op, "b": number}
             call = function_calls.Call(f"call_{i}", CALCULATE.name, json.dumps(args))
             shown = calculate(args)
             value = int(shown.rsplit("=", 1)[1])
+            left = " ".join(f"{o} {n}" for o, n in steps[i:])
             turns += [
-                {"role": "assistant", "content": self.convention.write([call])},
+                {"role": "assistant", "content": f"Left: {left}\n{self.convention.write([call])}"},
                 {"role": "tool", "content": shown},
             ]
-        return [*turns, {"role": "assistant", "content": f"<answer>{value}</answer>"}]
+        return [*turns, {"role": "assistant", "content": f"Left: none\n<answer>{value}</answer>"}]
 
     def end(self, state: State) -> None:
         del state  # pure JSON
