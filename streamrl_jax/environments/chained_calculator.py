@@ -136,11 +136,9 @@ class ChainedCalculator:
             call = function_calls.Call(f"call_{i}", CALCULATE.name, json.dumps(args))
             shown = calculate(args)
             value = int(shown.rsplit("=", 1)[1])
-            left = " ".join(f"{o} {n}" for o, n in steps[i:])
-            turns += [
-                {"role": "assistant", "content": f"Left: {left}\n{self.convention.write([call])}"},
-                {"role": "tool", "content": shown},
-            ]
+            left = "Left: " + " ".join(f"{o} {n}" for o, n in steps[i:])
+            said = function_calls.assistant_text(self.convention, left, [call])
+            turns += [{"role": "assistant", "content": said}, {"role": "tool", "content": shown}]
         return [*turns, {"role": "assistant", "content": f"Left: none\n<answer>{value}</answer>"}]
 
     def end(self, state: State) -> None:

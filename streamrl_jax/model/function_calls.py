@@ -488,11 +488,18 @@ def template_messages(
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls = [Call(c["id"], c["name"], c["arguments"]) for c in m["tool_calls"]]
-            text = "\n".join(x for x in (m["content"], convention.write(calls)) if x)
-            out.append({"role": "assistant", "content": text})
+            out.append(
+                {"role": "assistant", "content": assistant_text(convention, m["content"], calls)}
+            )
         else:
             out.append({"role": m["role"], "content": m["content"]})
     return convention.results(out)
+
+
+def assistant_text(convention: Convention, content: str | None, calls: Sequence[Call]) -> str:
+    """An assistant message's text with its calls: the content, then the calls as the
+    convention writes them (what the policy samples for such a message)."""
+    return "\n".join(x for x in (content, convention.write(calls)) if x)
 
 
 def with_tools(messages: list[dict[str, str]], text: str) -> list[dict[str, str]]:
