@@ -192,6 +192,21 @@ def test_a_failure_wakes_the_trainer_waiting_for_a_round():
         ro.wait_round(0, timeout=30)
 
 
+def test_carried_work_restored_after_its_round_opened_is_refused_not_lost():
+    # A resumed generation process restores before its driver opens round k: restored
+    # after, the continuations would wait for a round that already took its requests, and
+    # the round would close (and train) without them.
+    ro = _rollout()
+    a, b = ro.open(0, _requests(0, groups=1))
+    ro.returned(_back(a, 4, 0, "paused"))
+    ro.returned(_back(b, 4, 0, "paused"))
+    saved = json.loads(json.dumps(ro.state(1)))
+    fresh = _rollout()
+    fresh.open(1, _requests(1, groups=1))
+    with pytest.raises(RuntimeError, match="carried into round 1 restored after the round"):
+        fresh.restore(1, saved)
+
+
 def test_the_snapshot_is_the_state_at_the_rounds_close_even_when_later_rounds_ran():
     # In flight, round 1 runs before round 0 closes: a continuation may finish first.
     # The checkpoint's view of round 1's start must not hold that later member (a resumed

@@ -568,13 +568,14 @@ class GenerationProcess:
         )
         reporters: list[threading.Thread] = []
         try:
-            driver.start_threads(hooks)
             rounds = rollout
             while not isinstance(rounds, PartialRollout) and hasattr(rounds, "inner"):
                 rounds = rounds.inner  # the kind under its wrappers
-            if isinstance(rounds, PartialRollout):  # its rounds' closures to the trainer
-                if batch > 0:
-                    self._restore_carried(rollout, batch, roster)
+            partial = isinstance(rounds, PartialRollout)
+            if partial and batch > 0:  # before the driver opens the round they continue in
+                self._restore_carried(rollout, batch, roster)
+            driver.start_threads(hooks)
+            if partial:  # its rounds' closures to the trainer
                 reporters.append(self._round_reporter(rounds, rollout, batch))
             self._wait(driver, reporters)
             outcome = self._drain(driver)

@@ -374,6 +374,13 @@ class PartialRollout:
             )
         finished = [from_json(x)[0] for x in saved.get("finished", [])]
         with self._cv:
+            if any(q >= k and x.opened for q, x in self._rounds.items()):
+                # Its continuations would wait for a round that already took its requests:
+                # lost, and the round would close without them.
+                raise RuntimeError(
+                    f"partial rollout: the work carried into round {k} restored after the "
+                    "round opened; restore before the driver starts"
+                )
             self._next_close = k
             for s, first in (from_json(x) for x in saved.get("paused", [])):
                 self._origin[s.request_id] = first
