@@ -1,5 +1,6 @@
 """load_pretrained: logit parity with transformers (HF safetensors, GGUF), SmolLM2, bad input."""
 
+import functools
 import json
 import os
 import shutil
@@ -401,9 +402,16 @@ def test_smollm2_greedy_answers_5(smol):
 
 
 @pytest.mark.slow
-def test_smollm2_logits_match_transformers_gguf(smol):
+def test_smollm2_logits_match_transformers_gguf(smol, monkeypatch):
     # transformers dequantises the same file itself (and undoes the q/k permutation its
     # own way); both sides compute in float32 on identical dequantised weights.
+    # Its loader parses the file's header twice (config, then weights) and builds gguf's
+    # tensor-name map once per tensor (397 times): both are pure, so each is made once
+    # for the same arguments here (measured quiet: this test 20.5 s -> 10.8 s; what it
+    # reads is unchanged).
+    monkeypatch.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=1)(gguf.GGUFReader))
+    names = functools.lru_cache(maxsize=4)(gguf.get_tensor_name_map)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", names)
     directory, name = os.path.split(smollm2_gguf_path())
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         directory, gguf_file=name, dtype=torch.float32
