@@ -27,7 +27,6 @@ and otherwise runs both stages here; `one` (the default: on 2 cores the quicksta
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import sys
@@ -144,19 +143,6 @@ def _distributed_config() -> DistributedConfig | None:
     return roles.DistributedConfig.from_env()
 
 
-# The cache's settings (docs/first_run.md, "The compile cache"); a JAX_* variable of the
-# same name in the environment wins.
-_CACHE_SETTINGS = {
-    # Every program, however fast it compiled: with JAX's default (1 s), or 0.1 s, a warm
-    # run compiles the small programs again, and keeping them costs little disk.
-    "jax_persistent_cache_min_compile_time_secs": 0.0,
-    # A bound makes JAX evict least-recently-used entries, and it is what turns on JAX's
-    # file lock around every read and write (JAX writes in place): two runs at once
-    # never read an entry half written. Needs `filelock` (set only where it imports).
-    "jax_compilation_cache_max_size": 1 << 30,
-}
-
-
 def _default_cache_dir() -> str | None:
     """The compile cache directory a one-process run would use (`--compile_cache`, or the
     environment's), without turning anything on; None when it is off."""
@@ -172,11 +158,14 @@ def _compile_cache(several_processes: bool) -> str | None:
     or None when it is off."""
     import jax
 
+    from streamrl_jax.distributed import compile_cache
+
     flag = _COMPILE_CACHE
     if not flag.present and (several_processes or jax.config.jax_compilation_cache_dir):
         path = jax.config.jax_compilation_cache_dir or None  # the environment's, or off
         if path:  # processes may share it (a multi-process run): JAX's lock, at least
-            _set_cache_settings(("jax_compilation_cache_max_size",))
+            compile_cache.configure(("jax_compilation_cache_max_size",))
+            compile_cache.heal(path)
         return path
     if not flag.value:
         jax.config.update("jax_enable_compilation_cache", False)
@@ -195,19 +184,9 @@ def _compile_cache(several_processes: bool) -> str | None:
         logging.warning("compile cache off: %s: %s (--compile_cache=DIR names another)", path, why)
         return None
     jax.config.update("jax_compilation_cache_dir", path)
-    _set_cache_settings(tuple(_CACHE_SETTINGS))
+    compile_cache.configure()
+    compile_cache.heal(path)
     return path
-
-
-def _set_cache_settings(names: tuple[str, ...]) -> None:
-    """`_CACHE_SETTINGS` of `names`, each unless the environment sets it (the size bound,
-    which turns on JAX's file lock, only where `filelock` imports)."""
-    import jax
-
-    lock = importlib.util.find_spec("filelock") is not None
-    for name in names:
-        if name.upper() not in os.environ and (lock or name != "jax_compilation_cache_max_size"):
-            jax.config.update(name, _CACHE_SETTINGS[name])
 
 
 def _parse_flags(argv: list[str]) -> list[str]:

@@ -133,6 +133,11 @@ def main(argv: list[str]) -> None:
     if (names := platforms.jax_platforms(os.environ)) is not None:
         jax.config.update("jax_platforms", names)
     jax.config.update("jax_num_cpu_devices", cfg.mesh.generate_devices + cfg.mesh.train_devices)
+    if jax.config.jax_compilation_cache_dir:  # the environment's: shared as launch shares it
+        from streamrl_jax.distributed import compile_cache
+
+        compile_cache.configure()
+        compile_cache.heal(jax.config.jax_compilation_cache_dir)
     token, made = _token()
     try:
         endpoint, server = _serve(cfg, token)

@@ -38,12 +38,13 @@ def checkout_env(**overrides: str) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p), **overrides)
 
 
-def start_serve(workdir, name: str, token: str, flags: list[str]):
+def start_serve(workdir, name: str, token: str, flags: list[str], **env: str):
     """`python -m streamrl_jax.serve` with `flags` on any free loopback port, the bearer
-    token `token`, its log in `workdir/NAME.log`: (process, its ready file, its log)."""
+    token `token`, its log in `workdir/NAME.log`, `env` added to its environment:
+    (process, its ready file, its log)."""
     ready = workdir / f"{name}.json"
     cmd = [sys.executable, "-m", "streamrl_jax.serve", "--port=0", f"--ready_file={ready}", *flags]
-    env = dict(launched_env(), STREAMRL_ENDPOINT_TOKEN=token)
+    env = dict(launched_env(), STREAMRL_ENDPOINT_TOKEN=token, **env)
     log = open(workdir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     return proc, ready, log

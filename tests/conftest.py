@@ -91,7 +91,7 @@ jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 # The suite's xdist workers and the processes its tests launch share this directory, and
 # JAX writes an entry in place: without its file lock (turned on by a size bound, as
-# `launch._CACHE_SETTINGS` does) a process can read an entry half written and abort in
+# `compile_cache.SETTINGS` does) a process can read an entry half written and abort in
 # deserialisation, which takes its xdist worker down and leaves the run waiting.
 if importlib.util.find_spec("filelock") is not None:
     jax.config.update("jax_compilation_cache_max_size", 1 << 32)

@@ -335,6 +335,24 @@ def test_a_compile_cache_from_the_environment_gets_jaxs_file_lock(tmp_path):
     assert run.stdout.split()[-2:] == [str(tmp_path), str(1 << 30)]
 
 
+def test_an_entry_without_an_access_time_is_given_one_so_later_writes_succeed(tmp_path):
+    # A process whose cache has no size bound writes entries without JAX's access-time
+    # file; with a bound, JAX reads every entry's before each write (to evict), so from
+    # then on every write fails: `heal` (run by launch and serve) gives them one.
+    from jax._src.lru_cache import LRUCache
+
+    from streamrl_jax.distributed import compile_cache
+
+    (tmp_path / "jit_f-0-cache").write_bytes(b"written without a size bound")
+    cache = LRUCache(str(tmp_path), max_size=1 << 20)
+    with pytest.raises(FileNotFoundError, match="jit_f-0-atime"):
+        cache.put("jit_g-1", b"a program")
+    assert compile_cache.heal(str(tmp_path)) == 1
+    cache.put("jit_g-1", b"a program")
+    assert cache.get("jit_g-1") == b"a program"
+    assert compile_cache.heal(str(tmp_path)) == 0
+
+
 def _tiny_config(**overrides):
     from streamrl_jax import config as config_lib
 

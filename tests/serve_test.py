@@ -19,9 +19,9 @@ TOKEN = "serve-test-token-" + "7" * 20
 QUESTION = [{"role": "user", "content": "What is 12 + 30?"}]
 
 
-def _start(tmp_path, name, *flags):
+def _start(tmp_path, name, *flags, **env):
     return start_serve(
-        tmp_path, name, TOKEN, ["--config=configs/quickstart.py:tiny", "--slots=4", *flags]
+        tmp_path, name, TOKEN, ["--config=configs/quickstart.py:tiny", "--slots=4", *flags], **env
     )
 
 
@@ -40,12 +40,17 @@ def test_a_served_checkpoint_serves_its_weights_and_stops_on_sigterm(tmp_path):
     # moved), served: its greedy log-probs are not the start's (the checkpoint was
     # read), the same on a second request (a request without an episode id leaves
     # nothing behind), and the server stops cleanly on SIGTERM. The token from
-    # $STREAMRL_ENDPOINT_TOKEN.
-    root = tmp_path / "checkpoints"
+    # $STREAMRL_ENDPOINT_TOKEN. Both share a compile cache from the environment, with an
+    # entry another process wrote without JAX's access time: they take JAX's lock and
+    # size bound as launch does, so every entry has one after (distributed/compile_cache).
+    root, cache = tmp_path / "checkpoints", tmp_path / "cache"
     _write_checkpoint(root)
+    cache.mkdir()
+    (cache / "jit_f-0-cache").write_bytes(b"written without a size bound")
+    shared = {"JAX_COMPILATION_CACHE_DIR": str(cache)}
     servers = {
-        "trained": _start(tmp_path, "trained", f"--checkpoint={root}"),
-        "start": _start(tmp_path, "start"),
+        "trained": _start(tmp_path, "trained", f"--checkpoint={root}", **shared),
+        "start": _start(tmp_path, "start", **shared),
     }
     try:
         got = {name: _greedy(served_url(proc, ready)) for name, (proc, ready, _) in servers.items()}
@@ -59,7 +64,12 @@ def test_a_served_checkpoint_serves_its_weights_and_stops_on_sigterm(tmp_path):
         codes = [proc.wait(60) for proc, _, _ in servers.values()]
         for _, _, log in servers.values():
             log.close()
-    assert codes == [0, 0], [(tmp_path / f"{n}.log").read_text()[-2000:] for n in servers]
+    logs = [(tmp_path / f"{n}.log").read_text() for n in servers]
+    assert codes == [0, 0], [log[-2000:] for log in logs]
+    entries = sorted(p.name.removesuffix("-cache") for p in cache.glob("*-cache"))
+    assert len(entries) > 1 and (cache / ".lockfile").exists(), entries
+    assert sorted(p.name.removesuffix("-atime") for p in cache.glob("*-atime")) == entries
+    assert sum("1 entries of" in log for log in logs) == 1, [log[-2000:] for log in logs]
     np.testing.assert_array_equal(got["trained"][1], got["again"][1])
     assert got["trained"][0] == got["again"][0]
     assert not np.array_equal(got["trained"][1], got["start"][1])

@@ -11,7 +11,7 @@ all of them again (docs/first_run.md, "The compile cache", measured: 48 programs
 `write_from_every_process` lets every process write the programs it compiled. Programs
 that span processes (the training mesh's, compiled by each training process under one
 key) are written once: JAX's file lock around the cache (on where the cache has a size
-bound and `filelock` imports; `launch._CACHE_SETTINGS`) serialises the writers, and a
+bound and `filelock` imports; `compile_cache.SETTINGS`) serialises the writers, and a
 writer finding the entry there writes nothing. Without that lock it stays JAX's rule.
 
 This wraps JAX's private `compiler._cache_write` (the one place the rule lives, the same
@@ -35,10 +35,77 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import threading
 from typing import Any
 
 from absl import logging
+
+# The cache's settings (docs/first_run.md, "The compile cache"), for every process of the
+# package that turns the cache on (`launch`, `serve`); a JAX_* variable of the same name in
+# the environment wins.
+SETTINGS = {
+    # Every program, however fast it compiled: with JAX's default (1 s), or 0.1 s, a warm
+    # run compiles the small programs again, and keeping them costs little disk.
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    # A bound makes JAX evict least-recently-used entries, and it is what turns on JAX's
+    # file lock around every read and write (JAX writes in place): two runs at once
+    # never read an entry half written. Needs `filelock` (set only where it imports).
+    "jax_compilation_cache_max_size": 1 << 30,
+}
+_ATIME, _ENTRY = "-atime", "-cache"  # JAX's LRU cache: an entry, its last access time
+
+
+def configure(names: tuple[str, ...] = tuple(SETTINGS)) -> None:
+    """`SETTINGS` of `names`, each unless the environment sets it (the size bound, which
+    turns on JAX's file lock, only where `filelock` imports)."""
+    import jax
+
+    lock = importlib.util.find_spec("filelock") is not None
+    for name in names:
+        if name.upper() not in os.environ and (lock or name != "jax_compilation_cache_max_size"):
+            jax.config.update(name, SETTINGS[name])
+
+
+def heal(path: str, timeout_s: float = 10.0) -> int:
+    """Gives every entry of the cache at `path` that has no access-time file one, under
+    JAX's file lock; returns how many. A process whose cache has no size bound (neither
+    this package's `configure` nor a JAX_COMPILATION_CACHE_MAX_SIZE) writes entries
+    without one, and with a bound JAX reads every entry's access time before each write
+    (to evict): from the first such entry on, every write into the directory fails
+    (`FileNotFoundError: ...-atime`, a warning per program) and the cache stops growing
+    for every process that shares it. Seen in the suite, which shared its cache with a
+    served model's process that set no bound: 43 programs written in its first two
+    minutes, none in the ten after."""
+    import time
+
+    if importlib.util.find_spec("filelock") is None or not os.path.isdir(path):
+        return 0
+    import filelock
+
+    try:
+        with filelock.FileLock(os.path.join(path, ".lockfile"), timeout=timeout_s):
+            names = set(os.listdir(path))
+            missing = [
+                n.removesuffix(_ENTRY)
+                for n in names
+                if n.endswith(_ENTRY) and n.removesuffix(_ENTRY) + _ATIME not in names
+            ]
+            now = time.time_ns().to_bytes(8, "little")  # as JAX writes it
+            for key in missing:
+                with open(os.path.join(path, key + _ATIME), "wb") as f:
+                    f.write(now)
+    except (filelock.Timeout, OSError) as e:
+        logging.warning("compile cache: %s not checked for entries JAX cannot evict: %s", path, e)
+        return 0
+    if missing:
+        logging.warning(
+            "compile cache: %d entries of %s had no access time (written by a process without "
+            "a cache size bound), given one so that later writes succeed",
+            len(missing),
+            path,
+        )
+    return len(missing)
 
 
 def write_from_every_process() -> bool:
