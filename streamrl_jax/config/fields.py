@@ -181,6 +181,8 @@ RULES: dict[type, dict[str, _Rule]] = {
         "distill_coef": _POSITIVE,
         "sft_coef": _NONNEG,
         "sft_batch": _POSITIVE,
+        "prm_coef": _NONNEG,
+        **dict.fromkeys(("prm_beta", "prm_learning_rate"), _POSITIVE),
     },
     OptimizerSection: {
         **dict.fromkeys(("learning_rate", "eps"), _POSITIVE),

@@ -138,6 +138,17 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         cfg.algorithm.advantage != "gae" or cfg.critic.whiten != "group" or p.group_size >= 2,
         "critic.whiten='group' needs pipeline.group_size >= 2 (use critic.whiten='none')",
     )
+    a = cfg.algorithm
+    require(
+        a.prm_coef == 0 or a.advantage != "gae",
+        f"algorithm.prm_coef={a.prm_coef} with algorithm.advantage='gae': the critic's GAE "
+        "replaces the advantages the process rewards are added to (use a group advantage)",
+    )
+    require(
+        a.prm_coef == 0 or cfg.trainer.lora.rank == 0,
+        f"algorithm.prm_coef={a.prm_coef} with trainer.lora.rank={cfg.trainer.lora.rank}: the "
+        "process reward model is a full copy of the policy, not built for a LoRA policy yet",
+    )
     require(
         not cfg.data.jsonl_path or bool(cfg.data.eval_jsonl_path),
         "data.jsonl_path needs data.eval_jsonl_path (held-out problems from another file)",

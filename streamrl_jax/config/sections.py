@@ -214,6 +214,14 @@ class AlgorithmSection:
     # trained with advantage sft_coef (sft_coef x their negative log-likelihood). 0 = off
     sft_coef: float = 0.0
     sft_batch: int = 8  # demonstrations per RL micro-batch
+    # Implicit process rewards (PRIME; algorithms/prm.py, learner/prm.py): a process reward
+    # model of the policy's architecture, starting as the policy, trained online on the
+    # outcome labels with its own optimizer (learning rate prm_learning_rate); each
+    # response token's advantage gains prm_coef * the sum of the process rewards
+    # beta * (log pi_prm - log pi_ref) from it to the sample's end. 0 = off
+    prm_coef: float = 0.0
+    prm_beta: float = 0.05
+    prm_learning_rate: float = 1e-6
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from streamrl_jax.config import ExperimentConfig
-from streamrl_jax.learner import behaviour, critic, reference, routes, supervised, teacher
+from streamrl_jax.learner import behaviour, critic, prm, reference, routes, supervised, teacher
 from streamrl_jax.model.config import ModelConfig
 from streamrl_jax.trainer.config import TrainerConfig
 
@@ -20,6 +20,7 @@ TARGETS: dict[str, ModuleType] = {
     "routes": routes,
     "behaviour": behaviour,
     "reference": reference,
+    "prm": prm,
     "teacher": teacher,
     "critic": critic,
     "supervised": supervised,

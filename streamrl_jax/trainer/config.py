@@ -259,6 +259,14 @@ def critic_trainer_config(cfg: ExperimentConfig, *, fsdp: int) -> TrainerConfig:
     return policy.replace(optimizer=optimizer)
 
 
+def prm_trainer_config(cfg: ExperimentConfig, *, fsdp: int) -> TrainerConfig:
+    """The process reward model's trainer config: the policy's, with
+    `algorithm.prm_learning_rate` as peak lr (both step over the same micro-batches)."""
+    policy = trainer_config(cfg, fsdp=fsdp)
+    lr = cfg.algorithm.prm_learning_rate
+    return policy.replace(optimizer=dataclasses.replace(cfg.optimizer, learning_rate=lr))
+
+
 def lr_schedule(cfg: TrainerConfig) -> Callable[[jax.Array], jax.Array]:
     """The learning rate as a jit-friendly function of the 0-based step count.
 

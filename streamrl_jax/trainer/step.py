@@ -460,13 +460,16 @@ class Trainer:
         return self._forward(params, batch)
 
     def fill_gae(self, params: nnx.State, batch: TrainBatch) -> TrainBatch:
-        """Critic: `batch` with GAE advantages, returns and old values, per sample.
+        """Critic: `batch` with GAE advantages, returns and old values, per sample (`fill`:
+        one jitted call per streamed micro-batch, the critic's values under `params`,
+        then `critic.with_gae`; no coupling across samples)."""
+        return self.fill(params, batch)
 
-        One jitted call per streamed micro-batch: the critic's values under
-        `params`, then `critic.with_gae` (no coupling across samples).
-        """
+    def fill(self, params: nnx.State, batch: TrainBatch) -> TrainBatch:
+        """`batch` with what this kind derives from its forward under `params` (critic:
+        GAE, `fill_gae`; process reward model: process rewards in the advantages)."""
         if self.spec.targets is None:
-            raise ValueError(f"fill_gae() needs a critic trainer, this one is a {self.kind}")
+            raise ValueError(f"fill() needs a trainer with targets, this one is a {self.kind}")
         return self._fill_targets(params, batch)
 
     def copy_params(self, params: nnx.State) -> nnx.State:

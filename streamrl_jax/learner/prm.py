@@ -1,0 +1,75 @@
+"""Implicit process rewards (`algorithm.prm_coef > 0`; algorithms/prm.py, trainer/prm.py).
+
+A process reward model of the policy's architecture, its params a copy of the policy's
+as the run starts (so it equals pi_ref and every process reward starts at 0), with its
+own trainer and optimizer (`algorithm.prm_learning_rate`). Each micro-batch gets its
+log-probs under pi_ref in `ref_logp` (the `reference` target's when the KL penalty is on;
+else this target's own frozen copy fills it, and the policy's loss, with `kl_coef` 0,
+does not read it), then `prm_coef` times each position's process-reward return in its
+advantages, under the PRM's weights from before its update on this batch (per sample:
+any split into micro-batches gives the same advantages). The PRM's cross-entropy on the
+outcome labels accumulates beside the policy's gradients and it steps after the policy
+at every optimizer step (its metrics in the row as `prm_*`). Its TrainState is part of
+every checkpoint (entry "prm"); a resumed run rebuilds pi_ref from the same source.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from streamrl_jax.config import ExperimentConfig
+from streamrl_jax.learner.protocol import Accumulators, Context, Metrics, Micro, Target
+from streamrl_jax.trainer import prm as prm_lib
+from streamrl_jax.trainer.batch import TrainBatch
+from streamrl_jax.trainer.config import prm_trainer_config
+from streamrl_jax.trainer.state import TrainState
+from streamrl_jax.trainer.step import Trainer
+from streamrl_jax.weight_sync import Params
+
+NAME = "prm"
+
+
+def wanted(cfg: ExperimentConfig) -> bool:
+    return cfg.algorithm.prm_coef > 0
+
+
+def make(ctx: Context) -> Target:
+    mesh = ctx.trainer.mesh
+    trainer = prm_lib.make_prm_trainer(
+        ctx.model_cfg, prm_trainer_config(ctx.cfg, fsdp=mesh.shape["fsdp"]), mesh
+    )
+    start = ctx.trainer.copy_params(ctx.state.params)  # survives the state's donation
+    state = trainer.state_from_params(start, ctx.cfg.seed)
+    ref = None if ctx.cfg.algorithm.kl_coef > 0 else start  # else `reference` fills it
+    prm = ProcessRewards(trainer, state, ref)
+    return Target(NAME, fill=prm.fill, trains=prm)
+
+
+class ProcessRewards:
+    """The PRM's trainer and state (the state changes only here: `apply`, `restore`) and
+    pi_ref's params when no other target fills `ref_logp`."""
+
+    def __init__(self, trainer: Trainer, state: TrainState, ref: Params | None):
+        self.trainer, self.state, self.ref = trainer, state, ref
+
+    def fill(self, dev: TrainBatch, micro: Micro) -> TrainBatch:
+        if self.ref is not None:
+            dev = dev.replace(ref_logp=micro.trainer.logprobs(self.ref, dev))
+        return self.trainer.fill(self.state.params, dev)
+
+    def init_accumulators(self) -> Accumulators:
+        return {NAME: self.trainer.init_accumulator()}
+
+    def accumulate(self, dev: TrainBatch, accs: Accumulators, micro: Micro) -> Accumulators:
+        acc, _ = self.trainer.accumulate(self.state, accs[NAME], dev, micro.one)
+        return accs | {NAME: acc}
+
+    def apply(self, accs: Accumulators) -> tuple[Accumulators, Metrics]:
+        self.state, acc, m = self.trainer.apply(self.state, accs[NAME])
+        return accs | {NAME: acc}, {f"{NAME}_{k}": v for k, v in m.items()}
+
+    def arrays(self) -> dict[str, Any]:
+        return {NAME: self.state}
+
+    def restore(self, arrays: dict[str, Any]) -> None:
+        self.state = arrays[NAME]
