@@ -11,15 +11,12 @@ accumulate beside the policy's and it steps after the policy at every optimizer 
 
 from __future__ import annotations
 
-from typing import Any
-
 from streamrl_jax.config import ExperimentConfig
-from streamrl_jax.learner.protocol import Accumulators, Context, Metrics, Micro, Target
+from streamrl_jax.learner.own_model import OwnModel
+from streamrl_jax.learner.protocol import Context, Micro, Target
 from streamrl_jax.trainer import critic as critic_lib
 from streamrl_jax.trainer.batch import TrainBatch
 from streamrl_jax.trainer.config import critic_trainer_config
-from streamrl_jax.trainer.state import TrainState
-from streamrl_jax.trainer.step import Trainer
 
 NAME = "critic"
 
@@ -36,33 +33,10 @@ def make(ctx: Context) -> Target:
         mesh,
         model_seed=ctx.cfg.seed,
     )
-    critic = Critic(trainer, trainer.init_state(ctx.cfg.seed))
-    return Target(NAME, fill=critic.fill, trains=critic)
+    critic = OwnModel(NAME, trainer, trainer.init_state(ctx.cfg.seed))
 
-
-class Critic:
-    """The critic's trainer and state (the state changes only here: `apply`, `restore`)."""
-
-    def __init__(self, trainer: Trainer, state: TrainState):
-        self.trainer, self.state = trainer, state
-
-    def fill(self, dev: TrainBatch, micro: Micro) -> TrainBatch:
+    def fill(dev: TrainBatch, micro: Micro) -> TrainBatch:
         del micro
-        return self.trainer.fill_gae(self.state.params, dev)
+        return trainer.fill_gae(critic.state.params, dev)
 
-    def init_accumulators(self) -> Accumulators:
-        return {NAME: self.trainer.init_accumulator()}
-
-    def accumulate(self, dev: TrainBatch, accs: Accumulators, micro: Micro) -> Accumulators:
-        acc, _ = self.trainer.accumulate(self.state, accs[NAME], dev, micro.one)
-        return accs | {NAME: acc}
-
-    def apply(self, accs: Accumulators) -> tuple[Accumulators, Metrics]:
-        self.state, acc, m = self.trainer.apply(self.state, accs[NAME])
-        return accs | {NAME: acc}, {f"{NAME}_{k}": v for k, v in m.items()}
-
-    def arrays(self) -> dict[str, Any]:
-        return {NAME: self.state}
-
-    def restore(self, arrays: dict[str, Any]) -> None:
-        self.state = arrays[NAME]
+    return Target(NAME, fill=fill, trains=critic)

@@ -15,16 +15,12 @@ every checkpoint (entry "prm"); a resumed run rebuilds pi_ref from the same sour
 
 from __future__ import annotations
 
-from typing import Any
-
 from streamrl_jax.config import ExperimentConfig
-from streamrl_jax.learner.protocol import Accumulators, Context, Metrics, Micro, Target
+from streamrl_jax.learner.own_model import OwnModel
+from streamrl_jax.learner.protocol import Context, Micro, Target
 from streamrl_jax.trainer import prm as prm_lib
 from streamrl_jax.trainer.batch import TrainBatch
 from streamrl_jax.trainer.config import prm_trainer_config
-from streamrl_jax.trainer.state import TrainState
-from streamrl_jax.trainer.step import Trainer
-from streamrl_jax.weight_sync import Params
 
 NAME = "prm"
 
@@ -39,37 +35,12 @@ def make(ctx: Context) -> Target:
         ctx.model_cfg, prm_trainer_config(ctx.cfg, fsdp=mesh.shape["fsdp"]), mesh
     )
     start = ctx.trainer.copy_params(ctx.state.params)  # survives the state's donation
-    state = trainer.state_from_params(start, ctx.cfg.seed)
+    prm = OwnModel(NAME, trainer, trainer.state_from_params(start, ctx.cfg.seed))
     ref = None if ctx.cfg.algorithm.kl_coef > 0 else start  # else `reference` fills it
-    prm = ProcessRewards(trainer, state, ref)
-    return Target(NAME, fill=prm.fill, trains=prm)
 
+    def fill(dev: TrainBatch, micro: Micro) -> TrainBatch:
+        if ref is not None:
+            dev = dev.replace(ref_logp=micro.trainer.logprobs(ref, dev))
+        return trainer.fill(prm.state.params, dev)
 
-class ProcessRewards:
-    """The PRM's trainer and state (the state changes only here: `apply`, `restore`) and
-    pi_ref's params when no other target fills `ref_logp`."""
-
-    def __init__(self, trainer: Trainer, state: TrainState, ref: Params | None):
-        self.trainer, self.state, self.ref = trainer, state, ref
-
-    def fill(self, dev: TrainBatch, micro: Micro) -> TrainBatch:
-        if self.ref is not None:
-            dev = dev.replace(ref_logp=micro.trainer.logprobs(self.ref, dev))
-        return self.trainer.fill(self.state.params, dev)
-
-    def init_accumulators(self) -> Accumulators:
-        return {NAME: self.trainer.init_accumulator()}
-
-    def accumulate(self, dev: TrainBatch, accs: Accumulators, micro: Micro) -> Accumulators:
-        acc, _ = self.trainer.accumulate(self.state, accs[NAME], dev, micro.one)
-        return accs | {NAME: acc}
-
-    def apply(self, accs: Accumulators) -> tuple[Accumulators, Metrics]:
-        self.state, acc, m = self.trainer.apply(self.state, accs[NAME])
-        return accs | {NAME: acc}, {f"{NAME}_{k}": v for k, v in m.items()}
-
-    def arrays(self) -> dict[str, Any]:
-        return {NAME: self.state}
-
-    def restore(self, arrays: dict[str, Any]) -> None:
-        self.state = arrays[NAME]
+    return Target(NAME, fill=fill, trains=prm)
