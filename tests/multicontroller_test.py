@@ -218,25 +218,34 @@ def test_device_to_device_weights_give_the_one_process_parameters(tmp_path, tmp_
     )
 
 
-# The critic across processes: extended since the checkpoint/kill/resume case joined the
-# default run (the suite's ~10 minute budget); the in-process critic tests stay default.
+# The targets that train a model of their own across processes: extended since the
+# checkpoint/kill/resume case joined the default run (the suite's ~10 minute budget); their
+# in-process tests stay default.
+_OWN_MODELS = {
+    "critic": {"algorithm.advantage": "gae"},
+    "prm": {"algorithm.prm_coef": 1.0, "algorithm.prm_learning_rate": 1e-3},
+}
+
+
+@pytest.mark.parametrize("target", sorted(_OWN_MODELS))
 @pytest.mark.parametrize(
     "processes, generation", [pytest.param(2, 1, marks=_EXT), pytest.param(4, 2, marks=_EXT)]
 )
-def test_processes_train_the_critic_like_one_process(
-    processes, generation, tmp_path, tmp_path_factory
+def test_processes_train_a_targets_own_model_like_one_process(
+    target, processes, generation, tmp_path, tmp_path_factory
 ):
-    # algorithm.advantage="gae": the critic trains on the training processes beside the
-    # policy (FSDP over all of them with 2 training processes). The policy's update reads
-    # the critic's values, so equal final policy parameters mean an equal critic too.
-    gae = {"pipeline.mode": "stream_sync", "algorithm.advantage": "gae"}
+    # The critic (algorithm.advantage="gae") or the process reward model (prm_coef)
+    # trains on the training processes beside the policy (FSDP over all of them with 2
+    # training processes). The policy's update reads its values, so equal final policy
+    # parameters mean an equal model of the target's too.
+    settings = {"pipeline.mode": "stream_sync", **_OWN_MODELS[target]}
     workdir = tmp_path / "run"
     launcher = [sys.executable, str(REPO / "launch" / "local.py")]
     cmd = [*launcher, "-n", str(processes), "-g", str(generation), "--timeout_s", "240"]
-    run = _run([*cmd, "--", *_launch_cmd(workdir, **gae)])
+    run = _run([*cmd, "--", *_launch_cmd(workdir, **settings)])
     assert run.returncode == 0, run.stdout[-6000:]
     got = np.load(workdir / run_lib.FINAL_PARAMS)
-    want = _one_process("stream_sync", tmp_path_factory, **{"algorithm.advantage": "gae"})
+    want = _one_process("stream_sync", tmp_path_factory, **_OWN_MODELS[target])
     for key in want.files:
         if processes - generation == 1:
             np.testing.assert_array_equal(got[key], want[key], err_msg=key)
@@ -244,7 +253,7 @@ def test_processes_train_the_critic_like_one_process(
             np.testing.assert_allclose(got[key], want[key], rtol=0, atol=1e-4, err_msg=key)
     rows = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "reward" in r]
     assert [r["step"] for r in rows] == [0, 1]
-    assert all(r["critic_grad_norm"] > 0 and r["critic_nonfinite"] == 0 for r in rows)
+    assert all(r[f"{target}_grad_norm"] > 0 and r[f"{target}_nonfinite"] == 0 for r in rows)
 
 
 def _wait_for_line(log, text, procs, timeout=180.0) -> None:
