@@ -37,6 +37,7 @@ import functools
 import importlib.util
 import os
 import threading
+import time
 from typing import Any
 
 from absl import logging
@@ -77,8 +78,6 @@ def heal(path: str, timeout_s: float = 10.0) -> int:
     for every process that shares it. Seen in the suite, which shared its cache with a
     served model's process that set no bound: 43 programs written in its first two
     minutes, none in the ten after."""
-    import time
-
     if importlib.util.find_spec("filelock") is None or not os.path.isdir(path):
         return 0
     import filelock

@@ -20,7 +20,7 @@ from streamrl_jax.learner.own_model import OwnModel
 from streamrl_jax.learner.protocol import Context, Micro, Target
 from streamrl_jax.trainer import prm as prm_lib
 from streamrl_jax.trainer.batch import TrainBatch
-from streamrl_jax.trainer.config import prm_trainer_config
+from streamrl_jax.trainer.config import own_model_trainer_config
 
 NAME = "prm"
 
@@ -30,10 +30,9 @@ def wanted(cfg: ExperimentConfig) -> bool:
 
 
 def make(ctx: Context) -> Target:
-    mesh = ctx.trainer.mesh
-    trainer = prm_lib.make_prm_trainer(
-        ctx.model_cfg, prm_trainer_config(ctx.cfg, fsdp=mesh.shape["fsdp"]), mesh
-    )
+    mesh, lr = ctx.trainer.mesh, ctx.cfg.algorithm.prm_learning_rate
+    tcfg = own_model_trainer_config(ctx.cfg, fsdp=mesh.shape["fsdp"], learning_rate=lr)
+    trainer = prm_lib.make_prm_trainer(ctx.model_cfg, tcfg, mesh)
     start = ctx.trainer.copy_params(ctx.state.params)  # survives the state's donation
     prm = OwnModel(NAME, trainer, trainer.state_from_params(start, ctx.cfg.seed))
     ref = None if ctx.cfg.algorithm.kl_coef > 0 else start  # else `reference` fills it

@@ -247,24 +247,24 @@ def row_length(cfg: ExperimentConfig) -> int:
     return max(cfg.model.max_context, min(group, _AUTO_ROW_CAP))
 
 
-def critic_trainer_config(cfg: ExperimentConfig, *, fsdp: int) -> TrainerConfig:
-    """The critic trainer's config: the policy's, with `critic.learning_rate` as peak lr.
+def own_model_trainer_config(
+    cfg: ExperimentConfig, *, fsdp: int, learning_rate: float
+) -> TrainerConfig:
+    """The config of a model a target trains beside the policy (the critic, the process
+    reward model): the policy's, with `learning_rate` as peak lr.
 
-    The critic shares every other `optimizer.*` setting (schedule, warm-up,
-    clipping, AdamW moments) and the shape buckets, so both models step in
-    lockstep over the same micro-batches.
+    It shares every other `optimizer.*` setting (schedule, warm-up, clipping, AdamW
+    moments) and the shape buckets, so both models step in lockstep over the same
+    micro-batches.
     """
     policy = trainer_config(cfg, fsdp=fsdp)
-    optimizer = dataclasses.replace(cfg.optimizer, learning_rate=cfg.critic.learning_rate)
+    optimizer = dataclasses.replace(cfg.optimizer, learning_rate=learning_rate)
     return policy.replace(optimizer=optimizer)
 
 
-def prm_trainer_config(cfg: ExperimentConfig, *, fsdp: int) -> TrainerConfig:
-    """The process reward model's trainer config: the policy's, with
-    `algorithm.prm_learning_rate` as peak lr (both step over the same micro-batches)."""
-    policy = trainer_config(cfg, fsdp=fsdp)
-    lr = cfg.algorithm.prm_learning_rate
-    return policy.replace(optimizer=dataclasses.replace(cfg.optimizer, learning_rate=lr))
+def critic_trainer_config(cfg: ExperimentConfig, *, fsdp: int) -> TrainerConfig:
+    """The critic trainer's config: the policy's, with `critic.learning_rate` as peak lr."""
+    return own_model_trainer_config(cfg, fsdp=fsdp, learning_rate=cfg.critic.learning_rate)
 
 
 def lr_schedule(cfg: TrainerConfig) -> Callable[[jax.Array], jax.Array]:

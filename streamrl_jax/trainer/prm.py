@@ -10,7 +10,6 @@ not carry over). Its loss reads `batch.ref_logp` (log pi_ref of the batch's toke
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from streamrl_jax.algorithms import prm as prm_lib
@@ -18,7 +17,7 @@ from streamrl_jax.model import llama
 from streamrl_jax.model.config import ModelConfig
 from streamrl_jax.trainer.batch import TrainBatch
 from streamrl_jax.trainer.config import TrainerConfig
-from streamrl_jax.trainer.policy import policy_logprobs
+from streamrl_jax.trainer.policy import policy_forward, policy_logprobs
 from streamrl_jax.trainer.state import LossOutput
 from streamrl_jax.trainer.step import Trainer, build_trainer
 
@@ -39,12 +38,6 @@ def prm_loss(
         aggregation=cfg.algorithm.aggregation,
     )
     return loss, metrics, {}
-
-
-def prm_forward(model: llama.Llama, cfg: TrainerConfig, batch: TrainBatch) -> jax.Array:
-    """log pi_prm of the shifted targets at loss positions (0 elsewhere), f32[B, T]."""
-    logp_BxT, _ = policy_logprobs(model, batch, cfg.logprob_chunk)
-    return jnp.where(batch.loss_mask, logp_BxT, 0.0)
 
 
 def with_process_rewards(batch: TrainBatch, prm_logp_BxT: jax.Array, cfg: TrainerConfig):
@@ -70,6 +63,6 @@ def make_prm_trainer(
         mesh,
         model_seed=model_seed,
         loss=prm_loss,
-        forward=prm_forward,
+        forward=policy_forward,  # log pi_prm at loss positions: a causal LM as the policy
         targets=with_process_rewards,
     )
