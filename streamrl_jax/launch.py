@@ -88,8 +88,8 @@ _DEVICES = flags.DEFINE_integer(
     "cpu_devices",
     -1,
     "Host CPU devices to expose when running on CPU: -1 = as many as the config's mesh "
-    "needs (mesh.generate_devices + mesh.train_devices; with several processes, the "
-    "process's own role's count), 0 = JAX's default.",
+    "needs (mesh.generate_devices + mesh.train_devices, + judge.devices with a judge; "
+    "with several processes, the process's own role's count), 0 = JAX's default.",
 )
 
 
@@ -361,8 +361,9 @@ def main(argv: list[str]) -> None:
     logging.info("CPUs this process may use: %s", sorted(os.sched_getaffinity(0)))
 
     mesh = cfg.mesh
-    per_role = {"generation": mesh.generate_devices, "training": mesh.train_devices}
-    wanted = per_role.get(place.role, mesh.generate_devices + mesh.train_devices)
+    judge = cfg.judge.devices if cfg.judge.model else 0  # the scoring mesh: where ingest runs
+    per_role = {"generation": mesh.generate_devices, "training": mesh.train_devices + judge}
+    wanted = per_role.get(place.role, mesh.generate_devices + mesh.train_devices + judge)
     if _DEVICES.value:
         jax.config.update("jax_num_cpu_devices", wanted if _DEVICES.value < 0 else _DEVICES.value)
     cache = _compile_cache(several_processes=dcfg is not None)

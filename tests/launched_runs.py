@@ -208,6 +208,15 @@ def _kill_the_trainer_at(k, procs, workdir, logs, victim=2, waits=(0, 1), checkp
     return procs
 
 
+def _wait_for_line(log, text, procs, timeout=180.0) -> None:
+    """Until `text` is in `log` (bounded; every process in `procs` still running)."""
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()[-4000:]
+        assert all(p.poll() is None for p in procs), log.read_text()[-4000:]
+        time.sleep(0.05)
+
+
 def _agent_cmd(workdir, flags, config="agent.py"):
     """The launch command of `configs/<config>:tiny` (the agent job's by default) with
     `flags`."""

@@ -56,6 +56,7 @@ from launched_runs import (
     _run,
     _spawn,
     _start,
+    _wait_for_line,
 )
 from support import scored_sample
 
@@ -254,15 +255,6 @@ def test_processes_train_a_targets_own_model_like_one_process(
     rows = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "reward" in r]
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r[f"{target}_grad_norm"] > 0 and r[f"{target}_nonfinite"] == 0 for r in rows)
-
-
-def _wait_for_line(log, text, procs, timeout=180.0) -> None:
-    """Until `text` is in `log` (bounded; every process in `procs` still running)."""
-    deadline = time.monotonic() + timeout
-    while text not in log.read_text():
-        assert time.monotonic() < deadline, log.read_text()[-4000:]
-        assert all(p.poll() is None for p in procs), log.read_text()[-4000:]
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize(

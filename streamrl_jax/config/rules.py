@@ -110,6 +110,11 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
     if kind == "dynamic_sampling":
         _check_dynamic_sampling(p)
     _check_environment(cfg)
+    require(
+        not cfg.judge.model or not cfg.learners,
+        "judge.model with learners: the scoring stage serves one policy's stream (each "
+        "learner's samples would need its own stage)",
+    )
     a = cfg.algorithm
     require(
         g.weight_dtype != "int8" or a.tis_cap > 0,
@@ -562,6 +567,14 @@ def check(cfg: ExperimentConfig, processes: Processes) -> ExperimentConfig:
         f"pipeline.mode='colocated' shares one device set between generation and training, "
         f"so it runs in one process; this run has {n}. Use disaggregated_batch, stream_sync "
         "or stream_async, or run one process",
+    )
+    _, kind = rollout_names(p.rollout)
+    require(
+        not cfg.judge.model or kind != "dynamic_sampling",
+        f"judge.model with pipeline.rollout={p.rollout!r} across processes: the generation "
+        "processes judge which groups are informative from their own rewards, and they hold "
+        f"no judge; this run has {n}. Use pipeline.rollout='full' or run one process "
+        "(--processes=one)",
     )
     a = cfg.algorithm
     require(

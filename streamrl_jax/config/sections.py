@@ -69,6 +69,18 @@ DISPATCHES = ("round_robin", "random", "skew_aware", "oracle")
 OBJECTIVES = ("max", "sum")
 PLANNERS = ("lpt", "groups")
 WHITENING = ("group", "none")  # trainer/critic.py
+JUDGE_MODES = ("stage", "blocking")  # pipeline/scoring.py
+# The default judge prompt (rewards/judge.py): Yes or No, read from the two tokens'
+# probabilities (SmolLM2-135M puts ~0.45 of its mass on them here; on a 1-5 grade, ~0.17).
+JUDGE_RUBRIC = (
+    "A good response solves the question with short working and ends with its final "
+    "answer inside <answer></answer> tags."
+)
+JUDGE_TEMPLATE = (
+    "{rubric}\n\nQuestion: {question}\n\nResponse: {response}\n\n"
+    "Does the response follow the rubric? Answer Yes or No."
+)
+JUDGE_SCORES = ("No", "Yes")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -364,6 +376,30 @@ class EnvironmentSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class JudgeSection:
+    """A generative judge scored as a stage of the stream between generation and the
+    trainer (pipeline/scoring.py, rewards/judge.py): the trained reward is
+    rule_coef * rule score + coef * verdict; held-out metrics stay the rule's."""
+
+    model: str = ""  # "" = off; "smollm2" (the embedded GGUF), "tiny" (random) or a path
+    coef: float = 1.0  # weight of the verdict (in [0, 1]) in the trained reward
+    rule_coef: float = 1.0  # weight of the rule reward beside it (0: the judge alone)
+    rubric: str = JUDGE_RUBRIC  # the template's {rubric}
+    # {rubric} {question} {response} {answer}: one user message in the judge's chat template
+    template: str = JUDGE_TEMPLATE
+    scores: tuple[str, ...] = JUDGE_SCORES  # grade tokens, worst first, one token each
+    min_mass: float = 0.1  # less probability than this on the score tokens: unparsable
+    mode: str = "stage"  # one of JUDGE_MODES: "stage" | "blocking" (in the reward call)
+    devices: int = 1  # the scoring mesh: devices after the generation and training ones
+    batch: int = 8  # samples per judge forward
+    queue: int = 64  # most samples waiting for the judge (back-pressure beyond)
+    max_wait_s: float = 0.05  # after a first sample, wait this long for a fuller forward
+    max_tokens: int = 256  # the judge's prompt cap (the response's head is cut past it)
+    timeout_s: float = 120.0  # a forward without verdicts by then: its samples are masked
+    max_failure_rate: float = 0.1  # masked / judged over the run past this ends the run
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class WarmupSection:
     """Supervised warm-up on the environment's demonstrations before RL (a fresh run only;
     pipeline/warmup.py)."""
@@ -447,6 +483,7 @@ class ExperimentConfig:
     eval: EvalSection = EvalSection()
     environment: EnvironmentSection = EnvironmentSection()
     warmup: WarmupSection = WarmupSection()
+    judge: JudgeSection = JudgeSection()
     log: LogSection = LogSection()
     checkpoint: CheckpointSection = CheckpointSection()
     scheduling: SchedulingSection = SchedulingSection()

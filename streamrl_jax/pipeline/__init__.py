@@ -20,7 +20,8 @@ work, registered once); `supervisor` (the failure latch, watchdog, `PipelineErro
 `step_metrics` (each step's row and the run's result); `precompile`.
 
 The core: `driver` (the generation driver and collector), `ingest` (finished samples
-in: decode, reward, to the rollout; evaluations), `trainer_loop` (accumulate per
+in: decode, reward, to the rollout; evaluations), `scoring` (the scoring stage: a
+judge between the reward pool and the rollout), `trainer_loop` (accumulate per
 micro-batch, apply, publish W_{b+1}), `resume` (checkpoints at step boundaries and the
 exact restart), `parts` (the shared objects of a run), `lifecycle` (its start, train,
 finish).

@@ -43,8 +43,10 @@ from streamrl_jax.model.defaults import smollm2_gguf_path
 from streamrl_jax.model.loader import Description, describe
 from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.pipeline import datasets, warmup
-from streamrl_jax.pipeline.meshes import make_meshes, role_meshes
+from streamrl_jax.pipeline.meshes import make_meshes, role_meshes, scoring_mesh
+from streamrl_jax.rewards import judge as judge_lib
 from streamrl_jax.rewards.base import RewardFn
+from streamrl_jax.rewards.judge import Judge
 from streamrl_jax.rewards.sandbox import Limits
 from streamrl_jax.trainer import state as state_lib
 from streamrl_jax.trainer.state import TrainState
@@ -114,6 +116,7 @@ class Components:
     prompts: PromptPipeline
     eval_prompts: list[Prompt]
     warmup: dict[str, float] = dataclasses.field(default_factory=dict)  # its figures, if run
+    judge: Judge | None = None  # the reward model on the scoring mesh (`judge.model`)
 
 
 def describe_model(cfg: ExperimentConfig) -> Description:
@@ -403,6 +406,29 @@ def _components(
         prompts=prompts,
         eval_prompts=eval_prompts if held_out else [],
         warmup=warmed,
+        judge=make_judge(cfg, scoring_mesh(cfg, meshes)) if cfg.judge.model else None,
+    )
+
+
+def make_judge(cfg: ExperimentConfig, mesh: Mesh) -> Judge:
+    """The run's judge (`judge.model`) with its params on `mesh`; blocking mode judges
+    one sample per forward (its reward call's own)."""
+    j = cfg.judge
+    graphdef, params, tokenizer = judge_lib.load(
+        j.model, mesh, max_context=j.max_tokens, seed=cfg.seed
+    )
+    logging.info("judge %s on %s (%s)", j.model, [d.id for d in mesh.devices.flat], j.mode)
+    return Judge(
+        graphdef,
+        params,
+        tokenizer,
+        mesh,
+        template=j.template,
+        rubric=j.rubric,
+        scores=j.scores,
+        min_mass=j.min_mass,
+        max_tokens=j.max_tokens,
+        batch=1 if j.mode == "blocking" else j.batch,
     )
 
 

@@ -9,7 +9,9 @@ reader thread in a training process):
   `SampleStream`, which releases complete GRPO groups to the trainer, or held until
   its group is judged). `done()` runs once the rollout took it (or it failed), so a
   channel's credit comes back only then: the stream's back-pressure reaches the
-  generation processes.
+  generation processes. With a judge (`judge.model`), a training sample goes from
+  the reward pool to the scoring stage (`pipeline/scoring.py`), which judges it and
+  hands it to the rollout, then runs `done()`: its bound reaches them too.
 * **evaluation samples** (tag `eval_version`): scored on the same pool; once
   every held-out prompt of a version is in, its accuracy / format / length are
   written as `eval/...` metrics at that policy version.
@@ -35,6 +37,7 @@ from streamrl_jax.generation.types import Sample
 from streamrl_jax.metrics import MetricsWriter, Tracer
 from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.pipeline.micro_batches import Scored
+from streamrl_jax.pipeline.scoring import ScoringStage
 from streamrl_jax.pipeline.step_metrics import GenerationMeter
 from streamrl_jax.pipeline.supervisor import Supervisor
 from streamrl_jax.rewards.base import RewardResult
@@ -121,6 +124,7 @@ class Ingest:
         meter: GenerationMeter,
         tracer: Tracer,
         sample_log: SampleLog | None,
+        stage: ScoringStage | None = None,
     ):
         """Args:
         tokenizer: decodes responses for the reward function.
@@ -130,8 +134,9 @@ class Ingest:
         supervisor, meter, tracer: the run's failure latch and progress ticks, its
           generation meter (each training sample widens its batch's span), its trace.
         sample_log: samples.jsonl (`log.samples`; None: off).
+        stage: the scoring stage between the reward pool and the rollout (None: none).
         """
-        self.tokenizer, self.pool, self.rollout = tokenizer, pool, rollout
+        self.tokenizer, self.pool, self.rollout, self.stage = tokenizer, pool, rollout, stage
         self.evaluations, self.supervisor, self.meter = evaluations, supervisor, meter
         self.tracer, self.sample_log = tracer, sample_log
 
@@ -163,6 +168,9 @@ class Ingest:
             scored = Scored(sample, text, reward)
             if sample.tag.is_eval:
                 self.evaluations.add(sample.tag.eval_version, scored)
+            elif self.stage is not None:
+                self.stage.put(scored, done)
+                done = None  # the stage runs it once the judged sample is in the rollout
             else:
                 self.rollout(scored)
         except StreamError:
@@ -173,7 +181,17 @@ class Ingest:
             if done is not None:
                 done()
 
+    def waiting(self) -> int:
+        """Training samples in the scoring stage, not yet judged (0 without a judge)."""
+        return 0 if self.stage is None else self.stage.waiting()
+
+    def pop_row(self) -> dict[str, float]:
+        """The scoring stage's figures since the last call (none without a judge)."""
+        return {} if self.stage is None else self.stage.pop_row()
+
     def close(self) -> None:
+        if self.stage is not None:
+            self.stage.close()
         self.pool.close(cancel_pending=True)
         if self.sample_log is not None:
             self.sample_log.close()

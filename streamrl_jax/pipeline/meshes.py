@@ -2,7 +2,9 @@
 
 `make_meshes` splits one process's devices into the generation and training
 meshes (colocated mode puts both roles on the whole pool); `role_meshes` builds
-one role's mesh on its processes' devices in a multi-controller run.
+one role's mesh on its processes' devices in a multi-controller run;
+`scoring_mesh` puts a judge (`judge.devices`) on this process's devices that no role
+mesh uses.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
 
 from streamrl_jax import mesh as mesh_lib
 from streamrl_jax.config import ExperimentConfig
@@ -17,7 +21,27 @@ from streamrl_jax.errors import UserError
 
 
 def devices_needed(cfg: ExperimentConfig) -> int:
+    """Devices of the generation and training meshes of one process."""
     return cfg.mesh.generate_devices + cfg.mesh.train_devices
+
+
+def judge_devices(cfg: ExperimentConfig) -> int:
+    """Devices of the scoring mesh (0 without a judge)."""
+    return cfg.judge.devices if cfg.judge.model else 0
+
+
+def scoring_mesh(cfg: ExperimentConfig, meshes: mesh_lib.Meshes) -> Mesh:
+    """The judge's ("tp",) mesh: the first `judge.devices` of this process's devices
+    that neither role mesh of `meshes` uses."""
+    used = {d.id for m in (meshes.train, meshes.generate) for d in m.devices.flat}
+    free = [d for d in jax.local_devices() if d.id not in used]
+    n = cfg.judge.devices
+    if len(free) < n:
+        raise UserError(
+            f"judge.devices={n}: this process has {len(free)} device(s) beside its generation "
+            "and training meshes (on CPU, --cpu_devices or mesh sizes leave room for it)"
+        )
+    return Mesh(np.asarray(free[:n], dtype=object), ("tp",), axis_types=(AxisType.Auto,))
 
 
 def make_meshes(cfg: ExperimentConfig, devices: list[jax.Device] | None = None) -> mesh_lib.Meshes:

@@ -103,6 +103,8 @@ def pack_groups(
     `advantage="gae"` leaves the advantages at 0 (the critic fills them on device).
     `overlong` (DAPO's soft overlong punishment) is added to each outcome score before
     the advantages (`shaped_rewards`); `stats["overlong_penalty"]` gets each sample's term.
+    A masked sample (a judge's failure: `RewardResult.masked`) is dropped from its group
+    after the gate; a group left empty is dropped.
     """
 
     def admit(s: Scored) -> bool:
@@ -112,6 +114,9 @@ def pack_groups(
         return gate.admit(step, x.oldest_version, x.request_id, x.newest_version)
 
     kept = [g for g in groups if all([admit(s) for s in g])]
+    # A sample a reward model could not score (`RewardResult.masked`) is left out of its
+    # group's statistics and the loss, as if it had never been generated.
+    kept = [g2 for g in kept if (g2 := [s for s in g if s.reward.masked is None])]
     if not kept:
         return None
     samples = [s for g in kept for s in g]

@@ -5,7 +5,8 @@ supervisor (failure latch, watchdog), the schedule, the weight board, the groupi
 sample stream, the trace and metrics writers, the generation meter, the
 evaluations, the prompt source, the reward pool, the environment of an episodes run
 (which scores its answers on that pool), the rollout (`pipeline.rollout`, from the
-registry in `rollouts/`), ingest (reward pool, sample log) and the run's checkpoints (which
+registry in `rollouts/`), the scoring stage of a run with a judge, ingest (reward pool,
+sample log) and the run's checkpoints (which
 save the rollout's state, the prompt source's record and the scheduler's ranker).
 The first failure reported to the supervisor fails the stream, the board and the
 rollout, so every wait on them wakes at once.
@@ -48,6 +49,7 @@ from streamrl_jax.pipeline.rollouts import (
     make_rollout,
 )
 from streamrl_jax.pipeline.schedules import Schedule, WeightBoard
+from streamrl_jax.pipeline.scoring import ScoringStage
 from streamrl_jax.pipeline.shards import TrainerShare
 from streamrl_jax.pipeline.step_metrics import GenerationMeter
 from streamrl_jax.pipeline.supervisor import Shutdown, Supervisor
@@ -160,6 +162,11 @@ def wire(
         ),
         Kits(episodes=kit, agents=agents),
     )
+    stage = None
+    if c.judge is not None:  # the stream's third stage (pipeline/scoring.py)
+        stage = ScoringStage(
+            c.judge, cfg.judge, rollout.scored, supervisor=sup, tracer=tracer, timeout_s=p.timeout_s
+        )
     ingest = Ingest(
         c.tokenizer,
         pool,
@@ -169,6 +176,7 @@ def wire(
         meter=meter,
         tracer=tracer,
         sample_log=(SampleLog(os.path.join(workdir, "samples.jsonl")) if cfg.log.samples else None),
+        stage=stage,
     )
     ckpts = RunCheckpoints(
         cfg,

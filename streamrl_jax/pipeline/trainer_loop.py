@@ -182,7 +182,7 @@ class TrainerLoop:
         if self.precompile_s is not None and work.device:  # the first row written
             row["precompile_s"] = self.precompile_s  # before the first step, in no step_s
             self.precompile_s = None
-        row |= outcome.metrics | p.meter.pop_kv()
+        row |= outcome.metrics | p.meter.pop_kv() | p.ingest.pop_row()
         # The targets' figures (e.g. distill_reverse_kl), from what their micro-batches
         # recorded (fetched here: those have computed).
         row |= self.learner.row(work.totals, self.trainers.sum)
@@ -352,6 +352,9 @@ class TrainerLoop:
         except Exception as e:
             raise PipelineError("checkpoint writer", e) from e
         tracer.add("checkpoint/save", f"step {k}", t0, tracer.now())
+        if waiting := self.parts.ingest.waiting():
+            # Samples of batches >= k: a resume from k generates and judges them again.
+            logging.info("checkpoint %d: %d samples waiting in the scoring stage", k, waiting)
 
     def checkpoint_at_boundary(self, raise_errors: bool = False) -> None:
         """On a failure or a stop: save the last step boundary if the state is at one

@@ -25,6 +25,11 @@ class RewardResult:
       format_ok: whether the answer came in the requested `<answer>` tag.
       task_score: the raw value of the task's own scorer (0 without an answer).
       error: `repr` of the exception when the pool scored a failing call as 0.
+      judge: a judge's verdict in [0, 1], already in `score` (times `judge.coef`);
+        None without a judge (pipeline/scoring.py).
+      masked: why a reward model could not score this sample (a judge's timeout, error
+        or unparsable verdict); the trainer leaves a masked sample out of its group's
+        statistics and the loss. None: not masked.
     """
 
     score: float
@@ -33,6 +38,8 @@ class RewardResult:
     format_ok: bool
     task_score: float = 0.0
     error: str | None = None
+    judge: float | None = None
+    masked: str | None = None
 
 
 ZERO_RESULT = RewardResult(score=0.0, correct=False, extracted_answer=None, format_ok=False)
