@@ -5,6 +5,7 @@
     python -m streamrl_podplan.simulate --mode=stream_async --trace_out=/tmp/t.json --per_sample
     python -m streamrl_podplan.simulate --calibrate   # PAPER.md Fig. 8, 9 settings x 2 ratios
     python -m streamrl_podplan.simulate --profile=profile.json  # measured stage profiles
+    python -m streamrl_podplan.simulate --scoring   # a reward model: a third stage or not
 
 Prints one line per mode (samples/s, devices per stage, busy shares, bubbles by cause) and,
 last, one JSON line. With --calibrate the table of predicted vs paper ratios comes first and
@@ -19,7 +20,15 @@ import json
 from absl import app, flags
 
 from streamrl_jax.scheduling import lengths
-from streamrl_podplan.simulation import calibrate, compiled, hardware, profiles, simulator, trace
+from streamrl_podplan.simulation import (
+    calibrate,
+    compiled,
+    hardware,
+    profiles,
+    scoring,
+    simulator,
+    trace,
+)
 from streamrl_podplan.simulation.scenario import INFLIGHT, MODES, Scenario
 
 _MODE = flags.DEFINE_enum(
@@ -45,6 +54,16 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of lengths and dispatch.")
 _TRACE_OUT = flags.DEFINE_string("trace_out", None, "Chrome/Perfetto trace path (mode != all).")
 _PER_SAMPLE = flags.DEFINE_bool("per_sample", False, "Trace one span per sample.")
 _CALIBRATE = flags.DEFINE_bool("calibrate", False, "Run the Fig. 8 calibration.")
+_SCORING = flags.DEFINE_bool(
+    "scoring",
+    False,
+    "A reward model of the policy's size on the training devices or as a third stage "
+    "(simulation/scoring.py), on the paper's 7B/32, 32B/64 and 72B/128 H800 settings, "
+    "10K and 20K traces.",
+)
+_SCORER_FORWARDS = flags.DEFINE_list(
+    "scorer_forwards", ["1", "2"], "--scoring: forwards per trace (1: judge, 2: implicit PRM)."
+)
 _PROFILE = flags.DEFINE_string("profile", None, "Measured-profile JSON (docs/podplan.md).")
 _COMPILED = flags.DEFINE_string(
     "compiled", None,
@@ -143,8 +162,54 @@ def _run_calibration() -> None:
     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else int(v)) for k, v in s.items()}))
 
 
+# The paper's settings (PAPER.md): policy, pod size.
+_PAPER_PODS = (("qwen2.5-7b", 32), ("qwen2.5-32b", 64), ("qwen2.5-72b", 128))
+
+
+def _run_scoring() -> None:
+    """The three-stage plans of the paper's settings (`--scoring`), a line each, then JSON."""
+    rows = []
+    for name, devices in _PAPER_PODS:
+        for max_len in (10_000, 20_000):
+            sc = Scenario(
+                mode="stream_async",
+                model=hardware.get_model(name),
+                hw=hardware.get_hardware("h800"),
+                devices=devices,
+                trace=lengths.paper_trace(max_len),
+                global_batch=_BATCH.value,
+                algorithm=_ALGO.value,
+                seed=_SEED.value,
+            )
+            for forwards in map(int, _SCORER_FORWARDS.value):
+                row = {"model": name, "devices": devices, "max_len": max_len}
+                row |= {
+                    "forwards": forwards,
+                    **scoring.three_stage_plan(sc, forwards=forwards).row(),
+                }
+                print(
+                    f"{name} /{devices} {max_len // 1000}K x{forwards}: no scorer "
+                    f"{row['two_stage_s']} s {row['two_split']}; on the trainer "
+                    f"{row['on_trainer_s']} s ({row['on_trainer_over_two_stage']}x) "
+                    f"{row['on_trainer_split']}; "
+                    + (
+                        "no room for a stage"
+                        if row["stage_s"] is None
+                        else f"stage {row['stage_s']} s ({row['stage_over_two_stage']}x) "
+                        f"{row['stage_split']} times {row['stage_times_s']} "
+                        f"({row['bottleneck']} slowest)"
+                    )
+                    + f"; best {row['best']}"
+                )
+                rows.append(row)
+    print(json.dumps({"scoring": rows}))
+
+
 def main(argv: list[str]) -> None:
     del argv
+    if _SCORING.value:
+        _run_scoring()
+        return
     if _CALIBRATE.value:
         _run_calibration()
         return

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 
 from streamrl_jax.scheduling import balance, lengths
-from streamrl_podplan.simulation import hardware, simulator, stages
+from streamrl_podplan.simulation import hardware, scoring, simulator, stages
 from streamrl_podplan.simulation.scenario import Scenario
 
 
@@ -112,3 +113,58 @@ def test_elastic_rule_on_growing_lengths_with_a_profile_saving():
 def test_elastic_validation():
     with pytest.raises(ValueError, match="max_instances"):
         balance.ElasticController(3, 2)
+
+
+def test_three_stages_balance_generation_scoring_and_training():
+    # max(100/x, 200/z, 300/y) with x + z + y <= 12: all three at 50 on (2, 4, 6).
+    best, cands = balance.split_three_stages(
+        12, lambda x: 100 / x, lambda z: 200 / z, lambda y: 300 / y
+    )
+    assert (best.gen_devices, best.score_devices, best.train_devices) == (2, 4, 6)
+    assert best.step_time == pytest.approx(50) and best.freed == 0
+    assert len(cands) == sum(12 - x - z for x in range(1, 12) for z in range(1, 12 - x))
+    # A free scorer takes one device; the other two split the rest as Algorithm 1 does.
+    free, _ = balance.split_three_stages(9, lambda x: 100 / x, lambda z: 0.0, lambda y: 300 / y)
+    two, _ = balance.split_single_pool(8, lambda x: 100 / x, lambda y: 300 / y)
+    assert free.score_devices == 1
+    assert (free.gen_devices, free.train_devices) == (two.gen_devices, two.train_devices)
+    assert free.bottleneck in ("generation", "training")
+
+
+def test_three_stages_name_a_scoring_bottleneck_and_infeasible_pools():
+    slow, _ = balance.split_three_stages(
+        6, lambda x: 10 / x, lambda z: 400 / z, lambda y: 10 / y, score_unit=2
+    )
+    assert slow.score_devices == 4 and slow.bottleneck == "scoring"
+    with pytest.raises(ValueError, match="no split"):
+        balance.split_three_stages(3, lambda x: 1.0, lambda z: math.inf, lambda y: 1.0)
+
+
+def test_a_scorer_on_the_trainer_or_as_a_stage_never_beats_no_scorer():
+    # 7B on 24 H100 at 5K: the scorer's forward (a PRM of the policy's size) over the
+    # probe batch, by hand; either placement costs at least the two-stage step, and the
+    # stage's split holds all three stages within the pod. On 16 (two nodes) there is no
+    # room for a stage of its own: the scorer goes on the trainer.
+    sc = Scenario(
+        mode="stream_async",
+        model=hardware.get_model("qwen2.5-7b"),
+        hw=hardware.get_hardware("h100"),
+        devices=24,
+        trace=lengths.paper_trace(5_000),
+        global_batch=128,
+        iterations=1,
+        warmup=0,
+    )
+    plan = scoring.three_stage_plan(sc, forwards=2)
+    prompt, resp = simulator.draw_batches(sc)[0][0]
+    tokens = (prompt + resp).astype(np.float64)
+    flops = 2 * float(sc.model.forward_flops(tokens, tokens / 2).sum())
+    s = plan.stage
+    want = flops / (s.score_devices * sc.hw.peak_flops * sc.params.train_mfu)
+    assert s.t_score == pytest.approx(want)
+    assert s.gen_devices + s.score_devices + s.train_devices <= 24
+    assert plan.on_trainer[2] >= plan.two.step_time - 1e-9
+    assert s.step_time >= plan.two.step_time - 1e-9
+    assert plan.row()["best"] in ("stage", "on_trainer")
+    small = scoring.three_stage_plan(dataclasses.replace(sc, devices=16))
+    assert small.stage is None and small.row()["best"] == "on_trainer"

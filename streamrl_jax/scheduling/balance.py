@@ -11,6 +11,9 @@ this module, never the reverse).
   multiple of the instance size) and y training devices (a multiple of the training unit)
   with x + y <= n, and pick the pair minimising max(T_gen(x), T_train(y)); ties go to the
   pair using fewer devices, then to the smaller sum of the two times.
+* **Three stages** (`split_three_stages`): the same over generation, scoring (a reward
+  model's forward over every sample: a judge or a process reward model, issue 55) and
+  training, x + z + y <= n, minimising max(T_gen(x), T_score(z), T_train(y)).
 * **Two pools** (`shrink_two_pools`): m devices can only generate, n can only train. The
   faster stage is shrunk to the k that brings its time closest to the slower stage's
   without exceeding it (so the step time is unchanged), and the rest is freed. "Closest"
@@ -59,6 +62,14 @@ class StageSplit:
         """max(T_gen, T_train): the step time when the two stages fully overlap."""
         return max(self.t_gen, self.t_train)
 
+    @property
+    def used(self) -> int:
+        return self.gen_devices + self.train_devices
+
+    @property
+    def total(self) -> float:
+        return self.t_gen + self.t_train
+
 
 def split_single_pool(
     devices: int,
@@ -87,14 +98,89 @@ def split_single_pool(
         t_gen = p_gen(x)
         for y in range(train_unit, devices - x + 1, train_unit):
             candidates.append(StageSplit(x, y, t_gen, p_train(y), devices - x - y))
+    best = _best(
+        candidates,
+        f"split_single_pool: no split of {devices} devices (gen unit {gen_unit}, train "
+        f"unit {train_unit}) gives both stages a finite time",
+    )
+    return best, candidates
+
+
+def _best(candidates: list, none_feasible: str):
+    """The candidate with the least step time; ties to fewer devices, then the smaller
+    sum of the stage times. Raises ValueError(`none_feasible`) when none is finite."""
     feasible = [c for c in candidates if math.isfinite(c.step_time)]
     if not feasible:
-        raise ValueError(
-            f"split_single_pool: no split of {devices} devices (gen unit {gen_unit}, train "
-            f"unit {train_unit}) gives both stages a finite time"
-        )
-    best = min(
-        feasible, key=lambda c: (c.step_time, c.gen_devices + c.train_devices, c.t_gen + c.t_train)
+        raise ValueError(none_feasible)
+    return min(feasible, key=lambda c: (c.step_time, c.used, c.total))
+
+
+@dataclasses.dataclass(frozen=True)
+class ThreeStageSplit:
+    """A split of one pool between generation, scoring (a reward model) and training,
+    with each stage's predicted seconds per global batch (`split_three_stages`)."""
+
+    gen_devices: int
+    score_devices: int
+    train_devices: int
+    t_gen: float
+    t_score: float
+    t_train: float
+    freed: int = 0
+
+    @property
+    def step_time(self) -> float:
+        """max(T_gen, T_score, T_train): the step time when the three stages overlap."""
+        return max(self.t_gen, self.t_score, self.t_train)
+
+    @property
+    def used(self) -> int:
+        return self.gen_devices + self.score_devices + self.train_devices
+
+    @property
+    def total(self) -> float:
+        return self.t_gen + self.t_score + self.t_train
+
+    @property
+    def bottleneck(self) -> str:
+        """The slowest stage: "generation", "scoring" or "training"."""
+        times = {"generation": self.t_gen, "scoring": self.t_score, "training": self.t_train}
+        return max(times, key=times.__getitem__)
+
+
+def split_three_stages(
+    devices: int,
+    p_gen: Profile,
+    p_score: Profile,
+    p_train: Profile,
+    *,
+    gen_unit: int = 1,
+    score_unit: int = 1,
+    train_unit: int = 1,
+) -> tuple[ThreeStageSplit, list[ThreeStageSplit]]:
+    """Algorithm 1 over three stages (generation -> scoring -> training, DESIGN.md §8):
+    x + z + y <= n devices, each a multiple of its stage's unit, minimising
+    max(T_gen(x), T_score(z), T_train(y)); ties go to fewer devices, then to the smaller
+    sum of the three times. Returns the best split and every candidate.
+
+    Raises:
+      ValueError: no split gives all three stages a finite time.
+    """
+    if min(gen_unit, score_unit, train_unit) < 1:
+        raise ValueError("split_three_stages: every unit must be >= 1")
+    candidates = []
+    for x in range(gen_unit, devices, gen_unit):
+        t_gen = p_gen(x)
+        for z in range(score_unit, devices - x, score_unit):
+            t_score = p_score(z)
+            for y in range(train_unit, devices - x - z + 1, train_unit):
+                candidates.append(
+                    ThreeStageSplit(x, z, y, t_gen, t_score, p_train(y), devices - x - y - z)
+                )
+    best = _best(
+        candidates,
+        f"split_three_stages: no split of {devices} devices (units {gen_unit}, "
+        f"{score_unit}, {train_unit}) gives the three stages finite times",
     )
     return best, candidates
 
