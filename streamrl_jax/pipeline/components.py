@@ -247,7 +247,11 @@ def served(
     slots, its kept KV held `kv_hold_s` while requests wait, `top_logprobs` alternatives
     a token; and the tokenizer."""
     g = dataclasses.replace(cfg.generation, kv_hold_s=kv_hold_s, top_logprobs=top_logprobs)
-    c = build(dataclasses.replace(cfg, generation=g, init_from=checkpoint), warm=False)
+    # No judge: serving scores nothing (and its process has devices for the roles only).
+    served_cfg = dataclasses.replace(
+        cfg, generation=g, init_from=checkpoint, judge=dataclasses.replace(cfg.judge, model="")
+    )
+    c = build(served_cfg, warm=False)
     assert c.generation is not None, "one process builds its generation side"
     engines = [dataclasses.replace(e, num_slots=slots) for e in c.generation.engine_cfgs]
     parts = dataclasses.replace(c.generation, engine_cfgs=engines)
