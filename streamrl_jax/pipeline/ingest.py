@@ -37,7 +37,7 @@ from streamrl_jax.generation.types import Sample
 from streamrl_jax.metrics import MetricsWriter, Tracer
 from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.pipeline.micro_batches import Scored
-from streamrl_jax.pipeline.scoring import ScoringStage
+from streamrl_jax.pipeline.scoring import Direct, ScoringStage
 from streamrl_jax.pipeline.step_metrics import GenerationMeter
 from streamrl_jax.pipeline.supervisor import Supervisor
 from streamrl_jax.rewards.base import RewardResult
@@ -117,26 +117,25 @@ class Ingest:
         self,
         tokenizer: Tokenizer,
         pool: RewardPool,
-        rollout: Callable[[Scored], None],
+        onward: Direct | ScoringStage,
         evaluations: Evaluations,
         *,
         supervisor: Supervisor,
         meter: GenerationMeter,
         tracer: Tracer,
         sample_log: SampleLog | None,
-        stage: ScoringStage | None = None,
     ):
         """Args:
         tokenizer: decodes responses for the reward function.
         pool: the reward workers.
-        rollout: where a scored training sample goes (`Rollout.scored`).
+        onward: where a scored training sample goes, with its `done`: `Direct` to the
+          rollout (`Rollout.scored`), or through the scoring stage of a run with a judge.
         evaluations: where a scored held-out sample goes.
         supervisor, meter, tracer: the run's failure latch and progress ticks, its
           generation meter (each training sample widens its batch's span), its trace.
         sample_log: samples.jsonl (`log.samples`; None: off).
-        stage: the scoring stage between the reward pool and the rollout (None: none).
         """
-        self.tokenizer, self.pool, self.rollout, self.stage = tokenizer, pool, rollout, stage
+        self.tokenizer, self.pool, self.onward = tokenizer, pool, onward
         self.evaluations, self.supervisor, self.meter = evaluations, supervisor, meter
         self.tracer, self.sample_log = tracer, sample_log
 
@@ -160,7 +159,10 @@ class Ingest:
         t0: float,
         done: Callable[[], None] | None,
     ) -> None:
-        """A reward pool's callback: the scored sample to the rollout or the evaluations."""
+        """A reward pool's callback: the scored sample to the rollout or the evaluations.
+        `done` runs exactly once: by `onward` once the sample is in the rollout, or here
+        (an evaluation, a failure before `onward` ran it)."""
+        done = _once(done)
         try:
             reward = future.result()
             self.tracer.add("reward/pool", "score", t0, self.tracer.now())
@@ -168,11 +170,9 @@ class Ingest:
             scored = Scored(sample, text, reward)
             if sample.tag.is_eval:
                 self.evaluations.add(sample.tag.eval_version, scored)
-            elif self.stage is not None:
-                self.stage.put(scored, done)
-                done = None  # the stage runs it once the judged sample is in the rollout
             else:
-                self.rollout(scored)
+                self.onward.put(scored, done)
+                done = None  # `onward` ran it, or runs it once the sample is in the rollout
         except StreamError:
             pass  # the stream already carries the first failure
         except BaseException as e:  # noqa: BLE001 - reported to the supervisor
@@ -183,15 +183,27 @@ class Ingest:
 
     def waiting(self) -> int:
         """Training samples in the scoring stage, not yet judged (0 without a judge)."""
-        return 0 if self.stage is None else self.stage.waiting()
+        return self.onward.waiting()
 
     def pop_row(self) -> dict[str, float]:
         """The scoring stage's figures since the last call (none without a judge)."""
-        return {} if self.stage is None else self.stage.pop_row()
+        return self.onward.pop_row()
 
     def close(self) -> None:
-        if self.stage is not None:
-            self.stage.close()
+        self.onward.close()
         self.pool.close(cancel_pending=True)
         if self.sample_log is not None:
             self.sample_log.close()
+
+
+def _once(fn: Callable[[], None] | None) -> Callable[[], None] | None:
+    """`fn`, run at most once however often it is called (None stays None)."""
+    if fn is None:
+        return None
+    first = threading.Lock()  # taken by the first call, never released
+
+    def once() -> None:
+        if first.acquire(blocking=False):
+            fn()
+
+    return once

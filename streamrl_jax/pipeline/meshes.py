@@ -25,11 +25,6 @@ def devices_needed(cfg: ExperimentConfig) -> int:
     return cfg.mesh.generate_devices + cfg.mesh.train_devices
 
 
-def judge_devices(cfg: ExperimentConfig) -> int:
-    """Devices of the scoring mesh (0 without a judge)."""
-    return cfg.judge.devices if cfg.judge.model else 0
-
-
 def scoring_mesh(cfg: ExperimentConfig, meshes: mesh_lib.Meshes) -> Mesh:
     """The judge's ("tp",) mesh: the first `judge.devices` of this process's devices
     that neither role mesh of `meshes` uses."""

@@ -49,7 +49,7 @@ from streamrl_jax.pipeline.rollouts import (
     make_rollout,
 )
 from streamrl_jax.pipeline.schedules import Schedule, WeightBoard
-from streamrl_jax.pipeline.scoring import ScoringStage
+from streamrl_jax.pipeline.scoring import Direct, ScoringStage
 from streamrl_jax.pipeline.shards import TrainerShare
 from streamrl_jax.pipeline.step_metrics import GenerationMeter
 from streamrl_jax.pipeline.supervisor import Shutdown, Supervisor
@@ -162,21 +162,23 @@ def wire(
         ),
         Kits(episodes=kit, agents=agents),
     )
-    stage = None
-    if c.judge is not None:  # the stream's third stage (pipeline/scoring.py)
-        stage = ScoringStage(
+    # A run with a judge: the stream's third stage (pipeline/scoring.py).
+    onward = (
+        Direct(rollout.scored)
+        if c.judge is None
+        else ScoringStage(
             c.judge, cfg.judge, rollout.scored, supervisor=sup, tracer=tracer, timeout_s=p.timeout_s
         )
+    )
     ingest = Ingest(
         c.tokenizer,
         pool,
-        rollout.scored,
+        onward,
         evals,
         supervisor=sup,
         meter=meter,
         tracer=tracer,
         sample_log=(SampleLog(os.path.join(workdir, "samples.jsonl")) if cfg.log.samples else None),
-        stage=stage,
     )
     ckpts = RunCheckpoints(
         cfg,

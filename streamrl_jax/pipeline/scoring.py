@@ -99,6 +99,31 @@ class _Counts:
         self.queue_max = 0
 
 
+class Direct:
+    """The hand-on of a run without a judge: each rule-scored sample straight to the
+    rollout, then its `done` (the interface `Ingest` hands every training sample to,
+    `ScoringStage`'s without the judge)."""
+
+    def __init__(self, forward: Callable[[Scored], None]):
+        self.forward = forward
+
+    def put(self, scored: Scored, done: Callable[[], None] | None = None) -> None:
+        try:
+            self.forward(scored)
+        finally:
+            if done is not None:
+                done()
+
+    def waiting(self) -> int:
+        return 0
+
+    def pop_row(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
 class ScoringStage:
     """A judge between the reward pool and the rollout (module docstring).
 
