@@ -1,24 +1,21 @@
 """The scoring stage across processes (pipeline/scoring.py): the judge runs in the
-training process, where samples arrive from the generation processes; a run killed with
-samples waiting in the stage resumes to the uninterrupted one-process run's parameters
-bit for bit (what waited belonged to batches the checkpoint had not trained: the resumed
-run generates and judges them again, and trains each once)."""
-
-import os
-import signal
+training process, where samples arrive from the generation processes; a run killed after a
+checkpoint resumes to the uninterrupted one-process run's parameters bit for bit. Samples
+of later batches are usually in the stage then (the checkpoint logs how many; how many is
+timing, so the kill does not wait for it): they belonged to batches the checkpoint had not
+trained, so the resumed run generates and judges them again, and trains each once."""
 
 import pytest
 from launched_runs import (
     _CKPT,
     _ONE_PROCESS_DIR,
     _assert_resumed_like_one_process,
+    _kill_the_trainer_at,
     _launched,
     _one_process,
     _spawn,
-    _wait_for_line,
 )
 
-from streamrl_jax import pipeline as run_lib
 from streamrl_jax.metrics import read_jsonl
 
 pytestmark = pytest.mark.processes  # the suite spreads these files out (conftest.py)
@@ -38,8 +35,8 @@ _JUDGE = {
 
 def test_a_judged_run_across_processes_resumes_a_kill_like_one_process(tmp_path, tmp_path_factory):
     # 1 generation + 1 training process, a checkpoint every step. The trainer is SIGKILLed
-    # once a checkpoint's boundary found samples waiting in the scoring stage; the same
-    # command resumes and ends with the one-process run's parameters and rows.
+    # once checkpoint 2 is written; the same command resumes and ends with the one-process
+    # run's parameters and rows.
     run = {**_JUDGE, "pipeline.steps": 5}
     settings = {**run, **_CKPT}
     want = _one_process("stream_async", tmp_path_factory, **settings)
@@ -47,15 +44,7 @@ def test_a_judged_run_across_processes_resumes_a_kill_like_one_process(tmp_path,
     workdir, logs = tmp_path / "run", tmp_path / "logs"
     logs.mkdir()
     procs = _spawn(2, 1, workdir, logs, **{"pipeline.mode": "stream_async"}, **settings)
-    try:
-        _wait_for_line(logs / "p1.log", "samples waiting in the scoring stage", procs)
-        os.killpg(procs[1].pid, signal.SIGKILL)
-        procs[0].wait(timeout=120)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    assert not (workdir / run_lib.FINAL_PARAMS).exists()
+    _kill_the_trainer_at(2, procs, workdir, logs, victim=1, waits=(0,))
     text = (logs / "p0.log").read_text()
     assert procs[0].returncode != 0 and "lost training" in text, text[-4000:]
     out = _launched(2, 1, workdir, **run)

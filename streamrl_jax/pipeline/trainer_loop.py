@@ -346,14 +346,19 @@ class TrainerLoop:
         ckpts, tracer = self.parts.ckpts, self.parts.tracer
         if not ckpts.due(k, force):
             return
+        # Samples of batches >= k (counted at the boundary, before the save's seconds let
+        # the stage drain): a resume from k generates and judges them again.
+        waiting = self.parts.ingest.waiting()
+        # Batch k-1's row is written before the checkpoint that says it trained (a resume
+        # from k writes rows from k on: a kill after the save would lose it otherwise).
+        self.steps.flush()
         t0 = tracer.now()
         try:
             ckpts.save(k, self.parts.board, force=force)
         except Exception as e:
             raise PipelineError("checkpoint writer", e) from e
         tracer.add("checkpoint/save", f"step {k}", t0, tracer.now())
-        if waiting := self.parts.ingest.waiting():
-            # Samples of batches >= k: a resume from k generates and judges them again.
+        if waiting:
             logging.info("checkpoint %d: %d samples waiting in the scoring stage", k, waiting)
 
     def checkpoint_at_boundary(self, raise_errors: bool = False) -> None:
