@@ -8,9 +8,10 @@ so the suite's two workers share them).
 
 Every case launches 2-4 processes and a one-process reference (30-90 s each on 2 shared
 cores). By default: the curriculum over dynamic sampling on 2 generation + 1 training
-processes (dynamic sampling's default case too), and partial rollout killed at a
-checkpoint and resumed on 2 + 1 (the default kill and resume across processes); the
-other topologies of each are `-m extended`.
+processes (dynamic sampling's default case too), and partial rollout under a judge
+(pipeline/scoring.py) killed at a checkpoint and resumed on 2 + 1 (the default kill and
+resume across processes, and the judge's run across processes); the other topologies of
+each are `-m extended`.
 """
 
 import os
@@ -127,17 +128,33 @@ def test_partial_rollout_across_processes_gives_the_one_process_parameters(
     assert max(r["mixed_versions"] for r in rows if r["samples"]) > 0
 
 
+# A tiny random judge (its score tokens get little mass: min_mass 0), folded in at half
+# weight; forwards of up to 16 samples that wait up to a second to fill, so samples often
+# sit in the stage across step boundaries.
+_JUDGE = {
+    "judge.model": "tiny",
+    "judge.min_mass": 0.0,
+    "judge.coef": 0.5,
+    "judge.batch": 16,
+    "judge.max_wait_s": 1.0,
+}
+
+
 def test_partial_rollout_across_processes_resumes_a_killed_run_exactly(tmp_path, tmp_path_factory):
-    # 2 generation + 1 training processes, partial rollout, a checkpoint every step: each
-    # generation process writes its share of the work carried into round k (paused
-    # samples, finished members of incomplete groups) before it reports round k - 1
-    # (processes/carried.py). The trainer is SIGKILLed once checkpoint 3 is on disk (the
-    # generation processes then fail naming it: the default case of a killed trainer);
-    # the same command resumes, the
-    # generation processes take their carried work back, and the run ends with the
-    # uninterrupted one-process run's parameters bit for bit, every step's prompts
-    # consumed as there.
-    run = {**_PARTIAL, "pipeline.steps": 5}
+    # 2 generation + 1 training processes, partial rollout under a judge scored as a stage
+    # of the stream (pipeline/scoring.py, in the training process), a checkpoint every
+    # step: each generation process writes its share of the work carried into round k
+    # (paused samples, finished members of incomplete groups) before it reports round
+    # k - 1 (processes/carried.py). The trainer is SIGKILLed once checkpoint 3 is on disk
+    # (the generation processes then fail naming it: the default case of a killed
+    # trainer), with samples of later batches usually waiting in the scoring stage (the
+    # checkpoint logs how many; how many is timing). The same command resumes, the
+    # generation processes take their carried work back, what waited in the stage is
+    # generated and judged again, and the run ends with the uninterrupted one-process
+    # run's parameters bit for bit, every step's prompts consumed and rewards as there.
+    # (Partial rollout and the judge share one launch: each launch costs its processes'
+    # start-up, most of such a test.)
+    run = {**_PARTIAL, **_JUDGE, "pipeline.steps": 5}
     settings = {**run, **_CKPT}
     want = _one_process("stream_async", tmp_path_factory, **settings)
     one = _ONE_PROCESS_DIR[("stream_async", *sorted(settings.items()))]
@@ -157,3 +174,10 @@ def test_partial_rollout_across_processes_resumes_a_killed_run_exactly(tmp_path,
     assert "restored" in log and "carried into round" in log, log[-4000:]
     rows = read_jsonl(str(workdir / "consumed.jsonl"))
     assert rows == read_jsonl(str(one / "consumed.jsonl"))
+    got = {r["step"]: r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "reward" in r}
+    ref = [r for r in read_jsonl(str(one / "metrics.jsonl")) if "reward" in r]
+    assert [got[r["step"]]["reward"] for r in ref] == pytest.approx(
+        [r["reward"] for r in ref], rel=0, abs=0, nan_ok=True
+    )
+    # every trained sample was judged (and some judged were carried past the run's end)
+    assert sum(r["judge/judged"] for r in ref) >= sum(r["samples"] for r in ref) > 0
