@@ -23,8 +23,8 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from streamrl_jax.endpoint.api import EPISODE_HEADER
 from streamrl_jax.endpoint.scaffolds import AgentResult, AgentTask, Scaffold, outcome_of, tally
-from streamrl_jax.endpoint.server import EPISODE_HEADER
 from streamrl_jax.endpoint.turns import CONTEXT_EXCEEDED
 from streamrl_jax.environments.protocol import Environment, TurnInfo
 from streamrl_jax.model.function_calls import Call

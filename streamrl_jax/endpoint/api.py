@@ -37,6 +37,8 @@ import msgspec
 from streamrl_jax.model import function_calls
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound of `top_logprobs`
+# The header naming the episode a request is a turn of (each episode's client sends it).
+EPISODE_HEADER = "x-episode-id"
 
 
 class ApiError(Exception):

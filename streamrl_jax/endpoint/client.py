@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from streamrl_jax.endpoint.server import EPISODE_HEADER
+from streamrl_jax.endpoint.api import EPISODE_HEADER
 
 
 class EndpointError(RuntimeError):

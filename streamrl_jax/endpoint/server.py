@@ -65,7 +65,7 @@ from streamrl_jax.endpoint.streaming import ShownText, TokenFeed, call_hold
 from streamrl_jax.endpoint.turns import Turn, Turns
 from streamrl_jax.generation.types import GenerationRequest, Sample
 
-EPISODE_HEADER = "x-episode-id"
+EPISODE_HEADER = api.EPISODE_HEADER
 
 
 def endpoint_token(secret: bytes) -> str:

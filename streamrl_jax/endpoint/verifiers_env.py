@@ -51,8 +51,8 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from streamrl_jax.endpoint.api import EPISODE_HEADER
 from streamrl_jax.endpoint.scaffolds import AgentResult, AgentTask, Scaffold, outcome_of, tally
-from streamrl_jax.endpoint.server import EPISODE_HEADER
 from streamrl_jax.environments.protocol import Environment, StepResult, TurnInfo
 from streamrl_jax.model.function_calls import Call
 

@@ -48,9 +48,9 @@ from typing import TYPE_CHECKING, Any
 
 from streamrl_jax.config import ExperimentConfig
 from streamrl_jax.data import Prompt
+from streamrl_jax.endpoint.api import EPISODE_HEADER
 from streamrl_jax.endpoint.client import EndpointClient
 from streamrl_jax.endpoint.scaffolds import AgentTask
-from streamrl_jax.endpoint.server import EPISODE_HEADER
 from streamrl_jax.errors import UserError
 from streamrl_jax.generation.engine import Engine
 from streamrl_jax.generation.types import GenerationRequest

@@ -18,13 +18,12 @@ import dataclasses
 import functools
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamrl_jax.algorithms.overlong import OverlongPenalty
 from streamrl_jax.config import ExperimentConfig, episode_tokens
 from streamrl_jax.endpoint import api
 from streamrl_jax.endpoint.agents_sdk import openai_agents_scaffold
-from streamrl_jax.endpoint.kit import AgentKit, make_agent_kit
 from streamrl_jax.endpoint.scaffolds import environment_group_scaffold, environment_scaffold
 from streamrl_jax.endpoint.turns import Context
 from streamrl_jax.endpoint.verifiers_env import verifiers_scaffold
@@ -58,6 +57,9 @@ from streamrl_jax.rewards.pool import RewardPool
 from streamrl_jax.scheduling.live import LiveScheduler
 from streamrl_jax.scheduling.sample_log import SampleLog
 from streamrl_jax.stream.sample_stream import SampleStream
+
+if TYPE_CHECKING:  # (the endpoint, its server and fastapi: imported by a run with agents)
+    from streamrl_jax.endpoint.kit import AgentKit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,6 +234,8 @@ def agent_kit(
     Agents SDK agent: `endpoint/agents_sdk.py`, or verifiers' tool-calling loop:
     `endpoint/verifiers_env.py`);
     `ecfg`, `vocab`: the engine the endpoint's requests go to."""
+    from streamrl_jax.endpoint.kit import make_agent_kit
+
     p, g, e = cfg.pipeline, cfg.generation, cfg.environment
     play, needs = {
         "environment": (environment_scaffold, ""),

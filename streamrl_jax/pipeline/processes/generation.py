@@ -50,7 +50,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import msgspec
@@ -71,7 +71,6 @@ from streamrl_jax.distributed.shard_receiver import ShardReceiver
 from streamrl_jax.distributed.shard_wire import ShardStats, need_of
 from streamrl_jax.distributed.transport import SampleClient
 from streamrl_jax.distributed.xla_pull import pull_server
-from streamrl_jax.endpoint.kit import AgentKit
 from streamrl_jax.environments import EpisodeKit
 from streamrl_jax.generation.types import Sample
 from streamrl_jax.mailbox import FailureLatch
@@ -105,6 +104,9 @@ from streamrl_jax.rewards.pool import RewardPool
 from streamrl_jax.scheduling.live import LiveScheduler
 from streamrl_jax.stream.sample_stream import SampleStream, StreamError
 from streamrl_jax.weight_sync import Params
+
+if TYPE_CHECKING:  # (the endpoint's server and fastapi: imported where a run builds its kit)
+    from streamrl_jax.endpoint.kit import AgentKit
 
 # A driver's service from W_v placed (one tree per instance), v, and its chunk observer.
 MakeService = Callable[[list[Params], int, Callable[[ChunkReport], None]], Any]

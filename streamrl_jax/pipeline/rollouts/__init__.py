@@ -34,8 +34,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from streamrl_jax.endpoint.kit import AgentKit
 from streamrl_jax.environments import EpisodeKit
 from streamrl_jax.pipeline.rollouts import (
     agents,
@@ -63,6 +63,9 @@ from streamrl_jax.pipeline.rollouts.protocol import (
     Where,
     Wrapper,
 )
+
+if TYPE_CHECKING:  # (the endpoint's server and fastapi: imported where a run builds its kit)
+    from streamrl_jax.endpoint.kit import AgentKit
 
 Factory = Callable[[RolloutContext], Rollout]
 

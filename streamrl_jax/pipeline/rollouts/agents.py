@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from streamrl_jax.endpoint.kit import AgentKit
 from streamrl_jax.endpoint.scaffolds import AgentResult, AgentTask, GroupScaffold
 from streamrl_jax.environments import EpisodeKit, TurnInfo
 from streamrl_jax.generation.types import GenerationRequest, Sample
@@ -44,6 +44,9 @@ from streamrl_jax.pipeline.rollouts.episodes import (
     question_of,
 )
 from streamrl_jax.pipeline.rollouts.protocol import Returned, Rollout, RolloutContext
+
+if TYPE_CHECKING:  # (the endpoint's server and fastapi: imported where a run builds its kit)
+    from streamrl_jax.endpoint.kit import AgentKit
 
 
 class Agents(Episodes):
