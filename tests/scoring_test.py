@@ -6,6 +6,7 @@ import dataclasses
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 from support import group_of_scores, pack_small, scored_sample, sync_gate, tiny_config
@@ -14,6 +15,7 @@ from streamrl_jax import config as config_lib
 from streamrl_jax import pipeline as run_lib
 from streamrl_jax.config import ConfigError, JudgeSection, PipelineSection, Processes
 from streamrl_jax.errors import UserError
+from streamrl_jax.generation import complete
 from streamrl_jax.metrics import Tracer, read_jsonl
 from streamrl_jax.model.loader import single_device_mesh
 from streamrl_jax.pipeline.scoring import ScoringStage, item_of, judged
@@ -31,8 +33,8 @@ def tiny_judge_parts():
 
 
 def _judge(parts, **kw) -> Judge:
-    graphdef, params, tokenizer = parts
-    return Judge(graphdef, params, tokenizer, single_device_mesh(), **kw)
+    graphdef, params, tokenizer, model_cfg = parts
+    return Judge(graphdef, params, tokenizer, single_device_mesh(), model_cfg=model_cfg, **kw)
 
 
 def test_a_verdict_is_the_normalised_expected_grade_or_unparsable(tiny_judge_parts):
@@ -74,7 +76,7 @@ def test_a_long_response_keeps_its_end(tiny_judge_parts):
 def test_bad_judge_settings_are_named(tiny_judge_parts):
     with pytest.raises(UserError, match="exactly one token"):
         _judge(tiny_judge_parts, scores=("1", "excellent quality"))
-    with pytest.raises(UserError, match="same token"):
+    with pytest.raises(UserError, match="distinct"):
         _judge(tiny_judge_parts, scores=("1", "1"))
     with pytest.raises(UserError, match="judge.template"):
         _judge(tiny_judge_parts, template="{rubric} {verdict}")
@@ -82,6 +84,57 @@ def test_bad_judge_settings_are_named(tiny_judge_parts):
         _judge(tiny_judge_parts, max_tokens=64).tokens(Item("q", "word " * 100))
     with pytest.raises(UserError, match="judge.model='/no/such/judge'"):
         judge_lib.load("/no/such/judge", single_device_mesh(), max_context=128)
+
+
+def test_a_parsed_verdict_is_the_last_score_written_as_a_word():
+    ten = tuple(str(k) for k in range(1, 11))
+    pattern = judge_lib.score_pattern(ten)
+    # the longest first ("10" is not read as "1"), the last one written
+    assert judge_lib.parse_score("Score: 10", ten, pattern) == 9
+    assert judge_lib.parse_score("1 step is wrong, so 7.", ten, pattern) == 6
+    assert judge_lib.parse_score("between 3 and 4 -> 3", ten, pattern) == 2
+    assert judge_lib.parse_score("x10 and 1000 and 2a", ten, pattern) is None  # whole words
+    assert judge_lib.parse_score("no grade here", ten, pattern) is None
+    yes_no = ("No", "Yes")
+    pattern = judge_lib.score_pattern(yes_no)
+    assert judge_lib.parse_score("yes, it does. YES", yes_no, pattern) == 1  # any case
+    assert judge_lib.parse_score("Yesterday, Nobody", yes_no, pattern) is None
+    cased = ("a", "A")  # two scores that differ only in case: read as written
+    assert judge_lib.parse_score("A then a", cased, judge_lib.score_pattern(cased)) == 0
+
+
+def test_a_parsed_judge_writes_with_the_engine_row_by_row(tiny_judge_parts):
+    # judge.verdict="parsed": the judge's greedy answer is what `generation.complete`
+    # decodes from the same prompt alone (the engine's prefill, KV cache and decode loop),
+    # whatever shares its slots; the verdict reads the last score in it. (Weights x4, as
+    # support.lively_model: at the init scale greedy decoding repeats one token.)
+    graphdef, params, tokenizer, model_cfg = tiny_judge_parts
+    params = jax.tree.map(lambda x: 4.0 * x, params)
+    tiny_judge_parts = (graphdef, params, tokenizer, model_cfg)
+    items = [Item("What is 2 + 2?", "4"), Item("q", "x " * 30), Item("What?", "Yes " * 5)]
+    kw = dict(verdict="parsed", verdict_tokens=12, max_tokens=96)
+    wide, narrow = _judge(tiny_judge_parts, batch=4, **kw), _judge(tiny_judge_parts, batch=1, **kw)
+    want = [
+        tokenizer.decode(t)
+        for t in complete.generate(
+            model_cfg, graphdef, params, [wide.tokens(it) for it in items], max_new_tokens=12,
+            stop_ids=tokenizer.stop_ids,
+        )
+    ]  # fmt: skip
+    got = wide(items)
+    assert [v.text for v in got] == [v.text for v in narrow(items)] == want
+    assert len(set(want)) == 3  # the rows differ
+    for v in got:  # random weights write no grade: unparsable, never a score
+        k = judge_lib.parse_score(v.text, wide.scores, judge_lib.score_pattern(wide.scores))
+        assert (v.score is None) == (k is None)
+    yes = wide._parsed("I think Yes.")
+    assert (yes.score, yes.failure, yes.text) == (1.0, None, "I think Yes.") and np.isnan(yes.mass)
+    bad = wide._parsed("maybe")
+    assert bad.score is None and bad.failure.startswith("unparsable: no score")
+    # parsed scores may be several tokens; the written verdict must fit the judge's context
+    _judge(tiny_judge_parts, scores=("poor", "excellent quality"), **kw)
+    with pytest.raises(UserError, match="exceeds the judge model's 128 positions"):
+        _judge(tiny_judge_parts, verdict="parsed", verdict_tokens=64, max_tokens=96)
 
 
 # ------------------------------------------------------------------ the stage

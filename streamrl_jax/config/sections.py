@@ -70,6 +70,8 @@ OBJECTIVES = ("max", "sum")
 PLANNERS = ("lpt", "groups")
 WHITENING = ("group", "none")  # trainer/critic.py
 JUDGE_MODES = ("stage", "blocking")  # pipeline/scoring.py
+# rewards/judge.py: the score tokens' probabilities, or the last score the judge writes
+JUDGE_VERDICTS = ("probability", "parsed")
 # The default judge prompt (rewards/judge.py): Yes or No, read from the two tokens'
 # probabilities (SmolLM2-135M puts ~0.45 of its mass on them here; on a 1-5 grade, ~0.17).
 JUDGE_RUBRIC = (
@@ -387,7 +389,11 @@ class JudgeSection:
     rubric: str = JUDGE_RUBRIC  # the template's {rubric}
     # {rubric} {question} {response} {answer}: one user message in the judge's chat template
     template: str = JUDGE_TEMPLATE
-    scores: tuple[str, ...] = JUDGE_SCORES  # grade tokens, worst first, one token each
+    scores: tuple[str, ...] = JUDGE_SCORES  # grades, worst first (one token each: probability)
+    # one of JUDGE_VERDICTS: "probability" (of the score tokens, one forward) | "parsed"
+    # (the last score in the judge's greedy answer of up to verdict_tokens tokens)
+    verdict: str = "probability"
+    verdict_tokens: int = 64
     min_mass: float = 0.1  # less probability than this on the score tokens: unparsable
     mode: str = "stage"  # one of JUDGE_MODES: "stage" | "blocking" (in the reward call)
     devices: int = 1  # the scoring mesh: devices after the generation and training ones

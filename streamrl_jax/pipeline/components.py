@@ -418,8 +418,9 @@ def make_judge(cfg: ExperimentConfig, mesh: Mesh) -> Judge:
     """The run's judge (`judge.model`) with its params on `mesh`; blocking mode judges
     one sample per forward (its reward call's own)."""
     j = cfg.judge
-    graphdef, params, tokenizer = judge_lib.load(
-        j.model, mesh, max_context=j.max_tokens, seed=cfg.seed
+    written = j.verdict_tokens if j.verdict == "parsed" else 0
+    graphdef, params, tokenizer, model_cfg = judge_lib.load(
+        j.model, mesh, max_context=j.max_tokens + written, seed=cfg.seed
     )
     logging.info("judge %s on %s (%s)", j.model, [d.id for d in mesh.devices.flat], j.mode)
     return Judge(
@@ -433,6 +434,9 @@ def make_judge(cfg: ExperimentConfig, mesh: Mesh) -> Judge:
         min_mass=j.min_mass,
         max_tokens=j.max_tokens,
         batch=1 if j.mode == "blocking" else j.batch,
+        model_cfg=model_cfg,
+        verdict=j.verdict,
+        verdict_tokens=j.verdict_tokens,
     )
 
 

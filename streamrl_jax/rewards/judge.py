@@ -1,5 +1,5 @@
 """A generative judge: a chat model reads a rubric and a sample, its verdict is the
-probability it gives its score tokens.
+probability it gives its score tokens, or the score it writes.
 
 The judge's prompt is `template` (config `judge.template`) with `{rubric}`,
 `{question}`, `{response}` and `{answer}` (the task's reference answer) filled in,
@@ -15,6 +15,17 @@ the expected grade, normalised. A judge that puts less than `min_mass` on its sc
 tokens did not answer in the rubric's format: the verdict is *unparsable*
 (`Verdict.failure`), never a made-up score; the scoring stage masks such a sample
 (pipeline/scoring.py).
+
+`judge.verdict="parsed"`: the judge writes its answer instead (greedy, up to
+`judge.verdict_tokens` tokens, until its end of turn) and the verdict is the last score
+it wrote: the last of `judge.scores` found in its text as a whole word (the longest
+first where one score begins another, "10" before "1"; case-insensitive unless two
+scores differ only in case), graded k / (K - 1). A text with none is unparsable. The
+answer is decoded by this package's generation engine (`generation/engine.py`: the
+prefill, the KV cache and the decode loop the policy's instances run), built once on
+the scoring mesh with `judge.batch` slots; a sample's text is its row's alone (the
+engine's rows do not read each other). Scores may then be any strings (a reasoning
+judge's "Score: 7" reads with scores "1".."10"), and `Verdict.mass` is NaN.
 
 Shapes are fixed so the forward compiles a handful of times: a power of two of rows up
 to `batch` (padding rows repeat nothing: they are all padding and their verdicts are
@@ -34,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Sequence
 
 import jax
@@ -46,6 +58,9 @@ from jax.sharding import Mesh
 from streamrl_jax import sharding
 from streamrl_jax.config.sections import JUDGE_RUBRIC, JUDGE_SCORES, JUDGE_TEMPLATE
 from streamrl_jax.errors import UserError
+from streamrl_jax.generation.engine import Engine
+from streamrl_jax.generation.engine_config import EngineConfig
+from streamrl_jax.generation.types import GenerationRequest, SamplingParams
 from streamrl_jax.model import config as model_config
 from streamrl_jax.model import llama
 from streamrl_jax.model.defaults import smollm2_gguf_path
@@ -67,6 +82,7 @@ class Verdict:
     score: float | None
     mass: float
     failure: str | None = None
+    text: str | None = None  # what a parsed-verdict judge wrote
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +105,26 @@ def buckets(max_tokens: int) -> tuple[int, ...]:
     return (*out, max_tokens)
 
 
+def score_pattern(scores: Sequence[str]) -> re.Pattern:
+    """The scores as whole words, the longest first (module docstring); case-insensitive
+    unless two scores differ only in case."""
+    alternatives = "|".join(re.escape(s) for s in sorted(scores, key=len, reverse=True))
+    folded = len({s.casefold() for s in scores}) == len(scores)
+    return re.compile(rf"(?<!\w)(?:{alternatives})(?!\w)", re.IGNORECASE if folded else 0)
+
+
+def parse_score(text: str, scores: Sequence[str], pattern: re.Pattern) -> int | None:
+    """The index in `scores` of the last score written in `text` (None: no score)."""
+    found = pattern.findall(text)
+    if not found:
+        return None
+    last = found[-1]
+    exact = [i for i, s in enumerate(scores) if s == last]
+    if exact:
+        return exact[0]
+    return next(i for i, s in enumerate(scores) if s.casefold() == last.casefold())
+
+
 def _score_logprobs(
     graphdef: nnx.GraphDef, score_ids: tuple[int, ...], params, tokens_BxT, mask_BxT
 ) -> jax.Array:
@@ -106,11 +142,14 @@ class Judge:
       graphdef, params: the judge model, its params placed on `mesh`.
       tokenizer: the judge's own tokenizer (and chat template).
       mesh: the scoring mesh the params live on.
-      template, rubric, scores, min_mass, max_tokens, batch: as `JudgeSection`.
+      model_cfg: the judge model's config (a parsed verdict's engine needs it).
+      template, rubric, scores, min_mass, max_tokens, batch, verdict, verdict_tokens: as
+        `JudgeSection`.
 
     Raises:
-      UserError: a score that is not one token of the judge's vocabulary, a template
-        with an unknown field, or limits that cannot hold a prompt.
+      UserError: a score that is not one token of the judge's vocabulary (probability
+        verdicts), a template with an unknown field, or limits that cannot hold a prompt
+        and its written verdict.
     """
 
     def __init__(
@@ -126,16 +165,22 @@ class Judge:
         min_mass: float = 0.1,
         max_tokens: int = 512,
         batch: int = 8,
+        model_cfg: model_config.ModelConfig | None = None,
+        verdict: str = "probability",
+        verdict_tokens: int = 64,
     ):
         if len(scores) < 2:
             raise UserError(f"judge.scores={tuple(scores)!r}: need at least two score tokens")
+        if len(set(scores)) != len(scores) or not all(s.strip() for s in scores):
+            raise UserError(f"judge.scores={tuple(scores)!r}: scores must be distinct, not blank")
         ids = []
-        for s in scores:
+        for s in scores if verdict == "probability" else ():
             got = tokenizer.encode(s)
             if len(got) != 1:
                 raise UserError(
                     f"judge.scores: {s!r} is {len(got)} tokens of the judge's vocabulary "
-                    "(each score must be exactly one token)"
+                    "(each score must be exactly one token; judge.verdict='parsed' reads "
+                    "scores of any length from the judge's text)"
                 )
             ids.append(got[0])
         if len(set(ids)) != len(ids):
@@ -155,7 +200,17 @@ class Judge:
         self.buckets = buckets(max_tokens)
         self.params = params
         self.truncated = 0
-        self._forward = jax.jit(functools.partial(_score_logprobs, graphdef, tuple(ids)))
+        self.verdict = verdict
+        if verdict == "probability":
+            self._forward = jax.jit(functools.partial(_score_logprobs, graphdef, tuple(ids)))
+        elif verdict == "parsed":
+            self._pattern = score_pattern(self.scores)
+            self._engine = _writer(graphdef, params, model_cfg, mesh, tokenizer, max_tokens,
+                                   verdict_tokens, batch)  # fmt: skip
+            self._sampling = SamplingParams(temperature=0.0, stop_ids=tokenizer.stop_ids)
+            self.verdict_tokens = verdict_tokens
+        else:
+            raise UserError(f"judge.verdict={verdict!r}: one of 'probability', 'parsed'")
         self._pad = tokenizer.pad_id
 
     # ------------------------------------------------------------------ prompts
@@ -189,6 +244,8 @@ class Judge:
         """The verdicts of `items`, in order (several forwards when they need several
         row lengths or more than `batch` rows)."""
         prompts = [self.tokens(it) for it in items]
+        if self.verdict == "parsed":
+            return [self._parsed(text) for text in self._write(prompts)]
         out: list[Verdict | None] = [None] * len(items)
         by_bucket: dict[int, list[int]] = {}
         for i, p in enumerate(prompts):
@@ -216,6 +273,37 @@ class Judge:
         logp = self._forward(self.params, put(tokens), put(mask))
         return np.asarray(jax.device_get(logp))[: len(prompts)]
 
+    def _write(self, prompts: list[list[int]]) -> list[str]:
+        """The judge's greedy answers to `prompts`, in order (the engine takes `batch` at a
+        time into its slots)."""
+        requests = [
+            GenerationRequest(
+                request_id=i,
+                prompt=p,
+                max_new_tokens=self.verdict_tokens,
+                sampling=self._sampling,
+                seed=i,
+            )
+            for i, p in enumerate(prompts)
+        ]
+        texts = [""] * len(prompts)
+        for s in self._engine.run(requests):
+            end = s.num_tokens - 1 if s.finish_reason == "stop" else s.num_tokens
+            texts[s.request_id] = self.tokenizer.decode(s.response[:end].tolist())
+        return texts
+
+    def _parsed(self, text: str) -> Verdict:
+        k = parse_score(text, self.scores, self._pattern)
+        if k is None:
+            shown = text if len(text) <= 80 else "..." + text[-77:]
+            return Verdict(
+                None,
+                float("nan"),
+                f"unparsable: no score of {self.scores} in the judge's answer {shown!r}",
+                text,
+            )
+        return Verdict(k / (len(self.scores) - 1), float("nan"), None, text)
+
     def _verdict(self, logp_K: np.ndarray) -> Verdict:
         p = np.exp(logp_K.astype(np.float64))
         mass = float(p.sum())
@@ -232,13 +320,46 @@ class Judge:
         return Verdict(float(np.dot(p / mass, grades)), mass)
 
 
+def _writer(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    cfg: model_config.ModelConfig | None,
+    mesh: Mesh,
+    tokenizer: Tokenizer,
+    max_tokens: int,
+    verdict_tokens: int,
+    batch: int,
+) -> Engine:
+    """The engine a parsed-verdict judge writes with: `batch` slots, prompts up to
+    `max_tokens`, `verdict_tokens` more."""
+    if cfg is None:
+        raise ValueError("a parsed-verdict judge needs its model config (judge.load's)")
+    if verdict_tokens < 1:
+        raise UserError(f"judge.verdict_tokens={verdict_tokens} must be >= 1")
+    total = max_tokens + verdict_tokens
+    if total > cfg.max_position_embeddings:
+        raise UserError(
+            f"judge.max_tokens + judge.verdict_tokens = {total} exceeds the judge model's "
+            f"{cfg.max_position_embeddings} positions"
+        )
+    ecfg = EngineConfig(
+        num_slots=batch,
+        max_prompt_length=max_tokens,
+        max_total_length=total,
+        prefill_batch=batch,
+        min_bucket=min(64, max_tokens),
+        max_stop_ids=max(len(tokenizer.stop_ids), 1),
+    )
+    return Engine(graphdef, params, cfg, ecfg, mesh)
+
+
 def _replicated(mesh: Mesh) -> jax.sharding.NamedSharding:
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
 def load(source: str, mesh: Mesh, *, max_context: int, seed: int = 0):
-    """(graphdef, params on `mesh`, tokenizer) of the judge model `source` (module
-    docstring: "smollm2", "tiny" or a path).
+    """(graphdef, params on `mesh`, tokenizer, model config) of the judge model `source`
+    (module docstring: "smollm2", "tiny" or a path).
 
     Raises:
       UserError / FileNotFoundError: a source that does not load, naming `judge.model`.
@@ -251,7 +372,7 @@ def load(source: str, mesh: Mesh, *, max_context: int, seed: int = 0):
         graphdef, params = sharding.init_sharded(
             lambda: llama.create(cfg, seed=seed), mesh, "generate"
         )
-        return graphdef, params, tokenizer
+        return graphdef, params, tokenizer, cfg
     path = smollm2_gguf_path() if source == "smollm2" else source
     try:
         pre = load_pretrained(path, mesh=mesh, role="generate")
@@ -266,4 +387,4 @@ def load(source: str, mesh: Mesh, *, max_context: int, seed: int = 0):
             pre.cfg.max_position_embeddings,
             max_context,
         )
-    return pre.graphdef, pre.params, pre.tokenizer
+    return pre.graphdef, pre.params, pre.tokenizer, pre.cfg
