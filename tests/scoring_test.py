@@ -352,3 +352,20 @@ def test_a_run_with_a_judge_adds_its_verdicts_and_reports_the_stage(tmp_path):
     assert judged >= cfg.pipeline.prompts_per_step * cfg.pipeline.group_size
     assert all(r["judge/masked"] == 0 and r["judge/busy_s"] > 0 for r in rows if r["judge/judged"])
     assert 0 < rows[0]["judge/verdict"] < 1
+
+
+def test_the_runs_judge_is_built_from_its_section():
+    # components.make_judge: the model loaded with room for the written verdict, the
+    # section's verdict kind, limits and scores (blocking: one sample at a time).
+    from streamrl_jax.pipeline.components import make_judge
+
+    cfg = tiny_config(
+        judge__model="tiny", judge__verdict="parsed", judge__verdict_tokens=16,
+        judge__max_tokens=96, judge__scores=("bad", "fine", "good"), judge__mode="blocking",
+    )  # fmt: skip
+    j = make_judge(cfg, single_device_mesh())
+    assert (j.verdict, j.verdict_tokens, j.max_tokens, j.batch) == ("parsed", 16, 96, 1)
+    assert j.scores == ("bad", "fine", "good")
+    assert j._engine.cfg.max_total_length == 96 + 16
+    (v,) = j([Item("q", "an answer")])
+    assert v.text is not None and (v.score is None) == (v.failure is not None)
