@@ -32,6 +32,7 @@ from streamrl_jax.errors import UserError
 from streamrl_jax.generation.engine import EngineConfig, validate_request
 from streamrl_jax.metrics import MetricsWriter, Tracer
 from streamrl_jax.model.tokenizer import Tokenizer
+from streamrl_jax.pipeline import scoring
 from streamrl_jax.pipeline.components import Components
 from streamrl_jax.pipeline.ingest import Evaluations, Ingest
 from streamrl_jax.pipeline.micro_batches import Scored, group_key
@@ -48,7 +49,6 @@ from streamrl_jax.pipeline.rollouts import (
     make_rollout,
 )
 from streamrl_jax.pipeline.schedules import Schedule, WeightBoard
-from streamrl_jax.pipeline.scoring import Direct, ScoringStage
 from streamrl_jax.pipeline.shards import TrainerShare
 from streamrl_jax.pipeline.step_metrics import GenerationMeter
 from streamrl_jax.pipeline.supervisor import Shutdown, Supervisor
@@ -164,13 +164,9 @@ def wire(
         ),
         Kits(episodes=kit, agents=agents),
     )
-    # A run with a judge: the stream's third stage (pipeline/scoring.py).
-    onward = (
-        Direct(rollout.scored)
-        if c.judge is None
-        else ScoringStage(
-            c.judge, cfg.judge, rollout.scored, supervisor=sup, tracer=tracer, timeout_s=p.timeout_s
-        )
+    # Straight to the rollout, or through the stream's third stage (a run with a judge).
+    onward = scoring.onward(
+        c.judge, cfg.judge, rollout.scored, supervisor=sup, tracer=tracer, timeout_s=p.timeout_s
     )
     ingest = Ingest(
         c.tokenizer,

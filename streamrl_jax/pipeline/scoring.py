@@ -124,6 +124,24 @@ class Direct:
         pass
 
 
+def onward(
+    judge: Judge | None,
+    cfg: JudgeSection,
+    forward: Callable[[Scored], None],
+    *,
+    supervisor: Supervisor,
+    tracer: Tracer,
+    timeout_s: float,
+) -> Direct | ScoringStage:
+    """Where ingest hands a run's rule-scored training samples: straight to `forward`
+    (`Direct`), or through a `ScoringStage` when the run has a judge."""
+    if judge is None:
+        return Direct(forward)
+    return ScoringStage(
+        judge, cfg, forward, supervisor=supervisor, tracer=tracer, timeout_s=timeout_s
+    )
+
+
 class ScoringStage:
     """A judge between the reward pool and the rollout (module docstring).
 
