@@ -140,6 +140,10 @@ def test_the_curriculum_wraps_any_kind(inner):
     assert ro.plannable(0, 4) is None
 
 
+# The curriculum's default end-to-end run is the one across processes
+# (multicontroller_features_test.py), whose one-process reference is this run over dynamic
+# sampling; its consumed log is checked there the same way.
+@pytest.mark.extended
 def test_a_curriculum_run_consumes_each_prompt_once_per_epoch(tmp_path):
     # End to end on quickstart:tiny: 8 problems, 4 steps of 4 prompts. The vowel reward
     # never marks a sample correct, so every group is all wrong: after the first epoch

@@ -8,11 +8,8 @@ fail ends the other, naming it; and the router refuses a sample whose adapter is
 its request's.
 """
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import types
@@ -22,7 +19,6 @@ import numpy as np
 import pytest
 from flax import nnx
 from support import (
-    ROOT,
     consumed_log,
     drawn_prompt_ids,
     param_arrays,
@@ -261,66 +257,6 @@ def test_learners_across_processes_take_a_block_of_training_processes_each():
     config_lib.check(_cfg(), config_lib.Processes(total=3, generation=1))
     with pytest.raises(config_lib.ConfigError, match="use a multiple of 2 training processes"):
         config_lib.check(_cfg(), config_lib.Processes(total=2, generation=1))
-
-
-# `python -m streamrl_jax.launch` with `learners.run` replaced by a stand-in that records
-# what it was handed and returns each learner's result: the command's routing, summary and
-# closing lines, without a run (the learners' run itself: the tests above).
-_LAUNCH_WITH_STAND_IN = """
-import json, os, runpy, sys
-from streamrl_jax.pipeline import learners, step_metrics
-
-def run(cfg, workdir, devices=None, reward_fn=None):
-    names = [x.name for x in cfg.learners]
-    advantages = [config_lib.learner_config(cfg, x).algorithm.advantage for x in cfg.learners]
-    with open(os.environ["LEARNERS_RUN_RECORD"], "w") as f:
-        json.dump(dict(names=names, workdir=workdir, advantages=advantages), f)
-    return {n: step_metrics.RunResult(state=None, steps=[{}, {}], evals={},
-                                      trained_versions=[], wall_s=1.0, samples=16)
-            for n in names}
-
-from streamrl_jax import checkpoint as ckpt_lib
-from streamrl_jax import config as config_lib
-learners.run = run
-sys.argv[0] = "streamrl_jax.launch"
-runpy.run_module("streamrl_jax.launch", run_name="__main__", alter_sys=True)
-"""
-
-
-def test_the_main_command_runs_the_learners_config(tmp_path):
-    # configs/learners.py:tiny through `python -m streamrl_jax.launch` reaches the
-    # learners' program (`learners.run`, here a stand-in) with both learners and the
-    # workdir; the summary names each learner and its directory, the closing lines are
-    # each learner's.
-    workdir, record = tmp_path / "run", tmp_path / "record.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _LAUNCH_WITH_STAND_IN,
-            "--config=configs/learners.py:tiny",
-            f"--workdir={workdir}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env=dict(
-            os.environ,
-            JAX_PLATFORMS="cpu",
-            STREAMRL_MALLOC_HUGEPAGES="0",
-            LEARNERS_RUN_RECORD=str(record),
-        ),
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    called = json.loads(record.read_text())
-    assert called == dict(names=["grpo", "ppo"], workdir=str(workdir), advantages=["grpo", "gae"])
-    console = run.stdout + run.stderr
-    assert "2 learners (LoRA rank 8) on one generation service" in console, console
-    for name in ("grpo", "ppo"):
-        assert f"checkpoints in {workdir / name}" in console, console
-        assert f"learner {name}: done: step 2," in console, console
-    assert "learners[1].algorithm.advantage='gae'" in (workdir / "log.txt").read_text()
 
 
 def test_a_learner_is_the_top_level_with_its_own_sections_and_round_trips():

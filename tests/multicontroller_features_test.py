@@ -14,6 +14,7 @@ resume across processes, and the judge's run across processes); the other topolo
 each are `-m extended`.
 """
 
+import collections
 import os
 
 import pytest
@@ -98,6 +99,16 @@ def test_the_curriculum_across_processes_gives_the_one_process_parameters(
     rows = _like_one_process(processes, generation, _CURRICULUM, keys, tmp_path, tmp_path_factory)
     assert sum(r["curriculum_passed"] for r in rows) > 0  # prompts passed over
     assert sum(r["groups_skipped"] for r in rows) > 0  # dynamic sampling's refills ran
+    # (the curriculum's one end-to-end run, so its accounting is checked here too): the
+    # consumed log (the same in both runs) lists every prompt the pipeline dealt once per
+    # epoch, passed over or not.
+    one = _ONE_PROCESS_DIR[("stream_async", *sorted(_CURRICULUM.items()))]
+    consumed = read_jsonl(str(one / "consumed.jsonl"))
+    counts = collections.Counter(p for r in consumed for p in r["prompt_ids"])
+    epochs = sum(counts.values()) // _CURRICULUM["data.train_size"]
+    assert len(counts) == _CURRICULUM["data.train_size"], counts  # a whole epoch dealt
+    assert max(counts.values()) > 1, counts  # and part of the next
+    assert all(epochs <= n <= epochs + 1 for n in counts.values()), counts
 
 
 _PARTIAL = {

@@ -7,6 +7,7 @@ default: two learners on 1 generation + 2 training processes (a training process
 2 + 2 and a killed learner's resume are `-m extended`.
 """
 
+import re
 import sys
 
 import numpy as np
@@ -43,6 +44,14 @@ def test_learners_across_processes_give_the_one_process_parameters(processes, ge
     one, many = tmp_path / "one", tmp_path / "many"
     run = _run(_agent_cmd(one, flags, config="learners.py"))
     assert run.returncode == 0, run.stderr[-6000:]
+    # The main command's summary names each learner and its directory; the closing lines
+    # are each learner's; the log keeps each learner's settings.
+    console = run.stdout + run.stderr
+    assert "2 learners (LoRA rank 8) on one generation service" in console, console[-4000:]
+    for name in ("grpo", "ppo"):
+        assert f"checkpoints in {one / name}" in console, console[-4000:]
+        assert re.search(rf"^learner {name}: done: step \d+,", console, re.M), console[-4000:]
+    assert "learners[1].algorithm.advantage='gae'" in (one / "log.txt").read_text()
     launcher = [sys.executable, str(REPO / "launch" / "local.py"), "-n", str(processes)]
     launcher += ["-g", str(generation), "--timeout_s", "240", "--"]
     cmd = [*launcher, *_agent_cmd(many, flags, config="learners.py")]

@@ -3,6 +3,8 @@ computation, and the PRM as a learner target in a run (it starts as pi_ref, so t
 step is the run without it; it trains, and it resumes bit for bit)."""
 
 import dataclasses
+import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,7 @@ from support import tiny_config
 from streamrl_jax import pipeline as run_lib
 from streamrl_jax.algorithms import prm
 from streamrl_jax.errors import UserError
+from streamrl_jax.pipeline.resume import CONSUMED
 from streamrl_jax.rewards.vowels import vowel_reward
 
 # One packed row: a prompt (segment 0), sequence 1 with 3 trained positions, sequence 2
@@ -103,10 +106,14 @@ def test_the_prm_starts_as_the_reference_trains_and_resumes_exactly(tmp_path):
     for row in ref.steps:
         assert np.isfinite(row["prm_loss"]) and row["prm_grad_norm"] > 0
         assert 0 <= row["prm_agree"] <= 1
-    # Its state is part of every checkpoint: 1 step, then a resumed 2nd, bit for bit.
-    workdir = str(tmp_path / "run")
-    run_lib.run(_cfg(pipeline__steps=1), workdir, reward_fn=vowel_reward)
-    resumed = run_lib.run(_cfg(pipeline__steps=2), workdir, reward_fn=vowel_reward)
+    # Its state is part of every checkpoint: the run stopped after its 1st step (its
+    # checkpoint 1 and consumed-prompt log, which the resume cuts back to the
+    # checkpoint's steps), then a resumed 2nd, bit for bit.
+    workdir = tmp_path / "run"
+    (workdir / "checkpoints").mkdir(parents=True)
+    shutil.copy(tmp_path / "ref" / CONSUMED, workdir / CONSUMED)
+    os.symlink(tmp_path / "ref" / "checkpoints" / "1", workdir / "checkpoints" / "1")
+    resumed = run_lib.run(_cfg(pipeline__steps=2), str(workdir), reward_fn=vowel_reward)
     assert resumed.start_batch == 1 and len(resumed.steps) == 1
     for got, want in (
         (resumed.state, ref.state),
@@ -116,7 +123,7 @@ def test_the_prm_starts_as_the_reference_trains_and_resumes_exactly(tmp_path):
             np.testing.assert_array_equal(a, b)
     # A checkpoint written with the PRM is not resumed without it.
     with pytest.raises(ValueError, match="prm: True -> False"):
-        run_lib.run(_cfg(pipeline__steps=3, algorithm__prm_coef=0.0), workdir)
+        run_lib.run(_cfg(pipeline__steps=3, algorithm__prm_coef=0.0), str(workdir))
 
 
 @pytest.mark.parametrize(
