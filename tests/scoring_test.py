@@ -23,6 +23,7 @@ from streamrl_jax.pipeline.supervisor import Supervisor
 from streamrl_jax.rewards import judge as judge_lib
 from streamrl_jax.rewards.judge import Item, Judge, Verdict
 from streamrl_jax.rewards.vowels import vowel_reward
+from streamrl_jax.scheduling.sample_log import SampleLog
 
 # ------------------------------------------------------------------ the judge
 
@@ -162,10 +163,12 @@ class FakeJudge:
         ]
 
 
-def _stage(judge, forward, **kw):
+def _stage(judge, forward, log=None, **kw):
     cfg = JudgeSection(model="fake", **{"max_wait_s": 0.0, **kw})
     sup = Supervisor(PipelineSection())
-    return ScoringStage(judge, cfg, forward, supervisor=sup, tracer=Tracer(False), timeout_s=5.0)
+    return ScoringStage(
+        judge, cfg, forward, supervisor=sup, tracer=Tracer(False), timeout_s=5.0, log=log
+    )
 
 
 def _samples(texts):
@@ -238,13 +241,28 @@ def test_a_full_stage_times_out_naming_itself():
     stage.close()
 
 
-def test_failures_are_masked_and_counted_never_scored():
+def test_failures_are_masked_and_counted_never_scored(tmp_path):
     got = []
     judge = FakeJudge(batch=2, fail={"bad"}, raise_on={"boom"})
-    stage = _stage(judge, got.append, max_failure_rate=1.0)
+    log = SampleLog(tmp_path / "judge.jsonl")
+    stage = _stage(judge, got.append, log=log, max_failure_rate=1.0)
     for s in _samples(["ok", "bad", "boom", "fine"]):
         stage.put(s)
     _wait(lambda: len(got) == 4)
+    # The verdict log: a line per judged sample, in the order judged, the failure named
+    # and no reward for a masked one.
+    stage.close()
+    lines = read_jsonl(str(tmp_path / "judge.jsonl"))
+    assert [(x["step"], x["group"], x["member"]) for x in lines] == [
+        (s.sample.tag.batch, s.sample.tag.group, s.sample.tag.member) for s in got
+    ]
+    for line, s in zip(lines, got, strict=True):
+        assert line["response"] == s.text and line["text"] is None
+        if s.reward.masked is None:
+            assert line["failure"] is None and line["verdict"] == pytest.approx(s.reward.judge)
+            assert line["reward"] == pytest.approx(s.reward.score)
+        else:
+            assert line["failure"] == s.reward.masked and line["reward"] is None
     by_text = {s.text: s.reward for s in got}
     assert by_text["ok"].masked is None and by_text["ok"].judge == pytest.approx(0.2)
     assert by_text["bad"].masked.startswith("unparsable")
@@ -253,7 +271,6 @@ def test_failures_are_masked_and_counted_never_scored():
     assert by_text["bad"].score == by_text["boom"].score == 0.5  # the rule score, untouched
     row = stage.pop_row()
     assert row["judge/masked"] >= 2 and row["judge/unparsable"] + row["judge/error"] >= 2
-    stage.close()
 
 
 def test_a_judge_past_its_deadline_masks_its_samples():
@@ -352,6 +369,15 @@ def test_a_run_with_a_judge_adds_its_verdicts_and_reports_the_stage(tmp_path):
     assert judged >= cfg.pipeline.prompts_per_step * cfg.pipeline.group_size
     assert all(r["judge/masked"] == 0 and r["judge/busy_s"] > 0 for r in rows if r["judge/judged"])
     assert 0 < rows[0]["judge/verdict"] < 1
+    # judge.jsonl (log.judge): every judged sample's verdict once, with the reward trained
+    # (the vowel reward + 0.5 x the verdict)
+    lines = read_jsonl(str(tmp_path / "judge.jsonl"))
+    assert len(lines) >= judged
+    assert len({(x["step"], x["group"], x["member"]) for x in lines}) == len(lines)
+    for x in lines:
+        assert 0 <= x["verdict"] <= 1 and x["failure"] is None
+        rule = vowel_reward(x["response"], {}).score
+        assert x["reward"] == pytest.approx(rule + 0.5 * x["verdict"])
 
 
 def test_the_runs_judge_is_built_from_its_section():

@@ -421,6 +421,9 @@ class LogSection:
     trace: bool = True  # write trace.json
     progress: bool = True
     samples: bool = True  # append every completed training sample to samples.jsonl (ranker data)
+    # a run with a judge: each judged sample's verdict, the judge's probability mass on its
+    # score tokens and, for a parsed verdict, what the judge wrote, in judge.jsonl
+    judge: bool = True
     final_params: bool = False  # write <workdir>/final_params.npz at the end (compare runs)
 
 

@@ -166,7 +166,13 @@ def wire(
     )
     # Straight to the rollout, or through the stream's third stage (a run with a judge).
     onward = scoring.onward(
-        c.judge, cfg.judge, rollout.scored, supervisor=sup, tracer=tracer, timeout_s=p.timeout_s
+        c.judge,
+        cfg.judge,
+        rollout.scored,
+        supervisor=sup,
+        tracer=tracer,
+        timeout_s=p.timeout_s,
+        log_path=os.path.join(workdir, scoring.JUDGE_LOG) if cfg.log.judge else None,
     )
     ingest = Ingest(
         c.tokenizer,

@@ -30,6 +30,12 @@ per step; once at least `MIN_JUDGED` samples were judged, a failed fraction abov
 each sample's reward call runs the judge on that sample alone before it returns, as a
 reward function that calls a judge model does (the reward pool's threads wait on it).
 
+**The verdict log** (`log.judge`): each judged sample's line in `<workdir>/judge.jsonl`
+(`verdict_record`: its step, group and member, the response and reference answer the
+judge read, the verdict, the probability mass on the score tokens, a parsed judge's
+answer, the failure if any and the reward trained), in the order judged. A resumed run
+appends: a sample judged before the kill and again after it has two lines.
+
 Held-out evaluation samples never come here: their metrics are the task's own,
 independent of the judge.
 """
@@ -50,9 +56,11 @@ from streamrl_jax.metrics import Tracer
 from streamrl_jax.pipeline.micro_batches import Scored
 from streamrl_jax.pipeline.supervisor import Supervisor
 from streamrl_jax.rewards.judge import Item, Judge, Verdict
+from streamrl_jax.scheduling.sample_log import SampleLog
 from streamrl_jax.stream.sample_stream import StreamError
 
 MIN_JUDGED = 16  # judged samples before the failure rate can end a run
+JUDGE_LOG = "judge.jsonl"  # the verdict log, in the run's directory (`log.judge`)
 
 
 class JudgeFailures(RuntimeError):
@@ -79,6 +87,24 @@ def judged(scored: Scored, verdict: Verdict, coef: float, rule_coef: float = 1.0
         score = rule_coef * r.score + coef * verdict.score
         reward = dataclasses.replace(r, score=score, judge=verdict.score)
     return dataclasses.replace(scored, reward=reward)
+
+
+def verdict_record(scored: Scored, verdict: Verdict, item: Item) -> dict:
+    """The verdict log's line for `scored` (judged: its reward already folded in)."""
+    tag = scored.sample.tag
+    masked = scored.reward.masked is not None
+    return {
+        "step": tag.batch,
+        "group": tag.group,
+        "member": tag.member,
+        "response": item.response,
+        "answer": item.answer,
+        "verdict": verdict.score,
+        "mass": verdict.mass,
+        "text": verdict.text,
+        "failure": verdict.failure,
+        "reward": None if masked else scored.reward.score,
+    }
 
 
 @dataclasses.dataclass
@@ -132,13 +158,16 @@ def onward(
     supervisor: Supervisor,
     tracer: Tracer,
     timeout_s: float,
+    log_path: str | None = None,
 ) -> Direct | ScoringStage:
     """Where ingest hands a run's rule-scored training samples: straight to `forward`
-    (`Direct`), or through a `ScoringStage` when the run has a judge."""
+    (`Direct`), or through a `ScoringStage` when the run has a judge (its verdicts logged
+    to `log_path`, a JSONL file, unless None)."""
     if judge is None:
         return Direct(forward)
+    log = None if log_path is None else SampleLog(log_path)
     return ScoringStage(
-        judge, cfg, forward, supervisor=supervisor, tracer=tracer, timeout_s=timeout_s
+        judge, cfg, forward, supervisor=supervisor, tracer=tracer, timeout_s=timeout_s, log=log
     )
 
 
@@ -152,6 +181,7 @@ class ScoringStage:
       supervisor: the run's failure latch (a failure rate past the bound, a stall).
       tracer: the run's trace ("scoring/judge" spans).
       timeout_s: longest `put` waits for room (`pipeline.timeout_s`).
+      log: the verdict log (module docstring; None: none), closed by `close`.
     """
 
     def __init__(
@@ -163,8 +193,9 @@ class ScoringStage:
         supervisor: Supervisor,
         tracer: Tracer,
         timeout_s: float,
+        log: SampleLog | None = None,
     ):
-        self.judge, self.cfg, self.forward = judge, cfg, forward
+        self.judge, self.cfg, self.forward, self.log = judge, cfg, forward, log
         self.supervisor, self.tracer, self.timeout_s = supervisor, tracer, timeout_s
         self.blocking = cfg.mode == "blocking"
         self._queue: collections.deque[_Waiting] = collections.deque()
@@ -254,7 +285,8 @@ class ScoringStage:
         """Judges `batch`, hands each sample on in order, then runs its `done`."""
         t0 = self.tracer.now()
         start = time.monotonic()
-        future = self._device.submit(self.judge, [item_of(w.scored) for w in batch])
+        items = [item_of(w.scored) for w in batch]
+        future = self._device.submit(self.judge, items)
         try:
             verdicts = future.result(timeout=self.cfg.timeout_s)
             if len(verdicts) != len(batch):
@@ -269,8 +301,11 @@ class ScoringStage:
         self.tracer.add("scoring/judge", "judge", t0, self.tracer.now(), samples=len(batch))
         too_many = self._count(batch, verdicts, end - start, end)
         try:
-            for w, v in zip(batch, verdicts, strict=True):
-                self.forward(judged(w.scored, v, self.cfg.coef, self.cfg.rule_coef))
+            for w, v, item in zip(batch, verdicts, items, strict=True):
+                out = judged(w.scored, v, self.cfg.coef, self.cfg.rule_coef)
+                if self.log is not None:
+                    self.log.write_row(verdict_record(out, v, item))
+                self.forward(out)
                 self.supervisor.tick("scoring")
         finally:
             with self._cv:
@@ -341,3 +376,5 @@ class ScoringStage:
         if self._thread is not None:
             self._thread.join(timeout=self.cfg.timeout_s + 5.0)
         self._device.shutdown(wait=False, cancel_futures=True)
+        if self.log is not None:
+            self.log.close()

@@ -94,7 +94,11 @@ class SampleLog:
 
     def write(self, sample: Sample, step: int) -> None:
         """Appends one line for a completed sample of training step `step`."""
-        line = json.dumps(sample_record(sample, step), separators=(",", ":"))
+        self.write_row(sample_record(sample, step))
+
+    def write_row(self, row: dict[str, Any]) -> None:
+        """Appends one line: `row` as JSON."""
+        line = json.dumps(row, separators=(",", ":"))
         with self._lock:
             if self._f.closed:
                 raise ValueError(f"SampleLog {self.path}: write after close")
