@@ -303,7 +303,7 @@ class ScoringStage:
         try:
             for w, v, item in zip(batch, verdicts, items, strict=True):
                 out = judged(w.scored, v, self.cfg.coef, self.cfg.rule_coef)
-                if self.log is not None:
+                if self.log is not None and not self._closed:
                     self.log.write_row(verdict_record(out, v, item))
                 self.forward(out)
                 self.supervisor.tick("scoring")
@@ -377,4 +377,7 @@ class ScoringStage:
             self._thread.join(timeout=self.cfg.timeout_s + 5.0)
         self._device.shutdown(wait=False, cancel_futures=True)
         if self.log is not None:
-            self.log.close()
+            with self._lock:  # (blocking mode: a reward call's forward finishes first)
+                self.log.flush()
+                if self._thread is None or not self._thread.is_alive():  # (else it still writes)
+                    self.log.close()
