@@ -15,7 +15,7 @@ from support import HF_TINY, randomize_hf
 
 from streamrl_jax import mesh as mesh_lib
 from streamrl_jax.generation import complete
-from streamrl_jax.model import gguf_loader
+from streamrl_jax.model import gguf_loader, hf_loader
 from streamrl_jax.model.defaults import smollm2_gguf_path
 from streamrl_jax.model.loader import load_pretrained
 
@@ -198,6 +198,18 @@ def test_gguf_logits_match_transformers(tiny_gguf):
     np.testing.assert_allclose(
         _our_logits(pre, _TOKENS), _hf_logits(model, _TOKENS), atol=1e-4, rtol=0
     )
+
+
+def test_a_gguf_files_matrices_are_written_once_in_the_models_layout(tiny_gguf):
+    # read_gguf stacks each per-layer matrix into an array whose transpose is the model's
+    # [L, in, out] layout as it lies: to_model_layout takes it without another copy (the
+    # copy of a 135M model's weights into fresh memory cost SmolLM2's load 6 s here).
+    path, model = tiny_gguf
+    contents = gguf_loader.read_gguf(path)
+    out = hf_loader.to_model_layout(contents.hf_weights, contents.cfg, path)
+    for name in ("q", "k", "v", "o", "gate", "up", "down"):
+        assert np.shares_memory(out[f"layers/{name}"], contents.hf_weights[name]), name
+        assert out[f"layers/{name}"].flags.c_contiguous, name
 
 
 def test_gguf_without_permutation_is_detected_as_different(tmp_path, tiny_gguf):
