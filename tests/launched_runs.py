@@ -8,6 +8,7 @@ multicontroller_features_test."""
 import importlib.util
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -206,6 +207,29 @@ def _kill_the_trainer_at(k, procs, workdir, logs, victim=2, waits=(0, 1), checkp
                 os.killpg(p.pid, signal.SIGKILL)
     assert not (workdir / run_lib.FINAL_PARAMS).exists()
     return procs
+
+
+def _lose_generation_0(workdir, logs, after: str, **overrides) -> str:
+    """2 generation + 1 training process: generation process 0 (the one JAX would host
+    the coordination service on) is SIGKILLed once `after` is in the trainer's log; the
+    trainer and generation process 1 must exit 0, the trainer going on with process 1 and
+    process 1 reading roster epoch 1. Returns the trainer's log."""
+    procs = _spawn(3, 2, workdir, logs, **overrides)
+    try:
+        _wait_for_line(logs / "p2.log", after, procs)
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        for p in procs[1:]:
+            p.wait(timeout=180)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    text = {i: (logs / f"p{i}.log").read_text() for i in (1, 2)}
+    assert procs[2].returncode == 0 and procs[1].returncode == 0, text[2][-4000:] + text[1][-3000:]
+    lost = r"lost peer: .*generation-0.*going on with generation processes \[1\]"
+    assert re.search(lost, text[2]), text[2][-4000:]
+    assert "generation-1: roster epoch 1, generation processes [0] lost" in text[1]
+    return text[2]
 
 
 def _wait_for_line(log, text, procs, timeout=180.0) -> None:

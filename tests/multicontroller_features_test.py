@@ -8,7 +8,8 @@ so the suite's two workers share them).
 
 Every case launches 2-4 processes and a one-process reference (30-90 s each on 2 shared
 cores). By default: the curriculum over dynamic sampling on 2 generation + 1 training
-processes (dynamic sampling's default case too), and partial rollout under a judge
+processes, losing generation process 0 mid-run (dynamic sampling's and a lost generation
+process's default case too), and partial rollout under a judge
 (pipeline/scoring.py) killed at a checkpoint and resumed on 2 + 1 (the default kill and
 resume across processes, and the judge's run across processes); the other topologies of
 each are `-m extended`.
@@ -17,19 +18,23 @@ each are `-m extended`.
 import collections
 import os
 
+import numpy as np
 import pytest
 from launched_runs import (
     _CKPT,
     _EXT,
     _ONE_PROCESS_DIR,
+    _assert_params_match,
     _assert_resumed_like_one_process,
     _kill_the_trainer_at,
     _launched,
     _like_one_process,
+    _lose_generation_0,
     _one_process,
     _spawn,
 )
 
+from streamrl_jax import pipeline as run_lib
 from streamrl_jax.metrics import read_jsonl
 
 pytestmark = pytest.mark.processes  # the suite spreads these files out (conftest.py)
@@ -77,10 +82,11 @@ _CURRICULUM = {
 }
 
 
+# The curriculum's default case is the run below that loses a generation process.
 @pytest.mark.parametrize(
     "processes, generation",
     [
-        (3, 2),  # 2 generation + 1 training process: bit for bit
+        pytest.param(3, 2, marks=_EXT),  # 2 generation + 1 training process: bit for bit
         pytest.param(4, 2, marks=_EXT),  # 2 + 2: each trainer publishes its own outcomes
     ],
 )
@@ -99,15 +105,47 @@ def test_the_curriculum_across_processes_gives_the_one_process_parameters(
     rows = _like_one_process(processes, generation, _CURRICULUM, keys, tmp_path, tmp_path_factory)
     assert sum(r["curriculum_passed"] for r in rows) > 0  # prompts passed over
     assert sum(r["groups_skipped"] for r in rows) > 0  # dynamic sampling's refills ran
-    # (the curriculum's one end-to-end run, so its accounting is checked here too): the
-    # consumed log (the same in both runs) lists every prompt the pipeline dealt once per
-    # epoch, passed over or not.
-    one = _ONE_PROCESS_DIR[("stream_async", *sorted(_CURRICULUM.items()))]
-    consumed = read_jsonl(str(one / "consumed.jsonl"))
+
+
+def test_the_curriculum_across_processes_survives_a_lost_generation_process(
+    tmp_path, tmp_path_factory
+):
+    # The curriculum over dynamic sampling on 2 generation + 1 training processes (the
+    # curriculum's and dynamic sampling's default case across processes, and the default
+    # case of a lost generation process: one launch for the three). Generation process 0
+    # (the one JAX would host the coordination service on) is SIGKILLed as soon as the
+    # trainer has sent W_0, before its first batch is in. The trainer and generation
+    # process 1 go on: process 1 generates process 0's groups too (those of batches it
+    # already drew, again), the trainer keeps the first copy of each sample, and every
+    # process still reads each step's published outcomes before the draws that depend on
+    # them. The run ends with the one-process run's parameters bit for bit (a sample
+    # depends only on weights, prompt and seed, whichever process makes it), its passes,
+    # skips, refill draws and samples step by step, its consumed prompts, and the lost
+    # process's held-out prompts scored too.
+    settings = {**_CURRICULUM, "eval.num_problems": 4}
+    want = _one_process("stream_async", tmp_path_factory, **settings)
+    one = _ONE_PROCESS_DIR[("stream_async", *sorted(settings.items()))]
+    workdir = tmp_path / "run"
+    mode = {"pipeline.mode": "stream_async"}
+    _lose_generation_0(workdir, tmp_path, "weights v0", **mode, **settings)
+    _assert_params_match(np.load(workdir / run_lib.FINAL_PARAMS), want, exact=True)
+    rows = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "reward" in r]
+    ref = [r for r in read_jsonl(str(one / "metrics.jsonl")) if "reward" in r]
+    for k in ("samples", "groups_skipped", "dynamic_draws", "curriculum_passed"):
+        assert [r[k] for r in rows] == [r[k] for r in ref], k
+    assert sum(r["curriculum_passed"] for r in rows) > 0  # prompts passed over
+    assert sum(r["groups_skipped"] for r in rows) > 0  # dynamic sampling's refills ran
+    assert [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "eval/accuracy" in r]
+    # The consumed log is the one-process run's, and (the curriculum's one end-to-end
+    # run, so its accounting is checked here too) lists every prompt the pipeline dealt
+    # once per epoch, passed over or not.
+    consumed = read_jsonl(str(workdir / "consumed.jsonl"))
+    assert consumed == read_jsonl(str(one / "consumed.jsonl"))
     counts = collections.Counter(p for r in consumed for p in r["prompt_ids"])
     epochs = sum(counts.values()) // _CURRICULUM["data.train_size"]
     assert len(counts) == _CURRICULUM["data.train_size"], counts  # a whole epoch dealt
     assert max(counts.values()) > 1, counts  # and part of the next
+    assert all(epochs <= n <= epochs + 1 for n in counts.values()), counts
     assert all(epochs <= n <= epochs + 1 for n in counts.values()), counts
 
 

@@ -52,6 +52,7 @@ from launched_runs import (
     _kill_the_trainer_at,
     _launch_cmd,
     _launched,
+    _lose_generation_0,
     _one_process,
     _run,
     _spawn,
@@ -265,7 +266,8 @@ def test_processes_train_a_targets_own_model_like_one_process(
         # processes, on the way to its resume).
         pytest.param(2, 1, 1, {0: "lost training"}, marks=_EXT),
         # (One of two generation processes dying does not end the run:
-        # test_lost_generation_process_leaves_the_run_to_the_others.)
+        # test_lost_generation_process_leaves_the_run_to_the_others, by default in
+        # multicontroller_features_test's curriculum run.)
         # The second of two training processes dies: the generation processes name it,
         # the first training process's next collective fails and it names the others.
         pytest.param(
@@ -300,6 +302,9 @@ def test_killed_process_ends_the_others_naming_it(processes, generation, victim,
         assert text in log, log[-4000:]
 
 
+# The default suite loses generation process 0 in the curriculum's run across processes
+# (multicontroller_features_test.py): one launch for both capabilities.
+@pytest.mark.extended
 def test_lost_generation_process_leaves_the_run_to_the_others(tmp_path, tmp_path_factory):
     # 2 generation + 1 training process, stream_async, 2 steps: generation process 0
     # (the one JAX would host the coordination service on) is SIGKILLed as soon as the
@@ -320,29 +325,6 @@ def test_lost_generation_process_leaves_the_run_to_the_others(tmp_path, tmp_path
 
 # The runs that lose generation process 0: 2 steps, 4 held-out prompts.
 _LOSS_RUN = {"pipeline.mode": "stream_async", "pipeline.steps": 2, "eval.num_problems": 4}
-
-
-def _lose_generation_0(workdir, logs, after: str, **overrides) -> str:
-    """2 generation + 1 training process: generation process 0 (the one JAX would host
-    the coordination service on) is SIGKILLed once `after` is in the trainer's log; the
-    trainer and generation process 1 must exit 0, the trainer going on with process 1 and
-    process 1 reading roster epoch 1. Returns the trainer's log."""
-    procs = _spawn(3, 2, workdir, logs, **overrides)
-    try:
-        _wait_for_line(logs / "p2.log", after, procs)
-        os.killpg(procs[0].pid, signal.SIGKILL)
-        for p in procs[1:]:
-            p.wait(timeout=180)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    text = {i: (logs / f"p{i}.log").read_text() for i in (1, 2)}
-    assert procs[2].returncode == 0 and procs[1].returncode == 0, text[2][-4000:] + text[1][-3000:]
-    lost = r"lost peer: .*generation-0.*going on with generation processes \[1\]"
-    assert re.search(lost, text[2]), text[2][-4000:]
-    assert "generation-1: roster epoch 1, generation processes [0] lost" in text[1]
-    return text[2]
 
 
 def _assert_every_prompt_once_and_evaluated(workdir) -> None:
@@ -508,8 +490,8 @@ def test_checkpoint_kill_resume_equals_the_uninterrupted_run(tmp_path, tmp_path_
     assert [r["step"] for r in rows] == [0, 1]
 
 
-# Extended: by default the loss runs in test_lost_generation_process_leaves_the_run_to_the_others
-# and the killed trainer's resume in multicontroller_features_test's partial-rollout run.
+# Extended: by default the loss runs in multicontroller_features_test's curriculum run and
+# the killed trainer's resume in its partial-rollout run.
 @pytest.mark.extended
 def test_a_killed_trainer_resumes_and_a_lost_generation_process_leaves_the_run_to_the_other(
     tmp_path, tmp_path_factory
