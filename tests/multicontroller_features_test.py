@@ -8,7 +8,8 @@ so the suite's two workers share them).
 
 Every case launches 2-4 processes and a one-process reference (30-90 s each on 2 shared
 cores). By default: the curriculum over dynamic sampling on 2 generation + 1 training
-processes (dynamic sampling's default case too), and partial rollout under a judge
+processes, losing generation process 0 mid-run (dynamic sampling's and a lost generation
+process's default case too), and partial rollout under a judge
 (pipeline/scoring.py) killed at a checkpoint and resumed on 2 + 1 (the default kill and
 resume across processes, and the judge's run across processes); the other topologies of
 each are `-m extended`.
@@ -81,10 +82,11 @@ _CURRICULUM = {
 }
 
 
+# The curriculum's default case is the run below that loses a generation process.
 @pytest.mark.parametrize(
     "processes, generation",
     [
-        (3, 2),  # 2 generation + 1 training process: bit for bit
+        pytest.param(3, 2, marks=_EXT),  # 2 generation + 1 training process: bit for bit
         pytest.param(4, 2, marks=_EXT),  # 2 + 2: each trainer publishes its own outcomes
     ],
 )
@@ -103,23 +105,8 @@ def test_the_curriculum_across_processes_gives_the_one_process_parameters(
     rows = _like_one_process(processes, generation, _CURRICULUM, keys, tmp_path, tmp_path_factory)
     assert sum(r["curriculum_passed"] for r in rows) > 0  # prompts passed over
     assert sum(r["groups_skipped"] for r in rows) > 0  # dynamic sampling's refills ran
-    # (the curriculum's one end-to-end run, so its accounting is checked here too): the
-    # consumed log (the same in both runs) lists every prompt the pipeline dealt once per
-    # epoch, passed over or not.
-    one = _ONE_PROCESS_DIR[("stream_async", *sorted(_CURRICULUM.items()))]
-    consumed = read_jsonl(str(one / "consumed.jsonl"))
-    counts = collections.Counter(p for r in consumed for p in r["prompt_ids"])
-    epochs = sum(counts.values()) // _CURRICULUM["data.train_size"]
-    assert len(counts) == _CURRICULUM["data.train_size"], counts  # a whole epoch dealt
-    assert max(counts.values()) > 1, counts  # and part of the next
-    assert all(epochs <= n <= epochs + 1 for n in counts.values()), counts
 
 
-# A lost generation process under the curriculum over dynamic sampling (2 + 1): passed
-# alone (twice, 43 s), but in a full suite run on 2026-12-07 the trainer stalled after the
-# loss (generation process 1 generated process 0's 6 requests again; the trainer held 2
-# ready groups and made no progress for 121 s): a stall to find, so -m extended until then.
-@_EXT
 def test_the_curriculum_across_processes_survives_a_lost_generation_process(
     tmp_path, tmp_path_factory
 ):
@@ -134,7 +121,9 @@ def test_the_curriculum_across_processes_survives_a_lost_generation_process(
     # them. The run ends with the one-process run's parameters bit for bit (a sample
     # depends only on weights, prompt and seed, whichever process makes it), its passes,
     # skips, refill draws and samples step by step, its consumed prompts, and the lost
-    # process's held-out prompts scored too.
+    # process's held-out prompts scored too. (A loss while process 1 settles a batch,
+    # waiting for the verdicts of exactly the groups it must make again, once stalled
+    # here: test_a_lost_processs_groups_are_generated_again_while_a_batch_settles.)
     settings = {**_CURRICULUM, "eval.num_problems": 4}
     want = _one_process("stream_async", tmp_path_factory, **settings)
     one = _ONE_PROCESS_DIR[("stream_async", *sorted(settings.items()))]
@@ -158,7 +147,6 @@ def test_the_curriculum_across_processes_survives_a_lost_generation_process(
     epochs = sum(counts.values()) // _CURRICULUM["data.train_size"]
     assert len(counts) == _CURRICULUM["data.train_size"], counts  # a whole epoch dealt
     assert max(counts.values()) > 1, counts  # and part of the next
-    assert all(epochs <= n <= epochs + 1 for n in counts.values()), counts
     assert all(epochs <= n <= epochs + 1 for n in counts.values()), counts
 
 

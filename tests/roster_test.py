@@ -9,6 +9,7 @@ driver generating them again under their own version.
 
 import queue
 import threading
+import time
 import types
 
 import numpy as np
@@ -243,3 +244,61 @@ def test_groups_generated_again_while_waiting_for_weights_finish_before_the_swap
         collector.join(5)
     assert service.swaps == [(2, 0)]
     assert driver.version == 2 and driver.pending() == 0
+
+
+class _SettleOnTheLostGroups:
+    """A rollout whose batch settles only once the lost process's groups it hands back
+    (as the roster watcher would, while the driver settles) were submitted: dynamic
+    sampling's wait for every group's verdict, when the lost process made some."""
+
+    def __init__(self, share, service, lost):
+        self.share, self.service, self.lost = share, service, lost
+        self.settled = False
+
+    def draw(self, batch):
+        return []
+
+    def open(self, batch, requests):
+        return requests
+
+    def returned(self, sample):
+        return Returned(sample, [])
+
+    def settle(self, batch, submit, stopped):
+        self.share.pending = {0: self.lost}  # the loss is applied while the batch settles
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not stopped():
+            if {r.request_id for r in self.lost} <= self.service.submitted:
+                self.settled = True
+                return
+            time.sleep(0.02)
+
+
+def test_a_lost_processs_groups_are_generated_again_while_a_batch_settles():
+    # The stall of the curriculum over dynamic sampling across processes: generation
+    # process 0 lost while process 1's driver waited for batch 0's verdicts, the groups
+    # it must generate again were queued but generated only before the next batch,
+    # which the wait for exactly their verdicts never reached (the trainer waited 300 s).
+    service = _SlowService()
+    service.submitted = set()
+    submit = service.submit
+
+    def record(requests, instances=None):
+        service.submitted |= {r.request_id for r in requests}
+        submit(requests, instances)
+
+    service.submit = record
+    share = _Again(0, [])
+    share.pending = {}
+    lost = _requests(0, groups=1, members=2)
+    rollout = _SettleOnTheLostGroups(share, service, lost)
+    plan = DriverPlan(schedule=ASYNC, start=0, steps=1, loaded_version=0, held_out=(), timeout=30)
+    latch = FailureLatch("test")
+    driver = GenerationDriver(
+        service, rollout, types.SimpleNamespace(plan=lambda b, r: (r, None)), _WaitingWeights(),
+        share, Requests(2, 4, None, 0, False), lambda s: None, latch, plan,
+    )  # fmt: skip
+    service.driver = driver
+    driver._drive(types.SimpleNamespace(run=lambda b: None))
+    assert latch.error is None
+    assert rollout.settled

@@ -16,7 +16,8 @@ thread draining it (DESIGN.md §4).
   evaluation of W_steps when evaluation is on.
 * **again**: a `Share` may hand back requests of batches already drawn that this
   process owns now (a lost generation process's, `processes/roster_share.py`);
-  `regenerate()` (the driver thread, or the owner's once it has ended) generates them
+  `regenerate()` (the driver thread: before each batch, while it waits for weights
+  and while the rollout settles a batch; the owner's once it has ended) generates them
   under their batch's version W_{g(b)} (`Weights.kept`), swapping it in and back only
   when the service holds another.
 * **collector**: each finished sample, the moment it completes, goes to the rollout
@@ -249,9 +250,7 @@ class GenerationDriver:
                 self._plan_and_submit(b, self.rollout.open(b, requests))
                 hooks.run(b)
                 self.rollout.settle(
-                    b,
-                    lambda prompts, first, b=b: self._refill(b, prompts, first),
-                    self._stop.is_set,
+                    b, lambda prompts, first, b=b: self._refill(b, prompts, first), self._settling
                 )
             self._final_evaluation()
         except BaseException as e:  # noqa: BLE001 - reported to the owner
@@ -265,6 +264,14 @@ class GenerationDriver:
     def _plan_and_submit(self, b: int, requests: list[GenerationRequest]) -> None:
         requests, self._instances = self.live.plan(b, requests)
         self._submit(requests, self._instances)
+
+    def _settling(self) -> bool:
+        """The rollout's `stopped` while it settles a batch, polled as it waits: a lost
+        process's groups handed back meanwhile are generated again here, for the batch
+        may wait on exactly those (dynamic sampling waits for every group's verdict, and
+        the lost process's groups get theirs only once this process generates them)."""
+        self.regenerate()
+        return self._stop.is_set()
 
     def _refill(self, b: int, prompts: list[Prompt], first: int) -> None:
         """A batch's further prompts (dynamic sampling), as groups first.., under the

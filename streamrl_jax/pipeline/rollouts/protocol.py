@@ -163,7 +163,9 @@ class Rollout(Protocol):
     def settle(self, batch: int, submit: Submit, stopped: Callable[[], bool]) -> None:
         """After batch b is submitted, before the next batch is drawn or other weights
         load: the batch's refills, if any, through `submit`. Returns early once
-        `stopped()`."""
+        `stopped()`; a kind that waits here polls `stopped()` as it waits (at most
+        every half second: the driver generates a lost process's groups again in
+        it, which the wait may need)."""
 
     def returned(self, sample: Sample) -> Returned:
         """A sample the service returned (the collector thread): a training sample, or a
