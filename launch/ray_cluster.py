@@ -9,7 +9,8 @@ Each process of the program is a Ray actor in its own bundle of one placement gr
 directory; the same path must hold the code on every node), with the environment
 `launch/local.py` gives (`local.process_env`): STREAMRL_COORDINATOR (the node of the first
 training process, which serves the coordination service, and a free port there),
-STREAMRL_NUM_PROCESSES, STREAMRL_PROCESS_ID, STREAMRL_GENERATION_PROCESSES, STREAMRL_HOST
+STREAMRL_NUM_PROCESSES, STREAMRL_PROCESS_ID, STREAMRL_GENERATION_PROCESSES,
+STREAMRL_SCORING_PROCESSES (`-s`: the last S serve the run's judge), STREAMRL_HOST
 (the actor's node IP) and PYTHONUNBUFFERED=1, on top of the actor's own environment
 (Ray's: on a GPU node its CUDA_VISIBLE_DEVICES) and of this driver's STREAMRL_*
 variables. The run secret: STREAMRL_AUTHKEY or STREAMRL_AUTHKEY_FILE when set here,
@@ -31,7 +32,8 @@ bounded too and a stall names the process (exit 1). `--restart_generation K`: a
 generation process that fails while a training process still runs is started again,
 `--restart_delay_s` later, in the same actor if it lives, else in a new actor in the
 same bundle: the same command, environment and process id, so it rejoins the run
-(docs/multicontroller.md, "Losing a process"); at most K restarts over the run.
+(docs/multicontroller.md, "Losing a process"); at most K restarts over the run
+(`--restart_scoring K`: the same for a scoring process).
 `--pids_file PATH` writes `{process id: [pid, role, host (its STREAMRL_HOST), actor pid]}`.
 """
 
@@ -165,7 +167,7 @@ class _Process:
     """The driver's view of one process of the program."""
 
     id: int
-    role: str  # "gen" | "train"
+    role: str  # "gen" | "train" | "score"
     actor: ray.actor.ActorHandle
     node: str = ""
     actor_pid: int = 0
@@ -199,7 +201,8 @@ class Program:
         # loopback, as under launch/local.py (Ray itself uses the host's routable address).
         self.loopback = local_ray
         self.n, self.g = args.num_processes, args.generation_processes
-        self.restarts = args.restart_generation
+        self.s = args.scoring_processes
+        self.restarts = {"gen": args.restart_generation, "score": args.restart_scoring}
         self.pg = placement_group([dict(resources)] * self.n, strategy=args.strategy)
         self._remote = ray.remote(ProcessActor)
         self.procs: list[_Process] = []
@@ -231,7 +234,10 @@ class Program:
         what = f"process {p.id}'s actor (bundle {p.id})"
         node, p.actor_pid = _get(p.actor.node.remote(), what)
         p.node = "127.0.0.1" if self.loopback else node
-        env = {**self.env, **local.process_env(p.id, self.n, self.g, self.coordinator, p.node)}
+        env = {
+            **self.env,
+            **local.process_env(p.id, self.n, self.g, self.coordinator, p.node, self.s),
+        }
         try:
             p.pid = _get(p.actor.start.remote(self.command, env, self.args.cwd), what)
         except ray.exceptions.RayTaskError as e:  # e.g. no such command or directory there
@@ -254,7 +260,8 @@ class Program:
         except LaunchError as e:
             raise LaunchError(f"{e}; the cluster has {ray.available_resources()} free") from None
         self.procs = [
-            _Process(i, "gen" if i < self.g else "train", self._actor(i)) for i in range(self.n)
+            _Process(i, local.role_name(i, self.n, self.g, self.s), self._actor(i))
+            for i in range(self.n)
         ]
         first = self.procs[self.g]  # the first training process serves the coordination service
         what = f"process {self.g}'s actor (bundle {self.g})"
@@ -298,11 +305,12 @@ class Program:
     def restart(self, p: _Process) -> None:
         """Process `p` again, same id and environment (so it rejoins the run): in its actor
         if that lives, else in a new actor in its bundle (on whichever node Ray placed it)."""
-        self.restarts -= 1
+        self.restarts[p.role] -= 1
         delay = self.args.restart_delay_s
+        what = {"gen": "generation", "score": "scoring"}[p.role]
         print(
-            f"[launch] generation process {p.id} failed ({p.why}); restarting it in "
-            f"{delay:.0f} s ({self.restarts} restart(s) left)",
+            f"[launch] {what} process {p.id} failed ({p.why}); restarting it in "
+            f"{delay:.0f} s ({self.restarts[p.role]} restart(s) left)",
             flush=True,
         )
         time.sleep(delay)
@@ -320,8 +328,8 @@ class Program:
         while any(p.returncode is None for p in self.procs):
             self.poll()
             failed = [p for p in self.procs if p.returncode]
-            training = any(p.returncode is None for p in self.procs[self.g :])
-            if failed and failed[0].role == "gen" and self.restarts > 0 and training:
+            training = any(p.returncode is None for p in self.procs[self.g : self.n - self.s])
+            if failed and self.restarts.get(failed[0].role, 0) > 0 and training:
                 self.restart(failed[0])
                 continue
             if failed:

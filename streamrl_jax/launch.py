@@ -203,7 +203,7 @@ class _Place(NamedTuple):
     """Where this process sits in the run, and what it shows."""
 
     name: str | None  # names its log file (None: the one process of a run)
-    role: str | None  # "generation" | "training" (None: both, or not known yet)
+    role: str | None  # "generation" | "training" | "scoring" (None: both, or not known yet)
     layout: str | None  # the processes, in words, for the summary (None: one process)
     speaks: bool  # shows the summary and the closing lines (one process of a program)
 
@@ -216,7 +216,9 @@ def _place(dcfg: DistributedConfig | None) -> _Place:
     if dcfg.process_id is None:  # JAX finds the processes itself (Cloud TPU): each speaks
         return _Place(f"{socket.gethostname()}-{os.getpid()}", None, None, True)
     role, g, n = dcfg.role_of(dcfg.process_id), dcfg.generation_processes, dcfg.num_processes
-    layout = f"{n} processes ({g} generation, {n - g} training), a log file each"
+    s = dcfg.scoring_processes
+    scoring = f", {s} scoring" if s else ""
+    layout = f"{n} processes ({g} generation, {n - g - s} training{scoring}), a log file each"
     return _Place(f"p{dcfg.process_id}-{role}", role, layout, dcfg.process_id == g)
 
 
@@ -361,8 +363,14 @@ def main(argv: list[str]) -> None:
     logging.info("CPUs this process may use: %s", sorted(os.sched_getaffinity(0)))
 
     mesh = cfg.mesh
-    judge = cfg.judge.devices if cfg.judge.model else 0  # the scoring mesh: where ingest runs
-    per_role = {"generation": mesh.generate_devices, "training": mesh.train_devices + judge}
+    judge = cfg.judge.devices if cfg.judge.model else 0  # the scoring mesh
+    # (where ingest runs, unless scoring processes serve the judge)
+    here = 0 if dcfg is not None and dcfg.scoring_processes else judge
+    per_role = {
+        "generation": mesh.generate_devices,
+        "training": mesh.train_devices + here,
+        "scoring": judge,
+    }
     wanted = per_role.get(place.role, mesh.generate_devices + mesh.train_devices + judge)
     if _DEVICES.value:
         jax.config.update("jax_num_cpu_devices", wanted if _DEVICES.value < 0 else _DEVICES.value)

@@ -457,7 +457,21 @@ def test_a_tampered_frame_is_never_delivered_and_loses_its_peer_by_name():
         (dict(coordinator_address="h:1", num_processes=2, process_id=2), r"process_id .* \[0, 1\]"),
         (
             dict(coordinator_address="h:1", num_processes=3, process_id=0, generation_processes=3),
-            r"generation_processes .* \[1, 2\], got 3",
+            r"generation_processes .* \[1, 2\] \(at least one training process\), got 3",
+        ),
+        (
+            dict(
+                coordinator_address="h:1",
+                num_processes=3,
+                process_id=0,
+                generation_processes=2,
+                scoring_processes=1,
+            ),
+            r"\[1, 1\] \(at least one training process\), got 2 with 1 scoring process",
+        ),
+        (
+            dict(coordinator_address="h:1", num_processes=3, process_id=0, scoring_processes=-1),
+            r"STREAMRL_SCORING_PROCESSES\) must be >= 0, got -1",
         ),
         (
             dict(coordinator_address="h:1", num_processes=3, process_id=0, generation_processes=0),
@@ -512,6 +526,24 @@ def test_assign_roles_groups_devices_by_process():
     assert [d.id for d in r.training_devices] == [2, 3, 4, 5]
     with pytest.raises(ValueError, match="process 3 has no devices"):
         roles.assign_roles(0, 4, 1, devices)
+    # The last S processes score (the judge's own processes); at least one trains.
+    r = roles.assign_roles(2, 3, 1, devices, scoring_processes=1)
+    assert r.role == "scoring" and r.training_processes == (1,) and r.scoring_processes == (2,)
+    assert [d.id for d in r.scoring_devices] == [4, 5]
+    assert [d.id for d in r.training_devices] == [2, 3]
+    with pytest.raises(ValueError, match=r"\[1, 0\] \(at least one training process\)"):
+        roles.assign_roles(0, 3, 1, devices, scoring_processes=2)
+    scoring = roles.DistributedConfig.from_env(
+        {
+            "STREAMRL_COORDINATOR": "10.0.0.1:1234",
+            "STREAMRL_NUM_PROCESSES": "4",
+            "STREAMRL_PROCESS_ID": "3",
+            "STREAMRL_SCORING_PROCESSES": "1",
+            "STREAMRL_AUTHKEY": "k" * 16,
+        }
+    )
+    roles_of = [scoring.role_of(i) for i in range(4)]
+    assert roles_of == ["generation", "training", "training", "scoring"]
 
 
 # ---------------------------------------------------------------------- launch

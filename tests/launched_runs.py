@@ -134,17 +134,23 @@ def _like_one_process(processes, generation, settings, keys, tmp_path, tmp_path_
 
 
 def _spawn(
-    processes, generation, workdir, logs, config="quickstart.py", **overrides
+    processes, generation, workdir, logs, config="quickstart.py", scoring=0, **overrides
 ) -> list[subprocess.Popen]:
-    coordinator = f"127.0.0.1:{local.free_port()}"
+    """The program's processes started one by one (`generation` generate, the last
+    `scoring` score), process i's output in `logs/p<i>.log`."""
+    envs = _envs(processes, generation, scoring)
     return [
-        _start(
-            local.child_env(i, processes, generation, coordinator, "test-key-" + "0" * 24),
-            workdir,
-            logs / f"p{i}.log",
-            config,
-            **overrides,
-        )
+        _start(env, workdir, logs / f"p{i}.log", config, **overrides) for i, env in enumerate(envs)
+    ]
+
+
+def _envs(processes, generation, scoring=0) -> list[dict[str, str]]:
+    """Each process's STREAMRL_* variables (a free coordinator port, the tests' run key):
+    `_start` with one of them starts that process (again: a restarted one)."""
+    coordinator = f"127.0.0.1:{local.free_port()}"
+    key = "test-key-" + "0" * 24
+    return [
+        local.child_env(i, processes, generation, coordinator, key, scoring)
         for i in range(processes)
     ]
 
@@ -167,12 +173,14 @@ def _start(child_env, workdir, log, config="quickstart.py", **overrides) -> subp
 _CKPT = {"checkpoint.every": 1}
 
 
-def _launched(processes, generation, workdir, **overrides):
-    """The launch command in `processes` processes (`launch/local.py`) or in one."""
+def _launched(processes, generation, workdir, scoring=0, **overrides):
+    """The launch command in `processes` processes (`launch/local.py`; the last `scoring`
+    score) or in one."""
     cmd = _launch_cmd(workdir, **{"pipeline.mode": "stream_async"}, **_CKPT, **overrides)
     if processes > 1:
         launcher = [sys.executable, str(REPO / "launch" / "local.py"), "--timeout_s", "240"]
-        cmd = [*launcher, "-n", str(processes), "-g", str(generation), "--", *cmd]
+        counts = ["-n", str(processes), "-g", str(generation), "-s", str(scoring)]
+        cmd = [*launcher, *counts, "--", *cmd]
     run = _run(cmd)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
     return run.stdout + run.stderr

@@ -17,6 +17,7 @@ each are `-m extended`.
 
 import collections
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -26,12 +27,14 @@ from launched_runs import (
     _ONE_PROCESS_DIR,
     _assert_params_match,
     _assert_resumed_like_one_process,
+    _envs,
     _kill_the_trainer_at,
     _launched,
     _like_one_process,
     _lose_generation_0,
     _one_process,
-    _spawn,
+    _start,
+    _wait_for_line,
 )
 
 from streamrl_jax import pipeline as run_lib
@@ -191,35 +194,60 @@ _JUDGE = {
 
 
 def test_partial_rollout_across_processes_resumes_a_killed_run_exactly(tmp_path, tmp_path_factory):
-    # 2 generation + 1 training processes, partial rollout under a judge scored as a stage
-    # of the stream (pipeline/scoring.py, in the training process), a checkpoint every
-    # step: each generation process writes its share of the work carried into round k
-    # (paused samples, finished members of incomplete groups) before it reports round
-    # k - 1 (processes/carried.py). The trainer is SIGKILLed once checkpoint 3 is on disk
-    # (the generation processes then fail naming it: the default case of a killed
-    # trainer), with samples of later batches usually waiting in the scoring stage (the
-    # checkpoint logs how many; how many is timing). The same command resumes, the
-    # generation processes take their carried work back, what waited in the stage is
-    # generated and judged again, and the run ends with the uninterrupted one-process
-    # run's parameters bit for bit, every step's prompts consumed and rewards as there.
-    # (Partial rollout and the judge share one launch: each launch costs its processes'
-    # start-up, most of such a test.)
+    # 2 generation + 1 training + 1 scoring process, partial rollout under a judge scored
+    # as a stage of the stream (pipeline/scoring.py: the training process's stage sends
+    # its forwards to the scoring process, which holds the judge:
+    # pipeline/processes/scoring.py), a checkpoint every step: each generation process
+    # writes its share of the work carried into round k (paused samples, finished
+    # members of incomplete groups) before it reports round k - 1 (processes/carried.py).
+    # * The scoring process is SIGKILLed once the trainer has sent W_1 (a forward may be
+    #   in flight) and started again with the same command and id: it loads the judge
+    #   again and publishes a new address; the trainer sends it what was unanswered
+    #   (distributed/judge_channel.py).
+    # * The trainer is SIGKILLed once checkpoint 3 is on disk (the generation and
+    #   scoring processes then fail naming it: the default case of a killed trainer),
+    #   with samples of later batches usually waiting in the scoring stage (the
+    #   checkpoint logs how many; how many is timing). The same command resumes, the
+    #   generation processes take their carried work back, what waited in the stage is
+    #   generated and judged again.
+    # The run ends with the uninterrupted one-process run's parameters bit for bit, every
+    # step's prompts consumed and rewards as there: the verdicts do not depend on which
+    # process computes them, nor on the losses. (Partial rollout, the judge and its
+    # process share one launch: each launch costs its processes' start-up, most of such
+    # a test.)
     run = {**_PARTIAL, **_JUDGE, "pipeline.steps": 5}
     settings = {**run, **_CKPT}
     want = _one_process("stream_async", tmp_path_factory, **settings)
     one = _ONE_PROCESS_DIR[("stream_async", *sorted(settings.items()))]
     workdir, logs = tmp_path / "run", tmp_path / "logs"
     logs.mkdir()
-    procs = _spawn(3, 2, workdir, logs, **{"pipeline.mode": "stream_async"}, **settings)
-    _kill_the_trainer_at(3, procs, workdir, logs)
-    for i in (0, 1):  # both generation processes fail, naming the trainer
-        text = (logs / f"p{i}.log").read_text()
+    envs = _envs(4, 2, scoring=1)
+    mode = {"pipeline.mode": "stream_async"}
+    procs = [
+        _start(env, workdir, logs / f"p{i}.log", **mode, **settings) for i, env in enumerate(envs)
+    ]
+    try:
+        _wait_for_line(logs / "p2.log", "weights v1", procs)
+        os.killpg(procs[3].pid, signal.SIGKILL)
+        procs[3].wait(timeout=30)
+        _wait_for_line(logs / "p2.log", "lost a scoring process", procs[:3])
+        procs[3] = _start(envs[3], workdir, logs / "p3-again.log", **mode, **settings)
+    except BaseException:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        raise
+    _kill_the_trainer_at(3, procs, workdir, logs, waits=(0, 1, 3))
+    again = (logs / "p3-again.log").read_text()
+    assert "scoring-0: judge tiny served at" in again and "(restarted)" in again, again[-3000:]
+    for i, log in ((0, "p0.log"), (1, "p1.log"), (3, "p3-again.log")):
+        text = (logs / log).read_text()  # each fails, naming the trainer
         assert procs[i].returncode != 0 and "lost training" in text, text[-4000:]
     assert sorted(os.listdir(workdir / "carried" / "3")) == [
         "generation-0.json",
         "generation-1.json",
     ]
-    log = _launched(3, 2, workdir, **run)
+    log = _launched(4, 2, workdir, scoring=1, **run)
     _assert_resumed_like_one_process(workdir, want, exact=True, log=log)
     assert "restored" in log and "carried into round" in log, log[-4000:]
     rows = read_jsonl(str(workdir / "consumed.jsonl"))

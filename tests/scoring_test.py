@@ -358,6 +358,17 @@ def test_judge_settings_that_do_not_combine_are_refused():
         config_lib.check(cfg, Processes(total=2, generation=1))
     with pytest.raises(ConfigError, match="judge.mode"):
         config_lib.validate(tiny_config(judge__model="tiny", judge__mode="later"))
+    # Scoring processes serve a judge, as a stage.
+    three = Processes(total=3, generation=1, scoring=1)
+    config_lib.check(tiny_config(judge__model="tiny"), three)
+    with pytest.raises(ConfigError, match=r"need judge.model \(got ''\).*1 scoring"):
+        config_lib.check(tiny_config(), three)
+    with pytest.raises(ConfigError, match="judge.mode='stage' \\(got 'blocking'\\)"):
+        config_lib.check(tiny_config(judge__model="tiny", judge__mode="blocking"), three)
+    with pytest.raises(ValueError, match="generation \\+ scoring < total"):
+        Processes(total=3, generation=2, scoring=1)
+    with pytest.raises(ValueError, match="no generation or scoring processes"):
+        Processes(total=1, generation=0, scoring=1)
 
 
 def test_a_run_with_a_judge_adds_its_verdicts_and_reports_the_stage(tmp_path):

@@ -491,19 +491,28 @@ class Processes:
         whose number is known only once they join (`jax.distributed` auto-detection).
       generation: processes 0 .. G-1 generate, the others train (`distributed/roles.py`);
         0 in one process.
+      scoring: the last S processes score with the run's judge (`judge.model`); 0: the
+        judge, if any, runs in each training process (always in one process).
     """
 
     total: int | None
     generation: int
+    scoring: int = 0
 
     def __post_init__(self):
-        if self.total == 1 and self.generation != 0:
-            raise ValueError(f"one process has no generation processes, got {self.generation}")
+        if self.total == 1 and (self.generation, self.scoring) != (0, 0):
+            raise ValueError(
+                f"one process has no generation or scoring processes, got {self.generation} "
+                f"and {self.scoring}"
+            )
         if self.total != 1 and not (
-            self.generation >= 1 and (self.total is None or self.generation < self.total)
+            self.generation >= 1
+            and self.scoring >= 0
+            and (self.total is None or self.generation + self.scoring < self.total)
         ):
             raise ValueError(
-                f"{self.total} processes need 1 <= generation < total, got {self.generation}"
+                f"{self.total} processes need 1 <= generation and generation + scoring < "
+                f"total, got {self.generation} and {self.scoring}"
             )
 
     @classmethod
@@ -518,18 +527,20 @@ class Processes:
     @property
     def training(self) -> int | None:
         """Training processes; None while the total is not known."""
-        return None if self.total is None else self.total - self.generation
+        return None if self.total is None else self.total - self.generation - self.scoring
 
     def __str__(self) -> str:
         if not self.several:
             return "1 process"
-        where = "(STREAMRL_NUM_PROCESSES, STREAMRL_GENERATION_PROCESSES)"
+        where = "(STREAMRL_NUM_PROCESSES, STREAMRL_GENERATION_PROCESSES"
+        where += ", STREAMRL_SCORING_PROCESSES)" if self.scoring else ")"
+        scoring = f" and {self.scoring} scoring" if self.scoring else ""
         if self.total is None:
-            return f"several processes, {self.generation} generating {where}"
-        return (
-            f"{self.total} processes, {self.generation} generating and {self.training} "
-            f"training {where}"
-        )
+            return f"several processes, {self.generation} generating{scoring} {where}"
+        roles = f"{self.generation} generating, {self.training} training{scoring}"
+        if not self.scoring:
+            roles = f"{self.generation} generating and {self.training} training"
+        return f"{self.total} processes, {roles} {where}"
 
 
 def check(cfg: ExperimentConfig, processes: Processes) -> ExperimentConfig:
@@ -551,6 +562,13 @@ def check(cfg: ExperimentConfig, processes: Processes) -> ExperimentConfig:
     """
     validate(cfg)
     p, sc, n = cfg.pipeline, cfg.scheduling, processes
+    j = cfg.judge
+    require(
+        not n.scoring or (j.model and j.mode == "stage" and not cfg.learners),
+        f"{n.scoring} scoring process(es) serve the run's judge as a stage of the stream: "
+        f"they need judge.model (got {j.model!r}) with judge.mode='stage' (got {j.mode!r}) "
+        f"and no learners (got {len(cfg.learners)}); this run has {n}",
+    )
     if cfg.learners and n.several:
         return _check_learners_across(cfg, n)
     if not n.several:

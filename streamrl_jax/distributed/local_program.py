@@ -5,14 +5,15 @@ What `launch/local.py` (the command line) and the main job's stage processes
 
 * each child's environment (`child_env`): STREAMRL_COORDINATOR (127.0.0.1:<free port>),
   STREAMRL_NUM_PROCESSES, STREAMRL_PROCESS_ID, STREAMRL_GENERATION_PROCESSES,
-  STREAMRL_HOST=127.0.0.1 (`streamrl_jax.distributed.roles` reads them) and
-  STREAMRL_AUTHKEY, a fresh random run secret unless the user set STREAMRL_AUTHKEY or
-  STREAMRL_AUTHKEY_FILE (in the environment, which other users cannot read, never on a
-  command line);
+  STREAMRL_SCORING_PROCESSES, STREAMRL_HOST=127.0.0.1 (`streamrl_jax.distributed.roles`
+  reads them) and STREAMRL_AUTHKEY, a fresh random run secret unless the user set
+  STREAMRL_AUTHKEY or STREAMRL_AUTHKEY_FILE (in the environment, which other users cannot
+  read, never on a command line);
 * `supervise`: the children's output relayed line by line (each child's own prefix),
   a failed child stops the others (SIGTERM to its process group, SIGKILL after the
   grace period) and the program exits with its code (128 + signal for a signal), a
-  generation child may be restarted (it rejoins the run), a timeout bounds the whole.
+  generation or scoring child may be restarted (it rejoins the run), a timeout bounds
+  the whole.
 """
 
 from __future__ import annotations
@@ -37,7 +38,12 @@ def free_port() -> int:
 
 
 def process_env(
-    i: int, n: int, generation: int, coordinator: str, host: str = "127.0.0.1"
+    i: int,
+    n: int,
+    generation: int,
+    coordinator: str,
+    host: str = "127.0.0.1",
+    scoring: int = 0,
 ) -> dict[str, str]:
     """The variables that make a child process `i` of the program, on top of its own
     environment (`streamrl_jax.distributed.roles` reads them); `launch/ray_cluster.py`
@@ -47,9 +53,15 @@ def process_env(
         "STREAMRL_NUM_PROCESSES": str(n),
         "STREAMRL_PROCESS_ID": str(i),
         "STREAMRL_GENERATION_PROCESSES": str(generation),
+        "STREAMRL_SCORING_PROCESSES": str(scoring),
         "STREAMRL_HOST": host,
         "PYTHONUNBUFFERED": "1",
     }
+
+
+def role_name(i: int, n: int, generation: int, scoring: int = 0) -> str:
+    """Process i's role as the launchers print it: gen, train or score."""
+    return "gen" if i < generation else "score" if i >= n - scoring else "train"
 
 
 def run_secret() -> str | None:
@@ -61,12 +73,12 @@ def run_secret() -> str | None:
 
 
 def child_env(
-    i: int, n: int, generation: int, coordinator: str, authkey: str | None
+    i: int, n: int, generation: int, coordinator: str, authkey: str | None, scoring: int = 0
 ) -> dict[str, str]:
     env = dict(os.environ)
     if authkey is not None:
         env["STREAMRL_AUTHKEY"] = authkey
-    env.update(process_env(i, n, generation, coordinator))
+    env.update(process_env(i, n, generation, coordinator, scoring=scoring))
     return env
 
 
@@ -107,9 +119,12 @@ def supervise(
     pids_file: str = "",
     port: int = 0,
     say: Callable[[str], None] = lambda line: print(line, flush=True),
+    scoring: int = 0,
+    restart_scoring: int = 0,
 ) -> int:
     """Runs child i = `commands[i]` as process i of an n-process program (the first
-    `generation` generate) until every child exits; returns the program's exit status.
+    `generation` generate, the last `scoring` score) until every child exits; returns
+    the program's exit status.
 
     Args:
       prefixes: each child's output prefix ("" relays its lines as they are).
@@ -119,6 +134,7 @@ def supervise(
       timeout_s: bound on the whole run (exit 124); 0 = none.
       restart_generation: restart a generation child that fails while a training child
         still runs (the same command and environment: it rejoins), at most this often.
+      restart_scoring: the same for a scoring child (`scoring`: the last children).
       pids_file: write {process id: [pid, role]} here once every child is started.
       port: the coordinator's port (0: a free one).
       say: where the supervisor's own lines go.
@@ -133,7 +149,7 @@ def supervise(
         cpus = affinity[i] if affinity is not None else None
         proc = subprocess.Popen(
             list(commands[i]),
-            env=child_env(i, n, generation, coordinator, authkey),
+            env=child_env(i, n, generation, coordinator, authkey, scoring),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # own process group: a stop reaches its children too
@@ -146,14 +162,14 @@ def supervise(
 
     def write_pids() -> None:
         if pids_file:
-            pids = {i: [p.pid, "gen" if i < generation else "train"] for i, p in enumerate(procs)}
+            pids = {i: [p.pid, role_name(i, n, generation, scoring)] for i, p in enumerate(procs)}
             with open(pids_file + ".tmp", "w", encoding="utf-8") as f:
                 json.dump(pids, f)
             os.replace(pids_file + ".tmp", pids_file)
 
     procs = [start(i) for i in range(n)]
     write_pids()
-    restarts = restart_generation
+    restarts = {"gen": restart_generation, "score": restart_scoring}
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -164,13 +180,15 @@ def supervise(
     try:
         while [p.poll() for p in procs].count(None):  # poll every child: sets returncode
             failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode]
-            training = any(p.poll() is None for p in procs[generation:])
-            if failed and failed[0][0] < generation and restarts > 0 and training:
+            training = any(p.poll() is None for p in procs[generation : n - scoring])
+            role = role_name(failed[0][0], n, generation, scoring) if failed else ""
+            if failed and restarts.get(role, 0) > 0 and training:
                 i, rc = failed[0]
-                restarts -= 1
+                restarts[role] -= 1
+                what = {"gen": "generation", "score": "scoring"}[role]
                 say(
-                    f"[launch] generation process {i} failed (rc {rc}); restarting it in "
-                    f"{restart_delay_s:.0f} s ({restarts} restart(s) left)"
+                    f"[launch] {what} process {i} failed (rc {rc}); restarting it in "
+                    f"{restart_delay_s:.0f} s ({restarts[role]} restart(s) left)"
                 )
                 time.sleep(restart_delay_s)
                 procs[i] = start(i)

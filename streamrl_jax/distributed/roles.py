@@ -1,4 +1,5 @@
-"""Process roles of a multi-controller run: the first processes generate, the rest train.
+"""Process roles of a multi-controller run: the first processes generate, the next train,
+the last S (if any) score with the run's judge.
 
 One JAX multi-controller program (`jax.distributed`, no Pathways): every
 process runs the same entry point, `initialize(DistributedConfig.from_env())`
@@ -13,6 +14,9 @@ Environment variables (explicit arguments win, then these, then SLURM's):
   this process's id;
 * `STREAMRL_GENERATION_PROCESSES`: processes `0 .. G-1` generate, the rest
   train (default 1);
+* `STREAMRL_SCORING_PROCESSES`: the last S processes score: each serves the run's judge
+  (`judge.model`) to the training processes (`pipeline/processes/scoring.py`; default 0:
+  the judge runs in each training process);
 * `STREAMRL_HEARTBEAT_TIMEOUT_S` (10), `STREAMRL_INIT_TIMEOUT_S` (120),
   `STREAMRL_SHUTDOWN_TIMEOUT_S` (10): `jax.distributed` timeouts;
 * `STREAMRL_CPU_COLLECTIVES`: `jax_cpu_collectives_implementation` (default
@@ -33,12 +37,12 @@ JAX's defaults wait 100 s (heartbeat) and 300 s (shutdown) before a lost
 process is reported; the short defaults here make a dead peer an error within
 seconds (DESIGN.md §5).
 
-**Surviving a lost generation process.** Every process sets
+**Surviving a lost generation or scoring process.** Every process sets
 `jax_enable_recoverability` before joining, so JAX does not abort the others when
 one process dies and a process restarted with the same id joins again (measured on
 jax 0.10.2: docs/multicontroller.md, "Losing a process"); the shutdown barrier then
 waits only for the processes still there. The coordination service must outlive
-every generation process, so with explicit ids (`launch/local.py`, SLURM) the first
+every generation and scoring process, so with explicit ids (`launch/local.py`, SLURM) the first
 training process serves it at `STREAMRL_COORDINATOR` (`_serve_coordination`: JAX
 itself would start it on process 0, a generation process; that process's own
 service is bound to a spare loopback port nobody dials). Only auto-detection (Cloud
@@ -62,12 +66,13 @@ from absl import logging
 from streamrl_jax.distributed import compile_cache, keys
 from streamrl_jax.distributed.peers import is_loopback, parse_address
 
-Role = Literal["generation", "training"]
+Role = Literal["generation", "training", "scoring"]
 
 ENV_COORDINATOR = "STREAMRL_COORDINATOR"
 ENV_NUM_PROCESSES = "STREAMRL_NUM_PROCESSES"
 ENV_PROCESS_ID = "STREAMRL_PROCESS_ID"
 ENV_GENERATION_PROCESSES = "STREAMRL_GENERATION_PROCESSES"
+ENV_SCORING_PROCESSES = "STREAMRL_SCORING_PROCESSES"
 ENV_HEARTBEAT_TIMEOUT_S = "STREAMRL_HEARTBEAT_TIMEOUT_S"
 ENV_INIT_TIMEOUT_S = "STREAMRL_INIT_TIMEOUT_S"
 ENV_SHUTDOWN_TIMEOUT_S = "STREAMRL_SHUTDOWN_TIMEOUT_S"
@@ -87,8 +92,9 @@ class DistributedConfig:
         `num_processes` and `process_id` None lets JAX auto-detect (TPU).
       num_processes: processes in the program (>= 2: one of each role).
       process_id: this process's id.
-      generation_processes: processes `0 .. G-1` have role "generation"; the
-        other `N - G` have role "training"; 1 <= G <= N - 1.
+      generation_processes: processes `0 .. G-1` have role "generation"; 1 <= G.
+      scoring_processes: the last S processes, `N-S .. N-1`, have role "scoring"; the
+        other `N - G - S` (at least one) have role "training".
       heartbeat_timeout_s: seconds without heartbeats after which JAX declares
         a process dead (and the others fail instead of waiting).
       initialization_timeout_s: seconds to wait for every process to join.
@@ -106,6 +112,7 @@ class DistributedConfig:
     num_processes: int | None = None
     process_id: int | None = None
     generation_processes: int = 1
+    scoring_processes: int = 0
     heartbeat_timeout_s: int = 10
     initialization_timeout_s: int = 120
     shutdown_timeout_s: int = 10
@@ -155,11 +162,19 @@ class DistributedConfig:
                 raise ValueError(f"distributed: {name} must be >= 1 s, got {getattr(self, name)}")
 
     def check_generation_processes(self, num_processes: int) -> None:
-        g = self.generation_processes
-        if not 1 <= g <= num_processes - 1:
+        """Raises ValueError unless `num_processes` hold G >= 1 generation, S >= 0
+        scoring and at least one training process."""
+        g, s = self.generation_processes, self.scoring_processes
+        if s < 0:
+            raise ValueError(
+                f"distributed: scoring_processes ({ENV_SCORING_PROCESSES}) must be >= 0, got {s}"
+            )
+        if not 1 <= g <= num_processes - 1 - s:
             raise ValueError(
                 f"distributed: generation_processes ({ENV_GENERATION_PROCESSES}) must be in "
-                f"[1, num_processes - 1] = [1, {num_processes - 1}], got {g}"
+                f"[1, num_processes - scoring_processes - 1] = [1, {num_processes - 1 - s}] "
+                f"(at least one training process), got {g}"
+                + (f" with {s} scoring process(es)" if s else "")
             )
 
     @classmethod
@@ -182,6 +197,7 @@ class DistributedConfig:
             ("num_processes", ENV_NUM_PROCESSES),
             ("process_id", ENV_PROCESS_ID),
             ("generation_processes", ENV_GENERATION_PROCESSES),
+            ("scoring_processes", ENV_SCORING_PROCESSES),
             ("heartbeat_timeout_s", ENV_HEARTBEAT_TIMEOUT_S),
             ("initialization_timeout_s", ENV_INIT_TIMEOUT_S),
             ("shutdown_timeout_s", ENV_SHUTDOWN_TIMEOUT_S),
@@ -203,7 +219,15 @@ class DistributedConfig:
         return cls(**kw)
 
     def role_of(self, process_id: int) -> Role:
-        return "generation" if process_id < self.generation_processes else "training"
+        """The role of `process_id` (the program's size known: not auto-detected)."""
+        if process_id < self.generation_processes:
+            return "generation"
+        if (
+            self.num_processes is not None
+            and process_id >= self.num_processes - self.scoring_processes
+        ):
+            return "scoring"
+        return "training"
 
 
 def _int(env: Mapping[str, str], var: str) -> int:
@@ -235,31 +259,46 @@ class Roles:
     generation_devices: tuple[Any, ...]  # jax.Device of every generation process
     training_devices: tuple[Any, ...]
     rejoined: bool = False  # a restarted process joining a run already under way
+    scoring_processes: tuple[int, ...] = ()  # the judge's processes (last of the program)
+    scoring_devices: tuple[Any, ...] = ()
 
 
 def assign_roles(
-    process_id: int, num_processes: int, generation_processes: int, devices: Sequence[Any]
+    process_id: int,
+    num_processes: int,
+    generation_processes: int,
+    devices: Sequence[Any],
+    scoring_processes: int = 0,
 ) -> Roles:
     """Splits `devices` (e.g. `jax.devices()`) by the role of their `process_index`."""
-    cfg = DistributedConfig(generation_processes=generation_processes)
+    cfg = DistributedConfig(
+        generation_processes=generation_processes, scoring_processes=scoring_processes
+    )
     cfg.check_generation_processes(num_processes)
     gen = tuple(range(generation_processes))
-    train = tuple(range(generation_processes, num_processes))
+    train = tuple(range(generation_processes, num_processes - scoring_processes))
+    score = tuple(range(num_processes - scoring_processes, num_processes))
     by_role = {
-        "generation": tuple(d for d in devices if d.process_index in gen),
-        "training": tuple(d for d in devices if d.process_index in train),
+        name: tuple(d for d in devices if d.process_index in pids)
+        for name, pids in (("generation", gen), ("training", train), ("scoring", score))
     }
     for pid in range(num_processes):
         if not any(d.process_index == pid for d in devices):
             raise ValueError(f"distributed: process {pid} has no devices")
     return Roles(
-        role=cfg.role_of(process_id),
+        role="generation"
+        if process_id in gen
+        else "scoring"
+        if process_id in score
+        else "training",
         process_id=process_id,
         num_processes=num_processes,
         generation_processes=gen,
         training_processes=train,
         generation_devices=by_role["generation"],
         training_devices=by_role["training"],
+        scoring_processes=score,
+        scoring_devices=by_role["scoring"],
     )
 
 
@@ -306,16 +345,21 @@ def initialize(cfg: DistributedConfig) -> Roles:
     rejoined = _rejoining(cfg)
     cfg.check_generation_processes(jax.process_count())
     roles = assign_roles(
-        jax.process_index(), jax.process_count(), cfg.generation_processes, jax.devices()
+        jax.process_index(),
+        jax.process_count(),
+        cfg.generation_processes,
+        jax.devices(),
+        cfg.scoring_processes,
     )
     roles = dataclasses.replace(roles, rejoined=rejoined)
     logging.info(
-        "process %d/%d: %s (%d generation, %d training devices)",
+        "process %d/%d: %s (%d generation, %d training%s devices)",
         roles.process_id,
         roles.num_processes,
         roles.role,
         len(roles.generation_devices),
         len(roles.training_devices),
+        f", {len(roles.scoring_devices)} scoring" if roles.scoring_processes else "",
     )
     return roles
 

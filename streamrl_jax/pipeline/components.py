@@ -46,7 +46,7 @@ from streamrl_jax.pipeline import datasets, warmup
 from streamrl_jax.pipeline.meshes import make_meshes, role_meshes, scoring_mesh
 from streamrl_jax.rewards import judge as judge_lib
 from streamrl_jax.rewards.base import RewardFn
-from streamrl_jax.rewards.judge import Judge
+from streamrl_jax.rewards.judge import Judge, Scorer
 from streamrl_jax.rewards.sandbox import Limits
 from streamrl_jax.trainer import state as state_lib
 from streamrl_jax.trainer.state import TrainState
@@ -116,7 +116,7 @@ class Components:
     prompts: PromptPipeline
     eval_prompts: list[Prompt]
     warmup: dict[str, float] = dataclasses.field(default_factory=dict)  # its figures, if run
-    judge: Judge | None = None  # the reward model on the scoring mesh (`judge.model`)
+    judge: Scorer | None = None  # the reward model on the scoring mesh (`judge.model`)
 
 
 def describe_model(cfg: ExperimentConfig) -> Description:
@@ -295,6 +295,7 @@ def build_training(
     held_out: bool = True,
     warm: bool = True,
     base_from: ExperimentConfig | None = None,
+    judge: Scorer | None = None,
 ) -> Components:
     """The components of a training process: no generation service; W_0 goes out
     through `make_weight_sync(params, generate_dtype)` (it sends to the generation
@@ -303,7 +304,9 @@ def build_training(
     spans them all; `held_out=False`: this one scores no held-out prompts (the first
     training process does); `base_from`: a learner's run across processes
     (`processes/learners.py`), whose adapters start on the frozen base of this config's
-    (the first learner's), as in one process (`learners.build`)."""
+    (the first learner's), as in one process (`learners.build`); `judge`: the run's judge
+    when it is served from elsewhere (scoring processes: `judge_channel.RemoteJudge`),
+    else it is loaded here when the run has one."""
     eval_set, train_set = datasets.datasets(cfg)
     meshes = role_meshes(cfg, devices, "training", processes)
     logging.info(
@@ -324,6 +327,7 @@ def build_training(
         held_out=held_out,
         warm=warm,
         base=base,
+        judge=judge,
     )
 
 
@@ -366,11 +370,13 @@ def _components(
     warm: bool = False,
     base: Params | None = None,
     described: Description | None = None,
+    judge: Scorer | None = None,
 ) -> Components:
     """Trainers, prompts and W_0 through the weight sync; the generation service on
     `meshes.generate` unless `make_weight_sync` sends the weights elsewhere (other
     processes, or the service learners share); `base`: a LoRA learner's frozen base,
-    another learner's (`_training`)."""
+    another learner's (`_training`); `judge`: the run's judge served from elsewhere
+    (None: loaded on this process's scoring mesh when the run has one)."""
     d = described or describe_model(cfg)
     model_cfg, tokenizer = d.cfg, d.tokenizer
     trainer, state = learner_lib.initial_policy(cfg, d, meshes.train, base)
@@ -410,7 +416,7 @@ def _components(
         prompts=prompts,
         eval_prompts=eval_prompts if held_out else [],
         warmup=warmed,
-        judge=make_judge(cfg, scoring_mesh(cfg, meshes)) if cfg.judge.model else None,
+        judge=judge or (make_judge(cfg, scoring_mesh(cfg, meshes)) if cfg.judge.model else None),
     )
 
 

@@ -55,7 +55,7 @@ from streamrl_jax.config.sections import JudgeSection
 from streamrl_jax.metrics import Tracer
 from streamrl_jax.pipeline.micro_batches import Scored
 from streamrl_jax.pipeline.supervisor import Supervisor
-from streamrl_jax.rewards.judge import Item, Judge, Verdict
+from streamrl_jax.rewards.judge import Item, Scorer, Verdict
 from streamrl_jax.scheduling.sample_log import SampleLog
 from streamrl_jax.stream.sample_stream import StreamError
 
@@ -151,7 +151,7 @@ class Direct:
 
 
 def onward(
-    judge: Judge | None,
+    judge: Scorer | None,
     cfg: JudgeSection,
     forward: Callable[[Scored], None],
     *,
@@ -186,7 +186,7 @@ class ScoringStage:
 
     def __init__(
         self,
-        judge: Judge,
+        judge: Scorer,
         cfg: JudgeSection,
         forward: Callable[[Scored], None],
         *,

@@ -47,6 +47,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Sequence
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +93,17 @@ class Item:
     question: str
     response: str
     answer: str = ""
+
+
+class Scorer(Protocol):
+    """What the scoring stage calls (`pipeline/scoring.py`): a `Judge` here, or one served
+    from scoring processes (`distributed/judge_channel.RemoteJudge`)."""
+
+    batch: int  # samples per forward
+
+    def __call__(self, items: Sequence[Item]) -> list[Verdict]:
+        """The verdicts of `items`, in order."""
+        ...
 
 
 def buckets(max_tokens: int) -> tuple[int, ...]:

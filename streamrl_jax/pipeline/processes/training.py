@@ -58,6 +58,7 @@ from streamrl_jax.config import ExperimentConfig, sample_tokens
 from streamrl_jax.config.fields import rollout_names
 from streamrl_jax.distributed import roles
 from streamrl_jax.distributed.channel import ChannelClosed, PeerLost, TransportError
+from streamrl_jax.distributed.judge_channel import RemoteJudge
 from streamrl_jax.distributed.messages import (
     ChunkReport,
     GenerationFailed,
@@ -612,7 +613,18 @@ def run_training(
         return WeightSync(dtype, move, adapters_only=lora)
 
     t = len(r.training_processes)
+    judge = None
     try:
+        if r.scoring_processes:  # the judge is theirs: this process sends its forwards
+            judge = RemoteJudge(
+                len(r.scoring_processes),
+                cfg.judge.batch,
+                authkey=dcfg.authkey,
+                name=f"training-{link.index}",
+                timeout_s=cfg.judge.timeout_s,
+                peer_timeout_s=dcfg.peer_timeout_s,
+            )
+            judge.connect(cfg.pipeline.timeout_s)
         # The first training process scores the held-out prompts and writes the metrics;
         # another keeps its own trace and sample logs apart.
         components = components_lib.build_training(
@@ -623,6 +635,7 @@ def run_training(
             held_out=link.index == 0,
             warm=not components_lib.has_checkpoint(os.path.join(workdir, "checkpoints")),
             base_from=base_from,
+            judge=judge,
         )
         own = ownership(cfg.pipeline, t)
         mesh = components.learner.trainer.mesh
@@ -642,3 +655,10 @@ def run_training(
             logging.error("lost peer: a collective over the training processes %s failed", others)
         link.close(f"failed: training process: {e!r}", CLOSE_TIMEOUT_S)  # if the run did not
         raise
+    finally:
+        if judge is not None:
+            if judge.resent:
+                logging.warning(
+                    "%d judge forwards sent again (a scoring process lost)", judge.resent
+                )
+            judge.close(CLOSE_TIMEOUT_S)
