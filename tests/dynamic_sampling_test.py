@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import os
 import threading
+import time
 import zlib
 from unittest import mock
 
@@ -240,6 +241,68 @@ def test_generation_processes_and_trainers_decide_the_same_rounds_from_shared_ve
     with pytest.raises(RuntimeError, match="batch 1 group 1: this process judged it informative"):
         _score(trainer, 1, 1, [0.0, 1.0], "p1")  # before it read the board: checked there
         list(itertools.islice(trainer.micro_batches(1, 0), 1))
+
+
+def test_under_a_judge_the_trainers_publish_the_verdicts_the_generation_process_reads():
+    # With a judge in the reward only the training side knows which groups vary: the
+    # trainer judges the groups it receives and publishes the verdicts, the generation
+    # process (which holds no judge, so scores nothing) decides its refill rounds from
+    # them: the same rounds as above.
+    board, submitted = MemoryVerdicts(), []
+    ctx, _ = _unit()
+    trainer = DynamicSampling(
+        dataclasses.replace(ctx, where="trainer", verdicts=board, trainers_judge=True)
+    )
+    ctx.prompts.draw(0, 3)  # the step's start draws the originals (TrainingLink)
+    gctx, _ = _unit()
+    generator = DynamicSampling(
+        dataclasses.replace(gctx, where="generator", verdicts=board, trainers_judge=True)
+    )
+    for s in group_of_scores(0, 0, [0.0, 1.0], "p0"):
+        assert generator.returned(s.sample).sample is s.sample  # (nothing scored here)
+    generator.draw(0)
+    thread = threading.Thread(
+        target=generator.settle,
+        args=(0, lambda prompts, first: submitted.append(first), lambda: False),
+    )
+    thread.start()
+    for groups, rounds in (((0, 1, 2), 1), ((3, 4), 2), ((5,), 3), ((6,), 3)):
+        for g in groups:
+            _score(trainer, 0, g, _SCORES.get(f"p{g}", [1.0, 1.0]), f"p{g}")
+        deadline = time.monotonic() + 10
+        while len(submitted) < rounds and time.monotonic() < deadline:
+            time.sleep(0.01)
+    thread.join(10)
+    assert submitted == [3, 5, 6] and not thread.is_alive()
+    assert board.read(0) == {g: (g in (0, 4), f"p{g}") for g in range(7)}
+    taken = [g[0].sample.tag.group for groups in trainer.micro_batches(0, 0) for g in groups]
+    assert sorted(taken) == [0, 4]
+    assert trainer.finish(0).consumed == ["p1", "p2", "p3", "p5", "p6"]
+
+
+def test_a_refill_generated_for_another_prompt_than_the_trainer_drew_is_named():
+    # The trainer checks each refill group against the prompt its own mirror of the
+    # round drew (the prompts as the rollout drew them: a curriculum's passed-over ones
+    # are not among them), whichever comes first, the group or the mirror.
+    board = MemoryVerdicts()
+    ctx, _ = _unit()
+    trainer = DynamicSampling(dataclasses.replace(ctx, where="trainer", verdicts=board))
+    ctx.prompts.draw(0, 3)
+    for g in range(3):  # every original uniform: a round of 3 (p3, p4, p5)
+        board.publish(0, g, False, f"p{g}")
+    board.publish(0, 3, False, "elsewhere")  # generated for another prompt than p3
+    with pytest.raises(RuntimeError, match="batch 0 group 3: generated for prompt elsewhere, "):
+        list(itertools.islice(trainer.micro_batches(0, 0), 1))
+    ctx, _ = _unit(timeout_s=1.0)
+    trainer = DynamicSampling(dataclasses.replace(ctx, where="trainer", verdicts=board))
+    ctx.prompts.draw(1, 3)
+    for g in range(3):
+        board.publish(1, g, False, f"p{g}")
+    with pytest.raises(TimeoutError, match="batch 1"):  # mirrors the round, then waits
+        list(itertools.islice(trainer.micro_batches(1, 0), 1))
+    assert ctx.prompts.drawn[1] == [f"p{i}" for i in range(6)]
+    with pytest.raises(RuntimeError, match="batch 1 group 4: generated for prompt p9, the "):
+        _score(trainer, 1, 4, [1.0, 1.0], "p9")
 
 
 # One end-to-end mode by default (the policy's parts run as units above); the others are

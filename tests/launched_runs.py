@@ -102,9 +102,10 @@ def _assert_params_match(got, want, exact: bool) -> None:
     assert off <= size // OFF_FRACTION, f"{off} of {size} elements off by more than 1e-6"
 
 
-def _like_one_process(processes, generation, settings, keys, tmp_path, tmp_path_factory):
+def _like_one_process(processes, generation, settings, keys, tmp_path, tmp_path_factory, scoring=0):
     """Runs `settings` (stream_async) in `processes` processes, `generation` of them
-    generating, and checks it against the same command in one process: the parameters
+    generating (and the last `scoring` scoring), and checks it against the same command
+    in one process: the parameters
     (bit for bit with one training process, within the two-trainer tolerance with
     more), the metrics rows' `keys` per step (the trainers' float32 sums: in another
     order with several) and every step's consumed prompts (with several trainers each
@@ -113,9 +114,10 @@ def _like_one_process(processes, generation, settings, keys, tmp_path, tmp_path_
     workdir = tmp_path / "run"
     launcher = [sys.executable, str(REPO / "launch" / "local.py"), "-n", str(processes)]
     cmd = _launch_cmd(workdir, **{"pipeline.mode": "stream_async"}, **settings)
-    run = _run([*launcher, "-g", str(generation), "--timeout_s", "240", "--", *cmd])
+    counts = ["-g", str(generation), "-s", str(scoring)]
+    run = _run([*launcher, *counts, "--timeout_s", "240", "--", *cmd])
     assert run.returncode == 0, run.stdout[-6000:]
-    training = processes - generation
+    training = processes - generation - scoring
     want = _one_process("stream_async", tmp_path_factory, **settings)
     _assert_params_match(np.load(workdir / run_lib.FINAL_PARAMS), want, exact=training == 1)
     one = _ONE_PROCESS_DIR[("stream_async", *sorted(settings.items()))]

@@ -76,6 +76,34 @@ def test_dynamic_sampling_across_processes_gives_the_one_process_parameters(
     assert sum(r["groups_skipped"] for r in rows) > 0  # the refills ran
 
 
+# Dynamic sampling under a judge (the tiny random one, min_mass 0, at half weight):
+# whether a group is informative depends on the verdicts, which only the training side
+# computes, so the training processes judge the groups and publish the verdicts
+# (RolloutContext.trainers_judge). Two candidates per token (top_k 2) keep one-token
+# groups often identical (the same verdicts: skipped) and often not.
+_JUDGED = {"judge.model": "tiny", "judge.min_mass": 0.0, "judge.coef": 0.5, "generation.top_k": 2}
+
+
+# the default case: the curriculum's run that loses a generation process (under a judge)
+@pytest.mark.parametrize(
+    "processes, generation, scoring",
+    [
+        pytest.param(2, 1, 0, marks=_EXT),  # 1 + 1
+        pytest.param(4, 2, 0, marks=_EXT),  # 2 + 2: each trainer publishes its own groups'
+        pytest.param(3, 1, 1, marks=_EXT),  # 1 + 1 + 1: the judge in a scoring process
+    ],
+)
+def test_dynamic_sampling_under_a_judge_across_processes_gives_the_one_process_parameters(
+    processes, generation, scoring, tmp_path, tmp_path_factory
+):
+    keys = ("reward", "groups_skipped", "dynamic_draws", "dynamic_short", "samples")
+    settings = {**_DYNAMIC, **_JUDGED}
+    rows = _like_one_process(
+        processes, generation, settings, keys, tmp_path, tmp_path_factory, scoring=scoring
+    )
+    assert sum(r["groups_skipped"] for r in rows) > 0  # the refills ran
+
+
 _CURRICULUM = {
     "pipeline.rollout": "curriculum+dynamic_sampling",
     "generation.max_new_tokens": 1,
@@ -113,9 +141,11 @@ def test_the_curriculum_across_processes_gives_the_one_process_parameters(
 def test_the_curriculum_across_processes_survives_a_lost_generation_process(
     tmp_path, tmp_path_factory
 ):
-    # The curriculum over dynamic sampling on 2 generation + 1 training processes (the
-    # curriculum's and dynamic sampling's default case across processes, and the default
-    # case of a lost generation process: one launch for the three). Generation process 0
+    # The curriculum over dynamic sampling under a judge on 2 generation + 1 training
+    # processes (the curriculum's, dynamic sampling's and dynamic sampling under a
+    # judge's default case across processes, and the default case of a lost generation
+    # process: one launch for the four; under the judge the trainer decides which groups
+    # are informative and publishes the verdicts). Generation process 0
     # (the one JAX would host the coordination service on) is SIGKILLed as soon as the
     # trainer has sent W_0, before its first batch is in. The trainer and generation
     # process 1 go on: process 1 generates process 0's groups too (those of batches it
@@ -127,7 +157,7 @@ def test_the_curriculum_across_processes_survives_a_lost_generation_process(
     # process's held-out prompts scored too. (A loss while process 1 settles a batch,
     # waiting for the verdicts of exactly the groups it must make again, once stalled
     # here: test_a_lost_processs_groups_are_generated_again_while_a_batch_settles.)
-    settings = {**_CURRICULUM, "eval.num_problems": 4}
+    settings = {**_CURRICULUM, **_JUDGED, "eval.num_problems": 4}
     want = _one_process("stream_async", tmp_path_factory, **settings)
     one = _ONE_PROCESS_DIR[("stream_async", *sorted(settings.items()))]
     workdir = tmp_path / "run"

@@ -586,14 +586,6 @@ def check(cfg: ExperimentConfig, processes: Processes) -> ExperimentConfig:
         f"so it runs in one process; this run has {n}. Use disaggregated_batch, stream_sync "
         "or stream_async, or run one process",
     )
-    _, kind = rollout_names(p.rollout)
-    require(
-        not cfg.judge.model or kind != "dynamic_sampling",
-        f"judge.model with pipeline.rollout={p.rollout!r} across processes: the generation "
-        "processes judge which groups are informative from their own rewards, and they hold "
-        f"no judge; this run has {n}. Use pipeline.rollout='full' or run one process "
-        "(--processes=one)",
-    )
     a = cfg.algorithm
     require(
         a.sft_coef == 0 or n.training is None or a.sft_batch % n.training == 0,

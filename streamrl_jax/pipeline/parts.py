@@ -160,6 +160,7 @@ def wire(
             where=where,
             generation_processes=generation_processes,
             verdicts=verdicts,
+            trainers_judge=where == "trainer" and bool(cfg.judge.model),
             outcomes=outcomes,
         ),
         Kits(episodes=kit, agents=agents),

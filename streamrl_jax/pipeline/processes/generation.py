@@ -161,8 +161,9 @@ class GenerationProcess:
         self.kit: EpisodeKit | None = None
         self.tokenizer = side.tokenizer
         _, kind = rollout_names(cfg.pipeline.rollout)
-        # Dynamic sampling judges its groups here too (rollouts/dynamic_sampling.py).
-        if cfg.environment.name or kind == "dynamic_sampling":
+        # Dynamic sampling judges its groups here too (rollouts/dynamic_sampling.py),
+        # unless a judge's verdicts are part of the reward: the trainers judge then.
+        if cfg.environment.name or (kind == "dynamic_sampling" and not cfg.judge.model):
             self.pool = RewardPool(
                 side.reward_fn,
                 num_workers=2,
@@ -485,6 +486,7 @@ class GenerationProcess:
                 score=self._score if self.pool is not None else None,
                 verdicts=StoreVerdicts(self.board),
                 outcomes=StoreOutcomes(len(self.r.training_processes), self.board),
+                trainers_judge=bool(self.cfg.judge.model),
             ),
             Kits(episodes=self.kit, agents=self.agents),
         )

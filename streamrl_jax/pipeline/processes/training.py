@@ -394,14 +394,17 @@ class TrainingLink:
         the seeded prompt pipelines of all processes stay in step. (A resumed partial-
         rollout run also trains groups of batches before its start, carried work the
         generation processes took back from their checkpointed shares: this process
-        drew none of them, and its own draws from the start on are checked.)"""
+        drew none of them, and its own draws from the start on are checked. A batch's
+        refills, dynamic sampling's, are checked where they are drawn: the rollout's
+        mirror of the refill rounds, which sees the prompts as the rollout drew them, a
+        curriculum's passed-over ones left out.)"""
         for g in groups:
             tag = g[0].sample.tag
             if tag.batch < self._start:
                 continue
             ids = self._drawn.get(tag.batch)
             if ids is not None and tag.group >= len(ids):  # a refill (dynamic sampling)
-                ids = self._run.prompts.ids(tag.batch)
+                continue
             if ids is None or tag.group >= len(ids) or tag.prompt_id != ids[tag.group]:
                 want = (
                     "a batch it no longer keeps"

@@ -44,7 +44,11 @@ those verdicts, so every generation process draws the same prompts (and submits 
 share: `roster.py`) whatever the timing. Every sample still goes to the training process
 that owns its group, which scores and judges it again; its own verdict must equal the
 published one (else the run fails naming the group: the reward is not deterministic).
-The trainers *mirror* the rounds from the same verdicts (`_mirror`, on the trainer's
+With a judge (`judge.model`) the rewards that decide a group hold its verdicts, which
+only the training processes compute (the scoring stage, `pipeline/scoring.py`): then the
+training processes judge the groups they own and publish the verdicts instead
+(`RolloutContext.trainers_judge`), and the generation processes only read them. The
+trainers *mirror* the rounds from the same verdicts (`_mirror`, on the trainer's
 thread whenever it waits for the batch), drawing the round's missing number from their
 own prompt sources, so their prompt iterators and their record of each batch's draws
 stay the generation processes'. A refill group judged on a trainer before its round is
@@ -123,7 +127,10 @@ class DynamicSampling:
 
     def __init__(self, ctx: RolloutContext):
         p = ctx.pipeline
-        if ctx.where == "generator" and ctx.score is None:
+        # Who judges the groups across processes and publishes the verdicts: the
+        # generation processes, or with a judge in the reward the training processes.
+        self.publisher = "trainer" if ctx.trainers_judge else "generator"
+        if ctx.where == "generator" and self.publisher == "generator" and ctx.score is None:
             raise ValueError("dynamic sampling in a generation process needs RolloutContext.score")
         if ctx.where != "here" and ctx.verdicts is None:
             raise ValueError("dynamic sampling across processes needs RolloutContext.verdicts")
@@ -266,7 +273,7 @@ class DynamicSampling:
     def returned(self, sample: Sample) -> Returned:
         """A finished sample goes on as it is; in a generation process it is also scored
         here, for this process's judge (module docstring)."""
-        if self.where == "generator" and not sample.tag.is_eval:
+        if self.where == self.publisher == "generator" and not sample.tag.is_eval:
             self.ctx.score(sample).add_done_callback(self._scored_here)
         return Returned(sample, [])
 
@@ -291,6 +298,11 @@ class DynamicSampling:
             return
         members, informative = judged
         tag = members[0].sample.tag
+        if self.where == "trainer" and tag.group >= self.need:  # a refill: as mirrored?
+            with self._cv:
+                drew = self._batches[tag.batch].prompt_ids.get(tag.group, tag.prompt_id)
+            if drew != tag.prompt_id:
+                raise RuntimeError(_out_of_step(tag.batch, tag.group, tag.prompt_id, drew))
         if informative:
             with self._cv:
                 early = self.where == "trainer" and tag.group >= self._registered(tag.batch)
@@ -315,17 +327,18 @@ class DynamicSampling:
         return members, bool(np.ptp(rewards) > 0)
 
     def _record(self, members: Group, informative: bool) -> None:
-        """This process's verdict on a complete group: the batch's (published, in a
-        generation process); a training process across processes keeps its own apart
-        and checks it against the generation process's."""
+        """This process's verdict on a complete group: the batch's (published where the
+        groups are judged across processes: a generation process, or a training process
+        when a judge is part of the reward); a training process that does not publish
+        keeps its own apart and checks it against the generation process's."""
         tag = members[0].sample.tag
         b, g = tag.batch, tag.group
-        if self.where == "generator":
+        if self.where == self.publisher:
             self.verdicts.publish(b, g, informative, tag.prompt_id)
         with self._cv:
             out = self._batches[b]
             out.prompt_ids.setdefault(g, tag.prompt_id)
-            if self.where != "trainer":
+            if self.where != "trainer" or self.publisher == "trainer":
                 out.verdicts[g] = informative
                 self._cv.notify_all()
                 return
@@ -355,9 +368,13 @@ class DynamicSampling:
                 prompts = self.ctx.prompts.draw(batch, n)
                 out.draws += n
                 out.submitted += n
-                out.prompt_ids.update(
-                    (first + i, q.problem.prompt_id) for i, q in enumerate(prompts)
-                )
+                for g, q in enumerate(prompts, start=first):
+                    # What the generation processes' verdicts (or a group already here)
+                    # say the group was generated for must be what this trainer drew.
+                    claimed = out.prompt_ids.get(g)
+                    if claimed is not None and claimed != q.problem.prompt_id:
+                        raise RuntimeError(_out_of_step(batch, g, claimed, q.problem.prompt_id))
+                    out.prompt_ids[g] = q.problem.prompt_id
                 for g in range(first, out.submitted):
                     group = self._held.pop((batch, g), None)
                     if group is not None:
@@ -481,6 +498,13 @@ class DynamicSampling:
 
     def fail(self, exc: BaseException) -> None:
         del exc  # the latch's listener wakes every wait here
+
+
+def _out_of_step(batch: int, group: int, generated: str, drew: str) -> str:
+    return (
+        f"batch {batch} group {group}: generated for prompt {generated}, the trainer drew "
+        f"{drew} (prompt pipelines out of step)"
+    )
 
 
 def _disagree(batch: int, group: int, here: bool, there: bool) -> str:

@@ -148,6 +148,10 @@ class RolloutContext:
     # Across processes (the curriculum): the training processes' outcomes of each step
     # (None in one process, whose trainer observes them itself)
     outcomes: Outcomes | None = None
+    # Across processes (dynamic sampling with a judge): the training processes judge the
+    # groups, whose rewards hold the judge's verdicts, and publish the verdicts; the
+    # generation processes only read them (they hold no judge)
+    trainers_judge: bool = False
 
 
 class Rollout(Protocol):
