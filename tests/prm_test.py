@@ -73,6 +73,39 @@ def test_process_rewards_returns_and_the_implicit_loss_by_hand():
     assert (np.asarray(grad)[~mask] == 0).all()
 
 
+def test_the_leave_one_out_baseline_by_hand():
+    # Three sequences of one group (sequence 1 and 2 in row 0 as above, a third in row
+    # 1) and a fourth alone in its group: K = 3, the means m_1 = -0.25 / 3, m_2 = 0,
+    # m_3 = 0.3; each reward becomes r * 3/2 - (m_1 + m_2 + m_3) / 2. The lone
+    # sequence keeps its reward. Padding stays 0.
+    mask, seg = _loss_mask_and_segments()
+    r0 = np.asarray(prm.process_rewards(PRM, REF, mask, BETA))[0]
+    r = np.zeros((2, 10), np.float32)
+    r[0] = r0
+    r[1, [1, 2]] = [0.2, 0.4]  # sequence 3: mean 0.3
+    r[1, [5]] = [0.7]  # sequence 4, another group
+    m = np.zeros((2, 10), bool)
+    m[0] = mask[0]
+    m[1, [1, 2, 5]] = True
+    sg = np.zeros((2, 10), np.int32)
+    sg[0] = seg[0]
+    sg[1, 1:4] = 1
+    sg[1, 5:7] = 2
+    groups = np.full((2, 10), -1, np.int32)
+    groups[0, 1:9] = 7
+    groups[1, 1:4] = 7
+    groups[1, 5:7] = 3
+    got = np.asarray(prm.leave_one_out(r, m, sg, groups))
+    means = -0.25 / 3 + 0.0 + 0.3
+    want = np.where(m, r * 1.5 - means / 2, 0.0)
+    want[1, 5] = 0.7
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    # A group whose samples the PRM credits alike (constant, equal means) adds nothing.
+    flat = np.where(m, 0.5, 0.0).astype(np.float32)
+    alike = np.asarray(prm.leave_one_out(flat, m, sg, groups))
+    np.testing.assert_allclose(alike[m & (groups == 7)], 0.0, atol=1e-6)
+
+
 def _arrays(state):
     return [np.asarray(x) for x in jax.device_get(jax.tree.leaves(state.params))]
 

@@ -12,8 +12,13 @@ trained by cross-entropy against the sample's outcome label y_u = clip(reward_u,
 is its term of that sum, r_t = beta * (log pi_prm(y_t) - log pi_ref(y_t))
 (`process_rewards`); the policy's advantage at t gains coef * sum_{s >= t, s in u} r_s,
 the process rewards still to come in the sample (`returns_to_go`: gamma = 1, as PRIME's
-return). PRIME also normalises these returns over the group (leave-one-out); here they are
-added as they are, the outcome advantage (GRPO's group normalisation) unchanged.
+return), the outcome advantage (GRPO's group normalisation) unchanged. With
+`algorithm.prm_baseline="leave_one_out"` the process rewards first get PRIME's
+leave-one-out baseline over each group (`leave_one_out`, as PRIME's RLOO of its implicit
+rewards: with K samples in the group and m_j sample j's mean process reward over its
+tokens, r_t <- r_t * K / (K - 1) - sum_j m_j / (K - 1); for a sample of constant r that
+is r less the mean of the others' m), so a group whose samples the PRM credits alike adds
+nothing.
 
 A "unit" u is one sequence: a row, or a (row, segment) of a packed row (`segment_ids`),
 as every loss here counts them (`losses.py`). All functions are pure (call inside jit).
@@ -37,6 +42,38 @@ def process_rewards(
     mask_BxT = mask_BxT.astype(_F32)
     diff_BxT = prm_logp_BxT.astype(_F32) - ref_logp_BxT.astype(_F32)
     return beta * diff_BxT * mask_BxT
+
+
+def leave_one_out(
+    r_BxT: jax.Array, mask_BxT: jax.Array, segment_ids_BxT: jax.Array, group_ids_BxT: jax.Array
+) -> jax.Array:
+    """f32[B, T]: process rewards with PRIME's leave-one-out baseline (module docstring).
+
+    A group is every sequence (a row, or a (row, segment)) whose columns carry one id of
+    `group_ids_BxT`, wherever it sits in the batch; K counts its sequences with a loss
+    position. A group of one keeps its rewards. Ids are made dense in-graph (`jnp.unique`
+    with a static size, as `trainer.critic.group_whiten`): they need only be unique.
+    """
+    b, t = r_BxT.shape
+    mask_BxT = mask_BxT.astype(_F32)
+    r_BxT = r_BxT.astype(_F32) * mask_BxT
+    keys_BxT = _sequence_keys(segment_ids_BxT)
+    n_BxT = jnp.maximum(sequence_sums(mask_BxT, segment_ids_BxT)[keys_BxT], 1.0)
+    # Per column, its share of its sequence's mean reward and of its sequence (1 / n):
+    # summed over a group's columns, the sum of its sequences' means, and K.
+    _, dense = jnp.unique(group_ids_BxT.reshape(-1), size=b * t, return_inverse=True)
+    dense = dense.reshape(-1)
+
+    def over_groups(x_BxT: jax.Array) -> jax.Array:
+        sums = jax.ops.segment_sum(x_BxT.reshape(-1), dense, num_segments=b * t)
+        return sums[dense].reshape(b, t)
+
+    means_BxT = over_groups(r_BxT / n_BxT)
+    k_BxT = jnp.round(over_groups(mask_BxT / n_BxT))
+    several = k_BxT > 1.5
+    k1_BxT = jnp.where(several, k_BxT - 1.0, 1.0)
+    loo_BxT = r_BxT * k_BxT / k1_BxT - means_BxT / k1_BxT
+    return jnp.where(several, loo_BxT, r_BxT) * mask_BxT
 
 
 def returns_to_go(r_BxT: jax.Array, mask_BxT: jax.Array, segment_ids_BxT: jax.Array) -> jax.Array:

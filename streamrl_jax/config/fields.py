@@ -35,6 +35,7 @@ from streamrl_jax.config.sections import (
     OVERLONG_PROMPTS,
     PLANNERS,
     POLICY_LOSSES,
+    PRM_BASELINES,
     REMAT_POLICIES,
     REWARD_ERRORS,
     REWARD_SANDBOXES,
@@ -186,6 +187,7 @@ RULES: dict[type, dict[str, _Rule]] = {
         "sft_batch": _POSITIVE,
         "prm_coef": _NONNEG,
         **dict.fromkeys(("prm_beta", "prm_learning_rate"), _POSITIVE),
+        "prm_baseline": _one_of(PRM_BASELINES),
     },
     OptimizerSection: {
         **dict.fromkeys(("learning_rate", "eps"), _POSITIVE),

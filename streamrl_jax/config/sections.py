@@ -57,6 +57,9 @@ ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")
 POLICY_LOSSES = ("ppo_clip", "dapo")
 AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+# The implicit PRM's process rewards, before their returns reach the advantages: as they
+# are, or with PRIME's leave-one-out baseline over each group (algorithms/prm.py)
+PRM_BASELINES = ("none", "leave_one_out")
 LR_SCHEDULES = ("constant", "cosine")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("dots_attention", "minimal", "full", "none")  # = model.config's
@@ -236,6 +239,9 @@ class AlgorithmSection:
     prm_coef: float = 0.0
     prm_beta: float = 0.05
     prm_learning_rate: float = 1e-6
+    # one of PRM_BASELINES: "leave_one_out" is PRIME's (each token's process reward less
+    # the mean process reward of the group's other samples), "none" adds them as they are
+    prm_baseline: str = "none"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

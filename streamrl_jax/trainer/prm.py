@@ -41,10 +41,13 @@ def prm_loss(
 
 
 def with_process_rewards(batch: TrainBatch, prm_logp_BxT: jax.Array, cfg: TrainerConfig):
-    """`batch` with `prm_coef` times each position's process-reward return added to its
+    """`batch` with `prm_coef` times each position's process-reward return (after the
+    group's leave-one-out baseline with `prm_baseline="leave_one_out"`) added to its
     advantage (`batch.ref_logp` filled: log pi_ref)."""
     a = cfg.algorithm
     r_BxT = prm_lib.process_rewards(prm_logp_BxT, batch.ref_logp, batch.loss_mask, a.prm_beta)
+    if a.prm_baseline == "leave_one_out":
+        r_BxT = prm_lib.leave_one_out(r_BxT, batch.loss_mask, batch.segment_ids, batch.group_ids)
     rtg_BxT = prm_lib.returns_to_go(r_BxT, batch.loss_mask, batch.segment_ids)
     return batch.replace(advantages=batch.advantages + a.prm_coef * rtg_BxT)
 
