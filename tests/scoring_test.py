@@ -145,8 +145,9 @@ class FakeJudge:
     """Scores each item by its response's length / 10; records every call; optionally
     waits for `gate` or raises / fails certain responses."""
 
-    def __init__(self, batch=4, gate=None, fail=(), raise_on=()):
+    def __init__(self, batch=4, gate=None, fail=(), raise_on=(), parallel=1):
         self.batch, self.gate, self.fail, self.raise_on = batch, gate, set(fail), set(raise_on)
+        self.parallel = parallel
         self.calls: list[list[str]] = []
 
     def __call__(self, items):
@@ -204,6 +205,25 @@ def test_the_stage_judges_each_sample_once_in_arrival_order():
         assert s.reward.score == pytest.approx(0.5 + 2.0 * len(s.text) / 10)
     row = stage.pop_row()
     assert row["judge/judged"] == 10 and row["judge/masked"] == 0
+
+
+def test_a_judge_of_several_runs_forwards_side_by_side_and_hands_them_on_in_order():
+    # A judge that runs 3 forwards at once (scoring processes): the stage starts three
+    # before the first returns, and every sample still leaves in arrival order.
+    gate = threading.Event()
+    got = []
+    judge = FakeJudge(batch=1, gate=gate, parallel=3)
+    stage = _stage(judge, got.append)
+    for s in _samples(["a", "b", "c", "d"]):
+        stage.put(s)
+    _wait(lambda: len(judge.calls) == 3)  # three forwards under way, none returned
+    time.sleep(0.2)
+    assert len(judge.calls) == 3 and not got and stage.waiting() == 4
+    gate.set()
+    _wait(lambda: len(got) == 4)
+    stage.close()
+    assert [s.text for s in got] == ["a", "b", "c", "d"]
+    assert sorted(c[0] for c in judge.calls) == ["a", "b", "c", "d"]
 
 
 def test_a_slow_judge_stalls_producers_only_at_the_bound():
@@ -308,7 +328,7 @@ def test_blocking_mode_judges_in_the_callers_thread():
     for s in _samples(["a", "bb"]):
         stage.put(s)  # returns only once judged and handed on
         threads.append(len(got))
-    assert threads == [1, 2] and stage._thread is None
+    assert threads == [1, 2] and not stage._threads
     stage.close()
 
 

@@ -204,12 +204,14 @@ class _Link:
         self.channel: Channel | None = None
         self.address: str | None = None  # the published value the channel was opened to
         self.waiting: dict[int, Future[list[Verdict]]] = {}
+        self.dialing = threading.Lock()
 
 
 class RemoteJudge:
     """A training process's judge when scoring processes hold it (module docstring):
-    `batch` and `__call__(items) -> verdicts` as `rewards.judge.Judge`, one call at a
-    time (the scoring stage's thread)."""
+    `batch` and `__call__(items) -> verdicts` as `rewards.judge.Judge`; as many calls at
+    once as there are scoring processes (`parallel`: the scoring stage's threads), each
+    to its own in turn."""
 
     def __init__(
         self,
@@ -229,9 +231,10 @@ class RemoteJudge:
         self.batch, self.name, self.board = batch, name, board
         self.timeout_s, self.peer_timeout_s, self.authkey = timeout_s, peer_timeout_s, authkey
         self._links = [_Link(k) for k in range(scoring)]
+        self.parallel = scoring
         self._ids = itertools.count()
         self._next = 0  # round robin over the scoring processes
-        self._lock = threading.Lock()  # the links' channels and waiting calls
+        self._lock = threading.Lock()  # the links' channels, waiting calls and counters
         self.resent = 0  # forwards sent again after their scoring process was lost
 
     def connect(self, timeout: float) -> None:
@@ -253,6 +256,10 @@ class RemoteJudge:
     def _open(self, link: _Link, deadline: float) -> bool:
         """Dials scoring process `link.k` if it published an address this side has not
         lost (waits up to a second for one); True once the link has a channel."""
+        with link.dialing:  # one caller dials a link at a time
+            return self._dial(link, deadline)
+
+    def _dial(self, link: _Link, deadline: float) -> bool:
         if _up(link.channel):
             return True
         try:
@@ -328,12 +335,13 @@ class RemoteJudge:
           TransportError: a malformed reply (the channel fails, naming the peer).
         """
         deadline = time.monotonic() + self.timeout_s
-        fid = next(self._ids)
+        with self._lock:
+            fid, start = next(self._ids), self._next
+            self._next = (self._next + 1) % len(self._links)
         forward = _ENCODER.encode(
             Forward(fid, tuple(_Item(i.question, i.response, i.answer) for i in items))
         )
-        start, sent = self._next, 0
-        self._next = (self._next + 1) % len(self._links)
+        sent = 0
         for attempt in itertools.count():
             link = self._links[(start + attempt) % len(self._links)]
             if not self._open(link, deadline):
@@ -341,7 +349,8 @@ class RemoteJudge:
                     break
                 continue
             if sent:
-                self.resent += 1
+                with self._lock:
+                    self.resent += 1
             sent += 1
             try:
                 return self._ask(link, fid, forward, deadline)

@@ -10,7 +10,10 @@ the first for more), and hands each on to the rollout (`Rollout.scored`) with
 
 then runs `done()`, which returns a sample channel's credit: so the stage's bound
 reaches the generation processes. Samples leave in the order they came, each judged
-once.
+once. A judge that runs forwards side by side (`Scorer.parallel`: scoring processes,
+one forward each) gets that many at once, each of the forward's samples still handed on
+in order (a later forward's wait for an earlier one's; a sample's verdict does not
+depend on which samples share its forward).
 
 **Back-pressure.** At most `judge.queue` samples wait; `put` blocks while the queue is
 full (the reward pool's callback thread, and behind it the sample channel or the
@@ -114,6 +117,17 @@ class _Waiting:
     t_in: float
 
 
+@dataclasses.dataclass
+class _Forward:
+    """One forward submitted to the judge, waiting to be handed on in order."""
+
+    batch: list[_Waiting]
+    items: list[Item]
+    future: concurrent.futures.Future
+    t0: float  # the tracer's clock at its start
+    start: float  # time.monotonic() at its start
+
+
 class _Counts:
     """The stage's per-step figures (`ScoringStage.pop_row`) and its run totals."""
 
@@ -203,14 +217,21 @@ class ScoringStage:
         self._closed = False
         self._counts = _Counts()
         self._busy_s = 0.0  # seconds the judge computed (since the last row)
-        self._running = 0  # samples in the forward now running
-        # One thread runs the forwards, so a stuck one can be waited on with a deadline.
-        self._device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="judge")
+        self._running = 0  # samples in forwards not yet handed on
+        # Threads run the forwards (as many as the judge runs side by side), so a stuck
+        # one can be waited on with a deadline; forwards are handed on in order.
+        self.parallel = 1 if self.blocking else max(1, judge.parallel)
+        self._device = concurrent.futures.ThreadPoolExecutor(
+            self.parallel, thread_name_prefix="judge"
+        )
+        self._forwards: collections.deque[_Forward] = collections.deque()
+        self._taking = True  # the stage's thread may still submit forwards
         self._lock = threading.Lock()  # blocking mode: one forward at a time
-        self._thread = None
+        self._threads: list[threading.Thread] = []
         if not self.blocking:
-            self._thread = threading.Thread(target=self._run, name="scoring", daemon=True)
-            self._thread.start()
+            for target, name in ((self._run, "scoring"), (self._hand_on, "scoring-out")):
+                self._threads.append(threading.Thread(target=target, name=name, daemon=True))
+                self._threads[-1].start()
         supervisor.latch.add_listener(lambda component, exc: self._wake())
 
     # ------------------------------------------------------------------ producers
@@ -222,7 +243,10 @@ class ScoringStage:
         """
         if self.blocking:
             with self._lock:  # the reward path waits for its own verdict
-                self._judge([_Waiting(scored, done, time.monotonic())])
+                batch = [_Waiting(scored, done, time.monotonic())]
+                with self._cv:
+                    self._running += 1
+                self._hand(self._submit(batch))
             return
         t0 = time.monotonic()
         with self._cv:
@@ -250,12 +274,44 @@ class ScoringStage:
 
     # ------------------------------------------------------------------ the stage
     def _run(self) -> None:
+        """The stage's thread: forwards of what waits, up to `parallel` at once."""
         try:
             while True:
+                with self._cv:
+                    while len(self._forwards) >= self.parallel and not self._stopping():
+                        self._cv.wait(0.5)
                 batch = self._take()
                 if batch is None:
                     return
-                self._judge(batch)
+                forward = self._submit(batch)
+                with self._cv:
+                    self._forwards.append(forward)
+                    self._cv.notify_all()
+        except BaseException as e:  # noqa: BLE001 - reported to the supervisor
+            self.supervisor.fail("scoring stage", e)
+        finally:
+            with self._cv:
+                self._taking = False
+                self._cv.notify_all()
+
+    def _hand_on(self) -> None:
+        """The `scoring-out` thread: each forward's verdicts, in the order submitted."""
+        try:
+            while True:
+                with self._cv:
+                    while not self._forwards:
+                        if not self._taking or self._stopping():
+                            return
+                        self._cv.wait(0.5)
+                    if self._stopping():
+                        return  # what waits is dropped: the run is ending
+                    forward = self._forwards[0]
+                try:
+                    self._hand(forward)
+                finally:
+                    with self._cv:
+                        self._forwards.popleft()
+                        self._cv.notify_all()
         except StreamError:
             pass  # the stream already carries the first failure
         except BaseException as e:  # noqa: BLE001 - reported to the supervisor
@@ -277,18 +333,24 @@ class ScoringStage:
                 self._cv.wait(left)
             n = min(len(self._queue), self.judge.batch)
             out = [self._queue.popleft() for _ in range(n)]
-            self._running = n
+            self._running += n
             self._cv.notify_all()  # room for blocked producers
             return out
 
-    def _judge(self, batch: list[_Waiting]) -> None:
-        """Judges `batch`, hands each sample on in order, then runs its `done`."""
-        t0 = self.tracer.now()
-        start = time.monotonic()
+    def _submit(self, batch: list[_Waiting]) -> _Forward:
+        """`batch`'s forward, started."""
         items = [item_of(w.scored) for w in batch]
-        future = self._device.submit(self.judge, items)
+        t0, start = self.tracer.now(), time.monotonic()
+        return _Forward(batch, items, self._device.submit(self.judge, items), t0, start)
+
+    def _hand(self, forward: _Forward) -> None:
+        """Waits for `forward`'s verdicts (masking them past `judge.timeout_s` from its
+        start), hands each sample on in order, then runs its `done`."""
+        batch, items, future = forward.batch, forward.items, forward.future
+        t0, start = forward.t0, forward.start
         try:
-            verdicts = future.result(timeout=self.cfg.timeout_s)
+            left = max(start + self.cfg.timeout_s - time.monotonic(), 0.0)
+            verdicts = future.result(timeout=left)
             if len(verdicts) != len(batch):
                 raise ValueError(f"{len(verdicts)} verdicts for {len(batch)} samples")
         except concurrent.futures.TimeoutError:
@@ -309,7 +371,7 @@ class ScoringStage:
                 self.supervisor.tick("scoring")
         finally:
             with self._cv:
-                self._running = 0
+                self._running -= len(batch)
             for w in batch:
                 if w.done is not None:
                     w.done()
@@ -344,7 +406,7 @@ class ScoringStage:
 
     # ------------------------------------------------------------------ figures
     def waiting(self) -> int:
-        """Samples in the queue or in the forward now running."""
+        """Samples in the queue or in forwards not yet handed on."""
         with self._cv:
             return len(self._queue) + self._running
 
@@ -373,11 +435,11 @@ class ScoringStage:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=self.cfg.timeout_s + 5.0)
+        for thread in self._threads:
+            thread.join(timeout=self.cfg.timeout_s + 5.0)
         self._device.shutdown(wait=False, cancel_futures=True)
         if self.log is not None:
             with self._lock:  # (blocking mode: a reward call's forward finishes first)
                 self.log.flush()
-                if self._thread is None or not self._thread.is_alive():  # (else it still writes)
+                if not any(t.is_alive() for t in self._threads):  # (else one still writes)
                     self.log.close()

@@ -100,6 +100,7 @@ class Scorer(Protocol):
     from scoring processes (`distributed/judge_channel.RemoteJudge`)."""
 
     batch: int  # samples per forward
+    parallel: int  # forwards it runs side by side (its calls may overlap this many)
 
     def __call__(self, items: Sequence[Item]) -> list[Verdict]:
         """The verdicts of `items`, in order."""
@@ -209,6 +210,7 @@ class Judge:
         self.tokenizer, self.mesh = tokenizer, mesh
         self.template, self.rubric, self.scores = template, rubric, tuple(scores)
         self.min_mass, self.max_tokens, self.batch = min_mass, max_tokens, batch
+        self.parallel = 1  # one mesh: one forward at a time
         self.buckets = buckets(max_tokens)
         self.params = params
         self.truncated = 0
