@@ -145,3 +145,29 @@ def test_no_scoring_process_is_a_bounded_wait_naming_it():
     server.close(0.5)  # and never restarted
     with pytest.raises(TimeoutError, match="no scoring process answered a forward of 1 samples"):
         client([Item("q", "r")])
+
+
+def test_a_forward_given_up_on_leaves_the_channel_to_the_next():
+    # The first forward outlives the call's timeout (its samples are then masked by the
+    # stage); its late reply is dropped, and the next forward uses the same channel.
+    board, release = _Board(), threading.Event()
+
+    def slow_once(items):
+        if not release.is_set():
+            release.wait(10)
+        return _grade(items)
+
+    server = _server(slow_once)
+    publish_address(0, server.address, board)
+    client = _client(board, timeout_s=0.5)
+    client.connect(5)
+    try:
+        with pytest.raises(TimeoutError, match="no scoring process answered"):
+            client([Item("q", "r")])
+        release.set()
+        client.timeout_s = 10.0
+        assert client([Item("q", "rr")]) == [Verdict(0.2, 0.9, None, None)]
+        assert server.forwards == 2 and client.resent == 0
+    finally:
+        client.close(2)
+        server.close(2)

@@ -204,6 +204,7 @@ class _Link:
         self.channel: Channel | None = None
         self.address: str | None = None  # the published value the channel was opened to
         self.waiting: dict[int, Future[list[Verdict]]] = {}
+        self.late: set[int] = set()  # forwards given up on: their replies are dropped
         self.dialing = threading.Lock()
 
 
@@ -294,6 +295,7 @@ class RemoteJudge:
             return False
         with self._lock:
             link.channel, link.address = channel, value
+            link.late.clear()
         logging.info("%s: judge of scoring process %d at %s", self.name, link.k, address)
         return True
 
@@ -303,6 +305,12 @@ class RemoteJudge:
         with self._lock:
             link = next((x for x in self._links if x.channel is channel), None)
             future = None if link is None else link.waiting.pop(reply.id, None)
+            late = link is not None and future is None and reply.id in link.late
+            if late:
+                link.late.discard(reply.id)
+        if late:  # the caller gave up on it (its samples were masked): dropped
+            channel.grant(1)
+            return
         if future is None:
             raise TransportError(
                 f"{self.name}: {channel.peer} answered forward {reply.id}, never asked"
@@ -382,6 +390,9 @@ class RemoteJudge:
             channel.send(forward, timeout=max(deadline - time.monotonic(), 0.01))
             return future.result(timeout=max(deadline - time.monotonic(), 0.01))
         except TimeoutError as e:
+            with self._lock:
+                if link.waiting.pop(fid, None) is not None:  # its reply may still come
+                    link.late.add(fid)
             raise TransportTimeout(f"{self.name}: scoring process {link.k}: no reply") from e
         finally:
             with self._lock:
