@@ -302,3 +302,18 @@ def test_a_lost_processs_groups_are_generated_again_while_a_batch_settles():
     driver._drive(types.SimpleNamespace(run=lambda b: None))
     assert latch.error is None
     assert rollout.settled
+
+
+def test_a_restarted_generation_process_does_not_rejoin_a_curriculum_run():
+    # Its draws would depend on its place in the prompt pipeline since the run's start
+    # and on the prompts it passed over, which it cannot rebuild: refused by name
+    # before it dials anything (the run goes on with the processes it has).
+    from support import tiny_config
+
+    from streamrl_jax.distributed import roles
+    from streamrl_jax.pipeline.processes.generation import run_generation
+
+    cfg = tiny_config(pipeline__rollout="curriculum+dynamic_sampling")
+    r = roles.Roles("generation", 1, 3, (0, 1), (2,), (), (), rejoined=True)
+    with pytest.raises(RuntimeError, match="generation-1: restarted into a run of the curric"):
+        run_generation(cfg, "/nonexistent", roles.DistributedConfig(), r)

@@ -677,6 +677,17 @@ class GenerationProcess:
 def run_generation(
     cfg: ExperimentConfig, workdir: str, dcfg: roles.DistributedConfig, r: roles.Roles
 ) -> None:
+    if r.rejoined and "curriculum" in rollout_names(cfg.pipeline.rollout)[0]:
+        # Its draws depend on its place in the prompt pipeline counted from the run's
+        # start and on the prompts it passed over, which a restarted process cannot
+        # rebuild from what the trainer publishes (each batch's refill count): it would
+        # draw out of step. The run goes on with the generation processes it has.
+        raise RuntimeError(
+            f"generation-{r.process_id}: restarted into a run of the curriculum "
+            f"(pipeline.rollout={cfg.pipeline.rollout!r}): a restarted generation process "
+            "cannot rejoin it (its prompt draws would not be the others'); the run goes on "
+            "with the generation processes it has"
+        )
     if r.rejoined:
         try:
             outcome = roles.lookup(RUN_END_KEY, 0.1)
