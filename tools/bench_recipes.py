@@ -18,7 +18,9 @@ config's held-out problems of each `--eval_seeds` seed (`--eval_problems` of the
 LoRA run's adapters are merged by the engine as its generation side merged them.
 `--reuse=name=<workdir>` takes a finished run's checkpoints (its `points.json`, e.g. the
 project's run of `bench_vs_trl.py`) instead of running it again: it must have run the
-same config with the same overrides and budget.
+same config with the same overrides and budget. The checkpoints of the runs made here
+are removed once evaluated (the quickstart's ~1.9 GB each: two 780 s runs left 25 GB),
+unless `--keep_checkpoints` (a later `--reuse` needs them).
 
 Reports each run's curve per eval seed, its best and final accuracy, and the time each
 run needs to reach the first run's best; the last line is JSON.
@@ -50,6 +52,12 @@ _EVAL_PROBLEMS = flags.DEFINE_integer("eval_problems", 64, "Held-out problems pe
 _EVAL_SEEDS = flags.DEFINE_list("eval_seeds", [], "Held-out seeds (empty: the config's).")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/bench_recipes", "Where the runs write.")
 _QUICK = flags.DEFINE_bool("quick", False, "100 s runs, 16 problems, 2-step checkpoints.")
+_KEEP = flags.DEFINE_bool(
+    "keep_checkpoints",
+    False,
+    "Keep the runs' checkpoints after their evaluation (a later --reuse needs them; the "
+    "quickstart's are ~1.9 GB each, a 780 s run's ~12 GB).",
+)
 
 _QUICK_RUNS = ["base:", "lr4e-5:optimizer.learning_rate=4e-5"]
 
@@ -93,6 +101,11 @@ def main(argv: list[str]) -> None:
                 curve.append((round(seconds, 1), acc))
                 print(f"seed {seed} {name:>12} step {step:4d} at {seconds:7.1f} s: {acc:.3f}")
             results[name]["curves"][str(seed)] = curve
+    for name in names:  # the runs made here: their checkpoints are evaluated
+        if name not in reuse and not _KEEP.value:
+            freed = _remove_checkpoints(dirs[name])
+            gib = freed / 2**30
+            print(f"{name}: removed its checkpoints ({gib:.1f} GiB; --keep_checkpoints keeps them)")
     first = names[0]
     for seed in map(str, seeds):
         target = max(acc for _, acc in results[first]["curves"][seed])
@@ -113,6 +126,18 @@ def main(argv: list[str]) -> None:
         "load_avg": round(os.getloadavg()[0], 2),
     }
     print(json.dumps(out))
+
+
+def _remove_checkpoints(workdir: str) -> int:
+    """Deletes `workdir/checkpoints`; the bytes it held."""
+    import shutil
+
+    path = os.path.join(workdir, "checkpoints")
+    size = sum(
+        os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files
+    )
+    shutil.rmtree(path, ignore_errors=True)
+    return size
 
 
 if __name__ == "__main__":
