@@ -5,6 +5,7 @@ forward sent to its restart, a reply nobody asked for refused, and a bounded wai
 Real sockets on loopback (CURVE, the run key) in one process; the coordination
 service's board is a dict."""
 
+import math
 import threading
 import time
 
@@ -75,6 +76,10 @@ def test_verdicts_come_back_in_order_and_a_raising_judge_answers_with_failures()
         got = client(items)
         assert got == [Verdict(n / 10, 0.9, None, "a" if n % 2 else None) for n in range(1, 6)]
         assert (server.forwards, server.items) == (1, 5)
+        # A parsed verdict (what the judge wrote; no probability mass: NaN) crosses too.
+        server.judge = lambda items: [Verdict(1.0, float("nan"), None, "Score: Yes")]
+        parsed = client([Item("q", "r")])[0]
+        assert parsed.score == 1.0 and math.isnan(parsed.mass) and parsed.text == "Score: Yes"
         server.judge = lambda items: 1 / 0
         failed = client([Item("q", "r")])
         assert failed[0].score is None and "ZeroDivisionError" in failed[0].failure

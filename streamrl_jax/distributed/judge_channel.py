@@ -82,7 +82,7 @@ _Unit = Annotated[float, msgspec.Meta(ge=-1e-6, le=1.0 + 1e-6)]  # a probability
 
 class _Verdict(WireStruct, array_like=True):
     score: _Unit | None
-    mass: _Unit
+    mass: float  # a probability, or NaN (a parsed verdict's: `rewards.judge.Verdict`)
     failure: _Text | None
     text: _Text | None
 
