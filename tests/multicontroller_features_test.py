@@ -270,9 +270,15 @@ def test_partial_rollout_across_processes_resumes_a_killed_run_exactly(tmp_path,
     _kill_the_trainer_at(3, procs, workdir, logs, waits=(0, 1, 3))
     again = (logs / "p3-again.log").read_text()
     assert "scoring-0: judge tiny served at" in again and "(restarted)" in again, again[-3000:]
-    for i, log in ((0, "p0.log"), (1, "p1.log"), (3, "p3-again.log")):
+    for i, log in ((0, "p0.log"), (1, "p1.log")):
         text = (logs / log).read_text()  # each fails, naming the trainer
         assert procs[i].returncode != 0 and "lost training" in text, text[-4000:]
+    # The scoring process too, unless JAX's coordination client (the service died with
+    # the trainer) aborted it first: both come within a second of the kill, in either
+    # order (seen once in a full suite run: SIGABRT before the channel's loss).
+    text = (logs / "p3-again.log").read_text()
+    jax_abort = "JAX distributed service detected fatal errors" in text
+    assert procs[3].returncode != 0 and ("lost training" in text or jax_abort), text[-4000:]
     assert sorted(os.listdir(workdir / "carried" / "3")) == [
         "generation-0.json",
         "generation-1.json",
