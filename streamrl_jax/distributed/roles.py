@@ -219,15 +219,20 @@ class DistributedConfig:
         return cls(**kw)
 
     def role_of(self, process_id: int) -> Role:
-        """The role of `process_id` (the program's size known: not auto-detected)."""
-        if process_id < self.generation_processes:
-            return "generation"
-        if (
-            self.num_processes is not None
-            and process_id >= self.num_processes - self.scoring_processes
-        ):
-            return "scoring"
-        return "training"
+        """The role of `process_id` (scoring only once the program's size is known: not
+        under auto-detection)."""
+        n, g, s = self.num_processes, self.generation_processes, self.scoring_processes
+        return role_in(process_id, n, g, s)
+
+
+def role_in(process_id: int, num_processes: int | None, generation: int, scoring: int) -> Role:
+    """Process `process_id`'s role: the first `generation` generate, the last `scoring` of
+    `num_processes` score (None: not known yet, so none), the others train."""
+    if process_id < generation:
+        return "generation"
+    if num_processes is not None and process_id >= num_processes - scoring:
+        return "scoring"
+    return "training"
 
 
 def _int(env: Mapping[str, str], var: str) -> int:
@@ -286,11 +291,7 @@ def assign_roles(
         if not any(d.process_index == pid for d in devices):
             raise ValueError(f"distributed: process {pid} has no devices")
     return Roles(
-        role="generation"
-        if process_id in gen
-        else "scoring"
-        if process_id in score
-        else "training",
+        role=role_in(process_id, num_processes, generation_processes, scoring_processes),
         process_id=process_id,
         num_processes=num_processes,
         generation_processes=gen,

@@ -100,11 +100,6 @@ class PromptSource:
         with self._lock:
             return {b: list(ids) for b, ids in self._ids.items() if b >= k}
 
-    def ids(self, batch: int) -> list[str]:
-        """The prompt ids `batch` drew so far."""
-        with self._lock:
-            return list(self._ids.get(batch, []))
-
     def forget_below(self, k: int) -> None:
         """Batches below k are trained and checkpointed: their records go."""
         with self._lock:
