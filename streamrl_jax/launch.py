@@ -88,7 +88,8 @@ _DEVICES = flags.DEFINE_integer(
     "cpu_devices",
     -1,
     "Host CPU devices to expose when running on CPU: -1 = as many as the config's mesh "
-    "needs (mesh.generate_devices + mesh.train_devices, + judge.devices with a judge; "
+    "needs (mesh.generate_devices + mesh.train_devices, + judge.devices with a judge on "
+    "its scoring mesh; "
     "with several processes, the process's own role's count), 0 = JAX's default.",
 )
 
@@ -363,7 +364,8 @@ def main(argv: list[str]) -> None:
     logging.info("CPUs this process may use: %s", sorted(os.sched_getaffinity(0)))
 
     mesh = cfg.mesh
-    judge = cfg.judge.devices if cfg.judge.model else 0  # the scoring mesh
+    # The scoring mesh (a judge that is the generation service's tenant has none).
+    judge = cfg.judge.devices if cfg.judge.model and cfg.judge.placement == "scoring" else 0
     # (where ingest runs, unless scoring processes serve the judge)
     here = 0 if dcfg is not None and dcfg.scoring_processes else judge
     per_role = {

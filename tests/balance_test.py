@@ -140,6 +140,21 @@ def test_three_stages_name_a_scoring_bottleneck_and_infeasible_pools():
         balance.split_three_stages(3, lambda x: 1.0, lambda z: math.inf, lambda y: 1.0)
 
 
+def test_three_stages_rebalanced_from_one_steps_seconds():
+    # A run's measured seconds at its sizes, each stage as ideal data parallelism: from
+    # 2 / 1 / 1 devices at 10 / 40 / 10 s, 1 / 2 / 1 gives max(20, 20, 10) = 20 s (half
+    # the step): a generation device goes to the scorer.
+    split = balance.rebalance_three_stages((2, 1, 1), (10.0, 40.0, 10.0))
+    assert (split.gen_devices, split.score_devices, split.train_devices) == (1, 2, 1)
+    assert split.step_time == pytest.approx(20.0) and split.bottleneck != "training"
+    # Balanced already: the current split is its own answer (its prediction the measured).
+    same = balance.rebalance_three_stages((2, 2, 4), (10.0, 10.0, 10.0), units=(2, 2, 1))
+    assert (same.gen_devices, same.score_devices, same.train_devices) == (2, 2, 4)
+    assert same.step_time == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="scoring has 3 devices in units of 2"):
+        balance.rebalance_three_stages((2, 3, 1), (1.0, 1.0, 1.0), units=(1, 2, 1))
+
+
 def test_a_scorer_on_the_trainer_or_as_a_stage_never_beats_no_scorer():
     # 7B on 24 H100 at 5K: the scorer's forward (a PRM of the policy's size) over the
     # probe batch, by hand; either placement costs at least the two-stage step, and the

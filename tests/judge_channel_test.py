@@ -37,6 +37,10 @@ class _Board:
                 raise TimeoutError(key)
             return self.values[key]
 
+    def try_lookup(self, key):
+        with self.cv:
+            return self.values.get(key)
+
 
 def _grade(items):
     return [Verdict(len(it.response) / 10, 0.9, None, it.answer or None) for it in items]
@@ -176,3 +180,30 @@ def test_a_forward_given_up_on_leaves_the_channel_to_the_next():
     finally:
         client.close(2)
         server.close(2)
+
+
+def test_a_server_not_up_is_passed_at_once_while_another_serves():
+    # Round robin over two servers, one never published (a generation process lost
+    # before it served its tenant judge, pipeline/tenant.py): every forward goes to the
+    # other on its first pass over the links, never waiting on the missing address.
+    board, server = _Board(), _server(name="generation-1")
+    publish_address(1, server.address, board)
+    waits = []
+    real = board.lookup
+    board.lookup = lambda key, timeout_s: waits.append(key) or real(key, timeout_s)
+    client = RemoteJudge(
+        2, 4, authkey=KEY, name="training-0", timeout_s=10, peer_timeout_s=5, board=board,
+        serving="generation process",
+    )  # fmt: skip
+    try:
+        for n in range(1, 5):
+            assert client([Item("q", "r" * n)]) == [Verdict(n / 10, 0.9, None, None)]
+        assert server.forwards == 4 and waits == []
+    finally:
+        client.close(1)
+        server.close(1)
+    with pytest.raises(TimeoutError, match="no generation process answered"):
+        RemoteJudge(
+            1, 4, authkey=KEY, name="t", timeout_s=1, peer_timeout_s=5, board=_Board(),
+            serving="generation process",
+        )([Item("q", "r")])  # fmt: skip

@@ -8,7 +8,8 @@ so the suite's two workers share them).
 
 Every case launches 2-4 processes and a one-process reference (30-90 s each on 2 shared
 cores). By default: the curriculum over dynamic sampling on 2 generation + 1 training
-processes, losing generation process 0 mid-run (dynamic sampling's and a lost generation
+processes under a judge that is the generation service's tenant, losing generation
+process 0 mid-run (dynamic sampling's, the tenant judge's and a lost generation
 process's default case too), and partial rollout under a judge
 (pipeline/scoring.py) killed at a checkpoint and resumed on 2 + 1 (the default kill and
 resume across processes, and the judge's run across processes); the other topologies of
@@ -142,9 +143,10 @@ def test_the_curriculum_across_processes_survives_a_lost_generation_process(
     tmp_path, tmp_path_factory
 ):
     # The curriculum over dynamic sampling under a judge on 2 generation + 1 training
-    # processes (the curriculum's, dynamic sampling's and dynamic sampling under a
-    # judge's default case across processes, and the default case of a lost generation
-    # process: one launch for the four; under the judge the trainer decides which groups
+    # processes (the curriculum's, dynamic sampling's, dynamic sampling under a judge's
+    # and the judge as the generation service's tenant's default case across processes,
+    # and the default case of a lost generation process: one launch for the five; under
+    # the judge the trainer decides which groups
     # are informative and publishes the verdicts). Generation process 0
     # (the one JAX would host the coordination service on) is SIGKILLed as soon as the
     # trainer has sent W_0, before its first batch is in. The trainer and generation
@@ -157,12 +159,18 @@ def test_the_curriculum_across_processes_survives_a_lost_generation_process(
     # process's held-out prompts scored too. (A loss while process 1 settles a batch,
     # waiting for the verdicts of exactly the groups it must make again, once stalled
     # here: test_a_lost_processs_groups_are_generated_again_while_a_batch_settles.)
+    # The judge here is the generation service's tenant (judge.placement="generation",
+    # pipeline/tenant.py): each generation process serves the judge its instances hold,
+    # the trainer's scoring stage sends its forwards to them in turn, passing the lost
+    # one; the one-process run holds it on a scoring mesh of its own (the same bits).
     settings = {**_CURRICULUM, **_JUDGED, "eval.num_problems": 4}
     want = _one_process("stream_async", tmp_path_factory, **settings)
     one = _ONE_PROCESS_DIR[("stream_async", *sorted(settings.items()))]
     workdir = tmp_path / "run"
-    mode = {"pipeline.mode": "stream_async"}
-    _lose_generation_0(workdir, tmp_path, "weights v0", **mode, **settings)
+    mode = {"pipeline.mode": "stream_async", "judge.placement": "generation"}
+    trainer = _lose_generation_0(workdir, tmp_path, "weights v0", **mode, **settings)
+    assert "judge of generation process 1 at" in trainer, trainer[-3000:]
+    assert "generation-1: the judge served at" in (tmp_path / "p1.log").read_text()
     _assert_params_match(np.load(workdir / run_lib.FINAL_PARAMS), want, exact=True)
     rows = [r for r in read_jsonl(str(workdir / "metrics.jsonl")) if "reward" in r]
     ref = [r for r in read_jsonl(str(one / "metrics.jsonl")) if "reward" in r]

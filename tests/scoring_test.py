@@ -368,6 +368,43 @@ def test_a_masked_sample_is_as_if_it_never_existed():
     assert pack_small([every], sync_gate(), stats_a) is None
 
 
+def test_a_tenant_judge_gives_the_scoring_meshs_verdicts(tiny_judge_parts):
+    # judge.placement="generation" (pipeline/tenant.py): each generation instance holds
+    # the judge and runs its forwards on its own thread, in turn; on instance meshes of
+    # the scoring mesh's shape the verdicts are the same bits, probability and parsed.
+    from support import CFG, ENGINE, lively_model
+
+    from streamrl_jax import mesh as mesh_lib
+    from streamrl_jax.generation.service import GenerationService
+    from streamrl_jax.pipeline.tenant import TenantJudge
+
+    graphdef, params, _ = lively_model((0, 1))
+    meshes = mesh_lib.make_meshes(mesh_lib.MeshConfig(generate_devices=2, train_devices=1))
+    instances = mesh_lib.instance_meshes(meshes.generate)
+    items = [Item("What is 2 + 2?", "4"), Item("q", "x " * 30), Item("What?", "Yes " * 5)]
+    lively = (tiny_judge_parts[0], jax.tree.map(lambda x: 4.0 * x, tiny_judge_parts[1]),
+              *tiny_judge_parts[2:])  # fmt: skip
+    parsed = dict(verdict="parsed", verdict_tokens=8, max_tokens=96)
+    for parts, kw in ((tiny_judge_parts, dict(min_mass=0.0)), (lively, parsed)):
+        on_mesh = _judge(parts, batch=2, **kw)
+        tenant = TenantJudge(_judge(parts, batch=2, **kw), instances, timeout_s=60.0)
+        with pytest.raises(RuntimeError, match="no generation service"):
+            tenant(items)
+        with GenerationService(graphdef, params, CFG, instances, ENGINE) as sgs:
+            tenant.attach(sgs)
+            got = [tenant(items), tenant(items)]  # instance 0, then instance 1
+            assert [sgs.metrics()[i]["tenant_s"] > 0 for i in (0, 1)] == [True, True]
+        want = on_mesh(items)
+        for verdicts in got:
+            assert [(v.score, v.text, v.failure) for v in verdicts] == [
+                (v.score, v.text, v.failure) for v in want
+            ]
+            np.testing.assert_array_equal([v.mass for v in verdicts], [v.mass for v in want])
+    one = GenerationService(graphdef, params, CFG, instances[:1], ENGINE)
+    with one, pytest.raises(ValueError, match="2 judges for a service of 1 instances"):
+        tenant.attach(one)
+
+
 # ------------------------------------------------------------------ config and runs
 
 
@@ -388,10 +425,20 @@ def test_judge_settings_that_do_not_combine_are_refused():
         Processes(total=3, generation=2, scoring=1)
     with pytest.raises(ValueError, match="no generation or scoring processes"):
         Processes(total=1, generation=0, scoring=1)
+    # The judge as the generation service's tenant: a stage, and no scoring processes.
+    tenant = dict(judge__model="tiny", judge__placement="generation")
+    config_lib.check(tiny_config(**tenant), Processes(total=2, generation=1))
+    with pytest.raises(ConfigError, match="placement='generation' with judge.mode='blocking'"):
+        config_lib.check(tiny_config(judge__mode="blocking", **tenant), Processes.one())
+    with pytest.raises(ConfigError, match="1 scoring process.*placement='generation'"):
+        config_lib.check(tiny_config(**tenant), three)
+    with pytest.raises(ConfigError, match="judge.placement"):
+        config_lib.validate(tiny_config(judge__model="tiny", judge__placement="trainer"))
 
 
-def test_a_run_with_a_judge_adds_its_verdicts_and_reports_the_stage(tmp_path):
-    cfg = tiny_config(judge__model="tiny", judge__min_mass=0.0, judge__coef=0.5, pipeline__steps=2)
+def test_a_run_with_a_judge_adds_its_verdicts_and_reports_the_stage(tmp_path, monkeypatch):
+    kw = dict(judge__model="tiny", judge__min_mass=0.0, judge__coef=0.5, pipeline__steps=2)
+    cfg = tiny_config(log__final_params=True, **kw)
     run_lib.run(cfg, str(tmp_path), reward_fn=vowel_reward)
     rows = [r for r in read_jsonl(str(tmp_path / "metrics.jsonl")) if "reward" in r]
     assert len(rows) == 2
@@ -399,6 +446,14 @@ def test_a_run_with_a_judge_adds_its_verdicts_and_reports_the_stage(tmp_path):
     assert judged >= cfg.pipeline.prompts_per_step * cfg.pipeline.group_size
     assert all(r["judge/masked"] == 0 and r["judge/busy_s"] > 0 for r in rows if r["judge/judged"])
     assert 0 < rows[0]["judge/verdict"] < 1
+    # Algorithm 1 over the three stages from each step's seconds (the judge on a device of
+    # its own): a split of the run's 3 devices, never a slower step than the measured (a
+    # step whose samples were all judged before it has no scoring seconds: no split).
+    assert rows[0]["judge/busy_s"] > 0
+    for r in [r for r in rows if r["judge/busy_s"] > 0]:
+        got = [r[f"balance/{k}_devices"] for k in ("gen", "score", "train")]
+        assert sum(got) <= 3 and min(got) >= 1, r
+        assert r["balance/step_s"] <= r["balance/now_s"] * (1 + 1e-9)
     # judge.jsonl (log.judge): every judged sample's verdict once, with the reward trained
     # (the vowel reward + 0.5 x the verdict)
     lines = read_jsonl(str(tmp_path / "judge.jsonl"))
@@ -408,6 +463,28 @@ def test_a_run_with_a_judge_adds_its_verdicts_and_reports_the_stage(tmp_path):
         assert 0 <= x["verdict"] <= 1 and x["failure"] is None
         rule = vowel_reward(x["response"], {}).score
         assert x["reward"] == pytest.approx(rule + 0.5 * x["verdict"])
+    # The judge as the generation service's tenant (judge.placement="generation": its
+    # forwards on the instance's thread, pipeline/tenant.py), on an instance of the
+    # scoring mesh's shape: the same verdicts, so the same parameters bit for bit.
+    from streamrl_jax.pipeline.tenant import TenantJudge
+
+    tenant, calls = tmp_path / "tenant", []
+    real = TenantJudge.__call__
+    monkeypatch.setattr(TenantJudge, "__call__", lambda j, items: calls.append(1) or real(j, items))
+    cfg = tiny_config(log__final_params=True, judge__placement="generation", **kw)
+    run_lib.run(cfg, str(tenant), reward_fn=vowel_reward)
+    assert calls  # the tenant judged
+    got = [r for r in read_jsonl(str(tenant / "metrics.jsonl")) if "reward" in r]
+    assert sum(r["judge/judged"] for r in got) == judged
+    verdicts = {(x["step"], x["group"], x["member"]): x["verdict"] for x in lines}
+    assert {
+        (x["step"], x["group"], x["member"]): x["verdict"]
+        for x in read_jsonl(str(tenant / "judge.jsonl"))
+    } == verdicts
+    want = np.load(tmp_path / run_lib.FINAL_PARAMS)
+    params = np.load(tenant / run_lib.FINAL_PARAMS)
+    for name in want.files:
+        np.testing.assert_array_equal(params[name], want[name], name)
 
 
 def test_the_runs_judge_is_built_from_its_section():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 import numpy as np
@@ -139,6 +140,46 @@ def test_close_names_a_stalled_instance(model):
         sgs.close(timeout=0.1)
     with pytest.raises(StreamClosed):
         sgs.get(timeout=1.0)
+
+
+def test_a_tenants_work_runs_on_its_instances_thread_between_chunks(model):
+    # run_on (a judge tenant's forwards, pipeline/tenant.py): on the instance's own
+    # thread, between its decode chunks, the policy's samples unchanged; an error is the
+    # caller's; after the instance failed or the service closed, every task fails.
+    graphdef, params, _ = model
+    with GenerationService(graphdef, params, CFG, instance_meshes(1), ENGINE) as ref:
+        ref.submit(requests(4))
+        want = collect(ref, 4)
+    sgs = GenerationService(graphdef, params, CFG, instance_meshes(2), ENGINE)
+    steps = []
+    step = sgs.engines[1].step
+    sgs.engines[1].step = lambda: steps.append("chunk") or step()
+    sgs.submit(requests(4), instances=[1] * 4)
+    where = [sgs.run_on(1, lambda: steps.append("task") or threading.current_thread().name, "t")]
+    got = collect(sgs, 4)
+    assert where[0].result(TIMEOUT) == "sgs-instance-1"
+    assert "task" in steps and steps.count("chunk") >= 1
+    for i, s in want.items():
+        np.testing.assert_array_equal(got[i].response, s.response)
+    assert sgs.metrics()[1]["tenant_s"] > 0 and sgs.metrics()[0]["tenant_s"] == 0
+    with pytest.raises(ZeroDivisionError):
+        sgs.run_on(0, lambda: 1 / 0, "a bad task").result(TIMEOUT)
+    with pytest.raises(ValueError, match="unknown instance 2"):
+        sgs.run_on(2, lambda: None, "t")
+
+    def broken_step():
+        raise RuntimeError("device on fire")
+
+    sgs.engines[1].step = broken_step
+    sgs.submit(requests(1), instances=[1])
+    with pytest.raises(InstanceError, match="device on fire"):
+        sgs.get(timeout=TIMEOUT)
+    with pytest.raises(InstanceError, match="instance 1 failed"):
+        sgs.run_on(1, lambda: None, "t").result(TIMEOUT)
+    assert sgs.run_on(0, lambda: 7, "t").result(TIMEOUT) == 7  # the other instance serves
+    sgs.close(timeout=TIMEOUT)
+    with pytest.raises(StreamClosed, match="after close"):
+        sgs.run_on(0, lambda: None, "t")
 
 
 def test_sample_queue_bounds_and_closes():

@@ -1,10 +1,10 @@
 """A generative judge as a stage of the stream against the same judge called blocking in
 the reward path, and against no judge: step time, measured side by side in one run.
 
-    python tools/bench_reward_models.py --quick    # 4 steps per launch (~10 min)
+    python tools/bench_reward_models.py --quick    # 4 steps per launch (~13 min)
     python tools/bench_reward_models.py            # 8 steps per launch
 
-Three launches of the main job (`configs/quickstart.py` with `pipeline.rollout=full`: the
+Four launches of the main job (`configs/quickstart.py` with `pipeline.rollout=full`: the
 quickstart's dynamic sampling would refill fewer groups once a continuous verdict is in
 the reward, which changes the work, not its cost), one after the other on the same cores,
 as `python -m streamrl_jax.launch` runs it by default (on this 2-core CPU, one process:
@@ -18,16 +18,19 @@ compiles):
   the scoring stage, 8 per forward, while generation and training go on
   (pipeline/scoring.py);
 * `blocking`: the same judge with `judge.mode=blocking`: each sample's reward call runs the
-  judge on that sample before it returns (a reward function that calls a judge model).
+  judge on that sample before it returns (a reward function that calls a judge model);
+* `tenant`: the stage with `judge.placement=generation`: the judge a tenant of the
+  generation service, its forwards run on the generation instance's thread between
+  decode chunks, no device of its own (pipeline/tenant.py).
 
 Step time is the median over each launch's middle steps (not the first, which starts
 everything, nor the last, which has no next batch to generate beside it) of `step_s` less
 the trainer thread's compile seconds (`compile_s`: shapes seen first; the sampled
 lengths, and so the shapes, differ between launches once their rewards differ). Reports
-`stage_over_no_judge` and `blocking_over_no_judge` (the issue's goal: the stage within
-1.15 where blocking costs more), where each launch's time went (the step's generation /
-training / waiting seconds, the process's CPU seconds, the judge's busy seconds and a
-sample's seconds in the stage) and ends with one JSON line.
+`stage_over_no_judge`, `blocking_over_no_judge` and `tenant_over_no_judge` (the issue's
+goal: the stage within 1.15 where blocking costs more), where each launch's time went
+(the step's generation / training / waiting seconds, the process's CPU seconds, the
+judge's busy seconds and a sample's seconds in the stage) and ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from absl import app, flags
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_QUICK = flags.DEFINE_bool("quick", False, "4 steps per launch (~10 min).")
+_QUICK = flags.DEFINE_bool("quick", False, "4 steps per launch (~13 min).")
 _STEPS = flags.DEFINE_integer("steps", 8, "Steps per launch (without --quick).")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/bench_reward_models", "Where the runs write.")
 _JUDGE = flags.DEFINE_string("judge", "smollm2", "judge.model of the judged launches.")
@@ -58,6 +61,7 @@ _LAUNCHES = {
     "none": [],
     "stage": [*_JUDGED, "--config.judge.mode=stage"],
     "blocking": [*_JUDGED, "--config.judge.mode=blocking"],
+    "tenant": [*_JUDGED, "--config.judge.mode=stage", "--config.judge.placement=generation"],
 }
 _SHOWN = (
     "process_cpu_s",
@@ -128,6 +132,7 @@ def main(argv: list[str]) -> None:
         "steps": steps,
         "stage_over_no_judge": round(got["stage"]["step_s"] / base, 3),
         "blocking_over_no_judge": round(got["blocking"]["step_s"] / base, 3),
+        "tenant_over_no_judge": round(got["tenant"]["step_s"] / base, 3),
         "step_s": {name: round(r["step_s"], 2) for name, r in got.items()},
         "launches": got,
     }

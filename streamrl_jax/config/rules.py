@@ -115,6 +115,12 @@ def validate(cfg: ExperimentConfig) -> ExperimentConfig:
         "judge.model with learners: the scoring stage serves one policy's stream (each "
         "learner's samples would need its own stage)",
     )
+    require(
+        cfg.judge.placement == "scoring" or cfg.judge.mode == "stage",
+        "judge.placement='generation' with judge.mode='blocking': a tenant of the generation "
+        "service judges the stream's samples as a stage (blocking is the reward call's own "
+        "judge, the stage's baseline)",
+    )
     a = cfg.algorithm
     require(
         g.weight_dtype != "int8" or a.tis_cap > 0,
@@ -563,6 +569,12 @@ def check(cfg: ExperimentConfig, processes: Processes) -> ExperimentConfig:
     validate(cfg)
     p, sc, n = cfg.pipeline, cfg.scheduling, processes
     j = cfg.judge
+    require(
+        not n.scoring or j.placement == "scoring",
+        f"{n.scoring} scoring process(es) with judge.placement={j.placement!r}: the judge "
+        "is the generation service's tenant, so scoring processes would have nothing to "
+        "score (placement 'scoring' puts it there)",
+    )
     require(
         not n.scoring or (j.model and j.mode == "stage" and not cfg.learners),
         f"{n.scoring} scoring process(es) serve the run's judge as a stage of the stream: "

@@ -73,6 +73,9 @@ OBJECTIVES = ("max", "sum")
 PLANNERS = ("lpt", "groups")
 WHITENING = ("group", "none")  # trainer/critic.py
 JUDGE_MODES = ("stage", "blocking")  # pipeline/scoring.py
+# where a judge's forwards run: its own scoring mesh or scoring processes, or the
+# generation service's instances as a tenant (pipeline/tenant.py)
+JUDGE_PLACEMENTS = ("scoring", "generation")
 # rewards/judge.py: the score tokens' probabilities, or the last score the judge writes
 JUDGE_VERDICTS = ("probability", "parsed")
 # The default judge prompt (rewards/judge.py): Yes or No, read from the two tokens'
@@ -402,6 +405,10 @@ class JudgeSection:
     verdict_tokens: int = 64
     min_mass: float = 0.1  # less probability than this on the score tokens: unparsable
     mode: str = "stage"  # one of JUDGE_MODES: "stage" | "blocking" (in the reward call)
+    # one of JUDGE_PLACEMENTS: "scoring" (a scoring mesh of `devices`, or scoring
+    # processes) | "generation" (a tenant of the generation service: each instance holds
+    # the judge and runs its forwards between decode chunks, no devices of its own)
+    placement: str = "scoring"
     devices: int = 1  # the scoring mesh: devices after the generation and training ones
     batch: int = 8  # samples per judge forward
     queue: int = 64  # most samples waiting for the judge (back-pressure beyond)

@@ -209,7 +209,8 @@ class _Link:
 
 
 class RemoteJudge:
-    """A training process's judge when scoring processes hold it (module docstring):
+    """A training process's judge when scoring processes hold it (module docstring), or
+    generation processes as their service's tenant (`pipeline/tenant.py`):
     `batch` and `__call__(items) -> verdicts` as `rewards.judge.Judge`; as many calls at
     once as there are scoring processes (`parallel`: the scoring stage's threads), each
     to its own in turn."""
@@ -224,12 +225,15 @@ class RemoteJudge:
         timeout_s: float,
         peer_timeout_s: float,
         board: roles.Board = roles.PROGRAM,
+        serving: str = "scoring process",
     ):
         """`scoring`: the program's scoring processes; `batch`: samples per forward
         (`judge.batch`); `timeout_s`: the longest one call takes, a lost scoring
         process's restart included (`judge.timeout_s`); `peer_timeout_s`: the silence
-        after which a scoring process is lost (`STREAMRL_PEER_TIMEOUT_S`)."""
-        self.batch, self.name, self.board = batch, name, board
+        after which a scoring process is lost (`STREAMRL_PEER_TIMEOUT_S`); `serving`:
+        what the servers are, in messages ("generation process" where the judge is the
+        generation service's tenant: `pipeline/tenant.py`)."""
+        self.batch, self.name, self.board, self.serving = batch, name, board, serving
         self.timeout_s, self.peer_timeout_s, self.authkey = timeout_s, peer_timeout_s, authkey
         self._links = [_Link(k) for k in range(scoring)]
         self.parallel = scoring
@@ -250,27 +254,31 @@ class RemoteJudge:
             while not self._open(link, deadline):
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"{self.name}: scoring process {link.k} did not serve its judge "
+                        f"{self.name}: {self.serving} {link.k} did not serve its judge "
                         f"within {timeout:.0f} s (no {KEY}/{link.k} address)"
                     )
 
-    def _open(self, link: _Link, deadline: float) -> bool:
+    def _open(self, link: _Link, deadline: float, wait: bool = True) -> bool:
         """Dials scoring process `link.k` if it published an address this side has not
-        lost (waits up to a second for one); True once the link has a channel."""
+        lost (`wait`: up to a second for one; else only one there already); True once
+        the link has a channel."""
         with link.dialing:  # one caller dials a link at a time
-            return self._dial(link, deadline)
+            return self._dial(link, deadline, wait)
 
-    def _dial(self, link: _Link, deadline: float) -> bool:
+    def _dial(self, link: _Link, deadline: float, wait: bool) -> bool:
         if _up(link.channel):
             return True
-        try:
-            value = self.board.lookup(
-                f"{KEY}/{link.k}", min(1.0, max(deadline - time.monotonic(), 0.01))
-            )
-        except TimeoutError:
+        key = f"{KEY}/{link.k}"
+        if wait:
+            try:
+                value = self.board.lookup(key, min(1.0, max(deadline - time.monotonic(), 0.01)))
+            except TimeoutError:
+                return False
+        elif (value := self.board.try_lookup(key)) is None:
             return False
         if value == link.address:  # the lost process's own address: wait for its restart
-            time.sleep(0.1)
+            if wait:
+                time.sleep(0.1)
             return False
         address = value.split(" ", 1)[0]
         end = Endpoint(
@@ -290,13 +298,13 @@ class RemoteJudge:
                 grant=IN_FLIGHT,
             )
         except TransportError as e:
-            logging.warning("%s: scoring process %d at %s: %s", self.name, link.k, address, e)
+            logging.warning("%s: %s %d at %s: %s", self.name, self.serving, link.k, address, e)
             link.address = value  # gone already: wait for a newer address
             return False
         with self._lock:
             link.channel, link.address = channel, value
             link.late.clear()
-        logging.info("%s: judge of scoring process %d at %s", self.name, link.k, address)
+        logging.info("%s: judge of %s %d at %s", self.name, self.serving, link.k, address)
         return True
 
     # ------------------------------------------------------------------ I/O thread
@@ -319,7 +327,7 @@ class RemoteJudge:
         future.set_result([Verdict(v.score, v.mass, v.failure, v.text) for v in reply.verdicts])
 
     def _on_lost(self, channel: Channel, exc: TransportError) -> None:
-        logging.warning("%s: lost a scoring process: %s", self.name, exc)
+        logging.warning("%s: lost a %s: %s", self.name, self.serving, exc)
         self._fail_waiting(channel, exc)
 
     def _on_end(self, channel: Channel) -> None:
@@ -352,7 +360,9 @@ class RemoteJudge:
         sent = 0
         for attempt in itertools.count():
             link = self._links[(start + attempt) % len(self._links)]
-            if not self._open(link, deadline):
+            # The first pass takes a link that is up or has a new address, past a down one
+            # at once; after it, each link gets a wait (one starting, or restarting).
+            if not self._open(link, deadline, wait=attempt >= len(self._links)):
                 if time.monotonic() > deadline:
                     break
                 continue
@@ -364,9 +374,9 @@ class RemoteJudge:
                 return self._ask(link, fid, forward, deadline)
             except (PeerLost, ChannelClosed) as e:
                 logging.warning(
-                    "%s: scoring process %d lost with a forward of %d samples unanswered; "
-                    "sending it again (%s)",
+                    "%s: %s %d lost with a forward of %d samples unanswered; sending it again (%s)",
                     self.name,
+                    self.serving,
                     link.k,
                     len(items),
                     e,
@@ -374,7 +384,7 @@ class RemoteJudge:
             except TransportTimeout:
                 break
         raise TimeoutError(
-            f"{self.name}: no scoring process answered a forward of {len(items)} samples "
+            f"{self.name}: no {self.serving} answered a forward of {len(items)} samples "
             f"within judge.timeout_s={self.timeout_s:g} s ({sent} sent)"
         )
 
@@ -384,7 +394,7 @@ class RemoteJudge:
         with self._lock:
             channel = link.channel
             if channel is None or not _up(channel):
-                raise PeerLost(f"{self.name}: scoring process {link.k} is down")
+                raise PeerLost(f"{self.name}: {self.serving} {link.k} is down")
             link.waiting[fid] = future
         try:
             channel.send(forward, timeout=max(deadline - time.monotonic(), 0.01))
@@ -393,7 +403,7 @@ class RemoteJudge:
             with self._lock:
                 if link.waiting.pop(fid, None) is not None:  # its reply may still come
                     link.late.add(fid)
-            raise TransportTimeout(f"{self.name}: scoring process {link.k}: no reply") from e
+            raise TransportTimeout(f"{self.name}: {self.serving} {link.k}: no reply") from e
         finally:
             with self._lock:
                 link.waiting.pop(fid, None)

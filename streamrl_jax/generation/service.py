@@ -10,6 +10,12 @@ turn) goes to that instance, and `release` gives such a slot up. Every finished
 sample goes into one bounded `sample_queue` (the package's `Mailbox`) in
 completion order, the moment its instance's chunk returns.
 
+A **tenant** shares an instance's devices and thread: `run_on(i, fn)` runs `fn` on
+instance i's thread between two decode chunks (a judge's forward, `pipeline/tenant.py`),
+so the tenant's work and the policy's decode take turns on the instance's devices
+rather than contend for them; its future resolves to `fn`'s result or error, and a
+service that closes or fails first fails it.
+
 Failure and shutdown: an exception in an instance thread is recorded and
 raised to the consumer by its next `get` as `InstanceError` naming the
 instance; `close(timeout)` stops the threads, joins them with a timeout and
@@ -29,6 +35,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from absl import logging
@@ -46,6 +53,15 @@ class _Release:
     """An instance inbox's order to give up the slot kept for `request_id`."""
 
     request_id: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Task:
+    """A tenant's work for an instance's thread (`GenerationService.run_on`)."""
+
+    fn: Callable[[], Any]
+    future: Future
+    what: str
 
 
 class InstanceError(RuntimeError):
@@ -142,6 +158,9 @@ class GenerationService:
         ]
         self.queue = sample_queue(capacity, name)
         self._inboxes: list[collections.deque] = [collections.deque() for _ in self.engines]
+        self._tasks: list[collections.deque[_Task]] = [collections.deque() for _ in self.engines]
+        self.tenant_s = [0.0] * len(self.engines)  # seconds each instance ran tenants' work
+        self._ended: dict[int, BaseException] = {}  # instances whose thread ended: why
         self._wake = [threading.Event() for _ in self.engines]
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -215,6 +234,55 @@ class GenerationService:
         if i is not None:
             self._wake[i].set()
 
+    def run_on(self, instance: int, fn: Callable[[], Any], what: str) -> Future:
+        """Runs `fn()` on instance `instance`'s thread between two of its decode chunks
+        (module docstring: a tenant); the future holds its result or its exception.
+
+        Raises:
+          StreamClosed: the service is closed (nothing queued).
+          ValueError: an unknown instance.
+        """
+        if not 0 <= instance < len(self.engines):
+            raise ValueError(
+                f"{self.name}: {what}: unknown instance {instance!r} (the service has "
+                f"instances 0..{len(self.engines) - 1})"
+            )
+        future: Future = Future()
+        with self._lock:
+            if self._stop.is_set():
+                raise StreamClosed(f"{self.name}: {what} after close")
+            if instance in self._ended:
+                future.set_exception(self._ended[instance])
+                return future
+            self._tasks[instance].append(_Task(fn, future, what))
+        self._wake[instance].set()
+        return future
+
+    def _run_tasks(self, i: int) -> None:
+        """Instance i's queued tenant work, in order, on its thread."""
+        while True:
+            with self._lock:
+                if not self._tasks[i]:
+                    return
+                task = self._tasks[i].popleft()
+            if not task.future.set_running_or_notify_cancel():
+                continue
+            t0 = time.perf_counter()
+            try:
+                task.future.set_result(task.fn())
+            except BaseException as e:  # noqa: BLE001 - the tenant's, handed to its caller
+                task.future.set_exception(e)
+            self.tenant_s[i] += time.perf_counter() - t0
+
+    def _fail_tasks(self, i: int, exc: BaseException) -> None:
+        """Instance i's thread ended: its queued tenant work and any later fail with `exc`."""
+        with self._lock:
+            self._ended.setdefault(i, exc)
+            tasks, self._tasks[i] = list(self._tasks[i]), collections.deque()
+        for task in tasks:
+            if task.future.set_running_or_notify_cancel():
+                task.future.set_exception(exc)
+
     def get(self, timeout: float) -> Sample:
         """The next completed sample, in completion order.
 
@@ -273,13 +341,15 @@ class GenerationService:
             w.set()
 
     def metrics(self) -> dict[int, dict[str, Any]]:
-        """Per instance: tokens, busy_s, tokens_per_s, mean_occupancy, queue_length, and
-        the (time, running slots, queued, tokens) timeline of its chunks."""
+        """Per instance: tokens, busy_s, tokens_per_s, mean_occupancy, queue_length,
+        tenant_s (seconds of tenants' work), and the (time, running slots, queued, tokens)
+        timeline of its chunks."""
         out = {}
         for i, e in enumerate(self.engines):
             m = e.metrics()
             m["queue_length"] = len(self._inboxes[i]) + e.queue_length
             m["num_slots"] = e.cfg.num_slots
+            m["tenant_s"] = self.tenant_s[i]
             out[i] = m
         return out
 
@@ -325,6 +395,7 @@ class GenerationService:
                         engine.release(r.request_id)
                     else:
                         engine.submit([r], enqueue_time=t)
+                self._run_tasks(i)
                 if not engine.has_work():
                     wake.wait(self.poll_s)
                     wake.clear()
@@ -337,6 +408,13 @@ class GenerationService:
                         # Full: wait for the consumer; closed or failed: nobody will take it.
                         if self._stop.is_set() or self.queue.closed or self.queue.error is not None:
                             return
+                        # A consumer held up behind a tenant (a judge's verdicts) is freed.
+                        self._run_tasks(i)
         except BaseException as e:  # noqa: BLE001 - reported to the consumer, never swallowed
             logging.exception("%s: instance %d failed", self.name, i)
             self.queue.fail(e, f"generation instance {i}")
+            self._fail_tasks(
+                i, InstanceError(f"{self.name}: generation instance {i} failed: {e!r}")
+            )
+        finally:
+            self._fail_tasks(i, StreamClosed(f"{self.name}: instance {i} stopped"))

@@ -44,6 +44,7 @@ from streamrl_jax.model.loader import Description, describe
 from streamrl_jax.model.tokenizer import Tokenizer
 from streamrl_jax.pipeline import datasets, warmup
 from streamrl_jax.pipeline.meshes import make_meshes, role_meshes, scoring_mesh
+from streamrl_jax.pipeline.tenant import TenantJudge
 from streamrl_jax.rewards import judge as judge_lib
 from streamrl_jax.rewards.base import RewardFn
 from streamrl_jax.rewards.judge import Judge, Scorer
@@ -69,6 +70,9 @@ class GenerationParts:
     abstract_params: Params  # the params' shapes and dtypes (what a weight header declares)
     # the tokenizer's decode: the engines read requests' stop strings with it
     detokenize: Callable[[Sequence[int]], str] | None = None
+    # the judge as the service's tenant (`judge.placement="generation"`): attached to
+    # every service built here (`pipeline/tenant.py`)
+    tenant: TenantJudge | None = None
 
     def service(
         self,
@@ -97,6 +101,8 @@ class GenerationParts:
         )
         if len(params) > 1:
             service.update_weights(list(params), version)
+        if self.tenant is not None:
+            self.tenant.attach(service)
         return service
 
 
@@ -209,8 +215,9 @@ def generation_parts(
     generate_mesh: Mesh,
     adapters: int = 0,
 ) -> GenerationParts:
-    """Instance meshes, engine configs and weight shardings of the generation side;
-    `adapters`: the engines' LoRA adapter slots (several learners: one each)."""
+    """Instance meshes, engine configs and weight shardings of the generation side, and
+    the judge where it is the service's tenant (`judge.placement`); `adapters`: the
+    engines' LoRA adapter slots (several learners: one each)."""
     gen_dtype = cfg.model.generate_dtype
     gen_cfg = model_cfg.replace(
         param_dtype=gen_dtype, dtype=gen_dtype, remat="dots_attention", sequence_parallel=False
@@ -221,6 +228,10 @@ def generation_parts(
         dataclasses.replace(engine_config(cfg, tokenizer, slots), adapters=adapters)
         for slots in cfg.mesh.instance_slots
     ]
+    tenant = None
+    if cfg.judge.model and cfg.judge.placement == "generation":
+        judge = make_judge(cfg, instances[0])
+        tenant = TenantJudge(judge, instances, cfg.judge.timeout_s)
     return GenerationParts(
         model_cfg=gen_cfg,
         graphdef=gen_graphdef,
@@ -229,6 +240,7 @@ def generation_parts(
         param_shardings=[sharding.state_shardings(abstract, m, "generate") for m in instances],
         abstract_params=abstract,
         detokenize=tokenizer.decode,
+        tenant=tenant,
     )
 
 
@@ -416,8 +428,22 @@ def _components(
         prompts=prompts,
         eval_prompts=eval_prompts if held_out else [],
         warmup=warmed,
-        judge=judge or (make_judge(cfg, scoring_mesh(cfg, meshes)) if cfg.judge.model else None),
+        judge=judge or _judge(cfg, meshes, parts),
     )
+
+
+def _judge(
+    cfg: ExperimentConfig, meshes: mesh_lib.Meshes, parts: GenerationParts | None
+) -> Scorer | None:
+    """This process's judge: none, the generation service's tenant, or one on the
+    scoring mesh (`judge.placement`)."""
+    if not cfg.judge.model:
+        return None
+    if cfg.judge.placement == "generation":
+        if parts is None:
+            raise ValueError("a tenant judge without a generation side: the caller's to serve")
+        return parts.tenant
+    return make_judge(cfg, scoring_mesh(cfg, meshes))
 
 
 def make_judge(cfg: ExperimentConfig, mesh: Mesh) -> Judge:

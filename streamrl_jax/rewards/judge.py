@@ -207,6 +207,11 @@ class Judge:
             ) from None
         if max_tokens < 64:
             raise UserError(f"judge.max_tokens={max_tokens} must be >= 64")
+        self._built = dict(
+            graphdef=graphdef, tokenizer=tokenizer, template=template, rubric=rubric,
+            scores=scores, min_mass=min_mass, max_tokens=max_tokens, batch=batch,
+            model_cfg=model_cfg, verdict=verdict, verdict_tokens=verdict_tokens,
+        )  # fmt: skip
         self.tokenizer, self.mesh = tokenizer, mesh
         self.template, self.rubric, self.scores = template, rubric, tuple(scores)
         self.min_mass, self.max_tokens, self.batch = min_mass, max_tokens, batch
@@ -226,6 +231,20 @@ class Judge:
         else:
             raise UserError(f"judge.verdict={verdict!r}: one of 'probability', 'parsed'")
         self._pad = tokenizer.pad_id
+
+    def on(self, mesh: Mesh) -> Judge:
+        """This judge with its params on `mesh` (another mesh of this one's shape and axis
+        names: a generation instance's, `pipeline/tenant.py`), so the same bits."""
+        if mesh.devices.shape != self.mesh.devices.shape or mesh.axis_names != self.mesh.axis_names:
+            raise ValueError(
+                f"Judge.on: a mesh of shape {dict(mesh.shape)} for a judge on "
+                f"{dict(self.mesh.shape)}"
+            )
+        params = jax.tree.map(
+            lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, x.sharding.spec)),
+            self.params,
+        )
+        return Judge(params=params, mesh=mesh, **self._built)
 
     # ------------------------------------------------------------------ prompts
     def _render(self, item: Item, response: str) -> list[int]:

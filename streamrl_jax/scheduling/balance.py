@@ -185,6 +185,33 @@ def split_three_stages(
     return best, candidates
 
 
+def rebalance_three_stages(
+    sizes: tuple[int, int, int],
+    seconds: tuple[float, float, float],
+    units: tuple[int, int, int] = (1, 1, 1),
+) -> ThreeStageSplit:
+    """Algorithm 1 over three stages at run time: each stage's measured seconds for one
+    global batch at its current devices (`sizes`: generation, scoring, training),
+    extrapolated as ideal data parallelism, T(n) = T * n0 / n (what the elastic rule
+    assumes by default), and the split of the same devices that minimises the step
+    (`split_three_stages`). Its prediction at the current sizes is the measured step.
+
+    Raises:
+      ValueError: a size or unit below 1, or a size not a multiple of its unit.
+    """
+    for name, n, u in zip(("generation", "scoring", "training"), sizes, units, strict=True):
+        if u < 1 or n < u or n % u:
+            raise ValueError(f"rebalance_three_stages: {name} has {n} devices in units of {u}")
+    p_gen, p_score, p_train = (
+        (lambda n, t=t, n0=n0: t * n0 / n) for t, n0 in zip(seconds, sizes, strict=True)
+    )
+    best, _ = split_three_stages(
+        sum(sizes), p_gen, p_score, p_train,
+        gen_unit=units[0], score_unit=units[1], train_unit=units[2],
+    )  # fmt: skip
+    return best
+
+
 def _shrink(limit: int, unit: int, profile: Profile, target: float) -> int:
     """Fewest devices (multiple of unit, <= limit) whose time is <= target; else limit."""
     for k in range(unit, limit + 1, unit):

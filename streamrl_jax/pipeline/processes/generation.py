@@ -66,6 +66,7 @@ from streamrl_jax.distributed.channel import (
     TransportError,
     TransportTimeout,
 )
+from streamrl_jax.distributed.judge_channel import JudgeServer, publish_address
 from streamrl_jax.distributed.messages import ChunkReport, GenerationFailed, RoundClosed, SpanReport
 from streamrl_jax.distributed.shard_receiver import ShardReceiver
 from streamrl_jax.distributed.shard_wire import ShardStats, need_of
@@ -508,6 +509,30 @@ class GenerationProcess:
         self.pool.submit(text, sample.metadata).add_done_callback(done)
         return out
 
+    def _serve_judge(self) -> JudgeServer:
+        """Serves this process's instances' judge (`judge.placement="generation"`: the
+        service's tenant, `pipeline/tenant.py`) to the training processes, published
+        under `judge/<k>` (k: this process's index among the generation processes; a
+        restarted process publishes a new address). A lost training process is this
+        process's sample channels' to report: here it is logged."""
+        k, name = self.share[0], f"generation-{self.pid}"
+
+        def on_lost(peer: str, exc: TransportError) -> None:
+            logging.warning("%s: the judge's channel to %s: %s", name, peer, exc)
+
+        server = JudgeServer(
+            self.parts.tenant,
+            f"{roles.advertised_host(self.dcfg)}:0",
+            authkey=self.dcfg.authkey,
+            peers=len(self.r.training_processes),
+            timeout_s=self.dcfg.peer_timeout_s,
+            name=name,
+            on_lost=on_lost,
+        )
+        publish_address(k, server.address, self.board)
+        logging.info("%s: the judge served at %s:%d (its service's tenant)", name, *server.address)
+        return server
+
     def run(self, make_service: MakeService | None = None) -> None:
         """Generates the run to its end. `make_service(params, version, on_chunk)`: the
         service this process's driver uses, holding `params` at `version` (None: one of
@@ -525,6 +550,7 @@ class GenerationProcess:
             )
         else:
             service = make_service(params, max(loaded, 0), self._on_chunk)
+        judge_server = self._serve_judge() if self.parts.tenant is not None else None
         # Every instance of this process dispatches; the reserved units are processes,
         # and an online ranker is refreshed by the trainer (`_ranker_channel`).
         live = LiveScheduler(
@@ -607,6 +633,8 @@ class GenerationProcess:
                 th.join(CLOSE_TIMEOUT_S)
             if self.agents is not None:
                 self.agents.close()
+            if judge_server is not None:  # before the service its forwards run on
+                judge_server.close(CLOSE_TIMEOUT_S)
             service.close(CLOSE_TIMEOUT_S)
             if self.kit is not None:
                 self.kit.close()

@@ -618,16 +618,24 @@ def run_training(
     t = len(r.training_processes)
     judge = None
     try:
-        if r.scoring_processes:  # the judge is theirs: this process sends its forwards
+        # The judge is the scoring processes', or the generation processes' (their
+        # service's tenant): this process sends its forwards there.
+        tenant = cfg.judge.model and cfg.judge.placement == "generation"
+        if r.scoring_processes or tenant:
+            servers = r.generation_processes if tenant else r.scoring_processes
             judge = RemoteJudge(
-                len(r.scoring_processes),
+                len(servers),
                 cfg.judge.batch,
                 authkey=dcfg.authkey,
                 name=f"training-{link.index}",
                 timeout_s=cfg.judge.timeout_s,
                 peer_timeout_s=dcfg.peer_timeout_s,
+                serving="generation process" if tenant else "scoring process",
             )
-            judge.connect(cfg.pipeline.timeout_s)
+            # (A generation process serves it once W_0 has reached it, after this build:
+            # no wait then, each forward dials: `RemoteJudge._open`.)
+            if not tenant:
+                judge.connect(cfg.pipeline.timeout_s)
         # The first training process scores the held-out prompts and writes the metrics;
         # another keeps its own trace and sample logs apart.
         components = components_lib.build_training(
@@ -662,6 +670,6 @@ def run_training(
         if judge is not None:
             if judge.resent:
                 logging.warning(
-                    "%d judge forwards sent again (a scoring process lost)", judge.resent
+                    "%d judge forwards sent again (a %s lost)", judge.resent, judge.serving
                 )
             judge.close(CLOSE_TIMEOUT_S)
