@@ -287,13 +287,17 @@ def read_trace(path: str) -> list[Span]:
 
 
 def progress_figures(row: Mapping[str, float], last_eval: Mapping[str, float] | None) -> str:
-    """A step's key figures in words: reward, accuracy, samples/s, step time, and the
-    last held-out accuracy when there is one (`last_eval`: its `step` and `accuracy`)."""
+    """A step's key figures in words: reward, accuracy, each agent's return (a multi-agent
+    run), samples/s, step time, and the last held-out accuracy when there is one
+    (`last_eval`: its `step` and `accuracy`)."""
     out = []
     if "reward" in row:
         out.append(f"reward {row['reward']:.3f}")
     if "accuracy" in row:
         out.append(f"acc {row['accuracy']:.3f}")
+    # a multi-agent run: each role's return (pipeline/rollouts/multi_agent.py)
+    for key in sorted(k for k in row if k.startswith("role/") and k.endswith("/return")):
+        out.append(f"{key.split('/')[1]} {row[key]:.3f}")
     if "samples_per_s" in row:
         out.append(f"{row['samples_per_s']:.2f} samples/s")
     if "step_s" in row:

@@ -10,6 +10,7 @@ import pytest
 from support import (
     agent_config,
     assert_whole_episodes,
+    engine_turn,
     pack_small,
     pipeline_threads,
     policy_run_lengths,
@@ -22,7 +23,6 @@ from streamrl_jax.config import PipelineSection
 from streamrl_jax.environments import EpisodeKit, EpisodeLimits, StepResult, TurnInfo
 from streamrl_jax.environments.render import TurnRenderer
 from streamrl_jax.generation.types import (
-    Continuation,
     GenerationRequest,
     RequestTag,
     Sample,
@@ -108,39 +108,7 @@ def _first(member=0, tokens=(101, 102), reason="stop", eval_version=None, versio
 
 
 def _engine_turn(req: GenerationRequest, new_tokens, reason="stop", version=0) -> Sample:
-    """What the engine returns for a turn request: its continuation (if any), then
-    `new_tokens` (and the end of turn when it stopped)."""
-    c = req.continuation
-    if c is None:
-        none = np.zeros(0, np.float32)
-        c = Continuation(
-            tokens=np.zeros(0, np.int32),
-            logprobs=none,
-            sampling_logprobs=none,
-            versions=np.zeros(0, np.int32),
-            policy_mask=np.zeros(0, bool),
-        )
-    new = [*new_tokens, END] if reason == "stop" else list(new_tokens)
-    k = len(new)
-    versions = np.concatenate([c.versions, np.full(k, version, np.int32)]).astype(np.int32)
-    return Sample(
-        request_id=req.request_id,
-        prompt=np.asarray(req.prompt, np.int32),
-        response=np.concatenate([c.tokens, np.asarray(new, np.int32)]),
-        logprobs=np.concatenate([c.logprobs, np.full(k, -0.3, np.float32)]),
-        sampling_logprobs=np.concatenate([c.sampling_logprobs, np.full(k, -0.2, np.float32)]),
-        finish_reason=reason,
-        policy_version=int(versions[0]),
-        last_policy_version=version,
-        instance_id=0,
-        timings=Timings(enqueue=0.0, admit=c.admit, finish=3.0),
-        tag=req.tag,
-        metadata=req.metadata,
-        token_versions=versions,
-        policy_mask=np.concatenate([c.policy_mask, np.ones(k, bool)]),
-        sampling=req.sampling,
-        seed=req.seed,
-    )
+    return engine_turn(req, new_tokens, END, reason, version)
 
 
 def _next(rollout, sample):

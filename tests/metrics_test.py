@@ -91,6 +91,12 @@ def test_progress_off_a_terminal_is_one_line_per_step():
     assert first.startswith("step 1/3  reward 0.500  acc 0.250  2.00 samples/s  4.0 s/step  [")
     assert "eval" not in first and "loss" not in first
     assert second.startswith("step 2/3  reward -0.125") and "eval acc 0.125 (step 0)" in second
+    # a multi-agent run: each role's return, by name
+    from streamrl_jax.metrics import progress_figures
+
+    roles = ROW | {"role/verifier/return": 0.75, "role/solver/return": 0.5, "role/solver/turns": 2}
+    line = progress_figures(roles, None)
+    assert "acc 0.250  solver 0.500  verifier 0.750  2.00 samples/s" in line
     quiet = io.StringIO()
     Progress(3, enabled=False, stream=quiet).update(1, ROW)
     assert quiet.getvalue() == ""

@@ -3,9 +3,10 @@ curriculum and agents across processes"; docs/endpoint.md; docs/trainer.md, the
 supervised target): `configs/agent.py:tiny` against the same command in one process, on
 real processes on localhost (launch helpers: `launched_runs.py`).
 
-Every case launches 3-4 processes and a one-process run (~70 s on 2 shared cores). By
+Every case launches 2-4 processes and a one-process run (~70 s on 2 shared cores). By
 default: the agent job with the supervised target on 1 generation + 2 training
-processes; the other topologies of each are `-m extended`.
+processes, and multi-agent episodes (`configs/multi_agent.py:tiny`) on 1 + 1; the other
+topologies of each are `-m extended`.
 """
 
 import sys
@@ -37,17 +38,19 @@ def test_agents_across_processes_give_the_one_process_parameters(processes, gene
         assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref], rel=1e-6), key
 
 
-def _agent_job_like_one_process(processes, generation, flags, tmp_path):
-    """`configs/agent.py:tiny` with `flags` (and 2 held-out problems) in one process and
-    in `processes` (`generation` generating): the parameters alike (bit for bit with one
-    training process, within the two-trainer tolerance with more). Returns both runs'
-    metrics rows (these processes', then the one process's)."""
+def _agent_job_like_one_process(processes, generation, flags, tmp_path, config="agent.py"):
+    """`configs/<config>:tiny` (the agent job's by default) with `flags` (and 2 held-out
+    problems) in one process and in `processes` (`generation` generating): the
+    parameters alike (bit for bit with one training process, within the two-trainer
+    tolerance with more). Returns both runs' metrics rows (these processes', then the
+    one process's)."""
     flags = {"eval.num_problems": 2, **flags}
     one, many = tmp_path / "one", tmp_path / "many"
-    run = _run(_agent_cmd(one, flags))
+    run = _run(_agent_cmd(one, flags, config))
     assert run.returncode == 0, run.stderr[-6000:]
     launcher = [sys.executable, str(REPO / "launch" / "local.py"), "-n", str(processes)]
-    cmd = [*launcher, "-g", str(generation), "--timeout_s", "240", "--", *_agent_cmd(many, flags)]
+    job = _agent_cmd(many, flags, config)
+    cmd = [*launcher, "-g", str(generation), "--timeout_s", "240", "--", *job]
     run = _run(cmd)
     assert run.returncode == 0, run.stdout[-6000:]
     want, got = np.load(one / run_lib.FINAL_PARAMS), np.load(many / run_lib.FINAL_PARAMS)
@@ -83,3 +86,18 @@ def test_agents_and_the_supervised_target_across_three_processes(tmp_path):
     rows, ref = _agent_job_like_one_process(3, 1, both, tmp_path)
     for key in ("episode_turns", "samples", "sft_nll"):
         assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref], rel=1e-5), key
+
+
+def test_multi_agent_episodes_across_processes_give_the_one_process_parameters(tmp_path):
+    # configs/multi_agent.py:tiny (a solver and a verifier, the run's one policy in both
+    # roles: pipeline/rollouts/multi_agent.py) on 1 generation + 1 training process: the
+    # generation process plays every role's turns in its own conversation and hands on a
+    # sample per role; the run ends with the one-process run's parameters bit for bit and
+    # its per-role returns and turns. (The tests' vowel reward scores the solver's answers,
+    # so the roles' returns vary.)
+    flags = {"pipeline.mode": "stream_async"}
+    rows, ref = _agent_job_like_one_process(2, 1, flags, tmp_path, config="multi_agent.py")
+    keys = ("samples", "role/solver/return", "role/verifier/return", "role/solver/turns")
+    for key in keys:
+        assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref], rel=1e-6), key
+    assert any(r["role/solver/return"] > 0 for r in rows)

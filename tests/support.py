@@ -29,6 +29,7 @@ from streamrl_jax.config import ExperimentConfig, PipelineSection
 from streamrl_jax.data import Prompt
 from streamrl_jax.generation.engine import Engine, EngineConfig
 from streamrl_jax.generation.types import (
+    Continuation,
     GenerationRequest,
     RequestTag,
     Sample,
@@ -487,4 +488,42 @@ def policy_samples(n: int = 4, seed: int = 0, vocab: int = 256, advantages=None)
         old_logp=behaviour,
         ref_logp=behaviour,
         advantages=rng.normal(size=n).astype(np.float32) if advantages is None else advantages,
+    )
+
+
+def engine_turn(
+    req: GenerationRequest, new_tokens: Any, end: int, reason: str = "stop", version: int = 0
+) -> Sample:
+    """What an engine returns for an episode's turn request: its continuation (if any),
+    then `new_tokens` (and `end`, the end of turn, when it stopped)."""
+    c = req.continuation
+    if c is None:
+        none = np.zeros(0, np.float32)
+        c = Continuation(
+            tokens=np.zeros(0, np.int32),
+            logprobs=none,
+            sampling_logprobs=none,
+            versions=np.zeros(0, np.int32),
+            policy_mask=np.zeros(0, bool),
+        )
+    new = [*new_tokens, end] if reason == "stop" else list(new_tokens)
+    k = len(new)
+    versions = np.concatenate([c.versions, np.full(k, version, np.int32)]).astype(np.int32)
+    return Sample(
+        request_id=req.request_id,
+        prompt=np.asarray(req.prompt, np.int32),
+        response=np.concatenate([c.tokens, np.asarray(new, np.int32)]),
+        logprobs=np.concatenate([c.logprobs, np.full(k, -0.3, np.float32)]),
+        sampling_logprobs=np.concatenate([c.sampling_logprobs, np.full(k, -0.2, np.float32)]),
+        finish_reason=reason,
+        policy_version=int(versions[0]),
+        last_policy_version=version,
+        instance_id=0,
+        timings=Timings(enqueue=0.0, admit=c.admit, finish=3.0),
+        tag=req.tag,
+        metadata=req.metadata,
+        token_versions=versions,
+        policy_mask=np.concatenate([c.policy_mask, np.ones(k, bool)]),
+        sampling=req.sampling,
+        seed=req.seed,
     )

@@ -392,6 +392,39 @@ def test_an_episode_crosses_the_wire_with_its_mask_and_outcome():
     assert got.policy_mask.all() and got.metadata == {"episode": episode}
 
 
+def test_a_multi_agent_seat_crosses_with_its_role_and_turn_graph_and_an_unacted_one_masked():
+    # pipeline/rollouts/multi_agent.py: a seat's role and the episode's turn graph cross
+    # beside its outcome; a role that never acted crosses masked (no turn, no policy token).
+    graph = [
+        {"turn": 0, "role": "solver", "version": 7, "tokens": 100, "policy_tokens": 100},
+        {"turn": 1, "role": "verifier", "version": 8, "tokens": 9, "policy_tokens": 9},
+    ]
+    seat = make_episode()
+    seat = dataclasses.replace(
+        seat, metadata={**seat.metadata, "role": "solver", "turn_graph": graph}
+    )
+    got = wire.decode(wire.encode(seat), source=SOURCE)
+    assert got.metadata == {"episode": seat.metadata["episode"], "role": "solver",
+                            "turn_graph": graph}  # fmt: skip
+    s = make_sample()
+    unacted = {**seat.metadata["episode"], "turns": 0, "tool_calls": 0, "outcome": "unacted"}
+    unacted |= {"env_tokens": s.num_tokens, "masked": "never acted"}
+    stand_in = dataclasses.replace(
+        s,
+        policy_mask=np.zeros(s.num_tokens, bool),
+        metadata={"episode": unacted, "role": "verifier"},
+    )
+    got = wire.decode(wire.encode(stand_in), source=SOURCE)
+    assert got.metadata == {"episode": unacted, "role": "verifier"} and not got.policy_mask.any()
+    # a masked seat with a policy token, or an unmasked one without a turn: refused
+    sneaky = dataclasses.replace(stand_in, policy_mask=np.ones(s.num_tokens, bool))
+    assert "a masked seat is one that never acted" in _refused(wire.encode(sneaky))
+    acted = make_episode()
+    lying = {**acted.metadata["episode"], "outcome": "unacted"}
+    bare = dataclasses.replace(acted, metadata={"episode": lying})
+    assert "a masked seat is one that never acted" in _refused(wire.encode(bare))
+
+
 HOSTILE_EPISODES = {
     "mask values": (_set("policy_mask", bytes([1] * 255 + [2])), "one 0/1 per response token"),
     "mask short": (_set("policy_mask", bytes([1] * 255)), "one 0/1 per response token"),

@@ -31,6 +31,7 @@ from streamrl_jax.config.fields import (
 from streamrl_jax.config.sections import (
     FUNCTION_ENVIRONMENTS,
     LORA_TARGETS,
+    MULTI_AGENT_ENVIRONMENTS,
     STEP_CREDIT_ENVIRONMENTS,
     ConfigError,
     ExperimentConfig,
@@ -359,22 +360,58 @@ def sample_tokens(cfg: ExperimentConfig) -> int:
     return episode_tokens(cfg) if cfg.environment.name else cfg.generation.max_new_tokens
 
 
+MULTI_AGENT_KV_HOLD_S = 5.0  # the longest a multi-agent run holds an idle role's KV
+
+
 def _check_environment(cfg: ExperimentConfig) -> None:
     """Episodes (docs/episodes.md): the rollout wrapper, the limits, what they refuse."""
     e, p, g = cfg.environment, cfg.pipeline, cfg.generation
     wrappers, kind = rollout_names(p.rollout)
-    drivers = [w for w in wrappers if w in ("episodes", "agents")]
+    drivers = [w for w in wrappers if w in ("episodes", "agents", "multi_agent")]
     require(
         bool(e.name) == bool(drivers),
         f"environment.name={e.name!r} and pipeline.rollout={p.rollout!r}: an environment "
-        "needs the 'episodes' wrapper (e.g. pipeline.rollout='episodes+full') or the "
-        "'agents' one, and the wrapper an environment",
+        "needs the 'episodes' wrapper (e.g. pipeline.rollout='episodes+full'), the "
+        "'agents' one or (several agents) 'multi_agent', and the wrapper an environment",
     )
     require(
         len(drivers) <= 1,
         f"pipeline.rollout={p.rollout!r}: 'episodes' (in-process) or 'agents' (scaffolds "
-        "through the endpoint), not both",
+        "through the endpoint), not both, and 'multi_agent' (several agents) alone",
     )
+    roles = MULTI_AGENT_ENVIRONMENTS.get(e.name, ())
+    require(
+        bool(roles) == ("multi_agent" in drivers),
+        f"environment.name={e.name!r} and pipeline.rollout={p.rollout!r}: a multi-agent "
+        f"environment ({', '.join(MULTI_AGENT_ENVIRONMENTS)}) runs under 'multi_agent' "
+        "(e.g. 'multi_agent+full'), and 'multi_agent' needs one",
+    )
+    if roles:
+        require(
+            kind == "full",
+            f"pipeline.rollout={p.rollout!r}: multi-agent episodes run with 'full' (dynamic "
+            "sampling's refills and partial rollout's rounds do not place later agents' "
+            "turns yet)",
+        )
+        require(
+            p.group_size % len(roles) == 0,
+            f"pipeline.group_size={p.group_size}: a multiple of {e.name!r}'s "
+            f"{len(roles)} roles {roles} (each group holds group_size / {len(roles)} "
+            "episodes, one seat of each per role)",
+        )
+        require(
+            g.kv_hold_s <= MULTI_AGENT_KV_HOLD_S,
+            f"generation.kv_hold_s={g.kv_hold_s}: a multi-agent episode's role keeps its "
+            "KV while the other roles act, and their turns need slots too; with more open "
+            "conversations than slots they would wait that long for a kept slot (at most "
+            f"{MULTI_AGENT_KV_HOLD_S:g} s: the least recently used kept KV is given up "
+            "and re-prefilled when its role's turn comes)",
+        )
+        require(
+            cfg.warmup.steps == 0 and cfg.algorithm.sft_coef == 0,
+            f"environment.name={e.name!r}: a multi-agent episode has no single "
+            "conversation to demonstrate (warmup.steps and algorithm.sft_coef must be 0)",
+        )
     require(
         cfg.warmup.steps == 0 or bool(e.name),
         f"warmup.steps={cfg.warmup.steps}: the warm-up trains on an environment's "

@@ -32,9 +32,12 @@ WEIGHT_UPDATES = ("boundary", "inflight")
 LAG_POLICIES = ("drop", "regenerate")
 # pipeline.rollout: a kind, after optional wrappers joined with "+" (pipeline/rollouts/).
 ROLLOUTS = ("full", "dynamic_sampling", "partial")
-ROLLOUT_WRAPPERS = ("curriculum", "episodes", "agents")
+ROLLOUT_WRAPPERS = ("curriculum", "episodes", "agents", "multi_agent")
 # environment.name (streamrl_jax/environments/): "" = single-turn samples, no environment.
-ENVIRONMENTS = ("", "calculator", "retry", "openenv", "chained_calculator")
+ENVIRONMENTS = ("", "calculator", "retry", "openenv", "chained_calculator", "solve_verify")
+# Multi-agent environments (pipeline.rollout 'multi_agent+full') and their roles, in seat
+# order (environments/protocol.MultiAgentEnvironment; a test holds them equal)
+MULTI_AGENT_ENVIRONMENTS = {"solve_verify": ("solver", "verifier")}
 # ... those whose tools are OpenAI functions (an agent framework can play them)
 FUNCTION_ENVIRONMENTS = ("chained_calculator", "openenv")
 # Environments that can tell a correct step of an episode (environment.step_credit)

@@ -30,7 +30,10 @@ the problem up in its own dataset by `tag.prompt_id`), except an episode's outco
 (`metadata["episode"]`, with the sample's policy mask: a multi-turn episode,
 docs/episodes.md), checked on receipt (a finite return, counts >= 0, its environment
 tokens those of the mask, the mask ending on a policy token; the version checks then
-read the policy's tokens). `decode` returns `metadata={}` or `{"episode": ...}`.
+read the policy's tokens), and a multi-agent episode's seat's role and turn graph
+(`metadata["role"]`, `metadata["turn_graph"]`; a role that never acted: a masked
+outcome with no turn and no policy token). `decode` returns `metadata={}` or
+`{"episode": ...}` (and `"role"`, `"turn_graph"`).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ _Raw1 = Annotated[bytes, msgspec.Meta(max_length=MAX_TOKENS)]
 MAX_ROUTE_BYTES = 1 << 28  # a sample's route record (positions x layers x k ids)
 _RawRoutes = Annotated[bytes, msgspec.Meta(max_length=MAX_ROUTE_BYTES)]
 MAX_TOP_K = 64  # alternatives per token (`EngineConfig.top_logprobs`)
+MAX_TURNS = 4096  # turns of a multi-agent episode's graph
 _RawTop = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_TOP_K * MAX_TOKENS)]
 
 
@@ -106,8 +110,21 @@ class _Timings(WireStruct):
     finish: float
 
 
+class _Turn(WireStruct, array_like=True):
+    """One turn of a multi-agent episode's graph (`metadata["turn_graph"]`)."""
+
+    turn: Annotated[int, msgspec.Meta(ge=0)]
+    role: Str
+    version: Annotated[int, msgspec.Meta(ge=0)]
+    tokens: Annotated[int, msgspec.Meta(ge=0)]
+    policy_tokens: Annotated[int, msgspec.Meta(ge=0)]
+
+
 class _Episode(WireStruct):
-    """An episode's outcome (`Sample.metadata["episode"]`, pipeline/rollouts/episodes.py)."""
+    """An episode's outcome (`Sample.metadata["episode"]`, pipeline/rollouts/episodes.py);
+    a multi-agent episode's seat (pipeline/rollouts/multi_agent.py) adds its `role` and
+    the episode's turn graph (`metadata["role"]`, `metadata["turn_graph"]`), or is a
+    role that never acted (`masked`: no turn, no policy token)."""
 
     ret: float  # the return (finite)
     correct: bool
@@ -119,7 +136,10 @@ class _Episode(WireStruct):
     malformed_calls: int
     cut_turns: int
     env_tokens: int  # = the policy mask's False entries
-    outcome: Literal["done", "turn_limit", "context", "episode_tokens", "lag"]
+    outcome: Literal["done", "turn_limit", "context", "episode_tokens", "lag", "unacted"]
+    masked: Str | None = None
+    role: Str | None = None
+    graph: Annotated[tuple[_Turn, ...], msgspec.Meta(max_length=MAX_TURNS)] | None = None
 
 
 _EPISODE_COUNTS = ("tool_calls", "tool_failures", "malformed_calls", "cut_turns", "env_tokens")
@@ -235,11 +255,20 @@ def _encode_sample(s: Sample) -> _Sample:
         _Timings(t.enqueue, t.admit, t.finish),
         _Tag(tag.batch, tag.group, tag.member, tag.prompt_id, tag.eval_version, tag.round),
         mask,
-        None
-        if episode is None
-        else _Episode(ret=episode["return"], **{k: v for k, v in episode.items() if k != "return"}),
+        None if episode is None else _encode_episode(episode, s.metadata),
         routes,
         top,
+    )
+
+
+def _encode_episode(episode: dict[str, Any], metadata: dict[str, Any]) -> _Episode:
+    """An episode's outcome, with a multi-agent seat's role and turn graph."""
+    graph = metadata.get("turn_graph")
+    return _Episode(
+        ret=episode["return"],
+        **{k: v for k, v in episode.items() if k != "return"},
+        role=metadata.get("role"),
+        graph=None if graph is None else tuple(_Turn(**t) for t in graph),
     )
 
 
@@ -313,7 +342,8 @@ def _decode_sample(w: _Sample) -> Sample:
     mask = None
     if w.policy_mask is not None:
         raw = np.frombuffer(w.policy_mask, np.uint8)
-        if raw.size != sizes[1] // 4 or raw.max(initial=0) > 1 or not raw[-1]:
+        unacted = w.episode is not None and w.episode.masked is not None
+        if raw.size != sizes[1] // 4 or raw.max(initial=0) > 1 or not (raw[-1] or unacted):
             raise ValueError(
                 "$.policy_mask must hold one 0/1 per response token and end on a policy token"
             )
@@ -323,9 +353,15 @@ def _decode_sample(w: _Sample) -> Sample:
     )
     if problem is not None:
         raise ValueError(f"$.versions {problem}")
-    metadata = {}
+    metadata: dict[str, Any] = {}
     if w.episode is not None:
-        metadata["episode"] = _episode(w.episode, mask)
+        metadata["episode"] = episode = _episode(w.episode, mask)
+        role, graph = episode.pop("role"), episode.pop("graph")
+        if role is not None:  # a multi-agent episode's seat
+            metadata["role"] = role
+        if graph is not None:
+            fields = _Turn.__struct_fields__
+            metadata["turn_graph"] = [{f: getattr(t, f) for f in fields} for t in graph]
     t, tag = w.timings, w.tag
     routes = None if w.routes is None else _routes(w.routes, sizes[0] // 4 + sizes[1] // 4 - 1)
     if tag.round != -1 and tag.round < tag.batch:
@@ -375,14 +411,24 @@ def _episode(e: _Episode, mask: np.ndarray | None) -> dict[str, Any]:
     """A received episode outcome as `metadata["episode"]`, its bounds checked."""
     if mask is None:
         raise ValueError("$.episode without $.policy_mask")
-    if not np.isfinite(e.ret) or e.turns < 1 or min(getattr(e, k) for k in _EPISODE_COUNTS) < 0:
-        raise ValueError("$.episode: a non-finite return, no turn or a negative count")
+    unacted = e.masked is not None
+    if unacted != (e.outcome == "unacted") or (unacted and (e.turns != 0 or mask.any())):
+        raise ValueError(
+            "$.episode: a masked seat is one that never acted (outcome 'unacted', no turn, "
+            "no policy token), and only it"
+        )
+    if not np.isfinite(e.ret) or e.turns < (0 if unacted else 1):
+        raise ValueError("$.episode: a non-finite return or no turn")
+    if min(getattr(e, k) for k in _EPISODE_COUNTS) < 0:
+        raise ValueError("$.episode: a negative count")
     if e.env_tokens != int((~mask).sum()):
         raise ValueError(
             f"$.episode.env_tokens is {e.env_tokens}, the policy mask has "
             f"{int((~mask).sum())} environment tokens"
         )
-    out = {f: getattr(e, f) for f in e.__struct_fields__ if f != "ret"}
+    out = {f: getattr(e, f) for f in e.__struct_fields__ if f not in ("ret", "masked")}
+    if unacted:
+        out["masked"] = e.masked
     return {"return": e.ret, **out}
 
 

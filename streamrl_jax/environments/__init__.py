@@ -6,6 +6,8 @@
 * `tool_calls.py`: tool-call formats in the model's text (`hermes`, `simple`).
 * `tools.py`: the tools (`calculator`) and `ToolRunner`, which runs them in the sandbox.
 * `render.py`: an environment turn as the tokens appended to the episode.
+* `solve_verify.py`: a multi-agent environment (`protocol.MultiAgentEnvironment`):
+  a solver and a verifier in one episode (`pipeline/rollouts/multi_agent.py`).
 * `calculator.py`, `retry.py`: the environments shipped, chosen by `environment.name`
   through the registry `ENVIRONMENTS` below.
 * `openenv.py`: an OpenEnv (openenv-core) MCP environment, unchanged, as one of them
@@ -30,7 +32,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from streamrl_jax.config import FUNCTION_ENVIRONMENTS, EnvironmentSection
-from streamrl_jax.environments import calculator, chained_calculator, openenv, retry
+from streamrl_jax.environments import calculator, chained_calculator, openenv, retry, solve_verify
 from streamrl_jax.environments.protocol import (
     Environment,
     Message,
@@ -69,6 +71,7 @@ ENVIRONMENTS: dict[str, Registered] = {
     "retry": Registered(retry.make),
     "openenv": Registered(openenv.make),  # runs its own tools
     "chained_calculator": Registered(chained_calculator.make, tools=("calculate",)),
+    "solve_verify": Registered(solve_verify.make),  # two agents (a multi-agent environment)
 }
 
 
@@ -93,6 +96,9 @@ class EpisodeLimits:
     max_turns: int  # policy turns
     turn_tokens: int  # policy tokens per turn (generation.max_new_tokens)
     episode_tokens: int  # tokens after the prompt, policy + environment
+    # a conversation's first prompt (a multi-agent episode's later roles': rendered when
+    # their first turn comes; generation.max_prompt_len)
+    prompt_tokens: int = 1 << 30
 
 
 class EpisodeKit:
@@ -259,6 +265,14 @@ class EpisodeReward:
         episode = metadata.get("episode")
         if episode is None:
             return self.task(sample_text, metadata)
+        if episode.get("masked"):  # a multi-agent episode's role that never acted
+            return RewardResult(
+                score=0.0,
+                correct=False,
+                extracted_answer=None,
+                format_ok=False,
+                masked=episode["masked"],
+            )
         return RewardResult(
             score=float(episode["return"]),
             correct=bool(episode["correct"]),

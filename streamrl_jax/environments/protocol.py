@@ -78,6 +78,28 @@ class StepResult:
 
 
 @dataclasses.dataclass(frozen=True)
+class Turn:
+    """A multi-agent environment's answer to one agent's message (`MultiAgentEnvironment`).
+
+    Attributes:
+      to: the role that acts next; None: the episode is done.
+      messages: what `to` reads before its turn: its first messages (its system prompt
+        and task, as it sees them) when it has not acted yet, else the messages
+        appended to its conversation (the other agents' words as user turns).
+      rewards: this turn's reward of each role (a role left out: 0); a role's return is
+        the sum of its rewards over the episode.
+      state: the new state (JSON).
+      info: what the acting role's turn saw (its answer and whether it was right).
+    """
+
+    to: str | None
+    messages: list[Message]
+    rewards: dict[str, float]
+    state: State
+    info: TurnInfo = TurnInfo()
+
+
+@dataclasses.dataclass(frozen=True)
 class Services:
     """What an environment may call: both are bounded, counted and never raise for bad
     model output.
@@ -111,3 +133,38 @@ class Environment(Protocol):
     def end(self, state: State) -> None:
         """The episode ended before a step said done (a turn, token or context limit):
         release what its state holds (an OpenEnv session); a no-op for a pure one."""
+
+
+class MultiAgentEnvironment(Protocol):
+    """Several agents (roles) acting in one episode (docs/multi_agent.md).
+
+    Each role has a conversation of its own: `roles[0]` acts first, on `start`'s
+    messages; every other role's conversation begins when the environment first hands
+    it a turn (`Turn.messages`: its first messages). A step takes the acting role's
+    complete message and names the role that acts next, what that role reads, and each
+    role's reward. Each role is trained on the tokens it sampled alone, against the
+    same role in the other episodes of its group. The state is JSON and a step a pure
+    function of (state, role, message, metadata), as for `Environment`.
+    """
+
+    name: str
+    roles: tuple[str, ...]  # seat order: a group's member m plays roles[m % len(roles)]
+    evaluated: str  # the role a held-out evaluation scores
+
+    def start(self, question: str, metadata: dict[str, Any]) -> Start:
+        """The first role's first messages and the episode's state."""
+
+    def step(self, state: State, role: str, message: str, metadata: dict[str, Any]) -> Turn:
+        """The environment's answer to `role`'s `message`."""
+
+    def demonstration(self, question: str, metadata: dict[str, Any]) -> list[Message] | None:
+        """None: a supervised warm-up has no single conversation to learn from."""
+
+    def end(self, state: State) -> None:
+        """The episode ended before a step said done (a limit): release its state."""
+
+
+def roles_of(env: Any) -> tuple[str, ...]:
+    """The roles of a multi-agent environment; () for a single-agent one."""
+    roles = getattr(env, "roles", ())
+    return tuple(roles) if len(roles) > 1 else ()

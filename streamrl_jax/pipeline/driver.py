@@ -371,17 +371,19 @@ class GenerationDriver:
         out, now, pending = returned.sample, returned.now, returned.later
         if returned.release is not None:
             self.service.release(returned.release)  # re-prefilled in a later round
+        for request_id in returned.released:
+            self.service.release(request_id)
         self._submit(now)  # continuations whose round is already open
         if pending is not None:
             with self._cv:
                 self._submitted += 1  # settled by the future's own `Returned`
             later.append(pending)
-        if out is not None:
-            if not out.tag.is_eval and out.finish_reason != "paused":
-                self.live.observe(out.prompt, out.num_tokens)
-            self.service.release(out.request_id)  # an episode ended: its slot is free
+        for x in (out, *returned.also) if out is not None else ():
+            if not x.tag.is_eval and x.finish_reason != "paused":
+                self.live.observe(x.prompt, x.num_tokens)
+            self.service.release(x.request_id)  # an episode ended: its slot is free
             self._component = self.plan.emit_component
-            self.emit(out)
+            self.emit(x)
             self._component = "generation service"
         with self._cv:
             self._collected += 1

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -104,7 +105,8 @@ def pack_groups(
     `overlong` (DAPO's soft overlong punishment) is added to each outcome score before
     the advantages (`shaped_rewards`); `stats["overlong_penalty"]` gets each sample's term.
     A masked sample (a judge's failure: `RewardResult.masked`) is dropped from its group
-    after the gate; a group left empty is dropped.
+    after the gate; a group left empty is dropped. A multi-agent group is one group per
+    role (`by_role`).
     """
 
     def admit(s: Scored) -> bool:
@@ -117,6 +119,9 @@ def pack_groups(
     # A sample a reward model could not score (`RewardResult.masked`) is left out of its
     # group's statistics and the loss, as if it had never been generated.
     kept = [g2 for g in kept if (g2 := [s for s in g if s.reward.masked is None])]
+    # A multi-agent group holds a seat of each role per episode: each role's samples are
+    # compared among themselves (`by_role`).
+    kept = [sub for g in kept for sub in by_role(g)]
     if not kept:
         return None
     samples = [s for g in kept for s in g]
@@ -155,6 +160,16 @@ def pack_groups(
         loss_chunk=loss_chunk,
         pad_id=pad_id,
     )
+
+
+def by_role(group: Group) -> list[Group]:
+    """A group as one group per role of a multi-agent episode (`metadata["role"]`,
+    `rollouts/multi_agent.py`), each in member order, roles in first-seen order; a group
+    without roles as itself."""
+    roles: dict[Any, Group] = {}
+    for s in group:
+        roles.setdefault(s.sample.metadata.get("role"), []).append(s)
+    return list(roles.values())
 
 
 def _group_ids(groups: list[Group]) -> list[int]:

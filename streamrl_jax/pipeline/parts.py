@@ -283,5 +283,6 @@ def episode_kit(cfg: ExperimentConfig, tokenizer: Tokenizer, pool: RewardPool) -
         max_turns=cfg.environment.max_turns,
         turn_tokens=g.max_new_tokens,
         episode_tokens=episode_tokens(cfg),
+        prompt_tokens=g.max_prompt_len,
     )
     return make_kit(cfg.environment, tokenizer, score, limits)

@@ -15,6 +15,9 @@ first): `"full"`, `"dynamic_sampling"`, `"partial"`, `"curriculum+dynamic_sampli
   the rounds place its turns (`protocol.Rounds`).
 * `agents` (`agents.py`, a wrapper, the last before the kind): every training episode
   is played by a scaffold through the run's OpenAI-compatible endpoint.
+* `multi_agent` (`multi_agent.py`, a wrapper, the last before `full`): episodes of a
+  multi-agent environment, each role in a conversation of its own, each handed on and
+  trained as its own sample.
 
 A wrapper derives from `protocol.Wrapper` and overrides only what it changes. What a
 kind needs beyond its `RolloutContext` (the run's environment, its endpoint) it is
@@ -43,6 +46,7 @@ from streamrl_jax.pipeline.rollouts import (
     dynamic_sampling,
     episodes,
     full,
+    multi_agent,
     partial,
 )
 from streamrl_jax.pipeline.rollouts.episodes import (
@@ -92,6 +96,7 @@ WRAPPERS: dict[str, Wrap] = {
     "curriculum": lambda ctx, inner, kits: curriculum.Curriculum(ctx, inner),
     "episodes": lambda ctx, inner, kits: episodes.Episodes(ctx, inner, kits.episodes),
     "agents": lambda ctx, inner, kits: agents.Agents(ctx, inner, kits.episodes, kits.agents),
+    "multi_agent": lambda ctx, inner, kits: multi_agent.make(ctx, inner, kits.episodes),
 }
 
 

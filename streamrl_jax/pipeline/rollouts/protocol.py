@@ -73,6 +73,12 @@ class Returned(NamedTuple):
     # A request id whose kept KV slot is given up now (an episode carried into a later
     # round, which re-prefills it there under that round's weights).
     release: Any = None
+    # More samples handed on with `sample` (a multi-agent episode's other roles'
+    # conversations), each as `sample` is (its kept KV given up).
+    also: tuple[Sample, ...] = ()
+    # Request ids whose kept KV is given up now, their samples not handed on (a held-out
+    # multi-agent episode's roles other than the one evaluated).
+    released: tuple[Any, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

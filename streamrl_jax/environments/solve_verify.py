@@ -1,0 +1,112 @@
+"""Solver and verifier: two agents in one episode (`environment.name="solve_verify"`).
+
+A multi-agent environment (`protocol.MultiAgentEnvironment`, docs/multi_agent.md): the
+**solver** answers the task's question (the run's task, e.g. the quickstart's
+arithmetic) in `<answer>` tags; the **verifier** reads the question and that answer
+in a conversation of its own and replies `ACCEPT`, or `REJECT` with what is wrong; on a
+rejection the solver reads the verifier's words as a user turn in its conversation and
+gives a final answer. Each agent is rewarded by the ground truth (the task's scorer):
+
+* the solver: the task's score of its final answer (its first one when accepted);
+* the verifier: 1 when its decision is right (it accepts a correct answer or rejects a
+  wrong one), else 0; a reply with neither word is a wrong decision and ends the
+  episode (the solver's first answer stands).
+
+So both must learn: the solver to answer and to use a critique, the verifier to tell
+right from wrong. The held-out evaluation scores the solver (`evaluated`): its final
+answer, after the verifier's check.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from streamrl_jax.config import EnvironmentSection
+from streamrl_jax.environments.protocol import (
+    Message,
+    Services,
+    Start,
+    State,
+    Turn,
+    TurnInfo,
+    answered,
+)
+from streamrl_jax.rewards.tasks import chat_messages
+
+SOLVER = "Solve it. End with <answer>N</answer>."
+VERIFIER = (
+    "You check answers to arithmetic questions. Work out the right answer, then reply "
+    "ACCEPT if the proposed answer is right, or REJECT and say what is wrong."
+)
+REVISE = "A checker rejected your answer: {critique}\nGive your final answer in <answer> tags."
+_DECISION = re.compile(r"\b(ACCEPT|REJECT)\b", re.IGNORECASE)
+MAX_QUOTED = 2000  # characters of one agent's message quoted to the other
+
+
+def decision(message: str) -> str | None:
+    """ "ACCEPT" or "REJECT": the last of the two words in `message` (any case); None."""
+    found = _DECISION.findall(message)
+    return found[-1].upper() if found else None
+
+
+def _quoted(text: str) -> str:
+    """An agent's message as the other reads it, its head cut past `MAX_QUOTED`."""
+    text = text.strip()
+    return text if len(text) <= MAX_QUOTED else "..." + text[-MAX_QUOTED:]
+
+
+class SolveVerify:
+    """Solver and verifier (module docstring)."""
+
+    name = "solve_verify"
+    roles = ("solver", "verifier")
+    evaluated = "solver"
+
+    def __init__(self, services: Services):
+        self.services = services
+
+    def start(self, question: str, metadata: dict[str, Any]) -> Start:
+        del metadata
+        return Start(chat_messages(question, SOLVER), {"question": question, "phase": "answer"})
+
+    def step(self, state: State, role: str, message: str, metadata: dict[str, Any]) -> Turn:
+        phase = state["phase"]
+        if role == "solver" and phase == "answer":
+            r = self.services.score(message, metadata)
+            state = {**state, "phase": "check", "answer": message, "correct": r.correct,
+                     "score": r.score}  # fmt: skip
+            ask = (
+                f"Question: {state['question']}\nProposed answer: {_quoted(message)}\n"
+                "Reply ACCEPT or REJECT."
+            )
+            first = [{"role": "system", "content": VERIFIER}, {"role": "user", "content": ask}]
+            return Turn("verifier", first, {}, state, answered(r))
+        if role == "verifier" and phase == "check":
+            said = decision(message)
+            right = said == ("ACCEPT" if state["correct"] else "REJECT")
+            rewards = {"verifier": float(right)}
+            info = TurnInfo(answered=said is not None, correct=right, answer=said)
+            if said != "REJECT":  # accepted, or no decision: the first answer stands
+                rewards["solver"] = state["score"]
+                return Turn(None, [], rewards, {**state, "phase": "done"}, info)
+            critique = _quoted(message)
+            revise = [{"role": "user", "content": REVISE.format(critique=critique)}]
+            return Turn("solver", revise, rewards, {**state, "phase": "revise"}, info)
+        if role == "solver" and phase == "revise":
+            r = self.services.score(message, metadata)
+            return Turn(None, [], {"solver": r.score}, {**state, "phase": "done"}, answered(r))
+        raise ValueError(f"solve_verify: {role!r} cannot act in phase {phase!r}")
+
+    def demonstration(self, question: str, metadata: dict[str, Any]) -> list[Message] | None:
+        del question, metadata
+        return None  # a two-agent episode has no single-conversation demonstration
+
+    def end(self, state: State) -> None:
+        del state  # pure JSON: nothing to release
+
+
+def make(section: EnvironmentSection, fmt: Any, services: Services) -> SolveVerify:
+    """The registry's entry (`environments/__init__.py`)."""
+    del section, fmt  # no tools: each agent writes text
+    return SolveVerify(services)
