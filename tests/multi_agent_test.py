@@ -8,7 +8,6 @@ import pytest
 from support import config_file, engine_turn, pack_small, rollout_context, tiny_config
 
 from streamrl_jax import config as config_lib
-from streamrl_jax import pipeline as run_lib
 from streamrl_jax.config import ConfigError, PipelineSection, Processes
 from streamrl_jax.data import sample_seed
 from streamrl_jax.environments import EpisodeKit, EpisodeLimits, Services, solve_verify
@@ -19,7 +18,6 @@ from streamrl_jax.generation.types import (
     Sample,
     SamplingParams,
 )
-from streamrl_jax.metrics import read_jsonl
 from streamrl_jax.pipeline import components
 from streamrl_jax.pipeline.micro_batches import Scored, by_role, group_advantages
 from streamrl_jax.pipeline.rollouts import Kits, make_rollout
@@ -219,12 +217,3 @@ def test_multi_agent_settings_that_do_not_combine_are_refused():
     with pytest.raises(ConfigError, match="no single conversation to demonstrate"):
         config_lib.check(_multi(warmup__steps=1), Processes.one())
     assert config_lib.MULTI_AGENT_ENVIRONMENTS["solve_verify"] == solve_verify.SolveVerify.roles
-
-
-def test_a_multi_agent_run_trains_each_role_and_reports_it(tmp_path):
-    result = run_lib.run(_multi(), str(tmp_path))
-    rows = [r for r in read_jsonl(str(tmp_path / "metrics.jsonl")) if "reward" in r]
-    assert len(rows) == 2 and result.trained_versions
-    for r in rows:
-        assert {"role/solver/return", "role/verifier/return", "role/solver/turns"} <= set(r)
-    assert [r for r in read_jsonl(str(tmp_path / "metrics.jsonl")) if "eval/accuracy" in r]

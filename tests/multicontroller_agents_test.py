@@ -101,3 +101,8 @@ def test_multi_agent_episodes_across_processes_give_the_one_process_parameters(t
     for key in keys:
         assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref], rel=1e-6), key
     assert any(r["role/solver/return"] > 0 for r in rows)
+    assert all(r["samples"] == 8 and r["multi_agent/unacted"] == 0 for r in rows)
+    held_out = [
+        r for r in read_jsonl(str(tmp_path / "many" / "metrics.jsonl")) if "eval/accuracy" in r
+    ]
+    assert held_out  # the solver's held-out episodes, played with the verifier
