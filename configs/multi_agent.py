@@ -5,8 +5,8 @@ Run (from the repository root):
   python -m streamrl_jax.launch --config=configs/multi_agent.py --workdir=/tmp/multi_agent
 Every sample is a seat of a two-agent episode (`environment.name="solve_verify"`): the
 solver answers in <answer></answer> tags; the verifier, in a conversation of its own,
-reads the question and that answer and replies ACCEPT or REJECT with what is wrong; a
-rejected solver reads the critique and answers again. The ground truth rewards each:
+reads the question and that answer and starts its reply with Yes or No, then what is
+wrong; a solver told No reads the critique and answers again. The ground truth rewards each:
 the solver its final answer, the verifier a right decision. A group of 8 holds 4
 episodes of its prompt, each role compared with itself in the others (`role/<role>/*`
 in the metrics, each role's return on the console). The agent job's settings

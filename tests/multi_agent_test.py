@@ -107,11 +107,12 @@ def test_each_role_plays_in_its_own_conversation_and_is_handed_on_as_its_own_sam
     assert (ask.tag.member, ask.seed) == (1, sample_seed(0, 0, 0, 1)) and ask.keep_kv
     shown = TOKENIZER.decode(ask.prompt)
     assert "Proposed answer: <answer>5</answer>" in shown and solve_verify.VERIFIER in shown
-    rejected = _answer(rollout, _turn(ask, "REJECT: 2 + 2 is 4"))
+    assert solve_verify.decision("Nope. no, yes") == "no" and solve_verify.decision("ok") is None
+    rejected = _answer(rollout, _turn(ask, "No, 2 + 2 is 4"))
     (revise,) = rejected.now  # the solver's own conversation goes on, the critique appended
     assert revise.request_id == "train/0/0/0" and revise.continuation is not None
     env_tokens = TOKENIZER.decode(revise.continuation.tokens[~revise.continuation.policy_mask])
-    assert "A checker rejected your answer: REJECT: 2 + 2 is 4" in env_tokens
+    assert "A checker says your answer is wrong: No, 2 + 2 is 4" in env_tokens
     end = _answer(rollout, _turn(revise, "<answer>4</answer>"))
     solver, (verifier,) = end.sample, end.also
     assert (solver.metadata["role"], verifier.metadata["role"]) == ("solver", "verifier")
@@ -128,7 +129,7 @@ def test_each_role_plays_in_its_own_conversation_and_is_handed_on_as_its_own_sam
         return TOKENIZER.decode(s.response[s.policy_mask], skip_special_tokens=False)
 
     assert mine(solver) == "<answer>5</answer><|im_end|><answer>4</answer><|im_end|>"
-    assert mine(verifier) == "REJECT: 2 + 2 is 4<|im_end|>"
+    assert mine(verifier) == "No, 2 + 2 is 4<|im_end|>"
     scored = [Scored(s, "", _reward(1.0)) for s in (solver, verifier)]
     batch = _pack([scored])
     assert int(batch.loss_mask.sum()) == sum(int(s.policy_mask.sum()) for s in (solver, verifier))
@@ -137,7 +138,7 @@ def test_each_role_plays_in_its_own_conversation_and_is_handed_on_as_its_own_sam
 def test_a_verifier_that_accepts_ends_the_episode_and_a_wrong_acceptance_earns_nothing():
     rollout = _rollout()
     opened = rollout.open(0, _requests())
-    end = _play(rollout, opened[1], "<answer>5</answer>", "ACCEPT")  # a wrong answer accepted
+    end = _play(rollout, opened[1], "<answer>5</answer>", "Yes, it is.")  # a wrong answer accepted
     solver, (verifier,) = end.sample, end.also
     assert solver.metadata["episode"]["return"] == 0.0
     assert verifier.metadata["episode"]["return"] == 0.0  # it should have rejected
@@ -152,8 +153,8 @@ def test_roles_are_compared_with_the_same_role_of_the_groups_other_episodes():
     # has its own baseline (group_advantages over that role's samples alone).
     rollout = _rollout()
     opened = rollout.open(0, _requests())
-    a = _play(rollout, opened[0], "<answer>4</answer>", "REJECT", "<answer>4</answer>")
-    b = _play(rollout, opened[1], "<answer>5</answer>", "REJECT", "<answer>5</answer>")
+    a = _play(rollout, opened[0], "<answer>4</answer>", "No.", "<answer>4</answer>")
+    b = _play(rollout, opened[1], "<answer>5</answer>", "No.", "<answer>5</answer>")
     samples = [a.sample, *a.also, b.sample, *b.also]
     group = [Scored(s, "", _reward(s.metadata["episode"]["return"])) for s in samples]
     assert [[x.sample.metadata["role"] for x in g] for g in by_role(group)] == [
@@ -171,7 +172,7 @@ def test_roles_are_compared_with_the_same_role_of_the_groups_other_episodes():
 def test_a_held_out_episode_hands_on_its_evaluated_role_and_releases_the_others():
     rollout = _rollout()
     (q,) = _requests(eval_version=3)
-    end = _play(rollout, q, "<answer>5</answer>", "REJECT", "<answer>4</answer>")
+    end = _play(rollout, q, "<answer>5</answer>", "No.", "<answer>4</answer>")
     assert end.sample.metadata["role"] == "solver" and end.also == ()
     assert end.sample.metadata["episode"]["correct"]
     assert end.released == ("eval/3/0/verifier",)

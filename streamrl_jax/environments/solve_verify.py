@@ -2,19 +2,26 @@
 
 A multi-agent environment (`protocol.MultiAgentEnvironment`, docs/multi_agent.md): the
 **solver** answers the task's question (the run's task, e.g. the quickstart's
-arithmetic) in `<answer>` tags; the **verifier** reads the question and that answer
-in a conversation of its own and replies `ACCEPT`, or `REJECT` with what is wrong; on a
-rejection the solver reads the verifier's words as a user turn in its conversation and
-gives a final answer. Each agent is rewarded by the ground truth (the task's scorer):
+arithmetic) in `<answer>` tags; the **verifier** reads the question and that answer in
+a conversation of its own and replies Yes (the answer is right) or No, then what is
+wrong; on a No the solver reads the verifier's words as a user turn in its
+conversation and gives a final answer. Each agent is rewarded by the ground truth (the
+task's scorer):
 
 * the solver: the task's score of its final answer (its first one when accepted);
-* the verifier: 1 when its decision is right (it accepts a correct answer or rejects a
-  wrong one), else 0; a reply with neither word is a wrong decision and ends the
-  episode (the solver's first answer stands).
+* the verifier: 1 when its decision is right (Yes to a correct answer, No to a wrong
+  one), else 0. Its decision is the first Yes or No it writes; a reply with neither is
+  a wrong decision and ends the episode (the solver's first answer stands).
 
 So both must learn: the solver to answer and to use a critique, the verifier to tell
 right from wrong. The held-out evaluation scores the solver (`evaluated`): its final
 answer, after the verifier's check.
+
+Yes and No, not ACCEPT and REJECT: asked for the latter, SmolLM2-135M-Instruct worked
+the arithmetic instead in every greedy reply tried, and in a 10-step run's first 4 steps
+no verifier reply held a decision (so no reward varied and nothing could be learned);
+asked to start with Yes or No it does ("No, the proposed answer is incorrect. ..."), as
+the judge's default rubric found of the same two words.
 """
 
 from __future__ import annotations
@@ -35,19 +42,20 @@ from streamrl_jax.environments.protocol import (
 from streamrl_jax.rewards.tasks import chat_messages
 
 SOLVER = "Solve it. End with <answer>N</answer>."
-VERIFIER = (
-    "You check answers to arithmetic questions. Work out the right answer, then reply "
-    "ACCEPT if the proposed answer is right, or REJECT and say what is wrong."
+VERIFIER = "You check answers to arithmetic questions."
+CHECK = (
+    "Question: {question}\nProposed answer: {answer}\nIs the proposed answer correct? "
+    "Start your reply with Yes or No, then say what is wrong if it is not."
 )
-REVISE = "A checker rejected your answer: {critique}\nGive your final answer in <answer> tags."
-_DECISION = re.compile(r"\b(ACCEPT|REJECT)\b", re.IGNORECASE)
+REVISE = "A checker says your answer is wrong: {critique}\nGive your final answer in <answer> tags."
+_DECISION = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
 MAX_QUOTED = 2000  # characters of one agent's message quoted to the other
 
 
 def decision(message: str) -> str | None:
-    """ "ACCEPT" or "REJECT": the last of the two words in `message` (any case); None."""
-    found = _DECISION.findall(message)
-    return found[-1].upper() if found else None
+    """ "yes" or "no": the first of the two words in `message` (any case); None."""
+    found = _DECISION.search(message)
+    return found.group(1).lower() if found else None
 
 
 def _quoted(text: str) -> str:
@@ -76,18 +84,15 @@ class SolveVerify:
             r = self.services.score(message, metadata)
             state = {**state, "phase": "check", "answer": message, "correct": r.correct,
                      "score": r.score}  # fmt: skip
-            ask = (
-                f"Question: {state['question']}\nProposed answer: {_quoted(message)}\n"
-                "Reply ACCEPT or REJECT."
-            )
+            ask = CHECK.format(question=state["question"], answer=_quoted(message))
             first = [{"role": "system", "content": VERIFIER}, {"role": "user", "content": ask}]
             return Turn("verifier", first, {}, state, answered(r))
         if role == "verifier" and phase == "check":
             said = decision(message)
-            right = said == ("ACCEPT" if state["correct"] else "REJECT")
+            right = said == ("yes" if state["correct"] else "no")
             rewards = {"verifier": float(right)}
             info = TurnInfo(answered=said is not None, correct=right, answer=said)
-            if said != "REJECT":  # accepted, or no decision: the first answer stands
+            if said != "no":  # accepted, or no decision: the first answer stands
                 rewards["solver"] = state["score"]
                 return Turn(None, [], rewards, {**state, "phase": "done"}, info)
             critique = _quoted(message)
