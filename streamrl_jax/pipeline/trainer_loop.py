@@ -32,10 +32,9 @@ import numpy as np
 from absl import logging
 
 from streamrl_jax.algorithms.overlong import OverlongPenalty
-from streamrl_jax.distributed.judge_channel import RemoteJudge
 from streamrl_jax.learner import Rows
 from streamrl_jax.metrics import Progress, compile_seconds
-from streamrl_jax.pipeline import micro_batches, precompile
+from streamrl_jax.pipeline import micro_batches, precompile, stage_balance
 from streamrl_jax.pipeline.generation import Generation
 from streamrl_jax.pipeline.hooks import Hooks
 from streamrl_jax.pipeline.micro_batches import Group
@@ -51,7 +50,6 @@ from streamrl_jax.pipeline.step_metrics import (
     step_breakdown,
 )
 from streamrl_jax.pipeline.supervisor import PipelineError
-from streamrl_jax.scheduling import balance
 from streamrl_jax.trainer.batch import TrainBatch
 from streamrl_jax.trainer.step import NonFiniteError
 
@@ -97,8 +95,9 @@ class TrainerLoop:
         self.trained = start  # batches trained so far (the next checkpoint's step)
         self.at_boundary = True  # the state is W_trained (no mini-batch step of a batch yet)
         self._accs = self.learner.init_accumulators()
-        self._stage_devices = self._stage_sizes()  # with a judge on devices of its own
-        self._split_said: tuple[int, int, int] | None = None  # the last split logged
+        # Algorithm 1 over generation, scoring and training from each step's seconds
+        procs = len(generation.generation_processes)
+        self._stages = stage_balance.of(self.cfg, self.c.judge, procs, self.trainers.count)
 
     # ------------------------------------------------------------------ loop
     def run(self, progress: Progress, hooks: Hooks) -> bool:
@@ -193,52 +192,9 @@ class TrainerLoop:
         t_gen = p.meter.pop_span(b)
         return (
             row
-            | self._three_stages(row, t_gen, work.busy_s)
+            | self._stages.figures(row, t_gen, work.busy_s)
             | p.live.end_of_step(b, t_gen, work.busy_s)
         )
-
-    def _three_stages(self, row: dict[str, float], t_gen: float, t_train: float) -> dict:
-        """With a judge on devices of its own: Algorithm 1 over the three stages from this
-        step's seconds (`balance.rebalance_three_stages`): the split of the run's devices
-        that would balance them, and its predicted step (docs/reward_models.md)."""
-        busy = row.get("judge/busy_s", 0.0)
-        if self._stage_devices is None or min(t_gen, t_train, busy) <= 0:
-            return {}
-        sizes, units, sets = self._stage_devices
-        # This process's stage timed its forwards; the judge's device sets serve the
-        # training processes' stages side by side.
-        t_score = busy * self.trainers.count / sets
-        split = balance.rebalance_three_stages(sizes, (t_gen, t_score, t_train), units)
-        found = (split.gen_devices, split.score_devices, split.train_devices)
-        if found != sizes and found != self._split_said:
-            logging.info(
-                "three stages: generation %.1f s on %d devices, scoring %.1f s on %d, "
-                "training %.1f s on %d; balanced on %d / %d / %d (%s-bound): %.1f s a step",
-                t_gen, sizes[0], t_score, sizes[1], t_train, sizes[2], *found,
-                split.bottleneck, split.step_time,
-            )  # fmt: skip
-        self._split_said = found
-        return {
-            "balance/gen_devices": float(split.gen_devices),
-            "balance/score_devices": float(split.score_devices),
-            "balance/train_devices": float(split.train_devices),
-            "balance/step_s": split.step_time,
-            "balance/now_s": max(t_gen, t_score, t_train),
-        }
-
-    def _stage_sizes(self) -> tuple[tuple[int, int, int], tuple[int, int, int], int] | None:
-        """(generation, scoring, training devices), their units (an instance, a judge's
-        mesh, a device) and the judge's device sets, with a judge on devices of its own
-        (None: none, or the generation service's tenant)."""
-        cfg, judge = self.cfg, self.c.judge
-        if judge is None or cfg.judge.placement != "scoring":
-            return None
-        m = cfg.mesh
-        gen = m.generate_devices * max(len(self.generation.generation_processes), 1)
-        # One judge per training process, or the scoring processes' (shared).
-        sets = judge.parallel if isinstance(judge, RemoteJudge) else self.trainers.count
-        sizes = (gen, cfg.judge.devices * sets, m.train_devices * self.trainers.count)
-        return sizes, (m.generate_devices // len(m.instance_slots), cfg.judge.devices, 1), sets
 
     def _gen_busy(self, w_start: float) -> float:
         """Fraction of the wall time since `w_start` the instances spent decoding or
