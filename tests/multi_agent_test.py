@@ -108,11 +108,11 @@ def test_each_role_plays_in_its_own_conversation_and_is_handed_on_as_its_own_sam
     shown = TOKENIZER.decode(ask.prompt)
     assert "Proposed answer: <answer>5</answer>" in shown and solve_verify.VERIFIER in shown
     assert solve_verify.decision("Nope. no, yes") == "no" and solve_verify.decision("ok") is None
-    rejected = _answer(rollout, _turn(ask, "No, 2 + 2 is 4"))
+    rejected = _answer(rollout, _turn(ask, "No, it is <answer>4</answer>"))
     (revise,) = rejected.now  # the solver's own conversation goes on, the critique appended
     assert revise.request_id == "train/0/0/0" and revise.continuation is not None
     env_tokens = TOKENIZER.decode(revise.continuation.tokens[~revise.continuation.policy_mask])
-    assert "A checker says your answer is wrong: No, 2 + 2 is 4" in env_tokens
+    assert "A checker says your answer is wrong: No, it is <answer>4</answer>" in env_tokens
     end = _answer(rollout, _turn(revise, "<answer>4</answer>"))
     solver, (verifier,) = end.sample, end.also
     assert (solver.metadata["role"], verifier.metadata["role"]) == ("solver", "verifier")
@@ -129,7 +129,7 @@ def test_each_role_plays_in_its_own_conversation_and_is_handed_on_as_its_own_sam
         return TOKENIZER.decode(s.response[s.policy_mask], skip_special_tokens=False)
 
     assert mine(solver) == "<answer>5</answer><|im_end|><answer>4</answer><|im_end|>"
-    assert mine(verifier) == "No, 2 + 2 is 4<|im_end|>"
+    assert mine(verifier) == "No, it is <answer>4</answer><|im_end|>"
     scored = [Scored(s, "", _reward(1.0)) for s in (solver, verifier)]
     batch = _pack([scored])
     assert int(batch.loss_mask.sum()) == sum(int(s.policy_mask.sum()) for s in (solver, verifier))
@@ -143,6 +143,11 @@ def test_a_verifier_that_accepts_ends_the_episode_and_a_wrong_acceptance_earns_n
     assert solver.metadata["episode"]["return"] == 0.0
     assert verifier.metadata["episode"]["return"] == 0.0  # it should have rejected
     assert [t["role"] for t in solver.metadata["turn_graph"]] == ["solver", "verifier"]
+    # a No to a wrong answer earns only with the right answer (else rejecting everything
+    # would pay wherever most answers are wrong)
+    other = _rollout()
+    end = _play(other, other.open(0, _requests())[0], "<answer>5</answer>", "No, wrong.", "x")
+    assert end.also[0].metadata["episode"]["return"] == 0.0
     end = _play(rollout, opened[0], "<answer>4</answer>", "I am not sure")  # no decision
     assert end.also[0].metadata["episode"]["return"] == 0.0
     assert end.sample.metadata["episode"]["return"] == 1.0  # the first answer stands
@@ -154,7 +159,9 @@ def test_roles_are_compared_with_the_same_role_of_the_groups_other_episodes():
     rollout = _rollout()
     opened = rollout.open(0, _requests())
     a = _play(rollout, opened[0], "<answer>4</answer>", "No.", "<answer>4</answer>")
-    b = _play(rollout, opened[1], "<answer>5</answer>", "No.", "<answer>5</answer>")
+    b = _play(
+        rollout, opened[1], "<answer>5</answer>", "No: <answer>4</answer>", "<answer>5</answer>"
+    )
     samples = [a.sample, *a.also, b.sample, *b.also]
     group = [Scored(s, "", _reward(s.metadata["episode"]["return"])) for s in samples]
     assert [[x.sample.metadata["role"] for x in g] for g in by_role(group)] == [

@@ -9,9 +9,17 @@ conversation and gives a final answer. Each agent is rewarded by the ground trut
 task's scorer):
 
 * the solver: the task's score of its final answer (its first one when accepted);
-* the verifier: 1 when its decision is right (Yes to a correct answer, No to a wrong
-  one), else 0. Its decision is the first Yes or No it writes; a reply with neither is
+* the verifier: 1 when its decision is right, else 0: Yes to a correct answer, or No to
+  a wrong one *with the correct answer* in its own `<answer>` tags (scored by the same
+  task scorer). Its decision is the first Yes or No it writes; a reply with neither is
   a wrong decision and ends the episode (the solver's first answer stands).
+
+A No must carry the right answer because plain accuracy pays a verifier that rejects
+everything when most answers are wrong: with that reward, a 10-step SmolLM2 run's
+verifier went to answering No nearly always (its return 0.25 -> 0.81-0.94), every
+solver revised, and the solver's held-out accuracy fell 0.328 -> 0.109
+(docs/multi_agent.md). To reject, the verifier must now work the answer out, and the
+solver reads it in the critique.
 
 So both must learn: the solver to answer and to use a critique, the verifier to tell
 right from wrong. The held-out evaluation scores the solver (`evaluated`): its final
@@ -45,7 +53,8 @@ SOLVER = "Solve it. End with <answer>N</answer>."
 VERIFIER = "You check answers to arithmetic questions."
 CHECK = (
     "Question: {question}\nProposed answer: {answer}\nIs the proposed answer correct? "
-    "Start your reply with Yes or No, then say what is wrong if it is not."
+    "Start your reply with Yes or No. If it is not, give the correct answer in "
+    "<answer></answer> tags."
 )
 REVISE = "A checker says your answer is wrong: {critique}\nGive your final answer in <answer> tags."
 _DECISION = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
@@ -89,7 +98,10 @@ class SolveVerify:
             return Turn("verifier", first, {}, state, answered(r))
         if role == "verifier" and phase == "check":
             said = decision(message)
-            right = said == ("yes" if state["correct"] else "no")
+            if said == "no":  # a rejection is right with the right answer
+                right = not state["correct"] and self.services.score(message, metadata).correct
+            else:
+                right = said == "yes" and state["correct"]
             rewards = {"verifier": float(right)}
             info = TurnInfo(answered=said is not None, correct=right, answer=said)
             if said != "no":  # accepted, or no decision: the first answer stands
