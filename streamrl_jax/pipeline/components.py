@@ -72,7 +72,7 @@ class GenerationParts:
     detokenize: Callable[[Sequence[int]], str] | None = None
     # the judge as the service's tenant (`judge.placement="generation"`): attached to
     # every service built here (`pipeline/tenant.py`)
-    tenant: TenantJudge | None = None
+    tenants: tuple[TenantJudge, ...] = ()
 
     def service(
         self,
@@ -101,8 +101,8 @@ class GenerationParts:
         )
         if len(params) > 1:
             service.update_weights(list(params), version)
-        if self.tenant is not None:
-            self.tenant.attach(service)
+        for tenant in self.tenants:
+            tenant.attach(service)
         return service
 
 
@@ -228,10 +228,10 @@ def generation_parts(
         dataclasses.replace(engine_config(cfg, tokenizer, slots), adapters=adapters)
         for slots in cfg.mesh.instance_slots
     ]
-    tenant = None
+    tenants = ()
     if cfg.judge.model and cfg.judge.placement == "generation":
         judge = make_judge(cfg, instances[0])
-        tenant = TenantJudge(judge, instances, cfg.judge.timeout_s)
+        tenants = (TenantJudge(judge, instances, cfg.judge.timeout_s),)
     return GenerationParts(
         model_cfg=gen_cfg,
         graphdef=gen_graphdef,
@@ -240,7 +240,7 @@ def generation_parts(
         param_shardings=[sharding.state_shardings(abstract, m, "generate") for m in instances],
         abstract_params=abstract,
         detokenize=tokenizer.decode,
-        tenant=tenant,
+        tenants=tenants,
     )
 
 
@@ -439,10 +439,9 @@ def _judge(
     scoring mesh (`judge.placement`)."""
     if not cfg.judge.model:
         return None
-    if cfg.judge.placement == "generation":
-        if parts is None:
-            raise ValueError("a tenant judge without a generation side: the caller's to serve")
-        return parts.tenant
+    if cfg.judge.placement == "generation":  # (across processes the caller serves it)
+        (tenant,) = parts.tenants
+        return tenant
     return make_judge(cfg, scoring_mesh(cfg, meshes))
 
 

@@ -101,6 +101,7 @@ from streamrl_jax.pipeline.rollouts import Kits, Rollout, RolloutContext, make_r
 from streamrl_jax.pipeline.rollouts.partial import PartialRollout
 from streamrl_jax.pipeline.schedules import Schedule
 from streamrl_jax.pipeline.shards import Alone, ownership
+from streamrl_jax.pipeline.tenant import TenantJudge
 from streamrl_jax.rewards.pool import RewardPool
 from streamrl_jax.scheduling.live import LiveScheduler
 from streamrl_jax.stream.sample_stream import SampleStream, StreamError
@@ -509,7 +510,7 @@ class GenerationProcess:
         self.pool.submit(text, sample.metadata).add_done_callback(done)
         return out
 
-    def _serve_judge(self) -> JudgeServer:
+    def _serve_judge(self, tenant: TenantJudge) -> JudgeServer:
         """Serves this process's instances' judge (`judge.placement="generation"`: the
         service's tenant, `pipeline/tenant.py`) to the training processes, published
         under `judge/<k>` (k: this process's index among the generation processes; a
@@ -521,7 +522,7 @@ class GenerationProcess:
             logging.warning("%s: the judge's channel to %s: %s", name, peer, exc)
 
         server = JudgeServer(
-            self.parts.tenant,
+            tenant,
             f"{roles.advertised_host(self.dcfg)}:0",
             authkey=self.dcfg.authkey,
             peers=len(self.r.training_processes),
@@ -550,7 +551,7 @@ class GenerationProcess:
             )
         else:
             service = make_service(params, max(loaded, 0), self._on_chunk)
-        judge_server = self._serve_judge() if self.parts.tenant is not None else None
+        judge_servers = [self._serve_judge(t) for t in self.parts.tenants]
         # Every instance of this process dispatches; the reserved units are processes,
         # and an online ranker is refreshed by the trainer (`_ranker_channel`).
         live = LiveScheduler(
@@ -633,8 +634,8 @@ class GenerationProcess:
                 th.join(CLOSE_TIMEOUT_S)
             if self.agents is not None:
                 self.agents.close()
-            if judge_server is not None:  # before the service its forwards run on
-                judge_server.close(CLOSE_TIMEOUT_S)
+            for server in judge_servers:  # before the service their forwards run on
+                server.close(CLOSE_TIMEOUT_S)
             service.close(CLOSE_TIMEOUT_S)
             if self.kit is not None:
                 self.kit.close()

@@ -209,15 +209,11 @@ class MultiAgent(Wrapper):
             )
         else:  # its conversation starts
             tokens = renderer.tokenizer.encode_chat(turn.messages)
-            if len(tokens) > self.max_prompt_len:
+            if len(tokens) > limits.prompt_tokens:
                 return self._end(key, table, sample, r, "context")
             request = self._first_turn(table, self.roles.index(turn.to), tokens)
             nxt.request_id = request.request_id
         return Returned(None, [request])
-
-    @property
-    def max_prompt_len(self) -> int:
-        return self.kit.limits.prompt_tokens
 
     def _first_turn(self, table: _Table, r: int, tokens: list[int]) -> GenerationRequest:
         """Seat r's first request: its conversation's id and its member's tag and seed."""
@@ -274,9 +270,7 @@ class MultiAgent(Wrapper):
         out of its group and never trained: `EpisodeReward` masks it)."""
         q = self._first_turn(table, r, table.first.prompt)
         version = table.graph[-1]["version"] if table.graph else 0
-        record = EpisodeRecord(state={})
-        episode = {**episode_outcome_empty(record), "masked": f"role {self.roles[r]} never acted"}
-        return Sample(
+        stand_in = Sample(
             request_id=q.request_id,
             prompt=np.asarray(q.prompt, np.int32),
             response=np.zeros((1,), np.int32),
@@ -288,12 +282,15 @@ class MultiAgent(Wrapper):
             instance_id=-1,
             timings=Timings(enqueue=0.0, admit=0.0, finish=0.0),
             tag=q.tag,
-            metadata={**q.metadata, "episode": episode},
+            metadata=q.metadata,
             token_versions=np.full((1,), version, np.int32),
             policy_mask=np.zeros((1,), bool),
             sampling=q.sampling,
             seed=q.seed,
         )
+        episode = episode_outcome(stand_in, EpisodeRecord(state={}), "unacted", 0)
+        episode["masked"] = f"role {self.roles[r]} never acted"
+        return dataclasses.replace(stand_in, metadata={**q.metadata, "episode": episode})
 
     # ------------------------------------------------------------------ ingest
     def scored(self, scored: Scored) -> None:
@@ -331,23 +328,6 @@ class MultiAgent(Wrapper):
         if self.kit is not None:
             self.kit.cancel()
         self.inner.fail(exc)
-
-
-def episode_outcome_empty(record: EpisodeRecord) -> dict[str, Any]:
-    """The outcome of a seat that never acted (no turn, no return)."""
-    return {
-        "return": record.ret,
-        "correct": False,
-        "format_ok": False,
-        "answer": None,
-        "turns": 0,
-        "tool_calls": 0,
-        "tool_failures": 0,
-        "malformed_calls": 0,
-        "cut_turns": 0,
-        "env_tokens": 1,
-        "outcome": "unacted",
-    }
 
 
 def _request_of(sample: Sample) -> GenerationRequest:
